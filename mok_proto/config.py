@@ -1,0 +1,143 @@
+"""Shapes and run configuration.
+
+Legend used across the project: N tokens/rank, H hidden, I expert FFN, E routed experts,
+K top-k, R ranks (EP degree), El = E/R local experts, Is shared-expert FFN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+OPERATORS = ("dispatch", "combine", "rev_combine", "rev_dispatch")
+DIRECTIONS = ("push", "pull")
+# MoK's choice: the expert owner pulls tokens in and pushes results out; backward mirrors it.
+MOK_POLICY = {"dispatch": "pull", "combine": "push", "rev_combine": "pull", "rev_dispatch": "push"}
+DTYPES = ("float32", "float64")
+
+
+def _positive(obj, *names):
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """One MoE layer: E routed SwiGLU experts (top-K) plus optional shared experts."""
+
+    name: str
+    hidden: int  # H
+    ffn: int  # I, per routed expert
+    num_experts: int  # E
+    top_k: int  # K
+    num_tokens: int  # N, per rank
+    num_shared: int = 1  # shared experts (0 or 1); each sees every token
+    shared_ffn: int | None = None  # Is; defaults to I
+
+    def __post_init__(self):
+        _positive(self, "hidden", "ffn", "num_experts", "top_k", "num_tokens")
+        if self.num_shared not in (0, 1):
+            raise ValueError(f"num_shared must be 0 or 1, got {self.num_shared!r}")
+        if self.shared_ffn is not None:
+            _positive(self, "shared_ffn")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k must be <= num_experts ({self.num_experts}), got {self.top_k}")
+
+    @property
+    def shared_ffn_size(self) -> int:
+        return self.shared_ffn if self.shared_ffn is not None else self.ffn
+
+    def with_tokens(self, num_tokens: int) -> "MoEShape":
+        return dataclasses.replace(self, num_tokens=num_tokens)
+
+    def forward_flops(self) -> int:
+        """MoK's count per rank: 6 * (N + N*K) * H * I (shared + routed, 3 GEMMs each)."""
+        n_rows = self.num_tokens * (self.num_shared + self.top_k)
+        return 6 * n_rows * self.hidden * self.ffn
+
+    def describe(self) -> str:
+        return (f"{self.name}: N={self.num_tokens} H={self.hidden} I={self.ffn} E={self.num_experts} "
+                f"K={self.top_k} shared={self.num_shared}")
+
+
+PRESETS = {
+    # The paper's four shapes (one shared expert each), 2048 tokens per GPU.
+    "kimi-k2.7": MoEShape("kimi-k2.7", hidden=7168, ffn=2048, num_experts=384, top_k=8, num_tokens=2048),
+    "glm-5.2": MoEShape("glm-5.2", hidden=6144, ffn=2048, num_experts=256, top_k=8, num_tokens=2048),
+    "qwen3.5-397b": MoEShape("qwen3.5-397b", hidden=4096, ffn=1024, num_experts=512, top_k=10, num_tokens=2048),
+    "deepseek-v4-pro": MoEShape("deepseek-v4-pro", hidden=7168, ffn=3072, num_experts=384, top_k=6, num_tokens=2048),
+    # Small shapes for tests and the demo.
+    "tiny": MoEShape("tiny", hidden=16, ffn=8, num_experts=12, top_k=2, num_tokens=6),
+    "small": MoEShape("small", hidden=64, ffn=32, num_experts=24, top_k=4, num_tokens=32),
+    "medium": MoEShape("medium", hidden=256, ffn=128, num_experts=48, top_k=4, num_tokens=256),
+}
+PAPER_SHAPES = ("kimi-k2.7", "glm-5.2", "qwen3.5-397b", "deepseek-v4-pro")
+
+
+def get_shape(name: str) -> MoEShape:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"shape: unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
+
+
+def parse_policy(text: str | None) -> dict:
+    """'dispatch=pull,combine=push' -> full policy dict (unnamed operators keep MoK's choice)."""
+    policy = dict(MOK_POLICY)
+    if not text:
+        return policy
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        op, sep, direction = item.partition("=")
+        op, direction = op.strip(), direction.strip()
+        if not sep:
+            raise ValueError(f"policy: expected operator=direction, got {item!r}")
+        if op not in OPERATORS:
+            raise ValueError(f"policy: unknown operator {op!r}; operators are {', '.join(OPERATORS)}")
+        if direction not in DIRECTIONS:
+            raise ValueError(f"policy: {op} must be push or pull, got {direction!r}")
+        policy[op] = direction
+    return policy
+
+
+def format_policy(policy: dict) -> str:
+    return ",".join(f"{op}={policy[op]}" for op in OPERATORS)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How one layer runs: EP degree, direction of each operator, minibatch, seed, dtype."""
+
+    shape: MoEShape
+    num_ranks: int = 1  # R
+    policy: dict = field(default_factory=lambda: dict(MOK_POLICY))
+    minibatch: int = 0  # tokens per minibatch; 0 = the whole batch in one minibatch
+    seed: int = 0
+    dtype: str = "float32"
+    timeout_s: float = 30.0  # every spin-wait gives up after this and reports who it waited for
+
+    def __post_init__(self):
+        _positive(self, "num_ranks")
+        if self.shape.num_experts % self.num_ranks:
+            raise ValueError(f"num_ranks: E={self.shape.num_experts} experts are not divisible by "
+                             f"R={self.num_ranks} ranks")
+        if set(self.policy) != set(OPERATORS):
+            raise ValueError(f"policy: needs exactly the operators {', '.join(OPERATORS)}, "
+                             f"got {', '.join(sorted(self.policy))}")
+        for op, direction in self.policy.items():
+            if direction not in DIRECTIONS:
+                raise ValueError(f"policy: {op} must be push or pull, got {direction!r}")
+        if not isinstance(self.minibatch, int) or self.minibatch < 0:
+            raise ValueError(f"minibatch must be an integer >= 0, got {self.minibatch!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.shape.num_experts // self.num_ranks

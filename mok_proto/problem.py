@@ -1,0 +1,76 @@
+"""Deterministic inputs: every rank builds every rank's inputs from one seed.
+
+So each rank can check its own slice against the single-process reference over all ranks.
+Legend: R ranks, N tokens/rank, H hidden, I expert FFN, Is shared FFN, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mok_proto import reference
+from mok_proto.config import MoEShape
+
+
+@dataclass
+class Problem:
+    x: np.ndarray  # [R, N, H]
+    topk_idx: np.ndarray  # [R, N, K] int32
+    topk_weights: np.ndarray  # [R, N, K] float32
+    dout: np.ndarray  # [R, N, H]
+    weights: dict  # global: w_gate/w_up [E,H,I], w_down [E,I,H], shared_* [H,Is] / [Is,H]
+
+    @property
+    def num_ranks(self) -> int:
+        return self.x.shape[0]
+
+    def flat(self, name):
+        """[R, N, ...] -> [R*N, ...]: all ranks' tokens as one batch for the reference."""
+        a = getattr(self, name)
+        return a.reshape(-1, *a.shape[2:])
+
+    def local_weights(self, rank: int) -> dict:
+        """The experts rank `rank` owns (E/R consecutive ones) plus the replicated shared expert."""
+        num_local = self.weights["w_gate"].shape[0] // self.num_ranks
+        lo = rank * num_local
+        local = {key: self.weights[key][lo:lo + num_local] for key in ("w_gate", "w_up", "w_down")}
+        local.update({key: v for key, v in self.weights.items() if key.startswith("shared_")})
+        return local
+
+
+def make_problem(shape: MoEShape, num_ranks: int, seed: int = 0, routing: str = "random",
+                 dtype="float32") -> Problem:
+    """Inputs for one layer on R ranks. routing: 'random' (softmax router), 'one-expert'
+    (every token's first choice is expert 0), or 'skewed' (router biased to few experts)."""
+    rng = np.random.default_rng(seed)
+    n, h, i, e, k = shape.num_tokens, shape.hidden, shape.ffn, shape.num_experts, shape.top_k
+    dt = np.dtype(dtype)
+
+    def normal(*size, scale=1.0):
+        return (rng.standard_normal(size) * scale).astype(dt)
+
+    weights = {
+        "w_gate": normal(e, h, i, scale=h ** -0.5),
+        "w_up": normal(e, h, i, scale=h ** -0.5),
+        "w_down": normal(e, i, h, scale=i ** -0.5),
+    }
+    if shape.num_shared:
+        s = shape.shared_ffn_size
+        weights.update(shared_gate=normal(h, s, scale=h ** -0.5), shared_up=normal(h, s, scale=h ** -0.5),
+                       shared_down=normal(s, h, scale=s ** -0.5))
+    x = normal(num_ranks, n, h)
+    w_router = normal(h, e, scale=h ** -0.5)
+    if routing == "skewed":
+        w_router[:, : max(1, e // 8)] += 0.5
+    elif routing not in ("random", "one-expert"):
+        raise ValueError(f"routing must be random, skewed or one-expert, got {routing!r}")
+    idx, wts = reference.route(x.reshape(-1, h), w_router, k)
+    if routing == "one-expert":
+        # Every token sends its first choice to expert 0; the other choices stay distinct.
+        others = np.stack([rng.permutation(np.arange(1, e))[: k - 1] for _ in range(idx.shape[0])]) \
+            if k > 1 else np.zeros((idx.shape[0], 0), np.int32)
+        idx = np.concatenate([np.zeros((idx.shape[0], 1), np.int32), others.astype(np.int32)], axis=1)
+    return Problem(x=x, topk_idx=idx.reshape(num_ranks, n, k), topk_weights=wts.reshape(num_ranks, n, k),
+                   dout=normal(num_ranks, n, h), weights=weights)

@@ -1,0 +1,66 @@
+"""Shared test helpers: how to launch ranks, and when GPU / MPI tests must skip (with a reason)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def find_mpiexec():
+    """The launcher next to this Python (the mpich wheel's), else one on PATH; None if absent."""
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+def mpiexec_cmd(num_ranks: int, *args: str) -> list[str]:
+    launcher = find_mpiexec()
+    if launcher is None:
+        pytest.skip("no mpiexec/mpirun found (install the mpich wheel: ./run test does)")
+    cmd = [launcher, "-n", str(num_ranks)]
+    version = subprocess.run([launcher, "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" in version or "OpenRTE" in version:
+        cmd += ["--allow-run-as-root", "--oversubscribe"]
+    return cmd + [sys.executable, *args]
+
+
+def run_ranks(num_ranks: int, *args: str, timeout: float = 180, expect_rc: int | None = 0):
+    """Run `python args...` on num_ranks ranks; return the CompletedProcess (checked against expect_rc)."""
+    env = dict(os.environ, UCX_LOG_LEVEL="error", NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(mpiexec_cmd(num_ranks, *args), capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+    if expect_rc is not None and proc.returncode != expect_rc:
+        raise AssertionError(f"exit {proc.returncode} (expected {expect_rc}) from {' '.join(args)} on "
+                             f"{num_ranks} ranks\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def gpu_reason() -> str | None:
+    """None if CuPy sees a GPU, else why GPU tests skip."""
+    try:
+        import cupy
+    except Exception as e:  # noqa: BLE001 - any import failure means no GPU path here
+        return f"cupy is not importable ({type(e).__name__}); GPU tests need an NVIDIA GPU and cupy-cuda13x"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device visible"
+    except Exception as e:  # noqa: BLE001
+        return f"no usable CUDA device ({e})"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    reason = gpu_reason() if gpu_items else None
+    if reason:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=reason))
