@@ -38,7 +38,7 @@ class MoEShape:
 
     def __post_init__(self):
         _positive(self, "hidden", "ffn", "num_experts", "top_k", "num_tokens")
-        if self.num_shared not in (0, 1):
+        if isinstance(self.num_shared, bool) or self.num_shared not in (0, 1):
             raise ValueError(f"num_shared must be 0 or 1, got {self.num_shared!r}")
         if self.shared_ffn is not None:
             _positive(self, "shared_ffn")
@@ -131,7 +131,7 @@ class RunConfig:
         for op, direction in self.policy.items():
             if direction not in DIRECTIONS:
                 raise ValueError(f"policy: {op} must be push or pull, got {direction!r}")
-        if not isinstance(self.minibatch, int) or self.minibatch < 0:
+        if not isinstance(self.minibatch, int) or isinstance(self.minibatch, bool) or self.minibatch < 0:
             raise ValueError(f"minibatch must be an integer >= 0, got {self.minibatch!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

@@ -153,6 +153,8 @@ def _check_inputs(x, topk_idx, topk_weights, weights):
     if shared and len(shared) != 3:
         raise ValueError(f"weights: give all of shared_gate/shared_up/shared_down or none, got {shared}")
     if shared:
+        if any(weights[key].ndim != 2 for key in shared):
+            raise ValueError("weights: shared_gate/shared_up must be [H,Is] and shared_down [Is,H]")
         s_ffn = weights["shared_gate"].shape[1]
         if weights["shared_gate"].shape != (hidden, s_ffn) or weights["shared_up"].shape != (hidden, s_ffn) \
                 or weights["shared_down"].shape != (s_ffn, hidden):
