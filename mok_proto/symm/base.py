@@ -106,6 +106,10 @@ class SymmetricHeap(ABC):
     def signals(self, name: str, num_kinds: int) -> Signals:
         ...
 
+    def free(self, array: SymmetricArray) -> None:
+        """Release one array before close() (collective where the backend needs it)."""
+        raise NotImplementedError(f"{type(self).__name__} frees its arrays only at close()")
+
     @abstractmethod
     def barrier(self) -> None:
         ...

@@ -17,6 +17,9 @@ def make_heap(backend, comm):
     if backend == "cpu":
         from mok_proto.symm.mpi import MpiHeap
         return MpiHeap(comm)
+    if backend == "nvshmem":
+        from mok_proto.symm.nvshmem import NvshmemHeap
+        return NvshmemHeap(comm)
     raise SystemExit(f"unknown backend {backend!r}")
 
 
@@ -102,9 +105,31 @@ def check_layer_failures(comm, backend):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--backend", default="cpu")
+    p.add_argument("--backend", default="cpu", help="cpu | nvshmem (under mpirun) | virtual (no mpirun)")
+    p.add_argument("--ranks", type=int, default=2, help="virtual only: W ranks as W threads of this process")
     args = p.parse_args()
+    if args.backend == "virtual":
+        # Not under mpirun: the same per-rank checks, one thread per virtual rank (GPU only).
+        from mok_proto.symm.virtual import VirtualWorld
+
+        def rank_checks(heap):
+            with heap:
+                check_put_get_signal(heap)
+                check_timeout(heap)
+
+        with VirtualWorld(args.ranks) as world:
+            world.run_threads(rank_checks, timeout_s=300)
+        print(f"OK symm conformance backend=virtual R={args.ranks}")
+        return
     comm = MPI.COMM_WORLD
+    if args.backend == "nvshmem":  # GPU: the layer failure checks stay CPU-only
+        with make_heap(args.backend, comm) as heap:
+            assert (heap.rank, heap.num_ranks) == (comm.rank, comm.size)
+            check_put_get_signal(heap)
+            check_timeout(heap)
+        if comm.rank == 0:
+            print(f"OK symm conformance backend={args.backend} R={comm.size}")
+        return
     with make_heap(args.backend, comm) as heap:
         assert (heap.rank, heap.num_ranks) == (comm.rank, comm.size)
         check_put_get_signal(heap)

@@ -1,0 +1,144 @@
+// Shared device helpers: integer types, system-scope flags with bounded waits, error records,
+// peer tables, row copies. Header-only; compiled at run time by NVRTC (CuPy RawModule) and by nvcc
+// in the CPU compile test. No standard headers: NVRTC may not ship them.
+#pragma once
+
+namespace mok {
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+// ---------------------------------------------------------------------------------------------
+// Error record: the first failure in a process wins; the host turns it into an exception.
+// ---------------------------------------------------------------------------------------------
+enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2 };
+
+struct ErrorRecord {
+  u64 code;      // ErrorCode; 0 = no error
+  i64 op;        // which operator (kOp* in comm.cuh)
+  i64 rank;      // who noticed
+  i64 peer;      // whom it waited for (timeout) or rows needed (capacity)
+  i64 expected;  // epoch waited for (timeout) or capacity (capacity)
+  i64 seen;      // flag value seen (timeout)
+  i64 pad[2];
+};
+
+__device__ __forceinline__ bool has_error(const ErrorRecord* err) {
+  return *reinterpret_cast<const volatile u64*>(&err->code) != 0;
+}
+
+__device__ __forceinline__ void report_error(ErrorRecord* err, int code, int op, int rank, i64 peer,
+                                             i64 expected, i64 seen) {
+  if (atomicCAS(&err->code, 0ull, static_cast<u64>(code)) == 0ull) {
+    err->op = op; err->rank = rank; err->peer = peer; err->expected = expected; err->seen = seen;
+    __threadfence_system();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flags: u64 epochs that only grow. Release/acquire at system scope (peers may be other processes).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ u64 globaltimer_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// One thread waits until *flag >= epoch. False (and an error record) after timeout_ns, or at once
+// if another wait in this process already failed (so a failure never cascades into more waits).
+__device__ __forceinline__ bool wait_flag(const u64* flag, u64 epoch, u64 timeout_ns, ErrorRecord* err,
+                                          int op, int rank, int peer) {
+  const u64 start = globaltimer_ns();
+  for (;;) {
+    const u64 seen = ld_acquire_sys(flag);
+    if (seen >= epoch) return true;
+    if (has_error(err)) return false;
+    if (globaltimer_ns() - start > timeout_ns) {
+      report_error(err, kErrTimeout, op, rank, peer, static_cast<i64>(epoch), static_cast<i64>(seen));
+      return false;
+    }
+    __nanosleep(256);
+  }
+}
+
+// The whole block waits for flags[src] >= epoch for every src < num_ranks (thread src waits for
+// src). Returns the same verdict in every thread.
+// NOTE: each waiting thread's acquire + the barrier order the peers' data before our reads.
+__device__ __forceinline__ bool block_wait_all(const u64* flags, int num_ranks, u64 epoch, u64 timeout_ns,
+                                               ErrorRecord* err, int op, int rank) {
+  bool ok = true;
+  for (int src = threadIdx.x; src < num_ranks; src += blockDim.x)
+    ok = ok && wait_flag(flags + src, epoch, timeout_ns, err, op, rank, src);
+  return __syncthreads_and(ok) != 0;
+}
+
+// True in every thread of exactly one block per launch-rank: the last to finish.
+// NOTE: each block fences its own (possibly remote) stores before it counts itself, and the last
+// block fences again before it signals, so a peer that sees the signal sees every block's rows.
+// The counter resets itself, so the next launch starts from zero (the launch is stream-ordered).
+__device__ __forceinline__ bool last_block(unsigned int* counter) {
+  __shared__ int is_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    const unsigned int prev = atomicAdd(counter, 1u);
+    is_last = (prev == gridDim.x - 1);
+    if (is_last) {
+      atomicExch(counter, 0u);
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+  return is_last != 0;
+}
+
+// Raise flags[kind][rank] = epoch on every peer (threads of one block, one peer each).
+__device__ __forceinline__ void signal_all(const u64* flag_table, int kind, int num_ranks, int rank, u64 epoch) {
+  for (int peer = threadIdx.x; peer < num_ranks; peer += blockDim.x) {
+    u64* flags = reinterpret_cast<u64*>(flag_table[peer]);
+    __threadfence_system();
+    st_release_sys(flags + static_cast<i64>(kind) * num_ranks + rank, epoch);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Peer tables and row copies
+// ---------------------------------------------------------------------------------------------
+// A symmetric buffer is passed as a table of num_ranks addresses (as seen by this process).
+template <typename T>
+__device__ __forceinline__ T* at(const u64* table, int rank) {
+  return reinterpret_cast<T*>(table[rank]);
+}
+
+// One warp copies one row of `words` 4-byte words; kVec = 4 uses 16-byte accesses (rows and
+// buffers must then be 16-byte aligned: words % 4 == 0).
+template <int kVec>
+__device__ __forceinline__ void warp_copy_row(void* dst, const void* src, int words, int lane) {
+  if (kVec == 4) {
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (int i = lane; i < words / 4; i += 32) d[i] = s[i];
+  } else {
+    const unsigned int* s = reinterpret_cast<const unsigned int*>(src);
+    unsigned int* d = reinterpret_cast<unsigned int*>(dst);
+    for (int i = lane; i < words; i += 32) d[i] = s[i];
+  }
+}
+
+template <int kVec>
+__device__ __forceinline__ void warp_zero_row(void* dst, int words, int lane) {
+  unsigned int* d = reinterpret_cast<unsigned int*>(dst);
+  for (int i = lane; i < words; i += 32) d[i] = 0u;
+}
+
+}  // namespace mok

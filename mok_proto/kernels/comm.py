@@ -1,0 +1,109 @@
+"""Wrappers of cuda/comm.cuh: one function per kernel. Each checks what it can, computes the
+grid, and launches on the current CuPy stream. Kernels never read anything back to the host.
+
+Grids are (blocks_per_rank, W): blockIdx.y is the launch-rank (W virtual ranks in one launch,
+or W = 1 with NVSHMEM, one process per rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mok_proto.kernels.build import CudaModule
+
+# Mirrors struct CommParams in cuda/comm.cuh, field for field (all 8 bytes).
+PARAM_FIELDS = (
+    "num_ranks", "rank_base", "num_tokens", "top_k", "num_experts", "num_local_experts", "row_words",
+    "hidden", "capacity", "align", "timeout_ns",
+    "topk_idx", "topk_w", "routing", "x", "recv", "y", "slots", "base", "out", "dst_slot", "sched",
+    "flags", "state", "scale", "error",
+)
+FLAG_KINDS = ("routing", "map", "dispatch", "ready", "combine")  # enum FlagKind
+OPS = ("routing all-gather", "schedule", "dispatch (pull)", "dispatch (push)", "expert", "combine (push)",
+       "combine (pull)", "weighted sum")  # enum Op
+ERR_TIMEOUT, ERR_CAPACITY = 1, 2  # enum ErrorCode
+STATE_WORDS = 1 + len(OPS)  # epoch + one last-block counter per op
+THREADS = 256  # copy kernels: 8 warps, one row per warp
+SCHEDULE_THREADS = 1024
+
+MODULE = CudaModule("comm.cuh", (
+    "mok::begin_round", "mok::allgather_routing", "mok::build_schedule",
+    "mok::dispatch_pull<1>", "mok::dispatch_pull<4>", "mok::dispatch_push<1>", "mok::dispatch_push<4>",
+    "mok::expert_scale", "mok::combine_push<1>", "mok::combine_push<4>", "mok::combine_pull<1>",
+    "mok::combine_pull<4>", "mok::weighted_sum",
+))
+
+
+def pack_params(fields: dict):
+    """dict of PARAM_FIELDS -> device uint64 array (the kernels' `const CommParams*`)."""
+    import cupy
+
+    missing = set(PARAM_FIELDS) - set(fields)
+    extra = set(fields) - set(PARAM_FIELDS)
+    if missing or extra:
+        raise ValueError(f"CommParams: missing {sorted(missing)}, unknown {sorted(extra)}")
+    host = np.array([int(fields[name]) & 0xFFFFFFFFFFFFFFFF for name in PARAM_FIELDS], dtype=np.uint64)
+    return cupy.asarray(host)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Launch geometry shared by a round's kernels."""
+
+    num_launch_ranks: int  # W (grid.y)
+    blocks_per_rank: int  # grid.x of the copy kernels
+    vec: int  # 4: 16-byte row accesses (row_words % 4 == 0), else 1
+
+    def __post_init__(self):
+        if self.num_launch_ranks < 1 or self.blocks_per_rank < 1 or self.vec not in (1, 4):
+            raise ValueError(f"bad launch geometry {self}")
+
+
+def _go(name, grid, block, args, shared_mem=0):
+    kernel = MODULE.function(name)
+    if shared_mem > 48 * 1024:
+        kernel.max_dynamic_shared_size_bytes = shared_mem
+    kernel(grid, block, args, shared_mem=shared_mem)
+
+
+def begin_round(params, launch: Launch):
+    _go("mok::begin_round", (1, launch.num_launch_ranks), (32,), (params,))
+
+
+def allgather_routing(params, launch: Launch):
+    _go("mok::allgather_routing", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
+
+
+def build_schedule(params, launch: Launch, num_ranks: int, num_local_experts: int):
+    smem = 2 * num_ranks * num_local_experts * 4
+    if smem > 227 * 1024:
+        raise ValueError(f"build_schedule: El*R = {num_ranks * num_local_experts} counters exceed shared memory")
+    _go("mok::build_schedule", (1, launch.num_launch_ranks), (SCHEDULE_THREADS,), (params,), shared_mem=smem)
+
+
+def dispatch_pull(params, launch: Launch):
+    _go(f"mok::dispatch_pull<{launch.vec}>", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
+
+
+def dispatch_push(params, launch: Launch):
+    _go(f"mok::dispatch_push<{launch.vec}>", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
+
+
+def expert_scale(params, launch: Launch, wait_dispatch: bool, signal_ready: bool):
+    _go("mok::expert_scale", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,),
+        (params, np.int32(wait_dispatch), np.int32(signal_ready)))
+
+
+def combine_push(params, launch: Launch):
+    _go(f"mok::combine_push<{launch.vec}>", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
+
+
+def combine_pull(params, launch: Launch):
+    _go(f"mok::combine_pull<{launch.vec}>", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
+
+
+def weighted_sum(params, launch: Launch, wait_combine: bool):
+    _go("mok::weighted_sum", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,),
+        (params, np.int32(wait_combine)))

@@ -1,0 +1,167 @@
+"""One communication round of the MoE layer on the GPU, with a stand-in expert.
+
+    routing all-gather -> device schedule -> dispatch (pull|push) -> expert stand-in
+    (y = scale[e] * x) -> combine (push|pull) -> weighted sum
+
+All enqueued on one stream with no host readback, so a round can be captured in a CUDA graph and
+replayed; every launch covers the heap's launch ranks (all W virtual ranks, or this process's
+rank under NVSHMEM). Buffers have a fixed capacity chosen up front; an overflow, or a peer that
+never signals, lands in an error record that `check()` turns into an exception.
+
+Legend: N tokens/rank, H hidden, K top-k, R ranks, E experts, El local experts, C capacity.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mok_proto.config import DIRECTIONS, MoEShape
+from mok_proto.kernels import comm as kc
+from mok_proto.schedule import max_receive_slots
+from mok_proto.symm.base import CapacityError, SymmTimeoutError
+
+
+class GpuCommRound:
+    def __init__(self, heap, shape: MoEShape, dispatch="pull", combine="push", capacity=None, align=1,
+                 timeout_s=10.0, blocks_per_rank=None, name="round", ranks=None):
+        """heap: a GPU heap (virtual or NVSHMEM). dispatch/combine: "pull" | "push" (attributes,
+        may be changed between rounds). ranks: the launch ranks (default: all the heap drives; a
+        contiguous subset leaves the others out, which tests use to inject a missing peer)."""
+        import cupy
+
+        for op, mode in (("dispatch", dispatch), ("combine", combine)):
+            if mode not in DIRECTIONS:
+                raise ValueError(f"{op} must be push or pull, got {mode!r}")
+        num_ranks = heap.num_ranks
+        if shape.num_experts % num_ranks:
+            raise ValueError(f"E={shape.num_experts} experts are not divisible by R={num_ranks} ranks")
+        self.heap, self.shape, self.dispatch, self.combine = heap, shape, dispatch, combine
+        n, h, k, e = shape.num_tokens, shape.hidden, shape.top_k, shape.num_experts
+        self.num_local = e // num_ranks
+        worst = max_receive_slots(n, k, num_ranks, self.num_local, align)
+        self.capacity = worst if capacity is None else int(capacity)
+        if not 0 < self.capacity <= worst:
+            raise ValueError(f"capacity must be in [1, {worst}] rows, got {self.capacity}")
+        f32, i32 = np.float32, np.int32
+        el, cap = self.num_local, self.capacity
+        layout = {
+            "topk_idx": ((n, k), i32), "topk_w": ((n, k), f32), "routing": ((num_ranks, n * k), i32),
+            "x": ((n, h), f32), "recv": ((cap, h), f32), "y": ((cap, h), f32), "slots": ((n * k, h), f32),
+            "base": ((n, h), f32), "out": ((n, h), f32), "dst_slot": ((n * k,), i32),
+            "sched": ((2 * el + 1 + 2 * cap,), i32),  # offsets [El+1] | counts [El] | src_rank [C] | src_slot [C]
+            "flags": ((len(kc.FLAG_KINDS), num_ranks), np.uint64),
+            "state": ((kc.STATE_WORDS,), np.uint64), "scale": ((e,), f32),
+        }
+        self.bufs = {key: heap.alloc(f"{name}.{key}", shp, dt) for key, (shp, dt) in layout.items()}
+        self.error = cupy.zeros(8, dtype=np.uint64)  # this process's ErrorRecord
+        ranks = list(heap.launch_ranks) if ranks is None else list(ranks)
+        if not ranks or ranks != list(range(ranks[0], ranks[0] + len(ranks))) \
+                or not set(ranks) <= set(heap.launch_ranks):
+            raise ValueError(f"ranks must be a contiguous subset of {list(heap.launch_ranks)}, got {ranks}")
+        self.ranks = ranks
+        fields = {name: buf.ptr_table.data.ptr for name, buf in self.bufs.items()}
+        fields.update(num_ranks=num_ranks, rank_base=ranks[0], num_tokens=n, top_k=k, num_experts=e,
+                      num_local_experts=el, row_words=h, hidden=h, capacity=cap, align=align,
+                      timeout_ns=int(timeout_s * 1e9), error=self.error.data.ptr)
+        self.params = kc.pack_params(fields)
+        if blocks_per_rank is None:
+            sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+            blocks_per_rank = max(1, min(4 * sms // len(ranks), -(-max(n * k, cap) // 8)))
+        self.launch = kc.Launch(len(ranks), blocks_per_rank, 4 if h % 4 == 0 else 1)
+        self.timeout_s = timeout_s
+
+    # -----------------------------------------------------------------------------------------
+    def set_inputs(self, rank, x, topk_idx, topk_weights, scale, base=None):
+        """Copy one rank's inputs into its buffers (host -> device; outside any captured graph)."""
+        import cupy
+
+        b, s = self.bufs, self.shape
+        checks = {"x": (x, (s.num_tokens, s.hidden)), "topk_idx": (topk_idx, (s.num_tokens, s.top_k)),
+                  "topk_w": (topk_weights, (s.num_tokens, s.top_k)), "scale": (scale, (s.num_experts,))}
+        for name, (a, want) in checks.items():
+            if tuple(np.shape(a)) != want:
+                raise ValueError(f"{name} must have shape {want}, got {np.shape(a)}")
+        idx = np.asarray(topk_idx)
+        if idx.size and (idx.min() < 0 or idx.max() >= s.num_experts):
+            raise ValueError(f"topk_idx values must be in [0, {s.num_experts})")
+        for name, (a, _) in checks.items():
+            b[name].instance(rank)[...] = cupy.asarray(a, dtype=b[name].dtype)
+        b["base"].instance(rank)[...] = 0 if base is None else cupy.asarray(base, dtype=np.float32)
+
+    def enqueue(self, mark=None):
+        """Enqueue one round on the current stream. `mark(stage)` (optional) is called before each
+        stage and once with None at the end (benchmarks record CUDA events there)."""
+        p, launch, mark = self.params, self.launch, mark or (lambda stage: None)
+        mark("begin")
+        kc.begin_round(p, launch)
+        kc.allgather_routing(p, launch)
+        mark("schedule")
+        kc.build_schedule(p, launch, self.heap.num_ranks, self.num_local)
+        mark("dispatch")
+        (kc.dispatch_pull if self.dispatch == "pull" else kc.dispatch_push)(p, launch)
+        mark("expert")
+        kc.expert_scale(p, launch, wait_dispatch=self.dispatch == "push", signal_ready=self.combine == "pull")
+        mark("combine")
+        (kc.combine_push if self.combine == "push" else kc.combine_pull)(p, launch)
+        mark("weighted_sum")
+        kc.weighted_sum(p, launch, wait_combine=self.combine == "push")
+        mark(None)
+
+    def capture(self):
+        """A CUDA graph of one round (replay with graph.launch(stream))."""
+        import cupy
+
+        kc.MODULE.function("mok::begin_round")  # compile and load outside the capture
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            self.enqueue()
+            graph = stream.end_capture()
+        return graph
+
+    def check(self):
+        """Synchronize and raise what the error record holds (the only host readback)."""
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+        code, op, rank, peer, expected, seen = (int(v) for v in self.error.get()[:6])
+        if code == kc.ERR_TIMEOUT:
+            raise SymmTimeoutError(kc.OPS[op], rank, peer, expected, seen, self.timeout_s)
+        if code == kc.ERR_CAPACITY:
+            raise CapacityError(f"{kc.OPS[op]}: receive buffer overflow on rank {rank}: needs {peer} rows, "
+                                f"capacity is {expected}")
+        if code:
+            raise RuntimeError(f"unknown device error code {code}")
+
+    def close(self):
+        """Free the round's symmetric buffers (collective under NVSHMEM)."""
+        for buf in self.bufs.values():
+            self.heap.free(buf)
+        self.bufs = {}
+
+    def output(self, rank):
+        return self.bufs["out"].instance(rank)
+
+    def schedule_arrays(self, rank):
+        """(expert_offsets, tokens_per_expert, src_rank, src_slot) as the device built them."""
+        sched = self.bufs["sched"].instance(rank).get()
+        el, cap = self.num_local, self.capacity
+        offsets = sched[: el + 1]
+        num_slots = int(offsets[-1])
+        src_rank = sched[2 * el + 1: 2 * el + 1 + cap][:num_slots]
+        src_slot = sched[2 * el + 1 + cap:][:num_slots]
+        return offsets, sched[el + 1: 2 * el + 1], src_rank, src_slot
+
+
+def reference_round(x_all, topk_idx_all, topk_w_all, scale, base_all=None):
+    """What a round must produce, in float32 NumPy with the kernels' rounding order.
+    x_all [R,N,H], topk_idx_all/topk_w_all [R,N,K], scale [E] -> out [R,N,H]."""
+    from mok_proto import reference
+
+    num_ranks, n, k = topk_idx_all.shape
+    out = np.empty(x_all.shape, np.float32)
+    for r in range(num_ranks):
+        y_slots = (x_all[r][:, None, :] * scale[topk_idx_all[r]][:, :, None]).astype(np.float32)  # [N,K,H]
+        base = np.zeros_like(x_all[r]) if base_all is None else base_all[r]
+        out[r] = reference.weighted_sum(base, y_slots.reshape(n * k, -1), topk_w_all[r])
+    return out

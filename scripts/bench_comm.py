@@ -1,0 +1,135 @@
+"""Dispatch and combine on the GPU, push against pull, for the paper's shapes.
+
+    python scripts/bench_comm.py                                  # one GPU, virtual ranks
+    NVSHMEM_DISABLE_NVLS=1 mpirun -n 8 python scripts/bench_comm.py --backend nvshmem   # one rank per GPU
+
+A fixed global batch of --global-tokens (default 16384 = 2048 tokens x 8 GPUs) is spread over EP
+ranks, so EP=8 runs 2048 tokens per rank and EP=64 runs 256. Rows are float32 (4*H bytes).
+For each (shape, EP, dispatch, combine): median/p20/p80 of each stage (one CUDA event pair per
+stage per iteration, slowest rank); logical GB/s of dispatch and combine = (token, choice) rows
+delivered x row bytes / time, next to the ceiling measured in the same run: a plain device copy,
+in bytes copied per second (a copy reads and writes each byte, as a row transfer does); and the
+signalling cost: the same stages with 4-byte rows, where the time is flags, launches and latency.
+With virtual ranks all EP ranks share ONE GPU: this measures HBM, not NVLink. Push dispatch can
+exceed the copy ceiling there: a token's K rows are read from HBM once and K-1 times from L2.
+Results: JSON lines appended to results/bench_comm.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import sys
+
+import numpy as np
+
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+from mok_proto.bench import append_result, copy_ceiling_gbs, summarize, time_stages  # noqa: E402
+from mok_proto.config import DIRECTIONS, PAPER_SHAPES, get_shape  # noqa: E402
+from mok_proto.layer.gpu_comm import GpuCommRound  # noqa: E402
+from mok_proto.problem import make_problem  # noqa: E402
+
+
+def make_round(heap, shape, name):
+    """One round per (shape, EP); the policy is switched on it (buffers are shared)."""
+    num_ranks = heap.num_ranks
+    # Capacity: balanced load plus 50% headroom for random routing (overflow would be reported).
+    expected = shape.num_tokens * shape.top_k
+    rnd = GpuCommRound(heap, shape, name=name, capacity=min(int(expected * 1.5) + 64, expected * num_ranks),
+                       timeout_s=30)
+    rng = np.random.default_rng(0)
+    scale = np.ones(shape.num_experts, np.float32)
+    for rank in rnd.ranks:
+        idx = np.argsort(rng.random((shape.num_tokens, shape.num_experts)), axis=1)[:, :shape.top_k]
+        rnd.set_inputs(rank, np.ones((shape.num_tokens, shape.hidden), np.float32), idx.astype(np.int32),
+                       np.full((shape.num_tokens, shape.top_k), 1.0 / shape.top_k, np.float32), scale)
+    return rnd
+
+
+def time_round(rnd, dispatch, combine, iters, warmup, comm=None):
+    """Per-stage stats of one policy; with MPI, each stage's median is the slowest rank's."""
+    rnd.dispatch, rnd.combine = dispatch, combine
+    samples = time_stages(rnd.enqueue, iters, warmup)
+    rnd.check()
+    stats = {stage: summarize(v) for stage, v in samples.items()}
+    if comm is not None:
+        from mpi4py import MPI
+
+        for s in stats.values():
+            s["median_ms"] = comm.allreduce(s["median_ms"], op=MPI.MAX)
+    return stats
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
+    p.add_argument("--ep", default="8,64", help="EP degrees (virtual ranks on one GPU)")
+    p.add_argument("--global-tokens", type=int, default=16384)
+    p.add_argument("--backend", choices=("virtual", "nvshmem"), default="virtual")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    args = p.parse_args()
+
+    comm = None
+    if args.backend == "nvshmem":
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    ceiling = copy_ceiling_gbs()
+    lead = comm is None or comm.rank == 0
+    if lead:
+        where = "ONE GPU (virtual ranks): HBM, not NVLink" if args.backend == "virtual" else "NVSHMEM ranks"
+        print(f"# bench_comm on {where}; ceiling: device copy {ceiling:.0f} GB/s copied "
+              f"({2 * ceiling:.0f} GB/s read + written)")
+        print(f"{'shape':<16}{'EP':>4}{'N/rank':>7} {'disp':>4} {'comb':>4} {'sched_ms':>9}{'disp_ms':>9}{'disp_GB/s':>10}"
+              f"{'%copy':>6}{'comb_ms':>9}{'comb_GB/s':>10}{'%copy':>6}{'sig_disp_ms':>12}{'sig_comb_ms':>12}")
+    heap = None
+    if args.backend == "nvshmem":
+        from mok_proto.symm.nvshmem import NvshmemHeap
+
+        heap = NvshmemHeap(comm)
+    for shape_name, ep in itertools.product(args.shapes.split(","), (int(v) for v in args.ep.split(","))):
+        shape = get_shape(shape_name).with_tokens(args.global_tokens // ep)
+        if args.backend == "virtual":
+            from mok_proto.symm.virtual import VirtualWorld
+
+            heap = VirtualWorld(ep)
+        elif heap.num_ranks != ep:
+            continue  # under mpirun, EP is the number of processes
+        rnd = make_round(heap, shape, f"{shape_name}.{ep}")
+        tiny = make_round(heap, dataclasses.replace(shape, hidden=1), f"{shape_name}.{ep}.h1")
+        for dispatch, combine in itertools.product(DIRECTIONS, repeat=2):
+            stats = time_round(rnd, dispatch, combine, args.iters, args.warmup, comm)
+            sig = time_round(tiny, dispatch, combine, args.iters, args.warmup, comm)
+            rows = shape.num_tokens * shape.top_k * ep  # (token, choice) rows moved per operator, all ranks
+            moved = rows * shape.hidden * 4  # logical bytes delivered
+            gbs = {op: moved / (stats[op]["median_ms"] * 1e-3) / 1e9 for op in ("dispatch", "combine")}
+            if lead:
+                print(f"{shape_name:<16}{ep:>4}{shape.num_tokens:>7} {dispatch:>4} {combine:>4} "
+                      f"{stats['schedule']['median_ms']:>9.3f}{stats['dispatch']['median_ms']:>9.3f}"
+                      f"{gbs['dispatch']:>10.0f}{100 * gbs['dispatch'] / ceiling:>6.1f}"
+                      f"{stats['combine']['median_ms']:>9.3f}{gbs['combine']:>10.0f}{100 * gbs['combine'] / ceiling:>6.1f}"
+                      f"{sig['dispatch']['median_ms'] + sig['expert']['median_ms']:>12.3f}"
+                      f"{sig['combine']['median_ms'] + sig['weighted_sum']['median_ms']:>12.3f}", flush=True)
+                append_result("bench_comm", {
+                    "backend": args.backend, "shape": shape_name, "ep": ep, "tokens_per_rank": shape.num_tokens,
+                    "hidden": shape.hidden, "top_k": shape.top_k, "dispatch": dispatch, "combine": combine,
+                    "stages": stats, "signal_stages": sig, "dispatch_gbs": gbs["dispatch"],
+                    "combine_gbs": gbs["combine"], "copy_ceiling_gbs": ceiling,
+                    "note": "virtual ranks on one GPU: HBM bandwidth, not NVLink" if args.backend == "virtual" else "",
+                })
+        rnd.close()
+        tiny.close()
+        if args.backend == "virtual":
+            heap.close()
+    if args.backend == "nvshmem":
+        heap.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
