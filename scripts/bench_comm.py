@@ -1,7 +1,10 @@
 """Dispatch and combine on the GPU, push against pull, for the paper's shapes.
 
     python scripts/bench_comm.py                                  # one GPU, virtual ranks
-    NVSHMEM_DISABLE_NVLS=1 mpirun -n 8 python scripts/bench_comm.py --backend nvshmem   # one rank per GPU
+    NVSHMEM_DISABLE_NVLS=1 mpirun -n 8 python scripts/bench_comm.py   # one rank per GPU (NVSHMEM)
+
+--backend auto (the default) uses NVSHMEM when started by mpirun with more than one process (then
+EP = number of processes and other --ep values are skipped), virtual ranks otherwise.
 
 A fixed global batch of --global-tokens (default 16384 = 2048 tokens x 8 GPUs) is spread over EP
 ranks, so EP=8 runs 2048 tokens per rank and EP=64 runs 256. Rows are float32 (4*H bytes).
@@ -69,11 +72,14 @@ def main():
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
     p.add_argument("--ep", default="8,64", help="EP degrees (virtual ranks on one GPU)")
     p.add_argument("--global-tokens", type=int, default=16384)
-    p.add_argument("--backend", choices=("virtual", "nvshmem"), default="virtual")
+    p.add_argument("--backend", choices=("auto", "virtual", "nvshmem"), default="auto")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
 
+    if args.backend == "auto":
+        launched = max(int(os.environ.get(v, "1")) for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"))
+        args.backend = "nvshmem" if launched > 1 else "virtual"
     comm = None
     if args.backend == "nvshmem":
         from mpi4py import MPI
