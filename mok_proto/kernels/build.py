@@ -19,21 +19,44 @@ CXX_OPTIONS = ("-std=c++17",)
 MODULES: dict[str, "CudaModule"] = {}
 
 
+_DIGEST: dict = {}  # (cuda dir, file stamps) -> digest: a stat per header per launch, no re-hashing
+
+
 def source_digest() -> str:
-    """SHA-256 over every header under cuda/ (names and contents)."""
-    h = hashlib.sha256()
-    for path in sorted(CUDA_DIR.glob("**/*")):
-        if path.is_file():
+    """SHA-256 over every header under cuda/ (names and contents). Recomputed only when a file's
+    size or mtime changed, so an edited header recompiles on the next launch, even in Jupyter."""
+    paths = sorted(p for p in CUDA_DIR.glob("**/*") if p.is_file())
+    stamps = (str(CUDA_DIR),) + tuple((p.as_posix(), p.stat().st_mtime_ns, p.stat().st_size) for p in paths)
+    if stamps not in _DIGEST:
+        h = hashlib.sha256()
+        for path in paths:
             h.update(path.relative_to(CUDA_DIR).as_posix().encode())
             h.update(path.read_bytes())
-    return h.hexdigest()
+        _DIGEST.clear()
+        _DIGEST[stamps] = h.hexdigest()
+    return _DIGEST[stamps]
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(device_id: int):
+    import cupy
+
+    dev = cupy.cuda.Device(device_id)
+    return dev.compute_capability, dev.attributes["MultiProcessorCount"]
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the current device (cached)."""
+    import cupy
+
+    return _device_facts(cupy.cuda.runtime.getDevice())[1]
 
 
 def gpu_arch(device=None) -> str:
     """'sm_90a' on Hopper, 'sm_100a' on Blackwell (arch-specific features), else 'sm_XY'."""
     import cupy
 
-    cc = (cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()).compute_capability
+    cc = _device_facts(device if device is not None else cupy.cuda.runtime.getDevice())[0]
     return f"sm_{cc}a" if cc in ("90", "100", "103") else f"sm_{cc}"
 
 
@@ -47,17 +70,23 @@ def _compile(header: str, names: tuple, arch: str, digest: str):
 
 
 class CudaModule:
-    def __init__(self, header: str, names: tuple[str, ...]):
+    """One header and the name expressions its wrappers launch. `archs`: the architectures it is
+    written for (the CPU test compiles each; wgmma code exists on sm_90a only)."""
+
+    def __init__(self, header: str, names: tuple[str, ...], archs=("sm_90a", "sm_100a")):
         if not (CUDA_DIR / header).is_file():
             raise FileNotFoundError(f"no CUDA header {header!r} under {CUDA_DIR}")
-        self.header, self.names = header, tuple(names)
+        self.header, self.names, self.archs = header, tuple(names), tuple(archs)
         MODULES[header] = self
 
     def function(self, name: str):
         """The compiled kernel for one registered name expression (compiles on first use)."""
         if name not in self.names:
             raise KeyError(f"{name!r} is not registered in {self.header}; add it to its CudaModule names")
-        module = _compile(self.header, self.names, gpu_arch(), source_digest())
+        arch = gpu_arch()
+        if arch not in self.archs:
+            raise RuntimeError(f"{self.header} is written for {', '.join(self.archs)}; this GPU is {arch}")
+        module = _compile(self.header, self.names, arch, source_digest())
         return module.get_function(name)
 
     def instantiation_source(self) -> str:

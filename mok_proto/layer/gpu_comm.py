@@ -17,6 +17,7 @@ import numpy as np
 
 from mok_proto.config import DIRECTIONS, MoEShape
 from mok_proto.kernels import comm as kc
+from mok_proto.kernels.build import num_sms
 from mok_proto.schedule import max_receive_slots
 from mok_proto.symm.base import CapacityError, SymmTimeoutError
 
@@ -65,8 +66,7 @@ class GpuCommRound:
                       timeout_ns=int(timeout_s * 1e9), error=self.error.data.ptr)
         self.params = kc.pack_params(fields)
         if blocks_per_rank is None:
-            sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-            blocks_per_rank = max(1, min(4 * sms // len(ranks), -(-max(n * k, cap) // 8)))
+            blocks_per_rank = max(1, min(4 * num_sms() // len(ranks), -(-max(n * k, cap) // 8)))
         self.launch = kc.Launch(len(ranks), blocks_per_rank, 4 if h % 4 == 0 else 1)
         self.timeout_s = timeout_s
 

@@ -1,0 +1,176 @@
+"""Numerics of the grouped expert GEMMs (cuda/gemm.cuh) against a float64 reference computed from
+the same bf16-rounded inputs. Ragged experts: 0, 1, 129, 300 and 64 rows, with gaps between
+segments that must stay untouched (NaN sentinels)."""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+BF16_TOL = 2.0 ** -7  # 2x bf16's relative rounding step, against max |ref| of the array
+FP32_TOL = 1e-4
+COUNTS = [0, 1, 129, 300, 64]
+GAP = 3  # rows between expert segments
+
+
+def _setup(hidden, ffn, seed=0):
+    import cupy
+    from mok_proto.kernels.gemm import from_bf16, to_bf16
+
+    rng = np.random.default_rng(seed)
+    counts = np.array(COUNTS, np.int32)
+    offsets = (np.concatenate([[0], np.cumsum(counts[:-1])]) + GAP * np.arange(len(counts))).astype(np.int32)
+    rows = int(offsets[-1] + counts[-1] + GAP)
+    e = len(counts)
+
+    def bf(*shape, scale=1.0):
+        b = to_bf16(rng.standard_normal(shape).astype(np.float32) * scale)
+        return cupy.asarray(b), from_bf16(b).astype(np.float64)
+
+    d = dict(counts=counts, offsets=offsets, rows=rows,
+             d_counts=cupy.asarray(counts), d_offsets=cupy.asarray(offsets))
+    for name, shape, scale in [("x", (rows, hidden), 1.0), ("w_gate", (e, hidden, ffn), hidden ** -0.5),
+                               ("w_up", (e, hidden, ffn), hidden ** -0.5), ("w_down", (e, ffn, hidden), ffn ** -0.5),
+                               ("dy", (rows, hidden), 1.0), ("g", (rows, ffn), 1.0), ("u", (rows, ffn), 1.0),
+                               ("h", (rows, ffn), 1.0), ("dg", (rows, ffn), 1.0), ("du", (rows, ffn), 1.0)]:
+        d[name], d[name + "_ref"] = bf(*shape, scale=scale)
+    return d
+
+
+def _segments(d):
+    for e, (off, cnt) in enumerate(zip(d["offsets"], d["counts"])):
+        yield e, slice(int(off), int(off + cnt))
+
+
+def _nan_bf16(rows, cols):
+    import cupy
+
+    return cupy.full((rows, cols), 0x7FC0, dtype=np.uint16)  # bf16 NaN
+
+
+def _assert_rows(name, got_bits, want, d, tol=BF16_TOL):
+    from mok_proto.kernels.gemm import from_bf16
+
+    got = from_bf16(got_bits).get().astype(np.float64)
+    inside = np.zeros(d["rows"], bool)
+    for _, rows in _segments(d):
+        inside[rows] = True
+    assert np.isnan(got[~inside]).all(), f"{name}: rows outside every expert were written"
+    scale = max(np.abs(want[inside]).max(), 1e-30)
+    err = np.abs(got[inside] - want[inside]).max() / scale
+    assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.1e}"
+
+
+def _silu(g):
+    return g / (1.0 + np.exp(-g))
+
+
+@pytest.fixture(params=[(256, 256), (768, 512)], ids=lambda s: f"H{s[0]}-I{s[1]}")
+def data(request):
+    return _setup(*request.param)
+
+
+def _run(launch, *args):
+    from mok_proto.kernels import gemm
+
+    err = gemm.new_error_record()
+    launch(*args, error=err)
+    gemm.check_error(err)
+
+
+def test_gate_up(data):
+    from mok_proto.kernels import gemm
+
+    d, ffn = data, data["w_gate"].shape[2]
+    h, g, u = (_nan_bf16(d["rows"], ffn) for _ in range(3))
+    _run(gemm.gate_up, d["x"], d["w_gate"], d["w_up"], d["d_offsets"], d["d_counts"], h, g, u)
+    want = {k: np.full((d["rows"], ffn), np.nan) for k in "hgu"}
+    for e, rows in _segments(d):
+        want["g"][rows] = d["x_ref"][rows] @ d["w_gate_ref"][e]
+        want["u"][rows] = d["x_ref"][rows] @ d["w_up_ref"][e]
+        want["h"][rows] = _silu(want["g"][rows]) * want["u"][rows]
+    for name, got in (("h", h), ("g", g), ("u", u)):
+        _assert_rows(name, got, want[name], d)
+
+
+def test_down_with_row_scale(data):
+    import cupy
+    from mok_proto.kernels import gemm
+
+    d, hidden = data, data["w_down"].shape[2]
+    scale = np.random.default_rng(1).uniform(0.5, 1.5, d["rows"]).astype(np.float32)
+    y = _nan_bf16(d["rows"], hidden)
+    _run(gemm.down, d["h"], d["w_down"], d["d_offsets"], d["d_counts"], y, cupy.asarray(scale))
+    want = np.full((d["rows"], hidden), np.nan)
+    for e, rows in _segments(d):
+        want[rows] = scale[rows, None] * (d["h_ref"][rows] @ d["w_down_ref"][e])
+    _assert_rows("y", y, want, d)
+
+
+def test_down_bwd_fuses_swiglu_backward(data):
+    from mok_proto.kernels import gemm
+
+    d, ffn = data, data["w_down"].shape[1]
+    dg, du = _nan_bf16(d["rows"], ffn), _nan_bf16(d["rows"], ffn)
+    _run(gemm.down_bwd, d["dy"], d["w_down"], d["g"], d["u"], d["d_offsets"], d["d_counts"], dg, du)
+    want_dg, want_du = np.full((d["rows"], ffn), np.nan), np.full((d["rows"], ffn), np.nan)
+    for e, rows in _segments(d):
+        dh = d["dy_ref"][rows] @ d["w_down_ref"][e].T
+        g, u = d["g_ref"][rows], d["u_ref"][rows]
+        sig = 1.0 / (1.0 + np.exp(-g))
+        want_du[rows] = dh * g * sig
+        want_dg[rows] = dh * u * sig * (1.0 + g * (1.0 - sig))
+    _assert_rows("dg", dg, want_dg, d)
+    _assert_rows("du", du, want_du, d)
+
+
+def test_gate_up_bwd(data):
+    from mok_proto.kernels import gemm
+
+    d, hidden = data, data["w_gate"].shape[1]
+    dx = _nan_bf16(d["rows"], hidden)
+    _run(gemm.gate_up_bwd, d["dg"], d["du"], d["w_gate"], d["w_up"], d["d_offsets"], d["d_counts"], dx)
+    want = np.full((d["rows"], hidden), np.nan)
+    for e, rows in _segments(d):
+        want[rows] = d["dg_ref"][rows] @ d["w_gate_ref"][e].T + d["du_ref"][rows] @ d["w_up_ref"][e].T
+    _assert_rows("dx", dx, want, d)
+
+
+def test_weight_grads_deterministic(data):
+    import cupy
+    from mok_proto.kernels import gemm
+
+    d = data
+    e, ffn, hidden = data["w_down"].shape
+    results = []
+    for _ in range(2):
+        dwd = cupy.full((e, ffn, hidden), np.nan, np.float32)
+        dwg, dwu = (cupy.full((e, hidden, ffn), np.nan, np.float32) for _ in range(2))
+        _run(gemm.down_wgrad, d["h"], d["dy"], d["d_offsets"], d["d_counts"], dwd)
+        _run(gemm.gate_up_wgrad, d["x"], d["dg"], d["du"], d["d_offsets"], d["d_counts"], dwg, dwu)
+        results.append([a.get() for a in (dwd, dwg, dwu)])
+    for a, b in zip(*results):
+        assert a.tobytes() == b.tobytes(), "weight gradients differ between two identical runs"
+    dwd, dwg, dwu = results[0]
+    for ex, rows in _segments(d):
+        for name, got, want in (("dWd", dwd[ex], d["h_ref"][rows].T @ d["dy_ref"][rows]),
+                                ("dWg", dwg[ex], d["x_ref"][rows].T @ d["dg_ref"][rows]),
+                                ("dWu", dwu[ex], d["x_ref"][rows].T @ d["du_ref"][rows])):
+            if rows.stop == rows.start:
+                assert not got.any(), f"{name}[{ex}]: an expert with no rows must get a zero gradient"
+                continue
+            err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+            assert err <= FP32_TOL, f"{name}[{ex}]: relative error {err:.2e}"
+
+
+def test_bad_shapes_are_refused():
+    import cupy
+    from mok_proto.kernels import gemm
+
+    x = cupy.zeros((8, 100), np.uint16)  # H = 100 is not a multiple of BK = 64
+    w = cupy.zeros((1, 100, 128), np.uint16)
+    offs, cnts = cupy.zeros(1, np.int32), cupy.ones(1, np.int32)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gemm.gate_up(x, w, w, offs, cnts, cupy.zeros((8, 128), np.uint16))
+    with pytest.raises(ValueError, match="expected bf16"):
+        gemm.gate_up(x.astype(np.float32), w, w, offs, cnts, cupy.zeros((8, 128), np.uint16))
