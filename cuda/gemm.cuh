@@ -1,5 +1,6 @@
-// Grouped BF16 GEMMs of the expert FFNs on Hopper: cp.async producer warpgroup filling a 4-stage
-// mbarrier pipeline, two consumer warpgroups issuing wgmma (fp32 accumulators), fused epilogues.
+// Grouped BF16 GEMMs of the expert FFNs on Hopper: a producer warp issuing TMA tile loads into a
+// 4-stage mbarrier pipeline, two consumer warpgroups issuing wgmma (fp32 accumulators), fused
+// epilogues.
 //
 // Legend: T_e rows of expert e (ragged, read from device memory), H hidden, I expert FFN,
 //         El experts in the group. Row buffers are [rows, *] with expert e's rows at
@@ -14,9 +15,10 @@
 //   kGateUpWgrad  [H, I]x2  dWg = x^T dg, dWu = x^T du x^T         (MN)    dg|du          (MN)     fp32
 //
 // Tile: BM=128 rows (one 64-row half per consumer warpgroup) x BN=256 columns (dual problems:
-// 128 columns of each of two matrices) x BK=64. Rows past an expert's end, and K past T_e in the
-// weight gradients, are zero-filled by cp.async, so ragged sizes (0, 1, 129, ...) need no padding
-// and no expert reads another's rows. Weight gradients: one CTA owns one output tile and sums K in
+// 128 columns of each of two matrices) x BK=64. Rows past an expert's end only reach masked output
+// rows. In the weight gradients K is the expert's rows: its last partial k-block is loaded with
+// zero-filling cp.async instead of TMA, so no expert sums another's rows and ragged sizes
+// (0, 1, 129, ...) need no padding. Weight gradients: one CTA owns one output tile and sums K in
 // order: deterministic, no atomics.
 //
 // Per tile (BM x BN x K): loads (BM + BN) * K * 2 bytes, 2 * BM * BN * K FLOPs.
@@ -54,6 +56,7 @@ struct GemmParams {
   i64 row_offsets;     // int32 [El]
   i64 row_counts;      // int32 [El]
   i64 error;           // ErrorRecord*
+  i64 tmap_a1, tmap_a2, tmap_b1, tmap_b2;  // CUtensorMap addresses (global memory), 128B swizzle
 };
 
 template <int kP> struct Traits {
@@ -103,17 +106,45 @@ __device__ __forceinline__ Tile tile_of(const GemmParams* p, const int* tile_pre
 }
 
 // ---------------------------------------------------------------------------------------------
-// Producer: the 128 threads of warpgroup 0 load one stage (A: BM x BK, B: BK x BN) with cp.async.
+// TMA load of one full stage by one thread: A [BM x BK] and B [BK x BN] as 64-element-wide boxes.
 // ---------------------------------------------------------------------------------------------
 template <int kP>
-__device__ __forceinline__ void load_stage(const GemmParams* p, const Tile& tile, int kb, u32 s_a, u32 s_b, int tid) {
+__device__ __forceinline__ void load_stage_tma(const GemmParams* p, const Tile& tile, int kb, u32 s_a, u32 s_b, u64* bar) {
+  using Tr = Traits<kP>;
+  const int k0 = kb * kBK;
+  const bool second = kP == kGateUpBwd && k0 >= p->k_split;  // dx: dg/Wg, then du/Wu
+  const int k_in = second ? k0 - static_cast<int>(p->k_split) : k0;
+  mbar_arrive_expect_tx(bar, kStageBytes);
+  if (Tr::kAMajorMN) {  // x^T / h^T: two atoms of 64 m x 64 k rows
+    tma_load_2d(s_a, p->tmap_a1, tile.m0, tile.row0 + k0, bar);
+    tma_load_2d(s_a + 8192, p->tmap_a1, tile.m0 + 64, tile.row0 + k0, bar);
+  } else {  // 128 rows x 64 k
+    tma_load_2d(s_a, second ? p->tmap_a2 : p->tmap_a1, k_in, tile.row0 + tile.m0, bar);
+  }
+  if (Tr::kBMajorMN) {  // four atoms of 64 n x 64 k rows
+    const int k_row = Tr::kRowProblem ? tile.group * static_cast<int>(p->k) + k0 : tile.row0 + k0;
+#pragma unroll
+    for (int atom = 0; atom < 4; ++atom) {
+      const bool b2 = Tr::kDualB && atom >= 2;
+      const int col = tile.n0 + (Tr::kDualB ? (atom & 1) : atom) * 64;
+      tma_load_2d(s_b + atom * 8192, b2 ? p->tmap_b2 : p->tmap_b1, col, k_row, bar);
+    }
+  } else {  // 256 n rows x 64 k
+    tma_load_2d(s_b, second ? p->tmap_b2 : p->tmap_b1, k_in, tile.group * static_cast<int>(p->n) + tile.n0, bar);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Zero-filling cp.async load of one stage by kLoaders threads (tid < kLoaders): the weight gradients'
+// last, partial k-block (rows past T_e read as zeros).
+// ---------------------------------------------------------------------------------------------
+template <int kP, int kLoaders>
+__device__ __forceinline__ void load_stage_cp_async(const GemmParams* p, const Tile& tile, int kb, u32 s_a, u32 s_b, int tid) {
   using Tr = Traits<kP>;
   typedef unsigned short bf16;
   const int k0 = kb * kBK;
-  // A: 1024 16-byte chunks, 8 per thread.
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int c = tid + i * 128;
+  // A: 1024 16-byte chunks.
+  for (int c = tid; c < 1024; c += kLoaders) {
     if (Tr::kAMajorMN) {  // A(m, k) = a1[(row0 + k) * lda + m]: atoms of 64 m x 64 k rows
       const int atom = c >> 9, krow = (c >> 3) & 63, ch = c & 7;
       const int kk = k0 + krow;
@@ -131,10 +162,8 @@ __device__ __forceinline__ void load_stage(const GemmParams* p, const Tile& tile
       cp_async_16(s_a + swizzle128(row, ch), base + static_cast<i64>(tile.row0 + (valid ? m : 0)) * p->lda + kk, valid);
     }
   }
-  // B: 2048 chunks, 16 per thread.
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int c = tid + i * 128;
+  // B: 2048 chunks.
+  for (int c = tid; c < 2048; c += kLoaders) {
     if (Tr::kBMajorMN) {  // B(k, n) = b[k * ldb + n]: 4 atoms of 64 n x 64 k rows
       const int atom = c >> 9, krow = (c >> 3) & 63, ch = c & 7;
       const bool second = Tr::kDualB && atom >= 2;
@@ -248,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm(const GemmParams* p)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 128);  // every producer thread's cp.async arrive
+      mbar_init(&full[s], 1);    // the producer's arrive (with the TMA byte count, or after cp.async)
       mbar_init(&empty[s], 8);   // one arrive per consumer warp
     }
     int total = 0;
@@ -267,15 +296,25 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm(const GemmParams* p)
   // cannot prove uniform gets serialized (ptxas C7518).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0), wg_tid = threadIdx.x & 127;
 
-  if (wg == 0) {  // producer
+  if (wg == 0) {  // producer: warp 0 (one lane issues TMA); the other three warps have nothing to do
+    if (wg_tid >= 32) return;
+    const int lane = wg_tid;
     int stage = 0, phase = 0;
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const Tile tile = tile_of<kP>(p, tile_prefix, t);
       for (int kb = 0; kb < tile.k_blocks; ++kb) {
         if (!mbar_wait(&empty[stage], phase ^ 1, p->timeout_ns, err, 100 + kP)) return;
         const u32 s_a = s_base + stage * kStageBytes;
-        load_stage<kP>(p, tile, kb, s_a, s_a + kATileBytes, wg_tid);
-        cp_async_arrive(&full[stage]);
+        if (!Tr::kRowProblem && (kb + 1) * kBK > tile.rows) {
+          // NOTE: generic-proxy writes, complete and fenced before the barrier tells the consumers.
+          load_stage_cp_async<kP, 32>(p, tile, kb, s_a, s_a + kATileBytes, lane);
+          cp_async_wait_all();
+          fence_proxy_async();
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&full[stage]);
+        } else if (lane == 0) {
+          load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &full[stage]);
+        }
         if (++stage == kStages) { stage = 0; phase ^= 1; }
       }
     }
@@ -294,7 +333,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm(const GemmParams* p)
       // A failed wait is recorded and the loop runs on (no divergent exit around wgmma); every later
       // wait then fails at once, so the kernel ends quickly with the error set.
       mbar_wait(&full[stage], phase, p->timeout_ns, err, 200 + kP);
-      fence_proxy_async();
       const u32 s_a = s_base + stage * kStageBytes;
       wgmma_fence();
       mma_stage<kP>(p, acc, s_a, s_a + kATileBytes, half);

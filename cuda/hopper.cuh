@@ -53,13 +53,26 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid
                : "memory");
 }
 
-// The barrier's pending count drops by one when all earlier cp.async of this thread have landed.
-__device__ __forceinline__ void cp_async_arrive(u64* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// ---------------------------------------------------------------------------------------------
+// TMA: 2-D tiles from a tensor map (in global memory, 64-byte aligned), completion counted in bytes
+// on an mbarrier.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 
-// NOTE: cp.async writes through the generic proxy, wgmma reads through the async proxy: a consumer
-// fences after it observed the stage's full barrier and before its wgmma reads the stage.
+__device__ __forceinline__ void tma_load_2d(u32 dst, i64 tensor_map, int c0, int c1, u64* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(tensor_map), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// NOTE: cp.async writes through the generic proxy, wgmma reads through the async proxy (TMA writes
+// through it too): a thread that filled a stage with cp.async waits for its copies, then fences,
+// then arrives on the stage's barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // 128-byte swizzle: in a region of 128-byte rows (1024-byte aligned), 16-byte chunk c of row r

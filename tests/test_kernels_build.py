@@ -67,3 +67,13 @@ def test_source_digest_covers_every_header(tmp_path, monkeypatch):
 def test_unregistered_name_is_refused():
     with pytest.raises(KeyError, match="not registered"):
         comm.MODULE.function("mok::no_such_kernel")
+
+
+def test_gemm_params_mirror_header():
+    text = (build.CUDA_DIR / "gemm.cuh").read_text()
+    body = re.search(r"struct GemmParams \{(.*?)\};", text, re.S).group(1)
+    names = []
+    for decl in re.findall(r"^\s*i64\s+([^;]+);", body, re.M):
+        names += [n.strip() for n in decl.split(",")]
+    assert tuple(names) == gemm.PARAM_FIELDS
+    assert not re.search(r"^\s*(?!i64\b)\w+[\s*]+\w+;", body, re.M), "every GemmParams field must be an i64"

@@ -26,7 +26,7 @@ PROBLEMS = ("gate_up", "down", "down_bwd", "gate_up_bwd", "down_wgrad", "gate_up
 PARAM_FIELDS = (
     "num_groups", "m", "n", "k", "lda", "ldb", "ldo", "b_group_stride", "o_group_stride", "k_split",
     "desc_mn_lbo", "desc_mn_sbo", "timeout_ns", "a1", "a2", "b1", "b2", "out1", "out2", "out3", "aux1", "aux2",
-    "row_scale", "row_offsets", "row_counts", "error",
+    "row_scale", "row_offsets", "row_counts", "error", "tmap_a1", "tmap_a2", "tmap_b1", "tmap_b2",
 )
 # MN-major operand descriptor strides (bytes): LBO = between 64-element atoms, SBO = 8 k rows.
 DESC_MN = {"desc_mn_lbo": BK * 128, "desc_mn_sbo": 1024}
@@ -34,6 +34,7 @@ MODULE = CudaModule("gemm.cuh", tuple(f"mok::gemm::grouped_gemm<{i}>" for i in r
                     archs=("sm_90a",))
 TIMEOUT_NS = 10 * 10**9
 _PARAMS: dict = {}  # device params by (problem, field values), most recent last
+_TMAPS: dict = {}  # device tensor maps by (address, dims, box), most recent last
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +103,32 @@ def _launch(problem, error, **fields):
     return params
 
 
+def tensor_map(array, inner: int, outer: int, box_inner: int, box_outer: int):
+    """A TMA descriptor (CUtensorMap, 128 bytes in device memory) for the row-major bf16 2-D view
+    [outer, inner] of `array`, boxes of [box_outer, box_inner], 128-byte swizzle. Cached by
+    (address, dims, box): encoding and uploading happen once per buffer."""
+    import cupy
+    from cuda.bindings import driver as cu
+
+    key = (array.data.ptr, inner, outer, box_inner, box_outer)
+    dev = _TMAPS.pop(key, None)
+    if dev is None:
+        err, tmap = cu.cuTensorMapEncodeTiled(
+            cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, array.data.ptr,
+            [cu.cuuint64_t(inner), cu.cuuint64_t(outer)], [cu.cuuint64_t(inner * 2)],
+            [cu.cuuint32_t(box_inner), cu.cuuint32_t(box_outer)], [cu.cuuint32_t(1), cu.cuuint32_t(1)],
+            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B, cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for [{outer}, {inner}] box [{box_outer}, {box_inner}]")
+        dev = cupy.asarray(np.array(tmap.opaque, dtype=np.uint64))  # 256-byte aligned allocation
+        if len(_TMAPS) >= 256:
+            _TMAPS.pop(next(iter(_TMAPS)))
+    _TMAPS[key] = dev
+    return dev
+
+
 def new_error_record():
     import cupy
 
@@ -130,7 +157,9 @@ def gate_up(x, w_gate, w_up, row_offsets, row_counts, h, g=None, u=None, error=N
     return _launch("gate_up", error if error is not None else new_error_record(), num_groups=num_experts,
                    n=ffn, k=hidden, lda=hidden, ldb=ffn, ldo=ffn, b_group_stride=hidden * ffn, a1=x, b1=w_gate,
                    b2=w_up, out1=h, out2=g if g is not None else 0, out3=u if u is not None else 0,
-                   row_offsets=row_offsets, row_counts=row_counts)
+                   row_offsets=row_offsets, row_counts=row_counts, tmap_a1=tensor_map(x, hidden, rows, BK, BM),
+                   tmap_b1=tensor_map(w_gate, ffn, num_experts * hidden, 64, BK),
+                   tmap_b2=tensor_map(w_up, ffn, num_experts * hidden, 64, BK))
 
 
 def down(h, w_down, row_offsets, row_counts, y, row_scale=None, error=None):
@@ -146,7 +175,8 @@ def down(h, w_down, row_offsets, row_counts, y, row_scale=None, error=None):
     return _launch("down", error if error is not None else new_error_record(), num_groups=num_experts, n=hidden,
                    k=ffn, lda=ffn, ldb=hidden, ldo=hidden, b_group_stride=ffn * hidden, a1=h, b1=w_down, out1=y,
                    row_scale=row_scale if row_scale is not None else 0, row_offsets=row_offsets,
-                   row_counts=row_counts)
+                   row_counts=row_counts, tmap_a1=tensor_map(h, ffn, rows, BK, BM),
+                   tmap_b1=tensor_map(w_down, hidden, num_experts * ffn, 64, BK))
 
 
 def down_bwd(dy, w_down, g, u, row_offsets, row_counts, dg, du, error=None):
@@ -160,7 +190,9 @@ def down_bwd(dy, w_down, g, u, row_offsets, row_counts, dg, du, error=None):
     _multiple("H", hidden, BK), _multiple("I", ffn, BN)
     return _launch("down_bwd", error if error is not None else new_error_record(), num_groups=num_experts,
                    n=ffn, k=hidden, lda=hidden, ldb=hidden, ldo=ffn, b_group_stride=ffn * hidden, a1=dy,
-                   b1=w_down, out1=dg, out2=du, aux1=g, aux2=u, row_offsets=row_offsets, row_counts=row_counts)
+                   b1=w_down, out1=dg, out2=du, aux1=g, aux2=u, row_offsets=row_offsets, row_counts=row_counts,
+                   tmap_a1=tensor_map(dy, hidden, rows, BK, BM),
+                   tmap_b1=tensor_map(w_down, hidden, num_experts * ffn, BK, BN))
 
 
 def gate_up_bwd(dg, du, w_gate, w_up, row_offsets, row_counts, dx, error=None):
@@ -174,7 +206,10 @@ def gate_up_bwd(dg, du, w_gate, w_up, row_offsets, row_counts, dx, error=None):
     _multiple("I", ffn, BK), _multiple("H", hidden, BN)
     return _launch("gate_up_bwd", error if error is not None else new_error_record(), num_groups=num_experts,
                    n=hidden, k=2 * ffn, k_split=ffn, lda=ffn, ldb=ffn, ldo=hidden, b_group_stride=hidden * ffn,
-                   a1=dg, a2=du, b1=w_gate, b2=w_up, out1=dx, row_offsets=row_offsets, row_counts=row_counts)
+                   a1=dg, a2=du, b1=w_gate, b2=w_up, out1=dx, row_offsets=row_offsets, row_counts=row_counts,
+                   tmap_a1=tensor_map(dg, ffn, rows, BK, BM), tmap_a2=tensor_map(du, ffn, rows, BK, BM),
+                   tmap_b1=tensor_map(w_gate, ffn, num_experts * hidden, BK, BN),
+                   tmap_b2=tensor_map(w_up, ffn, num_experts * hidden, BK, BN))
 
 
 def down_wgrad(h, dy, row_offsets, row_counts, dw_down, error=None):
@@ -187,7 +222,8 @@ def down_wgrad(h, dy, row_offsets, row_counts, dw_down, error=None):
     _multiple("I", ffn, BM), _multiple("H", hidden, BN)
     return _launch("down_wgrad", error if error is not None else new_error_record(), num_groups=num_experts,
                    m=ffn, n=hidden, lda=ffn, ldb=hidden, ldo=hidden, o_group_stride=ffn * hidden, a1=h, b1=dy,
-                   out1=dw_down, row_offsets=row_offsets, row_counts=row_counts)
+                   out1=dw_down, row_offsets=row_offsets, row_counts=row_counts,
+                   tmap_a1=tensor_map(h, ffn, rows, 64, BK), tmap_b1=tensor_map(dy, hidden, rows, 64, BK))
 
 
 def gate_up_wgrad(x, dg, du, row_offsets, row_counts, dw_gate, dw_up, error=None):
@@ -201,4 +237,6 @@ def gate_up_wgrad(x, dg, du, row_offsets, row_counts, dw_gate, dw_up, error=None
     _multiple("H", hidden, BM), _multiple("I", ffn, BN // 2)
     return _launch("gate_up_wgrad", error if error is not None else new_error_record(), num_groups=num_experts,
                    m=hidden, n=ffn, lda=hidden, ldb=ffn, ldo=ffn, o_group_stride=hidden * ffn, a1=x, b1=dg, b2=du,
-                   out1=dw_gate, out2=dw_up, row_offsets=row_offsets, row_counts=row_counts)
+                   out1=dw_gate, out2=dw_up, row_offsets=row_offsets, row_counts=row_counts,
+                   tmap_a1=tensor_map(x, hidden, rows, 64, BK), tmap_b1=tensor_map(dg, ffn, rows, 64, BK),
+                   tmap_b2=tensor_map(du, ffn, rows, 64, BK))
