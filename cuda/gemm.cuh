@@ -210,51 +210,112 @@ __device__ __forceinline__ void mma_stage(const GemmParams* p, float (&acc)[128]
 }
 
 // Epilogue. Accumulator layout of m64nNk16: thread (warp w, lane l) holds rows 16w + l/4 (+8) and
-// columns 8j + 2(l%4) (+1) in acc[4j + 2*(row half) + (column)].
+// columns 8j + 2(l%4) (+1) in acc[4j + 2*(row half) + (column)]. A 4x4 transpose inside each quad
+// of lanes (same row) gives lane q the 8 consecutive columns of j = 4*group + q, so every store
+// (and the epilogue loads of g, u) is 16 bytes wide.
+__device__ __forceinline__ u32 pick4(const u32 (&x)[4], int i) { return i == 0 ? x[0] : i == 1 ? x[1] : i == 2 ? x[2] : x[3]; }
+
+// In: lane q of a quad holds x[i] = X[q][i]. Out: x[i] = X[i][q]. Every lane of the warp must call it.
+__device__ __forceinline__ void quad_transpose(u32 (&x)[4], int q) {
+  u32 y[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int idx = q ^ r;
+    const u32 sent = pick4(x, idx);
+    const u32 got = r == 0 ? sent : __shfl_xor_sync(0xffffffffu, sent, r);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (i == idx) y[i] = got;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[i] = y[i];
+}
+
+// The 8 consecutive fp32 columns 8(4*group + q) .. +7 of row half rh, for this lane.
+__device__ __forceinline__ void gather8(const float (&acc)[128], int rh, int group, int q, float (&f)[8]) {
+  u32 even[4], odd[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    even[i] = __float_as_uint(acc[4 * (4 * group + i) + 2 * rh]);
+    odd[i] = __float_as_uint(acc[4 * (4 * group + i) + 2 * rh + 1]);
+  }
+  quad_transpose(even, q);
+  quad_transpose(odd, q);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(even[i]);
+    f[2 * i + 1] = __uint_as_float(odd[i]);
+  }
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]), pack_bf16x2(f[6], f[7]));
+}
+
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
+  const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = bf16_lo(w[i]);
+    f[2 * i + 1] = bf16_hi(w[i]);
+  }
+}
+
 template <int kP>
 __device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile, const float (&acc)[128], int half,
                                           int wg_tid) {
   using Tr = Traits<kP>;
-  const int warp = wg_tid >> 5, lane = wg_tid & 31;
+  const int warp = wg_tid >> 5, lane = wg_tid & 31, q = lane & 3;
+  constexpr int kGroups = Tr::kDualB ? 4 : 8;  // groups of 32 columns per output matrix
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
     const int m = tile.m0 + half * 64 + warp * 16 + (lane >> 2) + rh * 8;
-    if (Tr::kRowProblem && m >= tile.rows) continue;
+    const bool valid = !Tr::kRowProblem || m < tile.rows;  // the same for the 4 lanes of a quad
     const i64 row = Tr::kRowProblem ? tile.row0 + m : m;
     float scale = 1.0f;
-    if (kP == kDown && p->row_scale) scale = ptr<const float>(p->row_scale)[row];
+    if (kP == kDown && p->row_scale && valid) scale = ptr<const float>(p->row_scale)[row];
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const float v0 = acc[4 * j + 2 * rh], v1 = acc[4 * j + 2 * rh + 1];
-      const int col = (Tr::kDualB ? (j & 15) : j) * 8 + 2 * (lane & 3);
-      if (kP == kGateUp) {
-        if (j >= 16) continue;  // u columns are consumed with their g columns
-        const float u0 = acc[4 * (j + 16) + 2 * rh], u1 = acc[4 * (j + 16) + 2 * rh + 1];
-        const i64 at = row * p->ldo + tile.n0 + col;
-        const float h0 = v0 / (1.0f + __expf(-v0)) * u0, h1 = v1 / (1.0f + __expf(-v1)) * u1;
-        *ptr<u32>(p->out1 + 2 * at) = pack_bf16x2(h0, h1);
-        if (p->out2) *ptr<u32>(p->out2 + 2 * at) = pack_bf16x2(v0, v1);
-        if (p->out3) *ptr<u32>(p->out3 + 2 * at) = pack_bf16x2(u0, u1);
+    for (int group = 0; group < kGroups; ++group) {
+      float f[8], f2[8];
+      gather8(acc, rh, group, q, f);
+      if (Tr::kDualB) gather8(acc, rh, group + 4, q, f2);  // the second matrix's same columns
+      if (!valid) continue;
+      const i64 col = tile.n0 + 8 * (4 * group + q);
+      if (kP == kGateUp) {  // f = g, f2 = u
+        float h[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) h[i] = f[i] / (1.0f + __expf(-f[i])) * f2[i];
+        const i64 at = row * p->ldo + col;
+        *ptr<uint4>(p->out1 + 2 * at) = pack8(h);
+        if (p->out2) *ptr<uint4>(p->out2 + 2 * at) = pack8(f);
+        if (p->out3) *ptr<uint4>(p->out3 + 2 * at) = pack8(f2);
       } else if (kP == kDown || kP == kGateUpBwd) {
-        const i64 at = row * p->ldo + tile.n0 + col;
-        *ptr<u32>(p->out1 + 2 * at) = pack_bf16x2(v0 * scale, v1 * scale);
-      } else if (kP == kDownBwd) {
-        const i64 at = row * p->ldo + tile.n0 + col;
-        const u32 g2 = *ptr<const u32>(p->aux1 + 2 * at), u2 = *ptr<const u32>(p->aux2 + 2 * at);
-        const float g[2] = {bf16_lo(g2), bf16_hi(g2)}, u[2] = {bf16_lo(u2), bf16_hi(u2)}, dh[2] = {v0, v1};
-        float dg[2], du[2];
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const float sig = 1.0f / (1.0f + __expf(-g[c]));
-          du[c] = dh[c] * g[c] * sig;
-          dg[c] = dh[c] * u[c] * sig * (1.0f + g[c] * (1.0f - sig));
+        for (int i = 0; i < 8; ++i) f[i] *= scale;
+        *ptr<uint4>(p->out1 + 2 * (row * p->ldo + col)) = pack8(f);
+      } else if (kP == kDownBwd) {  // f = dh
+        const i64 at = row * p->ldo + col;
+        float g[8], u[8], dg[8], du[8];
+        unpack8(*ptr<const uint4>(p->aux1 + 2 * at), g);
+        unpack8(*ptr<const uint4>(p->aux2 + 2 * at), u);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float sig = 1.0f / (1.0f + __expf(-g[i]));
+          du[i] = f[i] * g[i] * sig;
+          dg[i] = f[i] * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
         }
-        *ptr<u32>(p->out1 + 2 * at) = pack_bf16x2(dg[0], dg[1]);
-        *ptr<u32>(p->out2 + 2 * at) = pack_bf16x2(du[0], du[1]);
+        *ptr<uint4>(p->out1 + 2 * at) = pack8(dg);
+        *ptr<uint4>(p->out2 + 2 * at) = pack8(du);
       } else {  // weight gradients: fp32 [M, N] per expert
-        const i64 out = (Tr::kDualB && j >= 16) ? p->out2 : p->out1;
-        const i64 at = tile.group * p->o_group_stride + row * p->ldo + tile.n0 + col;
-        *ptr<float2>(out + 4 * at) = make_float2(v0, v1);
+        const i64 at = tile.group * p->o_group_stride + row * p->ldo + col;
+        float4* o1 = ptr<float4>(p->out1 + 4 * at);
+        o1[0] = make_float4(f[0], f[1], f[2], f[3]);
+        o1[1] = make_float4(f[4], f[5], f[6], f[7]);
+        if (Tr::kDualB) {
+          float4* o2 = ptr<float4>(p->out2 + 4 * at);
+          o2[0] = make_float4(f2[0], f2[1], f2[2], f2[3]);
+          o2[1] = make_float4(f2[4], f2[5], f2[6], f2[7]);
+        }
       }
     }
   }
@@ -296,23 +357,23 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm(const GemmParams* p)
   // cannot prove uniform gets serialized (ptxas C7518).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0), wg_tid = threadIdx.x & 127;
 
-  if (wg == 0) {  // producer: warp 0 (one lane issues TMA); the other three warps have nothing to do
-    if (wg_tid >= 32) return;
-    const int lane = wg_tid;
+  if (wg == 0) {  // producer warpgroup: thread 0 issues TMA; all 128 load a partial block with cp.async
     int stage = 0, phase = 0;
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const Tile tile = tile_of<kP>(p, tile_prefix, t);
       for (int kb = 0; kb < tile.k_blocks; ++kb) {
-        if (!mbar_wait(&empty[stage], phase ^ 1, p->timeout_ns, err, 100 + kP)) return;
+        // A failed wait is recorded and the loop runs on (no thread may leave the named barrier
+        // below); every later wait then fails at once, so the kernel ends with the error set.
+        mbar_wait(&empty[stage], phase ^ 1, p->timeout_ns, err, 100 + kP);
         const u32 s_a = s_base + stage * kStageBytes;
         if (!Tr::kRowProblem && (kb + 1) * kBK > tile.rows) {
           // NOTE: generic-proxy writes, complete and fenced before the barrier tells the consumers.
-          load_stage_cp_async<kP, 32>(p, tile, kb, s_a, s_a + kATileBytes, lane);
+          load_stage_cp_async<kP, 128>(p, tile, kb, s_a, s_a + kATileBytes, wg_tid);
           cp_async_wait_all();
           fence_proxy_async();
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&full[stage]);
-        } else if (lane == 0) {
+          asm volatile("bar.sync 1, 128;" ::: "memory");  // the producer warpgroup only
+          if (wg_tid == 0) mbar_arrive(&full[stage]);
+        } else if (wg_tid == 0) {
           load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &full[stage]);
         }
         if (++stage == kStages) { stage = 0; phase ^= 1; }
