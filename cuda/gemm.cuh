@@ -274,27 +274,28 @@ __device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile
     const i64 row = Tr::kRowProblem ? tile.row0 + m : m;
     float scale = 1.0f;
     if (kP == kDown && p->row_scale && valid) scale = ptr<const float>(p->row_scale)[row];
+    // Element offset of this row's first column in the output (and aux) matrices; a group adds
+    // 8 * (4 * group + q). Computed once per row: 64-bit addresses per group cost registers.
+    const i64 base = (Tr::kRowProblem ? 0 : tile.group * p->o_group_stride) + row * p->ldo + tile.n0 + 8 * q;
 #pragma unroll
     for (int group = 0; group < kGroups; ++group) {
       float f[8], f2[8];
       gather8(acc, rh, group, q, f);
       if (Tr::kDualB) gather8(acc, rh, group + 4, q, f2);  // the second matrix's same columns
       if (!valid) continue;
-      const i64 col = tile.n0 + 8 * (4 * group + q);
+      const i64 at = base + 32 * group;
       if (kP == kGateUp) {  // f = g, f2 = u
         float h[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) h[i] = f[i] / (1.0f + __expf(-f[i])) * f2[i];
-        const i64 at = row * p->ldo + col;
         *ptr<uint4>(p->out1 + 2 * at) = pack8(h);
         if (p->out2) *ptr<uint4>(p->out2 + 2 * at) = pack8(f);
         if (p->out3) *ptr<uint4>(p->out3 + 2 * at) = pack8(f2);
       } else if (kP == kDown || kP == kGateUpBwd) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) f[i] *= scale;
-        *ptr<uint4>(p->out1 + 2 * (row * p->ldo + col)) = pack8(f);
+        *ptr<uint4>(p->out1 + 2 * at) = pack8(f);
       } else if (kP == kDownBwd) {  // f = dh
-        const i64 at = row * p->ldo + col;
         float g[8], u[8], dg[8], du[8];
         unpack8(*ptr<const uint4>(p->aux1 + 2 * at), g);
         unpack8(*ptr<const uint4>(p->aux2 + 2 * at), u);
@@ -307,7 +308,6 @@ __device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile
         *ptr<uint4>(p->out1 + 2 * at) = pack8(dg);
         *ptr<uint4>(p->out2 + 2 * at) = pack8(du);
       } else {  // weight gradients: fp32 [M, N] per expert
-        const i64 at = tile.group * p->o_group_stride + row * p->ldo + col;
         float4* o1 = ptr<float4>(p->out1 + 4 * at);
         o1[0] = make_float4(f[0], f[1], f[2], f[3]);
         o1[1] = make_float4(f[4], f[5], f[6], f[7]);
@@ -321,10 +321,6 @@ __device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// The persistent kernel: grid = number of SMs, each CTA walks tiles blockIdx.x, +gridDim.x, ...
-// The producer runs ahead across tile boundaries, so the next tile's loads overlap the epilogue.
-// ---------------------------------------------------------------------------------------------
 template <int kP>
 __global__ void __launch_bounds__(kThreads, 1) grouped_gemm(const GemmParams* p) {
   using Tr = Traits<kP>;
