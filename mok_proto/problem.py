@@ -74,3 +74,24 @@ def make_problem(shape: MoEShape, num_ranks: int, seed: int = 0, routing: str = 
         idx = np.concatenate([np.zeros((idx.shape[0], 1), np.int32), others.astype(np.int32)], axis=1)
     return Problem(x=x, topk_idx=idx.reshape(num_ranks, n, k), topk_weights=wts.reshape(num_ranks, n, k),
                    dout=normal(num_ranks, n, h), weights=weights)
+
+
+@dataclass
+class RoutedTokens:
+    """Inputs of a communication round (no expert weights): what bench_comm and the NCCL baseline
+    move, built identically on every rank from one seed."""
+
+    x: np.ndarray  # [R, N, H] float32
+    topk_idx: np.ndarray  # [R, N, K] int32, K distinct experts per token
+    topk_weights: np.ndarray  # [R, N, K] float32, rows sum to 1
+    scale: np.ndarray  # [E] float32: the stand-in expert e computes scale[e] * x
+
+
+def make_routed_tokens(shape: MoEShape, num_ranks: int, seed: int = 0) -> RoutedTokens:
+    rng = np.random.default_rng(seed)
+    n, k, e = shape.num_tokens, shape.top_k, shape.num_experts
+    idx = np.stack([np.argsort(rng.random((n, e), dtype=np.float32), axis=1)[:, :k] for _ in range(num_ranks)])
+    w = rng.random((num_ranks, n, k), dtype=np.float32) + np.float32(0.5)
+    return RoutedTokens(x=rng.standard_normal((num_ranks, n, shape.hidden), dtype=np.float32),
+                        topk_idx=idx.astype(np.int32), topk_weights=(w / w.sum(axis=2, keepdims=True)).astype(np.float32),
+                        scale=rng.uniform(0.5, 2.0, e).astype(np.float32))

@@ -8,10 +8,14 @@ EP = number of processes and other --ep values are skipped), virtual ranks other
 
 A fixed global batch of --global-tokens (default 16384 = 2048 tokens x 8 GPUs) is spread over EP
 ranks, so EP=8 runs 2048 tokens per rank and EP=64 runs 256. Rows are float32 (4*H bytes).
+Inputs are seeded random tokens and routing (mok_proto.problem.make_routed_tokens); after timing
+each policy, every output is compared bit for bit with the NumPy round (exit 1 on a mismatch).
+Under NVSHMEM the link ceiling is measured too: every rank pulls 1 GiB from the next rank at once.
 For each (shape, EP, dispatch, combine): median/p20/p80 of each stage (one CUDA event pair per
 stage per iteration, slowest rank); logical GB/s of dispatch and combine = (token, choice) rows
-delivered x row bytes / time, next to the ceiling measured in the same run: a plain device copy,
-in bytes copied per second (a copy reads and writes each byte, as a row transfer does); and the
+delivered x row bytes / time (all ranks together), next to the ceiling measured in the same run:
+with virtual ranks a plain device copy in bytes copied per second (a copy reads and writes each
+byte, as a row transfer does); under NVSHMEM the link (GB/s per GPU, compared per GPU); and the
 signalling cost: the same stages with 4-byte rows, where the time is flags, launches and latency.
 With virtual ranks all EP ranks share ONE GPU: this measures HBM, not NVLink. Push dispatch can
 exceed the copy ceiling there: a token's K rows are read from HBM once and K-1 times from L2.
@@ -34,23 +38,46 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 from mok_proto.bench import append_result, copy_ceiling_gbs, summarize, time_stages  # noqa: E402
 from mok_proto.config import DIRECTIONS, PAPER_SHAPES, get_shape  # noqa: E402
 from mok_proto.layer.gpu_comm import GpuCommRound  # noqa: E402
-from mok_proto.problem import make_problem  # noqa: E402
+from mok_proto.layer.gpu_comm import reference_round  # noqa: E402
+from mok_proto.problem import make_routed_tokens  # noqa: E402
 
 
-def make_round(heap, shape, name):
-    """One round per (shape, EP); the policy is switched on it (buffers are shared)."""
+def make_round(heap, shape, name, check=True):
+    """One round per (shape, EP); the policy is switched on it (buffers are shared). Returns the
+    round and, for the ranks this process drives, the exact float32 outputs it must produce."""
     num_ranks = heap.num_ranks
     # Capacity: balanced load plus 50% headroom for random routing (overflow would be reported).
     expected = shape.num_tokens * shape.top_k
     rnd = GpuCommRound(heap, shape, name=name, capacity=min(int(expected * 1.5) + 64, expected * num_ranks),
                        timeout_s=30)
-    rng = np.random.default_rng(0)
-    scale = np.ones(shape.num_experts, np.float32)
+    data = make_routed_tokens(shape, num_ranks, seed=0)
+    want = {}
     for rank in rnd.ranks:
-        idx = np.argsort(rng.random((shape.num_tokens, shape.num_experts)), axis=1)[:, :shape.top_k]
-        rnd.set_inputs(rank, np.ones((shape.num_tokens, shape.hidden), np.float32), idx.astype(np.int32),
-                       np.full((shape.num_tokens, shape.top_k), 1.0 / shape.top_k, np.float32), scale)
-    return rnd
+        rnd.set_inputs(rank, data.x[rank], data.topk_idx[rank], data.topk_weights[rank], data.scale)
+        if check:
+            want[rank] = reference_round(data.x[rank:rank + 1], data.topk_idx[rank:rank + 1],
+                                         data.topk_weights[rank:rank + 1], data.scale)[0]
+    return rnd, want
+
+
+def bit_exact(rnd, want) -> bool:
+    """Every output this process drives equals the NumPy round bit for bit."""
+    return all(np.array_equal(rnd.output(rank).get(), out) for rank, out in want.items())
+
+
+def peer_pull_gbs(heap, nbytes=1 << 30, iters=10):
+    """Link ceiling under NVSHMEM: every rank copies nbytes from the next rank's symmetric buffer
+    at once (a device copy through the peer mapping), in bytes per second per GPU."""
+    import cupy
+
+    buf = heap.alloc("link-ceiling", (nbytes // 4,), np.float32)
+    dst = cupy.empty(nbytes // 4, np.float32)
+    peer = (heap.rank + 1) % heap.num_ranks
+    src = buf.instance(peer)
+    heap.barrier()
+    samples = time_stages(lambda mark: (mark("pull"), dst.__setitem__(Ellipsis, src), mark(None)), iters, 2)
+    heap.free(buf)
+    return nbytes / (np.median(samples["pull"]) * 1e-3) / 1e9
 
 
 def time_round(rnd, dispatch, combine, iters, warmup, comm=None):
@@ -74,13 +101,14 @@ def main():
     p.add_argument("--global-tokens", type=int, default=16384)
     p.add_argument("--backend", choices=("auto", "virtual", "nvshmem"), default="auto")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-check", action="store_true", help="skip the bit-exact check against NumPy")
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
 
     if args.backend == "auto":
         launched = max(int(os.environ.get(v, "1")) for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"))
         args.backend = "nvshmem" if launched > 1 else "virtual"
-    comm = None
+    comm = MPI = None
     if args.backend == "nvshmem":
         from mpi4py import MPI
 
@@ -92,12 +120,17 @@ def main():
         print(f"# bench_comm on {where}; ceiling: device copy {ceiling:.0f} GB/s copied "
               f"({2 * ceiling:.0f} GB/s read + written)")
         print(f"{'shape':<16}{'EP':>4}{'N/rank':>7} {'disp':>4} {'comb':>4} {'sched_ms':>9}{'disp_ms':>9}{'disp_GB/s':>10}"
-              f"{'%copy':>6}{'comb_ms':>9}{'comb_GB/s':>10}{'%copy':>6}{'sig_disp_ms':>12}{'sig_comb_ms':>12}")
-    heap = None
+              f"{'%ceil':>6}{'comb_ms':>9}{'comb_GB/s':>10}{'%ceil':>6}{'sig_disp_ms':>12}{'sig_comb_ms':>12}")
+    heap, link, failures = None, None, 0
     if args.backend == "nvshmem":
         from mok_proto.symm.nvshmem import NvshmemHeap
 
         heap = NvshmemHeap(comm)
+        link = peer_pull_gbs(heap)
+        link = comm.allreduce(link, op=MPI.MIN)
+        if lead:
+            print(f"# link ceiling: every rank pulls 1 GiB from the next rank at once: {link:.0f} GB/s per GPU "
+                  f"(slowest rank)")
     for shape_name, ep in itertools.product(args.shapes.split(","), (int(v) for v in args.ep.split(","))):
         shape = get_shape(shape_name).with_tokens(args.global_tokens // ep)
         if args.backend == "virtual":
@@ -106,26 +139,35 @@ def main():
             heap = VirtualWorld(ep)
         elif heap.num_ranks != ep:
             continue  # under mpirun, EP is the number of processes
-        rnd = make_round(heap, shape, f"{shape_name}.{ep}")
-        tiny = make_round(heap, dataclasses.replace(shape, hidden=1), f"{shape_name}.{ep}.h1")
+        rnd, want = make_round(heap, shape, f"{shape_name}.{ep}", check=not args.no_check)
+        tiny, _ = make_round(heap, dataclasses.replace(shape, hidden=1), f"{shape_name}.{ep}.h1", check=False)
         for dispatch, combine in itertools.product(DIRECTIONS, repeat=2):
             stats = time_round(rnd, dispatch, combine, args.iters, args.warmup, comm)
+            exact = bit_exact(rnd, want)
+            if comm is not None:
+                exact = comm.allreduce(exact, op=MPI.LAND)
+            failures += 0 if exact or args.no_check else 1
             sig = time_round(tiny, dispatch, combine, args.iters, args.warmup, comm)
             rows = shape.num_tokens * shape.top_k * ep  # (token, choice) rows moved per operator, all ranks
             moved = rows * shape.hidden * 4  # logical bytes delivered
             gbs = {op: moved / (stats[op]["median_ms"] * 1e-3) / 1e9 for op in ("dispatch", "combine")}
+            # % of the ceiling: one GPU's HBM copy (virtual ranks), or per GPU against the link (NVSHMEM).
+            pct = {op: 100 * v / ceiling if link is None else 100 * v / ep / link for op, v in gbs.items()}
             if lead:
                 print(f"{shape_name:<16}{ep:>4}{shape.num_tokens:>7} {dispatch:>4} {combine:>4} "
                       f"{stats['schedule']['median_ms']:>9.3f}{stats['dispatch']['median_ms']:>9.3f}"
-                      f"{gbs['dispatch']:>10.0f}{100 * gbs['dispatch'] / ceiling:>6.1f}"
-                      f"{stats['combine']['median_ms']:>9.3f}{gbs['combine']:>10.0f}{100 * gbs['combine'] / ceiling:>6.1f}"
+                      f"{gbs['dispatch']:>10.0f}{pct['dispatch']:>6.1f}"
+                      f"{stats['combine']['median_ms']:>9.3f}{gbs['combine']:>10.0f}{pct['combine']:>6.1f}"
                       f"{sig['dispatch']['median_ms'] + sig['expert']['median_ms']:>12.3f}"
-                      f"{sig['combine']['median_ms'] + sig['weighted_sum']['median_ms']:>12.3f}", flush=True)
+                      f"{sig['combine']['median_ms'] + sig['weighted_sum']['median_ms']:>12.3f}"
+                      f"{'' if args.no_check else ('  exact' if exact else '  MISMATCH'):>10}", flush=True)
                 append_result("bench_comm", {
                     "backend": args.backend, "shape": shape_name, "ep": ep, "tokens_per_rank": shape.num_tokens,
                     "hidden": shape.hidden, "top_k": shape.top_k, "dispatch": dispatch, "combine": combine,
                     "stages": stats, "signal_stages": sig, "dispatch_gbs": gbs["dispatch"],
-                    "combine_gbs": gbs["combine"], "copy_ceiling_gbs": ceiling,
+                    "combine_gbs": gbs["combine"], "pct_of_ceiling": pct, "copy_ceiling_gbs": ceiling,
+                    "link_ceiling_gbs": link,
+                    "bit_exact": None if args.no_check else bool(exact),
                     "note": "virtual ranks on one GPU: HBM bandwidth, not NVLink" if args.backend == "virtual" else "",
                 })
         rnd.close()
@@ -134,6 +176,9 @@ def main():
             heap.close()
     if args.backend == "nvshmem":
         heap.close()
+    if failures:
+        print(f"FAIL: {failures} policy runs differ from the NumPy round", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,0 +1,184 @@
+"""The naive baseline users would write: NCCL all_to_all_single dispatch and combine.
+
+    NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 mpirun -n 8 python scripts/bench_nccl_baseline.py
+
+One rank per GPU (torch.distributed, NCCL). Per iteration, like bench_comm.py and on the same
+inputs (mok_proto.problem.make_routed_tokens, same seed, same shapes and bytes):
+  dispatch  rows sorted by destination rank, split sizes exchanged with all_to_all_single and READ
+            BY THE HOST (.tolist(): the CPU-GPU synchronization MoK removes), token rows gathered,
+            all_to_all_single of the rows and of their expert ids;
+  expert    stand-in: y = scale[e] * row;
+  combine   all_to_all_single back, rows put into their [N*K] slots, fixed-order weighted sum.
+Median (p20, p80) of each stage over --iters iterations, slowest rank; logical GB/s = (token,
+choice) rows x row bytes / time for all ranks; the link ceiling in the same run: a 1 GiB-per-rank
+all_to_all_single (bytes leaving each GPU per second). Outputs are checked bit for bit against
+the NumPy round (exit 1 on a mismatch). JSON lines: results/bench_nccl_baseline.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+from mok_proto.bench import append_result, summarize  # noqa: E402
+from mok_proto.config import PAPER_SHAPES, get_shape  # noqa: E402
+from mok_proto.layer.gpu_comm import reference_round  # noqa: E402
+from mok_proto.problem import make_routed_tokens  # noqa: E402
+
+
+def init_distributed():
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    torch.cuda.set_device(comm.rank % torch.cuda.device_count())
+    port = comm.bcast(29500 + (os.getpid() % 1000) if comm.rank == 0 else None, root=0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("nccl", rank=comm.rank, world_size=comm.size,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    return comm
+
+
+class NcclRound:
+    """One rank's naive all-to-all round; stage(name) marks stage boundaries for timing."""
+
+    def __init__(self, data, rank, num_ranks, device="cuda"):
+        import torch
+
+        dev = torch.device(device)
+        self.rank, self.num_ranks = rank, num_ranks
+        self.x = torch.from_numpy(data.x[rank]).to(dev)
+        self.idx = torch.from_numpy(data.topk_idx[rank]).to(dev)
+        self.w = torch.from_numpy(data.topk_weights[rank]).to(dev)
+        self.scale = torch.from_numpy(data.scale).to(dev)
+        self.num_local = data.scale.shape[0] // num_ranks
+        self.top_k = self.idx.shape[1]
+
+    def run(self, mark):
+        import torch
+        import torch.distributed as dist
+
+        k, n = self.top_k, self.x.shape[0]
+        mark("dispatch")
+        flat = self.idx.reshape(-1)  # [N*K]
+        order = torch.argsort(flat // self.num_local, stable=True)  # slots grouped by destination rank
+        send_counts = torch.bincount(flat // self.num_local, minlength=self.num_ranks)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts)
+        send_split, recv_split = send_counts.tolist(), recv_counts.tolist()  # host readback
+        rows = self.x.index_select(0, order // k)
+        recv = rows.new_empty((sum(recv_split), rows.shape[1]))
+        dist.all_to_all_single(recv, rows, recv_split, send_split)
+        recv_expert = flat.new_empty(sum(recv_split))
+        dist.all_to_all_single(recv_expert, flat.index_select(0, order), recv_split, send_split)
+        mark("expert")
+        y = recv * self.scale.index_select(0, recv_expert)[:, None]
+        mark("combine")
+        back = torch.empty_like(rows)
+        dist.all_to_all_single(back, y, send_split, recv_split)
+        y_slots = torch.empty_like(back)
+        y_slots[order] = back
+        y_slots = y_slots.view(n, k, -1)
+        out = torch.zeros_like(self.x)
+        for j in range(k):  # fixed order, separate multiply and add, as the NumPy reference
+            out += self.w[:, j, None] * y_slots[:, j]
+        mark(None)
+        return out
+
+
+def timed_stages(fn, iters, warmup):
+    import torch
+
+    for _ in range(warmup):
+        fn(lambda stage: None)
+    torch.cuda.synchronize()
+    samples: dict = {}
+    for _ in range(iters):
+        events = []
+
+        def mark(stage):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            events.append((stage, ev))
+
+        fn(mark)
+        events[-1][1].synchronize()
+        for (stage, start), (_, stop) in zip(events, events[1:]):
+            samples.setdefault(stage, []).append(start.elapsed_time(stop))
+    return samples
+
+
+def link_ceiling_gbs(num_ranks, nbytes=1 << 30, iters=10):
+    """all_to_all_single of nbytes per rank: bytes that leave each GPU per second."""
+    import torch
+    import torch.distributed as dist
+
+    send = torch.ones(nbytes // 4, device="cuda")
+    recv = torch.empty_like(send)
+    samples = timed_stages(lambda mark: (mark("a2a"), dist.all_to_all_single(recv, send), mark(None)), iters, 2)
+    return nbytes * (num_ranks - 1) / num_ranks / (np.median(samples["a2a"]) * 1e-3) / 1e9
+
+
+def main():
+    import torch
+    from mpi4py import MPI
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank (2048: the EP=8 load of bench_comm)")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=10)
+    args = p.parse_args()
+    comm = init_distributed()
+    rank, num_ranks, lead = comm.rank, comm.size, comm.rank == 0
+    link = comm.allreduce(link_ceiling_gbs(num_ranks), op=MPI.MIN)
+    if lead:
+        print(f"# NCCL all_to_all_single baseline, {num_ranks} ranks on {torch.cuda.get_device_name()}; "
+              f"link ceiling (a2a, slowest rank): {link:.0f} GB/s per GPU")
+        print(f"{'shape':<16}{'R':>3}{'N/rank':>7}{'disp_ms':>9}{'disp_GB/s':>10}{'%link':>6}{'expert_ms':>10}"
+              f"{'comb_ms':>9}{'comb_GB/s':>10}{'%link':>6}  exact")
+    failures = 0
+    for shape_name in args.shapes.split(","):
+        shape = get_shape(shape_name).with_tokens(args.tokens)
+        if shape.num_experts % num_ranks:
+            continue
+        data = make_routed_tokens(shape, num_ranks, seed=0)
+        rnd = NcclRound(data, rank, num_ranks)
+        samples = timed_stages(rnd.run, args.iters, args.warmup)
+        out = rnd.run(lambda stage: None).cpu().numpy()
+        want = reference_round(data.x[rank:rank + 1], data.topk_idx[rank:rank + 1], data.topk_weights[rank:rank + 1],
+                               data.scale)[0]
+        exact = comm.allreduce(bool(np.array_equal(out, want)), op=MPI.LAND)
+        failures += 0 if exact else 1
+        stats = {stage: summarize(v) for stage, v in samples.items()}
+        for s in stats.values():
+            s["median_ms"] = comm.allreduce(s["median_ms"], op=MPI.MAX)
+        moved = shape.num_tokens * shape.top_k * num_ranks * shape.hidden * 4
+        gbs = {op: moved / (stats[op]["median_ms"] * 1e-3) / 1e9 for op in ("dispatch", "combine")}
+        pct = {op: 100 * v / num_ranks / link for op, v in gbs.items()}
+        if lead:
+            print(f"{shape_name:<16}{num_ranks:>3}{shape.num_tokens:>7}{stats['dispatch']['median_ms']:>9.3f}"
+                  f"{gbs['dispatch']:>10.0f}{pct['dispatch']:>6.1f}{stats['expert']['median_ms']:>10.3f}"
+                  f"{stats['combine']['median_ms']:>9.3f}{gbs['combine']:>10.0f}{pct['combine']:>6.1f}  "
+                  f"{'yes' if exact else 'MISMATCH'}", flush=True)
+            append_result("bench_nccl_baseline", {
+                "shape": shape_name, "ranks": num_ranks, "tokens_per_rank": shape.num_tokens, "hidden": shape.hidden,
+                "top_k": shape.top_k, "stages": stats, "dispatch_gbs": gbs["dispatch"], "combine_gbs": gbs["combine"],
+                "pct_of_link": pct, "link_ceiling_gbs": link, "bit_exact": bool(exact)})
+    torch.distributed.destroy_process_group()
+    if failures:
+        print(f"FAIL: {failures} shapes differ from the NumPy round", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
