@@ -86,6 +86,12 @@ class RoutedTokens:
     topk_weights: np.ndarray  # [R, N, K] float32, rows sum to 1
     scale: np.ndarray  # [E] float32: the stand-in expert e computes scale[e] * x
 
+    def remote_rows(self) -> int:
+        """(token, choice) rows whose expert lives on another rank: the rows that cross links."""
+        num_ranks = self.topk_idx.shape[0]
+        owner = self.topk_idx // (self.scale.shape[0] // num_ranks)  # [R, N, K]
+        return int((owner != np.arange(num_ranks)[:, None, None]).sum())
+
 
 def make_routed_tokens(shape: MoEShape, num_ranks: int, seed: int = 0) -> RoutedTokens:
     rng = np.random.default_rng(seed)

@@ -15,7 +15,8 @@ For each (shape, EP, dispatch, combine): median/p20/p80 of each stage (one CUDA 
 stage per iteration, slowest rank); logical GB/s of dispatch and combine = (token, choice) rows
 delivered x row bytes / time (all ranks together), next to the ceiling measured in the same run:
 with virtual ranks a plain device copy in bytes copied per second (a copy reads and writes each
-byte, as a row transfer does); under NVSHMEM the link (GB/s per GPU, compared per GPU); and the
+byte, as a row transfer does); under NVSHMEM the link, against the bytes that cross it per GPU
+(rows whose expert is on the same rank stay local); and the
 signalling cost: the same stages with 4-byte rows, where the time is flags, launches and latency.
 With virtual ranks all EP ranks share ONE GPU: this measures HBM, not NVLink. Push dispatch can
 exceed the copy ceiling there: a token's K rows are read from HBM once and K-1 times from L2.
@@ -44,7 +45,8 @@ from mok_proto.problem import make_routed_tokens  # noqa: E402
 
 def make_round(heap, shape, name, check=True):
     """One round per (shape, EP); the policy is switched on it (buffers are shared). Returns the
-    round and, for the ranks this process drives, the exact float32 outputs it must produce."""
+    round, the exact float32 outputs it must produce for the ranks this process drives, and the
+    number of rows that cross a link."""
     num_ranks = heap.num_ranks
     # Capacity: balanced load plus 50% headroom for random routing (overflow would be reported).
     expected = shape.num_tokens * shape.top_k
@@ -57,7 +59,7 @@ def make_round(heap, shape, name, check=True):
         if check:
             want[rank] = reference_round(data.x[rank:rank + 1], data.topk_idx[rank:rank + 1],
                                          data.topk_weights[rank:rank + 1], data.scale)[0]
-    return rnd, want
+    return rnd, want, data.remote_rows()
 
 
 def bit_exact(rnd, want) -> bool:
@@ -139,8 +141,8 @@ def main():
             heap = VirtualWorld(ep)
         elif heap.num_ranks != ep:
             continue  # under mpirun, EP is the number of processes
-        rnd, want = make_round(heap, shape, f"{shape_name}.{ep}", check=not args.no_check)
-        tiny, _ = make_round(heap, dataclasses.replace(shape, hidden=1), f"{shape_name}.{ep}.h1", check=False)
+        rnd, want, remote_rows = make_round(heap, shape, f"{shape_name}.{ep}", check=not args.no_check)
+        tiny, _, _ = make_round(heap, dataclasses.replace(shape, hidden=1), f"{shape_name}.{ep}.h1", check=False)
         for dispatch, combine in itertools.product(DIRECTIONS, repeat=2):
             stats = time_round(rnd, dispatch, combine, args.iters, args.warmup, comm)
             exact = bit_exact(rnd, want)
@@ -151,8 +153,11 @@ def main():
             rows = shape.num_tokens * shape.top_k * ep  # (token, choice) rows moved per operator, all ranks
             moved = rows * shape.hidden * 4  # logical bytes delivered
             gbs = {op: moved / (stats[op]["median_ms"] * 1e-3) / 1e9 for op in ("dispatch", "combine")}
-            # % of the ceiling: one GPU's HBM copy (virtual ranks), or per GPU against the link (NVSHMEM).
-            pct = {op: 100 * v / ceiling if link is None else 100 * v / ep / link for op, v in gbs.items()}
+            # % of the ceiling: one GPU's HBM copy (virtual ranks: all bytes), or the link (NVSHMEM: the
+            # bytes that cross it, per GPU; rows whose expert is local never leave the GPU).
+            crossing = remote_rows * shape.hidden * 4 / ep
+            pct = {op: 100 * gbs[op] / ceiling if link is None
+                   else 100 * crossing / (stats[op]["median_ms"] * 1e-3) / 1e9 / link for op in gbs}
             if lead:
                 print(f"{shape_name:<16}{ep:>4}{shape.num_tokens:>7} {dispatch:>4} {combine:>4} "
                       f"{stats['schedule']['median_ms']:>9.3f}{stats['dispatch']['median_ms']:>9.3f}"
@@ -166,6 +171,7 @@ def main():
                     "hidden": shape.hidden, "top_k": shape.top_k, "dispatch": dispatch, "combine": combine,
                     "stages": stats, "signal_stages": sig, "dispatch_gbs": gbs["dispatch"],
                     "combine_gbs": gbs["combine"], "pct_of_ceiling": pct, "copy_ceiling_gbs": ceiling,
+                    "remote_rows": remote_rows,
                     "link_ceiling_gbs": link,
                     "bit_exact": None if args.no_check else bool(exact),
                     "note": "virtual ranks on one GPU: HBM bandwidth, not NVLink" if args.backend == "virtual" else "",

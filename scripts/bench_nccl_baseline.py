@@ -10,7 +10,8 @@ inputs (mok_proto.problem.make_routed_tokens, same seed, same shapes and bytes):
   expert    stand-in: y = scale[e] * row;
   combine   all_to_all_single back, rows put into their [N*K] slots, fixed-order weighted sum.
 Median (p20, p80) of each stage over --iters iterations, slowest rank; logical GB/s = (token,
-choice) rows x row bytes / time for all ranks; the link ceiling in the same run: a 1 GiB-per-rank
+choice) rows x row bytes / time for all ranks; %link: the bytes that leave each GPU (rows whose
+expert is remote) per second against the link ceiling measured in the same run, a 1 GiB-per-rank
 all_to_all_single (bytes leaving each GPU per second). Outputs are checked bit for bit against
 the NumPy round (exit 1 on a mismatch). JSON lines: results/bench_nccl_baseline.jsonl.
 """
@@ -163,7 +164,8 @@ def main():
             s["median_ms"] = comm.allreduce(s["median_ms"], op=MPI.MAX)
         moved = shape.num_tokens * shape.top_k * num_ranks * shape.hidden * 4
         gbs = {op: moved / (stats[op]["median_ms"] * 1e-3) / 1e9 for op in ("dispatch", "combine")}
-        pct = {op: 100 * v / num_ranks / link for op, v in gbs.items()}
+        crossing = data.remote_rows() * shape.hidden * 4 / num_ranks  # bytes that leave each GPU
+        pct = {op: 100 * crossing / (stats[op]["median_ms"] * 1e-3) / 1e9 / link for op in gbs}
         if lead:
             print(f"{shape_name:<16}{num_ranks:>3}{shape.num_tokens:>7}{stats['dispatch']['median_ms']:>9.3f}"
                   f"{gbs['dispatch']:>10.0f}{pct['dispatch']:>6.1f}{stats['expert']['median_ms']:>10.3f}"
@@ -172,7 +174,8 @@ def main():
             append_result("bench_nccl_baseline", {
                 "shape": shape_name, "ranks": num_ranks, "tokens_per_rank": shape.num_tokens, "hidden": shape.hidden,
                 "top_k": shape.top_k, "stages": stats, "dispatch_gbs": gbs["dispatch"], "combine_gbs": gbs["combine"],
-                "pct_of_link": pct, "link_ceiling_gbs": link, "bit_exact": bool(exact)})
+                "pct_of_link": pct, "link_ceiling_gbs": link, "remote_rows": data.remote_rows(),
+                "bit_exact": bool(exact)})
     torch.distributed.destroy_process_group()
     if failures:
         print(f"FAIL: {failures} shapes differ from the NumPy round", file=sys.stderr)
