@@ -19,28 +19,51 @@ def summarize(samples_ms):
             "p80_ms": float(np.percentile(a, 80)), "iters": int(a.size)}
 
 
-def time_stages(enqueue, iters: int, warmup: int):
-    """enqueue(mark) enqueues one iteration and calls mark(stage) before each stage and mark(None)
-    at the end. Returns {stage: [ms per iteration]} plus 'total'."""
-    import cupy
+def slowest_rank(stats: dict, comm) -> dict:
+    """Replace each stage's median by the largest over the ranks of `comm` (None: one process)."""
+    if comm is not None:
+        from mpi4py import MPI
 
+        for st in stats.values():
+            st["median_ms"] = comm.allreduce(st["median_ms"], op=MPI.MAX)
+    return stats
+
+
+def _events(api: str):
+    """(new timing event, synchronize the device, elapsed ms between two events) of CuPy or PyTorch."""
+    if api == "torch":
+        import torch
+
+        return (lambda: torch.cuda.Event(enable_timing=True)), torch.cuda.synchronize, lambda a, b: a.elapsed_time(b)
+    if api == "cupy":
+        import cupy
+
+        return cupy.cuda.Event, cupy.cuda.runtime.deviceSynchronize, cupy.cuda.get_elapsed_time
+    raise ValueError(f"event api must be cupy or torch, got {api!r}")
+
+
+def time_stages(enqueue, iters: int, warmup: int, api: str = "cupy"):
+    """enqueue(mark) enqueues one iteration and calls mark(stage) before each stage and mark(None)
+    at the end (work outside the marks is not timed). Returns {stage: [ms per iteration]} plus
+    'total' (first mark to last)."""
+    new_event, synchronize, elapsed = _events(api)
     for _ in range(warmup):
         enqueue(lambda stage: None)
-    cupy.cuda.Device().synchronize()
+    synchronize()
     samples: dict[str, list] = {}
     for _ in range(iters):
         events = []
 
         def mark(stage):
-            ev = cupy.cuda.Event()
+            ev = new_event()
             ev.record()
             events.append((stage, ev))
 
         enqueue(mark)
         events[-1][1].synchronize()
         for (stage, start), (_, stop) in zip(events, events[1:]):
-            samples.setdefault(stage, []).append(cupy.cuda.get_elapsed_time(start, stop))
-        samples.setdefault("total", []).append(cupy.cuda.get_elapsed_time(events[0][1], events[-1][1]))
+            samples.setdefault(stage, []).append(elapsed(start, stop))
+        samples.setdefault("total", []).append(elapsed(events[0][1], events[-1][1]))
     return samples
 
 

@@ -36,7 +36,7 @@ import numpy as np
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
-from mok_proto.bench import append_result, copy_ceiling_gbs, summarize, time_stages  # noqa: E402
+from mok_proto.bench import append_result, copy_ceiling_gbs, slowest_rank, summarize, time_stages  # noqa: E402
 from mok_proto.config import DIRECTIONS, PAPER_SHAPES, get_shape  # noqa: E402
 from mok_proto.layer.gpu_comm import GpuCommRound  # noqa: E402
 from mok_proto.layer.gpu_comm import reference_round  # noqa: E402
@@ -87,13 +87,7 @@ def time_round(rnd, dispatch, combine, iters, warmup, comm=None):
     rnd.dispatch, rnd.combine = dispatch, combine
     samples = time_stages(rnd.enqueue, iters, warmup)
     rnd.check()
-    stats = {stage: summarize(v) for stage, v in samples.items()}
-    if comm is not None:
-        from mpi4py import MPI
-
-        for s in stats.values():
-            s["median_ms"] = comm.allreduce(s["median_ms"], op=MPI.MAX)
-    return stats
+    return slowest_rank({stage: summarize(v) for stage, v in samples.items()}, comm)
 
 
 def main():

@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from mok_proto.bench import append_result, summarize
+from mok_proto.bench import append_result, summarize, time_stages
 from mok_proto.config import PAPER_SHAPES, get_shape
 from mok_proto.kernels import gemm
 
@@ -37,22 +37,18 @@ def rows_per_expert(total, num_experts, routing):
 
 
 def timed(fn, iters, warmup, flush):
+    """One event pair around fn per iteration, after an L2 flush and a GPU sleep that hides the
+    host's launch cost (neither is timed)."""
     import torch
 
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
+    def iteration(mark):
         flush.zero_()
-        # Keep the GPU busy while the host enqueues, so host-side launch cost never shows as GPU time.
         torch.cuda._sleep(200_000)
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        mark("run")
         fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(start.elapsed_time(stop))
-    return summarize(samples)
+        mark(None)
+
+    return summarize(time_stages(iteration, iters, warmup, api="torch")["run"])
 
 
 def grouped_mm(a, b, offs):

@@ -27,7 +27,7 @@ import numpy as np
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-from mok_proto.bench import append_result, summarize  # noqa: E402
+from mok_proto.bench import append_result, slowest_rank, summarize, time_stages  # noqa: E402
 from mok_proto.config import PAPER_SHAPES, get_shape  # noqa: E402
 from mok_proto.layer.gpu_comm import reference_round  # noqa: E402
 from mok_proto.problem import make_routed_tokens  # noqa: E402
@@ -95,28 +95,6 @@ class NcclRound:
         return out
 
 
-def timed_stages(fn, iters, warmup):
-    import torch
-
-    for _ in range(warmup):
-        fn(lambda stage: None)
-    torch.cuda.synchronize()
-    samples: dict = {}
-    for _ in range(iters):
-        events = []
-
-        def mark(stage):
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            events.append((stage, ev))
-
-        fn(mark)
-        events[-1][1].synchronize()
-        for (stage, start), (_, stop) in zip(events, events[1:]):
-            samples.setdefault(stage, []).append(start.elapsed_time(stop))
-    return samples
-
-
 def link_ceiling_gbs(num_ranks, nbytes=1 << 30, iters=10):
     """all_to_all_single of nbytes per rank: bytes that leave each GPU per second."""
     import torch
@@ -124,7 +102,8 @@ def link_ceiling_gbs(num_ranks, nbytes=1 << 30, iters=10):
 
     send = torch.ones(nbytes // 4, device="cuda")
     recv = torch.empty_like(send)
-    samples = timed_stages(lambda mark: (mark("a2a"), dist.all_to_all_single(recv, send), mark(None)), iters, 2)
+    samples = time_stages(lambda mark: (mark("a2a"), dist.all_to_all_single(recv, send), mark(None)), iters, 2,
+                          api="torch")
     return nbytes * (num_ranks - 1) / num_ranks / (np.median(samples["a2a"]) * 1e-3) / 1e9
 
 
@@ -153,15 +132,13 @@ def main():
             continue
         data = make_routed_tokens(shape, num_ranks, seed=0)
         rnd = NcclRound(data, rank, num_ranks)
-        samples = timed_stages(rnd.run, args.iters, args.warmup)
+        samples = time_stages(rnd.run, args.iters, args.warmup, api="torch")
         out = rnd.run(lambda stage: None).cpu().numpy()
         want = reference_round(data.x[rank:rank + 1], data.topk_idx[rank:rank + 1], data.topk_weights[rank:rank + 1],
                                data.scale)[0]
         exact = comm.allreduce(bool(np.array_equal(out, want)), op=MPI.LAND)
         failures += 0 if exact else 1
-        stats = {stage: summarize(v) for stage, v in samples.items()}
-        for s in stats.values():
-            s["median_ms"] = comm.allreduce(s["median_ms"], op=MPI.MAX)
+        stats = slowest_rank({stage: summarize(v) for stage, v in samples.items()}, comm)
         moved = shape.num_tokens * shape.top_k * num_ranks * shape.hidden * 4
         gbs = {op: moved / (stats[op]["median_ms"] * 1e-3) / 1e9 for op in ("dispatch", "combine")}
         crossing = data.remote_rows() * shape.hidden * 4 / num_ranks  # bytes that leave each GPU
