@@ -119,7 +119,8 @@ def main():
     args = p.parse_args()
     comm = init_distributed()
     rank, num_ranks, lead = comm.rank, comm.size, comm.rank == 0
-    link = comm.allreduce(link_ceiling_gbs(num_ranks), op=MPI.MIN)
+    # One rank has no link: then nothing crosses one, and no ceiling or % is reported.
+    link = comm.allreduce(link_ceiling_gbs(num_ranks), op=MPI.MIN) if num_ranks > 1 else float("nan")
     if lead:
         print(f"# NCCL all_to_all_single baseline, {num_ranks} ranks on {torch.cuda.get_device_name()}; "
               f"link ceiling (a2a, slowest rank): {link:.0f} GB/s per GPU")
@@ -142,7 +143,8 @@ def main():
         moved = shape.num_tokens * shape.top_k * num_ranks * shape.hidden * 4
         gbs = {op: moved / (stats[op]["median_ms"] * 1e-3) / 1e9 for op in ("dispatch", "combine")}
         crossing = data.remote_rows() * shape.hidden * 4 / num_ranks  # bytes that leave each GPU
-        pct = {op: 100 * crossing / (stats[op]["median_ms"] * 1e-3) / 1e9 / link for op in gbs}
+        pct = {op: 100 * crossing / (stats[op]["median_ms"] * 1e-3) / 1e9 / link if num_ranks > 1 else float("nan")
+               for op in gbs}
         if lead:
             print(f"{shape_name:<16}{num_ranks:>3}{shape.num_tokens:>7}{stats['dispatch']['median_ms']:>9.3f}"
                   f"{gbs['dispatch']:>10.0f}{pct['dispatch']:>6.1f}{stats['expert']['median_ms']:>10.3f}"
