@@ -10,10 +10,11 @@
 //
 // Producer/consumer contract of a round (epoch = state[0], raised by begin_round):
 //   allgather_routing --kFlagRouting--> build_schedule --kFlagMap--> dispatch_push, (combine_pull)
-//   dispatch_push --kFlagDispatch--> expert_scale --kFlagReady--> combine_pull
-//   combine_push --kFlagCombine--> weighted_sum
-// A kernel only ever waits for flags raised by EARLIER launches (or other processes), so no
-// launch needs its own blocks to be co-resident with each other to make progress.
+//   dispatch_push --kFlagDispatch--> wait_peers (then expert_scale) --kFlagReady--> combine_pull
+//   combine_push --kFlagCombine--> wait_peers (then weighted_sum)
+// A push's receiver waits in its own wait_peers launch, so a timed push stage includes its
+// completion wait, as a pull does. A kernel only ever waits for flags raised by EARLIER launches
+// (or other processes), so no launch needs its own blocks to be co-resident to make progress.
 #pragma once
 #include "common.cuh"
 
@@ -102,6 +103,14 @@ __global__ void begin_round(const CommParams* p) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// wait_peers: the receiver side of a push: wait until every peer raised flag `kind` this round.
+// grid (1, W), block 128. Later launches in the stream see the peers' rows.
+// ---------------------------------------------------------------------------------------------
+__global__ void wait_peers(const CommParams* p, int kind, int op) {
+  wait_all_peers(p, rank_of(p), kind, op);
+}
+
+// ---------------------------------------------------------------------------------------------
 // allgather_routing: my topk_idx [N*K] into routing[my rank] of every peer, then kFlagRouting.
 // Moves R * N*K * 4 bytes per rank.  grid (nb, W).
 // NOTE: x must be in its symmetric buffer before this launch: the routing flag also publishes x.
@@ -128,8 +137,9 @@ __global__ void allgather_routing(const CommParams* p) {
 // Also writes dst_slot[s] on every source rank (the combine/push map), then kFlagMap.
 // grid (1, W), block 1024, dynamic smem 2 * El * R ints. Reads R*N*K*4 bytes twice; the slot
 // formula costs O(R) per pair (fine for R <= 72; a multi-block version is future work).
-// On overflow (rows > C) it reports kErrCapacity, places nothing (dst_slot = -1) and still
-// signals, so no peer hangs; the host raises CapacityError.
+// On overflow (rows > C) it reports kErrCapacity, places nothing (dst_slot = -1) and the round
+// runs on (a capacity error stops no wait), so every peer still gets its signals and none hangs;
+// the host raises CapacityError.
 // ---------------------------------------------------------------------------------------------
 __global__ void build_schedule(const CommParams* p) {
   extern __shared__ int smem[];
@@ -226,7 +236,7 @@ __global__ void dispatch_pull(const CommParams* p) {
     const int src = sv.src_rank[i];
     char* dst = row_ptr(p->recv, rank, i, p->row_words);
     if (src < 0)
-      warp_zero_row<kVec>(dst, static_cast<int>(p->row_words), lane);
+      warp_zero_row(dst, static_cast<int>(p->row_words), lane);
     else
       warp_copy_row<kVec>(dst, row_ptr(p->x, src, sv.src_slot[i] / p->top_k, p->row_words),
                           static_cast<int>(p->row_words), lane);
@@ -252,28 +262,25 @@ __global__ void dispatch_push(const CommParams* p) {
 
 // ---------------------------------------------------------------------------------------------
 // expert_scale (stand-in for the expert FFN): y[i] = scale[expert of row i] * recv[i], padding 0.
-// wait_dispatch: wait for kFlagDispatch from all R first (push dispatch).
-// signal_ready: raise kFlagReady on every peer when done (pull combine).  grid (nb, W).
+// One warp per row. signal_ready: raise kFlagReady on every peer when done (pull combine).
+// grid (nb, W).
 // ---------------------------------------------------------------------------------------------
-__global__ void expert_scale(const CommParams* p, int wait_dispatch, int signal_ready) {
-  const int rank = rank_of(p), num_ranks = static_cast<int>(p->num_ranks), el = static_cast<int>(p->num_local_experts);
-  const u64 epoch = epoch_of(p, rank);
-  if (wait_dispatch && !wait_all_peers(p, rank, kFlagDispatch, kOpExpert))
-    return;
+__global__ void expert_scale(const CommParams* p, int signal_ready) {
+  const int rank = rank_of(p), lane = threadIdx.x & 31, el = static_cast<int>(p->num_local_experts);
   const SchedView sv = sched_of(p, rank);
   const int num_slots = sv.offsets[el];
   const float* scale = at<float>(p->scale, rank) + rank * el;
   const i64 hidden = p->hidden;
-  const float* recv = at<float>(p->recv, rank);
-  float* y = at<float>(p->y, rank);
-  for (i64 i = blockIdx.x * blockDim.x + threadIdx.x; i < num_slots * hidden; i += gridDim.x * blockDim.x) {
-    const int row = static_cast<int>(i / hidden);
+  for (int row = global_warp(); row < num_slots; row += num_warps()) {
     int l = 0;  // expert of this row: last l with offsets[l] <= row
     while (l + 1 < el && sv.offsets[l + 1] <= row) ++l;
-    y[i] = sv.src_rank[row] < 0 ? 0.0f : __fmul_rn(recv[i], scale[l]);
+    const bool real = sv.src_rank[row] >= 0;
+    const float* in = at<float>(p->recv, rank) + row * hidden;
+    float* out = at<float>(p->y, rank) + row * hidden;
+    for (i64 h = lane; h < hidden; h += 32) out[h] = real ? __fmul_rn(in[h], scale[l]) : 0.0f;
   }
   if (signal_ready && last_block(counter_of(p, rank, kOpExpert)))
-    signal_all(p->flags, kFlagReady, num_ranks, rank, epoch);
+    signal_all(p->flags, kFlagReady, static_cast<int>(p->num_ranks), rank, epoch_of(p, rank));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -306,7 +313,7 @@ __global__ void combine_pull(const CommParams* p) {
   for_my_slots(p, rank, [&](i64 s, int owner, int slot) {
     char* dst = row_ptr(p->slots, rank, s, p->row_words);
     if (slot < 0)
-      warp_zero_row<kVec>(dst, static_cast<int>(p->row_words), lane);
+      warp_zero_row(dst, static_cast<int>(p->row_words), lane);
     else
       warp_copy_row<kVec>(dst, row_ptr(p->y, owner, slot, p->row_words), static_cast<int>(p->row_words), lane);
   });
@@ -315,12 +322,10 @@ __global__ void combine_pull(const CommParams* p) {
 // ---------------------------------------------------------------------------------------------
 // weighted_sum: out[t] = base[t] + sum_{j=0..K-1} w[t,j] * slots[t*K+j], j in order, each
 // product and sum rounded separately (no FMA), exactly as NumPy's reference.weighted_sum.
-// wait_combine: wait for kFlagCombine from all R first (push combine).  grid (nb, W).
+// grid (nb, W).
 // ---------------------------------------------------------------------------------------------
-__global__ void weighted_sum(const CommParams* p, int wait_combine) {
+__global__ void weighted_sum(const CommParams* p) {
   const int rank = rank_of(p);
-  if (wait_combine && !wait_all_peers(p, rank, kFlagCombine, kOpWeightedSum))
-    return;
   const i64 hidden = p->hidden, top_k = p->top_k;
   const float* base = at<float>(p->base, rank);
   const float* w = at<float>(p->topk_w, rank);

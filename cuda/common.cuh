@@ -27,6 +27,12 @@ __device__ __forceinline__ bool has_error(const ErrorRecord* err) {
   return *reinterpret_cast<const volatile u64*>(&err->code) != 0;
 }
 
+// A timed-out wait poisons the round: later waits in this process give up at once. A capacity
+// error does not: the round runs on (placing nothing) so every peer still gets its signals.
+__device__ __forceinline__ bool has_timeout(const ErrorRecord* err) {
+  return *reinterpret_cast<const volatile u64*>(&err->code) == kErrTimeout;
+}
+
 __device__ __forceinline__ void report_error(ErrorRecord* err, int code, int op, int rank, i64 peer,
                                              i64 expected, i64 seen) {
   if (atomicCAS(&err->code, 0ull, static_cast<u64>(code)) == 0ull) {
@@ -55,14 +61,14 @@ __device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
 }
 
 // One thread waits until *flag >= epoch. False (and an error record) after timeout_ns, or at once
-// if another wait in this process already failed (so a failure never cascades into more waits).
+// if another wait in this process already timed out (so a failure never cascades into more waits).
 __device__ __forceinline__ bool wait_flag(const u64* flag, u64 epoch, u64 timeout_ns, ErrorRecord* err,
                                           int op, int rank, int peer) {
   const u64 start = globaltimer_ns();
   for (;;) {
     const u64 seen = ld_acquire_sys(flag);
     if (seen >= epoch) return true;
-    if (has_error(err)) return false;
+    if (has_timeout(err)) return false;
     if (globaltimer_ns() - start > timeout_ns) {
       report_error(err, kErrTimeout, op, rank, peer, static_cast<i64>(epoch), static_cast<i64>(seen));
       return false;
@@ -135,7 +141,6 @@ __device__ __forceinline__ void warp_copy_row(void* dst, const void* src, int wo
   }
 }
 
-template <int kVec>
 __device__ __forceinline__ void warp_zero_row(void* dst, int words, int lane) {
   unsigned int* d = reinterpret_cast<unsigned int*>(dst);
   for (int i = lane; i < words; i += 32) d[i] = 0u;

@@ -20,12 +20,14 @@ def summarize(samples_ms):
 
 
 def slowest_rank(stats: dict, comm) -> dict:
-    """Replace each stage's median by the largest over the ranks of `comm` (None: one process)."""
+    """Replace each stage's median, p20 and p80 by the largest over the ranks of `comm` (None: one
+    process): every statistic is the slowest rank's."""
     if comm is not None:
         from mpi4py import MPI
 
         for st in stats.values():
-            st["median_ms"] = comm.allreduce(st["median_ms"], op=MPI.MAX)
+            for key in ("median_ms", "p20_ms", "p80_ms"):
+                st[key] = comm.allreduce(st[key], op=MPI.MAX)
     return stats
 
 

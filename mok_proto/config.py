@@ -53,9 +53,11 @@ class MoEShape:
         return dataclasses.replace(self, num_tokens=num_tokens)
 
     def forward_flops(self) -> int:
-        """MoK's count per rank: 6 * (N + N*K) * H * I (shared + routed, 3 GEMMs each)."""
-        n_rows = self.num_tokens * (self.num_shared + self.top_k)
-        return 6 * n_rows * self.hidden * self.ffn
+        """MoK's count per rank: 6 * (N + N*K) * H * I (shared + routed, 3 GEMMs each); with a
+        shared FFN size Is != I the shared part counts 6 * N * H * Is."""
+        routed = self.num_tokens * self.top_k * self.ffn
+        shared = self.num_tokens * self.num_shared * self.shared_ffn_size
+        return 6 * self.hidden * (routed + shared)
 
     def describe(self) -> str:
         return (f"{self.name}: N={self.num_tokens} H={self.hidden} I={self.ffn} E={self.num_experts} "
@@ -115,7 +117,7 @@ class RunConfig:
     shape: MoEShape
     num_ranks: int = 1  # R
     policy: dict = field(default_factory=lambda: dict(MOK_POLICY))
-    minibatch: int = 0  # tokens per minibatch; 0 = the whole batch in one minibatch
+    minibatch: int = 0  # tokens per minibatch (0 = whole batch): for the fused GPU layer; no layer uses it yet
     seed: int = 0
     dtype: str = "float32"
     timeout_s: float = 30.0  # every spin-wait gives up after this and reports who it waited for
@@ -135,8 +137,8 @@ class RunConfig:
             raise ValueError(f"minibatch must be an integer >= 0, got {self.minibatch!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if not 0 < self.timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
 
     @property
     def num_local_experts(self) -> int:

@@ -6,7 +6,8 @@ Every rank builds every rank's inputs from one seed, runs its part of the distri
 and compares its slice with the single-process reference over all ranks' data. Rank 0 prints
 one row per rank: shape, policy, time, max relative error, and SHA-256 of the output and of
 all gradients (equal checksums = bitwise-equal results across runs and policies).
-Exit codes: 0 ok, 1 mismatch against the reference, 2 bad argument.
+Exit codes: 0 ok, 1 mismatch against the reference or a protocol error (a peer timed out, a
+buffer would overflow: one line per rank says which), 2 bad argument.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 from mok_proto import reference
 from mok_proto.config import PRESETS, RunConfig, format_policy, get_shape, parse_policy
 from mok_proto.problem import make_problem
+from mok_proto.symm.base import CapacityError, SymmTimeoutError
 
 BACKENDS = ("auto", "cpu", "gpu")
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}  # max |got - ref| / max |ref|, per array
@@ -67,8 +69,11 @@ def checksum(arrays) -> str:
 
 
 def rel_error(got, ref) -> float:
-    scale = max(float(np.abs(ref).max()), 1e-30) if ref.size else 1.0
-    return float(np.abs(got.astype(np.float64) - ref).max()) / scale if ref.size else 0.0
+    """max |got - ref| / max |ref|; inf if anything is not finite (NaN never compares as small)."""
+    if not ref.size:
+        return 0.0
+    err = float(np.abs(got.astype(np.float64) - ref).max()) / max(float(np.abs(ref).max()), 1e-30)
+    return err if np.isfinite(err) else float("inf")
 
 
 def run_rank(comm, args):
@@ -140,6 +145,9 @@ def main(argv=None) -> int:
         if comm.rank == 0:
             print(f"mok_proto.demo: error: {e}", file=sys.stderr)
         return 2
+    except (SymmTimeoutError, CapacityError) as e:  # the protocol failed: say where, every rank
+        print(f"mok_proto.demo: rank {comm.rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     rows = comm.gather(row, root=0)
     tol = TOLERANCE[args.dtype]
     ok = comm.allreduce(row["max_err"] <= tol, op=MPI.LAND)

@@ -159,6 +159,8 @@ def _check_inputs(x, topk_idx, topk_weights, weights):
         if weights["shared_gate"].shape != (hidden, s_ffn) or weights["shared_up"].shape != (hidden, s_ffn) \
                 or weights["shared_down"].shape != (s_ffn, hidden):
             raise ValueError("weights: shared_gate/shared_up must be [H,Is] and shared_down [Is,H]")
+    if topk_idx.dtype.kind not in "iu":
+        raise ValueError(f"topk_idx must be integers, got {topk_idx.dtype}")
     if topk_idx.size and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= num_experts):
         raise ValueError(f"topk_idx values must be in [0, {num_experts})")
     return bool(shared)

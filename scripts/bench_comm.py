@@ -62,8 +62,14 @@ def make_round(heap, shape, name, check=True):
     return rnd, want, data.remote_rows()
 
 
-def bit_exact(rnd, want) -> bool:
-    """Every output this process drives equals the NumPy round bit for bit."""
+def bit_exact(heap, rnd, want) -> bool:
+    """One more round on NaN-poisoned buffers; every output this process drives must equal the
+    NumPy round bit for bit (a row read before it landed would read NaN)."""
+    heap.barrier()
+    rnd.poison()
+    rnd.enqueue()
+    rnd.check()
+    heap.barrier()
     return all(np.array_equal(rnd.output(rank).get(), out) for rank, out in want.items())
 
 
@@ -118,6 +124,11 @@ def main():
         print(f"{'shape':<16}{'EP':>4}{'N/rank':>7} {'disp':>4} {'comb':>4} {'sched_ms':>9}{'disp_ms':>9}{'disp_GB/s':>10}"
               f"{'%ceil':>6}{'comb_ms':>9}{'comb_GB/s':>10}{'%ceil':>6}{'sig_disp_ms':>12}{'sig_comb_ms':>12}")
     heap, link, failures = None, None, 0
+    if args.backend == "nvshmem" and comm.size not in [int(v) for v in args.ep.split(",")]:
+        if lead:
+            print(f"bench_comm: error: {comm.size} processes, but --ep is {args.ep}; pass --ep {comm.size}",
+                  file=sys.stderr)
+        return 2
     if args.backend == "nvshmem":
         from mok_proto.symm.nvshmem import NvshmemHeap
 
@@ -134,12 +145,12 @@ def main():
 
             heap = VirtualWorld(ep)
         elif heap.num_ranks != ep:
-            continue  # under mpirun, EP is the number of processes
+            continue  # under mpirun, EP is the number of processes (checked below)
         rnd, want, remote_rows = make_round(heap, shape, f"{shape_name}.{ep}", check=not args.no_check)
         tiny, _, _ = make_round(heap, dataclasses.replace(shape, hidden=1), f"{shape_name}.{ep}.h1", check=False)
         for dispatch, combine in itertools.product(DIRECTIONS, repeat=2):
             stats = time_round(rnd, dispatch, combine, args.iters, args.warmup, comm)
-            exact = bit_exact(rnd, want)
+            exact = bit_exact(heap, rnd, want) if want else True
             if comm is not None:
                 exact = comm.allreduce(exact, op=MPI.LAND)
             failures += 0 if exact or args.no_check else 1

@@ -4,11 +4,13 @@
 
 One rank per GPU (torch.distributed, NCCL). Per iteration, like bench_comm.py and on the same
 inputs (mok_proto.problem.make_routed_tokens, same seed, same shapes and bytes):
-  dispatch  rows sorted by destination rank, split sizes exchanged with all_to_all_single and READ
-            BY THE HOST (.tolist(): the CPU-GPU synchronization MoK removes), token rows gathered,
-            all_to_all_single of the rows and of their expert ids;
+  layout    slots sorted by destination rank, split sizes exchanged with all_to_all_single and
+            READ BY THE HOST (.tolist(): the CPU-GPU synchronization MoK removes);
+  dispatch  token rows gathered, all_to_all_single of the rows and of their expert ids;
   expert    stand-in: y = scale[e] * row;
-  combine   all_to_all_single back, rows put into their [N*K] slots, fixed-order weighted sum.
+  combine   all_to_all_single back, rows put into their [N*K] slots;
+  weighted_sum  fixed-order weighted sum.
+The stages match bench_comm.py's (layout ~ its routing all-gather + schedule).
 Median (p20, p80) of each stage over --iters iterations, slowest rank; logical GB/s = (token,
 choice) rows x row bytes / time for all ranks; %link: the bytes that leave each GPU (rows whose
 expert is remote) per second against the link ceiling measured in the same run, a 1 GiB-per-rank
@@ -68,13 +70,14 @@ class NcclRound:
         import torch.distributed as dist
 
         k, n = self.top_k, self.x.shape[0]
-        mark("dispatch")
+        mark("layout")  # what bench_comm's routing all-gather + schedule do
         flat = self.idx.reshape(-1)  # [N*K]
         order = torch.argsort(flat // self.num_local, stable=True)  # slots grouped by destination rank
         send_counts = torch.bincount(flat // self.num_local, minlength=self.num_ranks)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts)
         send_split, recv_split = send_counts.tolist(), recv_counts.tolist()  # host readback
+        mark("dispatch")
         rows = self.x.index_select(0, order // k)
         recv = rows.new_empty((sum(recv_split), rows.shape[1]))
         dist.all_to_all_single(recv, rows, recv_split, send_split)
@@ -88,6 +91,7 @@ class NcclRound:
         y_slots = torch.empty_like(back)
         y_slots[order] = back
         y_slots = y_slots.view(n, k, -1)
+        mark("weighted_sum")
         out = torch.zeros_like(self.x)
         for j in range(k):  # fixed order, separate multiply and add, as the NumPy reference
             out += self.w[:, j, None] * y_slots[:, j]
@@ -124,8 +128,8 @@ def main():
     if lead:
         print(f"# NCCL all_to_all_single baseline, {num_ranks} ranks on {torch.cuda.get_device_name()}; "
               f"link ceiling (a2a, slowest rank): {link:.0f} GB/s per GPU")
-        print(f"{'shape':<16}{'R':>3}{'N/rank':>7}{'disp_ms':>9}{'disp_GB/s':>10}{'%link':>6}{'expert_ms':>10}"
-              f"{'comb_ms':>9}{'comb_GB/s':>10}{'%link':>6}  exact")
+        print(f"{'shape':<16}{'R':>3}{'N/rank':>7}{'layout_ms':>10}{'disp_ms':>9}{'disp_GB/s':>10}{'%link':>6}"
+              f"{'expert_ms':>10}{'comb_ms':>9}{'comb_GB/s':>10}{'%link':>6}{'wsum_ms':>9}  exact")
     failures = 0
     for shape_name in args.shapes.split(","):
         shape = get_shape(shape_name).with_tokens(args.tokens)
@@ -146,9 +150,10 @@ def main():
         pct = {op: 100 * crossing / (stats[op]["median_ms"] * 1e-3) / 1e9 / link if num_ranks > 1 else float("nan")
                for op in gbs}
         if lead:
-            print(f"{shape_name:<16}{num_ranks:>3}{shape.num_tokens:>7}{stats['dispatch']['median_ms']:>9.3f}"
-                  f"{gbs['dispatch']:>10.0f}{pct['dispatch']:>6.1f}{stats['expert']['median_ms']:>10.3f}"
-                  f"{stats['combine']['median_ms']:>9.3f}{gbs['combine']:>10.0f}{pct['combine']:>6.1f}  "
+            print(f"{shape_name:<16}{num_ranks:>3}{shape.num_tokens:>7}{stats['layout']['median_ms']:>10.3f}"
+                  f"{stats['dispatch']['median_ms']:>9.3f}{gbs['dispatch']:>10.0f}{pct['dispatch']:>6.1f}"
+                  f"{stats['expert']['median_ms']:>10.3f}{stats['combine']['median_ms']:>9.3f}{gbs['combine']:>10.0f}"
+                  f"{pct['combine']:>6.1f}{stats['weighted_sum']['median_ms']:>9.3f}  "
                   f"{'yes' if exact else 'MISMATCH'}", flush=True)
             append_result("bench_nccl_baseline", {
                 "shape": shape_name, "ranks": num_ranks, "tokens_per_rank": shape.num_tokens, "hidden": shape.hidden,

@@ -307,3 +307,16 @@ def test_bool_is_not_an_integer_field():
     shape = MoEShape("b", hidden=4, ffn=4, num_experts=4, top_k=2, num_tokens=2)
     with pytest.raises(ValueError, match="minibatch"):
         RunConfig(shape, minibatch=True)
+
+
+def test_timeout_must_be_finite():
+    shape = MoEShape("t", hidden=4, ffn=4, num_experts=4, top_k=2, num_tokens=2)
+    with pytest.raises(ValueError, match="timeout_s"):
+        RunConfig(shape, timeout_s=float("inf"))
+    with pytest.raises(ValueError, match="timeout_s"):
+        RunConfig(shape, timeout_s=float("nan"))
+
+
+def test_forward_flops_counts_the_shared_ffn_size():
+    shape = MoEShape("t", hidden=8, ffn=4, num_experts=4, top_k=2, num_tokens=3, shared_ffn=6)
+    assert shape.forward_flops() == 6 * 8 * (3 * 2 * 4 + 3 * 6)

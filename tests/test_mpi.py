@@ -68,3 +68,16 @@ def test_demo_bad_argument_one_line_exit_2(args, message):
 def test_demo_ranks_not_dividing_experts_exit_2():
     proc = run_ranks(5, "-m", "mok_proto.demo", expect_rc=2)  # small has E=24
     assert "not divisible" in proc.stderr
+
+
+def test_demo_error_never_hides_a_nan():
+    import numpy as np
+
+    from mok_proto.demo import rel_error
+
+    ref = np.ones((2, 3))
+    assert rel_error(ref, ref) == 0.0
+    bad = ref.copy()
+    bad[1, 2] = np.nan
+    assert rel_error(bad, ref) == float("inf")
+    assert rel_error(ref * 1.5, ref) == 0.5

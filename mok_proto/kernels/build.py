@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import time
 from pathlib import Path
 
 CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 CXX_OPTIONS = ("-std=c++17",)
 MODULES: dict[str, "CudaModule"] = {}
+RECHECK_S = 1.0  # how often a launch looks for edited headers
 
 
 _DIGEST: dict = {}  # (cuda dir, file stamps) -> digest: a stat per header per launch, no re-hashing
@@ -77,17 +79,25 @@ class CudaModule:
         if not (CUDA_DIR / header).is_file():
             raise FileNotFoundError(f"no CUDA header {header!r} under {CUDA_DIR}")
         self.header, self.names, self.archs = header, tuple(names), tuple(archs)
+        self._functions: dict = {}  # name -> (time looked up, kernel)
         MODULES[header] = self
 
     def function(self, name: str):
-        """The compiled kernel for one registered name expression (compiles on first use)."""
+        """The compiled kernel for one registered name expression (compiles on first use). Launch
+        paths call this per launch: the headers are looked at (stat, no hashing) at most every
+        RECHECK_S seconds, so an edited header still recompiles on a later launch."""
         if name not in self.names:
             raise KeyError(f"{name!r} is not registered in {self.header}; add it to its CudaModule names")
+        now = time.monotonic()
+        cached = self._functions.get(name)
+        if cached is not None and now - cached[0] < RECHECK_S:
+            return cached[1]
         arch = gpu_arch()
         if arch not in self.archs:
             raise RuntimeError(f"{self.header} is written for {', '.join(self.archs)}; this GPU is {arch}")
-        module = _compile(self.header, self.names, arch, source_digest())
-        return module.get_function(name)
+        function = _compile(self.header, self.names, arch, source_digest()).get_function(name)
+        self._functions[name] = (now, function)
+        return function
 
     def instantiation_source(self) -> str:
         """A .cu translation unit that makes nvcc instantiate every registered kernel."""

@@ -29,7 +29,7 @@ THREADS = 256  # copy kernels: 8 warps, one row per warp
 SCHEDULE_THREADS = 1024
 
 MODULE = CudaModule("comm.cuh", (
-    "mok::begin_round", "mok::allgather_routing", "mok::build_schedule",
+    "mok::begin_round", "mok::wait_peers", "mok::allgather_routing", "mok::build_schedule",
     "mok::dispatch_pull<1>", "mok::dispatch_pull<4>", "mok::dispatch_push<1>", "mok::dispatch_push<4>",
     "mok::expert_scale", "mok::combine_push<1>", "mok::combine_push<4>", "mok::combine_pull<1>",
     "mok::combine_pull<4>", "mok::weighted_sum",
@@ -72,6 +72,12 @@ def begin_round(params, launch: Launch):
     _go("mok::begin_round", (1, launch.num_launch_ranks), (32,), (params,))
 
 
+def wait_peers(params, launch: Launch, kind: str, op: str):
+    """The receiver side of a push: one block per launch-rank waits for flag `kind` from all peers."""
+    _go("mok::wait_peers", (1, launch.num_launch_ranks), (128,),
+        (params, np.int32(FLAG_KINDS.index(kind)), np.int32(OPS.index(op))))
+
+
 def allgather_routing(params, launch: Launch):
     _go("mok::allgather_routing", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
 
@@ -91,9 +97,9 @@ def dispatch_push(params, launch: Launch):
     _go(f"mok::dispatch_push<{launch.vec}>", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
 
 
-def expert_scale(params, launch: Launch, wait_dispatch: bool, signal_ready: bool):
+def expert_scale(params, launch: Launch, signal_ready: bool):
     _go("mok::expert_scale", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,),
-        (params, np.int32(wait_dispatch), np.int32(signal_ready)))
+        (params, np.int32(signal_ready)))
 
 
 def combine_push(params, launch: Launch):
@@ -104,6 +110,5 @@ def combine_pull(params, launch: Launch):
     _go(f"mok::combine_pull<{launch.vec}>", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
 
 
-def weighted_sum(params, launch: Launch, wait_combine: bool):
-    _go("mok::weighted_sum", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,),
-        (params, np.int32(wait_combine)))
+def weighted_sum(params, launch: Launch):
+    _go("mok::weighted_sum", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))

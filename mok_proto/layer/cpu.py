@@ -61,10 +61,13 @@ class CpuMoELayer:
         """x [N,H], topk_idx/topk_weights [N,K] -> out [N,H]; keeps what backward needs."""
         run, shape, rank = self.run, self.run.shape, self.rank
         x = self._check("x", x, (shape.num_tokens, shape.hidden), self.dtype)
-        topk_idx = self._check("topk_idx", topk_idx, (shape.num_tokens, shape.top_k), np.int32)
+        raw_idx = np.asarray(topk_idx)
+        if not np.issubdtype(raw_idx.dtype, np.integer):
+            raise ValueError(f"topk_idx must be integers, got {raw_idx.dtype}")
+        if raw_idx.size and (raw_idx.min() < 0 or raw_idx.max() >= shape.num_experts):
+            raise ValueError(f"topk_idx values must be in [0, {shape.num_experts})")  # before the int32 cast
+        topk_idx = self._check("topk_idx", raw_idx, (shape.num_tokens, shape.top_k), np.int32)
         topk_weights = self._check("topk_weights", topk_weights, (shape.num_tokens, shape.top_k), self.dtype)
-        if topk_idx.size and (topk_idx.min() < 0 or topk_idx.max() >= shape.num_experts):
-            raise ValueError(f"topk_idx values must be in [0, {shape.num_experts})")
         self.epoch += 1
         epoch, timeout = self.epoch, run.timeout_s
 

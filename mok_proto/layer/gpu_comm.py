@@ -33,6 +33,8 @@ class GpuCommRound:
         for op, mode in (("dispatch", dispatch), ("combine", combine)):
             if mode not in DIRECTIONS:
                 raise ValueError(f"{op} must be push or pull, got {mode!r}")
+        if not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
         num_ranks = heap.num_ranks
         if shape.num_experts % num_ranks:
             raise ValueError(f"E={shape.num_experts} experts are not divisible by R={num_ranks} ranks")
@@ -69,6 +71,7 @@ class GpuCommRound:
             blocks_per_rank = max(1, min(4 * num_sms() // len(ranks), -(-max(n * k, cap) // 8)))
         self.launch = kc.Launch(len(ranks), blocks_per_rank, 4 if h % 4 == 0 else 1)
         self.timeout_s = timeout_s
+        self.failed = False
 
     # -----------------------------------------------------------------------------------------
     def set_inputs(self, rank, x, topk_idx, topk_weights, scale, base=None):
@@ -82,6 +85,8 @@ class GpuCommRound:
             if tuple(np.shape(a)) != want:
                 raise ValueError(f"{name} must have shape {want}, got {np.shape(a)}")
         idx = np.asarray(topk_idx)
+        if not np.issubdtype(idx.dtype, np.integer):
+            raise ValueError(f"topk_idx must be integers, got {idx.dtype}")
         if idx.size and (idx.min() < 0 or idx.max() >= s.num_experts):
             raise ValueError(f"topk_idx values must be in [0, {s.num_experts})")
         for name, (a, _) in checks.items():
@@ -91,20 +96,30 @@ class GpuCommRound:
     def enqueue(self, mark=None):
         """Enqueue one round on the current stream. `mark(stage)` (optional) is called before each
         stage and once with None at the end (benchmarks record CUDA events there)."""
+        if self.failed:
+            raise RuntimeError("this round reported an error before; build a new GpuCommRound")
         p, launch, mark = self.params, self.launch, mark or (lambda stage: None)
         mark("begin")
         kc.begin_round(p, launch)
         kc.allgather_routing(p, launch)
         mark("schedule")
         kc.build_schedule(p, launch, self.heap.num_ranks, self.num_local)
-        mark("dispatch")
-        (kc.dispatch_pull if self.dispatch == "pull" else kc.dispatch_push)(p, launch)
+        mark("dispatch")  # a push stage includes its receiver's wait, as a pull does
+        if self.dispatch == "pull":
+            kc.dispatch_pull(p, launch)
+        else:
+            kc.dispatch_push(p, launch)
+            kc.wait_peers(p, launch, "dispatch", "dispatch (push)")
         mark("expert")
-        kc.expert_scale(p, launch, wait_dispatch=self.dispatch == "push", signal_ready=self.combine == "pull")
+        kc.expert_scale(p, launch, signal_ready=self.combine == "pull")
         mark("combine")
-        (kc.combine_push if self.combine == "push" else kc.combine_pull)(p, launch)
+        if self.combine == "push":
+            kc.combine_push(p, launch)
+            kc.wait_peers(p, launch, "combine", "combine (push)")
+        else:
+            kc.combine_pull(p, launch)
         mark("weighted_sum")
-        kc.weighted_sum(p, launch, wait_combine=self.combine == "push")
+        kc.weighted_sum(p, launch)
         mark(None)
 
     def capture(self):
@@ -120,11 +135,13 @@ class GpuCommRound:
         return graph
 
     def check(self):
-        """Synchronize and raise what the error record holds (the only host readback)."""
+        """Synchronize and raise what the error record holds (the only host readback). After an
+        error the round is spent: flags, counters and epochs may be mid-round; build a new one."""
         import cupy
 
         cupy.cuda.Device().synchronize()
         code, op, rank, peer, expected, seen = (int(v) for v in self.error.get()[:6])
+        self.failed = self.failed or code != 0
         if code == kc.ERR_TIMEOUT:
             raise SymmTimeoutError(kc.OPS[op], rank, peer, expected, seen, self.timeout_s)
         if code == kc.ERR_CAPACITY:
@@ -138,6 +155,14 @@ class GpuCommRound:
         for buf in self.bufs.values():
             self.heap.free(buf)
         self.bufs = {}
+
+    def poison(self):
+        """NaN into every row buffer of the ranks this process drives (call between rounds, after a
+        barrier): a consumer that reads before its producer's rows landed then reads NaN instead of
+        the previous round's identical rows, so a missing wait cannot pass a bitwise check."""
+        for rank in self.ranks:
+            for key in ("recv", "y", "slots", "out"):
+                self.bufs[key].instance(rank)[...] = np.nan
 
     def output(self, rank):
         return self.bufs["out"].instance(rank)

@@ -49,11 +49,12 @@ class MpiArray(SymmetricArray):
 
     def put_rows(self, peer, rows, values):
         rows = self._check_rows(rows)
-        values = np.ascontiguousarray(values, dtype=self.dtype)
+        # Exactly one row of values per row index (a wrong size is an error, never a short or long copy).
+        values = np.ascontiguousarray(values, dtype=self.dtype).reshape((rows.size,) + self.shape[1:])
         if rows.size == 0:
             return
         if peer == self.heap.rank:
-            self.local[rows] = values.reshape((rows.size,) + self.shape[1:])
+            self.local[rows] = values
             return
         target = self._rows_type(rows)
         self.win.Put([values, rows.size * self.row_items, self.mpi_type], peer, target=(0, 1, target))

@@ -6,7 +6,9 @@
     world.run_threads(fn)                      # fn(world.rank_view(r)) in W threads
 
 Each rank's instance starts on a 256-byte boundary (the per-rank stride is padded). One kernel
-launch covers every rank, so all of a kernel's blocks must be co-resident for cross-rank spins.
+launch covers every rank: a kernel that spun on a flag raised by another block of the SAME launch
+would need all its blocks co-resident; the round's kernels (cuda/comm.cuh) only wait for flags of
+earlier launches, so they do not.
 The host path (rank views) exists for conformance tests: alloc/signals/barrier are collective
 among the W threads, like alloc is collective among processes elsewhere.
 """

@@ -50,6 +50,7 @@ def main():
         for policy in policies:
             layer.policy = policy  # same buffers, new directions: the epochs keep growing
             for repeat in range(2):
+                poison(layer, heap)
                 got = {"out": layer.forward(prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])}
                 got.update(layer.backward(prob.dout[rank]))
                 blob = {key: got[key].tobytes() for key in got}
@@ -60,6 +61,16 @@ def main():
                     assert blob[key] == first[key], f"rank {rank}: {key} differs under {policy} (repeat {repeat})"
     if rank == 0:
         print(f"OK R={num_ranks} {args.shape} routing={args.routing}: {len(policies)} policies x 2 runs bitwise equal")
+
+
+def poison(layer, heap):
+    """NaN into every row buffer between rounds (all ranks idle: barriers on both sides), so a row
+    read before it landed reads NaN, not the previous round's identical bytes."""
+    heap.barrier()
+    for buf in (layer.tokens, layer.token_slots_out, layer.token_slots_in, layer.expert_in, layer.expert_out):
+        buf.local[...] = np.nan
+        buf.publish()
+    heap.barrier()
 
 
 def check_against_reference(comm, got, ref, tokens, experts):

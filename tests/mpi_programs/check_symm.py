@@ -51,6 +51,14 @@ def check_put_get_signal(heap):
             assert (got[0] == 1000 * epoch + src).all() and (got[1] == 100 * epoch + src).all(), got
         assert flags.read(0, rank) == epoch
         heap.barrier()
+    # A values block that does not hold exactly one row per index is refused (no short/long copy).
+    for bad_values in (np.zeros((1, width - 1), np.float32), np.zeros((2, width), np.float32)):
+        try:
+            a.put_rows((rank + 1) % num_ranks, [0], bad_values)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"put_rows accepted values of shape {bad_values.shape} for one row")
     # Row indices out of range are refused, not written somewhere else.
     for bad in ([rows], [-1]):
         try:
@@ -90,6 +98,16 @@ def check_layer_failures(comm, backend):
             assert "rank 0" in str(e), str(e)
         else:
             raise AssertionError("overflow was not reported")
+    # Routing that is not integer, or out of range before any cast, is refused on every rank.
+    with make_heap(backend, comm) as heap:
+        layer = CpuMoELayer(heap, RunConfig(shape, num_ranks=comm.size, timeout_s=5), prob.local_weights(rank))
+        for bad in (prob.topk_idx[rank] + 0.5, prob.topk_idx[rank].astype(np.int64) + 2 ** 32):
+            try:
+                layer.forward(prob.x[rank], bad, prob.topk_weights[rank])
+            except ValueError as e:
+                assert "topk_idx" in str(e), str(e)
+            else:
+                raise AssertionError(f"forward accepted topk_idx of dtype {bad.dtype} with values {bad.max()}")
     # Missing peer: the last rank never enters forward; every other rank reports it, no hang.
     if comm.size > 1:
         with make_heap(backend, comm) as heap:
