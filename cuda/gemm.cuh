@@ -1,6 +1,8 @@
 // Grouped BF16 GEMMs of the expert FFNs on Hopper: a producer warp issuing TMA tile loads into a
 // 4-stage mbarrier pipeline, two consumer warpgroups issuing wgmma (fp32 accumulators), fused
-// epilogues.
+// epilogues. CTAs run in clusters of two that share the B operand: the pair's tiles are stacked
+// along M (same expert, same columns), each CTA loads half of B and multicasts it to both, which
+// halves B's L2 -> SM traffic (the kernel is L2-bandwidth bound without it).
 //
 // Legend: T_e rows of expert e (ragged, read from device memory), H hidden, I expert FFN,
 //         El experts in the group. Row buffers are [rows, *] with expert e's rows at
@@ -20,6 +22,10 @@
 // zero-filling cp.async instead of TMA, so no expert sums another's rows and ragged sizes
 // (0, 1, 129, ...) need no padding. Weight gradients: one CTA owns one output tile and sums K in
 // order: deterministic, no atomics.
+// Clusters: tile t of the pair grid (tile pairs along M) is run by both CTAs of one cluster; CTA
+// rank r takes M tile 2i + r. Where an expert has an odd number of M tiles the last pair's rank 1
+// recomputes its partner's tile (its loads stay in bounds, its half of B is still needed) and
+// stores nothing.
 //
 // Per tile (BM x BN x K): loads (BM + BN) * K * 2 bytes, 2 * BM * BN * K FLOPs.
 #pragma once
@@ -30,11 +36,15 @@ namespace gemm {
 
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
 constexpr int kThreads = 384;  // warpgroup 0: producer; 1, 2: consumers
+constexpr int kCluster = 2;    // CTAs per cluster (tile pairs along M sharing B)
+constexpr int kConsumerWarps = 8;
 constexpr int kATileBytes = kBM * kBK * 2;  // 16 KB
 constexpr int kBTileBytes = kBN * kBK * 2;  // 32 KB
 constexpr int kStageBytes = kATileBytes + kBTileBytes;
 constexpr int kMaxGroups = 1024;
-constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + (kMaxGroups + 1) * 4;
+constexpr int kStagingFloats = 2 * 8 * 32;  // per consumer warp: 2 slots of 8 rows x 32 fp32 (epilogue)
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kConsumerWarps * kStagingFloats * 4 + 2 * kStages * 8 +
+                           (kMaxGroups + 1) * 4;
 
 enum Problem : int { kGateUp = 0, kDown = 1, kDownBwd = 2, kGateUpBwd = 3, kDownWgrad = 4, kGateUpWgrad = 5 };
 
@@ -46,17 +56,15 @@ struct GemmParams {
   i64 b_group_stride;  // elements between experts' weights (row problems)
   i64 o_group_stride;  // elements between experts' outputs (weight gradients)
   i64 k_split;         // kGateUpBwd: k < k_split reads a1/b1, else a2/b2 at k - k_split
-  i64 desc_mn_lbo;     // MN-major descriptor strides (bytes), exposed for the layout self-test
-  i64 desc_mn_sbo;
   i64 timeout_ns;      // every pipeline wait is bounded
   i64 a1, a2, b1, b2;  // operand addresses (bf16)
   i64 out1, out2, out3;
-  i64 aux1, aux2;      // kDownBwd: g, u (bf16 [rows, I])
   i64 row_scale;       // kDown: optional fp32 [rows] (0 = none)
   i64 row_offsets;     // int32 [El]
   i64 row_counts;      // int32 [El]
   i64 error;           // ErrorRecord*
   i64 tmap_a1, tmap_a2, tmap_b1, tmap_b2;  // CUtensorMap addresses (global memory), 128B swizzle
+  i64 tmap_aux1, tmap_aux2;                // kDownBwd: g, u in boxes of 128 rows x 64 columns
 };
 
 template <int kP> struct Traits {
@@ -65,51 +73,69 @@ template <int kP> struct Traits {
   static constexpr int kAMajorMN = kRowProblem ? 0 : 1;
   static constexpr int kBMajorMN = (kP == kDownBwd || kP == kGateUpBwd) ? 0 : 1;
   static constexpr int kTileN = kDualB ? kBN / 2 : kBN;  // columns per output matrix per tile
+  // kDownBwd: after a tile's k-blocks the producer loads the tile's g and u through the same ring,
+  // 64 columns (2 x 16 KB) per stage, so the epilogue reads them from shared memory.
+  static constexpr int kAuxStages = kP == kDownBwd ? kBN / 64 : 0;
 };
 
 struct Tile {
   int group, m0, n0, row0, rows, k_blocks;
+  bool store;  // false: a duplicate of the partner CTA's tile (odd M tile count), not written
 };
 
 template <typename T>
 __device__ __forceinline__ T* ptr(i64 address) { return reinterpret_cast<T*>(address); }
 
-// Tile t of this problem. Row problems: per expert ceil(T_e / BM) row tiles x n tiles, tile_prefix
-// holds the running count of row tiles. Weight gradients: (M/BM) x n tiles per expert.
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Pair tile t of this problem, as run by cluster CTA `rank`. Row problems: per expert
+// ceil(ceil(T_e / BM) / 2) pair rows x n tiles; pair_prefix holds the running count of pair rows.
+// Weight gradients: ceil((M / BM) / 2) pair rows x n tiles per expert.
 template <int kP>
-__device__ __forceinline__ Tile tile_of(const GemmParams* p, const int* tile_prefix, int t) {
+__device__ __forceinline__ Tile tile_of(const GemmParams* p, const int* pair_prefix, int t, int rank) {
   using Tr = Traits<kP>;
   const int n_tiles = static_cast<int>(p->n) / Tr::kTileN;
   Tile tile;
+  int m_tile, m_tiles;
   if (Tr::kRowProblem) {
-    const int mt = t / n_tiles;
-    int lo = 0, hi = static_cast<int>(p->num_groups);  // last group with prefix <= mt
+    const int mp = t / n_tiles;
+    int lo = 0, hi = static_cast<int>(p->num_groups);  // last group with prefix <= mp
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
-      if (tile_prefix[mid] <= mt) lo = mid; else hi = mid;
+      if (pair_prefix[mid] <= mp) lo = mid; else hi = mid;
     }
     tile.group = lo;
-    tile.m0 = (mt - tile_prefix[lo]) * kBM;
-    tile.n0 = (t - mt * n_tiles) * Tr::kTileN;
+    m_tile = 2 * (mp - pair_prefix[lo]) + rank;
+    tile.n0 = (t - mp * n_tiles) * Tr::kTileN;
     tile.k_blocks = static_cast<int>(p->k) / kBK;
   } else {
-    const int m_tiles = static_cast<int>(p->m) / kBM, per_group = m_tiles * n_tiles;
+    m_tiles = static_cast<int>(p->m) / kBM;
+    const int per_group = ceil_div(m_tiles, 2) * n_tiles;
     tile.group = t / per_group;
     const int r = t - tile.group * per_group;
-    tile.m0 = (r / n_tiles) * kBM;
+    m_tile = 2 * (r / n_tiles) + rank;
     tile.n0 = (r % n_tiles) * Tr::kTileN;
   }
   tile.row0 = ptr<const int>(p->row_offsets)[tile.group];
   tile.rows = ptr<const int>(p->row_counts)[tile.group];
-  if (!Tr::kRowProblem) tile.k_blocks = (tile.rows + kBK - 1) / kBK;
+  if (Tr::kRowProblem) {
+    m_tiles = ceil_div(tile.rows, kBM);
+  } else {
+    tile.k_blocks = ceil_div(tile.rows, kBK);
+  }
+  tile.store = m_tile < m_tiles;
+  tile.m0 = (tile.store ? m_tile : m_tile - 1) * kBM;
   return tile;
 }
 
 // ---------------------------------------------------------------------------------------------
-// TMA load of one full stage by one thread: A [BM x BK] and B [BK x BN] as 64-element-wide boxes.
+// TMA load of one full stage by one thread: A [BM x BK] (this CTA's own) and half of B [BK x BN]
+// (multicast to both CTAs of the cluster; the partner loads the other half), as 64-element-wide
+// boxes (MN-major) or 128-row boxes (K-major). The stage's barrier counts all of its bytes.
 // ---------------------------------------------------------------------------------------------
 template <int kP>
-__device__ __forceinline__ void load_stage_tma(const GemmParams* p, const Tile& tile, int kb, u32 s_a, u32 s_b, u64* bar) {
+__device__ __forceinline__ void load_stage_tma(const GemmParams* p, const Tile& tile, int kb, u32 s_a, u32 s_b, u64* bar,
+                                               int rank) {
   using Tr = Traits<kP>;
   const int k0 = kb * kBK;
   const bool second = kP == kGateUpBwd && k0 >= p->k_split;  // dx: dg/Wg, then du/Wu
@@ -121,16 +147,19 @@ __device__ __forceinline__ void load_stage_tma(const GemmParams* p, const Tile& 
   } else {  // 128 rows x 64 k
     tma_load_2d(s_a, second ? p->tmap_a2 : p->tmap_a1, k_in, tile.row0 + tile.m0, bar);
   }
-  if (Tr::kBMajorMN) {  // four atoms of 64 n x 64 k rows
+  constexpr unsigned short kBoth = (1u << kCluster) - 1;
+  if (Tr::kBMajorMN) {  // four atoms of 64 n x 64 k rows; this CTA loads atoms 2 rank, 2 rank + 1
     const int k_row = Tr::kRowProblem ? tile.group * static_cast<int>(p->k) + k0 : tile.row0 + k0;
 #pragma unroll
-    for (int atom = 0; atom < 4; ++atom) {
+    for (int i = 0; i < 2; ++i) {
+      const int atom = 2 * rank + i;
       const bool b2 = Tr::kDualB && atom >= 2;
       const int col = tile.n0 + (Tr::kDualB ? (atom & 1) : atom) * 64;
-      tma_load_2d(s_b + atom * 8192, b2 ? p->tmap_b2 : p->tmap_b1, col, k_row, bar);
+      tma_load_2d_multicast(s_b + atom * 8192, b2 ? p->tmap_b2 : p->tmap_b1, col, k_row, bar, kBoth);
     }
-  } else {  // 256 n rows x 64 k
-    tma_load_2d(s_b, second ? p->tmap_b2 : p->tmap_b1, k_in, tile.group * static_cast<int>(p->n) + tile.n0, bar);
+  } else {  // 256 n rows x 64 k; this CTA loads rows 128 rank .. 128 rank + 127
+    tma_load_2d_multicast(s_b + rank * 16384, second ? p->tmap_b2 : p->tmap_b1, k_in,
+                          tile.group * static_cast<int>(p->n) + tile.n0 + 128 * rank, bar, kBoth);
   }
 }
 
@@ -199,7 +228,7 @@ __device__ __forceinline__ void load_stage_cp_async(const GemmParams* p, const T
 template <int kP>
 __device__ __forceinline__ void mma_stage(const GemmParams* p, float (&acc)[128], u32 s_a, u32 s_b, int half) {
   using Tr = Traits<kP>;
-  const u32 mn_lbo = static_cast<u32>(p->desc_mn_lbo), mn_sbo = static_cast<u32>(p->desc_mn_sbo);
+  constexpr u32 mn_lbo = kBK * 128, mn_sbo = 1024;  // (compile-time: nothing is loaded per k-block)
 #pragma unroll
   for (int ks = 0; ks < kBK / 16; ++ks) {
     const u64 da = Tr::kAMajorMN ? wgmma_desc(s_a + half * 8192 + ks * 2048, mn_lbo, mn_sbo)
@@ -210,43 +239,39 @@ __device__ __forceinline__ void mma_stage(const GemmParams* p, float (&acc)[128]
 }
 
 // Epilogue. Accumulator layout of m64nNk16: thread (warp w, lane l) holds rows 16w + l/4 (+8) and
-// columns 8j + 2(l%4) (+1) in acc[4j + 2*(row half) + (column)]. A 4x4 transpose inside each quad
-// of lanes (same row) gives lane q the 8 consecutive columns of j = 4*group + q, so every store
-// (and the epilogue loads of g, u) is 16 bytes wide.
-__device__ __forceinline__ u32 pick4(const u32 (&x)[4], int i) { return i == 0 ? x[0] : i == 1 ? x[1] : i == 2 ? x[2] : x[3]; }
-
-// In: lane q of a quad holds x[i] = X[q][i]. Out: x[i] = X[i][q]. Every lane of the warp must call it.
-__device__ __forceinline__ void quad_transpose(u32 (&x)[4], int q) {
-  u32 y[4];
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int idx = q ^ r;
-    const u32 sent = pick4(x, idx);
-    const u32 got = r == 0 ? sent : __shfl_xor_sync(0xffffffffu, sent, r);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      if (i == idx) y[i] = got;
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) x[i] = y[i];
+// columns 8j + 2(l%4) (+1) in acc[4j + 2*(row half) + (column)]. Each warp stages 32 columns of
+// its 8 rows of one row half (a "group") in shared memory and reads them back so that lane l holds
+// the 8 consecutive columns 8(l%4) .. +7 of row l/4: every global store (and the epilogue loads of
+// g, u) is 16 bytes wide. A slot is 8 rows x 32 fp32; 16-byte chunk c of row r sits at chunk
+// c ^ (2r % 8), so the float2 writes are free of bank conflicts.
+__device__ __forceinline__ int staged_at(int row, int col) {
+  return row * 32 + ((((col >> 2) ^ (row << 1)) & 7) << 2) + (col & 3);
 }
 
-// The 8 consecutive fp32 columns 8(4*group + q) .. +7 of row half rh, for this lane.
-__device__ __forceinline__ void gather8(const float (&acc)[128], int rh, int group, int q, float (&f)[8]) {
-  u32 even[4], odd[4];
+template <int kRowHalf, int kGroup>
+__device__ __forceinline__ void stage_group(float* slot, const float (&acc)[128], int lane) {
+  const int r = lane >> 2, q = lane & 3;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    even[i] = __float_as_uint(acc[4 * (4 * group + i) + 2 * rh]);
-    odd[i] = __float_as_uint(acc[4 * (4 * group + i) + 2 * rh + 1]);
-  }
-  quad_transpose(even, q);
-  quad_transpose(odd, q);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(even[i]);
-    f[2 * i + 1] = __uint_as_float(odd[i]);
+  for (int jj = 0; jj < 4; ++jj) {
+    constexpr int kBase = 4 * 4 * kGroup + 2 * kRowHalf;  // acc index of j = 4 kGroup, this row half
+    *reinterpret_cast<float2*>(slot + staged_at(r, 8 * jj + 2 * q)) =
+        make_float2(acc[kBase + 4 * jj], acc[kBase + 4 * jj + 1]);
   }
 }
+
+__device__ __forceinline__ void unstage8(const float* slot, int lane, float (&f)[8]) {
+  const int r = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float4 v = *reinterpret_cast<const float4*>(slot + staged_at(r, 8 * c + 4 * i));
+    f[4 * i] = v.x, f[4 * i + 1] = v.y, f[4 * i + 2] = v.z, f[4 * i + 3] = v.w;
+  }
+}
+
+constexpr int kAuxU = kBM * 128;  // bytes from g to u in an aux stage
+
+// 1 / (1 + e^-x) with the fast reciprocal (2 SFU operations; relative error ~1e-6, far below bf16's).
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
 __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]), pack_bf16x2(f[6], f[7]));
@@ -261,128 +286,144 @@ __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
   }
 }
 
+// The fused epilogue of 8 consecutive columns of one row, at element offset `at` of the outputs.
+// f: the accumulators; f2: the second matrix's same columns (kDualB problems only).
+// kDownBwd: g and u of those columns are read from the aux stage at `aux` (bf16, 16 bytes each).
 template <int kP>
-__device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile, const float (&acc)[128], int half,
-                                          int wg_tid) {
+__device__ __forceinline__ void emit8(const GemmParams* p, i64 at, float scale, float (&f)[8], const float (&f2)[8],
+                                      const char* aux) {
   using Tr = Traits<kP>;
-  const int warp = wg_tid >> 5, lane = wg_tid & 31, q = lane & 3;
-  constexpr int kGroups = Tr::kDualB ? 4 : 8;  // groups of 32 columns per output matrix
+  if (kP == kGateUp) {  // f = g, f2 = u
+    float h[8];
 #pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    const int m = tile.m0 + half * 64 + warp * 16 + (lane >> 2) + rh * 8;
-    const bool valid = !Tr::kRowProblem || m < tile.rows;  // the same for the 4 lanes of a quad
-    const i64 row = Tr::kRowProblem ? tile.row0 + m : m;
-    float scale = 1.0f;
-    if (kP == kDown && p->row_scale && valid) scale = ptr<const float>(p->row_scale)[row];
-    // Element offset of this row's first column in the output (and aux) matrices; a group adds
-    // 8 * (4 * group + q). Computed once per row: 64-bit addresses per group cost registers.
-    const i64 base = (Tr::kRowProblem ? 0 : tile.group * p->o_group_stride) + row * p->ldo + tile.n0 + 8 * q;
+    for (int i = 0; i < 8; ++i) h[i] = f[i] * sigmoid(f[i]) * f2[i];
+    *ptr<uint4>(p->out1 + 2 * at) = pack8(h);
+    if (p->out2) *ptr<uint4>(p->out2 + 2 * at) = pack8(f);
+    if (p->out3) *ptr<uint4>(p->out3 + 2 * at) = pack8(f2);
+  } else if (kP == kDown || kP == kGateUpBwd) {
 #pragma unroll
-    for (int group = 0; group < kGroups; ++group) {
-      float f[8], f2[8];
-      gather8(acc, rh, group, q, f);
-      if (Tr::kDualB) gather8(acc, rh, group + 4, q, f2);  // the second matrix's same columns
-      if (!valid) continue;
-      const i64 at = base + 32 * group;
-      if (kP == kGateUp) {  // f = g, f2 = u
-        float h[8];
+    for (int i = 0; i < 8; ++i) f[i] *= scale;
+    *ptr<uint4>(p->out1 + 2 * at) = pack8(f);
+  } else if (kP == kDownBwd) {  // f = dh
+    float g[8], u[8], dg[8], du[8];
+    unpack8(*reinterpret_cast<const uint4*>(aux), g);
+    unpack8(*reinterpret_cast<const uint4*>(aux + kAuxU), u);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) h[i] = f[i] / (1.0f + __expf(-f[i])) * f2[i];
-        *ptr<uint4>(p->out1 + 2 * at) = pack8(h);
-        if (p->out2) *ptr<uint4>(p->out2 + 2 * at) = pack8(f);
-        if (p->out3) *ptr<uint4>(p->out3 + 2 * at) = pack8(f2);
-      } else if (kP == kDown || kP == kGateUpBwd) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) f[i] *= scale;
-        *ptr<uint4>(p->out1 + 2 * at) = pack8(f);
-      } else if (kP == kDownBwd) {  // f = dh
-        float g[8], u[8], dg[8], du[8];
-        unpack8(*ptr<const uint4>(p->aux1 + 2 * at), g);
-        unpack8(*ptr<const uint4>(p->aux2 + 2 * at), u);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float sig = 1.0f / (1.0f + __expf(-g[i]));
-          du[i] = f[i] * g[i] * sig;
-          dg[i] = f[i] * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
-        }
-        *ptr<uint4>(p->out1 + 2 * at) = pack8(dg);
-        *ptr<uint4>(p->out2 + 2 * at) = pack8(du);
-      } else {  // weight gradients: fp32 [M, N] per expert
-        float4* o1 = ptr<float4>(p->out1 + 4 * at);
-        o1[0] = make_float4(f[0], f[1], f[2], f[3]);
-        o1[1] = make_float4(f[4], f[5], f[6], f[7]);
-        if (Tr::kDualB) {
-          float4* o2 = ptr<float4>(p->out2 + 4 * at);
-          o2[0] = make_float4(f2[0], f2[1], f2[2], f2[3]);
-          o2[1] = make_float4(f2[4], f2[5], f2[6], f2[7]);
-        }
-      }
+    for (int i = 0; i < 8; ++i) {
+      const float sig = sigmoid(g[i]);
+      du[i] = f[i] * g[i] * sig;
+      dg[i] = f[i] * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
+    }
+    *ptr<uint4>(p->out1 + 2 * at) = pack8(dg);
+    *ptr<uint4>(p->out2 + 2 * at) = pack8(du);
+  } else {  // weight gradients: fp32 [M, N] per expert
+    float4* o1 = ptr<float4>(p->out1 + 4 * at);
+    o1[0] = make_float4(f[0], f[1], f[2], f[3]);
+    o1[1] = make_float4(f[4], f[5], f[6], f[7]);
+    if (Tr::kDualB) {
+      float4* o2 = ptr<float4>(p->out2 + 4 * at);
+      o2[0] = make_float4(f2[0], f2[1], f2[2], f2[3]);
+      o2[1] = make_float4(f2[4], f2[5], f2[6], f2[7]);
     }
   }
 }
 
-template <int kP>
-__global__ void __launch_bounds__(kThreads, 1) grouped_gemm(const GemmParams* p) {
+// Where this lane's row of one row half goes.
+struct RowOut {
+  i64 base;     // element offset of the lane's first column in the outputs; group g adds 32 g
+  int row;      // row within the tile (0 .. BM-1)
+  bool valid;   // inside the expert (and the tile is stored)
+  float scale;  // kDown's row scale
+};
+
+template <int kP, int kRowHalf>
+__device__ __forceinline__ RowOut row_out(const GemmParams* p, const Tile& tile, int half, int wg_tid) {
   using Tr = Traits<kP>;
-  extern __shared__ char smem_raw[];
-  char* smem = reinterpret_cast<char*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~static_cast<u64>(1023));
-  u64* full = reinterpret_cast<u64*>(smem + kStages * kStageBytes);
-  u64* empty = full + kStages;
-  int* tile_prefix = reinterpret_cast<int*>(empty + kStages);
-  ErrorRecord* err = ptr<ErrorRecord>(p->error);
-  const int num_groups = static_cast<int>(p->num_groups);
+  const int warp = wg_tid >> 5, lane = wg_tid & 31;
+  RowOut r;
+  r.row = half * 64 + warp * 16 + (lane >> 2) + kRowHalf * 8;
+  const int m = tile.m0 + r.row;
+  r.valid = tile.store && (!Tr::kRowProblem || m < tile.rows);
+  const i64 row = Tr::kRowProblem ? tile.row0 + m : m;
+  r.scale = 1.0f;
+  if (kP == kDown && p->row_scale && r.valid) r.scale = ptr<const float>(p->row_scale)[row];
+  r.base = (Tr::kRowProblem ? 0 : tile.group * p->o_group_stride) + row * p->ldo + tile.n0 + 8 * (lane & 3);
+  return r;
+}
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);    // the producer's arrive (with the TMA byte count, or after cp.async)
-      mbar_init(&empty[s], 8);   // one arrive per consumer warp
-    }
-    int total = 0;
-    for (int g = 0; g < num_groups; ++g) {
-      tile_prefix[g] = total;
-      if (Tr::kRowProblem) total += (ptr<const int>(p->row_counts)[g] + kBM - 1) / kBM;
-    }
-    tile_prefix[num_groups] = total;
-  }
-  __syncthreads();
-  const int n_tiles = static_cast<int>(p->n) / Tr::kTileN;
-  const int num_tiles = Tr::kRowProblem ? tile_prefix[num_groups] * n_tiles
-                                        : num_groups * (static_cast<int>(p->m) / kBM) * n_tiles;
-  const u32 s_base = smem_addr(smem);
-  // NOTE: the role is broadcast from lane 0 so the compiler sees it warp-uniform; wgmma in a path it
-  // cannot prove uniform gets serialized (ptxas C7518).
-  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0), wg_tid = threadIdx.x & 127;
+// This lane's 8 columns of group kGroup in an aux stage (128 rows x 64 columns of g, then of u;
+// 128B swizzle).
+template <int kGroup>
+__device__ __forceinline__ const char* aux_at(const char* aux, int row, int lane) {
+  const int chunk = ((kGroup & 1) * 4 + (lane & 3)) ^ (row & 7);
+  return aux + row * 128 + chunk * 16;
+}
 
-  if (wg == 0) {  // producer warpgroup: thread 0 issues TMA; all 128 load a partial block with cp.async
-    int stage = 0, phase = 0;
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const Tile tile = tile_of<kP>(p, tile_prefix, t);
-      for (int kb = 0; kb < tile.k_blocks; ++kb) {
-        // A failed wait is recorded and the loop runs on (no thread may leave the named barrier
-        // below); every later wait then fails at once, so the kernel ends with the error set.
-        mbar_wait(&empty[stage], phase ^ 1, p->timeout_ns, err, 100 + kP);
-        const u32 s_a = s_base + stage * kStageBytes;
-        if (!Tr::kRowProblem && (kb + 1) * kBK > tile.rows) {
-          // NOTE: generic-proxy writes, complete and fenced before the barrier tells the consumers.
-          load_stage_cp_async<kP, 128>(p, tile, kb, s_a, s_a + kATileBytes, wg_tid);
-          cp_async_wait_all();
-          fence_proxy_async();
-          asm volatile("bar.sync 1, 128;" ::: "memory");  // the producer warpgroup only
-          if (wg_tid == 0) mbar_arrive(&full[stage]);
-        } else if (wg_tid == 0) {
-          load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &full[stage]);
-        }
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
-      }
-    }
-    return;
+// Two groups per round through the warp's two staging slots: kDualB problems stage a group of
+// the first matrix and the same columns of the second; the others stage groups g and g + 1.
+template <int kP, int kRowHalf, int kGroup>
+__device__ __forceinline__ void store_round(const GemmParams* p, const float (&acc)[128], float* staging, int lane,
+                                            const RowOut& r, const char* aux) {
+  using Tr = Traits<kP>;
+  constexpr int kSecond = Tr::kDualB ? kGroup + 4 : kGroup + 1;
+  __syncwarp();  // the previous round's reads are done
+  stage_group<kRowHalf, kGroup>(staging, acc, lane);
+  stage_group<kRowHalf, kSecond>(staging + 256, acc, lane);
+  __syncwarp();
+  float f[8], f2[8];
+  unstage8(staging, lane, f);
+  unstage8(staging + 256, lane, f2);
+  if (!r.valid) return;
+  const bool with_aux = Tr::kAuxStages > 0;
+  if (Tr::kDualB) {
+    emit8<kP>(p, r.base + 32 * kGroup, r.scale, f, f2, nullptr);
+  } else {
+    emit8<kP>(p, r.base + 32 * kGroup, r.scale, f, f, with_aux ? aux_at<kGroup>(aux, r.row, lane) : nullptr);
+    emit8<kP>(p, r.base + 32 * kSecond, r.scale, f2, f2, with_aux ? aux_at<kSecond>(aux, r.row, lane) : nullptr);
   }
-  // consumers (no setmaxnreg: at 168 registers neither role spills; a 40-register producer did)
-  const int half = wg - 1;
+}
+
+// Both row halves of the 64 columns of groups kGroup, kGroup + 1 (kDownBwd: one aux stage).
+template <int kP, int kGroup>
+__device__ __forceinline__ void store_columns(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+                                              float* staging, int half, int wg_tid, const char* aux) {
+  store_round<kP, 0, kGroup>(p, acc, staging, wg_tid & 31, row_out<kP, 0>(p, tile, half, wg_tid), aux);
+  store_round<kP, 1, kGroup>(p, acc, staging, wg_tid & 31, row_out<kP, 1>(p, tile, half, wg_tid), aux);
+}
+
+template <int kP>
+__device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+                                           float* staging, int half, int wg_tid) {
+  using Tr = Traits<kP>;
+  store_columns<kP, 0>(p, tile, acc, staging, half, wg_tid, nullptr);
+  if (Tr::kDualB) {
+    store_columns<kP, 1>(p, tile, acc, staging, half, wg_tid, nullptr);
+    store_columns<kP, 2>(p, tile, acc, staging, half, wg_tid, nullptr);
+    store_columns<kP, 3>(p, tile, acc, staging, half, wg_tid, nullptr);
+  } else {
+    store_columns<kP, 2>(p, tile, acc, staging, half, wg_tid, nullptr);
+    store_columns<kP, 4>(p, tile, acc, staging, half, wg_tid, nullptr);
+    store_columns<kP, 6>(p, tile, acc, staging, half, wg_tid, nullptr);
+  }
+}
+
+// Consumer warpgroup `half` (rows 64 half .. 64 half + 63 of each tile): waits for full stages,
+// issues wgmma, hands each stage back to the producers of both CTAs, runs the epilogue.
+template <int kP>
+__device__ __forceinline__ void consume(const GemmParams* p, ErrorRecord* err, const char* stages, u64* full,
+                                        u64* empty, float* staging, const int* pair_prefix, int num_tiles,
+                                        int first_tile, int tile_step, int rank, int half, int wg_tid) {
+  using Tr = Traits<kP>;
+  const u32 s_base = smem_addr(stages);
+  // One arrive per consumer warp on the stage's `empty` barrier in every CTA of the cluster (lane c
+  // signals CTA c): the partner multicasts its half of B into this stage too.
+  auto release = [&](int s) {
+    if ((wg_tid & 31) < kCluster) mbar_arrive_cluster(&empty[s], wg_tid & 31);
+  };
   int stage = 0, phase = 0;
   float acc[128];
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const Tile tile = tile_of<kP>(p, tile_prefix, t);
+  for (int t = first_tile; t < num_tiles; t += tile_step) {
+    const Tile tile = tile_of<kP>(p, pair_prefix, t, rank);
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     int prev = -1;
@@ -396,15 +437,109 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm(const GemmParams* p)
       wgmma_commit();
       wgmma_wait<1>();  // the previous stage's MMAs are done: hand its buffers back
       fence_accumulators(acc);
-      if (prev >= 0 && (threadIdx.x & 31) == 0) mbar_arrive(&empty[prev]);
+      if (prev >= 0) release(prev);
       prev = stage;
       if (++stage == kStages) { stage = 0; phase ^= 1; }
     }
     wgmma_wait<0>();
     fence_accumulators(acc);
-    if (prev >= 0 && (threadIdx.x & 31) == 0) mbar_arrive(&empty[prev]);
-    store_tile<kP>(p, tile, acc, half, wg_tid);
+    if (prev >= 0) release(prev);
+    if (Tr::kAuxStages) {  // one ring stage per 64 columns (every tile, stored or not: same protocol)
+      auto aux_stage = [&]() {
+        mbar_wait(&full[stage], phase, p->timeout_ns, err, 300 + kP);
+        return stages + stage * kStageBytes;
+      };
+      auto next = [&]() {
+        release(stage);
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+      };
+      store_columns<kP, 0>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+      store_columns<kP, 2>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+      store_columns<kP, 4>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+      store_columns<kP, 6>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+    } else if (tile.store) {
+      store_tile<kP>(p, tile, acc, staging, half, wg_tid);
+    }
   }
+}
+
+
+template <int kP>
+__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1) grouped_gemm(const GemmParams* p) {
+  using Tr = Traits<kP>;
+  extern __shared__ char smem_raw[];
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~static_cast<u64>(1023));
+  float* staging = reinterpret_cast<float*>(smem + kStages * kStageBytes);
+  u64* full = reinterpret_cast<u64*>(staging + kConsumerWarps * kStagingFloats);
+  u64* empty = full + kStages;
+  int* pair_prefix = reinterpret_cast<int*>(empty + kStages);
+  ErrorRecord* err = ptr<ErrorRecord>(p->error);
+  const int num_groups = static_cast<int>(p->num_groups);
+  const int rank = static_cast<int>(cluster_ctarank());
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);  // the producer's arrive (with the TMA byte count, or after cp.async)
+      mbar_init(&empty[s], kCluster * kConsumerWarps);  // every consumer warp of both CTAs
+    }
+    fence_mbarrier_init_cluster();
+    int total = 0;
+    for (int g = 0; g < num_groups; ++g) {
+      pair_prefix[g] = total;
+      if (Tr::kRowProblem) total += ceil_div(ceil_div(ptr<const int>(p->row_counts)[g], kBM), 2);
+    }
+    pair_prefix[num_groups] = total;
+  }
+  cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
+  const int n_tiles = static_cast<int>(p->n) / Tr::kTileN;
+  const int num_tiles = Tr::kRowProblem ? pair_prefix[num_groups] * n_tiles
+                                        : num_groups * ceil_div(static_cast<int>(p->m) / kBM, 2) * n_tiles;
+  const int first_tile = static_cast<int>(cluster_id_x()), tile_step = static_cast<int>(num_clusters_x());
+  const u32 s_base = smem_addr(smem);
+  // NOTE: the role is broadcast from lane 0 so the compiler sees it warp-uniform; wgmma in a path it
+  // cannot prove uniform gets serialized (ptxas C7518).
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0), wg_tid = threadIdx.x & 127;
+
+  if (wg == 0) {  // producer warpgroup: thread 0 issues TMA; all 128 load a partial block with cp.async
+    int stage = 0, phase = 0;
+    for (int t = first_tile; t < num_tiles; t += tile_step) {
+      const Tile tile = tile_of<kP>(p, pair_prefix, t, rank);
+      for (int kb = 0; kb < tile.k_blocks; ++kb) {
+        // A failed wait is recorded and the loop runs on (no thread may leave the named barrier
+        // below); every later wait then fails at once, so the kernel ends with the error set.
+        mbar_wait(&empty[stage], phase ^ 1, p->timeout_ns, err, 100 + kP);
+        const u32 s_a = s_base + stage * kStageBytes;
+        if (!Tr::kRowProblem && (kb + 1) * kBK > tile.rows) {
+          // NOTE: generic-proxy writes, complete and fenced before the barrier tells the consumers.
+          // Both CTAs of the cluster take this branch for the same k-block (same expert); each
+          // fills its own stage, nothing is multicast.
+          load_stage_cp_async<kP, 128>(p, tile, kb, s_a, s_a + kATileBytes, wg_tid);
+          cp_async_wait_all();
+          fence_proxy_async();
+          asm volatile("bar.sync 1, 128;" ::: "memory");  // the producer warpgroup only
+          if (wg_tid == 0) mbar_arrive(&full[stage]);
+        } else if (wg_tid == 0) {
+          load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &full[stage], rank);
+        }
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+      }
+      for (int c = 0; c < Tr::kAuxStages; ++c) {  // kDownBwd: g and u of this tile, 64 columns a stage
+        mbar_wait(&empty[stage], phase ^ 1, p->timeout_ns, err, 100 + kP);
+        if (wg_tid == 0) {
+          const u32 s_a = s_base + stage * kStageBytes;
+          mbar_arrive_expect_tx(&full[stage], 2 * kBM * 64 * 2);
+          tma_load_2d(s_a, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, &full[stage]);
+          tma_load_2d(s_a + kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, &full[stage]);
+        }
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+      }
+    }
+  } else {
+    consume<kP>(p, err, smem, full, empty, staging + (threadIdx.x / 32 - 4) * kStagingFloats, pair_prefix,
+                num_tiles, first_tile, tile_step, rank, wg - 1, wg_tid);
+  }
+  // No CTA may leave while its partner can still arrive on its barriers.
+  cluster_sync();
 }
 
 }  // namespace gemm

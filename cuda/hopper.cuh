@@ -27,13 +27,21 @@ __device__ __forceinline__ bool mbar_try_wait(u64* bar, int parity) {
   return done != 0;
 }
 
-// Wait for the phase of `parity` to complete; false (and an error record) after timeout_ns.
+// Wait for the phase of `parity` to complete; false (and an error record) after timeout_ns, or
+// once another thread has recorded an error. NOTE: the error record and the clock are looked at
+// only every kPollNs: reading the record is a system-scope load (~1 us), and a wait that sat behind
+// one on every spin noticed a completed phase late (the GEMM mainloop lost 10-20% to it).
 __device__ __forceinline__ bool mbar_wait(u64* bar, int parity, u64 timeout_ns, ErrorRecord* err, int op) {
+  constexpr u64 kPollNs = 20000;
   if (mbar_try_wait(bar, parity)) return true;
   const u64 start = globaltimer_ns();
+  u64 polled = start;
   while (!mbar_try_wait(bar, parity)) {
+    const u64 now = globaltimer_ns();
+    if (now - polled < kPollNs) continue;
+    polled = now;
     if (has_error(err)) return false;
-    if (globaltimer_ns() - start > timeout_ns) {
+    if (now - start > timeout_ns) {
       report_error(err, kErrTimeout, op, blockIdx.x, threadIdx.x, parity, 0);
       return false;
     }
@@ -43,6 +51,44 @@ __device__ __forceinline__ bool mbar_wait(u64* bar, int parity, u64 timeout_ns, 
 
 __device__ __forceinline__ void mbar_arrive(u64* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Thread-block clusters (CTAs of one cluster run on one GPC and can reach each other's shared memory)
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ u32 cluster_ctarank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ u32 cluster_id_x() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ u32 num_clusters_x() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster; orders shared-memory writes before it (release) with
+// reads after it (acquire), cluster-wide.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+// Makes mbarrier.init visible to the cluster's other CTAs (before they arrive or multicast).
+__device__ __forceinline__ void fence_mbarrier_init_cluster() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Arrive on the mbarrier at the same shared-memory offset as `bar`, in cluster CTA `cta`.
+// NOTE: default (release, CTA scope) semantics, as for a local arrive: `.release.cluster` made
+// the whole GEMM 1.7x slower.
+__device__ __forceinline__ void mbar_arrive_cluster(u64* bar, u32 cta) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
+      "r"(cta)
+      : "memory");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -67,6 +113,17 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, i64 tensor_map, int c0, int
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
       "l"(tensor_map), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// The same box into the same shared-memory offset of every CTA in cta_mask; each CTA's mbarrier at
+// `bar`'s offset counts the bytes that land in that CTA.
+__device__ __forceinline__ void tma_load_2d_multicast(u32 dst, i64 tensor_map, int c0, int c1, u64* bar,
+                                                      unsigned short cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+      "l"(tensor_map), "r"(c0), "r"(c1), "r"(smem_addr(bar)), "h"(cta_mask)
       : "memory");
 }
 

@@ -20,16 +20,18 @@ import numpy as np
 from mok_proto.kernels.build import CudaModule, num_sms
 
 BM, BN, BK, STAGES, THREADS, MAX_GROUPS = 128, 256, 64, 4, 384, 1024
-SMEM_BYTES = 1024 + STAGES * (BM + BN) * BK * 2 + 2 * STAGES * 8 + (MAX_GROUPS + 1) * 4
+CLUSTER = 2  # CTAs per cluster (kCluster): the grid is a multiple of it
+CONSUMER_WARPS, STAGING_FLOATS = 8, 2 * 8 * 32  # epilogue staging: 2 slots of 8 rows x 32 fp32 per warp
+SMEM_BYTES = (1024 + STAGES * (BM + BN) * BK * 2 + CONSUMER_WARPS * STAGING_FLOATS * 4 + 2 * STAGES * 8
+              + (MAX_GROUPS + 1) * 4)  # mirrors kSmemBytes
 PROBLEMS = ("gate_up", "down", "down_bwd", "gate_up_bwd", "down_wgrad", "gate_up_wgrad")  # enum Problem
 # Mirrors struct GemmParams in cuda/gemm.cuh, field for field (all 8 bytes).
 PARAM_FIELDS = (
     "num_groups", "m", "n", "k", "lda", "ldb", "ldo", "b_group_stride", "o_group_stride", "k_split",
-    "desc_mn_lbo", "desc_mn_sbo", "timeout_ns", "a1", "a2", "b1", "b2", "out1", "out2", "out3", "aux1", "aux2",
+    "timeout_ns", "a1", "a2", "b1", "b2", "out1", "out2", "out3",
     "row_scale", "row_offsets", "row_counts", "error", "tmap_a1", "tmap_a2", "tmap_b1", "tmap_b2",
+    "tmap_aux1", "tmap_aux2",
 )
-# MN-major operand descriptor strides (bytes): LBO = between 64-element atoms, SBO = 8 k rows.
-DESC_MN = {"desc_mn_lbo": BK * 128, "desc_mn_sbo": 1024}
 MODULE = CudaModule("gemm.cuh", tuple(f"mok::gemm::grouped_gemm<{i}>" for i in range(len(PROBLEMS))),
                     archs=("sm_90a",))
 TIMEOUT_NS = 10 * 10**9
@@ -84,7 +86,7 @@ def _groups(offsets, counts, rows):
 def _launch(problem, error, **fields):
     import cupy
 
-    fields = {**{name: 0 for name in PARAM_FIELDS}, **DESC_MN, "timeout_ns": TIMEOUT_NS, **fields}
+    fields = {**{name: 0 for name in PARAM_FIELDS}, "timeout_ns": TIMEOUT_NS, **fields}
     fields["error"] = error.data.ptr
     for name, value in fields.items():
         if hasattr(value, "data"):  # a CuPy array: its address
@@ -99,7 +101,7 @@ def _launch(problem, error, **fields):
     kernel = MODULE.function(f"mok::gemm::grouped_gemm<{PROBLEMS.index(problem)}>")
     if kernel.max_dynamic_shared_size_bytes < SMEM_BYTES:
         kernel.max_dynamic_shared_size_bytes = SMEM_BYTES
-    kernel((num_sms(),), (THREADS,), (params,), shared_mem=SMEM_BYTES)
+    kernel((max(CLUSTER, num_sms() // CLUSTER * CLUSTER),), (THREADS,), (params,), shared_mem=SMEM_BYTES)
     return params
 
 
@@ -190,9 +192,10 @@ def down_bwd(dy, w_down, g, u, row_offsets, row_counts, dg, du, error=None):
     _multiple("H", hidden, BK), _multiple("I", ffn, BN)
     return _launch("down_bwd", error if error is not None else new_error_record(), num_groups=num_experts,
                    n=ffn, k=hidden, lda=hidden, ldb=hidden, ldo=ffn, b_group_stride=ffn * hidden, a1=dy,
-                   b1=w_down, out1=dg, out2=du, aux1=g, aux2=u, row_offsets=row_offsets, row_counts=row_counts,
+                   b1=w_down, out1=dg, out2=du, row_offsets=row_offsets, row_counts=row_counts,
                    tmap_a1=tensor_map(dy, hidden, rows, BK, BM),
-                   tmap_b1=tensor_map(w_down, hidden, num_experts * ffn, BK, BN))
+                   tmap_b1=tensor_map(w_down, hidden, num_experts * ffn, BK, BN // CLUSTER),
+                   tmap_aux1=tensor_map(g, ffn, rows, 64, BM), tmap_aux2=tensor_map(u, ffn, rows, 64, BM))
 
 
 def gate_up_bwd(dg, du, w_gate, w_up, row_offsets, row_counts, dx, error=None):
@@ -208,8 +211,8 @@ def gate_up_bwd(dg, du, w_gate, w_up, row_offsets, row_counts, dx, error=None):
                    n=hidden, k=2 * ffn, k_split=ffn, lda=ffn, ldb=ffn, ldo=hidden, b_group_stride=hidden * ffn,
                    a1=dg, a2=du, b1=w_gate, b2=w_up, out1=dx, row_offsets=row_offsets, row_counts=row_counts,
                    tmap_a1=tensor_map(dg, ffn, rows, BK, BM), tmap_a2=tensor_map(du, ffn, rows, BK, BM),
-                   tmap_b1=tensor_map(w_gate, ffn, num_experts * hidden, BK, BN),
-                   tmap_b2=tensor_map(w_up, ffn, num_experts * hidden, BK, BN))
+                   tmap_b1=tensor_map(w_gate, ffn, num_experts * hidden, BK, BN // CLUSTER),
+                   tmap_b2=tensor_map(w_up, ffn, num_experts * hidden, BK, BN // CLUSTER))
 
 
 def down_wgrad(h, dy, row_offsets, row_counts, dw_down, error=None):
