@@ -2,7 +2,11 @@
 // 4-stage mbarrier pipeline, two consumer warpgroups issuing wgmma (fp32 accumulators), fused
 // epilogues. CTAs run in clusters of two that share the B operand: the pair's tiles are stacked
 // along M (same expert, same columns), each CTA loads half of B and multicasts it to both, which
-// halves B's L2 -> SM traffic (the kernel is L2-bandwidth bound without it).
+// halves B's L2 -> SM traffic (worth ~1% on the EP=64 loads: the mainloop was not L2-bound).
+// Where the time went (measured on the H200, bench_gemm): the epilogue, with the tensor cores idle.
+// So it is lean: elementwise math in the fragment layout, stmatrix / shared-memory staging so every
+// global access is 16 bytes wide, fast sigmoid (an IEEE division made down_bwd 25% slower), and
+// kDownBwd's g, u arrive through the same TMA ring as the operands instead of as global loads.
 //
 // Legend: T_e rows of expert e (ragged, read from device memory), H hidden, I expert FFN,
 //         El experts in the group. Row buffers are [rows, *] with expert e's rows at
@@ -238,8 +242,9 @@ __device__ __forceinline__ void mma_stage(const GemmParams* p, float (&acc)[128]
   }
 }
 
-// Epilogue. Accumulator layout of m64nNk16: thread (warp w, lane l) holds rows 16w + l/4 (+8) and
-// columns 8j + 2(l%4) (+1) in acc[4j + 2*(row half) + (column)]. Each warp stages 32 columns of
+// Epilogues. Accumulator layout of m64nNk16: thread (warp w, lane l) holds rows 16w + l/4 (+8) and
+// columns 8j + 2(l%4) (+1) in acc[4j + 2*(row half) + (column)].
+// fp32 path (kDownBwd, weight gradients): each warp stages 32 columns of
 // its 8 rows of one row half (a "group") in shared memory and reads them back so that lane l holds
 // the 8 consecutive columns 8(l%4) .. +7 of row l/4: every global store (and the epilogue loads of
 // g, u) is 16 bytes wide. A slot is 8 rows x 32 fp32; 16-byte chunk c of row r sits at chunk
@@ -286,25 +291,14 @@ __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
   }
 }
 
-// The fused epilogue of 8 consecutive columns of one row, at element offset `at` of the outputs.
-// f: the accumulators; f2: the second matrix's same columns (kDualB problems only).
-// kDownBwd: g and u of those columns are read from the aux stage at `aux` (bf16, 16 bytes each).
+// The fp32-staged epilogue (kDownBwd, weight gradients) of 8 consecutive columns of one row, at
+// element offset `at` of the outputs. f: the accumulators; f2: the second matrix's same columns
+// (kGateUpWgrad). kDownBwd: g and u of those columns are read from the aux stage at `aux`.
 template <int kP>
-__device__ __forceinline__ void emit8(const GemmParams* p, i64 at, float scale, float (&f)[8], const float (&f2)[8],
+__device__ __forceinline__ void emit8(const GemmParams* p, i64 at, const float (&f)[8], const float (&f2)[8],
                                       const char* aux) {
   using Tr = Traits<kP>;
-  if (kP == kGateUp) {  // f = g, f2 = u
-    float h[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] = f[i] * sigmoid(f[i]) * f2[i];
-    *ptr<uint4>(p->out1 + 2 * at) = pack8(h);
-    if (p->out2) *ptr<uint4>(p->out2 + 2 * at) = pack8(f);
-    if (p->out3) *ptr<uint4>(p->out3 + 2 * at) = pack8(f2);
-  } else if (kP == kDown || kP == kGateUpBwd) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] *= scale;
-    *ptr<uint4>(p->out1 + 2 * at) = pack8(f);
-  } else if (kP == kDownBwd) {  // f = dh
+  if (kP == kDownBwd) {  // f = dh
     float g[8], u[8], dg[8], du[8];
     unpack8(*reinterpret_cast<const uint4*>(aux), g);
     unpack8(*reinterpret_cast<const uint4*>(aux + kAuxU), u);
@@ -333,7 +327,6 @@ struct RowOut {
   i64 base;     // element offset of the lane's first column in the outputs; group g adds 32 g
   int row;      // row within the tile (0 .. BM-1)
   bool valid;   // inside the expert (and the tile is stored)
-  float scale;  // kDown's row scale
 };
 
 template <int kP, int kRowHalf>
@@ -345,8 +338,6 @@ __device__ __forceinline__ RowOut row_out(const GemmParams* p, const Tile& tile,
   const int m = tile.m0 + r.row;
   r.valid = tile.store && (!Tr::kRowProblem || m < tile.rows);
   const i64 row = Tr::kRowProblem ? tile.row0 + m : m;
-  r.scale = 1.0f;
-  if (kP == kDown && p->row_scale && r.valid) r.scale = ptr<const float>(p->row_scale)[row];
   r.base = (Tr::kRowProblem ? 0 : tile.group * p->o_group_stride) + row * p->ldo + tile.n0 + 8 * (lane & 3);
   return r;
 }
@@ -376,10 +367,10 @@ __device__ __forceinline__ void store_round(const GemmParams* p, const float (&a
   if (!r.valid) return;
   const bool with_aux = Tr::kAuxStages > 0;
   if (Tr::kDualB) {
-    emit8<kP>(p, r.base + 32 * kGroup, r.scale, f, f2, nullptr);
+    emit8<kP>(p, r.base + 32 * kGroup, f, f2, nullptr);
   } else {
-    emit8<kP>(p, r.base + 32 * kGroup, r.scale, f, f, with_aux ? aux_at<kGroup>(aux, r.row, lane) : nullptr);
-    emit8<kP>(p, r.base + 32 * kSecond, r.scale, f2, f2, with_aux ? aux_at<kSecond>(aux, r.row, lane) : nullptr);
+    emit8<kP>(p, r.base + 32 * kGroup, f, f, with_aux ? aux_at<kGroup>(aux, r.row, lane) : nullptr);
+    emit8<kP>(p, r.base + 32 * kSecond, f2, f2, with_aux ? aux_at<kSecond>(aux, r.row, lane) : nullptr);
   }
 }
 
@@ -391,10 +382,90 @@ __device__ __forceinline__ void store_columns(const GemmParams* p, const Tile& t
   store_round<kP, 1, kGroup>(p, acc, staging, wg_tid & 31, row_out<kP, 1>(p, tile, half, wg_tid), aux);
 }
 
+// ---------------------------------------------------------------------------------------------
+// bf16 outputs computed from the accumulators alone (gate_up, down, gate_up_bwd): the fused
+// elementwise step runs in the fragment layout, stmatrix writes a warp's 16 rows x 64 columns to
+// its 2 KB staging slot (16-byte chunk c of row r at c ^ (r % 8)), and each lane stores 16-byte
+// chunks of whole 128-byte row segments.
+// ---------------------------------------------------------------------------------------------
+enum BlockOp : int { kCopy = 0, kScaleRows = 1, kSwiGLU = 2 };
+
+// Columns 64 kBlock .. +63 of the matrix whose 8-column block j sits at acc[4 (kJ0 + j) ...]; with
+// kSwiGLU, silu(that) * (the matrix at kJ0 + 16), i.e. h from g (columns 0..127) and u (128..255).
+template <int kBlock, int kJ0, int kOp>
+__device__ __forceinline__ void store_block_bf16(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+                                                 char* slot, int half, int wg_tid, i64 out, float scale0,
+                                                 float scale1) {
+  const int warp = wg_tid >> 5, lane = wg_tid & 31;
+  const u32 s_slot = smem_addr(slot);
+  __syncwarp();  // the previous block's reads of the slot are done
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    u32 v[4];
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) {  // matrix mi: row half mi % 2, 8-column block 2k + mi / 2
+      const int rh = mi & 1, j = kJ0 + 8 * kBlock + 2 * k + (mi >> 1);
+      float a = acc[4 * j + 2 * rh], b = acc[4 * j + 2 * rh + 1];
+      if (kOp == kSwiGLU) {
+        a = a * sigmoid(a) * acc[4 * (j + 16) + 2 * rh];
+        b = b * sigmoid(b) * acc[4 * (j + 16) + 2 * rh + 1];
+      } else if (kOp == kScaleRows) {
+        a *= rh ? scale1 : scale0;
+        b *= rh ? scale1 : scale0;
+      }
+      v[mi] = pack_bf16x2(a, b);
+    }
+    const int mi = lane >> 3, row = (lane & 7) + 8 * (mi & 1), chunk = 2 * k + (mi >> 1);
+    stmatrix_x4(s_slot + row * 128 + ((chunk ^ (row & 7)) << 4), v);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = (lane >> 3) + 4 * i, c = lane & 7;
+    const uint4 v = *reinterpret_cast<const uint4*>(slot + row * 128 + ((c ^ (row & 7)) << 4));
+    const int m = tile.m0 + half * 64 + warp * 16 + row;
+    if (m < tile.rows)
+      *ptr<uint4>(out + 2 * ((tile.row0 + m) * p->ldo + tile.n0 + 64 * kBlock + 8 * c)) = v;
+  }
+}
+
+template <int kP>
+__device__ __forceinline__ void store_tile_bf16(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+                                                char* slot, int half, int wg_tid) {
+  if (kP == kGateUp) {  // h (128 columns); g and u too where asked for
+    store_block_bf16<0, 0, kSwiGLU>(p, tile, acc, slot, half, wg_tid, p->out1, 1.0f, 1.0f);
+    store_block_bf16<1, 0, kSwiGLU>(p, tile, acc, slot, half, wg_tid, p->out1, 1.0f, 1.0f);
+    if (p->out2) {
+      store_block_bf16<0, 0, kCopy>(p, tile, acc, slot, half, wg_tid, p->out2, 1.0f, 1.0f);
+      store_block_bf16<1, 0, kCopy>(p, tile, acc, slot, half, wg_tid, p->out2, 1.0f, 1.0f);
+    }
+    if (p->out3) {
+      store_block_bf16<0, 16, kCopy>(p, tile, acc, slot, half, wg_tid, p->out3, 1.0f, 1.0f);
+      store_block_bf16<1, 16, kCopy>(p, tile, acc, slot, half, wg_tid, p->out3, 1.0f, 1.0f);
+    }
+  } else {  // kDown (optional row scale), kGateUpBwd
+    float scale0 = 1.0f, scale1 = 1.0f;
+    if (kP == kDown && p->row_scale) {
+      const int m = tile.m0 + half * 64 + (wg_tid >> 5) * 16 + ((wg_tid & 31) >> 2);
+      const float* scale = ptr<const float>(p->row_scale) + tile.row0;
+      if (m < tile.rows) scale0 = scale[m];
+      if (m + 8 < tile.rows) scale1 = scale[m + 8];
+    }
+    store_block_bf16<0, 0, kScaleRows>(p, tile, acc, slot, half, wg_tid, p->out1, scale0, scale1);
+    store_block_bf16<1, 0, kScaleRows>(p, tile, acc, slot, half, wg_tid, p->out1, scale0, scale1);
+    store_block_bf16<2, 0, kScaleRows>(p, tile, acc, slot, half, wg_tid, p->out1, scale0, scale1);
+    store_block_bf16<3, 0, kScaleRows>(p, tile, acc, slot, half, wg_tid, p->out1, scale0, scale1);
+  }
+}
+
 template <int kP>
 __device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile, const float (&acc)[128],
                                            float* staging, int half, int wg_tid) {
   using Tr = Traits<kP>;
+  if (kP == kGateUp || kP == kDown || kP == kGateUpBwd) {
+    store_tile_bf16<kP>(p, tile, acc, reinterpret_cast<char*>(staging), half, wg_tid);
+    return;
+  }
   store_columns<kP, 0>(p, tile, acc, staging, half, wg_tid, nullptr);
   if (Tr::kDualB) {
     store_columns<kP, 1>(p, tile, acc, staging, half, wg_tid, nullptr);

@@ -181,6 +181,15 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], u64 desc_a, u6
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTA), "n"(kTB));
 }
 
+// Four 8x8 bf16 matrices to shared memory: lane l gives the address of row l % 8 of matrix l / 8;
+// v[i] is this lane's element pair of matrix i in the mma fragment layout (row l / 4, columns
+// 2 (l % 4), +1), which is the layout of a wgmma accumulator's 8-column block.
+__device__ __forceinline__ void stmatrix_x4(u32 addr, const u32 (&v)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v[0]), "r"(v[1]),
+               "r"(v[2]), "r"(v[3])
+               : "memory");
+}
+
 // Keep the accumulators in registers across the asynchronous MMA (no spill, no reordering).
 __device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
 #pragma unroll

@@ -81,8 +81,9 @@ def copy_ceiling_gbs(nbytes: int = 1 << 30, iters: int = 20) -> float:
 
 def git_sha() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=RESULTS_DIR.parent).stdout.strip() or "unknown"
+        # "-dirty" when the measured tree differs from the commit (e.g. a copy on the GPU machine)
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                              text=True, cwd=RESULTS_DIR.parent).stdout.strip() or "unknown"
     except OSError:
         return "unknown"
 

@@ -7,7 +7,9 @@ The per-rank load of EP=64: 2048 tokens x K choices spread over E/64 local exper
 our kernel, torch._grouped_mm on the same operands (the GEMM only: it gets no fused epilogue, so
 the ratio is conservative for gate_up and down_bwd), and one dense torch.mm of the same FLOPs as
 the ceiling. One CUDA event pair per iteration after an L2 flush and a GPU sleep that hides host
-launch cost; median (p20, p80).
+launch cost; median (p20, p80). Every timed kernel's output is also checked against
+torch._grouped_mm's (plus the fused elementwise step in float32): column `err`, max |ours - ref| /
+max |ref|, must stay below ERR_TOL.
 Bars: forward >= 0.9x, data gradients >= 0.85x, weight gradients >= 0.8x of torch._grouped_mm.
 Results: JSON lines appended to results/bench_gemm.jsonl.
 """
@@ -23,6 +25,7 @@ from mok_proto.bench import append_result, summarize, time_stages
 from mok_proto.config import PAPER_SHAPES, get_shape
 from mok_proto.kernels import gemm
 
+ERR_TOL = 2.0 ** -6  # bf16 outputs (ours fuse in fp32, the reference rounds GEMM outputs to bf16 first)
 BARS = {"gate_up": 0.9, "down": 0.9, "down_bwd": 0.85, "gate_up_bwd": 0.85, "down_wgrad": 0.8, "gate_up_wgrad": 0.8}
 
 
@@ -49,6 +52,34 @@ def timed(fn, iters, warmup, flush):
         mark(None)
 
     return summarize(time_stages(iteration, iters, warmup, api="torch")["run"])
+
+
+def rel_err(got, want):
+    got, want = got.float(), want.float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def reference_errors(name, x, dy, h, g, u, dgu, wgu, wd, offs, out, dwd, dwg, dwu):
+    """Max relative error of our outputs for problem `name` against torch._grouped_mm."""
+    import torch
+
+    ffn = h.shape[1]
+    sig = torch.sigmoid(g.float())
+    if name == "gate_up":
+        ref = grouped_mm(x, wgu, offs)().float()
+        return rel_err(out["h"], torch.nn.functional.silu(ref[:, :ffn]) * ref[:, ffn:])
+    if name == "down":
+        return rel_err(out["y"], grouped_mm(h, wd, offs)())
+    if name == "down_bwd":
+        dh = grouped_mm(dy, wd.transpose(-2, -1), offs)().float()
+        return max(rel_err(out["dg"], dh * u.float() * sig * (1 + g.float() * (1 - sig))),
+                   rel_err(out["du"], dh * g.float() * sig))
+    if name == "gate_up_bwd":
+        return rel_err(out["dx"], grouped_mm(dgu, wgu.transpose(-2, -1), offs)())
+    if name == "down_wgrad":
+        return rel_err(dwd, grouped_mm(h.t(), dy, offs)())
+    ref = grouped_mm(x.t(), dgu, offs)()
+    return max(rel_err(dwg, ref[..., :ffn]), rel_err(dwu, ref[..., ffn:]))
 
 
 def grouped_mm(a, b, offs):
@@ -82,7 +113,8 @@ def main():
 
     print(f"# bench_gemm on {torch.cuda.get_device_name()}: EP={args.ep}, {args.tokens} tokens/rank, bf16, "
           f"TFLOP/s median over {args.iters} (ratio = ours / torch._grouped_mm)")
-    print(f"{'shape':<16}{'routing':<8}{'problem':<14}{'ours':>8}{'grouped':>9}{'dense':>8}{'ratio':>7}{'bar':>6}  ok")
+    print(f"{'shape':<16}{'routing':<8}{'problem':<14}{'ours':>8}{'grouped':>9}{'dense':>8}{'ratio':>7}{'bar':>6}"
+          f"{'err':>9}  ok")
     all_ok = True
     for shape_name in args.shapes.split(","):
         shape = get_shape(shape_name)
@@ -133,18 +165,21 @@ def main():
                 t_torch = timed(make_torch(), args.iters, args.warmup, flush)
                 t_dense = timed(lambda: torch.mm(da, db), args.iters, args.warmup, flush)
                 gemm.check_error(err)
+                error = reference_errors(name, x, dy, h, g, u, dgu, wgu, wd, offs, out, dwd, dwg, dwu)
                 tf = {k: flops / (t["median_ms"] * 1e-3) / 1e12 for k, t in
                       (("ours", t_ours), ("torch", t_torch), ("dense", t_dense))}
                 ratio = tf["ours"] / tf["torch"]
-                ok = ratio >= BARS[name]
+                correct = error <= ERR_TOL
+                ok = ratio >= BARS[name] and correct
                 all_ok &= ok
                 print(f"{shape_name:<16}{routing:<8}{name:<14}{tf['ours']:>8.0f}{tf['torch']:>9.0f}{tf['dense']:>8.0f}"
-                      f"{ratio:>7.2f}{BARS[name]:>6.2f}  {'yes' if ok else 'NO'}", flush=True)
+                      f"{ratio:>7.2f}{BARS[name]:>6.2f}{error:>9.1e}  "
+                      f"{'yes' if ok else ('NO' if correct else 'WRONG')}", flush=True)
                 append_result("bench_gemm", {"shape": shape_name, "ep": args.ep, "routing": routing, "problem": name,
                                              "experts": int(num_experts), "rows": int(rows), "flops": int(flops),
                                              "ours": t_ours, "torch_grouped_mm": t_torch, "dense": t_dense,
-                                             "tflops": tf, "ratio": ratio, "bar": BARS[name]})
-    print("all bars met" if all_ok else "some bars NOT met (see 'NO' rows)")
+                                             "tflops": tf, "ratio": ratio, "bar": BARS[name], "max_rel_err": error})
+    print("all bars met, all outputs match" if all_ok else "some rows failed (see 'NO' / 'WRONG' rows)")
     return 0
 
 

@@ -91,20 +91,25 @@ def test_gate_up(data):
         want["h"][rows] = _silu(want["g"][rows]) * want["u"][rows]
     for name, got in (("h", h), ("g", g), ("u", u)):
         _assert_rows(name, got, want[name], d)
+    h_only = _nan_bf16(d["rows"], ffn)  # without g, u outputs: the same h, bit for bit
+    _run(gemm.gate_up, d["x"], d["w_gate"], d["w_up"], d["d_offsets"], d["d_counts"], h_only)
+    assert h_only.tobytes() == h.tobytes(), "h differs when g and u are not written"
 
 
-def test_down_with_row_scale(data):
+def test_down_with_and_without_row_scale(data):
     import cupy
     from mok_proto.kernels import gemm
 
     d, hidden = data, data["w_down"].shape[2]
     scale = np.random.default_rng(1).uniform(0.5, 1.5, d["rows"]).astype(np.float32)
-    y = _nan_bf16(d["rows"], hidden)
-    _run(gemm.down, d["h"], d["w_down"], d["d_offsets"], d["d_counts"], y, cupy.asarray(scale))
-    want = np.full((d["rows"], hidden), np.nan)
-    for e, rows in _segments(d):
-        want[rows] = scale[rows, None] * (d["h_ref"][rows] @ d["w_down_ref"][e])
-    _assert_rows("y", y, want, d)
+    for row_scale in (scale, None):
+        y = _nan_bf16(d["rows"], hidden)
+        _run(gemm.down, d["h"], d["w_down"], d["d_offsets"], d["d_counts"], y,
+             None if row_scale is None else cupy.asarray(row_scale))
+        want = np.full((d["rows"], hidden), np.nan)
+        for e, rows in _segments(d):
+            want[rows] = (1.0 if row_scale is None else row_scale[rows, None]) * (d["h_ref"][rows] @ d["w_down_ref"][e])
+        _assert_rows("y" if row_scale is None else "y (row scale)", y, want, d)
 
 
 def test_down_bwd_fuses_swiglu_backward(data):

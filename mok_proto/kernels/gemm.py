@@ -3,7 +3,9 @@
 Legend: rows = receive rows (expert e's at row_offsets[e] : row_offsets[e] + row_counts[e]),
 H hidden, I expert FFN, E experts here (El). BF16 arrays are CuPy uint16/int16 arrays holding
 bf16 bits (CuPy has no bfloat16 dtype; `to_bf16` / `from_bf16` convert). Offsets and counts are
-int32 device arrays read by the kernel: nothing is read back to the host.
+int32 device arrays read by the kernel: nothing is read back to the host. Each launch is one
+persistent grid of 2-CTA clusters (the CTAs of a cluster share the weight operand by TMA
+multicast), sized to the GPU's SM count rounded down to an even number.
 
     gate_up        h = silu(x Wg) * (x Wu)          (optionally also g = x Wg, u = x Wu)
     down           y = row_scale * (h Wd)
