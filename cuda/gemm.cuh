@@ -31,7 +31,8 @@
 // recomputes its partner's tile (its loads stay in bounds, its half of B is still needed) and
 // stores nothing.
 //
-// Per tile (BM x BN x K): loads (BM + BN) * K * 2 bytes, 2 * BM * BN * K FLOPs.
+// Per tile (BM x BN x K): 2 * BM * BN * K FLOPs; each CTA loads (BM + BN / 2) * K * 2 bytes and
+// receives BN / 2 * K * 2 more from its partner.
 #pragma once
 #include "hopper.cuh"
 
@@ -48,7 +49,10 @@ constexpr int kStageBytes = kATileBytes + kBTileBytes;
 constexpr int kMaxGroups = 1024;
 constexpr int kStagingFloats = 2 * 8 * 32;  // per consumer warp: 2 slots of 8 rows x 32 fp32 (epilogue)
 constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kConsumerWarps * kStagingFloats * 4 + 2 * kStages * 8 +
-                           (kMaxGroups + 1) * 4;
+                           2 * 4 + (kMaxGroups + 1) * 4;  // ... barriers, 2 flags, pair prefix
+static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block may have on sm_90");
+static_assert(kCluster == 2, "tile pairing and the B halves below assume clusters of two");
+static_assert(kStagingFloats * 4 >= 16 * 128, "a staging slot holds one stmatrix block: 16 rows x 128 bytes");
 
 enum Problem : int { kGateUp = 0, kDown = 1, kDownBwd = 2, kGateUpBwd = 3, kDownWgrad = 4, kGateUpWgrad = 5 };
 
@@ -230,7 +234,7 @@ __device__ __forceinline__ void load_stage_cp_async(const GemmParams* p, const T
 // stride), 8 k rows = 1024 bytes (SBO), a k16 step is +2048 bytes.
 // ---------------------------------------------------------------------------------------------
 template <int kP>
-__device__ __forceinline__ void mma_stage(const GemmParams* p, float (&acc)[128], u32 s_a, u32 s_b, int half) {
+__device__ __forceinline__ void mma_stage(float (&acc)[128], u32 s_a, u32 s_b, int half) {
   using Tr = Traits<kP>;
   constexpr u32 mn_lbo = kBK * 128, mn_sbo = 1024;  // (compile-time: nothing is loaded per k-block)
 #pragma unroll
@@ -246,8 +250,8 @@ __device__ __forceinline__ void mma_stage(const GemmParams* p, float (&acc)[128]
 // columns 8j + 2(l%4) (+1) in acc[4j + 2*(row half) + (column)].
 // fp32 path (kDownBwd, weight gradients): each warp stages 32 columns of
 // its 8 rows of one row half (a "group") in shared memory and reads them back so that lane l holds
-// the 8 consecutive columns 8(l%4) .. +7 of row l/4: every global store (and the epilogue loads of
-// g, u) is 16 bytes wide. A slot is 8 rows x 32 fp32; 16-byte chunk c of row r sits at chunk
+// the 8 consecutive columns 8(l%4) .. +7 of row l/4: every global store (and every read of g, u
+// from the aux stage) is 16 bytes wide. A slot is 8 rows x 32 fp32; 16-byte chunk c of row r sits at chunk
 // c ^ (2r % 8), so the float2 writes are free of bank conflicts.
 __device__ __forceinline__ int staged_at(int row, int col) {
   return row * 32 + ((((col >> 2) ^ (row << 1)) & 7) << 2) + (col & 3);
@@ -487,10 +491,16 @@ __device__ __forceinline__ void consume(const GemmParams* p, ErrorRecord* err, c
   using Tr = Traits<kP>;
   const u32 s_base = smem_addr(stages);
   // One arrive per consumer warp on the stage's `empty` barrier in every CTA of the cluster (lane c
-  // signals CTA c): the partner multicasts its half of B into this stage too.
+  // signals CTA c): the partner multicasts its half of B into this stage too. The warp's reads of
+  // the stage (aux stages: every lane's) are done first.
   auto release = [&](int s) {
+    __syncwarp();
     if ((wg_tid & 31) < kCluster) mbar_arrive_cluster(&empty[s], wg_tid & 31);
   };
+  // After a failed wait (timeout, or an error recorded elsewhere) this thread stops waiting: the
+  // loops run on over garbage (wgmma must stay warpgroup-uniform) and the kernel ends with the
+  // error set, which the host raises.
+  bool ok = true;
   int stage = 0, phase = 0;
   float acc[128];
   for (int t = first_tile; t < num_tiles; t += tile_step) {
@@ -499,12 +509,10 @@ __device__ __forceinline__ void consume(const GemmParams* p, ErrorRecord* err, c
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     int prev = -1;
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
-      // A failed wait is recorded and the loop runs on (no divergent exit around wgmma); every later
-      // wait then fails at once, so the kernel ends quickly with the error set.
-      mbar_wait(&full[stage], phase, p->timeout_ns, err, 200 + kP);
+      if (ok) ok = mbar_wait(&full[stage], phase, p->timeout_ns, err, 200 + kP);
       const u32 s_a = s_base + stage * kStageBytes;
       wgmma_fence();
-      mma_stage<kP>(p, acc, s_a, s_a + kATileBytes, half);
+      mma_stage<kP>(acc, s_a, s_a + kATileBytes, half);
       wgmma_commit();
       wgmma_wait<1>();  // the previous stage's MMAs are done: hand its buffers back
       fence_accumulators(acc);
@@ -515,9 +523,9 @@ __device__ __forceinline__ void consume(const GemmParams* p, ErrorRecord* err, c
     wgmma_wait<0>();
     fence_accumulators(acc);
     if (prev >= 0) release(prev);
-    if (Tr::kAuxStages) {  // one ring stage per 64 columns (every tile, stored or not: same protocol)
+    if constexpr (Tr::kAuxStages > 0) {  // one ring stage per 64 columns (every tile, stored or not)
       auto aux_stage = [&]() {
-        mbar_wait(&full[stage], phase, p->timeout_ns, err, 300 + kP);
+        if (ok) ok = mbar_wait(&full[stage], phase, p->timeout_ns, err, 300 + kP);
         return stages + stage * kStageBytes;
       };
       auto next = [&]() {
@@ -543,7 +551,8 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1) 
   float* staging = reinterpret_cast<float*>(smem + kStages * kStageBytes);
   u64* full = reinterpret_cast<u64*>(staging + kConsumerWarps * kStagingFloats);
   u64* empty = full + kStages;
-  int* pair_prefix = reinterpret_cast<int*>(empty + kStages);
+  int* flags = reinterpret_cast<int*>(empty + kStages);  // [0] abort (set by rank 0), [1] cp.async go
+  int* pair_prefix = flags + 2;
   ErrorRecord* err = ptr<ErrorRecord>(p->error);
   const int num_groups = static_cast<int>(p->num_groups);
   const int rank = static_cast<int>(cluster_ctarank());
@@ -562,54 +571,75 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1) 
     pair_prefix[num_groups] = total;
   }
   cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
+  // An error already recorded (an earlier launch's, on a shared record): both CTAs skip every tile,
+  // decided once by rank 0 so that neither loads into a partner that left.
+  if (threadIdx.x == 0 && rank == 0) {
+    const u32 abort = has_error(err) ? 1u : 0u;
+    for (int cta = 0; cta < kCluster; ++cta) st_cluster_u32(&flags[0], cta, abort);
+  }
+  cluster_sync();
   const int n_tiles = static_cast<int>(p->n) / Tr::kTileN;
-  const int num_tiles = Tr::kRowProblem ? pair_prefix[num_groups] * n_tiles
-                                        : num_groups * ceil_div(static_cast<int>(p->m) / kBM, 2) * n_tiles;
+  const int num_tiles = flags[0] ? 0
+                        : Tr::kRowProblem ? pair_prefix[num_groups] * n_tiles
+                                          : num_groups * ceil_div(static_cast<int>(p->m) / kBM, 2) * n_tiles;
   const int first_tile = static_cast<int>(cluster_id_x()), tile_step = static_cast<int>(num_clusters_x());
   const u32 s_base = smem_addr(smem);
   // NOTE: the role is broadcast from lane 0 so the compiler sees it warp-uniform; wgmma in a path it
   // cannot prove uniform gets serialized (ptxas C7518).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0), wg_tid = threadIdx.x & 127;
 
-  if (wg == 0) {  // producer warpgroup: thread 0 issues TMA; all 128 load a partial block with cp.async
+  if (wg == 0) {
+    // Producer warpgroup: thread 0 issues TMA; the weight gradients' last, partial k-block of an
+    // expert is loaded by all 128 threads with zero-filling cp.async. All 128 wait for each free
+    // stage together. NOTE: threads let run ahead to the final cluster barrier instead (warp 0
+    // diverged around its TMA lane) made the row GEMMs ~18% slower. After a failed wait thread 0
+    // loads nothing more (no copy may land in a stage still in use, or in a CTA that has left); the
+    // consumers' waits then fail too and the kernel ends with the error set.
+    bool ok = true;
+    volatile int* go = &flags[1];
     int stage = 0, phase = 0;
+    auto advance = [&]() {
+      if (++stage == kStages) { stage = 0; phase ^= 1; }
+    };
     for (int t = first_tile; t < num_tiles; t += tile_step) {
       const Tile tile = tile_of<kP>(p, pair_prefix, t, rank);
       for (int kb = 0; kb < tile.k_blocks; ++kb) {
-        // A failed wait is recorded and the loop runs on (no thread may leave the named barrier
-        // below); every later wait then fails at once, so the kernel ends with the error set.
-        mbar_wait(&empty[stage], phase ^ 1, p->timeout_ns, err, 100 + kP);
+        const bool partial = !Tr::kRowProblem && (kb + 1) * kBK > tile.rows;  // the same in both CTAs
         const u32 s_a = s_base + stage * kStageBytes;
-        if (!Tr::kRowProblem && (kb + 1) * kBK > tile.rows) {
+        if (ok) ok = mbar_wait(&empty[stage], phase ^ 1, p->timeout_ns, err, 100 + kP);
+        if (partial) {
           // NOTE: generic-proxy writes, complete and fenced before the barrier tells the consumers.
-          // Both CTAs of the cluster take this branch for the same k-block (same expert); each
-          // fills its own stage, nothing is multicast.
-          load_stage_cp_async<kP, 128>(p, tile, kb, s_a, s_a + kATileBytes, wg_tid);
-          cp_async_wait_all();
-          fence_proxy_async();
+          // Each CTA fills its own stage; nothing is multicast.
+          if (wg_tid == 0) *go = ok;
           asm volatile("bar.sync 1, 128;" ::: "memory");  // the producer warpgroup only
-          if (wg_tid == 0) mbar_arrive(&full[stage]);
-        } else if (wg_tid == 0) {
+          if (*go) {
+            load_stage_cp_async<kP, 128>(p, tile, kb, s_a, s_a + kATileBytes, wg_tid);
+            cp_async_wait_all();
+            fence_proxy_async();
+          }
+          asm volatile("bar.sync 1, 128;" ::: "memory");
+          if (wg_tid == 0 && ok) mbar_arrive(&full[stage]);
+        } else if (wg_tid == 0 && ok) {
           load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &full[stage], rank);
         }
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
+        advance();
       }
       for (int c = 0; c < Tr::kAuxStages; ++c) {  // kDownBwd: g and u of this tile, 64 columns a stage
-        mbar_wait(&empty[stage], phase ^ 1, p->timeout_ns, err, 100 + kP);
-        if (wg_tid == 0) {
+        if (ok) ok = mbar_wait(&empty[stage], phase ^ 1, p->timeout_ns, err, 100 + kP);
+        if (wg_tid == 0 && ok) {
           const u32 s_a = s_base + stage * kStageBytes;
-          mbar_arrive_expect_tx(&full[stage], 2 * kBM * 64 * 2);
+          mbar_arrive_expect_tx(&full[stage], 2 * kAuxU);
           tma_load_2d(s_a, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, &full[stage]);
           tma_load_2d(s_a + kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, &full[stage]);
         }
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
+        advance();
       }
     }
   } else {
     consume<kP>(p, err, smem, full, empty, staging + (threadIdx.x / 32 - 4) * kStagingFloats, pair_prefix,
                 num_tiles, first_tile, tile_step, rank, wg - 1, wg_tid);
   }
-  // No CTA may leave while its partner can still arrive on its barriers.
+  // No CTA may leave while its partner can still arrive on its barriers or multicast into it.
   cluster_sync();
 }
 

@@ -91,6 +91,16 @@ __device__ __forceinline__ void mbar_arrive_cluster(u64* bar, u32 cta) {
       : "memory");
 }
 
+// Store to the u32 at the same shared-memory offset as `p`, in cluster CTA `cta` (after a cluster
+// barrier: every CTA of the cluster must have started).
+__device__ __forceinline__ void st_cluster_u32(const void* p, u32 cta, u32 value) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\nst.shared::cluster.u32 [remote], %2;\n}\n" ::"r"(
+          smem_addr(p)),
+      "r"(cta), "r"(value)
+      : "memory");
+}
+
 // ---------------------------------------------------------------------------------------------
 // cp.async (16 bytes, zero-filled when !valid) and its mbarrier completion
 // ---------------------------------------------------------------------------------------------

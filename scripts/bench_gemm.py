@@ -179,6 +179,8 @@ def main():
                                              "experts": int(num_experts), "rows": int(rows), "flops": int(flops),
                                              "ours": t_ours, "torch_grouped_mm": t_torch, "dense": t_dense,
                                              "tflops": tf, "ratio": ratio, "bar": BARS[name], "max_rel_err": error})
+    kernel = gemm.MODULE.function(f"mok::gemm::grouped_gemm<{gemm.PROBLEMS.index('down')}>")
+    print(f"# grid: {gemm._resident_clusters(kernel)} clusters of {gemm.CLUSTER} CTAs")
     print("all bars met, all outputs match" if all_ok else "some rows failed (see 'NO' / 'WRONG' rows)")
     return 0
 

@@ -70,6 +70,16 @@ def data(request):
     return _setup(*request.param)
 
 
+@pytest.fixture(autouse=True, params=[None, 1], ids=["all-clusters", "one-cluster"])
+def cluster_cap(request, monkeypatch):
+    """Every test twice: on the whole GPU, and on one cluster, which then runs every tile in turn
+    (ring wrap-around, aux stages followed by the next tile, duplicate tiles followed by real ones)."""
+    from mok_proto.kernels import gemm
+
+    monkeypatch.setattr(gemm, "MAX_CLUSTERS", request.param)
+    return request.param
+
+
 def _run(launch, *args):
     from mok_proto.kernels import gemm
 
@@ -174,6 +184,20 @@ def test_weight_grads_deterministic(shape):
                 continue
             err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
             assert err <= FP32_TOL, f"{name}[{ex}]: relative error {err:.2e}"
+
+
+def test_launch_on_a_failed_error_record_does_nothing():
+    from mok_proto.kernels import gemm
+
+    d = _setup(256, 256)
+    ffn = d["w_gate"].shape[2]
+    h = _nan_bf16(d["rows"], ffn)
+    err = gemm.new_error_record()
+    err[0] = 1  # an earlier launch's timeout, say
+    gemm.gate_up(d["x"], d["w_gate"], d["w_up"], d["d_offsets"], d["d_counts"], h, error=err)
+    with pytest.raises(RuntimeError, match="timed out"):
+        gemm.check_error(err)
+    assert np.isnan(gemm.from_bf16(h).get()).all(), "a launch on a failed error record must not run its tiles"
 
 
 def test_bad_shapes_are_refused():

@@ -5,7 +5,7 @@ H hidden, I expert FFN, E experts here (El). BF16 arrays are CuPy uint16/int16 a
 bf16 bits (CuPy has no bfloat16 dtype; `to_bf16` / `from_bf16` convert). Offsets and counts are
 int32 device arrays read by the kernel: nothing is read back to the host. Each launch is one
 persistent grid of 2-CTA clusters (the CTAs of a cluster share the weight operand by TMA
-multicast), sized to the GPU's SM count rounded down to an even number.
+multicast): as many clusters as the GPU runs at once, at most MAX_CLUSTERS.
 
     gate_up        h = silu(x Wg) * (x Wu)          (optionally also g = x Wg, u = x Wu)
     down           y = row_scale * (h Wd)
@@ -24,7 +24,7 @@ from mok_proto.kernels.build import CudaModule, num_sms
 BM, BN, BK, STAGES, THREADS, MAX_GROUPS = 128, 256, 64, 4, 384, 1024
 CLUSTER = 2  # CTAs per cluster (kCluster): the grid is a multiple of it
 CONSUMER_WARPS, STAGING_FLOATS = 8, 2 * 8 * 32  # epilogue staging: 2 slots of 8 rows x 32 fp32 per warp
-SMEM_BYTES = (1024 + STAGES * (BM + BN) * BK * 2 + CONSUMER_WARPS * STAGING_FLOATS * 4 + 2 * STAGES * 8
+SMEM_BYTES = (1024 + STAGES * (BM + BN) * BK * 2 + CONSUMER_WARPS * STAGING_FLOATS * 4 + 2 * STAGES * 8 + 2 * 4
               + (MAX_GROUPS + 1) * 4)  # mirrors kSmemBytes
 PROBLEMS = ("gate_up", "down", "down_bwd", "gate_up_bwd", "down_wgrad", "gate_up_wgrad")  # enum Problem
 # Mirrors struct GemmParams in cuda/gemm.cuh, field for field (all 8 bytes).
@@ -37,6 +37,8 @@ PARAM_FIELDS = (
 MODULE = CudaModule("gemm.cuh", tuple(f"mok::gemm::grouped_gemm<{i}>" for i in range(len(PROBLEMS))),
                     archs=("sm_90a",))
 TIMEOUT_NS = 10 * 10**9
+MAX_CLUSTERS = None  # cap on a launch's clusters (None: as many as run at once); 1 runs every tile on 2 SMs
+_CLUSTERS: dict = {}  # co-resident clusters by kernel handle
 _PARAMS: dict = {}  # device params by (problem, field values), most recent last
 _TMAPS: dict = {}  # device tensor maps by (address, dims, box), most recent last
 
@@ -103,8 +105,33 @@ def _launch(problem, error, **fields):
     kernel = MODULE.function(f"mok::gemm::grouped_gemm<{PROBLEMS.index(problem)}>")
     if kernel.max_dynamic_shared_size_bytes < SMEM_BYTES:
         kernel.max_dynamic_shared_size_bytes = SMEM_BYTES
-    kernel((max(CLUSTER, num_sms() // CLUSTER * CLUSTER),), (THREADS,), (params,), shared_mem=SMEM_BYTES)
+    clusters = _resident_clusters(kernel)
+    if MAX_CLUSTERS is not None:
+        clusters = min(clusters, max(1, int(MAX_CLUSTERS)))
+    kernel((clusters * CLUSTER,), (THREADS,), (params,), shared_mem=SMEM_BYTES)
     return params
+
+
+def _resident_clusters(kernel) -> int:
+    """How many clusters of this kernel the GPU runs at once (asked of the driver once per kernel;
+    the SM count halved if it cannot say): the persistent grid never waits for a second wave."""
+    handle = kernel.kernel.ptr
+    if handle not in _CLUSTERS:
+        clusters = 0
+        try:
+            from cuda.bindings import driver as cu
+
+            config = cu.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = num_sms() // CLUSTER * CLUSTER, 1, 1
+            config.blockDimX, config.blockDimY, config.blockDimZ = THREADS, 1, 1
+            config.sharedMemBytes = SMEM_BYTES
+            err, clusters = cu.cuOccupancyMaxActiveClusters(cu.CUfunction(handle), config)
+            if err != cu.CUresult.CUDA_SUCCESS:
+                clusters = 0
+        except (ImportError, AttributeError, TypeError, RuntimeError):
+            clusters = 0
+        _CLUSTERS[handle] = max(1, clusters or num_sms() // CLUSTER)
+    return _CLUSTERS[handle]
 
 
 def tensor_map(array, inner: int, outer: int, box_inner: int, box_outer: int):
