@@ -173,57 +173,31 @@ __device__ __forceinline__ void load_stage_tma(const GemmParams* p, const Tile& 
 
 // ---------------------------------------------------------------------------------------------
 // Zero-filling cp.async load of one stage by kLoaders threads (tid < kLoaders): the weight gradients'
-// last, partial k-block (rows past T_e read as zeros).
+// last, partial k-block (rows past T_e read as zeros; the row problems never take this path). Both
+// operands are MN-major there: row k of A is a1[(row0 + k) * lda + m0 ...], row k of B is
+// b1|b2[(row0 + k) * ldb + n0 ...], each as atoms of 64 k rows x 64 elements.
 // ---------------------------------------------------------------------------------------------
 template <int kP, int kLoaders>
 __device__ __forceinline__ void load_stage_cp_async(const GemmParams* p, const Tile& tile, int kb, u32 s_a, u32 s_b, int tid) {
   using Tr = Traits<kP>;
   typedef unsigned short bf16;
   const int k0 = kb * kBK;
-  // A: 1024 16-byte chunks.
+  // A: 2 atoms of 64 k rows x 64 m (1024 16-byte chunks).
   for (int c = tid; c < 1024; c += kLoaders) {
-    if (Tr::kAMajorMN) {  // A(m, k) = a1[(row0 + k) * lda + m]: atoms of 64 m x 64 k rows
-      const int atom = c >> 9, krow = (c >> 3) & 63, ch = c & 7;
-      const int kk = k0 + krow;
-      const bool valid = kk < tile.rows;
-      const bf16* src = ptr<const bf16>(p->a1) + static_cast<i64>(tile.row0 + (valid ? kk : 0)) * p->lda +
-                        tile.m0 + atom * 64 + ch * 8;
-      cp_async_16(s_a + atom * 8192 + swizzle128(krow, ch), src, valid);
-    } else {  // A(m, k) = a[(row0 + m) * lda + k]: 128 rows of 64 k
-      const int row = c >> 3, ch = c & 7;
-      const int m = tile.m0 + row;
-      const bool valid = m < tile.rows;
-      const bool second = kP == kGateUpBwd && k0 >= p->k_split;
-      const bf16* base = ptr<const bf16>(second ? p->a2 : p->a1);
-      const int kk = (second ? k0 - static_cast<int>(p->k_split) : k0) + ch * 8;
-      cp_async_16(s_a + swizzle128(row, ch), base + static_cast<i64>(tile.row0 + (valid ? m : 0)) * p->lda + kk, valid);
-    }
+    const int atom = c >> 9, krow = (c >> 3) & 63, ch = c & 7, kk = k0 + krow;
+    const bool valid = kk < tile.rows;
+    const bf16* src = ptr<const bf16>(p->a1) + static_cast<i64>(tile.row0 + (valid ? kk : 0)) * p->lda + tile.m0 +
+                      atom * 64 + ch * 8;
+    cp_async_16(s_a + atom * 8192 + swizzle128(krow, ch), src, valid);
   }
-  // B: 2048 chunks.
+  // B: 4 atoms of 64 k rows x 64 n (2048 chunks); kDualB: atoms 2, 3 from b2.
   for (int c = tid; c < 2048; c += kLoaders) {
-    if (Tr::kBMajorMN) {  // B(k, n) = b[k * ldb + n]: 4 atoms of 64 n x 64 k rows
-      const int atom = c >> 9, krow = (c >> 3) & 63, ch = c & 7;
-      const bool second = Tr::kDualB && atom >= 2;
-      const int col = tile.n0 + (Tr::kDualB ? (atom & 1) : atom) * 64 + ch * 8;
-      const bf16* base = ptr<const bf16>(second ? p->b2 : p->b1);
-      const int kk = k0 + krow;
-      bool valid = true;
-      i64 row;
-      if (Tr::kRowProblem) {  // weights of expert `group`
-        base += static_cast<i64>(tile.group) * p->b_group_stride;
-        row = kk;
-      } else {  // rows of expert `group`
-        valid = kk < tile.rows;
-        row = tile.row0 + (valid ? kk : 0);
-      }
-      cp_async_16(s_b + atom * 8192 + swizzle128(krow, ch), base + row * p->ldb + col, valid);
-    } else {  // B(k, n) = b[n * ldb + k]: 256 rows (n) of 64 k
-      const int nrow = c >> 3, ch = c & 7;
-      const bool second = kP == kGateUpBwd && k0 >= p->k_split;
-      const bf16* base = ptr<const bf16>(second ? p->b2 : p->b1) + static_cast<i64>(tile.group) * p->b_group_stride;
-      const int kk = (second ? k0 - static_cast<int>(p->k_split) : k0) + ch * 8;
-      cp_async_16(s_b + swizzle128(nrow, ch), base + static_cast<i64>(tile.n0 + nrow) * p->ldb + kk, true);
-    }
+    const int atom = c >> 9, krow = (c >> 3) & 63, ch = c & 7, kk = k0 + krow;
+    const bool valid = kk < tile.rows;
+    const bf16* base = ptr<const bf16>(Tr::kDualB && atom >= 2 ? p->b2 : p->b1);
+    const int col = tile.n0 + (Tr::kDualB ? (atom & 1) : atom) * 64 + ch * 8;
+    cp_async_16(s_b + atom * 8192 + swizzle128(krow, ch), base + static_cast<i64>(tile.row0 + (valid ? kk : 0)) * p->ldb + col,
+                valid);
   }
 }
 
