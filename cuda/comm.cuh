@@ -1,8 +1,20 @@
-// Communication kernels of one MoE round: routing all-gather, the MoK pull schedule built on the
-// device, dispatch (pull | push), a stand-in expert, combine (push | pull), weighted sum.
+// Communication of one MoE round: routing all-gather, the MoK pull schedule built on the device,
+// dispatch (pull | push), a stand-in expert, combine (push | pull), weighted sum.
 //
 // Legend: N tokens/rank, H hidden, K top-k, R ranks, E experts, El = E/R local experts,
 //         C receive capacity (rows), W ranks driven by one launch (virtual ranks; 1 with NVSHMEM).
+// Names: `rank` is an EP rank. A *slot* s = t*K + j is a token's j-th choice (token side); a
+//        *receive row* i is a row of an expert owner's receive buffer (expert side); the *slot
+//        buffer* `slots` [N*K, H] is where the token owner collects its K result rows.
+//
+// Two parts:
+//  1. Building blocks (device functions). Each takes the EP rank it works for and an explicit
+//     share of the work: a range [begin, end) and the caller's workers (`Workers`: its id among
+//     `count` threads or warps). Nothing in them reads gridDim, blockIdx or "the last block", so
+//     a persistent kernel can call them with any split of its blocks.
+//  2. Standalone kernels: thin clients that give every block of the grid an equal share and
+//     signal completion with the last-block counter.
+//
 // Every kernel runs rank = rank_base + blockIdx.y; all symmetric buffers come as peer tables
 // (u64 [R] addresses), so one source serves NVSHMEM (one rank per process) and virtual ranks
 // (W ranks as slices of one allocation, one launch). Nothing here reads back to the host: counts
@@ -20,50 +32,16 @@
 
 namespace mok {
 
-enum FlagKind : int { kFlagRouting = 0, kFlagMap = 1, kFlagDispatch = 2, kFlagReady = 3, kFlagCombine = 4,
-                      kNumFlagKinds = 5 };
-enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpExpert = 4,
-                kOpCombinePush = 5, kOpCombinePull = 6, kOpWeightedSum = 7, kNumOps = 8 };
-
-// Every field is 8 bytes; the order is mirrored by PARAM_FIELDS in mok_proto/kernels/comm.py
-// (a CPU test compares the two lists).
-struct CommParams {
-  i64 num_ranks;          // R
-  i64 rank_base;          // rank of blockIdx.y == 0
-  i64 num_tokens;         // N
-  i64 top_k;              // K
-  i64 num_experts;        // E
-  i64 num_local_experts;  // El
-  i64 row_words;          // row size in 4-byte words (H * sizeof(elem) / 4)
-  i64 hidden;             // H (elements)
-  i64 capacity;           // C
-  i64 align;              // expert segments start at multiples of align
-  i64 timeout_ns;         // every wait gives up after this
-  const u64* topk_idx;    // int32 [N, K]           (local input)
-  const u64* topk_w;      // float [N, K]           (local input)
-  const u64* routing;     // int32 [R, N*K]         (all-gather target)
-  const u64* x;           // rows  [N, H]           (dispatch source)
-  const u64* recv;        // rows  [C, H]           (expert side in)
-  const u64* y;           // rows  [C, H]           (expert side out)
-  const u64* slots;       // rows  [N*K, H]         (token side in)
-  const u64* base;        // float [N, H]           (shared-expert output; zeros without one)
-  const u64* out;         // float [N, H]
-  const u64* dst_slot;    // int32 [N*K]            (written by the expert owners: the combine map)
-  const u64* sched;       // int32 [El+1 | El | C | C] offsets, counts, src_rank, src_slot
-  const u64* flags;       // u64   [kNumFlagKinds, R]
-  const u64* state;       // u64   [1 + kNumOps]    epoch, then last-block counters
-  const u64* scale;       // float [E]              stand-in expert: y = scale[e] * x
-  ErrorRecord* error;     // this process's error record
-};
-
+// ---------------------------------------------------------------------------------------------
+// Views of the round's buffers
+// ---------------------------------------------------------------------------------------------
 struct SchedView {
-  int* offsets;   // [El + 1]
-  int* counts;    // [El]
-  int* src_rank;  // [C]
-  int* src_slot;  // [C]
+  int* offsets;   // [El + 1]  start of each expert's segment; offsets[El] = receive rows used
+  int* counts;    // [El]      real rows of each expert (the rest of its segment is padding)
+  int* src_rank;  // [C]       token owner of each receive row (-1: padding)
+  int* src_slot;  // [C]       slot on that owner
 };
 
-__device__ __forceinline__ int rank_of(const CommParams* p) { return static_cast<int>(p->rank_base) + blockIdx.y; }
 __device__ __forceinline__ u64 epoch_of(const CommParams* p, int rank) { return at<u64>(p->state, rank)[0]; }
 __device__ __forceinline__ unsigned int* counter_of(const CommParams* p, int rank, int op) {
   return reinterpret_cast<unsigned int*>(at<u64>(p->state, rank) + 1 + op);
@@ -76,18 +54,8 @@ __device__ __forceinline__ SchedView sched_of(const CommParams* p, int rank) {
   const i64 el = p->num_local_experts, cap = p->capacity;
   return {s, s + el + 1, s + 2 * el + 1, s + 2 * el + 1 + cap};
 }
-__device__ __forceinline__ int global_warp() { return (blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
-__device__ __forceinline__ int num_warps() { return (gridDim.x * blockDim.x) >> 5; }
 __device__ __forceinline__ char* row_ptr(const u64* table, int rank, i64 row, i64 row_words) {
   return at<char>(table, rank) + row * row_words * 4;
-}
-// Token side, one warp per source slot s of mine: f(s, expert owner, receive slot there or -1).
-template <typename F>
-__device__ __forceinline__ void for_my_slots(const CommParams* p, int rank, F f) {
-  const int* topk_idx = at<int>(p->topk_idx, rank);
-  const int* dst_slot = at<int>(p->dst_slot, rank);
-  const int el = static_cast<int>(p->num_local_experts);
-  for (i64 s = global_warp(); s < p->num_tokens * p->top_k; s += num_warps()) f(s, topk_idx[s] / el, dst_slot[s]);
 }
 // The whole block waits until every peer raised flag `kind` for this round (see block_wait_all).
 __device__ __forceinline__ bool wait_all_peers(const CommParams* p, int rank, int kind, int op) {
@@ -96,101 +64,73 @@ __device__ __forceinline__ bool wait_all_peers(const CommParams* p, int rank, in
 }
 
 // ---------------------------------------------------------------------------------------------
-// begin_round: epoch += 1 for each launch-rank.  grid (1, W), block 32.
+// Building blocks: routing and schedule
 // ---------------------------------------------------------------------------------------------
-__global__ void begin_round(const CommParams* p) {
-  if (threadIdx.x == 0) at<u64>(p->state, rank_of(p))[0] += 1;
-}
-
-// ---------------------------------------------------------------------------------------------
-// wait_peers: the receiver side of a push: wait until every peer raised flag `kind` this round.
-// grid (1, W), block 128. Later launches in the stream see the peers' rows.
-// ---------------------------------------------------------------------------------------------
-__global__ void wait_peers(const CommParams* p, int kind, int op) {
-  wait_all_peers(p, rank_of(p), kind, op);
-}
-
-// ---------------------------------------------------------------------------------------------
-// allgather_routing: my topk_idx [N*K] into routing[my rank] of every peer, then kFlagRouting.
-// Moves R * N*K * 4 bytes per rank.  grid (nb, W).
-// NOTE: x must be in its symmetric buffer before this launch: the routing flag also publishes x.
-// ---------------------------------------------------------------------------------------------
-__global__ void allgather_routing(const CommParams* p) {
-  const int rank = rank_of(p);
-  const i64 nk = p->num_tokens * p->top_k, total = p->num_ranks * nk;
+// Elements [begin, end) of my routing broadcast (element i = (peer, slot) = (i / NK, i % NK) of
+// R * N*K): topk_idx[slot] into routing[my rank] of that peer. One element per thread.
+__device__ __forceinline__ void allgather_routing_part(const CommParams* p, int rank, i64 begin, i64 end,
+                                                       Workers threads) {
+  const i64 nk = p->num_tokens * p->top_k;
   const int* src = at<int>(p->topk_idx, rank);
-  for (i64 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+  for (i64 i = begin + threads.id; i < end; i += threads.count) {
     const int peer = static_cast<int>(i / nk);
     const i64 s = i - peer * nk;
     at<int>(p->routing, peer)[rank * nk + s] = src[s];
   }
-  if (last_block(counter_of(p, rank, kOpRouting)))
-    signal_all(p->flags, kFlagRouting, static_cast<int>(p->num_ranks), rank, epoch_of(p, rank));
 }
 
-// ---------------------------------------------------------------------------------------------
-// build_schedule: the MoK placement on this (expert-owning) rank, bit-identical to
-// mok_proto/schedule.py:
-//   M[l,r] pairs of source rank r for local expert l; segment l starts at offsets[l] (multiple of
-//   align); the o-th pair (in source-slot order) of (l, r) goes to
-//   offsets[l] + sum_r' min(M[l,r'], o) + |{r' < r : M[l,r'] > o}|.
-// Also writes dst_slot[s] on every source rank (the combine/push map), then kFlagMap.
-// grid (1, W), block 1024, dynamic smem 2 * El * R ints. Reads R*N*K*4 bytes twice; the slot
-// formula costs O(R) per pair (fine for R <= 72; a multi-block version is future work).
-// On overflow (rows > C) it reports kErrCapacity, places nothing (dst_slot = -1) and the round
-// runs on (a capacity error stops no wait), so every peer still gets its signals and none hangs;
-// the host raises CapacityError.
-// ---------------------------------------------------------------------------------------------
-__global__ void build_schedule(const CommParams* p) {
-  extern __shared__ int smem[];
-  __shared__ int s_fits;
-  const int rank = rank_of(p);
+// Schedule step 1: counts[l * R + r] += pairs of source rank r for local expert l, over routing
+// elements [begin, end) of R * N*K. `counts` in shared memory, zeroed by the caller.
+__device__ __forceinline__ void schedule_count(const CommParams* p, int rank, int* counts, i64 begin, i64 end,
+                                               Workers threads) {
   const int num_ranks = static_cast<int>(p->num_ranks), el = static_cast<int>(p->num_local_experts);
   const i64 nk = p->num_tokens * p->top_k;
-  const u64 epoch = epoch_of(p, rank);
-  int* counts = smem;             // [El * R]  M[l, r] at l * R + r
-  int* cursor = smem + el * num_ranks;  // [El * R]  pairs of (l, r) placed so far
-  if (!wait_all_peers(p, rank, kFlagRouting, kOpSchedule))
-    return;
-  for (int i = threadIdx.x; i < el * num_ranks; i += blockDim.x) counts[i] = cursor[i] = 0;
-  __syncthreads();
-
-  // 1. Count pairs per (local expert, source rank).
   const int* routing = at<int>(p->routing, rank);  // [R, N*K]
   const int first_expert = rank * el;
-  for (i64 i = threadIdx.x; i < num_ranks * nk; i += blockDim.x) {
+  for (i64 i = begin + threads.id; i < end; i += threads.count) {
     const int l = routing[i] - first_expert;
     if (l >= 0 && l < el) atomicAdd(&counts[l * num_ranks + static_cast<int>(i / nk)], 1);
   }
-  __syncthreads();
+}
 
-  // 2. Segment offsets (padded to align) and the capacity check.
-  const SchedView sv = sched_of(p, rank);
-  if (threadIdx.x == 0) {
-    i64 offset = 0;
-    for (int l = 0; l < el; ++l) {
-      int total = 0;
-      for (int r = 0; r < num_ranks; ++r) total += counts[l * num_ranks + r];
-      sv.offsets[l] = static_cast<int>(offset);
-      sv.counts[l] = total;
-      offset += (total + p->align - 1) / p->align * p->align;
-    }
-    s_fits = offset <= p->capacity;
-    sv.offsets[el] = s_fits ? static_cast<int>(offset) : 0;
-    if (!s_fits) {
-      for (int l = 0; l < el; ++l) sv.offsets[l] = sv.counts[l] = 0;
-      report_error(p->error, kErrCapacity, kOpSchedule, rank, offset, p->capacity, 0);
-    }
+// Schedule step 2 (one thread): segment offsets padded to `align`, and the capacity check. On
+// overflow it reports kErrCapacity and leaves every segment empty. Returns whether it fits.
+__device__ __forceinline__ bool schedule_offsets(const CommParams* p, int rank, const int* counts, SchedView sv) {
+  const int num_ranks = static_cast<int>(p->num_ranks), el = static_cast<int>(p->num_local_experts);
+  i64 offset = 0;
+  for (int l = 0; l < el; ++l) {
+    int total = 0;
+    for (int r = 0; r < num_ranks; ++r) total += counts[l * num_ranks + r];
+    sv.offsets[l] = static_cast<int>(offset);
+    sv.counts[l] = total;
+    offset += (total + p->align - 1) / p->align * p->align;
   }
-  __syncthreads();
-  const bool fits = s_fits != 0;
+  const bool fits = offset <= p->capacity;
+  sv.offsets[el] = fits ? static_cast<int>(offset) : 0;
+  if (!fits) {
+    for (int l = 0; l < el; ++l) sv.offsets[l] = sv.counts[l] = 0;
+    report_error(p->error, kErrCapacity, kOpSchedule, rank, offset, p->capacity, 0);
+  }
+  return fits;
+}
 
-  // 3. Place every pair. One warp walks one source rank's slots in order, so o (the pair's index
-  //    within its (l, r)) is deterministic: lanes with the same expert rank themselves by lane.
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  for (int r = warp; r < num_ranks; r += warps) {
+// Schedule step 3: place every pair of source ranks [r_begin, r_end), one warp per source rank:
+//   the o-th pair (in slot order) of (l, r) goes to receive row
+//   offsets[l] + sum_r' min(M[l,r'], o) + |{r' < r : M[l,r'] > o}|   (M = counts),
+// written to src_rank/src_slot here and to recv_row[s] on the source rank (the combine map; -1
+// when nothing fits). `cursor` [El * R] in shared memory counts the pairs placed so far, zeroed by
+// the caller. NOTE: a warp walks its source rank's slots in order, so o is deterministic: lanes
+// with the same expert rank themselves by lane.
+__device__ __forceinline__ void schedule_place(const CommParams* p, int rank, const int* counts, int* cursor,
+                                               SchedView sv, bool fits, int r_begin, int r_end, Workers warps,
+                                               int lane) {
+  const int num_ranks = static_cast<int>(p->num_ranks), el = static_cast<int>(p->num_local_experts);
+  const i64 nk = p->num_tokens * p->top_k;
+  const int* routing = at<int>(p->routing, rank);
+  const int first_expert = rank * el;
+  for (int r = r_begin + warps.id; r < r_end; r += warps.count) {
     const int* src = routing + r * nk;
-    int* peer_dst_slot = at<int>(p->dst_slot, r);
+    int* peer_recv_row = at<int>(p->recv_row, r);
     for (i64 chunk = 0; chunk < nk; chunk += 32) {
       const i64 s = chunk + lane;
       const int l = s < nk ? src[s] - first_expert : -1;
@@ -202,37 +142,36 @@ __global__ void build_schedule(const CommParams* p) {
       if (mine && before == 0) cursor[l * num_ranks + r] += __popc(same);
       __syncwarp();
       if (!mine) continue;
-      int slot = -1;
+      int row = -1;
       if (fits) {
         const int* m = counts + l * num_ranks;
-        slot = sv.offsets[l];
-        for (int q = 0; q < num_ranks; ++q) slot += min(m[q], o) + ((q < r && m[q] > o) ? 1 : 0);
-        sv.src_rank[slot] = r;
-        sv.src_slot[slot] = static_cast<int>(s);
+        row = sv.offsets[l];
+        for (int q = 0; q < num_ranks; ++q) row += min(m[q], o) + ((q < r && m[q] > o) ? 1 : 0);
+        sv.src_rank[row] = r;
+        sv.src_slot[row] = static_cast<int>(s);
       }
-      peer_dst_slot[s] = slot;
+      peer_recv_row[s] = row;
     }
   }
-  // 4. Padding rows hold -1.
-  if (fits) {
-    for (int l = 0; l < el; ++l)
-      for (int i = sv.offsets[l] + sv.counts[l] + threadIdx.x; i < sv.offsets[l + 1]; i += blockDim.x)
-        sv.src_rank[i] = sv.src_slot[i] = -1;
-  }
-  __syncthreads();
-  signal_all(p->flags, kFlagMap, num_ranks, rank, epoch);
+}
+
+// Schedule step 4: padding rows of every segment hold -1.
+__device__ __forceinline__ void schedule_pad(const CommParams* p, SchedView sv, Workers threads) {
+  const int el = static_cast<int>(p->num_local_experts);
+  for (int l = 0; l < el; ++l)
+    for (int i = sv.offsets[l] + sv.counts[l] + threads.id; i < sv.offsets[l + 1]; i += threads.count)
+      sv.src_rank[i] = sv.src_slot[i] = -1;
 }
 
 // ---------------------------------------------------------------------------------------------
-// dispatch_pull: recv[i] <- x[src_slot[i] / K] on rank src_rank[i] (padding rows zeroed).
-// The expert owner waits only for its own loads.  Moves num_slots * H * elem bytes.  grid (nb, W).
+// Building blocks: row movements (one warp per row; kVec = 4: 16-byte accesses)
 // ---------------------------------------------------------------------------------------------
+// Dispatch, pull (expert side): receive rows [begin, end): recv[i] <- x[src_slot[i] / K] on rank
+// src_rank[i]; padding rows zeroed. The expert owner waits only for its own loads.
 template <int kVec>
-__global__ void dispatch_pull(const CommParams* p) {
-  const int rank = rank_of(p), lane = threadIdx.x & 31;
-  const SchedView sv = sched_of(p, rank);
-  const int num_slots = sv.offsets[p->num_local_experts];
-  for (int i = global_warp(); i < num_slots; i += num_warps()) {
+__device__ __forceinline__ void pull_token_rows(const CommParams* p, int rank, SchedView sv, i64 begin, i64 end,
+                                                Workers warps, int lane) {
+  for (i64 i = begin + warps.id; i < end; i += warps.count) {
     const int src = sv.src_rank[i];
     char* dst = row_ptr(p->recv, rank, i, p->row_words);
     if (src < 0)
@@ -243,35 +182,62 @@ __global__ void dispatch_pull(const CommParams* p) {
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// dispatch_push: every token owner stores x[s / K] into recv[dst_slot[s]] of the expert owner,
-// then raises kFlagDispatch on every peer (the consumer waits for all R).  grid (nb, W).
-// ---------------------------------------------------------------------------------------------
+// Dispatch, push (token side): my slots [begin, end): x[s / K] into recv[recv_row[s]] of the
+// slot's expert owner (nothing where the owner overflowed: reported there).
 template <int kVec>
-__global__ void dispatch_push(const CommParams* p) {
-  const int rank = rank_of(p), lane = threadIdx.x & 31;
-  if (!wait_all_peers(p, rank, kFlagMap, kOpDispatchPush)) return;
-  for_my_slots(p, rank, [&](i64 s, int owner, int slot) {
-    if (slot < 0) return;  // owner overflowed: reported there
-    warp_copy_row<kVec>(row_ptr(p->recv, owner, slot, p->row_words), row_ptr(p->x, rank, s / p->top_k, p->row_words),
-                        static_cast<int>(p->row_words), lane);
-  });
-  if (last_block(counter_of(p, rank, kOpDispatchPush)))
-    signal_all(p->flags, kFlagDispatch, static_cast<int>(p->num_ranks), rank, epoch_of(p, rank));
+__device__ __forceinline__ void push_token_rows(const CommParams* p, int rank, i64 begin, i64 end, Workers warps,
+                                                int lane) {
+  const int* topk_idx = at<int>(p->topk_idx, rank);
+  const int* recv_row = at<int>(p->recv_row, rank);
+  const int el = static_cast<int>(p->num_local_experts);
+  for (i64 s = begin + warps.id; s < end; s += warps.count) {
+    const int row = recv_row[s];
+    if (row < 0) continue;
+    warp_copy_row<kVec>(row_ptr(p->recv, topk_idx[s] / el, row, p->row_words),
+                        row_ptr(p->x, rank, s / p->top_k, p->row_words), static_cast<int>(p->row_words), lane);
+  }
 }
 
-// ---------------------------------------------------------------------------------------------
-// expert_scale (stand-in for the expert FFN): y[i] = scale[expert of row i] * recv[i], padding 0.
-// One warp per row. signal_ready: raise kFlagReady on every peer when done (pull combine).
-// grid (nb, W).
-// ---------------------------------------------------------------------------------------------
-__global__ void expert_scale(const CommParams* p, int signal_ready) {
-  const int rank = rank_of(p), lane = threadIdx.x & 31, el = static_cast<int>(p->num_local_experts);
-  const SchedView sv = sched_of(p, rank);
-  const int num_slots = sv.offsets[el];
+// Combine, push (expert side): receive rows [begin, end): y[i] into slots[src_slot[i]] of token
+// owner src_rank[i] (padding rows skipped).
+template <int kVec>
+__device__ __forceinline__ void push_result_rows(const CommParams* p, int rank, SchedView sv, i64 begin, i64 end,
+                                                 Workers warps, int lane) {
+  for (i64 i = begin + warps.id; i < end; i += warps.count) {
+    const int dst = sv.src_rank[i];
+    if (dst < 0) continue;
+    warp_copy_row<kVec>(row_ptr(p->slots, dst, sv.src_slot[i], p->row_words), row_ptr(p->y, rank, i, p->row_words),
+                        static_cast<int>(p->row_words), lane);
+  }
+}
+
+// Combine, pull (token side): my slots [begin, end): slots[s] <- y[recv_row[s]] of the slot's
+// expert owner (zeros where the owner overflowed).
+template <int kVec>
+__device__ __forceinline__ void pull_result_rows(const CommParams* p, int rank, i64 begin, i64 end, Workers warps,
+                                                 int lane) {
+  const int* topk_idx = at<int>(p->topk_idx, rank);
+  const int* recv_row = at<int>(p->recv_row, rank);
+  const int el = static_cast<int>(p->num_local_experts);
+  for (i64 s = begin + warps.id; s < end; s += warps.count) {
+    const int row = recv_row[s];
+    char* dst = row_ptr(p->slots, rank, s, p->row_words);
+    if (row < 0)
+      warp_zero_row(dst, static_cast<int>(p->row_words), lane);
+    else
+      warp_copy_row<kVec>(dst, row_ptr(p->y, topk_idx[s] / el, row, p->row_words), static_cast<int>(p->row_words),
+                          lane);
+  }
+}
+
+// Stand-in expert on receive rows [begin, end): y[i] = scale[expert of row i] * recv[i] (fp32
+// rows), padding rows 0.
+__device__ __forceinline__ void scale_rows(const CommParams* p, int rank, SchedView sv, i64 begin, i64 end,
+                                           Workers warps, int lane) {
+  const int el = static_cast<int>(p->num_local_experts);
   const float* scale = at<float>(p->scale, rank) + rank * el;
   const i64 hidden = p->hidden;
-  for (int row = global_warp(); row < num_slots; row += num_warps()) {
+  for (i64 row = begin + warps.id; row < end; row += warps.count) {
     int l = 0;  // expert of this row: last l with offsets[l] <= row
     while (l + 1 < el && sv.offsets[l + 1] <= row) ++l;
     const bool real = sv.src_rank[row] >= 0;
@@ -279,65 +245,147 @@ __global__ void expert_scale(const CommParams* p, int signal_ready) {
     float* out = at<float>(p->y, rank) + row * hidden;
     for (i64 h = lane; h < hidden; h += 32) out[h] = real ? __fmul_rn(in[h], scale[l]) : 0.0f;
   }
-  if (signal_ready && last_block(counter_of(p, rank, kOpExpert)))
-    signal_all(p->flags, kFlagReady, static_cast<int>(p->num_ranks), rank, epoch_of(p, rank));
 }
 
-// ---------------------------------------------------------------------------------------------
-// combine_push: the expert owner stores y[i] into slots[src_slot[i]] of token owner src_rank[i],
-// then raises kFlagCombine on every peer.  grid (nb, W).
-// ---------------------------------------------------------------------------------------------
-template <int kVec>
-__global__ void combine_push(const CommParams* p) {
-  const int rank = rank_of(p), lane = threadIdx.x & 31, num_ranks = static_cast<int>(p->num_ranks);
-  const SchedView sv = sched_of(p, rank);
-  const int num_slots = sv.offsets[p->num_local_experts];
-  for (int i = global_warp(); i < num_slots; i += num_warps()) {
-    const int dst = sv.src_rank[i];
-    if (dst < 0) continue;
-    warp_copy_row<kVec>(row_ptr(p->slots, dst, sv.src_slot[i], p->row_words), row_ptr(p->y, rank, i, p->row_words),
-                        static_cast<int>(p->row_words), lane);
-  }
-  if (last_block(counter_of(p, rank, kOpCombinePush)))
-    signal_all(p->flags, kFlagCombine, num_ranks, rank, epoch_of(p, rank));
-}
-
-// ---------------------------------------------------------------------------------------------
-// combine_pull: the token owner waits for kFlagReady from all R, then loads
-// slots[s] <- y[dst_slot[s]] of the expert owner.  grid (nb, W).
-// ---------------------------------------------------------------------------------------------
-template <int kVec>
-__global__ void combine_pull(const CommParams* p) {
-  const int rank = rank_of(p), lane = threadIdx.x & 31;
-  if (!wait_all_peers(p, rank, kFlagReady, kOpCombinePull)) return;
-  for_my_slots(p, rank, [&](i64 s, int owner, int slot) {
-    char* dst = row_ptr(p->slots, rank, s, p->row_words);
-    if (slot < 0)
-      warp_zero_row(dst, static_cast<int>(p->row_words), lane);
-    else
-      warp_copy_row<kVec>(dst, row_ptr(p->y, owner, slot, p->row_words), static_cast<int>(p->row_words), lane);
-  });
-}
-
-// ---------------------------------------------------------------------------------------------
-// weighted_sum: out[t] = base[t] + sum_{j=0..K-1} w[t,j] * slots[t*K+j], j in order, each
-// product and sum rounded separately (no FMA), exactly as NumPy's reference.weighted_sum.
-// grid (nb, W).
-// ---------------------------------------------------------------------------------------------
-__global__ void weighted_sum(const CommParams* p) {
-  const int rank = rank_of(p);
+// Weighted sum of elements [begin, end) of [N, H] (fp32 rows):
+// out[t] = base[t] + sum_{j=0..K-1} w[t,j] * slots[t*K+j], j in order, each product and sum
+// rounded separately (no FMA), exactly as NumPy's reference.weighted_sum.
+__device__ __forceinline__ void weighted_sum_part(const CommParams* p, int rank, i64 begin, i64 end,
+                                                  Workers threads) {
   const i64 hidden = p->hidden, top_k = p->top_k;
   const float* base = at<float>(p->base, rank);
   const float* w = at<float>(p->topk_w, rank);
   const float* slots = at<float>(p->slots, rank);
   float* out = at<float>(p->out, rank);
-  for (i64 i = blockIdx.x * blockDim.x + threadIdx.x; i < p->num_tokens * hidden; i += gridDim.x * blockDim.x) {
+  for (i64 i = begin + threads.id; i < end; i += threads.count) {
     const i64 t = i / hidden, h = i - t * hidden;
     float acc = base[i];
     for (i64 j = 0; j < top_k; ++j)
       acc = __fadd_rn(acc, __fmul_rn(w[t * top_k + j], slots[(t * top_k + j) * hidden + h]));
     out[i] = acc;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Standalone kernels: grid (blocks per rank, W), rank = rank_base + blockIdx.y, every block an
+// equal share of [0, total). Completion: the last block signals (see last_block).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ int rank_of(const CommParams* p) { return static_cast<int>(p->rank_base) + blockIdx.y; }
+__device__ __forceinline__ Workers grid_threads() {
+  return {static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), static_cast<int>(gridDim.x * blockDim.x)};
+}
+__device__ __forceinline__ Workers grid_warps() {
+  return {static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5), static_cast<int>((gridDim.x * blockDim.x) >> 5)};
+}
+__device__ __forceinline__ Workers block_threads() {
+  return {static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x)};
+}
+__device__ __forceinline__ Workers block_warps() {
+  return {static_cast<int>(threadIdx.x >> 5), static_cast<int>(blockDim.x >> 5)};
+}
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+// My last block raises flag `kind` on every peer.
+__device__ __forceinline__ void signal_when_last(const CommParams* p, int rank, int op, int kind) {
+  if (last_block(counter_of(p, rank, op)))
+    signal_all(p->flags, kind, static_cast<int>(p->num_ranks), rank, epoch_of(p, rank));
+}
+
+// begin_round: epoch += 1 for each launch-rank.  grid (1, W), block 32.
+__global__ void begin_round(const CommParams* p) {
+  if (threadIdx.x == 0) at<u64>(p->state, rank_of(p))[0] += 1;
+}
+
+// wait_peers: the receiver side of a push: wait until every peer raised flag `kind` this round.
+// grid (1, W), block 128. Later launches in the stream see the peers' rows.
+__global__ void wait_peers(const CommParams* p, int kind, int op) {
+  wait_all_peers(p, rank_of(p), kind, op);
+}
+
+// allgather_routing: my topk_idx [N*K] into routing[my rank] of every peer, then kFlagRouting.
+// Moves R * N*K * 4 bytes per rank.  grid (nb, W).
+// NOTE: x must be in its symmetric buffer before this launch: the routing flag also publishes x.
+__global__ void allgather_routing(const CommParams* p) {
+  const int rank = rank_of(p);
+  allgather_routing_part(p, rank, 0, p->num_ranks * p->num_tokens * p->top_k, grid_threads());
+  signal_when_last(p, rank, kOpRouting, kFlagRouting);
+}
+
+// build_schedule: the MoK placement on this (expert-owning) rank, bit-identical to
+// mok_proto/schedule.py (steps: count, offsets, place, pad; see the building blocks), then
+// kFlagMap. grid (1, W), block kScheduleThreads, dynamic smem 2 * El * R ints. Reads R*N*K*4
+// bytes twice; the row formula costs O(R) per pair.
+// On overflow (rows > C) it reports kErrCapacity, places nothing (recv_row = -1) and the round
+// runs on (a capacity error stops no wait), so every peer still gets its signals and none hangs;
+// the host raises CapacityError.
+__global__ void build_schedule(const CommParams* p) {
+  extern __shared__ int smem[];
+  __shared__ int s_fits;
+  const int rank = rank_of(p);
+  const int num_ranks = static_cast<int>(p->num_ranks), el = static_cast<int>(p->num_local_experts);
+  int* counts = smem;                   // [El * R]  M[l, r] at l * R + r
+  int* cursor = smem + el * num_ranks;  // [El * R]  pairs of (l, r) placed so far
+  if (!wait_all_peers(p, rank, kFlagRouting, kOpSchedule)) return;
+  for (int i = threadIdx.x; i < el * num_ranks; i += blockDim.x) counts[i] = cursor[i] = 0;
+  __syncthreads();
+  schedule_count(p, rank, counts, 0, p->num_ranks * p->num_tokens * p->top_k, block_threads());
+  __syncthreads();
+  const SchedView sv = sched_of(p, rank);
+  if (threadIdx.x == 0) s_fits = schedule_offsets(p, rank, counts, sv);
+  __syncthreads();
+  const bool fits = s_fits != 0;
+  schedule_place(p, rank, counts, cursor, sv, fits, 0, num_ranks, block_warps(), lane_id());
+  if (fits) schedule_pad(p, sv, block_threads());
+  __syncthreads();
+  signal_all(p->flags, kFlagMap, num_ranks, rank, epoch_of(p, rank));
+}
+
+// dispatch_pull: every receive row pulled from its token owner. Moves rows * H * elem bytes.
+template <int kVec>
+__global__ void dispatch_pull(const CommParams* p) {
+  const int rank = rank_of(p);
+  const SchedView sv = sched_of(p, rank);
+  pull_token_rows<kVec>(p, rank, sv, 0, sv.offsets[p->num_local_experts], grid_warps(), lane_id());
+}
+
+// dispatch_push: every slot of mine pushed to its expert owner, then kFlagDispatch on every peer
+// (the consumer waits for all R).
+template <int kVec>
+__global__ void dispatch_push(const CommParams* p) {
+  const int rank = rank_of(p);
+  if (!wait_all_peers(p, rank, kFlagMap, kOpDispatchPush)) return;
+  push_token_rows<kVec>(p, rank, 0, p->num_tokens * p->top_k, grid_warps(), lane_id());
+  signal_when_last(p, rank, kOpDispatchPush, kFlagDispatch);
+}
+
+// expert_scale (stand-in for the expert FFN) on every receive row. signal_ready: raise
+// kFlagReady on every peer when done (pull combine).
+__global__ void expert_scale(const CommParams* p, int signal_ready) {
+  const int rank = rank_of(p);
+  const SchedView sv = sched_of(p, rank);
+  scale_rows(p, rank, sv, 0, sv.offsets[p->num_local_experts], grid_warps(), lane_id());
+  if (signal_ready) signal_when_last(p, rank, kOpExpert, kFlagReady);
+}
+
+// combine_push: every receive row pushed to its token owner, then kFlagCombine on every peer.
+template <int kVec>
+__global__ void combine_push(const CommParams* p) {
+  const int rank = rank_of(p);
+  const SchedView sv = sched_of(p, rank);
+  push_result_rows<kVec>(p, rank, sv, 0, sv.offsets[p->num_local_experts], grid_warps(), lane_id());
+  signal_when_last(p, rank, kOpCombinePush, kFlagCombine);
+}
+
+// combine_pull: the token owner waits for kFlagReady from all R, then pulls every slot.
+template <int kVec>
+__global__ void combine_pull(const CommParams* p) {
+  const int rank = rank_of(p);
+  if (!wait_all_peers(p, rank, kFlagReady, kOpCombinePull)) return;
+  pull_result_rows<kVec>(p, rank, 0, p->num_tokens * p->top_k, grid_warps(), lane_id());
+}
+
+// weighted_sum over all of [N, H].
+__global__ void weighted_sum(const CommParams* p) {
+  weighted_sum_part(p, rank_of(p), 0, p->num_tokens * p->hidden, grid_threads());
 }
 
 }  // namespace mok

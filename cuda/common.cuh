@@ -1,28 +1,18 @@
-// Shared device helpers: integer types, system-scope flags with bounded waits, error records,
-// peer tables, row copies. Header-only; compiled at run time by NVRTC (CuPy RawModule) and by nvcc
-// in the CPU compile test. No standard headers: NVRTC may not ship them.
+// Shared device helpers: error records, system-scope flags with bounded waits, peer tables, row
+// copies. Header-only; compiled at run time by NVRTC (CuPy RawModule) and by nvcc in the CPU
+// compile test. No standard headers: NVRTC may not ship them.
+//
+// Legend: R ranks (EP degree); `rank` is always an EP rank; W ranks driven by one launch.
 #pragma once
+#include "abi.cuh"
 
 namespace mok {
 
-typedef long long i64;
-typedef unsigned long long u64;
-
 // ---------------------------------------------------------------------------------------------
-// Error record: the first failure in a process wins; the host turns it into an exception.
+// Error record (struct ErrorRecord, enums ErrorCode and Op: cuda/abi.cuh). One per process (or per
+// launch site); the first failure wins; the host (mok_proto/kernels/errors.py) turns it into an
+// exception naming the operator from the one Op enum.
 // ---------------------------------------------------------------------------------------------
-enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2 };
-
-struct ErrorRecord {
-  u64 code;      // ErrorCode; 0 = no error
-  i64 op;        // which operator (kOp* in comm.cuh)
-  i64 rank;      // who noticed
-  i64 peer;      // whom it waited for (timeout) or rows needed (capacity)
-  i64 expected;  // epoch waited for (timeout) or capacity (capacity)
-  i64 seen;      // flag value seen (timeout)
-  i64 pad[2];
-};
-
 __device__ __forceinline__ bool has_error(const ErrorRecord* err) {
   return *reinterpret_cast<const volatile u64*>(&err->code) != 0;
 }
@@ -33,10 +23,12 @@ __device__ __forceinline__ bool has_timeout(const ErrorRecord* err) {
   return *reinterpret_cast<const volatile u64*>(&err->code) == kErrTimeout;
 }
 
+// The first report in the record wins; later ones are dropped. `detail`: see ErrorRecord.
 __device__ __forceinline__ void report_error(ErrorRecord* err, int code, int op, int rank, i64 peer,
-                                             i64 expected, i64 seen) {
+                                             i64 expected, i64 seen, i64 detail = -1) {
   if (atomicCAS(&err->code, 0ull, static_cast<u64>(code)) == 0ull) {
     err->op = op; err->rank = rank; err->peer = peer; err->expected = expected; err->seen = seen;
+    err->block = blockIdx.x; err->thread = threadIdx.x; err->detail = detail;
     __threadfence_system();
   }
 }
@@ -118,8 +110,14 @@ __device__ __forceinline__ void signal_all(const u64* flag_table, int kind, int 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Peer tables and row copies
+// Work shares, peer tables and row copies
 // ---------------------------------------------------------------------------------------------
+// A share of some work: the caller is worker `id` of `count` (threads or warps, as the building
+// block says); it takes items begin + id, begin + id + count, ... below end.
+struct Workers {
+  int id, count;
+};
+
 // A symmetric buffer is passed as a table of num_ranks addresses (as seen by this process).
 template <typename T>
 __device__ __forceinline__ T* at(const u64* table, int rank) {

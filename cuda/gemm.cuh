@@ -26,10 +26,22 @@
 // zero-filling cp.async instead of TMA, so no expert sums another's rows and ragged sizes
 // (0, 1, 129, ...) need no padding. Weight gradients: one CTA owns one output tile and sums K in
 // order: deterministic, no atomics.
-// Clusters: tile t of the pair grid (tile pairs along M) is run by both CTAs of one cluster; CTA
-// rank r takes M tile 2i + r. Where an expert has an odd number of M tiles the last pair's rank 1
-// recomputes its partner's tile (its loads stay in bounds, its half of B is still needed) and
-// stores nothing.
+// Clusters: tile t of the pair grid (tile pairs along M) is run by both CTAs of one cluster; the
+// CTA with cluster rank `cta` takes M tile 2i + cta. Where an expert has an odd number of M tiles
+// the last pair's cta 1 recomputes its partner's tile (its loads stay in bounds, its half of B is
+// still needed) and stores nothing. (`cta` is the CTA's rank in its cluster; this header has no
+// EP rank.)
+//
+// Building blocks, so that a persistent kernel can run any sequence of tiles:
+//   SharedStorage   the shared-memory layout; sizeof + 1 KB of alignment slack is the launch's
+//                   dynamic shared memory (kSmemBytes, exported to Python as mok_gemm_smem_bytes)
+//   gemm_setup      barriers, the pair prefix, the cluster's abort decision; returns the tile count
+//   Ring            stage and phase of the mbarrier ring, advanced in the same order by the
+//                   producer and the consumers
+//   produce_tile    the producer warpgroup's loads of one tile into the ring
+//   consume_tile    one consumer warpgroup's wgmma over one tile, then its epilogue
+//   run_tiles       both roles over the tiles a scheduler yields (`bool Tiles::next(int& t)`)
+//   StridedTiles    the standalone kernel's scheduler: cluster c takes t = c, c + clusters, ...
 //
 // Per tile (BM x BN x K): 2 * BM * BN * K FLOPs; each CTA loads (BM + BN / 2) * K * 2 bytes and
 // receives BN / 2 * K * 2 more from its partner.
@@ -39,41 +51,27 @@
 namespace mok {
 namespace gemm {
 
-constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
-constexpr int kThreads = 384;  // warpgroup 0: producer; 1, 2: consumers
-constexpr int kCluster = 2;    // CTAs per cluster (tile pairs along M sharing B)
-constexpr int kConsumerWarps = 8;
+// Tile sizes, the cluster, thread roles, kMaxGroups, the Problem enum and GemmParams: cuda/abi.cuh.
 constexpr int kATileBytes = kBM * kBK * 2;  // 16 KB
 constexpr int kBTileBytes = kBN * kBK * 2;  // 32 KB
 constexpr int kStageBytes = kATileBytes + kBTileBytes;
-constexpr int kMaxGroups = 1024;
-constexpr int kStagingFloats = 2 * 8 * 32;  // per consumer warp: 2 slots of 8 rows x 32 fp32 (epilogue)
-constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kConsumerWarps * kStagingFloats * 4 + 2 * kStages * 8 +
-                           2 * 4 + (kMaxGroups + 1) * 4;  // ... barriers, 2 flags, pair prefix
-static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block may have on sm_90");
 static_assert(kCluster == 2, "tile pairing and the B halves below assume clusters of two");
 static_assert(kStagingFloats * 4 >= 16 * 128, "a staging slot holds one stmatrix block: 16 rows x 128 bytes");
+static_assert(kThreads == 128 * (1 + kConsumerWarps / 4), "one producer warpgroup, then the consumers");
 
-enum Problem : int { kGateUp = 0, kDown = 1, kDownBwd = 2, kGateUpBwd = 3, kDownWgrad = 4, kGateUpWgrad = 5 };
-
-// Every field is 8 bytes; mirrored by PARAM_FIELDS in mok_proto/kernels/gemm.py.
-struct GemmParams {
-  i64 num_groups;      // El
-  i64 m, n, k;         // row problems: n, k fixed (m = T_e); weight gradients: m, n fixed (k = T_e)
-  i64 lda, ldb, ldo;   // leading dimensions (elements)
-  i64 b_group_stride;  // elements between experts' weights (row problems)
-  i64 o_group_stride;  // elements between experts' outputs (weight gradients)
-  i64 k_split;         // kGateUpBwd: k < k_split reads a1/b1, else a2/b2 at k - k_split
-  i64 timeout_ns;      // every pipeline wait is bounded
-  i64 a1, a2, b1, b2;  // operand addresses (bf16)
-  i64 out1, out2, out3;
-  i64 row_scale;       // kDown: optional fp32 [rows] (0 = none)
-  i64 row_offsets;     // int32 [El]
-  i64 row_counts;      // int32 [El]
-  i64 error;           // ErrorRecord*
-  i64 tmap_a1, tmap_a2, tmap_b1, tmap_b2;  // CUtensorMap addresses (global memory), 128B swizzle
-  i64 tmap_aux1, tmap_aux2;                // kDownBwd: g, u in boxes of 128 rows x 64 columns
+// Shared memory of one CTA. The kernel aligns the dynamic base up to 1024 bytes (128B-swizzled
+// TMA and wgmma atoms), so a launch asks for sizeof + 1024.
+struct SharedStorage {
+  char stages[kStages][kStageBytes];              // the ring: A tile, then B tile (or aux g, u)
+  float staging[kConsumerWarps][kStagingFloats];  // epilogue staging, one slot pair per warp
+  u64 full[kStages];                              // producer -> consumers: stage loaded
+  u64 empty[kStages];                             // consumers (both CTAs) -> producers: stage free
+  int abort;                                      // set in both CTAs by cta 0: skip every tile
+  int go;                                         // producer warpgroup: the cp.async path proceeds
+  int pair_prefix[kMaxGroups + 1];                // row problems: pair rows before expert g
 };
+constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
+static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block may have on sm_90");
 
 template <int kP> struct Traits {
   static constexpr bool kRowProblem = kP <= kGateUpBwd;  // M ragged (else K ragged)
@@ -96,11 +94,11 @@ __device__ __forceinline__ T* ptr(i64 address) { return reinterpret_cast<T*>(add
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// Pair tile t of this problem, as run by cluster CTA `rank`. Row problems: per expert
+// Pair tile t of this problem, as run by cluster CTA `cta`. Row problems: per expert
 // ceil(ceil(T_e / BM) / 2) pair rows x n tiles; pair_prefix holds the running count of pair rows.
 // Weight gradients: ceil((M / BM) / 2) pair rows x n tiles per expert.
 template <int kP>
-__device__ __forceinline__ Tile tile_of(const GemmParams* p, const int* pair_prefix, int t, int rank) {
+__device__ __forceinline__ Tile tile_of(const GemmParams* p, const int* pair_prefix, int t, int cta) {
   using Tr = Traits<kP>;
   const int n_tiles = static_cast<int>(p->n) / Tr::kTileN;
   Tile tile;
@@ -113,7 +111,7 @@ __device__ __forceinline__ Tile tile_of(const GemmParams* p, const int* pair_pre
       if (pair_prefix[mid] <= mp) lo = mid; else hi = mid;
     }
     tile.group = lo;
-    m_tile = 2 * (mp - pair_prefix[lo]) + rank;
+    m_tile = 2 * (mp - pair_prefix[lo]) + cta;
     tile.n0 = (t - mp * n_tiles) * Tr::kTileN;
     tile.k_blocks = static_cast<int>(p->k) / kBK;
   } else {
@@ -121,7 +119,7 @@ __device__ __forceinline__ Tile tile_of(const GemmParams* p, const int* pair_pre
     const int per_group = ceil_div(m_tiles, 2) * n_tiles;
     tile.group = t / per_group;
     const int r = t - tile.group * per_group;
-    m_tile = 2 * (r / n_tiles) + rank;
+    m_tile = 2 * (r / n_tiles) + cta;
     tile.n0 = (r % n_tiles) * Tr::kTileN;
   }
   tile.row0 = ptr<const int>(p->row_offsets)[tile.group];
@@ -143,7 +141,7 @@ __device__ __forceinline__ Tile tile_of(const GemmParams* p, const int* pair_pre
 // ---------------------------------------------------------------------------------------------
 template <int kP>
 __device__ __forceinline__ void load_stage_tma(const GemmParams* p, const Tile& tile, int kb, u32 s_a, u32 s_b, u64* bar,
-                                               int rank) {
+                                               int cta) {
   using Tr = Traits<kP>;
   const int k0 = kb * kBK;
   const bool second = kP == kGateUpBwd && k0 >= p->k_split;  // dx: dg/Wg, then du/Wu
@@ -156,18 +154,18 @@ __device__ __forceinline__ void load_stage_tma(const GemmParams* p, const Tile& 
     tma_load_2d(s_a, second ? p->tmap_a2 : p->tmap_a1, k_in, tile.row0 + tile.m0, bar);
   }
   constexpr unsigned short kBoth = (1u << kCluster) - 1;
-  if (Tr::kBMajorMN) {  // four atoms of 64 n x 64 k rows; this CTA loads atoms 2 rank, 2 rank + 1
+  if (Tr::kBMajorMN) {  // four atoms of 64 n x 64 k rows; this CTA loads atoms 2 cta, 2 cta + 1
     const int k_row = Tr::kRowProblem ? tile.group * static_cast<int>(p->k) + k0 : tile.row0 + k0;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int atom = 2 * rank + i;
+      const int atom = 2 * cta + i;
       const bool b2 = Tr::kDualB && atom >= 2;
       const int col = tile.n0 + (Tr::kDualB ? (atom & 1) : atom) * 64;
       tma_load_2d_multicast(s_b + atom * 8192, b2 ? p->tmap_b2 : p->tmap_b1, col, k_row, bar, kBoth);
     }
-  } else {  // 256 n rows x 64 k; this CTA loads rows 128 rank .. 128 rank + 127
-    tma_load_2d_multicast(s_b + rank * 16384, second ? p->tmap_b2 : p->tmap_b1, k_in,
-                          tile.group * static_cast<int>(p->n) + tile.n0 + 128 * rank, bar, kBoth);
+  } else {  // 256 n rows x 64 k; this CTA loads rows 128 cta .. 128 cta + 127
+    tma_load_2d_multicast(s_b + cta * 16384, second ? p->tmap_b2 : p->tmap_b1, k_in,
+                          tile.group * static_cast<int>(p->n) + tile.n0 + 128 * cta, bar, kBoth);
   }
 }
 
@@ -456,166 +454,202 @@ __device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile
   }
 }
 
-// Consumer warpgroup `half` (rows 64 half .. 64 half + 63 of each tile): waits for full stages,
-// issues wgmma, hands each stage back to the producers of both CTAs, runs the epilogue.
-template <int kP>
-__device__ __forceinline__ void consume(const GemmParams* p, ErrorRecord* err, const char* stages, u64* full,
-                                        u64* empty, float* staging, const int* pair_prefix, int num_tiles,
-                                        int first_tile, int tile_step, int rank, int half, int wg_tid) {
-  using Tr = Traits<kP>;
-  const u32 s_base = smem_addr(stages);
-  // One arrive per consumer warp on the stage's `empty` barrier in every CTA of the cluster (lane c
-  // signals CTA c): the partner multicasts its half of B into this stage too. The warp's reads of
-  // the stage (aux stages: every lane's) are done first.
-  auto release = [&](int s) {
-    __syncwarp();
-    if ((wg_tid & 31) < kCluster) mbar_arrive_cluster(&empty[s], wg_tid & 31);
-  };
-  // After a failed wait (timeout, or an error recorded elsewhere) this thread stops waiting: the
-  // loops run on over garbage (wgmma must stay warpgroup-uniform) and the kernel ends with the
-  // error set, which the host raises.
-  bool ok = true;
+// ---------------------------------------------------------------------------------------------
+// The ring and the per-tile roles
+// ---------------------------------------------------------------------------------------------
+// Stage and phase of the mbarrier ring. The producer and every consumer warpgroup each hold one
+// and advance it once per stage in the same tile order, so they agree on every stage.
+struct Ring {
   int stage = 0, phase = 0;
-  float acc[128];
-  for (int t = first_tile; t < num_tiles; t += tile_step) {
-    const Tile tile = tile_of<kP>(p, pair_prefix, t, rank);
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-    int prev = -1;
-    for (int kb = 0; kb < tile.k_blocks; ++kb) {
-      if (ok) ok = mbar_wait(&full[stage], phase, p->timeout_ns, err, 200 + kP);
-      const u32 s_a = s_base + stage * kStageBytes;
-      wgmma_fence();
-      mma_stage<kP>(acc, s_a, s_a + kATileBytes, half);
-      wgmma_commit();
-      wgmma_wait<1>();  // the previous stage's MMAs are done: hand its buffers back
-      fence_accumulators(acc);
-      if (prev >= 0) release(prev);
-      prev = stage;
-      if (++stage == kStages) { stage = 0; phase ^= 1; }
-    }
-    wgmma_wait<0>();
-    fence_accumulators(acc);
-    if (prev >= 0) release(prev);
-    if constexpr (Tr::kAuxStages > 0) {  // one ring stage per 64 columns (every tile, stored or not)
-      auto aux_stage = [&]() {
-        if (ok) ok = mbar_wait(&full[stage], phase, p->timeout_ns, err, 300 + kP);
-        return stages + stage * kStageBytes;
-      };
-      auto next = [&]() {
-        release(stage);
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
-      };
-      store_columns<kP, 0>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
-      store_columns<kP, 2>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
-      store_columns<kP, 4>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
-      store_columns<kP, 6>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
-    } else if (tile.store) {
-      store_tile<kP>(p, tile, acc, staging, half, wg_tid);
-    }
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) { stage = 0; phase ^= 1; }
   }
+};
+
+// One arrive per consumer warp on stage s's `empty` barrier in every CTA of the cluster (lane c
+// signals CTA c): the partner multicasts its half of B into this stage too. The warp's reads of
+// the stage (aux stages: every lane's) are done first.
+__device__ __forceinline__ void release_stage(SharedStorage& ss, int s, int wg_tid) {
+  __syncwarp();
+  if ((wg_tid & 31) < kCluster) mbar_arrive_cluster(&ss.empty[s], wg_tid & 31);
 }
 
-
+// Barriers, the pair prefix and the cluster's abort decision; every thread of both CTAs calls it.
+// Returns the number of pair tiles (0 if an error was already recorded: an earlier launch's, on a
+// shared record; decided once by cta 0 for both CTAs so that neither loads into a partner that
+// left).
 template <int kP>
-__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1) grouped_gemm(const GemmParams* p) {
+__device__ __forceinline__ int gemm_setup(const GemmParams* p, SharedStorage& ss, int cta) {
   using Tr = Traits<kP>;
-  extern __shared__ char smem_raw[];
-  char* smem = reinterpret_cast<char*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~static_cast<u64>(1023));
-  float* staging = reinterpret_cast<float*>(smem + kStages * kStageBytes);
-  u64* full = reinterpret_cast<u64*>(staging + kConsumerWarps * kStagingFloats);
-  u64* empty = full + kStages;
-  int* flags = reinterpret_cast<int*>(empty + kStages);  // [0] abort (set by rank 0), [1] cp.async go
-  int* pair_prefix = flags + 2;
-  ErrorRecord* err = ptr<ErrorRecord>(p->error);
   const int num_groups = static_cast<int>(p->num_groups);
-  const int rank = static_cast<int>(cluster_ctarank());
-
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);  // the producer's arrive (with the TMA byte count, or after cp.async)
-      mbar_init(&empty[s], kCluster * kConsumerWarps);  // every consumer warp of both CTAs
+      mbar_init(&ss.full[s], 1);  // the producer's arrive (with the TMA byte count, or after cp.async)
+      mbar_init(&ss.empty[s], kCluster * kConsumerWarps);  // every consumer warp of both CTAs
     }
     fence_mbarrier_init_cluster();
     int total = 0;
     for (int g = 0; g < num_groups; ++g) {
-      pair_prefix[g] = total;
+      ss.pair_prefix[g] = total;
       if (Tr::kRowProblem) total += ceil_div(ceil_div(ptr<const int>(p->row_counts)[g], kBM), 2);
     }
-    pair_prefix[num_groups] = total;
+    ss.pair_prefix[num_groups] = total;
   }
   cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
-  // An error already recorded (an earlier launch's, on a shared record): both CTAs skip every tile,
-  // decided once by rank 0 so that neither loads into a partner that left.
-  if (threadIdx.x == 0 && rank == 0) {
-    const u32 abort = has_error(err) ? 1u : 0u;
-    for (int cta = 0; cta < kCluster; ++cta) st_cluster_u32(&flags[0], cta, abort);
+  if (threadIdx.x == 0 && cta == 0) {
+    const u32 abort = has_error(p->error) ? 1u : 0u;
+    for (int c = 0; c < kCluster; ++c) st_cluster_u32(&ss.abort, c, abort);
   }
   cluster_sync();
   const int n_tiles = static_cast<int>(p->n) / Tr::kTileN;
-  const int num_tiles = flags[0] ? 0
-                        : Tr::kRowProblem ? pair_prefix[num_groups] * n_tiles
-                                          : num_groups * ceil_div(static_cast<int>(p->m) / kBM, 2) * n_tiles;
-  const int first_tile = static_cast<int>(cluster_id_x()), tile_step = static_cast<int>(num_clusters_x());
-  const u32 s_base = smem_addr(smem);
+  return ss.abort ? 0
+         : Tr::kRowProblem ? ss.pair_prefix[num_groups] * n_tiles
+                           : num_groups * ceil_div(static_cast<int>(p->m) / kBM, 2) * n_tiles;
+}
+
+// Producer warpgroup, one tile: thread 0 issues TMA; the weight gradients' last, partial k-block
+// of an expert is loaded by all 128 threads with zero-filling cp.async. All 128 wait for each free
+// stage together. After a failed wait (returns false) thread 0 loads nothing more (no copy may
+// land in a stage still in use, or in a CTA that has left); the consumers' waits then fail too and
+// the kernel ends with the error set.
+template <int kP>
+__device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
+                                             int cta, int wg_tid, bool ok) {
+  using Tr = Traits<kP>;
+  const u32 s_base = smem_addr(ss.stages);
+  volatile int* go = &ss.go;
+  for (int kb = 0; kb < tile.k_blocks; ++kb) {
+    const bool partial = !Tr::kRowProblem && (kb + 1) * kBK > tile.rows;  // the same in both CTAs
+    const u32 s_a = s_base + ring.stage * kStageBytes;
+    if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
+    if (partial) {
+      // NOTE: generic-proxy writes, complete and fenced before the barrier tells the consumers.
+      // Each CTA fills its own stage; nothing is multicast.
+      if (wg_tid == 0) *go = ok;
+      asm volatile("bar.sync 1, 128;" ::: "memory");  // the producer warpgroup only
+      if (*go) {
+        load_stage_cp_async<kP, 128>(p, tile, kb, s_a, s_a + kATileBytes, wg_tid);
+        cp_async_wait_all();
+        fence_proxy_async();
+      }
+      asm volatile("bar.sync 1, 128;" ::: "memory");
+      if (wg_tid == 0 && ok) mbar_arrive(&ss.full[ring.stage]);
+    } else if (wg_tid == 0 && ok) {
+      load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &ss.full[ring.stage], cta);
+    }
+    ring.advance();
+  }
+  for (int c = 0; c < Tr::kAuxStages; ++c) {  // kDownBwd: g and u of this tile, 64 columns a stage
+    if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
+    if (wg_tid == 0 && ok) {
+      const u32 s_a = s_base + ring.stage * kStageBytes;
+      mbar_arrive_expect_tx(&ss.full[ring.stage], 2 * kAuxU);
+      tma_load_2d(s_a, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, &ss.full[ring.stage]);
+      tma_load_2d(s_a + kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, &ss.full[ring.stage]);
+    }
+    ring.advance();
+  }
+  return ok;
+}
+
+// Consumer warpgroup `half` (rows 64 half .. 64 half + 63), one tile: waits for loaded stages,
+// issues wgmma into `acc`, hands each stage back to the producers of both CTAs, runs the epilogue
+// through this warp's `staging` slots. After a failed wait (timeout, or an error recorded
+// elsewhere) this thread stops waiting: the loops run on over garbage (wgmma must stay
+// warpgroup-uniform) and the kernel ends with the error set, which the host raises.
+template <int kP>
+__device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
+                                             float (&acc)[128], float* staging, int half, int wg_tid, bool ok) {
+  using Tr = Traits<kP>;
+  const u32 s_base = smem_addr(ss.stages);
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  int prev = -1;
+  for (int kb = 0; kb < tile.k_blocks; ++kb) {
+    if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
+    const u32 s_a = s_base + ring.stage * kStageBytes;
+    wgmma_fence();
+    mma_stage<kP>(acc, s_a, s_a + kATileBytes, half);
+    wgmma_commit();
+    wgmma_wait<1>();  // the previous stage's MMAs are done: hand its buffers back
+    fence_accumulators(acc);
+    if (prev >= 0) release_stage(ss, prev, wg_tid);
+    prev = ring.stage;
+    ring.advance();
+  }
+  wgmma_wait<0>();
+  fence_accumulators(acc);
+  if (prev >= 0) release_stage(ss, prev, wg_tid);
+  if constexpr (Tr::kAuxStages > 0) {  // one ring stage per 64 columns (every tile, stored or not)
+    auto aux_stage = [&]() {
+      if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmAux, kP);
+      return ss.stages[ring.stage];
+    };
+    auto next = [&]() {
+      release_stage(ss, ring.stage, wg_tid);
+      ring.advance();
+    };
+    store_columns<kP, 0>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+    store_columns<kP, 2>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+    store_columns<kP, 4>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+    store_columns<kP, 6>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+  } else if (tile.store) {
+    store_tile<kP>(p, tile, acc, staging, half, wg_tid);
+  }
+  return ok;
+}
+
+// Both roles over the pair tiles `tiles` yields (each role walks its own copy in the same order).
+// Every thread of the CTA calls it, after gemm_setup.
+template <int kP, class Tiles>
+__device__ __forceinline__ void run_tiles(const GemmParams* p, SharedStorage& ss, Tiles tiles, int cta) {
   // NOTE: the role is broadcast from lane 0 so the compiler sees it warp-uniform; wgmma in a path it
   // cannot prove uniform gets serialized (ptxas C7518).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0), wg_tid = threadIdx.x & 127;
-
+  Ring ring;
+  bool ok = true;
+  int t;
   if (wg == 0) {
-    // Producer warpgroup: thread 0 issues TMA; the weight gradients' last, partial k-block of an
-    // expert is loaded by all 128 threads with zero-filling cp.async. All 128 wait for each free
-    // stage together. NOTE: threads let run ahead to the final cluster barrier instead (warp 0
-    // diverged around its TMA lane) made the row GEMMs ~18% slower. After a failed wait thread 0
-    // loads nothing more (no copy may land in a stage still in use, or in a CTA that has left); the
-    // consumers' waits then fail too and the kernel ends with the error set.
-    bool ok = true;
-    volatile int* go = &flags[1];
-    int stage = 0, phase = 0;
-    auto advance = [&]() {
-      if (++stage == kStages) { stage = 0; phase ^= 1; }
-    };
-    for (int t = first_tile; t < num_tiles; t += tile_step) {
-      const Tile tile = tile_of<kP>(p, pair_prefix, t, rank);
-      for (int kb = 0; kb < tile.k_blocks; ++kb) {
-        const bool partial = !Tr::kRowProblem && (kb + 1) * kBK > tile.rows;  // the same in both CTAs
-        const u32 s_a = s_base + stage * kStageBytes;
-        if (ok) ok = mbar_wait(&empty[stage], phase ^ 1, p->timeout_ns, err, 100 + kP);
-        if (partial) {
-          // NOTE: generic-proxy writes, complete and fenced before the barrier tells the consumers.
-          // Each CTA fills its own stage; nothing is multicast.
-          if (wg_tid == 0) *go = ok;
-          asm volatile("bar.sync 1, 128;" ::: "memory");  // the producer warpgroup only
-          if (*go) {
-            load_stage_cp_async<kP, 128>(p, tile, kb, s_a, s_a + kATileBytes, wg_tid);
-            cp_async_wait_all();
-            fence_proxy_async();
-          }
-          asm volatile("bar.sync 1, 128;" ::: "memory");
-          if (wg_tid == 0 && ok) mbar_arrive(&full[stage]);
-        } else if (wg_tid == 0 && ok) {
-          load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &full[stage], rank);
-        }
-        advance();
-      }
-      for (int c = 0; c < Tr::kAuxStages; ++c) {  // kDownBwd: g and u of this tile, 64 columns a stage
-        if (ok) ok = mbar_wait(&empty[stage], phase ^ 1, p->timeout_ns, err, 100 + kP);
-        if (wg_tid == 0 && ok) {
-          const u32 s_a = s_base + stage * kStageBytes;
-          mbar_arrive_expect_tx(&full[stage], 2 * kAuxU);
-          tma_load_2d(s_a, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, &full[stage]);
-          tma_load_2d(s_a + kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, &full[stage]);
-        }
-        advance();
-      }
-    }
+    // NOTE: threads let run ahead to the final cluster barrier instead (warp 0 diverged around its
+    // TMA lane) made the row GEMMs ~18% slower: all 128 producer threads walk every tile.
+    while (tiles.next(t)) ok = produce_tile<kP>(p, ss, ring, tile_of<kP>(p, ss.pair_prefix, t, cta), cta, wg_tid, ok);
   } else {
-    consume<kP>(p, err, smem, full, empty, staging + (threadIdx.x / 32 - 4) * kStagingFloats, pair_prefix,
-                num_tiles, first_tile, tile_step, rank, wg - 1, wg_tid);
+    float acc[128];
+    float* staging = ss.staging[threadIdx.x / 32 - 4];
+    while (tiles.next(t))
+      ok = consume_tile<kP>(p, ss, ring, tile_of<kP>(p, ss.pair_prefix, t, cta), acc, staging, wg - 1, wg_tid, ok);
   }
+}
+
+// The standalone kernel's tile order: cluster c of C takes pair tiles c, c + C, c + 2C, ...
+struct StridedTiles {
+  int t, step, end;
+  __device__ __forceinline__ bool next(int& tile) {
+    if (t >= end) return false;
+    tile = t;
+    t += step;
+    return true;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// grouped_gemm<kP>: one persistent grid of 2-CTA clusters over every tile of the problem.
+// ---------------------------------------------------------------------------------------------
+template <int kP>
+__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1) grouped_gemm(const GemmParams* p) {
+  extern __shared__ char smem_raw[];
+  SharedStorage& ss =
+      *reinterpret_cast<SharedStorage*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~static_cast<u64>(1023));
+  const int cta = static_cast<int>(cluster_ctarank());
+  const int num_tiles = gemm_setup<kP>(p, ss, cta);
+  run_tiles<kP>(p, ss, StridedTiles{static_cast<int>(cluster_id_x()), static_cast<int>(num_clusters_x()), num_tiles},
+                cta);
   // No CTA may leave while its partner can still arrive on its barriers or multicast into it.
   cluster_sync();
 }
 
 }  // namespace gemm
 }  // namespace mok
+
+// Compile-time sizes Python reads from the compiled module (never recomputed by hand).
+extern "C" __device__ int mok_gemm_smem_bytes = mok::gemm::kSmemBytes;

@@ -6,8 +6,6 @@
 
 namespace mok {
 
-typedef unsigned int u32;
-
 __device__ __forceinline__ u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
 // ---------------------------------------------------------------------------------------------
@@ -31,7 +29,10 @@ __device__ __forceinline__ bool mbar_try_wait(u64* bar, int parity) {
 // once another thread has recorded an error. NOTE: the error record and the clock are looked at
 // only every kPollNs: reading the record is a system-scope load (~1 us), and a wait that sat behind
 // one on every spin noticed a completed phase late (the GEMM mainloop lost 10-20% to it).
-__device__ __forceinline__ bool mbar_wait(u64* bar, int parity, u64 timeout_ns, ErrorRecord* err, int op) {
+// The report names `op` (an Op) and `detail` (see ErrorRecord), the parity waited for, and the
+// reporting block and thread; it has no EP rank or peer (-1).
+__device__ __forceinline__ bool mbar_wait(u64* bar, int parity, u64 timeout_ns, ErrorRecord* err, int op,
+                                          int detail) {
   constexpr u64 kPollNs = 20000;
   if (mbar_try_wait(bar, parity)) return true;
   const u64 start = globaltimer_ns();
@@ -42,7 +43,7 @@ __device__ __forceinline__ bool mbar_wait(u64* bar, int parity, u64 timeout_ns, 
     polled = now;
     if (has_error(err)) return false;
     if (now - start > timeout_ns) {
-      report_error(err, kErrTimeout, op, blockIdx.x, threadIdx.x, parity, 0);
+      report_error(err, kErrTimeout, op, -1, -1, parity, 0, detail);
       return false;
     }
   }

@@ -233,3 +233,19 @@ def backward(dout, cache):
     grads["x"] = slot_sum(base, dx_slots, top_k)
     grads["topk_weights"] = topk_weight_grad(dout, cache["y_slots"], top_k)
     return grads
+
+
+# ---------------------------------------------------------------------------------------------
+# The communication round with a stand-in expert (the oracle of the GPU round's kernels)
+# ---------------------------------------------------------------------------------------------
+def stand_in_round(x_all, topk_idx_all, topk_w_all, scale, base_all=None):
+    """What one communication round with the stand-in expert y = scale[e] * x must produce, in
+    float32 with the kernels' rounding order (one product per element, then weighted_sum).
+    x_all [R,N,H], topk_idx_all/topk_w_all [R,N,K], scale [E], base_all [R,N,H] -> out [R,N,H]."""
+    num_ranks, n, k = topk_idx_all.shape
+    out = np.empty(x_all.shape, np.float32)
+    for r in range(num_ranks):
+        y_slots = (x_all[r][:, None, :] * scale[topk_idx_all[r]][:, :, None]).astype(np.float32)  # [N,K,H]
+        base = np.zeros_like(x_all[r]) if base_all is None else base_all[r]
+        out[r] = weighted_sum(base, y_slots.reshape(n * k, -1), topk_w_all[r])
+    return out

@@ -37,9 +37,9 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 from mok_proto.bench import append_result, copy_ceiling_gbs, slowest_rank, summarize, time_stages  # noqa: E402
-from mok_proto.config import DIRECTIONS, PAPER_SHAPES, get_shape  # noqa: E402
+from mok_proto.config import DIRECTIONS, PAPER_SHAPES, RunConfig, get_shape  # noqa: E402
 from mok_proto.layer.gpu_comm import GpuCommRound  # noqa: E402
-from mok_proto.layer.gpu_comm import reference_round  # noqa: E402
+from mok_proto.reference import stand_in_round  # noqa: E402
 from mok_proto.problem import make_routed_tokens  # noqa: E402
 
 
@@ -50,14 +50,14 @@ def make_round(heap, shape, name, check=True):
     num_ranks = heap.num_ranks
     # Capacity: balanced load plus 50% headroom for random routing (overflow would be reported).
     expected = shape.num_tokens * shape.top_k
-    rnd = GpuCommRound(heap, shape, name=name, capacity=min(int(expected * 1.5) + 64, expected * num_ranks),
-                       timeout_s=30)
+    rnd = GpuCommRound(heap, RunConfig(shape, num_ranks, timeout_s=30), name=name,
+                       capacity=min(int(expected * 1.5) + 64, expected * num_ranks))
     data = make_routed_tokens(shape, num_ranks, seed=0)
     want = {}
     for rank in rnd.ranks:
         rnd.set_inputs(rank, data.x[rank], data.topk_idx[rank], data.topk_weights[rank], data.scale)
         if check:
-            want[rank] = reference_round(data.x[rank:rank + 1], data.topk_idx[rank:rank + 1],
+            want[rank] = stand_in_round(data.x[rank:rank + 1], data.topk_idx[rank:rank + 1],
                                          data.topk_weights[rank:rank + 1], data.scale)[0]
     return rnd, want, data.remote_rows()
 
@@ -90,7 +90,7 @@ def peer_pull_gbs(heap, nbytes=1 << 30, iters=10):
 
 def time_round(rnd, dispatch, combine, iters, warmup, comm=None):
     """Per-stage stats of one policy; with MPI, each stage's median is the slowest rank's."""
-    rnd.dispatch, rnd.combine = dispatch, combine
+    rnd.policy.update(dispatch=dispatch, combine=combine)
     samples = time_stages(rnd.enqueue, iters, warmup)
     rnd.check()
     return slowest_rank({stage: summarize(v) for stage, v in samples.items()}, comm)

@@ -31,7 +31,7 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 from mok_proto.bench import append_result, slowest_rank, summarize, time_stages  # noqa: E402
 from mok_proto.config import PAPER_SHAPES, get_shape  # noqa: E402
-from mok_proto.layer.gpu_comm import reference_round  # noqa: E402
+from mok_proto.reference import stand_in_round  # noqa: E402
 from mok_proto.problem import make_routed_tokens  # noqa: E402
 
 
@@ -139,7 +139,7 @@ def main():
         rnd = NcclRound(data, rank, num_ranks)
         samples = time_stages(rnd.run, args.iters, args.warmup, api="torch")
         out = rnd.run(lambda stage: None).cpu().numpy()
-        want = reference_round(data.x[rank:rank + 1], data.topk_idx[rank:rank + 1], data.topk_weights[rank:rank + 1],
+        want = stand_in_round(data.x[rank:rank + 1], data.topk_idx[rank:rank + 1], data.topk_weights[rank:rank + 1],
                                data.scale)[0]
         exact = comm.allreduce(bool(np.array_equal(out, want)), op=MPI.LAND)
         failures += 0 if exact else 1

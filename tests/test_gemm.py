@@ -5,6 +5,10 @@ segments that must stay untouched (NaN sentinels)."""
 import numpy as np
 import pytest
 
+from mok_proto import abi
+from mok_proto.errors import KernelTimeoutError
+from mok_proto.kernels.errors import ErrorRecord
+
 pytestmark = pytest.mark.gpu
 
 BF16_TOL = 2.0 ** -7  # 2x bf16's relative rounding step, against max |ref| of the array
@@ -83,9 +87,9 @@ def cluster_cap(request, monkeypatch):
 def _run(launch, *args):
     from mok_proto.kernels import gemm
 
-    err = gemm.new_error_record()
-    launch(*args, error=err)
-    gemm.check_error(err)
+    record = ErrorRecord()
+    assert launch(*args, error=record) is record
+    record.check()
 
 
 def test_gate_up(data):
@@ -192,12 +196,37 @@ def test_launch_on_a_failed_error_record_does_nothing():
     d = _setup(256, 256)
     ffn = d["w_gate"].shape[2]
     h = _nan_bf16(d["rows"], ffn)
-    err = gemm.new_error_record()
-    err[0] = 1  # an earlier launch's timeout, say
-    gemm.gate_up(d["x"], d["w_gate"], d["w_up"], d["d_offsets"], d["d_counts"], h, error=err)
-    with pytest.raises(RuntimeError, match="timed out"):
-        gemm.check_error(err)
+    import cupy
+
+    record = ErrorRecord()
+    fields = dict.fromkeys(abi.ERROR_RECORD.names, 0)
+    fields.update(code=abi.ERROR_CODE["kErrTimeout"], op=abi.OP["kOpGemmMma"], detail=abi.GEMM_PROBLEM["kDown"])
+    record.words[...] = cupy.asarray(abi.ERROR_RECORD.pack(fields))  # an earlier launch's timeout, say
+    gemm.gate_up(d["x"], d["w_gate"], d["w_up"], d["d_offsets"], d["d_counts"], h, error=record)
+    with pytest.raises(KernelTimeoutError, match="GEMM consumer .* of grouped GEMM down timed out"):
+        record.check()
     assert np.isnan(gemm.from_bf16(h).get()).all(), "a launch on a failed error record must not run its tiles"
+
+
+def test_default_error_record_is_returned_and_checked():
+    from mok_proto.kernels import gemm
+
+    d = _setup(256, 256)
+    h = _nan_bf16(d["rows"], d["w_gate"].shape[2])
+    record = gemm.gate_up(d["x"], d["w_gate"], d["w_up"], d["d_offsets"], d["d_counts"], h)
+    assert record is gemm.site_record("gate_up")
+    record.check()
+    got = gemm.from_bf16(h).get()
+    for _, rows in _segments(d):
+        assert np.isfinite(got[rows]).all(), "every expert row is written under the default record"
+
+
+def test_smem_size_comes_from_the_compiled_header():
+    from mok_proto.kernels import gemm
+
+    smem = gemm.smem_bytes()
+    stages = abi.CONST["kStages"] * (abi.CONST["kBM"] + abi.CONST["kBN"]) * abi.CONST["kBK"] * 2
+    assert stages < smem <= 227 * 1024, smem
 
 
 def test_bad_shapes_are_refused():

@@ -1,7 +1,6 @@
-"""CPU checks of the kernel layer: every registered kernel compiles with the local nvcc for
-sm_90a and sm_100a, and the Python mirror of each params struct matches the CUDA header."""
+"""CPU checks of the kernel layer: every registered kernel compiles with the local nvcc for each
+architecture its module is written for (the ABI itself: tests/test_abi.py)."""
 
-import re
 import shutil
 import subprocess
 
@@ -34,25 +33,6 @@ def test_every_kernel_compiles_with_nvcc(tmp_path, header, arch):
     assert "Used" in proc.stderr  # ptxas reported registers for the kernels
 
 
-def test_comm_params_mirror_header():
-    text = (build.CUDA_DIR / "comm.cuh").read_text()
-    body = re.search(r"struct CommParams \{(.*?)\};", text, re.S).group(1)
-    names = re.findall(r"^\s*(?:const\s+)?[\w:]+\s*\*?\s+(\w+);", body, re.M)
-    assert tuple(names) == comm.PARAM_FIELDS
-    types = re.findall(r"^\s*((?:const\s+)?[\w:]+\s*\*?)\s+\w+;", body, re.M)
-    assert all(t.strip() == "i64" or t.strip().endswith("*") for t in types), "every field must be 8 bytes"
-
-
-def test_enums_mirror_header():
-    text = (build.CUDA_DIR / "comm.cuh").read_text()
-    flags = re.search(r"enum FlagKind : int \{(.*?)\};", text, re.S).group(1)
-    assert re.findall(r"kFlag\w+", flags) == ["kFlagRouting", "kFlagMap", "kFlagDispatch", "kFlagReady",
-                                              "kFlagCombine"]
-    assert f"kNumFlagKinds = {len(comm.FLAG_KINDS)}" in flags
-    ops = re.search(r"enum Op : int \{(.*?)\};", text, re.S).group(1)
-    assert f"kNumOps = {len(comm.OPS)}" in ops
-
-
 def test_source_digest_covers_every_header(tmp_path, monkeypatch):
     (tmp_path / "a.cuh").write_text("// a\n")
     monkeypatch.setattr(build, "CUDA_DIR", tmp_path)
@@ -67,13 +47,3 @@ def test_source_digest_covers_every_header(tmp_path, monkeypatch):
 def test_unregistered_name_is_refused():
     with pytest.raises(KeyError, match="not registered"):
         comm.MODULE.function("mok::no_such_kernel")
-
-
-def test_gemm_params_mirror_header():
-    text = (build.CUDA_DIR / "gemm.cuh").read_text()
-    body = re.search(r"struct GemmParams \{(.*?)\};", text, re.S).group(1)
-    names = []
-    for decl in re.findall(r"^\s*i64\s+([^;]+);", body, re.M):
-        names += [n.strip() for n in decl.split(",")]
-    assert tuple(names) == gemm.PARAM_FIELDS
-    assert not re.search(r"^\s*(?!i64\b)\w+[\s*]+\w+;", body, re.M), "every GemmParams field must be an i64"

@@ -5,7 +5,7 @@ wrappers launch. It compiles on first use for the current GPU's architecture (sm
 so wgmma is available) and is cached in memory by (source digest, options); the digest covers
 every file under cuda/, and it is written into the compiled code, so CuPy's on-disk cache can
 never serve a binary built from an older header. Every module registers itself in MODULES, which
-the CPU test compiles with the local nvcc for sm_90a and sm_100a.
+the CPU test compiles with the local nvcc for each architecture the module is written for.
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ import hashlib
 import time
 from pathlib import Path
 
+import numpy as np
+
 CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 CXX_OPTIONS = ("-std=c++17",)
 MODULES: dict[str, "CudaModule"] = {}
 RECHECK_S = 1.0  # how often a launch looks for edited headers
 
 
+_GLOBALS: dict = {}  # (compiled module, exported name) -> value
 _DIGEST: dict = {}  # (cuda dir, file stamps) -> digest: a stat per header per launch, no re-hashing
 
 
@@ -98,6 +101,20 @@ class CudaModule:
         function = _compile(self.header, self.names, arch, source_digest()).get_function(name)
         self._functions[name] = (now, function)
         return function
+
+    def read_global(self, name: str) -> int:
+        """An `extern "C" __device__ int` the header exports (a compile-time size only C++ knows,
+        such as a kernel's shared memory): read once per compiled module, cached."""
+        module = _compile(self.header, self.names, gpu_arch(), source_digest())
+        key = (id(module), name)
+        if key not in _GLOBALS:
+            import cupy
+
+            host = np.zeros(1, np.int32)
+            cupy.cuda.runtime.memcpy(host.ctypes.data, module.get_global(name).ptr, 4,
+                                     cupy.cuda.runtime.memcpyDeviceToHost)
+            _GLOBALS[key] = int(host[0])
+        return _GLOBALS[key]
 
     def instantiation_source(self) -> str:
         """A .cu translation unit that makes nvcc instantiate every registered kernel."""

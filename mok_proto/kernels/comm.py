@@ -11,22 +11,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mok_proto import abi
 from mok_proto.kernels.build import CudaModule
 
-# Mirrors struct CommParams in cuda/comm.cuh, field for field (all 8 bytes).
-PARAM_FIELDS = (
-    "num_ranks", "rank_base", "num_tokens", "top_k", "num_experts", "num_local_experts", "row_words",
-    "hidden", "capacity", "align", "timeout_ns",
-    "topk_idx", "topk_w", "routing", "x", "recv", "y", "slots", "base", "out", "dst_slot", "sched",
-    "flags", "state", "scale", "error",
-)
-FLAG_KINDS = ("routing", "map", "dispatch", "ready", "combine")  # enum FlagKind
-OPS = ("routing all-gather", "schedule", "dispatch (pull)", "dispatch (push)", "expert", "combine (push)",
-       "combine (pull)", "weighted sum")  # enum Op
-ERR_TIMEOUT, ERR_CAPACITY = 1, 2  # enum ErrorCode
-STATE_WORDS = 1 + len(OPS)  # epoch + one last-block counter per op
-THREADS = 256  # copy kernels: 8 warps, one row per warp
-SCHEDULE_THREADS = 1024
+FLAG_KINDS = tuple(text for _, text in abi.FLAG_KIND.members)  # flag kinds by name, in enum order
+THREADS = abi.CONST["kCommThreads"]
+SCHEDULE_THREADS = abi.CONST["kScheduleThreads"]
 
 MODULE = CudaModule("comm.cuh", (
     "mok::begin_round", "mok::wait_peers", "mok::allgather_routing", "mok::build_schedule",
@@ -37,15 +27,10 @@ MODULE = CudaModule("comm.cuh", (
 
 
 def pack_params(fields: dict):
-    """dict of PARAM_FIELDS -> device uint64 array (the kernels' `const CommParams*`)."""
+    """{CommParams field: value} -> the device struct (the kernels' `const CommParams*`)."""
     import cupy
 
-    missing = set(PARAM_FIELDS) - set(fields)
-    extra = set(fields) - set(PARAM_FIELDS)
-    if missing or extra:
-        raise ValueError(f"CommParams: missing {sorted(missing)}, unknown {sorted(extra)}")
-    host = np.array([int(fields[name]) & 0xFFFFFFFFFFFFFFFF for name in PARAM_FIELDS], dtype=np.uint64)
-    return cupy.asarray(host)
+    return cupy.asarray(abi.COMM_PARAMS.pack(fields))
 
 
 @dataclass(frozen=True)
@@ -73,9 +58,11 @@ def begin_round(params, launch: Launch):
 
 
 def wait_peers(params, launch: Launch, kind: str, op: str):
-    """The receiver side of a push: one block per launch-rank waits for flag `kind` from all peers."""
+    """The receiver side of a push: one block per launch-rank waits for flag `kind` (a FlagKind
+    name, e.g. "dispatch") from all peers; `op` (an Op member, e.g. "kOpDispatchPush") names the
+    wait in an error report."""
     _go("mok::wait_peers", (1, launch.num_launch_ranks), (128,),
-        (params, np.int32(FLAG_KINDS.index(kind)), np.int32(OPS.index(op))))
+        (params, np.int32(FLAG_KINDS.index(kind)), np.int32(abi.OP[op])))
 
 
 def allgather_routing(params, launch: Launch):

@@ -5,7 +5,9 @@ H hidden, I expert FFN, E experts here (El). BF16 arrays are CuPy uint16/int16 a
 bf16 bits (CuPy has no bfloat16 dtype; `to_bf16` / `from_bf16` convert). Offsets and counts are
 int32 device arrays read by the kernel: nothing is read back to the host. Each launch is one
 persistent grid of 2-CTA clusters (the CTAs of a cluster share the weight operand by TMA
-multicast): as many clusters as the GPU runs at once, at most MAX_CLUSTERS.
+multicast): as many clusters as the GPU runs at once, at most MAX_CLUSTERS. Every wrapper
+returns the ErrorRecord its launch reports into (`error=`, or the wrapper's own per-problem
+record): `.check()` it after the launch.
 
     gate_up        h = silu(x Wg) * (x Wu)          (optionally also g = x Wg, u = x Wu)
     down           y = row_scale * (h Wd)
@@ -19,21 +21,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from mok_proto import abi
 from mok_proto.kernels.build import CudaModule, num_sms
+from mok_proto.kernels.errors import ErrorRecord
 
-BM, BN, BK, STAGES, THREADS, MAX_GROUPS = 128, 256, 64, 4, 384, 1024
-CLUSTER = 2  # CTAs per cluster (kCluster): the grid is a multiple of it
-CONSUMER_WARPS, STAGING_FLOATS = 8, 2 * 8 * 32  # epilogue staging: 2 slots of 8 rows x 32 fp32 per warp
-SMEM_BYTES = (1024 + STAGES * (BM + BN) * BK * 2 + CONSUMER_WARPS * STAGING_FLOATS * 4 + 2 * STAGES * 8 + 2 * 4
-              + (MAX_GROUPS + 1) * 4)  # mirrors kSmemBytes
-PROBLEMS = ("gate_up", "down", "down_bwd", "gate_up_bwd", "down_wgrad", "gate_up_wgrad")  # enum Problem
-# Mirrors struct GemmParams in cuda/gemm.cuh, field for field (all 8 bytes).
-PARAM_FIELDS = (
-    "num_groups", "m", "n", "k", "lda", "ldb", "ldo", "b_group_stride", "o_group_stride", "k_split",
-    "timeout_ns", "a1", "a2", "b1", "b2", "out1", "out2", "out3",
-    "row_scale", "row_offsets", "row_counts", "error", "tmap_a1", "tmap_a2", "tmap_b1", "tmap_b2",
-    "tmap_aux1", "tmap_aux2",
-)
+_C = abi.CONST
+BM, BN, BK, THREADS, MAX_GROUPS, CLUSTER = (_C[k] for k in ("kBM", "kBN", "kBK", "kThreads", "kMaxGroups", "kCluster"))
+PROBLEMS = tuple(text for _, text in abi.GEMM_PROBLEM.members)  # enum Problem, by name
 MODULE = CudaModule("gemm.cuh", tuple(f"mok::gemm::grouped_gemm<{i}>" for i in range(len(PROBLEMS))),
                     archs=("sm_90a",))
 TIMEOUT_NS = 10 * 10**9
@@ -41,6 +35,24 @@ MAX_CLUSTERS = None  # cap on a launch's clusters (None: as many as run at once)
 _CLUSTERS: dict = {}  # co-resident clusters by kernel handle
 _PARAMS: dict = {}  # device params by (problem, field values), most recent last
 _TMAPS: dict = {}  # device tensor maps by (address, dims, box), most recent last
+_SITE_RECORDS: dict = {}  # (device, problem) -> the wrapper's own error record
+
+
+def smem_bytes() -> int:
+    """Dynamic shared memory of a launch: sizeof(SharedStorage) + alignment slack, as the compiled
+    header exports it (mok_gemm_smem_bytes)."""
+    return MODULE.read_global("mok_gemm_smem_bytes")
+
+
+def site_record(problem: str) -> ErrorRecord:
+    """The error record a wrapper uses when the caller gives none (one per problem and device; it
+    keeps an error until cleared, so a failure is never silently overwritten)."""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), problem)
+    if key not in _SITE_RECORDS:
+        _SITE_RECORDS[key] = ErrorRecord(TIMEOUT_NS / 1e9)
+    return _SITE_RECORDS[key]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,32 +99,33 @@ def _groups(offsets, counts, rows):
     return offsets.size
 
 
-def _launch(problem, error, **fields):
+def _launch(problem, error: ErrorRecord | None, **fields) -> ErrorRecord:
+    """Pack GemmParams, launch one persistent grid, return the error record it reports into."""
     import cupy
 
-    fields = {**{name: 0 for name in PARAM_FIELDS}, "timeout_ns": TIMEOUT_NS, **fields}
-    fields["error"] = error.data.ptr
-    for name, value in fields.items():
-        if hasattr(value, "data"):  # a CuPy array: its address
-            fields[name] = value.data.ptr
-    key = (problem,) + tuple(int(fields[n]) & 0xFFFFFFFFFFFFFFFF for n in PARAM_FIELDS)
+    error = error if error is not None else site_record(problem)
+    fields = {**{name: 0 for name in abi.GEMM_PARAMS.names}, "timeout_ns": TIMEOUT_NS, **fields,
+              "error": error.ptr}
+    host = abi.GEMM_PARAMS.pack(fields)
+    key = (problem,) + tuple(int(v) for v in host)
     params = _PARAMS.pop(key, None)
     if params is None:  # a host -> device copy only the first time these arguments are seen
-        params = cupy.asarray(np.array(key[1:], np.uint64))
+        params = cupy.asarray(host)
         if len(_PARAMS) >= 256:
             _PARAMS.pop(next(iter(_PARAMS)))
     _PARAMS[key] = params
     kernel = MODULE.function(f"mok::gemm::grouped_gemm<{PROBLEMS.index(problem)}>")
-    if kernel.max_dynamic_shared_size_bytes < SMEM_BYTES:
-        kernel.max_dynamic_shared_size_bytes = SMEM_BYTES
-    clusters = _resident_clusters(kernel)
+    smem = smem_bytes()
+    if kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+    clusters = resident_clusters(kernel)
     if MAX_CLUSTERS is not None:
         clusters = min(clusters, max(1, int(MAX_CLUSTERS)))
-    kernel((clusters * CLUSTER,), (THREADS,), (params,), shared_mem=SMEM_BYTES)
-    return params
+    kernel((clusters * CLUSTER,), (THREADS,), (params,), shared_mem=smem)
+    return error
 
 
-def _resident_clusters(kernel) -> int:
+def resident_clusters(kernel) -> int:
     """How many clusters of this kernel the GPU runs at once (asked of the driver once per kernel;
     the SM count halved if it cannot say): the persistent grid never waits for a second wave."""
     handle = kernel.kernel.ptr
@@ -124,7 +137,7 @@ def _resident_clusters(kernel) -> int:
             config = cu.CUlaunchConfig()
             config.gridDimX, config.gridDimY, config.gridDimZ = num_sms() // CLUSTER * CLUSTER, 1, 1
             config.blockDimX, config.blockDimY, config.blockDimZ = THREADS, 1, 1
-            config.sharedMemBytes = SMEM_BYTES
+            config.sharedMemBytes = smem_bytes()
             err, clusters = cu.cuOccupancyMaxActiveClusters(cu.CUfunction(handle), config)
             if err != cu.CUresult.CUDA_SUCCESS:
                 clusters = 0
@@ -160,19 +173,6 @@ def tensor_map(array, inner: int, outer: int, box_inner: int, box_outer: int):
     return dev
 
 
-def new_error_record():
-    import cupy
-
-    return cupy.zeros(8, dtype=np.uint64)
-
-
-def check_error(error):
-    """Raise if a pipeline wait timed out (a kernel bug, reported instead of hanging)."""
-    code, op, block, thread = (int(v) for v in error.get()[:4])
-    if code:
-        raise RuntimeError(f"grouped GEMM pipeline wait timed out (op {op}, block {block}, thread {thread})")
-
-
 # ---------------------------------------------------------------------------------------------
 def gate_up(x, w_gate, w_up, row_offsets, row_counts, h, g=None, u=None, error=None):
     """x [rows,H], w_gate/w_up [E,H,I] -> h [rows,I] (and g, u [rows,I] if given)."""
@@ -185,7 +185,7 @@ def gate_up(x, w_gate, w_up, row_offsets, row_counts, h, g=None, u=None, error=N
             _check(name, a, (rows, ffn), "bf16")
     _groups(row_offsets, row_counts, rows)
     _multiple("H", hidden, BK), _multiple("I", ffn, BN // 2)
-    return _launch("gate_up", error if error is not None else new_error_record(), num_groups=num_experts,
+    return _launch("gate_up", error, num_groups=num_experts,
                    n=ffn, k=hidden, lda=hidden, ldb=ffn, ldo=ffn, b_group_stride=hidden * ffn, a1=x, b1=w_gate,
                    b2=w_up, out1=h, out2=g if g is not None else 0, out3=u if u is not None else 0,
                    row_offsets=row_offsets, row_counts=row_counts, tmap_a1=tensor_map(x, hidden, rows, BK, BM),
@@ -203,7 +203,7 @@ def down(h, w_down, row_offsets, row_counts, y, row_scale=None, error=None):
         _check("row_scale", row_scale, (rows,), "f32")
     _groups(row_offsets, row_counts, rows)
     _multiple("I", ffn, BK), _multiple("H", hidden, BN)
-    return _launch("down", error if error is not None else new_error_record(), num_groups=num_experts, n=hidden,
+    return _launch("down", error, num_groups=num_experts, n=hidden,
                    k=ffn, lda=ffn, ldb=hidden, ldo=hidden, b_group_stride=ffn * hidden, a1=h, b1=w_down, out1=y,
                    row_scale=row_scale if row_scale is not None else 0, row_offsets=row_offsets,
                    row_counts=row_counts, tmap_a1=tensor_map(h, ffn, rows, BK, BM),
@@ -219,7 +219,7 @@ def down_bwd(dy, w_down, g, u, row_offsets, row_counts, dg, du, error=None):
         _check(name, a, (rows, ffn), "bf16")
     _groups(row_offsets, row_counts, rows)
     _multiple("H", hidden, BK), _multiple("I", ffn, BN)
-    return _launch("down_bwd", error if error is not None else new_error_record(), num_groups=num_experts,
+    return _launch("down_bwd", error, num_groups=num_experts,
                    n=ffn, k=hidden, lda=hidden, ldb=hidden, ldo=ffn, b_group_stride=ffn * hidden, a1=dy,
                    b1=w_down, out1=dg, out2=du, row_offsets=row_offsets, row_counts=row_counts,
                    tmap_a1=tensor_map(dy, hidden, rows, BK, BM),
@@ -236,7 +236,7 @@ def gate_up_bwd(dg, du, w_gate, w_up, row_offsets, row_counts, dx, error=None):
     _check("dx", dx, (rows, hidden), "bf16")
     _groups(row_offsets, row_counts, rows)
     _multiple("I", ffn, BK), _multiple("H", hidden, BN)
-    return _launch("gate_up_bwd", error if error is not None else new_error_record(), num_groups=num_experts,
+    return _launch("gate_up_bwd", error, num_groups=num_experts,
                    n=hidden, k=2 * ffn, k_split=ffn, lda=ffn, ldb=ffn, ldo=hidden, b_group_stride=hidden * ffn,
                    a1=dg, a2=du, b1=w_gate, b2=w_up, out1=dx, row_offsets=row_offsets, row_counts=row_counts,
                    tmap_a1=tensor_map(dg, ffn, rows, BK, BM), tmap_a2=tensor_map(du, ffn, rows, BK, BM),
@@ -252,7 +252,7 @@ def down_wgrad(h, dy, row_offsets, row_counts, dw_down, error=None):
     _check("dw_down", dw_down, dw_down.shape, "f32")
     _groups(row_offsets, row_counts, rows)
     _multiple("I", ffn, BM), _multiple("H", hidden, BN)
-    return _launch("down_wgrad", error if error is not None else new_error_record(), num_groups=num_experts,
+    return _launch("down_wgrad", error, num_groups=num_experts,
                    m=ffn, n=hidden, lda=ffn, ldb=hidden, ldo=hidden, o_group_stride=ffn * hidden, a1=h, b1=dy,
                    out1=dw_down, row_offsets=row_offsets, row_counts=row_counts,
                    tmap_a1=tensor_map(h, ffn, rows, 64, BK), tmap_b1=tensor_map(dy, hidden, rows, 64, BK))
@@ -267,7 +267,7 @@ def gate_up_wgrad(x, dg, du, row_offsets, row_counts, dw_gate, dw_up, error=None
     _check("dw_up", dw_up, dw_gate.shape, "f32")
     _groups(row_offsets, row_counts, rows)
     _multiple("H", hidden, BM), _multiple("I", ffn, BN // 2)
-    return _launch("gate_up_wgrad", error if error is not None else new_error_record(), num_groups=num_experts,
+    return _launch("gate_up_wgrad", error, num_groups=num_experts,
                    m=hidden, n=ffn, lda=hidden, ldb=ffn, ldo=ffn, o_group_stride=hidden * ffn, a1=x, b1=dg, b2=du,
                    out1=dw_gate, out2=dw_up, row_offsets=row_offsets, row_counts=row_counts,
                    tmap_a1=tensor_map(x, hidden, rows, 64, BK), tmap_b1=tensor_map(dg, ffn, rows, 64, BK),

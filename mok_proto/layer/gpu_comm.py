@@ -15,30 +15,29 @@ from __future__ import annotations
 
 import numpy as np
 
-from mok_proto.config import DIRECTIONS, MoEShape
+from mok_proto import abi
+from mok_proto.config import DIRECTIONS, RunConfig
 from mok_proto.kernels import comm as kc
 from mok_proto.kernels.build import num_sms
+from mok_proto.kernels.errors import ErrorRecord
 from mok_proto.schedule import max_receive_slots
-from mok_proto.symm.base import CapacityError, SymmTimeoutError
 
 
 class GpuCommRound:
-    def __init__(self, heap, shape: MoEShape, dispatch="pull", combine="push", capacity=None, align=1,
-                 timeout_s=10.0, blocks_per_rank=None, name="round", ranks=None):
-        """heap: a GPU heap (virtual or NVSHMEM). dispatch/combine: "pull" | "push" (attributes,
-        may be changed between rounds). ranks: the launch ranks (default: all the heap drives; a
-        contiguous subset leaves the others out, which tests use to inject a missing peer)."""
-        import cupy
-
-        for op, mode in (("dispatch", dispatch), ("combine", combine)):
-            if mode not in DIRECTIONS:
-                raise ValueError(f"{op} must be push or pull, got {mode!r}")
-        if not 0 < timeout_s < float("inf"):
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+    def __init__(self, heap, run: RunConfig, capacity=None, align=1, blocks_per_rank=None, name="round",
+                 ranks=None):
+        """heap: a GPU heap (virtual or NVSHMEM) of run.num_ranks ranks. The round uses the
+        run's shape, timeout and the directions of "dispatch" and "combine" in `self.policy`
+        (a copy of run.policy; may be changed between rounds, the same on every rank). ranks: the
+        launch ranks (default: all the heap drives; a contiguous subset leaves the others out,
+        which tests use to inject a missing peer)."""
+        if not isinstance(run, RunConfig):
+            raise TypeError(f"run must be a RunConfig, got {type(run).__name__}")
         num_ranks = heap.num_ranks
-        if shape.num_experts % num_ranks:
-            raise ValueError(f"E={shape.num_experts} experts are not divisible by R={num_ranks} ranks")
-        self.heap, self.shape, self.dispatch, self.combine = heap, shape, dispatch, combine
+        if run.num_ranks != num_ranks:
+            raise ValueError(f"run.num_ranks={run.num_ranks} differs from the heap's {num_ranks} ranks")
+        shape, timeout_s = run.shape, run.timeout_s
+        self.heap, self.shape, self.policy = heap, shape, dict(run.policy)
         n, h, k, e = shape.num_tokens, shape.hidden, shape.top_k, shape.num_experts
         self.num_local = e // num_ranks
         worst = max_receive_slots(n, k, num_ranks, self.num_local, align)
@@ -50,13 +49,13 @@ class GpuCommRound:
         layout = {
             "topk_idx": ((n, k), i32), "topk_w": ((n, k), f32), "routing": ((num_ranks, n * k), i32),
             "x": ((n, h), f32), "recv": ((cap, h), f32), "y": ((cap, h), f32), "slots": ((n * k, h), f32),
-            "base": ((n, h), f32), "out": ((n, h), f32), "dst_slot": ((n * k,), i32),
+            "base": ((n, h), f32), "out": ((n, h), f32), "recv_row": ((n * k,), i32),
             "sched": ((2 * el + 1 + 2 * cap,), i32),  # offsets [El+1] | counts [El] | src_rank [C] | src_slot [C]
             "flags": ((len(kc.FLAG_KINDS), num_ranks), np.uint64),
-            "state": ((kc.STATE_WORDS,), np.uint64), "scale": ((e,), f32),
+            "state": ((abi.CONST["kStateWords"],), np.uint64), "scale": ((e,), f32),
         }
         self.bufs = {key: heap.alloc(f"{name}.{key}", shp, dt) for key, (shp, dt) in layout.items()}
-        self.error = cupy.zeros(8, dtype=np.uint64)  # this process's ErrorRecord
+        self.error = ErrorRecord(timeout_s)  # this process's
         ranks = list(heap.launch_ranks) if ranks is None else list(ranks)
         if not ranks or ranks != list(range(ranks[0], ranks[0] + len(ranks))) \
                 or not set(ranks) <= set(heap.launch_ranks):
@@ -65,7 +64,7 @@ class GpuCommRound:
         fields = {name: buf.ptr_table.data.ptr for name, buf in self.bufs.items()}
         fields.update(num_ranks=num_ranks, rank_base=ranks[0], num_tokens=n, top_k=k, num_experts=e,
                       num_local_experts=el, row_words=h, hidden=h, capacity=cap, align=align,
-                      timeout_ns=int(timeout_s * 1e9), error=self.error.data.ptr)
+                      timeout_ns=int(timeout_s * 1e9), error=self.error.ptr)
         self.params = kc.pack_params(fields)
         if blocks_per_rank is None:
             blocks_per_rank = max(1, min(4 * num_sms() // len(ranks), -(-max(n * k, cap) // 8)))
@@ -99,23 +98,27 @@ class GpuCommRound:
         if self.failed:
             raise RuntimeError("this round reported an error before; build a new GpuCommRound")
         p, launch, mark = self.params, self.launch, mark or (lambda stage: None)
+        dispatch, combine = self.policy["dispatch"], self.policy["combine"]
+        for op, direction in (("dispatch", dispatch), ("combine", combine)):
+            if direction not in DIRECTIONS:
+                raise ValueError(f"policy: {op} must be push or pull, got {direction!r}")
         mark("begin")
         kc.begin_round(p, launch)
         kc.allgather_routing(p, launch)
         mark("schedule")
         kc.build_schedule(p, launch, self.heap.num_ranks, self.num_local)
         mark("dispatch")  # a push stage includes its receiver's wait, as a pull does
-        if self.dispatch == "pull":
+        if dispatch == "pull":
             kc.dispatch_pull(p, launch)
         else:
             kc.dispatch_push(p, launch)
-            kc.wait_peers(p, launch, "dispatch", "dispatch (push)")
+            kc.wait_peers(p, launch, "dispatch", "kOpDispatchPush")
         mark("expert")
-        kc.expert_scale(p, launch, signal_ready=self.combine == "pull")
+        kc.expert_scale(p, launch, signal_ready=combine == "pull")
         mark("combine")
-        if self.combine == "push":
+        if combine == "push":
             kc.combine_push(p, launch)
-            kc.wait_peers(p, launch, "combine", "combine (push)")
+            kc.wait_peers(p, launch, "combine", "kOpCombinePush")
         else:
             kc.combine_pull(p, launch)
         mark("weighted_sum")
@@ -137,18 +140,11 @@ class GpuCommRound:
     def check(self):
         """Synchronize and raise what the error record holds (the only host readback). After an
         error the round is spent: flags, counters and epochs may be mid-round; build a new one."""
-        import cupy
-
-        cupy.cuda.Device().synchronize()
-        code, op, rank, peer, expected, seen = (int(v) for v in self.error.get()[:6])
-        self.failed = self.failed or code != 0
-        if code == kc.ERR_TIMEOUT:
-            raise SymmTimeoutError(kc.OPS[op], rank, peer, expected, seen, self.timeout_s)
-        if code == kc.ERR_CAPACITY:
-            raise CapacityError(f"{kc.OPS[op]}: receive buffer overflow on rank {rank}: needs {peer} rows, "
-                                f"capacity is {expected}")
-        if code:
-            raise RuntimeError(f"unknown device error code {code}")
+        try:
+            self.error.check()
+        except Exception:
+            self.failed = True
+            raise
 
     def close(self):
         """Free the round's symmetric buffers (collective under NVSHMEM)."""
@@ -177,16 +173,3 @@ class GpuCommRound:
         src_slot = sched[2 * el + 1 + cap:][:num_slots]
         return offsets, sched[el + 1: 2 * el + 1], src_rank, src_slot
 
-
-def reference_round(x_all, topk_idx_all, topk_w_all, scale, base_all=None):
-    """What a round must produce, in float32 NumPy with the kernels' rounding order.
-    x_all [R,N,H], topk_idx_all/topk_w_all [R,N,K], scale [E] -> out [R,N,H]."""
-    from mok_proto import reference
-
-    num_ranks, n, k = topk_idx_all.shape
-    out = np.empty(x_all.shape, np.float32)
-    for r in range(num_ranks):
-        y_slots = (x_all[r][:, None, :] * scale[topk_idx_all[r]][:, :, None]).astype(np.float32)  # [N,K,H]
-        base = np.zeros_like(x_all[r]) if base_all is None else base_all[r]
-        out[r] = reference.weighted_sum(base, y_slots.reshape(n * k, -1), topk_w_all[r])
-    return out

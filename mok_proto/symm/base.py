@@ -4,8 +4,8 @@ Every rank allocates the same buffers (collectively, same shape and dtype); a ra
 store rows into a peer's instance (`put_rows`), load rows from it (`get_rows`) and raise or
 wait on flags (`Signals`). Backends:
   cpu      -- MPI RMA windows (mok_proto.symm.mpi), one process per rank under mpirun
-  nvshmem  -- NVSHMEM symmetric heap through nvshmem4py (GPU; issue 3)
-  virtual  -- W ranks as slices of one GPU allocation in one process (GPU; issue 3)
+  nvshmem  -- NVSHMEM symmetric heap through nvshmem4py (GPU)
+  virtual  -- W ranks as slices of one GPU allocation in one process (GPU)
 GPU backends additionally expose a device table of peer base addresses for kernels.
 
 Memory-ordering contract (what the layer relies on):
@@ -22,18 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-
-class SymmTimeoutError(RuntimeError):
-    """A bounded wait expired: which operator, which rank waited, for which peer."""
-
-    def __init__(self, op: str, rank: int, peer: int, expected: int, seen: int, timeout_s: float):
-        self.op, self.rank, self.peer, self.expected, self.seen = op, rank, peer, expected, seen
-        super().__init__(f"{op}: rank {rank} waited {timeout_s:g} s for peer {peer} "
-                         f"(flag {seen} < epoch {expected}); is that rank alive and in the same round?")
-
-
-class CapacityError(RuntimeError):
-    """A fixed-capacity buffer would overflow; nothing was written."""
+from mok_proto.errors import CapacityError, SymmTimeoutError  # noqa: F401 - part of this interface
 
 
 class SymmetricArray(ABC):

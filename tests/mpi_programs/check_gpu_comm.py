@@ -5,7 +5,7 @@ combine, weighted sum) against NumPy, for every direction choice.
     NVSHMEM_DISABLE_NVLS=1 mpirun -n 4 python tests/mpi_programs/check_gpu_comm.py --backend nvshmem
 
 Checks, per rank this process drives: the device schedule equals mok_proto/schedule.py bit for
-bit (offsets, counts, src_rank, src_slot, dst_slot); the output equals the float32 NumPy round
+bit (offsets, counts, src_rank, src_slot, recv_row); the output equals the float32 NumPy round
 bit for bit under all four (dispatch, combine) choices; 20 replays of a captured CUDA graph give
 the same bytes; an overflow raises CapacityError; a missing peer raises SymmTimeoutError.
 """
@@ -17,8 +17,9 @@ import sys
 
 import numpy as np
 
-from mok_proto.config import DIRECTIONS, MoEShape
-from mok_proto.layer.gpu_comm import GpuCommRound, reference_round
+from mok_proto.config import DIRECTIONS, MoEShape, RunConfig
+from mok_proto.layer.gpu_comm import GpuCommRound
+from mok_proto.reference import stand_in_round
 from mok_proto.problem import make_problem
 from mok_proto.schedule import build_pull_schedule
 from mok_proto.symm.base import CapacityError, SymmTimeoutError
@@ -41,13 +42,13 @@ def check_case(heap, name, case_id, replays):
     prob = make_problem(shape, num_ranks, seed=11 + case_id, routing=routing)
     scale = np.random.default_rng(case_id).uniform(0.5, 2.0, e).astype(np.float32)
     base = np.random.default_rng(100 + case_id).standard_normal(prob.x.shape).astype(np.float32)
-    want = reference_round(prob.x, prob.topk_idx, prob.topk_weights, scale, base)
-    rnd = GpuCommRound(heap, shape, name=f"c{case_id}", timeout_s=20)
+    want = stand_in_round(prob.x, prob.topk_idx, prob.topk_weights, scale, base)
+    rnd = GpuCommRound(heap, RunConfig(shape, num_ranks, timeout_s=20), name=f"c{case_id}")
     for rank in rnd.ranks:
         rnd.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank], scale, base[rank])
     first = None
     for dispatch, combine in itertools.product(DIRECTIONS, repeat=2):
-        rnd.dispatch, rnd.combine = dispatch, combine
+        rnd.policy.update(dispatch=dispatch, combine=combine)
         rnd.poison()  # NaN in every row buffer: a row read before it landed cannot pass
         rnd.enqueue()
         rnd.check()
@@ -82,7 +83,7 @@ def check_schedule(rnd, topk_idx_all, num_experts):
         assert np.array_equal(offsets, want.expert_offsets), (rank, offsets, want.expert_offsets)
         assert np.array_equal(counts, want.tokens_per_expert), (rank, counts, want.tokens_per_expert)
         assert np.array_equal(src_rank, want.src_rank) and np.array_equal(src_slot, want.src_slot), rank
-        assert np.array_equal(rnd.bufs["dst_slot"].instance(rank).get(), want.dst_slot), rank
+        assert np.array_equal(rnd.bufs["recv_row"].instance(rank).get(), want.dst_slot), rank
 
 
 def check_failures(heap, virtual):
@@ -92,7 +93,7 @@ def check_failures(heap, virtual):
     prob = make_problem(shape, num_ranks, seed=5, routing="one-expert")
     scale = np.ones(shape.num_experts, np.float32)
     capacity = shape.num_tokens * num_ranks - 1
-    rnd = GpuCommRound(heap, shape, name="overflow", capacity=capacity, timeout_s=20)
+    rnd = GpuCommRound(heap, RunConfig(shape, num_ranks, timeout_s=20), name="overflow", capacity=capacity)
     for rank in rnd.ranks:
         rnd.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank], scale)
     # Every rank whose receive rows exceed the capacity may be the one reported (the first to record
@@ -113,7 +114,7 @@ def check_failures(heap, virtual):
         return
     missing = num_ranks - 1
     ranks = list(range(missing)) if virtual else None
-    rnd = GpuCommRound(heap, shape, name="missing", timeout_s=0.5, ranks=ranks)
+    rnd = GpuCommRound(heap, RunConfig(shape, num_ranks, timeout_s=0.5), name="missing", ranks=ranks)
     for rank in rnd.ranks:
         rnd.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank], scale)
     if missing in rnd.ranks:  # NVSHMEM: the missing peer's process simply does not run the round

@@ -1,0 +1,326 @@
+"""The kernel ABI: ONE description of every struct, enum and constant that Python and CUDA share.
+
+`cuda/abi.cuh` is generated from this file and checked in (`python -m mok_proto.abi` rewrites
+it; `tests/test_abi.py` regenerates it and fails on any difference, so neither side can drift).
+The header carries `static_assert`s on every struct's `sizeof` and on every field's offset, and
+the Python side packs parameter blocks with `Struct.pack`, built from the same field list. Sizes
+that only the compiler knows (a kernel's shared memory, `sizeof` of a shared-memory layout) are
+exported by the kernels themselves as `extern "C" __device__` globals and read from the compiled
+module (`kernels.build.CudaModule.read_global`), never recomputed here.
+
+This module imports nothing of the project: every layer (protocol, kernels, layer) may use it.
+
+Legend: N tokens/rank, H hidden, K top-k, R ranks, E experts, El = E/R local experts,
+C receive capacity (rows of the receive buffer), W ranks driven by one launch.
+Names: a *slot* is a token's j-th choice, s = t*K + j (token side); a *receive row* is a row of
+an expert owner's receive buffer (expert side); the *slot buffer* is the token owner's [N*K, H].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+HEADER = "abi.cuh"  # under cuda/
+
+
+# ---------------------------------------------------------------------------------------------
+# Spec types
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Enum:
+    """A C++ `enum Name : int` whose k-th member has value k; `count` adds kNum<Name>s."""
+
+    name: str
+    members: tuple  # ((cpp_name, text), ...): text is what errors print
+    namespace: str = "mok"
+    count: str | None = None  # name of a trailing member holding the number of members
+
+    def __getitem__(self, cpp_name: str) -> int:
+        for value, (name, _) in enumerate(self.members):
+            if name == cpp_name:
+                return value
+        raise KeyError(f"{self.name} has no member {cpp_name!r}")
+
+    def text(self, value: int) -> str:
+        """What an error message prints for a value read back from the device."""
+        if 0 <= value < len(self.members):
+            return self.members[value][1]
+        return f"<{self.name} {value}>"
+
+    def __len__(self):
+        return len(self.members)
+
+
+@dataclass(frozen=True)
+class Const:
+    name: str
+    value: int
+    comment: str
+    namespace: str = "mok"
+
+
+# C++ field types and how Python packs them (every field is 8 bytes: no padding to agree on).
+FIELD_TYPES = {"i64": "<i8", "u64": "<u8", "const u64*": "<u8", "ErrorRecord*": "<u8"}
+
+
+@dataclass(frozen=True)
+class Struct:
+    name: str
+    fields: tuple  # ((ctype, name, comment), ...)
+    namespace: str = "mok"
+
+    @property
+    def names(self) -> tuple:
+        return tuple(name for _, name, _ in self.fields)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype({"names": list(self.names), "formats": [FIELD_TYPES[t] for t, _, _ in self.fields]})
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize
+
+    def offset(self, name: str) -> int:
+        return self.dtype.fields[name][1]
+
+    def pack(self, values: dict) -> np.ndarray:
+        """values (every field, by name) -> the struct's bytes as a uint64 host array. A value may
+        be an int, or anything with `.data.ptr` (a CuPy array: its device address)."""
+        missing, extra = set(self.names) - set(values), set(values) - set(self.names)
+        if missing or extra:
+            raise ValueError(f"{self.name}: missing fields {sorted(missing)}, unknown fields {sorted(extra)}")
+        record = np.zeros(1, self.dtype)
+        for ctype, name, _ in self.fields:
+            value = values[name]
+            if hasattr(value, "data") and hasattr(value.data, "ptr"):
+                value = value.data.ptr
+            value = int(value)
+            if FIELD_TYPES[ctype] == "<u8":
+                value &= 0xFFFFFFFFFFFFFFFF
+            record[name] = value
+        return record.view(np.uint64)
+
+    def unpack(self, words) -> dict:
+        """uint64 words (as read back from the device) -> {field: int}."""
+        record = np.ascontiguousarray(words, dtype=np.uint64)[: self.nbytes // 8].view(self.dtype)[0]
+        return {name: int(record[name]) for name in self.names}
+
+
+# ---------------------------------------------------------------------------------------------
+# Enums
+# ---------------------------------------------------------------------------------------------
+ERROR_CODE = Enum("ErrorCode", (("kErrNone", "no error"), ("kErrTimeout", "timeout"),
+                                ("kErrCapacity", "capacity")))
+
+# One namespace of operators for every kernel: what an error record's `op` names.
+OP = Enum("Op", (
+    ("kOpRouting", "routing all-gather"),
+    ("kOpSchedule", "schedule"),
+    ("kOpDispatchPull", "dispatch (pull)"),
+    ("kOpDispatchPush", "dispatch (push)"),
+    ("kOpExpert", "expert"),
+    ("kOpCombinePush", "combine (push)"),
+    ("kOpCombinePull", "combine (pull)"),
+    ("kOpWeightedSum", "weighted sum"),
+    ("kOpGemmLoad", "GEMM producer (waiting for a free stage)"),
+    ("kOpGemmMma", "GEMM consumer (waiting for a loaded stage)"),
+    ("kOpGemmAux", "GEMM consumer (waiting for an epilogue operand stage)"),
+), count="kNumOps")
+
+# Flags of a communication round: flags[kind, src] on every rank, raised by src.
+FLAG_KIND = Enum("FlagKind", (
+    ("kFlagRouting", "routing"),
+    ("kFlagMap", "map"),
+    ("kFlagDispatch", "dispatch"),
+    ("kFlagReady", "ready"),
+    ("kFlagCombine", "combine"),
+), count="kNumFlagKinds")
+
+GEMM_PROBLEM = Enum("Problem", (
+    ("kGateUp", "gate_up"),
+    ("kDown", "down"),
+    ("kDownBwd", "down_bwd"),
+    ("kGateUpBwd", "gate_up_bwd"),
+    ("kDownWgrad", "down_wgrad"),
+    ("kGateUpWgrad", "gate_up_wgrad"),
+), namespace="mok::gemm")
+
+ENUMS = (ERROR_CODE, OP, FLAG_KIND, GEMM_PROBLEM)
+
+# ---------------------------------------------------------------------------------------------
+# Constants
+# ---------------------------------------------------------------------------------------------
+CONSTS = (
+    # Communication kernels
+    Const("kCommThreads", 256, "threads of a row-copy block: 8 warps, one row per warp"),
+    Const("kScheduleThreads", 1024, "threads of the schedule block"),
+    Const("kStateWords", 1 + len(OP), "a round's state: the epoch, then one last-block counter per Op"),
+    # Grouped GEMM tiles
+    Const("kBM", 128, "rows of a GEMM tile (one 64-row half per consumer warpgroup)", "mok::gemm"),
+    Const("kBN", 256, "columns of a GEMM tile (dual problems: 128 of each matrix)", "mok::gemm"),
+    Const("kBK", 64, "k depth of one pipeline stage", "mok::gemm"),
+    Const("kStages", 4, "stages of the shared-memory ring", "mok::gemm"),
+    Const("kThreads", 384, "warpgroup 0: producer; 1, 2: consumers", "mok::gemm"),
+    Const("kCluster", 2, "CTAs per cluster (tile pairs along M sharing B by multicast)", "mok::gemm"),
+    Const("kConsumerWarps", 8, "warps of the two consumer warpgroups", "mok::gemm"),
+    Const("kMaxGroups", 1024, "experts one grouped GEMM launch may cover", "mok::gemm"),
+    Const("kStagingFloats", 2 * 8 * 32, "epilogue staging per consumer warp: 2 slots of 8 rows x 32 fp32",
+          "mok::gemm"),
+)
+CONST = {c.name: c.value for c in CONSTS}
+
+# ---------------------------------------------------------------------------------------------
+# Structs
+# ---------------------------------------------------------------------------------------------
+ERROR_RECORD = Struct("ErrorRecord", (
+    ("u64", "code", "ErrorCode; 0 = no error. The first failure in a process wins (atomicCAS)"),
+    ("i64", "op", "Op: which operator"),
+    ("i64", "rank", "EP rank that noticed (-1: not rank-specific)"),
+    ("i64", "peer", "timeout: peer waited for; capacity: rows needed; -1 if none"),
+    ("i64", "expected", "timeout: epoch (or barrier parity) waited for; capacity: capacity in rows"),
+    ("i64", "seen", "timeout: flag value seen"),
+    ("i64", "block", "blockIdx.x of the reporting thread"),
+    ("i64", "thread", "threadIdx.x of the reporting thread"),
+    ("i64", "detail", "kernel-specific: the GEMM Problem for kOpGemm*; -1 otherwise"),
+))
+
+COMM_PARAMS = Struct("CommParams", (
+    ("i64", "num_ranks", "R"),
+    ("i64", "rank_base", "EP rank of blockIdx.y == 0"),
+    ("i64", "num_tokens", "N"),
+    ("i64", "top_k", "K"),
+    ("i64", "num_experts", "E"),
+    ("i64", "num_local_experts", "El"),
+    ("i64", "row_words", "row size in 4-byte words (H * sizeof(elem) / 4)"),
+    ("i64", "hidden", "H (elements)"),
+    ("i64", "capacity", "C"),
+    ("i64", "align", "expert segments start at multiples of align"),
+    ("i64", "timeout_ns", "every wait gives up after this"),
+    ("const u64*", "topk_idx", "int32 [N, K]             local input"),
+    ("const u64*", "topk_w", "float [N, K]             local input"),
+    ("const u64*", "routing", "int32 [R, N*K]           all-gather target"),
+    ("const u64*", "x", "rows  [N, H]             dispatch source"),
+    ("const u64*", "recv", "rows  [C, H]             expert side in"),
+    ("const u64*", "y", "rows  [C, H]             expert side out"),
+    ("const u64*", "slots", "rows  [N*K, H]           slot buffer (token side in)"),
+    ("const u64*", "base", "float [N, H]             shared-expert output; zeros without one"),
+    ("const u64*", "out", "float [N, H]"),
+    ("const u64*", "recv_row", "int32 [N*K]              receive row of each slot on its expert owner"),
+    ("const u64*", "sched", "int32 [El+1 | El | C | C] offsets, counts, src_rank, src_slot"),
+    ("const u64*", "flags", "u64   [kNumFlagKinds, R]"),
+    ("const u64*", "state", "u64   [kStateWords]      epoch, then last-block counters"),
+    ("const u64*", "scale", "float [E]                stand-in expert: y = scale[e] * x"),
+    ("ErrorRecord*", "error", "this process's error record"),
+))
+
+GEMM_PARAMS = Struct("GemmParams", (
+    ("i64", "num_groups", "El"),
+    ("i64", "m", "weight gradients: M (fixed); row problems: unused (M = T_e)"),
+    ("i64", "n", "N of every expert's problem"),
+    ("i64", "k", "row problems: K (fixed); weight gradients: unused (K = T_e)"),
+    ("i64", "lda", "leading dimensions (elements)"),
+    ("i64", "ldb", ""),
+    ("i64", "ldo", ""),
+    ("i64", "b_group_stride", "elements between experts' weights (row problems)"),
+    ("i64", "o_group_stride", "elements between experts' outputs (weight gradients)"),
+    ("i64", "k_split", "kGateUpBwd: k < k_split reads a1/b1, else a2/b2 at k - k_split"),
+    ("i64", "timeout_ns", "every pipeline wait is bounded"),
+    ("i64", "a1", "operand addresses (bf16)"),
+    ("i64", "a2", ""),
+    ("i64", "b1", ""),
+    ("i64", "b2", ""),
+    ("i64", "out1", "output addresses"),
+    ("i64", "out2", ""),
+    ("i64", "out3", ""),
+    ("i64", "row_scale", "kDown: optional fp32 [rows] (0 = none)"),
+    ("i64", "row_offsets", "int32 [El]"),
+    ("i64", "row_counts", "int32 [El]"),
+    ("ErrorRecord*", "error", "where a failed wait is reported"),
+    ("i64", "tmap_a1", "CUtensorMap addresses (global memory), 128B swizzle"),
+    ("i64", "tmap_a2", ""),
+    ("i64", "tmap_b1", ""),
+    ("i64", "tmap_b2", ""),
+    ("i64", "tmap_aux1", "kDownBwd: g, u in boxes of 128 rows x 64 columns"),
+    ("i64", "tmap_aux2", ""),
+), namespace="mok::gemm")
+
+STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The generated header
+# ---------------------------------------------------------------------------------------------
+def _in_namespaces(items, render) -> list:
+    lines, current = [], None
+    for item in items:
+        if item.namespace != current:
+            if current is not None:
+                lines.append(f"}}  // namespace {current}")
+                lines.append("")
+            lines.append(f"namespace {item.namespace} {{")
+            current = item.namespace
+        lines += render(item)
+    if current is not None:
+        lines.append(f"}}  // namespace {current}")
+    return lines
+
+
+def _enum_lines(e: Enum) -> list:
+    members = [f"  {name} = {value},  // {text}" for value, (name, text) in enumerate(e.members)]
+    if e.count:
+        members.append(f"  {e.count} = {len(e.members)},")
+    return [f"enum {e.name} : int {{", *members, "};"]
+
+
+def _struct_lines(s: Struct) -> list:
+    width = max(len(t) for t, _, _ in s.fields) + 1
+    body = [f"  {t.ljust(width)}{n};" + (f"  // {c}" if c else "") for t, n, c in s.fields]
+    checks = [f"static_assert(sizeof({s.name}) == {s.nbytes}, \"{s.name}: size differs from mok_proto/abi.py\");"]
+    checks += [f"static_assert(__builtin_offsetof({s.name}, {n}) == {s.offset(n)}, \"{s.name}.{n}: offset\");"
+               for n in s.names]
+    return [f"struct {s.name} {{", *body, "};", *checks, ""]
+
+
+def render_header() -> str:
+    """The text of cuda/abi.cuh."""
+    lines = [
+        "// GENERATED by `python -m mok_proto.abi` from mok_proto/abi.py: do not edit by hand.",
+        "// tests/test_abi.py regenerates it and fails on any difference.",
+        "// Every struct, enum and constant that Python and CUDA share; sizes and offsets asserted.",
+        "#pragma once",
+        "",
+        "namespace mok {",
+        "typedef long long i64;",
+        "typedef unsigned long long u64;",
+        "typedef unsigned int u32;",
+        "}  // namespace mok",
+        "",
+    ]
+    lines += _in_namespaces(ENUMS, _enum_lines)
+    lines.append("")
+    lines += _in_namespaces(CONSTS, lambda c: [f"constexpr int {c.name} = {c.value};  // {c.comment}"])
+    lines.append("")
+    lines += _in_namespaces(STRUCTS, _struct_lines)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def header_path():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[1] / "cuda" / HEADER
+
+
+def write_header() -> bool:
+    """Rewrite cuda/abi.cuh if it differs; True if it changed."""
+    path, text = header_path(), render_header()
+    if path.exists() and path.read_text() == text:
+        return False
+    path.write_text(text)
+    return True
+
+
+if __name__ == "__main__":
+    print(f"{header_path()}: {'rewritten' if write_header() else 'up to date'}")

@@ -1,0 +1,70 @@
+"""The one error record every kernel writes (struct ErrorRecord, cuda/abi.cuh) and its host side.
+
+A kernel that gives up on a wait, or finds a buffer too small, records the first failure in the
+record it was given (atomicCAS on `code`) and ends; nothing hangs. `ErrorRecord.check()` is the
+only host readback: it synchronizes and raises the matching exception from mok_proto.errors,
+naming the operator from the one Op enum. Every wrapper launches with a record: the caller's, or
+the wrapper's own per-launch-site record, which it returns so that the caller can check it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mok_proto import abi
+from mok_proto.errors import CapacityError, KernelTimeoutError, SymmTimeoutError
+
+GEMM_OPS = frozenset(abi.OP[name] for name in ("kOpGemmLoad", "kOpGemmMma", "kOpGemmAux"))
+
+
+def describe(fields: dict, timeout_s: float | None = None) -> Exception | None:
+    """The exception an error record's fields stand for (None: no error)."""
+    code, op = fields["code"], fields["op"]
+    what = abi.OP.text(op)
+    if code == abi.ERROR_CODE["kErrNone"]:
+        return None
+    if code == abi.ERROR_CODE["kErrTimeout"] and op in GEMM_OPS:
+        after = f" after {timeout_s:g} s" if timeout_s is not None else ""
+        return KernelTimeoutError(
+            f"{what} of grouped GEMM {abi.GEMM_PROBLEM.text(fields['detail'])} timed out{after} (block "
+            f"{fields['block']}, thread {fields['thread']}, barrier parity {fields['expected']})")
+    if code == abi.ERROR_CODE["kErrTimeout"]:
+        return SymmTimeoutError(what, fields["rank"], fields["peer"], fields["expected"], fields["seen"],
+                                timeout_s if timeout_s is not None else float("nan"))
+    if code == abi.ERROR_CODE["kErrCapacity"]:
+        return CapacityError(f"{what}: receive buffer overflow on rank {fields['rank']}: needs {fields['peer']} "
+                             f"rows, capacity is {fields['expected']}")
+    return RuntimeError(f"unknown device error code {code} (op {what})")
+
+
+class ErrorRecord:
+    """One device ErrorRecord. `timeout_s`: the bound of the waits that report into it (for the
+    message). Pass `record.ptr` (or the record itself to a wrapper) to a kernel."""
+
+    def __init__(self, timeout_s: float | None = None):
+        import cupy
+
+        self.words = cupy.zeros(abi.ERROR_RECORD.nbytes // 8, dtype=np.uint64)
+        self.timeout_s = timeout_s
+
+    @property
+    def ptr(self) -> int:
+        return self.words.data.ptr
+
+    def read(self) -> dict:
+        """The record's fields (synchronizes with the current stream)."""
+        return abi.ERROR_RECORD.unpack(self.words.get())
+
+    def check(self) -> None:
+        """Synchronize the device and raise what the record holds (nothing if it is clear). The
+        record keeps the error: later launches given it skip their work until `clear()`."""
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+        error = describe(self.read(), self.timeout_s)
+        if error is not None:
+            raise error
+
+    def clear(self) -> None:
+        """Forget a recorded error (stream-ordered: launches enqueued after this see a clear record)."""
+        self.words.fill(0)

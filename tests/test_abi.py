@@ -1,0 +1,115 @@
+"""The kernel ABI has one source (mok_proto/abi.py); these CPU tests fail when either side drifts.
+
+1. The checked-in cuda/abi.cuh must be exactly what the spec generates (a hand edit of the header,
+   or a spec change without regenerating, fails here).
+2. What the C++ compiler makes of the header must equal what Python packs: a host program built
+   with nvcc prints every enum value, constant, struct size and field offset as C++ sees them,
+   and each must equal the spec's (so a wrong type, order or value cannot hide behind matching text).
+3. No kernel source defines its own copy of a shared constant or enum.
+"""
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from mok_proto import abi
+from mok_proto.kernels import build
+
+NVCC = shutil.which("nvcc")
+
+
+def test_header_is_generated_from_the_spec():
+    checked_in = abi.header_path().read_text()
+    assert checked_in == abi.render_header(), \
+        "cuda/abi.cuh differs from mok_proto/abi.py: edit the spec and run `python -m mok_proto.abi`"
+
+
+def _host_program() -> str:
+    lines = ['#include <cstdio>', '#include <cstddef>', '#include "abi.cuh"', "int main() {"]
+    for e in abi.ENUMS:
+        for name, _ in e.members:
+            lines.append(f'  std::printf("enum {e.name}.{name} %d\\n", static_cast<int>({e.namespace}::{name}));')
+    for c in abi.CONSTS:
+        lines.append(f'  std::printf("const {c.name} %d\\n", {c.namespace}::{c.name});')
+    for s in abi.STRUCTS:
+        t = f"{s.namespace}::{s.name}"
+        lines.append(f'  std::printf("sizeof {s.name} %zu\\n", sizeof({t}));')
+        for name in s.names:
+            lines.append(f'  std::printf("offset {s.name}.{name} %zu\\n", offsetof({t}, {name}));')
+            lines.append(f'  std::printf("size {s.name}.{name} %zu\\n", sizeof((({t}*)0)->{name}));')
+    lines += ["  return 0;", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def _expected() -> dict:
+    want = {}
+    for e in abi.ENUMS:
+        for value, (name, _) in enumerate(e.members):
+            want[f"enum {e.name}.{name}"] = value
+    for c in abi.CONSTS:
+        want[f"const {c.name}"] = c.value
+    for s in abi.STRUCTS:
+        want[f"sizeof {s.name}"] = s.nbytes
+        for name in s.names:
+            want[f"offset {s.name}.{name}"] = s.offset(name)
+            want[f"size {s.name}.{name}"] = s.dtype.fields[name][0].itemsize
+    return want
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (the CUDA toolkit compiles the ABI check)")
+def test_cpp_layout_equals_python_packing(tmp_path):
+    src = tmp_path / "abi_layout.cu"
+    src.write_text(_host_program())
+    exe = tmp_path / "abi_layout"
+    proc = subprocess.run([NVCC, *build.CXX_OPTIONS, f"-I{build.CUDA_DIR}", str(src), "-o", str(exe)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60, check=True).stdout
+    seen = {line.rsplit(" ", 1)[0]: int(line.rsplit(" ", 1)[1]) for line in out.splitlines()}
+    assert seen == _expected()
+
+
+def test_pack_places_each_field_at_its_offset():
+    values = {name: i + 1 for i, name in enumerate(abi.GEMM_PARAMS.names)}
+    words = abi.GEMM_PARAMS.pack(values)
+    assert words.dtype == np.uint64 and words.nbytes == abi.GEMM_PARAMS.nbytes
+    for name, value in values.items():
+        assert int(words[abi.GEMM_PARAMS.offset(name) // 8]) == value, name
+    assert abi.GEMM_PARAMS.unpack(words) == values
+    with pytest.raises(ValueError, match="missing fields"):
+        abi.COMM_PARAMS.pack({"num_ranks": 1})
+    with pytest.raises(ValueError, match="unknown fields"):
+        abi.ERROR_RECORD.pack({**dict.fromkeys(abi.ERROR_RECORD.names, 0), "bogus": 1})
+
+
+def test_no_kernel_source_redefines_a_shared_name():
+    names = [c.name for c in abi.CONSTS] + [e.name for e in abi.ENUMS] + [s.name for s in abi.STRUCTS]
+    names += [m for e in abi.ENUMS for m, _ in e.members]
+    for path in sorted(build.CUDA_DIR.glob("*.cuh")):
+        if path.name == abi.HEADER:
+            continue
+        text = path.read_text()
+        for name in names:
+            pattern = rf"(constexpr\s+\w+\s+{name}\b|enum\s+{name}\b|struct\s+{name}\s*\{{|\b{name}\s*=\s*\d)"
+            assert not re.search(pattern, text), f"{path.name} defines {name} again; it belongs to mok_proto/abi.py"
+
+
+def test_error_record_names_the_operator():
+    from mok_proto.errors import CapacityError, KernelTimeoutError, SymmTimeoutError
+    from mok_proto.kernels.errors import describe
+
+    base = dict.fromkeys(abi.ERROR_RECORD.names, 0)
+    assert describe(base) is None
+    timeout = describe({**base, "code": abi.ERROR_CODE["kErrTimeout"], "op": abi.OP["kOpCombinePull"], "rank": 3,
+                        "peer": 5, "expected": 7, "seen": 6}, timeout_s=2.0)
+    assert isinstance(timeout, SymmTimeoutError) and (timeout.op, timeout.rank, timeout.peer) == \
+        ("combine (pull)", 3, 5)
+    capacity = describe({**base, "code": abi.ERROR_CODE["kErrCapacity"], "op": abi.OP["kOpSchedule"], "rank": 1,
+                         "peer": 900, "expected": 800})
+    assert isinstance(capacity, CapacityError) and "rank 1: needs 900 rows, capacity is 800" in str(capacity)
+    gemm = describe({**base, "code": abi.ERROR_CODE["kErrTimeout"], "op": abi.OP["kOpGemmLoad"],
+                     "detail": abi.GEMM_PROBLEM["kDownBwd"], "block": 12, "thread": 0})
+    assert isinstance(gemm, KernelTimeoutError) and "down_bwd" in str(gemm) and "block 12" in str(gemm)
