@@ -24,6 +24,7 @@ import numpy as np
 from mok_proto.bench import append_result, summarize, time_stages
 from mok_proto.config import PAPER_SHAPES, get_shape
 from mok_proto.kernels import gemm
+from mok_proto.kernels.errors import ErrorRecord
 
 ERR_TOL = 2.0 ** -6  # bf16 outputs (ours fuse in fp32, the reference rounds GEMM outputs to bf16 first)
 BARS = {"gate_up": 0.9, "down": 0.9, "down_bwd": 0.85, "gate_up_bwd": 0.85, "down_wgrad": 0.8, "gate_up_wgrad": 0.8}
@@ -139,7 +140,7 @@ def main():
             offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
             d_off, d_cnt = cupy.asarray(offsets.astype(np.int32)), cupy.asarray(counts.astype(np.int32))
             offs = torch.tensor(np.cumsum(counts), dtype=torch.int32, device=dev)
-            err = gemm.new_error_record()
+            err = ErrorRecord(gemm.TIMEOUT_NS / 1e9)
             problems = {
                 "gate_up": (lambda: gemm.gate_up(c["x"], c["wg"], c["wu"], d_off, d_cnt, c["out_h"], error=err),
                             lambda: grouped_mm(x, wgu, offs), (x, wgu[0]), 2 * rows * hidden * 2 * ffn),
@@ -163,7 +164,7 @@ def main():
                 t_ours = timed(ours, args.iters, args.warmup, flush)
                 t_torch = timed(make_torch(), args.iters, args.warmup, flush)
                 t_dense = timed(lambda: torch.mm(da, db), args.iters, args.warmup, flush)
-                gemm.check_error(err)
+                err.check()
                 error = reference_errors(name, x, dy, h, g, u, dgu, wgu, wd, offs, out, dwd, dwg, dwu)
                 tf = {k: flops / (t["median_ms"] * 1e-3) / 1e12 for k, t in
                       (("ours", t_ours), ("torch", t_torch), ("dense", t_dense))}
@@ -179,7 +180,7 @@ def main():
                                              "ours": t_ours, "torch_grouped_mm": t_torch, "dense": t_dense,
                                              "tflops": tf, "ratio": ratio, "bar": BARS[name], "max_rel_err": error})
     kernel = gemm.MODULE.function(f"mok::gemm::grouped_gemm<{gemm.PROBLEMS.index('down')}>")
-    print(f"# grid: {gemm._resident_clusters(kernel)} clusters of {gemm.CLUSTER} CTAs")
+    print(f"# grid: {gemm.resident_clusters(kernel)} clusters of {gemm.CLUSTER} CTAs")
     print("all bars met, all outputs match" if all_ok else "some rows failed (see 'NO' / 'WRONG' rows)")
     return 0
 

@@ -75,8 +75,9 @@ def _compile(header: str, names: tuple, arch: str, digest: str):
 
 
 class CudaModule:
-    """One header and the name expressions its wrappers launch. `archs`: the architectures it is
-    written for (the CPU test compiles each; wgmma code exists on sm_90a only)."""
+    """One header and the name expressions its wrappers use: kernels to launch and exported
+    `extern "C" __device__` globals to read. `archs`: the architectures it is written for (the
+    CPU test compiles each; wgmma code exists on sm_90a only)."""
 
     def __init__(self, header: str, names: tuple[str, ...], archs=("sm_90a", "sm_100a")):
         if not (CUDA_DIR / header).is_file():
@@ -105,6 +106,8 @@ class CudaModule:
     def read_global(self, name: str) -> int:
         """An `extern "C" __device__ int` the header exports (a compile-time size only C++ knows,
         such as a kernel's shared memory): read once per compiled module, cached."""
+        if name not in self.names:
+            raise KeyError(f"{name!r} is not registered in {self.header}; add it to its CudaModule names")
         module = _compile(self.header, self.names, gpu_arch(), source_digest())
         key = (id(module), name)
         if key not in _GLOBALS:

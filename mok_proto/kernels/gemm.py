@@ -28,8 +28,8 @@ from mok_proto.kernels.errors import ErrorRecord
 _C = abi.CONST
 BM, BN, BK, THREADS, MAX_GROUPS, CLUSTER = (_C[k] for k in ("kBM", "kBN", "kBK", "kThreads", "kMaxGroups", "kCluster"))
 PROBLEMS = tuple(text for _, text in abi.GEMM_PROBLEM.members)  # enum Problem, by name
-MODULE = CudaModule("gemm.cuh", tuple(f"mok::gemm::grouped_gemm<{i}>" for i in range(len(PROBLEMS))),
-                    archs=("sm_90a",))
+MODULE = CudaModule("gemm.cuh", tuple(f"mok::gemm::grouped_gemm<{i}>" for i in range(len(PROBLEMS)))
+                    + ("mok_gemm_smem_bytes",), archs=("sm_90a",))
 TIMEOUT_NS = 10 * 10**9
 MAX_CLUSTERS = None  # cap on a launch's clusters (None: as many as run at once); 1 runs every tile on 2 SMs
 _CLUSTERS: dict = {}  # co-resident clusters by kernel handle
