@@ -81,6 +81,7 @@ struct ErrorRecord {
   i64 detail;  // kernel-specific: the GEMM Problem for kOpGemm*; -1 otherwise
 };
 static_assert(sizeof(ErrorRecord) == 72, "ErrorRecord: size differs from mok_proto/abi.py");
+#ifndef __CUDACC_RTC__
 static_assert(__builtin_offsetof(ErrorRecord, code) == 0, "ErrorRecord.code: offset");
 static_assert(__builtin_offsetof(ErrorRecord, op) == 8, "ErrorRecord.op: offset");
 static_assert(__builtin_offsetof(ErrorRecord, rank) == 16, "ErrorRecord.rank: offset");
@@ -90,6 +91,7 @@ static_assert(__builtin_offsetof(ErrorRecord, seen) == 40, "ErrorRecord.seen: of
 static_assert(__builtin_offsetof(ErrorRecord, block) == 48, "ErrorRecord.block: offset");
 static_assert(__builtin_offsetof(ErrorRecord, thread) == 56, "ErrorRecord.thread: offset");
 static_assert(__builtin_offsetof(ErrorRecord, detail) == 64, "ErrorRecord.detail: offset");
+#endif
 
 struct CommParams {
   i64          num_ranks;  // R
@@ -120,6 +122,7 @@ struct CommParams {
   ErrorRecord* error;  // this process's error record
 };
 static_assert(sizeof(CommParams) == 208, "CommParams: size differs from mok_proto/abi.py");
+#ifndef __CUDACC_RTC__
 static_assert(__builtin_offsetof(CommParams, num_ranks) == 0, "CommParams.num_ranks: offset");
 static_assert(__builtin_offsetof(CommParams, rank_base) == 8, "CommParams.rank_base: offset");
 static_assert(__builtin_offsetof(CommParams, num_tokens) == 16, "CommParams.num_tokens: offset");
@@ -146,6 +149,7 @@ static_assert(__builtin_offsetof(CommParams, flags) == 176, "CommParams.flags: o
 static_assert(__builtin_offsetof(CommParams, state) == 184, "CommParams.state: offset");
 static_assert(__builtin_offsetof(CommParams, scale) == 192, "CommParams.scale: offset");
 static_assert(__builtin_offsetof(CommParams, error) == 200, "CommParams.error: offset");
+#endif
 
 }  // namespace mok
 
@@ -181,6 +185,7 @@ struct GemmParams {
   i64          tmap_aux2;
 };
 static_assert(sizeof(GemmParams) == 224, "GemmParams: size differs from mok_proto/abi.py");
+#ifndef __CUDACC_RTC__
 static_assert(__builtin_offsetof(GemmParams, num_groups) == 0, "GemmParams.num_groups: offset");
 static_assert(__builtin_offsetof(GemmParams, m) == 8, "GemmParams.m: offset");
 static_assert(__builtin_offsetof(GemmParams, n) == 16, "GemmParams.n: offset");
@@ -209,5 +214,6 @@ static_assert(__builtin_offsetof(GemmParams, tmap_b1) == 192, "GemmParams.tmap_b
 static_assert(__builtin_offsetof(GemmParams, tmap_b2) == 200, "GemmParams.tmap_b2: offset");
 static_assert(__builtin_offsetof(GemmParams, tmap_aux1) == 208, "GemmParams.tmap_aux1: offset");
 static_assert(__builtin_offsetof(GemmParams, tmap_aux2) == 216, "GemmParams.tmap_aux2: offset");
+#endif
 
 }  // namespace mok::gemm

@@ -34,7 +34,7 @@
 //
 // Building blocks, so that a persistent kernel can run any sequence of tiles:
 //   SharedStorage   the shared-memory layout; sizeof + 1 KB of alignment slack is the launch's
-//                   dynamic shared memory (kSmemBytes, exported to Python as mok_gemm_smem_bytes)
+//                   dynamic shared memory (kSmemBytes, read by Python through export_sizes)
 //   gemm_setup      barriers, the pair prefix, the cluster's abort decision; returns the tile count
 //   Ring            stage and phase of the mbarrier ring, advanced in the same order by the
 //                   producer and the consumers
@@ -648,8 +648,9 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1) 
   cluster_sync();
 }
 
+// Compile-time sizes Python reads once from the compiled module (never recomputed by hand):
+// out[0] = dynamic shared memory of a grouped_gemm launch.  grid 1, block 1.
+__global__ void export_sizes(int* out) { out[0] = kSmemBytes; }
+
 }  // namespace gemm
 }  // namespace mok
-
-// Compile-time sizes Python reads from the compiled module (never recomputed by hand).
-extern "C" __device__ int mok_gemm_smem_bytes = mok::gemm::kSmemBytes;

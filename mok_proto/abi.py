@@ -5,8 +5,8 @@ it; `tests/test_abi.py` regenerates it and fails on any difference, so neither s
 The header carries `static_assert`s on every struct's `sizeof` and on every field's offset, and
 the Python side packs parameter blocks with `Struct.pack`, built from the same field list. Sizes
 that only the compiler knows (a kernel's shared memory, `sizeof` of a shared-memory layout) are
-exported by the kernels themselves as `extern "C" __device__` globals and read from the compiled
-module (`kernels.build.CudaModule.read_global`), never recomputed here.
+written by a small export kernel of the header and read once from the compiled module
+(`kernels.build.CudaModule.read_sizes`), never recomputed here.
 
 This module imports nothing of the project: every layer (protocol, kernels, layer) may use it.
 
@@ -279,9 +279,10 @@ def _struct_lines(s: Struct) -> list:
     width = max(len(t) for t, _, _ in s.fields) + 1
     body = [f"  {t.ljust(width)}{n};" + (f"  // {c}" if c else "") for t, n, c in s.fields]
     checks = [f"static_assert(sizeof({s.name}) == {s.nbytes}, \"{s.name}: size differs from mok_proto/abi.py\");"]
-    checks += [f"static_assert(__builtin_offsetof({s.name}, {n}) == {s.offset(n)}, \"{s.name}.{n}: offset\");"
+    offsets = [f"static_assert(__builtin_offsetof({s.name}, {n}) == {s.offset(n)}, \"{s.name}.{n}: offset\");"
                for n in s.names]
-    return [f"struct {s.name} {{", *body, "};", *checks, ""]
+    # NVRTC has no offsetof builtin: nvcc checks the offsets (the CPU compile tests), NVRTC the sizes.
+    return [f"struct {s.name} {{", *body, "};", *checks, "#ifndef __CUDACC_RTC__", *offsets, "#endif", ""]
 
 
 def render_header() -> str:

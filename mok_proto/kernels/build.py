@@ -23,7 +23,7 @@ MODULES: dict[str, "CudaModule"] = {}
 RECHECK_S = 1.0  # how often a launch looks for edited headers
 
 
-_GLOBALS: dict = {}  # (compiled module, exported name) -> value
+_SIZES: dict = {}  # (compiled module, size-export kernel) -> the sizes it wrote
 _DIGEST: dict = {}  # (cuda dir, file stamps) -> digest: a stat per header per launch, no re-hashing
 
 
@@ -75,9 +75,8 @@ def _compile(header: str, names: tuple, arch: str, digest: str):
 
 
 class CudaModule:
-    """One header and the name expressions its wrappers use: kernels to launch and exported
-    `extern "C" __device__` globals to read. `archs`: the architectures it is written for (the
-    CPU test compiles each; wgmma code exists on sm_90a only)."""
+    """One header and the name expressions its wrappers launch. `archs`: the architectures it is
+    written for (the CPU tests compile each; wgmma code exists on sm_90a only)."""
 
     def __init__(self, header: str, names: tuple[str, ...], archs=("sm_90a", "sm_100a")):
         if not (CUDA_DIR / header).is_file():
@@ -103,21 +102,18 @@ class CudaModule:
         self._functions[name] = (now, function)
         return function
 
-    def read_global(self, name: str) -> int:
-        """An `extern "C" __device__ int` the header exports (a compile-time size only C++ knows,
-        such as a kernel's shared memory): read once per compiled module, cached."""
-        if name not in self.names:
-            raise KeyError(f"{name!r} is not registered in {self.header}; add it to its CudaModule names")
+    def read_sizes(self, name: str, count: int) -> tuple:
+        """Compile-time sizes only C++ knows (a kernel's shared memory, ...): launches the
+        registered kernel `name(int* out)` once per compiled module, which writes `count` ints."""
         module = _compile(self.header, self.names, gpu_arch(), source_digest())
         key = (id(module), name)
-        if key not in _GLOBALS:
+        if key not in _SIZES:
             import cupy
 
-            host = np.zeros(1, np.int32)
-            cupy.cuda.runtime.memcpy(host.ctypes.data, module.get_global(name).ptr, 4,
-                                     cupy.cuda.runtime.memcpyDeviceToHost)
-            _GLOBALS[key] = int(host[0])
-        return _GLOBALS[key]
+            out = cupy.zeros(count, np.int32)
+            self.function(name)((1,), (1,), (out,))
+            _SIZES[key] = tuple(int(v) for v in out.get())
+        return _SIZES[key]
 
     def instantiation_source(self) -> str:
         """A .cu translation unit that makes nvcc instantiate every registered kernel."""

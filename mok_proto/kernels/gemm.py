@@ -29,7 +29,7 @@ _C = abi.CONST
 BM, BN, BK, THREADS, MAX_GROUPS, CLUSTER = (_C[k] for k in ("kBM", "kBN", "kBK", "kThreads", "kMaxGroups", "kCluster"))
 PROBLEMS = tuple(text for _, text in abi.GEMM_PROBLEM.members)  # enum Problem, by name
 MODULE = CudaModule("gemm.cuh", tuple(f"mok::gemm::grouped_gemm<{i}>" for i in range(len(PROBLEMS)))
-                    + ("mok_gemm_smem_bytes",), archs=("sm_90a",))
+                    + ("mok::gemm::export_sizes",), archs=("sm_90a",))
 TIMEOUT_NS = 10 * 10**9
 MAX_CLUSTERS = None  # cap on a launch's clusters (None: as many as run at once); 1 runs every tile on 2 SMs
 _CLUSTERS: dict = {}  # co-resident clusters by kernel handle
@@ -40,8 +40,8 @@ _SITE_RECORDS: dict = {}  # (device, problem) -> the wrapper's own error record
 
 def smem_bytes() -> int:
     """Dynamic shared memory of a launch: sizeof(SharedStorage) + alignment slack, as the compiled
-    header exports it (mok_gemm_smem_bytes)."""
-    return MODULE.read_global("mok_gemm_smem_bytes")
+    header computes it (kSmemBytes, written by export_sizes)."""
+    return MODULE.read_sizes("mok::gemm::export_sizes", 1)[0]
 
 
 def site_record(problem: str) -> ErrorRecord:
