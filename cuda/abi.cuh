@@ -10,44 +10,42 @@ typedef unsigned int u32;
 }  // namespace mok
 
 namespace mok {
-enum ErrorCode : int {
-  kErrNone = 0,  // no error
-  kErrTimeout = 1,  // timeout
-  kErrCapacity = 2,  // capacity
-};
-enum Op : int {
-  kOpRouting = 0,  // routing all-gather
-  kOpSchedule = 1,  // schedule
-  kOpDispatchPull = 2,  // dispatch (pull)
-  kOpDispatchPush = 3,  // dispatch (push)
-  kOpExpert = 4,  // expert
-  kOpCombinePush = 5,  // combine (push)
-  kOpCombinePull = 6,  // combine (pull)
-  kOpWeightedSum = 7,  // weighted sum
-  kOpGemmLoad = 8,  // GEMM producer (waiting for a free stage)
-  kOpGemmMma = 9,  // GEMM consumer (waiting for a loaded stage)
-  kOpGemmAux = 10,  // GEMM consumer (waiting for an epilogue operand stage)
-  kNumOps = 11,
-};
-enum FlagKind : int {
-  kFlagRouting = 0,  // routing
-  kFlagMap = 1,  // map
-  kFlagDispatch = 2,  // dispatch
-  kFlagReady = 3,  // ready
-  kFlagCombine = 4,  // combine
-  kNumFlagKinds = 5,
-};
+// ErrorCode, as errors print it:
+//   kErrNone: no error
+//   kErrTimeout: timeout
+//   kErrCapacity: capacity
+enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2 };
+// Op, as errors print it:
+//   kOpRouting: routing all-gather
+//   kOpSchedule: schedule
+//   kOpDispatchPull: dispatch (pull)
+//   kOpDispatchPush: dispatch (push)
+//   kOpExpert: expert
+//   kOpCombinePush: combine (push)
+//   kOpCombinePull: combine (pull)
+//   kOpWeightedSum: weighted sum
+//   kOpGemmLoad: GEMM producer (waiting for a free stage)
+//   kOpGemmMma: GEMM consumer (waiting for a loaded stage)
+//   kOpGemmAux: GEMM consumer (waiting for an epilogue operand stage)
+enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpExpert = 4, kOpCombinePush = 5, kOpCombinePull = 6, kOpWeightedSum = 7, kOpGemmLoad = 8, kOpGemmMma = 9, kOpGemmAux = 10, kNumOps = 11 };
+// FlagKind, as errors print it:
+//   kFlagRouting: routing
+//   kFlagMap: map
+//   kFlagDispatch: dispatch
+//   kFlagReady: ready
+//   kFlagCombine: combine
+enum FlagKind : int { kFlagRouting = 0, kFlagMap = 1, kFlagDispatch = 2, kFlagReady = 3, kFlagCombine = 4, kNumFlagKinds = 5 };
 }  // namespace mok
 
 namespace mok::gemm {
-enum Problem : int {
-  kGateUp = 0,  // gate_up
-  kDown = 1,  // down
-  kDownBwd = 2,  // down_bwd
-  kGateUpBwd = 3,  // gate_up_bwd
-  kDownWgrad = 4,  // down_wgrad
-  kGateUpWgrad = 5,  // gate_up_wgrad
-};
+// Problem, as errors print it:
+//   kGateUp: gate_up
+//   kDown: down
+//   kDownBwd: down_bwd
+//   kGateUpBwd: gate_up_bwd
+//   kDownWgrad: down_wgrad
+//   kGateUpWgrad: gate_up_wgrad
+enum Problem : int { kGateUp = 0, kDown = 1, kDownBwd = 2, kGateUpBwd = 3, kDownWgrad = 4, kGateUpWgrad = 5 };
 }  // namespace mok::gemm
 
 namespace mok {
@@ -82,15 +80,7 @@ struct ErrorRecord {
 };
 static_assert(sizeof(ErrorRecord) == 72, "ErrorRecord: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(ErrorRecord, code) == 0, "ErrorRecord.code: offset");
-static_assert(__builtin_offsetof(ErrorRecord, op) == 8, "ErrorRecord.op: offset");
-static_assert(__builtin_offsetof(ErrorRecord, rank) == 16, "ErrorRecord.rank: offset");
-static_assert(__builtin_offsetof(ErrorRecord, peer) == 24, "ErrorRecord.peer: offset");
-static_assert(__builtin_offsetof(ErrorRecord, expected) == 32, "ErrorRecord.expected: offset");
-static_assert(__builtin_offsetof(ErrorRecord, seen) == 40, "ErrorRecord.seen: offset");
-static_assert(__builtin_offsetof(ErrorRecord, block) == 48, "ErrorRecord.block: offset");
-static_assert(__builtin_offsetof(ErrorRecord, thread) == 56, "ErrorRecord.thread: offset");
-static_assert(__builtin_offsetof(ErrorRecord, detail) == 64, "ErrorRecord.detail: offset");
+static_assert(__builtin_offsetof(ErrorRecord, code) == 0 && __builtin_offsetof(ErrorRecord, op) == 8 && __builtin_offsetof(ErrorRecord, rank) == 16 && __builtin_offsetof(ErrorRecord, peer) == 24 && __builtin_offsetof(ErrorRecord, expected) == 32 && __builtin_offsetof(ErrorRecord, seen) == 40 && __builtin_offsetof(ErrorRecord, block) == 48 && __builtin_offsetof(ErrorRecord, thread) == 56 && __builtin_offsetof(ErrorRecord, detail) == 64, "ErrorRecord: field offsets differ from mok_proto/abi.py");
 #endif
 
 struct CommParams {
@@ -123,32 +113,7 @@ struct CommParams {
 };
 static_assert(sizeof(CommParams) == 208, "CommParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(CommParams, num_ranks) == 0, "CommParams.num_ranks: offset");
-static_assert(__builtin_offsetof(CommParams, rank_base) == 8, "CommParams.rank_base: offset");
-static_assert(__builtin_offsetof(CommParams, num_tokens) == 16, "CommParams.num_tokens: offset");
-static_assert(__builtin_offsetof(CommParams, top_k) == 24, "CommParams.top_k: offset");
-static_assert(__builtin_offsetof(CommParams, num_experts) == 32, "CommParams.num_experts: offset");
-static_assert(__builtin_offsetof(CommParams, num_local_experts) == 40, "CommParams.num_local_experts: offset");
-static_assert(__builtin_offsetof(CommParams, row_words) == 48, "CommParams.row_words: offset");
-static_assert(__builtin_offsetof(CommParams, hidden) == 56, "CommParams.hidden: offset");
-static_assert(__builtin_offsetof(CommParams, capacity) == 64, "CommParams.capacity: offset");
-static_assert(__builtin_offsetof(CommParams, align) == 72, "CommParams.align: offset");
-static_assert(__builtin_offsetof(CommParams, timeout_ns) == 80, "CommParams.timeout_ns: offset");
-static_assert(__builtin_offsetof(CommParams, topk_idx) == 88, "CommParams.topk_idx: offset");
-static_assert(__builtin_offsetof(CommParams, topk_w) == 96, "CommParams.topk_w: offset");
-static_assert(__builtin_offsetof(CommParams, routing) == 104, "CommParams.routing: offset");
-static_assert(__builtin_offsetof(CommParams, x) == 112, "CommParams.x: offset");
-static_assert(__builtin_offsetof(CommParams, recv) == 120, "CommParams.recv: offset");
-static_assert(__builtin_offsetof(CommParams, y) == 128, "CommParams.y: offset");
-static_assert(__builtin_offsetof(CommParams, slots) == 136, "CommParams.slots: offset");
-static_assert(__builtin_offsetof(CommParams, base) == 144, "CommParams.base: offset");
-static_assert(__builtin_offsetof(CommParams, out) == 152, "CommParams.out: offset");
-static_assert(__builtin_offsetof(CommParams, recv_row) == 160, "CommParams.recv_row: offset");
-static_assert(__builtin_offsetof(CommParams, sched) == 168, "CommParams.sched: offset");
-static_assert(__builtin_offsetof(CommParams, flags) == 176, "CommParams.flags: offset");
-static_assert(__builtin_offsetof(CommParams, state) == 184, "CommParams.state: offset");
-static_assert(__builtin_offsetof(CommParams, scale) == 192, "CommParams.scale: offset");
-static_assert(__builtin_offsetof(CommParams, error) == 200, "CommParams.error: offset");
+static_assert(__builtin_offsetof(CommParams, num_ranks) == 0 && __builtin_offsetof(CommParams, rank_base) == 8 && __builtin_offsetof(CommParams, num_tokens) == 16 && __builtin_offsetof(CommParams, top_k) == 24 && __builtin_offsetof(CommParams, num_experts) == 32 && __builtin_offsetof(CommParams, num_local_experts) == 40 && __builtin_offsetof(CommParams, row_words) == 48 && __builtin_offsetof(CommParams, hidden) == 56 && __builtin_offsetof(CommParams, capacity) == 64 && __builtin_offsetof(CommParams, align) == 72 && __builtin_offsetof(CommParams, timeout_ns) == 80 && __builtin_offsetof(CommParams, topk_idx) == 88 && __builtin_offsetof(CommParams, topk_w) == 96 && __builtin_offsetof(CommParams, routing) == 104 && __builtin_offsetof(CommParams, x) == 112 && __builtin_offsetof(CommParams, recv) == 120 && __builtin_offsetof(CommParams, y) == 128 && __builtin_offsetof(CommParams, slots) == 136 && __builtin_offsetof(CommParams, base) == 144 && __builtin_offsetof(CommParams, out) == 152 && __builtin_offsetof(CommParams, recv_row) == 160 && __builtin_offsetof(CommParams, sched) == 168 && __builtin_offsetof(CommParams, flags) == 176 && __builtin_offsetof(CommParams, state) == 184 && __builtin_offsetof(CommParams, scale) == 192 && __builtin_offsetof(CommParams, error) == 200, "CommParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 }  // namespace mok
@@ -186,34 +151,7 @@ struct GemmParams {
 };
 static_assert(sizeof(GemmParams) == 224, "GemmParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(GemmParams, num_groups) == 0, "GemmParams.num_groups: offset");
-static_assert(__builtin_offsetof(GemmParams, m) == 8, "GemmParams.m: offset");
-static_assert(__builtin_offsetof(GemmParams, n) == 16, "GemmParams.n: offset");
-static_assert(__builtin_offsetof(GemmParams, k) == 24, "GemmParams.k: offset");
-static_assert(__builtin_offsetof(GemmParams, lda) == 32, "GemmParams.lda: offset");
-static_assert(__builtin_offsetof(GemmParams, ldb) == 40, "GemmParams.ldb: offset");
-static_assert(__builtin_offsetof(GemmParams, ldo) == 48, "GemmParams.ldo: offset");
-static_assert(__builtin_offsetof(GemmParams, b_group_stride) == 56, "GemmParams.b_group_stride: offset");
-static_assert(__builtin_offsetof(GemmParams, o_group_stride) == 64, "GemmParams.o_group_stride: offset");
-static_assert(__builtin_offsetof(GemmParams, k_split) == 72, "GemmParams.k_split: offset");
-static_assert(__builtin_offsetof(GemmParams, timeout_ns) == 80, "GemmParams.timeout_ns: offset");
-static_assert(__builtin_offsetof(GemmParams, a1) == 88, "GemmParams.a1: offset");
-static_assert(__builtin_offsetof(GemmParams, a2) == 96, "GemmParams.a2: offset");
-static_assert(__builtin_offsetof(GemmParams, b1) == 104, "GemmParams.b1: offset");
-static_assert(__builtin_offsetof(GemmParams, b2) == 112, "GemmParams.b2: offset");
-static_assert(__builtin_offsetof(GemmParams, out1) == 120, "GemmParams.out1: offset");
-static_assert(__builtin_offsetof(GemmParams, out2) == 128, "GemmParams.out2: offset");
-static_assert(__builtin_offsetof(GemmParams, out3) == 136, "GemmParams.out3: offset");
-static_assert(__builtin_offsetof(GemmParams, row_scale) == 144, "GemmParams.row_scale: offset");
-static_assert(__builtin_offsetof(GemmParams, row_offsets) == 152, "GemmParams.row_offsets: offset");
-static_assert(__builtin_offsetof(GemmParams, row_counts) == 160, "GemmParams.row_counts: offset");
-static_assert(__builtin_offsetof(GemmParams, error) == 168, "GemmParams.error: offset");
-static_assert(__builtin_offsetof(GemmParams, tmap_a1) == 176, "GemmParams.tmap_a1: offset");
-static_assert(__builtin_offsetof(GemmParams, tmap_a2) == 184, "GemmParams.tmap_a2: offset");
-static_assert(__builtin_offsetof(GemmParams, tmap_b1) == 192, "GemmParams.tmap_b1: offset");
-static_assert(__builtin_offsetof(GemmParams, tmap_b2) == 200, "GemmParams.tmap_b2: offset");
-static_assert(__builtin_offsetof(GemmParams, tmap_aux1) == 208, "GemmParams.tmap_aux1: offset");
-static_assert(__builtin_offsetof(GemmParams, tmap_aux2) == 216, "GemmParams.tmap_aux2: offset");
+static_assert(__builtin_offsetof(GemmParams, num_groups) == 0 && __builtin_offsetof(GemmParams, m) == 8 && __builtin_offsetof(GemmParams, n) == 16 && __builtin_offsetof(GemmParams, k) == 24 && __builtin_offsetof(GemmParams, lda) == 32 && __builtin_offsetof(GemmParams, ldb) == 40 && __builtin_offsetof(GemmParams, ldo) == 48 && __builtin_offsetof(GemmParams, b_group_stride) == 56 && __builtin_offsetof(GemmParams, o_group_stride) == 64 && __builtin_offsetof(GemmParams, k_split) == 72 && __builtin_offsetof(GemmParams, timeout_ns) == 80 && __builtin_offsetof(GemmParams, a1) == 88 && __builtin_offsetof(GemmParams, a2) == 96 && __builtin_offsetof(GemmParams, b1) == 104 && __builtin_offsetof(GemmParams, b2) == 112 && __builtin_offsetof(GemmParams, out1) == 120 && __builtin_offsetof(GemmParams, out2) == 128 && __builtin_offsetof(GemmParams, out3) == 136 && __builtin_offsetof(GemmParams, row_scale) == 144 && __builtin_offsetof(GemmParams, row_offsets) == 152 && __builtin_offsetof(GemmParams, row_counts) == 160 && __builtin_offsetof(GemmParams, error) == 168 && __builtin_offsetof(GemmParams, tmap_a1) == 176 && __builtin_offsetof(GemmParams, tmap_a2) == 184 && __builtin_offsetof(GemmParams, tmap_b1) == 192 && __builtin_offsetof(GemmParams, tmap_b2) == 200 && __builtin_offsetof(GemmParams, tmap_aux1) == 208 && __builtin_offsetof(GemmParams, tmap_aux2) == 216, "GemmParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 }  // namespace mok::gemm

@@ -182,20 +182,26 @@ __device__ __forceinline__ void pull_token_rows(const CommParams* p, int rank, S
   }
 }
 
+// Token side: f(s, expert owner, receive row there or -1) for my slots [begin, end), one per worker.
+template <typename F>
+__device__ __forceinline__ void for_my_slots(const CommParams* p, int rank, i64 begin, i64 end, Workers workers,
+                                             F f) {
+  const int* topk_idx = at<int>(p->topk_idx, rank);
+  const int* recv_row = at<int>(p->recv_row, rank);
+  const int el = static_cast<int>(p->num_local_experts);
+  for (i64 s = begin + workers.id; s < end; s += workers.count) f(s, topk_idx[s] / el, recv_row[s]);
+}
+
 // Dispatch, push (token side): my slots [begin, end): x[s / K] into recv[recv_row[s]] of the
 // slot's expert owner (nothing where the owner overflowed: reported there).
 template <int kVec>
 __device__ __forceinline__ void push_token_rows(const CommParams* p, int rank, i64 begin, i64 end, Workers warps,
                                                 int lane) {
-  const int* topk_idx = at<int>(p->topk_idx, rank);
-  const int* recv_row = at<int>(p->recv_row, rank);
-  const int el = static_cast<int>(p->num_local_experts);
-  for (i64 s = begin + warps.id; s < end; s += warps.count) {
-    const int row = recv_row[s];
-    if (row < 0) continue;
-    warp_copy_row<kVec>(row_ptr(p->recv, topk_idx[s] / el, row, p->row_words),
-                        row_ptr(p->x, rank, s / p->top_k, p->row_words), static_cast<int>(p->row_words), lane);
-  }
+  for_my_slots(p, rank, begin, end, warps, [&](i64 s, int owner, int row) {
+    if (row < 0) return;
+    warp_copy_row<kVec>(row_ptr(p->recv, owner, row, p->row_words), row_ptr(p->x, rank, s / p->top_k, p->row_words),
+                        static_cast<int>(p->row_words), lane);
+  });
 }
 
 // Combine, push (expert side): receive rows [begin, end): y[i] into slots[src_slot[i]] of token
@@ -216,18 +222,13 @@ __device__ __forceinline__ void push_result_rows(const CommParams* p, int rank, 
 template <int kVec>
 __device__ __forceinline__ void pull_result_rows(const CommParams* p, int rank, i64 begin, i64 end, Workers warps,
                                                  int lane) {
-  const int* topk_idx = at<int>(p->topk_idx, rank);
-  const int* recv_row = at<int>(p->recv_row, rank);
-  const int el = static_cast<int>(p->num_local_experts);
-  for (i64 s = begin + warps.id; s < end; s += warps.count) {
-    const int row = recv_row[s];
+  for_my_slots(p, rank, begin, end, warps, [&](i64 s, int owner, int row) {
     char* dst = row_ptr(p->slots, rank, s, p->row_words);
     if (row < 0)
       warp_zero_row(dst, static_cast<int>(p->row_words), lane);
     else
-      warp_copy_row<kVec>(dst, row_ptr(p->y, topk_idx[s] / el, row, p->row_words), static_cast<int>(p->row_words),
-                          lane);
-  }
+      warp_copy_row<kVec>(dst, row_ptr(p->y, owner, row, p->row_words), static_cast<int>(p->row_words), lane);
+  });
 }
 
 // Stand-in expert on receive rows [begin, end): y[i] = scale[expert of row i] * recv[i] (fp32

@@ -269,20 +269,22 @@ def _in_namespaces(items, render) -> list:
 
 
 def _enum_lines(e: Enum) -> list:
-    members = [f"  {name} = {value},  // {text}" for value, (name, text) in enumerate(e.members)]
+    members = [f"{name} = {value}" for value, (name, text) in enumerate(e.members)]
     if e.count:
-        members.append(f"  {e.count} = {len(e.members)},")
-    return [f"enum {e.name} : int {{", *members, "};"]
+        members.append(f"{e.count} = {len(e.members)}")
+    texts = [f"//   {name}: {text}" for name, text in e.members]
+    return [f"// {e.name}, as errors print it:", *texts, f"enum {e.name} : int {{ {', '.join(members)} }};"]
 
 
 def _struct_lines(s: Struct) -> list:
     width = max(len(t) for t, _, _ in s.fields) + 1
     body = [f"  {t.ljust(width)}{n};" + (f"  // {c}" if c else "") for t, n, c in s.fields]
     checks = [f"static_assert(sizeof({s.name}) == {s.nbytes}, \"{s.name}: size differs from mok_proto/abi.py\");"]
-    offsets = [f"static_assert(__builtin_offsetof({s.name}, {n}) == {s.offset(n)}, \"{s.name}.{n}: offset\");"
-               for n in s.names]
-    # NVRTC has no offsetof builtin: nvcc checks the offsets (the CPU compile tests), NVRTC the sizes.
-    return [f"struct {s.name} {{", *body, "};", *checks, "#ifndef __CUDACC_RTC__", *offsets, "#endif", ""]
+    # One line per struct (tests/test_abi.py names the field that differs). NVRTC has no offsetof
+    # builtin: nvcc checks the offsets (the CPU compile tests), NVRTC the sizes.
+    offsets = " && ".join(f"__builtin_offsetof({s.name}, {n}) == {s.offset(n)}" for n in s.names)
+    checks.append(f"static_assert({offsets}, \"{s.name}: field offsets differ from mok_proto/abi.py\");")
+    return [f"struct {s.name} {{", *body, "};", checks[0], "#ifndef __CUDACC_RTC__", checks[1], "#endif", ""]
 
 
 def render_header() -> str:
