@@ -73,7 +73,9 @@ def test_model_responds(h200):
         return result.start_ns[result.plan.tasks["kind"] == int(P.TaskKind.GATE_UP)].min()
     # a pushed dispatch waits for 63 peers' signals (the shared expert hides part of it)
     assert first_gate_up_ns(pushed) > first_gate_up_ns(fused) + 10e3
-    skewed = sim.simulate(P.fixed_split(KIMI, 64, 40, 2048, **fwd), gb, sim.routed_load(KIMI, 64, skew=0.3))
+    load = sim.routed_load(KIMI, 64, skew=0.3)
+    capacity = -(-int(load.expert_offsets[:, -1].max()) // 2048) * 2048
+    skewed = sim.simulate(P.fixed_split(KIMI, 64, 40, 2048, capacity_rows=capacity, **fwd), gb, load)
     assert skewed.time_ns > fused.time_ns  # the hottest rank decides
 
 
