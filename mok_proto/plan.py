@@ -39,6 +39,7 @@ from mok_proto.config import OPERATORS, MoEShape
 
 BM = 128  # GEMM tile rows (receive rows per row tile)
 BN = 256  # GEMM tile columns; a gate/up tile holds 128 gate + 128 up columns -> 128 columns of h
+EPILOGUE_ROWS = 16  # token rows per weighted-sum / slot-sum task (memory bound: fine grained)
 MAX_WAITS = 2
 MAX_SIGNALS = 2
 PASSES = ("fwd", "bwd")
@@ -443,9 +444,9 @@ def fixed_split(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_row
 
 
 def _epilogue_tasks(k: PassKinds, shape: MoEShape, num_sms: int, ctr) -> list:
-    """Weighted sum (fwd) / slot sum (bwd) per token row tile, round robin over every CTA."""
+    """Weighted sum (fwd) / slot sum (bwd) per EPILOGUE_ROWS tokens, round robin over every CTA."""
     waits = [ctr(CounterKind.SLOTS_ARRIVED)] + ([ctr(CounterKind.SHARED_DONE)] if shape.num_shared else [])
-    return [(rt % num_sms, k.epilogue, rt, waits) for rt in range(_cdiv(shape.num_tokens, BM))]
+    return [(rt % num_sms, k.epilogue, rt, waits) for rt in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))]
 
 
 def sequential(shape: MoEShape, num_ranks: int, *, pass_: str = "fwd", policy: dict, num_sms: int,
@@ -480,7 +481,7 @@ def sequential(shape: MoEShape, num_ranks: int, *, pass_: str = "fwd", policy: d
     for kind in (k.shared_wgrad if shared_tiles else ()):
         rows, cols = wgrad_grid(kind, shape)
         stages.append(([dict(kind=kind, row_tile=r, col_tile=c) for r in range(rows) for c in range(cols)], False))
-    stages.append(([dict(kind=k.epilogue, row_tile=r) for r in range(_cdiv(shape.num_tokens, BM))], False))
+    stages.append(([dict(kind=k.epilogue, row_tile=r) for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))], False))
     stages = [(items, rem) for items, rem in stages if items]
 
     b = _Builder(num_ranks)
@@ -550,7 +551,7 @@ def _expected_keys(plan: Plan) -> np.ndarray:
     for kind in (k.shared_wgrad if shared_tiles else ()):
         rows, cols = wgrad_grid(kind, shape)
         keys += [(kind, -1, r, c, -1) for r in range(rows) for c in range(cols)]
-    keys += [(k.epilogue, -1, r, -1, -1) for r in range(_cdiv(shape.num_tokens, BM))]
+    keys += [(k.epilogue, -1, r, -1, -1) for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))]
     return np.array(keys, np.int64).reshape(-1, 5)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from mok_proto import trace
 from mok_proto.config import MoEShape
-from mok_proto.plan import BM, BN, CounterKind, Plan, TaskKind, tile_grid
+from mok_proto.plan import BM, BN, EPILOGUE_ROWS, CounterKind, Plan, TaskKind, tile_grid
 from mok_proto.sim.params import GpuParams
 
 ELEM_BYTES = 2  # BF16 rows and weights in the layer
@@ -185,7 +185,7 @@ def _durations(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
     # Epilogue tiles: read K slot rows (+ the shared row), write one row, per token.
     for k in (TaskKind.WEIGHTED_SUM, TaskKind.SLOT_SUM):
         sel = np.flatnonzero(kind == int(k))
-        rows = np.minimum(BM, shape.num_tokens - t["row_tile"][sel] * BM)[:, None]
+        rows = np.minimum(EPILOGUE_ROWS, shape.num_tokens - t["row_tile"][sel] * EPILOGUE_ROWS)[:, None]
         reads = rows * (shape.top_k + shape.num_shared) * row_bytes
         dur[sel] = (reads / gpu.hbm_read_gbs + rows * row_bytes / gpu.hbm_write_gbs) * plan.num_sms
     return dur
