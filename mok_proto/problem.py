@@ -101,3 +101,15 @@ def make_routed_tokens(shape: MoEShape, num_ranks: int, seed: int = 0) -> Routed
     return RoutedTokens(x=rng.standard_normal((num_ranks, n, shape.hidden), dtype=np.float32),
                         topk_idx=idx.astype(np.int32), topk_weights=(w / w.sum(axis=2, keepdims=True)).astype(np.float32),
                         scale=rng.uniform(0.5, 2.0, e).astype(np.float32))
+
+
+def rows_per_expert(total: int, num_experts: int, routing: str) -> np.ndarray:
+    """[num_experts] rows per expert of the GEMM benchmark: uniform (equal) or skewed (rows
+    proportional to 1/(e+1)); the remainder goes to expert 0."""
+    if routing == "uniform":
+        w = np.ones(num_experts)
+    else:
+        w = 1.0 / np.arange(1, num_experts + 1)
+    counts = np.floor(total * w / w.sum()).astype(np.int64)
+    counts[0] += total - counts.sum()
+    return counts

@@ -25,19 +25,10 @@ from mok_proto.bench import append_result, summarize, time_stages
 from mok_proto.config import PAPER_SHAPES, get_shape
 from mok_proto.kernels import gemm
 from mok_proto.kernels.errors import ErrorRecord
+from mok_proto.problem import rows_per_expert
 
 ERR_TOL = 2.0 ** -6  # bf16 outputs (ours fuse in fp32, the reference rounds GEMM outputs to bf16 first)
 BARS = {"gate_up": 0.9, "down": 0.9, "down_bwd": 0.85, "gate_up_bwd": 0.85, "down_wgrad": 0.8, "gate_up_wgrad": 0.8}
-
-
-def rows_per_expert(total, num_experts, routing):
-    if routing == "uniform":
-        w = np.ones(num_experts)
-    else:
-        w = 1.0 / np.arange(1, num_experts + 1)
-    counts = np.floor(total * w / w.sum()).astype(np.int64)
-    counts[0] += total - counts.sum()
-    return counts
 
 
 def timed(fn, iters, warmup, flush):

@@ -1,0 +1,683 @@
+"""An overlap strategy as data: SM roles, per-CTA ordered task tables and ready counters.
+
+Shape legend: N tokens/rank, H hidden, I expert FFN, Is shared-expert FFN, E experts, K top-k,
+R ranks, El = E/R local experts, BM x BN = 128 x 256 GEMM tile.
+
+A `Plan` is what a persistent kernel executes on every rank (the same plan on all ranks): CTA b
+runs the tasks of its table in order (``seq``); a task first waits until each of its (up to two)
+counters reaches its target, does its work, then adds one to each of its (up to two) signal
+counters. Counters live in device memory; a *remote* counter is one whose value on a rank is
+raised by the tasks of every rank (a push's receiver waits for all peers' signals; a pull's
+puller waits for the peers' data), so its target counts R signals per signalling task.
+
+The receive buffer holds ``capacity_rows`` rows, expert segments padded to BM rows (the
+schedule's ``align``), so every row tile belongs to one expert, found on the device from the
+schedule's offsets: the plan is independent of routing. Tasks past the real row count (known on
+the device only) exit at once. Rows are processed in minibatches of ``minibatch_rows``; the
+buffers of x/h/y (forward) or dy/dg,du/dx (backward) are a ring of ``ring_minibatches``
+minibatches: minibatch m lives in ring slot m % ring, and its slot is refilled only after the
+previous occupant was released. In the backward, weight gradients are computed per *macrobatch*
+(one turn of the ring: ring_minibatches minibatches), after its data gradients, first a store,
+then adds in a fixed order (same CTA per output tile: deterministic).
+
+Strategies are plain functions that return a plan: `sequential` (stage by stage, every SM per
+stage, a barrier counter between stages) and `fixed_split` (``comm_blocks`` CTAs communicate,
+the rest compute; MoK's restructured overlap). `Plan.check` proves on the CPU that a plan is
+executable: see its docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from mok_proto.config import OPERATORS, MoEShape
+
+BM = 128  # GEMM tile rows (receive rows per row tile)
+BN = 256  # GEMM tile columns; a gate/up tile holds 128 gate + 128 up columns -> 128 columns of h
+EPILOGUE_ROWS = 16  # token rows per weighted-sum / slot-sum task (memory bound: fine grained)
+MAX_WAITS = 2
+MAX_SIGNALS = 2
+PASSES = ("fwd", "bwd")
+
+
+class TaskKind(IntEnum):
+    # forward
+    DISPATCH = 0
+    SHARED_GATE_UP = 1
+    SHARED_DOWN = 2
+    GATE_UP = 3  # SwiGLU fused in the epilogue
+    DOWN = 4
+    COMBINE = 5
+    WEIGHTED_SUM = 6
+    # backward
+    REV_COMBINE = 7
+    SHARED_DOWN_BWD = 8
+    SHARED_GATE_UP_BWD = 9
+    DOWN_BWD = 10  # SwiGLU backward fused
+    GATE_UP_BWD = 11
+    REV_DISPATCH = 12
+    DOWN_WGRAD = 13
+    GATE_UP_WGRAD = 14
+    SHARED_DOWN_WGRAD = 15
+    SHARED_GATE_UP_WGRAD = 16
+    SLOT_SUM = 17  # sum of the K input-gradient slots + the shared expert's
+
+
+class CounterKind(IntEnum):
+    ARRIVED = 0  # per minibatch: its rows landed in the ring (dispatch / rev_combine)
+    FIRST_DONE = 1  # per row tile: first GEMM's tiles (fwd: h; bwd: dg, du)
+    SECOND_DONE = 2  # per minibatch: second GEMM's tiles (fwd: y; bwd: dx)
+    RELEASED = 3  # per minibatch: its ring slot may be refilled
+    SLOTS_ARRIVED = 4  # one: every [N*K, H] slot row of this rank arrived
+    SHARED_FIRST_DONE = 5  # per shared row tile
+    SHARED_DONE = 6  # one: the shared expert's output (or input gradient)
+    DATA_GRAD_DONE = 7  # per macrobatch: weight gradients may start
+    WGRAD_DONE = 8  # per macrobatch: weight gradients read the ring rows
+    STAGE_DONE = 9  # per stage (sequential plans only)
+
+
+COMM_KINDS = frozenset({TaskKind.DISPATCH, TaskKind.COMBINE, TaskKind.REV_COMBINE, TaskKind.REV_DISPATCH})
+
+
+@dataclass(frozen=True)
+class PassKinds:
+    """The task kinds of one pass, in data-flow order."""
+
+    comm_in: TaskKind
+    shared_first: TaskKind
+    shared_second: TaskKind
+    first: TaskKind
+    second: TaskKind
+    comm_out: TaskKind
+    epilogue: TaskKind
+    in_op: str  # operator name in the policy
+    out_op: str
+    wgrad: tuple = ()  # routed weight-gradient kinds (backward)
+    shared_wgrad: tuple = ()
+
+
+PASS_KINDS = {
+    "fwd": PassKinds(TaskKind.DISPATCH, TaskKind.SHARED_GATE_UP, TaskKind.SHARED_DOWN, TaskKind.GATE_UP,
+                     TaskKind.DOWN, TaskKind.COMBINE, TaskKind.WEIGHTED_SUM, "dispatch", "combine"),
+    "bwd": PassKinds(TaskKind.REV_COMBINE, TaskKind.SHARED_DOWN_BWD, TaskKind.SHARED_GATE_UP_BWD,
+                     TaskKind.DOWN_BWD, TaskKind.GATE_UP_BWD, TaskKind.REV_DISPATCH, TaskKind.SLOT_SUM,
+                     "rev_combine", "rev_dispatch", (TaskKind.DOWN_WGRAD, TaskKind.GATE_UP_WGRAD),
+                     (TaskKind.SHARED_DOWN_WGRAD, TaskKind.SHARED_GATE_UP_WGRAD)),
+}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tile_grid(kind: TaskKind, shape: MoEShape) -> tuple[int, int, int]:
+    """(output tile rows, output tile columns, reduction length) of one task's GEMM tile, as
+    (rows, cols, k). Row-tile kinds have BM rows of the receive buffer (or of the N tokens);
+    weight-gradient kinds tile the weight, k = the expert's rows (0 here: known at run time)."""
+    h, i, i_s = shape.hidden, shape.ffn, shape.shared_ffn_size
+    return {
+        TaskKind.SHARED_GATE_UP: (BM, BN, h), TaskKind.GATE_UP: (BM, BN, h),
+        TaskKind.SHARED_DOWN: (BM, BN, i_s), TaskKind.DOWN: (BM, BN, i),
+        TaskKind.SHARED_DOWN_BWD: (BM, BN, h), TaskKind.DOWN_BWD: (BM, BN, h),
+        TaskKind.SHARED_GATE_UP_BWD: (BM, BN, 2 * i_s), TaskKind.GATE_UP_BWD: (BM, BN, 2 * i),
+        TaskKind.DOWN_WGRAD: (BM, BN, 0), TaskKind.GATE_UP_WGRAD: (BM, BN, 0),
+        TaskKind.SHARED_DOWN_WGRAD: (BM, BN, 0), TaskKind.SHARED_GATE_UP_WGRAD: (BM, BN, 0),
+    }[kind]
+
+
+def num_col_tiles(kind: TaskKind, shape: MoEShape) -> int:
+    """Output column tiles per row tile (row-tile kinds) of one task kind."""
+    h, i, i_s = shape.hidden, shape.ffn, shape.shared_ffn_size
+    return {
+        TaskKind.SHARED_GATE_UP: _cdiv(2 * i_s, BN), TaskKind.GATE_UP: _cdiv(2 * i, BN),
+        TaskKind.SHARED_DOWN: _cdiv(h, BN), TaskKind.DOWN: _cdiv(h, BN),
+        TaskKind.SHARED_DOWN_BWD: _cdiv(i_s, BN), TaskKind.DOWN_BWD: _cdiv(i, BN),
+        TaskKind.SHARED_GATE_UP_BWD: _cdiv(h, BN), TaskKind.GATE_UP_BWD: _cdiv(h, BN),
+    }[kind]
+
+
+def wgrad_grid(kind: TaskKind, shape: MoEShape) -> tuple[int, int]:
+    """(row tiles, column tiles) of one expert's weight gradient: dWd [I, H], dWgu [H, 2I]."""
+    h = shape.hidden
+    ffn = shape.shared_ffn_size if kind in (TaskKind.SHARED_DOWN_WGRAD, TaskKind.SHARED_GATE_UP_WGRAD) else shape.ffn
+    if kind in (TaskKind.DOWN_WGRAD, TaskKind.SHARED_DOWN_WGRAD):
+        return _cdiv(ffn, BM), _cdiv(h, BN)
+    return _cdiv(h, BM), _cdiv(2 * ffn, BN)
+
+
+TASK_DTYPE = np.dtype([
+    ("block", np.int32),  # CTA that runs the task
+    ("seq", np.int32),  # position in that CTA's table
+    ("kind", np.int8),  # TaskKind
+    ("minibatch", np.int32),  # -1 where none (shared expert, epilogue)
+    ("row_tile", np.int32),  # receive-buffer row tile (routed), token row tile (shared, epilogue),
+                             # weight row tile (wgrad); for comm tasks: the chunk of the minibatch
+    ("col_tile", np.int32),  # output column tile; -1 for comm and epilogue tasks
+    ("expert", np.int32),  # local expert of a weight-gradient tile; -1 elsewhere (found on device)
+    ("wait_counter", np.int32, (MAX_WAITS,)),  # -1: no wait
+    ("wait_target", np.int32, (MAX_WAITS,)),
+    ("signal_counter", np.int32, (MAX_SIGNALS,)),  # -1: no signal
+])
+
+COUNTER_DTYPE = np.dtype([
+    ("kind", np.int8),  # CounterKind
+    ("index", np.int32),  # minibatch, row tile, macrobatch or stage
+    ("remote", np.bool_),  # raised by the tasks of every rank
+    ("target", np.int32),  # value once every signal arrived
+])
+
+
+class PlanError(ValueError):
+    """A plan that a persistent kernel could not execute (check() says why)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """One pass of one MoE layer on every rank, as per-CTA task tables (see the module doc)."""
+
+    pass_: str  # "fwd" | "bwd"
+    shape: MoEShape
+    num_ranks: int  # R
+    policy: dict  # operator -> "push" | "pull"
+    num_sms: int  # CTAs of the persistent kernel (one per SM, all co-resident)
+    comm_blocks: int  # CTAs 0..comm_blocks-1 communicate (sequential: all CTAs do everything)
+    minibatch_rows: int  # multiple of BM
+    ring_minibatches: int
+    capacity_rows: int  # multiple of minibatch_rows
+    strategy: str
+    tasks: np.ndarray  # [num_tasks] TASK_DTYPE, sorted by (block, seq)
+    counters: np.ndarray  # [num_counters] COUNTER_DTYPE
+
+    @property
+    def kinds(self) -> PassKinds:
+        return PASS_KINDS[self.pass_]
+
+    @property
+    def num_minibatches(self) -> int:
+        return self.capacity_rows // self.minibatch_rows
+
+    @property
+    def tiles_per_minibatch(self) -> int:
+        return self.minibatch_rows // BM
+
+    @property
+    def num_macrobatches(self) -> int:
+        return _cdiv(self.num_minibatches, self.ring_minibatches)
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks of a minibatch for communication tasks: one per communicating CTA."""
+        return self.comm_blocks
+
+    def is_comm_block(self, block) -> np.ndarray:
+        return np.asarray(block) < self.comm_blocks
+
+    def describe(self) -> str:
+        return (f"{self.strategy} {self.pass_}: {self.shape.name} R={self.num_ranks} SMs={self.num_sms} "
+                f"comm={self.comm_blocks} minibatch={self.minibatch_rows} ring={self.ring_minibatches} "
+                f"capacity={self.capacity_rows} tasks={len(self.tasks)} counters={len(self.counters)}")
+
+    def block_tables(self) -> list[np.ndarray]:
+        """Per-CTA ordered task tables (views of `tasks`)."""
+        bounds = np.searchsorted(self.tasks["block"], np.arange(self.num_sms + 1))
+        return [self.tasks[bounds[b]:bounds[b + 1]] for b in range(self.num_sms)]
+
+    @functools.cached_property
+    def execution_order(self) -> np.ndarray:
+        """[num_tasks] task indices in the order of an in-order execution (every CTA advances
+        while its head task's waits are met; remote signals count R: all ranks run the plan).
+        Raises PlanError naming the stuck CTAs when the plan deadlocks."""
+        return _execution_order(self)
+
+    def check(self) -> None:
+        """Prove on the CPU that the plan can run: raise PlanError otherwise.
+
+        1. Structure: blocks, seq, kinds, counter ids in range; every wait target equals its
+           counter's target, and every counter's target equals the signals it will get
+           (R per signalling task for a remote counter).
+        2. Coverage: every task the pass needs (each GEMM tile, each chunk of each minibatch,
+           each epilogue tile, each weight-gradient tile per macrobatch) exists exactly once.
+        3. No deadlock: an in-order execution per CTA (all CTAs co-resident) finishes.
+        4. Order: every counter a task waits on is raised only by tasks earlier in that global
+           topological order.
+        5. Ring: the task that refills the slot of minibatch m happens after every task that
+           uses the rows of minibatch m - ring (transitively through counters and CTA order).
+        """
+        _check_structure(self)
+        _check_coverage(self)
+        order = self.execution_order
+        _check_topological(self, order)
+        _check_ring(self, order)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building plans
+# ---------------------------------------------------------------------------------------------
+class _Builder:
+    """Collects counters and tasks; tasks are added to a CTA's table in call order."""
+
+    def __init__(self, num_ranks: int):
+        self.num_ranks = num_ranks
+        self.counters: dict[tuple, list] = {}  # (kind, index) -> [id, remote, signals]
+        self.by_id: list[list] = []
+        self.tasks: list[tuple] = []
+        self.seq: dict[int, int] = {}
+
+    def counter(self, kind: CounterKind, index: int, remote: bool = False) -> int:
+        key = (int(kind), int(index))
+        if key not in self.counters:
+            self.counters[key] = [len(self.counters), bool(remote), 0]
+            self.by_id.append(self.counters[key])
+        return self.counters[key][0]
+
+    def add(self, block: int, kind: TaskKind, waits=(), signals=(), minibatch=-1, row_tile=-1,
+            col_tile=-1, expert=-1):
+        seq = self.seq.get(block, 0)
+        self.seq[block] = seq + 1
+        for c in signals:
+            entry = self.by_id[c]
+            entry[2] += self.num_ranks if entry[1] else 1
+        self.tasks.append((block, seq, int(kind), minibatch, row_tile, col_tile, expert, list(waits), list(signals)))
+
+    def build(self, **fields) -> Plan:
+        counters = np.zeros(len(self.counters), COUNTER_DTYPE)
+        for (kind, index), (cid, remote, signals) in self.counters.items():
+            counters[cid] = (kind, index, remote, signals)
+        if any(len(t[7]) > MAX_WAITS or len(t[8]) > MAX_SIGNALS for t in self.tasks):
+            raise PlanError(f"a task has more than {MAX_WAITS} waits or {MAX_SIGNALS} signals")
+        tasks = np.zeros(len(self.tasks), TASK_DTYPE)
+        cols = list(zip(*(t[:7] for t in self.tasks))) if self.tasks else [()] * 7
+        for name, values in zip(("block", "seq", "kind", "minibatch", "row_tile", "col_tile", "expert"), cols):
+            tasks[name] = values
+        tasks["wait_counter"] = [(t[7] + [-1] * MAX_WAITS)[:MAX_WAITS] for t in self.tasks]
+        tasks["signal_counter"] = [(t[8] + [-1] * MAX_SIGNALS)[:MAX_SIGNALS] for t in self.tasks]
+        wc = tasks["wait_counter"]
+        tasks["wait_target"] = np.where(wc >= 0, counters["target"][np.maximum(wc, 0)], 0)
+        tasks = tasks[np.lexsort((tasks["seq"], tasks["block"]))]
+        return Plan(tasks=tasks, counters=counters, **fields)
+
+
+def _remote_counters(pass_: str, policy: dict) -> set:
+    """Counter kinds whose value depends on every rank's tasks, under this policy."""
+    k = PASS_KINDS[pass_]
+    push_in, pull_out = policy[k.in_op] == "push", policy[k.out_op] == "pull"
+    remote = set()
+    if push_in:  # senders push rows: the receiver waits for every peer; senders need its free slot
+        remote |= {CounterKind.ARRIVED, CounterKind.RELEASED}
+    if pull_out:  # the token owner pulls: it waits for the peers' results, which wait for its reads
+        remote |= {CounterKind.SECOND_DONE, CounterKind.RELEASED}
+    else:  # pushed results: the token owner waits for every peer's signal
+        remote |= {CounterKind.SLOTS_ARRIVED}
+    return remote
+
+
+def _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, ring_minibatches, capacity_rows, pass_):
+    if pass_ not in PASSES:
+        raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
+    if set(policy) != set(OPERATORS) or any(v not in ("push", "pull") for v in policy.values()):
+        raise ValueError(f"policy must map each of {OPERATORS} to push or pull, got {policy!r}")
+    if num_ranks < 1 or shape.num_experts % num_ranks:
+        raise ValueError(f"num_ranks={num_ranks} must divide E={shape.num_experts}")
+    if minibatch_rows < BM or minibatch_rows % BM:
+        raise ValueError(f"minibatch_rows must be a positive multiple of BM={BM}, got {minibatch_rows}")
+    if capacity_rows < minibatch_rows or capacity_rows % minibatch_rows:
+        raise ValueError(f"capacity_rows ({capacity_rows}) must be a positive multiple of "
+                         f"minibatch_rows ({minibatch_rows})")
+    if not 1 <= ring_minibatches:
+        raise ValueError(f"ring_minibatches must be >= 1, got {ring_minibatches}")
+    if num_sms < 2:
+        raise ValueError(f"num_sms must be >= 2, got {num_sms}")
+
+
+def default_capacity(shape: MoEShape, num_ranks: int, minibatch_rows: int = BM, slack: float = 1.25) -> int:
+    """Receive rows a plan is sized for: `slack` x the mean N*K rows plus El*BM padding, rounded
+    up to whole minibatches (the true worst case, all R*N*K rows, would make the grid huge)."""
+    rows = int(slack * shape.num_tokens * shape.top_k) + (shape.num_experts // num_ranks) * BM
+    return _cdiv(rows, minibatch_rows) * minibatch_rows
+
+
+def fixed_split(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int,
+                ring_minibatches: int | None = None, *, pass_: str = "fwd", policy: dict,
+                num_sms: int, capacity_rows: int | None = None) -> Plan:
+    """MoK's restructured overlap: CTAs 0..comm_blocks-1 run every dispatch, then combines and
+    later dispatches interleaved (ring permitting); the other CTAs take compute tasks in one
+    global order, round robin: shared expert first (it fills the wait for the first rows), then
+    per minibatch the first GEMM's tiles and the second GEMM's tiles, in the backward the weight
+    gradients at the end of each macrobatch (shared weight gradients last); the epilogue sum
+    (weighted sum / slot sum) on every CTA at the end."""
+    capacity_rows = capacity_rows or default_capacity(shape, num_ranks, minibatch_rows)
+    ring = ring_minibatches or capacity_rows // minibatch_rows
+    _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, ring, capacity_rows, pass_)
+    if not 1 <= comm_blocks < num_sms:
+        raise ValueError(f"comm_blocks must be in [1, num_sms={num_sms}), got {comm_blocks}")
+    k = PASS_KINDS[pass_]
+    remote = _remote_counters(pass_, policy)
+    b = _Builder(num_ranks)
+    num_mb = capacity_rows // minibatch_rows
+    tpm = minibatch_rows // BM
+    num_macro = _cdiv(num_mb, ring)
+    el = shape.num_experts // num_ranks
+    shared_tiles = _cdiv(shape.num_tokens, BM) if shape.num_shared else 0
+    wgrad = bool(k.wgrad)
+
+    def ctr(kind, index=0):
+        return b.counter(kind, index, kind in remote)
+
+    # Counters first, so that targets are known when tasks reference them (ids in a fixed order).
+    for m in range(num_mb):
+        ctr(CounterKind.ARRIVED, m), ctr(CounterKind.SECOND_DONE, m), ctr(CounterKind.RELEASED, m)
+    for rt in range(num_mb * tpm):
+        ctr(CounterKind.FIRST_DONE, rt)
+    for rt in range(shared_tiles):
+        ctr(CounterKind.SHARED_FIRST_DONE, rt)
+    ctr(CounterKind.SHARED_DONE), ctr(CounterKind.SLOTS_ARRIVED)
+    for j in range(num_macro if wgrad else 0):
+        ctr(CounterKind.DATA_GRAD_DONE, j), ctr(CounterKind.WGRAD_DONE, j)
+
+    # Compute tasks in one global order; tasks are assigned round robin to compute CTAs.
+    compute: list[dict] = []
+    n1, n2 = num_col_tiles(k.shared_first, shape), num_col_tiles(k.shared_second, shape)
+    for rt in range(shared_tiles):
+        compute += [dict(kind=k.shared_first, row_tile=rt, col_tile=c,
+                         signals=[ctr(CounterKind.SHARED_FIRST_DONE, rt)]) for c in range(n1)]
+    for rt in range(shared_tiles):
+        compute += [dict(kind=k.shared_second, row_tile=rt, col_tile=c,
+                         waits=[ctr(CounterKind.SHARED_FIRST_DONE, rt)], signals=[ctr(CounterKind.SHARED_DONE)])
+                    for c in range(n2)]
+    f1, f2 = num_col_tiles(k.first, shape), num_col_tiles(k.second, shape)
+    for j in range(num_macro):
+        mbs = range(j * ring, min((j + 1) * ring, num_mb))
+        for m in mbs:
+            for rt in range(m * tpm, (m + 1) * tpm):
+                sig = [ctr(CounterKind.FIRST_DONE, rt)] + ([ctr(CounterKind.DATA_GRAD_DONE, j)] if wgrad else [])
+                compute += [dict(kind=k.first, minibatch=m, row_tile=rt, col_tile=c,
+                                 waits=[ctr(CounterKind.ARRIVED, m)], signals=sig) for c in range(f1)]
+            for rt in range(m * tpm, (m + 1) * tpm):
+                compute += [dict(kind=k.second, minibatch=m, row_tile=rt, col_tile=c,
+                                 waits=[ctr(CounterKind.FIRST_DONE, rt)],
+                                 signals=[ctr(CounterKind.SECOND_DONE, m)]) for c in range(f2)]
+        for kind in k.wgrad:
+            rows, cols = wgrad_grid(kind, shape)
+            compute += [dict(kind=kind, minibatch=-1, row_tile=r, col_tile=c, expert=e,
+                             waits=[ctr(CounterKind.DATA_GRAD_DONE, j)], signals=[ctr(CounterKind.WGRAD_DONE, j)])
+                        for e in range(el) for r in range(rows) for c in range(cols)]
+    if shared_tiles:
+        for kind in k.shared_wgrad:
+            rows, cols = wgrad_grid(kind, shape)
+            compute += [dict(kind=kind, row_tile=r, col_tile=c, waits=[ctr(CounterKind.SHARED_DONE)])
+                        for r in range(rows) for c in range(cols)]
+
+    # Communication CTAs: chunk c of every minibatch, in MoK's order.
+    def comm_in(c, m):
+        waits = []
+        if m >= ring:
+            waits.append(ctr(CounterKind.RELEASED, m - ring))
+            if wgrad:
+                waits.append(ctr(CounterKind.WGRAD_DONE, (m - ring) // ring))
+        b.add(c, k.comm_in, waits, [ctr(CounterKind.ARRIVED, m)], minibatch=m, row_tile=c)
+
+    def comm_out(c, m):
+        b.add(c, k.comm_out, [ctr(CounterKind.SECOND_DONE, m)],
+              [ctr(CounterKind.RELEASED, m), ctr(CounterKind.SLOTS_ARRIVED)], minibatch=m, row_tile=c)
+
+    # Tables in CTA order (targets are filled in by build(), once every signal is known).
+    for c in range(comm_blocks):
+        for m in range(min(ring, num_mb)):
+            comm_in(c, m)
+        for m in range(num_mb):
+            comm_out(c, m)
+            if m + ring < num_mb:
+                comm_in(c, m + ring)
+    num_compute = num_sms - comm_blocks
+    for i, t in enumerate(compute):
+        b.add(comm_blocks + i % num_compute, t.pop("kind"), t.pop("waits", ()), t.pop("signals", ()), **t)
+    for block, kind, rt, waits in _epilogue_tasks(k, shape, num_sms, ctr):
+        b.add(block, kind, waits, (), row_tile=rt)
+    return b.build(pass_=pass_, shape=shape, num_ranks=num_ranks, policy=dict(policy), num_sms=num_sms,
+                   comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, ring_minibatches=ring,
+                   capacity_rows=capacity_rows, strategy="fixed_split")
+
+
+def _epilogue_tasks(k: PassKinds, shape: MoEShape, num_sms: int, ctr) -> list:
+    """Weighted sum (fwd) / slot sum (bwd) per EPILOGUE_ROWS tokens, round robin over every CTA."""
+    waits = [ctr(CounterKind.SLOTS_ARRIVED)] + ([ctr(CounterKind.SHARED_DONE)] if shape.num_shared else [])
+    return [(rt % num_sms, k.epilogue, rt, waits) for rt in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))]
+
+
+def sequential(shape: MoEShape, num_ranks: int, *, pass_: str = "fwd", policy: dict, num_sms: int,
+               capacity_rows: int | None = None) -> Plan:
+    """Stage by stage, every CTA in every stage, a barrier counter between stages (what separate
+    kernel launches do): comm in, shared first, shared second, first GEMM, second GEMM, comm
+    out, [weight gradients, shared weight gradients], epilogue. One minibatch (the whole
+    capacity), ring of one. A stage's barrier is remote when its data crosses ranks."""
+    capacity_rows = capacity_rows or default_capacity(shape, num_ranks)
+    _check_common(shape, num_ranks, policy, num_sms, capacity_rows, 1, capacity_rows, pass_)
+    k = PASS_KINDS[pass_]
+    remote = _remote_counters(pass_, policy)
+    el = shape.num_experts // num_ranks
+    shared_tiles = _cdiv(shape.num_tokens, BM) if shape.num_shared else 0
+    row_tiles = capacity_rows // BM
+    # stage: (work items as dicts, is the barrier after it remote)
+    stages = [([dict(kind=k.comm_in, minibatch=0, row_tile=c) for c in range(num_sms)],
+               CounterKind.ARRIVED in remote)]
+    for kind in (k.shared_first, k.shared_second):
+        stages.append(([dict(kind=kind, row_tile=r, col_tile=c) for r in range(shared_tiles)
+                        for c in range(num_col_tiles(kind, shape))], False))
+    stages.append(([dict(kind=k.first, minibatch=0, row_tile=r, col_tile=c) for r in range(row_tiles)
+                    for c in range(num_col_tiles(k.first, shape))], False))
+    stages.append(([dict(kind=k.second, minibatch=0, row_tile=r, col_tile=c) for r in range(row_tiles)
+                    for c in range(num_col_tiles(k.second, shape))], CounterKind.SECOND_DONE in remote))
+    stages.append(([dict(kind=k.comm_out, minibatch=0, row_tile=c) for c in range(num_sms)],
+                   CounterKind.SLOTS_ARRIVED in remote))
+    for kind in k.wgrad:
+        rows, cols = wgrad_grid(kind, shape)
+        stages.append(([dict(kind=kind, row_tile=r, col_tile=c, expert=e) for e in range(el)
+                        for r in range(rows) for c in range(cols)], False))
+    for kind in (k.shared_wgrad if shared_tiles else ()):
+        rows, cols = wgrad_grid(kind, shape)
+        stages.append(([dict(kind=kind, row_tile=r, col_tile=c) for r in range(rows) for c in range(cols)], False))
+    stages.append(([dict(kind=k.epilogue, row_tile=r) for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))], False))
+    stages = [(items, rem) for items, rem in stages if items]
+
+    b = _Builder(num_ranks)
+    for s, (_, rem) in enumerate(stages):
+        b.counter(CounterKind.STAGE_DONE, s, rem)
+    for s, (items, _) in enumerate(stages):
+        waits = [b.counter(CounterKind.STAGE_DONE, s - 1)] if s else []
+        for i, item in enumerate(items):
+            b.add(i % num_sms, item.pop("kind"), waits, [b.counter(CounterKind.STAGE_DONE, s)], **item)
+    return b.build(pass_=pass_, shape=shape, num_ranks=num_ranks, policy=dict(policy), num_sms=num_sms,
+                   comm_blocks=num_sms, minibatch_rows=capacity_rows, ring_minibatches=1,
+                   capacity_rows=capacity_rows, strategy="sequential")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------
+def _check_structure(plan: Plan) -> None:
+    t, c = plan.tasks, plan.counters
+    if t.dtype != TASK_DTYPE or c.dtype != COUNTER_DTYPE:
+        raise PlanError("tasks/counters must use TASK_DTYPE/COUNTER_DTYPE")
+    if len(t) and (t["block"].min() < 0 or t["block"].max() >= plan.num_sms):
+        raise PlanError(f"task blocks must lie in [0, num_sms={plan.num_sms})")
+    if np.any(np.diff(t["block"]) < 0):
+        raise PlanError("tasks must be sorted by block")
+    for b, table in enumerate(plan.block_tables()):
+        if not np.array_equal(table["seq"], np.arange(len(table))):
+            raise PlanError(f"block {b}: seq must be 0, 1, ... in table order")
+    valid = set(int(x) for x in TaskKind)
+    if not set(np.unique(t["kind"]).tolist()) <= valid:
+        raise PlanError("unknown task kind")
+    for field in ("wait_counter", "signal_counter"):
+        ids = t[field]
+        if np.any((ids < -1) | (ids >= len(c))):
+            raise PlanError(f"{field} out of range [-1, {len(c)})")
+    used = t["wait_counter"] >= 0
+    if np.any(t["wait_target"][used] != c["target"][t["wait_counter"][used]]):
+        bad = np.argwhere(used & (t["wait_target"] != c["target"][np.maximum(t["wait_counter"], 0)]))[0][0]
+        raise PlanError(f"task {_name(plan, bad)} waits for a target other than its counter's")
+    sig = t["signal_counter"]
+    weight = np.where(c["remote"], plan.num_ranks, 1)
+    got = np.zeros(len(c), np.int64)
+    np.add.at(got, sig[sig >= 0], weight[sig[sig >= 0]])
+    if np.any(got != c["target"]):
+        i = int(np.argmax(got != c["target"]))
+        raise PlanError(f"counter {_counter_name(plan, i)}: target {c['target'][i]} but {got[i]} signals")
+
+
+def _expected_keys(plan: Plan) -> np.ndarray:
+    """(kind, minibatch, row_tile, col_tile, expert) of every task the pass needs."""
+    k, shape = plan.kinds, plan.shape
+    el = shape.num_experts // plan.num_ranks
+    shared_tiles = _cdiv(shape.num_tokens, BM) if shape.num_shared else 0
+    keys = []
+    for m in range(plan.num_minibatches):
+        for kind in (k.comm_in, k.comm_out):
+            keys += [(kind, m, c, -1, -1) for c in range(plan.num_chunks)]
+        for kind in (k.first, k.second):
+            keys += [(kind, m, rt, c, -1) for rt in range(m * plan.tiles_per_minibatch, (m + 1) * plan.tiles_per_minibatch)
+                     for c in range(num_col_tiles(kind, shape))]
+    for kind in (k.shared_first, k.shared_second):
+        keys += [(kind, -1, r, c, -1) for r in range(shared_tiles) for c in range(num_col_tiles(kind, shape))]
+    for kind in k.wgrad:
+        rows, cols = wgrad_grid(kind, shape)
+        keys += [(kind, -1, r, c, e) for _ in range(plan.num_macrobatches) for e in range(el)
+                 for r in range(rows) for c in range(cols)]
+    for kind in (k.shared_wgrad if shared_tiles else ()):
+        rows, cols = wgrad_grid(kind, shape)
+        keys += [(kind, -1, r, c, -1) for r in range(rows) for c in range(cols)]
+    keys += [(k.epilogue, -1, r, -1, -1) for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))]
+    return np.array(keys, np.int64).reshape(-1, 5)
+
+
+def _check_coverage(plan: Plan) -> None:
+    t = plan.tasks
+    got = np.stack([t["kind"], t["minibatch"], t["row_tile"], t["col_tile"], t["expert"]], axis=1).astype(np.int64)
+    want = _expected_keys(plan)
+    got_u, got_n = np.unique(got, axis=0, return_counts=True)
+    want_u, want_n = np.unique(want, axis=0, return_counts=True)
+    if got_u.shape == want_u.shape and np.array_equal(got_u, want_u) and np.array_equal(got_n, want_n):
+        return
+    got_d = {tuple(r): n for r, n in zip(got_u.tolist(), got_n.tolist())}
+    want_d = {tuple(r): n for r, n in zip(want_u.tolist(), want_n.tolist())}
+    for key in sorted(set(got_d) | set(want_d)):
+        if got_d.get(key, 0) != want_d.get(key, 0):
+            kind, m, rt, ct, e = key
+            raise PlanError(f"coverage: task {TaskKind(kind).name} minibatch={m} row_tile={rt} col_tile={ct} "
+                            f"expert={e} appears {got_d.get(key, 0)} times, expected {want_d.get(key, 0)}")
+
+
+def _execution_order(plan: Plan) -> np.ndarray:
+    t, c = plan.tasks, plan.counters
+    weight = np.where(c["remote"], plan.num_ranks, 1).tolist()
+    target = c["target"].tolist()
+    wait = t["wait_counter"].tolist()
+    sig = t["signal_counter"].tolist()
+    bounds = np.searchsorted(t["block"], np.arange(plan.num_sms + 1)).tolist()
+    ptr = bounds[:-1]
+    value = [0] * len(c)
+    order = []
+    progress = True
+    while progress:
+        progress = False
+        for blk in range(plan.num_sms):
+            i, end = ptr[blk], bounds[blk + 1]
+            while i < end and all(w < 0 or value[w] >= target[w] for w in wait[i]):
+                for s in sig[i]:
+                    if s >= 0:
+                        value[s] += weight[s]
+                order.append(i)
+                i += 1
+                progress = True
+            ptr[blk] = i
+    stuck = [blk for blk in range(plan.num_sms) if ptr[blk] < bounds[blk + 1]]
+    if stuck:
+        lines = []
+        for blk in stuck[:4]:
+            i = ptr[blk]
+            w = [x for x in wait[i] if x >= 0 and value[x] < target[x]]
+            lines.append(f"block {blk} at {_name(plan, i)} waits for "
+                         + ", ".join(f"{_counter_name(plan, x)} ({value[x]}/{target[x]})" for x in w))
+        raise PlanError(f"deadlock: {len(stuck)} CTAs cannot progress; " + "; ".join(lines))
+    return np.array(order, np.int64)
+
+
+def _check_topological(plan: Plan, order: np.ndarray) -> None:
+    t = plan.tasks
+    pos = np.empty(len(t), np.int64)
+    pos[order] = np.arange(len(order))
+    last_signal = np.full(len(plan.counters), -1, np.int64)
+    for j in range(MAX_SIGNALS):
+        s = t["signal_counter"][:, j]
+        np.maximum.at(last_signal, s[s >= 0], pos[s >= 0])
+    for j in range(MAX_WAITS):
+        w = t["wait_counter"][:, j]
+        bad = (w >= 0) & (last_signal[np.maximum(w, 0)] >= pos)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise PlanError(f"order: {_name(plan, i)} waits on {_counter_name(plan, int(w[i]))}, "
+                            f"raised by a task at or after it")
+
+
+def _check_ring(plan: Plan, order: np.ndarray) -> None:
+    """Happens-before as bitsets of ancestor tasks (Python ints), built in topological order."""
+    ring, k = plan.ring_minibatches, plan.kinds
+    if plan.num_minibatches <= ring:
+        return
+    t = plan.tasks
+    kind, mb = t["kind"], t["minibatch"]
+    users_kinds = [k.first, k.second, k.comm_out]
+    user = np.isin(kind, [int(x) for x in users_kinds]) & (mb >= 0)
+    wgrad = np.isin(kind, [int(x) for x in k.wgrad])
+    # Weight-gradient tiles of macrobatch j (the index of the counter they wait on) read the
+    # ring rows of all its minibatches.
+    wgrad_macro = plan.counters["index"][np.maximum(t["wait_counter"][:, 0], 0)]
+    users_of = [0] * plan.num_minibatches
+    for i in np.flatnonzero(user):
+        users_of[int(mb[i])] |= 1 << int(i)
+    for i in np.flatnonzero(wgrad):
+        j = int(wgrad_macro[i])
+        for m in range(j * ring, min((j + 1) * ring, plan.num_minibatches)):
+            users_of[m] |= 1 << int(i)
+    signalers: dict[int, int] = {}
+    anc = [0] * len(t)
+    prev_in_block = np.where(np.r_[False, t["block"][1:] == t["block"][:-1]], np.arange(len(t)) - 1, -1)
+    wait, sig = t["wait_counter"].tolist(), t["signal_counter"].tolist()
+    for i in order.tolist():
+        a = 1 << i
+        p = prev_in_block[i]
+        if p >= 0:
+            a |= anc[p]
+        for w in wait[i]:
+            if w >= 0:
+                a |= signalers.get(w, 0)
+        anc[i] = a
+        for s in sig[i]:
+            if s >= 0:
+                signalers[s] = signalers.get(s, 0) | a
+    for i in np.flatnonzero((kind == int(k.comm_in)) & (mb >= ring)):
+        need = users_of[int(mb[i]) - ring]
+        if anc[i] & need != need:
+            raise PlanError(f"ring: {_name(plan, int(i))} refills the slot of minibatch {int(mb[i]) - ring} "
+                            f"before every task using its rows finished")
+
+
+def _name(plan: Plan, i: int) -> str:
+    r = plan.tasks[i]
+    return (f"{TaskKind(int(r['kind'])).name}(block={r['block']} seq={r['seq']} minibatch={r['minibatch']} "
+            f"row_tile={r['row_tile']} col_tile={r['col_tile']})")
+
+
+def _counter_name(plan: Plan, i: int) -> str:
+    c = plan.counters[i]
+    return f"{CounterKind(int(c['kind'])).name}[{c['index']}]"
+
+
+def with_tasks(plan: Plan, tasks: np.ndarray) -> Plan:
+    """The same plan with another task table (for experiments and tests of check())."""
+    return dataclasses.replace(plan, tasks=tasks)

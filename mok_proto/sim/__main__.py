@@ -1,0 +1,66 @@
+"""Command line of the simulator.
+
+    python -m mok_proto.sim --validate [--h200-only]
+    python -m mok_proto.sim --shape kimi-k2.7 --ep 64 --gpu gb300-nvl72 --pass fwd --comm-sms 40 --minibatch 2048
+
+Exit status: 0 ok; 1 an H200 row outside its bar (--validate); 2 bad argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from mok_proto import plan as plans
+from mok_proto.config import get_shape, parse_policy
+from mok_proto.sim.model import simulate
+from mok_proto.sim.params import get_params, h200
+from mok_proto.sim.validate import H200_TOLERANCE, format_table, h200_rows, paper_rows, tolerance_of
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--validate", action="store_true", help="compare against our H200 results and the paper")
+    ap.add_argument("--h200-only", action="store_true", help="with --validate: only the H200 rows")
+    ap.add_argument("--shape", default="kimi-k2.7")
+    ap.add_argument("--ep", type=int, default=64)
+    ap.add_argument("--gpu", default="gb300-nvl72")
+    ap.add_argument("--pass", dest="pass_", default="fwd", choices=plans.PASSES)
+    ap.add_argument("--policy", default="")
+    ap.add_argument("--comm-sms", type=int, default=40)
+    ap.add_argument("--minibatch", type=int, default=2048)
+    ap.add_argument("--sequential", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        if args.validate:
+            calibrated = h200()
+            rows = h200_rows(calibrated)
+            bad = [r for r in rows if not r.ok(H200_TOLERANCE)]
+            if not args.h200_only:
+                rows += paper_rows()
+            print(f"# h200 parameters: {calibrated.note}")
+            print(format_table(rows, tolerance_of))
+            print(f"# {len(bad)} H200 rows outside {H200_TOLERANCE * 100:.0f}%")
+            return 1 if bad else 0
+        gpu = get_params(args.gpu)
+        shape = get_shape(args.shape)
+        policy = parse_policy(args.policy)
+        t0 = time.perf_counter()
+        if args.sequential:
+            p = plans.sequential(shape, args.ep, pass_=args.pass_, policy=policy, num_sms=gpu.num_sms)
+        else:
+            p = plans.fixed_split(shape, args.ep, args.comm_sms, args.minibatch, pass_=args.pass_, policy=policy,
+                                  num_sms=gpu.num_sms)
+        result = simulate(p, gpu)
+        elapsed = time.perf_counter() - t0
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(p.describe())
+    print(f"{gpu.name}: {result.time_ns / 1e3:.1f} us (slowest rank {result.slowest_rank}); simulated in {elapsed:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

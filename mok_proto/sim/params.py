@@ -1,0 +1,239 @@
+"""GPU parameter sets of the simulator: `h200` calibrated from this project's results/*.jsonl,
+`gb300_nvl72` from public specifications.
+
+Calibration uses a small fixed set of measurements (listed in `H200_CALIBRATION`); every other
+measured number is a prediction that `python -m mok_proto.sim --validate` checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mok_proto import results
+from mok_proto.config import get_shape
+from mok_proto.problem import rows_per_expert
+
+PROBLEMS = ("gate_up", "down", "down_bwd", "gate_up_bwd", "down_wgrad", "gate_up_wgrad")
+
+# What h200() calibrates on; everything else in results/ is predicted.
+H200_CALIBRATION = {
+    "gemm": ("kimi-k2.7", "uniform"),  # one tile rate per GEMM problem, from these rows
+    "hbm": ("kimi-k2.7", 8, "push"),  # one-GPU push dispatch (+ the copy ceiling of that run)
+    "link": "kimi-k2.7",  # 2 x H200: push and pull dispatch, and their 4-byte-row signal stages
+}
+
+
+@dataclass(frozen=True)
+class GpuParams:
+    """One GPU of a scale-up domain. Rates in GB/s (1e9 B/s) and TFLOP/s; times in ns."""
+
+    name: str
+    num_sms: int
+    tile_tflops_per_sm: dict  # problem -> TFLOP/s of one SM on 128 x 256 tiles
+    hbm_read_gbs: float  # effective read rate of a row-copy kernel (all SMs)
+    hbm_write_gbs: float  # effective write rate
+    link_gbs: float  # per GPU, each way
+    link_efficiency: dict  # "push" | "pull" -> fraction of link_gbs a row transfer reaches
+    rtt_ns: float  # one round trip over the link (a pull pays it per in-flight load window)
+    pull_window_bytes: int  # bytes one SM keeps in flight when it pulls
+    sm_push_gbs: float  # stores one SM can post per second
+    launch_ns: float  # a kernel boundary (sequential stages) or the start of a pass
+    fence_ns: float  # the receiver's fence after every peer's signal arrived
+    signal_ns_per_peer: float  # a receiver waits for one more peer's signal
+    nccl_link_efficiency: dict = field(default_factory=dict)  # operator kind -> NCCL's fraction of link
+    note: str = ""
+
+    @property
+    def copy_gbs(self) -> float:
+        """Rate of a plain device copy (bytes copied per second)."""
+        return 1.0 / (1.0 / self.hbm_read_gbs + 1.0 / self.hbm_write_gbs)
+
+    def pull_sm_gbs(self) -> float:
+        """One SM pulling: one window per round trip."""
+        return self.pull_window_bytes / self.rtt_ns
+
+    def signal_wait_ns(self, num_ranks: int) -> float:
+        """A receiver's wait for every peer's signal plus a fence (push semantics)."""
+        return self.fence_ns + (num_ranks - 1) * self.signal_ns_per_peer
+
+    def scaled(self, **factors) -> "GpuParams":
+        """A copy with some numeric fields multiplied (for sensitivity checks)."""
+        changes = {}
+        for name, f in factors.items():
+            value = getattr(self, name)
+            changes[name] = {k: v * f for k, v in value.items()} if isinstance(value, dict) else value * f
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMMs as the standalone kernels run them (bench_gemm): persistent CTAs, tiles handed
+# out with a static stride; used to calibrate the tile rates and to predict the other rows.
+# ---------------------------------------------------------------------------------------------
+BM, BN = 128, 256
+
+
+def gemm_tiles(problem: str, rows: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
+    """(number of tiles, reduction length) per expert of a grouped GEMM; rows [experts]."""
+    row_tiles = -(-rows // BM)
+    ones = np.ones_like(rows)
+    if problem == "gate_up":
+        return row_tiles * -(-2 * ffn // BN), hidden * ones
+    if problem == "down":
+        return row_tiles * -(-hidden // BN), ffn * ones
+    if problem == "down_bwd":
+        return row_tiles * -(-ffn // BN), hidden * ones
+    if problem == "gate_up_bwd":
+        return row_tiles * -(-hidden // BN), 2 * ffn * ones
+    if problem == "down_wgrad":
+        return ones * -(-ffn // BM) * -(-hidden // BN), rows
+    if problem == "gate_up_wgrad":
+        return ones * -(-hidden // BM) * -(-2 * ffn // BN), rows
+    raise ValueError(f"unknown GEMM problem {problem!r}")
+
+
+def grouped_gemm_ns(gpu: GpuParams, problem: str, rows: np.ndarray, hidden: int, ffn: int,
+                    num_ctas: int | None = None) -> float:
+    """Makespan of a grouped GEMM as the standalone kernel runs it: CTAs in clusters of two
+    share a weight tile, so a cluster takes two row tiles of one expert (256 rows) at once;
+    cluster-tile t of the expert-major list runs on cluster t % clusters. Weight gradients:
+    one CTA per output tile, tile t on CTA t % num_ctas."""
+    num_ctas = num_ctas or gpu.num_sms
+    rows = np.asarray(rows, np.int64)
+    counts, k = gemm_tiles(problem, rows, hidden, ffn)
+    if not problem.endswith("wgrad"):
+        counts = counts // (-(-rows // BM)).clip(1) * -(-rows // (2 * BM))  # per 256-row pair
+        num_ctas //= 2
+    dur = np.repeat(2.0 * BM * BN * k / (gpu.tile_tflops_per_sm[problem] * 1e3), counts)  # ns
+    return float(np.bincount(np.arange(len(dur)) % num_ctas, dur).max()) if len(dur) else 0.0
+
+
+def _gemm_rows(row: dict) -> np.ndarray:
+    return rows_per_expert(row["rows"], row["experts"], row["routing"])
+
+
+def _newest_gemm(results_dir) -> list[dict]:
+    return results.newest(results.load("bench_gemm", results_dir))
+
+
+def _newest_comm(results_dir) -> list[dict]:
+    return results.newest(results.load("bench_comm", results_dir), group_by=("backend",))
+
+
+def stage_ms(row: dict, stage: str, signal: bool = False) -> float:
+    return row["signal_stages" if signal else "stages"][stage]["median_ms"]
+
+
+def comm_row(rows: list[dict], backend: str, shape: str, ep: int, policy: dict) -> dict:
+    """The bench_comm row of one (backend, shape, EP, dispatch/combine directions)."""
+    for r in rows:
+        if (r["backend"], r["shape"], r["ep"]) == (backend, shape, ep) and all(r[op] == d for op, d in policy.items()):
+            return r
+    raise KeyError(f"no bench_comm row for {backend} {shape} EP={ep} {policy}")
+
+
+def comm_bytes(row: dict, elem_bytes: int = 4) -> dict:
+    """Bytes a bench_comm stage moves per GPU: pairs (token, choice), remote (cross the link)
+    and local rows, and token rows read once (a push dispatch reads each token once)."""
+    row_bytes = row["hidden"] * elem_bytes
+    gpus = row["ep"] if row["backend"] == "nvshmem" else 1  # virtual ranks share one GPU
+    pairs = row["ep"] * row["tokens_per_rank"] * row["top_k"] / gpus
+    remote = row["remote_rows"] / gpus if row["backend"] == "nvshmem" else 0.0
+    return {"pairs": pairs * row_bytes, "remote": remote * row_bytes, "local": (pairs - remote) * row_bytes,
+            "tokens": row["ep"] * row["tokens_per_rank"] / gpus * row_bytes}
+
+
+def h200(results_dir=results.RESULTS_DIR) -> GpuParams:
+    """H200 (132 SMs) calibrated on H200_CALIBRATION's rows of this project's results."""
+    gemm_rows = _newest_gemm(results_dir)
+    comm = _newest_comm(results_dir)
+    base = GpuParams(
+        name="h200", num_sms=132,
+        tile_tflops_per_sm={p: 1.0 for p in PROBLEMS},
+        hbm_read_gbs=1.0, hbm_write_gbs=1.0, link_gbs=1.0, link_efficiency={"push": 1.0, "pull": 1.0},
+        # Not measurable from our results; public/assumed: NVLink 4 load round trip ~1 us; an SM
+        # keeps 64 KiB of bulk loads in flight; one SM posts stores at up to 100 GB/s.
+        rtt_ns=1000.0, pull_window_bytes=64 << 10, sm_push_gbs=100.0,
+        launch_ns=0.0, fence_ns=0.0, signal_ns_per_peer=1000.0,
+    )
+    # GEMM: one rate per problem such that the simulated kimi uniform grouped GEMM takes the
+    # measured time (the makespan scales as 1/rate).
+    shape_name, routing = H200_CALIBRATION["gemm"]
+    rates = {}
+    for r in gemm_rows:
+        if (r["shape"], r["routing"]) == (shape_name, routing):
+            s = get_shape(r["shape"])
+            ns_at_one = grouped_gemm_ns(base, r["problem"], _gemm_rows(r), s.hidden, s.ffn)
+            rates[r["problem"]] = ns_at_one / (r["ours"]["median_ms"] * 1e6)
+    # HBM: a copy of B bytes reads and writes B: 1/copy = 1/read + 1/write; a push dispatch on
+    # one GPU reads each token row once and writes K rows: t = tokens/read + pairs/write.
+    shape_name, ep, _ = H200_CALIBRATION["hbm"]
+    row = comm_row(comm, "virtual", shape_name, ep, {"dispatch": "push"})
+    b = comm_bytes(row)
+    t_ns = stage_ms(row, "dispatch") * 1e6
+    inv_copy = 1.0 / row["copy_ceiling_gbs"]
+    # tokens*(inv_copy - 1/w) + pairs/w = t  ->  1/w = (t - tokens*inv_copy) / (pairs - tokens)
+    inv_write = (t_ns - b["tokens"] * inv_copy) / (b["pairs"] - b["tokens"])
+    hbm_write, hbm_read = 1.0 / inv_write, 1.0 / (inv_copy - inv_write)
+    # Link (2 x H200, one peer): stage = launch + (pull: rtt | push: fence + 1 peer's signal)
+    # + remote bytes / (link * efficiency); the 4-byte-row stages give the fixed parts.
+    shape_name = H200_CALIBRATION["link"]
+    push = comm_row(comm, "nvshmem", shape_name, 2, {"dispatch": "push"})
+    pull = comm_row(comm, "nvshmem", shape_name, 2, {"dispatch": "pull"})
+    launch = stage_ms(pull, "dispatch", signal=True) * 1e6 - base.rtt_ns
+    fence = stage_ms(push, "dispatch", signal=True) * 1e6 - launch - base.signal_ns_per_peer
+    link = push["link_ceiling_gbs"]
+    eff = {}
+    for d, r, fixed in (("push", push, launch + fence + base.signal_ns_per_peer), ("pull", pull, launch + base.rtt_ns)):
+        eff[d] = comm_bytes(r)["remote"] / (link * (stage_ms(r, "dispatch") * 1e6 - fixed))
+    nccl = results.newest(results.load("bench_nccl_baseline", results_dir))
+    nccl_eff = {op: float(np.median([n["pct_of_link"][op] for n in nccl])) / 100 for op in ("dispatch", "combine")} if nccl else {}
+    return dataclasses.replace(
+        base, tile_tflops_per_sm=rates, hbm_read_gbs=hbm_read, hbm_write_gbs=hbm_write, link_gbs=link,
+        link_efficiency=eff, launch_ns=launch, fence_ns=fence, nccl_link_efficiency=nccl_eff,
+        note="calibrated on " + ", ".join(f"{k}={v}" for k, v in H200_CALIBRATION.items()))
+
+
+H200_DENSE_BF16_TFLOPS = 989.0  # H200 SXM dense BF16 (NVIDIA H200 datasheet), to carry GEMM efficiency over
+
+
+def gb300_nvl72(h200_params: GpuParams | None = None) -> GpuParams:
+    """One GPU of a GB300 NVL72 rack from public specifications; what is not published carries
+    over from the H200 calibration (efficiencies, launch and fence costs)."""
+    h = h200_params or h200()
+    num_sms = 148  # the paper's GB300 runs 40 of 148 SMs for communication (MOK_NOTES); the full
+    # Blackwell Ultra die has 160 SMs (NVIDIA, Hot Chips 2025 / "Inside NVIDIA Blackwell Ultra")
+    dense_bf16_tflops = 2500.0  # GB300 dense FP16/BF16 per GPU, 2.5 PFLOPS (NVIDIA GB300 NVL72 spec table)
+    hbm_gbs = 8000.0  # HBM3e, 8 TB/s per GPU (NVIDIA GB300 NVL72 spec)
+    link_gbs = 900.0  # NVLink 5: 1.8 TB/s per GPU total, 900 GB/s each way (NVIDIA NVLink 5 spec)
+    # GEMM: the H200 tile efficiency (fraction of dense peak per SM) carried over to the GB300 peak.
+    scale = (dense_bf16_tflops / num_sms) / (H200_DENSE_BF16_TFLOPS / h.num_sms)
+    hbm_scale = hbm_gbs / 4800.0  # H200 HBM3e is 4.8 TB/s (NVIDIA H200 datasheet)
+    return dataclasses.replace(
+        h, name="gb300-nvl72", num_sms=num_sms,
+        tile_tflops_per_sm={p: v * scale for p, v in h.tile_tflops_per_sm.items()},
+        hbm_read_gbs=h.hbm_read_gbs * hbm_scale, hbm_write_gbs=h.hbm_write_gbs * hbm_scale, link_gbs=link_gbs,
+        # Through an NVLink switch a load round trip is longer than on a direct H200 pair: assumed
+        # 1.5 us; each peer's signal is one ordered remote store behind a fence: one round trip.
+        rtt_ns=1500.0, signal_ns_per_peer=1500.0,
+        note="public specs (NVIDIA GB300 NVL72: 2.5 PF dense BF16, 8 TB/s HBM, NVLink 5 900 GB/s each way); "
+             "efficiencies from the H200 calibration")
+
+
+def nccl_links(gpu: GpuParams) -> GpuParams:
+    """The same GPU with row transfers at NCCL all_to_all's measured link efficiency (the
+    sequential NCCL-like baseline): dispatch-like and combine-like transfers."""
+    eff = gpu.nccl_link_efficiency
+    return dataclasses.replace(gpu, name=gpu.name + "+nccl", link_efficiency={"push": eff["dispatch"], "pull": eff["combine"]})
+
+
+PARAMS = {"h200": h200, "gb300-nvl72": gb300_nvl72}
+
+
+def get_params(name: str) -> GpuParams:
+    try:
+        return PARAMS[name]()
+    except KeyError:
+        raise ValueError(f"gpu: unknown parameter set {name!r}; choose one of {', '.join(PARAMS)}") from None

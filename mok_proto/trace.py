@@ -1,0 +1,71 @@
+"""Timeline records: one row per task execution, from the simulator or (later) the in-kernel
+trace of the fused layer, and one plotting function for both.
+
+A record is one TRACE_DTYPE row: the CTA (one per SM) that ran the task, its role, the task's
+kind, minibatch, expert (local expert of the row tile or weight tile, -1 when none), tile, and
+start/end in nanoseconds from the start of the pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mok_proto.plan import TaskKind
+
+ROLES = ("comm", "compute")  # record "role": 0 communicates, 1 computes
+
+TRACE_DTYPE = np.dtype([
+    ("rank", np.int32),
+    ("block", np.int32),  # CTA = SM
+    ("role", np.int8),  # index into ROLES
+    ("kind", np.int8),  # TaskKind
+    ("minibatch", np.int32),
+    ("expert", np.int32),
+    ("row_tile", np.int32),
+    ("col_tile", np.int32),
+    ("start_ns", np.float64),
+    ("end_ns", np.float64),
+])
+
+# One colour per task kind (forward and backward kinds of the same role share a hue family).
+KIND_COLORS = {
+    TaskKind.DISPATCH: "#1f77b4", TaskKind.COMBINE: "#17becf", TaskKind.WEIGHTED_SUM: "#7f7f7f",
+    TaskKind.SHARED_GATE_UP: "#bcbd22", TaskKind.SHARED_DOWN: "#8c564b",
+    TaskKind.GATE_UP: "#2ca02c", TaskKind.DOWN: "#d62728",
+    TaskKind.REV_COMBINE: "#1f77b4", TaskKind.REV_DISPATCH: "#17becf", TaskKind.SLOT_SUM: "#7f7f7f",
+    TaskKind.SHARED_DOWN_BWD: "#8c564b", TaskKind.SHARED_GATE_UP_BWD: "#bcbd22",
+    TaskKind.DOWN_BWD: "#d62728", TaskKind.GATE_UP_BWD: "#2ca02c",
+    TaskKind.DOWN_WGRAD: "#ff7f0e", TaskKind.GATE_UP_WGRAD: "#9467bd",
+    TaskKind.SHARED_DOWN_WGRAD: "#e377c2", TaskKind.SHARED_GATE_UP_WGRAD: "#c5b0d5",
+}
+
+
+def empty(num: int) -> np.ndarray:
+    return np.zeros(num, TRACE_DTYPE)
+
+
+def plot_timeline(records: np.ndarray, ax=None, title: str | None = None, time_unit: str = "us"):
+    """One lane per SM (block), one bar per task, coloured by task kind; comm lanes on top.
+    Returns the matplotlib Axes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(12, 5))
+    scale = {"ns": 1.0, "us": 1e-3, "ms": 1e-6}[time_unit]
+    records = records[records["end_ns"] > records["start_ns"]]  # tasks past the real rows take no time
+    legend = []
+    for kind in np.unique(records["kind"]):
+        sel = records[records["kind"] == kind]
+        color = KIND_COLORS[TaskKind(int(kind))]
+        # broken_barh per lane would be slow; one bar call per kind draws every task at once
+        ax.barh(sel["block"], (sel["end_ns"] - sel["start_ns"]) * scale, left=sel["start_ns"] * scale,
+                height=1.0, color=color, linewidth=0)
+        legend.append(Patch(color=color, label=TaskKind(int(kind)).name.lower()))
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ({time_unit})")
+    ax.set_ylabel("SM (communication SMs first)")
+    if title:
+        ax.set_title(title)
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    return ax

@@ -1,0 +1,24 @@
+"""The notebooks execute headless on the CPU (so they never rot) and save their plots."""
+
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat", reason="notebook tests need nbformat/nbclient (./run test installs them)")
+nbclient = pytest.importorskip("nbclient", reason="notebook tests need nbformat/nbclient (./run test installs them)")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name,plots", [
+    ("overlap_explorer", ["sim_timeline.png", "sim_heatmap.png", "sim_push_pull.png"]),
+    ("measured", ["measured_gemm.png", "measured_comm.png"]),
+])
+def test_notebook_runs(name, plots):
+    nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors
+    for png in plots:
+        assert (ROOT / "results" / png).stat().st_size > 1000

@@ -1,0 +1,92 @@
+"""Plans: both strategies pass check() on every pass and policy; check() rejects broken plans."""
+
+import numpy as np
+import pytest
+
+from mok_proto import plan as P
+from mok_proto.config import MOK_POLICY, get_shape
+
+SMALL = get_shape("small")
+ALL_PUSH = {op: "push" for op in MOK_POLICY}
+ALL_PULL = {op: "pull" for op in MOK_POLICY}
+
+
+def ring_plan(pass_="fwd", policy=MOK_POLICY):
+    # 4 minibatches of 128 rows through a ring of 2: the ring turns twice
+    return P.fixed_split(SMALL, 4, 2, 128, 2, pass_=pass_, policy=policy, num_sms=6, capacity_rows=512)
+
+
+@pytest.mark.parametrize("pass_", P.PASSES)
+@pytest.mark.parametrize("policy", [MOK_POLICY, ALL_PUSH, ALL_PULL])
+def test_strategies_pass_check(pass_, policy):
+    for p in (ring_plan(pass_, policy), P.sequential(SMALL, 4, pass_=pass_, policy=policy, num_sms=6)):
+        p.check()
+        assert len(p.execution_order) == len(p.tasks)
+
+
+def test_fixed_split_roles_and_counters():
+    p = ring_plan()
+    comm = np.isin(p.tasks["kind"], [int(k) for k in P.COMM_KINDS])
+    assert np.all(p.tasks["block"][comm] < p.comm_blocks)
+    gemm = np.isin(p.tasks["kind"], [int(P.TaskKind.GATE_UP), int(P.TaskKind.DOWN)])
+    assert np.all(p.tasks["block"][gemm] >= p.comm_blocks)
+    # MoK's policy: only the pushed combine's arrival counter is raised by every rank
+    remote = {P.CounterKind(int(k)) for k in p.counters["kind"][p.counters["remote"]]}
+    assert remote == {P.CounterKind.SLOTS_ARRIVED}
+    # a gate/up tile gives 128 columns of h: I / 128 tiles per row tile
+    assert P.num_col_tiles(P.TaskKind.GATE_UP, SMALL) == -(-SMALL.ffn // 128)
+
+
+def test_check_rejects_missing_tile():
+    p = ring_plan()
+    i = int(np.flatnonzero(p.tasks["kind"] == int(P.TaskKind.DOWN))[0])
+    broken = P.with_tasks(p, np.delete(p.tasks, i))
+    with pytest.raises(P.PlanError):
+        broken.check()
+
+
+def test_check_rejects_duplicate_tile():
+    p = ring_plan()
+    t = p.tasks.copy()
+    down = np.flatnonzero(t["kind"] == int(P.TaskKind.DOWN))
+    t["col_tile"][down[1]] = t["col_tile"][down[0]]
+    t["row_tile"][down[1]] = t["row_tile"][down[0]]
+    with pytest.raises(P.PlanError, match="coverage"):
+        P.with_tasks(p, t).check()
+
+
+def test_check_rejects_circular_wait():
+    # the first dispatch waits for the rows its own minibatch's down GEMM produces
+    p = ring_plan()
+    t = p.tasks.copy()
+    first = int(np.flatnonzero(t["kind"] == int(P.TaskKind.DISPATCH))[0])
+    second_done = int(np.flatnonzero((p.counters["kind"] == int(P.CounterKind.SECOND_DONE))
+                                     & (p.counters["index"] == t["minibatch"][first]))[0])
+    t["wait_counter"][first, 0], t["wait_target"][first, 0] = second_done, p.counters["target"][second_done]
+    with pytest.raises(P.PlanError, match="deadlock"):
+        P.with_tasks(p, t).check()
+
+
+def test_check_rejects_ring_reuse_before_release():
+    p = ring_plan()
+    t = p.tasks.copy()
+    refill = np.flatnonzero((t["kind"] == int(P.TaskKind.DISPATCH)) & (t["minibatch"] == p.ring_minibatches))
+    t["wait_counter"][refill, 0], t["wait_target"][refill, 0] = -1, 0
+    with pytest.raises(P.PlanError, match="ring"):
+        P.with_tasks(p, t).check()
+
+
+def test_check_rejects_wrong_target():
+    p = ring_plan()
+    t = p.tasks.copy()
+    i = int(np.flatnonzero(t["wait_counter"][:, 0] >= 0)[0])
+    t["wait_target"][i, 0] -= 1
+    with pytest.raises(P.PlanError, match="target"):
+        P.with_tasks(p, t).check()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="multiple of BM"):
+        P.fixed_split(SMALL, 4, 2, 100, pass_="fwd", policy=MOK_POLICY, num_sms=6)
+    with pytest.raises(ValueError, match="comm_blocks"):
+        P.fixed_split(SMALL, 4, 6, 128, pass_="fwd", policy=MOK_POLICY, num_sms=6)
