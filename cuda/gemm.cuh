@@ -56,14 +56,14 @@ constexpr int kATileBytes = kBM * kBK * 2;  // 16 KB
 constexpr int kBTileBytes = kBN * kBK * 2;  // 32 KB
 constexpr int kStageBytes = kATileBytes + kBTileBytes;
 static_assert(kCluster == 2, "tile pairing and the B halves below assume clusters of two");
-static_assert(kStagingFloats * 4 >= 16 * 128, "a staging slot holds one stmatrix block: 16 rows x 128 bytes");
+static_assert(kStagingFloats * 4 >= 16 * 128, "a staging area holds one stmatrix block: 16 rows x 128 bytes");
 static_assert(kThreads == 128 * (1 + kConsumerWarps / 4), "one producer warpgroup, then the consumers");
 
 // Shared memory of one CTA. The kernel aligns the dynamic base up to 1024 bytes (128B-swizzled
 // TMA and wgmma atoms), so a launch asks for sizeof + 1024.
 struct SharedStorage {
   char stages[kStages][kStageBytes];              // the ring: A tile, then B tile (or aux g, u)
-  float staging[kConsumerWarps][kStagingFloats];  // epilogue staging, one slot pair per warp
+  float staging[kConsumerWarps][kStagingFloats];  // epilogue staging, two areas per warp
   u64 full[kStages];                              // producer -> consumers: stage loaded
   u64 empty[kStages];                             // consumers (both CTAs) -> producers: stage free
   int abort;                                      // set in both CTAs by cta 0: skip every tile
@@ -223,28 +223,28 @@ __device__ __forceinline__ void mma_stage(float (&acc)[128], u32 s_a, u32 s_b, i
 // fp32 path (kDownBwd, weight gradients): each warp stages 32 columns of
 // its 8 rows of one row half (a "group") in shared memory and reads them back so that lane l holds
 // the 8 consecutive columns 8(l%4) .. +7 of row l/4: every global store (and every read of g, u
-// from the aux stage) is 16 bytes wide. A slot is 8 rows x 32 fp32; 16-byte chunk c of row r sits at chunk
+// from the aux stage) is 16 bytes wide. An area is 8 rows x 32 fp32; 16-byte chunk c of row r sits at chunk
 // c ^ (2r % 8), so the float2 writes are free of bank conflicts.
 __device__ __forceinline__ int staged_at(int row, int col) {
   return row * 32 + ((((col >> 2) ^ (row << 1)) & 7) << 2) + (col & 3);
 }
 
 template <int kRowHalf, int kGroup>
-__device__ __forceinline__ void stage_group(float* slot, const float (&acc)[128], int lane) {
+__device__ __forceinline__ void stage_group(float* stg, const float (&acc)[128], int lane) {
   const int r = lane >> 2, q = lane & 3;
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) {
     constexpr int kBase = 4 * 4 * kGroup + 2 * kRowHalf;  // acc index of j = 4 kGroup, this row half
-    *reinterpret_cast<float2*>(slot + staged_at(r, 8 * jj + 2 * q)) =
+    *reinterpret_cast<float2*>(stg + staged_at(r, 8 * jj + 2 * q)) =
         make_float2(acc[kBase + 4 * jj], acc[kBase + 4 * jj + 1]);
   }
 }
 
-__device__ __forceinline__ void unstage8(const float* slot, int lane, float (&f)[8]) {
+__device__ __forceinline__ void unstage8(const float* stg, int lane, float (&f)[8]) {
   const int r = lane >> 2, c = lane & 3;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const float4 v = *reinterpret_cast<const float4*>(slot + staged_at(r, 8 * c + 4 * i));
+    const float4 v = *reinterpret_cast<const float4*>(stg + staged_at(r, 8 * c + 4 * i));
     f[4 * i] = v.x, f[4 * i + 1] = v.y, f[4 * i + 2] = v.z, f[4 * i + 3] = v.w;
   }
 }
@@ -326,7 +326,7 @@ __device__ __forceinline__ const char* aux_at(const char* aux, int row, int lane
   return aux + row * 128 + chunk * 16;
 }
 
-// Two groups per round through the warp's two staging slots: kDualB problems stage a group of
+// Two groups per round through the warp's two staging areas: kDualB problems stage a group of
 // the first matrix and the same columns of the second; the others stage groups g and g + 1.
 template <int kP, int kRowHalf, int kGroup>
 __device__ __forceinline__ void store_round(const GemmParams* p, const float (&acc)[128], float* staging, int lane,
@@ -361,7 +361,7 @@ __device__ __forceinline__ void store_columns(const GemmParams* p, const Tile& t
 // ---------------------------------------------------------------------------------------------
 // bf16 outputs computed from the accumulators alone (gate_up, down, gate_up_bwd): the fused
 // elementwise step runs in the fragment layout, stmatrix writes a warp's 16 rows x 64 columns to
-// its 2 KB staging slot (16-byte chunk c of row r at c ^ (r % 8)), and each lane stores 16-byte
+// its 2 KB staging area (16-byte chunk c of row r at c ^ (r % 8)), and each lane stores 16-byte
 // chunks of whole 128-byte row segments.
 // ---------------------------------------------------------------------------------------------
 enum BlockOp : int { kCopy = 0, kScaleRows = 1, kSwiGLU = 2 };
@@ -370,11 +370,11 @@ enum BlockOp : int { kCopy = 0, kScaleRows = 1, kSwiGLU = 2 };
 // kSwiGLU, silu(that) * (the matrix at kJ0 + 16), i.e. h from g (columns 0..127) and u (128..255).
 template <int kBlock, int kJ0, int kOp>
 __device__ __forceinline__ void store_block_bf16(const GemmParams* p, const Tile& tile, const float (&acc)[128],
-                                                 char* slot, int half, int wg_tid, i64 out, float scale0,
+                                                 char* stg, int half, int wg_tid, i64 out, float scale0,
                                                  float scale1) {
   const int warp = wg_tid >> 5, lane = wg_tid & 31;
-  const u32 s_slot = smem_addr(slot);
-  __syncwarp();  // the previous block's reads of the slot are done
+  const u32 s_stg = smem_addr(stg);
+  __syncwarp();  // the previous block's reads of the stg are done
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     u32 v[4];
@@ -392,13 +392,13 @@ __device__ __forceinline__ void store_block_bf16(const GemmParams* p, const Tile
       v[mi] = pack_bf16x2(a, b);
     }
     const int mi = lane >> 3, row = (lane & 7) + 8 * (mi & 1), chunk = 2 * k + (mi >> 1);
-    stmatrix_x4(s_slot + row * 128 + ((chunk ^ (row & 7)) << 4), v);
+    stmatrix_x4(s_stg + row * 128 + ((chunk ^ (row & 7)) << 4), v);
   }
   __syncwarp();
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int row = (lane >> 3) + 4 * i, c = lane & 7;
-    const uint4 v = *reinterpret_cast<const uint4*>(slot + row * 128 + ((c ^ (row & 7)) << 4));
+    const uint4 v = *reinterpret_cast<const uint4*>(stg + row * 128 + ((c ^ (row & 7)) << 4));
     const int m = tile.m0 + half * 64 + warp * 16 + row;
     if (m < tile.rows)
       *ptr<uint4>(out + 2 * ((tile.row0 + m) * p->ldo + tile.n0 + 64 * kBlock + 8 * c)) = v;
@@ -407,17 +407,17 @@ __device__ __forceinline__ void store_block_bf16(const GemmParams* p, const Tile
 
 template <int kP>
 __device__ __forceinline__ void store_tile_bf16(const GemmParams* p, const Tile& tile, const float (&acc)[128],
-                                                char* slot, int half, int wg_tid) {
+                                                char* stg, int half, int wg_tid) {
   if (kP == kGateUp) {  // h (128 columns); g and u too where asked for
-    store_block_bf16<0, 0, kSwiGLU>(p, tile, acc, slot, half, wg_tid, p->out1, 1.0f, 1.0f);
-    store_block_bf16<1, 0, kSwiGLU>(p, tile, acc, slot, half, wg_tid, p->out1, 1.0f, 1.0f);
+    store_block_bf16<0, 0, kSwiGLU>(p, tile, acc, stg, half, wg_tid, p->out1, 1.0f, 1.0f);
+    store_block_bf16<1, 0, kSwiGLU>(p, tile, acc, stg, half, wg_tid, p->out1, 1.0f, 1.0f);
     if (p->out2) {
-      store_block_bf16<0, 0, kCopy>(p, tile, acc, slot, half, wg_tid, p->out2, 1.0f, 1.0f);
-      store_block_bf16<1, 0, kCopy>(p, tile, acc, slot, half, wg_tid, p->out2, 1.0f, 1.0f);
+      store_block_bf16<0, 0, kCopy>(p, tile, acc, stg, half, wg_tid, p->out2, 1.0f, 1.0f);
+      store_block_bf16<1, 0, kCopy>(p, tile, acc, stg, half, wg_tid, p->out2, 1.0f, 1.0f);
     }
     if (p->out3) {
-      store_block_bf16<0, 16, kCopy>(p, tile, acc, slot, half, wg_tid, p->out3, 1.0f, 1.0f);
-      store_block_bf16<1, 16, kCopy>(p, tile, acc, slot, half, wg_tid, p->out3, 1.0f, 1.0f);
+      store_block_bf16<0, 16, kCopy>(p, tile, acc, stg, half, wg_tid, p->out3, 1.0f, 1.0f);
+      store_block_bf16<1, 16, kCopy>(p, tile, acc, stg, half, wg_tid, p->out3, 1.0f, 1.0f);
     }
   } else {  // kDown (optional row scale), kGateUpBwd
     float scale0 = 1.0f, scale1 = 1.0f;
@@ -427,10 +427,10 @@ __device__ __forceinline__ void store_tile_bf16(const GemmParams* p, const Tile&
       if (m < tile.rows) scale0 = scale[m];
       if (m + 8 < tile.rows) scale1 = scale[m + 8];
     }
-    store_block_bf16<0, 0, kScaleRows>(p, tile, acc, slot, half, wg_tid, p->out1, scale0, scale1);
-    store_block_bf16<1, 0, kScaleRows>(p, tile, acc, slot, half, wg_tid, p->out1, scale0, scale1);
-    store_block_bf16<2, 0, kScaleRows>(p, tile, acc, slot, half, wg_tid, p->out1, scale0, scale1);
-    store_block_bf16<3, 0, kScaleRows>(p, tile, acc, slot, half, wg_tid, p->out1, scale0, scale1);
+    store_block_bf16<0, 0, kScaleRows>(p, tile, acc, stg, half, wg_tid, p->out1, scale0, scale1);
+    store_block_bf16<1, 0, kScaleRows>(p, tile, acc, stg, half, wg_tid, p->out1, scale0, scale1);
+    store_block_bf16<2, 0, kScaleRows>(p, tile, acc, stg, half, wg_tid, p->out1, scale0, scale1);
+    store_block_bf16<3, 0, kScaleRows>(p, tile, acc, stg, half, wg_tid, p->out1, scale0, scale1);
   }
 }
 
@@ -554,7 +554,7 @@ __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage&
 
 // Consumer warpgroup `half` (rows 64 half .. 64 half + 63), one tile: waits for loaded stages,
 // issues wgmma into `acc`, hands each stage back to the producers of both CTAs, runs the epilogue
-// through this warp's `staging` slots. After a failed wait (timeout, or an error recorded
+// through this warp's `staging` areas. After a failed wait (timeout, or an error recorded
 // elsewhere) this thread stops waiting: the loops run on over garbage (wgmma must stay
 // warpgroup-uniform) and the kernel ends with the error set, which the host raises.
 template <int kP>

@@ -35,10 +35,11 @@ from enum import IntEnum
 
 import numpy as np
 
+from mok_proto.abi import CONST
 from mok_proto.config import OPERATORS, MoEShape
 
-BM = 128  # GEMM tile rows (receive rows per row tile)
-BN = 256  # GEMM tile columns; a gate/up tile holds 128 gate + 128 up columns -> 128 columns of h
+BM = CONST["kBM"]  # GEMM tile rows (receive rows per row tile)
+BN = CONST["kBN"]  # GEMM tile columns; a gate/up tile holds 128 gate + 128 up columns -> 128 columns of h
 EPILOGUE_ROWS = 16  # token rows per weighted-sum / slot-sum task (memory bound: fine grained)
 MAX_WAITS = 2
 MAX_SIGNALS = 2

@@ -1,4 +1,4 @@
-"""GPU communication round (issue: GPU runtime): virtual ranks W = 1, 2, 4, 8 in one process and
+"""GPU communication round: virtual ranks W = 1, 2, 4, 8 in one process and
 NVSHMEM with 4 processes on one GPU; see tests/mpi_programs/check_gpu_comm.py for the checks."""
 
 import subprocess

@@ -72,7 +72,7 @@ class GpuParams:
 # Grouped GEMMs as the standalone kernels run them (bench_gemm): persistent CTAs, tiles handed
 # out with a static stride; used to calibrate the tile rates and to predict the other rows.
 # ---------------------------------------------------------------------------------------------
-BM, BN = 128, 256
+from mok_proto.plan import BM, BN  # noqa: E402 - the kernels' tile (mok_proto/abi.py)
 
 
 def gemm_tiles(problem: str, rows: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
