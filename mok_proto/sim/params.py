@@ -14,6 +14,7 @@ import numpy as np
 
 from mok_proto import results
 from mok_proto.config import get_shape
+from mok_proto.plan import BM, BN  # the kernels' tile (mok_proto/abi.py)
 from mok_proto.problem import rows_per_expert
 
 PROBLEMS = ("gate_up", "down", "down_bwd", "gate_up_bwd", "down_wgrad", "gate_up_wgrad")
@@ -72,7 +73,6 @@ class GpuParams:
 # Grouped GEMMs as the standalone kernels run them (bench_gemm): persistent CTAs, tiles handed
 # out with a static stride; used to calibrate the tile rates and to predict the other rows.
 # ---------------------------------------------------------------------------------------------
-from mok_proto.plan import BM, BN  # noqa: E402 - the kernels' tile (mok_proto/abi.py)
 
 
 def gemm_tiles(problem: str, rows: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
