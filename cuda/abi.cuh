@@ -51,7 +51,7 @@ enum Problem : int { kGateUp = 0, kDown = 1, kDownBwd = 2, kGateUpBwd = 3, kDown
 namespace mok {
 constexpr int kCommThreads = 256;  // threads of a row-copy block: 8 warps, one row per warp
 constexpr int kScheduleThreads = 1024;  // threads of the schedule block
-constexpr int kStateWords = 12;  // a round's state: the epoch, then one last-block counter per Op
+constexpr int kStateWords = 12;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
 }  // namespace mok
 
 namespace mok::gemm {
@@ -63,7 +63,7 @@ constexpr int kThreads = 384;  // warpgroup 0: producer; 1, 2: consumers
 constexpr int kCluster = 2;  // CTAs per cluster (tile pairs along M sharing B by multicast)
 constexpr int kConsumerWarps = 8;  // warps of the two consumer warpgroups
 constexpr int kMaxGroups = 1024;  // experts one grouped GEMM launch may cover
-constexpr int kStagingFloats = 512;  // epilogue staging per consumer warp: 2 slots of 8 rows x 32 fp32
+constexpr int kStagingFloats = 512;  // epilogue staging per consumer warp: 2 areas of 8 rows x 32 fp32
 }  // namespace mok::gemm
 
 namespace mok {

@@ -269,7 +269,8 @@ __device__ __forceinline__ void weighted_sum_part(const CommParams* p, int rank,
 
 // ---------------------------------------------------------------------------------------------
 // Standalone kernels: grid (blocks per rank, W), rank = rank_base + blockIdx.y, every block an
-// equal share of [0, total). Completion: the last block signals (see last_block).
+// equal share of [0, total); blocks of kCommThreads (build_schedule: kScheduleThreads), as the
+// wrappers launch them. Completion: the last block signals (see last_block).
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ int rank_of(const CommParams* p) { return static_cast<int>(p->rank_base) + blockIdx.y; }
 __device__ __forceinline__ Workers grid_threads() {
@@ -305,7 +306,7 @@ __global__ void wait_peers(const CommParams* p, int kind, int op) {
 // allgather_routing: my topk_idx [N*K] into routing[my rank] of every peer, then kFlagRouting.
 // Moves R * N*K * 4 bytes per rank.  grid (nb, W).
 // NOTE: x must be in its symmetric buffer before this launch: the routing flag also publishes x.
-__global__ void allgather_routing(const CommParams* p) {
+__global__ void __launch_bounds__(kCommThreads) allgather_routing(const CommParams* p) {
   const int rank = rank_of(p);
   allgather_routing_part(p, rank, 0, p->num_ranks * p->num_tokens * p->top_k, grid_threads());
   signal_when_last(p, rank, kOpRouting, kFlagRouting);
@@ -318,7 +319,7 @@ __global__ void allgather_routing(const CommParams* p) {
 // On overflow (rows > C) it reports kErrCapacity, places nothing (recv_row = -1) and the round
 // runs on (a capacity error stops no wait), so every peer still gets its signals and none hangs;
 // the host raises CapacityError.
-__global__ void build_schedule(const CommParams* p) {
+__global__ void __launch_bounds__(kScheduleThreads) build_schedule(const CommParams* p) {
   extern __shared__ int smem[];
   __shared__ int s_fits;
   const int rank = rank_of(p);
@@ -342,7 +343,7 @@ __global__ void build_schedule(const CommParams* p) {
 
 // dispatch_pull: every receive row pulled from its token owner. Moves rows * H * elem bytes.
 template <int kVec>
-__global__ void dispatch_pull(const CommParams* p) {
+__global__ void __launch_bounds__(kCommThreads) dispatch_pull(const CommParams* p) {
   const int rank = rank_of(p);
   const SchedView sv = sched_of(p, rank);
   pull_token_rows<kVec>(p, rank, sv, 0, sv.offsets[p->num_local_experts], grid_warps(), lane_id());
@@ -351,7 +352,7 @@ __global__ void dispatch_pull(const CommParams* p) {
 // dispatch_push: every slot of mine pushed to its expert owner, then kFlagDispatch on every peer
 // (the consumer waits for all R).
 template <int kVec>
-__global__ void dispatch_push(const CommParams* p) {
+__global__ void __launch_bounds__(kCommThreads) dispatch_push(const CommParams* p) {
   const int rank = rank_of(p);
   if (!wait_all_peers(p, rank, kFlagMap, kOpDispatchPush)) return;
   push_token_rows<kVec>(p, rank, 0, p->num_tokens * p->top_k, grid_warps(), lane_id());
@@ -360,7 +361,7 @@ __global__ void dispatch_push(const CommParams* p) {
 
 // expert_scale (stand-in for the expert FFN) on every receive row. signal_ready: raise
 // kFlagReady on every peer when done (pull combine).
-__global__ void expert_scale(const CommParams* p, int signal_ready) {
+__global__ void __launch_bounds__(kCommThreads) expert_scale(const CommParams* p, int signal_ready) {
   const int rank = rank_of(p);
   const SchedView sv = sched_of(p, rank);
   scale_rows(p, rank, sv, 0, sv.offsets[p->num_local_experts], grid_warps(), lane_id());
@@ -369,7 +370,7 @@ __global__ void expert_scale(const CommParams* p, int signal_ready) {
 
 // combine_push: every receive row pushed to its token owner, then kFlagCombine on every peer.
 template <int kVec>
-__global__ void combine_push(const CommParams* p) {
+__global__ void __launch_bounds__(kCommThreads) combine_push(const CommParams* p) {
   const int rank = rank_of(p);
   const SchedView sv = sched_of(p, rank);
   push_result_rows<kVec>(p, rank, sv, 0, sv.offsets[p->num_local_experts], grid_warps(), lane_id());
@@ -378,14 +379,14 @@ __global__ void combine_push(const CommParams* p) {
 
 // combine_pull: the token owner waits for kFlagReady from all R, then pulls every slot.
 template <int kVec>
-__global__ void combine_pull(const CommParams* p) {
+__global__ void __launch_bounds__(kCommThreads) combine_pull(const CommParams* p) {
   const int rank = rank_of(p);
   if (!wait_all_peers(p, rank, kFlagReady, kOpCombinePull)) return;
   pull_result_rows<kVec>(p, rank, 0, p->num_tokens * p->top_k, grid_warps(), lane_id());
 }
 
 // weighted_sum over all of [N, H].
-__global__ void weighted_sum(const CommParams* p) {
+__global__ void __launch_bounds__(kCommThreads) weighted_sum(const CommParams* p) {
   weighted_sum_part(p, rank_of(p), 0, p->num_tokens * p->hidden, grid_threads());
 }
 

@@ -374,7 +374,7 @@ __device__ __forceinline__ void store_block_bf16(const GemmParams* p, const Tile
                                                  float scale1) {
   const int warp = wg_tid >> 5, lane = wg_tid & 31;
   const u32 s_stg = smem_addr(stg);
-  __syncwarp();  // the previous block's reads of the stg are done
+  __syncwarp();  // the previous block's reads of the staging area are done
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     u32 v[4];

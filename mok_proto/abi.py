@@ -19,6 +19,7 @@ an expert owner's receive buffer (expert side); the *slot buffer* is the token o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -75,7 +76,7 @@ class Struct:
     def names(self) -> tuple:
         return tuple(name for _, name, _ in self.fields)
 
-    @property
+    @cached_property
     def dtype(self) -> np.dtype:
         return np.dtype({"names": list(self.names), "formats": [FIELD_TYPES[t] for t, _, _ in self.fields]})
 
@@ -157,7 +158,8 @@ CONSTS = (
     # Communication kernels
     Const("kCommThreads", 256, "threads of a row-copy block: 8 warps, one row per warp"),
     Const("kScheduleThreads", 1024, "threads of the schedule block"),
-    Const("kStateWords", 1 + len(OP), "a round's state: the epoch, then one last-block counter per Op"),
+    Const("kStateWords", 1 + len(OP), "a round's state: the epoch, then one last-block counter per Op "
+          "(the comm kernels use theirs)"),
     # Grouped GEMM tiles
     Const("kBM", 128, "rows of a GEMM tile (one 64-row half per consumer warpgroup)", "mok::gemm"),
     Const("kBN", 256, "columns of a GEMM tile (dual problems: 128 of each matrix)", "mok::gemm"),
@@ -167,7 +169,7 @@ CONSTS = (
     Const("kCluster", 2, "CTAs per cluster (tile pairs along M sharing B by multicast)", "mok::gemm"),
     Const("kConsumerWarps", 8, "warps of the two consumer warpgroups", "mok::gemm"),
     Const("kMaxGroups", 1024, "experts one grouped GEMM launch may cover", "mok::gemm"),
-    Const("kStagingFloats", 2 * 8 * 32, "epilogue staging per consumer warp: 2 slots of 8 rows x 32 fp32",
+    Const("kStagingFloats", 2 * 8 * 32, "epilogue staging per consumer warp: 2 areas of 8 rows x 32 fp32",
           "mok::gemm"),
 )
 CONST = {c.name: c.value for c in CONSTS}

@@ -18,7 +18,11 @@ buffers of x/h/y (forward) or dy/dg,du/dx (backward) are a ring of ``ring_miniba
 minibatches: minibatch m lives in ring slot m % ring, and its slot is refilled only after the
 previous occupant was released. In the backward, weight gradients are computed per *macrobatch*
 (one turn of the ring: ring_minibatches minibatches), after its data gradients, first a store,
-then adds in a fixed order (same CTA per output tile: deterministic).
+then adds, macrobatch after macrobatch. NOTE: that order holds only through the counter chain
+(the next macrobatch's rows arrive after this one's weight gradients released the ring), the
+tile of one output goes to different CTAs in different macrobatches, and `check()` does not
+prove the order yet; the backward megakernel must pin each output tile to one CTA (or check the
+order) before its weight gradients can be called deterministic.
 
 Strategies are plain functions that return a plan: `sequential` (stage by stage, every SM per
 stage, a barrier counter between stages) and `fixed_split` (``comm_blocks`` CTAs communicate,

@@ -23,7 +23,6 @@ MODULES: dict[str, "CudaModule"] = {}
 RECHECK_S = 1.0  # how often a launch looks for edited headers
 
 
-_SIZES: dict = {}  # (compiled module, size-export kernel) -> the sizes it wrote
 _DIGEST: dict = {}  # (cuda dir, file stamps) -> digest: a stat per header per launch, no re-hashing
 
 
@@ -82,38 +81,44 @@ class CudaModule:
         if not (CUDA_DIR / header).is_file():
             raise FileNotFoundError(f"no CUDA header {header!r} under {CUDA_DIR}")
         self.header, self.names, self.archs = header, tuple(names), tuple(archs)
-        self._functions: dict = {}  # name -> (time looked up, kernel)
+        self._functions: dict = {}  # name -> (time looked up, kernel, compiled module)
+        self._sizes: dict = {}  # size-export kernel name -> (compiled module it was read from, sizes)
         MODULES[header] = self
 
     def function(self, name: str):
         """The compiled kernel for one registered name expression (compiles on first use). Launch
         paths call this per launch: the headers are looked at (stat, no hashing) at most every
         RECHECK_S seconds, so an edited header still recompiles on a later launch."""
+        return self._lookup(name)[0]
+
+    def _lookup(self, name: str):
+        """(kernel, the compiled module it belongs to), re-checked at most every RECHECK_S."""
         if name not in self.names:
             raise KeyError(f"{name!r} is not registered in {self.header}; add it to its CudaModule names")
         now = time.monotonic()
         cached = self._functions.get(name)
         if cached is not None and now - cached[0] < RECHECK_S:
-            return cached[1]
+            return cached[1:]
         arch = gpu_arch()
         if arch not in self.archs:
             raise RuntimeError(f"{self.header} is written for {', '.join(self.archs)}; this GPU is {arch}")
-        function = _compile(self.header, self.names, arch, source_digest()).get_function(name)
-        self._functions[name] = (now, function)
-        return function
+        module = _compile(self.header, self.names, arch, source_digest())  # lru-cached: one object per digest
+        self._functions[name] = (now, module.get_function(name), module)
+        return self._functions[name][1:]
 
     def read_sizes(self, name: str, count: int) -> tuple:
         """Compile-time sizes only C++ knows (a kernel's shared memory, ...): launches the
-        registered kernel `name(int* out)` once per compiled module, which writes `count` ints."""
-        module = _compile(self.header, self.names, gpu_arch(), source_digest())
-        key = (id(module), name)
-        if key not in _SIZES:
+        registered kernel `name(int* out)`, which writes `count` ints, once per compiled module
+        (a host readback: call it once outside any graph capture; later calls cost a dict lookup)."""
+        kernel, module = self._lookup(name)
+        cached = self._sizes.get(name)
+        if cached is None or cached[0] is not module:
             import cupy
 
             out = cupy.zeros(count, np.int32)
-            self.function(name)((1,), (1,), (out,))
-            _SIZES[key] = tuple(int(v) for v in out.get())
-        return _SIZES[key]
+            kernel((1,), (1,), (out,))
+            cached = self._sizes[name] = (module, tuple(int(v) for v in out.get()))
+        return cached[1]
 
     def instantiation_source(self) -> str:
         """A .cu translation unit that makes nvcc instantiate every registered kernel."""

@@ -14,7 +14,6 @@ import numpy as np
 from mok_proto import abi
 from mok_proto.kernels.build import CudaModule
 
-FLAG_KINDS = tuple(text for _, text in abi.FLAG_KIND.members)  # flag kinds by name, in enum order
 THREADS = abi.CONST["kCommThreads"]
 SCHEDULE_THREADS = abi.CONST["kScheduleThreads"]
 
@@ -59,10 +58,10 @@ def begin_round(params, launch: Launch):
 
 def wait_peers(params, launch: Launch, kind: str, op: str):
     """The receiver side of a push: one block per launch-rank waits for flag `kind` (a FlagKind
-    name, e.g. "dispatch") from all peers; `op` (an Op member, e.g. "kOpDispatchPush") names the
-    wait in an error report."""
+    member, e.g. "kFlagDispatch") from all peers; `op` (an Op member, e.g. "kOpDispatchPush")
+    names the wait in an error report."""
     _go("mok::wait_peers", (1, launch.num_launch_ranks), (128,),
-        (params, np.int32(FLAG_KINDS.index(kind)), np.int32(abi.OP[op])))
+        (params, np.int32(abi.FLAG_KIND[kind]), np.int32(abi.OP[op])))
 
 
 def allgather_routing(params, launch: Launch):

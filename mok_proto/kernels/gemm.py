@@ -7,7 +7,10 @@ int32 device arrays read by the kernel: nothing is read back to the host. Each l
 persistent grid of 2-CTA clusters (the CTAs of a cluster share the weight operand by TMA
 multicast): as many clusters as the GPU runs at once, at most MAX_CLUSTERS. Every wrapper
 returns the ErrorRecord its launch reports into (`error=`, or the wrapper's own per-problem
-record): `.check()` it after the launch.
+record): `.check()` it after the launch. A record keeps its first error until `clear()`, and a
+launch given a record that holds an error runs no tile (fail-stop: check before reusing one).
+The first launch of a problem reads the kernel's shared-memory size back from the device: do it
+once outside any graph capture.
 
     gate_up        h = silu(x Wg) * (x Wu)          (optionally also g = x Wg, u = x Wu)
     down           y = row_scale * (h Wd)

@@ -36,6 +36,8 @@ class GpuCommRound:
         num_ranks = heap.num_ranks
         if run.num_ranks != num_ranks:
             raise ValueError(f"run.num_ranks={run.num_ranks} differs from the heap's {num_ranks} ranks")
+        if run.dtype != "float32":
+            raise ValueError(f"run.dtype: the GPU round moves float32 rows, got {run.dtype!r}")
         shape, timeout_s = run.shape, run.timeout_s
         self.heap, self.shape, self.policy = heap, shape, dict(run.policy)
         n, h, k, e = shape.num_tokens, shape.hidden, shape.top_k, shape.num_experts
@@ -51,7 +53,7 @@ class GpuCommRound:
             "x": ((n, h), f32), "recv": ((cap, h), f32), "y": ((cap, h), f32), "slots": ((n * k, h), f32),
             "base": ((n, h), f32), "out": ((n, h), f32), "recv_row": ((n * k,), i32),
             "sched": ((2 * el + 1 + 2 * cap,), i32),  # offsets [El+1] | counts [El] | src_rank [C] | src_slot [C]
-            "flags": ((len(kc.FLAG_KINDS), num_ranks), np.uint64),
+            "flags": ((len(abi.FLAG_KIND), num_ranks), np.uint64),
             "state": ((abi.CONST["kStateWords"],), np.uint64), "scale": ((e,), f32),
         }
         self.bufs = {key: heap.alloc(f"{name}.{key}", shp, dt) for key, (shp, dt) in layout.items()}
@@ -69,7 +71,6 @@ class GpuCommRound:
         if blocks_per_rank is None:
             blocks_per_rank = max(1, min(4 * num_sms() // len(ranks), -(-max(n * k, cap) // 8)))
         self.launch = kc.Launch(len(ranks), blocks_per_rank, 4 if h % 4 == 0 else 1)
-        self.timeout_s = timeout_s
         self.failed = False
 
     # -----------------------------------------------------------------------------------------
@@ -112,13 +113,13 @@ class GpuCommRound:
             kc.dispatch_pull(p, launch)
         else:
             kc.dispatch_push(p, launch)
-            kc.wait_peers(p, launch, "dispatch", "kOpDispatchPush")
+            kc.wait_peers(p, launch, "kFlagDispatch", "kOpDispatchPush")
         mark("expert")
         kc.expert_scale(p, launch, signal_ready=combine == "pull")
         mark("combine")
         if combine == "push":
             kc.combine_push(p, launch)
-            kc.wait_peers(p, launch, "combine", "kOpCombinePush")
+            kc.wait_peers(p, launch, "kFlagCombine", "kOpCombinePush")
         else:
             kc.combine_pull(p, launch)
         mark("weighted_sum")

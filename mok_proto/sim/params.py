@@ -15,9 +15,10 @@ import numpy as np
 from mok_proto import results
 from mok_proto.config import get_shape
 from mok_proto.plan import BM, BN  # the kernels' tile (mok_proto/abi.py)
+from mok_proto.abi import GEMM_PROBLEM
 from mok_proto.problem import rows_per_expert
 
-PROBLEMS = ("gate_up", "down", "down_bwd", "gate_up_bwd", "down_wgrad", "gate_up_wgrad")
+PROBLEMS = tuple(text for _, text in GEMM_PROBLEM.members)  # the kernels' enum Problem, by name
 
 # What h200() calibrates on; everything else in results/ is predicted.
 H200_CALIBRATION = {
