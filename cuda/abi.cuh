@@ -24,10 +24,14 @@ enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2 };
 //   kOpCombinePush: combine (push)
 //   kOpCombinePull: combine (pull)
 //   kOpWeightedSum: weighted sum
+//   kOpRevCombinePull: reverse-combine (pull)
+//   kOpRevCombinePush: reverse-combine (push)
+//   kOpRevDispatchPush: reverse-dispatch (push)
+//   kOpRevDispatchPull: reverse-dispatch (pull)
 //   kOpGemmLoad: GEMM producer (waiting for a free stage)
 //   kOpGemmMma: GEMM consumer (waiting for a loaded stage)
 //   kOpGemmAux: GEMM consumer (waiting for an epilogue operand stage)
-enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpExpert = 4, kOpCombinePush = 5, kOpCombinePull = 6, kOpWeightedSum = 7, kOpGemmLoad = 8, kOpGemmMma = 9, kOpGemmAux = 10, kNumOps = 11 };
+enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpExpert = 4, kOpCombinePush = 5, kOpCombinePull = 6, kOpWeightedSum = 7, kOpRevCombinePull = 8, kOpRevCombinePush = 9, kOpRevDispatchPush = 10, kOpRevDispatchPull = 11, kOpGemmLoad = 12, kOpGemmMma = 13, kOpGemmAux = 14, kNumOps = 15 };
 // FlagKind, as errors print it:
 //   kFlagRouting: routing
 //   kFlagMap: map
@@ -51,7 +55,7 @@ enum Problem : int { kGateUp = 0, kDown = 1, kDownBwd = 2, kGateUpBwd = 3, kDown
 namespace mok {
 constexpr int kCommThreads = 256;  // threads of a row-copy block: 8 warps, one row per warp
 constexpr int kScheduleThreads = 1024;  // threads of the schedule block
-constexpr int kStateWords = 12;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
+constexpr int kStateWords = 16;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
 }  // namespace mok
 
 namespace mok::gemm {
@@ -90,7 +94,8 @@ struct CommParams {
   i64          top_k;  // K
   i64          num_experts;  // E
   i64          num_local_experts;  // El
-  i64          row_words;  // row size in 4-byte words (H * sizeof(elem) / 4)
+  i64          row_bytes;  // row size in bytes (H * sizeof(elem); even)
+  i64          slot_rows;  // token-side source `x`: 0 one row per token (x[s / K]), 1 one row per slot
   i64          hidden;  // H (elements)
   i64          capacity;  // C
   i64          align;  // expert segments start at multiples of align
@@ -111,9 +116,9 @@ struct CommParams {
   const u64*   scale;  // float [E]                stand-in expert: y = scale[e] * x
   ErrorRecord* error;  // this process's error record
 };
-static_assert(sizeof(CommParams) == 208, "CommParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(CommParams) == 216, "CommParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(CommParams, num_ranks) == 0 && __builtin_offsetof(CommParams, rank_base) == 8 && __builtin_offsetof(CommParams, num_tokens) == 16 && __builtin_offsetof(CommParams, top_k) == 24 && __builtin_offsetof(CommParams, num_experts) == 32 && __builtin_offsetof(CommParams, num_local_experts) == 40 && __builtin_offsetof(CommParams, row_words) == 48 && __builtin_offsetof(CommParams, hidden) == 56 && __builtin_offsetof(CommParams, capacity) == 64 && __builtin_offsetof(CommParams, align) == 72 && __builtin_offsetof(CommParams, timeout_ns) == 80 && __builtin_offsetof(CommParams, topk_idx) == 88 && __builtin_offsetof(CommParams, topk_w) == 96 && __builtin_offsetof(CommParams, routing) == 104 && __builtin_offsetof(CommParams, x) == 112 && __builtin_offsetof(CommParams, recv) == 120 && __builtin_offsetof(CommParams, y) == 128 && __builtin_offsetof(CommParams, slots) == 136 && __builtin_offsetof(CommParams, base) == 144 && __builtin_offsetof(CommParams, out) == 152 && __builtin_offsetof(CommParams, recv_row) == 160 && __builtin_offsetof(CommParams, sched) == 168 && __builtin_offsetof(CommParams, flags) == 176 && __builtin_offsetof(CommParams, state) == 184 && __builtin_offsetof(CommParams, scale) == 192 && __builtin_offsetof(CommParams, error) == 200, "CommParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(CommParams, num_ranks) == 0 && __builtin_offsetof(CommParams, rank_base) == 8 && __builtin_offsetof(CommParams, num_tokens) == 16 && __builtin_offsetof(CommParams, top_k) == 24 && __builtin_offsetof(CommParams, num_experts) == 32 && __builtin_offsetof(CommParams, num_local_experts) == 40 && __builtin_offsetof(CommParams, row_bytes) == 48 && __builtin_offsetof(CommParams, slot_rows) == 56 && __builtin_offsetof(CommParams, hidden) == 64 && __builtin_offsetof(CommParams, capacity) == 72 && __builtin_offsetof(CommParams, align) == 80 && __builtin_offsetof(CommParams, timeout_ns) == 88 && __builtin_offsetof(CommParams, topk_idx) == 96 && __builtin_offsetof(CommParams, topk_w) == 104 && __builtin_offsetof(CommParams, routing) == 112 && __builtin_offsetof(CommParams, x) == 120 && __builtin_offsetof(CommParams, recv) == 128 && __builtin_offsetof(CommParams, y) == 136 && __builtin_offsetof(CommParams, slots) == 144 && __builtin_offsetof(CommParams, base) == 152 && __builtin_offsetof(CommParams, out) == 160 && __builtin_offsetof(CommParams, recv_row) == 168 && __builtin_offsetof(CommParams, sched) == 176 && __builtin_offsetof(CommParams, flags) == 184 && __builtin_offsetof(CommParams, state) == 192 && __builtin_offsetof(CommParams, scale) == 200 && __builtin_offsetof(CommParams, error) == 208, "CommParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 }  // namespace mok
@@ -155,3 +160,28 @@ static_assert(__builtin_offsetof(GemmParams, num_groups) == 0 && __builtin_offse
 #endif
 
 }  // namespace mok::gemm
+
+namespace mok {
+struct TokenParams {
+  i64        num_tokens;  // N
+  i64        top_k;  // K
+  i64        hidden;  // H (even: rows move as bf16 pairs)
+  i64        rank_base;  // EP rank of blockIdx.y == 0
+  i64        has_base;  // 1: add the shared expert's rows (base, dx_base); 0: there is none
+  const u64* topk_w;  // float [N, K]    router weights
+  const u64* base;  // bf16  [N, H]    shared expert's output
+  const u64* y_slots;  // bf16  [N*K, H]  expert outputs in slot order (combine's slot buffer)
+  const u64* out;  // bf16  [N, H]    layer output
+  const u64* dout;  // bf16  [N, H]    output gradient
+  const u64* dy_slots;  // bf16  [N*K, H]  w[t,j] * dout[t]: what reverse-combine moves
+  const u64* dx_slots;  // bf16  [N*K, H]  input gradients in slot order (reverse-dispatch's slot buffer)
+  const u64* dx_base;  // bf16  [N, H]    shared expert's input gradient
+  const u64* dx;  // bf16  [N, H]    layer input gradient
+  const u64* d_topk_w;  // float [N, K]    router-weight gradient
+};
+static_assert(sizeof(TokenParams) == 120, "TokenParams: size differs from mok_proto/abi.py");
+#ifndef __CUDACC_RTC__
+static_assert(__builtin_offsetof(TokenParams, num_tokens) == 0 && __builtin_offsetof(TokenParams, top_k) == 8 && __builtin_offsetof(TokenParams, hidden) == 16 && __builtin_offsetof(TokenParams, rank_base) == 24 && __builtin_offsetof(TokenParams, has_base) == 32 && __builtin_offsetof(TokenParams, topk_w) == 40 && __builtin_offsetof(TokenParams, base) == 48 && __builtin_offsetof(TokenParams, y_slots) == 56 && __builtin_offsetof(TokenParams, out) == 64 && __builtin_offsetof(TokenParams, dout) == 72 && __builtin_offsetof(TokenParams, dy_slots) == 80 && __builtin_offsetof(TokenParams, dx_slots) == 88 && __builtin_offsetof(TokenParams, dx_base) == 96 && __builtin_offsetof(TokenParams, dx) == 104 && __builtin_offsetof(TokenParams, d_topk_w) == 112, "TokenParams: field offsets differ from mok_proto/abi.py");
+#endif
+
+}  // namespace mok

@@ -21,12 +21,15 @@
 // live in device memory, the epoch is a device counter, and every wait is bounded.
 //
 // Producer/consumer contract of a round (epoch = state[0], raised by begin_round):
-//   allgather_routing --kFlagRouting--> build_schedule --kFlagMap--> dispatch_push, (combine_pull)
-//   dispatch_push --kFlagDispatch--> wait_peers (then expert_scale) --kFlagReady--> combine_pull
-//   combine_push --kFlagCombine--> wait_peers (then weighted_sum)
-// A push's receiver waits in its own wait_peers launch, so a timed push stage includes its
-// completion wait, as a pull does. A kernel only ever waits for flags raised by EARLIER launches
-// (or other processes), so no launch needs its own blocks to be co-resident to make progress.
+//   allgather_routing --kFlagRouting--> build_schedule --kFlagMap--> wait_peers, dispatch_push
+//   dispatch_push --kFlagDispatch--> wait_peers (then the experts)
+//   the experts, raise_flag --kFlagReady--> wait_peers, combine_pull
+//   combine_push --kFlagCombine--> wait_peers (then the weighted sum)
+// Every wait is its own wait_peers launch (only build_schedule waits inside), naming its Op, so
+// the movement kernels are plain copies and the backward reuses them with its own buffers: a
+// timed push stage includes its receiver's wait, as a pull stage includes its own loads. A
+// kernel only ever waits for flags raised by EARLIER launches (or other processes), so no launch
+// needs its own blocks to be co-resident to make progress.
 #pragma once
 #include "common.cuh"
 
@@ -54,9 +57,12 @@ __device__ __forceinline__ SchedView sched_of(const CommParams* p, int rank) {
   const i64 el = p->num_local_experts, cap = p->capacity;
   return {s, s + el + 1, s + 2 * el + 1, s + 2 * el + 1 + cap};
 }
-__device__ __forceinline__ char* row_ptr(const u64* table, int rank, i64 row, i64 row_words) {
-  return at<char>(table, rank) + row * row_words * 4;
+__device__ __forceinline__ char* row_ptr(const u64* table, int rank, i64 row, i64 row_bytes) {
+  return at<char>(table, rank) + row * row_bytes;
 }
+// Row of token-side source `x` that carries slot s: one row per token (dispatch: x[s / K]) or one
+// row per slot (reverse-combine: the scaled output gradient w[t,j] * dout[t] of slot s).
+__device__ __forceinline__ i64 source_row(const CommParams* p, i64 s) { return p->slot_rows ? s : s / p->top_k; }
 // The whole block waits until every peer raised flag `kind` for this round (see block_wait_all).
 __device__ __forceinline__ bool wait_all_peers(const CommParams* p, int rank, int kind, int op) {
   return block_wait_all(my_flags(p, rank, kind), static_cast<int>(p->num_ranks), epoch_of(p, rank), p->timeout_ns,
@@ -164,21 +170,21 @@ __device__ __forceinline__ void schedule_pad(const CommParams* p, SchedView sv, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Building blocks: row movements (one warp per row; kVec = 4: 16-byte accesses)
+// Building blocks: row movements (one warp per row; kVec: bytes per access, 16 or 2)
 // ---------------------------------------------------------------------------------------------
-// Dispatch, pull (expert side): receive rows [begin, end): recv[i] <- x[src_slot[i] / K] on rank
-// src_rank[i]; padding rows zeroed. The expert owner waits only for its own loads.
+// Dispatch, pull (expert side): receive rows [begin, end): recv[i] <- the source row of slot
+// src_slot[i] (source_row) on rank src_rank[i]; padding rows zeroed. The expert owner waits only
+// for its own loads. (Reverse-combine, pull: the same with the backward's buffers.)
 template <int kVec>
 __device__ __forceinline__ void pull_token_rows(const CommParams* p, int rank, SchedView sv, i64 begin, i64 end,
                                                 Workers warps, int lane) {
   for (i64 i = begin + warps.id; i < end; i += warps.count) {
     const int src = sv.src_rank[i];
-    char* dst = row_ptr(p->recv, rank, i, p->row_words);
+    char* dst = row_ptr(p->recv, rank, i, p->row_bytes);
     if (src < 0)
-      warp_zero_row(dst, static_cast<int>(p->row_words), lane);
+      warp_zero_row(dst, p->row_bytes, lane);
     else
-      warp_copy_row<kVec>(dst, row_ptr(p->x, src, sv.src_slot[i] / p->top_k, p->row_words),
-                          static_cast<int>(p->row_words), lane);
+      warp_copy_row<kVec>(dst, row_ptr(p->x, src, source_row(p, sv.src_slot[i]), p->row_bytes), p->row_bytes, lane);
   }
 }
 
@@ -192,15 +198,16 @@ __device__ __forceinline__ void for_my_slots(const CommParams* p, int rank, i64 
   for (i64 s = begin + workers.id; s < end; s += workers.count) f(s, topk_idx[s] / el, recv_row[s]);
 }
 
-// Dispatch, push (token side): my slots [begin, end): x[s / K] into recv[recv_row[s]] of the
-// slot's expert owner (nothing where the owner overflowed: reported there).
+// Dispatch, push (token side): my slots [begin, end): the source row of s (source_row) into
+// recv[recv_row[s]] of the slot's expert owner (nothing where the owner overflowed: reported
+// there). (Reverse-combine, push: the same with the backward's buffers.)
 template <int kVec>
 __device__ __forceinline__ void push_token_rows(const CommParams* p, int rank, i64 begin, i64 end, Workers warps,
                                                 int lane) {
   for_my_slots(p, rank, begin, end, warps, [&](i64 s, int owner, int row) {
     if (row < 0) return;
-    warp_copy_row<kVec>(row_ptr(p->recv, owner, row, p->row_words), row_ptr(p->x, rank, s / p->top_k, p->row_words),
-                        static_cast<int>(p->row_words), lane);
+    warp_copy_row<kVec>(row_ptr(p->recv, owner, row, p->row_bytes), row_ptr(p->x, rank, source_row(p, s), p->row_bytes),
+                        p->row_bytes, lane);
   });
 }
 
@@ -212,8 +219,8 @@ __device__ __forceinline__ void push_result_rows(const CommParams* p, int rank, 
   for (i64 i = begin + warps.id; i < end; i += warps.count) {
     const int dst = sv.src_rank[i];
     if (dst < 0) continue;
-    warp_copy_row<kVec>(row_ptr(p->slots, dst, sv.src_slot[i], p->row_words), row_ptr(p->y, rank, i, p->row_words),
-                        static_cast<int>(p->row_words), lane);
+    warp_copy_row<kVec>(row_ptr(p->slots, dst, sv.src_slot[i], p->row_bytes), row_ptr(p->y, rank, i, p->row_bytes),
+                        p->row_bytes, lane);
   }
 }
 
@@ -223,11 +230,11 @@ template <int kVec>
 __device__ __forceinline__ void pull_result_rows(const CommParams* p, int rank, i64 begin, i64 end, Workers warps,
                                                  int lane) {
   for_my_slots(p, rank, begin, end, warps, [&](i64 s, int owner, int row) {
-    char* dst = row_ptr(p->slots, rank, s, p->row_words);
+    char* dst = row_ptr(p->slots, rank, s, p->row_bytes);
     if (row < 0)
-      warp_zero_row(dst, static_cast<int>(p->row_words), lane);
+      warp_zero_row(dst, p->row_bytes, lane);
     else
-      warp_copy_row<kVec>(dst, row_ptr(p->y, owner, row, p->row_words), static_cast<int>(p->row_words), lane);
+      warp_copy_row<kVec>(dst, row_ptr(p->y, owner, row, p->row_bytes), p->row_bytes, lane);
   });
 }
 
@@ -297,6 +304,14 @@ __global__ void begin_round(const CommParams* p) {
   if (threadIdx.x == 0) at<u64>(p->state, rank_of(p))[0] += 1;
 }
 
+// raise_flag: flag `kind` = this round's epoch on every peer, from me: e.g. kFlagReady once my
+// expert GEMMs (earlier launches in the stream, complete) wrote the rows pullers read.
+// grid (1, W), block >= R or any (threads loop over peers).
+__global__ void raise_flag(const CommParams* p, int kind) {
+  const int rank = rank_of(p);
+  signal_all(p->flags, kind, static_cast<int>(p->num_ranks), rank, epoch_of(p, rank));
+}
+
 // wait_peers: the receiver side of a push: wait until every peer raised flag `kind` this round.
 // grid (1, W), block 128. Later launches in the stream see the peers' rows.
 __global__ void wait_peers(const CommParams* p, int kind, int op) {
@@ -350,11 +365,11 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_pull(const CommParams* 
 }
 
 // dispatch_push: every slot of mine pushed to its expert owner, then kFlagDispatch on every peer
-// (the consumer waits for all R).
+// (the consumer waits for all R). Forward: after a wait_peers(kFlagMap) launch (the owners'
+// receive rows are placed).
 template <int kVec>
 __global__ void __launch_bounds__(kCommThreads) dispatch_push(const CommParams* p) {
   const int rank = rank_of(p);
-  if (!wait_all_peers(p, rank, kFlagMap, kOpDispatchPush)) return;
   push_token_rows<kVec>(p, rank, 0, p->num_tokens * p->top_k, grid_warps(), lane_id());
   signal_when_last(p, rank, kOpDispatchPush, kFlagDispatch);
 }
@@ -377,11 +392,11 @@ __global__ void __launch_bounds__(kCommThreads) combine_push(const CommParams* p
   signal_when_last(p, rank, kOpCombinePush, kFlagCombine);
 }
 
-// combine_pull: the token owner waits for kFlagReady from all R, then pulls every slot.
+// combine_pull: the token owner pulls every slot, after a wait_peers(kFlagReady) launch (every
+// expert owner's result rows are written).
 template <int kVec>
 __global__ void __launch_bounds__(kCommThreads) combine_pull(const CommParams* p) {
   const int rank = rank_of(p);
-  if (!wait_all_peers(p, rank, kFlagReady, kOpCombinePull)) return;
   pull_result_rows<kVec>(p, rank, 0, p->num_tokens * p->top_k, grid_warps(), lane_id());
 }
 

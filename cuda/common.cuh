@@ -124,24 +124,36 @@ __device__ __forceinline__ T* at(const u64* table, int rank) {
   return reinterpret_cast<T*>(table[rank]);
 }
 
-// One warp copies one row of `words` 4-byte words; kVec = 4 uses 16-byte accesses (rows and
-// buffers must then be 16-byte aligned: words % 4 == 0).
+// One warp copies one row of `bytes` bytes with kVec-byte accesses: kVec = 16 (rows and buffers
+// 16-byte aligned: bytes % 16 == 0) or kVec = 2 (any even row size: bf16 rows of odd H).
 template <int kVec>
-__device__ __forceinline__ void warp_copy_row(void* dst, const void* src, int words, int lane) {
-  if (kVec == 4) {
+__device__ __forceinline__ void warp_copy_row(void* dst, const void* src, i64 bytes, int lane) {
+  static_assert(kVec == 16 || kVec == 2, "rows move in 16-byte or 2-byte accesses");
+  if (kVec == 16) {
     const uint4* s = reinterpret_cast<const uint4*>(src);
     uint4* d = reinterpret_cast<uint4*>(dst);
-    for (int i = lane; i < words / 4; i += 32) d[i] = s[i];
+    for (i64 i = lane; i < bytes / 16; i += 32) d[i] = s[i];
   } else {
-    const unsigned int* s = reinterpret_cast<const unsigned int*>(src);
-    unsigned int* d = reinterpret_cast<unsigned int*>(dst);
-    for (int i = lane; i < words; i += 32) d[i] = s[i];
+    const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
+    unsigned short* d = reinterpret_cast<unsigned short*>(dst);
+    for (i64 i = lane; i < bytes / 2; i += 32) d[i] = s[i];
   }
 }
 
-__device__ __forceinline__ void warp_zero_row(void* dst, int words, int lane) {
-  unsigned int* d = reinterpret_cast<unsigned int*>(dst);
-  for (int i = lane; i < words; i += 32) d[i] = 0u;
+__device__ __forceinline__ void warp_zero_row(void* dst, i64 bytes, int lane) {
+  unsigned short* d = reinterpret_cast<unsigned short*>(dst);
+  for (i64 i = lane; i < bytes / 2; i += 32) d[i] = 0;
 }
+
+// ---------------------------------------------------------------------------------------------
+// bf16 (stored as 16-bit integers; no cuda_bf16.h so NVRTC needs no toolkit headers)
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {  // round to nearest even
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
 
 }  // namespace mok

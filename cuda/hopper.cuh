@@ -207,15 +207,4 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
   for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// ---------------------------------------------------------------------------------------------
-// bf16 (stored as 16-bit integers; no cuda_bf16.h so NVRTC needs no toolkit headers)
-// ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {  // round to nearest even
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-__device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
-
 }  // namespace mok

@@ -126,6 +126,10 @@ OP = Enum("Op", (
     ("kOpCombinePush", "combine (push)"),
     ("kOpCombinePull", "combine (pull)"),
     ("kOpWeightedSum", "weighted sum"),
+    ("kOpRevCombinePull", "reverse-combine (pull)"),
+    ("kOpRevCombinePush", "reverse-combine (push)"),
+    ("kOpRevDispatchPush", "reverse-dispatch (push)"),
+    ("kOpRevDispatchPull", "reverse-dispatch (pull)"),
     ("kOpGemmLoad", "GEMM producer (waiting for a free stage)"),
     ("kOpGemmMma", "GEMM consumer (waiting for a loaded stage)"),
     ("kOpGemmAux", "GEMM consumer (waiting for an epilogue operand stage)"),
@@ -196,7 +200,8 @@ COMM_PARAMS = Struct("CommParams", (
     ("i64", "top_k", "K"),
     ("i64", "num_experts", "E"),
     ("i64", "num_local_experts", "El"),
-    ("i64", "row_words", "row size in 4-byte words (H * sizeof(elem) / 4)"),
+    ("i64", "row_bytes", "row size in bytes (H * sizeof(elem); even)"),
+    ("i64", "slot_rows", "token-side source `x`: 0 one row per token (x[s / K]), 1 one row per slot"),
     ("i64", "hidden", "H (elements)"),
     ("i64", "capacity", "C"),
     ("i64", "align", "expert segments start at multiples of align"),
@@ -249,7 +254,25 @@ GEMM_PARAMS = Struct("GemmParams", (
     ("i64", "tmap_aux2", ""),
 ), namespace="mok::gemm")
 
-STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS)
+TOKEN_PARAMS = Struct("TokenParams", (
+    ("i64", "num_tokens", "N"),
+    ("i64", "top_k", "K"),
+    ("i64", "hidden", "H (even: rows move as bf16 pairs)"),
+    ("i64", "rank_base", "EP rank of blockIdx.y == 0"),
+    ("i64", "has_base", "1: add the shared expert's rows (base, dx_base); 0: there is none"),
+    ("const u64*", "topk_w", "float [N, K]    router weights"),
+    ("const u64*", "base", "bf16  [N, H]    shared expert's output"),
+    ("const u64*", "y_slots", "bf16  [N*K, H]  expert outputs in slot order (combine's slot buffer)"),
+    ("const u64*", "out", "bf16  [N, H]    layer output"),
+    ("const u64*", "dout", "bf16  [N, H]    output gradient"),
+    ("const u64*", "dy_slots", "bf16  [N*K, H]  w[t,j] * dout[t]: what reverse-combine moves"),
+    ("const u64*", "dx_slots", "bf16  [N*K, H]  input gradients in slot order (reverse-dispatch's slot buffer)"),
+    ("const u64*", "dx_base", "bf16  [N, H]    shared expert's input gradient"),
+    ("const u64*", "dx", "bf16  [N, H]    layer input gradient"),
+    ("const u64*", "d_topk_w", "float [N, K]    router-weight gradient"),
+))
+
+STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, TOKEN_PARAMS)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,12 +17,12 @@ from mok_proto.kernels.build import CudaModule
 THREADS = abi.CONST["kCommThreads"]
 SCHEDULE_THREADS = abi.CONST["kScheduleThreads"]
 
+VECS = (16, 2)  # bytes per row access: 16 when rows are 16-byte multiples, else 2 (even rows)
 MODULE = CudaModule("comm.cuh", (
-    "mok::begin_round", "mok::wait_peers", "mok::allgather_routing", "mok::build_schedule",
-    "mok::dispatch_pull<1>", "mok::dispatch_pull<4>", "mok::dispatch_push<1>", "mok::dispatch_push<4>",
-    "mok::expert_scale", "mok::combine_push<1>", "mok::combine_push<4>", "mok::combine_pull<1>",
-    "mok::combine_pull<4>", "mok::weighted_sum",
-))
+    "mok::begin_round", "mok::wait_peers", "mok::raise_flag", "mok::allgather_routing", "mok::build_schedule",
+    "mok::expert_scale", "mok::weighted_sum",
+) + tuple(f"mok::{kernel}<{vec}>" for kernel in ("dispatch_pull", "dispatch_push", "combine_push", "combine_pull")
+          for vec in VECS))
 
 
 def pack_params(fields: dict):
@@ -38,11 +38,17 @@ class Launch:
 
     num_launch_ranks: int  # W (grid.y)
     blocks_per_rank: int  # grid.x of the copy kernels
-    vec: int  # 4: 16-byte row accesses (row_words % 4 == 0), else 1
+    vec: int  # bytes per row access: 16 (row_bytes % 16 == 0) or 2
 
     def __post_init__(self):
-        if self.num_launch_ranks < 1 or self.blocks_per_rank < 1 or self.vec not in (1, 4):
+        if self.num_launch_ranks < 1 or self.blocks_per_rank < 1 or self.vec not in VECS:
             raise ValueError(f"bad launch geometry {self}")
+
+    @staticmethod
+    def vec_for(row_bytes: int) -> int:
+        if row_bytes % 2:
+            raise ValueError(f"rows must have an even number of bytes, got {row_bytes}")
+        return 16 if row_bytes % 16 == 0 else 2
 
 
 def _go(name, grid, block, args, shared_mem=0):
@@ -62,6 +68,12 @@ def wait_peers(params, launch: Launch, kind: str, op: str):
     names the wait in an error report."""
     _go("mok::wait_peers", (1, launch.num_launch_ranks), (128,),
         (params, np.int32(abi.FLAG_KIND[kind]), np.int32(abi.OP[op])))
+
+
+def raise_flag(params, launch: Launch, kind: str):
+    """Flag `kind` (a FlagKind member) = this round's epoch on every peer, from each launch-rank
+    (after the launches that wrote what the flag announces)."""
+    _go("mok::raise_flag", (1, launch.num_launch_ranks), (128,), (params, np.int32(abi.FLAG_KIND[kind])))
 
 
 def allgather_routing(params, launch: Launch):

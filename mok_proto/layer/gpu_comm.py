@@ -65,12 +65,12 @@ class GpuCommRound:
         self.ranks = ranks
         fields = {name: buf.ptr_table.data.ptr for name, buf in self.bufs.items()}
         fields.update(num_ranks=num_ranks, rank_base=ranks[0], num_tokens=n, top_k=k, num_experts=e,
-                      num_local_experts=el, row_words=h, hidden=h, capacity=cap, align=align,
+                      num_local_experts=el, row_bytes=4 * h, slot_rows=0, hidden=h, capacity=cap, align=align,
                       timeout_ns=int(timeout_s * 1e9), error=self.error.ptr)
         self.params = kc.pack_params(fields)
         if blocks_per_rank is None:
             blocks_per_rank = max(1, min(4 * num_sms() // len(ranks), -(-max(n * k, cap) // 8)))
-        self.launch = kc.Launch(len(ranks), blocks_per_rank, 4 if h % 4 == 0 else 1)
+        self.launch = kc.Launch(len(ranks), blocks_per_rank, kc.Launch.vec_for(4 * h))
         self.failed = False
 
     # -----------------------------------------------------------------------------------------
@@ -112,6 +112,7 @@ class GpuCommRound:
         if dispatch == "pull":
             kc.dispatch_pull(p, launch)
         else:
+            kc.wait_peers(p, launch, "kFlagMap", "kOpDispatchPush")
             kc.dispatch_push(p, launch)
             kc.wait_peers(p, launch, "kFlagDispatch", "kOpDispatchPush")
         mark("expert")
@@ -121,6 +122,7 @@ class GpuCommRound:
             kc.combine_push(p, launch)
             kc.wait_peers(p, launch, "kFlagCombine", "kOpCombinePush")
         else:
+            kc.wait_peers(p, launch, "kFlagReady", "kOpCombinePull")
             kc.combine_pull(p, launch)
         mark("weighted_sum")
         kc.weighted_sum(p, launch)
