@@ -36,6 +36,9 @@ MODULE = CudaModule("gemm.cuh", tuple(f"mok::gemm::grouped_gemm<{i}>" for i in r
 TIMEOUT_NS = 10 * 10**9
 MAX_CLUSTERS = None  # cap on a launch's clusters (None: as many as run at once); 1 runs every tile on 2 SMs
 _CLUSTERS: dict = {}  # co-resident clusters by kernel handle
+# A layer on W virtual ranks launches ~20 GEMMs per rank per step, each with its params and up to
+# four tensor maps: every one must stay cached, so that a captured graph never uploads.
+CACHE_ENTRIES = 4096
 _PARAMS: dict = {}  # device params by (problem, field values), most recent last
 _TMAPS: dict = {}  # device tensor maps by (address, dims, box), most recent last
 _SITE_RECORDS: dict = {}  # (device, problem) -> the wrapper's own error record
@@ -114,7 +117,7 @@ def _launch(problem, error: ErrorRecord | None, **fields) -> ErrorRecord:
     params = _PARAMS.pop(key, None)
     if params is None:  # a host -> device copy only the first time these arguments are seen
         params = cupy.asarray(host)
-        if len(_PARAMS) >= 256:
+        if len(_PARAMS) >= CACHE_ENTRIES:
             _PARAMS.pop(next(iter(_PARAMS)))
     _PARAMS[key] = params
     kernel = MODULE.function(f"mok::gemm::grouped_gemm<{PROBLEMS.index(problem)}>")
@@ -170,7 +173,7 @@ def tensor_map(array, inner: int, outer: int, box_inner: int, box_outer: int):
         if err != cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for [{outer}, {inner}] box [{box_outer}, {box_inner}]")
         dev = cupy.asarray(np.array(tmap.opaque, dtype=np.uint64))  # 256-byte aligned allocation
-        if len(_TMAPS) >= 256:
+        if len(_TMAPS) >= CACHE_ENTRIES:
             _TMAPS.pop(next(iter(_TMAPS)))
     _TMAPS[key] = dev
     return dev

@@ -1,0 +1,362 @@
+"""The MoE layer on the GPU, stage by stage (the "sequential" schedule): forward and backward in
+bf16 with fp32 accumulation and fp32 weight gradients, each of the four transfers push or pull.
+
+Legend: N tokens/rank, H hidden, I expert FFN, Is shared FFN, E experts, El = E/R local experts,
+K top-k, R ranks, C receive capacity (rows), W launch ranks driven by this process. A *slot*
+s = t*K + j is token t's j-th choice; a *receive row* is a row of an expert owner's receive
+buffer (placed by the MoK pull schedule, expert by expert).
+
+Forward (one round, epoch e):
+  routing all-gather -> device schedule -> shared expert (gate/up + SwiGLU, down)
+  -> dispatch (pull | push) -> routed gate/up + SwiGLU, down -> combine (push | pull) into the
+  token owner's slot buffer -> out = shared + sum_j w[t,j] * y_slots[t*K+j]   (fixed order)
+Backward (epoch e + 1, the forward's schedule):
+  dy_slots = w * dout -> shared expert backward -> reverse-combine (pull | push) of dy_slots
+  -> down backward with the SwiGLU backward fused -> gate/up backward -> reverse-dispatch
+  (push | pull) of the input-gradient rows into the owner's slots -> routed weight gradients
+  -> dx = shared dx + sum_j dx_slots[t*K+j], d topk_weights = <dout, y_slots>
+Every launch covers the launch ranks (all W virtual ranks, or this process's rank under
+NVSHMEM); GEMMs launch once per rank. Nothing is read back to the host: the pair of passes can
+be captured in one CUDA graph (`capture()`). Every wait is bounded; `check()` raises
+SymmTimeoutError / CapacityError / KernelTimeoutError naming the operator and rank. Direction
+changes data movement only, never arithmetic, so all 16 policies give bitwise-equal results.
+
+NOTE (buffer reuse across rounds): a rank's receive rows, slot buffers and published rows are
+overwritten only in its next round, whose schedule first waits for every peer's routing flag of
+that round, so no peer can still be reading or writing them: no extra barrier is needed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mok_proto import abi
+from mok_proto.config import DIRECTIONS, RunConfig
+from mok_proto.kernels import comm as kc
+from mok_proto.kernels import gemm
+from mok_proto.kernels import token as kt
+from mok_proto.kernels.build import num_sms
+from mok_proto.kernels.errors import ErrorRecord
+from mok_proto.schedule import max_receive_slots
+
+BF16, F32, I32 = np.uint16, np.float32, np.int32
+TILE = abi.CONST["kBN"]  # H, I and Is must be multiples of it (the GEMM tiles)
+
+
+def bf16(a):
+    """float array (NumPy or CuPy) -> bf16 bits (uint16), round to nearest even."""
+    return gemm.to_bf16(a)
+
+
+class GpuMoELayer:
+    """The layer for the launch ranks of one GPU heap (virtual: W ranks in this process; NVSHMEM:
+    this process's rank). Set weights and inputs per rank, enqueue, read results per rank."""
+
+    def __init__(self, heap, run: RunConfig, capacity: int | None = None, ranks=None, name: str = "layer",
+                 blocks_per_rank: int | None = None):
+        if not isinstance(run, RunConfig):
+            raise TypeError(f"run must be a RunConfig, got {type(run).__name__}")
+        if heap.num_ranks != run.num_ranks:
+            raise ValueError(f"num_ranks: config says R={run.num_ranks} but the heap has {heap.num_ranks} ranks")
+        shape = run.shape
+        for dim, value in (("hidden", shape.hidden), ("ffn", shape.ffn), ("shared_ffn", shape.shared_ffn_size)):
+            if value % TILE:
+                raise ValueError(f"{dim}={value}: the GPU layer's GEMM tiles need a multiple of {TILE}")
+        self.heap, self.run, self.shape, self.policy = heap, run, shape, dict(run.policy)
+        num_ranks, el = run.num_ranks, run.num_local_experts
+        n, h, k, i_ffn, i_shared = shape.num_tokens, shape.hidden, shape.top_k, shape.ffn, shape.shared_ffn_size
+        self.num_local, self.has_shared = el, shape.num_shared == 1
+        worst = max_receive_slots(n, k, num_ranks, el, 1)
+        self.capacity = worst if capacity is None else int(capacity)
+        if not 0 < self.capacity <= worst:
+            raise ValueError(f"capacity must be in [1, {worst}] rows, got {self.capacity}")
+        cap = self.capacity
+        ranks = list(heap.launch_ranks) if ranks is None else ranks
+
+        layout = {  # name: (shape, dtype); every buffer symmetric (peers reach the row buffers)
+            # routing and schedule
+            "topk_idx": ((n, k), I32), "topk_w": ((n, k), F32), "routing": ((num_ranks, n * k), I32),
+            "recv_row": ((n * k,), I32), "sched": ((2 * el + 1 + 2 * cap,), I32),
+            "flags": ((len(abi.FLAG_KIND), num_ranks), np.uint64), "state": ((abi.CONST["kStateWords"],), np.uint64),
+            # forward
+            "x": ((n, h), BF16), "recv": ((cap, h), BF16), "g": ((cap, i_ffn), BF16), "u": ((cap, i_ffn), BF16),
+            "h": ((cap, i_ffn), BF16), "y": ((cap, h), BF16), "y_slots": ((n * k, h), BF16),
+            "base": ((n, h), BF16), "out": ((n, h), BF16),
+            # backward
+            "dout": ((n, h), BF16), "dy_slots": ((n * k, h), BF16), "recv_dy": ((cap, h), BF16),
+            "dg": ((cap, i_ffn), BF16), "du": ((cap, i_ffn), BF16), "dx_rows": ((cap, h), BF16),
+            "dx_slots": ((n * k, h), BF16), "dx_base": ((n, h), BF16), "dx": ((n, h), BF16),
+            "d_topk_w": ((n, k), F32),
+            # routed weights (bf16) and their gradients (fp32)
+            "w_gate": ((el, h, i_ffn), BF16), "w_up": ((el, h, i_ffn), BF16), "w_down": ((el, i_ffn, h), BF16),
+            "dw_gate": ((el, h, i_ffn), F32), "dw_up": ((el, h, i_ffn), F32), "dw_down": ((el, i_ffn, h), F32),
+        }
+        if self.has_shared:
+            layout.update({
+                "sg": ((n, i_shared), BF16), "su": ((n, i_shared), BF16), "sh": ((n, i_shared), BF16),
+                "sdg": ((n, i_shared), BF16), "sdu": ((n, i_shared), BF16),
+                "shared_gate": ((1, h, i_shared), BF16), "shared_up": ((1, h, i_shared), BF16),
+                "shared_down": ((1, i_shared, h), BF16),
+                "dshared_gate": ((1, h, i_shared), F32), "dshared_up": ((1, h, i_shared), F32),
+                "dshared_down": ((1, i_shared, h), F32),
+            })
+        self.bufs = {key: heap.alloc(f"{name}.{key}", shp, dt) for key, (shp, dt) in layout.items()}
+        self.error = ErrorRecord(run.timeout_s)  # comm waits and GEMM pipelines report here
+        import cupy
+
+        self._whole = (cupy.zeros(1, I32), cupy.full(1, n, I32))  # the shared expert: one group of N rows
+        self._blocks_per_rank = blocks_per_rank
+        self.launch_only(ranks)
+        self.failed = False
+
+    def launch_only(self, ranks):
+        """Drive only `ranks` (a contiguous subset of the heap's launch ranks) from now on: the
+        others' buffers stay as they are (benchmarks time one rank against staged peers; tests
+        leave a peer out)."""
+        ranks = list(ranks)
+        if not ranks or ranks != list(range(ranks[0], ranks[0] + len(ranks))) \
+                or not set(ranks) <= set(self.heap.launch_ranks):
+            raise ValueError(f"ranks must be a contiguous subset of {list(self.heap.launch_ranks)}, got {ranks}")
+        self.ranks = ranks
+        s, run = self.shape, self.run
+        n, h, k = s.num_tokens, s.hidden, s.top_k
+        table = {key: buf.ptr_table.data.ptr for key, buf in self.bufs.items()}
+        common = dict(num_ranks=run.num_ranks, rank_base=ranks[0], num_tokens=n, top_k=k,
+                      num_experts=s.num_experts, num_local_experts=self.num_local, row_bytes=2 * h, hidden=h,
+                      capacity=self.capacity, align=1, timeout_ns=int(run.timeout_s * 1e9), error=self.error.ptr,
+                      topk_idx=table["topk_idx"], topk_w=table["topk_w"], routing=table["routing"],
+                      recv_row=table["recv_row"], sched=table["sched"], flags=table["flags"],
+                      state=table["state"], base=0, out=0, scale=0)
+        # The forward moves token rows x -> receive rows, results y -> slots; the backward moves
+        # slot rows dy_slots -> receive rows, input-gradient rows dx_rows -> slots.
+        self.params_fwd = kc.pack_params({**common, "slot_rows": 0, "x": table["x"], "recv": table["recv"],
+                                          "y": table["y"], "slots": table["y_slots"]})
+        self.params_bwd = kc.pack_params({**common, "slot_rows": 1, "x": table["dy_slots"], "recv": table["recv_dy"],
+                                          "y": table["dx_rows"], "slots": table["dx_slots"]})
+        self.params_tok = kt.pack_params(dict(
+            num_tokens=n, top_k=k, hidden=h, rank_base=ranks[0], has_base=int(self.has_shared),
+            topk_w=table["topk_w"], base=table.get("base", 0), y_slots=table["y_slots"], out=table["out"],
+            dout=table["dout"], dy_slots=table["dy_slots"], dx_slots=table["dx_slots"],
+            dx_base=table.get("dx_base", 0), dx=table["dx"], d_topk_w=table["d_topk_w"]))
+        blocks = self._blocks_per_rank or max(1, min(4 * num_sms() // len(ranks), -(-max(n * k, self.capacity) // 8)))
+        self.launch = kc.Launch(len(ranks), blocks, kc.Launch.vec_for(2 * h))
+
+    # -----------------------------------------------------------------------------------------
+    # Host-side setup (outside any captured graph)
+    # -----------------------------------------------------------------------------------------
+    def set_weights(self, rank: int, weights: dict):
+        """This rank's El routed experts (w_gate/w_up [El,H,I], w_down [El,I,H]) and, with a shared
+        expert, shared_gate/shared_up [H,Is], shared_down [Is,H]: float arrays, rounded to bf16."""
+        import cupy
+
+        s = self.shape
+        want = {"w_gate": (self.num_local, s.hidden, s.ffn), "w_up": (self.num_local, s.hidden, s.ffn),
+                "w_down": (self.num_local, s.ffn, s.hidden)}
+        if self.has_shared:
+            want.update(shared_gate=(s.hidden, s.shared_ffn_size), shared_up=(s.hidden, s.shared_ffn_size),
+                        shared_down=(s.shared_ffn_size, s.hidden))
+        for key, shp in want.items():
+            if key not in weights:
+                raise ValueError(f"weights: missing {key!r}")
+            a = weights[key]
+            if tuple(a.shape) != shp:
+                raise ValueError(f"weights[{key!r}] must have shape {shp}, got {tuple(a.shape)}")
+            self.bufs[key].instance(rank)[...] = bf16(cupy.asarray(a, dtype=F32)).reshape(self.bufs[key].shape)
+
+    def set_inputs(self, rank: int, x, topk_idx, topk_weights):
+        """One rank's x [N,H] (rounded to bf16), topk_idx [N,K], topk_weights [N,K] (fp32)."""
+        import cupy
+
+        from mok_proto.validate import check_layer_inputs
+
+        s = self.shape
+        x, topk_idx, topk_weights = check_layer_inputs(x, topk_idx, topk_weights, s.num_experts, s.num_tokens,
+                                                       s.hidden, s.top_k)
+        b = self.bufs
+        b["x"].instance(rank)[...] = bf16(cupy.asarray(x, dtype=F32))
+        b["topk_idx"].instance(rank)[...] = cupy.asarray(topk_idx, dtype=I32)
+        b["topk_w"].instance(rank)[...] = cupy.asarray(topk_weights, dtype=F32)
+
+    def set_dout(self, rank: int, dout):
+        """One rank's output gradient [N,H] (rounded to bf16)."""
+        import cupy
+
+        s = self.shape
+        if tuple(dout.shape) != (s.num_tokens, s.hidden):
+            raise ValueError(f"dout must have shape {(s.num_tokens, s.hidden)}, got {tuple(dout.shape)}")
+        self.bufs["dout"].instance(rank)[...] = bf16(cupy.asarray(dout, dtype=F32))
+
+    # -----------------------------------------------------------------------------------------
+    # The two passes (enqueued on the current stream, no host readback)
+    # -----------------------------------------------------------------------------------------
+    def _policy(self):
+        for op, direction in self.policy.items():
+            if direction not in DIRECTIONS:
+                raise ValueError(f"policy: {op} must be push or pull, got {direction!r}")
+        if self.failed:
+            raise RuntimeError("this layer reported an error before; build a new GpuMoELayer")
+        return self.policy
+
+    def _rows(self, rank):
+        """(offsets, counts) of this rank's El expert segments, as the device schedule wrote them."""
+        sched = self.bufs["sched"].instance(rank)
+        return sched[: self.num_local], sched[self.num_local + 1: 2 * self.num_local + 1]
+
+    def _b(self, key, rank):
+        return self.bufs[key].instance(rank)
+
+    def enqueue_forward(self, mark=None):
+        """Enqueue the forward. `mark(stage)` (optional) is called before each stage and once with
+        None at the end (benchmarks record CUDA events there)."""
+        policy, p, launch, b = self._policy(), self.params_fwd, self.launch, self._b
+        mark = mark or (lambda stage: None)
+        err = self.error
+        mark("schedule")
+        kc.begin_round(p, launch)
+        kc.allgather_routing(p, launch)
+        kc.build_schedule(p, launch, self.run.num_ranks, self.num_local)
+        mark("shared")
+        if self.has_shared:
+            for r in self.ranks:
+                gemm.gate_up(b("x", r), b("shared_gate", r), b("shared_up", r), *self._whole, b("sh", r),
+                             b("sg", r), b("su", r), error=err)
+                gemm.down(b("sh", r), b("shared_down", r), *self._whole, b("base", r), error=err)
+        mark("dispatch")
+        if policy["dispatch"] == "pull":
+            kc.dispatch_pull(p, launch)
+        else:
+            kc.wait_peers(p, launch, "kFlagMap", "kOpDispatchPush")
+            kc.dispatch_push(p, launch)
+            kc.wait_peers(p, launch, "kFlagDispatch", "kOpDispatchPush")
+        mark("experts")
+        for r in self.ranks:
+            offsets, counts = self._rows(r)
+            gemm.gate_up(b("recv", r), b("w_gate", r), b("w_up", r), offsets, counts, b("h", r), b("g", r), b("u", r),
+                         error=err)
+            gemm.down(b("h", r), b("w_down", r), offsets, counts, b("y", r), error=err)
+        mark("combine")
+        self._to_tokens(p, policy["combine"], "kOpCombinePush", "kOpCombinePull")
+        mark("weighted_sum")
+        kt.weighted_sum(self.params_tok, launch)
+        mark(None)
+
+    def enqueue_backward(self, mark=None):
+        """Enqueue the backward of the last forward (its schedule and saved rows); `mark` as in
+        enqueue_forward."""
+        policy, p, launch, b = self._policy(), self.params_bwd, self.launch, self._b
+        mark = mark or (lambda stage: None)
+        err = self.error
+        mark("scale")
+        kc.begin_round(p, launch)
+        kt.scale_to_slots(self.params_tok, launch)
+        mark("shared")
+        if self.has_shared:
+            for r in self.ranks:
+                gemm.down_bwd(b("dout", r), b("shared_down", r), b("sg", r), b("su", r), *self._whole, b("sdg", r),
+                              b("sdu", r), error=err)
+                gemm.gate_up_bwd(b("sdg", r), b("sdu", r), b("shared_gate", r), b("shared_up", r), *self._whole,
+                                 b("dx_base", r), error=err)
+                gemm.down_wgrad(b("sh", r), b("dout", r), *self._whole, b("dshared_down", r), error=err)
+                gemm.gate_up_wgrad(b("x", r), b("sdg", r), b("sdu", r), *self._whole, b("dshared_gate", r),
+                                   b("dshared_up", r), error=err)
+        mark("rev_combine")
+        if policy["rev_combine"] == "pull":
+            kc.raise_flag(p, launch, "kFlagRouting")  # my dy_slots are written
+            kc.wait_peers(p, launch, "kFlagRouting", "kOpRevCombinePull")
+            kc.dispatch_pull(p, launch)
+        else:
+            kc.dispatch_push(p, launch)
+            kc.wait_peers(p, launch, "kFlagDispatch", "kOpRevCombinePush")
+        mark("experts")
+        for r in self.ranks:
+            offsets, counts = self._rows(r)
+            gemm.down_bwd(b("recv_dy", r), b("w_down", r), b("g", r), b("u", r), offsets, counts, b("dg", r),
+                          b("du", r), error=err)
+            gemm.gate_up_bwd(b("dg", r), b("du", r), b("w_gate", r), b("w_up", r), offsets, counts, b("dx_rows", r),
+                             error=err)
+        mark("rev_dispatch")
+        self._to_tokens(p, policy["rev_dispatch"], "kOpRevDispatchPush", "kOpRevDispatchPull")
+        mark("wgrad")
+        for r in self.ranks:
+            offsets, counts = self._rows(r)
+            gemm.down_wgrad(b("h", r), b("recv_dy", r), offsets, counts, b("dw_down", r), error=err)
+            gemm.gate_up_wgrad(b("recv", r), b("dg", r), b("du", r), offsets, counts, b("dw_gate", r),
+                               b("dw_up", r), error=err)
+        mark("token_grads")
+        kt.slot_sum(self.params_tok, launch)
+        kt.topk_weight_grad(self.params_tok, launch)
+        mark(None)
+
+    def _to_tokens(self, p, direction, push_op, pull_op):
+        """Result rows (receive-row order) into the token owners' slot buffers, then every rank
+        may read its slots."""
+        if direction == "push":
+            kc.combine_push(p, self.launch)
+            kc.wait_peers(p, self.launch, "kFlagCombine", push_op)
+        else:
+            kc.raise_flag(p, self.launch, "kFlagReady")  # my result rows are written
+            kc.wait_peers(p, self.launch, "kFlagReady", pull_op)
+            kc.combine_pull(p, self.launch)
+
+    def capture(self, backward: bool = True):
+        """A CUDA graph of the forward (and the backward); replay with graph.launch(stream). Run
+        one forward/backward first: the first launches compile kernels and upload descriptors."""
+        import cupy
+
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            self.enqueue_forward()
+            if backward:
+                self.enqueue_backward()
+            graph = stream.end_capture()
+        return graph
+
+    # -----------------------------------------------------------------------------------------
+    # Results and errors
+    # -----------------------------------------------------------------------------------------
+    def check(self):
+        """Synchronize and raise what the error record holds (the only host readback). After an
+        error the layer is spent: flags, counters and epochs may be mid-round; build a new one."""
+        try:
+            self.error.check()
+        except Exception:
+            self.failed = True
+            raise
+
+    def output(self, rank: int):
+        """out [N,H] as float32 (from bf16)."""
+        return gemm.from_bf16(self._b("out", rank))
+
+    def grads(self, rank: int) -> dict:
+        """x [N,H] and topk_weights [N,K] (float32), w_gate/w_up/w_down of this rank's experts and
+        the shared expert's gradient (this rank's partial sum), fp32, as CuPy arrays."""
+        b = self._b
+        out = {"x": gemm.from_bf16(b("dx", rank)), "topk_weights": b("d_topk_w", rank).copy(),
+               "w_gate": b("dw_gate", rank).copy(), "w_up": b("dw_up", rank).copy(),
+               "w_down": b("dw_down", rank).copy()}
+        if self.has_shared:
+            out.update(shared_gate=b("dshared_gate", rank)[0].copy(), shared_up=b("dshared_up", rank)[0].copy(),
+                       shared_down=b("dshared_down", rank)[0].copy())
+        return out
+
+    def poison(self):
+        """NaN (bf16 0x7FC0, fp32 NaN) into every row buffer and result of the ranks this process
+        drives, so a read before its producer wrote cannot pass a bitwise check."""
+        skip = {"topk_idx", "topk_w", "routing", "recv_row", "sched", "flags", "state", "x", "dout",
+                "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down"}
+        for rank in self.ranks:
+            for key, buf in self.bufs.items():
+                if key in skip:
+                    continue
+                a = buf.instance(rank)
+                if a.dtype == BF16:
+                    a[...] = 0x7FC0
+                else:
+                    a[...] = np.nan
+
+    def close(self):
+        """Free the symmetric buffers (collective under NVSHMEM)."""
+        for buf in self.bufs.values():
+            self.heap.free(buf)
+        self.bufs = {}

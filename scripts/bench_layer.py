@@ -1,0 +1,266 @@
+"""One rank's share of an EP=64 MoE layer on one GPU: our GPU layer against the unfused PyTorch
+pipeline (../shared/anchors: index_select dispatch, torch._grouped_mm experts, autograd backward),
+forward and backward, on the same inputs, in one run.
+
+    python scripts/bench_layer.py [--shapes kimi-k2.7,...] [--iters 20] [--warmup 5]
+
+The EP=64 share, emulated on one GPU: 2 virtual ranks with El = E/64 experts each (E' = 2 El),
+N = 2048 tokens per rank, uniform random top-K routing: rank 0 then receives the ~N*K rows an
+EP=64 rank receives, for the same El experts, and computes the same FLOPs. Rank 1 stands for
+the peers: one full round of both ranks stages everything rank 0 reads from peers (their token
+rows, routing, receive-row map, result rows, output-gradient slots), then rank 0's flags from
+rank 1 are raised to the largest epoch, and only rank 0's kernels run in the timed region.
+Ours is timed as CUDA-graph replays of the forward and of the backward (the layer has no host
+readback, so that is how it runs in training); torch runs eagerly, as the anchor defines it.
+One event pair per iteration, median (p20, p80). Also: the stage-by-stage breakdown of our
+passes (eager, event per stage), whether two runs are bitwise equal, the max error against torch.
+FLOPs as MoK counts them: forward 6 (N + N K) H I, backward twice that.
+Bars (issue: the GPU layer): forward >= 1.0x torch, backward >= 1.3x torch, bitwise repeat,
+schedule <= 0.05 ms. Exit status: 0 all met, 1 a bar or a check failed (listed), 2 no GPU/torch.
+Results: JSON lines appended to results/bench_layer.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from mok_proto.config import PAPER_SHAPES, MoEShape, RunConfig, get_shape
+
+EP = 64
+BARS = {"fwd": 1.0, "bwd": 1.3}
+SCHEDULE_BAR_MS = 0.05
+
+
+def emulated_shape(name: str) -> MoEShape:
+    """The paper shape with E' = 2 E/64 experts: 2 ranks, each owning the E/64 of an EP=64 rank."""
+    paper = get_shape(name)
+    return MoEShape(f"{name}@ep{EP}", hidden=paper.hidden, ffn=paper.ffn, num_experts=2 * (paper.num_experts // EP),
+                    top_k=paper.top_k, num_tokens=paper.num_tokens)
+
+
+def make_inputs(shape: MoEShape, seed: int = 0):
+    """Uniform random top-K routing (distinct experts) and weights, as float32 NumPy: x [2,N,H],
+    topk_idx/topk_w [2,N,K], dout [2,N,H], weights of both ranks, the shared expert."""
+    rng = np.random.default_rng(seed)
+    n, h, i, e, k = shape.num_tokens, shape.hidden, shape.ffn, shape.num_experts, shape.top_k
+    topk = np.argsort(rng.random((2 * n, e)), axis=1)[:, :k].astype(np.int32)
+    w = rng.random((2 * n, k)).astype(np.float32)
+    w /= w.sum(axis=1, keepdims=True)
+    normal = lambda *s, scale=1.0: (rng.standard_normal(s) * scale).astype(np.float32)  # noqa: E731
+    weights = {"w_gate": normal(e, h, i, scale=h ** -0.5), "w_up": normal(e, h, i, scale=h ** -0.5),
+               "w_down": normal(e, i, h, scale=i ** -0.5), "shared_gate": normal(h, i, scale=h ** -0.5),
+               "shared_up": normal(h, i, scale=h ** -0.5), "shared_down": normal(i, h, scale=i ** -0.5)}
+    return dict(x=normal(2, n, h), topk_idx=topk.reshape(2, n, k), topk_w=w.reshape(2, n, k), dout=normal(2, n, h),
+                weights=weights)
+
+
+def ours(shape, data, iters, warmup):
+    """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results."""
+    import cupy
+
+    from mok_proto.bench import summarize, time_stages
+    from mok_proto.layer.gpu import GpuMoELayer
+    from mok_proto.symm.virtual import VirtualWorld
+
+    el = shape.num_experts // 2
+    heap = VirtualWorld(2)
+    layer = GpuMoELayer(heap, RunConfig(shape, 2, timeout_s=30), capacity=int(1.15 * shape.num_tokens * shape.top_k),
+                        name=shape.name)
+    for r in range(2):
+        local = {key: v[r * el:(r + 1) * el] for key, v in data["weights"].items() if key.startswith("w_")}
+        local.update({key: v for key, v in data["weights"].items() if key.startswith("shared_")})
+        layer.set_weights(r, local)
+        layer.set_inputs(r, data["x"][r], data["topk_idx"][r], data["topk_w"][r])
+        layer.set_dout(r, data["dout"][r])
+    layer.enqueue_forward()  # stage the peer (and compile, upload descriptors)
+    layer.enqueue_backward()
+    layer.check()
+    layer.launch_only([0])
+    # NOTE: rank 1 no longer runs: every flag rank 0 waits for from rank 1 is raised to the top
+    # epoch, so its waits pass at once and it reads the staged rows.
+    layer.bufs["flags"].instance(0)[:, 1] = np.uint64(2 ** 63)
+    for _ in range(2):
+        layer.enqueue_forward()
+        layer.enqueue_backward()
+    layer.check()
+    stages = {}
+    for name, enqueue in (("fwd", layer.enqueue_forward), ("bwd", layer.enqueue_backward)):
+        samples = time_stages(enqueue, iters, warmup)
+        stages[name] = {stage: summarize(v)["median_ms"] for stage, v in samples.items()}
+    layer.check()
+    graphs = {"fwd": layer.capture(backward=False), "bwd": capture_backward(layer)}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    stats, blobs = {}, {}
+    for name in ("fwd", "bwd"):
+        with stream:
+            samples = time_stages(lambda mark, g=graphs[name]: (mark("run"), g.launch(stream), mark(None)),
+                                  iters, warmup)
+        stats[name] = summarize(samples["run"])
+        layer.check()
+        blobs[name] = [result_bytes(layer, name)]
+    for name in ("fwd", "bwd"):  # a second run of each: bitwise equal?
+        graphs[name].launch(stream)
+        stream.synchronize()
+        layer.check()
+        blobs[name].append(result_bytes(layer, name))
+    results = {"out": layer.output(0).get(), **{k: v.get() for k, v in layer.grads(0).items()}}
+    layer.close()
+    heap.close()
+    return stats, stages, {name: b[0] == b[1] for name, b in blobs.items()}, results
+
+
+def capture_backward(layer):
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        layer.enqueue_backward()
+        return stream.end_capture()
+
+
+def result_bytes(layer, name) -> bytes:
+    if name == "fwd":
+        return layer.output(0).get().tobytes()
+    return b"".join(v.get().tobytes() for _, v in sorted(layer.grads(0).items()))
+
+
+def torch_pipeline(shape, data, iters, warmup):
+    """The anchor's unfused pipeline for rank 0, on the same inputs: {pass: stats}, results."""
+    import torch
+    import torch.nn.functional as F
+
+    from mok_proto.bench import summarize, time_stages
+
+    dev, bf = "cuda", torch.bfloat16
+    n, h, k = shape.num_tokens, shape.hidden, shape.top_k
+    el = shape.num_experts // 2
+    t = lambda a, dtype=bf: torch.as_tensor(a, device=dev).to(dtype)  # noqa: E731
+    topk = t(data["topk_idx"].reshape(2 * n, k), torch.int64)
+    tok, j = (topk < el).nonzero(as_tuple=True)  # (token, choice) pairs for rank 0's experts
+    e = topk[tok, j]
+    order = torch.sort(e, stable=True).indices
+    tok, j, e = tok[order], j[order], e[order]
+    offs = torch.cumsum(torch.bincount(e, minlength=el), 0).to(torch.int32)
+    own = tok < n
+    own_slot = (tok * k + j)[own]
+    wts = data["weights"]
+    w1 = torch.cat([t(wts["w_gate"][:el]), t(wts["w_up"][:el])], dim=2).requires_grad_()
+    w2 = t(wts["w_down"][:el]).requires_grad_()
+    s1 = torch.cat([t(wts["shared_gate"]), t(wts["shared_up"])], dim=1).requires_grad_()
+    s2 = t(wts["shared_down"]).requires_grad_()
+    x_all = t(data["x"].reshape(2 * n, h))
+    x_own, x_src = x_all[:n].clone().requires_grad_(), x_all.clone().requires_grad_()
+    w_all = t(data["topk_w"].reshape(2 * n, k), torch.float32)
+    w_own = w_all[:n].to(bf)[:, :, None]
+    dout_all = t(data["dout"].reshape(2 * n, h), torch.float32)
+    dout = dout_all[:n].to(bf)
+    # what the other owners send back for their rows: w[t,j] * dout[t] (so the weight gradients
+    # of rank 0's experts are complete and comparable with ours)
+    d_others = (w_all[tok, j, None] * dout_all[tok])[~own].to(bf)
+
+    def fwd():
+        xr = x_src.index_select(0, tok)  # dispatch: pull rows from their owners
+        g, u = torch._grouped_mm(xr, w1, offs=offs).chunk(2, -1)
+        y = torch._grouped_mm(F.silu(g) * u, w2, offs=offs)
+        mine = torch.zeros(n * k, h, device=dev, dtype=bf).index_copy(0, own_slot, y[own])
+        others = y[~own]
+        gs, us = (x_own @ s1).chunk(2, -1)
+        shared = (F.silu(gs) * us) @ s2
+        return shared + (mine.view(n, k, h) * w_own).sum(1), others
+
+    stats = {}
+    with torch.no_grad():
+        stats["fwd"] = summarize(time_stages(lambda mark: (mark("run"), fwd(), mark(None)), iters, warmup,
+                                             api="torch")["run"])
+        out = full_output(shape, data, topk, x_all, s1, s2).float().cpu().numpy()
+
+    def fwd_bwd(mark):
+        mark("fwd")
+        result, others = fwd()
+        mark("bwd")
+        torch.autograd.backward([result, others], [dout, d_others])
+        mark(None)
+
+    stats["bwd"] = summarize(time_stages(fwd_bwd, iters, warmup, api="torch")["bwd"])
+    i = shape.ffn
+    ref = {"out": out, "w_down": w2.grad.float().cpu().numpy(), "w_gate": w1.grad[..., :i].float().cpu().numpy(),
+           "w_up": w1.grad[..., i:].float().cpu().numpy()}
+    return stats, ref
+
+
+def full_output(shape, data, topk, x_all, s1, s2):
+    """Rank 0's whole output with torch (untimed): its tokens through the experts of BOTH ranks
+    (the timed pipeline only computes rank 0's experts, as the anchor does)."""
+    import torch
+    import torch.nn.functional as F
+
+    n, k = shape.num_tokens, shape.top_k
+    wts = data["weights"]
+    dev, bf = x_all.device, torch.bfloat16
+    w1 = torch.cat([torch.as_tensor(wts["w_gate"], device=dev), torch.as_tensor(wts["w_up"], device=dev)], 2).to(bf)
+    w2 = torch.as_tensor(wts["w_down"], device=dev).to(bf)
+    e = topk[:n].reshape(-1)
+    order = torch.sort(e, stable=True).indices
+    offs = torch.cumsum(torch.bincount(e, minlength=shape.num_experts), 0).to(torch.int32)
+    g, u = torch._grouped_mm(x_all[order // k], w1, offs=offs).chunk(2, -1)
+    y = torch._grouped_mm(F.silu(g) * u, w2, offs=offs).float()
+    w = torch.as_tensor(data["topk_w"][0], device=dev).reshape(-1)[order]
+    gs, us = (x_all[:n] @ s1.detach()).chunk(2, -1)
+    out = ((F.silu(gs) * us) @ s2.detach()).float()
+    return out.index_add(0, order // k, w[:, None] * y)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    args = p.parse_args()
+    from mok_proto.bench import append_result, require_gpu
+
+    require_gpu("bench_layer.py", need_torch=True)
+    failed = []
+    print(f"{'shape':<16}{'pass':<5}{'torch_ms':>9}{'ours_ms':>9}{'TFLOP/s':>9}{'x torch':>8}{'bar':>5}"
+          f"{'bitwise':>8}{'sched_ms':>9}{'err':>9}", flush=True)
+    for name in args.shapes.split(","):
+        shape = emulated_shape(name)
+        print(f"# {name}: N={shape.num_tokens} H={shape.hidden} I={shape.ffn} El={shape.num_experts // 2} "
+              f"K={shape.top_k} ...", flush=True)
+        data = make_inputs(shape)
+        mine, stages, bitwise, got = ours(shape, data, args.iters, args.warmup)
+        base, ref = torch_pipeline(shape, data, args.iters, args.warmup)
+        flops = {"fwd": shape.forward_flops(), "bwd": 2 * shape.forward_flops()}
+        sched_ms = stages["fwd"]["schedule"]
+        for pass_ in ("fwd", "bwd"):
+            speedup = base[pass_]["median_ms"] / mine[pass_]["median_ms"]
+            keys = ("out",) if pass_ == "fwd" else ("w_gate", "w_up", "w_down")
+            err = max(float(np.abs(got[key] - ref[key]).max() / max(np.abs(ref[key]).max(), 1e-30)) for key in keys)
+            ok = speedup >= BARS[pass_] and bitwise[pass_] and sched_ms <= SCHEDULE_BAR_MS and err <= 0.05
+            if not ok:
+                failed.append(f"{name} {pass_}")
+            tflops = flops[pass_] / (mine[pass_]["median_ms"] * 1e-3) / 1e12
+            print(f"{name:<16}{pass_:<5}{base[pass_]['median_ms']:>9.3f}{mine[pass_]['median_ms']:>9.3f}"
+                  f"{tflops:>9.0f}{speedup:>8.2f}{BARS[pass_]:>5.1f}{str(bitwise[pass_]):>8}{sched_ms:>9.3f}"
+                  f"{err:>9.1e}", flush=True)
+            print(f"#   stages (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in stages[pass_].items()), flush=True)
+            common = {"shape": name, "pass": pass_, "ep": EP, "emulation": "2 virtual ranks, rank 0 timed",
+                      "flops": flops[pass_], "schedule_ms": sched_ms}
+            append_result("bench_layer", {**common, "schedule": "torch", **base[pass_],
+                                          "tflops": flops[pass_] / (base[pass_]["median_ms"] * 1e-3) / 1e12,
+                                          "speedup_vs_torch": 1.0, "bitwise_repeat": None})
+            append_result("bench_layer", {**common, "schedule": "sequential", **mine[pass_], "tflops": tflops,
+                                          "speedup_vs_torch": speedup, "bitwise_repeat": bitwise[pass_],
+                                          "max_rel_err_vs_torch": err, "stages_ms": stages[pass_]})
+    if failed:
+        print(f"FAIL: {len(failed)} rows miss a bar or a check: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    print("all bars met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

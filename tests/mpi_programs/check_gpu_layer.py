@@ -1,0 +1,192 @@
+"""The GPU layer (bf16, stage by stage) against the float64 reference, for every policy.
+
+    python tests/mpi_programs/check_gpu_layer.py --backend virtual --ranks 4
+    NVSHMEM_DISABLE_NVLS=1 mpirun -n 4 python tests/mpi_programs/check_gpu_layer.py --backend nvshmem
+
+Per case, for every rank this process drives: out and every gradient within TOL of the float64
+reference run on the same bf16-rounded inputs (max |err| <= TOL * max |ref| per array); all 16
+direction policies bitwise equal; `--replays` replays of one CUDA graph of forward + backward
+bitwise equal; NaN-poisoned buffers before every run (a missing wait cannot pass). Prints one
+`SHA <case> <digest>` line per case (rank 0) over every rank's results in rank order, so two
+backends can be compared. Then: an overflow raises CapacityError.
+"""
+
+import argparse
+import hashlib
+import itertools
+import sys
+
+import numpy as np
+
+from mok_proto import reference
+from mok_proto.config import DIRECTIONS, OPERATORS, MoEShape, RunConfig
+from mok_proto.errors import CapacityError
+from mok_proto.kernels.gemm import from_bf16, to_bf16
+from mok_proto.layer.gpu import GpuMoELayer
+from mok_proto.problem import make_problem
+
+TOL = 2e-2  # bf16 intermediates (h, y, dy, dg, du rows) vs a float64 reference on the same inputs
+
+CASES = {  # name: (H, I, E, K, N, shared, routing)
+    "random": (256, 256, 16, 4, 24, 1, "random"),
+    "one-expert": (256, 256, 16, 4, 24, 1, "one-expert"),
+    "one-token": (256, 256, 8, 2, 1, 1, "random"),
+    "no-shared": (512, 256, 8, 2, 40, 0, "skewed"),
+}
+
+
+def rounded(a):
+    """float32 -> the float64 value of its bf16 rounding (what the GPU layer computes with)."""
+    return from_bf16(to_bf16(np.asarray(a, np.float32))).astype(np.float64)
+
+
+def reference_results(prob):
+    """Float64 reference on the bf16-rounded inputs: {key: [R, ...] per token owner, or global}."""
+    weights = {key: rounded(v) for key, v in prob.weights.items()}
+    out, cache = reference.forward(rounded(prob.flat("x")), prob.flat("topk_idx"),
+                                   prob.flat("topk_weights").astype(np.float64), weights, dtype="float64")
+    ref = reference.backward(rounded(prob.flat("dout")), cache)
+    ref["out"] = out
+    return ref
+
+
+def results(layer, rank) -> dict:
+    got = {"out": layer.output(rank).get()}
+    got.update({key: value.get() for key, value in layer.grads(rank).items()})
+    return got
+
+
+def check_against_reference(got_by_rank, ref, num_ranks, n, num_local, shared_sum):
+    for rank, got in got_by_rank.items():
+        tokens, experts = slice(rank * n, (rank + 1) * n), slice(rank * num_local, (rank + 1) * num_local)
+        assert set(got) == set(ref), f"keys differ: {sorted(got)} vs {sorted(ref)}"
+        for key, value in got.items():
+            if key.startswith("shared_"):  # per-rank partial sums; the full gradient is their sum
+                value, want = shared_sum[key], ref[key]
+            elif key.startswith("w_"):
+                want = ref[key][experts]
+            else:
+                want = ref[key][tokens]
+            assert value.shape == want.shape, f"{key}: shape {value.shape} vs {want.shape}"
+            assert np.isfinite(value).all(), f"rank {rank}: {key} holds NaN/inf (an unwritten or unread row)"
+            scale = max(float(np.abs(want).max()), 1e-12)
+            err = float(np.abs(value - want).max()) / scale
+            assert err <= TOL, f"rank {rank}: {key} relative error {err:.2e} > {TOL}"
+
+
+def run_once(layer, heap, graph=None):
+    import cupy
+
+    heap.barrier()
+    layer.poison()
+    cupy.cuda.Device().synchronize()
+    heap.barrier()
+    if graph is None:
+        layer.enqueue_forward()
+        layer.enqueue_backward()
+    else:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        graph.launch(stream)
+        stream.synchronize()
+    layer.check()
+    heap.barrier()
+    return {rank: results(layer, rank) for rank in layer.ranks}
+
+
+def blob(got_by_rank) -> dict:
+    return {rank: b"".join(got[key].tobytes() for key in sorted(got)) for rank, got in got_by_rank.items()}
+
+
+def check_case(heap, comm, name, case_id, replays, policies):
+    h, i, e, k, n, shared, routing = CASES[name]
+    num_ranks = heap.num_ranks
+    shape = MoEShape(name, hidden=h, ffn=i, num_experts=e, top_k=k, num_tokens=n, num_shared=shared)
+    prob = make_problem(shape, num_ranks, seed=7 + case_id, routing=routing)
+    ref = reference_results(prob)
+    layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=20), name=f"l{case_id}")
+    for rank in layer.ranks:
+        layer.set_weights(rank, prob.local_weights(rank))
+        layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
+        layer.set_dout(rank, prob.dout[rank])
+    first = None
+    for policy in policies:
+        layer.policy = dict(policy)
+        got = run_once(layer, heap)
+        if first is None:
+            first = blob(got)
+            shared_sum = {key: sum(all_ranks(comm, {r: g[key] for r, g in got.items()}).values())
+                          for key in got[layer.ranks[0]] if key.startswith("shared_")}
+            check_against_reference(got, ref, num_ranks, n, e // num_ranks, shared_sum)
+        assert blob(got) == first, f"{name}: results under {policy} differ from the first policy's"
+    graph = layer.capture()
+    for replay in range(replays):
+        assert blob(run_once(layer, heap, graph)) == first, f"{name}: graph replay {replay} differs"
+    digest = hashlib.sha256(b"".join(v for _, v in sorted(all_ranks(comm, first).items()))).hexdigest()[:16]
+    layer.close()
+    return f"SHA {name} {digest}"
+
+
+def all_ranks(comm, per_rank: dict) -> dict:
+    """{rank: value} of this process -> of every process (MPI under NVSHMEM)."""
+    if comm is None:
+        return per_rank
+    merged = {}
+    for part in comm.allgather(per_rank):
+        merged.update(part)
+    return merged
+
+
+def check_overflow(heap):
+    num_ranks = heap.num_ranks
+    shape = MoEShape("overflow", hidden=256, ffn=256, num_experts=2 * num_ranks, top_k=2, num_tokens=8)
+    prob = make_problem(shape, num_ranks, seed=3, routing="one-expert")
+    layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=20), capacity=shape.num_tokens * num_ranks - 1,
+                        name="overflow")
+    for rank in layer.ranks:
+        layer.set_weights(rank, prob.local_weights(rank))
+        layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
+    layer.enqueue_forward()
+    try:
+        layer.check()
+    except CapacityError as e:
+        assert "overflow on rank" in str(e), str(e)
+    else:
+        assert 0 not in layer.ranks, "rank 0 receives every first choice and must overflow"
+    heap.barrier()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--backend", choices=("virtual", "nvshmem"), required=True)
+    p.add_argument("--ranks", type=int, default=4, help="virtual ranks (virtual backend)")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--policies", choices=("all", "mok"), default="all")
+    args = p.parse_args()
+    policies = [dict(zip(OPERATORS, combo)) for combo in itertools.product(DIRECTIONS, repeat=4)]
+    if args.policies == "mok":
+        policies = policies[:1]
+    comm = None
+    if args.backend == "virtual":
+        from mok_proto.symm.virtual import VirtualWorld
+        heap = VirtualWorld(args.ranks)
+    else:
+        from mpi4py import MPI
+
+        from mok_proto.symm.nvshmem import NvshmemHeap
+        comm = MPI.COMM_WORLD
+        heap = NvshmemHeap()
+    try:
+        lines = [check_case(heap, comm, name, i, args.replays, policies) for i, name in enumerate(args.cases.split(","))]
+        check_overflow(heap)
+    finally:
+        heap.close()
+    if heap.launch_ranks[0] == 0:
+        print(f"OK gpu layer backend={args.backend} R={heap.num_ranks}: {len(policies)} policies bitwise equal, "
+              f"{args.replays} graph replays")
+        print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
