@@ -12,9 +12,12 @@ Legend: R ranks. Three tools, for the three kinds of blocking host call an MPI j
       (operator, this rank, the silent peers) and ends the job with MPI_Abort(EXIT_PEER).
       This covers the window between an arrival barrier and the collective after it, and names
       a stopped rank at any moment of the run (its heartbeats stop with it).
-  last_resort_alarm(timeout_s)          MPI_Init and MPI_Finalize hold Python's GIL (no thread
-      runs) and block until every rank arrives: a SIGALRM in its default action kills this
-      process, and the launcher then takes the job down (exit 14 or the launcher's own code).
+  startup_guard(timeout_s, rank)         MPI_Init holds Python's GIL (no thread runs) and blocks
+      until every rank arrives: a helper process forked before it waits timeout_s, then names
+      the launcher's stopped processes on this host (state T in /proc, their PMI_RANK) in one
+      line and kills this rank, so the launcher takes the job down.
+  last_resort_alarm(timeout_s)          the same for MPI_Finalize (after MPI_Init, no fork): a
+      SIGALRM in its default action kills this process; no line names the peer.
 
 NOTE (MPICH hydra, measured with the mpich 5.0 wheel): MPI_Abort(code) from any rank ends every
 process, a stopped one included, and mpiexec exits with `code`. A process killed by a signal makes
@@ -26,6 +29,8 @@ the alarm, a signal death).
 from __future__ import annotations
 
 import contextlib
+import os
+import select
 import signal
 import sys
 import threading
@@ -180,9 +185,9 @@ class Watchdog:
         guard = self._guard
         where = f"{guard[0]}: " if guard else ""
         if silent:
-            peers = ", ".join(f"{p} ({now - self.last_heard[p]:.1f} s)" for p in silent)
-            return (f"mok_proto: {where}rank {self.rank}: peer {peers} silent for more than "
-                    f"{self.timeout_s:g} s (stopped or dead); ending the job (exit {EXIT_PEER})")
+            peers = ", ".join(f"{p} silent for {now - self.last_heard[p]:.1f} s" for p in silent)
+            return (f"mok_proto: {where}rank {self.rank}: peer {peers} (timeout {self.timeout_s:g} s): "
+                    f"stopped or dead; ending the job (exit {EXIT_PEER})")
         if guard and now > guard[1]:
             return (f"mok_proto: {where}rank {self.rank} waited {self.timeout_s:g} s; every peer is alive "
                     f"but the collective did not finish; ending the job (exit {EXIT_PEER})")
@@ -204,6 +209,56 @@ def guard(op: str):
     """The running watchdog's deadline around a blocking collective; a no-op without one (then
     the caller's preceding arrival_barrier is the only bound)."""
     return _ACTIVE[0].guard(op) if _ACTIVE else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def startup_guard(timeout_s: float, rank: int):
+    """Around MPI_Init: past timeout_s, a forked helper reports and kills this process."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # helper: no MPI, no threads; exits when the parent closes the pipe or after timeout_s
+        os.close(write_fd)
+        done, _, _ = select.select([read_fd], [], [], timeout_s)
+        if not done:
+            stopped = ", ".join(f"{r} (pid {p})" for r, p in stopped_ranks_here(os.getppid())) or "none found here"
+            os.write(2, (f"mok_proto: MPI startup: rank {rank} waited {timeout_s:g} s for every rank to start; "
+                         f"stopped ranks on this host: {stopped}; ending the job\n").encode())
+            os.kill(os.getppid(), signal.SIGKILL)
+        os._exit(0)
+    os.close(read_fd)
+    try:
+        yield
+    finally:
+        os.close(write_fd)
+        os.waitpid(pid, 0)
+
+
+def stopped_ranks_here(rank_pid: int) -> list[tuple[int, int]]:
+    """[(rank, pid)] of stopped processes started by the same launcher process as rank_pid (Linux
+    /proc; the launcher's PMI_RANK in their environment). Empty where /proc is unreadable."""
+    def stat(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1])  # state, parent pid
+
+    found = []
+    try:
+        launcher = stat(rank_pid)[1]
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            state, parent = stat(pid)
+            if parent != launcher or state not in "Tt":
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except (OSError, ValueError):
+            continue
+        if b"PMI_RANK" in env:
+            found.append((int(env[b"PMI_RANK"]), pid))
+    return sorted(found)
 
 
 def last_resort_alarm(timeout_s: float | None) -> None:
