@@ -201,7 +201,8 @@ def _fail(comm, code: int, line: str):
 
 
 def main(argv=None, on_step=None) -> int:
-    """on_step(name) runs at "setup", "forward", "backward", "cleanup" (a hook for fault tests)."""
+    """on_step(name) runs at "setup", "forward", "backward", "cleanup", "finish" (before MPI_Finalize):
+    a hook for fault tests."""
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -217,9 +218,13 @@ def main(argv=None, on_step=None) -> int:
     args.on_step = on_step
     from mok_proto.symm import watchdog
 
-    # NOTE: MPI_Init blocks until every rank arrives and holds the GIL: a forked helper bounds it.
-    with watchdog.startup_guard(args.timeout, _launcher_rank()):
-        from mpi4py import MPI
+    # NOTE: MPI_Init and MPI_Finalize block until every rank arrives and hold the GIL (no thread
+    # runs): a helper process forked now bounds them.
+    last_resort = watchdog.LastResort(_launcher_rank())
+    last_resort.arm("MPI startup", args.timeout)
+    from mpi4py import MPI
+
+    last_resort.disarm()
     comm = MPI.COMM_WORLD
     dog = watchdog.start(comm, args.timeout)
     # Collectives wait one timeout longer than a peer's flags: a rank that gave up on a flag
@@ -243,8 +248,8 @@ def main(argv=None, on_step=None) -> int:
         traceback.print_exc()
         _fail(comm, EXIT_PROTOCOL, f"{type(e).__name__}: {e}; ending the job (exit {EXIT_PROTOCOL})")
     dog.close()
-    # NOTE: MPI_Finalize (at exit) waits for every rank and holds the GIL: bounded by a signal too.
-    watchdog.last_resort_alarm(args.timeout)
+    last_resort.arm("MPI finalize", args.timeout)  # MPI_Finalize runs at exit
+    _step(args, "finish")
     return code
 
 

@@ -12,12 +12,11 @@ Legend: R ranks. Three tools, for the three kinds of blocking host call an MPI j
       (operator, this rank, the silent peers) and ends the job with MPI_Abort(EXIT_PEER).
       This covers the window between an arrival barrier and the collective after it, and names
       a stopped rank at any moment of the run (its heartbeats stop with it).
-  startup_guard(timeout_s, rank)         MPI_Init holds Python's GIL (no thread runs) and blocks
-      until every rank arrives: a helper process forked before it waits timeout_s, then names
-      the launcher's stopped processes on this host (state T in /proc, their PMI_RANK) in one
-      line and kills this rank, so the launcher takes the job down.
-  last_resort_alarm(timeout_s)          the same for MPI_Finalize (after MPI_Init, no fork): a
-      SIGALRM in its default action kills this process; no line names the peer.
+  LastResort (a helper process)          MPI_Init and MPI_Finalize hold Python's GIL (no thread
+      runs) and block until every rank arrives. A helper forked before MPI_Init (never after:
+      fork and MPI do not mix) is armed around both; past its deadline it names the launcher's
+      stopped processes on this host (state T in /proc, their PMI_RANK) in one line and kills
+      this rank (SIGKILL), so the launcher takes the job down (mpiexec exits 9 or 15).
 
 NOTE (MPICH hydra, measured with the mpich 5.0 wheel): MPI_Abort(code) from any rank ends every
 process, a stopped one included, and mpiexec exits with `code`. A process killed by a signal makes
@@ -211,26 +210,46 @@ def guard(op: str):
     return _ACTIVE[0].guard(op) if _ACTIVE else contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def startup_guard(timeout_s: float, rank: int):
-    """Around MPI_Init: past timeout_s, a forked helper reports and kills this process."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # helper: no MPI, no threads; exits when the parent closes the pipe or after timeout_s
-        os.close(write_fd)
-        done, _, _ = select.select([read_fd], [], [], timeout_s)
-        if not done:
+class LastResort:
+    """A helper process that kills this rank if an armed deadline passes (see the module docstring).
+    Create it before MPI_Init; arm(op, timeout_s) / disarm(); it exits when this process does."""
+
+    def __init__(self, rank: int):
+        read_fd, self._write_fd = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # helper: no MPI, no threads
+            os.close(self._write_fd)
+            os._exit(_last_resort_loop(read_fd, rank))
+        os.close(read_fd)
+
+    def arm(self, op: str, timeout_s: float) -> None:
+        os.write(self._write_fd, f"{float(timeout_s)} {op}\n".encode())
+
+    def disarm(self) -> None:
+        os.write(self._write_fd, b"0 -\n")
+
+
+def _last_resort_loop(read_fd: int, rank: int) -> int:
+    """The helper's life: follow arm/disarm lines; past a deadline report and kill the parent."""
+    deadline, op, timeout_s, pending = None, "", 0.0, b""
+    while True:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([read_fd], [], [], wait)
+        if not ready:
             stopped = ", ".join(f"{r} (pid {p})" for r, p in stopped_ranks_here(os.getppid())) or "none found here"
-            os.write(2, (f"mok_proto: MPI startup: rank {rank} waited {timeout_s:g} s for every rank to start; "
-                         f"stopped ranks on this host: {stopped}; ending the job\n").encode())
+            os.write(2, (f"mok_proto: {op}: rank {rank} waited {timeout_s:g} s for every rank; stopped ranks on "
+                         f"this host: {stopped}; ending the job\n").encode())
             os.kill(os.getppid(), signal.SIGKILL)
-        os._exit(0)
-    os.close(read_fd)
-    try:
-        yield
-    finally:
-        os.close(write_fd)
-        os.waitpid(pid, 0)
+            return 0
+        data = os.read(read_fd, 4096)
+        if not data:  # the rank exited
+            return 0
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            seconds, op = line.decode().split(" ", 1)
+            timeout_s = float(seconds)
+            deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
 
 
 def stopped_ranks_here(rank_pid: int) -> list[tuple[int, int]]:
@@ -259,9 +278,3 @@ def stopped_ranks_here(rank_pid: int) -> list[tuple[int, int]]:
         if b"PMI_RANK" in env:
             found.append((int(env[b"PMI_RANK"]), pid))
     return sorted(found)
-
-
-def last_resort_alarm(timeout_s: float | None) -> None:
-    """Arm (or with None disarm) a SIGALRM that kills this process after timeout_s."""
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.setitimer(signal.ITIMER_REAL, 0.0 if timeout_s is None else float(timeout_s))

@@ -15,7 +15,8 @@ from mok_proto import demo
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rank", type=int, required=True, help="the rank that stops")
-    p.add_argument("--at", required=True, choices=("setup", "forward", "backward", "cleanup"))
+    p.add_argument("--at", required=True, choices=("startup", "setup", "forward", "backward", "cleanup", "finish"),
+                   help="startup: before MPI starts; finish: after the last barrier, before MPI_Finalize")
     p.add_argument("--signal", default="STOP", choices=("STOP", "KILL"))
     p.add_argument("demo_args", nargs="*", help="options for the demo (after --)")
     args = p.parse_args()
@@ -27,6 +28,7 @@ def main():
                   flush=True)
             os.kill(os.getpid(), getattr(signal, f"SIG{args.signal}"))
 
+    on_step("startup")
     return demo.main(args.demo_args, on_step=on_step)
 
 
