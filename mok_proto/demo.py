@@ -196,8 +196,9 @@ def _ranks_here() -> int:
 
 def _fail(comm, code: int, line: str):
     """Report one line from this rank and end the whole job now (no collective cleanup)."""
-    print(f"mok_proto.demo: rank {comm.rank}: {line}", file=sys.stderr, flush=True)
-    comm.Abort(code)
+    from mok_proto.symm import watchdog
+
+    watchdog.abort(comm, f"mok_proto.demo: rank {comm.rank}: {line}", code)
 
 
 def main(argv=None, on_step=None) -> int:

@@ -54,6 +54,13 @@ class PeerTimeoutError(RuntimeError):
                          f"(not arrived: stopped, dead or elsewhere)")
 
 
+def abort(comm, line: str, code: int) -> None:
+    """Print one line and end the whole job with MPI_Abort(code) (every process, stopped ones too)."""
+    print(line, file=sys.stderr, flush=True)
+    time.sleep(0.2)  # NOTE: lets the launcher forward the line before MPI_Abort tears the job down
+    comm.Abort(code)
+
+
 def _poll_until(done, deadline: float) -> bool:
     """Call done() until it returns True (-> True) or the deadline passes (-> False); backs off to 1 ms."""
     spins = 0
@@ -158,8 +165,7 @@ class Watchdog:
             self._drain()
             problem = self._problem()
             if problem:
-                print(problem, file=sys.stderr, flush=True)
-                self.comm.Abort(EXIT_PEER)
+                abort(self.comm, problem, EXIT_PEER)
 
     def _send_beats(self, seq):
         self._beat[0] = seq
