@@ -224,7 +224,10 @@ class LastResort:
         read_fd, self._write_fd = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # helper: no MPI, no threads
-            os.close(self._write_fd)
+            # NOTE: hold none of the rank's files (output pipes, the launcher's PMI socket): a
+            # stopped helper must not keep the launcher waiting for them to close.
+            os.closerange(0, read_fd)
+            os.closerange(read_fd + 1, 1 << 16)
             os._exit(_last_resort_loop(read_fd, rank))
         os.close(read_fd)
 
@@ -243,8 +246,10 @@ def _last_resort_loop(read_fd: int, rank: int) -> int:
         ready, _, _ = select.select([read_fd], [], [], wait)
         if not ready:
             stopped = ", ".join(f"{r} (pid {p})" for r, p in stopped_ranks_here(os.getppid())) or "none found here"
-            os.write(2, (f"mok_proto: {op}: rank {rank} waited {timeout_s:g} s for every rank; stopped ranks on "
-                         f"this host: {stopped}; ending the job\n").encode())
+            line = (f"mok_proto: {op}: rank {rank} waited {timeout_s:g} s for every rank; stopped ranks on "
+                    f"this host: {stopped}; ending the job\n")
+            with contextlib.suppress(OSError), open(f"/proc/{os.getppid()}/fd/2", "w") as err:  # the rank's stderr
+                err.write(line)
             os.kill(os.getppid(), signal.SIGKILL)
             return 0
         data = os.read(read_fd, 4096)
