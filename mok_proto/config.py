@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from mok_proto.validate import check_int
+
 OPERATORS = ("dispatch", "combine", "rev_combine", "rev_dispatch")
 DIRECTIONS = ("push", "pull")
 # MoK's choice: the expert owner pulls tokens in and pushes results out; backward mirrors it.
@@ -18,9 +20,7 @@ DTYPES = ("float32", "float64")
 
 def _positive(obj, *names):
     for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_int(getattr(obj, name), name, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,7 @@ class RunConfig:
         for op, direction in self.policy.items():
             if direction not in DIRECTIONS:
                 raise ValueError(f"policy: {op} must be push or pull, got {direction!r}")
-        if not isinstance(self.minibatch, int) or isinstance(self.minibatch, bool) or self.minibatch < 0:
-            raise ValueError(f"minibatch must be an integer >= 0, got {self.minibatch!r}")
+        check_int(self.minibatch, "minibatch", minimum=0)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 < self.timeout_s < float("inf"):

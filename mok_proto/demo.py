@@ -6,8 +6,11 @@ Every rank builds every rank's inputs from one seed, runs its part of the distri
 and compares its slice with the single-process reference over all ranks' data. Rank 0 prints
 one row per rank: shape, policy, time, max relative error, and SHA-256 of the output and of
 all gradients (equal checksums = bitwise-equal results across runs and policies).
-Exit codes: 0 ok, 1 mismatch against the reference or a protocol error (a peer timed out, a
-buffer would overflow: one line per rank says which), 2 bad argument.
+Before MPI starts, the run is checked (options, ranks, memory per rank) and refused in one line.
+No rank waits longer than --timeout for a peer: a stopped or dead peer ends the job, with one line
+naming it (mok_proto.symm.watchdog). Exit codes (mok_proto.exitcodes): 0 pass, 1 mismatch
+against the reference, 2 bad argument or a run that cannot fit, 3 protocol error (a buffer would
+overflow, an unexpected error on a rank), 4 a stopped, dead or missing peer.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import hashlib
 import os
 import sys
 import time
+import traceback
 
 import numpy as np
 
 from mok_proto import reference
 from mok_proto.config import PRESETS, RunConfig, format_policy, get_shape, parse_policy
+from mok_proto.exitcodes import EXIT_BAD_ARGUMENT, EXIT_MISMATCH, EXIT_PASS, EXIT_PEER, EXIT_PROTOCOL
 from mok_proto.problem import make_problem
 from mok_proto.symm.base import CapacityError, SymmTimeoutError
 
@@ -33,6 +38,10 @@ class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         raise ValueError(message)
 
+    def print_help(self, file=None):
+        if _launcher_rank() == 0:  # -h under mpiexec: one help text, not one per rank
+            super().print_help(file)
+
 
 def parse_args(argv):
     p = _ArgumentParser(prog="python -m mok_proto.demo", description=__doc__.split("\n")[0])
@@ -40,10 +49,12 @@ def parse_args(argv):
     p.add_argument("--policy", default="", help="operator=push|pull list, e.g. dispatch=push,combine=pull "
                    "(operators: dispatch, combine, rev_combine, rev_dispatch; default MoK's choice)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="auto", help="auto (GPU if present, else CPU), cpu or gpu")
+    p.add_argument("--backend", default="auto", help="auto, cpu or gpu. Today auto runs the CPU backend: the GPU "
+                   "layer is not built yet (a later change makes auto pick the GPU when one is present)")
     p.add_argument("--routing", default="random", help="random, skewed or one-expert")
     p.add_argument("--dtype", default="float32", help="float32 or float64")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds any rank waits for a peer")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds any rank waits for a peer; a stopped or "
+                   "dead peer ends the job (exit 4) about this long after it stopped (default 30)")
     args = p.parse_args(argv)
     if args.backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
@@ -76,25 +87,63 @@ def rel_error(got, ref) -> float:
     return err if np.isfinite(err) else float("inf")
 
 
-def run_rank(comm, args):
+def estimate_bytes(run: RunConfig) -> int:
+    """Peak memory one rank of the CPU demo needs: every rank builds every rank's inputs and the
+    global weights, runs its part of the layer, then the float64 reference over all R*N tokens."""
+    shape, num_ranks = run.shape, run.num_ranks
+    n, h, i, e, k = shape.num_tokens, shape.hidden, shape.ffn, shape.num_experts, shape.top_k
+    dt = np.dtype(run.dtype).itemsize
+    weights = 3 * e * h * i + shape.num_shared * 3 * h * shape.shared_ffn_size  # elements
+    rows = num_ranks * n * k  # (token, choice) rows of all ranks: the worst-case receive rows too
+    problem = dt * (weights + 2 * num_ranks * n * h)  # weights, x, dout
+    layer = dt * (n * h + 2 * n * k * h + 2 * rows * h + rows * (h + 3 * i) + 3 * (e // num_ranks) * h * i)
+    ref = 8 * (2 * weights + rows * (4 * h + 3 * i) + num_ranks * n * (2 * h + 3 * shape.shared_ffn_size))
+    return problem + layer + ref
+
+
+def memory_limit_bytes(ranks_here: int) -> tuple[int, str]:
+    """(bytes one rank may use, how that was found): available memory over the ranks on this host."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return avail // max(ranks_here, 1), f"{avail / 2**30:.1f} GiB available / {ranks_here} ranks on this host"
+
+
+def check_fits(run: RunConfig, backend: str, ranks_here: int) -> None:
+    """ValueError (one line) if the run cannot fit in memory; checked before anything is allocated."""
+    need = estimate_bytes(run)
+    limit, how = memory_limit_bytes(ranks_here)
+    if need > limit:
+        small = ", ".join(name for name, shape in PRESETS.items() if shape.num_experts % run.num_ranks == 0
+                          and estimate_bytes(RunConfig(shape, num_ranks=run.num_ranks, dtype=run.dtype)) <= limit)
+        raise ValueError(f"--shape {run.shape.name} on the {backend} backend needs about {need / 2**30:.1f} GiB "
+                         f"per rank, more than the {limit / 2**30:.1f} GiB limit ({how}); "
+                         f"shapes that fit: {small or 'none'}")
+
+
+def run_rank(comm, args, run: RunConfig, heap_timeout_s: float):
     """This rank's part: returns one result row (dict)."""
     from mok_proto.layer.cpu import CpuMoELayer
+    from mok_proto.symm import watchdog
     from mok_proto.symm.mpi import MpiHeap
 
-    rank, num_ranks = comm.rank, comm.size
-    shape = get_shape(args.shape)
-    run = RunConfig(shape, num_ranks=num_ranks, policy=parse_policy(args.policy), seed=args.seed,
-                    dtype=args.dtype, timeout_s=args.timeout)
+    rank, num_ranks, shape = comm.rank, comm.size, run.shape
     prob = make_problem(shape, num_ranks, seed=args.seed, routing=args.routing, dtype=args.dtype)
 
-    with MpiHeap(comm) as heap:
+    _step(args, "setup")
+    with MpiHeap(comm, timeout_s=heap_timeout_s) as heap:
         layer = CpuMoELayer(heap, run, prob.local_weights(rank))
         heap.barrier()
+        _step(args, "forward")
         t0 = time.perf_counter()
         out = layer.forward(prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
         t1 = time.perf_counter()
+        _step(args, "backward")
         grads = layer.backward(prob.dout[rank])
         t2 = time.perf_counter()
+        _step(args, "cleanup")
 
     # Reference over all ranks' tokens (float64), then this rank's slice.
     ref_out, cache = reference.forward(prob.flat("x"), prob.flat("topk_idx"), prob.flat("topk_weights"),
@@ -110,59 +159,113 @@ def run_rank(comm, args):
             errors[key] = rel_error(g, ref_grads[key][experts])
     # Shared-expert grads are per-rank partial sums: check their sum over ranks, in rank order.
     for key in sorted(k for k in grads if k.startswith("shared_")):
-        total = sum(comm.allgather(grads[key]))
+        watchdog.arrival_barrier(comm, f"gather of {key}", heap_timeout_s)
+        with watchdog.guard(f"gather of {key}"):
+            total = sum(comm.allgather(grads[key]))
         errors[key] = rel_error(total, ref_grads[key])
     return dict(rank=rank, shape=shape.name, policy=format_policy(run.policy), fwd_ms=(t1 - t0) * 1e3,
                 bwd_ms=(t2 - t1) * 1e3, max_err=max(errors.values()), worst=max(errors, key=errors.get),
                 out_sha=checksum([out]), grad_sha=checksum([grads[k] for k in sorted(grads)]))
 
 
-def _launcher_rank() -> int:
-    """This process's rank as the MPI launcher announced it (no MPI init needed)."""
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+def _step(args, name):
+    """Hook between the steps of a run (tests stop a rank here: tests/mpi_programs/stop_rank.py)."""
+    if args.on_step is not None:
+        args.on_step(name)
+
+
+def _launcher_env(names, default: int) -> int:
+    for var in names:
         if var in os.environ:
             return int(os.environ[var])
-    return 0
+    return default
 
 
-def main(argv=None) -> int:
+def _launcher_rank() -> int:
+    """This process's rank as the MPI launcher announced it (no MPI init needed)."""
+    return _launcher_env(("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"), 0)
+
+
+def _launcher_size() -> int:
+    return _launcher_env(("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"), 1)
+
+
+def _ranks_here() -> int:
+    return _launcher_env(("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"), _launcher_size())
+
+
+def _fail(comm, code: int, line: str):
+    """Report one line from this rank and end the whole job now (no collective cleanup)."""
+    from mok_proto.symm import watchdog
+
+    watchdog.abort(comm, f"mok_proto.demo: rank {comm.rank}: {line}", code)
+
+
+def main(argv=None, on_step=None) -> int:
+    """on_step(name) runs at "setup", "forward", "backward", "cleanup", "finish" (before MPI_Finalize):
+    a hook for fault tests."""
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        get_shape(args.shape)
-        parse_policy(args.policy)
+        shape = get_shape(args.shape)
         backend = resolve_backend(args.backend)
+        run = RunConfig(shape, num_ranks=_launcher_size(), policy=parse_policy(args.policy), seed=args.seed,
+                        dtype=args.dtype, timeout_s=args.timeout)
+        check_fits(run, backend, _ranks_here())
     except ValueError as e:
         if _launcher_rank() == 0:  # one line per job, not one per rank
             print(f"mok_proto.demo: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_ARGUMENT
+    args.on_step = on_step
+    from mok_proto.symm import watchdog
+
+    # NOTE: MPI_Init and MPI_Finalize block until every rank arrives and hold the GIL (no thread
+    # runs): a helper process forked now bounds them.
+    last_resort = watchdog.LastResort(_launcher_rank())
+    last_resort.arm("MPI startup", args.timeout)
     from mpi4py import MPI
 
+    last_resort.disarm()
     comm = MPI.COMM_WORLD
+    dog = watchdog.start(comm, args.timeout)
+    # Collectives wait one timeout longer than a peer's flags: a rank that gave up on a flag
+    # reports it (and ends the job) before a collective on another rank would.
+    heap_timeout = 2 * args.timeout
     try:
-        row = run_rank(comm, args)
-    except ValueError as e:  # a config that does not fit this many ranks, say
+        row = run_rank(comm, args, run, heap_timeout)
+        watchdog.arrival_barrier(comm, "gather of results", heap_timeout)
+        with dog.guard("gather of results"):
+            rows = comm.gather(row, root=0)
+            ok = comm.allreduce(row["max_err"] <= TOLERANCE[args.dtype], op=MPI.LAND)
+        code = EXIT_PASS if ok else EXIT_MISMATCH
         if comm.rank == 0:
-            print(f"mok_proto.demo: error: {e}", file=sys.stderr)
-        return 2
-    except (SymmTimeoutError, CapacityError) as e:  # the protocol failed: say where, every rank
-        print(f"mok_proto.demo: rank {comm.rank}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    rows = comm.gather(row, root=0)
+            print_rows(args, backend, comm.size, rows, ok)
+        watchdog.arrival_barrier(comm, "end of run", heap_timeout)
+    except (SymmTimeoutError, watchdog.PeerTimeoutError) as e:  # a peer is stuck or gone
+        _fail(comm, EXIT_PEER, f"{type(e).__name__}: {e}; ending the job (exit {EXIT_PEER})")
+    except CapacityError as e:
+        _fail(comm, EXIT_PROTOCOL, f"CapacityError: {e}; ending the job (exit {EXIT_PROTOCOL})")
+    except Exception as e:  # noqa: BLE001 - any other failure on one rank must not leave the others waiting
+        traceback.print_exc()
+        _fail(comm, EXIT_PROTOCOL, f"{type(e).__name__}: {e}; ending the job (exit {EXIT_PROTOCOL})")
+    dog.close()
+    last_resort.arm("MPI finalize", args.timeout)  # MPI_Finalize runs at exit
+    _step(args, "finish")
+    return code
+
+
+def print_rows(args, backend, num_ranks, rows, ok):
     tol = TOLERANCE[args.dtype]
-    ok = comm.allreduce(row["max_err"] <= tol, op=MPI.LAND)
-    if comm.rank == 0:
-        print(f"# {get_shape(args.shape).describe()} R={comm.size} backend={backend} dtype={args.dtype} "
-              f"routing={args.routing} seed={args.seed}")
-        print(f"# policy {rows[0]['policy']}")
-        print(f"{'rank':>4} {'fwd_ms':>8} {'bwd_ms':>8} {'max_rel_err':>11} {'(array)':>14}  "
-              f"{'sha256(out)':<16}  {'sha256(grads)':<16}")
-        for r in rows:
-            print(f"{r['rank']:>4} {r['fwd_ms']:>8.2f} {r['bwd_ms']:>8.2f} {r['max_err']:>11.2e} "
-                  f"{'(' + r['worst'] + ')':>14}  {r['out_sha'][:16]}  {r['grad_sha'][:16]}")
-        print("PASS: every rank matches the reference" if ok else
-              f"FAIL: a rank differs from the reference by more than {tol:g} (relative)")
-    return 0 if ok else 1
+    print(f"# {get_shape(args.shape).describe()} R={num_ranks} backend={backend} dtype={args.dtype} "
+          f"routing={args.routing} seed={args.seed}")
+    print(f"# policy {rows[0]['policy']}")
+    print(f"{'rank':>4} {'fwd_ms':>8} {'bwd_ms':>8} {'max_rel_err':>11} {'(array)':>14}  "
+          f"{'sha256(out)':<16}  {'sha256(grads)':<16}")
+    for r in rows:
+        print(f"{r['rank']:>4} {r['fwd_ms']:>8.2f} {r['bwd_ms']:>8.2f} {r['max_err']:>11.2e} "
+              f"{'(' + r['worst'] + ')':>14}  {r['out_sha'][:16]}  {r['grad_sha'][:16]}")
+    print("PASS: every rank matches the reference" if ok else
+          f"FAIL: a rank differs from the reference by more than {tol:g} (relative)", flush=True)
 
 
 if __name__ == "__main__":

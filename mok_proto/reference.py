@@ -15,22 +15,20 @@ from __future__ import annotations
 
 import numpy as np
 
-WEIGHT_KEYS = ("w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")
+from mok_proto import validate
+from mok_proto.validate import InputError, array_module  # noqa: F401 - array_module is part of this API
+
+WEIGHT_KEYS = validate.WEIGHT_KEYS + validate.SHARED_KEYS
 SCORES = ("softmax", "sigmoid")
 
 
-def array_module(a):
-    """numpy or cupy, whichever owns `a` (cupy is never imported here)."""
-    if type(a).__module__.split(".")[0] == "cupy":
-        import cupy
-        return cupy
-    return np
-
-
 def _dtype(dtype):
-    dt = np.dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise InputError(f"dtype must be float32 or float64, got {dtype!r}") from None
     if dt not in (np.float32, np.float64):
-        raise ValueError(f"dtype must be float32 or float64, got {dt}")
+        raise InputError(f"dtype must be float32 or float64, got {dt}")
     return dt
 
 
@@ -50,17 +48,17 @@ def route(x, w_router, k, score="softmax"):
     """Top-k routing. x [N,H], w_router [H,E] -> (topk_idx [N,K] int32, topk_weights [N,K] float32).
 
     Experts are ranked by score (ties: lower index first); weights are the chosen scores
-    renormalized to sum to 1 per token.
+    renormalized to sum to 1 per token. N = 0 gives empty [0,K] results; non-finite logits raise.
     """
+    x = validate.check_array(x, "route: x", (None, None), "NH", kind="fiu")
+    w_router = validate.check_array(w_router, "route: w_router", (x.shape[1], None), "HE", kind="fiu")
     xp = array_module(x)
-    if x.ndim != 2 or w_router.ndim != 2 or x.shape[1] != w_router.shape[0]:
-        raise ValueError(f"route: x [N,H] and w_router [H,E] do not match: {x.shape} vs {w_router.shape}")
     num_experts = w_router.shape[1]
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"route: k must be in [1, {num_experts}], got {k}")
+    k = validate.check_int(k, "route: k", minimum=1, maximum=num_experts)
     if score not in SCORES:
-        raise ValueError(f"route: score must be one of {SCORES}, got {score!r}")
+        raise InputError(f"route: score must be one of {SCORES}, got {score!r}")
     logits = x.astype(xp.float32) @ w_router.astype(xp.float32)  # [N, E]
+    validate.check_finite(logits, "route: the router logits x @ w_router")
     if score == "softmax":
         e = xp.exp(logits - logits.max(axis=1, keepdims=True))
         scores = e / e.sum(axis=1, keepdims=True)
@@ -103,7 +101,7 @@ def expert_backward(dy, saved, w_gate, w_up, w_down):
 def weighted_sum(base, y_slots, topk_weights):
     """out[t] = base[t] + sum_j w[t,j] * y_slots[t*K+j], j in increasing order. base [N,H]."""
     num_tokens, top_k = topk_weights.shape
-    y = y_slots.reshape(num_tokens, top_k, -1)  # [N, K, H]
+    y = y_slots.reshape(num_tokens, top_k, base.shape[1])  # [N, K, H]
     out = base.copy()
     for j in range(top_k):
         out += topk_weights[:, j, None] * y[:, j]
@@ -112,7 +110,7 @@ def weighted_sum(base, y_slots, topk_weights):
 
 def slot_sum(base, slots, top_k):
     """out[t] = base[t] + sum_j slots[t*K+j], j in increasing order."""
-    s = slots.reshape(base.shape[0], top_k, -1)
+    s = slots.reshape(base.shape[0], top_k, base.shape[1])
     out = base.copy()
     for j in range(top_k):
         out += s[:, j]
@@ -126,7 +124,7 @@ def scale_to_slots(dout, topk_weights):
 
 def topk_weight_grad(dout, y_slots, top_k):
     """d out / d w[t,j] = <dout[t], y_slots[t*K+j]>. [N, K]."""
-    y = y_slots.reshape(dout.shape[0], top_k, -1)
+    y = y_slots.reshape(dout.shape[0], top_k, dout.shape[1])
     return (dout[:, None, :] * y).sum(axis=2)
 
 
@@ -134,36 +132,12 @@ def topk_weight_grad(dout, y_slots, top_k):
 # The layer
 # ---------------------------------------------------------------------------------------------
 def _check_inputs(x, topk_idx, topk_weights, weights):
-    if x.ndim != 2:
-        raise ValueError(f"x must be [N,H], got shape {x.shape}")
-    num_tokens, hidden = x.shape
-    if topk_idx.ndim != 2 or topk_idx.shape[0] != num_tokens:
-        raise ValueError(f"topk_idx must be [N={num_tokens},K], got shape {topk_idx.shape}")
-    if topk_weights.shape != topk_idx.shape:
-        raise ValueError(f"topk_weights must match topk_idx {topk_idx.shape}, got {topk_weights.shape}")
-    for key in ("w_gate", "w_up", "w_down"):
-        if key not in weights:
-            raise ValueError(f"weights: missing {key!r}")
-    num_experts, h, ffn = weights["w_gate"].shape
-    if h != hidden or weights["w_up"].shape != (num_experts, hidden, ffn) \
-            or weights["w_down"].shape != (num_experts, ffn, hidden):
-        raise ValueError(f"weights: expected w_gate/w_up [E,{hidden},I], w_down [E,I,{hidden}], got "
-                         f"{weights['w_gate'].shape}, {weights['w_up'].shape}, {weights['w_down'].shape}")
-    shared = [key for key in WEIGHT_KEYS[3:] if key in weights]
-    if shared and len(shared) != 3:
-        raise ValueError(f"weights: give all of shared_gate/shared_up/shared_down or none, got {shared}")
-    if shared:
-        if any(weights[key].ndim != 2 for key in shared):
-            raise ValueError("weights: shared_gate/shared_up must be [H,Is] and shared_down [Is,H]")
-        s_ffn = weights["shared_gate"].shape[1]
-        if weights["shared_gate"].shape != (hidden, s_ffn) or weights["shared_up"].shape != (hidden, s_ffn) \
-                or weights["shared_down"].shape != (s_ffn, hidden):
-            raise ValueError("weights: shared_gate/shared_up must be [H,Is] and shared_down [Is,H]")
-    if topk_idx.dtype.kind not in "iu":
-        raise ValueError(f"topk_idx must be integers, got {topk_idx.dtype}")
-    if topk_idx.size and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= num_experts):
-        raise ValueError(f"topk_idx values must be in [0, {num_experts})")
-    return bool(shared)
+    """-> (x, topk_idx, topk_weights, has_shared), lists converted; InputError naming the argument."""
+    x = validate.check_array(x, "x", (None, None), "NH", kind="f")
+    has_shared = validate.check_weights(weights, hidden=x.shape[1])
+    num_experts = validate.as_array(weights["w_gate"], "weights['w_gate']").shape[0]
+    x, topk_idx, topk_weights = validate.check_layer_inputs(x, topk_idx, topk_weights, num_experts)
+    return x, topk_idx, topk_weights, has_shared
 
 
 def group_slots_by_expert(topk_idx, num_experts):
@@ -178,11 +152,11 @@ def group_slots_by_expert(topk_idx, num_experts):
 
 def forward(x, topk_idx, topk_weights, weights, dtype="float32"):
     """x [N,H], topk_idx/topk_weights [N,K], weights (see WEIGHT_KEYS) -> (out [N,H], cache)."""
-    xp = array_module(x)
     dt = _dtype(dtype)
-    has_shared = _check_inputs(x, topk_idx, topk_weights, weights)
+    x, topk_idx, topk_weights, has_shared = _check_inputs(x, topk_idx, topk_weights, weights)
+    xp = array_module(x)
     x = x.astype(dt)
-    w = {key: weights[key].astype(dt) for key in WEIGHT_KEYS if key in weights}
+    w = {key: xp.asarray(weights[key]).astype(dt) for key in WEIGHT_KEYS if key in weights}
     topk_weights = topk_weights.astype(dt)
     num_tokens, top_k = topk_idx.shape
     num_experts = w["w_gate"].shape[0]
@@ -208,12 +182,17 @@ def forward(x, topk_idx, topk_weights, weights, dtype="float32"):
     return out, cache
 
 
+_CACHE_KEYS = ("x", "topk_idx", "topk_weights", "weights", "order", "offsets", "saved", "shared_saved", "y_slots")
+
+
 def backward(dout, cache):
     """dout [N,H] -> dict of gradients: x, topk_weights, w_gate, w_up, w_down (+ shared_*)."""
-    xp = array_module(dout)
+    missing = [key for key in _CACHE_KEYS if not hasattr(cache, "keys") or key not in cache]
+    if missing:
+        raise InputError(f"backward: cache must be the cache returned by forward() (missing {', '.join(missing)})")
     x, w, top_k = cache["x"], cache["weights"], cache["topk_idx"].shape[1]
-    if dout.shape != x.shape:
-        raise ValueError(f"dout must have the shape of x {x.shape}, got {dout.shape}")
+    dout = validate.check_array(dout, "dout", x.shape, "NH", kind="f")
+    xp = array_module(dout)
     dout = dout.astype(x.dtype)
     order, offsets = cache["order"], cache["offsets"]
 

@@ -47,11 +47,12 @@ computed for all ranks at once in one vectorized pass over the R*N*K pairs
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import numpy as np
+
+from mok_proto.validate import InputError, check_int, check_routing
 
 __all__ = [
     "PullSchedule",
@@ -120,15 +121,6 @@ class _Placement:
     dst_slot: np.ndarray  # [R, N*K] int32 (local to the owner's buffer)
 
 
-def _as_int(value, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be an integer, got bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
-
-
 def _check_routing(topk_idx_all, num_experts) -> tuple[np.ndarray, int]:
     """Validate and convert the all-gathered routing; returns (topk [R, N, K] int64, E)."""
     if (
@@ -138,43 +130,30 @@ def _check_routing(topk_idx_all, num_experts) -> tuple[np.ndarray, int]:
         topk_idx_all = topk_idx_all.get()  # CuPy (or similar device array) -> host
     topk = np.asarray(topk_idx_all)
     if topk.ndim != 3:
-        raise ValueError(
+        raise InputError(
             f"topk_idx_all must be 3-D [R, N, K] (ranks, tokens, top-k), got shape {topk.shape}"
         )
-    if not np.issubdtype(topk.dtype, np.integer):
-        if topk.size:
-            raise ValueError(f"topk_idx_all must have an integer dtype, got {topk.dtype}")
     num_ranks = topk.shape[0]
     if num_ranks < 1:
-        raise ValueError(f"topk_idx_all must have at least one rank (R >= 1), got shape {topk.shape}")
-    num_experts = _as_int(num_experts, "num_experts")
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        raise InputError(f"topk_idx_all must have at least one rank (R >= 1), got shape {topk.shape}")
+    num_experts = check_int(num_experts, "num_experts", minimum=1)
     if num_experts % num_ranks:
-        raise ValueError(
+        raise InputError(
             f"num_experts ({num_experts}) must be divisible by the number of ranks "
             f"R = topk_idx_all.shape[0] ({num_ranks})"
         )
-    if topk.size:
-        lo, hi = int(topk.min()), int(topk.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(
-                f"topk_idx_all values must lie in [0, num_experts={num_experts}), "
-                f"got min {lo}, max {hi}"
-            )
+    # Any ids in [0, E) (a token may repeat an expert: the placement is defined for every pair).
+    check_routing(topk, num_experts, "topk_idx_all", distinct=False)
     num_tokens, top_k = topk.shape[1], topk.shape[2]
     if num_ranks * num_tokens * top_k > _INT32_MAX:
-        raise ValueError(
+        raise InputError(
             f"topk_idx_all has {num_ranks * num_tokens * top_k} pairs, more than int32 slots allow"
         )
     return topk.astype(np.int64, copy=False), num_experts
 
 
 def _check_align(align) -> int:
-    align = _as_int(align, "align")
-    if align < 1:
-        raise ValueError(f"align must be >= 1, got {align}")
-    return align
+    return check_int(align, "align", minimum=1)
 
 
 def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
@@ -269,10 +248,10 @@ def build_pull_schedule(topk_idx_all, num_experts: int, rank: int, align: int = 
     """Pull schedule of expert-owning rank `rank` from the all-gathered routing [R, N, K]."""
     topk, num_experts = _check_routing(topk_idx_all, num_experts)
     align = _check_align(align)
-    rank = _as_int(rank, "rank")
     num_ranks = topk.shape[0]
+    rank = check_int(rank, "rank")
     if not 0 <= rank < num_ranks:
-        raise ValueError(f"rank must be in [0, R={num_ranks}), got {rank}")
+        raise InputError(f"rank must be in [0, R={num_ranks}), got {rank}")
     return _schedule_of(_place(topk, num_experts, align), rank)
 
 
@@ -288,17 +267,9 @@ def max_receive_slots(
     num_tokens: int, top_k: int, num_ranks: int, num_local_experts: int, align: int = 1
 ) -> int:
     """Worst-case receive rows: all R*N*K pairs land here, plus El*(align-1) padding."""
-    num_tokens = _as_int(num_tokens, "num_tokens")
-    top_k = _as_int(top_k, "top_k")
-    num_ranks = _as_int(num_ranks, "num_ranks")
-    num_local_experts = _as_int(num_local_experts, "num_local_experts")
+    num_tokens = check_int(num_tokens, "num_tokens", minimum=0)
+    top_k = check_int(top_k, "top_k", minimum=0)
+    num_ranks = check_int(num_ranks, "num_ranks", minimum=0)
+    num_local_experts = check_int(num_local_experts, "num_local_experts", minimum=0)
     align = _check_align(align)
-    for name, value in (
-        ("num_tokens", num_tokens),
-        ("top_k", top_k),
-        ("num_ranks", num_ranks),
-        ("num_local_experts", num_local_experts),
-    ):
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
     return num_ranks * num_tokens * top_k + num_local_experts * (align - 1)

@@ -11,6 +11,8 @@ launch cost; median (p20, p80). Every timed kernel's output is also checked agai
 torch._grouped_mm's (plus the fused elementwise step in float32): column `err`, max |ours - ref| /
 max |ref|, must stay below ERR_TOL.
 Bars: forward >= 0.9x, data gradients >= 0.85x, weight gradients >= 0.8x of torch._grouped_mm.
+Exit status: 0 when every row meets its bar and its output check, 1 otherwise (the failed rows are
+listed), 2 on a machine without a GPU, CuPy or torch (one line says which).
 Results: JSON lines appended to results/bench_gemm.jsonl.
 """
 
@@ -21,7 +23,7 @@ import sys
 
 import numpy as np
 
-from mok_proto.bench import append_result, summarize, time_stages
+from mok_proto.bench import append_result, require_gpu, summarize, time_stages
 from mok_proto.config import PAPER_SHAPES, get_shape
 from mok_proto.kernels import gemm
 from mok_proto.kernels.errors import ErrorRecord
@@ -87,9 +89,6 @@ def grouped_mm(a, b, offs):
 
 
 def main():
-    import cupy
-    import torch
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
     p.add_argument("--ep", type=int, default=64)
@@ -98,6 +97,10 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
+    require_gpu("bench_gemm.py", need_torch=True)
+    import cupy
+    import torch
+
     dev = torch.device("cuda")
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device=dev)
     cp = lambda t: cupy.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)  # noqa: E731
@@ -106,7 +109,7 @@ def main():
           f"TFLOP/s median over {args.iters} (ratio = ours / torch._grouped_mm)")
     print(f"{'shape':<16}{'routing':<8}{'problem':<14}{'ours':>8}{'grouped':>9}{'dense':>8}{'ratio':>7}{'bar':>6}"
           f"{'err':>9}  ok")
-    all_ok = True
+    failed = []  # rows that miss their bar or whose output is wrong
     for shape_name in args.shapes.split(","):
         shape = get_shape(shape_name)
         num_experts, hidden, ffn = shape.num_experts // args.ep, shape.hidden, shape.ffn
@@ -162,7 +165,9 @@ def main():
                 ratio = tf["ours"] / tf["torch"]
                 correct = error <= ERR_TOL
                 ok = ratio >= BARS[name] and correct
-                all_ok &= ok
+                if not ok:
+                    failed.append(f"{shape_name} {routing} {name}: " + (f"ratio {ratio:.2f} < bar {BARS[name]}"
+                                  if correct else f"max rel err {error:.1e} > {ERR_TOL:.1e}"))
                 print(f"{shape_name:<16}{routing:<8}{name:<14}{tf['ours']:>8.0f}{tf['torch']:>9.0f}{tf['dense']:>8.0f}"
                       f"{ratio:>7.2f}{BARS[name]:>6.2f}{error:>9.1e}  "
                       f"{'yes' if ok else ('NO' if correct else 'WRONG')}", flush=True)
@@ -172,7 +177,10 @@ def main():
                                              "tflops": tf, "ratio": ratio, "bar": BARS[name], "max_rel_err": error})
     kernel = gemm.MODULE.function(f"mok::gemm::grouped_gemm<{gemm.PROBLEMS.index('down')}>")
     print(f"# grid: {gemm.resident_clusters(kernel)} clusters of {gemm.CLUSTER} CTAs")
-    print("all bars met, all outputs match" if all_ok else "some rows failed (see 'NO' / 'WRONG' rows)")
+    if failed:
+        print(f"FAIL: {len(failed)} rows miss their bar or are wrong:\n  " + "\n  ".join(failed), file=sys.stderr)
+        return 1
+    print("all bars met, all outputs match")
     return 0
 
 

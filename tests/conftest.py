@@ -32,12 +32,16 @@ def mpiexec_cmd(num_ranks: int, *args: str) -> list[str]:
     return cmd + [sys.executable, *args]
 
 
+def rank_env() -> dict:
+    """The environment ranks run in: this checkout importable, no NVLink multicast, quiet UCX."""
+    return dict(os.environ, UCX_LOG_LEVEL="error", NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
+                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def run_ranks(num_ranks: int, *args: str, timeout: float = 180, expect_rc: int | None = 0):
     """Run `python args...` on num_ranks ranks; return the CompletedProcess (checked against expect_rc)."""
-    env = dict(os.environ, UCX_LOG_LEVEL="error", NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(mpiexec_cmd(num_ranks, *args), capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+                          env=rank_env(), cwd=ROOT)
     if expect_rc is not None and proc.returncode != expect_rc:
         raise AssertionError(f"exit {proc.returncode} (expected {expect_rc}) from {' '.join(args)} on "
                              f"{num_ranks} ranks\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")

@@ -186,9 +186,9 @@ def test_forward_naive_oracle_is_not_trivial():
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_forward_special_routings_match_naive(xp, shared):
-    """Repeated expert within a token, one expert for everyone, and an unused expert."""
+    """One expert in every token, and an unused expert (repeated ids are refused: see section 6)."""
     n, h, i, e, k = 6, 7, 5, 5, 3
-    idx = np.array([[0, 0, 1], [2, 2, 2], [0, 1, 3], [3, 1, 0], [1, 0, 0], [0, 3, 2]], np.int32)  # 4 unused
+    idx = np.array([[0, 2, 1], [2, 0, 1], [0, 1, 3], [3, 1, 0], [1, 0, 2], [0, 3, 2]], np.int32)  # 4 unused
     x, idx, wts, weights, _ = make_inputs(11, n, h, i, e, k, shared_ffn=4 if shared else None, idx=idx)
     out, _ = reference.forward(xp.asarray(x), xp.asarray(idx), xp.asarray(wts), to_xp(xp, weights),
                                dtype="float64")
@@ -366,7 +366,7 @@ def test_backward_finite_differences(xp, case):
 def test_backward_unused_experts_grad_exactly_zero_and_fd(xp):
     """Every sampled entry of an idle expert: analytic 0, finite difference 0 too."""
     n, h, i, e, k = 4, 5, 3, 6, 2
-    idx = np.array([[1, 3], [3, 1], [1, 1], [3, 3]], np.int32)  # experts 0, 2, 4, 5 idle
+    idx = np.array([[1, 3], [3, 1], [1, 3], [3, 1]], np.int32)  # experts 0, 2, 4, 5 idle
     x, idx, wts, weights, dout = make_inputs(31, n, h, i, e, k, shared_ffn=None, idx=idx)
     _, cache = reference.forward(xp.asarray(x), xp.asarray(idx), xp.asarray(wts), to_xp(xp, weights),
                                  dtype="float64")
@@ -445,7 +445,7 @@ def test_bad_dtype_raises(xp, dtype):
     with pytest.raises((ValueError, TypeError)) as info:
         reference.forward(xp.asarray(x), xp.asarray(idx), xp.asarray(wts), to_xp(xp, weights), dtype=dtype)
     if dtype != "bfloat":  # an unknown name is numpy's TypeError; a known wrong dtype must be ValueError
-        assert info.type is ValueError
+        assert issubclass(info.type, ValueError)
         assert "dtype" in str(info.value)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mok_proto import reference
+from mok_proto import reference, validate
 from mok_proto.config import RunConfig
 from mok_proto.layer import transfer
 from mok_proto.schedule import build_pull_schedule, max_receive_slots
@@ -34,12 +34,12 @@ class CpuMoELayer:
             raise ValueError(f"num_ranks: config says R={run.num_ranks} but the heap has {heap.num_ranks} ranks")
         self.heap, self.run, self.rank = heap, run, heap.rank
         self.dtype = np.dtype(run.dtype)
-        self.weights = {key: np.asarray(v, self.dtype) for key, v in weights.items()}
         num_local = run.num_local_experts
-        if self.weights["w_gate"].shape != (num_local, shape.hidden, shape.ffn):
-            raise ValueError(f"weights: w_gate must be [El={num_local}, H={shape.hidden}, I={shape.ffn}], "
-                             f"got {self.weights['w_gate'].shape}")
-        self.has_shared = "shared_gate" in self.weights
+        self.has_shared = validate.check_weights(weights, hidden=shape.hidden, num_experts=num_local)
+        if validate.as_array(weights["w_gate"], "weights['w_gate']").shape[2] != shape.ffn:
+            raise validate.InputError(f"weights['w_gate'] must be [El={num_local},H={shape.hidden},I={shape.ffn}], "
+                                      f"got shape {weights['w_gate'].shape}")
+        self.weights = {key: np.asarray(v, self.dtype) for key, v in weights.items()}
         n, h, k = shape.num_tokens, shape.hidden, shape.top_k
         worst = max_receive_slots(n, k, run.num_ranks, num_local)
         self.capacity = worst if capacity is None else capacity
@@ -60,14 +60,12 @@ class CpuMoELayer:
     def forward(self, x, topk_idx, topk_weights):
         """x [N,H], topk_idx/topk_weights [N,K] -> out [N,H]; keeps what backward needs."""
         run, shape, rank = self.run, self.run.shape, self.rank
-        x = self._check("x", x, (shape.num_tokens, shape.hidden), self.dtype)
-        raw_idx = np.asarray(topk_idx)
-        if not np.issubdtype(raw_idx.dtype, np.integer):
-            raise ValueError(f"topk_idx must be integers, got {raw_idx.dtype}")
-        if raw_idx.size and (raw_idx.min() < 0 or raw_idx.max() >= shape.num_experts):
-            raise ValueError(f"topk_idx values must be in [0, {shape.num_experts})")  # before the int32 cast
-        topk_idx = self._check("topk_idx", raw_idx, (shape.num_tokens, shape.top_k), np.int32)
-        topk_weights = self._check("topk_weights", topk_weights, (shape.num_tokens, shape.top_k), self.dtype)
+        # Checked before any cast (an id of 2**32 must not wrap into range).
+        x, topk_idx, topk_weights = validate.check_layer_inputs(
+            x, topk_idx, topk_weights, shape.num_experts, shape.num_tokens, shape.hidden, shape.top_k)
+        x = np.ascontiguousarray(x, self.dtype)
+        topk_idx = np.ascontiguousarray(topk_idx, np.int32)
+        topk_weights = np.ascontiguousarray(topk_weights, self.dtype)
         self.epoch += 1
         epoch, timeout = self.epoch, run.timeout_s
 
@@ -109,7 +107,8 @@ class CpuMoELayer:
         if getattr(self, "_cache", None) is None:
             raise RuntimeError("backward() needs a forward() first")
         run, shape, rank, cache = self.run, self.run.shape, self.rank, self._cache
-        dout = self._check("dout", dout, (shape.num_tokens, shape.hidden), self.dtype)
+        dout = np.ascontiguousarray(
+            validate.check_array(dout, "dout", (shape.num_tokens, shape.hidden), "NH", kind="f"), self.dtype)
         sched = cache["sched"]
         self.epoch += 1
         epoch, timeout = self.epoch, run.timeout_s
@@ -168,13 +167,6 @@ class CpuMoELayer:
         if need[worst] > self.capacity:
             raise CapacityError(f"receive buffer overflow: rank {worst} needs {int(need[worst])} rows, "
                                 f"capacity is {self.capacity}; raise capacity or rebalance routing")
-
-    @staticmethod
-    def _check(name, a, shape, dtype):
-        a = np.asarray(a)
-        if a.shape != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
-        return np.ascontiguousarray(a, dtype=dtype)
 
     def close(self):
         self.heap.close()

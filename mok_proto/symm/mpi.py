@@ -7,6 +7,10 @@ ranks for its whole life (`Lock_all`). Mapping of the contract in base.py:
   quiet     -> MPI_Win_flush_all;  publish -> MPI_Win_sync
   signal    -> flush(peer) on every data window, then MPI_Accumulate(REPLACE) + flush
   read      -> MPI_Fetch_and_op(NO_OP) on my own window + flush (atomic, drives progress)
+  barrier   -> flush, then watchdog.arrival_barrier (bounded: PeerTimeoutError names who is missing)
+Window creation and freeing block until every rank takes part: each is preceded by a bounded
+arrival barrier (every peer alive) and runs under the process watchdog's deadline, if one runs.
+After an error inside `with MpiHeap(...)`, the heap skips its collective teardown: the job must end.
 """
 
 from __future__ import annotations
@@ -15,17 +19,28 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
+from mok_proto.symm import watchdog
 from mok_proto.symm.base import Signals, SymmetricArray, SymmetricHeap
 
 
-def _window(comm, num_items: int, dtype: np.dtype):
-    win = MPI.Win.Allocate(max(1, num_items) * dtype.itemsize, dtype.itemsize, comm=comm)
+def _window(heap: "MpiHeap", name: str, num_items: int, dtype: np.dtype):
+    op = f"window creation ({name})"
+    watchdog.arrival_barrier(heap.comm, op, heap.timeout_s)
+    with watchdog.guard(op):
+        win = MPI.Win.Allocate(max(1, num_items) * dtype.itemsize, dtype.itemsize, comm=heap.comm)
     local = np.frombuffer(win.tomemory(), dtype=dtype, count=num_items)
     local[...] = 0
     win.Lock_all(MPI.MODE_NOCHECK)
     win.Sync()
-    comm.Barrier()  # NOTE: no peer may touch this window before every rank zeroed its instance
+    # NOTE: no peer may touch this window before every rank zeroed its instance
+    watchdog.arrival_barrier(heap.comm, op, heap.timeout_s)
     return win, local
+
+
+def _free(win, name: str):
+    win.Unlock_all()
+    with watchdog.guard(f"window freeing ({name})"):
+        win.Free()
 
 
 class MpiArray(SymmetricArray):
@@ -33,7 +48,7 @@ class MpiArray(SymmetricArray):
         self.heap, self.name = heap, name
         self.shape, self.dtype = tuple(int(s) for s in shape), np.dtype(dtype)
         self.row_items = int(np.prod(self.shape[1:], dtype=np.int64))
-        self.win, flat = _window(heap.comm, int(np.prod(self.shape, dtype=np.int64)), self.dtype)
+        self.win, flat = _window(heap, name, int(np.prod(self.shape, dtype=np.int64)), self.dtype)
         self.local = flat.reshape(self.shape)
         self.mpi_type = from_numpy_dtype(self.dtype)
 
@@ -82,15 +97,14 @@ class MpiArray(SymmetricArray):
             del self.heap.pending[key]
 
     def free(self):
-        self.win.Unlock_all()
-        self.win.Free()
+        _free(self.win, self.name)
 
 
 class MpiSignals(Signals):
     def __init__(self, heap: "MpiHeap", name: str, num_kinds: int):
         self.heap, self.name, self.rank = heap, name, heap.rank
         self.num_kinds, self.num_ranks = num_kinds, heap.num_ranks
-        self.win, self.local = _window(heap.comm, num_kinds * heap.num_ranks, np.dtype(np.int64))
+        self.win, self.local = _window(heap, name, num_kinds * heap.num_ranks, np.dtype(np.int64))
         self._one = np.zeros(1, np.int64)
         self._res = np.zeros(1, np.int64)
 
@@ -116,15 +130,15 @@ class MpiSignals(Signals):
         self.heap.sync_all()
 
     def free(self):
-        self.win.Unlock_all()
-        self.win.Free()
+        _free(self.win, self.name)
 
 
 class MpiHeap(SymmetricHeap):
     backend = "cpu"
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, timeout_s: float = 30.0):
         self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.timeout_s = float(timeout_s)  # bound of every collective (barrier, window creation/freeing)
         self.rank, self.num_ranks = self.comm.rank, self.comm.size
         self.arrays: dict[str, MpiArray] = {}
         self.flags: dict[str, MpiSignals] = {}
@@ -155,7 +169,7 @@ class MpiHeap(SymmetricHeap):
         for array, peer in self.pending:
             array.win.Flush(peer)
         self.pending.clear()
-        self.comm.Barrier()
+        watchdog.arrival_barrier(self.comm, "barrier", self.timeout_s)
 
     def close(self):
         if self.arrays is None:
@@ -164,3 +178,11 @@ class MpiHeap(SymmetricHeap):
         for obj in list(self.arrays.values()) + list(self.flags.values()):
             obj.free()
         self.arrays = self.flags = None
+
+    def __exit__(self, exc_type, *rest):
+        if exc_type is not None:
+            # NOTE: a failed rank skips the collective teardown (peers may be stuck or elsewhere):
+            # the caller reports the error and ends the job (the demo: MPI_Abort).
+            self.arrays = self.flags = None
+            return
+        self.close()

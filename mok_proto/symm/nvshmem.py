@@ -7,6 +7,9 @@
 Several processes on one GPU (NVSHMEM's MPG mode) is the normal test case: there NVSHMEM forbids
 team collectives, so this module uses only MPI barriers. NVLink multicast (NVLS) is never used:
 NVSHMEM_DISABLE_NVLS=1 is set before init unless the caller set it.
+Host collectives are bounded by `timeout_s` (mok_proto.symm.watchdog): barriers are arrival
+barriers (PeerTimeoutError names the missing peers); NVSHMEM init, allocation, freeing and
+finalize are preceded by one and run under the process watchdog's deadline, if one runs.
 
 Mapping of the contract in base.py (host path, for conformance tests):
   put_rows / get_rows -> cupy scatter / gather kernels through the peer mapping (get_peer_array)
@@ -21,6 +24,7 @@ import os
 
 import numpy as np
 
+from mok_proto.symm import watchdog
 from mok_proto.symm.base import SymmetricHeap
 from mok_proto.symm.gpu import (FLAG_DTYPE, GpuSignals, GpuSymmetricArray, norm_dtype, norm_shape,
                                 require_cupy)
@@ -39,7 +43,8 @@ class NvshmemArray(GpuSymmetricArray):
         count = int(np.prod(shape, dtype=np.int64))
         self.nbytes = count * dtype.itemsize
         # nvshmem_malloc(0) may return NULL: allocate at least one element, view `count` of them.
-        self._owner = nvshmem.array((max(count, 1),), dtype=dtype)
+        with watchdog.guard(f"nvshmem allocation ({name})"):
+            self._owner = nvshmem.array((max(count, 1),), dtype=dtype)
         self._owner.fill(0)
         self._instances = []
         for peer in range(self.num_ranks):
@@ -55,7 +60,7 @@ class NvshmemArray(GpuSymmetricArray):
         self.ptr_table = cupy.asarray(np.array([inst.data.ptr for inst in self._instances], np.uint64))
         # NOTE: every PE's zero fill is complete before any peer may store into its instance.
         cupy.cuda.runtime.deviceSynchronize()
-        heap.comm.Barrier()
+        watchdog.arrival_barrier(heap.comm, f"nvshmem allocation ({name})", heap.timeout_s)
 
     def instance(self, rank):
         return self._instances[self._check_peer(rank)]
@@ -70,14 +75,15 @@ class NvshmemArray(GpuSymmetricArray):
 
         self._instances = []  # peer mappings first: they belong to the allocation freed next
         self.ptr_table = None
-        nvshmem.free_array(self._owner)  # collective: every PE frees in the same order
+        with watchdog.guard(f"nvshmem freeing ({self.name})"):
+            nvshmem.free_array(self._owner)  # collective: every PE frees in the same order
         self._owner = None
 
 
 class NvshmemHeap(SymmetricHeap):
     backend = "nvshmem"
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, timeout_s: float = 30.0):
         cupy = require_cupy(who="NvshmemHeap")
         try:
             import nvshmem.core as nvshmem
@@ -94,11 +100,14 @@ class NvshmemHeap(SymmetricHeap):
             raise RuntimeError("NvshmemHeap: one heap per process at a time (close the open one first)")
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")  # NOTE: never NVLink multicast here
         self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.timeout_s = float(timeout_s)
         self.device = self.comm.rank % cupy.cuda.runtime.getDeviceCount()
         cupy.cuda.Device(self.device).use()
         self._cuda_device = Device(self.device)
         self._cuda_device.set_current()
-        nvshmem.init(device=self._cuda_device, mpi_comm=self.comm, initializer_method="emulated_mpi")
+        watchdog.arrival_barrier(self.comm, "nvshmem init", self.timeout_s)
+        with watchdog.guard("nvshmem init"):
+            nvshmem.init(device=self._cuda_device, mpi_comm=self.comm, initializer_method="emulated_mpi")
         self.rank, self.num_ranks = int(nvshmem.my_pe()), int(nvshmem.n_pes())
         if (self.rank, self.num_ranks) != (self.comm.rank, self.comm.size):
             raise RuntimeError(f"NVSHMEM PE {self.rank}/{self.num_ranks} != MPI rank "
@@ -115,7 +124,9 @@ class NvshmemHeap(SymmetricHeap):
         if name in self.arrays:
             raise ValueError(f"symmetric array {name!r} already allocated")
         # Collective sanity: every PE allocates the same thing in the same order (NVSHMEM requires it).
-        specs = self.comm.allgather((name, shape, dtype.str))
+        watchdog.arrival_barrier(self.comm, f"nvshmem allocation ({name})", self.timeout_s)
+        with watchdog.guard(f"nvshmem allocation ({name})"):
+            specs = self.comm.allgather((name, shape, dtype.str))
         if any(spec != specs[0] for spec in specs):
             raise ValueError(f"symmetric array {name!r}: ranks disagree on (name, shape, dtype): {specs}")
         self.arrays[name] = NvshmemArray(self, name, shape, dtype)
@@ -146,7 +157,7 @@ class NvshmemHeap(SymmetricHeap):
 
         # NOTE: my device work (puts into peers included) is complete before I arrive.
         cupy.cuda.runtime.deviceSynchronize()
-        self.comm.Barrier()
+        watchdog.arrival_barrier(self.comm, "barrier", self.timeout_s)
 
     def close(self):
         if self._closed:
@@ -159,7 +170,8 @@ class NvshmemHeap(SymmetricHeap):
             array.free()
         self.arrays.clear()
         self.flags.clear()
-        nvshmem.finalize()
+        with watchdog.guard("nvshmem finalize"):
+            nvshmem.finalize()
         _OPEN.remove(self)
 
     def __exit__(self, exc_type, *rest):

@@ -1,0 +1,67 @@
+"""Command lines a new user types: ./run's options, the demo's refusals and help, the scripts' --help."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, rank_env, run_ranks
+from mok_proto.config import PRESETS, RunConfig
+from mok_proto.demo import estimate_bytes
+
+SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-n", "0"], "-n must be a positive integer (the number of ranks), got '0'"),
+    (["-n", "-1"], "-n must be a positive integer (the number of ranks), got '-1'"),
+    (["-n", "abc"], "-n must be a positive integer (the number of ranks), got 'abc'"),
+    (["--shape", "tiny", "-n", "2x"], "got '2x'"),  # -n after other options is still ./run's
+    (["--shape", "tiny", "-n"], "-n needs a value"),
+])
+def test_run_demo_bad_rank_count_one_line_exit_2(args, message):
+    proc = subprocess.run([str(ROOT / "run"), "demo", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+@pytest.mark.mpi
+def test_paper_shape_on_cpu_refused_in_one_line():
+    proc = run_ranks(4, "-m", "mok_proto.demo", "--shape", "kimi-k2.7", "--backend", "cpu", expect_rc=2)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "kimi-k2.7 on the cpu backend needs about" in lines[0] and "GiB limit" in lines[0], lines
+
+
+def test_memory_estimate_grows_with_the_shape():
+    """The refusal compares this estimate with the memory limit: it must see the weights' size."""
+    small, kimi = (estimate_bytes(RunConfig(PRESETS[name], num_ranks=4)) for name in ("small", "kimi-k2.7"))
+    weights = 3 * 384 * 7168 * 2048 * 4  # kimi's routed expert weights in float32, held by every rank
+    assert small < 2**27 and kimi > weights
+
+
+@pytest.mark.mpi
+def test_demo_help_printed_once_and_says_what_auto_does():
+    proc = run_ranks(3, "-m", "mok_proto.demo", "-h")
+    assert proc.stdout.count("usage:") == 1, proc.stdout
+    assert "auto runs the CPU backend" in " ".join(proc.stdout.split())
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_script_help_needs_no_gpu_package(script):
+    proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ROOT,
+                          env=rank_env(), timeout=60)
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_script_without_gpu_says_so_in_one_line(script):
+    if importlib.util.find_spec("cupy") or importlib.util.find_spec("torch"):
+        pytest.skip("cupy or torch is installed here: whether a script runs depends on the GPU")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT,
+                          env=rank_env(), timeout=60)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert script.name in lines[0] and "needs" in lines[0] and "Traceback" not in proc.stderr
