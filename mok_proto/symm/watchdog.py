@@ -194,8 +194,13 @@ class Watchdog:
             return (f"mok_proto: {where}rank {self.rank}: peer {peers} (timeout {self.timeout_s:g} s): "
                     f"stopped or dead; ending the job (exit {EXIT_PEER})")
         if guard and now > guard[1]:
-            return (f"mok_proto: {where}rank {self.rank} waited {self.timeout_s:g} s; every peer is alive "
-                    f"but the collective did not finish; ending the job (exit {EXIT_PEER})")
+            # A peer that stopped after this rank entered the collective is silent for less than
+            # timeout_s yet: name every peer quiet for several heartbeat periods.
+            quiet = sorted(p for p, t in self.last_heard.items() if now - t > 4 * self.period_s)
+            who = ("peer " + ", ".join(f"{p} silent for {now - self.last_heard[p]:.1f} s" for p in quiet)
+                   + ": stopped or dead") if quiet else "every peer is alive but the collective did not finish"
+            return (f"mok_proto: {where}rank {self.rank} waited {self.timeout_s:g} s; {who}; "
+                    f"ending the job (exit {EXIT_PEER})")
         return None
 
 
