@@ -91,13 +91,15 @@ def arrival_barrier(comm, op: str, timeout_s: float) -> None:
                 arrived.add(p)
         return len(arrived) == len(peers)
 
-    if not _poll_until(all_arrived, time.monotonic() + timeout_s):
+    deadline = time.monotonic() + timeout_s
+    if not _poll_until(all_arrived, deadline):
         missing = [p for p in peers if p not in arrived]
         for p in missing:
             _cancel(recvs[p])
         raise PeerTimeoutError(op, rank, missing, timeout_s)
-    for request in sends:  # small messages: complete (eager) once every peer has arrived
-        request.Wait()
+    # Small messages complete locally (eager) once every peer has arrived; bounded all the same.
+    if not _poll_until(lambda: all(request.Test() for request in sends), deadline + timeout_s):
+        raise PeerTimeoutError(op, rank, peers, timeout_s)
 
 
 def _cancel(request) -> None:
