@@ -91,13 +91,15 @@ def arrival_barrier(comm, op: str, timeout_s: float) -> None:
                 arrived.add(p)
         return len(arrived) == len(peers)
 
-    if not _poll_until(all_arrived, time.monotonic() + timeout_s):
+    deadline = time.monotonic() + timeout_s
+    if not _poll_until(all_arrived, deadline):
         missing = [p for p in peers if p not in arrived]
         for p in missing:
             _cancel(recvs[p])
         raise PeerTimeoutError(op, rank, missing, timeout_s)
-    for request in sends:  # small messages: complete (eager) once every peer has arrived
-        request.Wait()
+    # Small messages complete locally (eager) once every peer has arrived; bounded all the same.
+    if not _poll_until(lambda: all(request.Test() for request in sends), deadline + timeout_s):
+        raise PeerTimeoutError(op, rank, peers, timeout_s)
 
 
 def _cancel(request) -> None:
@@ -194,8 +196,13 @@ class Watchdog:
             return (f"mok_proto: {where}rank {self.rank}: peer {peers} (timeout {self.timeout_s:g} s): "
                     f"stopped or dead; ending the job (exit {EXIT_PEER})")
         if guard and now > guard[1]:
-            return (f"mok_proto: {where}rank {self.rank} waited {self.timeout_s:g} s; every peer is alive "
-                    f"but the collective did not finish; ending the job (exit {EXIT_PEER})")
+            # A peer that stopped after this rank entered the collective is silent for less than
+            # timeout_s yet: name every peer quiet for several heartbeat periods.
+            quiet = sorted(p for p, t in self.last_heard.items() if now - t > 4 * self.period_s)
+            who = ("peer " + ", ".join(f"{p} silent for {now - self.last_heard[p]:.1f} s" for p in quiet)
+                   + ": stopped or dead") if quiet else "every peer is alive but the collective did not finish"
+            return (f"mok_proto: {where}rank {self.rank} waited {self.timeout_s:g} s; {who}; "
+                    f"ending the job (exit {EXIT_PEER})")
         return None
 
 
