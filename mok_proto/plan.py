@@ -39,52 +39,20 @@ from enum import IntEnum
 
 import numpy as np
 
-from mok_proto.abi import CONST
+from mok_proto import abi
 from mok_proto.config import OPERATORS, MoEShape
 
-BM = CONST["kBM"]  # GEMM tile rows (receive rows per row tile)
-BN = CONST["kBN"]  # GEMM tile columns; a gate/up tile holds 128 gate + 128 up columns -> 128 columns of h
+BM = abi.CONST["kBM"]  # GEMM tile rows (receive rows per row tile)
+BN = abi.CONST["kBN"]  # GEMM tile columns; a gate/up tile holds 128 gate + 128 up columns -> 128 columns of h
 EPILOGUE_ROWS = 16  # token rows per weighted-sum / slot-sum task (memory bound: fine grained)
-MAX_WAITS = 2
-MAX_SIGNALS = 2
 PASSES = ("fwd", "bwd")
 
 
-class TaskKind(IntEnum):
-    # forward
-    DISPATCH = 0
-    SHARED_GATE_UP = 1
-    SHARED_DOWN = 2
-    GATE_UP = 3  # SwiGLU fused in the epilogue
-    DOWN = 4
-    COMBINE = 5
-    WEIGHTED_SUM = 6
-    # backward
-    REV_COMBINE = 7
-    SHARED_DOWN_BWD = 8
-    SHARED_GATE_UP_BWD = 9
-    DOWN_BWD = 10  # SwiGLU backward fused
-    GATE_UP_BWD = 11
-    REV_DISPATCH = 12
-    DOWN_WGRAD = 13
-    GATE_UP_WGRAD = 14
-    SHARED_DOWN_WGRAD = 15
-    SHARED_GATE_UP_WGRAD = 16
-    SLOT_SUM = 17  # sum of the K input-gradient slots + the shared expert's
-
-
-class CounterKind(IntEnum):
-    ARRIVED = 0  # per minibatch: its rows landed in the ring (dispatch / rev_combine)
-    FIRST_DONE = 1  # per row tile: first GEMM's tiles (fwd: h; bwd: dg, du)
-    SECOND_DONE = 2  # per minibatch: second GEMM's tiles (fwd: y; bwd: dx)
-    RELEASED = 3  # per minibatch: its ring slot may be refilled
-    SLOTS_ARRIVED = 4  # one: every [N*K, H] slot row of this rank arrived
-    SHARED_FIRST_DONE = 5  # per shared row tile
-    SHARED_DONE = 6  # one: the shared expert's output (or input gradient)
-    DATA_GRAD_DONE = 7  # per macrobatch: weight gradients may start
-    WGRAD_DONE = 8  # per macrobatch: weight gradients read the ring rows
-    STAGE_DONE = 9  # per stage (sequential plans only)
-
+# The kinds come from the ABI spec (mok_proto/abi.py: enum mok::plan::TaskKind / CounterKind of
+# cuda/abi.cuh); the Python name of a member is its text upper-cased: TaskKind.GATE_UP is
+# kTaskGateUp. The comments on each kind are there.
+TaskKind = IntEnum("TaskKind", {text.upper(): value for value, (_, text) in enumerate(abi.TASK_KIND.members)})
+CounterKind = IntEnum("CounterKind", {text.upper(): value for value, (_, text) in enumerate(abi.COUNTER_KIND.members)})
 
 COMM_KINDS = frozenset({TaskKind.DISPATCH, TaskKind.COMBINE, TaskKind.REV_COMBINE, TaskKind.REV_DISPATCH})
 
@@ -155,26 +123,12 @@ def wgrad_grid(kind: TaskKind, shape: MoEShape) -> tuple[int, int]:
     return _cdiv(h, BM), _cdiv(2 * ffn, BN)
 
 
-TASK_DTYPE = np.dtype([
-    ("block", np.int32),  # CTA that runs the task
-    ("seq", np.int32),  # position in that CTA's table
-    ("kind", np.int8),  # TaskKind
-    ("minibatch", np.int32),  # -1 where none (shared expert, epilogue)
-    ("row_tile", np.int32),  # receive-buffer row tile (routed), token row tile (shared, epilogue),
-                             # weight row tile (wgrad); for comm tasks: the chunk of the minibatch
-    ("col_tile", np.int32),  # output column tile; -1 for comm and epilogue tasks
-    ("expert", np.int32),  # local expert of a weight-gradient tile; -1 elsewhere (found on device)
-    ("wait_counter", np.int32, (MAX_WAITS,)),  # -1: no wait
-    ("wait_target", np.int32, (MAX_WAITS,)),
-    ("signal_counter", np.int32, (MAX_SIGNALS,)),  # -1: no signal
-])
-
-COUNTER_DTYPE = np.dtype([
-    ("kind", np.int8),  # CounterKind
-    ("index", np.int32),  # minibatch, row tile, macrobatch or stage
-    ("remote", np.bool_),  # raised by the tasks of every rank
-    ("target", np.int32),  # value once every signal arrived
-])
+# The tables as the megakernel reads them: struct mok::plan::Task / Counter (C layout, fields
+# described in mok_proto/abi.py).
+TASK_DTYPE = abi.TASK.dtype
+COUNTER_DTYPE = abi.COUNTER.dtype
+MAX_WAITS = TASK_DTYPE["wait_counter"].shape[0]
+MAX_SIGNALS = TASK_DTYPE["signal_counter"].shape[0]
 
 
 class PlanError(ValueError):
@@ -280,27 +234,28 @@ class _Builder:
             self.by_id.append(self.counters[key])
         return self.counters[key][0]
 
-    def add(self, block: int, kind: TaskKind, waits=(), signals=(), minibatch=-1, row_tile=-1,
-            col_tile=-1, expert=-1):
+    def add(self, block: int, kind: TaskKind, waits=(), signals=(), **fields):
+        """fields: minibatch, macrobatch, row_tile, col_tile, expert (default -1)."""
+        if len(waits) > MAX_WAITS or len(signals) > MAX_SIGNALS:
+            raise PlanError(f"a task has more than {MAX_WAITS} waits or {MAX_SIGNALS} signals")
         seq = self.seq.get(block, 0)
         self.seq[block] = seq + 1
         for c in signals:
             entry = self.by_id[c]
             entry[2] += self.num_ranks if entry[1] else 1
-        self.tasks.append((block, seq, int(kind), minibatch, row_tile, col_tile, expert, list(waits), list(signals)))
+        self.tasks.append(dict(block=block, seq=seq, kind=int(kind), **fields,
+                               wait_counter=(list(waits) + [-1] * MAX_WAITS)[:MAX_WAITS],
+                               signal_counter=(list(signals) + [-1] * MAX_SIGNALS)[:MAX_SIGNALS]))
 
     def build(self, **fields) -> Plan:
         counters = np.zeros(len(self.counters), COUNTER_DTYPE)
         for (kind, index), (cid, remote, signals) in self.counters.items():
-            counters[cid] = (kind, index, remote, signals)
-        if any(len(t[7]) > MAX_WAITS or len(t[8]) > MAX_SIGNALS for t in self.tasks):
-            raise PlanError(f"a task has more than {MAX_WAITS} waits or {MAX_SIGNALS} signals")
+            counters["kind"][cid], counters["index"][cid] = kind, index
+            counters["remote"][cid], counters["target"][cid] = remote, signals
         tasks = np.zeros(len(self.tasks), TASK_DTYPE)
-        cols = list(zip(*(t[:7] for t in self.tasks))) if self.tasks else [()] * 7
-        for name, values in zip(("block", "seq", "kind", "minibatch", "row_tile", "col_tile", "expert"), cols):
-            tasks[name] = values
-        tasks["wait_counter"] = [(t[7] + [-1] * MAX_WAITS)[:MAX_WAITS] for t in self.tasks]
-        tasks["signal_counter"] = [(t[8] + [-1] * MAX_SIGNALS)[:MAX_SIGNALS] for t in self.tasks]
+        for name in TASK_DTYPE.names:
+            if name != "wait_target":
+                tasks[name] = [t.get(name, -1) for t in self.tasks]
         wc = tasks["wait_counter"]
         tasks["wait_target"] = np.where(wc >= 0, counters["target"][np.maximum(wc, 0)], 0)
         tasks = tasks[np.lexsort((tasks["seq"], tasks["block"]))]
