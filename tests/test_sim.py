@@ -42,21 +42,19 @@ def test_cli_validate_prints_every_row():
     assert main(["--validate", "--h200-only"]) == 0
 
 
-def test_load_matches_schedule():
-    shape = get_shape("medium")
-    load = sim.routed_load(shape, 4, seed=1)
-    rng = np.random.default_rng(0)
-    # the same counts through the schedule: rebuild a routing with these counts is hard, so
-    # check the placement formula on a routing the schedule builds itself
-    topk = np.stack([np.argsort(rng.random((shape.num_tokens, shape.num_experts)), axis=1)[:, :shape.top_k]
-                     for _ in range(4)])
-    scheds = schedule.build_all_schedules(topk, shape.num_experts, align=P.BM)
-    el = shape.num_experts // 4
-    counts = np.bincount(topk.reshape(-1), minlength=shape.num_experts).reshape(4, el)
-    offsets = np.concatenate([np.zeros((4, 1), np.int64), np.cumsum(-(-counts // P.BM) * P.BM, axis=1)], axis=1)
-    assert np.array_equal(offsets, np.stack([s.expert_offsets for s in scheds]))
-    assert load.tokens_per_expert.sum() == 4 * shape.num_tokens * shape.top_k
-    assert np.all(load.expert_offsets[:, -1] % P.BM == 0)
+@pytest.mark.parametrize("skew", [0.0, 1.0])
+def test_load_matches_schedule(skew):
+    # the simulator's load of a routing == the pull schedule's placement of the SAME routing
+    shape, ranks = get_shape("medium"), 4
+    topk = sim.route(shape, ranks, seed=1, skew=skew)  # [R, N, K]
+    load = sim.load_from_topk(topk, shape.num_experts)
+    for r in range(ranks):
+        s = schedule.build_pull_schedule(topk, shape.num_experts, r, align=P.BM)
+        assert np.array_equal(load.expert_offsets[r], s.expert_offsets)
+        assert np.array_equal(load.tokens_per_expert[r], s.tokens_per_expert)
+        real = s.src_rank[s.src_rank >= 0]
+        assert load.local_fraction[r] == np.count_nonzero(real == r) / len(real)
+    assert np.array_equal(sim.routed_load(shape, ranks, seed=1, skew=skew).expert_offsets, load.expert_offsets)
 
 
 def test_model_responds(h200):

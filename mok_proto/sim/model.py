@@ -68,11 +68,9 @@ def _topk_uniform(rng, num_rows: int, num_experts: int, top_k: int) -> np.ndarra
         idx[bad] = rng.integers(0, num_experts, (len(bad), top_k))
 
 
-@functools.lru_cache(maxsize=32)
-def routed_load(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.0) -> Load:
-    """Route R*N tokens to K of E experts and place them as the pull schedule does (segments
-    padded to BM). skew = 0: uniform random top-k; skew > 0: expert e drawn with weight
-    (e+1)^-skew (a popular-expert imbalance), experts in a random order over ranks."""
+def route(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.0) -> np.ndarray:
+    """[R, N, K] every rank's top-k experts. skew = 0: uniform random top-k; skew > 0: expert e
+    drawn with weight (e+1)^-skew (a popular-expert imbalance), experts in a random order over ranks."""
     rng = np.random.default_rng(seed)
     e, k, n = shape.num_experts, shape.top_k, shape.num_tokens
     if skew:
@@ -81,14 +79,29 @@ def routed_load(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.
         topk = np.argpartition(-gumbel, k - 1, axis=1)[:, :k]
     else:
         topk = _topk_uniform(rng, num_ranks * n, e, k)
-    src = np.repeat(np.arange(num_ranks), n * k)
-    pairs = np.bincount(topk.reshape(-1) * num_ranks + src, minlength=e * num_ranks).reshape(e, num_ranks)  # M
-    el = e // num_ranks
-    per_expert = pairs.sum(axis=1).reshape(num_ranks, el)  # [R, El]
+    return topk.reshape(num_ranks, n, k)
+
+
+def load_from_topk(topk: np.ndarray, num_experts: int) -> Load:
+    """The receive rows of every rank for a routing topk [R, N, K], placed as the pull schedule
+    places them (`schedule.build_pull_schedule(topk, E, rank, align=BM)`): rank r owns experts
+    r*El .. (r+1)*El - 1, segments padded to BM."""
+    num_ranks, n, k = topk.shape
+    el = num_experts // num_ranks
+    src = np.repeat(np.arange(num_ranks), n * k)  # source rank of each (token, choice)
+    pairs = np.bincount(topk.reshape(-1) * num_ranks + src, minlength=num_experts * num_ranks)
+    pairs = pairs.reshape(num_ranks, el, num_ranks)  # [owner, local expert, source rank]
+    per_expert = pairs.sum(axis=2)  # [R, El]
     offsets = np.zeros((num_ranks, el + 1), np.int64)
     np.cumsum(-(-per_expert // BM) * BM, axis=1, out=offsets[:, 1:])
-    own = pairs.reshape(num_ranks, el, num_ranks)[np.arange(num_ranks), :, np.arange(num_ranks)].sum(axis=1)
+    own = pairs[np.arange(num_ranks), :, np.arange(num_ranks)].sum(axis=1)  # [R] rows from the owner itself
     return Load(per_expert, offsets, own / np.maximum(per_expert.sum(axis=1), 1))
+
+
+@functools.lru_cache(maxsize=32)
+def routed_load(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.0) -> Load:
+    """The load of a random routing (`route`), placed as the pull schedule does."""
+    return load_from_topk(route(shape, num_ranks, seed, skew), shape.num_experts)
 
 
 @dataclass(frozen=True)
