@@ -57,6 +57,17 @@ PASSES = ("fwd", "bwd")
 TaskKind = IntEnum("TaskKind", {text.upper(): value for value, (_, text) in enumerate(abi.TASK_KIND.members)})
 CounterKind = IntEnum("CounterKind", {text.upper(): value for value, (_, text) in enumerate(abi.COUNTER_KIND.members)})
 
+# The grouped-GEMM problem (abi.GEMM_PROBLEM's text: enum mok::gemm::Problem) each GEMM task runs.
+PROBLEM_OF = {
+    TaskKind.SHARED_GATE_UP: "gate_up", TaskKind.GATE_UP: "gate_up",
+    TaskKind.SHARED_DOWN: "down", TaskKind.DOWN: "down",
+    TaskKind.SHARED_DOWN_BWD: "down_bwd", TaskKind.DOWN_BWD: "down_bwd",
+    TaskKind.SHARED_GATE_UP_BWD: "gate_up_bwd", TaskKind.GATE_UP_BWD: "gate_up_bwd",
+    TaskKind.DOWN_WGRAD: "down_wgrad", TaskKind.SHARED_DOWN_WGRAD: "down_wgrad",
+    TaskKind.GATE_UP_WGRAD: "gate_up_wgrad", TaskKind.SHARED_GATE_UP_WGRAD: "gate_up_wgrad",
+}
+ROUTED_KIND_OF = {problem: kind for kind, problem in PROBLEM_OF.items() if not kind.name.startswith("SHARED")}
+
 COMM_KINDS = frozenset({TaskKind.DISPATCH, TaskKind.COMBINE, TaskKind.REV_COMBINE, TaskKind.REV_DISPATCH})
 
 

@@ -62,7 +62,7 @@ def h200_rows(gpu: GpuParams | None = None, results_dir=results.RESULTS_DIR) -> 
         s = get_shape(r["shape"])
         counts = rows_per_expert(r["rows"], r["experts"], r["routing"])
         rows.append(Row("h200 gemm", f"{r['problem']} {r['shape']} {r['routing']}", r["ours"]["median_ms"],
-                        grouped_gemm_ns(gpu, r["problem"], counts, s.hidden, s.ffn) / 1e6, "ms",
+                        grouped_gemm_ns(gpu, r["problem"], counts, s) / 1e6, "ms",
                         (r["shape"], r["routing"]) == H200_CALIBRATION["gemm"]))
     seen = set()
     for r in results.newest(results.load("bench_comm", results_dir), group_by=("backend",)):
