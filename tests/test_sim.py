@@ -21,10 +21,27 @@ def h200():
 
 def test_validate_h200_rows_within_bar(h200):
     rows = validate.h200_rows(h200)
-    judged = [r for r in rows if not r.calibration]
-    assert len(judged) >= 40  # GEMMs, one-GPU and 2 x H200 stages
+    judged = [r for r in rows if r.judged]
+    assert len(judged) >= 80  # 84 today: 42 GEMMs, 30 one-GPU and 12 2 x H200 stages
+    for group in ("h200 gemm", "h200 comm 1 GPU", "h200 comm 2 x H200"):
+        assert sum(r.group == group for r in judged) >= 10, group
     bad = [(r.quantity, round(r.error * 100, 1)) for r in judged if not r.ok(validate.H200_TOLERANCE)]
     assert not bad
+    # a row whose prediction is a calibration row's (the 2 x H200 kimi combines) is not judged
+    combines = [r for r in rows if r.group == "h200 comm 2 x H200" and r.quantity.startswith("combine")
+                and "kimi" in r.quantity]
+    assert combines and all(r.check == "calibration" for r in combines)
+
+
+def test_validate_row_checks():
+    inside = validate.Row("g", "spread", 1.38, 2.0, "x", "range", reference_hi=3.53)
+    outside = validate.Row("g", "spread", 1.38, 4.0, "x", "range", reference_hi=3.53)
+    assert inside.ok(0.0) and inside.error == 0 and not outside.ok(1.0)
+    assert abs(outside.error - (4.0 - 3.53) / 3.53) < 1e-12
+    assumed = validate.Row("g", "push signalling", 103.0, 500.0, "us", "assumed")
+    assert assumed.ok(0.0) and not assumed.judged and assumed.status(0.25) == "assumed"
+    with pytest.raises(ValueError):
+        validate.Row("g", "spread", 1.38, 2.0, "x", "range")  # a range needs its high end
 
 
 @pytest.mark.parametrize("factors,group", [
