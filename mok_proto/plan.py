@@ -388,8 +388,9 @@ def fixed_split(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_row
         # Weight-gradient output tile `pin` (the same numbering in every macrobatch) runs on
         # compute CTA pin % num_compute in every macrobatch: one CTA stores (macrobatch 0), then
         # adds in macrobatch order, in program order (check() proves it).
-        tiles = [(kind, e, r, c) for kind in k.wgrad for e in range(el)
-                 for r in range(wgrad_grid(kind, shape)[0]) for c in range(wgrad_grid(kind, shape)[1])]
+        grids = {kind: wgrad_grid(kind, shape) for kind in k.wgrad}  # (row tiles, col tiles)
+        tiles = [(kind, e, r, c) for kind, (rows, cols) in grids.items() for e in range(el)
+                 for r in range(rows) for c in range(cols)]
         compute += [dict(kind=kind, macrobatch=j, row_tile=r, col_tile=c, expert=e, pin=pin,
                          waits=[ctr(CounterKind.DATA_GRAD_DONE, j)], signals=[ctr(CounterKind.WGRAD_DONE, j)])
                     for pin, (kind, e, r, c) in enumerate(tiles)]
