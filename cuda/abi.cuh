@@ -52,6 +52,41 @@ namespace mok::gemm {
 enum Problem : int { kGateUp = 0, kDown = 1, kDownBwd = 2, kGateUpBwd = 3, kDownWgrad = 4, kGateUpWgrad = 5 };
 }  // namespace mok::gemm
 
+namespace mok::plan {
+// TaskKind, as errors print it:
+//   kTaskDispatch: dispatch
+//   kTaskSharedGateUp: shared_gate_up
+//   kTaskSharedDown: shared_down
+//   kTaskGateUp: gate_up
+//   kTaskDown: down
+//   kTaskCombine: combine
+//   kTaskWeightedSum: weighted_sum
+//   kTaskRevCombine: rev_combine
+//   kTaskSharedDownBwd: shared_down_bwd
+//   kTaskSharedGateUpBwd: shared_gate_up_bwd
+//   kTaskDownBwd: down_bwd
+//   kTaskGateUpBwd: gate_up_bwd
+//   kTaskRevDispatch: rev_dispatch
+//   kTaskDownWgrad: down_wgrad
+//   kTaskGateUpWgrad: gate_up_wgrad
+//   kTaskSharedDownWgrad: shared_down_wgrad
+//   kTaskSharedGateUpWgrad: shared_gate_up_wgrad
+//   kTaskSlotSum: slot_sum
+enum TaskKind : int { kTaskDispatch = 0, kTaskSharedGateUp = 1, kTaskSharedDown = 2, kTaskGateUp = 3, kTaskDown = 4, kTaskCombine = 5, kTaskWeightedSum = 6, kTaskRevCombine = 7, kTaskSharedDownBwd = 8, kTaskSharedGateUpBwd = 9, kTaskDownBwd = 10, kTaskGateUpBwd = 11, kTaskRevDispatch = 12, kTaskDownWgrad = 13, kTaskGateUpWgrad = 14, kTaskSharedDownWgrad = 15, kTaskSharedGateUpWgrad = 16, kTaskSlotSum = 17, kNumTaskKinds = 18 };
+// CounterKind, as errors print it:
+//   kCounterArrived: arrived
+//   kCounterFirstDone: first_done
+//   kCounterSecondDone: second_done
+//   kCounterReleased: released
+//   kCounterSlotsArrived: slots_arrived
+//   kCounterSharedFirstDone: shared_first_done
+//   kCounterSharedDone: shared_done
+//   kCounterDataGradDone: data_grad_done
+//   kCounterWgradDone: wgrad_done
+//   kCounterStageDone: stage_done
+enum CounterKind : int { kCounterArrived = 0, kCounterFirstDone = 1, kCounterSecondDone = 2, kCounterReleased = 3, kCounterSlotsArrived = 4, kCounterSharedFirstDone = 5, kCounterSharedDone = 6, kCounterDataGradDone = 7, kCounterWgradDone = 8, kCounterStageDone = 9, kNumCounterKinds = 10 };
+}  // namespace mok::plan
+
 namespace mok {
 constexpr int kCommThreads = 256;  // threads of a row-copy block: 8 warps, one row per warp
 constexpr int kScheduleThreads = 1024;  // threads of the schedule block
@@ -185,3 +220,35 @@ static_assert(__builtin_offsetof(TokenParams, num_tokens) == 0 && __builtin_offs
 #endif
 
 }  // namespace mok
+
+namespace mok::plan {
+struct Task {
+  int      block;  // CTA that runs the task
+  int      seq;  // position in that CTA's table
+  TaskKind kind;
+  int      minibatch;  // -1 where none (shared expert, epilogue, weight gradients)
+  int      macrobatch;  // weight-gradient tiles: the macrobatch they reduce (0 stores, > 0 adds); -1 elsewhere
+  int      row_tile;  // receive-buffer row tile (routed), token row tile (shared, epilogue), weight row tile (wgrad); comm tasks: the chunk of the minibatch
+  int      col_tile;  // output column tile; -1 for comm and epilogue tasks
+  int      expert;  // local expert of a weight-gradient tile; -1 elsewhere (found on the device)
+  int      wait_counter[2];  // -1: no wait
+  int      wait_target[2];  // wait until counter >= target
+  int      signal_counter[2];  // -1: no signal; otherwise add 1 when done
+};
+static_assert(sizeof(Task) == 56, "Task: size differs from mok_proto/abi.py");
+#ifndef __CUDACC_RTC__
+static_assert(__builtin_offsetof(Task, block) == 0 && __builtin_offsetof(Task, seq) == 4 && __builtin_offsetof(Task, kind) == 8 && __builtin_offsetof(Task, minibatch) == 12 && __builtin_offsetof(Task, macrobatch) == 16 && __builtin_offsetof(Task, row_tile) == 20 && __builtin_offsetof(Task, col_tile) == 24 && __builtin_offsetof(Task, expert) == 28 && __builtin_offsetof(Task, wait_counter) == 32 && __builtin_offsetof(Task, wait_target) == 40 && __builtin_offsetof(Task, signal_counter) == 48, "Task: field offsets differ from mok_proto/abi.py");
+#endif
+
+struct Counter {
+  CounterKind kind;
+  int         index;  // minibatch, row tile, macrobatch or stage
+  int         target;  // value once every signal arrived
+  bool        remote;  // raised by the tasks of every rank
+};
+static_assert(sizeof(Counter) == 16, "Counter: size differs from mok_proto/abi.py");
+#ifndef __CUDACC_RTC__
+static_assert(__builtin_offsetof(Counter, kind) == 0 && __builtin_offsetof(Counter, index) == 4 && __builtin_offsetof(Counter, target) == 8 && __builtin_offsetof(Counter, remote) == 12, "Counter: field offsets differ from mok_proto/abi.py");
+#endif
+
+}  // namespace mok::plan

@@ -62,8 +62,17 @@ class Const:
     namespace: str = "mok"
 
 
-# C++ field types and how Python packs them (every field is 8 bytes: no padding to agree on).
-FIELD_TYPES = {"i64": "<i8", "u64": "<u8", "const u64*": "<u8", "ErrorRecord*": "<u8"}
+# C++ field types and their NumPy formats. A field type may end in "[n]" (an array: `int x[2];`).
+# Structs take C's layout: every field at a multiple of its size, the struct padded to a multiple
+# of its largest field (NumPy's align=True), so the static_asserts of the header hold.
+FIELD_TYPES = {"i64": "<i8", "u64": "<u8", "const u64*": "<u8", "ErrorRecord*": "<u8",
+               "int": "<i4", "bool": "|b1", "TaskKind": "<i4", "CounterKind": "<i4"}
+
+
+def _field_format(ctype: str):
+    """"int[2]" -> ("<i4", (2,)); "i64" -> "<i8"."""
+    base, _, count = ctype.partition("[")
+    return (FIELD_TYPES[base], (int(count.rstrip("]")),)) if count else FIELD_TYPES[base]
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,9 @@ class Struct:
 
     @cached_property
     def dtype(self) -> np.dtype:
-        return np.dtype({"names": list(self.names), "formats": [FIELD_TYPES[t] for t, _, _ in self.fields]})
+        """The C layout (natural alignment, trailing padding) as a NumPy record type."""
+        return np.dtype({"names": list(self.names), "formats": [_field_format(t) for t, _, _ in self.fields]},
+                        align=True)
 
     @property
     def nbytes(self) -> int:
@@ -153,7 +164,45 @@ GEMM_PROBLEM = Enum("Problem", (
     ("kGateUpWgrad", "gate_up_wgrad"),
 ), namespace="mok::gemm")
 
-ENUMS = (ERROR_CODE, OP, FLAG_KIND, GEMM_PROBLEM)
+# Plans (mok_proto/plan.py): what one task of a CTA's table does, and what a counter counts. The
+# text is the Python name (plan.TaskKind.GATE_UP is text "gate_up" upper-cased).
+TASK_KIND = Enum("TaskKind", (
+    # forward
+    ("kTaskDispatch", "dispatch"),
+    ("kTaskSharedGateUp", "shared_gate_up"),
+    ("kTaskSharedDown", "shared_down"),
+    ("kTaskGateUp", "gate_up"),  # SwiGLU fused in the epilogue
+    ("kTaskDown", "down"),
+    ("kTaskCombine", "combine"),
+    ("kTaskWeightedSum", "weighted_sum"),
+    # backward
+    ("kTaskRevCombine", "rev_combine"),
+    ("kTaskSharedDownBwd", "shared_down_bwd"),
+    ("kTaskSharedGateUpBwd", "shared_gate_up_bwd"),
+    ("kTaskDownBwd", "down_bwd"),  # SwiGLU backward fused
+    ("kTaskGateUpBwd", "gate_up_bwd"),
+    ("kTaskRevDispatch", "rev_dispatch"),
+    ("kTaskDownWgrad", "down_wgrad"),
+    ("kTaskGateUpWgrad", "gate_up_wgrad"),
+    ("kTaskSharedDownWgrad", "shared_down_wgrad"),
+    ("kTaskSharedGateUpWgrad", "shared_gate_up_wgrad"),
+    ("kTaskSlotSum", "slot_sum"),  # sum of the K input-gradient slots + the shared expert's
+), namespace="mok::plan", count="kNumTaskKinds")
+
+COUNTER_KIND = Enum("CounterKind", (
+    ("kCounterArrived", "arrived"),  # per minibatch: its rows landed in the ring (dispatch / rev_combine)
+    ("kCounterFirstDone", "first_done"),  # per row tile: first GEMM's tiles (fwd: h; bwd: dg, du)
+    ("kCounterSecondDone", "second_done"),  # per minibatch: second GEMM's tiles (fwd: y; bwd: dx)
+    ("kCounterReleased", "released"),  # per minibatch: its ring slot may be refilled
+    ("kCounterSlotsArrived", "slots_arrived"),  # one: every [N*K, H] slot row of this rank arrived
+    ("kCounterSharedFirstDone", "shared_first_done"),  # per shared row tile
+    ("kCounterSharedDone", "shared_done"),  # one: the shared expert's output (or input gradient)
+    ("kCounterDataGradDone", "data_grad_done"),  # per macrobatch: weight gradients may start
+    ("kCounterWgradDone", "wgrad_done"),  # per macrobatch: weight gradients read the ring rows
+    ("kCounterStageDone", "stage_done"),  # per stage (sequential plans only)
+), namespace="mok::plan", count="kNumCounterKinds")
+
+ENUMS = (ERROR_CODE, OP, FLAG_KIND, GEMM_PROBLEM, TASK_KIND, COUNTER_KIND)
 
 # ---------------------------------------------------------------------------------------------
 # Constants
@@ -272,7 +321,30 @@ TOKEN_PARAMS = Struct("TokenParams", (
     ("const u64*", "d_topk_w", "float [N, K]    router-weight gradient"),
 ))
 
-STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, TOKEN_PARAMS)
+# A plan's tables as the megakernel reads them: Task[num_tasks] sorted by (block, seq), Counter[num_counters].
+TASK = Struct("Task", (
+    ("int", "block", "CTA that runs the task"),
+    ("int", "seq", "position in that CTA's table"),
+    ("TaskKind", "kind", ""),
+    ("int", "minibatch", "-1 where none (shared expert, epilogue, weight gradients)"),
+    ("int", "macrobatch", "weight-gradient tiles: the macrobatch they reduce (0 stores, > 0 adds); -1 elsewhere"),
+    ("int", "row_tile", "receive-buffer row tile (routed), token row tile (shared, epilogue), weight row tile "
+                        "(wgrad); comm tasks: the chunk of the minibatch"),
+    ("int", "col_tile", "output column tile; -1 for comm and epilogue tasks"),
+    ("int", "expert", "local expert of a weight-gradient tile; -1 elsewhere (found on the device)"),
+    ("int[2]", "wait_counter", "-1: no wait"),
+    ("int[2]", "wait_target", "wait until counter >= target"),
+    ("int[2]", "signal_counter", "-1: no signal; otherwise add 1 when done"),
+), namespace="mok::plan")
+
+COUNTER = Struct("Counter", (
+    ("CounterKind", "kind", ""),
+    ("int", "index", "minibatch, row tile, macrobatch or stage"),
+    ("int", "target", "value once every signal arrived"),
+    ("bool", "remote", "raised by the tasks of every rank"),
+), namespace="mok::plan")
+
+STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, TOKEN_PARAMS, TASK, COUNTER)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,8 +374,11 @@ def _enum_lines(e: Enum) -> list:
 
 
 def _struct_lines(s: Struct) -> list:
-    width = max(len(t) for t, _, _ in s.fields) + 1
-    body = [f"  {t.ljust(width)}{n};" + (f"  // {c}" if c else "") for t, n, c in s.fields]
+    width = max(len(t.partition("[")[0]) for t, _, _ in s.fields) + 1
+    body = []
+    for t, n, c in s.fields:
+        base, bracket, count = t.partition("[")  # "int[2]" -> int name[2];
+        body.append(f"  {base.ljust(width)}{n}{bracket}{count};" + (f"  // {c}" if c else ""))
     checks = [f"static_assert(sizeof({s.name}) == {s.nbytes}, \"{s.name}: size differs from mok_proto/abi.py\");"]
     # One line per struct (tests/test_abi.py names the field that differs). NVRTC has no offsetof
     # builtin: nvcc checks the offsets (the CPU compile tests), NVRTC the sizes.

@@ -17,12 +17,15 @@ the device only) exit at once. Rows are processed in minibatches of ``minibatch_
 buffers of x/h/y (forward) or dy/dg,du/dx (backward) are a ring of ``ring_minibatches``
 minibatches: minibatch m lives in ring slot m % ring, and its slot is refilled only after the
 previous occupant was released. In the backward, weight gradients are computed per *macrobatch*
-(one turn of the ring: ring_minibatches minibatches), after its data gradients, first a store,
-then adds, macrobatch after macrobatch. NOTE: that order holds only through the counter chain
-(the next macrobatch's rows arrive after this one's weight gradients released the ring), the
-tile of one output goes to different CTAs in different macrobatches, and `check()` does not
-prove the order yet; the backward megakernel must pin each output tile to one CTA (or check the
-order) before its weight gradients can be called deterministic.
+(one turn of the ring: ring_minibatches minibatches), after its data gradients. A weight-gradient
+task carries its ``macrobatch``; each output tile (expert, row tile, col tile) is pinned to one
+CTA in every macrobatch, so that CTA stores the tile's fp32 sum in macrobatch 0 and adds the
+later macrobatches in table order: the same sums in the same order on every run (deterministic),
+ordered by program order on one CTA, not by counters. `check()` proves the pinning and the order.
+The shared expert's weight gradients run once, after its data gradients.
+
+The tables are the megakernel's own structs (``TASK_DTYPE``/``COUNTER_DTYPE`` are struct
+mok::plan::Task/Counter of cuda/abi.cuh, from the spec in mok_proto/abi.py; so are the kinds).
 
 Strategies are plain functions that return a plan: `sequential` (stage by stage, every SM per
 stage, a barrier counter between stages) and `fixed_split` (``comm_blocks`` CTAs communicate,
@@ -39,52 +42,31 @@ from enum import IntEnum
 
 import numpy as np
 
-from mok_proto.abi import CONST
+from mok_proto import abi
 from mok_proto.config import OPERATORS, MoEShape
 
-BM = CONST["kBM"]  # GEMM tile rows (receive rows per row tile)
-BN = CONST["kBN"]  # GEMM tile columns; a gate/up tile holds 128 gate + 128 up columns -> 128 columns of h
+BM = abi.CONST["kBM"]  # GEMM tile rows (receive rows per row tile)
+BN = abi.CONST["kBN"]  # GEMM tile columns; a gate/up tile holds 128 gate + 128 up columns -> 128 columns of h
 EPILOGUE_ROWS = 16  # token rows per weighted-sum / slot-sum task (memory bound: fine grained)
-MAX_WAITS = 2
-MAX_SIGNALS = 2
 PASSES = ("fwd", "bwd")
 
 
-class TaskKind(IntEnum):
-    # forward
-    DISPATCH = 0
-    SHARED_GATE_UP = 1
-    SHARED_DOWN = 2
-    GATE_UP = 3  # SwiGLU fused in the epilogue
-    DOWN = 4
-    COMBINE = 5
-    WEIGHTED_SUM = 6
-    # backward
-    REV_COMBINE = 7
-    SHARED_DOWN_BWD = 8
-    SHARED_GATE_UP_BWD = 9
-    DOWN_BWD = 10  # SwiGLU backward fused
-    GATE_UP_BWD = 11
-    REV_DISPATCH = 12
-    DOWN_WGRAD = 13
-    GATE_UP_WGRAD = 14
-    SHARED_DOWN_WGRAD = 15
-    SHARED_GATE_UP_WGRAD = 16
-    SLOT_SUM = 17  # sum of the K input-gradient slots + the shared expert's
+# The kinds come from the ABI spec (mok_proto/abi.py: enum mok::plan::TaskKind / CounterKind of
+# cuda/abi.cuh); the Python name of a member is its text upper-cased: TaskKind.GATE_UP is
+# kTaskGateUp. The comments on each kind are there.
+TaskKind = IntEnum("TaskKind", {text.upper(): value for value, (_, text) in enumerate(abi.TASK_KIND.members)})
+CounterKind = IntEnum("CounterKind", {text.upper(): value for value, (_, text) in enumerate(abi.COUNTER_KIND.members)})
 
-
-class CounterKind(IntEnum):
-    ARRIVED = 0  # per minibatch: its rows landed in the ring (dispatch / rev_combine)
-    FIRST_DONE = 1  # per row tile: first GEMM's tiles (fwd: h; bwd: dg, du)
-    SECOND_DONE = 2  # per minibatch: second GEMM's tiles (fwd: y; bwd: dx)
-    RELEASED = 3  # per minibatch: its ring slot may be refilled
-    SLOTS_ARRIVED = 4  # one: every [N*K, H] slot row of this rank arrived
-    SHARED_FIRST_DONE = 5  # per shared row tile
-    SHARED_DONE = 6  # one: the shared expert's output (or input gradient)
-    DATA_GRAD_DONE = 7  # per macrobatch: weight gradients may start
-    WGRAD_DONE = 8  # per macrobatch: weight gradients read the ring rows
-    STAGE_DONE = 9  # per stage (sequential plans only)
-
+# The grouped-GEMM problem (abi.GEMM_PROBLEM's text: enum mok::gemm::Problem) each GEMM task runs.
+PROBLEM_OF = {
+    TaskKind.SHARED_GATE_UP: "gate_up", TaskKind.GATE_UP: "gate_up",
+    TaskKind.SHARED_DOWN: "down", TaskKind.DOWN: "down",
+    TaskKind.SHARED_DOWN_BWD: "down_bwd", TaskKind.DOWN_BWD: "down_bwd",
+    TaskKind.SHARED_GATE_UP_BWD: "gate_up_bwd", TaskKind.GATE_UP_BWD: "gate_up_bwd",
+    TaskKind.DOWN_WGRAD: "down_wgrad", TaskKind.SHARED_DOWN_WGRAD: "down_wgrad",
+    TaskKind.GATE_UP_WGRAD: "gate_up_wgrad", TaskKind.SHARED_GATE_UP_WGRAD: "gate_up_wgrad",
+}
+ROUTED_KIND_OF = {problem: kind for kind, problem in PROBLEM_OF.items() if not kind.name.startswith("SHARED")}
 
 COMM_KINDS = frozenset({TaskKind.DISPATCH, TaskKind.COMBINE, TaskKind.REV_COMBINE, TaskKind.REV_DISPATCH})
 
@@ -155,26 +137,12 @@ def wgrad_grid(kind: TaskKind, shape: MoEShape) -> tuple[int, int]:
     return _cdiv(h, BM), _cdiv(2 * ffn, BN)
 
 
-TASK_DTYPE = np.dtype([
-    ("block", np.int32),  # CTA that runs the task
-    ("seq", np.int32),  # position in that CTA's table
-    ("kind", np.int8),  # TaskKind
-    ("minibatch", np.int32),  # -1 where none (shared expert, epilogue)
-    ("row_tile", np.int32),  # receive-buffer row tile (routed), token row tile (shared, epilogue),
-                             # weight row tile (wgrad); for comm tasks: the chunk of the minibatch
-    ("col_tile", np.int32),  # output column tile; -1 for comm and epilogue tasks
-    ("expert", np.int32),  # local expert of a weight-gradient tile; -1 elsewhere (found on device)
-    ("wait_counter", np.int32, (MAX_WAITS,)),  # -1: no wait
-    ("wait_target", np.int32, (MAX_WAITS,)),
-    ("signal_counter", np.int32, (MAX_SIGNALS,)),  # -1: no signal
-])
-
-COUNTER_DTYPE = np.dtype([
-    ("kind", np.int8),  # CounterKind
-    ("index", np.int32),  # minibatch, row tile, macrobatch or stage
-    ("remote", np.bool_),  # raised by the tasks of every rank
-    ("target", np.int32),  # value once every signal arrived
-])
+# The tables as the megakernel reads them: struct mok::plan::Task / Counter (C layout, fields
+# described in mok_proto/abi.py).
+TASK_DTYPE = abi.TASK.dtype
+COUNTER_DTYPE = abi.COUNTER.dtype
+MAX_WAITS = TASK_DTYPE["wait_counter"].shape[0]
+MAX_SIGNALS = TASK_DTYPE["signal_counter"].shape[0]
 
 
 class PlanError(ValueError):
@@ -247,17 +215,26 @@ class Plan:
            (R per signalling task for a remote counter).
         2. Coverage: every task the pass needs (each GEMM tile, each chunk of each minibatch,
            each epilogue tile, each weight-gradient tile per macrobatch) exists exactly once.
-        3. No deadlock: an in-order execution per CTA (all CTAs co-resident) finishes.
-        4. Order: every counter a task waits on is raised only by tasks earlier in that global
+        3. Weight-gradient order: each routed weight-gradient output tile runs on one CTA, its
+           macrobatches in increasing table order (a store, then adds in a fixed order).
+        4. No deadlock: an in-order execution per CTA (all CTAs co-resident) finishes.
+        5. Order: every counter a task waits on is raised only by tasks earlier in that global
            topological order.
-        5. Ring: the task that refills the slot of minibatch m happens after every task that
+        6. Ring: the task that refills the slot of minibatch m happens after every task that
            uses the rows of minibatch m - ring (transitively through counters and CTA order).
+
+        The proof is kept: a second call costs nothing (like `execution_order`, it assumes the
+        tables are not changed in place; `with_tasks` makes a new plan).
         """
+        if self.__dict__.get("_checked"):
+            return
         _check_structure(self)
         _check_coverage(self)
+        _check_wgrad_order(self)
         order = self.execution_order
         _check_topological(self, order)
         _check_ring(self, order)
+        self.__dict__["_checked"] = True  # frozen dataclass: kept in the instance dict, as cached_property does
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,27 +257,28 @@ class _Builder:
             self.by_id.append(self.counters[key])
         return self.counters[key][0]
 
-    def add(self, block: int, kind: TaskKind, waits=(), signals=(), minibatch=-1, row_tile=-1,
-            col_tile=-1, expert=-1):
+    def add(self, block: int, kind: TaskKind, waits=(), signals=(), **fields):
+        """fields: minibatch, macrobatch, row_tile, col_tile, expert (default -1)."""
+        if len(waits) > MAX_WAITS or len(signals) > MAX_SIGNALS:
+            raise PlanError(f"a task has more than {MAX_WAITS} waits or {MAX_SIGNALS} signals")
         seq = self.seq.get(block, 0)
         self.seq[block] = seq + 1
         for c in signals:
             entry = self.by_id[c]
             entry[2] += self.num_ranks if entry[1] else 1
-        self.tasks.append((block, seq, int(kind), minibatch, row_tile, col_tile, expert, list(waits), list(signals)))
+        self.tasks.append(dict(block=block, seq=seq, kind=int(kind), **fields,
+                               wait_counter=(list(waits) + [-1] * MAX_WAITS)[:MAX_WAITS],
+                               signal_counter=(list(signals) + [-1] * MAX_SIGNALS)[:MAX_SIGNALS]))
 
     def build(self, **fields) -> Plan:
         counters = np.zeros(len(self.counters), COUNTER_DTYPE)
         for (kind, index), (cid, remote, signals) in self.counters.items():
-            counters[cid] = (kind, index, remote, signals)
-        if any(len(t[7]) > MAX_WAITS or len(t[8]) > MAX_SIGNALS for t in self.tasks):
-            raise PlanError(f"a task has more than {MAX_WAITS} waits or {MAX_SIGNALS} signals")
+            counters["kind"][cid], counters["index"][cid] = kind, index
+            counters["remote"][cid], counters["target"][cid] = remote, signals
         tasks = np.zeros(len(self.tasks), TASK_DTYPE)
-        cols = list(zip(*(t[:7] for t in self.tasks))) if self.tasks else [()] * 7
-        for name, values in zip(("block", "seq", "kind", "minibatch", "row_tile", "col_tile", "expert"), cols):
-            tasks[name] = values
-        tasks["wait_counter"] = [(t[7] + [-1] * MAX_WAITS)[:MAX_WAITS] for t in self.tasks]
-        tasks["signal_counter"] = [(t[8] + [-1] * MAX_SIGNALS)[:MAX_SIGNALS] for t in self.tasks]
+        for name in TASK_DTYPE.names:
+            if name != "wait_target":
+                tasks[name] = [t.get(name, -1) for t in self.tasks]
         wc = tasks["wait_counter"]
         tasks["wait_target"] = np.where(wc >= 0, counters["target"][np.maximum(wc, 0)], 0)
         tasks = tasks[np.lexsort((tasks["seq"], tasks["block"]))]
@@ -353,7 +331,8 @@ def fixed_split(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_row
     later dispatches interleaved (ring permitting); the other CTAs take compute tasks in one
     global order, round robin: shared expert first (it fills the wait for the first rows), then
     per minibatch the first GEMM's tiles and the second GEMM's tiles, in the backward the weight
-    gradients at the end of each macrobatch (shared weight gradients last); the epilogue sum
+    gradients at the end of each macrobatch (each output tile pinned to one CTA; shared weight
+    gradients last); the epilogue sum
     (weighted sum / slot sum) on every CTA at the end."""
     capacity_rows = capacity_rows or default_capacity(shape, num_ranks, minibatch_rows)
     ring = ring_minibatches or capacity_rows // minibatch_rows
@@ -406,11 +385,15 @@ def fixed_split(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_row
                 compute += [dict(kind=k.second, minibatch=m, row_tile=rt, col_tile=c,
                                  waits=[ctr(CounterKind.FIRST_DONE, rt)],
                                  signals=[ctr(CounterKind.SECOND_DONE, m)]) for c in range(f2)]
-        for kind in k.wgrad:
-            rows, cols = wgrad_grid(kind, shape)
-            compute += [dict(kind=kind, minibatch=-1, row_tile=r, col_tile=c, expert=e,
-                             waits=[ctr(CounterKind.DATA_GRAD_DONE, j)], signals=[ctr(CounterKind.WGRAD_DONE, j)])
-                        for e in range(el) for r in range(rows) for c in range(cols)]
+        # Weight-gradient output tile `pin` (the same numbering in every macrobatch) runs on
+        # compute CTA pin % num_compute in every macrobatch: one CTA stores (macrobatch 0), then
+        # adds in macrobatch order, in program order (check() proves it).
+        grids = {kind: wgrad_grid(kind, shape) for kind in k.wgrad}  # (row tiles, col tiles)
+        tiles = [(kind, e, r, c) for kind, (rows, cols) in grids.items() for e in range(el)
+                 for r in range(rows) for c in range(cols)]
+        compute += [dict(kind=kind, macrobatch=j, row_tile=r, col_tile=c, expert=e, pin=pin,
+                         waits=[ctr(CounterKind.DATA_GRAD_DONE, j)], signals=[ctr(CounterKind.WGRAD_DONE, j)])
+                    for pin, (kind, e, r, c) in enumerate(tiles)]
     if shared_tiles:
         for kind in k.shared_wgrad:
             rows, cols = wgrad_grid(kind, shape)
@@ -438,9 +421,14 @@ def fixed_split(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_row
             comm_out(c, m)
             if m + ring < num_mb:
                 comm_in(c, m + ring)
+    # Compute tasks round robin over the compute CTAs, except pinned weight-gradient tiles.
     num_compute = num_sms - comm_blocks
-    for i, t in enumerate(compute):
-        b.add(comm_blocks + i % num_compute, t.pop("kind"), t.pop("waits", ()), t.pop("signals", ()), **t)
+    turn = 0
+    for t in compute:
+        pin = t.pop("pin", None)
+        if pin is None:
+            pin, turn = turn, turn + 1
+        b.add(comm_blocks + pin % num_compute, t.pop("kind"), t.pop("waits", ()), t.pop("signals", ()), **t)
     for block, kind, rt, waits in _epilogue_tasks(k, shape, num_sms, ctr):
         b.add(block, kind, waits, (), row_tile=rt)
     return b.build(pass_=pass_, shape=shape, num_ranks=num_ranks, policy=dict(policy), num_sms=num_sms,
@@ -481,7 +469,7 @@ def sequential(shape: MoEShape, num_ranks: int, *, pass_: str = "fwd", policy: d
                    CounterKind.SLOTS_ARRIVED in remote))
     for kind in k.wgrad:
         rows, cols = wgrad_grid(kind, shape)
-        stages.append(([dict(kind=kind, row_tile=r, col_tile=c, expert=e) for e in range(el)
+        stages.append(([dict(kind=kind, macrobatch=0, row_tile=r, col_tile=c, expert=e) for e in range(el)
                         for r in range(rows) for c in range(cols)], False))
     for kind in (k.shared_wgrad if shared_tiles else ()):
         rows, cols = wgrad_grid(kind, shape)
@@ -535,34 +523,43 @@ def _check_structure(plan: Plan) -> None:
         raise PlanError(f"counter {_counter_name(plan, i)}: target {c['target'][i]} but {got[i]} signals")
 
 
+KEY_FIELDS = ("kind", "minibatch", "macrobatch", "row_tile", "col_tile", "expert")  # what a task computes
+
+
 def _expected_keys(plan: Plan) -> np.ndarray:
-    """(kind, minibatch, row_tile, col_tile, expert) of every task the pass needs."""
+    """[num_tasks, len(KEY_FIELDS)] the KEY_FIELDS of every task the pass needs."""
     k, shape = plan.kinds, plan.shape
     el = shape.num_experts // plan.num_ranks
     shared_tiles = _cdiv(shape.num_tokens, BM) if shape.num_shared else 0
+    tpm = plan.tiles_per_minibatch
+
+    def key(kind, minibatch=-1, macrobatch=-1, row_tile=-1, col_tile=-1, expert=-1):
+        return (int(kind), minibatch, macrobatch, row_tile, col_tile, expert)
+
     keys = []
     for m in range(plan.num_minibatches):
         for kind in (k.comm_in, k.comm_out):
-            keys += [(kind, m, c, -1, -1) for c in range(plan.num_chunks)]
+            keys += [key(kind, m, row_tile=c) for c in range(plan.num_chunks)]
         for kind in (k.first, k.second):
-            keys += [(kind, m, rt, c, -1) for rt in range(m * plan.tiles_per_minibatch, (m + 1) * plan.tiles_per_minibatch)
+            keys += [key(kind, m, row_tile=rt, col_tile=c) for rt in range(m * tpm, (m + 1) * tpm)
                      for c in range(num_col_tiles(kind, shape))]
     for kind in (k.shared_first, k.shared_second):
-        keys += [(kind, -1, r, c, -1) for r in range(shared_tiles) for c in range(num_col_tiles(kind, shape))]
+        keys += [key(kind, row_tile=r, col_tile=c) for r in range(shared_tiles)
+                 for c in range(num_col_tiles(kind, shape))]
     for kind in k.wgrad:
         rows, cols = wgrad_grid(kind, shape)
-        keys += [(kind, -1, r, c, e) for _ in range(plan.num_macrobatches) for e in range(el)
-                 for r in range(rows) for c in range(cols)]
+        keys += [key(kind, macrobatch=j, row_tile=r, col_tile=c, expert=e) for j in range(plan.num_macrobatches)
+                 for e in range(el) for r in range(rows) for c in range(cols)]
     for kind in (k.shared_wgrad if shared_tiles else ()):
         rows, cols = wgrad_grid(kind, shape)
-        keys += [(kind, -1, r, c, -1) for r in range(rows) for c in range(cols)]
-    keys += [(k.epilogue, -1, r, -1, -1) for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))]
-    return np.array(keys, np.int64).reshape(-1, 5)
+        keys += [key(kind, row_tile=r, col_tile=c) for r in range(rows) for c in range(cols)]
+    keys += [key(k.epilogue, row_tile=r) for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))]
+    return np.array(keys, np.int64).reshape(-1, len(KEY_FIELDS))
 
 
 def _check_coverage(plan: Plan) -> None:
     t = plan.tasks
-    got = np.stack([t["kind"], t["minibatch"], t["row_tile"], t["col_tile"], t["expert"]], axis=1).astype(np.int64)
+    got = np.stack([t[name] for name in KEY_FIELDS], axis=1).astype(np.int64)
     want = _expected_keys(plan)
     got_u, got_n = np.unique(got, axis=0, return_counts=True)
     want_u, want_n = np.unique(want, axis=0, return_counts=True)
@@ -572,9 +569,34 @@ def _check_coverage(plan: Plan) -> None:
     want_d = {tuple(r): n for r, n in zip(want_u.tolist(), want_n.tolist())}
     for key in sorted(set(got_d) | set(want_d)):
         if got_d.get(key, 0) != want_d.get(key, 0):
-            kind, m, rt, ct, e = key
-            raise PlanError(f"coverage: task {TaskKind(kind).name} minibatch={m} row_tile={rt} col_tile={ct} "
-                            f"expert={e} appears {got_d.get(key, 0)} times, expected {want_d.get(key, 0)}")
+            fields = " ".join(f"{name}={v}" for name, v in zip(KEY_FIELDS[1:], key[1:]))
+            raise PlanError(f"coverage: task {TaskKind(key[0]).name} {fields} appears {got_d.get(key, 0)} times, "
+                            f"expected {want_d.get(key, 0)}")
+
+
+def _check_wgrad_order(plan: Plan) -> None:
+    """Every routed weight-gradient output tile (kind, expert, row tile, col tile) runs on one CTA,
+    its macrobatches in increasing order in that CTA's table: the CTA stores macrobatch 0 and adds
+    the others in program order, so the fp32 sums are the same on every run. (Coverage already
+    holds: each macrobatch of each tile exists once.)"""
+    t = plan.tasks
+    sel = np.flatnonzero(np.isin(t["kind"], [int(x) for x in plan.kinds.wgrad]))
+    if not len(sel):
+        return
+    w = t[sel]
+    by_tile = np.lexsort((w["macrobatch"], w["col_tile"], w["row_tile"], w["expert"], w["kind"]))
+    w = w[by_tile]
+    tile = np.stack([w["kind"], w["expert"], w["row_tile"], w["col_tile"]], axis=1)
+    same_tile = np.all(tile[1:] == tile[:-1], axis=1)  # pairs (macrobatch j, j + 1) of one tile
+    split = same_tile & (w["block"][1:] != w["block"][:-1])
+    late = same_tile & ~split & (w["seq"][1:] <= w["seq"][:-1])
+    for bad, what in ((split, "runs on CTAs {a} and {b}"), (late, "runs before macrobatch {j} on CTA {a}")):
+        if bad.any():
+            i = int(np.argmax(bad))
+            kind, e, r, c = tile[i].tolist()
+            raise PlanError(f"weight-gradient order: {TaskKind(kind).name} tile expert={e} row_tile={r} col_tile={c}: "
+                            f"macrobatch {w['macrobatch'][i + 1]} "
+                            + what.format(a=w["block"][i], b=w["block"][i + 1], j=w["macrobatch"][i]))
 
 
 def _execution_order(plan: Plan) -> np.ndarray:
@@ -639,9 +661,8 @@ def _check_ring(plan: Plan, order: np.ndarray) -> None:
     users_kinds = [k.first, k.second, k.comm_out]
     user = np.isin(kind, [int(x) for x in users_kinds]) & (mb >= 0)
     wgrad = np.isin(kind, [int(x) for x in k.wgrad])
-    # Weight-gradient tiles of macrobatch j (the index of the counter they wait on) read the
-    # ring rows of all its minibatches.
-    wgrad_macro = plan.counters["index"][np.maximum(t["wait_counter"][:, 0], 0)]
+    # Weight-gradient tiles of macrobatch j read the ring rows of all its minibatches.
+    wgrad_macro = t["macrobatch"]
     users_of = [0] * plan.num_minibatches
     for i in np.flatnonzero(user):
         users_of[int(mb[i])] |= 1 << int(i)
@@ -674,7 +695,8 @@ def _check_ring(plan: Plan, order: np.ndarray) -> None:
 
 def _name(plan: Plan, i: int) -> str:
     r = plan.tasks[i]
-    return (f"{TaskKind(int(r['kind'])).name}(block={r['block']} seq={r['seq']} minibatch={r['minibatch']} "
+    macro = f" macrobatch={r['macrobatch']} expert={r['expert']}" if r["macrobatch"] >= 0 else ""
+    return (f"{TaskKind(int(r['kind'])).name}(block={r['block']} seq={r['seq']} minibatch={r['minibatch']}{macro} "
             f"row_tile={r['row_tile']} col_tile={r['col_tile']})")
 
 
@@ -683,6 +705,7 @@ def _counter_name(plan: Plan, i: int) -> str:
     return f"{CounterKind(int(c['kind'])).name}[{c['index']}]"
 
 
-def with_tasks(plan: Plan, tasks: np.ndarray) -> Plan:
-    """The same plan with another task table (for experiments and tests of check())."""
-    return dataclasses.replace(plan, tasks=tasks)
+def with_tasks(plan: Plan, tasks: np.ndarray, counters: np.ndarray | None = None) -> Plan:
+    """The same plan with another task table (and counter table) (for experiments and tests of
+    check())."""
+    return dataclasses.replace(plan, tasks=tasks, counters=plan.counters if counters is None else counters)

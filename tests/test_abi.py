@@ -72,6 +72,23 @@ def test_cpp_layout_equals_python_packing(tmp_path):
     assert seen == _expected()
 
 
+def test_structs_have_the_c_layout():
+    # every field at a multiple of its element size, the struct a multiple of its largest one
+    for s in abi.STRUCTS:
+        sizes = []
+        for name in s.names:
+            dtype, offset = s.dtype.fields[name][:2]
+            size = (dtype.base if dtype.subdtype else dtype).itemsize
+            assert offset % size == 0, f"{s.name}.{name} at offset {offset}"
+            sizes.append(size)
+        assert s.nbytes % max(sizes) == 0, s.name
+    # the plan's tables are the megakernel's structs (e.g. kind at offset 8, not packed)
+    from mok_proto import plan
+    assert plan.TASK_DTYPE == abi.TASK.dtype and plan.COUNTER_DTYPE == abi.COUNTER.dtype
+    assert abi.TASK.offset("kind") == 8 and abi.TASK.offset("minibatch") == 12
+    assert [m.name.lower() for m in plan.TaskKind] == [text for _, text in abi.TASK_KIND.members]
+
+
 def test_pack_places_each_field_at_its_offset():
     values = {name: i + 1 for i, name in enumerate(abi.GEMM_PARAMS.names)}
     words = abi.GEMM_PARAMS.pack(values)

@@ -38,10 +38,18 @@ def test_fixed_split_roles_and_counters():
 
 
 def test_check_rejects_missing_tile():
+    # delete one down tile and repair everything else: its CTA's seq, the target of the counter
+    # it signalled and the targets of that counter's waiters; only coverage is then wrong
     p = ring_plan()
     i = int(np.flatnonzero(p.tasks["kind"] == int(P.TaskKind.DOWN))[0])
-    broken = P.with_tasks(p, np.delete(p.tasks, i))
-    with pytest.raises(P.PlanError):
+    t, counters = p.tasks.copy(), p.counters.copy()
+    later = (t["block"] == t["block"][i]) & (t["seq"] > t["seq"][i])
+    t["seq"][later] -= 1
+    for c in t["signal_counter"][i][t["signal_counter"][i] >= 0]:
+        counters["target"][c] -= p.num_ranks if counters["remote"][c] else 1
+        t["wait_target"][t["wait_counter"] == c] = counters["target"][c]
+    broken = P.with_tasks(p, np.delete(t, i), counters)
+    with pytest.raises(P.PlanError, match="coverage"):
         broken.check()
 
 
@@ -82,6 +90,53 @@ def test_check_rejects_wrong_target():
     i = int(np.flatnonzero(t["wait_counter"][:, 0] >= 0)[0])
     t["wait_target"][i, 0] -= 1
     with pytest.raises(P.PlanError, match="target"):
+        P.with_tasks(p, t).check()
+
+
+def wgrad_pair(t, **same):
+    """Indices of two DOWN_WGRAD tasks that agree on the fields in `same` (`block=None`: on
+    different CTAs)."""
+    w = np.flatnonzero(t["kind"] == int(P.TaskKind.DOWN_WGRAD))
+    for a in w:
+        for b in w:
+            if b != a and all((t[f][a] != t[f][b]) if v is None else (t[f][a] == t[f][b]) == v
+                              for f, v in same.items()):
+                return int(a), int(b)
+    raise AssertionError(f"no pair with {same}")
+
+
+def test_wgrad_tiles_pinned_in_macrobatch_order():
+    p = ring_plan("bwd")
+    assert p.num_macrobatches == 2
+    t = p.tasks[np.isin(p.tasks["kind"], [int(k) for k in p.kinds.wgrad])]
+    assert set(t["macrobatch"].tolist()) == {0, 1} and np.all(t["minibatch"] == -1)
+    for kind, e, r, c in {tuple(x) for x in t[["kind", "expert", "row_tile", "col_tile"]].tolist()}:
+        tile = t[(t["kind"] == kind) & (t["expert"] == e) & (t["row_tile"] == r) & (t["col_tile"] == c)]
+        assert len(set(tile["block"].tolist())) == 1
+        assert tile["macrobatch"][np.argsort(tile["seq"])].tolist() == [0, 1]
+    # everything else still carries no macrobatch
+    assert np.all(p.tasks["macrobatch"][~np.isin(p.tasks["kind"], [int(k) for k in p.kinds.wgrad])] == -1)
+
+
+def test_check_rejects_wgrad_tile_split_across_ctas():
+    # two tiles of macrobatch 1 on different CTAs trade places: each tile's macrobatch 1 now runs
+    # on another CTA than its macrobatch 0 (waits, signals, coverage all unchanged)
+    p = ring_plan("bwd")
+    t = p.tasks.copy()
+    a, b = wgrad_pair(t, macrobatch=True, block=None)
+    for f in ("row_tile", "col_tile", "expert"):
+        t[f][a], t[f][b] = t[f][b], t[f][a]
+    with pytest.raises(P.PlanError, match="weight-gradient order: .* runs on CTAs"):
+        P.with_tasks(p, t).check()
+
+
+def test_check_rejects_wgrad_macrobatches_out_of_order():
+    # one tile's macrobatch 0 and 1 trade places in its CTA's table: it would add before it stores
+    p = ring_plan("bwd")
+    t = p.tasks.copy()
+    a, b = wgrad_pair(t, block=True, row_tile=True, col_tile=True, expert=True)
+    t["macrobatch"][a], t["macrobatch"][b] = t["macrobatch"][b], t["macrobatch"][a]
+    with pytest.raises(P.PlanError, match="weight-gradient order: .* runs before macrobatch"):
         P.with_tasks(p, t).check()
 
 

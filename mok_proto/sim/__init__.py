@@ -8,8 +8,8 @@ as the megakernel (`mok_proto.plan`), with GPU parameter sets calibrated on our 
     result = sim.simulate(p, gpu)          # result.time_ns, result.records() -> trace.plot_timeline
 """
 
-from mok_proto.sim.model import Load, SimResult, routed_load, simulate
+from mok_proto.sim.model import Load, SimResult, load_from_topk, route, routed_load, simulate
 from mok_proto.sim.params import GpuParams, gb300_nvl72, get_params, grouped_gemm_ns, h200, nccl_links
 
 __all__ = ["GpuParams", "Load", "SimResult", "gb300_nvl72", "get_params", "grouped_gemm_ns", "h200",
-           "nccl_links", "routed_load", "simulate"]
+           "load_from_topk", "nccl_links", "route", "routed_load", "simulate"]

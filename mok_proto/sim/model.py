@@ -7,7 +7,8 @@ Tasks are visited once, in the plan's execution order (a topological order), eac
 vector over the R ranks: a task starts when its CTA is free and its counters are complete, and
 ends after its duration. A local counter completes at its last signal; a remote counter (raised
 by every rank) at the slowest rank's last signal plus the receiver's signal wait (a fence and
-one signal per peer). Durations:
+one signal per peer). Every CTA starts after one kernel launch; a sequential plan pays one more
+launch at each stage boundary (its STAGE_DONE counters). Durations:
 
 * GEMM tile: 2*BM*BN*k / (the problem's tile rate per SM); tiles past the rank's padded rows
   take no time; a weight-gradient tile's k is its expert's rows.
@@ -26,19 +27,11 @@ import numpy as np
 
 from mok_proto import trace
 from mok_proto.config import MoEShape
-from mok_proto.plan import BM, BN, EPILOGUE_ROWS, CounterKind, Plan, TaskKind, tile_grid
+from mok_proto.plan import BM, BN, EPILOGUE_ROWS, PROBLEM_OF, CounterKind, Plan, TaskKind, tile_grid
 from mok_proto.sim.params import GpuParams
 
 ELEM_BYTES = 2  # BF16 rows and weights in the layer
 
-PROBLEM_OF = {
-    TaskKind.SHARED_GATE_UP: "gate_up", TaskKind.GATE_UP: "gate_up",
-    TaskKind.SHARED_DOWN: "down", TaskKind.DOWN: "down",
-    TaskKind.SHARED_DOWN_BWD: "down_bwd", TaskKind.DOWN_BWD: "down_bwd",
-    TaskKind.SHARED_GATE_UP_BWD: "gate_up_bwd", TaskKind.GATE_UP_BWD: "gate_up_bwd",
-    TaskKind.DOWN_WGRAD: "down_wgrad", TaskKind.SHARED_DOWN_WGRAD: "down_wgrad",
-    TaskKind.GATE_UP_WGRAD: "gate_up_wgrad", TaskKind.SHARED_GATE_UP_WGRAD: "gate_up_wgrad",
-}
 OPERATOR_OF = {TaskKind.DISPATCH: "dispatch", TaskKind.COMBINE: "combine",
                TaskKind.REV_COMBINE: "rev_combine", TaskKind.REV_DISPATCH: "rev_dispatch"}
 ROUTED_ROW_KINDS = (TaskKind.GATE_UP, TaskKind.DOWN, TaskKind.DOWN_BWD, TaskKind.GATE_UP_BWD)
@@ -68,11 +61,9 @@ def _topk_uniform(rng, num_rows: int, num_experts: int, top_k: int) -> np.ndarra
         idx[bad] = rng.integers(0, num_experts, (len(bad), top_k))
 
 
-@functools.lru_cache(maxsize=32)
-def routed_load(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.0) -> Load:
-    """Route R*N tokens to K of E experts and place them as the pull schedule does (segments
-    padded to BM). skew = 0: uniform random top-k; skew > 0: expert e drawn with weight
-    (e+1)^-skew (a popular-expert imbalance), experts in a random order over ranks."""
+def route(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.0) -> np.ndarray:
+    """[R, N, K] every rank's top-k experts. skew = 0: uniform random top-k; skew > 0: expert e
+    drawn with weight (e+1)^-skew (a popular-expert imbalance), experts in a random order over ranks."""
     rng = np.random.default_rng(seed)
     e, k, n = shape.num_experts, shape.top_k, shape.num_tokens
     if skew:
@@ -81,14 +72,29 @@ def routed_load(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.
         topk = np.argpartition(-gumbel, k - 1, axis=1)[:, :k]
     else:
         topk = _topk_uniform(rng, num_ranks * n, e, k)
-    src = np.repeat(np.arange(num_ranks), n * k)
-    pairs = np.bincount(topk.reshape(-1) * num_ranks + src, minlength=e * num_ranks).reshape(e, num_ranks)  # M
-    el = e // num_ranks
-    per_expert = pairs.sum(axis=1).reshape(num_ranks, el)  # [R, El]
+    return topk.reshape(num_ranks, n, k)
+
+
+def load_from_topk(topk: np.ndarray, num_experts: int) -> Load:
+    """The receive rows of every rank for a routing topk [R, N, K], placed as the pull schedule
+    places them (`schedule.build_pull_schedule(topk, E, rank, align=BM)`): rank r owns experts
+    r*El .. (r+1)*El - 1, segments padded to BM."""
+    num_ranks, n, k = topk.shape
+    el = num_experts // num_ranks
+    src = np.repeat(np.arange(num_ranks), n * k)  # source rank of each (token, choice)
+    pairs = np.bincount(topk.reshape(-1) * num_ranks + src, minlength=num_experts * num_ranks)
+    pairs = pairs.reshape(num_ranks, el, num_ranks)  # [owner, local expert, source rank]
+    per_expert = pairs.sum(axis=2)  # [R, El]
     offsets = np.zeros((num_ranks, el + 1), np.int64)
     np.cumsum(-(-per_expert // BM) * BM, axis=1, out=offsets[:, 1:])
-    own = pairs.reshape(num_ranks, el, num_ranks)[np.arange(num_ranks), :, np.arange(num_ranks)].sum(axis=1)
+    own = pairs[np.arange(num_ranks), :, np.arange(num_ranks)].sum(axis=1)  # [R] rows from the owner itself
     return Load(per_expert, offsets, own / np.maximum(per_expert.sum(axis=1), 1))
+
+
+@functools.lru_cache(maxsize=32)
+def routed_load(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.0) -> Load:
+    """The load of a random routing (`route`), placed as the pull schedule does."""
+    return load_from_topk(route(shape, num_ranks, seed, skew), shape.num_experts)
 
 
 @dataclass(frozen=True)
@@ -209,7 +215,11 @@ def _counter_delays(plan: Plan, gpu: GpuParams) -> np.ndarray:
 
 
 def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0) -> SimResult:
-    """Simulate one pass of `plan` on every rank; load defaults to uniform random routing."""
+    """Simulate one pass of `plan` on every rank; load defaults to uniform random routing.
+    Raises plan.PlanError for a plan the megakernel could not run (e.g. a counter target below
+    its signals would let waiters start early and give a too short time); the proof is kept
+    per plan object, so a second simulation of the same plan does not check again."""
+    plan.check()
     if plan.num_sms > gpu.num_sms:
         raise ValueError(f"plan has {plan.num_sms} CTAs but {gpu.name} has {gpu.num_sms} SMs")
     load = load or routed_load(plan.shape, plan.num_ranks, seed)
@@ -224,7 +234,10 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
     delay = _counter_delays(plan, gpu)
     last = np.zeros((num_c, r))
     ready: list = [None] * num_c
-    cta = np.full((plan.num_sms, r), gpu.launch_ns if plan.strategy == "sequential" else 0.0)
+    # Every CTA starts after one kernel launch: the persistent kernel's (fixed_split) or the
+    # first stage's (sequential); each later sequential stage pays one more launch through its
+    # STAGE_DONE counter (_counter_delays). So both strategies pay the launches they would issue.
+    cta = np.full((plan.num_sms, r), gpu.launch_ns)
     start = np.empty((len(t), r))
     block = t["block"].tolist()
     waits = [[w for w in ws if w >= 0] for ws in t["wait_counter"].tolist()]

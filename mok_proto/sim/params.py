@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mok_proto import plan as plans
 from mok_proto import results
-from mok_proto.config import get_shape
+from mok_proto.config import MoEShape, get_shape
 from mok_proto.plan import BM, BN  # the kernels' tile (mok_proto/abi.py)
 from mok_proto.abi import GEMM_PROBLEM
 from mok_proto.problem import rows_per_expert
@@ -76,26 +77,22 @@ class GpuParams:
 # ---------------------------------------------------------------------------------------------
 
 
-def gemm_tiles(problem: str, rows: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
-    """(number of tiles, reduction length) per expert of a grouped GEMM; rows [experts]."""
-    row_tiles = -(-rows // BM)
+def gemm_tiles(problem: str, rows: np.ndarray, shape: MoEShape) -> tuple[np.ndarray, np.ndarray]:
+    """(number of output tiles, reduction length) per expert of a grouped GEMM, rows [experts],
+    with the plan's tiling of the routed task that runs this problem (`plan.tile_grid`,
+    `num_col_tiles`, `wgrad_grid`)."""
+    try:
+        kind = plans.ROUTED_KIND_OF[problem]
+    except KeyError:
+        raise ValueError(f"unknown GEMM problem {problem!r}") from None
     ones = np.ones_like(rows)
-    if problem == "gate_up":
-        return row_tiles * -(-2 * ffn // BN), hidden * ones
-    if problem == "down":
-        return row_tiles * -(-hidden // BN), ffn * ones
-    if problem == "down_bwd":
-        return row_tiles * -(-ffn // BN), hidden * ones
-    if problem == "gate_up_bwd":
-        return row_tiles * -(-hidden // BN), 2 * ffn * ones
-    if problem == "down_wgrad":
-        return ones * -(-ffn // BM) * -(-hidden // BN), rows
-    if problem == "gate_up_wgrad":
-        return ones * -(-hidden // BM) * -(-2 * ffn // BN), rows
-    raise ValueError(f"unknown GEMM problem {problem!r}")
+    if problem.endswith("wgrad"):  # one expert's weight: fixed tiles, k = its rows
+        row_tiles, col_tiles = plans.wgrad_grid(kind, shape)
+        return ones * row_tiles * col_tiles, rows
+    return -(-rows // BM) * plans.num_col_tiles(kind, shape), ones * plans.tile_grid(kind, shape)[2]
 
 
-def grouped_gemm_ns(gpu: GpuParams, problem: str, rows: np.ndarray, hidden: int, ffn: int,
+def grouped_gemm_ns(gpu: GpuParams, problem: str, rows: np.ndarray, shape: MoEShape,
                     num_ctas: int | None = None) -> float:
     """Makespan of a grouped GEMM as the standalone kernel runs it: CTAs in clusters of two
     share a weight tile, so a cluster takes two row tiles of one expert (256 rows) at once;
@@ -103,7 +100,7 @@ def grouped_gemm_ns(gpu: GpuParams, problem: str, rows: np.ndarray, hidden: int,
     one CTA per output tile, tile t on CTA t % num_ctas."""
     num_ctas = num_ctas or gpu.num_sms
     rows = np.asarray(rows, np.int64)
-    counts, k = gemm_tiles(problem, rows, hidden, ffn)
+    counts, k = gemm_tiles(problem, rows, shape)
     if not problem.endswith("wgrad"):
         counts = counts // (-(-rows // BM)).clip(1) * -(-rows // (2 * BM))  # per 256-row pair
         num_ctas //= 2
@@ -165,8 +162,7 @@ def h200(results_dir=results.RESULTS_DIR) -> GpuParams:
     rates = {}
     for r in gemm_rows:
         if (r["shape"], r["routing"]) == (shape_name, routing):
-            s = get_shape(r["shape"])
-            ns_at_one = grouped_gemm_ns(base, r["problem"], _gemm_rows(r), s.hidden, s.ffn)
+            ns_at_one = grouped_gemm_ns(base, r["problem"], _gemm_rows(r), get_shape(r["shape"]))
             rates[r["problem"]] = ns_at_one / (r["ours"]["median_ms"] * 1e6)
     # HBM: a copy of B bytes reads and writes B: 1/copy = 1/read + 1/write; a push dispatch on
     # one GPU reads each token row once and writes K rows: t = tokens/read + pairs/write.
