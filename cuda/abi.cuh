@@ -200,7 +200,7 @@ namespace mok {
 struct TokenParams {
   i64        num_tokens;  // N
   i64        top_k;  // K
-  i64        hidden;  // H (even: rows move as bf16 pairs)
+  i64        hidden;  // H (a multiple of 8: rows move as 16-byte octets)
   i64        rank_base;  // EP rank of blockIdx.y == 0
   i64        has_base;  // 1: add the shared expert's rows (base, dx_base); 0: there is none
   const u64* topk_w;  // float [N, K]    router weights

@@ -254,19 +254,6 @@ constexpr int kAuxU = kBM * 128;  // bytes from g to u in an aux stage
 // 1 / (1 + e^-x) with the fast reciprocal (2 SFU operations; relative error ~1e-6, far below bf16's).
 __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]), pack_bf16x2(f[6], f[7]));
-}
-
-__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
-  const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = bf16_lo(w[i]);
-    f[2 * i + 1] = bf16_hi(w[i]);
-  }
-}
-
 // The fp32-staged epilogue (kDownBwd, weight gradients) of 8 consecutive columns of one row, at
 // element offset `at` of the outputs. f: the accumulators; f2: the second matrix's same columns
 // (kGateUpWgrad). kDownBwd: g and u of those columns are read from the aux stage at `aux`.

@@ -19,8 +19,8 @@ def pack_params(fields: dict):
     """{TokenParams field: value} -> the device struct (the kernels' `const TokenParams*`)."""
     import cupy
 
-    if fields["hidden"] % 2:
-        raise ValueError(f"hidden must be even (rows move as bf16 pairs), got {fields['hidden']}")
+    if fields["hidden"] % 8:
+        raise ValueError(f"hidden must be a multiple of 8 (rows move as 16-byte octets), got {fields['hidden']}")
     return cupy.asarray(abi.TOKEN_PARAMS.pack(fields))
 
 
