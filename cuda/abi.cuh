@@ -89,7 +89,8 @@ enum CounterKind : int { kCounterArrived = 0, kCounterFirstDone = 1, kCounterSec
 
 namespace mok {
 constexpr int kCommThreads = 256;  // threads of a row-copy block: 8 warps, one row per warp
-constexpr int kScheduleThreads = 1024;  // threads of the schedule block
+constexpr int kScheduleThreads = 1024;  // threads of the schedule's scan block
+constexpr int kScheduleSegment = 1024;  // slots of one source rank per block of the schedule's count and place steps
 constexpr int kStateWords = 16;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
 }  // namespace mok
 
@@ -146,14 +147,15 @@ struct CommParams {
   const u64*   out;  // float [N, H]
   const u64*   recv_row;  // int32 [N*K]              receive row of each slot on its expert owner
   const u64*   sched;  // int32 [El+1 | El | C | C] offsets, counts, src_rank, src_slot
+  const u64*   sched_scratch;  // int32 [R*Q*El | El*R | 1] the schedule's segment counts, M, fits
   const u64*   flags;  // u64   [kNumFlagKinds, R]
   const u64*   state;  // u64   [kStateWords]      epoch, then last-block counters
   const u64*   scale;  // float [E]                stand-in expert: y = scale[e] * x
   ErrorRecord* error;  // this process's error record
 };
-static_assert(sizeof(CommParams) == 216, "CommParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(CommParams) == 224, "CommParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(CommParams, num_ranks) == 0 && __builtin_offsetof(CommParams, rank_base) == 8 && __builtin_offsetof(CommParams, num_tokens) == 16 && __builtin_offsetof(CommParams, top_k) == 24 && __builtin_offsetof(CommParams, num_experts) == 32 && __builtin_offsetof(CommParams, num_local_experts) == 40 && __builtin_offsetof(CommParams, row_bytes) == 48 && __builtin_offsetof(CommParams, slot_rows) == 56 && __builtin_offsetof(CommParams, hidden) == 64 && __builtin_offsetof(CommParams, capacity) == 72 && __builtin_offsetof(CommParams, align) == 80 && __builtin_offsetof(CommParams, timeout_ns) == 88 && __builtin_offsetof(CommParams, topk_idx) == 96 && __builtin_offsetof(CommParams, topk_w) == 104 && __builtin_offsetof(CommParams, routing) == 112 && __builtin_offsetof(CommParams, x) == 120 && __builtin_offsetof(CommParams, recv) == 128 && __builtin_offsetof(CommParams, y) == 136 && __builtin_offsetof(CommParams, slots) == 144 && __builtin_offsetof(CommParams, base) == 152 && __builtin_offsetof(CommParams, out) == 160 && __builtin_offsetof(CommParams, recv_row) == 168 && __builtin_offsetof(CommParams, sched) == 176 && __builtin_offsetof(CommParams, flags) == 184 && __builtin_offsetof(CommParams, state) == 192 && __builtin_offsetof(CommParams, scale) == 200 && __builtin_offsetof(CommParams, error) == 208, "CommParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(CommParams, num_ranks) == 0 && __builtin_offsetof(CommParams, rank_base) == 8 && __builtin_offsetof(CommParams, num_tokens) == 16 && __builtin_offsetof(CommParams, top_k) == 24 && __builtin_offsetof(CommParams, num_experts) == 32 && __builtin_offsetof(CommParams, num_local_experts) == 40 && __builtin_offsetof(CommParams, row_bytes) == 48 && __builtin_offsetof(CommParams, slot_rows) == 56 && __builtin_offsetof(CommParams, hidden) == 64 && __builtin_offsetof(CommParams, capacity) == 72 && __builtin_offsetof(CommParams, align) == 80 && __builtin_offsetof(CommParams, timeout_ns) == 88 && __builtin_offsetof(CommParams, topk_idx) == 96 && __builtin_offsetof(CommParams, topk_w) == 104 && __builtin_offsetof(CommParams, routing) == 112 && __builtin_offsetof(CommParams, x) == 120 && __builtin_offsetof(CommParams, recv) == 128 && __builtin_offsetof(CommParams, y) == 136 && __builtin_offsetof(CommParams, slots) == 144 && __builtin_offsetof(CommParams, base) == 152 && __builtin_offsetof(CommParams, out) == 160 && __builtin_offsetof(CommParams, recv_row) == 168 && __builtin_offsetof(CommParams, sched) == 176 && __builtin_offsetof(CommParams, sched_scratch) == 184 && __builtin_offsetof(CommParams, flags) == 192 && __builtin_offsetof(CommParams, state) == 200 && __builtin_offsetof(CommParams, scale) == 208 && __builtin_offsetof(CommParams, error) == 216, "CommParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 }  // namespace mok

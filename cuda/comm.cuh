@@ -21,11 +21,11 @@
 // live in device memory, the epoch is a device counter, and every wait is bounded.
 //
 // Producer/consumer contract of a round (epoch = state[0], raised by begin_round):
-//   allgather_routing --kFlagRouting--> build_schedule --kFlagMap--> wait_peers, dispatch_push
+//   allgather_routing --kFlagRouting--> schedule (3 launches) --kFlagMap--> wait_peers, dispatch_push
 //   dispatch_push --kFlagDispatch--> wait_peers (then the experts)
 //   the experts, raise_flag --kFlagReady--> wait_peers, combine_pull
 //   combine_push --kFlagCombine--> wait_peers (then the weighted sum)
-// Every wait is its own wait_peers launch (only build_schedule waits inside), naming its Op, so
+// Every wait is its own wait_peers launch (only the schedule waits inside), naming its Op, so
 // the movement kernels are plain copies and the backward reuses them with its own buffers: a
 // timed push stage includes its receiver's wait, as a pull stage includes its own loads. A
 // kernel only ever waits for flags raised by EARLIER launches (or other processes), so no launch
@@ -85,17 +85,35 @@ __device__ __forceinline__ void allgather_routing_part(const CommParams* p, int 
   }
 }
 
-// Schedule step 1: counts[l * R + r] += pairs of source rank r for local expert l, over routing
-// elements [begin, end) of R * N*K. `counts` in shared memory, zeroed by the caller.
+// The schedule runs as three launches over *segments* of kScheduleSegment slots of one source
+// rank (segment g = r * Q + q covers slots q * kScheduleSegment ... of source rank r; Q segments
+// per rank): count the pairs of each segment per local expert, scan the counts (segment bases,
+// M, offsets, capacity), place every segment's pairs. `scratch` (CommParams.sched_scratch, one
+// per rank): int32 [R * Q * El] segment counts, then bases | [El * R] M (l * R + r) | [1] fits.
+struct ScheduleScratch {
+  int* segment;  // [R * Q * El]: counts, then (after the scan) the pairs of (l, r) before segment g
+  int* pairs;    // [El * R]:     M[l, r], pairs of source rank r for local expert l
+  int* fits;     // [1]:          1 if every segment fits in the capacity
+};
+__device__ __forceinline__ int segments_per_rank(const CommParams* p) {
+  return static_cast<int>((p->num_tokens * p->top_k + kScheduleSegment - 1) / kScheduleSegment);
+}
+__device__ __forceinline__ ScheduleScratch scratch_of(const CommParams* p, int rank) {
+  int* s = at<int>(p->sched_scratch, rank);
+  const i64 segment_words = p->num_ranks * segments_per_rank(p) * p->num_local_experts;
+  return {s, s + segment_words, s + segment_words + p->num_ranks * p->num_local_experts};
+}
+
+// Schedule step 1: counts[l] += pairs for local expert l among routing elements [begin, end) (one
+// source rank's slots). `counts` [El] in shared memory, zeroed by the caller.
 __device__ __forceinline__ void schedule_count(const CommParams* p, int rank, int* counts, i64 begin, i64 end,
                                                Workers threads) {
-  const int num_ranks = static_cast<int>(p->num_ranks), el = static_cast<int>(p->num_local_experts);
-  const i64 nk = p->num_tokens * p->top_k;
+  const int el = static_cast<int>(p->num_local_experts);
   const int* routing = at<int>(p->routing, rank);  // [R, N*K]
   const int first_expert = rank * el;
   for (i64 i = begin + threads.id; i < end; i += threads.count) {
     const int l = routing[i] - first_expert;
-    if (l >= 0 && l < el) atomicAdd(&counts[l * num_ranks + static_cast<int>(i / nk)], 1);
+    if (l >= 0 && l < el) atomicAdd(&counts[l], 1);
   }
 }
 
@@ -120,44 +138,40 @@ __device__ __forceinline__ bool schedule_offsets(const CommParams* p, int rank, 
   return fits;
 }
 
-// Schedule step 3: place every pair of source ranks [r_begin, r_end), one warp per source rank:
+// Schedule step 3: one warp places the pairs among slots [s_begin, s_end) of source rank r:
 //   the o-th pair (in slot order) of (l, r) goes to receive row
-//   offsets[l] + sum_r' min(M[l,r'], o) + |{r' < r : M[l,r'] > o}|   (M = counts),
+//   offsets[l] + sum_r' min(M[l,r'], o) + |{r' < r : M[l,r'] > o}|,
 // written to src_rank/src_slot here and to recv_row[s] on the source rank (the combine map; -1
-// when nothing fits). `cursor` [El * R] in shared memory counts the pairs placed so far, zeroed by
-// the caller. NOTE: a warp walks its source rank's slots in order, so o is deterministic: lanes
-// with the same expert rank themselves by lane.
-__device__ __forceinline__ void schedule_place(const CommParams* p, int rank, const int* counts, int* cursor,
-                                               SchedView sv, bool fits, int r_begin, int r_end, Workers warps,
+// when nothing fits). `cursor` [El]: the pairs of (l, r) before s_begin, advanced as it goes.
+// NOTE: the warp walks the slots in order, so o is deterministic: lanes with the same expert
+// rank themselves by lane. `pairs` = M (l * R + r) and `offsets` [El + 1] may be shared copies.
+__device__ __forceinline__ void schedule_place(const CommParams* p, int rank, const int* pairs, const int* offsets,
+                                               int* cursor, SchedView sv, bool fits, int r, i64 s_begin, i64 s_end,
                                                int lane) {
   const int num_ranks = static_cast<int>(p->num_ranks), el = static_cast<int>(p->num_local_experts);
-  const i64 nk = p->num_tokens * p->top_k;
-  const int* routing = at<int>(p->routing, rank);
+  const int* src = at<int>(p->routing, rank) + r * p->num_tokens * p->top_k;
+  int* peer_recv_row = at<int>(p->recv_row, r);
   const int first_expert = rank * el;
-  for (int r = r_begin + warps.id; r < r_end; r += warps.count) {
-    const int* src = routing + r * nk;
-    int* peer_recv_row = at<int>(p->recv_row, r);
-    for (i64 chunk = 0; chunk < nk; chunk += 32) {
-      const i64 s = chunk + lane;
-      const int l = s < nk ? src[s] - first_expert : -1;
-      const bool mine = l >= 0 && l < el;
-      const unsigned int same = __match_any_sync(0xffffffffu, mine ? l : -1);
-      const int before = __popc(same & ((1u << lane) - 1u));
-      const int o = mine ? cursor[l * num_ranks + r] + before : 0;
-      __syncwarp();
-      if (mine && before == 0) cursor[l * num_ranks + r] += __popc(same);
-      __syncwarp();
-      if (!mine) continue;
-      int row = -1;
-      if (fits) {
-        const int* m = counts + l * num_ranks;
-        row = sv.offsets[l];
-        for (int q = 0; q < num_ranks; ++q) row += min(m[q], o) + ((q < r && m[q] > o) ? 1 : 0);
-        sv.src_rank[row] = r;
-        sv.src_slot[row] = static_cast<int>(s);
-      }
-      peer_recv_row[s] = row;
+  for (i64 chunk = s_begin; chunk < s_end; chunk += 32) {
+    const i64 s = chunk + lane;
+    const int l = s < s_end ? src[s] - first_expert : -1;
+    const bool mine = l >= 0 && l < el;
+    const unsigned int same = __match_any_sync(0xffffffffu, mine ? l : -1);
+    const int before = __popc(same & ((1u << lane) - 1u));
+    const int o = mine ? cursor[l] + before : 0;
+    __syncwarp();
+    if (mine && before == 0) cursor[l] += __popc(same);
+    __syncwarp();
+    if (!mine) continue;
+    int row = -1;
+    if (fits) {
+      const int* m = pairs + l * num_ranks;
+      row = offsets[l];
+      for (int q = 0; q < num_ranks; ++q) row += min(m[q], o) + ((q < r && m[q] > o) ? 1 : 0);
+      sv.src_rank[row] = r;
+      sv.src_slot[row] = static_cast<int>(s);
     }
+    peer_recv_row[s] = row;
   }
 }
 
@@ -276,7 +290,7 @@ __device__ __forceinline__ void weighted_sum_part(const CommParams* p, int rank,
 
 // ---------------------------------------------------------------------------------------------
 // Standalone kernels: grid (blocks per rank, W), rank = rank_base + blockIdx.y, every block an
-// equal share of [0, total); blocks of kCommThreads (build_schedule: kScheduleThreads), as the
+// equal share of [0, total); blocks of kCommThreads (schedule_scan: kScheduleThreads), as the
 // wrappers launch them. Completion: the last block signals (see last_block).
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ int rank_of(const CommParams* p) { return static_cast<int>(p->rank_base) + blockIdx.y; }
@@ -327,33 +341,100 @@ __global__ void __launch_bounds__(kCommThreads) allgather_routing(const CommPara
   signal_when_last(p, rank, kOpRouting, kFlagRouting);
 }
 
-// build_schedule: the MoK placement on this (expert-owning) rank, bit-identical to
-// mok_proto/schedule.py (steps: count, offsets, place, pad; see the building blocks), then
-// kFlagMap. grid (1, W), block kScheduleThreads, dynamic smem 2 * El * R ints. Reads R*N*K*4
-// bytes twice; the row formula costs O(R) per pair.
-// On overflow (rows > C) it reports kErrCapacity, places nothing (recv_row = -1) and the round
-// runs on (a capacity error stops no wait), so every peer still gets its signals and none hangs;
-// the host raises CapacityError.
-__global__ void __launch_bounds__(kScheduleThreads) build_schedule(const CommParams* p) {
-  extern __shared__ int smem[];
-  __shared__ int s_fits;
-  const int rank = rank_of(p);
-  const int num_ranks = static_cast<int>(p->num_ranks), el = static_cast<int>(p->num_local_experts);
-  int* counts = smem;                   // [El * R]  M[l, r] at l * R + r
-  int* cursor = smem + el * num_ranks;  // [El * R]  pairs of (l, r) placed so far
+// The MoK placement on this (expert-owning) rank, bit-identical to mok_proto/schedule.py, in
+// three launches (see ScheduleScratch), then kFlagMap from the last block of the third. Reads
+// R*N*K*4 bytes twice; the row formula costs O(R) per pair. On overflow (rows > C) it reports
+// kErrCapacity, places nothing (recv_row = -1) and the round runs on (a capacity error stops no
+// wait), so every peer still gets its signals and none hangs; the host raises CapacityError.
+//
+// schedule_count_segments: grid (R * Q, W), block kCommThreads, dynamic smem El ints. Waits for
+// every peer's routing, then counts segment g's pairs per local expert.
+__global__ void __launch_bounds__(kCommThreads) schedule_count_segments(const CommParams* p) {
+  extern __shared__ int counts[];  // [El]
+  const int rank = rank_of(p), el = static_cast<int>(p->num_local_experts);
   if (!wait_all_peers(p, rank, kFlagRouting, kOpSchedule)) return;
-  for (int i = threadIdx.x; i < el * num_ranks; i += blockDim.x) counts[i] = cursor[i] = 0;
+  for (int l = threadIdx.x; l < el; l += blockDim.x) counts[l] = 0;
   __syncthreads();
-  schedule_count(p, rank, counts, 0, p->num_ranks * p->num_tokens * p->top_k, block_threads());
+  const i64 nk = p->num_tokens * p->top_k;
+  const int q_per_rank = segments_per_rank(p), r = blockIdx.x / q_per_rank, q = blockIdx.x % q_per_rank;
+  const i64 begin = r * nk + static_cast<i64>(q) * kScheduleSegment;
+  schedule_count(p, rank, counts, begin, min(begin + kScheduleSegment, (r + 1) * nk), block_threads());
+  __syncthreads();
+  const ScheduleScratch sc = scratch_of(p, rank);
+  for (int l = threadIdx.x; l < el; l += blockDim.x) sc.segment[static_cast<i64>(blockIdx.x) * el + l] = counts[l];
+}
+
+// schedule_scan: grid (1, W), block kScheduleThreads. Segment counts -> the pairs of (l, r) before
+// each segment (in place) and M; offsets, counts and the capacity check; padding rows.
+__global__ void __launch_bounds__(kScheduleThreads) schedule_scan(const CommParams* p) {
+  __shared__ int s_fits;
+  const int rank = rank_of(p), num_ranks = static_cast<int>(p->num_ranks);
+  const int el = static_cast<int>(p->num_local_experts), q_per_rank = segments_per_rank(p);
+  const ScheduleScratch sc = scratch_of(p, rank);
+  for (int pair = threadIdx.x; pair < el * num_ranks; pair += blockDim.x) {  // pair = r * El + l
+    const int r = pair / el, l = pair - r * el;
+    int running = 0;
+    for (int q = 0; q < q_per_rank; ++q) {
+      int* c = sc.segment + (static_cast<i64>(r) * q_per_rank + q) * el + l;
+      const int n = *c;
+      *c = running;
+      running += n;
+    }
+    sc.pairs[l * num_ranks + r] = running;
+  }
   __syncthreads();
   const SchedView sv = sched_of(p, rank);
-  if (threadIdx.x == 0) s_fits = schedule_offsets(p, rank, counts, sv);
+  if (threadIdx.x == 0) *sc.fits = s_fits = schedule_offsets(p, rank, sc.pairs, sv);
   __syncthreads();
-  const bool fits = s_fits != 0;
-  schedule_place(p, rank, counts, cursor, sv, fits, 0, num_ranks, block_warps(), lane_id());
-  if (fits) schedule_pad(p, sv, block_threads());
+  if (s_fits) schedule_pad(p, sv, block_threads());
+}
+
+// schedule_place_segments: grid (R * Q, W), block kCommThreads (8 warps: 8 sub-segments of a
+// segment), dynamic smem (El * R + 9 El + 1) ints. Each warp counts its sub-segment's pairs, the
+// block turns the counts into every warp's starting cursor, then each warp places its pairs.
+__global__ void __launch_bounds__(kCommThreads) schedule_place_segments(const CommParams* p) {
+  extern __shared__ int smem[];
+  constexpr int kWarps = kCommThreads / 32, kSub = kScheduleSegment / kWarps;
+  const int rank = rank_of(p), num_ranks = static_cast<int>(p->num_ranks), lane = lane_id();
+  const int el = static_cast<int>(p->num_local_experts), warp = threadIdx.x >> 5;
+  int* pairs = smem;                   // [El * R]  M
+  int* offsets = pairs + el * num_ranks;  // [El + 1]
+  int* cursor = offsets + el + 1;      // [kWarps][El]
+  const ScheduleScratch sc = scratch_of(p, rank);
+  const SchedView sv = sched_of(p, rank);
+  for (int i = threadIdx.x; i < el * num_ranks; i += blockDim.x) pairs[i] = sc.pairs[i];
+  for (int i = threadIdx.x; i <= el; i += blockDim.x) offsets[i] = sv.offsets[i];
+  for (int i = threadIdx.x; i < kWarps * el; i += blockDim.x) cursor[i] = 0;
   __syncthreads();
-  signal_all(p->flags, kFlagMap, num_ranks, rank, epoch_of(p, rank));
+  const i64 nk = p->num_tokens * p->top_k;
+  const int q_per_rank = segments_per_rank(p), r = blockIdx.x / q_per_rank, q = blockIdx.x % q_per_rank;
+  const i64 s_begin = static_cast<i64>(q) * kScheduleSegment + warp * kSub;
+  const i64 s_end = min(s_begin + kSub, nk);
+  // 1. This warp's pairs per local expert.
+  const int* src = at<int>(p->routing, rank) + r * nk;
+  const int first_expert = rank * el;
+  for (i64 chunk = s_begin; chunk < s_end; chunk += 32) {
+    const i64 s = chunk + lane;
+    const int l = s < s_end ? src[s] - first_expert : -1;
+    const bool mine = l >= 0 && l < el;
+    const unsigned int same = __match_any_sync(0xffffffffu, mine ? l : -1);
+    if (mine && __popc(same & ((1u << lane) - 1u)) == 0) cursor[warp * el + l] += __popc(same);
+    __syncwarp();
+  }
+  __syncthreads();
+  // 2. Every warp's starting cursor: the segment's base plus the warps before it.
+  for (int l = threadIdx.x; l < el; l += blockDim.x) {
+    int running = sc.segment[static_cast<i64>(blockIdx.x) * el + l];
+    for (int w = 0; w < kWarps; ++w) {
+      const int n = cursor[w * el + l];
+      cursor[w * el + l] = running;
+      running += n;
+    }
+  }
+  __syncthreads();
+  // 3. Place.
+  schedule_place(p, rank, pairs, offsets, cursor + warp * el, sv, *sc.fits != 0, r, s_begin, s_end, lane);
+  signal_when_last(p, rank, kOpSchedule, kFlagMap);
 }
 
 // dispatch_pull: every receive row pulled from its token owner. Moves rows * H * elem bytes.

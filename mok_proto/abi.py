@@ -210,7 +210,8 @@ ENUMS = (ERROR_CODE, OP, FLAG_KIND, GEMM_PROBLEM, TASK_KIND, COUNTER_KIND)
 CONSTS = (
     # Communication kernels
     Const("kCommThreads", 256, "threads of a row-copy block: 8 warps, one row per warp"),
-    Const("kScheduleThreads", 1024, "threads of the schedule block"),
+    Const("kScheduleThreads", 1024, "threads of the schedule's scan block"),
+    Const("kScheduleSegment", 1024, "slots of one source rank per block of the schedule's count and place steps"),
     Const("kStateWords", 1 + len(OP), "a round's state: the epoch, then one last-block counter per Op "
           "(the comm kernels use theirs)"),
     # Grouped GEMM tiles
@@ -266,6 +267,7 @@ COMM_PARAMS = Struct("CommParams", (
     ("const u64*", "out", "float [N, H]"),
     ("const u64*", "recv_row", "int32 [N*K]              receive row of each slot on its expert owner"),
     ("const u64*", "sched", "int32 [El+1 | El | C | C] offsets, counts, src_rank, src_slot"),
+    ("const u64*", "sched_scratch", "int32 [R*Q*El | El*R | 1] the schedule's segment counts, M, fits"),
     ("const u64*", "flags", "u64   [kNumFlagKinds, R]"),
     ("const u64*", "state", "u64   [kStateWords]      epoch, then last-block counters"),
     ("const u64*", "scale", "float [E]                stand-in expert: y = scale[e] * x"),

@@ -16,10 +16,12 @@ from mok_proto.kernels.build import CudaModule
 
 THREADS = abi.CONST["kCommThreads"]
 SCHEDULE_THREADS = abi.CONST["kScheduleThreads"]
+SCHEDULE_SEGMENT = abi.CONST["kScheduleSegment"]
 
 VECS = (16, 2)  # bytes per row access: 16 when rows are 16-byte multiples, else 2 (even rows)
 MODULE = CudaModule("comm.cuh", (
-    "mok::begin_round", "mok::wait_peers", "mok::raise_flag", "mok::allgather_routing", "mok::build_schedule",
+    "mok::begin_round", "mok::wait_peers", "mok::raise_flag", "mok::allgather_routing",
+    "mok::schedule_count_segments", "mok::schedule_scan", "mok::schedule_place_segments",
     "mok::expert_scale", "mok::weighted_sum",
 ) + tuple(f"mok::{kernel}<{vec}>" for kernel in ("dispatch_pull", "dispatch_push", "combine_push", "combine_pull")
           for vec in VECS))
@@ -80,12 +82,28 @@ def allgather_routing(params, launch: Launch):
     _go("mok::allgather_routing", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
 
 
-def build_schedule(params, launch: Launch, num_ranks: int, num_local_experts: int):
-    smem = 2 * num_ranks * num_local_experts * 4
-    if smem > 227 * 1024:
-        raise ValueError(f"build_schedule: El*R = {num_ranks * num_local_experts} counters exceed shared memory")
-    _go("mok::build_schedule", (1, launch.num_launch_ranks), (SCHEDULE_THREADS,), (params,), shared_mem=smem)
+def schedule_words(num_local_experts: int, capacity: int) -> int:
+    """int32 words of a rank's schedule (CommParams.sched): offsets [El+1], counts [El], src_rank [C],
+    src_slot [C]."""
+    return 2 * num_local_experts + 1 + 2 * capacity
 
+
+def schedule_scratch_words(num_ranks: int, num_tokens: int, top_k: int, num_local_experts: int) -> int:
+    """int32 words of a rank's schedule scratch (CommParams.sched_scratch, see ScheduleScratch)."""
+    segments = num_ranks * -(-num_tokens * top_k // SCHEDULE_SEGMENT)
+    return segments * num_local_experts + num_ranks * num_local_experts + 1
+
+
+def build_schedule(params, launch: Launch, num_ranks: int, num_local_experts: int, num_tokens: int, top_k: int):
+    """The MoK placement on every launch-rank: count, scan, place (three launches), then kFlagMap."""
+    segments = num_ranks * -(-num_tokens * top_k // SCHEDULE_SEGMENT)
+    el, w = num_local_experts, launch.num_launch_ranks
+    _go("mok::schedule_count_segments", (segments, w), (THREADS,), (params,), shared_mem=4 * el)
+    _go("mok::schedule_scan", (1, w), (SCHEDULE_THREADS,), (params,))
+    smem = 4 * (el * num_ranks + 9 * el + 1)
+    if smem > 227 * 1024:
+        raise ValueError(f"build_schedule: E = {el * num_ranks} experts need {smem} bytes of shared memory")
+    _go("mok::schedule_place_segments", (segments, w), (THREADS,), (params,), shared_mem=smem)
 
 def dispatch_pull(params, launch: Launch):
     _go(f"mok::dispatch_pull<{launch.vec}>", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))

@@ -76,7 +76,8 @@ class GpuMoELayer:
         layout = {  # name: (shape, dtype); every buffer symmetric (peers reach the row buffers)
             # routing and schedule
             "topk_idx": ((n, k), I32), "topk_w": ((n, k), F32), "routing": ((num_ranks, n * k), I32),
-            "recv_row": ((n * k,), I32), "sched": ((2 * el + 1 + 2 * cap,), I32),
+            "recv_row": ((n * k,), I32), "sched": ((kc.schedule_words(el, cap),), I32),
+            "sched_scratch": ((kc.schedule_scratch_words(num_ranks, n, k, el),), I32),
             "flags": ((len(abi.FLAG_KIND), num_ranks), np.uint64), "state": ((abi.CONST["kStateWords"],), np.uint64),
             # forward
             "x": ((n, h), BF16), "recv": ((cap, h), BF16), "g": ((cap, i_ffn), BF16), "u": ((cap, i_ffn), BF16),
@@ -125,7 +126,8 @@ class GpuMoELayer:
                       num_experts=s.num_experts, num_local_experts=self.num_local, row_bytes=2 * h, hidden=h,
                       capacity=self.capacity, align=1, timeout_ns=int(run.timeout_s * 1e9), error=self.error.ptr,
                       topk_idx=table["topk_idx"], topk_w=table["topk_w"], routing=table["routing"],
-                      recv_row=table["recv_row"], sched=table["sched"], flags=table["flags"],
+                      recv_row=table["recv_row"], sched=table["sched"], sched_scratch=table["sched_scratch"],
+                      flags=table["flags"],
                       state=table["state"], base=0, out=0, scale=0)
         # The forward moves token rows x -> receive rows, results y -> slots; the backward moves
         # slot rows dy_slots -> receive rows, input-gradient rows dx_rows -> slots.
@@ -214,7 +216,7 @@ class GpuMoELayer:
         mark("schedule")
         kc.begin_round(p, launch)
         kc.allgather_routing(p, launch)
-        kc.build_schedule(p, launch, self.run.num_ranks, self.num_local)
+        kc.build_schedule(p, launch, self.run.num_ranks, self.num_local, self.shape.num_tokens, self.shape.top_k)
         mark("shared")
         if self.has_shared:
             for r in self.ranks:

@@ -52,7 +52,8 @@ class GpuCommRound:
             "topk_idx": ((n, k), i32), "topk_w": ((n, k), f32), "routing": ((num_ranks, n * k), i32),
             "x": ((n, h), f32), "recv": ((cap, h), f32), "y": ((cap, h), f32), "slots": ((n * k, h), f32),
             "base": ((n, h), f32), "out": ((n, h), f32), "recv_row": ((n * k,), i32),
-            "sched": ((2 * el + 1 + 2 * cap,), i32),  # offsets [El+1] | counts [El] | src_rank [C] | src_slot [C]
+            "sched": ((kc.schedule_words(el, cap),), i32),
+            "sched_scratch": ((kc.schedule_scratch_words(num_ranks, n, k, el),), i32),
             "flags": ((len(abi.FLAG_KIND), num_ranks), np.uint64),
             "state": ((abi.CONST["kStateWords"],), np.uint64), "scale": ((e,), f32),
         }
@@ -107,7 +108,7 @@ class GpuCommRound:
         kc.begin_round(p, launch)
         kc.allgather_routing(p, launch)
         mark("schedule")
-        kc.build_schedule(p, launch, self.heap.num_ranks, self.num_local)
+        kc.build_schedule(p, launch, self.heap.num_ranks, self.num_local, self.shape.num_tokens, self.shape.top_k)
         mark("dispatch")  # a push stage includes its receiver's wait, as a pull does
         if dispatch == "pull":
             kc.dispatch_pull(p, launch)

@@ -30,6 +30,7 @@ CASES = {  # name: (H, E, K, N, routing)
     "one-token": (64, 16, 2, 1, "random"),
     "hidden-37": (37, 16, 3, 9, "skewed"),
     "hidden-100": (100, 8, 2, 17, "random"),
+    "many-slots": (8, 16, 4, 700, "skewed"),  # 2800 slots per rank: 3 schedule segments, the last partial
 }
 
 
