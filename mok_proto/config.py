@@ -74,6 +74,8 @@ PRESETS = {
     "tiny": MoEShape("tiny", hidden=16, ffn=8, num_experts=12, top_k=2, num_tokens=6),
     "small": MoEShape("small", hidden=64, ffn=32, num_experts=24, top_k=4, num_tokens=32),
     "medium": MoEShape("medium", hidden=256, ffn=128, num_experts=48, top_k=4, num_tokens=256),
+    # The smallest layer the GPU's GEMM tiles take (H, I multiples of 256): the demo's GPU default.
+    "tile": MoEShape("tile", hidden=256, ffn=256, num_experts=48, top_k=4, num_tokens=64),
 }
 PAPER_SHAPES = ("kimi-k2.7", "glm-5.2", "qwen3.5-397b", "deepseek-v4-pro")
 

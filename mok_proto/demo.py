@@ -1,6 +1,7 @@
 """The main job: one MoE layer forward + backward on R ranks, checked against the reference.
 
     mpirun -n 4 python -m mok_proto.demo [--shape small] [--policy dispatch=push] [--seed 0] [--backend auto]
+    python -m mok_proto.demo --backend gpu --virtual 4     # 4 ranks in one process, on one GPU
 
 Every rank builds every rank's inputs from one seed, runs its part of the distributed layer,
 and compares its slice with the single-process reference over all ranks' data. Rank 0 prints
@@ -31,7 +32,10 @@ from mok_proto.problem import make_problem
 from mok_proto.symm.base import CapacityError, SymmTimeoutError
 
 BACKENDS = ("auto", "cpu", "gpu")
-TOLERANCE = {"float32": 1e-4, "float64": 1e-10}  # max |got - ref| / max |ref|, per array
+# max |got - ref| / max |ref|, per array. bf16: the GPU layer (bf16 rows, fp32 accumulation)
+# against the float64 reference on the same bf16-rounded inputs.
+TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "bf16": 2e-2}
+DEFAULT_SHAPE = {"cpu": "small", "gpu": "tile"}
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -45,12 +49,15 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 def parse_args(argv):
     p = _ArgumentParser(prog="python -m mok_proto.demo", description=__doc__.split("\n")[0])
-    p.add_argument("--shape", default="small", help=f"preset: {', '.join(PRESETS)} (default small)")
+    p.add_argument("--shape", default=None, help=f"preset: {', '.join(PRESETS)} (default: small on the CPU, "
+                   "tile on the GPU, whose GEMM tiles need H and I multiples of 256)")
     p.add_argument("--policy", default="", help="operator=push|pull list, e.g. dispatch=push,combine=pull "
                    "(operators: dispatch, combine, rev_combine, rev_dispatch; default MoK's choice)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="auto", help="auto, cpu or gpu. Today auto runs the CPU backend: the GPU "
-                   "layer is not built yet (a later change makes auto pick the GPU when one is present)")
+    p.add_argument("--backend", default="auto", help="auto, cpu or gpu. auto: the GPU when CuPy sees one (and, "
+                   "under mpiexec, nvshmem4py is installed), else the CPU")
+    p.add_argument("--virtual", type=int, default=0, help="GPU only: run this many ranks in ONE process "
+                   "(virtual ranks on one GPU; start without mpiexec). 0: one rank per process (NVSHMEM)")
     p.add_argument("--routing", default="random", help="random, skewed or one-expert")
     p.add_argument("--dtype", default="float32", help="float32 or float64")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds any rank waits for a peer; a stopped or "
@@ -63,13 +70,33 @@ def parse_args(argv):
     return args
 
 
-def resolve_backend(name: str) -> str:
+def gpu_unavailable(virtual: int) -> str | None:
+    """None if the GPU backend can run here, else why not (one line)."""
+    from mok_proto.symm.gpu import require_cupy
+
+    try:
+        require_cupy(who="the GPU backend")
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+    if virtual == 0 and _launcher_size() > 1:
+        try:
+            import nvshmem.core  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            return f"the GPU backend under mpiexec needs nvshmem4py ({type(e).__name__}); or use --virtual R"
+    return None
+
+
+def resolve_backend(name: str, virtual: int) -> str:
     if name == "cpu":
+        if virtual:
+            raise ValueError("--virtual runs GPU ranks; it needs --backend gpu or auto on a GPU machine")
         return "cpu"
-    # The GPU backend (mok_proto.kernels) joins here when it exists; until then auto means cpu.
-    if name == "gpu":
-        raise ValueError("--backend gpu: the GPU layer is not built yet; use --backend cpu")
-    return "cpu"
+    why = gpu_unavailable(virtual)
+    if name == "gpu" and why:
+        raise ValueError(f"--backend gpu: {why}")
+    if why and virtual:
+        raise ValueError(f"--virtual: {why}")
+    return "cpu" if why else "gpu"
 
 
 def checksum(arrays) -> str:
@@ -124,7 +151,7 @@ def check_fits(run: RunConfig, backend: str, ranks_here: int) -> None:
 
 
 def run_rank(comm, args, run: RunConfig, heap_timeout_s: float):
-    """This rank's part: returns one result row (dict)."""
+    """This rank's part: returns its result row (a list of one dict)."""
     from mok_proto.layer.cpu import CpuMoELayer
     from mok_proto.symm import watchdog
     from mok_proto.symm.mpi import MpiHeap
@@ -149,7 +176,18 @@ def run_rank(comm, args, run: RunConfig, heap_timeout_s: float):
     ref_out, cache = reference.forward(prob.flat("x"), prob.flat("topk_idx"), prob.flat("topk_weights"),
                                        prob.weights, dtype="float64")
     ref_grads = reference.backward(prob.flat("dout").astype(np.float64), cache)
-    n, num_local = shape.num_tokens, run.num_local_experts
+    shared = {}
+    for key in sorted(k for k in grads if k.startswith("shared_")):  # per-rank partial sums
+        watchdog.arrival_barrier(comm, f"gather of {key}", heap_timeout_s)
+        with watchdog.guard(f"gather of {key}"):
+            shared[key] = sum(comm.allgather(grads[key]))
+    return [result_row(run, rank, out, grads, shared, ref_out, ref_grads, (t1 - t0) * 1e3, (t2 - t1) * 1e3)]
+
+
+def result_row(run, rank, out, grads, shared, ref_out, ref_grads, fwd_ms, bwd_ms) -> dict:
+    """One rank's row: its errors against its slice of the reference (the shared expert's
+    gradients: their sum over ranks, in rank order), timings, checksums."""
+    n, num_local = run.shape.num_tokens, run.num_local_experts
     tokens, experts = slice(rank * n, (rank + 1) * n), slice(rank * num_local, (rank + 1) * num_local)
     errors = {"out": rel_error(out, ref_out[tokens])}
     for key, g in grads.items():
@@ -157,15 +195,65 @@ def run_rank(comm, args, run: RunConfig, heap_timeout_s: float):
             errors[key] = rel_error(g, ref_grads[key][tokens])
         elif key.startswith("w_"):
             errors[key] = rel_error(g, ref_grads[key][experts])
-    # Shared-expert grads are per-rank partial sums: check their sum over ranks, in rank order.
-    for key in sorted(k for k in grads if k.startswith("shared_")):
-        watchdog.arrival_barrier(comm, f"gather of {key}", heap_timeout_s)
-        with watchdog.guard(f"gather of {key}"):
-            total = sum(comm.allgather(grads[key]))
-        errors[key] = rel_error(total, ref_grads[key])
-    return dict(rank=rank, shape=shape.name, policy=format_policy(run.policy), fwd_ms=(t1 - t0) * 1e3,
-                bwd_ms=(t2 - t1) * 1e3, max_err=max(errors.values()), worst=max(errors, key=errors.get),
+    errors.update({key: rel_error(total, ref_grads[key]) for key, total in shared.items()})
+    return dict(rank=rank, shape=run.shape.name, policy=format_policy(run.policy), fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+                max_err=max(errors.values()), worst=max(errors, key=errors.get),
                 out_sha=checksum([out]), grad_sha=checksum([grads[k] for k in sorted(grads)]))
+
+
+def run_ranks_gpu(comm, args, run: RunConfig, heap_timeout_s: float):
+    """The GPU layer for the ranks this process drives (all of them with --virtual, else its own
+    with NVSHMEM): one warm-up forward + backward (compiles the kernels), one timed. Returns rows."""
+    import cupy
+
+    from mok_proto.kernels.gemm import from_bf16, to_bf16
+    from mok_proto.layer.gpu import GpuMoELayer
+
+    shape, num_ranks = run.shape, run.num_ranks
+    prob = make_problem(shape, num_ranks, seed=args.seed, routing=args.routing)
+    _step(args, "setup")
+    if args.virtual:
+        from mok_proto.symm.virtual import VirtualWorld
+        heap = VirtualWorld(num_ranks)
+    else:
+        from mok_proto.symm.nvshmem import NvshmemHeap
+        heap = NvshmemHeap(comm, timeout_s=heap_timeout_s)
+    try:
+        layer = GpuMoELayer(heap, run)
+        for r in layer.ranks:
+            layer.set_weights(r, prob.local_weights(r))
+            layer.set_inputs(r, prob.x[r], prob.topk_idx[r], prob.topk_weights[r])
+            layer.set_dout(r, prob.dout[r])
+        for timed in (False, True):
+            heap.barrier()
+            _step(args, "forward")
+            t0 = time.perf_counter()
+            layer.enqueue_forward()
+            layer.check()
+            t1 = time.perf_counter()
+            _step(args, "backward")
+            layer.enqueue_backward()
+            layer.check()
+            t2 = time.perf_counter()
+        results = {r: (layer.output(r).get(), {k: v.get() for k, v in layer.grads(r).items()}) for r in layer.ranks}
+        _step(args, "cleanup")
+        layer.close()
+    finally:
+        heap.close()
+    cupy.cuda.Device().synchronize()
+    # Reference over all ranks' tokens (float64) on the bf16-rounded inputs the GPU computes with.
+    rounded = lambda a: from_bf16(to_bf16(np.asarray(a, np.float32))).astype(np.float64)  # noqa: E731
+    ref_out, cache = reference.forward(rounded(prob.flat("x")), prob.flat("topk_idx"),
+                                       prob.flat("topk_weights").astype(np.float64),
+                                       {k: rounded(v) for k, v in prob.weights.items()}, dtype="float64")
+    ref_grads = reference.backward(rounded(prob.flat("dout")), cache)
+    shared = {}
+    for key in sorted(k for k in next(iter(results.values()))[1] if k.startswith("shared_")):
+        mine = [results[r][1][key] for r in sorted(results)]
+        parts = mine if args.virtual else comm.allgather(mine[0])
+        shared[key] = sum(parts)
+    return [result_row(run, r, out, grads, shared, ref_out, ref_grads, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+            for r, (out, grads) in sorted(results.items())]
 
 
 def _step(args, name):
@@ -207,10 +295,15 @@ def main(argv=None, on_step=None) -> int:
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        shape = get_shape(args.shape)
-        backend = resolve_backend(args.backend)
-        run = RunConfig(shape, num_ranks=_launcher_size(), policy=parse_policy(args.policy), seed=args.seed,
-                        dtype=args.dtype, timeout_s=args.timeout)
+        if args.virtual < 0 or (args.virtual and _launcher_size() > 1):
+            raise ValueError("--virtual R runs R ranks in one process: a positive count, started without mpiexec")
+        backend = resolve_backend(args.backend, args.virtual)
+        shape = get_shape(args.shape or DEFAULT_SHAPE[backend])
+        if backend == "gpu" and any(d % 256 for d in (shape.hidden, shape.ffn, shape.shared_ffn_size)):
+            raise ValueError(f"--shape {shape.name}: the GPU layer needs H and I multiples of 256 (try tile, or "
+                             "--backend cpu)")
+        run = RunConfig(shape, num_ranks=args.virtual or _launcher_size(), policy=parse_policy(args.policy),
+                        seed=args.seed, dtype=args.dtype, timeout_s=args.timeout)
         check_fits(run, backend, _ranks_here())
     except ValueError as e:
         if _launcher_rank() == 0:  # one line per job, not one per rank
@@ -231,15 +324,16 @@ def main(argv=None, on_step=None) -> int:
     # Collectives wait one timeout longer than a peer's flags: a rank that gave up on a flag
     # reports it (and ends the job) before a collective on another rank would.
     heap_timeout = 2 * args.timeout
+    dtype = "bf16" if backend == "gpu" else args.dtype
     try:
-        row = run_rank(comm, args, run, heap_timeout)
+        mine = (run_ranks_gpu if backend == "gpu" else run_rank)(comm, args, run, heap_timeout)
         watchdog.arrival_barrier(comm, "gather of results", heap_timeout)
         with dog.guard("gather of results"):
-            rows = comm.gather(row, root=0)
-            ok = comm.allreduce(row["max_err"] <= TOLERANCE[args.dtype], op=MPI.LAND)
+            rows = comm.gather(mine, root=0)
+            ok = comm.allreduce(all(row["max_err"] <= TOLERANCE[dtype] for row in mine), op=MPI.LAND)
         code = EXIT_PASS if ok else EXIT_MISMATCH
         if comm.rank == 0:
-            print_rows(args, backend, comm.size, rows, ok)
+            print_rows(args, backend, dtype, run, [row for part in rows for row in part], ok)
         watchdog.arrival_barrier(comm, "end of run", heap_timeout)
     except (SymmTimeoutError, watchdog.PeerTimeoutError) as e:  # a peer is stuck or gone
         _fail(comm, EXIT_PEER, f"{type(e).__name__}: {e}; ending the job (exit {EXIT_PEER})")
@@ -254,9 +348,11 @@ def main(argv=None, on_step=None) -> int:
     return code
 
 
-def print_rows(args, backend, num_ranks, rows, ok):
-    tol = TOLERANCE[args.dtype]
-    print(f"# {get_shape(args.shape).describe()} R={num_ranks} backend={backend} dtype={args.dtype} "
+def print_rows(args, backend, dtype, run, rows, ok):
+    tol = TOLERANCE[dtype]
+    where = f" ({'virtual ranks in one process' if args.virtual else 'NVSHMEM, one process per rank'})" \
+        if backend == "gpu" else ""
+    print(f"# {run.shape.describe()} R={run.num_ranks} backend={backend}{where} dtype={dtype} "
           f"routing={args.routing} seed={args.seed}")
     print(f"# policy {rows[0]['policy']}")
     print(f"{'rank':>4} {'fwd_ms':>8} {'bwd_ms':>8} {'max_rel_err':>11} {'(array)':>14}  "

@@ -16,7 +16,8 @@ One event pair per iteration, median (p20, p80). Also: the stage-by-stage breakd
 passes (eager, event per stage), whether two runs are bitwise equal, the max error against torch.
 FLOPs as MoK counts them: forward 6 (N + N K) H I, backward twice that.
 Bars (issue: the GPU layer): forward >= 1.0x torch, backward >= 1.3x torch, bitwise repeat,
-schedule <= 0.05 ms. Exit status: 0 all met, 1 a bar or a check failed (listed), 2 no GPU/torch.
+schedule <= 0.05 ms. `schedule_ms` is the device schedule of one rank at the real EP=64 (64
+virtual ranks, the all-gathered routing staged, graph replays), checked against schedule.py. Exit status: 0 all met, 1 a bar or a check failed (listed), 2 no GPU/torch.
 Results: JSON lines appended to results/bench_layer.jsonl.
 """
 
@@ -110,6 +111,53 @@ def ours(shape, data, iters, warmup):
     layer.close()
     heap.close()
     return stats, stages, {name: b[0] == b[1] for name, b in blobs.items()}, results
+
+
+def schedule_at_ep64(name: str, iters: int, warmup: int):
+    """The device schedule (count, scan, place) of one rank at EP=64 with the paper's shape and
+    N=2048 tokens per rank, timed alone as CUDA-graph replays: rank 0 of 64 virtual ranks, the
+    all-gathered routing staged in its buffer and its peers' routing flags raised. Returns (stats,
+    whether the placement equals mok_proto/schedule.py's bit for bit)."""
+    import cupy
+
+    from mok_proto import abi
+    from mok_proto.bench import summarize, time_stages
+    from mok_proto.kernels import comm as kc
+    from mok_proto.layer.gpu_comm import GpuCommRound
+    from mok_proto.schedule import build_pull_schedule
+    from mok_proto.symm.virtual import VirtualWorld
+
+    paper = get_shape(name)
+    n, k, e = paper.num_tokens, paper.top_k, paper.num_experts
+    shape = MoEShape(f"{name}-schedule", hidden=8, ffn=8, num_experts=e, top_k=k, num_tokens=n)  # rows unused
+    rng = np.random.default_rng(1)
+    topk_all = np.argsort(rng.random((EP * n, e)), axis=1)[:, :k].astype(np.int32).reshape(EP, n, k)
+    heap = VirtualWorld(EP)
+    rnd = GpuCommRound(heap, RunConfig(shape, EP, timeout_s=30), capacity=int(1.25 * n * k), ranks=[0],
+                       name=f"{name}-schedule")
+    rnd.bufs["routing"].instance(0)[...] = cupy.asarray(topk_all.reshape(EP, n * k))
+    rnd.bufs["flags"].instance(0)[abi.FLAG_KIND["kFlagRouting"], :] = np.uint64(2 ** 63)
+
+    def schedule():
+        kc.begin_round(rnd.params, rnd.launch)
+        kc.build_schedule(rnd.params, rnd.launch, EP, e // EP, n, k)
+
+    schedule()
+    rnd.check()
+    want = build_pull_schedule(topk_all, e, 0)
+    offsets, counts, src_rank, src_slot = rnd.schedule_arrays(0)
+    exact = (np.array_equal(offsets, want.expert_offsets) and np.array_equal(counts, want.tokens_per_expert)
+             and np.array_equal(src_rank, want.src_rank) and np.array_equal(src_slot, want.src_slot))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        schedule()
+        graph = stream.end_capture()
+        samples = time_stages(lambda mark: (mark("run"), graph.launch(stream), mark(None)), iters, warmup)
+    rnd.check()
+    rnd.close()
+    heap.close()
+    return summarize(samples["run"]), exact
 
 
 def capture_backward(layer):
@@ -237,12 +285,16 @@ def main():
         mine, stages, bitwise, got = ours(shape, data, args.iters, args.warmup)
         base, ref = torch_pipeline(shape, data, args.iters, args.warmup)
         flops = {"fwd": shape.forward_flops(), "bwd": 2 * shape.forward_flops()}
-        sched_ms = stages["fwd"]["schedule"]
+        sched, sched_exact = schedule_at_ep64(name, args.iters, args.warmup)
+        sched_ms = sched["median_ms"]
+        print(f"#   schedule at EP={EP}, N={shape.num_tokens} (one rank, graph): {sched_ms:.3f} ms, "
+              f"{'bit-identical to schedule.py' if sched_exact else 'DIFFERS from schedule.py'}", flush=True)
         for pass_ in ("fwd", "bwd"):
             speedup = base[pass_]["median_ms"] / mine[pass_]["median_ms"]
             keys = ("out",) if pass_ == "fwd" else ("w_gate", "w_up", "w_down")
             err = max(float(np.abs(got[key] - ref[key]).max() / max(np.abs(ref[key]).max(), 1e-30)) for key in keys)
-            ok = speedup >= BARS[pass_] and bitwise[pass_] and sched_ms <= SCHEDULE_BAR_MS and err <= 0.05
+            ok = speedup >= BARS[pass_] and bitwise[pass_] and sched_ms <= SCHEDULE_BAR_MS and sched_exact \
+                and err <= 0.05
             if not ok:
                 failed.append(f"{name} {pass_}")
             tflops = flops[pass_] / (mine[pass_]["median_ms"] * 1e-3) / 1e12
@@ -251,7 +303,7 @@ def main():
                   f"{err:>9.1e}", flush=True)
             print(f"#   stages (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in stages[pass_].items()), flush=True)
             common = {"shape": name, "pass": pass_, "ep": EP, "emulation": "2 virtual ranks, rank 0 timed",
-                      "flops": flops[pass_], "schedule_ms": sched_ms}
+                      "flops": flops[pass_], "schedule_ms": sched_ms, "schedule_exact": sched_exact}
             append_result("bench_layer", {**common, "schedule": "torch", **base[pass_],
                                           "tflops": flops[pass_] / (base[pass_]["median_ms"] * 1e-3) / 1e12,
                                           "speedup_vs_torch": 1.0, "bitwise_repeat": None})

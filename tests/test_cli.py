@@ -46,7 +46,24 @@ def test_memory_estimate_grows_with_the_shape():
 def test_demo_help_printed_once_and_says_what_auto_does():
     proc = run_ranks(3, "-m", "mok_proto.demo", "-h")
     assert proc.stdout.count("usage:") == 1, proc.stdout
-    assert "auto runs the CPU backend" in " ".join(proc.stdout.split())
+    assert "auto: the GPU when CuPy sees one" in " ".join(proc.stdout.split())
+
+
+def test_demo_gpu_backend_without_a_gpu_is_one_line():
+    """On a machine without CuPy/GPU, --backend gpu (and --virtual) refuse in one line, exit 2."""
+    from mok_proto.symm.gpu import require_cupy
+
+    try:
+        require_cupy()
+    except RuntimeError:
+        pass
+    else:
+        pytest.skip("a GPU is present: the GPU backend runs (tests/test_gpu_layer.py)")
+    for extra in (["--backend", "gpu"], ["--virtual", "2"]):
+        proc = subprocess.run([sys.executable, "-m", "mok_proto.demo", *extra], capture_output=True, text=True,
+                              cwd=ROOT, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and "GPU" in lines[0], (extra, proc.stderr)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])

@@ -39,3 +39,16 @@ def test_nvshmem_layer_matches_virtual(num_ranks):
     nvshmem = _digests(proc.stdout)
     virtual = _digests(_virtual(num_ranks, "--replays", "1", "--policies", "mok"))
     assert nvshmem and nvshmem == virtual, (nvshmem, virtual)
+
+
+def test_demo_on_the_gpu_virtual_ranks():
+    proc = subprocess.run([sys.executable, "-m", "mok_proto.demo", "--backend", "gpu", "--virtual", "4"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "backend=gpu (virtual ranks in one process)" in proc.stdout and "PASS" in proc.stdout
+
+
+def test_demo_on_the_gpu_nvshmem_two_processes():
+    pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
+    proc = run_ranks(2, "-m", "mok_proto.demo", "--backend", "gpu", timeout=600)
+    assert "backend=gpu (NVSHMEM, one process per rank)" in proc.stdout and "PASS" in proc.stdout

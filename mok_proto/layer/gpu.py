@@ -345,17 +345,13 @@ class GpuMoELayer:
     def poison(self):
         """NaN (bf16 0x7FC0, fp32 NaN) into every row buffer and result of the ranks this process
         drives, so a read before its producer wrote cannot pass a bitwise check."""
-        skip = {"topk_idx", "topk_w", "routing", "recv_row", "sched", "flags", "state", "x", "dout",
-                "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down"}
+        inputs = {"topk_w", "x", "dout", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down"}
         for rank in self.ranks:
             for key, buf in self.bufs.items():
-                if key in skip:
-                    continue
                 a = buf.instance(rank)
-                if a.dtype == BF16:
-                    a[...] = 0x7FC0
-                else:
-                    a[...] = np.nan
+                if key in inputs or a.dtype not in (BF16, F32):  # inputs, routing, schedule, flags, state
+                    continue
+                a[...] = 0x7FC0 if a.dtype == BF16 else np.nan
 
     def close(self):
         """Free the symmetric buffers (collective under NVSHMEM)."""
