@@ -117,17 +117,16 @@ __device__ __forceinline__ void schedule_count(const CommParams* p, int rank, in
   }
 }
 
-// Schedule step 2 (one thread): segment offsets padded to `align`, and the capacity check. On
-// overflow it reports kErrCapacity and leaves every segment empty. Returns whether it fits.
-__device__ __forceinline__ bool schedule_offsets(const CommParams* p, int rank, const int* counts, SchedView sv) {
-  const int num_ranks = static_cast<int>(p->num_ranks), el = static_cast<int>(p->num_local_experts);
+// Schedule step 2 (one thread): segment offsets padded to `align` from the pairs of each local
+// expert (`totals` [El]), and the capacity check. On overflow it reports kErrCapacity and leaves
+// every segment empty. Returns whether it fits.
+__device__ __forceinline__ bool schedule_offsets(const CommParams* p, int rank, const int* totals, SchedView sv) {
+  const int el = static_cast<int>(p->num_local_experts);
   i64 offset = 0;
   for (int l = 0; l < el; ++l) {
-    int total = 0;
-    for (int r = 0; r < num_ranks; ++r) total += counts[l * num_ranks + r];
     sv.offsets[l] = static_cast<int>(offset);
-    sv.counts[l] = total;
-    offset += (total + p->align - 1) / p->align * p->align;
+    sv.counts[l] = totals[l];
+    offset += (totals[l] + p->align - 1) / p->align * p->align;
   }
   const bool fits = offset <= p->capacity;
   sv.offsets[el] = fits ? static_cast<int>(offset) : 0;
@@ -364,27 +363,44 @@ __global__ void __launch_bounds__(kCommThreads) schedule_count_segments(const Co
   for (int l = threadIdx.x; l < el; l += blockDim.x) sc.segment[static_cast<i64>(blockIdx.x) * el + l] = counts[l];
 }
 
-// schedule_scan: grid (1, W), block kScheduleThreads. Segment counts -> the pairs of (l, r) before
-// each segment (in place) and M; offsets, counts and the capacity check; padding rows.
+// schedule_scan: grid (1, W), block kScheduleThreads, dynamic smem (El * R + El) ints. Segment counts
+// -> the pairs of (l, r) before each segment (in place) and M; offsets, counts and the capacity
+// check; padding rows. NOTE: each thread scans one (r, l) over its Q segments in batches of 8
+// independent loads, and the per-expert totals come from M in shared memory, one thread per
+// expert: the step is latency bound.
 __global__ void __launch_bounds__(kScheduleThreads) schedule_scan(const CommParams* p) {
+  extern __shared__ int m[];  // [El * R]  M, then [El] pairs per local expert
   __shared__ int s_fits;
+  constexpr int kBatch = 8;
   const int rank = rank_of(p), num_ranks = static_cast<int>(p->num_ranks);
   const int el = static_cast<int>(p->num_local_experts), q_per_rank = segments_per_rank(p);
   const ScheduleScratch sc = scratch_of(p, rank);
   for (int pair = threadIdx.x; pair < el * num_ranks; pair += blockDim.x) {  // pair = r * El + l
     const int r = pair / el, l = pair - r * el;
+    int* c = sc.segment + static_cast<i64>(r) * q_per_rank * el + l;  // segment q at c[q * El]
     int running = 0;
-    for (int q = 0; q < q_per_rank; ++q) {
-      int* c = sc.segment + (static_cast<i64>(r) * q_per_rank + q) * el + l;
-      const int n = *c;
-      *c = running;
-      running += n;
+    for (int q0 = 0; q0 < q_per_rank; q0 += kBatch) {
+      int n[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) n[i] = q0 + i < q_per_rank ? c[(q0 + i) * el] : 0;
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        if (q0 + i < q_per_rank) c[(q0 + i) * el] = running;
+        running += n[i];
+      }
     }
-    sc.pairs[l * num_ranks + r] = running;
+    sc.pairs[l * num_ranks + r] = m[l * num_ranks + r] = running;
+  }
+  __syncthreads();
+  int* totals = m + el * num_ranks;
+  for (int l = threadIdx.x; l < el; l += blockDim.x) {
+    int total = 0;
+    for (int r = 0; r < num_ranks; ++r) total += m[l * num_ranks + r];
+    totals[l] = total;
   }
   __syncthreads();
   const SchedView sv = sched_of(p, rank);
-  if (threadIdx.x == 0) *sc.fits = s_fits = schedule_offsets(p, rank, sc.pairs, sv);
+  if (threadIdx.x == 0) *sc.fits = s_fits = schedule_offsets(p, rank, totals, sv);
   __syncthreads();
   if (s_fits) schedule_pad(p, sv, block_threads());
 }

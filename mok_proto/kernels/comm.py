@@ -99,10 +99,10 @@ def build_schedule(params, launch: Launch, num_ranks: int, num_local_experts: in
     segments = num_ranks * -(-num_tokens * top_k // SCHEDULE_SEGMENT)
     el, w = num_local_experts, launch.num_launch_ranks
     _go("mok::schedule_count_segments", (segments, w), (THREADS,), (params,), shared_mem=4 * el)
-    _go("mok::schedule_scan", (1, w), (SCHEDULE_THREADS,), (params,))
     smem = 4 * (el * num_ranks + 9 * el + 1)
     if smem > 227 * 1024:
         raise ValueError(f"build_schedule: E = {el * num_ranks} experts need {smem} bytes of shared memory")
+    _go("mok::schedule_scan", (1, w), (SCHEDULE_THREADS,), (params,), shared_mem=4 * (el * num_ranks + el))
     _go("mok::schedule_place_segments", (segments, w), (THREADS,), (params,), shared_mem=smem)
 
 def dispatch_pull(params, launch: Launch):
