@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +105,11 @@ def copy_ceiling_gbs(nbytes: int = 1 << 30, iters: int = 20) -> float:
 
 
 def git_sha() -> str:
+    """The commit the results come from: $MOK_GIT_SHA when set (a copy of the tree on another
+    machine may carry a stale .git: set it there to `git describe --always --dirty` of the source
+    checkout), else `git describe` of this checkout."""
+    if os.environ.get("MOK_GIT_SHA"):
+        return os.environ["MOK_GIT_SHA"]
     try:
         # "-dirty" when the measured tree differs from the commit (e.g. a copy on the GPU machine)
         return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
