@@ -20,10 +20,8 @@ enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2 };
 //   kOpSchedule: schedule
 //   kOpDispatchPull: dispatch (pull)
 //   kOpDispatchPush: dispatch (push)
-//   kOpExpert: expert
 //   kOpCombinePush: combine (push)
 //   kOpCombinePull: combine (pull)
-//   kOpWeightedSum: weighted sum
 //   kOpRevCombinePull: reverse-combine (pull)
 //   kOpRevCombinePush: reverse-combine (push)
 //   kOpRevDispatchPush: reverse-dispatch (push)
@@ -31,7 +29,7 @@ enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2 };
 //   kOpGemmLoad: GEMM producer (waiting for a free stage)
 //   kOpGemmMma: GEMM consumer (waiting for a loaded stage)
 //   kOpGemmAux: GEMM consumer (waiting for an epilogue operand stage)
-enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpExpert = 4, kOpCombinePush = 5, kOpCombinePull = 6, kOpWeightedSum = 7, kOpRevCombinePull = 8, kOpRevCombinePush = 9, kOpRevDispatchPush = 10, kOpRevDispatchPull = 11, kOpGemmLoad = 12, kOpGemmMma = 13, kOpGemmAux = 14, kNumOps = 15 };
+enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpCombinePush = 4, kOpCombinePull = 5, kOpRevCombinePull = 6, kOpRevCombinePush = 7, kOpRevDispatchPush = 8, kOpRevDispatchPull = 9, kOpGemmLoad = 10, kOpGemmMma = 11, kOpGemmAux = 12, kNumOps = 13 };
 // FlagKind, as errors print it:
 //   kFlagRouting: routing
 //   kFlagMap: map
@@ -91,7 +89,7 @@ namespace mok {
 constexpr int kCommThreads = 256;  // threads of a row-copy block: 8 warps, one row per warp
 constexpr int kScheduleThreads = 1024;  // threads of the schedule's scan block
 constexpr int kScheduleSegment = 1024;  // slots of one source rank per block of the schedule's count and place steps
-constexpr int kStateWords = 16;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
+constexpr int kStateWords = 14;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
 }  // namespace mok
 
 namespace mok::gemm {

@@ -137,6 +137,19 @@ __device__ __forceinline__ bool schedule_offsets(const CommParams* p, int rank, 
   return fits;
 }
 
+// The local expert of this lane's slot s of a source rank's routing `src` (-1: another rank's
+// expert, or s >= s_end), and the lanes of the warp whose slot has the same one (warp-uniform call).
+struct SlotExpert {
+  int l;
+  unsigned int same;
+};
+__device__ __forceinline__ SlotExpert slot_expert(const int* src, i64 s, i64 s_end, int first_expert, int el) {
+  const int l = s < s_end ? src[s] - first_expert : -1;
+  const int mine = l >= 0 && l < el ? l : -1;
+  return {mine, __match_any_sync(0xffffffffu, mine)};
+}
+__device__ __forceinline__ int lanes_before(unsigned int lanes, int lane) { return __popc(lanes & ((1u << lane) - 1u)); }
+
 // Schedule step 3: one warp places the pairs among slots [s_begin, s_end) of source rank r:
 //   the o-th pair (in slot order) of (l, r) goes to receive row
 //   offsets[l] + sum_r' min(M[l,r'], o) + |{r' < r : M[l,r'] > o}|,
@@ -153,15 +166,13 @@ __device__ __forceinline__ void schedule_place(const CommParams* p, int rank, co
   const int first_expert = rank * el;
   for (i64 chunk = s_begin; chunk < s_end; chunk += 32) {
     const i64 s = chunk + lane;
-    const int l = s < s_end ? src[s] - first_expert : -1;
-    const bool mine = l >= 0 && l < el;
-    const unsigned int same = __match_any_sync(0xffffffffu, mine ? l : -1);
-    const int before = __popc(same & ((1u << lane) - 1u));
-    const int o = mine ? cursor[l] + before : 0;
+    const SlotExpert e = slot_expert(src, s, s_end, first_expert, el);
+    const int l = e.l, before = lanes_before(e.same, lane);
+    const int o = l >= 0 ? cursor[l] + before : 0;
     __syncwarp();
-    if (mine && before == 0) cursor[l] += __popc(same);
+    if (l >= 0 && before == 0) cursor[l] += __popc(e.same);
     __syncwarp();
-    if (!mine) continue;
+    if (l < 0) continue;
     int row = -1;
     if (fits) {
       const int* m = pairs + l * num_ranks;
@@ -430,11 +441,8 @@ __global__ void __launch_bounds__(kCommThreads) schedule_place_segments(const Co
   const int* src = at<int>(p->routing, rank) + r * nk;
   const int first_expert = rank * el;
   for (i64 chunk = s_begin; chunk < s_end; chunk += 32) {
-    const i64 s = chunk + lane;
-    const int l = s < s_end ? src[s] - first_expert : -1;
-    const bool mine = l >= 0 && l < el;
-    const unsigned int same = __match_any_sync(0xffffffffu, mine ? l : -1);
-    if (mine && __popc(same & ((1u << lane) - 1u)) == 0) cursor[warp * el + l] += __popc(same);
+    const SlotExpert e = slot_expert(src, chunk + lane, s_end, first_expert, el);
+    if (e.l >= 0 && lanes_before(e.same, lane) == 0) cursor[warp * el + e.l] += __popc(e.same);
     __syncwarp();
   }
   __syncthreads();
@@ -471,13 +479,11 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_push(const CommParams* 
   signal_when_last(p, rank, kOpDispatchPush, kFlagDispatch);
 }
 
-// expert_scale (stand-in for the expert FFN) on every receive row. signal_ready: raise
-// kFlagReady on every peer when done (pull combine).
-__global__ void __launch_bounds__(kCommThreads) expert_scale(const CommParams* p, int signal_ready) {
+// expert_scale (stand-in for the expert FFN) on every receive row.
+__global__ void __launch_bounds__(kCommThreads) expert_scale(const CommParams* p) {
   const int rank = rank_of(p);
   const SchedView sv = sched_of(p, rank);
   scale_rows(p, rank, sv, 0, sv.offsets[p->num_local_experts], grid_warps(), lane_id());
-  if (signal_ready) signal_when_last(p, rank, kOpExpert, kFlagReady);
 }
 
 // combine_push: every receive row pushed to its token owner, then kFlagCombine on every peer.

@@ -24,34 +24,36 @@ __device__ __forceinline__ int token_rank(const TokenParams* p) { return static_
 __device__ __forceinline__ const uint4* octets(const u64* table, int rank) { return at<const uint4>(table, rank); }
 __device__ __forceinline__ uint4* octets_out(const u64* table, int rank) { return at<uint4>(table, rank); }
 
-// acc = the shared expert's row octet (or zeros) -- the start of weighted_sum and slot_sum.
-__device__ __forceinline__ void start_sum(const TokenParams* p, const u64* base, int rank, i64 i, float (&acc)[8]) {
-  if (p->has_base) {
-    unpack8(octets(base, rank)[i], acc);
-  } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-  }
-}
-
-// out[t] = base[t] + sum_j w[t,j] * y_slots[t*K+j]: one thread per octet.  grid (nb, W).
-__global__ void __launch_bounds__(kCommThreads) weighted_sum_bf16(const TokenParams* p) {
-  const int rank = token_rank(p);
+// Octet i of token t's sum: base[t] (has_base, else 0) + sum_j w[t,j] * slots[t*K+j] (kWeighted)
+// or + sum_j slots[t*K+j], j in order; written to out. One thread per octet.
+template <bool kWeighted>
+__device__ __forceinline__ void sum_slots(const TokenParams* p, int rank, const u64* base, const u64* slots,
+                                          const u64* out) {
   const i64 h8 = p->hidden / 8, k = p->top_k;
   const float* w = at<const float>(p->topk_w, rank);
-  const uint4* y = octets(p->y_slots, rank);
+  const uint4* rows = octets(slots, rank);
   for (i64 i = blockIdx.x * blockDim.x + threadIdx.x; i < p->num_tokens * h8; i += gridDim.x * blockDim.x) {
     const i64 t = i / h8, c = i - t * h8;
     float acc[8], f[8];
-    start_sum(p, p->base, rank, i, acc);
-    for (i64 j = 0; j < k; ++j) {
-      const float wj = w[t * k + j];
-      unpack8(y[(t * k + j) * h8 + c], f);
+    if (p->has_base) {
+      unpack8(octets(base, rank)[i], acc);
+    } else {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(wj, f[e]));
+      for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
     }
-    octets_out(p->out, rank)[i] = pack8(acc);
+    for (i64 j = 0; j < k; ++j) {
+      unpack8(rows[(t * k + j) * h8 + c], f);
+      const float wj = kWeighted ? w[t * k + j] : 1.0f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], kWeighted ? __fmul_rn(wj, f[e]) : f[e]);
+    }
+    octets_out(out, rank)[i] = pack8(acc);
   }
+}
+
+// out[t] = base[t] + sum_j w[t,j] * y_slots[t*K+j].  grid (nb, W).
+__global__ void __launch_bounds__(kCommThreads) weighted_sum_bf16(const TokenParams* p) {
+  sum_slots<true>(p, token_rank(p), p->base, p->y_slots, p->out);
 }
 
 // dy_slots[t*K+j] = w[t,j] * dout[t]: one thread per octet of a slot.  grid (nb, W).
@@ -72,22 +74,9 @@ __global__ void __launch_bounds__(kCommThreads) scale_to_slots(const TokenParams
   }
 }
 
-// dx[t] = dx_base[t] + sum_j dx_slots[t*K+j]: one thread per octet.  grid (nb, W).
+// dx[t] = dx_base[t] + sum_j dx_slots[t*K+j].  grid (nb, W).
 __global__ void __launch_bounds__(kCommThreads) slot_sum(const TokenParams* p) {
-  const int rank = token_rank(p);
-  const i64 h8 = p->hidden / 8, k = p->top_k;
-  const uint4* dxs = octets(p->dx_slots, rank);
-  for (i64 i = blockIdx.x * blockDim.x + threadIdx.x; i < p->num_tokens * h8; i += gridDim.x * blockDim.x) {
-    const i64 t = i / h8, c = i - t * h8;
-    float acc[8], f[8];
-    start_sum(p, p->dx_base, rank, i, acc);
-    for (i64 j = 0; j < k; ++j) {
-      unpack8(dxs[(t * k + j) * h8 + c], f);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], f[e]);
-    }
-    octets_out(p->dx, rank)[i] = pack8(acc);
-  }
+  sum_slots<false>(p, token_rank(p), p->dx_base, p->dx_slots, p->dx);
 }
 
 // d_topk_w[s] = <dout[s / K], y_slots[s]>: one warp per slot; lane l sums octets l, l + 32, ...

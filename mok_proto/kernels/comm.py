@@ -79,7 +79,7 @@ def raise_flag(params, launch: Launch, kind: str):
 
 
 def allgather_routing(params, launch: Launch):
-    _go("mok::allgather_routing", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
+    _over_rows("mok::allgather_routing", params, launch)
 
 
 def schedule_words(num_local_experts: int, capacity: int) -> int:
@@ -105,26 +105,31 @@ def build_schedule(params, launch: Launch, num_ranks: int, num_local_experts: in
     _go("mok::schedule_scan", (1, w), (SCHEDULE_THREADS,), (params,), shared_mem=4 * (el * num_ranks + el))
     _go("mok::schedule_place_segments", (segments, w), (THREADS,), (params,), shared_mem=smem)
 
+
+def _over_rows(name: str, params, launch: Launch):
+    """A row kernel over the launch ranks: grid (blocks per rank, W), kCommThreads per block."""
+    _go(name, (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
+
+
 def dispatch_pull(params, launch: Launch):
-    _go(f"mok::dispatch_pull<{launch.vec}>", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
+    _over_rows(f"mok::dispatch_pull<{launch.vec}>", params, launch)
 
 
 def dispatch_push(params, launch: Launch):
-    _go(f"mok::dispatch_push<{launch.vec}>", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
+    _over_rows(f"mok::dispatch_push<{launch.vec}>", params, launch)
 
 
-def expert_scale(params, launch: Launch, signal_ready: bool):
-    _go("mok::expert_scale", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,),
-        (params, np.int32(signal_ready)))
+def expert_scale(params, launch: Launch):
+    _over_rows("mok::expert_scale", params, launch)
 
 
 def combine_push(params, launch: Launch):
-    _go(f"mok::combine_push<{launch.vec}>", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
+    _over_rows(f"mok::combine_push<{launch.vec}>", params, launch)
 
 
 def combine_pull(params, launch: Launch):
-    _go(f"mok::combine_pull<{launch.vec}>", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
+    _over_rows(f"mok::combine_pull<{launch.vec}>", params, launch)
 
 
 def weighted_sum(params, launch: Launch):
-    _go("mok::weighted_sum", (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
+    _over_rows("mok::weighted_sum", params, launch)

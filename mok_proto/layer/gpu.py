@@ -35,9 +35,7 @@ from mok_proto.config import DIRECTIONS, RunConfig
 from mok_proto.kernels import comm as kc
 from mok_proto.kernels import gemm
 from mok_proto.kernels import token as kt
-from mok_proto.kernels.build import num_sms
-from mok_proto.kernels.errors import ErrorRecord
-from mok_proto.schedule import max_receive_slots
+from mok_proto.layer.gpu_base import GpuRound, contiguous_ranks, to_experts, to_tokens
 
 BF16, F32, I32 = np.uint16, np.float32, np.int32
 TILE = abi.CONST["kBN"]  # H, I and Is must be multiples of it (the GEMM tiles)
@@ -48,37 +46,29 @@ def bf16(a):
     return gemm.to_bf16(a)
 
 
-class GpuMoELayer:
+class GpuMoELayer(GpuRound):
     """The layer for the launch ranks of one GPU heap (virtual: W ranks in this process; NVSHMEM:
     this process's rank). Set weights and inputs per rank, enqueue, read results per rank."""
 
     def __init__(self, heap, run: RunConfig, capacity: int | None = None, ranks=None, name: str = "layer",
                  blocks_per_rank: int | None = None):
-        if not isinstance(run, RunConfig):
-            raise TypeError(f"run must be a RunConfig, got {type(run).__name__}")
-        if heap.num_ranks != run.num_ranks:
-            raise ValueError(f"num_ranks: config says R={run.num_ranks} but the heap has {heap.num_ranks} ranks")
-        shape = run.shape
-        for dim, value in (("hidden", shape.hidden), ("ffn", shape.ffn), ("shared_ffn", shape.shared_ffn_size)):
-            if value % TILE:
-                raise ValueError(f"{dim}={value}: the GPU layer's GEMM tiles need a multiple of {TILE}")
-        self.heap, self.run, self.shape, self.policy = heap, run, shape, dict(run.policy)
-        num_ranks, el = run.num_ranks, run.num_local_experts
-        n, h, k, i_ffn, i_shared = shape.num_tokens, shape.hidden, shape.top_k, shape.ffn, shape.shared_ffn_size
-        self.num_local, self.has_shared = el, shape.num_shared == 1
-        worst = max_receive_slots(n, k, num_ranks, el, 1)
-        self.capacity = worst if capacity is None else int(capacity)
-        if not 0 < self.capacity <= worst:
-            raise ValueError(f"capacity must be in [1, {worst}] rows, got {self.capacity}")
-        cap = self.capacity
-        ranks = list(heap.launch_ranks) if ranks is None else ranks
+        shape = run.shape if isinstance(run, RunConfig) else None
+        for dim in ("hidden", "ffn", "shared_ffn_size") if shape else ():
+            if getattr(shape, dim) % TILE:
+                raise ValueError(f"{dim}={getattr(shape, dim)}: the GPU layer's GEMM tiles need a multiple of {TILE}")
+        self.has_shared = shape is not None and shape.num_shared == 1
+        super().__init__(heap, run, capacity, 1, name)
+        import cupy
 
+        self._whole = (cupy.zeros(1, I32), cupy.full(1, self.shape.num_tokens, I32))  # shared expert: one group
+        self._blocks_per_rank = blocks_per_rank
+        self.launch_only(contiguous_ranks(heap, ranks))
+
+    def row_layout(self, capacity):
+        """The layer's own buffers: rows, saved activations, weights and gradients."""
+        s, el, cap = self.shape, self.num_local, capacity
+        n, h, k, i_ffn, i_shared = s.num_tokens, s.hidden, s.top_k, s.ffn, s.shared_ffn_size
         layout = {  # name: (shape, dtype); every buffer symmetric (peers reach the row buffers)
-            # routing and schedule
-            "topk_idx": ((n, k), I32), "topk_w": ((n, k), F32), "routing": ((num_ranks, n * k), I32),
-            "recv_row": ((n * k,), I32), "sched": ((kc.schedule_words(el, cap),), I32),
-            "sched_scratch": ((kc.schedule_scratch_words(num_ranks, n, k, el),), I32),
-            "flags": ((len(abi.FLAG_KIND), num_ranks), np.uint64), "state": ((abi.CONST["kStateWords"],), np.uint64),
             # forward
             "x": ((n, h), BF16), "recv": ((cap, h), BF16), "g": ((cap, i_ffn), BF16), "u": ((cap, i_ffn), BF16),
             "h": ((cap, i_ffn), BF16), "y": ((cap, h), BF16), "y_slots": ((n * k, h), BF16),
@@ -101,47 +91,30 @@ class GpuMoELayer:
                 "dshared_gate": ((1, h, i_shared), F32), "dshared_up": ((1, h, i_shared), F32),
                 "dshared_down": ((1, i_shared, h), F32),
             })
-        self.bufs = {key: heap.alloc(f"{name}.{key}", shp, dt) for key, (shp, dt) in layout.items()}
-        self.error = ErrorRecord(run.timeout_s)  # comm waits and GEMM pipelines report here
-        import cupy
-
-        self._whole = (cupy.zeros(1, I32), cupy.full(1, n, I32))  # the shared expert: one group of N rows
-        self._blocks_per_rank = blocks_per_rank
-        self.launch_only(ranks)
-        self.failed = False
+        return layout
 
     def launch_only(self, ranks):
         """Drive only `ranks` (a contiguous subset of the heap's launch ranks) from now on: the
         others' buffers stay as they are (benchmarks time one rank against staged peers; tests
         leave a peer out)."""
-        ranks = list(ranks)
-        if not ranks or ranks != list(range(ranks[0], ranks[0] + len(ranks))) \
-                or not set(ranks) <= set(self.heap.launch_ranks):
-            raise ValueError(f"ranks must be a contiguous subset of {list(self.heap.launch_ranks)}, got {ranks}")
-        self.ranks = ranks
-        s, run = self.shape, self.run
+        self.ranks = contiguous_ranks(self.heap, ranks)
+        s = self.shape
         n, h, k = s.num_tokens, s.hidden, s.top_k
-        table = {key: buf.ptr_table.data.ptr for key, buf in self.bufs.items()}
-        common = dict(num_ranks=run.num_ranks, rank_base=ranks[0], num_tokens=n, top_k=k,
-                      num_experts=s.num_experts, num_local_experts=self.num_local, row_bytes=2 * h, hidden=h,
-                      capacity=self.capacity, align=1, timeout_ns=int(run.timeout_s * 1e9), error=self.error.ptr,
-                      topk_idx=table["topk_idx"], topk_w=table["topk_w"], routing=table["routing"],
-                      recv_row=table["recv_row"], sched=table["sched"], sched_scratch=table["sched_scratch"],
-                      flags=table["flags"],
-                      state=table["state"], base=0, out=0, scale=0)
+        table = self.tables()
+        common = {**self.comm_fields(self.ranks, 2 * h), "base": 0, "out": 0, "scale": 0}
         # The forward moves token rows x -> receive rows, results y -> slots; the backward moves
         # slot rows dy_slots -> receive rows, input-gradient rows dx_rows -> slots.
         self.params_fwd = kc.pack_params({**common, "slot_rows": 0, "x": table["x"], "recv": table["recv"],
                                           "y": table["y"], "slots": table["y_slots"]})
         self.params_bwd = kc.pack_params({**common, "slot_rows": 1, "x": table["dy_slots"], "recv": table["recv_dy"],
                                           "y": table["dx_rows"], "slots": table["dx_slots"]})
+        ranks = self.ranks
         self.params_tok = kt.pack_params(dict(
             num_tokens=n, top_k=k, hidden=h, rank_base=ranks[0], has_base=int(self.has_shared),
             topk_w=table["topk_w"], base=table.get("base", 0), y_slots=table["y_slots"], out=table["out"],
             dout=table["dout"], dy_slots=table["dy_slots"], dx_slots=table["dx_slots"],
             dx_base=table.get("dx_base", 0), dx=table["dx"], d_topk_w=table["d_topk_w"]))
-        blocks = self._blocks_per_rank or max(1, min(4 * num_sms() // len(ranks), -(-max(n * k, self.capacity) // 8)))
-        self.launch = kc.Launch(len(ranks), blocks, kc.Launch.vec_for(2 * h))
+        self.launch = self.launch_for(ranks, 2 * h, self._blocks_per_rank)
 
     # -----------------------------------------------------------------------------------------
     # Host-side setup (outside any captured graph)
@@ -224,12 +197,7 @@ class GpuMoELayer:
                              b("sg", r), b("su", r), error=err)
                 gemm.down(b("sh", r), b("shared_down", r), *self._whole, b("base", r), error=err)
         mark("dispatch")
-        if policy["dispatch"] == "pull":
-            kc.dispatch_pull(p, launch)
-        else:
-            kc.wait_peers(p, launch, "kFlagMap", "kOpDispatchPush")
-            kc.dispatch_push(p, launch)
-            kc.wait_peers(p, launch, "kFlagDispatch", "kOpDispatchPush")
+        to_experts(p, launch, policy["dispatch"], "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
         mark("experts")
         for r in self.ranks:
             offsets, counts = self._rows(r)
@@ -237,7 +205,7 @@ class GpuMoELayer:
                          error=err)
             gemm.down(b("h", r), b("w_down", r), offsets, counts, b("y", r), error=err)
         mark("combine")
-        self._to_tokens(p, policy["combine"], "kOpCombinePush", "kOpCombinePull")
+        to_tokens(p, launch, policy["combine"], "kOpCombinePush", "kOpCombinePull")
         mark("weighted_sum")
         kt.weighted_sum(self.params_tok, launch)
         mark(None)
@@ -262,13 +230,7 @@ class GpuMoELayer:
                 gemm.gate_up_wgrad(b("x", r), b("sdg", r), b("sdu", r), *self._whole, b("dshared_gate", r),
                                    b("dshared_up", r), error=err)
         mark("rev_combine")
-        if policy["rev_combine"] == "pull":
-            kc.raise_flag(p, launch, "kFlagRouting")  # my dy_slots are written
-            kc.wait_peers(p, launch, "kFlagRouting", "kOpRevCombinePull")
-            kc.dispatch_pull(p, launch)
-        else:
-            kc.dispatch_push(p, launch)
-            kc.wait_peers(p, launch, "kFlagDispatch", "kOpRevCombinePush")
+        to_experts(p, launch, policy["rev_combine"], "kOpRevCombinePush", "kOpRevCombinePull", after_schedule=False)
         mark("experts")
         for r in self.ranks:
             offsets, counts = self._rows(r)
@@ -277,7 +239,7 @@ class GpuMoELayer:
             gemm.gate_up_bwd(b("dg", r), b("du", r), b("w_gate", r), b("w_up", r), offsets, counts, b("dx_rows", r),
                              error=err)
         mark("rev_dispatch")
-        self._to_tokens(p, policy["rev_dispatch"], "kOpRevDispatchPush", "kOpRevDispatchPull")
+        to_tokens(p, launch, policy["rev_dispatch"], "kOpRevDispatchPush", "kOpRevDispatchPull")
         mark("wgrad")
         for r in self.ranks:
             offsets, counts = self._rows(r)
@@ -289,42 +251,20 @@ class GpuMoELayer:
         kt.topk_weight_grad(self.params_tok, launch)
         mark(None)
 
-    def _to_tokens(self, p, direction, push_op, pull_op):
-        """Result rows (receive-row order) into the token owners' slot buffers, then every rank
-        may read its slots."""
-        if direction == "push":
-            kc.combine_push(p, self.launch)
-            kc.wait_peers(p, self.launch, "kFlagCombine", push_op)
-        else:
-            kc.raise_flag(p, self.launch, "kFlagReady")  # my result rows are written
-            kc.wait_peers(p, self.launch, "kFlagReady", pull_op)
-            kc.combine_pull(p, self.launch)
-
-    def capture(self, backward: bool = True):
-        """A CUDA graph of the forward (and the backward); replay with graph.launch(stream). Run
+    def capture(self, forward: bool = True, backward: bool = True):
+        """A CUDA graph of the forward and/or the backward; replay with graph.launch(stream). Run
         one forward/backward first: the first launches compile kernels and upload descriptors."""
-        import cupy
-
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            stream.begin_capture()
-            self.enqueue_forward()
+        def enqueue():
+            if forward:
+                self.enqueue_forward()
             if backward:
                 self.enqueue_backward()
-            graph = stream.end_capture()
-        return graph
+
+        return self.capture_graph(enqueue)
 
     # -----------------------------------------------------------------------------------------
-    # Results and errors
+    # Results
     # -----------------------------------------------------------------------------------------
-    def check(self):
-        """Synchronize and raise what the error record holds (the only host readback). After an
-        error the layer is spent: flags, counters and epochs may be mid-round; build a new one."""
-        try:
-            self.error.check()
-        except Exception:
-            self.failed = True
-            raise
 
     def output(self, rank: int):
         """out [N,H] as float32 (from bf16)."""
@@ -352,9 +292,3 @@ class GpuMoELayer:
                 if key in inputs or a.dtype not in (BF16, F32):  # inputs, routing, schedule, flags, state
                     continue
                 a[...] = 0x7FC0 if a.dtype == BF16 else np.nan
-
-    def close(self):
-        """Free the symmetric buffers (collective under NVSHMEM)."""
-        for buf in self.bufs.values():
-            self.heap.free(buf)
-        self.bufs = {}

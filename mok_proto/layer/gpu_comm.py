@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from mok_proto import abi
 from mok_proto.config import DIRECTIONS, RunConfig
 from mok_proto.kernels import comm as kc
-from mok_proto.kernels.build import num_sms
-from mok_proto.kernels.errors import ErrorRecord
-from mok_proto.schedule import max_receive_slots
+from mok_proto.layer.gpu_base import GpuRound, contiguous_ranks, to_experts, to_tokens
 
 
-class GpuCommRound:
+class GpuCommRound(GpuRound):
     def __init__(self, heap, run: RunConfig, capacity=None, align=1, blocks_per_rank=None, name="round",
                  ranks=None):
         """heap: a GPU heap (virtual or NVSHMEM) of run.num_ranks ranks. The round uses the
@@ -31,48 +28,23 @@ class GpuCommRound:
         (a copy of run.policy; may be changed between rounds, the same on every rank). ranks: the
         launch ranks (default: all the heap drives; a contiguous subset leaves the others out,
         which tests use to inject a missing peer)."""
-        if not isinstance(run, RunConfig):
-            raise TypeError(f"run must be a RunConfig, got {type(run).__name__}")
-        num_ranks = heap.num_ranks
-        if run.num_ranks != num_ranks:
-            raise ValueError(f"run.num_ranks={run.num_ranks} differs from the heap's {num_ranks} ranks")
-        if run.dtype != "float32":
+        if isinstance(run, RunConfig) and run.dtype != "float32":
             raise ValueError(f"run.dtype: the GPU round moves float32 rows, got {run.dtype!r}")
-        shape, timeout_s = run.shape, run.timeout_s
-        self.heap, self.shape, self.policy = heap, shape, dict(run.policy)
-        n, h, k, e = shape.num_tokens, shape.hidden, shape.top_k, shape.num_experts
-        self.num_local = e // num_ranks
-        worst = max_receive_slots(n, k, num_ranks, self.num_local, align)
-        self.capacity = worst if capacity is None else int(capacity)
-        if not 0 < self.capacity <= worst:
-            raise ValueError(f"capacity must be in [1, {worst}] rows, got {self.capacity}")
-        f32, i32 = np.float32, np.int32
-        el, cap = self.num_local, self.capacity
-        layout = {
-            "topk_idx": ((n, k), i32), "topk_w": ((n, k), f32), "routing": ((num_ranks, n * k), i32),
-            "x": ((n, h), f32), "recv": ((cap, h), f32), "y": ((cap, h), f32), "slots": ((n * k, h), f32),
-            "base": ((n, h), f32), "out": ((n, h), f32), "recv_row": ((n * k,), i32),
-            "sched": ((kc.schedule_words(el, cap),), i32),
-            "sched_scratch": ((kc.schedule_scratch_words(num_ranks, n, k, el),), i32),
-            "flags": ((len(abi.FLAG_KIND), num_ranks), np.uint64),
-            "state": ((abi.CONST["kStateWords"],), np.uint64), "scale": ((e,), f32),
-        }
-        self.bufs = {key: heap.alloc(f"{name}.{key}", shp, dt) for key, (shp, dt) in layout.items()}
-        self.error = ErrorRecord(timeout_s)  # this process's
-        ranks = list(heap.launch_ranks) if ranks is None else list(ranks)
-        if not ranks or ranks != list(range(ranks[0], ranks[0] + len(ranks))) \
-                or not set(ranks) <= set(heap.launch_ranks):
-            raise ValueError(f"ranks must be a contiguous subset of {list(heap.launch_ranks)}, got {ranks}")
-        self.ranks = ranks
-        fields = {name: buf.ptr_table.data.ptr for name, buf in self.bufs.items()}
-        fields.update(num_ranks=num_ranks, rank_base=ranks[0], num_tokens=n, top_k=k, num_experts=e,
-                      num_local_experts=el, row_bytes=4 * h, slot_rows=0, hidden=h, capacity=cap, align=align,
-                      timeout_ns=int(timeout_s * 1e9), error=self.error.ptr)
-        self.params = kc.pack_params(fields)
-        if blocks_per_rank is None:
-            blocks_per_rank = max(1, min(4 * num_sms() // len(ranks), -(-max(n * k, cap) // 8)))
-        self.launch = kc.Launch(len(ranks), blocks_per_rank, kc.Launch.vec_for(4 * h))
-        self.failed = False
+        super().__init__(heap, run, capacity, align, name)
+        self.ranks = contiguous_ranks(heap, ranks)
+        row_bytes = 4 * self.shape.hidden
+        tables = self.tables()
+        self.params = kc.pack_params({**self.comm_fields(self.ranks, row_bytes), "slot_rows": 0,
+                                      **{key: tables[key] for key in ("x", "recv", "y", "slots", "base", "out",
+                                                                      "scale")}})
+        self.launch = self.launch_for(self.ranks, row_bytes, blocks_per_rank)
+
+    def row_layout(self, capacity):
+        s, f32 = self.shape, np.float32
+        n, h, k = s.num_tokens, s.hidden, s.top_k
+        return {"x": ((n, h), f32), "recv": ((capacity, h), f32), "y": ((capacity, h), f32),
+                "slots": ((n * k, h), f32), "base": ((n, h), f32), "out": ((n, h), f32),
+                "scale": ((s.num_experts,), f32)}
 
     # -----------------------------------------------------------------------------------------
     def set_inputs(self, rank, x, topk_idx, topk_weights, scale, base=None):
@@ -110,51 +82,19 @@ class GpuCommRound:
         mark("schedule")
         kc.build_schedule(p, launch, self.heap.num_ranks, self.num_local, self.shape.num_tokens, self.shape.top_k)
         mark("dispatch")  # a push stage includes its receiver's wait, as a pull does
-        if dispatch == "pull":
-            kc.dispatch_pull(p, launch)
-        else:
-            kc.wait_peers(p, launch, "kFlagMap", "kOpDispatchPush")
-            kc.dispatch_push(p, launch)
-            kc.wait_peers(p, launch, "kFlagDispatch", "kOpDispatchPush")
+        to_experts(p, launch, dispatch, "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
         mark("expert")
-        kc.expert_scale(p, launch, signal_ready=combine == "pull")
+        kc.expert_scale(p, launch)
         mark("combine")
-        if combine == "push":
-            kc.combine_push(p, launch)
-            kc.wait_peers(p, launch, "kFlagCombine", "kOpCombinePush")
-        else:
-            kc.wait_peers(p, launch, "kFlagReady", "kOpCombinePull")
-            kc.combine_pull(p, launch)
+        to_tokens(p, launch, combine, "kOpCombinePush", "kOpCombinePull")
         mark("weighted_sum")
         kc.weighted_sum(p, launch)
         mark(None)
 
     def capture(self):
         """A CUDA graph of one round (replay with graph.launch(stream))."""
-        import cupy
-
         kc.MODULE.function("mok::begin_round")  # compile and load outside the capture
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            stream.begin_capture()
-            self.enqueue()
-            graph = stream.end_capture()
-        return graph
-
-    def check(self):
-        """Synchronize and raise what the error record holds (the only host readback). After an
-        error the round is spent: flags, counters and epochs may be mid-round; build a new one."""
-        try:
-            self.error.check()
-        except Exception:
-            self.failed = True
-            raise
-
-    def close(self):
-        """Free the round's symmetric buffers (collective under NVSHMEM)."""
-        for buf in self.bufs.values():
-            self.heap.free(buf)
-        self.bufs = {}
+        return self.capture_graph(self.enqueue)
 
     def poison(self):
         """NaN into every row buffer of the ranks this process drives (call between rounds, after a

@@ -1,0 +1,139 @@
+"""What the GPU communication round (gpu_comm.py) and the GPU layer (gpu.py) share: a RunConfig
+checked against the heap, the receive capacity, the symmetric buffers of routing, schedule and
+flags, one error record, the launch ranks and their CommParams fields, check / close / capture.
+
+Legend: N tokens/rank, K top-k, R ranks, El = E/R local experts, C receive capacity (rows),
+W launch ranks (grid.y of every launch).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mok_proto import abi
+from mok_proto.config import RunConfig
+from mok_proto.kernels import comm as kc
+from mok_proto.kernels.build import num_sms
+from mok_proto.kernels.errors import ErrorRecord
+from mok_proto.schedule import max_receive_slots
+
+
+class GpuRound:
+    """Subclasses give `row_layout(capacity)`: {name: (shape, dtype)} of their own buffers."""
+
+    def __init__(self, heap, run: RunConfig, capacity: int | None, align: int, name: str):
+        if not isinstance(run, RunConfig):
+            raise TypeError(f"run must be a RunConfig, got {type(run).__name__}")
+        if heap.num_ranks != run.num_ranks:
+            raise ValueError(f"num_ranks: config says R={run.num_ranks} but the heap has {heap.num_ranks} ranks")
+        self.heap, self.run, self.shape, self.policy = heap, run, run.shape, dict(run.policy)
+        self.num_local, self.align = run.num_local_experts, align
+        n, k, num_ranks, el = run.shape.num_tokens, run.shape.top_k, run.num_ranks, run.num_local_experts
+        worst = max_receive_slots(n, k, num_ranks, el, align)
+        self.capacity = worst if capacity is None else int(capacity)
+        if not 0 < self.capacity <= worst:
+            raise ValueError(f"capacity must be in [1, {worst}] rows, got {self.capacity}")
+        i32 = np.int32
+        layout = {  # routing, the schedule and the round's flags (every buffer symmetric)
+            "topk_idx": ((n, k), i32), "topk_w": ((n, k), np.float32), "routing": ((num_ranks, n * k), i32),
+            "recv_row": ((n * k,), i32), "sched": ((kc.schedule_words(el, self.capacity),), i32),
+            "sched_scratch": ((kc.schedule_scratch_words(num_ranks, n, k, el),), i32),
+            "flags": ((len(abi.FLAG_KIND), num_ranks), np.uint64), "state": ((abi.CONST["kStateWords"],), np.uint64),
+            **self.row_layout(self.capacity),
+        }
+        self.bufs = {key: heap.alloc(f"{name}.{key}", shp, dt) for key, (shp, dt) in layout.items()}
+        self.error = ErrorRecord(run.timeout_s)  # every wait and GEMM pipeline of this process reports here
+        self.failed = False
+
+    def row_layout(self, capacity: int) -> dict:
+        raise NotImplementedError
+
+    def tables(self) -> dict:
+        """{buffer name: device address of its peer table}."""
+        return {key: buf.ptr_table.data.ptr for key, buf in self.bufs.items()}
+
+    def comm_fields(self, ranks, row_bytes: int) -> dict:
+        """The CommParams fields every round sets (the row buffers and slot_rows are the caller's)."""
+        s, run, t = self.shape, self.run, self.tables()
+        return dict(num_ranks=run.num_ranks, rank_base=ranks[0], num_tokens=s.num_tokens, top_k=s.top_k,
+                    num_experts=s.num_experts, num_local_experts=self.num_local, row_bytes=row_bytes,
+                    hidden=s.hidden, capacity=self.capacity, align=self.align,
+                    timeout_ns=int(run.timeout_s * 1e9), error=self.error.ptr,
+                    **{key: t[key] for key in ("topk_idx", "topk_w", "routing", "recv_row", "sched", "sched_scratch",
+                                               "flags", "state")})
+
+    def launch_for(self, ranks, row_bytes: int, blocks_per_rank: int | None) -> kc.Launch:
+        """Launch geometry over `ranks`: by default about 4 blocks per SM in all, at most one warp
+        per 8 rows of the larger of the slot and receive buffers."""
+        s = self.shape
+        if blocks_per_rank is None:
+            rows = max(s.num_tokens * s.top_k, self.capacity)
+            blocks_per_rank = max(1, min(4 * num_sms() // len(ranks), -(-rows // 8)))
+        return kc.Launch(len(ranks), blocks_per_rank, kc.Launch.vec_for(row_bytes))
+
+    def check(self):
+        """Synchronize and raise what the error record holds (the only host readback). After an
+        error the object is spent: flags, counters and epochs may be mid-round; build a new one."""
+        try:
+            self.error.check()
+        except Exception:
+            self.failed = True
+            raise
+
+    def close(self):
+        """Free the symmetric buffers (collective under NVSHMEM)."""
+        for buf in self.bufs.values():
+            self.heap.free(buf)
+        self.bufs = {}
+
+    @staticmethod
+    def capture_graph(enqueue):
+        """A CUDA graph of what `enqueue()` launches (replay with graph.launch(stream)). Kernels
+        must be compiled and descriptors uploaded before (run once outside the capture)."""
+        import cupy
+
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            enqueue()
+            graph = stream.end_capture()
+        return graph
+
+
+def to_experts(p, launch: kc.Launch, direction: str, push_op: str, pull_op: str, after_schedule: bool):
+    """Token-side rows into the expert owners' receive rows (dispatch; reverse-combine), then every
+    rank may read its receive rows. Right after the schedule (dispatch) a pull needs no publish
+    (the routing flags the schedule waited for also published the token rows) and a push first
+    waits until every owner placed its rows; later in a step (reverse-combine) a pull first
+    publishes and waits, a push just goes."""
+    if direction == "pull":
+        if not after_schedule:
+            kc.raise_flag(p, launch, "kFlagRouting")  # my source rows are written
+            kc.wait_peers(p, launch, "kFlagRouting", pull_op)
+        kc.dispatch_pull(p, launch)
+    else:
+        if after_schedule:
+            kc.wait_peers(p, launch, "kFlagMap", push_op)
+        kc.dispatch_push(p, launch)
+        kc.wait_peers(p, launch, "kFlagDispatch", push_op)
+
+
+def to_tokens(p, launch: kc.Launch, direction: str, push_op: str, pull_op: str):
+    """Result rows (receive-row order) into the token owners' slot buffers (combine;
+    reverse-dispatch), then every rank may read its slots."""
+    if direction == "push":
+        kc.combine_push(p, launch)
+        kc.wait_peers(p, launch, "kFlagCombine", push_op)
+    else:
+        kc.raise_flag(p, launch, "kFlagReady")  # my result rows are written
+        kc.wait_peers(p, launch, "kFlagReady", pull_op)
+        kc.combine_pull(p, launch)
+
+
+def contiguous_ranks(heap, ranks) -> list:
+    """`ranks` (None: every rank the heap drives) as a list, checked to be a contiguous run of the
+    heap's launch ranks (a launch covers rank_base + blockIdx.y)."""
+    ranks = list(heap.launch_ranks) if ranks is None else list(ranks)
+    if not ranks or ranks != list(range(ranks[0], ranks[0] + len(ranks))) or not set(ranks) <= set(heap.launch_ranks):
+        raise ValueError(f"ranks must be a contiguous subset of {list(heap.launch_ranks)}, got {ranks}")
+    return ranks
