@@ -80,6 +80,16 @@ PRESETS = {
 PAPER_SHAPES = ("kimi-k2.7", "glm-5.2", "qwen3.5-397b", "deepseek-v4-pro")
 
 
+def ep_share(name: str, ep: int = 64) -> MoEShape:
+    """One EP rank's share of a paper shape, emulated with 2 ranks: E' = 2 E/ep experts, so each
+    of the 2 ranks owns the E/ep experts of an EP=ep rank and receives the ~N K rows it would
+    (scripts/bench_layer.py, the simulator's sequential-layer rows)."""
+    paper = get_shape(name)
+    if paper.num_experts % ep:
+        raise ValueError(f"ep={ep} must divide E={paper.num_experts}")
+    return dataclasses.replace(paper, name=f"{name}@ep{ep}", num_experts=2 * (paper.num_experts // ep))
+
+
 def get_shape(name: str) -> MoEShape:
     try:
         return PRESETS[name]

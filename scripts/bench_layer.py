@@ -28,7 +28,7 @@ import sys
 
 import numpy as np
 
-from mok_proto.config import PAPER_SHAPES, MoEShape, RunConfig, get_shape
+from mok_proto.config import PAPER_SHAPES, MoEShape, RunConfig, ep_share, get_shape
 
 EP = 64
 BARS = {"fwd": 1.0, "bwd": 1.3}
@@ -37,9 +37,7 @@ SCHEDULE_BAR_MS = 0.05
 
 def emulated_shape(name: str) -> MoEShape:
     """The paper shape with E' = 2 E/64 experts: 2 ranks, each owning the E/64 of an EP=64 rank."""
-    paper = get_shape(name)
-    return MoEShape(f"{name}@ep{EP}", hidden=paper.hidden, ffn=paper.ffn, num_experts=2 * (paper.num_experts // EP),
-                    top_k=paper.top_k, num_tokens=paper.num_tokens)
+    return ep_share(name, EP)
 
 
 def make_inputs(shape: MoEShape, seed: int = 0):

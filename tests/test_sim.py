@@ -8,7 +8,7 @@ import pytest
 
 from mok_proto import plan as P
 from mok_proto import schedule, sim, trace
-from mok_proto.config import MOK_POLICY, get_shape
+from mok_proto.config import MOK_POLICY, PAPER_SHAPES, get_shape
 from mok_proto.sim import validate
 
 KIMI = get_shape("kimi-k2.7")
@@ -44,8 +44,28 @@ def test_validate_row_checks():
         validate.Row("g", "spread", 1.38, 2.0, "x", "range")  # a range needs its high end
 
 
+def test_validate_sequential_layer_rows(h200):
+    # every paper shape, both passes: the whole pass (graph) and each stage bench_layer times
+    rows = [r for r in validate.h200_rows(h200) if r.group == "h200 layer sequential"]
+    stages = {"fwd": ("pass (graph)", "schedule", "shared", "dispatch", "experts", "combine", "weighted_sum"),
+              "bwd": ("pass (graph)", "scale", "shared", "rev_combine", "experts", "rev_dispatch", "wgrad",
+                      "token_grads")}
+    want = {f"{p} {stage} {shape}" for shape in PAPER_SHAPES for p, names in stages.items() for stage in names}
+    assert {r.quantity for r in rows} == want
+    assert all(r.check in ("judged", "explained") for r in rows)
+    assert all(r.note for r in rows if r.check == "explained")
+    judged = [r for r in rows if r.judged]
+    assert len(judged) >= 30
+    assert sum("pass (graph)" in r.quantity for r in judged) >= 6
+    assert all(any(s in r.quantity for r in judged) for s in ("experts", "wgrad", "dispatch", "combine"))
+    bad = [(r.quantity, round(r.error * 100, 1)) for r in judged if not r.ok(validate.H200_TOLERANCE)]
+    assert not bad
+
+
 @pytest.mark.parametrize("factors,group", [
     (dict(tile_tflops_per_sm=2.0), "h200 gemm"),
+    (dict(tile_tflops_per_sm=2.0), "h200 layer sequential"),  # as if the layer's GEMM FLOPs were half
+    (dict(tile_tflops_per_sm=0.5), "h200 layer sequential"),  # ... or twice what they are
     (dict(link_gbs=0.5), "h200 comm 2 x H200"),
     (dict(hbm_write_gbs=0.5, hbm_read_gbs=0.5), "h200 comm 1 GPU"),
 ])

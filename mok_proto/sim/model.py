@@ -15,7 +15,8 @@ launch at each stage boundary (its STAGE_DONE counters). Durations:
 * communication chunk (1/comm_blocks of a minibatch's rows): remote bytes at the link's rate
   (push or pull efficiency) shared by the communicating CTAs, capped per SM (a pull keeps one
   window in flight per round trip), local bytes at the HBM copy rate; a pull pays a round trip.
-* epilogue tile: reads K slot rows (+ the shared row), writes one row, at the HBM rates.
+* epilogue tile: reads K slot rows (+ the shared row), writes one row: HBM traffic at a copy's
+  traffic rate (GpuParams.token_kernel_ns).
 """
 
 from __future__ import annotations
@@ -188,12 +189,13 @@ def _durations(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
         local = rows * load.local_fraction[None, :] * row_bytes
         moved = np.maximum(remote / link, local / (gpu.copy_gbs / ctas))
         dur[sel] = moved + (gpu.rtt_ns if direction == "pull" else 0.0) * (rows > 0)
-    # Epilogue tiles: read K slot rows (+ the shared row), write one row, per token.
+    # Epilogue tiles: read K slot rows (+ the shared row), write one row, per token; every byte
+    # once from HBM (gpu.token_kernel_ns).
     for k in (TaskKind.WEIGHTED_SUM, TaskKind.SLOT_SUM):
         sel = np.flatnonzero(kind == int(k))
         rows = np.minimum(EPILOGUE_ROWS, shape.num_tokens - t["row_tile"][sel] * EPILOGUE_ROWS)[:, None]
         reads = rows * (shape.top_k + shape.num_shared) * row_bytes
-        dur[sel] = (reads / gpu.hbm_read_gbs + rows * row_bytes / gpu.hbm_write_gbs) * plan.num_sms
+        dur[sel] = gpu.token_kernel_ns(reads, rows * row_bytes) * plan.num_sms
     return dur
 
 

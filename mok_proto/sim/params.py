@@ -54,6 +54,13 @@ class GpuParams:
         """Rate of a plain device copy (bytes copied per second)."""
         return 1.0 / (1.0 / self.hbm_read_gbs + 1.0 / self.hbm_write_gbs)
 
+    def token_kernel_ns(self, read_bytes, write_bytes):
+        """A token kernel (weighted sum, slot sum, scale, top-k weight gradient) that reads and
+        writes every byte once from HBM: its traffic at the traffic rate of a plain copy (which
+        reads and writes copy_gbs each). Not hbm_read_gbs/hbm_write_gbs: that split is fitted to
+        a push dispatch, where K - 1 of a token row's K reads hit L2."""
+        return (read_bytes + write_bytes) / (2.0 * self.copy_gbs)
+
     def pull_sm_gbs(self) -> float:
         """One SM pulling: one window per round trip."""
         return self.pull_window_bytes / self.rtt_ns
