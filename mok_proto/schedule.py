@@ -13,7 +13,7 @@ Placement on an expert-owning rank (no sort of tokens is needed by the kernels):
 * Expert l's rows start at ``expert_offsets[l]``; segments are padded up to a
   multiple of ``align``: offsets[l+1] = offsets[l] + ceil(T[l]/align)*align.
 * The o-th pair (o = 0, 1, ..., in increasing source slot) of source rank r
-  for expert l goes to receive slot
+  for expert l goes to receive row
       offsets[l] + sum_r' min(M[l, r'], o) + |{r' < r : M[l, r'] > o}|,
   i.e. inside an expert, pairs are ordered by (o, r): source ranks are
   interleaved round robin (all links stay busy) and rows stay contiguous and
@@ -36,8 +36,8 @@ Worked example: R=2, N=3, K=2, E=4 (El=2), align=2::
       expert_offsets = [0, 2, 4]; src_rank = [0, 1, 0, 1]; src_slot = [2, 1, 5, 4]
 
     inverse maps (where each of a rank's own source slots goes):
-      rank 0: dst_rank = [0, 0, 1, 0, 0, 1], dst_slot = [0, 6, 0, 2, 8, 2]
-      rank 1: dst_rank = [0, 1, 0, 0, 1, 0], dst_slot = [1, 1, 3, 7, 3, 4]
+      rank 0: dst_rank = [0, 0, 1, 0, 0, 1], recv_row = [0, 6, 0, 2, 8, 2]
+      rank 1: dst_rank = [0, 1, 0, 0, 1, 0], recv_row = [1, 1, 3, 7, 3, 4]
 
 The placement on every owner is a pure function of ``topk_idx_all``; it is
 computed for all ranks at once in one vectorized pass over the R*N*K pairs
@@ -78,7 +78,7 @@ class PullSchedule:
     src_rank: np.ndarray  # [num_slots] int32, source rank of each row, -1 on padding
     src_slot: np.ndarray  # [num_slots] int32, t*K + j on the source rank, -1 on padding
     dst_rank: np.ndarray  # [N*K] int32, owner rank of each of this rank's source slots
-    dst_slot: np.ndarray  # [N*K] int32, receive slot on that owner
+    recv_row: np.ndarray  # [N*K] int32, receive row on that owner
 
     @property
     def num_slots(self) -> int:
@@ -118,7 +118,7 @@ class _Placement:
     src_rank: np.ndarray  # [total] int32
     src_slot: np.ndarray  # [total] int32
     dst_rank: np.ndarray  # [R, N*K] int32
-    dst_slot: np.ndarray  # [R, N*K] int32 (local to the owner's buffer)
+    recv_row: np.ndarray  # [R, N*K] int32 (local to the owner's buffer)
 
 
 def _check_routing(topk_idx_all, num_experts) -> tuple[np.ndarray, int]:
@@ -208,7 +208,7 @@ def _place(topk: np.ndarray, num_experts: int, align: int) -> _Placement:
     src_rank[glob_slot] = pair_rank
     src_slot[glob_slot] = pair_slot
     dst_rank = owner.astype(np.int32).reshape(num_ranks, num_src)  # [R, N*K]
-    dst_slot = (glob_slot - rank_offsets[owner]).astype(np.int32).reshape(num_ranks, num_src)
+    recv_row = (glob_slot - rank_offsets[owner]).astype(np.int32).reshape(num_ranks, num_src)
 
     return _Placement(
         num_ranks=num_ranks,
@@ -221,7 +221,7 @@ def _place(topk: np.ndarray, num_experts: int, align: int) -> _Placement:
         src_rank=src_rank,
         src_slot=src_slot,
         dst_rank=dst_rank,
-        dst_slot=dst_slot,
+        recv_row=recv_row,
     )
 
 
@@ -240,7 +240,7 @@ def _schedule_of(place: _Placement, rank: int) -> PullSchedule:
         src_rank=place.src_rank[base:end].copy(),
         src_slot=place.src_slot[base:end].copy(),
         dst_rank=place.dst_rank[rank].copy(),
-        dst_slot=place.dst_slot[rank].copy(),
+        recv_row=place.recv_row[rank].copy(),
     )
 
 

@@ -56,7 +56,7 @@ def slow_placement(topk, num_experts, rank, align):
 
 
 def slow_dst(topk, num_experts, align):
-    """For every (rank, source slot): (owner rank, receive slot) from the slow oracle."""
+    """For every (rank, source slot): (owner rank, receive row) from the slow oracle."""
     num_ranks, num_tokens, top_k = topk.shape
     dst = {}
     for owner in range(num_ranks):
@@ -96,7 +96,7 @@ def check_properties(sched, topk, num_experts, align):
     assert sched.tokens_per_expert.dtype == np.int64 and sched.tokens_per_expert.shape == (el,)
     for a in (sched.src_rank, sched.src_slot):
         assert a.dtype == np.int32 and a.shape == (n,)
-    for a in (sched.dst_rank, sched.dst_slot):
+    for a in (sched.dst_rank, sched.recv_row):
         assert a.dtype == np.int32 and a.shape == (num_tokens * top_k,)
     assert n == offs[-1]
     assert n <= max_receive_slots(num_tokens, top_k, num_ranks, el, align)
@@ -147,12 +147,12 @@ def check_properties(sched, topk, num_experts, align):
 
 
 def check_inverse(scheds, topk):
-    """dst_rank/dst_slot of every rank point at the row that pulls that slot."""
+    """dst_rank/recv_row of every rank point at the row that pulls that slot."""
     num_ranks, num_tokens, top_k = topk.shape
     for r, sched in enumerate(scheds):
         assert sched.rank == r
         for s in range(num_tokens * top_k):
-            d, slot = int(sched.dst_rank[s]), int(sched.dst_slot[s])
+            d, slot = int(sched.dst_rank[s]), int(sched.recv_row[s])
             owner = scheds[d]
             assert 0 <= slot < owner.num_slots
             assert (owner.src_rank[slot], owner.src_slot[slot]) == (r, s)
@@ -211,7 +211,7 @@ def test_dst_matches_oracle(num_ranks, num_tokens, top_k, num_experts, align, ki
     for r, sched in enumerate(build_all_schedules(topk, num_experts, align=align)):
         want = [dst[(r, s)] for s in range(num_tokens * top_k)]
         np.testing.assert_array_equal(sched.dst_rank, [d for d, _ in want])
-        np.testing.assert_array_equal(sched.dst_slot, [slot for _, slot in want])
+        np.testing.assert_array_equal(sched.recv_row, [slot for _, slot in want])
 
 
 # ----------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def test_hand_worked_docstring_example():
     np.testing.assert_array_equal(s0.src_slot, [0, 0, 3, 2, 5, -1, 1, 3, 4, -1])
     np.testing.assert_array_equal(s0.src_token, [0, 0, 1, 1, 2, -1, 0, 1, 2, -1])
     np.testing.assert_array_equal(s0.dst_rank, [0, 0, 1, 0, 0, 1])
-    np.testing.assert_array_equal(s0.dst_slot, [0, 6, 0, 2, 8, 2])
+    np.testing.assert_array_equal(s0.recv_row, [0, 6, 0, 2, 8, 2])
     assert s0.num_slots == 10
 
     np.testing.assert_array_equal(s1.expert_offsets, [0, 2, 4])
@@ -238,7 +238,7 @@ def test_hand_worked_docstring_example():
     np.testing.assert_array_equal(s1.src_rank, [0, 1, 0, 1])
     np.testing.assert_array_equal(s1.src_slot, [2, 1, 5, 4])
     np.testing.assert_array_equal(s1.dst_rank, [0, 1, 0, 0, 1, 0])
-    np.testing.assert_array_equal(s1.dst_slot, [1, 1, 3, 7, 3, 4])
+    np.testing.assert_array_equal(s1.recv_row, [1, 1, 3, 7, 3, 4])
     assert s1.num_slots == 4
 
 
@@ -256,14 +256,14 @@ def test_hand_worked_two_ranks_two_experts():
     np.testing.assert_array_equal(s0.src_slot, [0, 1, 2, 4, 3, 5])
     np.testing.assert_array_equal(s0.src_token, [0, 0, 1, 2, 1, 2])
     np.testing.assert_array_equal(s0.dst_rank, [0, 1, 0, 0, 1, 0])
-    np.testing.assert_array_equal(s0.dst_slot, [0, 0, 2, 4, 2, 5])
+    np.testing.assert_array_equal(s0.recv_row, [0, 0, 2, 4, 2, 5])
 
     np.testing.assert_array_equal(s1.expert_offsets, [0, 6])
     np.testing.assert_array_equal(s1.tokens_per_expert, [6])
     np.testing.assert_array_equal(s1.src_rank, [0, 1, 0, 1, 1, 1])
     np.testing.assert_array_equal(s1.src_slot, [1, 0, 4, 2, 3, 5])
     np.testing.assert_array_equal(s1.dst_rank, [1, 0, 1, 1, 0, 1])
-    np.testing.assert_array_equal(s1.dst_slot, [1, 1, 3, 4, 3, 5])
+    np.testing.assert_array_equal(s1.recv_row, [1, 1, 3, 4, 3, 5])
 
 
 # ----------------------------------------------------------------------------
@@ -311,7 +311,7 @@ def test_all_tokens_on_one_expert():
         assert s2.num_slots == (15 if align == 1 else 16)
         np.testing.assert_array_equal(s2.expert_offsets, [0, s2.num_slots, s2.num_slots])
         assert np.all(s2.dst_rank == 2) and np.all(s0.dst_rank == 2)
-        np.testing.assert_array_equal(s1.dst_slot, np.arange(5) * 3 + 1)
+        np.testing.assert_array_equal(s1.recv_row, np.arange(5) * 3 + 1)
 
 
 def test_top_k_equals_num_experts():
@@ -342,7 +342,7 @@ def test_duplicate_expert_in_one_token():
     # expert 1: rank 0 slots (0, 1, 3), rank 1 slots (0, 2, 3) -> strict alternation
     np.testing.assert_array_equal(s1.src_rank, [0, 1, 0, 1, 0, 1])
     np.testing.assert_array_equal(s1.src_slot, [0, 0, 1, 2, 3, 3])
-    np.testing.assert_array_equal(s0.dst_slot, [0, 2, 0, 4])  # slots 0 and 1 get distinct rows
+    np.testing.assert_array_equal(s0.recv_row, [0, 2, 0, 4])  # slots 0 and 1 get distinct rows
     np.testing.assert_array_equal(s1.src_token, [0, 0, 0, 1, 1, 1])
 
 
@@ -455,7 +455,7 @@ def test_build_all_equals_per_rank(align):
         assert isinstance(sched, PullSchedule)
         for name in ("rank", "num_ranks", "num_local_experts", "top_k", "align"):
             assert getattr(sched, name) == getattr(single, name)
-        for name in ("expert_offsets", "tokens_per_expert", "src_rank", "src_slot", "dst_rank", "dst_slot"):
+        for name in ("expert_offsets", "tokens_per_expert", "src_rank", "src_slot", "dst_rank", "recv_row"):
             a, b = getattr(sched, name), getattr(single, name)
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(a, b)
@@ -470,7 +470,7 @@ def test_schedule_equality_detects_differences():
     changed = s0.src_slot.copy()
     changed[0] += 1
     assert s0 != dataclasses.replace(s0, src_slot=changed)
-    assert s0 != dataclasses.replace(s0, dst_slot=s0.dst_slot.astype(np.int64))  # dtype counts
+    assert s0 != dataclasses.replace(s0, recv_row=s0.recv_row.astype(np.int64))  # dtype counts
     assert s0 != dataclasses.replace(s0, align=8)
 
 
@@ -479,7 +479,7 @@ def test_schedules_do_not_share_buffers():
     s0, s1 = build_all_schedules(topk, 4)
     before = s1.src_rank.copy()
     s0.src_rank[:] = 7
-    s0.dst_slot[:] = 7
+    s0.recv_row[:] = 7
     np.testing.assert_array_equal(s1.src_rank, before)
 
 

@@ -3,7 +3,7 @@
 Legend: N tokens/rank, H hidden, K top-k, R ranks, C receive capacity (rows).
 Two shapes of movement, read off one PullSchedule (mok_proto.schedule):
 
-  to_experts   token side -> expert side receive slots      forward dispatch, backward reverse-combine
+  to_experts   token side -> expert side receive rows      forward dispatch, backward reverse-combine
   to_tokens    expert side -> token side slot buffer [N*K]   forward combine,  backward reverse-dispatch
 
 Directions, and who must wait for whom (MoK insight 1):
@@ -42,14 +42,14 @@ def to_experts(mode, sched, src, dst, signals, epoch, timeout_s, op, token_rows)
     for peer in _peers_from(rank, num_ranks):
         my_slots = np.flatnonzero(sched.dst_rank == peer)
         rows = my_slots // top_k if token_rows else my_slots
-        dst.put_rows(peer, sched.dst_slot[my_slots], src.local[rows])
+        dst.put_rows(peer, sched.recv_row[my_slots], src.local[rows])
         signals.signal(peer, TO_EXPERTS, epoch)
     for peer in range(num_ranks):
         signals.wait(TO_EXPERTS, peer, epoch, timeout_s, op)
 
 
 def to_tokens(mode, sched, src, dst, signals, epoch, timeout_s, op):
-    """Slot s of dst (token side, [N*K,H]) <- receive row dst_slot[s] of src on rank dst_rank[s]."""
+    """Slot s of dst (token side, [N*K,H]) <- receive row recv_row[s] of src on rank dst_rank[s]."""
     rank, num_ranks = sched.rank, sched.num_ranks
     if mode == "push":
         for peer in _peers_from(rank, num_ranks):
@@ -65,7 +65,7 @@ def to_tokens(mode, sched, src, dst, signals, epoch, timeout_s, op):
     for peer in _peers_from(rank, num_ranks):
         signals.wait(TO_TOKENS, peer, epoch, timeout_s, op)
         my_slots = np.flatnonzero(sched.dst_rank == peer)
-        dst.local[my_slots] = src.get_rows(peer, sched.dst_slot[my_slots])
+        dst.local[my_slots] = src.get_rows(peer, sched.recv_row[my_slots])
 
 
 def round_start(signals, rank, num_ranks, epoch, timeout_s, op, before_wait=None):

@@ -84,7 +84,7 @@ def check_schedule(rnd, topk_idx_all, num_experts):
         assert np.array_equal(offsets, want.expert_offsets), (rank, offsets, want.expert_offsets)
         assert np.array_equal(counts, want.tokens_per_expert), (rank, counts, want.tokens_per_expert)
         assert np.array_equal(src_rank, want.src_rank) and np.array_equal(src_slot, want.src_slot), rank
-        assert np.array_equal(rnd.bufs["recv_row"].instance(rank).get(), want.dst_slot), rank
+        assert np.array_equal(rnd.bufs["recv_row"].instance(rank).get(), want.recv_row), rank
 
 
 def check_failures(heap, virtual):
