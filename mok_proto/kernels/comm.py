@@ -19,12 +19,12 @@ SCHEDULE_THREADS = abi.CONST["kScheduleThreads"]
 SCHEDULE_SEGMENT = abi.CONST["kScheduleSegment"]
 
 VECS = (16, 2)  # bytes per row access: 16 when rows are 16-byte multiples, else 2 (even rows)
+MOVES = ("dispatch_pull", "dispatch_push", "combine_push", "combine_pull")  # the row movements (move_rows)
 MODULE = CudaModule("comm.cuh", (
     "mok::begin_round", "mok::wait_peers", "mok::raise_flag", "mok::allgather_routing",
     "mok::schedule_count_segments", "mok::schedule_scan", "mok::schedule_place_segments",
     "mok::expert_scale", "mok::weighted_sum",
-) + tuple(f"mok::{kernel}<{vec}>" for kernel in ("dispatch_pull", "dispatch_push", "combine_push", "combine_pull")
-          for vec in VECS))
+) + tuple(f"mok::{kernel}<{vec}>" for kernel in MOVES for vec in VECS))
 
 
 def pack_params(fields: dict):
@@ -111,24 +111,17 @@ def _over_rows(name: str, params, launch: Launch):
     _go(name, (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
 
 
-def dispatch_pull(params, launch: Launch):
-    _over_rows(f"mok::dispatch_pull<{launch.vec}>", params, launch)
-
-
-def dispatch_push(params, launch: Launch):
-    _over_rows(f"mok::dispatch_push<{launch.vec}>", params, launch)
+def move_rows(kernel: str, params, launch: Launch):
+    """One of the row movements (MOVES), with the launch's access width: dispatch_pull / push
+    (token-side rows -> receive rows; the backward's reverse-combine), combine_push / pull
+    (receive rows -> slot buffers; the backward's reverse-dispatch)."""
+    if kernel not in MOVES:
+        raise ValueError(f"kernel must be one of {', '.join(MOVES)}, got {kernel!r}")
+    _over_rows(f"mok::{kernel}<{launch.vec}>", params, launch)
 
 
 def expert_scale(params, launch: Launch):
     _over_rows("mok::expert_scale", params, launch)
-
-
-def combine_push(params, launch: Launch):
-    _over_rows(f"mok::combine_push<{launch.vec}>", params, launch)
-
-
-def combine_pull(params, launch: Launch):
-    _over_rows(f"mok::combine_pull<{launch.vec}>", params, launch)
 
 
 def weighted_sum(params, launch: Launch):

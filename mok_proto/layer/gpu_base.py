@@ -110,11 +110,11 @@ def to_experts(p, launch: kc.Launch, direction: str, push_op: str, pull_op: str,
         if not after_schedule:
             kc.raise_flag(p, launch, "kFlagRouting")  # my source rows are written
             kc.wait_peers(p, launch, "kFlagRouting", pull_op)
-        kc.dispatch_pull(p, launch)
+        kc.move_rows("dispatch_pull", p, launch)
     else:
         if after_schedule:
             kc.wait_peers(p, launch, "kFlagMap", push_op)
-        kc.dispatch_push(p, launch)
+        kc.move_rows("dispatch_push", p, launch)
         kc.wait_peers(p, launch, "kFlagDispatch", push_op)
 
 
@@ -122,12 +122,12 @@ def to_tokens(p, launch: kc.Launch, direction: str, push_op: str, pull_op: str):
     """Result rows (receive-row order) into the token owners' slot buffers (combine;
     reverse-dispatch), then every rank may read its slots."""
     if direction == "push":
-        kc.combine_push(p, launch)
+        kc.move_rows("combine_push", p, launch)
         kc.wait_peers(p, launch, "kFlagCombine", push_op)
     else:
         kc.raise_flag(p, launch, "kFlagReady")  # my result rows are written
         kc.wait_peers(p, launch, "kFlagReady", pull_op)
-        kc.combine_pull(p, launch)
+        kc.move_rows("combine_pull", p, launch)
 
 
 def contiguous_ranks(heap, ranks) -> list:
