@@ -25,6 +25,11 @@
 //   dispatch_push --kFlagDispatch--> wait_peers (then the experts)
 //   the experts, raise_flag --kFlagReady--> wait_peers, combine_pull
 //   combine_push --kFlagCombine--> wait_peers (then the weighted sum)
+// The GPU layer's backward is a second round (epoch + 1) on the forward's schedule, with the same
+// copies over its own buffers: reverse-combine pull = raise_flag(kFlagRouting: my dy rows are
+// written), wait_peers, dispatch_pull; push = dispatch_push --kFlagDispatch--> wait_peers;
+// reverse-dispatch as combine (kFlagCombine, or kFlagReady + pull). Flags only grow, so a kind
+// reused at epoch + 1 never satisfies a wait early.
 // Every wait is its own wait_peers launch (only the schedule waits inside), naming its Op, so
 // the movement kernels are plain copies and the backward reuses them with its own buffers: a
 // timed push stage includes its receiver's wait, as a pull stage includes its own loads. A
@@ -417,7 +422,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_scan(const CommPara
 }
 
 // schedule_place_segments: grid (R * Q, W), block kCommThreads (8 warps: 8 sub-segments of a
-// segment), dynamic smem (El * R + 9 El + 1) ints. Each warp counts its sub-segment's pairs, the
+// segment), dynamic smem (El * R + El + 1 + kWarps * El) ints. Each warp counts its sub-segment's pairs, the
 // block turns the counts into every warp's starting cursor, then each warp places its pairs.
 __global__ void __launch_bounds__(kCommThreads) schedule_place_segments(const CommParams* p) {
   extern __shared__ int smem[];

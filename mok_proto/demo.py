@@ -25,7 +25,6 @@ import traceback
 
 import numpy as np
 
-from mok_proto import reference
 from mok_proto.config import PRESETS, RunConfig, format_policy, get_shape, parse_policy
 from mok_proto.exitcodes import EXIT_BAD_ARGUMENT, EXIT_MISMATCH, EXIT_PASS, EXIT_PEER, EXIT_PROTOCOL
 from mok_proto.problem import make_problem
@@ -172,30 +171,27 @@ def run_rank(comm, args, run: RunConfig, heap_timeout_s: float):
         t2 = time.perf_counter()
         _step(args, "cleanup")
 
-    # Reference over all ranks' tokens (float64), then this rank's slice.
-    ref_out, cache = reference.forward(prob.flat("x"), prob.flat("topk_idx"), prob.flat("topk_weights"),
-                                       prob.weights, dtype="float64")
-    ref_grads = reference.backward(prob.flat("dout").astype(np.float64), cache)
+    ref = prob.reference_results()  # over all ranks' tokens (float64); each row checks its slice
     shared = {}
     for key in sorted(k for k in grads if k.startswith("shared_")):  # per-rank partial sums
         watchdog.arrival_barrier(comm, f"gather of {key}", heap_timeout_s)
         with watchdog.guard(f"gather of {key}"):
             shared[key] = sum(comm.allgather(grads[key]))
-    return [result_row(run, rank, out, grads, shared, ref_out, ref_grads, (t1 - t0) * 1e3, (t2 - t1) * 1e3)]
+    return [result_row(run, rank, out, grads, shared, ref, (t1 - t0) * 1e3, (t2 - t1) * 1e3)]
 
 
-def result_row(run, rank, out, grads, shared, ref_out, ref_grads, fwd_ms, bwd_ms) -> dict:
+def result_row(run, rank, out, grads, shared, ref, fwd_ms, bwd_ms) -> dict:
     """One rank's row: its errors against its slice of the reference (the shared expert's
     gradients: their sum over ranks, in rank order), timings, checksums."""
     n, num_local = run.shape.num_tokens, run.num_local_experts
     tokens, experts = slice(rank * n, (rank + 1) * n), slice(rank * num_local, (rank + 1) * num_local)
-    errors = {"out": rel_error(out, ref_out[tokens])}
+    errors = {"out": rel_error(out, ref["out"][tokens])}
     for key, g in grads.items():
         if key in ("x", "topk_weights"):
-            errors[key] = rel_error(g, ref_grads[key][tokens])
+            errors[key] = rel_error(g, ref[key][tokens])
         elif key.startswith("w_"):
-            errors[key] = rel_error(g, ref_grads[key][experts])
-    errors.update({key: rel_error(total, ref_grads[key]) for key, total in shared.items()})
+            errors[key] = rel_error(g, ref[key][experts])
+    errors.update({key: rel_error(total, ref[key]) for key, total in shared.items()})
     return dict(rank=rank, shape=run.shape.name, policy=format_policy(run.policy), fwd_ms=fwd_ms, bwd_ms=bwd_ms,
                 max_err=max(errors.values()), worst=max(errors, key=errors.get),
                 out_sha=checksum([out]), grad_sha=checksum([grads[k] for k in sorted(grads)]))
@@ -206,8 +202,8 @@ def run_ranks_gpu(comm, args, run: RunConfig, heap_timeout_s: float):
     with NVSHMEM): one warm-up forward + backward (compiles the kernels), one timed. Returns rows."""
     import cupy
 
-    from mok_proto.kernels.gemm import from_bf16, to_bf16
     from mok_proto.layer.gpu import GpuMoELayer
+    from mok_proto.symm import watchdog
 
     shape, num_ranks = run.shape, run.num_ranks
     prob = make_problem(shape, num_ranks, seed=args.seed, routing=args.routing)
@@ -241,18 +237,17 @@ def run_ranks_gpu(comm, args, run: RunConfig, heap_timeout_s: float):
     finally:
         heap.close()
     cupy.cuda.Device().synchronize()
-    # Reference over all ranks' tokens (float64) on the bf16-rounded inputs the GPU computes with.
-    rounded = lambda a: from_bf16(to_bf16(np.asarray(a, np.float32))).astype(np.float64)  # noqa: E731
-    ref_out, cache = reference.forward(rounded(prob.flat("x")), prob.flat("topk_idx"),
-                                       prob.flat("topk_weights").astype(np.float64),
-                                       {k: rounded(v) for k, v in prob.weights.items()}, dtype="float64")
-    ref_grads = reference.backward(rounded(prob.flat("dout")), cache)
+    ref = prob.reference_results(bf16=True)  # on the bf16-rounded inputs the GPU computes with
     shared = {}
     for key in sorted(k for k in next(iter(results.values()))[1] if k.startswith("shared_")):
         mine = [results[r][1][key] for r in sorted(results)]
-        parts = mine if args.virtual else comm.allgather(mine[0])
-        shared[key] = sum(parts)
-    return [result_row(run, r, out, grads, shared, ref_out, ref_grads, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+        if args.virtual:
+            shared[key] = sum(mine)
+            continue
+        watchdog.arrival_barrier(comm, f"gather of {key}", heap_timeout_s)
+        with watchdog.guard(f"gather of {key}"):
+            shared[key] = sum(comm.allgather(mine[0]))
+    return [result_row(run, r, out, grads, shared, ref, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
             for r, (out, grads) in sorted(results.items())]
 
 
@@ -299,9 +294,13 @@ def main(argv=None, on_step=None) -> int:
             raise ValueError("--virtual R runs R ranks in one process: a positive count, started without mpiexec")
         backend = resolve_backend(args.backend, args.virtual)
         shape = get_shape(args.shape or DEFAULT_SHAPE[backend])
-        if backend == "gpu" and any(d % 256 for d in (shape.hidden, shape.ffn, shape.shared_ffn_size)):
-            raise ValueError(f"--shape {shape.name}: the GPU layer needs H and I multiples of 256 (try tile, or "
-                             "--backend cpu)")
+        if backend == "gpu":
+            from mok_proto.layer.gpu import check_tiles
+
+            check_tiles(shape)
+            if args.dtype != "float32":
+                raise ValueError("--dtype: the GPU layer computes in bf16 with fp32 accumulation; --dtype is the "
+                                 "CPU backend's")
         run = RunConfig(shape, num_ranks=args.virtual or _launcher_size(), policy=parse_policy(args.policy),
                         seed=args.seed, dtype=args.dtype, timeout_s=args.timeout)
         check_fits(run, backend, _ranks_here())

@@ -31,6 +31,21 @@ class Problem:
         a = getattr(self, name)
         return a.reshape(-1, *a.shape[2:])
 
+    def reference_results(self, bf16: bool = False) -> dict:
+        """The float64 reference over all ranks' tokens: {"out", "x", "topk_weights", "w_*",
+        "shared_*"} (token arrays [R*N, ...], weight gradients global). bf16: on the bf16-rounded
+        x, weights and dout (what the GPU layer computes with; topk_weights stay float32)."""
+        def exact(a):
+            if not bf16:
+                return np.asarray(a, np.float64)
+            return reference.from_bf16(reference.to_bf16(np.asarray(a, np.float32))).astype(np.float64)
+
+        out, cache = reference.forward(exact(self.flat("x")), self.flat("topk_idx"),
+                                       self.flat("topk_weights").astype(np.float64),
+                                       {key: exact(v) for key, v in self.weights.items()}, dtype="float64")
+        grads = reference.backward(exact(self.flat("dout")), cache)
+        return {"out": out, **grads}
+
     def local_weights(self, rank: int) -> dict:
         """The experts rank `rank` owns (E/R consecutive ones) plus the replicated shared expert."""
         num_local = self.weights["w_gate"].shape[0] // self.num_ranks

@@ -228,3 +228,22 @@ def stand_in_round(x_all, topk_idx_all, topk_w_all, scale, base_all=None):
         base = np.zeros_like(x_all[r]) if base_all is None else base_all[r]
         out[r] = weighted_sum(base, y_slots.reshape(n * k, -1), topk_w_all[r])
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 <-> float32 (round to nearest even), for NumPy or CuPy arrays: the GPU layer's storage
+# format, bf16 values carried as their 16 bits in uint16 arrays
+# ---------------------------------------------------------------------------------------------
+def to_bf16(a):
+    xp = array_module(a)
+    bits = xp.ascontiguousarray(a, dtype=xp.float32).view(xp.uint32)
+    rounded = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) >> 16
+    return rounded.astype(xp.uint16)
+
+
+def from_bf16(a):
+    xp = array_module(a)
+    return (xp.ascontiguousarray(a).view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+
+
+#

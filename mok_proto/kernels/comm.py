@@ -98,10 +98,10 @@ def build_schedule(params, launch: Launch, num_ranks: int, num_local_experts: in
     """The MoK placement on every launch-rank: count, scan, place (three launches), then kFlagMap."""
     segments = num_ranks * -(-num_tokens * top_k // SCHEDULE_SEGMENT)
     el, w = num_local_experts, launch.num_launch_ranks
-    _go("mok::schedule_count_segments", (segments, w), (THREADS,), (params,), shared_mem=4 * el)
-    smem = 4 * (el * num_ranks + 9 * el + 1)
+    smem = 4 * (el * num_ranks + el + 1 + (THREADS // 32) * el)  # schedule_place_segments: M, offsets, cursors
     if smem > 227 * 1024:
         raise ValueError(f"build_schedule: E = {el * num_ranks} experts need {smem} bytes of shared memory")
+    _go("mok::schedule_count_segments", (segments, w), (THREADS,), (params,), shared_mem=4 * el)
     _go("mok::schedule_scan", (1, w), (SCHEDULE_THREADS,), (params,), shared_mem=4 * (el * num_ranks + el))
     _go("mok::schedule_place_segments", (segments, w), (THREADS,), (params,), shared_mem=smem)
 

@@ -27,6 +27,7 @@ import numpy as np
 from mok_proto import abi
 from mok_proto.kernels.build import CudaModule, num_sms
 from mok_proto.kernels.errors import ErrorRecord
+from mok_proto.reference import from_bf16, to_bf16  # noqa: F401 - the kernels' bf16 format
 
 _C = abi.CONST
 BM, BN, BK, THREADS, MAX_GROUPS, CLUSTER = (_C[k] for k in ("kBM", "kBN", "kBK", "kThreads", "kMaxGroups", "kCluster"))
@@ -59,25 +60,6 @@ def site_record(problem: str) -> ErrorRecord:
     if key not in _SITE_RECORDS:
         _SITE_RECORDS[key] = ErrorRecord(TIMEOUT_NS / 1e9)
     return _SITE_RECORDS[key]
-
-
-# ---------------------------------------------------------------------------------------------
-# bf16 <-> float32 (round to nearest even), for NumPy or CuPy arrays
-# ---------------------------------------------------------------------------------------------
-def to_bf16(a):
-    from mok_proto.reference import array_module
-
-    xp = array_module(a)
-    bits = xp.ascontiguousarray(a, dtype=xp.float32).view(xp.uint32)
-    rounded = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) >> 16
-    return rounded.astype(xp.uint16)
-
-
-def from_bf16(a):
-    from mok_proto.reference import array_module
-
-    xp = array_module(a)
-    return (xp.ascontiguousarray(a).view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,9 +21,14 @@ be captured in one CUDA graph (`capture()`). Every wait is bounded; `check()` ra
 SymmTimeoutError / CapacityError / KernelTimeoutError naming the operator and rank. Direction
 changes data movement only, never arithmetic, so all 16 policies give bitwise-equal results.
 
-NOTE (buffer reuse across rounds): a rank's receive rows, slot buffers and published rows are
-overwritten only in its next round, whose schedule first waits for every peer's routing flag of
-that round, so no peer can still be reading or writing them: no extra barrier is needed.
+NOTE (buffer reuse across rounds): passes alternate, forward then backward (enforced on the
+host: a backward needs the forward before it). A rank's receive rows, slot buffers and
+published rows are overwritten only in its next step, whose schedule first waits for every
+peer's routing flag of that forward; the backward's buffers (dy_slots, recv_dy, dx_rows,
+dx_slots) are written by peers only after they finished this step's forward, and read again
+only in the next step, behind that schedule wait. So no peer can still be reading or writing
+them and no barrier is needed between steps. Two backwards in a row would break this (a push
+reverse-combine could overwrite receive rows a peer's weight gradients still read).
 """
 
 from __future__ import annotations
@@ -41,6 +46,16 @@ BF16, F32, I32 = np.uint16, np.float32, np.int32
 TILE = abi.CONST["kBN"]  # H, I and Is must be multiples of it (the GEMM tiles)
 
 
+def check_tiles(shape) -> None:
+    """ValueError (one line) unless H, I and (with a shared expert) Is are multiples of the GEMM
+    tile the GPU layer needs."""
+    dims = [("hidden", shape.hidden), ("ffn", shape.ffn)] + [("shared_ffn", shape.shared_ffn_size)] * shape.num_shared
+    for dim, value in dims:
+        if value % TILE:
+            raise ValueError(f"shape {shape.name}: {dim}={value}, but the GPU layer's GEMM tiles need a multiple of "
+                             f"{TILE} (the 'tile' preset is the smallest; or use the CPU backend)")
+
+
 def bf16(a):
     """float array (NumPy or CuPy) -> bf16 bits (uint16), round to nearest even."""
     return gemm.to_bf16(a)
@@ -53,9 +68,8 @@ class GpuMoELayer(GpuRound):
     def __init__(self, heap, run: RunConfig, capacity: int | None = None, ranks=None, name: str = "layer",
                  blocks_per_rank: int | None = None):
         shape = run.shape if isinstance(run, RunConfig) else None
-        for dim in ("hidden", "ffn", "shared_ffn_size") if shape else ():
-            if getattr(shape, dim) % TILE:
-                raise ValueError(f"{dim}={getattr(shape, dim)}: the GPU layer's GEMM tiles need a multiple of {TILE}")
+        if shape is not None:
+            check_tiles(shape)
         self.has_shared = shape is not None and shape.num_shared == 1
         super().__init__(heap, run, capacity, 1, name)
         import cupy
@@ -184,6 +198,7 @@ class GpuMoELayer(GpuRound):
         """Enqueue the forward. `mark(stage)` (optional) is called before each stage and once with
         None at the end (benchmarks record CUDA events there)."""
         policy, p, launch, b = self._policy(), self.params_fwd, self.launch, self._b
+        self._forward_pending = True
         mark = mark or (lambda stage: None)
         err = self.error
         mark("schedule")
@@ -214,6 +229,10 @@ class GpuMoELayer(GpuRound):
         """Enqueue the backward of the last forward (its schedule and saved rows); `mark` as in
         enqueue_forward."""
         policy, p, launch, b = self._policy(), self.params_bwd, self.launch, self._b
+        if not getattr(self, "_forward_pending", False):
+            raise RuntimeError("enqueue_backward needs an enqueue_forward before it (passes alternate: see the NOTE "
+                               "in mok_proto/layer/gpu.py)")
+        self._forward_pending = False
         mark = mark or (lambda stage: None)
         err = self.error
         mark("scale")
@@ -289,6 +308,9 @@ class GpuMoELayer(GpuRound):
         for rank in self.ranks:
             for key, buf in self.bufs.items():
                 a = buf.instance(rank)
-                if key in inputs or a.dtype not in (BF16, F32):  # inputs, routing, schedule, flags, state
+                if key in ("recv_row", "sched"):  # -1: "no row"; a read before the schedule wrote it moves nothing
+                    a[...] = -1
+                elif key in inputs or a.dtype not in (BF16, F32):  # inputs, routing, scratch, flags, state
                     continue
-                a[...] = 0x7FC0 if a.dtype == BF16 else np.nan
+                else:
+                    a[...] = 0x7FC0 if a.dtype == BF16 else np.nan

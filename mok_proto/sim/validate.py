@@ -217,7 +217,9 @@ def format_table(rows: list[Row], tolerance_of) -> str:
         passed = sum(r.ok(tolerance_of(group)) for r in judged)
         others = ", ".join(f"{sum(r.check == c for r in g)} {c}" for c in ("calibration", "assumed", "explained")
                            if any(r.check == c for r in g))
-        lines.append(f"# {group}: {passed} of {len(judged)} judged rows pass" + (f" ({others}: not judged)" if others else ""))
+        outside = sum(abs(r.error) > tolerance_of(group) for r in g if r.check == "explained")
+        lines.append(f"# {group}: {passed} of {len(judged)} judged rows pass" + (f" ({others}: not judged)" if others else "")
+                     + (f"; {outside} explained rows are OUTSIDE the bar" if outside else ""))
     return "\n".join(lines)
 
 

@@ -18,10 +18,8 @@ import sys
 
 import numpy as np
 
-from mok_proto import reference
-from mok_proto.config import DIRECTIONS, OPERATORS, MoEShape, RunConfig
+from mok_proto.config import DIRECTIONS, MOK_POLICY, OPERATORS, MoEShape, RunConfig
 from mok_proto.errors import CapacityError
-from mok_proto.kernels.gemm import from_bf16, to_bf16
 from mok_proto.layer.gpu import GpuMoELayer
 from mok_proto.problem import make_problem
 
@@ -33,21 +31,6 @@ CASES = {  # name: (H, I, E, K, N, shared, routing)
     "one-token": (256, 256, 8, 2, 1, 1, "random"),
     "no-shared": (512, 256, 8, 2, 40, 0, "skewed"),
 }
-
-
-def rounded(a):
-    """float32 -> the float64 value of its bf16 rounding (what the GPU layer computes with)."""
-    return from_bf16(to_bf16(np.asarray(a, np.float32))).astype(np.float64)
-
-
-def reference_results(prob):
-    """Float64 reference on the bf16-rounded inputs: {key: [R, ...] per token owner, or global}."""
-    weights = {key: rounded(v) for key, v in prob.weights.items()}
-    out, cache = reference.forward(rounded(prob.flat("x")), prob.flat("topk_idx"),
-                                   prob.flat("topk_weights").astype(np.float64), weights, dtype="float64")
-    ref = reference.backward(rounded(prob.flat("dout")), cache)
-    ref["out"] = out
-    return ref
 
 
 def results(layer, rank) -> dict:
@@ -102,7 +85,7 @@ def check_case(heap, comm, name, case_id, replays, policies):
     num_ranks = heap.num_ranks
     shape = MoEShape(name, hidden=h, ffn=i, num_experts=e, top_k=k, num_tokens=n, num_shared=shared)
     prob = make_problem(shape, num_ranks, seed=7 + case_id, routing=routing)
-    ref = reference_results(prob)
+    ref = prob.reference_results(bf16=True)
     layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=20), name=f"l{case_id}")
     for rank in layer.ranks:
         layer.set_weights(rank, prob.local_weights(rank))
@@ -153,6 +136,7 @@ def check_overflow(heap):
     else:
         assert 0 not in layer.ranks, "rank 0 receives every first choice and must overflow"
     heap.barrier()
+    layer.close()
 
 
 def main():
@@ -165,7 +149,7 @@ def main():
     args = p.parse_args()
     policies = [dict(zip(OPERATORS, combo)) for combo in itertools.product(DIRECTIONS, repeat=4)]
     if args.policies == "mok":
-        policies = policies[:1]
+        policies = [dict(MOK_POLICY)]
     comm = None
     if args.backend == "virtual":
         from mok_proto.symm.virtual import VirtualWorld
