@@ -18,6 +18,7 @@ import numpy as np
 from mok_proto.config import DIRECTIONS, RunConfig
 from mok_proto.kernels import comm as kc
 from mok_proto.layer.gpu_base import GpuRound, contiguous_ranks, to_experts, to_tokens
+from mok_proto.validate import check_array, check_layer_inputs
 
 
 class GpuCommRound(GpuRound):
@@ -52,17 +53,10 @@ class GpuCommRound(GpuRound):
         import cupy
 
         b, s = self.bufs, self.shape
-        checks = {"x": (x, (s.num_tokens, s.hidden)), "topk_idx": (topk_idx, (s.num_tokens, s.top_k)),
-                  "topk_w": (topk_weights, (s.num_tokens, s.top_k)), "scale": (scale, (s.num_experts,))}
-        for name, (a, want) in checks.items():
-            if tuple(np.shape(a)) != want:
-                raise ValueError(f"{name} must have shape {want}, got {np.shape(a)}")
-        idx = np.asarray(topk_idx)
-        if not np.issubdtype(idx.dtype, np.integer):
-            raise ValueError(f"topk_idx must be integers, got {idx.dtype}")
-        if idx.size and (idx.min() < 0 or idx.max() >= s.num_experts):
-            raise ValueError(f"topk_idx values must be in [0, {s.num_experts})")
-        for name, (a, _) in checks.items():
+        x, topk_idx, topk_weights = check_layer_inputs(x, topk_idx, topk_weights, s.num_experts, s.num_tokens,
+                                                       s.hidden, s.top_k)
+        scale = check_array(scale, "scale", (s.num_experts,), "E", kind="f")
+        for name, a in (("x", x), ("topk_idx", topk_idx), ("topk_w", topk_weights), ("scale", scale)):
             b[name].instance(rank)[...] = cupy.asarray(a, dtype=b[name].dtype)
         b["base"].instance(rank)[...] = 0 if base is None else cupy.asarray(base, dtype=np.float32)
 
