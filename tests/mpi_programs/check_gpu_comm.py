@@ -10,13 +10,13 @@ bit for bit under all four (dispatch, combine) choices; 20 replays of a captured
 the same bytes; an overflow raises CapacityError; a missing peer raises SymmTimeoutError.
 """
 
-import argparse
 import itertools
 import re
 import sys
 
 import numpy as np
 
+import gpu_program
 from mok_proto.config import DIRECTIONS, MoEShape, RunConfig
 from mok_proto.layer.gpu_comm import GpuCommRound
 from mok_proto.reference import stand_in_round
@@ -131,22 +131,9 @@ def check_failures(heap, virtual):
     heap.barrier()
 
 
-def make_heap(args):
-    if args.backend == "virtual":
-        from mok_proto.symm.virtual import VirtualWorld
-        return VirtualWorld(args.ranks)
-    from mok_proto.symm.nvshmem import NvshmemHeap
-    return NvshmemHeap()
-
-
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--backend", choices=("virtual", "nvshmem"), required=True)
-    p.add_argument("--ranks", type=int, default=4, help="virtual ranks (virtual backend)")
-    p.add_argument("--cases", default=",".join(CASES))
-    p.add_argument("--replays", type=int, default=20)
-    args = p.parse_args()
-    heap = make_heap(args)
+    args = gpu_program.parser(CASES).parse_args()
+    heap, _ = gpu_program.open_heap(args)
     try:
         lines = [check_case(heap, name, i, args.replays) for i, name in enumerate(args.cases.split(","))]
         check_failures(heap, virtual=args.backend == "virtual")

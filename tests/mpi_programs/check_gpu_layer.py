@@ -11,13 +11,13 @@ bitwise equal; NaN-poisoned buffers before every run (a missing wait cannot pass
 backends can be compared. Then: an overflow raises CapacityError.
 """
 
-import argparse
 import hashlib
 import itertools
 import sys
 
 import numpy as np
 
+import gpu_program
 from mok_proto.config import DIRECTIONS, MOK_POLICY, OPERATORS, MoEShape, RunConfig
 from mok_proto.errors import CapacityError
 from mok_proto.layer.gpu import GpuMoELayer
@@ -140,26 +140,13 @@ def check_overflow(heap):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--backend", choices=("virtual", "nvshmem"), required=True)
-    p.add_argument("--ranks", type=int, default=4, help="virtual ranks (virtual backend)")
-    p.add_argument("--cases", default=",".join(CASES))
-    p.add_argument("--replays", type=int, default=20)
+    p = gpu_program.parser(CASES)
     p.add_argument("--policies", choices=("all", "mok"), default="all")
     args = p.parse_args()
     policies = [dict(zip(OPERATORS, combo)) for combo in itertools.product(DIRECTIONS, repeat=4)]
     if args.policies == "mok":
         policies = [dict(MOK_POLICY)]
-    comm = None
-    if args.backend == "virtual":
-        from mok_proto.symm.virtual import VirtualWorld
-        heap = VirtualWorld(args.ranks)
-    else:
-        from mpi4py import MPI
-
-        from mok_proto.symm.nvshmem import NvshmemHeap
-        comm = MPI.COMM_WORLD
-        heap = NvshmemHeap()
+    heap, comm = gpu_program.open_heap(args)
     try:
         lines = [check_case(heap, comm, name, i, args.replays, policies) for i, name in enumerate(args.cases.split(","))]
         check_overflow(heap)
