@@ -29,7 +29,8 @@ enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2 };
 //   kOpGemmLoad: GEMM producer (waiting for a free stage)
 //   kOpGemmMma: GEMM consumer (waiting for a loaded stage)
 //   kOpGemmAux: GEMM consumer (waiting for an epilogue operand stage)
-enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpCombinePush = 4, kOpCombinePull = 5, kOpRevCombinePull = 6, kOpRevCombinePush = 7, kOpRevDispatchPush = 8, kOpRevDispatchPull = 9, kOpGemmLoad = 10, kOpGemmMma = 11, kOpGemmAux = 12, kNumOps = 13 };
+//   kOpFusedWait: fused layer task (waiting for a ready counter)
+enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpCombinePush = 4, kOpCombinePull = 5, kOpRevCombinePull = 6, kOpRevCombinePush = 7, kOpRevDispatchPush = 8, kOpRevDispatchPull = 9, kOpGemmLoad = 10, kOpGemmMma = 11, kOpGemmAux = 12, kOpFusedWait = 13, kNumOps = 14 };
 // FlagKind, as errors print it:
 //   kFlagRouting: routing
 //   kFlagMap: map
@@ -85,11 +86,27 @@ enum TaskKind : int { kTaskDispatch = 0, kTaskSharedGateUp = 1, kTaskSharedDown 
 enum CounterKind : int { kCounterArrived = 0, kCounterFirstDone = 1, kCounterSecondDone = 2, kCounterReleased = 3, kCounterSlotsArrived = 4, kCounterSharedFirstDone = 5, kCounterSharedDone = 6, kCounterDataGradDone = 7, kCounterWgradDone = 8, kCounterStageDone = 9, kNumCounterKinds = 10 };
 }  // namespace mok::plan
 
+namespace mok::fused {
+// GemmSlot, as errors print it:
+//   kSlotSharedFirst: shared expert, first GEMM (fwd: gate/up)
+//   kSlotSharedSecond: shared expert, second GEMM (fwd: down)
+//   kSlotFirst: routed experts, first GEMM (fwd: gate/up)
+//   kSlotSecond: routed experts, second GEMM (fwd: down)
+enum GemmSlot : int { kSlotSharedFirst = 0, kSlotSharedSecond = 1, kSlotFirst = 2, kSlotSecond = 3, kFusedGemms = 4 };
+// FusedFlag, as errors print it:
+//   kFusedNone: nothing
+//   kFusedCommIn: the incoming transfer (dispatch, pull) runs inside the kernel
+//   kFusedCommOut: the outgoing transfer (combine, push) runs inside the kernel
+//   kFusedBoth: both
+//   kFusedTrace: record the timeline (a bit: added to the above)
+enum FusedFlag : int { kFusedNone = 0, kFusedCommIn = 1, kFusedCommOut = 2, kFusedBoth = 3, kFusedTrace = 4 };
+}  // namespace mok::fused
+
 namespace mok {
 constexpr int kCommThreads = 256;  // threads of a row-copy block: 8 warps, one row per warp
 constexpr int kScheduleThreads = 1024;  // threads of the schedule's scan block
 constexpr int kScheduleSegment = 1024;  // slots of one source rank per block of the schedule's count and place steps
-constexpr int kStateWords = 14;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
+constexpr int kStateWords = 15;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
 }  // namespace mok
 
 namespace mok::gemm {
@@ -252,3 +269,40 @@ static_assert(__builtin_offsetof(Counter, kind) == 0 && __builtin_offsetof(Count
 #endif
 
 }  // namespace mok::plan
+
+namespace mok::fused {
+struct FusedParams {
+  i64          num_ctas;  // CTAs per launch rank (grid.x): the plan's num_sms
+  i64          comm_ctas;  // CTAs 0 .. comm_ctas - 1 communicate (the plan's comm_blocks)
+  i64          num_tasks;  // tasks of the plan (per rank: every rank runs the same plan)
+  i64          num_counters;  // ready counters per rank
+  i64          minibatch_rows;  // receive rows per minibatch (a multiple of 2 kBM)
+  i64          ring_rows;  // receive row r lives in row r % ring_rows of the row buffers
+  i64          flags;  // FusedFlag bits: which transfers run inside, whether to record the timeline
+  i64          timeout_ns;  // every counter wait gives up after this
+  i64          tasks;  // Task [num_tasks], sorted by (block, seq)
+  i64          task_begin;  // int32 [num_ctas + 1]: CTA b runs tasks[task_begin[b] .. task_begin[b + 1])
+  i64          comm;  // const CommParams* of the round (rank = rank_base + blockIdx.y)
+  i64          gemm;  // GemmParams [W][kFusedGemms]: each launch rank's GEMMs, GemmSlot order
+  i64          counters;  // u32 [W][num_counters], zero before the launch
+  i64          trace;  // TraceRecord [W][num_tasks] (flag kFusedTrace)
+  ErrorRecord* error;  // this process's error record
+};
+static_assert(sizeof(FusedParams) == 120, "FusedParams: size differs from mok_proto/abi.py");
+#ifndef __CUDACC_RTC__
+static_assert(__builtin_offsetof(FusedParams, num_ctas) == 0 && __builtin_offsetof(FusedParams, comm_ctas) == 8 && __builtin_offsetof(FusedParams, num_tasks) == 16 && __builtin_offsetof(FusedParams, num_counters) == 24 && __builtin_offsetof(FusedParams, minibatch_rows) == 32 && __builtin_offsetof(FusedParams, ring_rows) == 40 && __builtin_offsetof(FusedParams, flags) == 48 && __builtin_offsetof(FusedParams, timeout_ns) == 56 && __builtin_offsetof(FusedParams, tasks) == 64 && __builtin_offsetof(FusedParams, task_begin) == 72 && __builtin_offsetof(FusedParams, comm) == 80 && __builtin_offsetof(FusedParams, gemm) == 88 && __builtin_offsetof(FusedParams, counters) == 96 && __builtin_offsetof(FusedParams, trace) == 104 && __builtin_offsetof(FusedParams, error) == 112, "FusedParams: field offsets differ from mok_proto/abi.py");
+#endif
+
+struct TraceRecord {
+  i64 start_ns;  // %globaltimer when the task began (before its waits)
+  i64 ready_ns;  // when its waits were met
+  i64 end_ns;  // when it signalled
+  int task;  // index into the plan's task table; -1: not run
+  int sm;  // %smid
+};
+static_assert(sizeof(TraceRecord) == 32, "TraceRecord: size differs from mok_proto/abi.py");
+#ifndef __CUDACC_RTC__
+static_assert(__builtin_offsetof(TraceRecord, start_ns) == 0 && __builtin_offsetof(TraceRecord, ready_ns) == 8 && __builtin_offsetof(TraceRecord, end_ns) == 16 && __builtin_offsetof(TraceRecord, task) == 24 && __builtin_offsetof(TraceRecord, sm) == 28, "TraceRecord: field offsets differ from mok_proto/abi.py");
+#endif
+
+}  // namespace mok::fused

@@ -201,15 +201,16 @@ __device__ __forceinline__ void schedule_pad(const CommParams* p, SchedView sv, 
 // ---------------------------------------------------------------------------------------------
 // Building blocks: row movements (one warp per row; kVec: bytes per access, 16 or 2)
 // ---------------------------------------------------------------------------------------------
-// Dispatch, pull (expert side): receive rows [begin, end): recv[i] <- the source row of slot
-// src_slot[i] (source_row) on rank src_rank[i]; padding rows zeroed. The expert owner waits only
-// for its own loads. (Reverse-combine, pull: the same with the backward's buffers.)
+// Dispatch, pull (expert side): receive rows [begin, end): recv[i - shift] <- the source row of
+// slot src_slot[i] (source_row) on rank src_rank[i]; padding rows zeroed. The expert owner waits
+// only for its own loads. (Reverse-combine, pull: the same with the backward's buffers.) `shift`:
+// the fused layer's ring keeps receive row i in row i - shift of recv (0: the whole buffer).
 template <int kVec>
 __device__ __forceinline__ void pull_token_rows(const CommParams* p, int rank, SchedView sv, i64 begin, i64 end,
-                                                Workers warps, int lane) {
+                                                Workers warps, int lane, i64 shift = 0) {
   for (i64 i = begin + warps.id; i < end; i += warps.count) {
     const int src = sv.src_rank[i];
-    char* dst = row_ptr(p->recv, rank, i, p->row_bytes);
+    char* dst = row_ptr(p->recv, rank, i - shift, p->row_bytes);
     if (src < 0)
       warp_zero_row(dst, p->row_bytes, lane);
     else
@@ -240,16 +241,16 @@ __device__ __forceinline__ void push_token_rows(const CommParams* p, int rank, i
   });
 }
 
-// Combine, push (expert side): receive rows [begin, end): y[i] into slots[src_slot[i]] of token
-// owner src_rank[i] (padding rows skipped).
+// Combine, push (expert side): receive rows [begin, end): y[i - shift] into slots[src_slot[i]] of
+// token owner src_rank[i] (padding rows skipped). `shift` as in pull_token_rows.
 template <int kVec>
 __device__ __forceinline__ void push_result_rows(const CommParams* p, int rank, SchedView sv, i64 begin, i64 end,
-                                                 Workers warps, int lane) {
+                                                 Workers warps, int lane, i64 shift = 0) {
   for (i64 i = begin + warps.id; i < end; i += warps.count) {
     const int dst = sv.src_rank[i];
     if (dst < 0) continue;
-    warp_copy_row<kVec>(row_ptr(p->slots, dst, sv.src_slot[i], p->row_bytes), row_ptr(p->y, rank, i, p->row_bytes),
-                        p->row_bytes, lane);
+    warp_copy_row<kVec>(row_ptr(p->slots, dst, sv.src_slot[i], p->row_bytes),
+                        row_ptr(p->y, rank, i - shift, p->row_bytes), p->row_bytes, lane);
   }
 }
 

@@ -142,6 +142,7 @@ OP = Enum("Op", (
     ("kOpGemmLoad", "GEMM producer (waiting for a free stage)"),
     ("kOpGemmMma", "GEMM consumer (waiting for a loaded stage)"),
     ("kOpGemmAux", "GEMM consumer (waiting for an epilogue operand stage)"),
+    ("kOpFusedWait", "fused layer task (waiting for a ready counter)"),
 ), count="kNumOps")
 
 # Flags of a communication round: flags[kind, src] on every rank, raised by src.
@@ -200,7 +201,23 @@ COUNTER_KIND = Enum("CounterKind", (
     ("kCounterStageDone", "stage_done"),  # per stage (sequential plans only)
 ), namespace="mok::plan", count="kNumCounterKinds")
 
-ENUMS = (ERROR_CODE, OP, FLAG_KIND, GEMM_PROBLEM, TASK_KIND, COUNTER_KIND)
+# The fused layer's GEMMs of one launch rank, in FusedParams.gemm order.
+GEMM_SLOT = Enum("GemmSlot", (
+    ("kSlotSharedFirst", "shared expert, first GEMM (fwd: gate/up)"),
+    ("kSlotSharedSecond", "shared expert, second GEMM (fwd: down)"),
+    ("kSlotFirst", "routed experts, first GEMM (fwd: gate/up)"),
+    ("kSlotSecond", "routed experts, second GEMM (fwd: down)"),
+), namespace="mok::fused", count="kFusedGemms")
+
+FUSED_FLAG = Enum("FusedFlag", (
+    ("kFusedNone", "nothing"),
+    ("kFusedCommIn", "the incoming transfer (dispatch, pull) runs inside the kernel"),
+    ("kFusedCommOut", "the outgoing transfer (combine, push) runs inside the kernel"),
+    ("kFusedBoth", "both"),
+    ("kFusedTrace", "record the timeline (a bit: added to the above)"),
+), namespace="mok::fused")
+
+ENUMS = (ERROR_CODE, OP, FLAG_KIND, GEMM_PROBLEM, TASK_KIND, COUNTER_KIND, GEMM_SLOT, FUSED_FLAG)
 
 # ---------------------------------------------------------------------------------------------
 # Constants
@@ -344,7 +361,35 @@ COUNTER = Struct("Counter", (
     ("bool", "remote", "raised by the tasks of every rank"),
 ), namespace="mok::plan")
 
-STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, TOKEN_PARAMS, TASK, COUNTER)
+# The fused layer's launch (cuda/fused.cuh): one plan's tables, the round's CommParams, and the
+# GEMM params of each launch rank (kFusedGemms per rank, in GemmSlot order).
+FUSED_PARAMS = Struct("FusedParams", (
+    ("i64", "num_ctas", "CTAs per launch rank (grid.x): the plan's num_sms"),
+    ("i64", "comm_ctas", "CTAs 0 .. comm_ctas - 1 communicate (the plan's comm_blocks)"),
+    ("i64", "num_tasks", "tasks of the plan (per rank: every rank runs the same plan)"),
+    ("i64", "num_counters", "ready counters per rank"),
+    ("i64", "minibatch_rows", "receive rows per minibatch (a multiple of 2 kBM)"),
+    ("i64", "ring_rows", "receive row r lives in row r % ring_rows of the row buffers"),
+    ("i64", "flags", "FusedFlag bits: which transfers run inside, whether to record the timeline"),
+    ("i64", "timeout_ns", "every counter wait gives up after this"),
+    ("i64", "tasks", "Task [num_tasks], sorted by (block, seq)"),
+    ("i64", "task_begin", "int32 [num_ctas + 1]: CTA b runs tasks[task_begin[b] .. task_begin[b + 1])"),
+    ("i64", "comm", "const CommParams* of the round (rank = rank_base + blockIdx.y)"),
+    ("i64", "gemm", "GemmParams [W][kFusedGemms]: each launch rank's GEMMs, GemmSlot order"),
+    ("i64", "counters", "u32 [W][num_counters], zero before the launch"),
+    ("i64", "trace", "TraceRecord [W][num_tasks] (flag kFusedTrace)"),
+    ("ErrorRecord*", "error", "this process's error record"),
+), namespace="mok::fused")
+
+TRACE_RECORD = Struct("TraceRecord", (
+    ("i64", "start_ns", "%globaltimer when the task began (before its waits)"),
+    ("i64", "ready_ns", "when its waits were met"),
+    ("i64", "end_ns", "when it signalled"),
+    ("int", "task", "index into the plan's task table; -1: not run"),
+    ("int", "sm", "%smid"),
+), namespace="mok::fused")
+
+STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, TOKEN_PARAMS, TASK, COUNTER, FUSED_PARAMS, TRACE_RECORD)
 
 
 # ---------------------------------------------------------------------------------------------

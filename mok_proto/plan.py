@@ -222,6 +222,7 @@ class Plan:
            topological order.
         6. Ring: the task that refills the slot of minibatch m happens after every task that
            uses the rows of minibatch m - ring (transitively through counters and CTA order).
+        7. Pairs (fused plans): every GEMM task is one half of a 2-CTA cluster's tile pair.
 
         The proof is kept: a second call costs nothing (like `execution_order`, it assumes the
         tables are not changed in place; `with_tasks` makes a new plan).
@@ -230,6 +231,7 @@ class Plan:
             return
         _check_structure(self)
         _check_coverage(self)
+        _check_pairs(self)
         _check_wgrad_order(self)
         order = self.execution_order
         _check_topological(self, order)
@@ -436,6 +438,97 @@ def fixed_split(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_row
                    capacity_rows=capacity_rows, strategy="fixed_split")
 
 
+PAIR_ROWS = BM * abi.CONST["kCluster"]  # rows of one 2-CTA cluster's tile pair (the fused kernel's align)
+
+
+def inside_kernel(pass_: str, policy: dict) -> tuple[bool, bool]:
+    """(incoming, outgoing) transfer runs inside the fused kernel: the directions that need no
+    signal from a peer inside it (MoK: pull dispatch reads rows published before the launch; push
+    combine is complete at the flag raised after it). The other direction runs as its own launch
+    before (incoming) or after (outgoing) the kernel."""
+    k = PASS_KINDS[pass_]
+    return policy[k.in_op] == "pull", policy[k.out_op] == "push"
+
+
+def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int,
+                  ring_minibatches: int | None = None, *, policy: dict, num_sms: int,
+                  capacity_rows: int | None = None) -> Plan:
+    """The forward megakernel's plan (cuda/fused.cuh): CTAs 0 .. comm_blocks - 1 pull the
+    dispatched rows of minibatch after minibatch (chunk b of each: CTA b), then push the combine
+    of each minibatch once its down tiles are done, a ring slot's next dispatch right after the
+    combine that releases it; the other CTAs, in 2-CTA clusters, take GEMM tile pairs round robin
+    in one global order: the shared expert's gate/up then down tiles, then per minibatch routed
+    gate/up (after its rows arrived), then down (after its row tile's gate/up tiles).
+
+    A tile pair is one task on each CTA of a cluster, at the same position of both tables:
+    row_tile 2p on the even CTA, 2p + 1 on the odd one (row pair p: rows PAIR_ROWS p ..).
+    Every counter is local (no peer signals inside the kernel). The weighted sum is not in the
+    plan: it runs after the kernel (MoK's epilogue kernel). With dispatch push / combine pull
+    (see inside_kernel) those transfers run outside and the ring cannot turn (ring = every
+    minibatch)."""
+    capacity_rows = capacity_rows or default_capacity(shape, num_ranks, minibatch_rows)
+    num_mb = capacity_rows // minibatch_rows if minibatch_rows > 0 else 0
+    ring = ring_minibatches or num_mb
+    _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, ring, capacity_rows, "fwd")
+    comm_in, comm_out = inside_kernel("fwd", policy)
+    if minibatch_rows % PAIR_ROWS:
+        raise ValueError(f"minibatch_rows must be a multiple of {PAIR_ROWS} (a cluster's row pair), got {minibatch_rows}")
+    if num_sms % 2 or comm_blocks % 2 or not 0 <= comm_blocks < num_sms:
+        raise ValueError(f"num_sms ({num_sms}) and comm_blocks ({comm_blocks}) must be even (2-CTA clusters), "
+                         f"0 <= comm_blocks < num_sms")
+    if comm_blocks == 0 and (comm_in or comm_out):
+        raise ValueError(f"policy {policy} moves rows inside the kernel: comm_blocks must be >= 2")
+    if ring < num_mb and not (comm_in and comm_out):
+        raise ValueError(f"a ring of {ring} < {num_mb} minibatches needs dispatch pull and combine push (both inside "
+                         f"the kernel), got {policy}")
+    k = PASS_KINDS["fwd"]
+    b = _Builder(num_ranks)
+    tpm = minibatch_rows // BM
+    shared_pairs = _cdiv(shape.num_tokens, PAIR_ROWS) if shape.num_shared else 0
+    n_first, n_second = num_col_tiles(k.first, shape), num_col_tiles(k.second, shape)
+    arrived = [b.counter(CounterKind.ARRIVED, m) for m in range(num_mb)] if comm_in else None
+    first_done = [b.counter(CounterKind.FIRST_DONE, rt) for rt in range(num_mb * tpm)]
+    shared_first = [b.counter(CounterKind.SHARED_FIRST_DONE, rt) for rt in range(2 * shared_pairs)]
+    second_done = [b.counter(CounterKind.SECOND_DONE, m) for m in range(num_mb)] if comm_out else None
+    released = [b.counter(CounterKind.RELEASED, m) for m in range(num_mb)] if ring < num_mb else None
+
+    for c in range(comm_blocks):  # chunk c of every minibatch
+        def dispatch(m, c=c):
+            waits = [released[m - ring]] if m >= ring else []
+            b.add(c, k.comm_in, waits, [arrived[m]], minibatch=m, row_tile=c)
+        if comm_in:
+            for m in range(min(ring, num_mb)):
+                dispatch(m)
+        for m in range(num_mb):
+            if comm_out:
+                b.add(c, k.comm_out, [second_done[m]], [released[m]] if released else [], minibatch=m, row_tile=c)
+            if comm_in and m + ring < num_mb:
+                dispatch(m + ring)
+
+    pairs = []  # (kind, minibatch, row pair, col tile, waits of (cta), signals of (cta))
+    for p in range(shared_pairs):
+        pairs += [(k.shared_first, -1, p, col, lambda rt: [], lambda rt: [shared_first[rt]]) for col in range(
+            num_col_tiles(k.shared_first, shape))]
+    for p in range(shared_pairs):
+        pairs += [(k.shared_second, -1, p, col, lambda rt: [shared_first[rt]], lambda rt: []) for col in range(
+            num_col_tiles(k.shared_second, shape))]
+    for m in range(num_mb):
+        row_pairs = range(m * tpm // 2, (m + 1) * tpm // 2)
+        pairs += [(k.first, m, p, col, lambda rt, m=m: [arrived[m]] if comm_in else [],
+                   lambda rt: [first_done[rt]]) for p in row_pairs for col in range(n_first)]
+        pairs += [(k.second, m, p, col, lambda rt: [first_done[rt]],
+                   lambda rt, m=m: [second_done[m]] if comm_out else []) for p in row_pairs for col in range(n_second)]
+    clusters = (num_sms - comm_blocks) // 2
+    for turn, (kind, m, p, col, waits, signals) in enumerate(pairs):
+        for cta in (0, 1):
+            rt = 2 * p + cta
+            b.add(comm_blocks + 2 * (turn % clusters) + cta, kind, waits(rt), signals(rt), minibatch=m, row_tile=rt,
+                  col_tile=col)
+    return b.build(pass_="fwd", shape=shape, num_ranks=num_ranks, policy=dict(policy), num_sms=num_sms,
+                   comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, ring_minibatches=ring,
+                   capacity_rows=capacity_rows, strategy="fused_forward")
+
+
 def _epilogue_tasks(k: PassKinds, shape: MoEShape, num_sms: int, ctr) -> list:
     """Weighted sum (fwd) / slot sum (bwd) per EPILOGUE_ROWS tokens, round robin over every CTA."""
     waits = [ctr(CounterKind.SLOTS_ARRIVED)] + ([ctr(CounterKind.SHARED_DONE)] if shape.num_shared else [])
@@ -537,6 +630,8 @@ def _expected_keys(plan: Plan) -> np.ndarray:
         return (int(kind), minibatch, macrobatch, row_tile, col_tile, expert)
 
     keys = []
+    if plan.strategy == "fused_forward":
+        return _expected_fused_keys(plan, key)
     for m in range(plan.num_minibatches):
         for kind in (k.comm_in, k.comm_out):
             keys += [key(kind, m, row_tile=c) for c in range(plan.num_chunks)]
@@ -555,6 +650,49 @@ def _expected_keys(plan: Plan) -> np.ndarray:
         keys += [key(kind, row_tile=r, col_tile=c) for r in range(rows) for c in range(cols)]
     keys += [key(k.epilogue, row_tile=r) for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))]
     return np.array(keys, np.int64).reshape(-1, len(KEY_FIELDS))
+
+
+def _expected_fused_keys(plan: Plan, key) -> np.ndarray:
+    """A fused forward: the transfers inside the kernel (a chunk per communicating CTA), the tile
+    pairs (shared expert: both tiles of every token row pair), no epilogue (a launch after it)."""
+    k, shape = plan.kinds, plan.shape
+    comm_in, comm_out = inside_kernel(plan.pass_, plan.policy)
+    tpm = plan.tiles_per_minibatch
+    shared_tiles = 2 * _cdiv(shape.num_tokens, PAIR_ROWS) if shape.num_shared else 0
+    keys = []
+    for m in range(plan.num_minibatches):
+        for kind, inside in ((k.comm_in, comm_in), (k.comm_out, comm_out)):
+            keys += [key(kind, m, row_tile=c) for c in range(plan.num_chunks)] if inside else []
+        for kind in (k.first, k.second):
+            keys += [key(kind, m, row_tile=rt, col_tile=c) for rt in range(m * tpm, (m + 1) * tpm)
+                     for c in range(num_col_tiles(kind, shape))]
+    for kind in (k.shared_first, k.shared_second):
+        keys += [key(kind, row_tile=r, col_tile=c) for r in range(shared_tiles) for c in range(num_col_tiles(kind, shape))]
+    return np.array(keys, np.int64).reshape(-1, len(KEY_FIELDS))
+
+
+def _check_pairs(plan: Plan) -> None:
+    """A fused plan's GEMM tasks come in cluster pairs: CTAs 2j and 2j + 1 (past the
+    communicating CTAs) have tables of equal length whose tasks at each position are one tile
+    pair: same kind, minibatch and column tile, row tiles 2p and 2p + 1 (the kernel runs them
+    as one 2-CTA cluster tile sharing B)."""
+    if plan.strategy != "fused_forward":
+        return
+    tables = plan.block_tables()
+    for blk in range(plan.comm_blocks):
+        if not np.isin(tables[blk]["kind"], [int(x) for x in COMM_KINDS]).all():
+            raise PlanError(f"pairs: communicating CTA {blk} has a GEMM task")
+    for blk in range(plan.comm_blocks, plan.num_sms, 2):
+        even, odd = tables[blk], tables[blk + 1]
+        if len(even) != len(odd):
+            raise PlanError(f"pairs: CTAs {blk} and {blk + 1} (one cluster) have {len(even)} and {len(odd)} tasks")
+        same = (even["kind"] == odd["kind"]) & (even["minibatch"] == odd["minibatch"]) & (
+            even["col_tile"] == odd["col_tile"]) & (even["row_tile"] % 2 == 0) & (odd["row_tile"] == even["row_tile"] + 1)
+        gemm = ~np.isin(even["kind"], [int(x) for x in COMM_KINDS])
+        if not (same & gemm).all():
+            i = int(np.argmin(same & gemm))
+            raise PlanError(f"pairs: CTAs {blk}, {blk + 1} at seq {i}: {_name(plan, int(np.flatnonzero(plan.tasks['block'] == blk)[i]))} "
+                            f"and its partner are not one tile pair")
 
 
 def _check_coverage(plan: Plan) -> None:

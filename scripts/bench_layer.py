@@ -20,6 +20,11 @@ timed by events around autograd.backward alone); the bar applies to the anchor's
 One event pair per iteration, median (p20, p80). Also: the stage-by-stage breakdown of our
 passes (eager, event per stage), whether two runs are bitwise equal, the max error against torch.
 FLOPs as MoK counts them: forward 6 (N + N K) H I, backward twice that.
+The fused forward (one persistent launch of a plan.fused_forward plan, cuda/fused.cuh) is timed
+the same way for each (communication CTAs, minibatch rows) setting (--sweep: a grid of them, a
+progress line each), its output compared bitwise with the sequential forward of the same run
+(`equal_to_sequential`); the best setting per shape is judged against FUSED_BARS (issue: the
+forward megakernel) and its timeline written under results/ (JSON lines + PNG).
 Bars (issue: the GPU layer): forward >= 1.0x torch, backward >= 1.3x torch, bitwise repeat,
 schedule <= 0.05 ms. `schedule_ms` is the device schedule of one rank at the real EP=64 (64
 virtual ranks, the all-gathered routing staged, graph replays), checked against schedule.py. Exit status: 0 all met, 1 a bar or a check failed (listed), 2 no GPU/torch.
@@ -37,7 +42,10 @@ from mok_proto.config import PAPER_SHAPES, MoEShape, RunConfig, ep_share, get_sh
 
 EP = 64
 BARS = {"fwd": 1.0, "bwd": 1.3}
+FUSED_BARS = {"torch": 1.2, "sequential": 1.1}  # the fused forward (issue: the forward megakernel)
 SCHEDULE_BAR_MS = 0.05
+DEFAULT_FUSED = ((8, 1024),)  # (communication CTAs, minibatch rows) timed without --sweep
+SWEEP = tuple((c, m) for c in (2, 4, 8, 16, 32) for m in (512, 1024, 2048, 4096))
 
 
 def emulated_shape(name: str) -> MoEShape:
@@ -61,7 +69,7 @@ def make_inputs(shape: MoEShape, seed: int = 0):
                 weights=weights)
 
 
-def ours(shape, data, iters, warmup):
+def ours(shape, data, iters, warmup, settings=(), trace_to=None):
     """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results."""
     import cupy
 
@@ -114,9 +122,75 @@ def ours(shape, data, iters, warmup):
         layer.check()
         blobs[name].append(result_bytes(layer, name))
     results = {"out": layer.output(0).get(), **{k: v.get() for k, v in layer.grads(0).items()}}
+    fused_rows = fused(layer, settings, blobs["fwd"][0], stats["fwd"]["median_ms"], iters, warmup, stream, trace_to)
     layer.close()
     heap.close()
-    return stats, stages, {name: b[0] == b[1] for name, b in blobs.items()}, results
+    return stats, stages, {name: b[0] == b[1] for name, b in blobs.items()}, results, fused_rows
+
+
+def fused(layer, settings, sequential_out: bytes, sequential_ms: float, iters, warmup, stream, trace_to):
+    """The fused forward of rank 0 for each (communication CTAs, minibatch rows): graph replays
+    timed like the sequential forward, output compared bitwise with the sequential one of this
+    run, and with a second run. The fastest setting's timeline (one traced eager run) is written
+    to `trace_to` (JSON lines) and drawn next to it (PNG) when given."""
+    from mok_proto.bench import summarize, time_stages
+
+    rows = []
+    for i, (comm, minibatch) in enumerate(settings):
+        layer.set_forward_plan(layer.fused_forward_plan(comm, minibatch))
+        layer.enqueue_forward()  # compile, upload the plan and descriptors
+        layer.check()
+        graph = layer.capture(backward=False)
+        with stream:
+            samples = time_stages(lambda mark: (mark("run"), graph.launch(stream), mark(None)), iters, warmup)
+        layer.check()
+        out = [result_bytes(layer, "fwd")]
+        graph.launch(stream)
+        stream.synchronize()
+        layer.check()
+        out.append(result_bytes(layer, "fwd"))
+        st = summarize(samples["run"])
+        rows.append({"comm_blocks": comm, "minibatch_tokens": minibatch, "num_sms": layer.fused.plan.num_sms, **st,
+                     "equal_to_sequential": out[0] == sequential_out, "bitwise_repeat": out[0] == out[1],
+                     "speedup_vs_sequential": sequential_ms / st["median_ms"]})
+        print(f"#   fused [{i + 1}/{len(settings)}] comm={comm:>2} minibatch={minibatch:>4}: {st['median_ms']:.3f} ms, "
+              f"x sequential {rows[-1]['speedup_vs_sequential']:.2f}, equal {rows[-1]['equal_to_sequential']}",
+              flush=True)
+    if trace_to and rows:
+        best = min(rows, key=lambda r: r["median_ms"])
+        layer.set_forward_plan(layer.fused_forward_plan(best["comm_blocks"], best["minibatch_tokens"]))
+        layer.trace = True
+        layer.enqueue_forward()
+        layer.check()
+        layer.trace = False
+        write_timeline(layer.forward_timeline(0), trace_to, f"{layer.shape.name}: fused forward, rank 0, "
+                       f"comm={best['comm_blocks']} minibatch={best['minibatch_tokens']}")
+    layer.set_forward_plan(None)
+    return rows
+
+
+def write_timeline(records, path, title):
+    """Timeline records -> JSON lines at `path` and a picture next to it (.png)."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mok_proto.plan import TaskKind
+    from mok_proto.trace import plot_timeline
+
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps({name: (TaskKind(int(r[name])).name.lower() if name == "kind" else r[name].item())
+                                for name in records.dtype.names}) + "\n")
+    fig, ax = plt.subplots(figsize=(14, 6))
+    plot_timeline(records, ax=ax, title=title)
+    fig.tight_layout()
+    fig.savefig(str(path).rsplit(".", 1)[0] + ".png", dpi=110)
+    plt.close(fig)
+    print(f"#   timeline: {path} (+ .png)", flush=True)
 
 
 def schedule_at_ep64(name: str, iters: int, warmup: int):
@@ -284,6 +358,11 @@ def main():
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--sweep", action="store_true", help="time the fused forward over communication CTAs x "
+                   f"minibatch rows {SWEEP} (default: {DEFAULT_FUSED})")
+    p.add_argument("--no-fused", action="store_true", help="sequential and torch rows only")
+    p.add_argument("--timeline", default="results/timeline_fused_fwd_{shape}.jsonl",
+                   help="where the best fused setting's timeline goes ({shape} is replaced; '' = none)")
     args = p.parse_args()
     from mok_proto.bench import append_result, require_gpu
 
@@ -296,7 +375,9 @@ def main():
         print(f"# {name}: N={shape.num_tokens} H={shape.hidden} I={shape.ffn} El={shape.num_experts // 2} "
               f"K={shape.top_k} ...", flush=True)
         data = make_inputs(shape)
-        mine, stages, bitwise, got = ours(shape, data, args.iters, args.warmup)
+        settings = () if args.no_fused else SWEEP if args.sweep else DEFAULT_FUSED
+        trace_to = args.timeline.format(shape=name) if args.timeline else None
+        mine, stages, bitwise, got, fused_rows = ours(shape, data, args.iters, args.warmup, settings, trace_to)
         base, ref = torch_pipeline(shape, data, args.iters, args.warmup)
         flops = {"fwd": shape.forward_flops(), "bwd": 2 * shape.forward_flops()}
         sched, sched_exact = schedule_at_ep64(name, args.iters, args.warmup)
@@ -327,6 +408,26 @@ def main():
                                           "speedup_vs_torch": speedup, "bitwise_repeat": bitwise[pass_],
                                           "max_rel_err_vs_torch": err, "stages_ms": stages[pass_],
                                           "speedup_vs_torch_variant_2n": variant_speedup})
+        if fused_rows:
+            best = min(fused_rows, key=lambda r: r["median_ms"])
+            for row in fused_rows:
+                row_speedup = base["fwd"]["median_ms"] / row["median_ms"]
+                append_result("bench_layer", {"shape": name, "pass": "fwd", "ep": EP, "schedule": "fused",
+                                              "emulation": "2 virtual ranks, rank 0 timed", "flops": flops["fwd"],
+                                              "schedule_ms": sched_ms, "schedule_exact": sched_exact, **row,
+                                              "tflops": flops["fwd"] / (row["median_ms"] * 1e-3) / 1e12,
+                                              "speedup_vs_torch": row_speedup, "best_of_run": row is best})
+            speedup = base["fwd"]["median_ms"] / best["median_ms"]
+            ok = (speedup >= FUSED_BARS["torch"] and best["speedup_vs_sequential"] >= FUSED_BARS["sequential"]
+                  and all(r["equal_to_sequential"] and r["bitwise_repeat"] for r in fused_rows))
+            if not ok:
+                failed.append(f"{name} fused fwd")
+            print(f"{name:<16}{'fwd':<5}{base['fwd']['median_ms']:>9.3f}{best['median_ms']:>9.3f}"
+                  f"{flops['fwd'] / (best['median_ms'] * 1e-3) / 1e12:>9.0f}{speedup:>8.2f}{FUSED_BARS['torch']:>5.1f}"
+                  f"{str(best['bitwise_repeat']):>8}{sched_ms:>9.3f}{'':>9}{'':>7}  fused: comm={best['comm_blocks']} "
+                  f"minibatch={best['minibatch_tokens']}, x sequential {best['speedup_vs_sequential']:.2f} (bar "
+                  f"{FUSED_BARS['sequential']}), equal to sequential: {all(r['equal_to_sequential'] for r in fused_rows)}",
+                  flush=True)
     if failed:
         print(f"FAIL: {len(failed)} rows miss a bar or a check: {', '.join(failed)}", file=sys.stderr)
         return 1

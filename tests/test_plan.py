@@ -145,3 +145,77 @@ def test_bad_arguments():
         P.fixed_split(SMALL, 4, 2, 100, pass_="fwd", policy=MOK_POLICY, num_sms=6)
     with pytest.raises(ValueError, match="comm_blocks"):
         P.fixed_split(SMALL, 4, 6, 128, pass_="fwd", policy=MOK_POLICY, num_sms=6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused forward's plans (cuda/fused.cuh executes them)
+# ---------------------------------------------------------------------------------------------
+TILE = get_shape("tile")  # the smallest shape the GEMM tiles allow
+PUSH_PULL = {**MOK_POLICY, "dispatch": "push", "combine": "pull"}
+
+
+def fused_plan(policy=MOK_POLICY, ring=2, comm=2, num_sms=8):
+    # 4 minibatches of 256 rows; ring=2: the ring turns twice
+    return P.fused_forward(TILE, 2, comm, 256, ring, policy=policy, num_sms=num_sms, capacity_rows=1024)
+
+
+@pytest.mark.parametrize("policy", [MOK_POLICY, ALL_PUSH, ALL_PULL, PUSH_PULL])
+def test_fused_forward_passes_check(policy):
+    inside = P.inside_kernel("fwd", policy)
+    p = fused_plan(policy, ring=2 if inside == (True, True) else None)
+    p.check()
+    kinds = {P.TaskKind(int(k)) for k in np.unique(p.tasks["kind"])}
+    want = {P.TaskKind.SHARED_GATE_UP, P.TaskKind.SHARED_DOWN, P.TaskKind.GATE_UP, P.TaskKind.DOWN}
+    want |= {P.TaskKind.DISPATCH} if inside[0] else set()
+    want |= {P.TaskKind.COMBINE} if inside[1] else set()
+    assert kinds == want  # no weighted-sum task: that launch follows the kernel
+    assert not p.counters["remote"].any()  # nothing inside the kernel waits for a peer
+    comm = np.isin(p.tasks["kind"], [int(k) for k in P.COMM_KINDS])
+    assert np.array_equal(comm, p.tasks["block"] < p.comm_blocks)
+
+
+def test_fused_forward_pairs_share_a_cluster():
+    p = fused_plan()
+    tables = p.block_tables()
+    for even in range(p.comm_blocks, p.num_sms, 2):
+        a, b = tables[even], tables[even + 1]
+        assert len(a) == len(b) > 0
+        assert np.array_equal(a["row_tile"] + 1, b["row_tile"]) and np.array_equal(a["col_tile"], b["col_tile"])
+    # the shared expert first: every shared tile comes before the first routed tile on its CTA
+    for t in tables[p.comm_blocks:]:
+        shared = np.isin(t["kind"], [int(P.TaskKind.SHARED_GATE_UP), int(P.TaskKind.SHARED_DOWN)])
+        assert not shared[np.argmin(shared):].any()
+
+
+def test_fused_check_rejects_a_broken_pair():
+    # the odd CTA of the first compute cluster runs its first two tasks in the other order:
+    # every task still exists once, but they no longer pair with the even CTA's
+    p = fused_plan()
+    t = p.tasks.copy()
+    a, b = np.flatnonzero(t["block"] == p.comm_blocks + 1)[:2]
+    assert (t["kind"][a], t["col_tile"][a], t["row_tile"][a]) != (t["kind"][b], t["col_tile"][b], t["row_tile"][b])
+    fields = [f for f in t.dtype.names if f not in ("block", "seq")]
+    for f in fields:
+        t[f][a], t[f][b] = t[f][b].copy(), t[f][a].copy()
+    with pytest.raises(P.PlanError, match="pairs"):
+        P.with_tasks(p, t).check()
+
+
+def test_fused_check_rejects_refill_before_the_combine():
+    p = fused_plan(ring=1)
+    t = p.tasks.copy()
+    refill = np.flatnonzero((t["kind"] == int(P.TaskKind.DISPATCH)) & (t["minibatch"] == 1))
+    t["wait_counter"][refill, 0], t["wait_target"][refill, 0] = -1, 0
+    with pytest.raises(P.PlanError, match="ring"):
+        P.with_tasks(p, t).check()
+
+
+def test_fused_forward_bad_arguments():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        P.fused_forward(TILE, 2, 2, 128, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    with pytest.raises(ValueError, match="even"):
+        P.fused_forward(TILE, 2, 3, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    with pytest.raises(ValueError, match="needs dispatch pull and combine push"):
+        fused_plan(ALL_PUSH, ring=2)
+    with pytest.raises(ValueError, match="comm_blocks must be >= 2"):
+        fused_plan(MOK_POLICY, comm=0)

@@ -87,14 +87,18 @@ def _groups(offsets, counts, rows):
     return offsets.size
 
 
-def _launch(problem, error: ErrorRecord | None, **fields) -> ErrorRecord:
-    """Pack GemmParams, launch one persistent grid, return the error record it reports into."""
+def _launch(problem, error: ErrorRecord | None, pack_only: bool = False, **fields):
+    """Pack GemmParams, launch one persistent grid, return the error record it reports into.
+    pack_only: launch nothing, return the packed host struct (uint64 words) instead: the fused
+    layer runs the same problem's tiles inside its own kernel (kernels/fused.py)."""
     import cupy
 
     error = error if error is not None else site_record(problem)
     fields = {**{name: 0 for name in abi.GEMM_PARAMS.names}, "timeout_ns": TIMEOUT_NS, **fields,
               "error": error.ptr}
     host = abi.GEMM_PARAMS.pack(fields)
+    if pack_only:
+        return host
     key = (problem,) + tuple(int(v) for v in host)
     params = _PARAMS.pop(key, None)
     if params is None:  # a host -> device copy only the first time these arguments are seen
@@ -162,8 +166,9 @@ def tensor_map(array, inner: int, outer: int, box_inner: int, box_outer: int):
 
 
 # ---------------------------------------------------------------------------------------------
-def gate_up(x, w_gate, w_up, row_offsets, row_counts, h, g=None, u=None, error=None):
-    """x [rows,H], w_gate/w_up [E,H,I] -> h [rows,I] (and g, u [rows,I] if given)."""
+def gate_up(x, w_gate, w_up, row_offsets, row_counts, h, g=None, u=None, error=None, pack_only=False):
+    """x [rows,H], w_gate/w_up [E,H,I] -> h [rows,I] (and g, u [rows,I] if given). pack_only: see
+    _launch (gate_up and down have it: the fused forward runs their tiles)."""
     num_experts, hidden, ffn = w_gate.shape
     rows = x.shape[0]
     _check("x", x, (rows, hidden), "bf16"), _check("w_gate", w_gate, w_gate.shape, "bf16")
@@ -173,7 +178,7 @@ def gate_up(x, w_gate, w_up, row_offsets, row_counts, h, g=None, u=None, error=N
             _check(name, a, (rows, ffn), "bf16")
     _groups(row_offsets, row_counts, rows)
     _multiple("H", hidden, BK), _multiple("I", ffn, BN // 2)
-    return _launch("gate_up", error, num_groups=num_experts,
+    return _launch("gate_up", error, pack_only, num_groups=num_experts,
                    n=ffn, k=hidden, lda=hidden, ldb=ffn, ldo=ffn, b_group_stride=hidden * ffn, a1=x, b1=w_gate,
                    b2=w_up, out1=h, out2=g if g is not None else 0, out3=u if u is not None else 0,
                    row_offsets=row_offsets, row_counts=row_counts, tmap_a1=tensor_map(x, hidden, rows, BK, BM),
@@ -181,7 +186,7 @@ def gate_up(x, w_gate, w_up, row_offsets, row_counts, h, g=None, u=None, error=N
                    tmap_b2=tensor_map(w_up, ffn, num_experts * hidden, 64, BK))
 
 
-def down(h, w_down, row_offsets, row_counts, y, row_scale=None, error=None):
+def down(h, w_down, row_offsets, row_counts, y, row_scale=None, error=None, pack_only=False):
     """h [rows,I], w_down [E,I,H] -> y [rows,H] = row_scale[:,None] * (h Wd)."""
     num_experts, ffn, hidden = w_down.shape
     rows = h.shape[0]
@@ -191,7 +196,7 @@ def down(h, w_down, row_offsets, row_counts, y, row_scale=None, error=None):
         _check("row_scale", row_scale, (rows,), "f32")
     _groups(row_offsets, row_counts, rows)
     _multiple("I", ffn, BK), _multiple("H", hidden, BN)
-    return _launch("down", error, num_groups=num_experts, n=hidden,
+    return _launch("down", error, pack_only, num_groups=num_experts, n=hidden,
                    k=ffn, lda=ffn, ldb=hidden, ldo=hidden, b_group_stride=ffn * hidden, a1=h, b1=w_down, out1=y,
                    row_scale=row_scale if row_scale is not None else 0, row_offsets=row_offsets,
                    row_counts=row_counts, tmap_a1=tensor_map(h, ffn, rows, BK, BM),

@@ -41,6 +41,7 @@ from mok_proto.kernels import comm as kc
 from mok_proto.kernels import gemm
 from mok_proto.kernels import token as kt
 from mok_proto.layer.gpu_base import GpuRound, contiguous_ranks, to_experts, to_tokens
+from mok_proto.plan import PAIR_ROWS
 
 BF16, F32, I32 = np.uint16, np.float32, np.int32
 TILE = abi.CONST["kBN"]  # H, I and Is must be multiples of it (the GEMM tiles)
@@ -71,11 +72,16 @@ class GpuMoELayer(GpuRound):
         if shape is not None:
             check_tiles(shape)
         self.has_shared = shape is not None and shape.num_shared == 1
-        super().__init__(heap, run, capacity, 1, name)
+        # Expert segments padded to a cluster's row pair (256 rows): the fused forward's tiles never
+        # straddle two experts, and both schedules keep the same receive layout (bitwise-equal caches).
+        super().__init__(heap, run, capacity, PAIR_ROWS, name)
         import cupy
 
         self._whole = (cupy.zeros(1, I32), cupy.full(1, self.shape.num_tokens, I32))  # shared expert: one group
         self._blocks_per_rank = blocks_per_rank
+        self.fused = None  # kernels.fused.FusedForward of the plan set by set_forward_plan (None: sequential)
+        self.trace = False  # record the fused forward's timeline (see forward_timeline)
+        self._cache_valid = True
         self.launch_only(contiguous_ranks(heap, ranks))
 
     def row_layout(self, capacity):
@@ -133,6 +139,34 @@ class GpuMoELayer(GpuRound):
     # -----------------------------------------------------------------------------------------
     # Host-side setup (outside any captured graph)
     # -----------------------------------------------------------------------------------------
+    def set_forward_plan(self, forward_plan=None):
+        """Run the forward as one fused launch of `forward_plan` (plan.fused_forward, for this
+        layer's shape, R and policy), or stage by stage (None: the sequential schedule). Build the
+        plan with `self.fused_forward_plan(...)` for this layer's capacity and grid."""
+        from mok_proto.kernels.fused import FusedForward
+
+        if forward_plan is None:
+            self.fused = None
+            return
+        if forward_plan.shape != self.shape or forward_plan.num_ranks != self.run.num_ranks:
+            raise ValueError(f"plan is for {forward_plan.shape.name} R={forward_plan.num_ranks}, this layer runs "
+                             f"{self.shape.name} R={self.run.num_ranks}")
+        if forward_plan.capacity_rows < self.capacity:
+            raise ValueError(f"plan covers {forward_plan.capacity_rows} receive rows, the layer holds {self.capacity}")
+        self.fused = FusedForward(forward_plan, len(self.ranks))
+
+    def fused_forward_plan(self, comm_blocks: int = 8, minibatch_rows: int = 1024, ring_minibatches=None,
+                           num_sms: int | None = None):
+        """A fused_forward plan for this layer (its shape, R, policy, capacity) and this GPU (num_sms:
+        CTAs per launch rank, by default as many as are resident with every launch rank's)."""
+        from mok_proto import plan as plans
+        from mok_proto.kernels.fused import default_num_sms
+
+        num_sms = num_sms or default_num_sms(len(self.ranks))
+        capacity = -(-self.capacity // minibatch_rows) * minibatch_rows
+        return plans.fused_forward(self.shape, self.run.num_ranks, comm_blocks, minibatch_rows, ring_minibatches,
+                                   policy=self.policy, num_sms=num_sms, capacity_rows=capacity)
+
     def set_weights(self, rank: int, weights: dict):
         """This rank's El routed experts (w_gate/w_up [El,H,I], w_down [El,I,H]) and, with a shared
         expert, shared_gate/shared_up [H,Is], shared_down [Is,H]: float arrays, rounded to bf16."""
@@ -205,6 +239,10 @@ class GpuMoELayer(GpuRound):
         kc.begin_round(p, launch)
         kc.allgather_routing(p, launch)
         kc.build_schedule(p, launch, self.run.num_ranks, self.num_local, self.shape.num_tokens, self.shape.top_k)
+        if self.fused is not None:
+            self._enqueue_fused_forward(policy, mark)
+            return
+        self._cache_valid = True
         mark("shared")
         if self.has_shared:
             for r in self.ranks:
@@ -225,6 +263,72 @@ class GpuMoELayer(GpuRound):
         kt.weighted_sum(self.params_tok, launch)
         mark(None)
 
+    def _enqueue_fused_forward(self, policy, mark):
+        """After the schedule: [dispatch push], the fused kernel, [combine: flag and wait | pull],
+        the weighted sum (the plan says which transfers run inside the kernel)."""
+        from mok_proto.plan import inside_kernel
+
+        fused, p, launch = self.fused, self.params_fwd, self.launch
+        plan = fused.plan
+        if any(policy[op] != plan.policy[op] for op in ("dispatch", "combine")):
+            raise ValueError(f"the forward plan was built for policy {plan.policy}, the layer's is now {policy}: "
+                             f"set a plan for this policy (set_forward_plan)")
+        comm_in, comm_out = inside_kernel("fwd", policy)
+        if not comm_in:
+            mark("dispatch")
+            to_experts(p, launch, "push", "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
+        mark("fused")
+        fused.launch(p, self._fused_gemm_params(), self.error, int(self.run.timeout_s * 1e9), trace=self.trace)
+        self._cache_valid = plan.ring_minibatches == plan.num_minibatches
+        mark("combine")
+        if comm_out:
+            kc.raise_flag(p, launch, "kFlagCombine")  # my pushes into the peers' slots are complete
+            kc.wait_peers(p, launch, "kFlagCombine", "kOpCombinePush")
+        else:
+            to_tokens(p, launch, "pull", "kOpCombinePush", "kOpCombinePull")
+        mark("weighted_sum")
+        kt.weighted_sum(self.params_tok, launch)
+        mark(None)
+
+    def _fused_gemm_params(self):
+        """Host words of each launch rank's four GemmParams (GemmSlot order: shared gate/up,
+        shared down, routed gate/up, routed down), packed by the GEMM wrappers themselves."""
+        b, err, words = self._b, self.error, []
+        for r in self.ranks:
+            offsets, counts = self._rows(r)
+            if self.has_shared:
+                words.append(gemm.gate_up(b("x", r), b("shared_gate", r), b("shared_up", r), *self._whole, b("sh", r),
+                                          b("sg", r), b("su", r), error=err, pack_only=True))
+                words.append(gemm.down(b("sh", r), b("shared_down", r), *self._whole, b("base", r), error=err,
+                                       pack_only=True))
+            else:  # no shared tiles in the plan: never read
+                words += [np.zeros(abi.GEMM_PARAMS.nbytes // 8, np.uint64)] * 2
+            words.append(gemm.gate_up(b("recv", r), b("w_gate", r), b("w_up", r), offsets, counts, b("h", r), b("g", r),
+                                      b("u", r), error=err, pack_only=True))
+            words.append(gemm.down(b("h", r), b("w_down", r), offsets, counts, b("y", r), error=err, pack_only=True))
+        return np.concatenate(words)
+
+    def forward_timeline(self, rank: int):
+        """The last fused forward's timeline on `rank` (run it with `layer.trace = True`): one
+        mok_proto.trace record per task, times in ns from the first task's start (host readback)."""
+        from mok_proto import trace as tr
+
+        if self.fused is None:
+            raise RuntimeError("forward_timeline: no fused forward plan set (set_forward_plan)")
+        got = self.fused.timeline(self.ranks.index(rank))
+        tasks = self.fused.plan.tasks
+        if not (got["task"] == np.arange(len(tasks))).all():
+            raise RuntimeError("forward_timeline: no complete trace (set layer.trace = True before the forward)")
+        rows = tr.empty(len(tasks))
+        rows["rank"], rows["block"] = rank, tasks["block"]
+        rows["role"] = np.where(tasks["block"] < self.fused.plan.comm_blocks, 0, 1)
+        for key in ("kind", "minibatch", "row_tile", "col_tile"):
+            rows[key] = tasks[key]
+        rows["expert"] = -1
+        t0 = got["start_ns"].min()
+        rows["start_ns"], rows["end_ns"] = got["start_ns"] - t0, got["end_ns"] - t0
+        return rows
+
     def enqueue_backward(self, mark=None):
         """Enqueue the backward of the last forward (its schedule and saved rows); `mark` as in
         enqueue_forward."""
@@ -233,6 +337,9 @@ class GpuMoELayer(GpuRound):
             raise RuntimeError("enqueue_backward needs an enqueue_forward before it (passes alternate: see the NOTE "
                                "in mok_proto/layer/gpu.py)")
         self._forward_pending = False
+        if not self._cache_valid:
+            raise RuntimeError("enqueue_backward: the last forward ran a fused plan whose ring is smaller than its "
+                               "minibatches, so it kept no activations for a backward (use a full ring)")
         mark = mark or (lambda stage: None)
         err = self.error
         mark("scale")

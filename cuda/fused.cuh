@@ -1,0 +1,304 @@
+// The fused forward of the MoE layer: one persistent launch that runs a plan's task tables
+// (mok_proto/plan.py, strategy `fused_forward`): communication CTAs pull the dispatched rows and
+// push the combined rows minibatch by minibatch while compute CTAs run the shared and routed
+// expert GEMM tiles as soon as their rows are in. Before it (separate launches, as MoK does): the
+// routing all-gather and the schedule; after it: the flag that publishes the combine, the wait,
+// and the fixed-order weighted sum. A transfer in the other direction (dispatch push, combine
+// pull) runs as its sequential launch before (resp. after) this kernel: FusedParams.flags says
+// which transfers run inside.
+//
+// Legend: R ranks, El local experts, MB minibatch rows, W launch ranks (grid.y), B = kBM rows.
+//
+// Roles: CTA b of a launch rank runs tasks[task_begin[b] .. task_begin[b + 1]) in order. CTAs
+// below comm_ctas communicate (all kThreads threads move rows, a warp per row); the others run
+// GEMM tiles with the building blocks of gemm.cuh (its producer warpgroup and two consumer
+// warpgroups), in 2-CTA clusters: the plan gives both CTAs of a cluster the same tile at the same
+// position of their tables, CTA `cta` taking 128-row tile 2p + cta of row pair p, so the pair
+// shares B by multicast exactly as the standalone grouped GEMM does (and computes the same bits:
+// every output row is the same dot products in the same k order).
+//
+// Rows: expert segments are padded to 2 B = 256 rows (the schedule's align), so a row pair never
+// straddles two experts; the pair's expert is found from the schedule's offsets on the device,
+// so the plan is independent of the routing. Tasks for pairs past the real rows do nothing but
+// signal. Receive row r lives in row r % ring_rows of recv, g, u, h, y (the ring; ring_rows =
+// the capacity: no reuse); the plan makes a dispatch into a ring slot wait for the release of
+// its previous occupant (its combine, which comes after its down tiles).
+//
+// Ready counters (u32, this launch rank's, zeroed before the launch): a task waits (one thread,
+// acquire, bounded: kOpFusedWait names the counter and the task) until each of its counters
+// reaches its target, and adds one to each of its signal counters (release) when its rows are
+// stored. Rows stored by plain stores and read by TMA cross proxies: the writer fences
+// (fence.proxy.async.global) before its release, the TMA-issuing reader after its acquire.
+//
+// Timeline (flag kFusedTrace): TraceRecord of every task: start (consumer or comm start), ready
+// (waits met: the producer's, for a GEMM tile), end (signal), task index, SM.
+#pragma once
+#include "comm.cuh"
+#include "gemm.cuh"
+
+namespace mok {
+namespace fused {
+
+using gemm::GemmParams;
+using gemm::Ring;
+using gemm::SharedStorage;
+using gemm::Tile;
+using gemm::Traits;
+using plan::Task;
+
+constexpr int kCommWarps = gemm::kThreads / 32;  // a communication CTA moves one row per warp
+
+__device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void red_release_add(u32* p) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
+}
+
+// This thread's generic-proxy global writes, ordered before later async-proxy (TMA) accesses.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+__device__ __forceinline__ int sm_id() {
+  int r;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+  return r;
+}
+
+// What every role of a CTA needs: the launch, its rank's counters, GEMMs and trace.
+struct Ctx {
+  const FusedParams* fp;
+  const CommParams* cp;
+  const GemmParams* gemm;  // this launch rank's kFusedGemms
+  const Task* tasks;
+  u32* counters;
+  TraceRecord* trace;  // nullptr: no timeline
+  int rank;            // EP rank
+};
+
+// One thread: wait until each counter of task `index` reaches its target. False (and an error
+// record naming the counter, its target and the task) after timeout_ns, or at once once any
+// error is recorded (the kernel then winds down: later tasks move and load nothing).
+__device__ __forceinline__ bool wait_task(const Ctx& c, const Task& t, int index) {
+  for (int i = 0; i < 2; ++i) {
+    const int id = t.wait_counter[i];
+    if (id < 0) continue;
+    const u32 target = static_cast<u32>(t.wait_target[i]);
+    const u32* counter = c.counters + id;
+    if (ld_acquire_gpu(counter) >= target) continue;
+    const u64 start = globaltimer_ns();
+    for (;;) {
+      const u32 seen = ld_acquire_gpu(counter);
+      if (seen >= target) break;
+      if (has_error(c.fp->error)) return false;
+      if (globaltimer_ns() - start > static_cast<u64>(c.fp->timeout_ns)) {
+        report_error(c.fp->error, kErrTimeout, kOpFusedWait, c.rank, id, target, seen, index);
+        return false;
+      }
+      __nanosleep(64);
+    }
+  }
+  return true;
+}
+
+// One thread, after the task's rows are stored (and, by the caller's barrier, everyone's).
+__device__ __forceinline__ void signal_task(const Ctx& c, const Task& t) {
+  __threadfence();
+  for (int i = 0; i < 2; ++i)
+    if (t.signal_counter[i] >= 0) red_release_add(c.counters + t.signal_counter[i]);
+}
+
+__device__ __forceinline__ void trace_times(const Ctx& c, int index, i64 start, i64 end) {
+  if (!c.trace) return;
+  TraceRecord& r = c.trace[index];
+  r.start_ns = start;
+  r.end_ns = end;
+  r.task = index;
+  r.sm = sm_id();
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMM tasks
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ int slot_of(int kind) {
+  switch (kind) {
+    case plan::kTaskSharedGateUp: return kSlotSharedFirst;
+    case plan::kTaskSharedDown: return kSlotSharedSecond;
+    case plan::kTaskGateUp: return kSlotFirst;
+    default: return kSlotSecond;  // kTaskDown
+  }
+}
+
+// The tile of GEMM task t for cluster CTA `cta`: row pair p = row_tile / 2 starts at row 2 B p of
+// the segment layout (routed: receive rows, shared: tokens; one group from 0). False: the pair
+// lies past the last real row (nothing to do). Rows past the expert's end are loaded and
+// computed, never stored; a pair's second tile past the end recomputes the first (its loads stay
+// in bounds, its half of B is still needed), as the standalone kernel does.
+template <int kP>
+__device__ __forceinline__ bool task_tile(const GemmParams* p, const Task& t, int cta, i64 ring_rows, Tile& tile) {
+  const int* offsets = gemm::ptr<const int>(p->row_offsets);
+  const int* counts = gemm::ptr<const int>(p->row_counts);
+  const int groups = static_cast<int>(p->num_groups);
+  const int pair_row = (t.row_tile & ~1) * gemm::kBM;
+  if (pair_row >= offsets[groups - 1] + counts[groups - 1]) return false;
+  int lo = 0, hi = groups;  // the last group starting at or before the pair (empty groups share offsets)
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (offsets[mid] <= pair_row) lo = mid; else hi = mid;
+  }
+  int m0 = pair_row - offsets[lo] + cta * gemm::kBM;
+  tile.group = lo;
+  tile.rows = counts[lo];
+  tile.store = m0 < tile.rows;
+  tile.m0 = tile.store ? m0 : m0 - gemm::kBM;
+  tile.row0 = offsets[lo] - static_cast<int>(ring_rows > 0 ? pair_row - pair_row % ring_rows : 0);
+  tile.n0 = t.col_tile * Traits<kP>::kTileN;
+  tile.k_blocks = static_cast<int>(p->k) / gemm::kBK;
+  return true;
+}
+
+__device__ __forceinline__ i64 ring_rows_of(const Ctx& c, int kind) {
+  return kind == plan::kTaskGateUp || kind == plan::kTaskDown ? c.fp->ring_rows : 0;
+}
+
+// Producer warpgroup, one task: thread 0 waits for the task's counters (then fences, as the TMA
+// reader of rows stored by generic stores), the warpgroup loads the tile into the ring.
+template <int kP>
+__device__ __forceinline__ bool produce_task(const Ctx& c, SharedStorage& ss, Ring& ring, const Task& t, int index,
+                                             int cta, int wg_tid, bool ok) {
+  const GemmParams* p = c.gemm + slot_of(t.kind);
+  Tile tile;
+  if (!task_tile<kP>(p, t, cta, ring_rows_of(c, t.kind), tile)) return ok;
+  volatile int* go = &ss.go;
+  if (wg_tid == 0) {
+    const bool ready = ok && wait_task(c, t, index);
+    if (ready) fence_proxy_async_global();
+    if (c.trace) c.trace[index].ready_ns = static_cast<i64>(globaltimer_ns());
+    *go = ready;
+  }
+  asm volatile("bar.sync 1, 128;" ::: "memory");  // the producer warpgroup only
+  ok = *go != 0;
+  asm volatile("bar.sync 1, 128;" ::: "memory");  // every thread read `go` before thread 0 rewrites it
+  return gemm::produce_tile<kP>(p, ss, ring, tile, cta, wg_tid, ok);
+}
+
+// Consumer warpgroups, one task: the tile's MMAs and epilogue; once both warpgroups stored their
+// rows (and fenced them for TMA readers), the first consumer thread signals.
+template <int kP>
+__device__ __forceinline__ bool consume_task(const Ctx& c, SharedStorage& ss, Ring& ring, const Task& t, int index,
+                                             int cta, float (&acc)[128], float* staging, int half, int wg_tid,
+                                             bool ok) {
+  const GemmParams* p = c.gemm + slot_of(t.kind);
+  const bool lead = threadIdx.x == 128;
+  const i64 start = c.trace && lead ? static_cast<i64>(globaltimer_ns()) : 0;
+  Tile tile;
+  if (task_tile<kP>(p, t, cta, ring_rows_of(c, t.kind), tile))
+    ok = gemm::consume_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
+  fence_proxy_async_global();
+  asm volatile("bar.sync 2, 256;" ::: "memory");  // both consumer warpgroups
+  if (lead) {
+    signal_task(c, t);
+    trace_times(c, index, start, static_cast<i64>(globaltimer_ns()));
+  }
+  return ok;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Communication tasks: chunk `row_tile` of minibatch `minibatch` (rows split over every
+// communication CTA's warps)
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ bool comm_task(const Ctx& c, SharedStorage& ss, const Task& t, int index, bool ok) {
+  const i64 start = static_cast<i64>(globaltimer_ns());
+  volatile int* go = &ss.go;
+  if (threadIdx.x == 0) {
+    *go = ok && wait_task(c, t, index);
+    if (c.trace) c.trace[index].ready_ns = static_cast<i64>(globaltimer_ns());
+  }
+  __syncthreads();
+  ok = *go != 0;
+  const SchedView sv = sched_of(c.cp, c.rank);
+  const i64 used = sv.offsets[c.cp->num_local_experts];
+  const i64 begin = t.minibatch * c.fp->minibatch_rows;
+  const i64 end = begin + c.fp->minibatch_rows < used ? begin + c.fp->minibatch_rows : used;
+  const i64 shift = begin - begin % c.fp->ring_rows;
+  const Workers warps{t.row_tile * kCommWarps + static_cast<int>(threadIdx.x >> 5),
+                      static_cast<int>(c.fp->comm_ctas) * kCommWarps};
+  if (ok && begin < end) {
+    if (t.kind == plan::kTaskDispatch) {
+      pull_token_rows<16>(c.cp, c.rank, sv, begin, end, warps, lane_id(), shift);
+      fence_proxy_async_global();  // the rows are read by the GEMMs' TMA loads
+    } else {  // kTaskCombine
+      push_result_rows<16>(c.cp, c.rank, sv, begin, end, warps, lane_id(), shift);
+      __threadfence_system();  // the peers' slot rows, before the flag raised after this kernel
+    }
+  }
+  __syncthreads();  // every warp's rows are stored; `go` may be rewritten
+  if (threadIdx.x == 0) {
+    signal_task(c, t);
+    trace_times(c, index, start, static_cast<i64>(globaltimer_ns()));
+  }
+  return ok;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel: grid (num_ctas, W) in 2-CTA clusters, kThreads threads, gemm::kSmemBytes of
+// dynamic shared memory; every CTA of every launch rank resident at once (the host sizes the grid
+// from the driver's occupancy answer).
+// ---------------------------------------------------------------------------------------------
+__global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::kThreads, 1)
+    fused_forward(const FusedParams* fp) {
+  extern __shared__ char smem_raw[];
+  SharedStorage& ss =
+      *reinterpret_cast<SharedStorage*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~static_cast<u64>(1023));
+  const int cta = static_cast<int>(cluster_ctarank());
+  const CommParams* cp = reinterpret_cast<const CommParams*>(fp->comm);
+  const int w = blockIdx.y;
+  Ctx c;
+  c.fp = fp;
+  c.cp = cp;
+  c.gemm = reinterpret_cast<const GemmParams*>(fp->gemm) + w * kFusedGemms;
+  c.tasks = reinterpret_cast<const Task*>(fp->tasks);
+  c.counters = reinterpret_cast<u32*>(fp->counters) + w * fp->num_counters;
+  c.trace = (fp->flags & kFusedTrace) ? reinterpret_cast<TraceRecord*>(fp->trace) + w * fp->num_tasks : nullptr;
+  c.rank = static_cast<int>(cp->rank_base) + w;
+  // Barriers and the cluster's abort decision (an error recorded before this launch: run nothing).
+  gemm::gemm_setup<gemm::kGateUp>(c.gemm + kSlotFirst, ss, cta);
+  const int* task_begin = reinterpret_cast<const int*>(fp->task_begin);
+  const int first = task_begin[blockIdx.x], last = task_begin[blockIdx.x + 1];
+  bool ok = true;
+  if (!ss.abort) {
+    if (blockIdx.x < fp->comm_ctas) {
+      for (int i = first; i < last; ++i) ok = comm_task(c, ss, c.tasks[i], i, ok);
+    } else {
+      // NOTE: the role is broadcast from lane 0 so the compiler sees it warp-uniform (wgmma).
+      const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0), wg_tid = threadIdx.x & 127;
+      Ring ring;
+      if (wg == 0) {
+        for (int i = first; i < last; ++i) {
+          const Task t = c.tasks[i];
+          if (t.kind == plan::kTaskSharedGateUp || t.kind == plan::kTaskGateUp)
+            ok = produce_task<gemm::kGateUp>(c, ss, ring, t, i, cta, wg_tid, ok);
+          else
+            ok = produce_task<gemm::kDown>(c, ss, ring, t, i, cta, wg_tid, ok);
+        }
+      } else {
+        float acc[128];
+        float* staging = ss.staging[threadIdx.x / 32 - 4];
+        for (int i = first; i < last; ++i) {
+          const Task t = c.tasks[i];
+          if (t.kind == plan::kTaskSharedGateUp || t.kind == plan::kTaskGateUp)
+            ok = consume_task<gemm::kGateUp>(c, ss, ring, t, i, cta, acc, staging, wg - 1, wg_tid, ok);
+          else
+            ok = consume_task<gemm::kDown>(c, ss, ring, t, i, cta, acc, staging, wg - 1, wg_tid, ok);
+        }
+      }
+    }
+  }
+  // No CTA may leave while its partner can still arrive on its barriers or multicast into it.
+  cluster_sync();
+}
+
+}  // namespace fused
+}  // namespace mok

@@ -1,0 +1,99 @@
+"""Wrapper of cuda/fused.cuh: the fused forward of the MoE layer, one persistent launch that
+executes a plan (mok_proto/plan.py, `fused_forward`) on every launch rank.
+
+`FusedForward(plan, num_launch_ranks)` uploads the plan's tables once and owns the ready counters
+(zeroed on the stream before each launch: a memset, graph-capturable) and the timeline buffer;
+`launch(comm_params, gemm_params, error, trace)` enqueues the kernel. The grid is (plan.num_sms,
+W) in 2-CTA clusters; every CTA must be resident at once (a CTA spins on counters raised by
+others), so the constructor refuses a plan whose W * num_sms / 2 clusters exceed what the
+driver says the GPU runs at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mok_proto import abi
+from mok_proto.kernels import gemm
+from mok_proto.kernels.build import CudaModule
+
+MODULE = CudaModule("fused.cuh", ("mok::fused::fused_forward",), archs=("sm_90a",))
+KERNEL = "mok::fused::fused_forward"
+TRACE_DTYPE = abi.TRACE_RECORD.dtype
+FLAG = {name: value for value, (name, _) in enumerate(abi.FUSED_FLAG.members)}
+GEMMS_PER_RANK = len(abi.GEMM_SLOT)
+
+
+def _kernel():
+    """The compiled kernel, allowed the GEMMs' dynamic shared memory."""
+    kernel = MODULE.function(KERNEL)
+    smem = gemm.smem_bytes()
+    if kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+    return kernel
+
+
+def resident_clusters() -> int:
+    """Clusters of the fused kernel the GPU runs at once (the driver's occupancy answer)."""
+    return gemm.resident_clusters(_kernel())
+
+
+def default_num_sms(num_launch_ranks: int) -> int:
+    """CTAs per launch rank so that every launch rank's clusters are resident together."""
+    return 2 * max(1, resident_clusters() // num_launch_ranks)
+
+
+class FusedForward:
+    """One plan's device tables, counters and timeline for W launch ranks."""
+
+    def __init__(self, plan, num_launch_ranks: int):
+        import cupy
+
+        plan.check()
+        if plan.strategy != "fused_forward":
+            raise ValueError(f"FusedForward runs fused_forward plans, got strategy {plan.strategy!r}")
+        self.plan, self.num_launch_ranks = plan, int(num_launch_ranks)
+        clusters, resident = plan.num_sms // 2 * self.num_launch_ranks, resident_clusters()
+        if clusters > resident:
+            raise ValueError(f"plan needs {plan.num_sms} CTAs x {self.num_launch_ranks} launch ranks = {clusters} "
+                             f"clusters resident at once, the GPU runs {resident}: use num_sms <= "
+                             f"{2 * (resident // self.num_launch_ranks)}")
+        self.tasks = cupy.asarray(plan.tasks.view(np.uint8))
+        begin = np.searchsorted(plan.tasks["block"], np.arange(plan.num_sms + 1)).astype(np.int32)
+        self.task_begin = cupy.asarray(begin)
+        self.counters = cupy.zeros((self.num_launch_ranks, max(1, len(plan.counters))), np.uint32)
+        self.trace = cupy.zeros((self.num_launch_ranks, max(1, len(plan.tasks)) * TRACE_DTYPE.itemsize), np.uint8)
+        self._params: dict = {}
+
+    def launch(self, comm_params, gemm_params: np.ndarray, error, timeout_ns: int, trace: bool = False):
+        """Enqueue one fused forward. comm_params: the round's device CommParams; gemm_params: host
+        uint64 words of W x kFusedGemms packed GemmParams (GemmSlot order per launch rank)."""
+        import cupy
+
+        plan = self.plan
+        comm_in, comm_out = _inside(plan)
+        flags = FLAG["kFusedCommIn"] * comm_in + FLAG["kFusedCommOut"] * comm_out + FLAG["kFusedTrace"] * bool(trace)
+        gemm_words = np.ascontiguousarray(gemm_params, np.uint64)
+        key = (int(comm_params.data.ptr), gemm_words.tobytes(), int(error.ptr), int(timeout_ns), flags)
+        if key not in self._params:  # uploaded once per distinct launch (a captured graph never uploads)
+            gemms = cupy.asarray(gemm_words)
+            fields = dict(num_ctas=plan.num_sms, comm_ctas=plan.comm_blocks, num_tasks=len(plan.tasks),
+                          num_counters=self.counters.shape[1], minibatch_rows=plan.minibatch_rows,
+                          ring_rows=plan.ring_minibatches * plan.minibatch_rows, flags=flags, timeout_ns=timeout_ns,
+                          tasks=self.tasks, task_begin=self.task_begin, comm=comm_params, gemm=gemms,
+                          counters=self.counters, trace=self.trace, error=error.ptr)
+            self._params[key] = (cupy.asarray(abi.FUSED_PARAMS.pack(fields)), gemms)
+        params = self._params[key][0]
+        self.counters.fill(0)
+        _kernel()((plan.num_sms, self.num_launch_ranks), (abi.CONST["kThreads"],), (params,),
+                  shared_mem=gemm.smem_bytes())
+
+    def timeline(self, launch_rank: int) -> np.ndarray:
+        """The last traced launch's TraceRecord per task of one launch rank (host readback)."""
+        return self.trace[launch_rank].get().view(TRACE_DTYPE)[: len(self.plan.tasks)]
+
+
+def _inside(plan):
+    from mok_proto.plan import inside_kernel
+
+    return inside_kernel(plan.pass_, plan.policy)

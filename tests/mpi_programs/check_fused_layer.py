@@ -1,0 +1,210 @@
+"""The fused forward (one persistent launch of a plan.fused_forward plan) against the sequential
+GPU layer, bitwise.
+
+    python tests/mpi_programs/check_fused_layer.py --backend virtual --ranks 4
+    NVSHMEM_DISABLE_NVLS=1 mpirun -n 4 python tests/mpi_programs/check_fused_layer.py --backend nvshmem
+
+Per case and policy: the sequential forward + backward, then for every knob setting (communication
+CTAs, minibatch rows, ring) the fused forward (+ the sequential backward on its cache): the output,
+the slot rows, the shared expert's rows, the forward's cache (receive, g, u, h, y rows) and every
+gradient are bitwise equal to the sequential run's; with a ring smaller than the minibatches
+(no cache kept) the output and slot rows are. NaN-poisoned buffers before every run. Then
+`--replays` replays of one CUDA graph of the fused forward are bitwise equal, a counter wait
+that cannot be met raises KernelTimeoutError (no hang), and an overflow raises CapacityError.
+Prints `SHA <case> <digest>` (rank 0) over every rank's fused output, to compare backends.
+"""
+
+import hashlib
+import itertools
+import sys
+
+import numpy as np
+
+import gpu_program
+from mok_proto.config import DIRECTIONS, MOK_POLICY, OPERATORS, MoEShape, RunConfig
+from mok_proto.errors import CapacityError, KernelTimeoutError
+from mok_proto.layer.gpu import GpuMoELayer
+from mok_proto.problem import make_problem
+
+CASES = {  # name: (H, I, E, K, N, shared, routing)
+    "random": (256, 512, 16, 4, 200, 1, "random"),
+    "one-expert": (256, 256, 8, 2, 96, 1, "one-expert"),
+    "no-shared": (512, 256, 8, 2, 160, 0, "skewed"),
+}
+FORWARD = ("out", "y_slots", "base")  # what a fused forward must always reproduce
+CACHE = ("recv", "g", "u", "h", "y")  # the activations the backward reads
+
+
+def knob_settings(max_ctas: int):
+    """(comm CTAs, minibatch rows, ring minibatches or None = every minibatch)."""
+    big = min(32, max_ctas - 2)
+    return [(2, 256, None), (8, 768, None), (big, 512, None), (2, 256, 2), (8, 256, 1)]
+
+
+def forward_bytes(layer, rank, keys) -> bytes:
+    return b"".join(layer.bufs[key].instance(rank).get().tobytes() for key in keys if key in layer.bufs)
+
+
+def grads_bytes(layer, rank) -> bytes:
+    return b"".join(v.get().tobytes() for _, v in sorted(layer.grads(rank).items()))
+
+
+def run(layer, heap, backward: bool, graph=None):
+    import cupy
+
+    heap.barrier()
+    layer.poison()
+    cupy.cuda.Device().synchronize()
+    heap.barrier()
+    if graph is not None:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        graph.launch(stream)
+        stream.synchronize()
+    else:
+        layer.enqueue_forward()
+        if backward:
+            layer.enqueue_backward()
+    layer.check()
+    heap.barrier()
+    out = {}
+    for rank in layer.ranks:
+        out[rank] = {"fwd": forward_bytes(layer, rank, FORWARD), "cache": forward_bytes(layer, rank, CACHE),
+                     "grads": grads_bytes(layer, rank) if backward else b""}
+    return out
+
+
+def check_case(heap, comm, name, case_id, replays, policies):
+    from mok_proto.kernels.fused import default_num_sms
+
+    h, i, e, k, n, shared, routing = CASES[name]
+    num_ranks = heap.num_ranks
+    shape = MoEShape(name, hidden=h, ffn=i, num_experts=e, top_k=k, num_tokens=n, num_shared=shared)
+    prob = make_problem(shape, num_ranks, seed=11 + case_id, routing=routing)
+    layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=20), name=f"f{case_id}")
+    for rank in layer.ranks:
+        layer.set_weights(rank, prob.local_weights(rank))
+        layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
+        layer.set_dout(rank, prob.dout[rank])
+    max_ctas = default_num_sms(len(layer.ranks))
+    settings = 0
+    for policy in policies:
+        layer.policy = dict(policy)
+        layer.set_forward_plan(None)
+        want = run(layer, heap, backward=True)
+        for comm_ctas, minibatch, ring in knob_settings(max_ctas):
+            full_ring = ring is None
+            if not full_ring and not (policy["dispatch"] == "pull" and policy["combine"] == "push"):
+                continue  # the ring turns only with both transfers inside the kernel (plan.fused_forward)
+            plan = layer.fused_forward_plan(comm_ctas, minibatch, ring)
+            layer.set_forward_plan(plan)
+            got = run(layer, heap, backward=full_ring)
+            for rank in layer.ranks:
+                what = f"{name} rank {rank} {policy} comm={comm_ctas} minibatch={minibatch} ring={ring}"
+                assert got[rank]["fwd"] == want[rank]["fwd"], f"{what}: fused output differs from sequential"
+                if full_ring:
+                    assert got[rank]["cache"] == want[rank]["cache"], f"{what}: fused cache differs"
+                    assert got[rank]["grads"] == want[rank]["grads"], f"{what}: backward after fused differs"
+            settings += 1
+    assert settings, "no knob setting ran"
+    # Graph replays of the fused forward (MoK's policy, the first setting).
+    layer.policy = dict(MOK_POLICY)
+    layer.set_forward_plan(layer.fused_forward_plan(*knob_settings(max_ctas)[0]))
+    first = run(layer, heap, backward=False)
+    graph = layer.capture(backward=False)
+    for replay in range(replays):
+        got = run(layer, heap, backward=False, graph=graph)
+        assert got == first, f"{name}: fused graph replay {replay} differs"
+    mine = {rank: first[rank]["fwd"] for rank in layer.ranks}
+    digest = hashlib.sha256(b"".join(v for _, v in sorted(all_ranks(comm, mine).items()))).hexdigest()[:16]
+    layer.close()
+    return f"SHA {name} {digest}", settings
+
+
+def check_counter_timeout(heap):
+    """A plan whose first routed gate/up tile waits for one signal too many: the kernel reports
+    kOpFusedWait (KernelTimeoutError) after the timeout instead of hanging."""
+    import cupy
+
+    from mok_proto.plan import TaskKind
+
+    num_ranks = heap.num_ranks
+    shape = MoEShape("timeout", hidden=256, ffn=256, num_experts=2 * num_ranks, top_k=2, num_tokens=64)
+    prob = make_problem(shape, num_ranks, seed=5)
+    layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=2), name="ftimeout")
+    for rank in layer.ranks:
+        layer.set_weights(rank, prob.local_weights(rank))
+        layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
+    layer.set_forward_plan(layer.fused_forward_plan(2, 256))
+    tasks = layer.fused.plan.tasks.copy()
+    i = int(np.flatnonzero(tasks["kind"] == int(TaskKind.DOWN))[0])
+    tasks["wait_target"][i, 0] += 1  # one more gate/up tile than the row tile has
+    layer.fused.tasks = cupy.asarray(tasks.view(np.uint8))
+    layer.fused._params.clear()
+    layer.enqueue_forward()
+    try:
+        layer.check()
+    except KernelTimeoutError as e:
+        assert "fused layer task" in str(e) and f"task {i} " in str(e), str(e)
+    else:
+        raise AssertionError("a counter wait that cannot be met did not time out")
+    heap.barrier()
+    layer.close()
+
+
+def check_overflow(heap):
+    num_ranks = heap.num_ranks
+    shape = MoEShape("overflow", hidden=256, ffn=256, num_experts=2 * num_ranks, top_k=2, num_tokens=8)
+    prob = make_problem(shape, num_ranks, seed=3, routing="one-expert")
+    layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=20), capacity=shape.num_tokens * num_ranks - 1,
+                        name="foverflow")
+    for rank in layer.ranks:
+        layer.set_weights(rank, prob.local_weights(rank))
+        layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
+    layer.set_forward_plan(layer.fused_forward_plan(2, 256))
+    layer.enqueue_forward()
+    try:
+        layer.check()
+    except CapacityError as e:
+        assert "overflow on rank" in str(e), str(e)
+    else:
+        assert 0 not in layer.ranks, "rank 0 receives every first choice and must overflow"
+    heap.barrier()
+    layer.close()
+
+
+def all_ranks(comm, per_rank: dict) -> dict:
+    if comm is None:
+        return per_rank
+    merged = {}
+    for part in comm.allgather(per_rank):
+        merged.update(part)
+    return merged
+
+
+def main():
+    p = gpu_program.parser(CASES)
+    p.add_argument("--policies", choices=("all", "mok"), default="all")
+    args = p.parse_args()
+    policies = [dict(zip(OPERATORS, combo)) for combo in itertools.product(DIRECTIONS, repeat=4)]
+    if args.policies == "mok":
+        policies = [dict(MOK_POLICY)]
+    else:  # the backward's directions do not change the forward: its four (dispatch, combine) pairs
+        policies = [p for p in policies if p["rev_combine"] == MOK_POLICY["rev_combine"]
+                    and p["rev_dispatch"] == MOK_POLICY["rev_dispatch"]]
+    heap, comm = gpu_program.open_heap(args)
+    try:
+        results = [check_case(heap, comm, name, i, args.replays, policies) for i, name in enumerate(args.cases.split(","))]
+        check_counter_timeout(heap)
+        check_overflow(heap)
+    finally:
+        heap.close()
+    if heap.launch_ranks[0] == 0:
+        settings = sum(s for _, s in results)
+        print(f"OK fused layer backend={args.backend} R={heap.num_ranks}: {len(policies)} policies, {settings} "
+              f"(policy, knob) settings bitwise equal to sequential, {args.replays} graph replays")
+        print("\n".join(line for line, _ in results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
