@@ -205,17 +205,40 @@ __device__ __forceinline__ void schedule_pad(const CommParams* p, SchedView sv, 
 // slot src_slot[i] (source_row) on rank src_rank[i]; padding rows zeroed. The expert owner waits
 // only for its own loads. (Reverse-combine, pull: the same with the backward's buffers.) `shift`:
 // the fused layer's ring keeps receive row i in row i - shift of recv (0: the whole buffer).
+// One row of a movement: copy `bytes` from src to dst; src == nullptr: zero dst; dst == nullptr:
+// nothing to do. The row functions below say which row i moves where; the movers (a warp per row
+// here, bulk copies in the fused kernel) do the copying.
+struct RowMove {
+  const char* src;
+  char* dst;
+};
+
+__device__ __forceinline__ RowMove dispatch_pull_row(const CommParams* p, int rank, SchedView sv, i64 i, i64 shift) {
+  const int src = sv.src_rank[i];
+  return {src < 0 ? nullptr : row_ptr(p->x, src, source_row(p, sv.src_slot[i]), p->row_bytes),
+          row_ptr(p->recv, rank, i - shift, p->row_bytes)};
+}
+
+__device__ __forceinline__ RowMove combine_push_row(const CommParams* p, int rank, SchedView sv, i64 i, i64 shift) {
+  const int dst = sv.src_rank[i];
+  return {row_ptr(p->y, rank, i - shift, p->row_bytes),
+          dst < 0 ? nullptr : row_ptr(p->slots, dst, sv.src_slot[i], p->row_bytes)};
+}
+
+template <int kVec>
+__device__ __forceinline__ void warp_move_row(RowMove m, i64 bytes, int lane) {
+  if (m.dst == nullptr) return;
+  if (m.src == nullptr)
+    warp_zero_row(m.dst, bytes, lane);
+  else
+    warp_copy_row<kVec>(m.dst, m.src, bytes, lane);
+}
+
 template <int kVec>
 __device__ __forceinline__ void pull_token_rows(const CommParams* p, int rank, SchedView sv, i64 begin, i64 end,
                                                 Workers warps, int lane, i64 shift = 0) {
-  for (i64 i = begin + warps.id; i < end; i += warps.count) {
-    const int src = sv.src_rank[i];
-    char* dst = row_ptr(p->recv, rank, i - shift, p->row_bytes);
-    if (src < 0)
-      warp_zero_row(dst, p->row_bytes, lane);
-    else
-      warp_copy_row<kVec>(dst, row_ptr(p->x, src, source_row(p, sv.src_slot[i]), p->row_bytes), p->row_bytes, lane);
-  }
+  for (i64 i = begin + warps.id; i < end; i += warps.count)
+    warp_move_row<kVec>(dispatch_pull_row(p, rank, sv, i, shift), p->row_bytes, lane);
 }
 
 // Token side: f(s, expert owner, receive row there or -1) for my slots [begin, end), one per worker.
@@ -246,12 +269,8 @@ __device__ __forceinline__ void push_token_rows(const CommParams* p, int rank, i
 template <int kVec>
 __device__ __forceinline__ void push_result_rows(const CommParams* p, int rank, SchedView sv, i64 begin, i64 end,
                                                  Workers warps, int lane, i64 shift = 0) {
-  for (i64 i = begin + warps.id; i < end; i += warps.count) {
-    const int dst = sv.src_rank[i];
-    if (dst < 0) continue;
-    warp_copy_row<kVec>(row_ptr(p->slots, dst, sv.src_slot[i], p->row_bytes),
-                        row_ptr(p->y, rank, i - shift, p->row_bytes), p->row_bytes, lane);
-  }
+  for (i64 i = begin + warps.id; i < end; i += warps.count)
+    warp_move_row<kVec>(combine_push_row(p, rank, sv, i, shift), p->row_bytes, lane);
 }
 
 // Combine, pull (token side): my slots [begin, end): slots[s] <- y[recv_row[s]] of the slot's

@@ -10,7 +10,7 @@
 // Legend: R ranks, El local experts, MB minibatch rows, W launch ranks (grid.y), B = kBM rows.
 //
 // Roles: CTA b of a launch rank runs tasks[task_begin[b] .. task_begin[b + 1]) in order. CTAs
-// below comm_ctas communicate (all kThreads threads move rows, a warp per row); the others run
+// below comm_ctas communicate (one thread drives bulk copies through shared memory); the others run
 // GEMM tiles with the building blocks of gemm.cuh (its producer warpgroup and two consumer
 // warpgroups), in 2-CTA clusters: the plan gives both CTAs of a cluster the same tile at the same
 // position of their tables, CTA `cta` taking 128-row tile 2p + cta of row pair p, so the pair
@@ -206,40 +206,107 @@ __device__ __forceinline__ bool consume_task(const Ctx& c, SharedStorage& ss, Ri
 }
 
 // ---------------------------------------------------------------------------------------------
-// Communication tasks: chunk `row_tile` of minibatch `minibatch` (rows split over every
-// communication CTA's warps)
+// Communication tasks: chunk c = row_tile of minibatch m; CTA c of the C communicating ones moves
+// the minibatch's receive rows m MB + c, + C, ... with 1-D bulk copies (TMA) through shared
+// memory, driven by one thread: enough bytes in flight per SM for a copy to run at a useful
+// fraction of HBM / NVLink bandwidth (a warp per row moves ~10 GB/s per SM, latency-bound).
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ bool comm_task(const Ctx& c, SharedStorage& ss, const Task& t, int index, bool ok) {
+// The copy ring of a communicating CTA: its GEMM shared memory reused, the ring stages as row
+// slots (the last one a row of zeros: the source of padding rows), one mbarrier per slot in the
+// epilogue staging area (neither is used by a CTA that runs no tile).
+struct CopyRing {
+  u32 slots;      // shared address of slot 0
+  u64* full;      // [num_slots] load barriers
+  int num_slots;  // slots that carry rows (1 .. 32)
+  u32 zero;       // shared address of the zero row
+  u32 phases;     // bit s: parity of slot s's next completion (thread 0 keeps it)
+};
+
+// Every thread of a communicating CTA, once. The host makes sure two rows fit (kernels/fused.py).
+__device__ __forceinline__ CopyRing copy_ring_setup(SharedStorage& ss, u32 row_bytes) {
+  CopyRing r;
+  const int fit = static_cast<int>(sizeof(ss.stages) / row_bytes);
+  r.num_slots = fit - 1 < 32 ? fit - 1 : 32;
+  r.slots = smem_addr(ss.stages);
+  r.zero = r.slots + static_cast<u32>(fit - 1) * row_bytes;
+  r.full = reinterpret_cast<u64*>(ss.staging);
+  r.phases = 0;
+  char* zero = reinterpret_cast<char*>(ss.stages) + static_cast<u64>(fit - 1) * row_bytes;
+  for (u32 b = threadIdx.x * 16; b < row_bytes; b += blockDim.x * 16) *reinterpret_cast<uint4*>(zero + b) = make_uint4(0, 0, 0, 0);
+  if (threadIdx.x == 0)
+    for (int s = 0; s < r.num_slots; ++s) mbar_init(&r.full[s], 1);
+  fence_proxy_async();  // the zero row (generic stores) is read by bulk stores (async proxy)
+  __syncthreads();
+  return r;
+}
+
+// One thread moves rows k = 0 .. count - 1 (row_of(k): a RowMove) through the ring: up to
+// num_slots loads in flight; each landed row is stored by a bulk copy, and its slot reloaded
+// once that store has read it. Returns when every store is complete. False after a failed wait.
+template <typename RowOf>
+__device__ __forceinline__ bool bulk_move(const Ctx& c, CopyRing& r, u32 row_bytes, i64 count, RowOf row_of,
+                                          int index) {
+  const int n = r.num_slots;
+  auto issue = [&](i64 k) {
+    const int s = static_cast<int>(k % n);
+    const RowMove m = row_of(k);
+    if (m.dst != nullptr && m.src != nullptr) {
+      mbar_arrive_expect_tx(&r.full[s], row_bytes);
+      bulk_load(r.slots + s * row_bytes, m.src, row_bytes, &r.full[s]);
+    } else {
+      mbar_arrive(&r.full[s]);  // nothing to load: the slot's phase completes at once
+    }
+  };
+  bool ok = true;
+  for (i64 k = 0; k < count && k < n; ++k) issue(k);
+  for (i64 k = 0; k < count; ++k) {
+    const int s = static_cast<int>(k % n);
+    if (ok) ok = mbar_wait(&r.full[s], (r.phases >> s) & 1, c.fp->timeout_ns, c.fp->error, kOpFusedCopy, index);
+    r.phases ^= 1u << s;
+    const RowMove m = row_of(k);
+    if (ok && m.dst != nullptr) {
+      bulk_store(m.dst, m.src != nullptr ? r.slots + s * row_bytes : r.zero, row_bytes);
+      bulk_commit();
+    }
+    if (ok && k + n < count) {
+      bulk_wait_read<0>();  // slot s's store has read it
+      issue(k + n);
+    }
+  }
+  bulk_wait_done();
+  return ok;
+}
+
+__device__ __forceinline__ bool comm_task(const Ctx& c, SharedStorage& ss, CopyRing& ring, const Task& t, int index,
+                                          bool ok) {
   const i64 start = static_cast<i64>(globaltimer_ns());
   volatile int* go = &ss.go;
   if (threadIdx.x == 0) {
-    *go = ok && wait_task(c, t, index);
+    ok = ok && wait_task(c, t, index);
     if (c.trace) c.trace[index].ready_ns = static_cast<i64>(globaltimer_ns());
-  }
-  __syncthreads();
-  ok = *go != 0;
-  const SchedView sv = sched_of(c.cp, c.rank);
-  const i64 used = sv.offsets[c.cp->num_local_experts];
-  const i64 begin = t.minibatch * c.fp->minibatch_rows;
-  const i64 end = begin + c.fp->minibatch_rows < used ? begin + c.fp->minibatch_rows : used;
-  const i64 shift = begin - begin % c.fp->ring_rows;
-  const Workers warps{t.row_tile * kCommWarps + static_cast<int>(threadIdx.x >> 5),
-                      static_cast<int>(c.fp->comm_ctas) * kCommWarps};
-  if (ok && begin < end) {
-    if (t.kind == plan::kTaskDispatch) {
-      pull_token_rows<16>(c.cp, c.rank, sv, begin, end, warps, lane_id(), shift);
-      fence_proxy_async_global();  // the rows are read by the GEMMs' TMA loads
-    } else {  // kTaskCombine
-      push_result_rows<16>(c.cp, c.rank, sv, begin, end, warps, lane_id(), shift);
+    const SchedView sv = sched_of(c.cp, c.rank);
+    const i64 used = sv.offsets[c.cp->num_local_experts];
+    const i64 begin = t.minibatch * c.fp->minibatch_rows;
+    const i64 end = begin + c.fp->minibatch_rows < used ? begin + c.fp->minibatch_rows : used;
+    const i64 shift = begin - begin % c.fp->ring_rows, stride = c.fp->comm_ctas, first = begin + t.row_tile;
+    const i64 count = first < end ? (end - first + stride - 1) / stride : 0;
+    const u32 row_bytes = static_cast<u32>(c.cp->row_bytes);
+    if (ok && t.kind == plan::kTaskDispatch) {
+      ok = bulk_move(c, ring, row_bytes, count,
+                     [&](i64 k) { return dispatch_pull_row(c.cp, c.rank, sv, first + k * stride, shift); }, index);
+      fence_proxy_async_global();
+    } else if (ok) {  // kTaskCombine
+      ok = bulk_move(c, ring, row_bytes, count,
+                     [&](i64 k) { return combine_push_row(c.cp, c.rank, sv, first + k * stride, shift); }, index);
+      fence_proxy_async_global();
       __threadfence_system();  // the peers' slot rows, before the flag raised after this kernel
     }
-  }
-  __syncthreads();  // every warp's rows are stored; `go` may be rewritten
-  if (threadIdx.x == 0) {
     signal_task(c, t);
     trace_times(c, index, start, static_cast<i64>(globaltimer_ns()));
+    *go = ok;
   }
-  return ok;
+  __syncthreads();
+  return *go != 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -270,7 +337,8 @@ __global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::k
   bool ok = true;
   if (!ss.abort) {
     if (blockIdx.x < fp->comm_ctas) {
-      for (int i = first; i < last; ++i) ok = comm_task(c, ss, c.tasks[i], i, ok);
+      CopyRing ring = copy_ring_setup(ss, static_cast<u32>(cp->row_bytes));
+      for (int i = first; i < last; ++i) ok = comm_task(c, ss, ring, c.tasks[i], i, ok);
     } else {
       // NOTE: the role is broadcast from lane 0 so the compiler sees it warp-uniform (wgmma).
       const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0), wg_tid = threadIdx.x & 127;

@@ -53,6 +53,9 @@ class FusedForward:
         if plan.strategy != "fused_forward":
             raise ValueError(f"FusedForward runs fused_forward plans, got strategy {plan.strategy!r}")
         self.plan, self.num_launch_ranks = plan, int(num_launch_ranks)
+        ring_bytes = abi.CONST["kStages"] * (abi.CONST["kBM"] + abi.CONST["kBN"]) * abi.CONST["kBK"] * 2
+        if 2 * 2 * plan.shape.hidden > ring_bytes:  # a communicating CTA's copy ring: a row slot and a zero row
+            raise ValueError(f"H={plan.shape.hidden}: two bf16 rows must fit in {ring_bytes} bytes of shared memory")
         clusters, resident = plan.num_sms // 2 * self.num_launch_ranks, resident_clusters()
         if clusters > resident:
             raise ValueError(f"plan needs {plan.num_sms} CTAs x {self.num_launch_ranks} launch ranks = {clusters} "
