@@ -240,13 +240,31 @@ __device__ __forceinline__ CopyRing copy_ring_setup(SharedStorage& ss, u32 row_b
   return r;
 }
 
-// One thread moves rows k = 0 .. count - 1 (row_of(k): a RowMove) through the ring: up to
-// num_slots loads in flight; each landed row is stored by a bulk copy, and its slot reloaded
-// once that store has read it. Returns when every store is complete. False after a failed wait.
+// Wait until all but the `pending` most recent bulk store groups of this thread have read their
+// shared-memory source (the wait takes an immediate).
+__device__ __forceinline__ void bulk_wait_read_all_but(int pending) {
+  switch (pending) {
+    case 0: bulk_wait_read<0>(); break;
+    case 1: bulk_wait_read<1>(); break;
+    case 2: bulk_wait_read<2>(); break;
+    case 3: bulk_wait_read<3>(); break;
+    case 4: bulk_wait_read<4>(); break;
+    case 5: bulk_wait_read<5>(); break;
+    case 6: bulk_wait_read<6>(); break;
+    case 7: bulk_wait_read<7>(); break;
+    default: bulk_wait_read<8>(); break;
+  }
+}
+
+// One thread moves rows k = 0 .. count - 1 (row_of(k): a RowMove) through the ring of n slots:
+// row k is loaded into slot k % n, stored from there once landed (one bulk group per row), and
+// the slot reloaded with row k + n once that store has read it. The reload of row j's slot is
+// issued d = n / 2 rows later (after row j + d's store), so about d stores and n - d loads are in
+// flight at any time. Returns when every store is complete; false after a failed wait.
 template <typename RowOf>
 __device__ __forceinline__ bool bulk_move(const Ctx& c, CopyRing& r, u32 row_bytes, i64 count, RowOf row_of,
                                           int index) {
-  const int n = r.num_slots;
+  const int n = r.num_slots, d = n / 2 < 8 ? n / 2 : 8;
   auto issue = [&](i64 k) {
     const int s = static_cast<int>(k % n);
     const RowMove m = row_of(k);
@@ -264,14 +282,17 @@ __device__ __forceinline__ bool bulk_move(const Ctx& c, CopyRing& r, u32 row_byt
     if (ok) ok = mbar_wait(&r.full[s], (r.phases >> s) & 1, c.fp->timeout_ns, c.fp->error, kOpFusedCopy, index);
     r.phases ^= 1u << s;
     const RowMove m = row_of(k);
-    if (ok && m.dst != nullptr) {
-      bulk_store(m.dst, m.src != nullptr ? r.slots + s * row_bytes : r.zero, row_bytes);
-      bulk_commit();
+    if (ok && m.dst != nullptr) bulk_store(m.dst, m.src != nullptr ? r.slots + s * row_bytes : r.zero, row_bytes);
+    bulk_commit();  // one group per row (empty for a row with nothing to store)
+    const i64 j = k - d;  // the row whose slot is reloaded now
+    if (ok && j >= 0 && j + n < count) {
+      bulk_wait_read_all_but(d);  // groups up to row j have read their slots
+      issue(j + n);
     }
-    if (ok && k + n < count) {
-      bulk_wait_read<0>();  // slot s's store has read it
-      issue(k + n);
-    }
+  }
+  for (i64 j = count - d < 0 ? 0 : count - d; ok && j + n < count; ++j) {  // only when count - d < count - n: d >= n
+    bulk_wait_read<0>();
+    issue(j + n);
   }
   bulk_wait_done();
   return ok;

@@ -136,7 +136,8 @@ def check_counter_timeout(heap):
         layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
     layer.set_forward_plan(layer.fused_forward_plan(2, 256))
     tasks = layer.fused.plan.tasks.copy()
-    i = int(np.flatnonzero(tasks["kind"] == int(TaskKind.DOWN))[0])
+    # row tile 0 holds rows on every rank (each receives ~2N of them); a task past the real rows waits for nothing
+    i = int(np.flatnonzero((tasks["kind"] == int(TaskKind.DOWN)) & (tasks["row_tile"] == 0))[0])
     tasks["wait_target"][i, 0] += 1  # one more gate/up tile than the row tile has
     layer.fused.tasks = cupy.asarray(tasks.view(np.uint8))
     layer.fused._params.clear()
