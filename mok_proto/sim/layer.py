@@ -10,68 +10,119 @@ epilogue; the layer's stages (the names bench_layer times, `enqueue_forward` /
 principles:
 
 * kernels the plan has no task for (begin_round, the routing all-gather and the three schedule
-  launches; a push's wait_peers; a pull's raise_flag + wait_peers): one launch each, no work
-  (their bytes are below 1 MB);
+  launches; a push's wait_peers; a pull's raise_flag + wait_peers): a kernel boundary each, no
+  work (their bytes are below 1 MB);
 * token kernels outside the plan (scale_to_slots before the backward's reverse-combine,
-  topk_weight_grad after the slot sum): one launch + their bytes (`GpuParams.token_kernel_ns`, as the plan's epilogues).
+  topk_weight_grad after the slot sum): a kernel boundary + their bytes at the rate of their
+  access pattern (`GpuParams.token_kernel_ns`).
 
-On one GPU every "remote" row lives in the same HBM, so the load is all local (a row transfer is
-an HBM copy), and rank 1's flags are raised before the timed region, so a wait costs its launch
-only (`one_gpu`).
+bench_layer times every stage with the GPU busy (each timed pass runs beside the other one, its
+launches queued ahead), so a kernel boundary costs what a queued kernel with little work costs
+the GPU (`GpuParams.busy_kernel_ns`), not a host launch. On one GPU every "remote" row lives in
+the same HBM, so the load is all local (a row transfer is an HBM row copy), and rank 1's flags
+are raised before the timed region, so a wait costs its kernel boundary only (`one_gpu`).
+
+Calibration (`calibrate`, called by `params.h200`): the stages named in LAYER_CALIBRATION of ONE
+shape (params.H200_CALIBRATION["layer"]) fit three parameters; every other stage, and every stage
+of the other shapes, stays a prediction that --validate judges.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
 from mok_proto import plan as plans
 from mok_proto import results
-from mok_proto.config import MOK_POLICY, MoEShape
+from mok_proto.config import MOK_POLICY, MoEShape, ep_share
 from mok_proto.plan import CounterKind, TaskKind
 from mok_proto.sim.model import ELEM_BYTES, Load, routed_load, simulate
-from mok_proto.sim.params import GpuParams
+from mok_proto.sim.params import H200_CALIBRATION, GpuParams
 
 EMULATED_RANKS = 2
 
-# layer stage -> (the plan task kinds it runs, kernels outside the plan, token-kernel bytes [read, write]
-# as multiples of N H elements), in enqueue order. Kernel counts follow enqueue_forward/_backward
-# under MOK_POLICY (dispatch pull, combine push, rev_combine pull, rev_dispatch push).
+
+class LayerStage(NamedTuple):
+    kinds: tuple  # the plan task kinds it runs (one plan stage, one kernel, each)
+    kernels: int = 0  # kernels outside the plan: a kernel boundary each
+    token: tuple = ()  # of those, the ones with HBM traffic: (traffic, reads, writes) in N H elements
+
+
+# layer stage -> LayerStage, in enqueue order. Kernel counts follow enqueue_forward/_backward under
+# MOK_POLICY (dispatch pull, combine push, rev_combine pull, rev_dispatch push).
 LAYER_STAGES = {
     "fwd": {
-        "schedule": ((), 5, (0, 0)),  # begin_round, allgather_routing, count, scan, place
-        "shared": ((TaskKind.SHARED_GATE_UP, TaskKind.SHARED_DOWN), 0, (0, 0)),
-        "dispatch": ((TaskKind.DISPATCH,), 0, (0, 0)),
-        "experts": ((TaskKind.GATE_UP, TaskKind.DOWN), 0, (0, 0)),
-        "combine": ((TaskKind.COMBINE,), 1, (0, 0)),  # + wait_peers
-        "weighted_sum": ((TaskKind.WEIGHTED_SUM,), 0, (0, 0)),
+        "schedule": LayerStage((), 5),  # begin_round, allgather_routing, count, scan, place
+        "shared": LayerStage((TaskKind.SHARED_GATE_UP, TaskKind.SHARED_DOWN)),
+        "dispatch": LayerStage((TaskKind.DISPATCH,)),
+        "experts": LayerStage((TaskKind.GATE_UP, TaskKind.DOWN)),
+        "combine": LayerStage((TaskKind.COMBINE,), 1),  # + wait_peers
+        "weighted_sum": LayerStage((TaskKind.WEIGHTED_SUM,)),
     },
     "bwd": {
-        "scale": ((), 2, (1, "K")),  # begin_round, scale_to_slots: reads dout, writes K slot rows
-        "shared": ((TaskKind.SHARED_DOWN_BWD, TaskKind.SHARED_GATE_UP_BWD, TaskKind.SHARED_DOWN_WGRAD,
-                    TaskKind.SHARED_GATE_UP_WGRAD), 0, (0, 0)),
-        "rev_combine": ((TaskKind.REV_COMBINE,), 2, (0, 0)),  # + raise_flag, wait_peers
-        "experts": ((TaskKind.DOWN_BWD, TaskKind.GATE_UP_BWD), 0, (0, 0)),
-        "rev_dispatch": ((TaskKind.REV_DISPATCH,), 1, (0, 0)),  # + wait_peers
-        "wgrad": ((TaskKind.DOWN_WGRAD, TaskKind.GATE_UP_WGRAD), 0, (0, 0)),
-        "token_grads": ((TaskKind.SLOT_SUM,), 1, ("K+1", 0)),  # + topk_weight_grad: dout + K slot rows
+        # begin_round, scale_to_slots (reads dout, writes K slot rows)
+        "scale": LayerStage((), 2, (("scatter", 1, "K"),)),
+        "shared": LayerStage((TaskKind.SHARED_DOWN_BWD, TaskKind.SHARED_GATE_UP_BWD, TaskKind.SHARED_DOWN_WGRAD,
+                              TaskKind.SHARED_GATE_UP_WGRAD)),
+        "rev_combine": LayerStage((TaskKind.REV_COMBINE,), 2),  # + raise_flag, wait_peers
+        "experts": LayerStage((TaskKind.DOWN_BWD, TaskKind.GATE_UP_BWD)),
+        "rev_dispatch": LayerStage((TaskKind.REV_DISPATCH,), 1),  # + wait_peers
+        "wgrad": LayerStage((TaskKind.DOWN_WGRAD, TaskKind.GATE_UP_WGRAD)),
+        # + topk_weight_grad: reads dout and K slot rows
+        "token_grads": LayerStage((TaskKind.SLOT_SUM,), 1, (("stream", "K+1", 0),)),
     },
 }
 
+# GpuParams field -> the (pass, stage) rows of H200_CALIBRATION["layer"] it is fitted on (`calibrate`).
+# On the 5022408 run (kimi-k2.7) they give:
+# * busy_kernel_ns 7.6 us: 38.1 us / 5 kernels. Judged by the other shapes' schedules (36.6-38.0
+#   us) and by the stages with flag kernels (a pull reverse-combine is the forward's pull dispatch
+#   plus raise_flag + wait_peers: 10-17 us more in every shape). The 5.5 us used before
+#   (bench_comm's 4-byte-row weighted sum, a tiny round that starts on an idle GPU after a
+#   synchronize) is closer to the host's launch rate than to a queued kernel's cost.
+# * sum_slots_efficiency 0.86: the weighted sum moves 294 MB in 83.6 us, 3.5 TB/s = 0.84 of a
+#   copy's 4.2 TB/s (0.86 in the model, whose 128 epilogue tasks of 16 tokens leave 4 of 132 CTAs
+#   idle). No micro-benchmark times this kernel: bench_comm's weighted_sum is another kernel
+#   (fp32, one thread per element: 2.5 TB/s). Judged by the slot sum (the same device function,
+#   sum_slots) inside every shape's token_grads and by the other shapes' weighted sums.
+# * sustained_gemm 0.88: the layer's routed GEMM stages take 1/0.88 = 1.13x the isolated tile
+#   rates' time (fwd experts 2.195 ms vs bench_gemm's 1.928 ms). Why clocks and not the GEMMs
+#   themselves: the same GEMM code on the same data took 1.985 ms in the 9ca73bf run, whose
+#   forward-only loop left the GPU idle at each pass start (now 10.6% more), while the backward
+#   stages, back to back in both runs, agree within 0.5% (experts 2.205 / 2.199, wgrad 2.557 /
+#   2.547 ms); and the memory-bound stages of the same passes run at bench_comm's back-to-back
+#   rates (inferred: bench_layer logs no SM clock). Judged by every shape's shared-expert stages
+#   and the other shapes' GEMM stages.
+LAYER_CALIBRATION = {
+    "busy_kernel_ns": (("fwd", "schedule"),),  # five kernels that move < 1 MB: boundaries only
+    "sum_slots_efficiency": (("fwd", "weighted_sum"),),  # the only kernel of its stage: a token sum
+    "sustained_gemm": (("fwd", "experts"), ("bwd", "experts"), ("bwd", "wgrad")),  # routed GEMMs only
+}
 
-def one_gpu(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> GpuParams:
-    """`gpu` as bench_layer runs it: virtual ranks on one GPU. A kernel boundary costs an empty
-    launch as measured on one GPU (bench_comm's 4-byte-row weighted-sum stage: one launch, eager,
-    median over its newest one-GPU run); peers' flags are raised ahead, so no fence and no signal
-    wait. (A pull still pays `rtt_ns`, an NVLink round trip, where HBM's latency is shorter: at
-    most 1 us of a ~100 us stage.)"""
-    rows = [r for r in results.newest(results.load("bench_comm", results_dir), group_by=("backend",))
-            if r["backend"] == "virtual"]
-    if not rows:
-        raise ValueError("no one-GPU bench_comm rows: the per-launch cost is unknown")
-    launch = float(np.median([r["signal_stages"]["weighted_sum"]["median_ms"] for r in rows])) * 1e6
-    return dataclasses.replace(gpu, name=gpu.name + " 1 GPU", launch_ns=launch, fence_ns=0.0,
+
+def calibration_stages(shape_name: str) -> set:
+    """{(pass, stage)} of `shape_name`'s bench_layer rows that h200() is fitted on (empty for the
+    shapes that are only judged)."""
+    if shape_name != H200_CALIBRATION["layer"]:
+        return set()
+    return {ps for rows in LAYER_CALIBRATION.values() for ps in rows}
+
+
+def measured_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
+    """bench_layer's sequential rows: the newest run of each shape (runs told apart by their git
+    stamp and start time, `results.newest`)."""
+    rows = results.newest(results.load("bench_layer", results_dir), group_by=("shape", "schedule"))
+    return [r for r in rows if r["schedule"] == "sequential"]
+
+
+def one_gpu(gpu: GpuParams) -> GpuParams:
+    """`gpu` as bench_layer runs it: virtual ranks on one GPU, every stage timed with its
+    launches queued ahead of the GPU, so a kernel boundary costs `busy_kernel_ns`; peers' flags are
+    raised ahead, so no fence and no signal wait. (A pull still pays `rtt_ns`, an NVLink round
+    trip, where HBM's latency is shorter: at most 1 us of a ~100 us stage.)"""
+    return dataclasses.replace(gpu, name=gpu.name + " 1 GPU", launch_ns=gpu.busy_kernel_ns, fence_ns=0.0,
                                signal_ns_per_peer=0.0)
 
 
@@ -89,9 +140,9 @@ def _token_bytes(shape: MoEShape, rows) -> float:
     return factor * shape.num_tokens * shape.hidden * ELEM_BYTES
 
 
-def sequential_stages_ns(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int = 0) -> dict:
-    """{layer stage: predicted ns} of rank 0 for the sequential layer on `gpu` (use `one_gpu(h200)`
-    for bench_layer's emulation), plus "total" (their sum: the stages run back to back)."""
+def sequential_stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int = 0) -> dict:
+    """{layer stage: (kernels, work ns)} of rank 0 for the sequential layer on `gpu` (use
+    `one_gpu(h200)` for bench_layer's emulation): the stage takes kernels x gpu.launch_ns + work."""
     p = plans.sequential(shape, EMULATED_RANKS, pass_=pass_, policy=MOK_POLICY, num_sms=gpu.num_sms)
     result = simulate(p, gpu, emulated_load(shape, seed))
     # Plan stage s ends when its last task on rank 0 ends; its time runs from the previous
@@ -104,11 +155,64 @@ def sequential_stages_ns(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int 
     stage_ns = np.diff(ends, prepend=0.0)
     kinds_of_stage = [set(t["kind"][stage_of_task == s].tolist()) for s in range(num_stages)]
     out = {}
-    for name, (kinds, launches, (reads, writes)) in LAYER_STAGES[pass_].items():
-        sel = [s for s in range(num_stages) if kinds_of_stage[s] <= {int(k) for k in kinds}]
-        ns = float(stage_ns[sel].sum()) if kinds else 0.0
-        ns += launches * gpu.launch_ns
-        ns += gpu.token_kernel_ns(_token_bytes(shape, reads), _token_bytes(shape, writes))
-        out[name] = ns
+    for name, stage in LAYER_STAGES[pass_].items():
+        sel = [s for s in range(num_stages) if stage.kinds and kinds_of_stage[s] <= {int(k) for k in stage.kinds}]
+        work = float(stage_ns[sel].sum()) - len(sel) * gpu.launch_ns  # one launch per plan stage
+        work += sum(gpu.token_kernel_ns(traffic, _token_bytes(shape, reads), _token_bytes(shape, writes))
+                    for traffic, reads, writes in stage.token)
+        out[name] = (len(sel) + stage.kernels, work)
+    return out
+
+
+def sequential_stages_ns(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int = 0) -> dict:
+    """{layer stage: predicted ns} of rank 0 for the sequential layer on `gpu` (use `one_gpu(h200)`
+    for bench_layer's emulation), plus "total" (their sum: the stages run back to back)."""
+    out = {name: kernels * gpu.launch_ns + work
+           for name, (kernels, work) in sequential_stage_parts(shape, pass_, gpu, seed).items()}
     out["total"] = sum(out.values())
     return out
+
+
+def calibrate(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> GpuParams:
+    """`gpu` with the three parameters LAYER_CALIBRATION names, fitted on the newest bench_layer
+    rows of H200_CALIBRATION["layer"] (both passes). Each stage is kernels x busy_kernel_ns + work
+    (sequential_stage_parts), in this order:
+
+    * busy_kernel_ns = the forward schedule stage / its 5 kernels (the model gives them no work);
+    * sum_slots_efficiency = the weighted sum's traffic time at a copy's traffic rate / (its
+      stage - one boundary): the kernel's traffic rate as a fraction of a copy's;
+    * sustained_gemm = sum of the routed GEMM stages' isolated-rate work (bench_gemm's tile rates)
+      / sum of (their stages - their boundaries): the same tiles under back-to-back load.
+    """
+    shape_name = H200_CALIBRATION["layer"]
+    measured = {r["pass"]: r for r in measured_rows(results_dir) if r["shape"] == shape_name}
+    if set(measured) != set(plans.PASSES):
+        raise ValueError(f"no bench_layer sequential rows of {shape_name} for both passes: the sustained-load "
+                         "calibration needs them")
+    one = one_gpu(dataclasses.replace(gpu, sustained_gemm=1.0, sum_slots_efficiency=1.0))
+    parts = {p: sequential_stage_parts(ep_share(shape_name, r["ep"]), p, one) for p, r in measured.items()}
+
+    def ms(pass_, stage):
+        return measured[pass_]["stages_ms"][stage] * 1e6
+
+    (pass_, stage), = LAYER_CALIBRATION["busy_kernel_ns"]
+    kernels, work = parts[pass_][stage]
+    assert work == 0.0, "the schedule stage must be kernel boundaries only"
+    kernel_ns = ms(pass_, stage) / kernels
+
+    def rate_factor(field):  # predicted work at factor 1 / (measured - kernel boundaries), over its rows
+        kernels_work = np.array([parts[p][s] for p, s in LAYER_CALIBRATION[field]])
+        measured_ns = sum(ms(p, s) for p, s in LAYER_CALIBRATION[field]) - kernels_work[:, 0].sum() * kernel_ns
+        return float(kernels_work[:, 1].sum() / measured_ns)
+
+    return dataclasses.replace(gpu, busy_kernel_ns=kernel_ns, sum_slots_efficiency=rate_factor("sum_slots_efficiency"),
+                               sustained_gemm=rate_factor("sustained_gemm"))
+
+
+def describe_calibration(gpu: GpuParams) -> str:
+    """What `calibrate` fitted, with the rows it used."""
+    shape = H200_CALIBRATION["layer"]
+    rows = {name: ", ".join(f"{p} {s}" for p, s in stages) for name, stages in LAYER_CALIBRATION.items()}
+    return (f"busy_kernel_ns {gpu.busy_kernel_ns / 1e3:.2f} us ({shape} {rows['busy_kernel_ns']}), "
+            f"sum_slots_efficiency {gpu.sum_slots_efficiency:.3f} ({shape} {rows['sum_slots_efficiency']}), "
+            f"sustained_gemm {gpu.sustained_gemm:.3f} ({shape} {rows['sustained_gemm']})")

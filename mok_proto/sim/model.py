@@ -10,13 +10,14 @@ by every rank) at the slowest rank's last signal plus the receiver's signal wait
 one signal per peer). Every CTA starts after one kernel launch; a sequential plan pays one more
 launch at each stage boundary (its STAGE_DONE counters). Durations:
 
-* GEMM tile: 2*BM*BN*k / (the problem's tile rate per SM); tiles past the rank's padded rows
-  take no time; a weight-gradient tile's k is its expert's rows.
+* GEMM tile: 2*BM*BN*k / (the problem's tile rate per SM under sustained load, GpuParams.tile_ns);
+  tiles past the rank's padded rows take no time; a weight-gradient tile's k is its expert's rows.
 * communication chunk (1/comm_blocks of a minibatch's rows): remote bytes at the link's rate
   (push or pull efficiency) shared by the communicating CTAs, capped per SM (a pull keeps one
-  window in flight per round trip), local bytes at the HBM copy rate; a pull pays a round trip.
-* epilogue tile: reads K slot rows (+ the shared row), writes one row: HBM traffic at a copy's
-  traffic rate (GpuParams.token_kernel_ns).
+  window in flight per round trip), local bytes at a row-movement kernel's copy rate
+  (GpuParams.row_copy_ns); a pull pays a round trip.
+* epilogue tile: reads K slot rows (+ the shared row), writes one row: HBM traffic at the rate of
+  the token sums (GpuParams.token_kernel_ns, "gather_sum").
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 
 from mok_proto import trace
 from mok_proto.config import MoEShape
-from mok_proto.plan import BM, BN, EPILOGUE_ROWS, PROBLEM_OF, CounterKind, Plan, TaskKind, tile_grid
+from mok_proto.plan import BM, EPILOGUE_ROWS, PROBLEM_OF, CounterKind, Plan, TaskKind, tile_grid
 from mok_proto.sim.params import GpuParams
 
 ELEM_BYTES = 2  # BF16 rows and weights in the layer
@@ -162,15 +163,14 @@ def _durations(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
         if not len(sel):
             continue
         _, _, red = tile_grid(k, shape)
-        tile_ns = 2.0 * BM * BN * red / (gpu.tile_tflops_per_sm[PROBLEM_OF[k]] * 1e3)
+        tile_ns = gpu.tile_ns(PROBLEM_OF[k], red)
         if k in ROUTED_ROW_KINDS:
             dur[sel] = tile_ns * (t["row_tile"][sel, None] * BM < padded[None, :])
         elif k in (TaskKind.DOWN_WGRAD, TaskKind.GATE_UP_WGRAD):
             rows = load.tokens_per_expert[:, t["expert"][sel]].T  # [n, R] (one macrobatch: all rows)
-            rows = rows / plan.num_macrobatches
-            dur[sel] = 2.0 * BM * BN * rows / (gpu.tile_tflops_per_sm[PROBLEM_OF[k]] * 1e3)
+            dur[sel] = gpu.tile_ns(PROBLEM_OF[k], rows / plan.num_macrobatches)
         elif k in (TaskKind.SHARED_DOWN_WGRAD, TaskKind.SHARED_GATE_UP_WGRAD):
-            dur[sel] = 2.0 * BM * BN * shape.num_tokens / (gpu.tile_tflops_per_sm[PROBLEM_OF[k]] * 1e3)
+            dur[sel] = gpu.tile_ns(PROBLEM_OF[k], shape.num_tokens)
         else:  # shared expert row tiles
             dur[sel] = tile_ns
     # Communication chunks.
@@ -187,15 +187,15 @@ def _durations(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
         rows = real_in_mb[t["minibatch"][sel]] / plan.num_chunks  # [n, R]
         remote = rows * (1.0 - load.local_fraction)[None, :] * row_bytes
         local = rows * load.local_fraction[None, :] * row_bytes
-        moved = np.maximum(remote / link, local / (gpu.copy_gbs / ctas))
+        moved = np.maximum(remote / link, gpu.row_copy_ns(local) * ctas)
         dur[sel] = moved + (gpu.rtt_ns if direction == "pull" else 0.0) * (rows > 0)
     # Epilogue tiles: read K slot rows (+ the shared row), write one row, per token; every byte
-    # once from HBM (gpu.token_kernel_ns).
+    # once from HBM at the token sums' rate (gpu.token_kernel_ns).
     for k in (TaskKind.WEIGHTED_SUM, TaskKind.SLOT_SUM):
         sel = np.flatnonzero(kind == int(k))
         rows = np.minimum(EPILOGUE_ROWS, shape.num_tokens - t["row_tile"][sel] * EPILOGUE_ROWS)[:, None]
         reads = rows * (shape.top_k + shape.num_shared) * row_bytes
-        dur[sel] = gpu.token_kernel_ns(reads, rows * row_bytes) * plan.num_sms
+        dur[sel] = gpu.token_kernel_ns("gather_sum", reads, rows * row_bytes) * plan.num_sms
     return dur
 
 

@@ -2,7 +2,9 @@
 `gb300_nvl72` from public specifications.
 
 Calibration uses a small fixed set of measurements (listed in `H200_CALIBRATION`); every other
-measured number is a prediction that `python -m mok_proto.sim --validate` checks.
+measured number is a prediction that `python -m mok_proto.sim --validate` checks. Three h200
+parameters come from the sequential layer's stages of ONE shape (`H200_CALIBRATION["layer"]`,
+the rows named in `sim.layer.LAYER_CALIBRATION`); the other shapes' stages are judged.
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ PROBLEMS = tuple(text for _, text in GEMM_PROBLEM.members)  # the kernels' enum 
 H200_CALIBRATION = {
     "gemm": ("kimi-k2.7", "uniform"),  # one tile rate per GEMM problem, from these rows
     "hbm": ("kimi-k2.7", 8, "push"),  # one-GPU push dispatch (+ the copy ceiling of that run)
+    "row_move": ("kimi-k2.7", 8),  # one-GPU pull dispatch, push combine and pull combine
     "link": "kimi-k2.7",  # 2 x H200: push and pull dispatch, and their 4-byte-row signal stages
+    "layer": "kimi-k2.7",  # bench_layer's sequential stages of this shape (sim.layer.LAYER_CALIBRATION)
 }
+ROW_MOVES = (("dispatch", "pull"), ("combine", "push"), ("combine", "pull"))  # row_move's bench_comm stages
+TOKEN_TRAFFIC = ("gather_sum", "scatter", "stream")  # access patterns of the token kernels (GpuParams.token_kernel_ns)
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,15 @@ class GpuParams:
     fence_ns: float  # the receiver's fence after every peer's signal arrived
     signal_ns_per_peer: float  # a receiver waits for one more peer's signal
     nccl_link_efficiency: dict = field(default_factory=dict)  # operator kind -> NCCL's fraction of link
+    # Sustained load: tile rate when the GPU runs kernels back to back (a training step) over the
+    # isolated rate of tile_tflops_per_sm (bench_gemm: each GEMM after an L2 flush and a ~1 ms GPU
+    # sleep). Below 1 where the board's power limit lowers the SM clock under tensor-core load;
+    # memory-bound kernels do not slow (bench_comm times them back to back already, and the
+    # layer's row copies run at bench_comm's rates). h200: fitted by sim.layer.calibrate.
+    sustained_gemm: float = 1.0
+    row_move_efficiency: float = 1.0  # a row-movement kernel's rate on local rows / copy_gbs
+    sum_slots_efficiency: float = 1.0  # weighted_sum / slot_sum HBM traffic rate / a copy's traffic rate
+    busy_kernel_ns: float = 0.0  # a kernel boundary on a busy stream (launches queued ahead of the GPU)
     note: str = ""
 
     @property
@@ -54,12 +69,34 @@ class GpuParams:
         """Rate of a plain device copy (bytes copied per second)."""
         return 1.0 / (1.0 / self.hbm_read_gbs + 1.0 / self.hbm_write_gbs)
 
-    def token_kernel_ns(self, read_bytes, write_bytes):
-        """A token kernel (weighted sum, slot sum, scale, top-k weight gradient) that reads and
-        writes every byte once from HBM: its traffic at the traffic rate of a plain copy (which
-        reads and writes copy_gbs each). Not hbm_read_gbs/hbm_write_gbs: that split is fitted to
-        a push dispatch, where K - 1 of a token row's K reads hit L2."""
-        return (read_bytes + write_bytes) / (2.0 * self.copy_gbs)
+    def tile_ns(self, problem: str, k, sustained: bool = True):
+        """One BM x BN output tile of `problem` with reduction length k, on one SM: isolated (as
+        bench_gemm times it) or under sustained load (sustained_gemm; what a layer pass sees)."""
+        rate = self.tile_tflops_per_sm[problem] * (self.sustained_gemm if sustained else 1.0)
+        return 2.0 * BM * BN * k / (rate * 1e3)
+
+    def row_copy_ns(self, nbytes):
+        """A row-movement kernel (pull dispatch, push or pull combine) copying nbytes of rows that
+        stay in this GPU's HBM: each row is read once and written once."""
+        return nbytes / (self.copy_gbs * self.row_move_efficiency)
+
+    def token_kernel_ns(self, traffic: str, read_bytes, write_bytes):
+        """A token kernel that reads and writes every byte once from HBM, by its access pattern
+        (TOKEN_TRAFFIC):
+        * "gather_sum": weighted_sum and slot_sum (cuda/token.cuh sum_slots: a token's K slot rows
+          summed per 16-byte octet): sum_slots_efficiency of a copy's traffic rate;
+        * "scatter": scale_to_slots (each token row read, K scaled rows written): the access
+          pattern of a push dispatch (K - 1 of a row's K reads hit L2), so its read/write split
+          hbm_read_gbs / hbm_write_gbs, fitted to one;
+        * "stream": topk_weight_grad (reads only): a copy's traffic rate (no measurement of its
+          own); a plain copy reads and writes copy_gbs each."""
+        if traffic == "gather_sum":
+            return (read_bytes + write_bytes) / (2.0 * self.copy_gbs * self.sum_slots_efficiency)
+        if traffic == "scatter":
+            return read_bytes / self.hbm_read_gbs + write_bytes / self.hbm_write_gbs
+        if traffic == "stream":
+            return (read_bytes + write_bytes) / (2.0 * self.copy_gbs)
+        raise ValueError(f"traffic must be one of {', '.join(TOKEN_TRAFFIC)}, got {traffic!r}")
 
     def pull_sm_gbs(self) -> float:
         """One SM pulling: one window per round trip."""
@@ -101,17 +138,17 @@ def gemm_tiles(problem: str, rows: np.ndarray, shape: MoEShape) -> tuple[np.ndar
 
 def grouped_gemm_ns(gpu: GpuParams, problem: str, rows: np.ndarray, shape: MoEShape,
                     num_ctas: int | None = None) -> float:
-    """Makespan of a grouped GEMM as the standalone kernel runs it: CTAs in clusters of two
-    share a weight tile, so a cluster takes two row tiles of one expert (256 rows) at once;
-    cluster-tile t of the expert-major list runs on cluster t % clusters. Weight gradients:
-    one CTA per output tile, tile t on CTA t % num_ctas."""
+    """Makespan of a grouped GEMM as the standalone kernel runs it in bench_gemm (isolated tile
+    rates): CTAs in clusters of two share a weight tile, so a cluster takes two row tiles of one
+    expert (256 rows) at once; cluster-tile t of the expert-major list runs on cluster t %
+    clusters. Weight gradients: one CTA per output tile, tile t on CTA t % num_ctas."""
     num_ctas = num_ctas or gpu.num_sms
     rows = np.asarray(rows, np.int64)
     counts, k = gemm_tiles(problem, rows, shape)
     if not problem.endswith("wgrad"):
         counts = counts // (-(-rows // BM)).clip(1) * -(-rows // (2 * BM))  # per 256-row pair
         num_ctas //= 2
-    dur = np.repeat(2.0 * BM * BN * k / (gpu.tile_tflops_per_sm[problem] * 1e3), counts)  # ns
+    dur = np.repeat(gpu.tile_ns(problem, k, sustained=False), counts)  # ns, as bench_gemm times it
     return float(np.bincount(np.arange(len(dur)) % num_ctas, dur).max()) if len(dur) else 0.0
 
 
@@ -181,6 +218,12 @@ def h200(results_dir=results.RESULTS_DIR) -> GpuParams:
     # tokens*(inv_copy - 1/w) + pairs/w = t  ->  1/w = (t - tokens*inv_copy) / (pairs - tokens)
     inv_write = (t_ns - b["tokens"] * inv_copy) / (b["pairs"] - b["tokens"])
     hbm_write, hbm_read = 1.0 / inv_write, 1.0 / (inv_copy - inv_write)
+    # Row moves (one GPU): a pull dispatch, a push and a pull combine copy each (token, choice)
+    # row once; efficiency = bytes copied / (that run's copy ceiling x time), median of the three.
+    shape_name, ep = H200_CALIBRATION["row_move"]
+    moves = [comm_row(comm, "virtual", shape_name, ep, {op: d}) for op, d in ROW_MOVES]
+    row_eff = float(np.median([comm_bytes(r)["pairs"] / (r["copy_ceiling_gbs"] * stage_ms(r, op) * 1e6)
+                               for r, (op, _) in zip(moves, ROW_MOVES)]))
     # Link (2 x H200, one peer): stage = launch + (pull: rtt | push: fence + 1 peer's signal)
     # + remote bytes / (link * efficiency); the 4-byte-row stages give the fixed parts.
     shape_name = H200_CALIBRATION["link"]
@@ -194,10 +237,18 @@ def h200(results_dir=results.RESULTS_DIR) -> GpuParams:
         eff[d] = comm_bytes(r)["remote"] / (link * (stage_ms(r, "dispatch") * 1e6 - fixed))
     nccl = results.newest(results.load("bench_nccl_baseline", results_dir))
     nccl_eff = {op: float(np.median([n["pct_of_link"][op] for n in nccl])) / 100 for op in ("dispatch", "combine")} if nccl else {}
-    return dataclasses.replace(
+    micro = dataclasses.replace(
         base, tile_tflops_per_sm=rates, hbm_read_gbs=hbm_read, hbm_write_gbs=hbm_write, link_gbs=link,
         link_efficiency=eff, launch_ns=launch, fence_ns=fence, nccl_link_efficiency=nccl_eff,
-        note="calibrated on " + ", ".join(f"{k}={v}" for k, v in H200_CALIBRATION.items()))
+        row_move_efficiency=row_eff)
+    # Sustained load, busy-stream kernel boundaries and the token sums: from the sequential layer's
+    # stages of one shape (sim/layer.py simulates the layer and imports this module).
+    from mok_proto.sim import layer
+
+    fitted = layer.calibrate(micro, results_dir)
+    return dataclasses.replace(
+        fitted, note="calibrated on " + ", ".join(f"{k}={v}" for k, v in H200_CALIBRATION.items())
+        + f"; row_move_efficiency {row_eff:.3f}, " + layer.describe_calibration(fitted))
 
 
 H200_DENSE_BF16_TFLOPS = 989.0  # H200 SXM dense BF16 (NVIDIA H200 datasheet), to carry GEMM efficiency over
@@ -205,7 +256,8 @@ H200_DENSE_BF16_TFLOPS = 989.0  # H200 SXM dense BF16 (NVIDIA H200 datasheet), t
 
 def gb300_nvl72(h200_params: GpuParams | None = None) -> GpuParams:
     """One GPU of a GB300 NVL72 rack from public specifications; what is not published carries
-    over from the H200 calibration (efficiencies, launch and fence costs)."""
+    over from the H200 calibration (our kernels' efficiencies, launch and fence costs), except the
+    H200's sustained-load factor (a property of that board under our layer: assumed 1 here)."""
     h = h200_params or h200()
     num_sms = 148  # the paper's GB300 runs 40 of 148 SMs for communication (MOK_NOTES); the full
     # Blackwell Ultra die has 160 SMs (NVIDIA, Hot Chips 2025 / "Inside NVIDIA Blackwell Ultra")
@@ -217,13 +269,18 @@ def gb300_nvl72(h200_params: GpuParams | None = None) -> GpuParams:
     hbm_scale = hbm_gbs / 4800.0  # H200 HBM3e is 4.8 TB/s (NVIDIA H200 datasheet)
     return dataclasses.replace(
         h, name="gb300-nvl72", num_sms=num_sms,
+        # Assumed: the tiles run at the peak-derived rate (no sustained-load clock drop). The
+        # H200's sustained_gemm is its own board's power limit under our layer, not a published
+        # GB300 figure, so it is not carried over.
+        sustained_gemm=1.0,
         tile_tflops_per_sm={p: v * scale for p, v in h.tile_tflops_per_sm.items()},
         hbm_read_gbs=h.hbm_read_gbs * hbm_scale, hbm_write_gbs=h.hbm_write_gbs * hbm_scale, link_gbs=link_gbs,
         # Through an NVLink switch a load round trip is longer than on a direct H200 pair: assumed
         # 1.5 us; each peer's signal is one ordered remote store behind a fence: one round trip.
         rtt_ns=1500.0, signal_ns_per_peer=1500.0,
         note="public specs (NVIDIA GB300 NVL72: 2.5 PF dense BF16, 8 TB/s HBM, NVLink 5 900 GB/s each way); "
-             "efficiencies from the H200 calibration")
+             "our kernels' efficiencies (GEMM tiles vs peak, row moves and token sums vs a copy, link) from the "
+             "H200 calibration; no sustained-load factor (assumed)")
 
 
 def nccl_links(gpu: GpuParams) -> GpuParams:

@@ -24,8 +24,8 @@ from mok_proto import results
 from mok_proto.config import MOK_POLICY, ep_share, get_shape
 from mok_proto.sim import layer
 from mok_proto.sim.model import simulate
-from mok_proto.sim.params import (H200_CALIBRATION, GpuParams, comm_bytes, gb300_nvl72, grouped_gemm_ns, h200,
-                                  nccl_links, stage_ms)
+from mok_proto.sim.params import (H200_CALIBRATION, ROW_MOVES, GpuParams, comm_bytes, gb300_nvl72, grouped_gemm_ns,
+                                  h200, nccl_links, stage_ms)
 from mok_proto.problem import rows_per_expert
 
 H200_TOLERANCE = 0.15
@@ -91,11 +91,12 @@ class Row:
 def comm_stage_ns(gpu: GpuParams, row: dict, direction: str, dispatch: bool) -> float:
     """A standalone bench_comm stage (dispatch or combine) as the model predicts it."""
     b = comm_bytes(row)
-    if row["backend"] == "virtual":  # one GPU: HBM reads and writes (a push dispatch reads a token once)
-        reads = b["tokens"] if dispatch and direction == "push" else b["pairs"]
-        return reads / gpu.hbm_read_gbs + b["pairs"] / gpu.hbm_write_gbs
+    if row["backend"] == "virtual":  # one GPU: HBM reads and writes
+        if dispatch and direction == "push":  # reads a token once, writes its K rows
+            return b["tokens"] / gpu.hbm_read_gbs + b["pairs"] / gpu.hbm_write_gbs
+        return gpu.row_copy_ns(b["pairs"])
     fixed = gpu.launch_ns + (gpu.rtt_ns if direction == "pull" else gpu.signal_wait_ns(row["ep"]))
-    moved = max(b["remote"] / (gpu.link_gbs * gpu.link_efficiency[direction]), b["local"] / gpu.copy_gbs)
+    moved = max(b["remote"] / (gpu.link_gbs * gpu.link_efficiency[direction]), gpu.row_copy_ns(b["local"]))
     return fixed + moved
 
 
@@ -117,8 +118,10 @@ def h200_rows(gpu: GpuParams | None = None, results_dir=results.RESULTS_DIR) -> 
                 continue
             seen.add(key)
             where = "1 GPU" if r["backend"] == "virtual" else "2 x H200"
-            calib = ((r["backend"] == "virtual" and (r["shape"], r["ep"], r[op]) == H200_CALIBRATION["hbm"] and op == "dispatch")
-                     or (r["backend"] == "nvshmem" and r["shape"] == H200_CALIBRATION["link"] and op == "dispatch"))
+            one_gpu = r["backend"] == "virtual"
+            calib = ((one_gpu and (r["shape"], r["ep"], r[op]) == H200_CALIBRATION["hbm"] and op == "dispatch")
+                     or (one_gpu and (r["shape"], r["ep"]) == H200_CALIBRATION["row_move"] and (op, r[op]) in ROW_MOVES)
+                     or (not one_gpu and r["shape"] == H200_CALIBRATION["link"] and op == "dispatch"))
             rows.append(Row(f"h200 comm {where}", f"{op} {r[op]} {r['shape']} EP={r['ep']}", stage_ms(r, op),
                             comm_stage_ns(gpu, r, r[op], op == "dispatch") / 1e6, "ms",
                             "calibration" if calib else "judged"))
@@ -126,38 +129,32 @@ def h200_rows(gpu: GpuParams | None = None, results_dir=results.RESULTS_DIR) -> 
 
 
 # Sequential-layer stages whose measurement holds what the model leaves out: (shape | None for
-# every shape, pass, stage | "total") -> why. Fixed here, not chosen from the error.
-_HOST_BOUND = ("eager, host-bound: a timed pass starts on an idle GPU, so this stage times the host's "
-               "launches (GEMM wrappers), not the GPU")
-LAYER_EXPLAINED = {
-    (None, "fwd", "schedule"): _HOST_BOUND, (None, "fwd", "shared"): _HOST_BOUND,
-    (None, "bwd", "scale"): _HOST_BOUND, (None, "bwd", "shared"): _HOST_BOUND,
-    (None, "fwd", "weighted_sum"): "the kernel (one thread per 16-byte octet, a loop over K slot rows) moves "
-                                   "~3.0 TB/s of HBM traffic; the model assumes a copy's 4.2 TB/s",
-    ("deepseek-v4-pro", "bwd", "wgrad"): "the layer's weight gradients take 3.09 ms, the same GEMMs in "
-                                          "bench_gemm 2.59 ms (what the tile rates predict)",
-    ("deepseek-v4-pro", "bwd", "total"): "its wgrad stage (above) is 0.61 ms of the 1.15 ms gap",
-    ("deepseek-v4-pro", "fwd", "total"): "graph replays take 3.42 ms, 6% more than the eager stages' sum (3.22 "
-                                         "ms), and the experts run 10% slower than in bench_gemm",
-}
+# every shape, pass, stage | "total") -> why. Fixed here, not chosen from the error. None today:
+# since bench_layer runs both passes back to back (5022408), every stage is GPU time.
+LAYER_EXPLAINED: dict = {}
 
 
 def sequential_layer_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
-    """bench_layer's sequential rows (one EP=64 rank's share on one GPU) against the sequential
-    plan simulated on that load (sim/layer.py): the whole pass (graph replays) and every stage
-    (eager, one event per stage)."""
-    one = layer.one_gpu(gpu, results_dir)
+    """bench_layer's sequential rows (one EP=64 rank's share on one GPU; the newest run of each
+    shape) against the sequential plan simulated on that load (sim/layer.py): the whole pass (graph
+    replays) and every stage (eager, one event per stage, the GPU kept busy). The stages the h200
+    parameters are fitted on (layer.LAYER_CALIBRATION, one shape) are calibration rows."""
+    one = layer.one_gpu(gpu)
+    fitted_by = {ps: name for name, stages in layer.LAYER_CALIBRATION.items() for ps in stages}
     rows = []
-    for r in results.newest(results.load("bench_layer", results_dir)):
-        if r["schedule"] != "sequential":
-            continue
+    for r in layer.measured_rows(results_dir):
         predicted = layer.sequential_stages_ns(ep_share(r["shape"], r["ep"]), r["pass"], one)
+        calib = layer.calibration_stages(r["shape"])
         measured = {"total": r["median_ms"], **{k: v for k, v in r["stages_ms"].items() if k != "total"}}
         for stage, ms in measured.items():
             why = LAYER_EXPLAINED.get((r["shape"], r["pass"], stage)) or LAYER_EXPLAINED.get((None, r["pass"], stage))
             what = "pass (graph)" if stage == "total" else stage
+            if (r["pass"], stage) in calib:
+                check, note = "calibration", f"fits {fitted_by[r['pass'], stage]}"
+            else:
+                check, note = ("explained", why) if why else ("judged", "")
             rows.append(Row("h200 layer sequential", f"{r['pass']} {what} {r['shape']}", ms, predicted[stage] / 1e6,
-                            "ms", "explained" if why else "judged", note=why or ""))
+                            "ms", check, note=note))
     return rows
 
 
