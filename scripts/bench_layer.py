@@ -360,6 +360,7 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="time the fused forward over communication CTAs x "
                    f"minibatch rows {SWEEP} (default: {DEFAULT_FUSED})")
+    p.add_argument("--fused", default=None, help="fused settings to time, COMM:MINIBATCH[,...] (e.g. 8:1024,16:2048)")
     p.add_argument("--no-fused", action="store_true", help="sequential and torch rows only")
     p.add_argument("--timeline", default="results/timeline_fused_fwd_{shape}.jsonl",
                    help="where the best fused setting's timeline goes ({shape} is replaced; '' = none)")
@@ -375,7 +376,8 @@ def main():
         print(f"# {name}: N={shape.num_tokens} H={shape.hidden} I={shape.ffn} El={shape.num_experts // 2} "
               f"K={shape.top_k} ...", flush=True)
         data = make_inputs(shape)
-        settings = () if args.no_fused else SWEEP if args.sweep else DEFAULT_FUSED
+        settings = () if args.no_fused else SWEEP if args.sweep else DEFAULT_FUSED if not args.fused else tuple(
+            tuple(int(v) for v in item.split(":")) for item in args.fused.split(","))
         trace_to = args.timeline.format(shape=name) if args.timeline else None
         mine, stages, bitwise, got, fused_rows = ours(shape, data, args.iters, args.warmup, settings, trace_to)
         base, ref = torch_pipeline(shape, data, args.iters, args.warmup)
