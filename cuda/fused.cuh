@@ -298,30 +298,44 @@ __device__ __forceinline__ bool bulk_move(const Ctx& c, CopyRing& r, u32 row_byt
   return ok;
 }
 
+// The task's row mapping is computed by every thread into shared memory first, a batch of rows at
+// a time (the schedule's src_rank/src_slot loads would otherwise be serial round trips of the one
+// copying thread), after the ring's barriers in the epilogue staging area.
+constexpr int kRingBarrierBytes = 32 * 8;
+constexpr int kMoveBatch = static_cast<int>((sizeof(SharedStorage::staging) - kRingBarrierBytes) / sizeof(RowMove));
+
 __device__ __forceinline__ bool comm_task(const Ctx& c, SharedStorage& ss, CopyRing& ring, const Task& t, int index,
                                           bool ok) {
   const i64 start = static_cast<i64>(globaltimer_ns());
   volatile int* go = &ss.go;
   if (threadIdx.x == 0) {
-    ok = ok && wait_task(c, t, index);
+    *go = ok && wait_task(c, t, index);
     if (c.trace) c.trace[index].ready_ns = static_cast<i64>(globaltimer_ns());
-    const SchedView sv = sched_of(c.cp, c.rank);
-    const i64 used = sv.offsets[c.cp->num_local_experts];
-    const i64 begin = t.minibatch * c.fp->minibatch_rows;
-    const i64 end = begin + c.fp->minibatch_rows < used ? begin + c.fp->minibatch_rows : used;
-    const i64 shift = begin - begin % c.fp->ring_rows, stride = c.fp->comm_ctas, first = begin + t.row_tile;
-    const i64 count = first < end ? (end - first + stride - 1) / stride : 0;
-    const u32 row_bytes = static_cast<u32>(c.cp->row_bytes);
-    if (ok && t.kind == plan::kTaskDispatch) {
-      ok = bulk_move(c, ring, row_bytes, count,
-                     [&](i64 k) { return dispatch_pull_row(c.cp, c.rank, sv, first + k * stride, shift); }, index);
-      fence_proxy_async_global();
-    } else if (ok) {  // kTaskCombine
-      ok = bulk_move(c, ring, row_bytes, count,
-                     [&](i64 k) { return combine_push_row(c.cp, c.rank, sv, first + k * stride, shift); }, index);
-      fence_proxy_async_global();
-      __threadfence_system();  // the peers' slot rows, before the flag raised after this kernel
+  }
+  __syncthreads();
+  ok = *go != 0;
+  const SchedView sv = sched_of(c.cp, c.rank);
+  const i64 used = sv.offsets[c.cp->num_local_experts];
+  const i64 begin = t.minibatch * c.fp->minibatch_rows;
+  const i64 end = begin + c.fp->minibatch_rows < used ? begin + c.fp->minibatch_rows : used;
+  const i64 shift = begin - begin % c.fp->ring_rows, stride = c.fp->comm_ctas, first = begin + t.row_tile;
+  const i64 count = ok && first < end ? (end - first + stride - 1) / stride : 0;
+  const bool dispatch = t.kind == plan::kTaskDispatch;
+  RowMove* moves = reinterpret_cast<RowMove*>(reinterpret_cast<char*>(ss.staging) + kRingBarrierBytes);
+  for (i64 b0 = 0; b0 < count; b0 += kMoveBatch) {
+    const int batch = static_cast<int>(count - b0 < kMoveBatch ? count - b0 : kMoveBatch);
+    for (int k = threadIdx.x; k < batch; k += blockDim.x) {
+      const i64 i = first + (b0 + k) * stride;
+      moves[k] = dispatch ? dispatch_pull_row(c.cp, c.rank, sv, i, shift) : combine_push_row(c.cp, c.rank, sv, i, shift);
     }
+    __syncthreads();
+    if (threadIdx.x == 0 && ok)
+      ok = bulk_move(c, ring, static_cast<u32>(c.cp->row_bytes), batch, [&](i64 k) { return moves[k]; }, index);
+    __syncthreads();  // the batch is moved before its mapping is overwritten
+  }
+  if (threadIdx.x == 0) {
+    fence_proxy_async_global();  // bulk (async-proxy) writes, before the release
+    if (!dispatch) __threadfence_system();  // the peers' slot rows, before the flag raised after this kernel
     signal_task(c, t);
     trace_times(c, index, start, static_cast<i64>(globaltimer_ns()));
     *go = ok;
