@@ -10,7 +10,7 @@
 // Legend: R ranks, El local experts, MB minibatch rows, W launch ranks (grid.y), B = kBM rows.
 //
 // Roles: CTA b of a launch rank runs tasks[task_begin[b] .. task_begin[b + 1]) in order. CTAs
-// below comm_ctas communicate (one warp drives bulk copies through shared memory); the others run
+// below comm_ctas communicate (one thread drives bulk copies through shared memory); the others run
 // GEMM tiles with the building blocks of gemm.cuh (its producer warpgroup and two consumer
 // warpgroups), in 2-CTA clusters: the plan gives both CTAs of a cluster the same tile at the same
 // position of their tables, CTA `cta` taking 128-row tile 2p + cta of row pair p, so the pair
@@ -208,8 +208,8 @@ __device__ __forceinline__ bool consume_task(const Ctx& c, SharedStorage& ss, Ri
 // ---------------------------------------------------------------------------------------------
 // Communication tasks: chunk c = row_tile of minibatch m; CTA c of the C communicating ones moves
 // the minibatch's receive rows m MB + c, + C, ... with 1-D bulk copies (TMA) through shared
-// memory, driven by one warp: bytes in flight per SM bounded by shared memory, not registers
-// (a warp per row, loads into registers, moved ~10 GB/s per SM: latency-bound).
+// memory, driven by one thread: enough bytes in flight per SM for a copy to run at a useful
+// fraction of HBM / NVLink bandwidth (a warp per row moves ~10 GB/s per SM, latency-bound).
 // ---------------------------------------------------------------------------------------------
 // The copy ring of a communicating CTA: its GEMM shared memory reused, the ring stages as row
 // slots (the last one a row of zeros: the source of padding rows), one mbarrier per slot in the
@@ -256,50 +256,42 @@ __device__ __forceinline__ void bulk_wait_read_all_but(int pending) {
   }
 }
 
-// One warp moves rows k = 0 .. count - 1 (row_of(k): a RowMove) through the ring of n slots:
-// row k is loaded into slot k % n, stored from there once landed, and the slot reloaded with
-// row k + n once that store has read it. Every row moves as 32 pieces, one per lane (many
-// concurrent bulk copies, as MoK issues them: one large copy per row ran at ~23 GB/s per SM);
-// a slot's barrier counts the whole row's bytes. Each lane commits one store group per row; the
-// reload of row j's slot is issued d = n / 2 rows later, so about d stores and n - d loads are in
-// flight. Returns when every store is complete; false after a failed wait (same in all lanes).
+// One thread moves rows k = 0 .. count - 1 (row_of(k): a RowMove) through the ring of n slots:
+// row k is loaded into slot k % n, stored from there once landed (one bulk group per row), and
+// the slot reloaded with row k + n once that store has read it. The reload of row j's slot is
+// issued d = n / 2 rows later (after row j + d's store), so about d stores and n - d loads are in
+// flight at any time. Returns when every store is complete; false after a failed wait.
 template <typename RowOf>
 __device__ __forceinline__ bool bulk_move(const Ctx& c, CopyRing& r, u32 row_bytes, i64 count, RowOf row_of,
-                                          int index, int lane) {
+                                          int index) {
   const int n = r.num_slots, d = n / 2 < 8 ? n / 2 : 8;
-  const u32 piece = (row_bytes / 32 + 15) & ~15u, off = piece * lane;
-  const u32 len = off < row_bytes ? (row_bytes - off < piece ? row_bytes - off : piece) : 0;
   auto issue = [&](i64 k) {
     const int s = static_cast<int>(k % n);
     const RowMove m = row_of(k);
-    const bool load = m.dst != nullptr && m.src != nullptr;
-    if (lane == 0) {
-      if (load) mbar_arrive_expect_tx(&r.full[s], row_bytes);
-      else mbar_arrive(&r.full[s]);  // nothing to load: the slot's phase completes at once
+    if (m.dst != nullptr && m.src != nullptr) {
+      mbar_arrive_expect_tx(&r.full[s], row_bytes);
+      bulk_load(r.slots + s * row_bytes, m.src, row_bytes, &r.full[s]);
+    } else {
+      mbar_arrive(&r.full[s]);  // nothing to load: the slot's phase completes at once
     }
-    if (load && len > 0) bulk_load(r.slots + s * row_bytes + off, m.src + off, len, &r.full[s]);
   };
   bool ok = true;
   for (i64 k = 0; k < count && k < n; ++k) issue(k);
   for (i64 k = 0; k < count; ++k) {
     const int s = static_cast<int>(k % n);
     if (ok) ok = mbar_wait(&r.full[s], (r.phases >> s) & 1, c.fp->timeout_ns, c.fp->error, kOpFusedCopy, index);
-    ok = __all_sync(0xffffffffu, ok);
     r.phases ^= 1u << s;
     const RowMove m = row_of(k);
-    if (ok && m.dst != nullptr && len > 0)
-      bulk_store(m.dst + off, (m.src != nullptr ? r.slots + s * row_bytes : r.zero) + off, len);
-    bulk_commit();  // one group per row in every lane (empty where there is nothing to store)
+    if (ok && m.dst != nullptr) bulk_store(m.dst, m.src != nullptr ? r.slots + s * row_bytes : r.zero, row_bytes);
+    bulk_commit();  // one group per row (empty for a row with nothing to store)
     const i64 j = k - d;  // the row whose slot is reloaded now
     if (ok && j >= 0 && j + n < count) {
-      bulk_wait_read_all_but(d);  // this lane's groups up to row j have read their pieces
-      __syncwarp();               // ... and every lane's
+      bulk_wait_read_all_but(d);  // groups up to row j have read their slots
       issue(j + n);
     }
   }
-  for (i64 j = count - d < 0 ? 0 : count - d; ok && j + n < count; ++j) {  // only when d >= n (never: d <= n / 2)
+  for (i64 j = count - d < 0 ? 0 : count - d; ok && j + n < count; ++j) {  // only when count - d < count - n: d >= n
     bulk_wait_read<0>();
-    __syncwarp();
     issue(j + n);
   }
   bulk_wait_done();
@@ -337,16 +329,12 @@ __device__ __forceinline__ bool comm_task(const Ctx& c, SharedStorage& ss, CopyR
       moves[k] = dispatch ? dispatch_pull_row(c.cp, c.rank, sv, i, shift) : combine_push_row(c.cp, c.rank, sv, i, shift);
     }
     __syncthreads();
-    if (threadIdx.x < 32 && ok)
-      ok = bulk_move(c, ring, static_cast<u32>(c.cp->row_bytes), batch, [&](i64 k) { return moves[k]; }, index,
-                     lane_id());
+    if (threadIdx.x == 0 && ok)
+      ok = bulk_move(c, ring, static_cast<u32>(c.cp->row_bytes), batch, [&](i64 k) { return moves[k]; }, index);
     __syncthreads();  // the batch is moved before its mapping is overwritten
   }
-  if (threadIdx.x < 32) {
-    fence_proxy_async_global();  // every lane's bulk (async-proxy) writes, before the release
-    __syncwarp();
-  }
   if (threadIdx.x == 0) {
+    fence_proxy_async_global();  // bulk (async-proxy) writes, before the release
     if (!dispatch) __threadfence_system();  // the peers' slot rows, before the flag raised after this kernel
     signal_task(c, t);
     trace_times(c, index, start, static_cast<i64>(globaltimer_ns()));
