@@ -274,7 +274,8 @@ static_assert(__builtin_offsetof(Counter, kind) == 0 && __builtin_offsetof(Count
 namespace mok::fused {
 struct FusedParams {
   i64          num_ctas;  // CTAs per launch rank (grid.x): the plan's num_sms
-  i64          comm_ctas;  // CTAs 0 .. comm_ctas - 1 communicate (the plan's comm_blocks)
+  i64          comm_ctas;  // CTAs 0 .. comm_ctas - 1 only communicate (the plan's comm_blocks; 0: none)
+  i64          comm_chunks;  // a minibatch's rows are split into this many chunks (row c, c + chunks, ...)
   i64          num_tasks;  // tasks of the plan (per rank: every rank runs the same plan)
   i64          num_counters;  // ready counters per rank
   i64          minibatch_rows;  // receive rows per minibatch (a multiple of 2 kBM)
@@ -289,9 +290,9 @@ struct FusedParams {
   i64          trace;  // TraceRecord [W][num_tasks] (flag kFusedTrace)
   ErrorRecord* error;  // this process's error record
 };
-static_assert(sizeof(FusedParams) == 120, "FusedParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(FusedParams) == 128, "FusedParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(FusedParams, num_ctas) == 0 && __builtin_offsetof(FusedParams, comm_ctas) == 8 && __builtin_offsetof(FusedParams, num_tasks) == 16 && __builtin_offsetof(FusedParams, num_counters) == 24 && __builtin_offsetof(FusedParams, minibatch_rows) == 32 && __builtin_offsetof(FusedParams, ring_rows) == 40 && __builtin_offsetof(FusedParams, flags) == 48 && __builtin_offsetof(FusedParams, timeout_ns) == 56 && __builtin_offsetof(FusedParams, tasks) == 64 && __builtin_offsetof(FusedParams, task_begin) == 72 && __builtin_offsetof(FusedParams, comm) == 80 && __builtin_offsetof(FusedParams, gemm) == 88 && __builtin_offsetof(FusedParams, counters) == 96 && __builtin_offsetof(FusedParams, trace) == 104 && __builtin_offsetof(FusedParams, error) == 112, "FusedParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(FusedParams, num_ctas) == 0 && __builtin_offsetof(FusedParams, comm_ctas) == 8 && __builtin_offsetof(FusedParams, comm_chunks) == 16 && __builtin_offsetof(FusedParams, num_tasks) == 24 && __builtin_offsetof(FusedParams, num_counters) == 32 && __builtin_offsetof(FusedParams, minibatch_rows) == 40 && __builtin_offsetof(FusedParams, ring_rows) == 48 && __builtin_offsetof(FusedParams, flags) == 56 && __builtin_offsetof(FusedParams, timeout_ns) == 64 && __builtin_offsetof(FusedParams, tasks) == 72 && __builtin_offsetof(FusedParams, task_begin) == 80 && __builtin_offsetof(FusedParams, comm) == 88 && __builtin_offsetof(FusedParams, gemm) == 96 && __builtin_offsetof(FusedParams, counters) == 104 && __builtin_offsetof(FusedParams, trace) == 112 && __builtin_offsetof(FusedParams, error) == 120, "FusedParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 struct TraceRecord {

@@ -10,7 +10,8 @@
 // Legend: R ranks, El local experts, MB minibatch rows, W launch ranks (grid.y), B = kBM rows.
 //
 // Roles: CTA b of a launch rank runs tasks[task_begin[b] .. task_begin[b + 1]) in order. CTAs
-// below comm_ctas communicate (one thread drives bulk copies through shared memory); the others run
+// below comm_ctas only communicate (one thread drives bulk copies through shared memory); with
+// comm_ctas = 0 the spare warps of every CTA move its chunks while the CTA's GEMMs run. The others run
 // GEMM tiles with the building blocks of gemm.cuh (its producer warpgroup and two consumer
 // warpgroups), in 2-CTA clusters: the plan gives both CTAs of a cluster the same tile at the same
 // position of their tables, CTA `cta` taking 128-row tile 2p + cta of row pair p, so the pair
@@ -163,24 +164,22 @@ __device__ __forceinline__ i64 ring_rows_of(const Ctx& c, int kind) {
   return kind == plan::kTaskGateUp || kind == plan::kTaskDown ? c.fp->ring_rows : 0;
 }
 
-// Producer warpgroup, one task: thread 0 waits for the task's counters (then fences, as the TMA
-// reader of rows stored by generic stores), the warpgroup loads the tile into the ring.
+// Producer warp (warp 0 of warpgroup 0), one task: lane 0 waits for the task's counters (then
+// fences, as the TMA reader of rows stored by generic stores), the warp loads the tile into the
+// ring (lane 0 issues the TMA).
 template <int kP>
 __device__ __forceinline__ bool produce_task(const Ctx& c, SharedStorage& ss, Ring& ring, const Task& t, int index,
                                              int cta, int wg_tid, bool ok) {
   const GemmParams* p = c.gemm + slot_of(t.kind);
   Tile tile;
   if (!task_tile<kP>(p, t, cta, ring_rows_of(c, t.kind), tile)) return ok;
-  volatile int* go = &ss.go;
+  bool ready = false;
   if (wg_tid == 0) {
-    const bool ready = ok && wait_task(c, t, index);
+    ready = ok && wait_task(c, t, index);
     if (ready) fence_proxy_async_global();
     if (c.trace) c.trace[index].ready_ns = static_cast<i64>(globaltimer_ns());
-    *go = ready;
   }
-  asm volatile("bar.sync 1, 128;" ::: "memory");  // the producer warpgroup only
-  ok = *go != 0;
-  asm volatile("bar.sync 1, 128;" ::: "memory");  // every thread read `go` before thread 0 rewrites it
+  ok = __shfl_sync(0xffffffffu, ready, 0) != 0;
   return gemm::produce_tile<kP>(p, ss, ring, tile, cta, wg_tid, ok);
 }
 
@@ -318,7 +317,7 @@ __device__ __forceinline__ bool comm_task(const Ctx& c, SharedStorage& ss, CopyR
   const i64 used = sv.offsets[c.cp->num_local_experts];
   const i64 begin = t.minibatch * c.fp->minibatch_rows;
   const i64 end = begin + c.fp->minibatch_rows < used ? begin + c.fp->minibatch_rows : used;
-  const i64 shift = begin - begin % c.fp->ring_rows, stride = c.fp->comm_ctas, first = begin + t.row_tile;
+  const i64 shift = begin - begin % c.fp->ring_rows, stride = c.fp->comm_chunks, first = begin + t.row_tile;
   const i64 count = ok && first < end ? (end - first + stride - 1) / stride : 0;
   const bool dispatch = t.kind == plan::kTaskDispatch;
   RowMove* moves = reinterpret_cast<RowMove*>(reinterpret_cast<char*>(ss.staging) + kRingBarrierBytes);
@@ -343,6 +342,72 @@ __device__ __forceinline__ bool comm_task(const Ctx& c, SharedStorage& ss, CopyR
   __syncthreads();
   return *go != 0;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Communication by a compute CTA's spare warps (warps 1 .. 3 of the producer warpgroup; the plan
+// has no communicating CTAs): the same chunk tasks, rows copied through registers, a warp per
+// row, kSideUnroll 16-byte loads per lane in flight. They run beside the CTA's GEMM tasks (the
+// producer's warp 0 and the consumers skip communication tasks; these warps skip GEMM tasks).
+// ---------------------------------------------------------------------------------------------
+constexpr int kSideWarps = 3;
+constexpr int kSideUnroll = 16;
+
+__device__ __forceinline__ void side_copy_row(RowMove m, i64 bytes, int lane) {
+  if (m.dst == nullptr) return;
+  const uint4* src = reinterpret_cast<const uint4*>(m.src);
+  uint4* dst = reinterpret_cast<uint4*>(m.dst);
+  const i64 n = bytes / 16;
+  for (i64 base = 0; base < n; base += 32 * kSideUnroll) {
+    uint4 v[kSideUnroll];
+#pragma unroll
+    for (int u = 0; u < kSideUnroll; ++u) {
+      const i64 i = base + u * 32 + lane;
+      v[u] = (src != nullptr && i < n) ? src[i] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kSideUnroll; ++u) {
+      const i64 i = base + u * 32 + lane;
+      if (i < n) dst[i] = v[u];
+    }
+  }
+}
+
+__device__ __forceinline__ bool side_comm_task(const Ctx& c, SharedStorage& ss, const Task& t, int index, int side,
+                                               int lane, bool ok) {
+  const bool lead = side == 0 && lane == 0;
+  const i64 start = lead ? static_cast<i64>(globaltimer_ns()) : 0;
+  volatile int* go = &ss.side_go;
+  if (lead) {
+    *go = ok && wait_task(c, t, index);
+    if (c.trace) c.trace[index].ready_ns = static_cast<i64>(globaltimer_ns());
+  }
+  asm volatile("bar.sync 3, 96;" ::: "memory");  // the spare warps only
+  ok = *go != 0;
+  const SchedView sv = sched_of(c.cp, c.rank);
+  const i64 used = sv.offsets[c.cp->num_local_experts];
+  const i64 begin = t.minibatch * c.fp->minibatch_rows;
+  const i64 end = begin + c.fp->minibatch_rows < used ? begin + c.fp->minibatch_rows : used;
+  const i64 shift = begin - begin % c.fp->ring_rows, stride = c.fp->comm_chunks, first = begin + t.row_tile;
+  const i64 count = ok && first < end ? (end - first + stride - 1) / stride : 0;
+  const bool dispatch = t.kind == plan::kTaskDispatch;
+  for (i64 k = side; k < count; k += kSideWarps) {
+    const i64 i = first + k * stride;
+    side_copy_row(dispatch ? dispatch_pull_row(c.cp, c.rank, sv, i, shift) : combine_push_row(c.cp, c.rank, sv, i, shift),
+                  c.cp->row_bytes, lane);
+  }
+  if (dispatch)
+    fence_proxy_async_global();  // the rows are read by the GEMMs' TMA loads
+  else
+    __threadfence_system();  // the peers' slot rows, before the flag raised after this kernel
+  asm volatile("bar.sync 3, 96;" ::: "memory");  // every spare warp's rows are stored
+  if (lead) {
+    signal_task(c, t);
+    trace_times(c, index, start, static_cast<i64>(globaltimer_ns()));
+  }
+  return ok;
+}
+
+__device__ __forceinline__ bool is_comm(int kind) { return kind == plan::kTaskDispatch || kind == plan::kTaskCombine; }
 
 // ---------------------------------------------------------------------------------------------
 // The kernel: grid (num_ctas, W) in 2-CTA clusters, kThreads threads, gemm::kSmemBytes of
@@ -378,19 +443,27 @@ __global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::k
       // NOTE: the role is broadcast from lane 0 so the compiler sees it warp-uniform (wgmma).
       const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0), wg_tid = threadIdx.x & 127;
       Ring ring;
-      if (wg == 0) {
+      if (wg == 0 && wg_tid < 32) {  // the producer warp: GEMM tasks
         for (int i = first; i < last; ++i) {
           const Task t = c.tasks[i];
+          if (is_comm(t.kind)) continue;
           if (t.kind == plan::kTaskSharedGateUp || t.kind == plan::kTaskGateUp)
             ok = produce_task<gemm::kGateUp>(c, ss, ring, t, i, cta, wg_tid, ok);
           else
             ok = produce_task<gemm::kDown>(c, ss, ring, t, i, cta, wg_tid, ok);
+        }
+      } else if (wg == 0) {  // the spare warps: communication tasks
+        const int side = wg_tid / 32 - 1;
+        for (int i = first; i < last; ++i) {
+          const Task t = c.tasks[i];
+          if (is_comm(t.kind)) ok = side_comm_task(c, ss, t, i, side, wg_tid & 31, ok);
         }
       } else {
         float acc[128];
         float* staging = ss.staging[threadIdx.x / 32 - 4];
         for (int i = first; i < last; ++i) {
           const Task t = c.tasks[i];
+          if (is_comm(t.kind)) continue;
           if (t.kind == plan::kTaskSharedGateUp || t.kind == plan::kTaskGateUp)
             ok = consume_task<gemm::kGateUp>(c, ss, ring, t, i, cta, acc, staging, wg - 1, wg_tid, ok);
           else

@@ -68,6 +68,7 @@ struct SharedStorage {
   u64 empty[kStages];                             // consumers (both CTAs) -> producers: stage free
   int abort;                                      // set in both CTAs by cta 0: skip every tile
   int go;                                         // producer warpgroup: the cp.async path proceeds
+  int side_go;                                    // the fused kernel's communicating warps: a task proceeds
   int pair_prefix[kMaxGroups + 1];                // row problems: pair rows before expert g
 };
 constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;

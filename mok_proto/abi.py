@@ -366,7 +366,8 @@ COUNTER = Struct("Counter", (
 # GEMM params of each launch rank (kFusedGemms per rank, in GemmSlot order).
 FUSED_PARAMS = Struct("FusedParams", (
     ("i64", "num_ctas", "CTAs per launch rank (grid.x): the plan's num_sms"),
-    ("i64", "comm_ctas", "CTAs 0 .. comm_ctas - 1 communicate (the plan's comm_blocks)"),
+    ("i64", "comm_ctas", "CTAs 0 .. comm_ctas - 1 only communicate (the plan's comm_blocks; 0: none)"),
+    ("i64", "comm_chunks", "a minibatch's rows are split into this many chunks (row c, c + chunks, ...)"),
     ("i64", "num_tasks", "tasks of the plan (per rank: every rank runs the same plan)"),
     ("i64", "num_counters", "ready counters per rank"),
     ("i64", "minibatch_rows", "receive rows per minibatch (a multiple of 2 kBM)"),

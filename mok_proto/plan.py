@@ -184,8 +184,20 @@ class Plan:
 
     @property
     def num_chunks(self) -> int:
-        """Chunks of a minibatch for communication tasks: one per communicating CTA."""
-        return self.comm_blocks
+        """Chunks of a minibatch for communication tasks: one per communicating CTA (a fused plan
+        without communicating CTAs: one per CTA)."""
+        return self.comm_blocks or self.num_sms
+
+    def streams(self) -> list[np.ndarray]:
+        """Task indices of each in-order stream, in table order. A CTA is one stream, except in a
+        fused plan, where a CTA's communication tasks (its spare warps) and its GEMM tasks are
+        two independent streams."""
+        t = self.tasks
+        comm = np.isin(t["kind"], [int(k) for k in COMM_KINDS])
+        key = 2 * t["block"].astype(np.int64) + (comm if self.strategy == "fused_forward" else 0)
+        order = np.argsort(key, kind="stable")
+        bounds = np.flatnonzero(np.diff(key[order])) + 1
+        return np.split(order, bounds) if len(t) else []
 
     def is_comm_block(self, block) -> np.ndarray:
         return np.asarray(block) < self.comm_blocks
@@ -459,6 +471,9 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     combine that releases it; the other CTAs, in 2-CTA clusters, take GEMM tile pairs round robin
     in one global order: the shared expert's gate/up then down tiles, then per minibatch routed
     gate/up (after its rows arrived), then down (after its row tile's gate/up tiles).
+    comm_blocks = 0: no CTA is set aside; chunk c of every minibatch goes to CTA c of all
+    num_sms, whose spare warps move it while its GEMM tasks run (two independent in-order
+    streams per CTA: `Plan.streams`).
 
     A tile pair is one task on each CTA of a cluster, at the same position of both tables:
     row_tile 2p on the even CTA, 2p + 1 on the odd one (row pair p: rows PAIR_ROWS p ..).
@@ -476,8 +491,6 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     if num_sms % 2 or comm_blocks % 2 or not 0 <= comm_blocks < num_sms:
         raise ValueError(f"num_sms ({num_sms}) and comm_blocks ({comm_blocks}) must be even (2-CTA clusters), "
                          f"0 <= comm_blocks < num_sms")
-    if comm_blocks == 0 and (comm_in or comm_out):
-        raise ValueError(f"policy {policy} moves rows inside the kernel: comm_blocks must be >= 2")
     if ring < num_mb and not (comm_in and comm_out):
         raise ValueError(f"a ring of {ring} < {num_mb} minibatches needs dispatch pull and combine push (both inside "
                          f"the kernel), got {policy}")
@@ -492,7 +505,7 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     second_done = [b.counter(CounterKind.SECOND_DONE, m) for m in range(num_mb)] if comm_out else None
     released = [b.counter(CounterKind.RELEASED, m) for m in range(num_mb)] if ring < num_mb else None
 
-    for c in range(comm_blocks):  # chunk c of every minibatch
+    for c in range(comm_blocks or num_sms):  # chunk c of every minibatch, on CTA c
         def dispatch(m, c=c):
             waits = [released[m - ring]] if m >= ring else []
             b.add(c, k.comm_in, waits, [arrived[m]], minibatch=m, row_tile=c)
@@ -672,27 +685,27 @@ def _expected_fused_keys(plan: Plan, key) -> np.ndarray:
 
 
 def _check_pairs(plan: Plan) -> None:
-    """A fused plan's GEMM tasks come in cluster pairs: CTAs 2j and 2j + 1 (past the
-    communicating CTAs) have tables of equal length whose tasks at each position are one tile
-    pair: same kind, minibatch and column tile, row tiles 2p and 2p + 1 (the kernel runs them
-    as one 2-CTA cluster tile sharing B)."""
+    """A fused plan's GEMM tasks come in cluster pairs: the GEMM tasks of CTAs 2j and 2j + 1
+    (past the communicating CTAs), in table order, are one tile pair at each position: same
+    kind, minibatch and column tile, row tiles 2p and 2p + 1 (the kernel runs them as one 2-CTA
+    cluster tile sharing B). Their communication tasks (comm_blocks == 0) may differ."""
     if plan.strategy != "fused_forward":
         return
     tables = plan.block_tables()
     for blk in range(plan.comm_blocks):
         if not np.isin(tables[blk]["kind"], [int(x) for x in COMM_KINDS]).all():
             raise PlanError(f"pairs: communicating CTA {blk} has a GEMM task")
+    comm_kinds = [int(x) for x in COMM_KINDS]
     for blk in range(plan.comm_blocks, plan.num_sms, 2):
-        even, odd = tables[blk], tables[blk + 1]
+        even, odd = (table[~np.isin(table["kind"], comm_kinds)] for table in (tables[blk], tables[blk + 1]))
         if len(even) != len(odd):
             raise PlanError(f"pairs: CTAs {blk} and {blk + 1} (one cluster) have {len(even)} and {len(odd)} tasks")
         same = (even["kind"] == odd["kind"]) & (even["minibatch"] == odd["minibatch"]) & (
             even["col_tile"] == odd["col_tile"]) & (even["row_tile"] % 2 == 0) & (odd["row_tile"] == even["row_tile"] + 1)
-        gemm = ~np.isin(even["kind"], [int(x) for x in COMM_KINDS])
-        if not (same & gemm).all():
-            i = int(np.argmin(same & gemm))
-            raise PlanError(f"pairs: CTAs {blk}, {blk + 1} at seq {i}: {_name(plan, int(np.flatnonzero(plan.tasks['block'] == blk)[i]))} "
-                            f"and its partner are not one tile pair")
+        if not same.all():
+            i = int(np.argmin(same))
+            raise PlanError(f"pairs: CTAs {blk}, {blk + 1}, GEMM task {i}: seq {even['seq'][i]} and {odd['seq'][i]} "
+                            f"are not one tile pair")
 
 
 def _check_coverage(plan: Plan) -> None:
@@ -743,30 +756,31 @@ def _execution_order(plan: Plan) -> np.ndarray:
     target = c["target"].tolist()
     wait = t["wait_counter"].tolist()
     sig = t["signal_counter"].tolist()
-    bounds = np.searchsorted(t["block"], np.arange(plan.num_sms + 1)).tolist()
-    ptr = bounds[:-1]
+    streams = [x.tolist() for x in plan.streams()]
+    ptr = [0] * len(streams)
     value = [0] * len(c)
     order = []
     progress = True
     while progress:
         progress = False
-        for blk in range(plan.num_sms):
-            i, end = ptr[blk], bounds[blk + 1]
-            while i < end and all(w < 0 or value[w] >= target[w] for w in wait[i]):
+        for blk, stream in enumerate(streams):
+            j, end = ptr[blk], len(stream)
+            while j < end and all(w < 0 or value[w] >= target[w] for w in wait[stream[j]]):
+                i = stream[j]
                 for s in sig[i]:
                     if s >= 0:
                         value[s] += weight[s]
                 order.append(i)
-                i += 1
+                j += 1
                 progress = True
-            ptr[blk] = i
-    stuck = [blk for blk in range(plan.num_sms) if ptr[blk] < bounds[blk + 1]]
+            ptr[blk] = j
+    stuck = [blk for blk, stream in enumerate(streams) if ptr[blk] < len(stream)]
     if stuck:
         lines = []
         for blk in stuck[:4]:
-            i = ptr[blk]
+            i = streams[blk][ptr[blk]]
             w = [x for x in wait[i] if x >= 0 and value[x] < target[x]]
-            lines.append(f"block {blk} at {_name(plan, i)} waits for "
+            lines.append(f"block {plan.tasks['block'][i]} at {_name(plan, i)} waits for "
                          + ", ".join(f"{_counter_name(plan, x)} ({value[x]}/{target[x]})" for x in w))
         raise PlanError(f"deadlock: {len(stuck)} CTAs cannot progress; " + "; ".join(lines))
     return np.array(order, np.int64)
@@ -810,7 +824,9 @@ def _check_ring(plan: Plan, order: np.ndarray) -> None:
             users_of[m] |= 1 << int(i)
     signalers: dict[int, int] = {}
     anc = [0] * len(t)
-    prev_in_block = np.where(np.r_[False, t["block"][1:] == t["block"][:-1]], np.arange(len(t)) - 1, -1)
+    prev_in_block = np.full(len(t), -1, np.int64)  # the previous task of the same in-order stream
+    for stream in plan.streams():
+        prev_in_block[stream[1:]] = stream[:-1]
     wait, sig = t["wait_counter"].tolist(), t["signal_counter"].tolist()
     for i in order.tolist():
         a = 1 << i

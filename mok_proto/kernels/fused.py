@@ -80,7 +80,8 @@ class FusedForward:
         key = (int(comm_params.data.ptr), gemm_words.tobytes(), int(error.ptr), int(timeout_ns), flags)
         if key not in self._params:  # uploaded once per distinct launch (a captured graph never uploads)
             gemms = cupy.asarray(gemm_words)
-            fields = dict(num_ctas=plan.num_sms, comm_ctas=plan.comm_blocks, num_tasks=len(plan.tasks),
+            fields = dict(num_ctas=plan.num_sms, comm_ctas=plan.comm_blocks, comm_chunks=plan.num_chunks,
+                          num_tasks=len(plan.tasks),
                           num_counters=self.counters.shape[1], minibatch_rows=plan.minibatch_rows,
                           ring_rows=plan.ring_minibatches * plan.minibatch_rows, flags=flags, timeout_ns=timeout_ns,
                           tasks=self.tasks, task_begin=self.task_begin, comm=comm_params, gemm=gemms,

@@ -36,9 +36,11 @@ CACHE = ("recv", "g", "u", "h", "y")  # the activations the backward reads
 
 
 def knob_settings(max_ctas: int):
-    """(comm CTAs, minibatch rows, ring minibatches or None = every minibatch)."""
+    """(comm CTAs (0: the spare warps of every CTA), minibatch rows, ring minibatches or None = every
+    minibatch)."""
     big = min(32, max_ctas - 2)
-    return [(2, 256, None), (8, 768, None), (big, 512, None), (2, 256, 2), (8, 256, 1)]
+    return [(0, 256, None), (2, 256, None), (8, 768, None), (big, 512, None), (0, 512, None), (2, 256, 2),
+            (0, 256, 1)]
 
 
 def forward_bytes(layer, rank, keys) -> bytes:
