@@ -464,7 +464,7 @@ def inside_kernel(pass_: str, policy: dict) -> tuple[bool, bool]:
 
 def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int,
                   ring_minibatches: int | None = None, *, policy: dict, num_sms: int,
-                  capacity_rows: int | None = None) -> Plan:
+                  capacity_rows: int | None = None, lookahead: int = 1) -> Plan:
     """The forward megakernel's plan (cuda/fused.cuh): CTAs 0 .. comm_blocks - 1 pull the
     dispatched rows of minibatch after minibatch (chunk b of each: CTA b), then push the combine
     of each minibatch once its down tiles are done, a ring slot's next dispatch right after the
@@ -474,6 +474,11 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     comm_blocks = 0: no CTA is set aside; chunk c of every minibatch goes to CTA c of all
     num_sms, whose spare warps move it while its GEMM tasks run (two independent in-order
     streams per CTA: `Plan.streams`).
+    lookahead: the gate/up tiles of minibatch m + lookahead come before the down tiles of
+    minibatch m in the global order (0: strictly per minibatch), so a cluster whose next down
+    tile still waits for other clusters' gate/up tiles has gate/up work queued before it instead
+    (measured, kimi: the minibatches' gate/up and down phases no longer alternate in lockstep).
+    At most ring - 1 (a later minibatch's rows may need this one's slot).
 
     A tile pair is one task on each CTA of a cluster, at the same position of both tables:
     row_tile 2p on the even CTA, 2p + 1 on the odd one (row pair p: rows PAIR_ROWS p ..).
@@ -525,12 +530,20 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     for p in range(shared_pairs):
         pairs += [(k.shared_second, -1, p, col, lambda rt: [shared_first[rt]], lambda rt: []) for col in range(
             num_col_tiles(k.shared_second, shape))]
-    for m in range(num_mb):
-        row_pairs = range(m * tpm // 2, (m + 1) * tpm // 2)
-        pairs += [(k.first, m, p, col, lambda rt, m=m: [arrived[m]] if comm_in else [],
-                   lambda rt: [first_done[rt]]) for p in row_pairs for col in range(n_first)]
-        pairs += [(k.second, m, p, col, lambda rt: [first_done[rt]],
-                   lambda rt, m=m: [second_done[m]] if comm_out else []) for p in row_pairs for col in range(n_second)]
+    if lookahead < 0:
+        raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+    lookahead = min(lookahead, ring - 1)
+    for step in range(num_mb + lookahead):
+        m = step  # gate/up of minibatch step, then down of minibatch step - lookahead
+        if m < num_mb:
+            pairs += [(k.first, m, p, col, lambda rt, m=m: [arrived[m]] if comm_in else [],
+                       lambda rt: [first_done[rt]]) for p in range(m * tpm // 2, (m + 1) * tpm // 2)
+                      for col in range(n_first)]
+        m = step - lookahead
+        if m >= 0:
+            pairs += [(k.second, m, p, col, lambda rt: [first_done[rt]],
+                       lambda rt, m=m: [second_done[m]] if comm_out else [])
+                      for p in range(m * tpm // 2, (m + 1) * tpm // 2) for col in range(n_second)]
     clusters = (num_sms - comm_blocks) // 2
     for turn, (kind, m, p, col, waits, signals) in enumerate(pairs):
         for cta in (0, 1):

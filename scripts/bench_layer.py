@@ -44,8 +44,9 @@ EP = 64
 BARS = {"fwd": 1.0, "bwd": 1.3}
 FUSED_BARS = {"torch": 1.2, "sequential": 1.1}  # the fused forward (issue: the forward megakernel)
 SCHEDULE_BAR_MS = 0.05
-DEFAULT_FUSED = ((8, 1024),)  # (communication CTAs, minibatch rows) timed without --sweep
-SWEEP = tuple((c, m) for c in (2, 4, 8, 16, 32) for m in (512, 1024, 2048, 4096))
+# (communication CTAs, minibatch rows) timed without --sweep; 0 CTAs: every CTA's spare warps move rows
+DEFAULT_FUSED = ((0, 1024), (0, 2048), (8, 2048))
+SWEEP = tuple((c, m) for c in (0, 4, 8, 16) for m in (512, 1024, 2048, 4096))
 
 
 def emulated_shape(name: str) -> MoEShape:

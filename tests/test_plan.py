@@ -217,5 +217,37 @@ def test_fused_forward_bad_arguments():
         P.fused_forward(TILE, 2, 3, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     with pytest.raises(ValueError, match="needs dispatch pull and combine push"):
         fused_plan(ALL_PUSH, ring=2)
-    with pytest.raises(ValueError, match="comm_blocks must be >= 2"):
-        fused_plan(MOK_POLICY, comm=0)
+    with pytest.raises(ValueError, match="lookahead"):
+        P.fused_forward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024, lookahead=-1)
+
+
+def test_fused_forward_without_comm_ctas_runs_two_streams_per_cta():
+    # comm_blocks=0: chunk c of every minibatch on CTA c, beside that CTA's GEMM tiles
+    p = fused_plan(comm=0, ring=None)
+    p.check()
+    comm = np.isin(p.tasks["kind"], [int(k) for k in P.COMM_KINDS])
+    assert sorted(set(p.tasks["block"][comm].tolist())) == list(range(p.num_sms)) and p.num_chunks == p.num_sms
+    assert len(p.streams()) == 2 * p.num_sms
+    # as ONE in-order stream per CTA the same tables deadlock (a CTA's gate/up tile would wait
+    # for rows its own later dispatch task moves): the two streams are what makes it run
+    one_stream = P.with_tasks(p, p.tasks)
+    object.__setattr__(one_stream, "strategy", "fused_forward_one_stream")
+    with pytest.raises(P.PlanError, match="deadlock"):
+        P._execution_order(one_stream)
+
+
+def test_fused_forward_lookahead_orders_gate_up_before_the_previous_down():
+    def first_seq(p, kind, m):
+        t = p.tasks[p.tasks["block"] == p.comm_blocks]
+        return int(t["seq"][(t["kind"] == int(kind)) & (t["minibatch"] == m)].min())
+
+    eager = fused_plan(ring=None, num_sms=4)
+    strict = P.fused_forward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=4, capacity_rows=1024, lookahead=0)
+    for p in (eager, strict):
+        p.check()
+    assert first_seq(eager, P.TaskKind.GATE_UP, 1) < first_seq(eager, P.TaskKind.DOWN, 0)
+    assert first_seq(strict, P.TaskKind.GATE_UP, 1) > first_seq(strict, P.TaskKind.DOWN, 0)
+    # with a ring of one minibatch, minibatch 1's rows need minibatch 0's slot: no lookahead
+    ring1 = P.fused_forward(TILE, 2, 2, 256, 1, policy=MOK_POLICY, num_sms=4, capacity_rows=1024, lookahead=3)
+    ring1.check()
+    assert first_seq(ring1, P.TaskKind.GATE_UP, 1) > first_seq(ring1, P.TaskKind.DOWN, 0)

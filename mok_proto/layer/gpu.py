@@ -155,8 +155,8 @@ class GpuMoELayer(GpuRound):
             raise ValueError(f"plan covers {forward_plan.capacity_rows} receive rows, the layer holds {self.capacity}")
         self.fused = FusedForward(forward_plan, len(self.ranks))
 
-    def fused_forward_plan(self, comm_blocks: int = 8, minibatch_rows: int = 1024, ring_minibatches=None,
-                           num_sms: int | None = None):
+    def fused_forward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, ring_minibatches=None,
+                           num_sms: int | None = None, lookahead: int = 1):
         """A fused_forward plan for this layer (its shape, R, policy, capacity) and this GPU (num_sms:
         CTAs per launch rank, by default as many as are resident with every launch rank's)."""
         from mok_proto import plan as plans
@@ -165,7 +165,7 @@ class GpuMoELayer(GpuRound):
         num_sms = num_sms or default_num_sms(len(self.ranks))
         capacity = -(-self.capacity // minibatch_rows) * minibatch_rows
         return plans.fused_forward(self.shape, self.run.num_ranks, comm_blocks, minibatch_rows, ring_minibatches,
-                                   policy=self.policy, num_sms=num_sms, capacity_rows=capacity)
+                                   policy=self.policy, num_sms=num_sms, capacity_rows=capacity, lookahead=lookahead)
 
     def set_weights(self, rank: int, weights: dict):
         """This rank's El routed experts (w_gate/w_up [El,H,I], w_down [El,I,H]) and, with a shared

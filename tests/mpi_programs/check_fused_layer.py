@@ -37,10 +37,10 @@ CACHE = ("recv", "g", "u", "h", "y")  # the activations the backward reads
 
 def knob_settings(max_ctas: int):
     """(comm CTAs (0: the spare warps of every CTA), minibatch rows, ring minibatches or None = every
-    minibatch)."""
+    minibatch, lookahead)."""
     big = min(32, max_ctas - 2)
-    return [(0, 256, None), (2, 256, None), (8, 768, None), (big, 512, None), (0, 512, None), (2, 256, 2),
-            (0, 256, 1)]
+    return [(0, 256, None, 1), (2, 256, None, 0), (8, 768, None, 1), (big, 512, None, 2), (0, 512, None, 0),
+            (2, 256, 2, 1), (0, 256, 1, 0)]
 
 
 def forward_bytes(layer, rank, keys) -> bytes:
@@ -93,15 +93,16 @@ def check_case(heap, comm, name, case_id, replays, policies):
         layer.policy = dict(policy)
         layer.set_forward_plan(None)
         want = run(layer, heap, backward=True)
-        for comm_ctas, minibatch, ring in knob_settings(max_ctas):
+        for comm_ctas, minibatch, ring, lookahead in knob_settings(max_ctas):
             full_ring = ring is None
             if not full_ring and not (policy["dispatch"] == "pull" and policy["combine"] == "push"):
                 continue  # the ring turns only with both transfers inside the kernel (plan.fused_forward)
-            plan = layer.fused_forward_plan(comm_ctas, minibatch, ring)
+            plan = layer.fused_forward_plan(comm_ctas, minibatch, ring, lookahead=lookahead)
             layer.set_forward_plan(plan)
             got = run(layer, heap, backward=full_ring)
             for rank in layer.ranks:
-                what = f"{name} rank {rank} {policy} comm={comm_ctas} minibatch={minibatch} ring={ring}"
+                what = f"{name} rank {rank} {policy} comm={comm_ctas} minibatch={minibatch} ring={ring} " \
+                       f"lookahead={lookahead}"
                 assert got[rank]["fwd"] == want[rank]["fwd"], f"{what}: fused output differs from sequential"
                 if full_ring:
                     assert got[rank]["cache"] == want[rank]["cache"], f"{what}: fused cache differs"
@@ -110,7 +111,7 @@ def check_case(heap, comm, name, case_id, replays, policies):
     assert settings, "no knob setting ran"
     # Graph replays of the fused forward (MoK's policy, the first setting).
     layer.policy = dict(MOK_POLICY)
-    layer.set_forward_plan(layer.fused_forward_plan(*knob_settings(max_ctas)[0]))
+    layer.set_forward_plan(layer.fused_forward_plan(*knob_settings(max_ctas)[0][:3]))
     first = run(layer, heap, backward=False)
     graph = layer.capture(backward=False)
     for replay in range(replays):
