@@ -28,8 +28,9 @@ The tables are the megakernel's own structs (``TASK_DTYPE``/``COUNTER_DTYPE`` ar
 mok::plan::Task/Counter of cuda/abi.cuh, from the spec in mok_proto/abi.py; so are the kinds).
 
 Strategies are plain functions that return a plan: `sequential` (stage by stage, every SM per
-stage, a barrier counter between stages) and `fixed_split` (``comm_blocks`` CTAs communicate,
-the rest compute; MoK's restructured overlap). `Plan.check` proves on the CPU that a plan is
+stage, a barrier counter between stages), `fixed_split` (``comm_blocks`` CTAs communicate,
+the rest compute; MoK's restructured overlap, for the simulator) and `fused_forward` (what the
+forward megakernel, cuda/fused.cuh, executes). `Plan.check` proves on the CPU that a plan is
 executable: see its docstring.
 """
 
@@ -189,15 +190,28 @@ class Plan:
         return self.comm_blocks or self.num_sms
 
     def streams(self) -> list[np.ndarray]:
-        """Task indices of each in-order stream, in table order. A CTA is one stream, except in a
-        fused plan, where a CTA's communication tasks (its spare warps) and its GEMM tasks are
-        two independent streams."""
+        """Task indices of each in-order stream, in execution order. A CTA is one stream, except
+        in a fused plan: there a CTA's communication tasks (its spare warps, or a communicating
+        CTA) are one stream, and the GEMM tasks of the two CTAs of a cluster are ONE stream of
+        tile pairs (even CTA's task, then its partner's: neither half of a pair can finish
+        before both halves' waits are met, as they share the B operand and the stage barriers)."""
         t = self.tasks
+        if not len(t):
+            return []
         comm = np.isin(t["kind"], [int(k) for k in COMM_KINDS])
-        key = 2 * t["block"].astype(np.int64) + (comm if self.strategy == "fused_forward" else 0)
-        order = np.argsort(key, kind="stable")
+        if self.strategy != "fused_forward":
+            key, pos = t["block"].astype(np.int64), np.arange(len(t))
+        else:
+            cluster = np.where(comm, t["block"], self.num_sms + t["block"] // 2).astype(np.int64)
+            key = 2 * cluster + comm
+            rank = np.zeros(len(t), np.int64)  # position of a GEMM task among its CTA's GEMM tasks
+            for blk in np.unique(t["block"]):
+                sel = np.flatnonzero((t["block"] == blk) & ~comm)
+                rank[sel] = np.arange(len(sel))
+            pos = np.where(comm, np.arange(len(t)), 2 * rank + t["block"] % 2)
+        order = np.lexsort((pos, key))
         bounds = np.flatnonzero(np.diff(key[order])) + 1
-        return np.split(order, bounds) if len(t) else []
+        return np.split(order, bounds)
 
     def is_comm_block(self, block) -> np.ndarray:
         return np.asarray(block) < self.comm_blocks
@@ -229,12 +243,17 @@ class Plan:
            each epilogue tile, each weight-gradient tile per macrobatch) exists exactly once.
         3. Weight-gradient order: each routed weight-gradient output tile runs on one CTA, its
            macrobatches in increasing table order (a store, then adds in a fixed order).
-        4. No deadlock: an in-order execution per CTA (all CTAs co-resident) finishes.
+        4. No deadlock: an in-order execution per stream (`streams`: a CTA, or in a fused plan a
+           CTA's communication and a cluster's tile pairs; all co-resident) finishes.
         5. Order: every counter a task waits on is raised only by tasks earlier in that global
            topological order.
         6. Ring: the task that refills the slot of minibatch m happens after every task that
            uses the rows of minibatch m - ring (transitively through counters and CTA order).
         7. Pairs (fused plans): every GEMM task is one half of a 2-CTA cluster's tile pair.
+        8. Data flow (fused plans): every task runs after the tasks that write what it reads
+           (gate/up after its minibatch's dispatch chunks, down after its row tile's gate/up
+           tiles, combine after its minibatch's down tiles, shared down after its row tile's
+           shared gate/up tiles), transitively through counters and stream order.
 
         The proof is kept: a second call costs nothing (like `execution_order`, it assumes the
         tables are not changed in place; `with_tasks` makes a new plan).
@@ -247,7 +266,9 @@ class Plan:
         _check_wgrad_order(self)
         order = self.execution_order
         _check_topological(self, order)
-        _check_ring(self, order)
+        ancestors = _ancestors(self, order)
+        _check_ring(self, ancestors)
+        _check_dataflow(self, ancestors)
         self.__dict__["_checked"] = True  # frozen dataclass: kept in the instance dict, as cached_property does
 
 
@@ -464,7 +485,7 @@ def inside_kernel(pass_: str, policy: dict) -> tuple[bool, bool]:
 
 def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int,
                   ring_minibatches: int | None = None, *, policy: dict, num_sms: int,
-                  capacity_rows: int | None = None, lookahead: int = 1) -> Plan:
+                  capacity_rows: int | None = None, lookahead: int | None = None) -> Plan:
     """The forward megakernel's plan (cuda/fused.cuh): CTAs 0 .. comm_blocks - 1 pull the
     dispatched rows of minibatch after minibatch (chunk b of each: CTA b), then push the combine
     of each minibatch once its down tiles are done, a ring slot's next dispatch right after the
@@ -474,8 +495,9 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     comm_blocks = 0: no CTA is set aside; chunk c of every minibatch goes to CTA c of all
     num_sms, whose spare warps move it while its GEMM tasks run (two independent in-order
     streams per CTA: `Plan.streams`).
-    lookahead: the gate/up tiles of minibatch m + lookahead come before the down tiles of
-    minibatch m in the global order (0: strictly per minibatch), so a cluster whose next down
+    lookahead (default 1, or 0 with a ring of one minibatch): the gate/up tiles of minibatch
+    m + lookahead come before the down tiles of minibatch m in the global order (0: strictly
+    per minibatch), so a cluster whose next down
     tile still waits for other clusters' gate/up tiles has gate/up work queued before it instead
     (measured, kimi: the minibatches' gate/up and down phases no longer alternate in lockstep).
     At most ring - 1 (a later minibatch's rows may need this one's slot).
@@ -488,9 +510,11 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     minibatch)."""
     capacity_rows = capacity_rows or default_capacity(shape, num_ranks, minibatch_rows)
     num_mb = capacity_rows // minibatch_rows if minibatch_rows > 0 else 0
-    ring = ring_minibatches or num_mb
+    ring = min(ring_minibatches or num_mb, max(num_mb, 1))  # a ring of every minibatch never turns
     _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, ring, capacity_rows, "fwd")
     comm_in, comm_out = inside_kernel("fwd", policy)
+    if comm_blocks and not (comm_in or comm_out):
+        raise ValueError(f"policy {policy} moves no rows inside the kernel: comm_blocks must be 0")
     if minibatch_rows % PAIR_ROWS:
         raise ValueError(f"minibatch_rows must be a multiple of {PAIR_ROWS} (a cluster's row pair), got {minibatch_rows}")
     if num_sms % 2 or comm_blocks % 2 or not 0 <= comm_blocks < num_sms:
@@ -530,9 +554,11 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     for p in range(shared_pairs):
         pairs += [(k.shared_second, -1, p, col, lambda rt: [shared_first[rt]], lambda rt: []) for col in range(
             num_col_tiles(k.shared_second, shape))]
-    if lookahead < 0:
-        raise ValueError(f"lookahead must be >= 0, got {lookahead}")
-    lookahead = min(lookahead, ring - 1)
+    if lookahead is None:
+        lookahead = min(1, max(ring - 1, 0))
+    if not 0 <= lookahead <= max(ring - 1, 0):
+        raise ValueError(f"lookahead must be in [0, ring - 1 = {ring - 1}] (minibatch m + lookahead may need m's "
+                         f"ring slot), got {lookahead}")
     for step in range(num_mb + lookahead):
         m = step  # gate/up of minibatch step, then down of minibatch step - lookahead
         if m < num_mb:
@@ -816,8 +842,32 @@ def _check_topological(plan: Plan, order: np.ndarray) -> None:
                             f"raised by a task at or after it")
 
 
-def _check_ring(plan: Plan, order: np.ndarray) -> None:
-    """Happens-before as bitsets of ancestor tasks (Python ints), built in topological order."""
+def _ancestors(plan: Plan, order: np.ndarray) -> list:
+    """Happens-before: per task, the bitset (a Python int) of the tasks that precede it through
+    counters (every signaller of a counter it waits on) and stream order, itself included."""
+    t = plan.tasks
+    signalers: dict[int, int] = {}
+    anc = [0] * len(t)
+    prev_in_stream = np.full(len(t), -1, np.int64)
+    for stream in plan.streams():
+        prev_in_stream[stream[1:]] = stream[:-1]
+    wait, sig = t["wait_counter"].tolist(), t["signal_counter"].tolist()
+    for i in order.tolist():
+        a = 1 << i
+        p = prev_in_stream[i]
+        if p >= 0:
+            a |= anc[p]
+        for w in wait[i]:
+            if w >= 0:
+                a |= signalers.get(w, 0)
+        anc[i] = a
+        for s in sig[i]:
+            if s >= 0:
+                signalers[s] = signalers.get(s, 0) | a
+    return anc
+
+
+def _check_ring(plan: Plan, anc: list) -> None:
     ring, k = plan.ring_minibatches, plan.kinds
     if plan.num_minibatches <= ring:
         return
@@ -835,29 +885,42 @@ def _check_ring(plan: Plan, order: np.ndarray) -> None:
         j = int(wgrad_macro[i])
         for m in range(j * ring, min((j + 1) * ring, plan.num_minibatches)):
             users_of[m] |= 1 << int(i)
-    signalers: dict[int, int] = {}
-    anc = [0] * len(t)
-    prev_in_block = np.full(len(t), -1, np.int64)  # the previous task of the same in-order stream
-    for stream in plan.streams():
-        prev_in_block[stream[1:]] = stream[:-1]
-    wait, sig = t["wait_counter"].tolist(), t["signal_counter"].tolist()
-    for i in order.tolist():
-        a = 1 << i
-        p = prev_in_block[i]
-        if p >= 0:
-            a |= anc[p]
-        for w in wait[i]:
-            if w >= 0:
-                a |= signalers.get(w, 0)
-        anc[i] = a
-        for s in sig[i]:
-            if s >= 0:
-                signalers[s] = signalers.get(s, 0) | a
     for i in np.flatnonzero((kind == int(k.comm_in)) & (mb >= ring)):
         need = users_of[int(mb[i]) - ring]
         if anc[i] & need != need:
             raise PlanError(f"ring: {_name(plan, int(i))} refills the slot of minibatch {int(mb[i]) - ring} "
                             f"before every task using its rows finished")
+
+
+def _check_dataflow(plan: Plan, anc: list) -> None:
+    """Fused plans: each reader runs after every writer of its rows (see check(), 8)."""
+    if plan.strategy != "fused_forward":
+        return
+    t, k = plan.tasks, plan.kinds
+    kind, mb, rt = t["kind"], t["minibatch"], t["row_tile"]
+
+    def bits(sel):
+        b = 0
+        for i in np.flatnonzero(sel):
+            b |= 1 << int(i)
+        return b
+
+    writers = {}  # (reader kind, key) -> bitset of the writers it needs
+    for m in np.unique(mb[mb >= 0]).tolist():
+        writers[(int(k.first), "mb", m)] = bits((kind == int(k.comm_in)) & (mb == m))
+        writers[(int(k.comm_out), "mb", m)] = bits((kind == int(k.second)) & (mb == m))
+    for r in np.unique(rt[kind == int(k.second)]).tolist():
+        writers[(int(k.second), "rt", r)] = bits((kind == int(k.first)) & (rt == r))
+    for r in np.unique(rt[kind == int(k.shared_second)]).tolist():
+        writers[(int(k.shared_second), "rt", r)] = bits((kind == int(k.shared_first)) & (rt == r))
+    for i in range(len(t)):
+        key = (int(kind[i]), "rt", int(rt[i])) if kind[i] in (int(k.second), int(k.shared_second)) else (
+            int(kind[i]), "mb", int(mb[i]))
+        need = writers.get(key, 0)
+        if anc[i] & need != need:
+            missing = need & ~anc[i]
+            j = (missing & -missing).bit_length() - 1
+            raise PlanError(f"data flow: {_name(plan, i)} may run before {_name(plan, j)}, which writes rows it reads")
 
 
 def _name(plan: Plan, i: int) -> str:

@@ -162,7 +162,7 @@ def fused_plan(policy=MOK_POLICY, ring=2, comm=2, num_sms=8):
 @pytest.mark.parametrize("policy", [MOK_POLICY, ALL_PUSH, ALL_PULL, PUSH_PULL])
 def test_fused_forward_passes_check(policy):
     inside = P.inside_kernel("fwd", policy)
-    p = fused_plan(policy, ring=2 if inside == (True, True) else None)
+    p = fused_plan(policy, ring=2 if inside == (True, True) else None, comm=2 if any(inside) else 0)
     p.check()
     kinds = {P.TaskKind(int(k)) for k in np.unique(p.tasks["kind"])}
     want = {P.TaskKind.SHARED_GATE_UP, P.TaskKind.SHARED_DOWN, P.TaskKind.GATE_UP, P.TaskKind.DOWN}
@@ -227,7 +227,7 @@ def test_fused_forward_without_comm_ctas_runs_two_streams_per_cta():
     p.check()
     comm = np.isin(p.tasks["kind"], [int(k) for k in P.COMM_KINDS])
     assert sorted(set(p.tasks["block"][comm].tolist())) == list(range(p.num_sms)) and p.num_chunks == p.num_sms
-    assert len(p.streams()) == 2 * p.num_sms
+    assert len(p.streams()) == p.num_sms + p.num_sms // 2  # each CTA's comm; each cluster's tile pairs
     # as ONE in-order stream per CTA the same tables deadlock (a CTA's gate/up tile would wait
     # for rows its own later dispatch task moves): the two streams are what makes it run
     one_stream = P.with_tasks(p, p.tasks)
@@ -248,6 +248,34 @@ def test_fused_forward_lookahead_orders_gate_up_before_the_previous_down():
     assert first_seq(eager, P.TaskKind.GATE_UP, 1) < first_seq(eager, P.TaskKind.DOWN, 0)
     assert first_seq(strict, P.TaskKind.GATE_UP, 1) > first_seq(strict, P.TaskKind.DOWN, 0)
     # with a ring of one minibatch, minibatch 1's rows need minibatch 0's slot: no lookahead
-    ring1 = P.fused_forward(TILE, 2, 2, 256, 1, policy=MOK_POLICY, num_sms=4, capacity_rows=1024, lookahead=3)
+    ring1 = P.fused_forward(TILE, 2, 2, 256, 1, policy=MOK_POLICY, num_sms=4, capacity_rows=1024)
     ring1.check()
     assert first_seq(ring1, P.TaskKind.GATE_UP, 1) > first_seq(ring1, P.TaskKind.DOWN, 0)
+    with pytest.raises(ValueError, match="lookahead must be in"):
+        P.fused_forward(TILE, 2, 2, 256, 1, policy=MOK_POLICY, num_sms=4, capacity_rows=1024, lookahead=1)
+
+
+def test_fused_check_sees_a_cluster_pair_as_one_stream():
+    # the odd CTA's first tile waits for a counter its even partner raises only in a LATER pair:
+    # as independent CTAs that runs, but a pair shares its stage barriers and B: it hangs
+    p = fused_plan(ring=None)
+    t = p.tasks.copy()
+    gemm = ~np.isin(t["kind"], [int(k) for k in P.COMM_KINDS])
+    even = np.flatnonzero(gemm & (t["block"] == p.comm_blocks))
+    odd = np.flatnonzero(gemm & (t["block"] == p.comm_blocks + 1))
+    counter = t["signal_counter"][even[-1], 0]  # raised (in part) by the even CTA's last tile
+    assert counter >= 0
+    t["wait_counter"][odd[0], 1], t["wait_target"][odd[0], 1] = counter, p.counters["target"][counter]
+    with pytest.raises(P.PlanError, match="deadlock"):
+        P.with_tasks(p, t).check()
+
+
+@pytest.mark.parametrize("kind", ["GATE_UP", "DOWN", "COMBINE", "SHARED_DOWN"])
+def test_fused_check_rejects_a_reader_without_its_wait(kind):
+    # drop the waits of every task of one kind: it may then read rows before they are written
+    p = fused_plan(ring=None)
+    t = p.tasks.copy()
+    sel = t["kind"] == int(P.TaskKind[kind])
+    t["wait_counter"][sel], t["wait_target"][sel] = -1, 0
+    with pytest.raises(P.PlanError, match="data flow"):
+        P.with_tasks(p, t).check()

@@ -156,7 +156,7 @@ class GpuMoELayer(GpuRound):
         self.fused = FusedForward(forward_plan, len(self.ranks))
 
     def fused_forward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, ring_minibatches=None,
-                           num_sms: int | None = None, lookahead: int = 1):
+                           num_sms: int | None = None, lookahead: int | None = None):
         """A fused_forward plan for this layer (its shape, R, policy, capacity) and this GPU (num_sms:
         CTAs per launch rank, by default as many as are resident with every launch rank's)."""
         from mok_proto import plan as plans
