@@ -94,13 +94,6 @@ namespace mok::fused {
 //   kSlotFirst: routed experts, first GEMM (fwd: gate/up)
 //   kSlotSecond: routed experts, second GEMM (fwd: down)
 enum GemmSlot : int { kSlotSharedFirst = 0, kSlotSharedSecond = 1, kSlotFirst = 2, kSlotSecond = 3, kFusedGemms = 4 };
-// FusedFlag, as errors print it:
-//   kFusedNone: nothing
-//   kFusedCommIn: the incoming transfer (dispatch, pull) runs inside the kernel
-//   kFusedCommOut: the outgoing transfer (combine, push) runs inside the kernel
-//   kFusedBoth: both
-//   kFusedTrace: record the timeline (a bit: added to the above)
-enum FusedFlag : int { kFusedNone = 0, kFusedCommIn = 1, kFusedCommOut = 2, kFusedBoth = 3, kFusedTrace = 4 };
 }  // namespace mok::fused
 
 namespace mok {
@@ -273,26 +266,25 @@ static_assert(__builtin_offsetof(Counter, kind) == 0 && __builtin_offsetof(Count
 
 namespace mok::fused {
 struct FusedParams {
-  i64          num_ctas;  // CTAs per launch rank (grid.x): the plan's num_sms
   i64          comm_ctas;  // CTAs 0 .. comm_ctas - 1 only communicate (the plan's comm_blocks; 0: none)
   i64          comm_chunks;  // a minibatch's rows are split into this many chunks (row c, c + chunks, ...)
   i64          num_tasks;  // tasks of the plan (per rank: every rank runs the same plan)
   i64          num_counters;  // ready counters per rank
   i64          minibatch_rows;  // receive rows per minibatch (a multiple of 2 kBM)
   i64          ring_rows;  // receive row r lives in row r % ring_rows of the row buffers
-  i64          flags;  // FusedFlag bits: which transfers run inside, whether to record the timeline
+  i64          record_trace;  // 1: write a TraceRecord per task into `trace` (the timeline); 0: none
   i64          timeout_ns;  // every counter wait gives up after this
   i64          tasks;  // Task [num_tasks], sorted by (block, seq)
   i64          task_begin;  // int32 [num_ctas + 1]: CTA b runs tasks[task_begin[b] .. task_begin[b + 1])
   i64          comm;  // const CommParams* of the round (rank = rank_base + blockIdx.y)
   i64          gemm;  // GemmParams [W][kFusedGemms]: each launch rank's GEMMs, GemmSlot order
   i64          counters;  // u32 [W][num_counters], zero before the launch
-  i64          trace;  // TraceRecord [W][num_tasks] (flag kFusedTrace)
+  i64          trace;  // TraceRecord [W][num_tasks] (record_trace)
   ErrorRecord* error;  // this process's error record
 };
-static_assert(sizeof(FusedParams) == 128, "FusedParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(FusedParams) == 120, "FusedParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(FusedParams, num_ctas) == 0 && __builtin_offsetof(FusedParams, comm_ctas) == 8 && __builtin_offsetof(FusedParams, comm_chunks) == 16 && __builtin_offsetof(FusedParams, num_tasks) == 24 && __builtin_offsetof(FusedParams, num_counters) == 32 && __builtin_offsetof(FusedParams, minibatch_rows) == 40 && __builtin_offsetof(FusedParams, ring_rows) == 48 && __builtin_offsetof(FusedParams, flags) == 56 && __builtin_offsetof(FusedParams, timeout_ns) == 64 && __builtin_offsetof(FusedParams, tasks) == 72 && __builtin_offsetof(FusedParams, task_begin) == 80 && __builtin_offsetof(FusedParams, comm) == 88 && __builtin_offsetof(FusedParams, gemm) == 96 && __builtin_offsetof(FusedParams, counters) == 104 && __builtin_offsetof(FusedParams, trace) == 112 && __builtin_offsetof(FusedParams, error) == 120, "FusedParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(FusedParams, comm_ctas) == 0 && __builtin_offsetof(FusedParams, comm_chunks) == 8 && __builtin_offsetof(FusedParams, num_tasks) == 16 && __builtin_offsetof(FusedParams, num_counters) == 24 && __builtin_offsetof(FusedParams, minibatch_rows) == 32 && __builtin_offsetof(FusedParams, ring_rows) == 40 && __builtin_offsetof(FusedParams, record_trace) == 48 && __builtin_offsetof(FusedParams, timeout_ns) == 56 && __builtin_offsetof(FusedParams, tasks) == 64 && __builtin_offsetof(FusedParams, task_begin) == 72 && __builtin_offsetof(FusedParams, comm) == 80 && __builtin_offsetof(FusedParams, gemm) == 88 && __builtin_offsetof(FusedParams, counters) == 96 && __builtin_offsetof(FusedParams, trace) == 104 && __builtin_offsetof(FusedParams, error) == 112, "FusedParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 struct TraceRecord {

@@ -201,10 +201,10 @@ __device__ __forceinline__ void schedule_pad(const CommParams* p, SchedView sv, 
 // ---------------------------------------------------------------------------------------------
 // Building blocks: row movements (one warp per row; kVec: bytes per access, 16 or 2)
 // ---------------------------------------------------------------------------------------------
-// Dispatch, pull (expert side): receive rows [begin, end): recv[i - shift] <- the source row of
-// slot src_slot[i] (source_row) on rank src_rank[i]; padding rows zeroed. The expert owner waits
-// only for its own loads. (Reverse-combine, pull: the same with the backward's buffers.) `shift`:
-// the fused layer's ring keeps receive row i in row i - shift of recv (0: the whole buffer).
+// Dispatch, pull (expert side): receive rows [begin, end): recv[i] <- the source row of slot
+// src_slot[i] (source_row) on rank src_rank[i]; padding rows zeroed. The expert owner waits only
+// for its own loads. (Reverse-combine, pull: the same with the backward's buffers.) The row
+// functions take a `shift`: the fused layer's ring keeps receive row i in row i - shift of recv/y.
 // One row of a movement: copy `bytes` from src to dst; src == nullptr: zero dst; dst == nullptr:
 // nothing to do. The row functions below say which row i moves where; the movers (a warp per row
 // here, bulk copies in the fused kernel) do the copying.
@@ -236,9 +236,9 @@ __device__ __forceinline__ void warp_move_row(RowMove m, i64 bytes, int lane) {
 
 template <int kVec>
 __device__ __forceinline__ void pull_token_rows(const CommParams* p, int rank, SchedView sv, i64 begin, i64 end,
-                                                Workers warps, int lane, i64 shift = 0) {
+                                                Workers warps, int lane) {
   for (i64 i = begin + warps.id; i < end; i += warps.count)
-    warp_move_row<kVec>(dispatch_pull_row(p, rank, sv, i, shift), p->row_bytes, lane);
+    warp_move_row<kVec>(dispatch_pull_row(p, rank, sv, i, 0), p->row_bytes, lane);
 }
 
 // Token side: f(s, expert owner, receive row there or -1) for my slots [begin, end), one per worker.
@@ -264,13 +264,13 @@ __device__ __forceinline__ void push_token_rows(const CommParams* p, int rank, i
   });
 }
 
-// Combine, push (expert side): receive rows [begin, end): y[i - shift] into slots[src_slot[i]] of
-// token owner src_rank[i] (padding rows skipped). `shift` as in pull_token_rows.
+// Combine, push (expert side): receive rows [begin, end): y[i] into slots[src_slot[i]] of token
+// owner src_rank[i] (padding rows skipped).
 template <int kVec>
 __device__ __forceinline__ void push_result_rows(const CommParams* p, int rank, SchedView sv, i64 begin, i64 end,
-                                                 Workers warps, int lane, i64 shift = 0) {
+                                                 Workers warps, int lane) {
   for (i64 i = begin + warps.id; i < end; i += warps.count)
-    warp_move_row<kVec>(combine_push_row(p, rank, sv, i, shift), p->row_bytes, lane);
+    warp_move_row<kVec>(combine_push_row(p, rank, sv, i, 0), p->row_bytes, lane);
 }
 
 // Combine, pull (token side): my slots [begin, end): slots[s] <- y[recv_row[s]] of the slot's

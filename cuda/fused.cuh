@@ -4,8 +4,8 @@
 // expert GEMM tiles as soon as their rows are in. Before it (separate launches, as MoK does): the
 // routing all-gather and the schedule; after it: the flag that publishes the combine, the wait,
 // and the fixed-order weighted sum. A transfer in the other direction (dispatch push, combine
-// pull) runs as its sequential launch before (resp. after) this kernel: FusedParams.flags says
-// which transfers run inside.
+// pull) runs as its sequential launch before (resp. after) this kernel: the plan has chunk
+// tasks only for the transfers that run inside.
 //
 // Legend: R ranks, El local experts, MB minibatch rows, W launch ranks (grid.y), B = kBM rows.
 //
@@ -21,9 +21,9 @@
 // Rows: expert segments are padded to 2 B = 256 rows (the schedule's align), so a row pair never
 // straddles two experts; the pair's expert is found from the schedule's offsets on the device,
 // so the plan is independent of the routing. Tasks for pairs past the real rows do nothing but
-// signal. Receive row r lives in row r % ring_rows of recv, g, u, h, y (the ring; ring_rows =
-// the capacity: no reuse); the plan makes a dispatch into a ring slot wait for the release of
-// its previous occupant (its combine, which comes after its down tiles).
+// signal. Receive row r lives in row r % ring_rows of recv, g, u, h, y (the ring; ring_rows >=
+// every receive row: no reuse); the plan makes a dispatch into a ring slot wait for the release
+// of its previous occupant (its combine, which comes after its down tiles).
 //
 // Ready counters (u32, this launch rank's, zeroed before the launch): a task waits (one thread,
 // acquire, bounded: kOpFusedWait names the counter and the task) until each of its counters
@@ -31,7 +31,7 @@
 // stored. Rows stored by plain stores and read by TMA cross proxies: the writer fences
 // (fence.proxy.async.global) before its release, the TMA-issuing reader after its acquire.
 //
-// Timeline (flag kFusedTrace): TraceRecord of every task: start (consumer or comm start), ready
+// Timeline (FusedParams.record_trace): TraceRecord of every task: start (consumer or comm start), ready
 // (waits met: the producer's, for a GEMM tile), end (signal), task index, SM.
 #pragma once
 #include "comm.cuh"
@@ -289,11 +289,7 @@ __device__ __forceinline__ bool bulk_move(const Ctx& c, CopyRing& r, u32 row_byt
       issue(j + n);
     }
   }
-  for (i64 j = count - d < 0 ? 0 : count - d; ok && j + n < count; ++j) {  // only when count - d < count - n: d >= n
-    bulk_wait_read<0>();
-    issue(j + n);
-  }
-  bulk_wait_done();
+  bulk_wait_done();  // (every reload was issued in the loop: rows j + n < count have j = k - d <= count - 1 - d)
   return ok;
 }
 
@@ -309,6 +305,7 @@ __device__ __forceinline__ bool comm_task(const Ctx& c, SharedStorage& ss, CopyR
   volatile int* go = &ss.go;
   if (threadIdx.x == 0) {
     *go = ok && wait_task(c, t, index);
+    if (*go) fence_proxy_async_global();  // the bulk loads (async proxy) read rows stored by plain stores
     if (c.trace) c.trace[index].ready_ns = static_cast<i64>(globaltimer_ns());
   }
   __syncthreads();
@@ -410,7 +407,7 @@ __device__ __forceinline__ bool side_comm_task(const Ctx& c, SharedStorage& ss, 
 __device__ __forceinline__ bool is_comm(int kind) { return kind == plan::kTaskDispatch || kind == plan::kTaskCombine; }
 
 // ---------------------------------------------------------------------------------------------
-// The kernel: grid (num_ctas, W) in 2-CTA clusters, kThreads threads, gemm::kSmemBytes of
+// The kernel: grid (the plan's num_sms, W) in 2-CTA clusters, kThreads threads, gemm::kSmemBytes of
 // dynamic shared memory; every CTA of every launch rank resident at once (the host sizes the grid
 // from the driver's occupancy answer).
 // ---------------------------------------------------------------------------------------------
@@ -428,7 +425,7 @@ __global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::k
   c.gemm = reinterpret_cast<const GemmParams*>(fp->gemm) + w * kFusedGemms;
   c.tasks = reinterpret_cast<const Task*>(fp->tasks);
   c.counters = reinterpret_cast<u32*>(fp->counters) + w * fp->num_counters;
-  c.trace = (fp->flags & kFusedTrace) ? reinterpret_cast<TraceRecord*>(fp->trace) + w * fp->num_tasks : nullptr;
+  c.trace = fp->record_trace ? reinterpret_cast<TraceRecord*>(fp->trace) + w * fp->num_tasks : nullptr;
   c.rank = static_cast<int>(cp->rank_base) + w;
   // Barriers and the cluster's abort decision (an error recorded before this launch: run nothing).
   gemm::gemm_setup<gemm::kGateUp>(c.gemm + kSlotFirst, ss, cta);

@@ -67,7 +67,7 @@ struct SharedStorage {
   u64 full[kStages];                              // producer -> consumers: stage loaded
   u64 empty[kStages];                             // consumers (both CTAs) -> producers: stage free
   int abort;                                      // set in both CTAs by cta 0: skip every tile
-  int go;                                         // producer warpgroup: the cp.async path proceeds
+  int go;                                         // producer warpgroup: the cp.async path proceeds (fused.cuh: a comm task proceeds)
   int side_go;                                    // the fused kernel's communicating warps: a task proceeds
   int pair_prefix[kMaxGroups + 1];                // row problems: pair rows before expert g
 };

@@ -210,15 +210,7 @@ GEMM_SLOT = Enum("GemmSlot", (
     ("kSlotSecond", "routed experts, second GEMM (fwd: down)"),
 ), namespace="mok::fused", count="kFusedGemms")
 
-FUSED_FLAG = Enum("FusedFlag", (
-    ("kFusedNone", "nothing"),
-    ("kFusedCommIn", "the incoming transfer (dispatch, pull) runs inside the kernel"),
-    ("kFusedCommOut", "the outgoing transfer (combine, push) runs inside the kernel"),
-    ("kFusedBoth", "both"),
-    ("kFusedTrace", "record the timeline (a bit: added to the above)"),
-), namespace="mok::fused")
-
-ENUMS = (ERROR_CODE, OP, FLAG_KIND, GEMM_PROBLEM, TASK_KIND, COUNTER_KIND, GEMM_SLOT, FUSED_FLAG)
+ENUMS = (ERROR_CODE, OP, FLAG_KIND, GEMM_PROBLEM, TASK_KIND, COUNTER_KIND, GEMM_SLOT)
 
 # ---------------------------------------------------------------------------------------------
 # Constants
@@ -365,21 +357,20 @@ COUNTER = Struct("Counter", (
 # The fused layer's launch (cuda/fused.cuh): one plan's tables, the round's CommParams, and the
 # GEMM params of each launch rank (kFusedGemms per rank, in GemmSlot order).
 FUSED_PARAMS = Struct("FusedParams", (
-    ("i64", "num_ctas", "CTAs per launch rank (grid.x): the plan's num_sms"),
     ("i64", "comm_ctas", "CTAs 0 .. comm_ctas - 1 only communicate (the plan's comm_blocks; 0: none)"),
     ("i64", "comm_chunks", "a minibatch's rows are split into this many chunks (row c, c + chunks, ...)"),
     ("i64", "num_tasks", "tasks of the plan (per rank: every rank runs the same plan)"),
     ("i64", "num_counters", "ready counters per rank"),
     ("i64", "minibatch_rows", "receive rows per minibatch (a multiple of 2 kBM)"),
     ("i64", "ring_rows", "receive row r lives in row r % ring_rows of the row buffers"),
-    ("i64", "flags", "FusedFlag bits: which transfers run inside, whether to record the timeline"),
+    ("i64", "record_trace", "1: write a TraceRecord per task into `trace` (the timeline); 0: none"),
     ("i64", "timeout_ns", "every counter wait gives up after this"),
     ("i64", "tasks", "Task [num_tasks], sorted by (block, seq)"),
     ("i64", "task_begin", "int32 [num_ctas + 1]: CTA b runs tasks[task_begin[b] .. task_begin[b + 1])"),
     ("i64", "comm", "const CommParams* of the round (rank = rank_base + blockIdx.y)"),
     ("i64", "gemm", "GemmParams [W][kFusedGemms]: each launch rank's GEMMs, GemmSlot order"),
     ("i64", "counters", "u32 [W][num_counters], zero before the launch"),
-    ("i64", "trace", "TraceRecord [W][num_tasks] (flag kFusedTrace)"),
+    ("i64", "trace", "TraceRecord [W][num_tasks] (record_trace)"),
     ("ErrorRecord*", "error", "this process's error record"),
 ), namespace="mok::fused")
 

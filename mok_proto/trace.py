@@ -1,5 +1,5 @@
-"""Timeline records: one row per task execution, from the simulator or (later) the in-kernel
-trace of the fused layer, and one plotting function for both.
+"""Timeline records: one row per task execution, from the simulator or the in-kernel trace of
+the fused layer (`GpuMoELayer.forward_timeline`), and one plotting function for both.
 
 A record is one TRACE_DTYPE row: the CTA (one per SM) that ran the task, its role, the task's
 kind, minibatch, expert (local expert of the row tile or weight tile, -1 when none), tile, and
@@ -54,13 +54,19 @@ def plot_timeline(records: np.ndarray, ax=None, title: str | None = None, time_u
         _, ax = plt.subplots(figsize=(12, 5))
     scale = {"ns": 1.0, "us": 1e-3, "ms": 1e-6}[time_unit]
     records = records[records["end_ns"] > records["start_ns"]]  # tasks past the real rows take no time
+    # A lane that holds both roles (the fused kernel's spare warps move rows beside the GEMMs):
+    # communication in its top third, compute below.
+    comm = records["role"] == ROLES.index("comm")
+    mixed = np.isin(records["block"], np.intersect1d(records["block"][comm], records["block"][~comm]))
+    height = np.where(mixed, np.where(comm, 1 / 3, 2 / 3), 1.0)
+    center = records["block"] + np.where(mixed, np.where(comm, -1 / 3, 1 / 6), 0.0)
     legend = []
     for kind in np.unique(records["kind"]):
-        sel = records[records["kind"] == kind]
+        sel = records["kind"] == kind
         color = KIND_COLORS[TaskKind(int(kind))]
         # broken_barh per lane would be slow; one bar call per kind draws every task at once
-        ax.barh(sel["block"], (sel["end_ns"] - sel["start_ns"]) * scale, left=sel["start_ns"] * scale,
-                height=1.0, color=color, linewidth=0)
+        ax.barh(center[sel], (records["end_ns"][sel] - records["start_ns"][sel]) * scale,
+                left=records["start_ns"][sel] * scale, height=height[sel], color=color, linewidth=0)
         legend.append(Patch(color=color, label=TaskKind(int(kind)).name.lower()))
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({time_unit})")

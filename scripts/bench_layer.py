@@ -23,8 +23,9 @@ FLOPs as MoK counts them: forward 6 (N + N K) H I, backward twice that.
 The fused forward (one persistent launch of a plan.fused_forward plan, cuda/fused.cuh) is timed
 the same way for each (communication CTAs, minibatch rows) setting (--sweep: a grid of them, a
 progress line each), its output compared bitwise with the sequential forward of the same run
-(`equal_to_sequential`); the best setting per shape is judged against FUSED_BARS (issue: the
-forward megakernel) and its timeline written under results/ (JSON lines + PNG).
+(`equal_to_sequential`); the best setting per shape is timed once more and judged on that
+against FUSED_BARS (issue: the forward megakernel), and its timeline written under results/
+(JSON lines + PNG).
 Bars (issue: the GPU layer): forward >= 1.0x torch, backward >= 1.3x torch, bitwise repeat,
 schedule <= 0.05 ms. `schedule_ms` is the device schedule of one rank at the real EP=64 (64
 virtual ranks, the all-gathered routing staged, graph replays), checked against schedule.py. Exit status: 0 all met, 1 a bar or a check failed (listed), 2 no GPU/torch.
@@ -157,8 +158,21 @@ def fused(layer, settings, sequential_out: bytes, sequential_ms: float, iters, w
         print(f"#   fused [{i + 1}/{len(settings)}] comm={comm:>2} minibatch={minibatch:>4}: {st['median_ms']:.3f} ms, "
               f"x sequential {rows[-1]['speedup_vs_sequential']:.2f}, equal {rows[-1]['equal_to_sequential']}",
               flush=True)
-    if trace_to and rows:
+    if rows:  # the fastest median of several is optimistic: the winner is timed once more, and judged on that
         best = min(rows, key=lambda r: r["median_ms"])
+        layer.set_forward_plan(layer.fused_forward_plan(best["comm_blocks"], best["minibatch_tokens"]))
+        layer.enqueue_forward()
+        layer.check()
+        graph = layer.capture(backward=False)
+        with stream:
+            again = summarize(time_stages(lambda mark: (mark("run"), graph.launch(stream), mark(None)), iters,
+                                          warmup)["run"])
+        layer.check()
+        best["retimed_median_ms"] = again["median_ms"]
+        best["retimed_speedup_vs_sequential"] = sequential_ms / again["median_ms"]
+        print(f"#   fused best comm={best['comm_blocks']} minibatch={best['minibatch_tokens']} timed again: "
+              f"{again['median_ms']:.3f} ms", flush=True)
+    if trace_to and rows:
         layer.set_forward_plan(layer.fused_forward_plan(best["comm_blocks"], best["minibatch_tokens"]))
         layer.trace = True
         layer.enqueue_forward()
@@ -273,7 +287,10 @@ def torch_pipeline(shape, data, iters, warmup):
     order = torch.sort(e, stable=True).indices
     tok, j, e = tok[order], j[order], e[order]
     offs = torch.cumsum(torch.bincount(e, minlength=el), 0).to(torch.int32)
-    own = tok < n
+    # Rank 0 of the anchor owns 1/64 of the rows it receives (its N of the 64 N tokens): the first
+    # 2 N / 64 of our 2 N tokens play that part (the rest are "other owners'": copied out), so
+    # torch's combine copies as many rows as the anchor's.
+    own = tok < (2 * n) // EP
     own_slot = (tok * k + j)[own]
     wts = data["weights"]
     w1 = torch.cat([t(wts["w_gate"][:el]), t(wts["w_up"][:el])], dim=2).requires_grad_()
@@ -420,15 +437,16 @@ def main():
                                               "schedule_ms": sched_ms, "schedule_exact": sched_exact, **row,
                                               "tflops": flops["fwd"] / (row["median_ms"] * 1e-3) / 1e12,
                                               "speedup_vs_torch": row_speedup, "best_of_run": row is best})
-            speedup = base["fwd"]["median_ms"] / best["median_ms"]
-            ok = (speedup >= FUSED_BARS["torch"] and best["speedup_vs_sequential"] >= FUSED_BARS["sequential"]
+            speedup = base["fwd"]["median_ms"] / best["retimed_median_ms"]
+            ok = (speedup >= FUSED_BARS["torch"] and best["retimed_speedup_vs_sequential"] >= FUSED_BARS["sequential"]
                   and all(r["equal_to_sequential"] and r["bitwise_repeat"] for r in fused_rows))
             if not ok:
                 failed.append(f"{name} fused fwd")
-            print(f"{name:<16}{'fwd':<5}{base['fwd']['median_ms']:>9.3f}{best['median_ms']:>9.3f}"
-                  f"{flops['fwd'] / (best['median_ms'] * 1e-3) / 1e12:>9.0f}{speedup:>8.2f}{FUSED_BARS['torch']:>5.1f}"
-                  f"{str(best['bitwise_repeat']):>8}{sched_ms:>9.3f}{'':>9}{'':>7}  fused: comm={best['comm_blocks']} "
-                  f"minibatch={best['minibatch_tokens']}, x sequential {best['speedup_vs_sequential']:.2f} (bar "
+            print(f"{name:<16}{'fwd':<5}{base['fwd']['median_ms']:>9.3f}{best['retimed_median_ms']:>9.3f}"
+                  f"{flops['fwd'] / (best['retimed_median_ms'] * 1e-3) / 1e12:>9.0f}{speedup:>8.2f}"
+                  f"{FUSED_BARS['torch']:>5.1f}{str(best['bitwise_repeat']):>8}{sched_ms:>9.3f}{'':>9}{'':>7}  fused: "
+                  f"comm={best['comm_blocks']} minibatch={best['minibatch_tokens']}, x sequential "
+                  f"{best['retimed_speedup_vs_sequential']:.2f} (bar "
                   f"{FUSED_BARS['sequential']}), equal to sequential: {all(r['equal_to_sequential'] for r in fused_rows)}",
                   flush=True)
     if failed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,3 +69,18 @@ def pytest_collection_modifyitems(config, items):
     if reason:
         for item in gpu_items:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def sha_digests(stdout: str) -> dict:
+    """{case: digest} of the `SHA <case> <digest>` lines a GPU check program prints."""
+    return dict(re.findall(r"^SHA (\S+) (\w+)$", stdout, re.M))
+
+
+def run_virtual(program: str, num_ranks: int, ok_line: str, *extra: str, timeout: float = 900) -> str:
+    """Run a GPU check program on `num_ranks` virtual ranks in one process; its stdout (checked:
+    exit 0 and `ok_line` printed)."""
+    proc = subprocess.run([sys.executable, program, "--backend", "virtual", "--ranks", str(num_ranks), *extra],
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ok_line in proc.stdout, proc.stdout[-3000:]
+    return proc.stdout

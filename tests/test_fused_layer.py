@@ -2,39 +2,27 @@
 W = 1, 2, 4, 8 in one process and NVSHMEM with 4 processes on one GPU; the checks are in
 tests/mpi_programs/check_fused_layer.py. Both backends give the same fused output."""
 
-import re
-import subprocess
-import sys
-
 import pytest
 
-from conftest import ROOT, run_ranks
+from conftest import run_ranks, run_virtual, sha_digests
 
 pytestmark = pytest.mark.gpu
 PROGRAM = "tests/mpi_programs/check_fused_layer.py"
 
 
-def _digests(stdout: str) -> dict:
-    return dict(re.findall(r"^SHA (\S+) (\w+)$", stdout, re.M))
-
-
 def _virtual(num_ranks, *extra):
-    proc = subprocess.run([sys.executable, PROGRAM, "--backend", "virtual", "--ranks", str(num_ranks), *extra],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"OK fused layer backend=virtual R={num_ranks}" in proc.stdout
-    return proc.stdout
+    return run_virtual(PROGRAM, num_ranks, f"OK fused layer backend=virtual R={num_ranks}", *extra)
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
 def test_virtual_ranks_fused_forward(num_ranks):
-    assert len(_digests(_virtual(num_ranks))) == 3
+    assert len(sha_digests(_virtual(num_ranks))) == 3
 
 
 def test_nvshmem_fused_forward_matches_virtual():
     pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
     proc = run_ranks(4, PROGRAM, "--backend", "nvshmem", "--replays", "3", "--policies", "mok", timeout=900)
     assert "OK fused layer backend=nvshmem R=4" in proc.stdout
-    nvshmem = _digests(proc.stdout)
-    virtual = _digests(_virtual(4, "--replays", "1", "--policies", "mok"))
+    nvshmem = sha_digests(proc.stdout)
+    virtual = sha_digests(_virtual(4, "--replays", "1", "--policies", "mok"))
     assert nvshmem and nvshmem == virtual, (nvshmem, virtual)

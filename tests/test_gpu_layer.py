@@ -2,33 +2,24 @@
 with 2 and 4 processes on one GPU; the checks are in tests/mpi_programs/check_gpu_layer.py. The
 same global problem gives bitwise-identical results on both backends."""
 
-import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, run_ranks
+from conftest import ROOT, run_ranks, run_virtual, sha_digests
 
 pytestmark = pytest.mark.gpu
 PROGRAM = "tests/mpi_programs/check_gpu_layer.py"
 
 
-def _digests(stdout: str) -> dict:
-    return dict(re.findall(r"^SHA (\S+) (\w+)$", stdout, re.M))
-
-
 def _virtual(num_ranks, *extra):
-    proc = subprocess.run([sys.executable, PROGRAM, "--backend", "virtual", "--ranks", str(num_ranks), *extra],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"OK gpu layer backend=virtual R={num_ranks}" in proc.stdout
-    return proc.stdout
+    return run_virtual(PROGRAM, num_ranks, f"OK gpu layer backend=virtual R={num_ranks}", *extra)
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
 def test_virtual_ranks_layer(num_ranks):
-    assert len(_digests(_virtual(num_ranks))) == 4
+    assert len(sha_digests(_virtual(num_ranks))) == 4
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
@@ -36,8 +27,8 @@ def test_nvshmem_layer_matches_virtual(num_ranks):
     pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
     proc = run_ranks(num_ranks, PROGRAM, "--backend", "nvshmem", "--replays", "3", "--policies", "mok", timeout=900)
     assert f"OK gpu layer backend=nvshmem R={num_ranks}" in proc.stdout
-    nvshmem = _digests(proc.stdout)
-    virtual = _digests(_virtual(num_ranks, "--replays", "1", "--policies", "mok"))
+    nvshmem = sha_digests(proc.stdout)
+    virtual = sha_digests(_virtual(num_ranks, "--replays", "1", "--policies", "mok"))
     assert nvshmem and nvshmem == virtual, (nvshmem, virtual)
 
 

@@ -3,7 +3,8 @@ executes a plan (mok_proto/plan.py, `fused_forward`) on every launch rank.
 
 `FusedForward(plan, num_launch_ranks)` uploads the plan's tables once and owns the ready counters
 (zeroed on the stream before each launch: a memset, graph-capturable) and the timeline buffer;
-`launch(comm_params, gemm_params, error, trace)` enqueues the kernel. The grid is (plan.num_sms,
+`launch(comm_params, gemm_params, error, timeout_ns, trace)` enqueues the kernel (the first
+launch of a set of arguments uploads its params: do it once outside a graph capture). The grid is (plan.num_sms,
 W) in 2-CTA clusters; every CTA must be resident at once (a CTA spins on counters raised by
 others), so the constructor refuses a plan whose W * num_sms / 2 clusters exceed what the
 driver says the GPU runs at once.
@@ -19,8 +20,7 @@ from mok_proto.kernels.build import CudaModule
 
 MODULE = CudaModule("fused.cuh", ("mok::fused::fused_forward",), archs=("sm_90a",))
 KERNEL = "mok::fused::fused_forward"
-TRACE_DTYPE = abi.TRACE_RECORD.dtype
-FLAG = {name: value for value, (name, _) in enumerate(abi.FUSED_FLAG.members)}
+RECORD_DTYPE = abi.TRACE_RECORD.dtype  # one TraceRecord (struct mok::fused::TraceRecord)
 GEMMS_PER_RANK = len(abi.GEMM_SLOT)
 
 
@@ -65,7 +65,7 @@ class FusedForward:
         begin = np.searchsorted(plan.tasks["block"], np.arange(plan.num_sms + 1)).astype(np.int32)
         self.task_begin = cupy.asarray(begin)
         self.counters = cupy.zeros((self.num_launch_ranks, max(1, len(plan.counters))), np.uint32)
-        self.trace = cupy.zeros((self.num_launch_ranks, max(1, len(plan.tasks)) * TRACE_DTYPE.itemsize), np.uint8)
+        self.records = cupy.zeros((self.num_launch_ranks, max(1, len(plan.tasks)) * RECORD_DTYPE.itemsize), np.uint8)
         self._params: dict = {}
 
     def launch(self, comm_params, gemm_params: np.ndarray, error, timeout_ns: int, trace: bool = False):
@@ -74,30 +74,23 @@ class FusedForward:
         import cupy
 
         plan = self.plan
-        comm_in, comm_out = _inside(plan)
-        flags = FLAG["kFusedCommIn"] * comm_in + FLAG["kFusedCommOut"] * comm_out + FLAG["kFusedTrace"] * bool(trace)
         gemm_words = np.ascontiguousarray(gemm_params, np.uint64)
-        key = (int(comm_params.data.ptr), gemm_words.tobytes(), int(error.ptr), int(timeout_ns), flags)
+        key = (int(comm_params.data.ptr), gemm_words.tobytes(), int(error.ptr), int(timeout_ns), bool(trace))
         if key not in self._params:  # uploaded once per distinct launch (a captured graph never uploads)
             gemms = cupy.asarray(gemm_words)
-            fields = dict(num_ctas=plan.num_sms, comm_ctas=plan.comm_blocks, comm_chunks=plan.num_chunks,
-                          num_tasks=len(plan.tasks),
+            fields = dict(comm_ctas=plan.comm_blocks, comm_chunks=plan.num_chunks, num_tasks=len(plan.tasks),
                           num_counters=self.counters.shape[1], minibatch_rows=plan.minibatch_rows,
-                          ring_rows=plan.ring_minibatches * plan.minibatch_rows, flags=flags, timeout_ns=timeout_ns,
-                          tasks=self.tasks, task_begin=self.task_begin, comm=comm_params, gemm=gemms,
-                          counters=self.counters, trace=self.trace, error=error.ptr)
+                          ring_rows=plan.ring_minibatches * plan.minibatch_rows, record_trace=int(bool(trace)),
+                          timeout_ns=timeout_ns, tasks=self.tasks, task_begin=self.task_begin, comm=comm_params,
+                          gemm=gemms, counters=self.counters, trace=self.records, error=error.ptr)
             self._params[key] = (cupy.asarray(abi.FUSED_PARAMS.pack(fields)), gemms)
         params = self._params[key][0]
         self.counters.fill(0)
+        if trace:
+            self.records.fill(255)  # task = -1 until the task ran: a stale timeline cannot pass as this one
         _kernel()((plan.num_sms, self.num_launch_ranks), (abi.CONST["kThreads"],), (params,),
                   shared_mem=gemm.smem_bytes())
 
     def timeline(self, launch_rank: int) -> np.ndarray:
         """The last traced launch's TraceRecord per task of one launch rank (host readback)."""
-        return self.trace[launch_rank].get().view(TRACE_DTYPE)[: len(self.plan.tasks)]
-
-
-def _inside(plan):
-    from mok_proto.plan import inside_kernel
-
-    return inside_kernel(plan.pass_, plan.policy)
+        return self.records[launch_rank].get().view(RECORD_DTYPE)[: len(self.plan.tasks)]

@@ -15,6 +15,10 @@ Backward (epoch e + 1, the forward's schedule):
   -> down backward with the SwiGLU backward fused -> gate/up backward -> reverse-dispatch
   (push | pull) of the input-gradient rows into the owner's slots -> routed weight gradients
   -> dx = shared dx + sum_j dx_slots[t*K+j], d topk_weights = <dout, y_slots>
+The fused forward (`set_forward_plan(plan)`, plan.fused_forward): after the schedule, one
+persistent launch of cuda/fused.cuh runs the shared and routed GEMMs with the pull dispatch and
+the push combine inside (a push dispatch / pull combine runs as above, before / after it), then
+the combine flag and the weighted sum; its output and cache are bitwise the sequential ones.
 Every launch covers the launch ranks (all W virtual ranks, or this process's rank under
 NVSHMEM); GEMMs launch once per rank. Nothing is read back to the host: the pair of passes can
 be captured in one CUDA graph (`capture()`). Every wait is bounded; `check()` raises
@@ -41,7 +45,7 @@ from mok_proto.kernels import comm as kc
 from mok_proto.kernels import gemm
 from mok_proto.kernels import token as kt
 from mok_proto.layer.gpu_base import GpuRound, contiguous_ranks, to_experts, to_tokens
-from mok_proto.plan import PAIR_ROWS
+from mok_proto.plan import COMM_KINDS, PAIR_ROWS
 
 BF16, F32, I32 = np.uint16, np.float32, np.int32
 TILE = abi.CONST["kBN"]  # H, I and Is must be multiples of it (the GEMM tiles)
@@ -135,6 +139,8 @@ class GpuMoELayer(GpuRound):
             dout=table["dout"], dy_slots=table["dy_slots"], dx_slots=table["dx_slots"],
             dx_base=table.get("dx_base", 0), dx=table["dx"], d_topk_w=table["d_topk_w"]))
         self.launch = self.launch_for(ranks, 2 * h, self._blocks_per_rank)
+        if getattr(self, "fused", None) is not None:  # its grid and GEMMs are per launch rank
+            self.set_forward_plan(self.fused.plan)
 
     # -----------------------------------------------------------------------------------------
     # Host-side setup (outside any captured graph)
@@ -154,6 +160,7 @@ class GpuMoELayer(GpuRound):
         if forward_plan.capacity_rows < self.capacity:
             raise ValueError(f"plan covers {forward_plan.capacity_rows} receive rows, the layer holds {self.capacity}")
         self.fused = FusedForward(forward_plan, len(self.ranks))
+        self._fused_words = self._fused_gemm_params()  # the buffers never move: packed (and mapped) once
 
     def fused_forward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, ring_minibatches=None,
                            num_sms: int | None = None, lookahead: int | None = None):
@@ -278,8 +285,8 @@ class GpuMoELayer(GpuRound):
             mark("dispatch")
             to_experts(p, launch, "push", "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
         mark("fused")
-        fused.launch(p, self._fused_gemm_params(), self.error, int(self.run.timeout_s * 1e9), trace=self.trace)
-        self._cache_valid = plan.ring_minibatches == plan.num_minibatches
+        fused.launch(p, self._fused_words, self.error, int(self.run.timeout_s * 1e9), trace=self.trace)
+        self._cache_valid = plan.ring_minibatches >= plan.num_minibatches
         mark("combine")
         if comm_out:
             kc.raise_flag(p, launch, "kFlagCombine")  # my pushes into the peers' slots are complete
@@ -321,12 +328,16 @@ class GpuMoELayer(GpuRound):
             raise RuntimeError("forward_timeline: no complete trace (set layer.trace = True before the forward)")
         rows = tr.empty(len(tasks))
         rows["rank"], rows["block"] = rank, tasks["block"]
-        rows["role"] = np.where(tasks["block"] < self.fused.plan.comm_blocks, 0, 1)
+        comm = np.isin(tasks["kind"], [int(k) for k in COMM_KINDS])
+        rows["role"] = np.where(comm, tr.ROLES.index("comm"), tr.ROLES.index("compute"))
         for key in ("kind", "minibatch", "row_tile", "col_tile"):
             rows[key] = tasks[key]
         rows["expert"] = -1
-        t0 = got["start_ns"].min()
-        rows["start_ns"], rows["end_ns"] = got["start_ns"] - t0, got["end_ns"] - t0
+        # a communication task's bar starts when its wait is met (it moves rows from then on);
+        # a GEMM task's when its consumers start on it (its loads may start earlier)
+        start = np.where(comm, got["ready_ns"], got["start_ns"])
+        t0 = start.min()
+        rows["start_ns"], rows["end_ns"] = start - t0, got["end_ns"] - t0
         return rows
 
     def enqueue_backward(self, mark=None):

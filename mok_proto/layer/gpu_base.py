@@ -95,8 +95,10 @@ class GpuRound:
         stream = cupy.cuda.Stream(non_blocking=True)
         with stream:
             stream.begin_capture()
-            enqueue()
-            graph = stream.end_capture()
+            try:
+                enqueue()
+            finally:  # an error raised while enqueuing must not leave the stream capturing
+                graph = stream.end_capture()
         return graph
 
 

@@ -8,8 +8,9 @@ Per case and policy: the sequential forward + backward, then for every knob sett
 CTAs, minibatch rows, ring) the fused forward (+ the sequential backward on its cache): the output,
 the slot rows, the shared expert's rows, the forward's cache (receive, g, u, h, y rows) and every
 gradient are bitwise equal to the sequential run's; with a ring smaller than the minibatches
-(no cache kept) the output and slot rows are. NaN-poisoned buffers before every run. Then
-`--replays` replays of one CUDA graph of the fused forward are bitwise equal, a counter wait
+(no cache kept) the output and slot rows are, and a backward is refused. NaN-poisoned buffers
+before every run. Then `--replays` replays of one CUDA graph of the fused forward are bitwise
+equal, a traced forward gives the same bits and a record per task, a counter wait
 that cannot be met raises KernelTimeoutError (no hang), and an overflow raises CapacityError.
 Prints `SHA <case> <digest>` (rank 0) over every rank's fused output, to compare backends.
 """
@@ -22,7 +23,7 @@ import numpy as np
 
 import gpu_program
 from mok_proto.config import DIRECTIONS, MOK_POLICY, OPERATORS, MoEShape, RunConfig
-from mok_proto.errors import CapacityError, KernelTimeoutError
+from mok_proto.errors import KernelTimeoutError
 from mok_proto.layer.gpu import GpuMoELayer
 from mok_proto.problem import make_problem
 
@@ -100,6 +101,13 @@ def check_case(heap, comm, name, case_id, replays, policies):
             plan = layer.fused_forward_plan(comm_ctas, minibatch, ring, lookahead=lookahead)
             layer.set_forward_plan(plan)
             got = run(layer, heap, backward=full_ring)
+            if not full_ring:  # the ring kept no activations: a backward is refused, not run on stale rows
+                try:
+                    layer.enqueue_backward()
+                except RuntimeError as e:
+                    assert "kept no activations" in str(e), str(e)
+                else:
+                    raise AssertionError("a backward after a ring forward was not refused")
             for rank in layer.ranks:
                 what = f"{name} rank {rank} {policy} comm={comm_ctas} minibatch={minibatch} ring={ring} " \
                        f"lookahead={lookahead}"
@@ -117,14 +125,23 @@ def check_case(heap, comm, name, case_id, replays, policies):
     for replay in range(replays):
         got = run(layer, heap, backward=False, graph=graph)
         assert got == first, f"{name}: fused graph replay {replay} differs"
+    # The in-kernel timeline: tracing changes no result bit, and every task has a record.
+    layer.trace = True
+    traced = run(layer, heap, backward=False)
+    layer.trace = False
+    assert traced == first, f"{name}: a traced forward differs"
+    for rank in layer.ranks:
+        rows = layer.forward_timeline(rank)  # raises unless every task of the plan wrote its record
+        assert len(rows) == len(layer.fused.plan.tasks) and (rows["end_ns"] >= rows["start_ns"]).all()
     mine = {rank: first[rank]["fwd"] for rank in layer.ranks}
-    digest = hashlib.sha256(b"".join(v for _, v in sorted(all_ranks(comm, mine).items()))).hexdigest()[:16]
+    everyone = gpu_program.all_ranks(comm, mine)
+    digest = hashlib.sha256(b"".join(v for _, v in sorted(everyone.items()))).hexdigest()[:16]
     layer.close()
     return f"SHA {name} {digest}", settings
 
 
 def check_counter_timeout(heap):
-    """A plan whose first routed gate/up tile waits for one signal too many: the kernel reports
+    """A plan whose first routed down tile waits for one signal too many: the kernel reports
     kOpFusedWait (KernelTimeoutError) after the timeout instead of hanging."""
     import cupy
 
@@ -139,9 +156,10 @@ def check_counter_timeout(heap):
         layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
     layer.set_forward_plan(layer.fused_forward_plan(2, 256))
     tasks = layer.fused.plan.tasks.copy()
-    # row tile 0 holds rows on every rank (each receives ~2N of them); a task past the real rows waits for nothing
+    # a down tile of row tile 0 (it holds rows on every rank; a task past the real rows waits for
+    # nothing) waits for one gate/up tile more than its row tile has
     i = int(np.flatnonzero((tasks["kind"] == int(TaskKind.DOWN)) & (tasks["row_tile"] == 0))[0])
-    tasks["wait_target"][i, 0] += 1  # one more gate/up tile than the row tile has
+    tasks["wait_target"][i, 0] += 1
     layer.fused.tasks = cupy.asarray(tasks.view(np.uint8))
     layer.fused._params.clear()
     layer.enqueue_forward()
@@ -153,36 +171,6 @@ def check_counter_timeout(heap):
         raise AssertionError("a counter wait that cannot be met did not time out")
     heap.barrier()
     layer.close()
-
-
-def check_overflow(heap):
-    num_ranks = heap.num_ranks
-    shape = MoEShape("overflow", hidden=256, ffn=256, num_experts=2 * num_ranks, top_k=2, num_tokens=8)
-    prob = make_problem(shape, num_ranks, seed=3, routing="one-expert")
-    layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=20), capacity=shape.num_tokens * num_ranks - 1,
-                        name="foverflow")
-    for rank in layer.ranks:
-        layer.set_weights(rank, prob.local_weights(rank))
-        layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
-    layer.set_forward_plan(layer.fused_forward_plan(2, 256))
-    layer.enqueue_forward()
-    try:
-        layer.check()
-    except CapacityError as e:
-        assert "overflow on rank" in str(e), str(e)
-    else:
-        assert 0 not in layer.ranks, "rank 0 receives every first choice and must overflow"
-    heap.barrier()
-    layer.close()
-
-
-def all_ranks(comm, per_rank: dict) -> dict:
-    if comm is None:
-        return per_rank
-    merged = {}
-    for part in comm.allgather(per_rank):
-        merged.update(part)
-    return merged
 
 
 def main():
@@ -199,7 +187,8 @@ def main():
     try:
         results = [check_case(heap, comm, name, i, args.replays, policies) for i, name in enumerate(args.cases.split(","))]
         check_counter_timeout(heap)
-        check_overflow(heap)
+        gpu_program.check_overflow(heap, "foverflow", lambda layer: layer.set_forward_plan(
+            layer.fused_forward_plan(2, 256)))
     finally:
         heap.close()
     if heap.launch_ranks[0] == 0:

@@ -19,7 +19,6 @@ import numpy as np
 
 import gpu_program
 from mok_proto.config import DIRECTIONS, MOK_POLICY, OPERATORS, MoEShape, RunConfig
-from mok_proto.errors import CapacityError
 from mok_proto.layer.gpu import GpuMoELayer
 from mok_proto.problem import make_problem
 
@@ -97,46 +96,17 @@ def check_case(heap, comm, name, case_id, replays, policies):
         got = run_once(layer, heap)
         if first is None:
             first = blob(got)
-            shared_sum = {key: sum(all_ranks(comm, {r: g[key] for r, g in got.items()}).values())
+            shared_sum = {key: sum(gpu_program.all_ranks(comm, {r: g[key] for r, g in got.items()}).values())
                           for key in got[layer.ranks[0]] if key.startswith("shared_")}
             check_against_reference(got, ref, num_ranks, n, e // num_ranks, shared_sum)
         assert blob(got) == first, f"{name}: results under {policy} differ from the first policy's"
     graph = layer.capture()
     for replay in range(replays):
         assert blob(run_once(layer, heap, graph)) == first, f"{name}: graph replay {replay} differs"
-    digest = hashlib.sha256(b"".join(v for _, v in sorted(all_ranks(comm, first).items()))).hexdigest()[:16]
+    everyone = gpu_program.all_ranks(comm, first)
+    digest = hashlib.sha256(b"".join(v for _, v in sorted(everyone.items()))).hexdigest()[:16]
     layer.close()
     return f"SHA {name} {digest}"
-
-
-def all_ranks(comm, per_rank: dict) -> dict:
-    """{rank: value} of this process -> of every process (MPI under NVSHMEM)."""
-    if comm is None:
-        return per_rank
-    merged = {}
-    for part in comm.allgather(per_rank):
-        merged.update(part)
-    return merged
-
-
-def check_overflow(heap):
-    num_ranks = heap.num_ranks
-    shape = MoEShape("overflow", hidden=256, ffn=256, num_experts=2 * num_ranks, top_k=2, num_tokens=8)
-    prob = make_problem(shape, num_ranks, seed=3, routing="one-expert")
-    layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=20), capacity=shape.num_tokens * num_ranks - 1,
-                        name="overflow")
-    for rank in layer.ranks:
-        layer.set_weights(rank, prob.local_weights(rank))
-        layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
-    layer.enqueue_forward()
-    try:
-        layer.check()
-    except CapacityError as e:
-        assert "overflow on rank" in str(e), str(e)
-    else:
-        assert 0 not in layer.ranks, "rank 0 receives every first choice and must overflow"
-    heap.barrier()
-    layer.close()
 
 
 def main():
@@ -149,7 +119,7 @@ def main():
     heap, comm = gpu_program.open_heap(args)
     try:
         lines = [check_case(heap, comm, name, i, args.replays, policies) for i, name in enumerate(args.cases.split(","))]
-        check_overflow(heap)
+        gpu_program.check_overflow(heap)
     finally:
         heap.close()
     if heap.launch_ranks[0] == 0:

@@ -23,3 +23,43 @@ def open_heap(args):
 
     from mok_proto.symm.nvshmem import NvshmemHeap
     return NvshmemHeap(), MPI.COMM_WORLD
+
+
+def all_ranks(comm, per_rank: dict) -> dict:
+    """{rank: value} of this process -> of every process (MPI under NVSHMEM)."""
+    if comm is None:
+        return per_rank
+    merged = {}
+    for part in comm.allgather(per_rank):
+        merged.update(part)
+    return merged
+
+
+def check_overflow(heap, name: str = "overflow", configure=None):
+    """Every token's first choice on rank 0's expert, one receive row too few: rank 0's layer
+    raises CapacityError naming the overflow (the other ranks finish their round cleanly).
+    `configure(layer)` (optional) sets the layer up before the forward (e.g. a fused plan)."""
+    from mok_proto.config import MoEShape, RunConfig
+    from mok_proto.errors import CapacityError
+    from mok_proto.layer.gpu import GpuMoELayer
+    from mok_proto.problem import make_problem
+
+    num_ranks = heap.num_ranks
+    shape = MoEShape(name, hidden=256, ffn=256, num_experts=2 * num_ranks, top_k=2, num_tokens=8)
+    prob = make_problem(shape, num_ranks, seed=3, routing="one-expert")
+    layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=20), capacity=shape.num_tokens * num_ranks - 1,
+                        name=name)
+    for rank in layer.ranks:
+        layer.set_weights(rank, prob.local_weights(rank))
+        layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
+    if configure is not None:
+        configure(layer)
+    layer.enqueue_forward()
+    try:
+        layer.check()
+    except CapacityError as e:
+        assert "overflow on rank" in str(e), str(e)
+    else:
+        assert 0 not in layer.ranks, "rank 0 receives every first choice and must overflow"
+    heap.barrier()
+    layer.close()
