@@ -210,6 +210,36 @@ __device__ __forceinline__ bool consume_task(const Ctx& c, SharedStorage& ss, Ri
 // memory, driven by one thread: enough bytes in flight per SM for a copy to run at a useful
 // fraction of HBM / NVLink bandwidth (a warp per row moves ~10 GB/s per SM, latency-bound).
 // ---------------------------------------------------------------------------------------------
+// The rows of chunk task t: receive rows first, first + stride, ... (count of them) of its
+// minibatch, each moved by `move(k)` (the RowMove of the k-th); none unless `ok`.
+struct ChunkRows {
+  const CommParams* cp;
+  SchedView sv;
+  int rank;
+  i64 first, stride, count, shift;
+  bool dispatch;
+  __device__ __forceinline__ RowMove move(i64 k) const {
+    const i64 i = first + k * stride;
+    return dispatch ? dispatch_pull_row(cp, rank, sv, i, shift) : combine_push_row(cp, rank, sv, i, shift);
+  }
+};
+
+__device__ __forceinline__ ChunkRows chunk_rows(const Ctx& c, const Task& t, bool ok) {
+  ChunkRows r;
+  r.cp = c.cp;
+  r.sv = sched_of(c.cp, c.rank);
+  r.rank = c.rank;
+  const i64 used = r.sv.offsets[c.cp->num_local_experts];
+  const i64 begin = t.minibatch * c.fp->minibatch_rows;
+  const i64 end = begin + c.fp->minibatch_rows < used ? begin + c.fp->minibatch_rows : used;
+  r.shift = begin - begin % c.fp->ring_rows;
+  r.stride = c.fp->comm_chunks;
+  r.first = begin + t.row_tile;
+  r.count = ok && r.first < end ? (end - r.first + r.stride - 1) / r.stride : 0;
+  r.dispatch = t.kind == plan::kTaskDispatch;
+  return r;
+}
+
 // The copy ring of a communicating CTA: its GEMM shared memory reused, the ring stages as row
 // slots (the last one a row of zeros: the source of padding rows), one mbarrier per slot in the
 // epilogue staging area (neither is used by a CTA that runs no tile).
@@ -310,20 +340,12 @@ __device__ __forceinline__ bool comm_task(const Ctx& c, SharedStorage& ss, CopyR
   }
   __syncthreads();
   ok = *go != 0;
-  const SchedView sv = sched_of(c.cp, c.rank);
-  const i64 used = sv.offsets[c.cp->num_local_experts];
-  const i64 begin = t.minibatch * c.fp->minibatch_rows;
-  const i64 end = begin + c.fp->minibatch_rows < used ? begin + c.fp->minibatch_rows : used;
-  const i64 shift = begin - begin % c.fp->ring_rows, stride = c.fp->comm_chunks, first = begin + t.row_tile;
-  const i64 count = ok && first < end ? (end - first + stride - 1) / stride : 0;
-  const bool dispatch = t.kind == plan::kTaskDispatch;
+  const ChunkRows rows = chunk_rows(c, t, ok);
+  const bool dispatch = rows.dispatch;
   RowMove* moves = reinterpret_cast<RowMove*>(reinterpret_cast<char*>(ss.staging) + kRingBarrierBytes);
-  for (i64 b0 = 0; b0 < count; b0 += kMoveBatch) {
-    const int batch = static_cast<int>(count - b0 < kMoveBatch ? count - b0 : kMoveBatch);
-    for (int k = threadIdx.x; k < batch; k += blockDim.x) {
-      const i64 i = first + (b0 + k) * stride;
-      moves[k] = dispatch ? dispatch_pull_row(c.cp, c.rank, sv, i, shift) : combine_push_row(c.cp, c.rank, sv, i, shift);
-    }
+  for (i64 b0 = 0; b0 < rows.count; b0 += kMoveBatch) {
+    const int batch = static_cast<int>(rows.count - b0 < kMoveBatch ? rows.count - b0 : kMoveBatch);
+    for (int k = threadIdx.x; k < batch; k += blockDim.x) moves[k] = rows.move(b0 + k);
     __syncthreads();
     if (threadIdx.x == 0 && ok)
       ok = bulk_move(c, ring, static_cast<u32>(c.cp->row_bytes), batch, [&](i64 k) { return moves[k]; }, index);
@@ -380,19 +402,9 @@ __device__ __forceinline__ bool side_comm_task(const Ctx& c, SharedStorage& ss, 
   }
   asm volatile("bar.sync 3, 96;" ::: "memory");  // the spare warps only
   ok = *go != 0;
-  const SchedView sv = sched_of(c.cp, c.rank);
-  const i64 used = sv.offsets[c.cp->num_local_experts];
-  const i64 begin = t.minibatch * c.fp->minibatch_rows;
-  const i64 end = begin + c.fp->minibatch_rows < used ? begin + c.fp->minibatch_rows : used;
-  const i64 shift = begin - begin % c.fp->ring_rows, stride = c.fp->comm_chunks, first = begin + t.row_tile;
-  const i64 count = ok && first < end ? (end - first + stride - 1) / stride : 0;
-  const bool dispatch = t.kind == plan::kTaskDispatch;
-  for (i64 k = side; k < count; k += kSideWarps) {
-    const i64 i = first + k * stride;
-    side_copy_row(dispatch ? dispatch_pull_row(c.cp, c.rank, sv, i, shift) : combine_push_row(c.cp, c.rank, sv, i, shift),
-                  c.cp->row_bytes, lane);
-  }
-  if (dispatch)
+  const ChunkRows rows = chunk_rows(c, t, ok);
+  for (i64 k = side; k < rows.count; k += kSideWarps) side_copy_row(rows.move(k), c.cp->row_bytes, lane);
+  if (rows.dispatch)
     fence_proxy_async_global();  // the rows are read by the GEMMs' TMA loads
   else
     __threadfence_system();  // the peers' slot rows, before the flag raised after this kernel

@@ -16,13 +16,12 @@ Prints `SHA <case> <digest>` (rank 0) over every rank's fused output, to compare
 """
 
 import hashlib
-import itertools
 import sys
 
 import numpy as np
 
 import gpu_program
-from mok_proto.config import DIRECTIONS, MOK_POLICY, OPERATORS, MoEShape, RunConfig
+from mok_proto.config import MOK_POLICY, MoEShape, RunConfig
 from mok_proto.errors import KernelTimeoutError
 from mok_proto.layer.gpu import GpuMoELayer
 from mok_proto.problem import make_problem
@@ -174,15 +173,8 @@ def check_counter_timeout(heap):
 
 
 def main():
-    p = gpu_program.parser(CASES)
-    p.add_argument("--policies", choices=("all", "mok"), default="all")
-    args = p.parse_args()
-    policies = [dict(zip(OPERATORS, combo)) for combo in itertools.product(DIRECTIONS, repeat=4)]
-    if args.policies == "mok":
-        policies = [dict(MOK_POLICY)]
-    else:  # the backward's directions do not change the forward: its four (dispatch, combine) pairs
-        policies = [p for p in policies if p["rev_combine"] == MOK_POLICY["rev_combine"]
-                    and p["rev_dispatch"] == MOK_POLICY["rev_dispatch"]]
+    args = gpu_program.parser(CASES, with_policies=True).parse_args()
+    policies = gpu_program.policies(args, forward_only=True)
     heap, comm = gpu_program.open_heap(args)
     try:
         results = [check_case(heap, comm, name, i, args.replays, policies) for i, name in enumerate(args.cases.split(","))]

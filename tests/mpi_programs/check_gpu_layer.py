@@ -12,13 +12,12 @@ backends can be compared. Then: an overflow raises CapacityError.
 """
 
 import hashlib
-import itertools
 import sys
 
 import numpy as np
 
 import gpu_program
-from mok_proto.config import DIRECTIONS, MOK_POLICY, OPERATORS, MoEShape, RunConfig
+from mok_proto.config import MoEShape, RunConfig
 from mok_proto.layer.gpu import GpuMoELayer
 from mok_proto.problem import make_problem
 
@@ -110,12 +109,8 @@ def check_case(heap, comm, name, case_id, replays, policies):
 
 
 def main():
-    p = gpu_program.parser(CASES)
-    p.add_argument("--policies", choices=("all", "mok"), default="all")
-    args = p.parse_args()
-    policies = [dict(zip(OPERATORS, combo)) for combo in itertools.product(DIRECTIONS, repeat=4)]
-    if args.policies == "mok":
-        policies = [dict(MOK_POLICY)]
+    args = gpu_program.parser(CASES, with_policies=True).parse_args()
+    policies = gpu_program.policies(args)
     heap, comm = gpu_program.open_heap(args)
     try:
         lines = [check_case(heap, comm, name, i, args.replays, policies) for i, name in enumerate(args.cases.split(","))]

@@ -4,14 +4,32 @@ ranks in this process, or NVSHMEM with one rank per process under mpirun)."""
 import argparse
 
 
-def parser(cases) -> argparse.ArgumentParser:
-    """--backend, --ranks, --cases (of `cases`), --replays; a program adds its own options."""
+def parser(cases, with_policies: bool = False) -> argparse.ArgumentParser:
+    """--backend, --ranks, --cases (of `cases`), --replays (and --policies, for `policies`); a
+    program adds its own options."""
     p = argparse.ArgumentParser()
     p.add_argument("--backend", choices=("virtual", "nvshmem"), required=True)
     p.add_argument("--ranks", type=int, default=4, help="virtual ranks (virtual backend)")
     p.add_argument("--cases", default=",".join(cases))
     p.add_argument("--replays", type=int, default=20)
+    if with_policies:
+        p.add_argument("--policies", choices=("all", "mok"), default="all")
     return p
+
+
+def policies(args, forward_only: bool = False) -> list:
+    """The direction policies `--policies` asks for: all 16, or MoK's; forward_only: only the four
+    (dispatch, combine) pairs, the backward's directions as MoK's (they change no forward bit)."""
+    import itertools
+
+    from mok_proto.config import DIRECTIONS, MOK_POLICY, OPERATORS
+
+    if args.policies == "mok":
+        return [dict(MOK_POLICY)]
+    every = [dict(zip(OPERATORS, combo)) for combo in itertools.product(DIRECTIONS, repeat=4)]
+    if forward_only:
+        every = [p for p in every if all(p[op] == MOK_POLICY[op] for op in ("rev_combine", "rev_dispatch"))]
+    return every
 
 
 def open_heap(args):
