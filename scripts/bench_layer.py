@@ -71,11 +71,9 @@ def make_inputs(shape: MoEShape, seed: int = 0):
                 weights=weights)
 
 
-def ours(shape, data, iters, warmup, settings=(), trace_to=None):
-    """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results."""
-    import cupy
-
-    from mok_proto.bench import summarize, time_stages
+def staged_layer(shape, data):
+    """(heap, layer): our layer on 2 virtual ranks after one full round of both, then driving
+    rank 0 only, every flag it waits for from rank 1 raised (see the module doc)."""
     from mok_proto.layer.gpu import GpuMoELayer
     from mok_proto.symm.virtual import VirtualWorld
 
@@ -100,6 +98,16 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None):
         layer.enqueue_forward()
         layer.enqueue_backward()
     layer.check()
+    return heap, layer
+
+
+def ours(shape, data, iters, warmup, settings=(), trace_to=None):
+    """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results, fused rows."""
+    import cupy
+
+    from mok_proto.bench import summarize, time_stages
+
+    heap, layer = staged_layer(shape, data)
     # Stages: eager, one event per stage of one pass; every iteration runs both passes (they
     # alternate), so the GPU is busy when a timed pass starts and its first stage is GPU time.
     stages = {}

@@ -1,0 +1,82 @@
+"""Sweep the fused forward's knobs on the GPU: communication CTAs x minibatch rows, per shape, one
+rank's share of EP=64 (the emulation of bench_layer.py: 2 virtual ranks, rank 0 timed).
+
+    python scripts/sweep_overlap.py [--shapes kimi-k2.7,...] [--comm 0,4,8,16] [--minibatch 512,1024,2048,4096]
+
+Per shape: the sequential forward (graph replays, the reference time), then every grid point of
+the fused forward (graph replays, median; its output compared bitwise with the sequential one),
+a progress line per point with the time left; the best point timed again and its in-kernel
+timeline written to results/timeline_fused_fwd_<shape>.jsonl (+ .png). One JSON line per point
+appended to results/sweep_overlap.jsonl (keys: git, shape, comm_blocks, minibatch_rows,
+median_ms, sequential_ms, speedup_vs_sequential, equal_to_sequential, bitwise_repeat), the file
+notebooks/overlap_explorer.ipynb overlays on the simulated heatmap. No bars: bench_layer.py
+judges. Exit status: 0, 1 if a point's output differs from the sequential one, 2 without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from bench_layer import emulated_shape, fused, make_inputs, result_bytes, staged_layer
+
+from mok_proto.config import PAPER_SHAPES
+
+
+def ints(text: str) -> tuple:
+    return tuple(int(v) for v in text.split(","))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
+    p.add_argument("--comm", type=ints, default=(0, 4, 8, 16), help="communication CTAs (0: spare warps)")
+    p.add_argument("--minibatch", type=ints, default=(512, 1024, 2048, 4096), help="minibatch rows (x256)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    args = p.parse_args()
+    from mok_proto.bench import append_result, require_gpu, summarize, time_stages
+
+    require_gpu("sweep_overlap.py")
+    import cupy
+
+    grid = [(c, m) for c in args.comm for m in args.minibatch]
+    shapes = args.shapes.split(",")
+    bad, start, done, total = [], time.monotonic(), 0, len(grid) * len(shapes)
+    for name in shapes:
+        shape = emulated_shape(name)
+        heap, layer = staged_layer(shape, make_inputs(shape))
+        stream = cupy.cuda.Stream(non_blocking=True)
+        graph = layer.capture(backward=False)
+        with stream:
+            seq = summarize(time_stages(lambda mark: (mark("run"), graph.launch(stream), mark(None)), args.iters,
+                                        args.warmup)["run"])["median_ms"]
+        stream.synchronize()
+        layer.check()
+        print(f"# {name}: sequential forward {seq:.3f} ms; {len(grid)} fused points", flush=True)
+        rows = fused(layer, grid, result_bytes(layer, "fwd"), seq, args.iters, args.warmup, stream,
+                     f"results/timeline_fused_fwd_{name}.jsonl")
+        for row in rows:
+            append_result("sweep_overlap", {"shape": name, "comm_blocks": row["comm_blocks"],
+                                            "minibatch_rows": row["minibatch_tokens"], "sequential_ms": seq,
+                                            **{k: v for k, v in row.items() if k not in ("comm_blocks",
+                                                                                      "minibatch_tokens")}})
+            if not row["equal_to_sequential"]:
+                bad.append(f"{name} comm={row['comm_blocks']} minibatch={row['minibatch_tokens']}")
+        done += len(grid)
+        left = (time.monotonic() - start) / done * (total - done)
+        best = min(rows, key=lambda r: r["median_ms"])
+        print(f"# {name}: best comm={best['comm_blocks']} minibatch={best['minibatch_tokens']} "
+              f"{best['retimed_median_ms']:.3f} ms (x sequential {best['retimed_speedup_vs_sequential']:.2f}); "
+              f"[{done}/{total}] ~{left:.0f} s left", flush=True)
+        layer.close()
+        heap.close()
+    if bad:
+        print(f"FAIL: fused output differs from sequential at {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
