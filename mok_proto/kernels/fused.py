@@ -35,7 +35,7 @@ def _kernel():
 
 def resident_clusters() -> int:
     """Clusters of the fused kernel the GPU runs at once (the driver's occupancy answer)."""
-    return gemm.resident_clusters(_kernel())
+    return gemm.resident_clusters(_kernel(), strict=True)
 
 
 def default_num_sms(num_launch_ranks: int) -> int:

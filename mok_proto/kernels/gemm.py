@@ -117,10 +117,14 @@ def _launch(problem, error: ErrorRecord | None, pack_only: bool = False, **field
     return error
 
 
-def resident_clusters(kernel) -> int:
+def resident_clusters(kernel, strict: bool = False) -> int:
     """How many clusters of this kernel the GPU runs at once (asked of the driver once per kernel;
-    the SM count halved if it cannot say): the persistent grid never waits for a second wave."""
+    the SM count halved if it cannot say): the persistent grid never waits for a second wave.
+    strict: raise instead of guessing (a kernel whose CTAs wait for each other would hang, up to
+    its timeouts, on a wrong guess)."""
     handle = kernel.kernel.ptr
+    if strict and _CLUSTERS.get(handle, 0) == 0:
+        _CLUSTERS.pop(handle, None)
     if handle not in _CLUSTERS:
         clusters = 0
         try:
@@ -135,6 +139,9 @@ def resident_clusters(kernel) -> int:
                 clusters = 0
         except (ImportError, AttributeError, TypeError, RuntimeError):
             clusters = 0
+        if strict and not clusters:
+            raise RuntimeError("the driver did not say how many clusters of the fused kernel run at once "
+                               "(cuOccupancyMaxActiveClusters): refusing to guess a persistent grid")
         _CLUSTERS[handle] = max(1, clusters or num_sms() // CLUSTER)
     return _CLUSTERS[handle]
 

@@ -11,7 +11,8 @@ gradient are bitwise equal to the sequential run's; with a ring smaller than the
 (no cache kept) the output and slot rows are, and a backward is refused. NaN-poisoned buffers
 before every run. Then `--replays` replays of one CUDA graph of the fused forward are bitwise
 equal, a traced forward gives the same bits and a record per task, a counter wait
-that cannot be met raises KernelTimeoutError (no hang), and an overflow raises CapacityError.
+that cannot be met raises KernelTimeoutError (no hang), a rank whose peers never start raises
+SymmTimeoutError (virtual ranks), and an overflow raises CapacityError.
 Prints `SHA <case> <digest>` (rank 0) over every rank's fused output, to compare backends.
 """
 
@@ -22,7 +23,7 @@ import numpy as np
 
 import gpu_program
 from mok_proto.config import MOK_POLICY, MoEShape, RunConfig
-from mok_proto.errors import KernelTimeoutError
+from mok_proto.errors import KernelTimeoutError, SymmTimeoutError
 from mok_proto.layer.gpu import GpuMoELayer
 from mok_proto.problem import make_problem
 
@@ -172,6 +173,31 @@ def check_counter_timeout(heap):
     layer.close()
 
 
+def check_missing_peer(heap):
+    """Virtual ranks: rank 0 alone runs a fused forward (its peers never start the round): the
+    schedule's wait for their routing raises SymmTimeoutError naming the operator, and the fused
+    kernel after it runs nothing (no hang)."""
+    if heap.num_ranks < 2 or len(heap.launch_ranks) != heap.num_ranks:
+        return
+    num_ranks = heap.num_ranks
+    shape = MoEShape("missing", hidden=256, ffn=256, num_experts=2 * num_ranks, top_k=2, num_tokens=64)
+    prob = make_problem(shape, num_ranks, seed=9)
+    layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=2), name="fmissing")
+    for rank in layer.ranks:
+        layer.set_weights(rank, prob.local_weights(rank))
+        layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
+    layer.launch_only([0])
+    layer.set_forward_plan(layer.fused_forward_plan(0, 256))
+    layer.enqueue_forward()
+    try:
+        layer.check()
+    except SymmTimeoutError as e:
+        assert "rank 0" in str(e), str(e)
+    else:
+        raise AssertionError("a fused forward without its peers did not time out")
+    layer.close()
+
+
 def main():
     args = gpu_program.parser(CASES, with_policies=True).parse_args()
     policies = gpu_program.policies(args, forward_only=True)
@@ -179,6 +205,7 @@ def main():
     try:
         results = [check_case(heap, comm, name, i, args.replays, policies) for i, name in enumerate(args.cases.split(","))]
         check_counter_timeout(heap)
+        check_missing_peer(heap)
         gpu_program.check_overflow(heap, "foverflow", lambda layer: layer.set_forward_plan(
             layer.fused_forward_plan(2, 256)))
     finally:
