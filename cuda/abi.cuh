@@ -89,11 +89,15 @@ enum CounterKind : int { kCounterArrived = 0, kCounterFirstDone = 1, kCounterSec
 
 namespace mok::fused {
 // GemmSlot, as errors print it:
-//   kSlotSharedFirst: shared expert, first GEMM (fwd: gate/up)
-//   kSlotSharedSecond: shared expert, second GEMM (fwd: down)
-//   kSlotFirst: routed experts, first GEMM (fwd: gate/up)
-//   kSlotSecond: routed experts, second GEMM (fwd: down)
-enum GemmSlot : int { kSlotSharedFirst = 0, kSlotSharedSecond = 1, kSlotFirst = 2, kSlotSecond = 3, kFusedGemms = 4 };
+//   kSlotSharedFirst: shared expert, first GEMM (fwd: gate/up; bwd: down_bwd)
+//   kSlotSharedSecond: shared expert, second GEMM (fwd: down; bwd: gate_up_bwd)
+//   kSlotFirst: routed experts, first GEMM (fwd: gate/up; bwd: down_bwd)
+//   kSlotSecond: routed experts, second GEMM (fwd: down; bwd: gate_up_bwd)
+//   kSlotSharedDownWgrad: shared expert, down's weight gradient (bwd)
+//   kSlotSharedGateUpWgrad: shared expert, gate/up's weight gradients (bwd)
+//   kSlotDownWgrad: routed experts, down's weight gradients (bwd)
+//   kSlotGateUpWgrad: routed experts, gate/up's weight gradients (bwd)
+enum GemmSlot : int { kSlotSharedFirst = 0, kSlotSharedSecond = 1, kSlotFirst = 2, kSlotSecond = 3, kSlotSharedDownWgrad = 4, kSlotSharedGateUpWgrad = 5, kSlotDownWgrad = 6, kSlotGateUpWgrad = 7, kFusedGemms = 8 };
 }  // namespace mok::fused
 
 namespace mok {

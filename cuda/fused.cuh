@@ -125,10 +125,14 @@ __device__ __forceinline__ void trace_times(const Ctx& c, int index, i64 start, 
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ int slot_of(int kind) {
   switch (kind) {
-    case plan::kTaskSharedGateUp: return kSlotSharedFirst;
-    case plan::kTaskSharedDown: return kSlotSharedSecond;
-    case plan::kTaskGateUp: return kSlotFirst;
-    default: return kSlotSecond;  // kTaskDown
+    case plan::kTaskSharedGateUp: case plan::kTaskSharedDownBwd: return kSlotSharedFirst;
+    case plan::kTaskSharedDown: case plan::kTaskSharedGateUpBwd: return kSlotSharedSecond;
+    case plan::kTaskGateUp: case plan::kTaskDownBwd: return kSlotFirst;
+    case plan::kTaskDown: case plan::kTaskGateUpBwd: return kSlotSecond;
+    case plan::kTaskSharedDownWgrad: return kSlotSharedDownWgrad;
+    case plan::kTaskSharedGateUpWgrad: return kSlotSharedGateUpWgrad;
+    case plan::kTaskDownWgrad: return kSlotDownWgrad;
+    default: return kSlotGateUpWgrad;  // kTaskGateUpWgrad
   }
 }
 
@@ -161,7 +165,38 @@ __device__ __forceinline__ bool task_tile(const GemmParams* p, const Task& t, in
 }
 
 __device__ __forceinline__ i64 ring_rows_of(const Ctx& c, int kind) {
-  return kind == plan::kTaskGateUp || kind == plan::kTaskDown ? c.fp->ring_rows : 0;
+  const bool routed_rows = kind == plan::kTaskGateUp || kind == plan::kTaskDown || kind == plan::kTaskDownBwd ||
+                           kind == plan::kTaskGateUpBwd;
+  return routed_rows ? c.fp->ring_rows : 0;
+}
+
+// A weight-gradient task's tile for cluster CTA `cta`: expert `expert` (the shared expert: group
+// 0), weight row tile 2 (row_tile / 2) + cta, K = the expert's rows (ragged; its last k-block
+// zero-filled by cp.async), exactly as the standalone kernel's tile_of: one CTA sums the tile's
+// whole K in order (deterministic, no atomics). A pair's second tile past the weight's rows
+// recomputes the first and stores nothing.
+template <int kP>
+__device__ __forceinline__ void wgrad_tile(const GemmParams* p, const Task& t, int cta, Tile& tile) {
+  const int group = t.expert < 0 ? 0 : t.expert;
+  const int m_tiles = static_cast<int>(p->m) / gemm::kBM;
+  const int m_tile = (t.row_tile & ~1) + cta;
+  tile.group = group;
+  tile.store = m_tile < m_tiles;
+  tile.m0 = (tile.store ? m_tile : m_tile - 1) * gemm::kBM;
+  tile.n0 = t.col_tile * Traits<kP>::kTileN;
+  tile.row0 = gemm::ptr<const int>(p->row_offsets)[group];
+  tile.rows = gemm::ptr<const int>(p->row_counts)[group];
+  tile.k_blocks = gemm::ceil_div(tile.rows, gemm::kBK);
+}
+
+// The tile of any GEMM task (false: a row pair past the real rows, nothing to do).
+template <int kP>
+__device__ __forceinline__ bool tile_for(const Ctx& c, const GemmParams* p, const Task& t, int cta, Tile& tile) {
+  if (!Traits<kP>::kRowProblem) {
+    wgrad_tile<kP>(p, t, cta, tile);
+    return true;
+  }
+  return task_tile<kP>(p, t, cta, ring_rows_of(c, t.kind), tile);
 }
 
 // Producer warp (warp 0 of warpgroup 0), one task: lane 0 waits for the task's counters (then
@@ -172,7 +207,7 @@ __device__ __forceinline__ bool produce_task(const Ctx& c, SharedStorage& ss, Ri
                                              int cta, int wg_tid, bool ok) {
   const GemmParams* p = c.gemm + slot_of(t.kind);
   Tile tile;
-  if (!task_tile<kP>(p, t, cta, ring_rows_of(c, t.kind), tile)) return ok;
+  if (!tile_for<kP>(c, p, t, cta, tile)) return ok;
   bool ready = false;
   if (wg_tid == 0) {
     ready = ok && wait_task(c, t, index);
@@ -180,7 +215,7 @@ __device__ __forceinline__ bool produce_task(const Ctx& c, SharedStorage& ss, Ri
     if (c.trace) c.trace[index].ready_ns = static_cast<i64>(globaltimer_ns());
   }
   ok = __shfl_sync(0xffffffffu, ready, 0) != 0;
-  return gemm::produce_tile<kP>(p, ss, ring, tile, cta, wg_tid, ok);
+  return gemm::produce_tile<kP, 32>(p, ss, ring, tile, cta, wg_tid, ok);
 }
 
 // Consumer warpgroups, one task: the tile's MMAs and epilogue; once both warpgroups stored their
@@ -193,8 +228,7 @@ __device__ __forceinline__ bool consume_task(const Ctx& c, SharedStorage& ss, Ri
   const bool lead = threadIdx.x == 128;
   const i64 start = c.trace && lead ? static_cast<i64>(globaltimer_ns()) : 0;
   Tile tile;
-  if (task_tile<kP>(p, t, cta, ring_rows_of(c, t.kind), tile))
-    ok = gemm::consume_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
+  if (tile_for<kP>(c, p, t, cta, tile)) ok = gemm::consume_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
   fence_proxy_async_global();
   asm volatile("bar.sync 2, 256;" ::: "memory");  // both consumer warpgroups
   if (lead) {
@@ -217,7 +251,7 @@ struct ChunkRows {
   SchedView sv;
   int rank;
   i64 first, stride, count, shift;
-  bool dispatch;
+  bool dispatch;  // incoming (dispatch, reverse-combine: pulled into receive rows), else outgoing (pushed)
   __device__ __forceinline__ RowMove move(i64 k) const {
     const i64 i = first + k * stride;
     return dispatch ? dispatch_pull_row(cp, rank, sv, i, shift) : combine_push_row(cp, rank, sv, i, shift);
@@ -236,7 +270,7 @@ __device__ __forceinline__ ChunkRows chunk_rows(const Ctx& c, const Task& t, boo
   r.stride = c.fp->comm_chunks;
   r.first = begin + t.row_tile;
   r.count = ok && r.first < end ? (end - r.first + r.stride - 1) / r.stride : 0;
-  r.dispatch = t.kind == plan::kTaskDispatch;
+  r.dispatch = t.kind == plan::kTaskDispatch || t.kind == plan::kTaskRevCombine;  // into the receive rows
   return r;
 }
 
@@ -416,15 +450,32 @@ __device__ __forceinline__ bool side_comm_task(const Ctx& c, SharedStorage& ss, 
   return ok;
 }
 
-__device__ __forceinline__ bool is_comm(int kind) { return kind == plan::kTaskDispatch || kind == plan::kTaskCombine; }
+__device__ __forceinline__ bool is_comm(int kind) {
+  return kind == plan::kTaskDispatch || kind == plan::kTaskCombine || kind == plan::kTaskRevCombine ||
+         kind == plan::kTaskRevDispatch;
+}
+
+// The grouped-GEMM problem of a task of pass kPass (0: forward, 1: backward), for the roles'
+// dispatch: f.template operator()<Problem>() runs the task.
+template <int kPass, typename F>
+__device__ __forceinline__ bool with_problem(int kind, F f) {
+  if (kPass == 0) {
+    if (kind == plan::kTaskSharedGateUp || kind == plan::kTaskGateUp) return f(gemm::Tag<gemm::kGateUp>());
+    return f(gemm::Tag<gemm::kDown>());
+  }
+  if (kind == plan::kTaskSharedDownBwd || kind == plan::kTaskDownBwd) return f(gemm::Tag<gemm::kDownBwd>());
+  if (kind == plan::kTaskSharedGateUpBwd || kind == plan::kTaskGateUpBwd) return f(gemm::Tag<gemm::kGateUpBwd>());
+  if (kind == plan::kTaskSharedDownWgrad || kind == plan::kTaskDownWgrad) return f(gemm::Tag<gemm::kDownWgrad>());
+  return f(gemm::Tag<gemm::kGateUpWgrad>());
+}
 
 // ---------------------------------------------------------------------------------------------
 // The kernel: grid (the plan's num_sms, W) in 2-CTA clusters, kThreads threads, gemm::kSmemBytes of
 // dynamic shared memory; every CTA of every launch rank resident at once (the host sizes the grid
 // from the driver's occupancy answer).
 // ---------------------------------------------------------------------------------------------
-__global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::kThreads, 1)
-    fused_forward(const FusedParams* fp) {
+template <int kPass>
+__device__ __forceinline__ void run_fused(const FusedParams* fp) {
   extern __shared__ char smem_raw[];
   SharedStorage& ss =
       *reinterpret_cast<SharedStorage*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~static_cast<u64>(1023));
@@ -456,10 +507,9 @@ __global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::k
         for (int i = first; i < last; ++i) {
           const Task t = c.tasks[i];
           if (is_comm(t.kind)) continue;
-          if (t.kind == plan::kTaskSharedGateUp || t.kind == plan::kTaskGateUp)
-            ok = produce_task<gemm::kGateUp>(c, ss, ring, t, i, cta, wg_tid, ok);
-          else
-            ok = produce_task<gemm::kDown>(c, ss, ring, t, i, cta, wg_tid, ok);
+          ok = with_problem<kPass>(t.kind, [&](auto tag) {
+            return produce_task<decltype(tag)::kProblem>(c, ss, ring, t, i, cta, wg_tid, ok);
+          });
         }
       } else if (wg == 0) {  // the spare warps: communication tasks
         const int side = wg_tid / 32 - 1;
@@ -473,16 +523,25 @@ __global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::k
         for (int i = first; i < last; ++i) {
           const Task t = c.tasks[i];
           if (is_comm(t.kind)) continue;
-          if (t.kind == plan::kTaskSharedGateUp || t.kind == plan::kTaskGateUp)
-            ok = consume_task<gemm::kGateUp>(c, ss, ring, t, i, cta, acc, staging, wg - 1, wg_tid, ok);
-          else
-            ok = consume_task<gemm::kDown>(c, ss, ring, t, i, cta, acc, staging, wg - 1, wg_tid, ok);
+          ok = with_problem<kPass>(t.kind, [&](auto tag) {
+            return consume_task<decltype(tag)::kProblem>(c, ss, ring, t, i, cta, acc, staging, wg - 1, wg_tid, ok);
+          });
         }
       }
     }
   }
   // No CTA may leave while its partner can still arrive on its barriers or multicast into it.
   cluster_sync();
+}
+
+__global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::kThreads, 1)
+    fused_forward(const FusedParams* fp) {
+  run_fused<0>(fp);
+}
+
+__global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::kThreads, 1)
+    fused_backward(const FusedParams* fp) {
+  run_fused<1>(fp);
 }
 
 }  // namespace fused

@@ -85,6 +85,11 @@ template <int kP> struct Traits {
   static constexpr int kAuxStages = kP == kDownBwd ? kBN / 64 : 0;
 };
 
+// A problem as a type (a generic lambda's argument: tag.kProblem is a constant expression).
+template <int kP> struct Tag {
+  static constexpr int kProblem = kP;
+};
+
 struct Tile {
   int group, m0, n0, row0, rows, k_blocks;
   bool store;  // false: a duplicate of the partner CTA's tile (odd M tile count), not written
@@ -445,6 +450,15 @@ __device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile
 // ---------------------------------------------------------------------------------------------
 // The ring and the per-tile roles
 // ---------------------------------------------------------------------------------------------
+// A barrier among the threads that produce: the producer warpgroup (named barrier 1) or one warp.
+template <int kProducers>
+__device__ __forceinline__ void producers_sync() {
+  if (kProducers == 128)
+    asm volatile("bar.sync 1, 128;" ::: "memory");
+  else
+    __syncwarp();
+}
+
 // Stage and phase of the mbarrier ring. The producer and every consumer warpgroup each hold one
 // and advance it once per stage in the same tile order, so they agree on every stage.
 struct Ring {
@@ -500,9 +514,12 @@ __device__ __forceinline__ int gemm_setup(const GemmParams* p, SharedStorage& ss
 // stage together. After a failed wait (returns false) thread 0 loads nothing more (no copy may
 // land in a stage still in use, or in a CTA that has left); the consumers' waits then fail too and
 // the kernel ends with the error set.
-template <int kP>
+// kProducers: the threads that call it (the producer warpgroup, 128; the fused kernels' producer
+// warp, 32); the partial k-block's cp.async loads are split among them.
+template <int kP, int kProducers = 128>
 __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
                                              int cta, int wg_tid, bool ok) {
+  static_assert(kProducers == 128 || kProducers == 32, "the producer warpgroup or one warp");
   using Tr = Traits<kP>;
   const u32 s_base = smem_addr(ss.stages);
   volatile int* go = &ss.go;
@@ -514,13 +531,13 @@ __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage&
       // NOTE: generic-proxy writes, complete and fenced before the barrier tells the consumers.
       // Each CTA fills its own stage; nothing is multicast.
       if (wg_tid == 0) *go = ok;
-      asm volatile("bar.sync 1, 128;" ::: "memory");  // the producer warpgroup only
+      producers_sync<kProducers>();
       if (*go) {
-        load_stage_cp_async<kP, 128>(p, tile, kb, s_a, s_a + kATileBytes, wg_tid);
+        load_stage_cp_async<kP, kProducers>(p, tile, kb, s_a, s_a + kATileBytes, wg_tid);
         cp_async_wait_all();
         fence_proxy_async();
       }
-      asm volatile("bar.sync 1, 128;" ::: "memory");
+      producers_sync<kProducers>();
       if (wg_tid == 0 && ok) mbar_arrive(&ss.full[ring.stage]);
     } else if (wg_tid == 0 && ok) {
       load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &ss.full[ring.stage], cta);

@@ -202,12 +202,17 @@ COUNTER_KIND = Enum("CounterKind", (
     ("kCounterStageDone", "stage_done"),  # per stage (sequential plans only)
 ), namespace="mok::plan", count="kNumCounterKinds")
 
-# The fused layer's GEMMs of one launch rank, in FusedParams.gemm order.
+# The fused layer's GEMMs of one launch rank, in FusedParams.gemm order (a forward leaves the
+# weight-gradient slots zero).
 GEMM_SLOT = Enum("GemmSlot", (
-    ("kSlotSharedFirst", "shared expert, first GEMM (fwd: gate/up)"),
-    ("kSlotSharedSecond", "shared expert, second GEMM (fwd: down)"),
-    ("kSlotFirst", "routed experts, first GEMM (fwd: gate/up)"),
-    ("kSlotSecond", "routed experts, second GEMM (fwd: down)"),
+    ("kSlotSharedFirst", "shared expert, first GEMM (fwd: gate/up; bwd: down_bwd)"),
+    ("kSlotSharedSecond", "shared expert, second GEMM (fwd: down; bwd: gate_up_bwd)"),
+    ("kSlotFirst", "routed experts, first GEMM (fwd: gate/up; bwd: down_bwd)"),
+    ("kSlotSecond", "routed experts, second GEMM (fwd: down; bwd: gate_up_bwd)"),
+    ("kSlotSharedDownWgrad", "shared expert, down's weight gradient (bwd)"),
+    ("kSlotSharedGateUpWgrad", "shared expert, gate/up's weight gradients (bwd)"),
+    ("kSlotDownWgrad", "routed experts, down's weight gradients (bwd)"),
+    ("kSlotGateUpWgrad", "routed experts, gate/up's weight gradients (bwd)"),
 ), namespace="mok::fused", count="kFusedGemms")
 
 ENUMS = (ERROR_CODE, OP, FLAG_KIND, GEMM_PROBLEM, TASK_KIND, COUNTER_KIND, GEMM_SLOT)

@@ -199,7 +199,7 @@ class Plan:
         if not len(t):
             return []
         comm = np.isin(t["kind"], [int(k) for k in COMM_KINDS])
-        if self.strategy != "fused_forward":
+        if self.strategy not in FUSED_STRATEGIES.values():
             key, pos = t["block"].astype(np.int64), np.arange(len(t))
         else:
             cluster = np.where(comm, t["block"], self.num_sms + t["block"] // 2).astype(np.int64)
@@ -251,9 +251,11 @@ class Plan:
            uses the rows of minibatch m - ring (transitively through counters and CTA order).
         7. Pairs (fused plans): every GEMM task is one half of a 2-CTA cluster's tile pair.
         8. Data flow (fused plans): every task runs after the tasks that write what it reads
-           (gate/up after its minibatch's dispatch chunks, down after its row tile's gate/up
-           tiles, combine after its minibatch's down tiles, shared down after its row tile's
-           shared gate/up tiles), transitively through counters and stream order.
+           (the first GEMM after its minibatch's incoming chunks, the second after its row
+           tile's first-GEMM tiles, the outgoing chunks after their minibatch's second-GEMM
+           tiles, the shared second after its row tile's shared first; backward: the weight
+           gradients after every first-GEMM tile, the shared gate/up weight gradient after every
+           shared first tile), transitively through counters and stream order.
 
         The proof is kept: a second call costs nothing (like `execution_order`, it assumes the
         tables are not changed in place; `with_tasks` makes a new plan).
@@ -508,11 +510,38 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     plan: it runs after the kernel (MoK's epilogue kernel). With dispatch push / combine pull
     (see inside_kernel) those transfers run outside and the ring cannot turn (ring = every
     minibatch)."""
+    return _fused("fwd", shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms,
+                  capacity_rows, lookahead)
+
+
+def fused_backward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int, *, policy: dict,
+                   num_sms: int, capacity_rows: int | None = None, lookahead: int | None = None) -> Plan:
+    """The backward megakernel's plan (cuda/fused.cuh, fused_backward), the forward's structure
+    with the backward's kinds: chunk tasks pull the reverse-combine (w * dout rows, into the
+    receive rows) and push the reverse-dispatch (input-gradient rows into the owners' slots);
+    the tile pairs run the shared expert's data and weight gradients first, then per minibatch
+    down_bwd (after its rows arrived; SwiGLU backward fused) and gate_up_bwd (after its row
+    tile's down_bwd tiles), then every routed weight-gradient tile (deferred: after every
+    down_bwd tile, so they overlap the last reverse-dispatches), each (expert, row pair, column
+    tile) one pair task that stores its fp32 sum over the expert's rows in order: the same sums,
+    in the same order, as the sequential launches. One macrobatch: the ring holds every
+    minibatch (a smaller ring would need the forward's activations again). The slot sum and
+    d topk_weights run after the kernel."""
+    return _fused("bwd", shape, num_ranks, comm_blocks, minibatch_rows, None, policy, num_sms, capacity_rows,
+                  lookahead)
+
+
+FUSED_STRATEGIES = {"fwd": "fused_forward", "bwd": "fused_backward"}
+
+
+def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms, capacity_rows,
+           lookahead) -> Plan:
     capacity_rows = capacity_rows or default_capacity(shape, num_ranks, minibatch_rows)
     num_mb = capacity_rows // minibatch_rows if minibatch_rows > 0 else 0
     ring = min(ring_minibatches or num_mb, max(num_mb, 1))  # a ring of every minibatch never turns
-    _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, ring, capacity_rows, "fwd")
-    comm_in, comm_out = inside_kernel("fwd", policy)
+    _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, ring, capacity_rows, pass_)
+    comm_in, comm_out = inside_kernel(pass_, policy)
+    k = PASS_KINDS[pass_]
     if comm_blocks and not (comm_in or comm_out):
         raise ValueError(f"policy {policy} moves no rows inside the kernel: comm_blocks must be 0")
     if minibatch_rows % PAIR_ROWS:
@@ -521,9 +550,8 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
         raise ValueError(f"num_sms ({num_sms}) and comm_blocks ({comm_blocks}) must be even (2-CTA clusters), "
                          f"0 <= comm_blocks < num_sms")
     if ring < num_mb and not (comm_in and comm_out):
-        raise ValueError(f"a ring of {ring} < {num_mb} minibatches needs dispatch pull and combine push (both inside "
-                         f"the kernel), got {policy}")
-    k = PASS_KINDS["fwd"]
+        raise ValueError(f"a ring of {ring} < {num_mb} minibatches needs {k.in_op} pull and {k.out_op} push (both "
+                         f"inside the kernel), got {policy}")
     b = _Builder(num_ranks)
     tpm = minibatch_rows // BM
     shared_pairs = _cdiv(shape.num_tokens, PAIR_ROWS) if shape.num_shared else 0
@@ -533,52 +561,65 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     shared_first = [b.counter(CounterKind.SHARED_FIRST_DONE, rt) for rt in range(2 * shared_pairs)]
     second_done = [b.counter(CounterKind.SECOND_DONE, m) for m in range(num_mb)] if comm_out else None
     released = [b.counter(CounterKind.RELEASED, m) for m in range(num_mb)] if ring < num_mb else None
+    wgrad = bool(k.wgrad)
+    shared_done = [b.counter(CounterKind.SHARED_DONE, 0)] if wgrad and shared_pairs else []
+    data_grad_done = [b.counter(CounterKind.DATA_GRAD_DONE, 0)] if wgrad else []
 
     for c in range(comm_blocks or num_sms):  # chunk c of every minibatch, on CTA c
-        def dispatch(m, c=c):
+        def comm_in_task(m, c=c):
             waits = [released[m - ring]] if m >= ring else []
             b.add(c, k.comm_in, waits, [arrived[m]], minibatch=m, row_tile=c)
         if comm_in:
             for m in range(min(ring, num_mb)):
-                dispatch(m)
+                comm_in_task(m)
         for m in range(num_mb):
             if comm_out:
                 b.add(c, k.comm_out, [second_done[m]], [released[m]] if released else [], minibatch=m, row_tile=c)
             if comm_in and m + ring < num_mb:
-                dispatch(m + ring)
+                comm_in_task(m + ring)
 
-    pairs = []  # (kind, minibatch, row pair, col tile, waits of (cta), signals of (cta))
+    # Tile pairs in one global order: (kind, row pair, col tile, waits(rt), signals(rt), task fields)
+    pairs = []
     for p in range(shared_pairs):
-        pairs += [(k.shared_first, -1, p, col, lambda rt: [], lambda rt: [shared_first[rt]]) for col in range(
-            num_col_tiles(k.shared_first, shape))]
+        pairs += [(k.shared_first, p, col, lambda rt: [], lambda rt: [shared_first[rt]] + shared_done, {})
+                  for col in range(num_col_tiles(k.shared_first, shape))]
     for p in range(shared_pairs):
-        pairs += [(k.shared_second, -1, p, col, lambda rt: [shared_first[rt]], lambda rt: []) for col in range(
-            num_col_tiles(k.shared_second, shape))]
+        pairs += [(k.shared_second, p, col, lambda rt: [shared_first[rt]], lambda rt: [], {})
+                  for col in range(num_col_tiles(k.shared_second, shape))]
+    for kind in (k.shared_wgrad if shared_pairs else ()):  # shared weight gradients: its data gradients' rows
+        rows, cols = wgrad_grid(kind, shape)
+        waits = shared_done if kind == TaskKind.SHARED_GATE_UP_WGRAD else []
+        pairs += [(kind, p, col, lambda rt, w=waits: w, lambda rt: [], {}) for p in range(_cdiv(rows, 2))
+                  for col in range(cols)]
     if lookahead is None:
         lookahead = min(1, max(ring - 1, 0))
     if not 0 <= lookahead <= max(ring - 1, 0):
         raise ValueError(f"lookahead must be in [0, ring - 1 = {ring - 1}] (minibatch m + lookahead may need m's "
                          f"ring slot), got {lookahead}")
     for step in range(num_mb + lookahead):
-        m = step  # gate/up of minibatch step, then down of minibatch step - lookahead
+        m = step  # the first GEMM of minibatch step, then the second of minibatch step - lookahead
         if m < num_mb:
-            pairs += [(k.first, m, p, col, lambda rt, m=m: [arrived[m]] if comm_in else [],
-                       lambda rt: [first_done[rt]]) for p in range(m * tpm // 2, (m + 1) * tpm // 2)
-                      for col in range(n_first)]
+            pairs += [(k.first, p, col, lambda rt, m=m: [arrived[m]] if comm_in else [],
+                       lambda rt: [first_done[rt]] + data_grad_done, {"minibatch": m})
+                      for p in range(m * tpm // 2, (m + 1) * tpm // 2) for col in range(n_first)]
         m = step - lookahead
         if m >= 0:
-            pairs += [(k.second, m, p, col, lambda rt: [first_done[rt]],
-                       lambda rt, m=m: [second_done[m]] if comm_out else [])
+            pairs += [(k.second, p, col, lambda rt: [first_done[rt]],
+                       lambda rt, m=m: [second_done[m]] if comm_out else [], {"minibatch": m})
                       for p in range(m * tpm // 2, (m + 1) * tpm // 2) for col in range(n_second)]
+    for kind in k.wgrad:  # deferred: after every data-gradient tile of every minibatch
+        rows, cols = wgrad_grid(kind, shape)
+        pairs += [(kind, p, col, lambda rt: data_grad_done, lambda rt: [], {"expert": e, "macrobatch": 0})
+                  for e in range(shape.num_experts // num_ranks) for p in range(_cdiv(rows, 2)) for col in range(cols)]
     clusters = (num_sms - comm_blocks) // 2
-    for turn, (kind, m, p, col, waits, signals) in enumerate(pairs):
+    for turn, (kind, p, col, waits, signals, fields) in enumerate(pairs):
         for cta in (0, 1):
             rt = 2 * p + cta
-            b.add(comm_blocks + 2 * (turn % clusters) + cta, kind, waits(rt), signals(rt), minibatch=m, row_tile=rt,
-                  col_tile=col)
-    return b.build(pass_="fwd", shape=shape, num_ranks=num_ranks, policy=dict(policy), num_sms=num_sms,
+            b.add(comm_blocks + 2 * (turn % clusters) + cta, kind, waits(rt), signals(rt), row_tile=rt, col_tile=col,
+                  **fields)
+    return b.build(pass_=pass_, shape=shape, num_ranks=num_ranks, policy=dict(policy), num_sms=num_sms,
                    comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, ring_minibatches=ring,
-                   capacity_rows=capacity_rows, strategy="fused_forward")
+                   capacity_rows=capacity_rows, strategy=FUSED_STRATEGIES[pass_])
 
 
 def _epilogue_tasks(k: PassKinds, shape: MoEShape, num_sms: int, ctr) -> list:
@@ -682,7 +723,7 @@ def _expected_keys(plan: Plan) -> np.ndarray:
         return (int(kind), minibatch, macrobatch, row_tile, col_tile, expert)
 
     keys = []
-    if plan.strategy == "fused_forward":
+    if plan.strategy in FUSED_STRATEGIES.values():
         return _expected_fused_keys(plan, key)
     for m in range(plan.num_minibatches):
         for kind in (k.comm_in, k.comm_out):
@@ -705,8 +746,9 @@ def _expected_keys(plan: Plan) -> np.ndarray:
 
 
 def _expected_fused_keys(plan: Plan, key) -> np.ndarray:
-    """A fused forward: the transfers inside the kernel (a chunk per communicating CTA), the tile
-    pairs (shared expert: both tiles of every token row pair), no epilogue (a launch after it)."""
+    """A fused pass: the transfers inside the kernel (a chunk per chunk), the tile pairs (shared
+    expert: both tiles of every token row pair; weight gradients: both tiles of every row pair
+    of every expert's weights), no epilogue (a launch after it)."""
     k, shape = plan.kinds, plan.shape
     comm_in, comm_out = inside_kernel(plan.pass_, plan.policy)
     tpm = plan.tiles_per_minibatch
@@ -720,6 +762,13 @@ def _expected_fused_keys(plan: Plan, key) -> np.ndarray:
                      for c in range(num_col_tiles(kind, shape))]
     for kind in (k.shared_first, k.shared_second):
         keys += [key(kind, row_tile=r, col_tile=c) for r in range(shared_tiles) for c in range(num_col_tiles(kind, shape))]
+    # weight gradients (backward): every tile of every expert's weights, row tiles in pairs
+    for kinds, experts, macro in ((k.wgrad, range(shape.num_experts // plan.num_ranks), 0),
+                                  (k.shared_wgrad if shared_tiles else (), (-1,), -1)):
+        for kind in kinds:
+            rows, cols = wgrad_grid(kind, shape)
+            keys += [key(kind, macrobatch=macro, row_tile=r, col_tile=c, expert=e) for e in experts
+                     for r in range(2 * _cdiv(rows, 2)) for c in range(cols)]
     return np.array(keys, np.int64).reshape(-1, len(KEY_FIELDS))
 
 
@@ -728,7 +777,7 @@ def _check_pairs(plan: Plan) -> None:
     (past the communicating CTAs), in table order, are one tile pair at each position: same
     kind, minibatch and column tile, row tiles 2p and 2p + 1 (the kernel runs them as one 2-CTA
     cluster tile sharing B). Their communication tasks (comm_blocks == 0) may differ."""
-    if plan.strategy != "fused_forward":
+    if plan.strategy not in FUSED_STRATEGIES.values():
         return
     tables = plan.block_tables()
     for blk in range(plan.comm_blocks):
@@ -740,7 +789,9 @@ def _check_pairs(plan: Plan) -> None:
         if len(even) != len(odd):
             raise PlanError(f"pairs: CTAs {blk} and {blk + 1} (one cluster) have {len(even)} and {len(odd)} tasks")
         same = (even["kind"] == odd["kind"]) & (even["minibatch"] == odd["minibatch"]) & (
-            even["col_tile"] == odd["col_tile"]) & (even["row_tile"] % 2 == 0) & (odd["row_tile"] == even["row_tile"] + 1)
+            even["col_tile"] == odd["col_tile"]) & (even["expert"] == odd["expert"]) & (
+            even["macrobatch"] == odd["macrobatch"]) & (even["row_tile"] % 2 == 0) & (
+            odd["row_tile"] == even["row_tile"] + 1)
         if not same.all():
             i = int(np.argmin(same))
             raise PlanError(f"pairs: CTAs {blk}, {blk + 1}, GEMM task {i}: seq {even['seq'][i]} and {odd['seq'][i]} "
@@ -894,7 +945,7 @@ def _check_ring(plan: Plan, anc: list) -> None:
 
 def _check_dataflow(plan: Plan, anc: list) -> None:
     """Fused plans: each reader runs after every writer of its rows (see check(), 8)."""
-    if plan.strategy != "fused_forward":
+    if plan.strategy not in FUSED_STRATEGIES.values():
         return
     t, k = plan.tasks, plan.kinds
     kind, mb, rt = t["kind"], t["minibatch"], t["row_tile"]
@@ -913,9 +964,19 @@ def _check_dataflow(plan: Plan, anc: list) -> None:
         writers[(int(k.second), "rt", r)] = bits((kind == int(k.first)) & (rt == r))
     for r in np.unique(rt[kind == int(k.shared_second)]).tolist():
         writers[(int(k.shared_second), "rt", r)] = bits((kind == int(k.shared_first)) & (rt == r))
+    # weight gradients read the rows of every minibatch's first GEMM (dg, du; the arrived dy rows)
+    # and the shared gate/up weight gradient the shared first GEMM's (sdg, sdu)
+    for w in k.wgrad:
+        writers[(int(w), "all", -1)] = bits(kind == int(k.first))
+    if k.shared_wgrad:
+        writers[(int(k.shared_wgrad[1]), "all", -1)] = bits(kind == int(k.shared_first))
     for i in range(len(t)):
-        key = (int(kind[i]), "rt", int(rt[i])) if kind[i] in (int(k.second), int(k.shared_second)) else (
-            int(kind[i]), "mb", int(mb[i]))
+        if kind[i] in (int(k.second), int(k.shared_second)):
+            key = (int(kind[i]), "rt", int(rt[i]))
+        elif (int(kind[i]), "all", -1) in writers:
+            key = (int(kind[i]), "all", -1)
+        else:
+            key = (int(kind[i]), "mb", int(mb[i]))
         need = writers.get(key, 0)
         if anc[i] & need != need:
             missing = need & ~anc[i]
