@@ -279,3 +279,54 @@ def test_fused_check_rejects_a_reader_without_its_wait(kind):
     t["wait_counter"][sel], t["wait_target"][sel] = -1, 0
     with pytest.raises(P.PlanError, match="data flow"):
         P.with_tasks(p, t).check()
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused backward's plans
+# ---------------------------------------------------------------------------------------------
+BACKWARD_POLICIES = [{**MOK_POLICY, "rev_combine": rc, "rev_dispatch": rd} for rc in ("pull", "push")
+                     for rd in ("push", "pull")]
+
+
+@pytest.mark.parametrize("policy", BACKWARD_POLICIES)
+def test_fused_backward_passes_check(policy):
+    inside = P.inside_kernel("bwd", policy)
+    for comm in (0, 2) if any(inside) else (0,):
+        p = P.fused_backward(TILE, 2, comm, 256, policy=policy, num_sms=8, capacity_rows=1024)
+        p.check()
+        kinds = {P.TaskKind(int(k)) for k in np.unique(p.tasks["kind"])}
+        want = {P.TaskKind.SHARED_DOWN_BWD, P.TaskKind.SHARED_GATE_UP_BWD, P.TaskKind.SHARED_DOWN_WGRAD,
+                P.TaskKind.SHARED_GATE_UP_WGRAD, P.TaskKind.DOWN_BWD, P.TaskKind.GATE_UP_BWD,
+                P.TaskKind.DOWN_WGRAD, P.TaskKind.GATE_UP_WGRAD}
+        want |= {P.TaskKind.REV_COMBINE} if inside[0] else set()
+        want |= {P.TaskKind.REV_DISPATCH} if inside[1] else set()
+        assert kinds == want  # no slot-sum task: that launch follows the kernel
+        assert not p.counters["remote"].any()
+
+
+def test_fused_backward_defers_weight_gradients():
+    p = P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    routed_wgrad = np.isin(p.tasks["kind"], [int(P.TaskKind.DOWN_WGRAD), int(P.TaskKind.GATE_UP_WGRAD)])
+    data = np.isin(p.tasks["kind"], [int(P.TaskKind.DOWN_BWD), int(P.TaskKind.GATE_UP_BWD)])
+    for blk in range(p.num_sms):
+        mine = p.tasks["block"] == blk
+        if (mine & routed_wgrad).any() and (mine & data).any():
+            assert p.tasks["seq"][mine & routed_wgrad].min() > p.tasks["seq"][mine & data].max()
+    # every expert's weight tiles once, in cluster pairs, summed whole (one macrobatch)
+    w = p.tasks[routed_wgrad]
+    assert set(np.unique(w["expert"]).tolist()) == set(range(TILE.num_experts // 2))
+    assert (w["macrobatch"] == 0).all()
+    with pytest.raises(ValueError, match="lookahead"):
+        P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024, lookahead=9)
+
+
+def test_fused_backward_check_rejects_an_early_weight_gradient():
+    # a routed weight-gradient tile that no longer waits for the data gradients may read dg, du
+    # (and dy rows) before they exist (16 clusters: most run no data-gradient tile before it)
+    p = P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=32, capacity_rows=1024)
+    p.check()
+    t = p.tasks.copy()
+    sel = t["kind"] == int(P.TaskKind.GATE_UP_WGRAD)
+    t["wait_counter"][sel], t["wait_target"][sel] = -1, 0
+    with pytest.raises(P.PlanError, match="data flow"):
+        P.with_tasks(p, t).check()

@@ -1,7 +1,8 @@
-"""Wrapper of cuda/fused.cuh: the fused forward of the MoE layer, one persistent launch that
-executes a plan (mok_proto/plan.py, `fused_forward`) on every launch rank.
+"""Wrapper of cuda/fused.cuh: a fused pass of the MoE layer (forward or backward), one persistent
+launch that executes a plan (mok_proto/plan.py, `fused_forward` / `fused_backward`) on every
+launch rank.
 
-`FusedForward(plan, num_launch_ranks)` uploads the plan's tables once and owns the ready counters
+`FusedPass(plan, num_launch_ranks)` uploads the plan's tables once and owns the ready counters
 (zeroed on the stream before each launch: a memset, graph-capturable) and the timeline buffer;
 `launch(comm_params, gemm_params, error, timeout_ns, trace)` enqueues the kernel (the first
 launch of a set of arguments uploads its params: do it once outside a graph capture). The grid is (plan.num_sms,
@@ -18,45 +19,47 @@ from mok_proto import abi
 from mok_proto.kernels import gemm
 from mok_proto.kernels.build import CudaModule
 
-MODULE = CudaModule("fused.cuh", ("mok::fused::fused_forward",), archs=("sm_90a",))
-KERNEL = "mok::fused::fused_forward"
+KERNELS = {"fwd": "mok::fused::fused_forward", "bwd": "mok::fused::fused_backward"}
+MODULE = CudaModule("fused.cuh", tuple(KERNELS.values()), archs=("sm_90a",))
 RECORD_DTYPE = abi.TRACE_RECORD.dtype  # one TraceRecord (struct mok::fused::TraceRecord)
 GEMMS_PER_RANK = len(abi.GEMM_SLOT)
 
 
-def _kernel():
-    """The compiled kernel, allowed the GEMMs' dynamic shared memory."""
-    kernel = MODULE.function(KERNEL)
+def _kernel(pass_: str = "fwd"):
+    """The compiled kernel of a pass, allowed the GEMMs' dynamic shared memory."""
+    kernel = MODULE.function(KERNELS[pass_])
     smem = gemm.smem_bytes()
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
     return kernel
 
 
-def resident_clusters() -> int:
-    """Clusters of the fused kernel the GPU runs at once (the driver's occupancy answer)."""
-    return gemm.resident_clusters(_kernel(), strict=True)
+def resident_clusters(pass_: str = "fwd") -> int:
+    """Clusters of a pass's fused kernel the GPU runs at once (the driver's occupancy answer)."""
+    return gemm.resident_clusters(_kernel(pass_), strict=True)
 
 
-def default_num_sms(num_launch_ranks: int) -> int:
+def default_num_sms(num_launch_ranks: int, pass_: str = "fwd") -> int:
     """CTAs per launch rank so that every launch rank's clusters are resident together."""
-    return 2 * max(1, resident_clusters() // num_launch_ranks)
+    return 2 * max(1, resident_clusters(pass_) // num_launch_ranks)
 
 
-class FusedForward:
+class FusedPass:
     """One plan's device tables, counters and timeline for W launch ranks."""
 
     def __init__(self, plan, num_launch_ranks: int):
         import cupy
 
+        from mok_proto.plan import FUSED_STRATEGIES
+
         plan.check()
-        if plan.strategy != "fused_forward":
-            raise ValueError(f"FusedForward runs fused_forward plans, got strategy {plan.strategy!r}")
+        if plan.strategy != FUSED_STRATEGIES.get(plan.pass_):
+            raise ValueError(f"FusedPass runs fused_forward / fused_backward plans, got strategy {plan.strategy!r}")
         self.plan, self.num_launch_ranks = plan, int(num_launch_ranks)
         ring_bytes = abi.CONST["kStages"] * (abi.CONST["kBM"] + abi.CONST["kBN"]) * abi.CONST["kBK"] * 2
         if 2 * 2 * plan.shape.hidden > ring_bytes:  # a communicating CTA's copy ring: a row slot and a zero row
             raise ValueError(f"H={plan.shape.hidden}: two bf16 rows must fit in {ring_bytes} bytes of shared memory")
-        clusters, resident = plan.num_sms // 2 * self.num_launch_ranks, resident_clusters()
+        clusters, resident = plan.num_sms // 2 * self.num_launch_ranks, resident_clusters(plan.pass_)
         if clusters > resident:
             raise ValueError(f"plan needs {plan.num_sms} CTAs x {self.num_launch_ranks} launch ranks = {clusters} "
                              f"clusters resident at once, the GPU runs {resident}: use num_sms <= "
@@ -69,7 +72,7 @@ class FusedForward:
         self._params: dict = {}
 
     def launch(self, comm_params, gemm_params: np.ndarray, error, timeout_ns: int, trace: bool = False):
-        """Enqueue one fused forward. comm_params: the round's device CommParams; gemm_params: host
+        """Enqueue one fused pass. comm_params: the round's device CommParams; gemm_params: host
         uint64 words of W x kFusedGemms packed GemmParams (GemmSlot order per launch rank)."""
         import cupy
 
@@ -88,8 +91,8 @@ class FusedForward:
         self.counters.fill(0)
         if trace:
             self.records.fill(255)  # task = -1 until the task ran: a stale timeline cannot pass as this one
-        _kernel()((plan.num_sms, self.num_launch_ranks), (abi.CONST["kThreads"],), (params,),
-                  shared_mem=gemm.smem_bytes())
+        _kernel(plan.pass_)((plan.num_sms, self.num_launch_ranks), (abi.CONST["kThreads"],), (params,),
+                            shared_mem=gemm.smem_bytes())
 
     def timeline(self, launch_rank: int) -> np.ndarray:
         """The last traced launch's TraceRecord per task of one launch rank (host readback)."""

@@ -175,7 +175,7 @@ def tensor_map(array, inner: int, outer: int, box_inner: int, box_outer: int):
 # ---------------------------------------------------------------------------------------------
 def gate_up(x, w_gate, w_up, row_offsets, row_counts, h, g=None, u=None, error=None, pack_only=False):
     """x [rows,H], w_gate/w_up [E,H,I] -> h [rows,I] (and g, u [rows,I] if given). pack_only: see
-    _launch (gate_up and down have it: the fused forward runs their tiles)."""
+    _launch (every wrapper has it: the fused kernels run these problems' tiles)."""
     num_experts, hidden, ffn = w_gate.shape
     rows = x.shape[0]
     _check("x", x, (rows, hidden), "bf16"), _check("w_gate", w_gate, w_gate.shape, "bf16")
@@ -210,7 +210,7 @@ def down(h, w_down, row_offsets, row_counts, y, row_scale=None, error=None, pack
                    tmap_b1=tensor_map(w_down, hidden, num_experts * ffn, 64, BK))
 
 
-def down_bwd(dy, w_down, g, u, row_offsets, row_counts, dg, du, error=None):
+def down_bwd(dy, w_down, g, u, row_offsets, row_counts, dg, du, error=None, pack_only=False):
     """dy [rows,H], w_down [E,I,H], g/u [rows,I] -> dg, du [rows,I] (SwiGLU backward fused)."""
     num_experts, ffn, hidden = w_down.shape
     rows = dy.shape[0]
@@ -219,7 +219,7 @@ def down_bwd(dy, w_down, g, u, row_offsets, row_counts, dg, du, error=None):
         _check(name, a, (rows, ffn), "bf16")
     _groups(row_offsets, row_counts, rows)
     _multiple("H", hidden, BK), _multiple("I", ffn, BN)
-    return _launch("down_bwd", error, num_groups=num_experts,
+    return _launch("down_bwd", error, pack_only, num_groups=num_experts,
                    n=ffn, k=hidden, lda=hidden, ldb=hidden, ldo=ffn, b_group_stride=ffn * hidden, a1=dy,
                    b1=w_down, out1=dg, out2=du, row_offsets=row_offsets, row_counts=row_counts,
                    tmap_a1=tensor_map(dy, hidden, rows, BK, BM),
@@ -227,7 +227,7 @@ def down_bwd(dy, w_down, g, u, row_offsets, row_counts, dg, du, error=None):
                    tmap_aux1=tensor_map(g, ffn, rows, 64, BM), tmap_aux2=tensor_map(u, ffn, rows, 64, BM))
 
 
-def gate_up_bwd(dg, du, w_gate, w_up, row_offsets, row_counts, dx, error=None):
+def gate_up_bwd(dg, du, w_gate, w_up, row_offsets, row_counts, dx, error=None, pack_only=False):
     """dg/du [rows,I], w_gate/w_up [E,H,I] -> dx [rows,H] = dg Wg^T + du Wu^T."""
     num_experts, hidden, ffn = w_gate.shape
     rows = dg.shape[0]
@@ -236,7 +236,7 @@ def gate_up_bwd(dg, du, w_gate, w_up, row_offsets, row_counts, dx, error=None):
     _check("dx", dx, (rows, hidden), "bf16")
     _groups(row_offsets, row_counts, rows)
     _multiple("I", ffn, BK), _multiple("H", hidden, BN)
-    return _launch("gate_up_bwd", error, num_groups=num_experts,
+    return _launch("gate_up_bwd", error, pack_only, num_groups=num_experts,
                    n=hidden, k=2 * ffn, k_split=ffn, lda=ffn, ldb=ffn, ldo=hidden, b_group_stride=hidden * ffn,
                    a1=dg, a2=du, b1=w_gate, b2=w_up, out1=dx, row_offsets=row_offsets, row_counts=row_counts,
                    tmap_a1=tensor_map(dg, ffn, rows, BK, BM), tmap_a2=tensor_map(du, ffn, rows, BK, BM),
@@ -244,7 +244,7 @@ def gate_up_bwd(dg, du, w_gate, w_up, row_offsets, row_counts, dx, error=None):
                    tmap_b2=tensor_map(w_up, ffn, num_experts * hidden, BK, BN // CLUSTER))
 
 
-def down_wgrad(h, dy, row_offsets, row_counts, dw_down, error=None):
+def down_wgrad(h, dy, row_offsets, row_counts, dw_down, error=None, pack_only=False):
     """h [rows,I], dy [rows,H] -> dw_down [E,I,H] fp32, dw_down[e] = h_e^T dy_e."""
     num_experts, ffn, hidden = dw_down.shape
     rows = h.shape[0]
@@ -252,13 +252,13 @@ def down_wgrad(h, dy, row_offsets, row_counts, dw_down, error=None):
     _check("dw_down", dw_down, dw_down.shape, "f32")
     _groups(row_offsets, row_counts, rows)
     _multiple("I", ffn, BM), _multiple("H", hidden, BN)
-    return _launch("down_wgrad", error, num_groups=num_experts,
+    return _launch("down_wgrad", error, pack_only, num_groups=num_experts,
                    m=ffn, n=hidden, lda=ffn, ldb=hidden, ldo=hidden, o_group_stride=ffn * hidden, a1=h, b1=dy,
                    out1=dw_down, row_offsets=row_offsets, row_counts=row_counts,
                    tmap_a1=tensor_map(h, ffn, rows, 64, BK), tmap_b1=tensor_map(dy, hidden, rows, 64, BK))
 
 
-def gate_up_wgrad(x, dg, du, row_offsets, row_counts, dw_gate, dw_up, error=None):
+def gate_up_wgrad(x, dg, du, row_offsets, row_counts, dw_gate, dw_up, error=None, pack_only=False):
     """x [rows,H], dg/du [rows,I] -> dw_gate, dw_up [E,H,I] fp32."""
     num_experts, hidden, ffn = dw_gate.shape
     rows = x.shape[0]
@@ -267,7 +267,7 @@ def gate_up_wgrad(x, dg, du, row_offsets, row_counts, dw_gate, dw_up, error=None
     _check("dw_up", dw_up, dw_gate.shape, "f32")
     _groups(row_offsets, row_counts, rows)
     _multiple("H", hidden, BM), _multiple("I", ffn, BN // 2)
-    return _launch("gate_up_wgrad", error, num_groups=num_experts,
+    return _launch("gate_up_wgrad", error, pack_only, num_groups=num_experts,
                    m=hidden, n=ffn, lda=hidden, ldb=ffn, ldo=ffn, o_group_stride=hidden * ffn, a1=x, b1=dg, b2=du,
                    out1=dw_gate, out2=dw_up, row_offsets=row_offsets, row_counts=row_counts,
                    tmap_a1=tensor_map(x, hidden, rows, 64, BK), tmap_b1=tensor_map(dg, ffn, rows, 64, BK),

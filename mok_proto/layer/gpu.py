@@ -19,6 +19,9 @@ The fused forward (`set_forward_plan(plan)`, plan.fused_forward): after the sche
 persistent launch of cuda/fused.cuh runs the shared and routed GEMMs with the pull dispatch and
 the push combine inside (a push dispatch / pull combine runs as above, before / after it), then
 the combine flag and the weighted sum; its output and cache are bitwise the sequential ones.
+The fused backward (`set_backward_plan(plan)`, plan.fused_backward): after dy_slots, one launch
+runs the shared expert's gradients, per minibatch down_bwd and gate_up_bwd, the deferred weight
+gradients, with the pull reverse-combine and the push reverse-dispatch inside; then the slot sum.
 Every launch covers the launch ranks (all W virtual ranks, or this process's rank under
 NVSHMEM); GEMMs launch once per rank. Nothing is read back to the host: the pair of passes can
 be captured in one CUDA graph (`capture()`). Every wait is bounded; `check()` raises
@@ -83,7 +86,8 @@ class GpuMoELayer(GpuRound):
 
         self._whole = (cupy.zeros(1, I32), cupy.full(1, self.shape.num_tokens, I32))  # shared expert: one group
         self._blocks_per_rank = blocks_per_rank
-        self.fused = None  # kernels.fused.FusedForward of the plan set by set_forward_plan (None: sequential)
+        self.fused = None  # kernels.fused.FusedPass of the plan set by set_forward_plan (None: sequential)
+        self.fused_bwd = None  # ... of set_backward_plan
         self.trace = False  # record the fused forward's timeline (see forward_timeline)
         self._cache_valid = True
         self.launch_only(contiguous_ranks(heap, ranks))
@@ -141,6 +145,8 @@ class GpuMoELayer(GpuRound):
         self.launch = self.launch_for(ranks, 2 * h, self._blocks_per_rank)
         if getattr(self, "fused", None) is not None:  # its grid and GEMMs are per launch rank
             self.set_forward_plan(self.fused.plan)
+        if getattr(self, "fused_bwd", None) is not None:
+            self.set_backward_plan(self.fused_bwd.plan)
 
     # -----------------------------------------------------------------------------------------
     # Host-side setup (outside any captured graph)
@@ -149,18 +155,36 @@ class GpuMoELayer(GpuRound):
         """Run the forward as one fused launch of `forward_plan` (plan.fused_forward, for this
         layer's shape, R and policy), or stage by stage (None: the sequential schedule). Build the
         plan with `self.fused_forward_plan(...)` for this layer's capacity and grid."""
-        from mok_proto.kernels.fused import FusedForward
+        self.fused, self._fused_words = self._fused_pass(forward_plan, "fwd")
 
-        if forward_plan is None:
-            self.fused = None
-            return
-        if forward_plan.shape != self.shape or forward_plan.num_ranks != self.run.num_ranks:
-            raise ValueError(f"plan is for {forward_plan.shape.name} R={forward_plan.num_ranks}, this layer runs "
+    def set_backward_plan(self, backward_plan=None):
+        """Run the backward as one fused launch of `backward_plan` (plan.fused_backward), or stage
+        by stage (None). Build it with `self.fused_backward_plan(...)`."""
+        self.fused_bwd, self._fused_bwd_words = self._fused_pass(backward_plan, "bwd")
+
+    def _fused_pass(self, plan, pass_):
+        """(kernels.fused.FusedPass, the GEMM params of every launch rank) for a plan of `pass_`,
+        or (None, None)."""
+        from mok_proto.kernels.fused import FusedPass
+
+        if plan is None:
+            return None, None
+        if plan.pass_ != pass_:
+            raise ValueError(f"a {pass_} plan is needed, got a {plan.pass_} plan ({plan.strategy})")
+        if plan.shape != self.shape or plan.num_ranks != self.run.num_ranks:
+            raise ValueError(f"plan is for {plan.shape.name} R={plan.num_ranks}, this layer runs "
                              f"{self.shape.name} R={self.run.num_ranks}")
-        if forward_plan.capacity_rows < self.capacity:
-            raise ValueError(f"plan covers {forward_plan.capacity_rows} receive rows, the layer holds {self.capacity}")
-        self.fused = FusedForward(forward_plan, len(self.ranks))
-        self._fused_words = self._fused_gemm_params()  # the buffers never move: packed (and mapped) once
+        if plan.capacity_rows < self.capacity:
+            raise ValueError(f"plan covers {plan.capacity_rows} receive rows, the layer holds {self.capacity}")
+        fused = FusedPass(plan, len(self.ranks))
+        slots = [name for name, _ in abi.GEMM_SLOT.members]
+        words = []  # the buffers never move: packed (and their tensor maps made) once
+        for r in self.ranks:
+            for slot in slots:
+                call = self._gemm(pass_, slot, r)
+                words.append(np.zeros(abi.GEMM_PARAMS.nbytes // 8, np.uint64) if call is None
+                             else call[0](*call[1], error=self.error, pack_only=True))
+        return fused, np.concatenate(words)
 
     def fused_forward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, ring_minibatches=None,
                            num_sms: int | None = None, lookahead: int | None = None):
@@ -169,10 +193,65 @@ class GpuMoELayer(GpuRound):
         from mok_proto import plan as plans
         from mok_proto.kernels.fused import default_num_sms
 
-        num_sms = num_sms or default_num_sms(len(self.ranks))
+        num_sms = num_sms or default_num_sms(len(self.ranks), "fwd")
         capacity = -(-self.capacity // minibatch_rows) * minibatch_rows
         return plans.fused_forward(self.shape, self.run.num_ranks, comm_blocks, minibatch_rows, ring_minibatches,
                                    policy=self.policy, num_sms=num_sms, capacity_rows=capacity, lookahead=lookahead)
+
+    def fused_backward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, num_sms: int | None = None,
+                            lookahead: int | None = None):
+        """A fused_backward plan for this layer and this GPU (as fused_forward_plan)."""
+        from mok_proto import plan as plans
+        from mok_proto.kernels.fused import default_num_sms
+
+        num_sms = num_sms or default_num_sms(len(self.ranks), "bwd")
+        capacity = -(-self.capacity // minibatch_rows) * minibatch_rows
+        return plans.fused_backward(self.shape, self.run.num_ranks, comm_blocks, minibatch_rows, policy=self.policy,
+                                    num_sms=num_sms, capacity_rows=capacity, lookahead=lookahead)
+
+    def _gemm(self, pass_: str, slot: str, r: int):
+        """(wrapper, args) of one GEMM of rank r: the GemmSlot `slot` of pass `pass_` (None: there
+        is none, e.g. a shared slot without a shared expert). The sequential passes launch them,
+        the fused passes pack them: one list of operands for both."""
+        b, (offsets, counts), whole = self._b, self._rows(r), self._whole
+        shared = slot.startswith("kSlotShared")
+        if shared and not self.has_shared:
+            return None
+        calls = {
+            "fwd": {
+                "kSlotSharedFirst": (gemm.gate_up, (b("x", r), b("shared_gate", r), b("shared_up", r), *whole,
+                                                    b("sh", r), b("sg", r), b("su", r))),
+                "kSlotSharedSecond": (gemm.down, (b("sh", r), b("shared_down", r), *whole, b("base", r))),
+                "kSlotFirst": (gemm.gate_up, (b("recv", r), b("w_gate", r), b("w_up", r), offsets, counts, b("h", r),
+                                              b("g", r), b("u", r))),
+                "kSlotSecond": (gemm.down, (b("h", r), b("w_down", r), offsets, counts, b("y", r))),
+            },
+            "bwd": {
+                "kSlotSharedFirst": (gemm.down_bwd, (b("dout", r), b("shared_down", r), b("sg", r), b("su", r),
+                                                     *whole, b("sdg", r), b("sdu", r))),
+                "kSlotSharedSecond": (gemm.gate_up_bwd, (b("sdg", r), b("sdu", r), b("shared_gate", r),
+                                                         b("shared_up", r), *whole, b("dx_base", r))),
+                "kSlotFirst": (gemm.down_bwd, (b("recv_dy", r), b("w_down", r), b("g", r), b("u", r), offsets, counts,
+                                               b("dg", r), b("du", r))),
+                "kSlotSecond": (gemm.gate_up_bwd, (b("dg", r), b("du", r), b("w_gate", r), b("w_up", r), offsets,
+                                                   counts, b("dx_rows", r))),
+                "kSlotSharedDownWgrad": (gemm.down_wgrad, (b("sh", r), b("dout", r), *whole, b("dshared_down", r))),
+                "kSlotSharedGateUpWgrad": (gemm.gate_up_wgrad, (b("x", r), b("sdg", r), b("sdu", r), *whole,
+                                                                b("dshared_gate", r), b("dshared_up", r))),
+                "kSlotDownWgrad": (gemm.down_wgrad, (b("h", r), b("recv_dy", r), offsets, counts, b("dw_down", r))),
+                "kSlotGateUpWgrad": (gemm.gate_up_wgrad, (b("recv", r), b("dg", r), b("du", r), offsets, counts,
+                                                          b("dw_gate", r), b("dw_up", r))),
+            },
+        }
+        return calls[pass_].get(slot)
+
+    def _launch_gemms(self, pass_: str, slots):
+        """Launch GEMM slots of a pass, rank by rank (the sequential schedule; absent slots skipped)."""
+        for r in self.ranks:
+            for slot in slots:
+                call = self._gemm(pass_, slot, r)
+                if call is not None:
+                    call[0](*call[1], error=self.error)
 
     def set_weights(self, rank: int, weights: dict):
         """This rank's El routed experts (w_gate/w_up [El,H,I], w_down [El,I,H]) and, with a shared
@@ -238,10 +317,9 @@ class GpuMoELayer(GpuRound):
     def enqueue_forward(self, mark=None):
         """Enqueue the forward. `mark(stage)` (optional) is called before each stage and once with
         None at the end (benchmarks record CUDA events there)."""
-        policy, p, launch, b = self._policy(), self.params_fwd, self.launch, self._b
+        policy, p, launch = self._policy(), self.params_fwd, self.launch
         self._forward_pending = True
         mark = mark or (lambda stage: None)
-        err = self.error
         mark("schedule")
         kc.begin_round(p, launch)
         kc.allgather_routing(p, launch)
@@ -251,19 +329,11 @@ class GpuMoELayer(GpuRound):
             return
         self._cache_valid = True
         mark("shared")
-        if self.has_shared:
-            for r in self.ranks:
-                gemm.gate_up(b("x", r), b("shared_gate", r), b("shared_up", r), *self._whole, b("sh", r),
-                             b("sg", r), b("su", r), error=err)
-                gemm.down(b("sh", r), b("shared_down", r), *self._whole, b("base", r), error=err)
+        self._launch_gemms("fwd", ("kSlotSharedFirst", "kSlotSharedSecond"))
         mark("dispatch")
         to_experts(p, launch, policy["dispatch"], "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
         mark("experts")
-        for r in self.ranks:
-            offsets, counts = self._rows(r)
-            gemm.gate_up(b("recv", r), b("w_gate", r), b("w_up", r), offsets, counts, b("h", r), b("g", r), b("u", r),
-                         error=err)
-            gemm.down(b("h", r), b("w_down", r), offsets, counts, b("y", r), error=err)
+        self._launch_gemms("fwd", ("kSlotFirst", "kSlotSecond"))
         mark("combine")
         to_tokens(p, launch, policy["combine"], "kOpCombinePush", "kOpCombinePull")
         mark("weighted_sum")
@@ -297,35 +367,49 @@ class GpuMoELayer(GpuRound):
         kt.weighted_sum(self.params_tok, launch)
         mark(None)
 
-    def _fused_gemm_params(self):
-        """Host words of each launch rank's four GemmParams (GemmSlot order: shared gate/up,
-        shared down, routed gate/up, routed down), packed by the GEMM wrappers themselves."""
-        b, err, words = self._b, self.error, []
-        for r in self.ranks:
-            offsets, counts = self._rows(r)
-            if self.has_shared:
-                words.append(gemm.gate_up(b("x", r), b("shared_gate", r), b("shared_up", r), *self._whole, b("sh", r),
-                                          b("sg", r), b("su", r), error=err, pack_only=True))
-                words.append(gemm.down(b("sh", r), b("shared_down", r), *self._whole, b("base", r), error=err,
-                                       pack_only=True))
-            else:  # no shared tiles in the plan: never read
-                words += [np.zeros(abi.GEMM_PARAMS.nbytes // 8, np.uint64)] * 2
-            words.append(gemm.gate_up(b("recv", r), b("w_gate", r), b("w_up", r), offsets, counts, b("h", r), b("g", r),
-                                      b("u", r), error=err, pack_only=True))
-            words.append(gemm.down(b("h", r), b("w_down", r), offsets, counts, b("y", r), error=err, pack_only=True))
-        return np.concatenate(words)
+    def _enqueue_fused_backward(self, policy, mark):
+        """After dy_slots = w * dout: [reverse-combine: publish and wait | push], the fused kernel,
+        [reverse-dispatch: flag and wait | pull], the slot sum and d topk_weights."""
+        from mok_proto.plan import inside_kernel
 
-    def forward_timeline(self, rank: int):
-        """The last fused forward's timeline on `rank` (run it with `layer.trace = True`): one
-        mok_proto.trace record per task, times in ns from the first task's start (host readback)."""
+        fused, p, launch = self.fused_bwd, self.params_bwd, self.launch
+        plan = fused.plan
+        if any(policy[op] != plan.policy[op] for op in ("rev_combine", "rev_dispatch")):
+            raise ValueError(f"the backward plan was built for policy {plan.policy}, the layer's is now {policy}: "
+                             f"set a plan for this policy (set_backward_plan)")
+        comm_in, comm_out = inside_kernel("bwd", policy)
+        mark("rev_combine")
+        if comm_in:  # pulled inside: my dy rows are written; wait until every peer's are
+            kc.raise_flag(p, launch, "kFlagRouting")
+            kc.wait_peers(p, launch, "kFlagRouting", "kOpRevCombinePull")
+        else:
+            to_experts(p, launch, "push", "kOpRevCombinePush", "kOpRevCombinePull", after_schedule=False)
+        mark("fused")
+        fused.launch(p, self._fused_bwd_words, self.error, int(self.run.timeout_s * 1e9), trace=self.trace)
+        mark("rev_dispatch")
+        if comm_out:
+            kc.raise_flag(p, launch, "kFlagCombine")  # my pushes into the peers' slots are complete
+            kc.wait_peers(p, launch, "kFlagCombine", "kOpRevDispatchPush")
+        else:
+            to_tokens(p, launch, "pull", "kOpRevDispatchPush", "kOpRevDispatchPull")
+        mark("token_grads")
+        kt.slot_sum(self.params_tok, launch)
+        kt.topk_weight_grad(self.params_tok, launch)
+        mark(None)
+
+    def forward_timeline(self, rank: int, pass_: str = "fwd"):
+        """The last fused forward's (pass_="bwd": backward's) timeline on `rank` (run it with
+        `layer.trace = True`): one mok_proto.trace record per task, times in ns from the first
+        task's start (host readback)."""
         from mok_proto import trace as tr
 
-        if self.fused is None:
-            raise RuntimeError("forward_timeline: no fused forward plan set (set_forward_plan)")
-        got = self.fused.timeline(self.ranks.index(rank))
-        tasks = self.fused.plan.tasks
+        fused = self.fused if pass_ == "fwd" else self.fused_bwd
+        if fused is None:
+            raise RuntimeError(f"forward_timeline: no fused {pass_} plan set (set_forward_plan / set_backward_plan)")
+        got = fused.timeline(self.ranks.index(rank))
+        tasks = fused.plan.tasks
         if not (got["task"] == np.arange(len(tasks))).all():
-            raise RuntimeError("forward_timeline: no complete trace (set layer.trace = True before the forward)")
+            raise RuntimeError("forward_timeline: no complete trace (set layer.trace = True before the pass)")
         rows = tr.empty(len(tasks))
         rows["rank"], rows["block"] = rank, tasks["block"]
         comm = np.isin(tasks["kind"], [int(k) for k in COMM_KINDS])
@@ -343,7 +427,7 @@ class GpuMoELayer(GpuRound):
     def enqueue_backward(self, mark=None):
         """Enqueue the backward of the last forward (its schedule and saved rows); `mark` as in
         enqueue_forward."""
-        policy, p, launch, b = self._policy(), self.params_bwd, self.launch, self._b
+        policy, p, launch = self._policy(), self.params_bwd, self.launch
         if not getattr(self, "_forward_pending", False):
             raise RuntimeError("enqueue_backward needs an enqueue_forward before it (passes alternate: see the NOTE "
                                "in mok_proto/layer/gpu.py)")
@@ -352,37 +436,23 @@ class GpuMoELayer(GpuRound):
             raise RuntimeError("enqueue_backward: the last forward ran a fused plan whose ring is smaller than its "
                                "minibatches, so it kept no activations for a backward (use a full ring)")
         mark = mark or (lambda stage: None)
-        err = self.error
         mark("scale")
         kc.begin_round(p, launch)
         kt.scale_to_slots(self.params_tok, launch)
+        if self.fused_bwd is not None:
+            self._enqueue_fused_backward(policy, mark)
+            return
         mark("shared")
-        if self.has_shared:
-            for r in self.ranks:
-                gemm.down_bwd(b("dout", r), b("shared_down", r), b("sg", r), b("su", r), *self._whole, b("sdg", r),
-                              b("sdu", r), error=err)
-                gemm.gate_up_bwd(b("sdg", r), b("sdu", r), b("shared_gate", r), b("shared_up", r), *self._whole,
-                                 b("dx_base", r), error=err)
-                gemm.down_wgrad(b("sh", r), b("dout", r), *self._whole, b("dshared_down", r), error=err)
-                gemm.gate_up_wgrad(b("x", r), b("sdg", r), b("sdu", r), *self._whole, b("dshared_gate", r),
-                                   b("dshared_up", r), error=err)
+        self._launch_gemms("bwd", ("kSlotSharedFirst", "kSlotSharedSecond", "kSlotSharedDownWgrad",
+                                   "kSlotSharedGateUpWgrad"))
         mark("rev_combine")
         to_experts(p, launch, policy["rev_combine"], "kOpRevCombinePush", "kOpRevCombinePull", after_schedule=False)
         mark("experts")
-        for r in self.ranks:
-            offsets, counts = self._rows(r)
-            gemm.down_bwd(b("recv_dy", r), b("w_down", r), b("g", r), b("u", r), offsets, counts, b("dg", r),
-                          b("du", r), error=err)
-            gemm.gate_up_bwd(b("dg", r), b("du", r), b("w_gate", r), b("w_up", r), offsets, counts, b("dx_rows", r),
-                             error=err)
+        self._launch_gemms("bwd", ("kSlotFirst", "kSlotSecond"))
         mark("rev_dispatch")
         to_tokens(p, launch, policy["rev_dispatch"], "kOpRevDispatchPush", "kOpRevDispatchPull")
         mark("wgrad")
-        for r in self.ranks:
-            offsets, counts = self._rows(r)
-            gemm.down_wgrad(b("h", r), b("recv_dy", r), offsets, counts, b("dw_down", r), error=err)
-            gemm.gate_up_wgrad(b("recv", r), b("dg", r), b("du", r), offsets, counts, b("dw_gate", r),
-                               b("dw_up", r), error=err)
+        self._launch_gemms("bwd", ("kSlotDownWgrad", "kSlotGateUpWgrad"))
         mark("token_grads")
         kt.slot_sum(self.params_tok, launch)
         kt.topk_weight_grad(self.params_tok, launch)

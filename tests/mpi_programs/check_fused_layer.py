@@ -1,5 +1,5 @@
-"""The fused forward (one persistent launch of a plan.fused_forward plan) against the sequential
-GPU layer, bitwise.
+"""The fused forward and backward (persistent launches of plan.fused_forward / fused_backward
+plans) against the sequential GPU layer, bitwise.
 
     python tests/mpi_programs/check_fused_layer.py --backend virtual --ranks 4
     NVSHMEM_DISABLE_NVLS=1 mpirun -n 4 python tests/mpi_programs/check_fused_layer.py --backend nvshmem
@@ -13,6 +13,9 @@ before every run. Then `--replays` replays of one CUDA graph of the fused forwar
 equal, a traced forward gives the same bits and a record per task, a counter wait
 that cannot be met raises KernelTimeoutError (no hang), a rank whose peers never start raises
 SymmTimeoutError (virtual ranks), and an overflow raises CapacityError.
+The fused backward (after a sequential and after a fused forward): every gradient bitwise equal
+to the sequential backward's for each backward policy and knob setting; forward + backward fused
+in one graph replayed bitwise; its timeline complete.
 Prints `SHA <case> <digest>` (rank 0) over every rank's fused output, to compare backends.
 """
 
@@ -76,7 +79,51 @@ def run(layer, heap, backward: bool, graph=None):
     return out
 
 
-def check_case(heap, comm, name, case_id, replays, policies):
+BACKWARD_KNOBS = ((0, 256), (2, 512), (8, 768))  # (comm CTAs, minibatch rows) of the fused backward
+
+
+def check_backward(layer, heap, name, max_ctas, policies) -> int:
+    """The fused backward (after a sequential and after a fused forward): every gradient bitwise
+    equal to the sequential backward's, for each (reverse-combine, reverse-dispatch) policy and
+    backward knob setting; then forward + backward fused in one graph, replayed bitwise."""
+    settings = 0
+    for policy in policies:
+        layer.policy = dict(policy)
+        layer.set_forward_plan(None)
+        layer.set_backward_plan(None)
+        want = run(layer, heap, backward=True)
+        for comm_ctas, minibatch in BACKWARD_KNOBS:
+            comm_ctas = min(comm_ctas, max_ctas - 2)
+            inside = policy["rev_combine"] == "pull" or policy["rev_dispatch"] == "push"
+            if comm_ctas and not inside:
+                continue  # nothing to move inside the kernel: no communicating CTAs
+            layer.set_backward_plan(layer.fused_backward_plan(comm_ctas, minibatch))
+            for fused_forward in (False, True):
+                layer.set_forward_plan(layer.fused_forward_plan(0, 256) if fused_forward else None)
+                got = run(layer, heap, backward=True)
+                for rank in layer.ranks:
+                    assert got[rank]["grads"] == want[rank]["grads"], (
+                        f"{name} rank {rank} {policy} fused backward comm={comm_ctas} minibatch={minibatch} "
+                        f"(forward {'fused' if fused_forward else 'sequential'}): gradients differ from sequential")
+                settings += 1
+    layer.policy = dict(MOK_POLICY)
+    layer.set_forward_plan(layer.fused_forward_plan(0, 256))
+    layer.set_backward_plan(layer.fused_backward_plan(0, 256))
+    first = run(layer, heap, backward=True)
+    graph = layer.capture()  # forward + backward, both fused
+    for replay in range(3):
+        assert run(layer, heap, backward=True, graph=graph) == first, f"{name}: fused fwd+bwd replay {replay} differs"
+    layer.trace = True
+    assert run(layer, heap, backward=True) == first, f"{name}: a traced fused backward differs"
+    layer.trace = False
+    for rank in layer.ranks:
+        rows = layer.forward_timeline(rank, "bwd")
+        assert len(rows) == len(layer.fused_bwd.plan.tasks) and (rows["end_ns"] >= rows["start_ns"]).all()
+    layer.set_backward_plan(None)
+    return settings
+
+
+def check_case(heap, comm, name, case_id, replays, policies, backward_policies):
     from mok_proto.kernels.fused import default_num_sms
 
     h, i, e, k, n, shared, routing = CASES[name]
@@ -117,6 +164,7 @@ def check_case(heap, comm, name, case_id, replays, policies):
                     assert got[rank]["grads"] == want[rank]["grads"], f"{what}: backward after fused differs"
             settings += 1
     assert settings, "no knob setting ran"
+    settings += check_backward(layer, heap, name, max_ctas, backward_policies)
     # Graph replays of the fused forward (MoK's policy, the first setting).
     layer.policy = dict(MOK_POLICY)
     layer.set_forward_plan(layer.fused_forward_plan(*knob_settings(max_ctas)[0][:3]))
@@ -201,9 +249,11 @@ def check_missing_peer(heap):
 def main():
     args = gpu_program.parser(CASES, with_policies=True).parse_args()
     policies = gpu_program.policies(args, forward_only=True)
+    backward_policies = gpu_program.policies(args, backward_only=True)
     heap, comm = gpu_program.open_heap(args)
     try:
-        results = [check_case(heap, comm, name, i, args.replays, policies) for i, name in enumerate(args.cases.split(","))]
+        results = [check_case(heap, comm, name, i, args.replays, policies, backward_policies)
+                   for i, name in enumerate(args.cases.split(","))]
         check_counter_timeout(heap)
         check_missing_peer(heap)
         gpu_program.check_overflow(heap, "foverflow", lambda layer: layer.set_forward_plan(

@@ -17,9 +17,10 @@ def parser(cases, with_policies: bool = False) -> argparse.ArgumentParser:
     return p
 
 
-def policies(args, forward_only: bool = False) -> list:
+def policies(args, forward_only: bool = False, backward_only: bool = False) -> list:
     """The direction policies `--policies` asks for: all 16, or MoK's; forward_only: only the four
-    (dispatch, combine) pairs, the backward's directions as MoK's (they change no forward bit)."""
+    (dispatch, combine) pairs, the backward's directions as MoK's (they change no forward bit);
+    backward_only: the four (reverse-combine, reverse-dispatch) pairs, the forward's as MoK's."""
     import itertools
 
     from mok_proto.config import DIRECTIONS, MOK_POLICY, OPERATORS
@@ -29,6 +30,8 @@ def policies(args, forward_only: bool = False) -> list:
     every = [dict(zip(OPERATORS, combo)) for combo in itertools.product(DIRECTIONS, repeat=4)]
     if forward_only:
         every = [p for p in every if all(p[op] == MOK_POLICY[op] for op in ("rev_combine", "rev_dispatch"))]
+    if backward_only:
+        every = [p for p in every if all(p[op] == MOK_POLICY[op] for op in ("dispatch", "combine"))]
     return every
 
 
