@@ -326,7 +326,7 @@ def test_fused_backward_check_rejects_an_early_weight_gradient():
     p = P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=32, capacity_rows=1024)
     p.check()
     t = p.tasks.copy()
-    sel = t["kind"] == int(P.TaskKind.GATE_UP_WGRAD)
+    sel = np.isin(t["kind"], [int(P.TaskKind.DOWN_WGRAD), int(P.TaskKind.GATE_UP_WGRAD)])
     t["wait_counter"][sel], t["wait_target"][sel] = -1, 0
     with pytest.raises(P.PlanError, match="data flow"):
         P.with_tasks(p, t).check()
