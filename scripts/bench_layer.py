@@ -24,8 +24,9 @@ The fused forward (one persistent launch of a plan.fused_forward plan, cuda/fuse
 the same way for each (communication CTAs, minibatch rows) setting (--sweep: a grid of them, a
 progress line each), its output compared bitwise with the sequential forward of the same run
 (`equal_to_sequential`); the best setting per shape is timed once more and judged on that
-against FUSED_BARS (issue: the forward megakernel), and its timeline written under results/
-(JSON lines + PNG).
+against FUSED_BARS (issues: the forward and the backward megakernel), and its timeline written
+under results/ (JSON lines + PNG). The fused backward likewise (pass "bwd": its gradients
+compared bitwise with the sequential backward's).
 Bars (issue: the GPU layer): forward >= 1.0x torch, backward >= 1.3x torch, bitwise repeat,
 schedule <= 0.05 ms. `schedule_ms` is the device schedule of one rank at the real EP=64 (64
 virtual ranks, the all-gathered routing staged, graph replays), checked against schedule.py. Exit status: 0 all met, 1 a bar or a check failed (listed), 2 no GPU/torch.
@@ -43,7 +44,8 @@ from mok_proto.config import PAPER_SHAPES, MoEShape, RunConfig, ep_share, get_sh
 
 EP = 64
 BARS = {"fwd": 1.0, "bwd": 1.3}
-FUSED_BARS = {"torch": 1.2, "sequential": 1.1}  # the fused forward (issue: the forward megakernel)
+FUSED_BARS = {"fwd": {"torch": 1.2, "sequential": 1.1},  # issue: the forward megakernel
+              "bwd": {"torch": 1.6, "sequential": 1.1}}  # issue: the backward megakernel
 SCHEDULE_BAR_MS = 0.05
 # (communication CTAs, minibatch rows) timed without --sweep; 0 CTAs: every CTA's spare warps move rows
 DEFAULT_FUSED = ((0, 1024), (0, 2048), (8, 2048))
@@ -132,73 +134,73 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None):
         layer.check()
         blobs[name].append(result_bytes(layer, name))
     results = {"out": layer.output(0).get(), **{k: v.get() for k, v in layer.grads(0).items()}}
-    fused_rows = fused(layer, settings, blobs["fwd"][0], stats["fwd"]["median_ms"], iters, warmup, stream, trace_to)
+    fused_rows = {pass_: fused(layer, settings, blobs[pass_][0], stats[pass_]["median_ms"], iters, warmup, stream,
+                               trace_to.format(pass_=pass_) if trace_to else None, pass_)
+                  for pass_ in ("fwd", "bwd")}
     layer.close()
     heap.close()
     return stats, stages, {name: b[0] == b[1] for name, b in blobs.items()}, results, fused_rows
 
 
-def fused(layer, settings, sequential_out: bytes, sequential_ms: float, iters, warmup, stream, trace_to):
-    """The fused forward of rank 0 for each (communication CTAs, minibatch rows): graph replays
-    timed like the sequential forward, output compared bitwise with the sequential one of this
-    run, and with a second run. The fastest setting's timeline (one traced eager run) is written
-    to `trace_to` (JSON lines) and drawn next to it (PNG) when given."""
+def fused(layer, settings, sequential_out: bytes, sequential_ms: float, iters, warmup, stream, trace_to,
+          pass_: str = "fwd"):
+    """The fused forward (pass_="bwd": backward) of rank 0 for each (communication CTAs,
+    minibatch rows): graph replays of that pass timed like the sequential one, its results
+    compared bitwise with the sequential pass of this run, and with a second run. The fastest
+    setting is timed again (the figure judged), and once with the timeline recorded; its
+    timeline (one traced eager run) is written to `trace_to` (JSON lines + PNG) when given."""
     from mok_proto.bench import summarize, time_stages
+
+    def use(comm, minibatch):
+        """Set the pass's plan, run one step eagerly (compiles, uploads), return its graph."""
+        if pass_ == "fwd":
+            layer.set_forward_plan(layer.fused_forward_plan(comm, minibatch))
+        else:
+            layer.set_backward_plan(layer.fused_backward_plan(comm, minibatch))
+        layer.enqueue_forward()
+        layer.enqueue_backward()
+        layer.check()
+        return layer.capture(forward=pass_ == "fwd", backward=pass_ == "bwd")
+
+    def timed(graph):
+        with stream:
+            got = summarize(time_stages(lambda mark: (mark("run"), graph.launch(stream), mark(None)), iters,
+                                        warmup)["run"])
+        layer.check()
+        return got
 
     rows = []
     for i, (comm, minibatch) in enumerate(settings):
-        layer.set_forward_plan(layer.fused_forward_plan(comm, minibatch))
-        layer.enqueue_forward()  # compile, upload the plan and descriptors
-        layer.check()
-        graph = layer.capture(backward=False)
-        with stream:
-            samples = time_stages(lambda mark: (mark("run"), graph.launch(stream), mark(None)), iters, warmup)
-        layer.check()
-        out = [result_bytes(layer, "fwd")]
+        graph = use(comm, minibatch)
+        st = timed(graph)
+        out = [result_bytes(layer, pass_)]
         graph.launch(stream)
         stream.synchronize()
         layer.check()
-        out.append(result_bytes(layer, "fwd"))
-        st = summarize(samples["run"])
-        rows.append({"comm_blocks": comm, "minibatch_tokens": minibatch, "num_sms": layer.fused.plan.num_sms, **st,
+        out.append(result_bytes(layer, pass_))
+        plan = (layer.fused if pass_ == "fwd" else layer.fused_bwd).plan
+        rows.append({"comm_blocks": comm, "minibatch_tokens": minibatch, "num_sms": plan.num_sms, **st,
                      "equal_to_sequential": out[0] == sequential_out, "bitwise_repeat": out[0] == out[1],
                      "speedup_vs_sequential": sequential_ms / st["median_ms"]})
-        print(f"#   fused [{i + 1}/{len(settings)}] comm={comm:>2} minibatch={minibatch:>4}: {st['median_ms']:.3f} ms, "
-              f"x sequential {rows[-1]['speedup_vs_sequential']:.2f}, equal {rows[-1]['equal_to_sequential']}",
-              flush=True)
+        print(f"#   fused {pass_} [{i + 1}/{len(settings)}] comm={comm:>2} minibatch={minibatch:>4}: "
+              f"{st['median_ms']:.3f} ms, x sequential {rows[-1]['speedup_vs_sequential']:.2f}, equal "
+              f"{rows[-1]['equal_to_sequential']}", flush=True)
     if rows:  # the fastest median of several is optimistic: the winner is timed once more, and judged on that
         best = min(rows, key=lambda r: r["median_ms"])
-        layer.set_forward_plan(layer.fused_forward_plan(best["comm_blocks"], best["minibatch_tokens"]))
-        layer.enqueue_forward()
-        layer.check()
-        graph = layer.capture(backward=False)
-        with stream:
-            again = summarize(time_stages(lambda mark: (mark("run"), graph.launch(stream), mark(None)), iters,
-                                          warmup)["run"])
-        layer.check()
+        again = timed(use(best["comm_blocks"], best["minibatch_tokens"]))
         best["retimed_median_ms"] = again["median_ms"]
         best["retimed_speedup_vs_sequential"] = sequential_ms / again["median_ms"]
         layer.trace = True  # what recording the timeline costs (off: one branch per task)
-        layer.enqueue_forward()
-        layer.check()
-        traced = layer.capture(backward=False)
-        with stream:
-            on = summarize(time_stages(lambda mark: (mark("run"), traced.launch(stream), mark(None)), iters,
-                                       warmup)["run"])
-        layer.check()
-        layer.trace = False
+        on = timed(use(best["comm_blocks"], best["minibatch_tokens"]))
         best["trace_on_median_ms"] = on["median_ms"]
-        print(f"#   fused best comm={best['comm_blocks']} minibatch={best['minibatch_tokens']} timed again: "
+        print(f"#   fused {pass_} best comm={best['comm_blocks']} minibatch={best['minibatch_tokens']} timed again: "
               f"{again['median_ms']:.3f} ms; with the timeline recorded: {on['median_ms']:.3f} ms", flush=True)
-    if trace_to and rows:
-        layer.set_forward_plan(layer.fused_forward_plan(best["comm_blocks"], best["minibatch_tokens"]))
-        layer.trace = True
-        layer.enqueue_forward()
-        layer.check()
+        if trace_to:  # the last eager step above was traced
+            write_timeline(layer.forward_timeline(0, pass_), trace_to, f"{layer.shape.name}: fused {pass_}, rank 0, "
+                           f"comm={best['comm_blocks']} minibatch={best['minibatch_tokens']}")
         layer.trace = False
-        write_timeline(layer.forward_timeline(0), trace_to, f"{layer.shape.name}: fused forward, rank 0, "
-                       f"comm={best['comm_blocks']} minibatch={best['minibatch_tokens']}")
     layer.set_forward_plan(None)
+    layer.set_backward_plan(None)
     return rows
 
 
@@ -398,8 +400,8 @@ def main():
                    f"minibatch rows {SWEEP} (default: {DEFAULT_FUSED})")
     p.add_argument("--fused", default=None, help="fused settings to time, COMM:MINIBATCH[,...] (e.g. 8:1024,16:2048)")
     p.add_argument("--no-fused", action="store_true", help="sequential and torch rows only")
-    p.add_argument("--timeline", default="results/timeline_fused_fwd_{shape}.jsonl",
-                   help="where the best fused setting's timeline goes ({shape} is replaced; '' = none)")
+    p.add_argument("--timeline", default="results/timeline_fused_{pass_}_{shape}.jsonl",
+                   help="where the best fused setting's timeline goes ({pass_}, {shape} are replaced; '' = none)")
     args = p.parse_args()
     from mok_proto.bench import append_result, require_gpu
 
@@ -414,7 +416,7 @@ def main():
         data = make_inputs(shape)
         settings = () if args.no_fused else SWEEP if args.sweep else DEFAULT_FUSED if not args.fused else tuple(
             tuple(int(v) for v in item.split(":")) for item in args.fused.split(","))
-        trace_to = args.timeline.format(shape=name) if args.timeline else None
+        trace_to = args.timeline.replace("{shape}", name) if args.timeline else None
         mine, stages, bitwise, got, fused_rows = ours(shape, data, args.iters, args.warmup, settings, trace_to)
         base, ref = torch_pipeline(shape, data, args.iters, args.warmup)
         flops = {"fwd": shape.forward_flops(), "bwd": 2 * shape.forward_flops()}
@@ -446,27 +448,29 @@ def main():
                                           "speedup_vs_torch": speedup, "bitwise_repeat": bitwise[pass_],
                                           "max_rel_err_vs_torch": err, "stages_ms": stages[pass_],
                                           "speedup_vs_torch_variant_2n": variant_speedup})
-        if fused_rows:
-            best = min(fused_rows, key=lambda r: r["median_ms"])
-            for row in fused_rows:
-                row_speedup = base["fwd"]["median_ms"] / row["median_ms"]
-                append_result("bench_layer", {"shape": name, "pass": "fwd", "ep": EP, "schedule": "fused",
-                                              "emulation": "2 virtual ranks, rank 0 timed", "flops": flops["fwd"],
+        for pass_, rows in fused_rows.items():
+            if not rows:
+                continue
+            best = min(rows, key=lambda r: r["median_ms"])
+            for row in rows:
+                append_result("bench_layer", {"shape": name, "pass": pass_, "ep": EP, "schedule": "fused",
+                                              "emulation": "2 virtual ranks, rank 0 timed", "flops": flops[pass_],
                                               "schedule_ms": sched_ms, "schedule_exact": sched_exact, **row,
-                                              "tflops": flops["fwd"] / (row["median_ms"] * 1e-3) / 1e12,
-                                              "speedup_vs_torch": row_speedup, "best_of_run": row is best})
-            speedup = base["fwd"]["median_ms"] / best["retimed_median_ms"]
-            ok = (speedup >= FUSED_BARS["torch"] and best["retimed_speedup_vs_sequential"] >= FUSED_BARS["sequential"]
-                  and all(r["equal_to_sequential"] and r["bitwise_repeat"] for r in fused_rows))
+                                              "tflops": flops[pass_] / (row["median_ms"] * 1e-3) / 1e12,
+                                              "speedup_vs_torch": base[pass_]["median_ms"] / row["median_ms"],
+                                              "best_of_run": row is best})
+            bars = FUSED_BARS[pass_]
+            speedup = base[pass_]["median_ms"] / best["retimed_median_ms"]
+            ok = (speedup >= bars["torch"] and best["retimed_speedup_vs_sequential"] >= bars["sequential"]
+                  and all(r["equal_to_sequential"] and r["bitwise_repeat"] for r in rows))
             if not ok:
-                failed.append(f"{name} fused fwd")
-            print(f"{name:<16}{'fwd':<5}{base['fwd']['median_ms']:>9.3f}{best['retimed_median_ms']:>9.3f}"
-                  f"{flops['fwd'] / (best['retimed_median_ms'] * 1e-3) / 1e12:>9.0f}{speedup:>8.2f}"
-                  f"{FUSED_BARS['torch']:>5.1f}{str(best['bitwise_repeat']):>8}{sched_ms:>9.3f}{'':>9}{'':>7}  fused: "
+                failed.append(f"{name} fused {pass_}")
+            print(f"{name:<16}{pass_:<5}{base[pass_]['median_ms']:>9.3f}{best['retimed_median_ms']:>9.3f}"
+                  f"{flops[pass_] / (best['retimed_median_ms'] * 1e-3) / 1e12:>9.0f}{speedup:>8.2f}"
+                  f"{bars['torch']:>5.1f}{str(best['bitwise_repeat']):>8}{sched_ms:>9.3f}{'':>9}{'':>7}  fused: "
                   f"comm={best['comm_blocks']} minibatch={best['minibatch_tokens']}, x sequential "
-                  f"{best['retimed_speedup_vs_sequential']:.2f} (bar "
-                  f"{FUSED_BARS['sequential']}), equal to sequential: {all(r['equal_to_sequential'] for r in fused_rows)}",
-                  flush=True)
+                  f"{best['retimed_speedup_vs_sequential']:.2f} (bar {bars['sequential']}), equal to sequential: "
+                  f"{all(r['equal_to_sequential'] for r in rows)}", flush=True)
     if failed:
         print(f"FAIL: {len(failed)} rows miss a bar or a check: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -56,7 +56,7 @@ def main():
         layer.check()
         print(f"# {name}: sequential forward {seq:.3f} ms; {len(grid)} fused points", flush=True)
         rows = fused(layer, grid, result_bytes(layer, "fwd"), seq, args.iters, args.warmup, stream,
-                     f"results/timeline_fused_fwd_{name}.jsonl")
+                     f"results/timeline_fused_fwd_{name}.jsonl", "fwd")
         for row in rows:
             append_result("sweep_overlap", {"shape": name, "comm_blocks": row["comm_blocks"],
                                             "minibatch_rows": row["minibatch_tokens"], "sequential_ms": seq,
