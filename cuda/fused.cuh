@@ -459,14 +459,15 @@ __device__ __forceinline__ bool is_comm(int kind) {
 // dispatch: f.template operator()<Problem>() runs the task.
 template <int kPass, typename F>
 __device__ __forceinline__ bool with_problem(int kind, F f) {
-  if (kPass == 0) {
+  if constexpr (kPass == 0) {
     if (kind == plan::kTaskSharedGateUp || kind == plan::kTaskGateUp) return f(gemm::Tag<gemm::kGateUp>());
     return f(gemm::Tag<gemm::kDown>());
+  } else {
+    if (kind == plan::kTaskSharedDownBwd || kind == plan::kTaskDownBwd) return f(gemm::Tag<gemm::kDownBwd>());
+    if (kind == plan::kTaskSharedGateUpBwd || kind == plan::kTaskGateUpBwd) return f(gemm::Tag<gemm::kGateUpBwd>());
+    if (kind == plan::kTaskSharedDownWgrad || kind == plan::kTaskDownWgrad) return f(gemm::Tag<gemm::kDownWgrad>());
+    return f(gemm::Tag<gemm::kGateUpWgrad>());
   }
-  if (kind == plan::kTaskSharedDownBwd || kind == plan::kTaskDownBwd) return f(gemm::Tag<gemm::kDownBwd>());
-  if (kind == plan::kTaskSharedGateUpBwd || kind == plan::kTaskGateUpBwd) return f(gemm::Tag<gemm::kGateUpBwd>());
-  if (kind == plan::kTaskSharedDownWgrad || kind == plan::kTaskDownWgrad) return f(gemm::Tag<gemm::kDownWgrad>());
-  return f(gemm::Tag<gemm::kGateUpWgrad>());
 }
 
 // ---------------------------------------------------------------------------------------------
