@@ -1,6 +1,6 @@
-"""The fused forward (cuda/fused.cuh) bitwise equal to the sequential GPU layer: virtual ranks
-W = 1, 2, 4, 8 in one process and NVSHMEM with 4 processes on one GPU; the checks are in
-tests/mpi_programs/check_fused_layer.py. Both backends give the same fused output."""
+"""The fused forward and backward (cuda/fused.cuh) bitwise equal to the sequential GPU layer:
+virtual ranks W = 1, 2, 4, 8 in one process and NVSHMEM with 4 processes on one GPU; the checks
+are in tests/mpi_programs/check_fused_layer.py. Both backends give the same fused output."""
 
 import pytest
 
@@ -17,6 +17,13 @@ def _virtual(num_ranks, *extra):
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
 def test_virtual_ranks_fused_forward(num_ranks):
     assert len(sha_digests(_virtual(num_ranks))) == 3
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+def test_virtual_ranks_fused_backward(num_ranks):
+    # the backward's checks on its four (reverse-combine, reverse-dispatch) policies
+    out = _virtual(num_ranks, "--backward", "--replays", "2")
+    assert "4 backward policies" in out
 
 
 def test_nvshmem_fused_forward_matches_virtual():
