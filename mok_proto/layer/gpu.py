@@ -217,33 +217,40 @@ class GpuMoELayer(GpuRound):
         shared = slot.startswith("kSlotShared")
         if shared and not self.has_shared:
             return None
-        calls = {
-            "fwd": {
-                "kSlotSharedFirst": (gemm.gate_up, (b("x", r), b("shared_gate", r), b("shared_up", r), *whole,
-                                                    b("sh", r), b("sg", r), b("su", r))),
-                "kSlotSharedSecond": (gemm.down, (b("sh", r), b("shared_down", r), *whole, b("base", r))),
-                "kSlotFirst": (gemm.gate_up, (b("recv", r), b("w_gate", r), b("w_up", r), offsets, counts, b("h", r),
-                                              b("g", r), b("u", r))),
-                "kSlotSecond": (gemm.down, (b("h", r), b("w_down", r), offsets, counts, b("y", r))),
-            },
-            "bwd": {
-                "kSlotSharedFirst": (gemm.down_bwd, (b("dout", r), b("shared_down", r), b("sg", r), b("su", r),
-                                                     *whole, b("sdg", r), b("sdu", r))),
-                "kSlotSharedSecond": (gemm.gate_up_bwd, (b("sdg", r), b("sdu", r), b("shared_gate", r),
-                                                         b("shared_up", r), *whole, b("dx_base", r))),
-                "kSlotFirst": (gemm.down_bwd, (b("recv_dy", r), b("w_down", r), b("g", r), b("u", r), offsets, counts,
-                                               b("dg", r), b("du", r))),
-                "kSlotSecond": (gemm.gate_up_bwd, (b("dg", r), b("du", r), b("w_gate", r), b("w_up", r), offsets,
-                                                   counts, b("dx_rows", r))),
-                "kSlotSharedDownWgrad": (gemm.down_wgrad, (b("sh", r), b("dout", r), *whole, b("dshared_down", r))),
-                "kSlotSharedGateUpWgrad": (gemm.gate_up_wgrad, (b("x", r), b("sdg", r), b("sdu", r), *whole,
-                                                                b("dshared_gate", r), b("dshared_up", r))),
-                "kSlotDownWgrad": (gemm.down_wgrad, (b("h", r), b("recv_dy", r), offsets, counts, b("dw_down", r))),
-                "kSlotGateUpWgrad": (gemm.gate_up_wgrad, (b("recv", r), b("dg", r), b("du", r), offsets, counts,
-                                                          b("dw_gate", r), b("dw_up", r))),
-            },
-        }
-        return calls[pass_].get(slot)
+        def rows_fwd():
+            return {
+                "kSlotSharedFirst": lambda: (gemm.gate_up, (b("x", r), b("shared_gate", r), b("shared_up", r), *whole,
+                                                            b("sh", r), b("sg", r), b("su", r))),
+                "kSlotSharedSecond": lambda: (gemm.down, (b("sh", r), b("shared_down", r), *whole, b("base", r))),
+                "kSlotFirst": lambda: (gemm.gate_up, (b("recv", r), b("w_gate", r), b("w_up", r), offsets, counts,
+                                                      b("h", r), b("g", r), b("u", r))),
+                "kSlotSecond": lambda: (gemm.down, (b("h", r), b("w_down", r), offsets, counts, b("y", r))),
+            }
+
+        def rows_bwd():
+            return {
+                "kSlotSharedFirst": lambda: (gemm.down_bwd, (b("dout", r), b("shared_down", r), b("sg", r),
+                                                             b("su", r), *whole, b("sdg", r), b("sdu", r))),
+                "kSlotSharedSecond": lambda: (gemm.gate_up_bwd, (b("sdg", r), b("sdu", r), b("shared_gate", r),
+                                                                 b("shared_up", r), *whole, b("dx_base", r))),
+                "kSlotFirst": lambda: (gemm.down_bwd, (b("recv_dy", r), b("w_down", r), b("g", r), b("u", r),
+                                                       offsets, counts, b("dg", r), b("du", r))),
+                "kSlotSecond": lambda: (gemm.gate_up_bwd, (b("dg", r), b("du", r), b("w_gate", r), b("w_up", r),
+                                                           offsets, counts, b("dx_rows", r))),
+                "kSlotSharedDownWgrad": lambda: (gemm.down_wgrad, (b("sh", r), b("dout", r), *whole,
+                                                                   b("dshared_down", r))),
+                "kSlotSharedGateUpWgrad": lambda: (gemm.gate_up_wgrad, (b("x", r), b("sdg", r), b("sdu", r), *whole,
+                                                                        b("dshared_gate", r), b("dshared_up", r))),
+                "kSlotDownWgrad": lambda: (gemm.down_wgrad, (b("h", r), b("recv_dy", r), offsets, counts,
+                                                             b("dw_down", r))),
+                "kSlotGateUpWgrad": lambda: (gemm.gate_up_wgrad, (b("recv", r), b("dg", r), b("du", r), offsets,
+                                                                  counts, b("dw_gate", r), b("dw_up", r))),
+            }
+
+        # built lazily (only the slot asked for): a layer without a shared expert has no shared buffers
+        calls = {"fwd": rows_fwd, "bwd": rows_bwd}[pass_]()
+        make = calls.get(slot)
+        return None if make is None else make()
 
     def _launch_gemms(self, pass_: str, slots):
         """Launch GEMM slots of a pass, rank by rank (the sequential schedule; absent slots skipped)."""

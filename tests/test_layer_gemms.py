@@ -1,0 +1,57 @@
+"""The GPU layer's one list of GEMM operands (`GpuMoELayer._gemm`, shared by the sequential
+launches and the fused kernels' packed params), checked on the CPU with stand-in buffers."""
+
+import pytest
+
+from mok_proto import abi
+from mok_proto.kernels import gemm
+from mok_proto.layer.gpu import GpuMoELayer
+
+SLOTS = [name for name, _ in abi.GEMM_SLOT.members]
+
+
+class StandIn:
+    """What _gemm reads of a layer: buffers by name (a missing one raises, as the layer's do)."""
+
+    ranks = [0]
+    _whole = ("whole_offsets", "whole_counts")
+
+    def __init__(self, has_shared):
+        self.has_shared = has_shared
+
+    def _b(self, key, rank):
+        if not self.has_shared and (key.startswith("shared_") or key in ("sg", "su", "sh", "sdg", "sdu", "base",
+                                                                           "dx_base") or key.startswith("dshared")):
+            raise KeyError(key)
+        return key
+
+    def _rows(self, rank):
+        return "offsets", "counts"
+
+
+@pytest.mark.parametrize("has_shared", [True, False])
+def test_every_slot_of_each_pass(has_shared):
+    layer = StandIn(has_shared)
+    got = {(p, s): GpuMoELayer._gemm(layer, p, s, 0) for p in ("fwd", "bwd") for s in SLOTS}
+    present = {key for key, call in got.items() if call is not None}
+    fwd = {"kSlotFirst", "kSlotSecond"} | ({"kSlotSharedFirst", "kSlotSharedSecond"} if has_shared else set())
+    bwd = set(SLOTS) if has_shared else {s for s in SLOTS if not s.startswith("kSlotShared")}
+    assert present == {("fwd", s) for s in fwd} | {("bwd", s) for s in bwd}
+    # the routed GEMMs read the receive-row segments, the shared ones the whole token range
+    for (pass_, slot), call in got.items():
+        if call is not None:
+            args = call[1]
+            segments = ("whole_offsets", "whole_counts") if slot.startswith("kSlotShared") else ("offsets", "counts")
+            assert tuple(a for a in args if "offsets" in a or "counts" in a) == segments, (pass_, slot, args)
+
+
+def test_backward_slots_run_the_backward_problems():
+    layer = StandIn(True)
+    want = {"kSlotSharedFirst": gemm.down_bwd, "kSlotSharedSecond": gemm.gate_up_bwd, "kSlotFirst": gemm.down_bwd,
+            "kSlotSecond": gemm.gate_up_bwd, "kSlotSharedDownWgrad": gemm.down_wgrad,
+            "kSlotSharedGateUpWgrad": gemm.gate_up_wgrad, "kSlotDownWgrad": gemm.down_wgrad,
+            "kSlotGateUpWgrad": gemm.gate_up_wgrad}
+    assert {s: GpuMoELayer._gemm(layer, "bwd", s, 0)[0] for s in SLOTS} == want
+    # the routed weight gradients read the forward's receive rows and the backward's dy / dg, du
+    assert GpuMoELayer._gemm(layer, "bwd", "kSlotGateUpWgrad", 0)[1][:3] == ("recv", "dg", "du")
+    assert GpuMoELayer._gemm(layer, "bwd", "kSlotDownWgrad", 0)[1][:2] == ("h", "recv_dy")
