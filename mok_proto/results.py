@@ -1,4 +1,5 @@
-"""Reading the benchmarks' JSON lines under results/ (never re-running them).
+"""Reading the benchmarks' JSON lines under results/ (never re-running them), and the fused
+forward's in-kernel timelines (`timeline_files`, `load_timeline`, `timeline_events`).
 
 A *run* is a stretch of rows of one benchmark with the same git stamp and no gap of more than
 RUN_GAP between consecutive rows; `newest` keeps the newest run per group (e.g. per backend).
@@ -38,3 +39,58 @@ def newest(rows: list[dict], group_by: tuple = ()) -> list[dict]:
         key = tuple(row.get(k) for k in group_by)
         latest[key] = max(latest.get(key, ""), row["run"], key=lambda run: run.split(" ", 1)[-1])
     return [r for r in rows if r["run"] == latest[tuple(r.get(k) for k in group_by)]]
+
+
+TIMELINE_PREFIX = "timeline_fused_fwd_"  # scripts/bench_layer.py --timeline: <prefix><shape>[_<git>].jsonl
+
+
+def timeline_files(results_dir: Path | str = RESULTS_DIR) -> list[Path]:
+    """The fused forward's measured in-kernel timelines under results/, by name."""
+    return sorted(Path(results_dir).glob(f"{TIMELINE_PREFIX}*.jsonl"))
+
+
+def timeline_name(path: Path | str) -> tuple[str, str]:
+    """(shape, git stamp or "") of a timeline file `<prefix><shape>[_<git>].jsonl` (shape names
+    hold no underscore)."""
+    stem = Path(path).name[len(TIMELINE_PREFIX):].removesuffix(".jsonl")
+    shape, _, git = stem.partition("_")
+    return shape, git
+
+
+def load_timeline(path: Path | str):
+    """A timeline's JSON lines as mok_proto.trace records (TRACE_DTYPE; `kind` is the TaskKind
+    name lower-cased in the file), in file order (the plan's task order). The role is the task's
+    (comm for a communication task, as GpuMoELayer.forward_timeline records it now; older files
+    gave every task of a compute CTA the compute role, spare warps' transfers included)."""
+    import numpy as np
+
+    from mok_proto.plan import COMM_KINDS, TaskKind
+    from mok_proto.trace import ROLES, TRACE_DTYPE
+
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rec = np.zeros(len(rows), TRACE_DTYPE)
+    for name in TRACE_DTYPE.names:
+        values = [r[name] for r in rows]
+        rec[name] = [int(TaskKind[v.upper()]) for v in values] if name == "kind" else values
+    comm = np.isin(rec["kind"], [int(k) for k in COMM_KINDS])
+    rec["role"] = np.where(comm, ROLES.index("comm"), ROLES.index("compute"))
+    return rec
+
+
+TIMELINE_EVENTS = ("dispatch end", "compute end", "kernel end")
+
+
+def timeline_events(records) -> dict:
+    """{TIMELINE_EVENTS: ns from the first task's start} of timeline records (measured or
+    simulated): the last dispatch's end (0 without one), the last GEMM tile's end, the last task's
+    end (the kernel's)."""
+    import numpy as np
+
+    from mok_proto.plan import COMM_KINDS, TaskKind
+
+    t0 = records["start_ns"].min()
+    comm = np.isin(records["kind"], [int(k) for k in COMM_KINDS])
+    dispatch = records["kind"] == int(TaskKind.DISPATCH)
+    return {"dispatch end": float(records["end_ns"][dispatch].max() - t0) if dispatch.any() else 0.0,
+            "compute end": float(records["end_ns"][~comm].max() - t0),
+            "kernel end": float(records["end_ns"].max() - t0)}

@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("name,plots", [
-    ("overlap_explorer", ["sim_timeline.png", "sim_heatmap.png", "sim_push_pull.png"]),
-    ("measured", ["measured_gemm.png", "measured_comm.png", "measured_layer.png"]),
+    ("overlap_explorer", ["sim_timeline.png", "sim_heatmap.png", "sim_push_pull.png", "sim_vs_measured_timeline.png"]),
+    ("measured", ["measured_gemm.png", "measured_comm.png", "measured_layer.png", "measured_timeline.png"]),
 ])
 def test_notebook_runs(name, plots, tmp_path, monkeypatch):
     monkeypatch.setenv("MOK_PLOTS_DIR", str(tmp_path))  # fresh folder: a plot the notebook no longer saves fails

@@ -1,6 +1,7 @@
 """Simulator: the H200 rows of --validate hold (and fail when a calibration is off by 2x), the
 load matches the schedule, the model responds to what it models, and it is fast."""
 
+import dataclasses
 import json
 import time
 
@@ -9,11 +10,12 @@ import pytest
 
 from mok_proto import plan as P
 from mok_proto import results, schedule, sim, trace
-from mok_proto.config import MOK_POLICY, PAPER_SHAPES, get_shape
-from mok_proto.sim import layer, validate
+from mok_proto.config import MOK_POLICY, PAPER_SHAPES, ep_share, get_shape
+from mok_proto.sim import fused, layer, model, validate
 from mok_proto.sim.params import H200_CALIBRATION
 
 KIMI = get_shape("kimi-k2.7")
+KIMI_SHARE = ep_share("kimi-k2.7", 64)  # bench_layer's emulation: one EP=64 rank's share, 2 virtual ranks
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,7 @@ def h200():
 def test_validate_h200_rows_within_bar(h200):
     rows = validate.h200_rows(h200)
     judged = [r for r in rows if r.judged]
-    assert len(judged) >= 130  # 133 today: 42 GEMMs, 24 one-GPU and 12 2 x H200 stages, 55 layer rows
+    assert len(judged) >= 135  # 138 today: 42 GEMMs, 24 one-GPU and 12 2 x H200 stages, 55 layer rows, 5 fused
     for group in ("h200 gemm", "h200 comm 1 GPU", "h200 comm 2 x H200"):
         assert sum(r.group == group for r in judged) >= 10, group
     bad = [(r.quantity, round(r.error * 100, 1)) for r in judged if not r.ok(validate.H200_TOLERANCE)]
@@ -162,19 +164,20 @@ def test_cli_validate_prints_every_row():
     assert main(["--validate", "--h200-only"]) == 0
 
 
-@pytest.mark.parametrize("skew", [0.0, 1.0])
-def test_load_matches_schedule(skew):
+@pytest.mark.parametrize("skew,align", [(0.0, P.BM), (1.0, P.BM), (0.0, P.PAIR_ROWS)])
+def test_load_matches_schedule(skew, align):
     # the simulator's load of a routing == the pull schedule's placement of the SAME routing
     shape, ranks = get_shape("medium"), 4
     topk = sim.route(shape, ranks, seed=1, skew=skew)  # [R, N, K]
-    load = sim.load_from_topk(topk, shape.num_experts)
+    load = sim.load_from_topk(topk, shape.num_experts, align)
     for r in range(ranks):
-        s = schedule.build_pull_schedule(topk, shape.num_experts, r, align=P.BM)
+        s = schedule.build_pull_schedule(topk, shape.num_experts, r, align=align)
         assert np.array_equal(load.expert_offsets[r], s.expert_offsets)
         assert np.array_equal(load.tokens_per_expert[r], s.tokens_per_expert)
         real = s.src_rank[s.src_rank >= 0]
         assert load.local_fraction[r] == np.count_nonzero(real == r) / len(real)
-    assert np.array_equal(sim.routed_load(shape, ranks, seed=1, skew=skew).expert_offsets, load.expert_offsets)
+    assert np.array_equal(sim.routed_load(shape, ranks, seed=1, skew=skew, align=align).expert_offsets,
+                          load.expert_offsets)
 
 
 def test_model_responds(h200):
@@ -223,3 +226,230 @@ def test_ep64_kimi_forward_is_fast(h200):
     for b in (0, 100):
         r = rec[rec["block"] == b]
         assert np.all(r["start_ns"][1:] >= r["end_ns"][:-1] - 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused forward (plan.fused_forward, cuda/fused.cuh)
+# ---------------------------------------------------------------------------------------------
+CALIBRATION_TIMELINE = results.RESULTS_DIR / H200_CALIBRATION["fused"]
+
+
+def _fused_plan(comm_blocks, minibatch_rows=2048, num_sms=132, policy=MOK_POLICY):
+    return P.fused_forward(KIMI_SHARE, 2, comm_blocks, minibatch_rows, policy=policy, num_sms=num_sms)
+
+
+def _emulated(plan, gpu):
+    """A plan as bench_layer runs it: one EP=64 share on one H200."""
+    return sim.simulate(plan, layer.one_gpu(gpu), fused.emulated_load(KIMI_SHARE))
+
+
+def _spread_plan(chunks, monkeypatch, minibatch_rows=2048, num_sms=132):
+    """A fused forward with comm_blocks == 0: the chunks spread over compute CTAs (chunk c on CTA c,
+    run by spare warps beside its GEMM tiles). plan.fused_forward builds it once it knows that mode;
+    until then it is the plan with `chunks` communicating CTAs whose GEMM CTAs are renumbered from 0
+    (the same tasks and counters; a CTA's table: its comm tasks, then its GEMM tasks), and
+    Plan.check, which cannot prove that mode yet, is skipped (the simulator's scheduler still
+    rejects a deadlock)."""
+    try:
+        return P.fused_forward(KIMI_SHARE, 2, 0, minibatch_rows, policy=MOK_POLICY, num_sms=num_sms)
+    except ValueError:
+        pass
+    base = P.fused_forward(KIMI_SHARE, 2, chunks, minibatch_rows, policy=MOK_POLICY, num_sms=num_sms + chunks)
+    t = base.tasks.copy()
+    gemm = t["block"] >= chunks
+    t["block"][gemm] -= chunks
+    t = t[np.lexsort((t["seq"], gemm, t["block"]))]
+    t["seq"] = np.arange(len(t)) - np.searchsorted(t["block"], t["block"])
+    monkeypatch.setattr(P.Plan, "check", lambda self: None)
+    return dataclasses.replace(base, tasks=t, num_sms=num_sms, comm_blocks=0)
+
+
+def _comm(rec):
+    return np.isin(rec["kind"], [int(k) for k in P.COMM_KINDS])
+
+
+def test_fused_timeline_is_the_plan_it_ran(h200):
+    measured = results.load_timeline(CALIBRATION_TIMELINE)
+    assert results.timeline_name(CALIBRATION_TIMELINE) == ("kimi-k2.7", "62f5296")
+    plan, result = fused.simulate_timeline(measured, KIMI_SHARE, h200)
+    assert (plan.comm_blocks, plan.minibatch_rows, plan.num_sms, plan.ring_minibatches) == (8, 2048, 132, 10)
+    simulated = result.records(0)
+    assert len(simulated) == len(measured) == len(plan.tasks)
+    for key in fused.KEY + ("role",):  # one simulated record per measured one, the same task
+        assert np.array_equal(simulated[key], measured[key]), key
+    assert np.array_equal(measured["role"] == 0, _comm(measured))  # role by kind (older files: by CTA)
+    shuffled = measured.copy()
+    shuffled[[0, 1]] = shuffled[[1, 0]]  # CTA 0's first two tasks swapped
+    with pytest.raises(ValueError, match="not those of any"):
+        fused.timeline_plan(shuffled, KIMI_SHARE)
+
+
+def test_validate_fused_rows(h200):
+    rows = [r for r in validate.h200_rows(h200) if r.group == "h200 fused"]
+    by = {r.quantity.split(" kimi")[0]: r for r in rows if r.quantity.endswith("62f5296")}  # the calibration timeline
+    # the dispatch tasks fit the copy rate: the dispatch end is calibration; the rest is judged
+    assert by["fwd dispatch end"].check == "calibration"
+    for what in ("fwd compute end", "fwd kernel end", "fwd combine chunk median", "fwd gate_up tile median",
+                 "fwd down tile median"):
+        assert by[what].check == "judged" and by[what].ok(validate.H200_TOLERANCE), what
+    assert 500 < h200.comm_cta_row_ns < 700 and 0 < h200.comm_task_ns < 10e3  # 0.6 us per 14 KB row, a few us
+    assert h200.spare_warp_copy_gbs > 0  # assumed, not fitted
+
+
+def _timeline_copy(tmp_path, edit):
+    """results/*.jsonl in tmp_path (made here); edit(rows) may change the calibration timeline's
+    JSON rows."""
+    tmp_path.mkdir()
+    for src in results.RESULTS_DIR.glob("*.jsonl"):
+        (tmp_path / src.name).write_text(src.read_text())
+    rows = [json.loads(line) for line in CALIBRATION_TIMELINE.read_text().splitlines()]
+    edit(rows)
+    (tmp_path / CALIBRATION_TIMELINE.name).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return tmp_path
+
+
+def test_fused_calibration_uses_only_the_dispatch_tasks(h200, tmp_path):
+    def slow_compute(rows):  # every GEMM and combine task 1.5x later and longer: the fit must not move
+        for r in rows:
+            if r["kind"] != "dispatch":
+                r["start_ns"], r["end_ns"] = 1.5 * r["start_ns"], 1.5 * r["end_ns"]
+    where = _timeline_copy(tmp_path / "compute", slow_compute)
+    moved = sim.h200(where)
+    assert (moved.comm_cta_row_ns, moved.comm_task_ns) == (h200.comm_cta_row_ns, h200.comm_task_ns)
+    ends = [r for r in validate.fused_rows(moved, where) if r.quantity.endswith("62f5296") and " end " in r.quantity]
+    judged = [r for r in ends if r.judged]
+    assert len(judged) == 2 and not any(r.ok(validate.H200_TOLERANCE) for r in judged)  # compute end, kernel end
+
+    def slow_dispatch(rows):
+        for r in rows:
+            if r["kind"] == "dispatch":
+                r["end_ns"] = r["start_ns"] + 1.2 * (r["end_ns"] - r["start_ns"])
+    changed = sim.h200(_timeline_copy(tmp_path / "dispatch", slow_dispatch))
+    assert changed.comm_cta_row_ns > 1.1 * h200.comm_cta_row_ns
+
+
+def test_fused_pass_rows_from_bench_layer(h200, tmp_path):
+    # bench_layer's fused rows (graph replays), when present, are judged against the simulated pass:
+    # the schedule, the kernel, the flag and wait, the weighted sum (2.91 ms measured at 62f5296)
+    row = {"shape": "kimi-k2.7", "pass": "fwd", "ep": 64, "schedule": "fused", "comm_blocks": 8,
+           "minibatch_tokens": 2048, "num_sms": 132, "median_ms": 2.91, "git": "62f5296",
+           "time": "2099-01-01T00:00:00+00:00"}
+    rows = validate.fused_rows(h200, _results_copy(tmp_path, extra_rows=[row]))
+    passes = [r for r in rows if "pass (graph) kimi" in r.quantity]  # the newest kimi run: this row
+    assert len(passes) == 1 and passes[0].check == "judged" and passes[0].ok(validate.H200_TOLERANCE)
+    predicted = passes[0].predicted * 1e6
+    kernel = _emulated(_fused_plan(8), h200).kernel_ns
+    assert predicted > kernel + model.epilogue_kernel_ns(KIMI_SHARE, layer.one_gpu(h200), 132)
+
+
+def test_fused_time_grows_when_copies_become_the_bottleneck(h200):
+    got = {c: _emulated(_fused_plan(c), h200) for c in (8, 4, 2)}
+    ends = {c: results.timeline_events(r.records(0)) for c, r in got.items()}
+    assert got[2].kernel_ns > got[4].kernel_ns > 1.3 * got[8].kernel_ns
+    # a quarter of the communicating CTAs: every chunk 4x the rows, the dispatches 4x longer
+    assert ends[2]["dispatch end"] == pytest.approx(4 * ends[8]["dispatch end"], rel=0.1)
+    # comm-bound: the kernel lasts as long as one communicating CTA's dispatches and combines
+    rec = got[2].records(0)
+    cta0 = rec[rec["block"] == 0]
+    assert got[2].kernel_ns >= (cta0["end_ns"] - cta0["start_ns"]).sum() - 1e-6
+    assert got[2].kernel_ns > 1.5 * ends[2]["dispatch end"]
+
+
+def test_fused_records_roles_and_cluster_pairs(h200):
+    plan = _fused_plan(8)
+    rec = _emulated(plan, h200).records(0)
+    assert rec.dtype == trace.TRACE_DTYPE and len(rec) == len(plan.tasks)
+    comm = _comm(rec)
+    assert comm.any() and np.all(rec["block"][comm] < 8) and np.all(rec["block"][~comm] >= 8)
+    assert np.array_equal(rec["role"] == 0, comm)
+    # a tile pair: CTAs 2j and 2j + 1 start and end it together (one 256-row tile sharing B)
+    for even in range(8, 132, 2):
+        a, b = rec[rec["block"] == even], rec[rec["block"] == even + 1]
+        assert np.array_equal(a["start_ns"], b["start_ns"]) and np.array_equal(a["end_ns"], b["end_ns"])
+        assert np.all(a["start_ns"][1:] >= a["end_ns"][:-1] - 1e-6)  # in order, one at a time
+
+
+def test_fused_kernel_time_excludes_the_weighted_sum(h200):
+    gpu = layer.one_gpu(h200)
+    base = _emulated(_fused_plan(8), h200)
+    after = 3 * gpu.launch_ns + model.epilogue_kernel_ns(KIMI_SHARE, gpu, 132)  # flag, wait, weighted sum
+    assert base.time_ns - base.kernel_ns >= after
+    slow_sum = _emulated(_fused_plan(8), h200.scaled(sum_slots_efficiency=0.5))
+    assert slow_sum.kernel_ns == pytest.approx(base.kernel_ns)
+    assert slow_sum.time_ns > base.time_ns + 0.9 * model.epilogue_kernel_ns(KIMI_SHARE, gpu, 132)
+    # the other directions run as their own launches: a pull combine after the kernel
+    pull = _emulated(_fused_plan(8, policy=dict(MOK_POLICY, combine="pull")), h200)
+    assert not (pull.records(0)["kind"] == int(P.TaskKind.COMBINE)).any()
+    assert pull.time_ns - pull.kernel_ns > after + gpu.row_copy_ns(KIMI_SHARE.num_tokens * KIMI_SHARE.top_k
+                                                                   * KIMI_SHARE.hidden * model.ELEM_BYTES)
+
+
+def test_fused_comm_spread_over_compute_ctas(h200, monkeypatch):
+    plan = _spread_plan(8, monkeypatch)
+    result = _emulated(plan, h200)
+    rec = result.records(0)
+    assert len(rec) == len(plan.tasks) and plan.comm_blocks == 0
+    comm = _comm(rec)
+    carriers = np.unique(rec["block"][comm])
+    assert len(carriers) and set(carriers.tolist()) <= set(rec["block"][~comm].tolist())  # compute CTAs
+    assert np.all(rec["role"][comm] == 0) and np.all(rec["role"][~comm] == 1)
+    overlapped = False
+    for b in carriers:  # two streams on one CTA: comm tasks in order, beside its GEMM tasks
+        c, g = rec[(rec["block"] == b) & comm], rec[(rec["block"] == b) & ~comm]
+        assert np.all(c["start_ns"][1:] >= c["end_ns"][:-1] - 1e-6)
+        assert np.all(g["start_ns"][1:] >= g["end_ns"][:-1] - 1e-6)
+        overlapped |= bool(np.any((c["start_ns"][:, None] < g["end_ns"][None]) & (g["start_ns"][None] < c["end_ns"][:, None])))
+    assert overlapped
+    # spare warps copy at their own (assumed) rate, not a communicating CTA's
+    slow_spare = _emulated(plan, h200.scaled(spare_warp_copy_gbs=0.1))
+    assert results.timeline_events(slow_spare.records(0))["dispatch end"] > 2 * results.timeline_events(rec)["dispatch end"]
+    assert _emulated(plan, h200.scaled(comm_cta_row_ns=10.0)).time_ns == pytest.approx(result.time_ns)
+    split = _fused_plan(8)
+    assert _emulated(split, h200.scaled(spare_warp_copy_gbs=0.1)).time_ns == pytest.approx(_emulated(split, h200).time_ns)
+
+
+def test_spread_timeline_rows_are_assumed_where_spare_warps_copy(h200, tmp_path):
+    # a comm_blocks == 0 timeline: the rows set by the spare warps' copy rate are "assumed", the
+    # rest judged (here the "measured" timeline is the simulated one: every error is 0)
+    try:
+        plan = P.fused_forward(KIMI_SHARE, 2, 0, 2048, policy=MOK_POLICY, num_sms=132,
+                               capacity_rows=10 * 2048)
+    except ValueError as e:
+        pytest.skip(f"plan.fused_forward has no comm_blocks == 0 mode here: {e}")
+    rec = _emulated(plan, h200).records(0)
+    rec["start_ns"], rec["end_ns"] = rec["start_ns"] - rec["start_ns"].min(), rec["end_ns"] - rec["start_ns"].min()
+    rows = [{name: (P.TaskKind(int(r["kind"])).name.lower() if name == "kind" else r[name].item())
+             for name in trace.TRACE_DTYPE.names} for r in rec]
+    (tmp_path / f"{results.TIMELINE_PREFIX}kimi-k2.7_spread.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    got = {r.quantity.split(" kimi")[0]: r for r in validate.fused_rows(h200, tmp_path)}
+    assert {q for q, r in got.items() if r.check == "assumed"} == {"fwd dispatch end", "fwd combine chunk median"}
+    assert all(r.check == "judged" and r.error == pytest.approx(0, abs=1e-9) for q, r in got.items()
+               if r.check != "assumed")
+
+
+def test_fused_deadlock_is_rejected(h200, monkeypatch):
+    # without Plan.check, the simulator's own scheduler catches a plan that cannot run: every
+    # communicating CTA combines minibatch 0 before it dispatches anything
+    plan = _spread_plan(8, monkeypatch)
+    t = plan.tasks.copy()
+    comm = np.flatnonzero(_comm(t) & (t["block"] == 0))
+    t[comm] = t[comm][np.argsort(-t["kind"][comm], kind="stable")]  # COMBINE before DISPATCH
+    t["seq"][comm] = np.sort(t["seq"][comm])
+    bad = dataclasses.replace(plan, tasks=t)
+    assert int(P.TaskKind.COMBINE) > int(P.TaskKind.DISPATCH)
+    with pytest.raises(P.PlanError, match="deadlock"):
+        _emulated(bad, h200)
+
+
+def test_simulate_rejects_a_load_padded_for_another_plan(h200):
+    with pytest.raises(ValueError, match="padded to 256"):
+        sim.simulate(_fused_plan(8), layer.one_gpu(h200), layer.emulated_load(KIMI_SHARE))  # 128-row segments
+
+
+def test_ep64_kimi_fused_forward_is_fast(h200, monkeypatch):
+    gb = sim.gb300_nvl72(h200)
+    t0 = time.process_time()
+    p = P.fused_forward(KIMI, 64, 40, 2048, policy=MOK_POLICY, num_sms=gb.num_sms)
+    result = sim.simulate(p, gb)  # includes p.check()
+    assert time.process_time() - t0 < 2.0
+    assert len(result.records()) == len(p.tasks) and result.kernel_ns < result.time_ns

@@ -6,6 +6,7 @@ as the megakernel (`mok_proto.plan`), with GPU parameter sets calibrated on our 
     gpu = sim.get_params("gb300-nvl72")
     p = plan.fixed_split(shape, 64, comm_blocks=40, minibatch_rows=2048, policy=MOK_POLICY, num_sms=gpu.num_sms)
     result = sim.simulate(p, gpu)          # result.time_ns, result.records() -> trace.plot_timeline
+    # plan.fused_forward plans too: result.kernel_ns (its tasks) vs result.time_ns (+ the launches around it)
 """
 
 from mok_proto.sim.model import Load, SimResult, load_from_topk, route, routed_load, simulate

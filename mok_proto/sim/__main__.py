@@ -2,6 +2,7 @@
 
     python -m mok_proto.sim --validate [--h200-only]
     python -m mok_proto.sim --shape kimi-k2.7 --ep 64 --gpu gb300-nvl72 --pass fwd --comm-sms 40 --minibatch 2048
+    python -m mok_proto.sim --fused --comm-sms 0 ...   # the forward megakernel's plan (plan.fused_forward)
 
 Exit status: 0 ok; 1 an H200 row outside its bar (--validate); 2 bad argument.
 """
@@ -31,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--comm-sms", type=int, default=40)
     ap.add_argument("--minibatch", type=int, default=2048)
     ap.add_argument("--sequential", action="store_true")
+    ap.add_argument("--fused", action="store_true", help="plan.fused_forward (the forward megakernel's plan)")
     args = ap.parse_args(argv)
     try:
         if args.validate:
@@ -49,6 +51,11 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if args.sequential:
             p = plans.sequential(shape, args.ep, pass_=args.pass_, policy=policy, num_sms=gpu.num_sms)
+        elif args.fused:
+            if args.pass_ != "fwd":
+                raise ValueError("--fused simulates the forward")
+            p = plans.fused_forward(shape, args.ep, args.comm_sms, args.minibatch, policy=policy,
+                                    num_sms=gpu.num_sms - gpu.num_sms % 2)
         else:
             p = plans.fixed_split(shape, args.ep, args.comm_sms, args.minibatch, pass_=args.pass_, policy=policy,
                                   num_sms=gpu.num_sms)
@@ -58,7 +65,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(p.describe())
-    print(f"{gpu.name}: {result.time_ns / 1e3:.1f} us (slowest rank {result.slowest_rank}); simulated in {elapsed:.2f} s")
+    print(f"{gpu.name}: {result.time_ns / 1e3:.1f} us, of which the plan's tasks {result.kernel_ns / 1e3:.1f} us "
+          f"(slowest rank {result.slowest_rank}); simulated in {elapsed:.2f} s")
     return 0
 
 

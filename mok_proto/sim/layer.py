@@ -37,7 +37,7 @@ import numpy as np
 from mok_proto import plan as plans
 from mok_proto import results
 from mok_proto.config import MOK_POLICY, MoEShape, ep_share
-from mok_proto.plan import CounterKind, TaskKind
+from mok_proto.plan import BM, CounterKind, TaskKind
 from mok_proto.sim.model import ELEM_BYTES, Load, routed_load, simulate
 from mok_proto.sim.params import H200_CALIBRATION, GpuParams
 
@@ -126,10 +126,11 @@ def one_gpu(gpu: GpuParams) -> GpuParams:
                                signal_ns_per_peer=0.0)
 
 
-def emulated_load(shape: MoEShape, seed: int = 0) -> Load:
+def emulated_load(shape: MoEShape, seed: int = 0, align: int = BM) -> Load:
     """Rank 0's receive rows under uniform routing over 2 ranks, for both ranks (rank 1 only
-    stands for the peers: it never makes rank 0 wait), every row local (one HBM)."""
-    load = routed_load(shape, EMULATED_RANKS, seed)
+    stands for the peers: it never makes rank 0 wait), every row local (one HBM); expert segments
+    padded to `align` rows (model.plan_align)."""
+    load = routed_load(shape, EMULATED_RANKS, seed, align=align)
     both = lambda a: np.repeat(a[:1], EMULATED_RANKS, axis=0)  # noqa: E731
     return Load(both(load.tokens_per_expert), both(load.expert_offsets), np.ones(EMULATED_RANKS))
 

@@ -3,12 +3,18 @@
 Shape legend: N tokens/rank, H hidden, I expert FFN, E experts, K top-k, R ranks, El = E/R.
 
 Every rank runs the same plan on its own receive rows (expert imbalance comes from the routing).
-Tasks are visited once, in the plan's execution order (a topological order), each step a
-vector over the R ranks: a task starts when its CTA is free and its counters are complete, and
-ends after its duration. A local counter completes at its last signal; a remote counter (raised
-by every rank) at the slowest rank's last signal plus the receiver's signal wait (a fence and
-one signal per peer). Every CTA starts after one kernel launch; a sequential plan pays one more
-launch at each stage boundary (its STAGE_DONE counters). Durations:
+Tasks run on in-order *streams*: a CTA's table (`_streams`; in a fused plan without
+communicating CTAs, comm_blocks == 0, a CTA's communication tasks are a second stream, run by
+spare warps beside its GEMM tasks). A *step* is what starts together: one task, or in a fused
+plan one tile pair of a 2-CTA cluster (both CTAs start it together and share B). Steps are
+visited once, in a topological order (`_steps`), each a vector over the R ranks: a step starts
+when its streams are free and its counters are complete, and ends after its duration. A local
+counter completes at its last signal; a remote counter (raised by every rank) at the slowest
+rank's last signal plus the receiver's signal wait (a fence and one signal per peer). Every CTA
+starts after one kernel launch; a sequential plan pays one more launch at each stage boundary
+(its STAGE_DONE counters); a fused forward pays what runs around its kernel (`_fused_before_ns`,
+`_fused_pass_end_ns`: the counters' memset, a transfer in the other direction, the combine's flag
+and wait, the weighted sum). Durations:
 
 * GEMM tile: 2*BM*BN*k / (the problem's tile rate per SM under sustained load, GpuParams.tile_ns);
   tiles past the rank's padded rows take no time; a weight-gradient tile's k is its expert's rows.
@@ -16,6 +22,11 @@ launch at each stage boundary (its STAGE_DONE counters). Durations:
   (push or pull efficiency) shared by the communicating CTAs, capped per SM (a pull keeps one
   window in flight per round trip), local bytes at a row-movement kernel's copy rate
   (GpuParams.row_copy_ns); a pull pays a round trip.
+* fused forward chunk c of minibatch m (cuda/fused.cuh: receive rows m MB + c, + C, ..., on CTA c):
+  GpuParams.comm_task_ns plus its rows at one CTA's in-kernel copy rate (comm_cta_row_ns per row
+  on a communicating CTA, its bytes at spare_warp_copy_gbs beside GEMM tiles), or slower where the
+  CTAs' share of the link or of HBM is; a dispatch moves every row below the padded end (a padding row stores
+  the zero row), a combine only the real rows.
 * epilogue tile: reads K slot rows (+ the shared row), writes one row: HBM traffic at the rate of
   the token sums (GpuParams.token_kernel_ns, "gather_sum").
 """
@@ -29,7 +40,8 @@ import numpy as np
 
 from mok_proto import trace
 from mok_proto.config import MoEShape
-from mok_proto.plan import BM, EPILOGUE_ROWS, PROBLEM_OF, CounterKind, Plan, TaskKind, tile_grid
+from mok_proto.plan import (BM, COMM_KINDS, EPILOGUE_ROWS, PAIR_ROWS, PROBLEM_OF, CounterKind, Plan, PlanError,
+                            TaskKind, inside_kernel, tile_grid)
 from mok_proto.sim.params import GpuParams
 
 ELEM_BYTES = 2  # BF16 rows and weights in the layer
@@ -37,6 +49,14 @@ ELEM_BYTES = 2  # BF16 rows and weights in the layer
 OPERATOR_OF = {TaskKind.DISPATCH: "dispatch", TaskKind.COMBINE: "combine",
                TaskKind.REV_COMBINE: "rev_combine", TaskKind.REV_DISPATCH: "rev_dispatch"}
 ROUTED_ROW_KINDS = (TaskKind.GATE_UP, TaskKind.DOWN, TaskKind.DOWN_BWD, TaskKind.GATE_UP_BWD)
+COMM_KIND_IDS = sorted(int(k) for k in COMM_KINDS)
+FUSED = "fused_forward"
+
+
+def plan_align(plan: Plan) -> int:
+    """Rows an expert segment is padded to for this plan: a fused plan's cluster pair (PAIR_ROWS),
+    else one row tile (BM)."""
+    return PAIR_ROWS if plan.strategy == FUSED else BM
 
 
 @dataclass(frozen=True)
@@ -44,7 +64,7 @@ class Load:
     """Receive rows of every rank, from an actual routing (the schedule's placement)."""
 
     tokens_per_expert: np.ndarray  # [R, El] real rows of each local expert
-    expert_offsets: np.ndarray  # [R, El + 1] padded to BM (the schedule's align)
+    expert_offsets: np.ndarray  # [R, El + 1] padded to the schedule's align (plan_align: BM or PAIR_ROWS)
     local_fraction: np.ndarray  # [R] share of received rows that come from the rank itself
 
     @property
@@ -77,10 +97,10 @@ def route(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.0) -> 
     return topk.reshape(num_ranks, n, k)
 
 
-def load_from_topk(topk: np.ndarray, num_experts: int) -> Load:
+def load_from_topk(topk: np.ndarray, num_experts: int, align: int = BM) -> Load:
     """The receive rows of every rank for a routing topk [R, N, K], placed as the pull schedule
-    places them (`schedule.build_pull_schedule(topk, E, rank, align=BM)`): rank r owns experts
-    r*El .. (r+1)*El - 1, segments padded to BM."""
+    places them (`schedule.build_pull_schedule(topk, E, rank, align=align)`): rank r owns experts
+    r*El .. (r+1)*El - 1, segments padded to `align` rows (`plan_align`)."""
     num_ranks, n, k = topk.shape
     el = num_experts // num_ranks
     src = np.repeat(np.arange(num_ranks), n * k)  # source rank of each (token, choice)
@@ -88,15 +108,15 @@ def load_from_topk(topk: np.ndarray, num_experts: int) -> Load:
     pairs = pairs.reshape(num_ranks, el, num_ranks)  # [owner, local expert, source rank]
     per_expert = pairs.sum(axis=2)  # [R, El]
     offsets = np.zeros((num_ranks, el + 1), np.int64)
-    np.cumsum(-(-per_expert // BM) * BM, axis=1, out=offsets[:, 1:])
+    np.cumsum(-(-per_expert // align) * align, axis=1, out=offsets[:, 1:])
     own = pairs[np.arange(num_ranks), :, np.arange(num_ranks)].sum(axis=1)  # [R] rows from the owner itself
     return Load(per_expert, offsets, own / np.maximum(per_expert.sum(axis=1), 1))
 
 
 @functools.lru_cache(maxsize=32)
-def routed_load(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.0) -> Load:
+def routed_load(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.0, align: int = BM) -> Load:
     """The load of a random routing (`route`), placed as the pull schedule does."""
-    return load_from_topk(route(shape, num_ranks, seed, skew), shape.num_experts)
+    return load_from_topk(route(shape, num_ranks, seed, skew), shape.num_experts, align)
 
 
 @dataclass(frozen=True)
@@ -106,16 +126,24 @@ class SimResult:
     start_ns: np.ndarray  # [num_tasks, R]
     end_ns: np.ndarray  # [num_tasks, R]
     load: Load
+    pass_end_ns: np.ndarray  # [R] end of the pass: the last task, or what runs after a fused kernel
 
     @property
     def rank_ns(self) -> np.ndarray:
         """[R] time each rank finishes the pass."""
-        return self.end_ns.max(axis=0)
+        return self.pass_end_ns
 
     @property
     def time_ns(self) -> float:
-        """The pass's time: the slowest rank."""
+        """The pass's time: the slowest rank (a fused forward: with the launches around its kernel,
+        the weighted sum included)."""
         return float(self.rank_ns.max())
+
+    @property
+    def kernel_ns(self) -> float:
+        """The plan's tasks as an in-kernel trace measures them: first task start to last task end,
+        the slowest rank (a fused forward: its kernel only, no weighted sum)."""
+        return float((self.end_ns.max(axis=0) - self.start_ns.min(axis=0)).max())
 
     @property
     def slowest_rank(self) -> int:
@@ -131,14 +159,15 @@ class SimResult:
         return float(span[rank] if rank is not None else span.max())
 
     def records(self, rank: int | None = None) -> np.ndarray:
-        """Timeline records (trace.TRACE_DTYPE) of one rank (default: the slowest)."""
+        """Timeline records (trace.TRACE_DTYPE) of one rank (default: the slowest), one per plan
+        task in table order; role comm for a communication task (outside sequential plans)."""
         rank = self.slowest_rank if rank is None else rank
         t = self.plan.tasks
         rec = trace.empty(len(t))
         rec["rank"] = rank
         for name in ("block", "kind", "minibatch", "row_tile", "col_tile"):
             rec[name] = t[name]
-        rec["role"] = np.where(self.plan.is_comm_block(t["block"]) & (self.plan.strategy != "sequential"), 0, 1)
+        rec["role"] = np.where(np.isin(t["kind"], COMM_KIND_IDS) & (self.plan.strategy != "sequential"), 0, 1)
         rec["expert"] = np.where(t["expert"] >= 0, t["expert"], _row_tile_expert(self.load, self.plan, rank))
         rec["start_ns"], rec["end_ns"] = self.start_ns[:, rank], self.end_ns[:, rank]
         return rec
@@ -149,6 +178,15 @@ def _row_tile_expert(load: Load, plan: Plan, rank: int) -> np.ndarray:
     routed = np.isin(t["kind"], [int(k) for k in ROUTED_ROW_KINDS])
     expert = np.searchsorted(load.expert_offsets[rank], t["row_tile"] * BM, side="right") - 1
     return np.where(routed & (expert < load.tokens_per_expert.shape[1]), expert, -1)
+
+
+def _transfer_ns(gpu: GpuParams, direction: str, ctas: int, remote, local):
+    """One CTA's share of a row transfer that `ctas` CTAs run at once: remote bytes at its share of
+    the link (capped by what one SM keeps in flight), local bytes at its share of a row-movement
+    kernel's copy rate."""
+    link = gpu.link_gbs * gpu.link_efficiency[direction] / ctas
+    link = min(link, gpu.pull_sm_gbs() if direction == "pull" else gpu.sm_push_gbs)
+    return np.maximum(remote / link, gpu.row_copy_ns(local) * ctas)
 
 
 def _durations(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
@@ -180,23 +218,37 @@ def _durations(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
         sel = np.flatnonzero(kind == int(k))
         if not len(sel):
             continue
+        if plan.strategy == FUSED:
+            dur[sel] = _fused_chunk_ns(plan, gpu, load, k, sel)
+            continue
         direction = plan.policy[op]
-        ctas = plan.comm_blocks
-        link = gpu.link_gbs * gpu.link_efficiency[direction] / ctas
-        link = min(link, gpu.pull_sm_gbs() if direction == "pull" else gpu.sm_push_gbs)
         rows = real_in_mb[t["minibatch"][sel]] / plan.num_chunks  # [n, R]
         remote = rows * (1.0 - load.local_fraction)[None, :] * row_bytes
         local = rows * load.local_fraction[None, :] * row_bytes
-        moved = np.maximum(remote / link, gpu.row_copy_ns(local) * ctas)
+        moved = _transfer_ns(gpu, direction, plan.comm_blocks, remote, local)
         dur[sel] = moved + (gpu.rtt_ns if direction == "pull" else 0.0) * (rows > 0)
-    # Epilogue tiles: read K slot rows (+ the shared row), write one row, per token; every byte
-    # once from HBM at the token sums' rate (gpu.token_kernel_ns).
+    # Epilogue tiles (weighted sum / slot sum; a fused plan runs its weighted sum after the kernel).
     for k in (TaskKind.WEIGHTED_SUM, TaskKind.SLOT_SUM):
         sel = np.flatnonzero(kind == int(k))
-        rows = np.minimum(EPILOGUE_ROWS, shape.num_tokens - t["row_tile"][sel] * EPILOGUE_ROWS)[:, None]
-        reads = rows * (shape.top_k + shape.num_shared) * row_bytes
-        dur[sel] = gpu.token_kernel_ns("gather_sum", reads, rows * row_bytes) * plan.num_sms
+        dur[sel] = _epilogue_task_ns(shape, gpu, t["row_tile"][sel], plan.num_sms)[:, None]
     return dur
+
+
+def _epilogue_task_ns(shape: MoEShape, gpu: GpuParams, row_tiles: np.ndarray, num_sms: int) -> np.ndarray:
+    """Epilogue tiles of EPILOGUE_ROWS tokens, num_sms of them at once: each reads K slot rows (+ the
+    shared row) and writes one row per token; every byte once from HBM at the token sums' rate
+    (gpu.token_kernel_ns), the GPU's rate shared by num_sms CTAs."""
+    row_bytes = shape.hidden * ELEM_BYTES
+    rows = np.minimum(EPILOGUE_ROWS, shape.num_tokens - np.asarray(row_tiles) * EPILOGUE_ROWS)
+    reads = rows * (shape.top_k + shape.num_shared) * row_bytes
+    return gpu.token_kernel_ns("gather_sum", reads, rows * row_bytes) * num_sms
+
+
+def epilogue_kernel_ns(shape: MoEShape, gpu: GpuParams, num_sms: int) -> float:
+    """The weighted sum (or slot sum) as one launch's work: its tiles round robin over num_sms CTAs
+    (as in a plan's epilogue stage), the busiest CTA's time; no launch cost."""
+    tiles = np.arange(-(-shape.num_tokens // EPILOGUE_ROWS))
+    return float(np.bincount(tiles % num_sms, _epilogue_task_ns(shape, gpu, tiles, num_sms)).max())
 
 
 def _real_rows_per_minibatch(plan: Plan, load: Load) -> np.ndarray:
@@ -209,6 +261,80 @@ def _real_rows_per_minibatch(plan: Plan, load: Load) -> np.ndarray:
     return np.diff(below, axis=0).astype(np.float64)
 
 
+def comm_chunks(plan: Plan) -> int:
+    """C: the chunks of a minibatch (one per CTA that communicates: row_tile c on CTA c); in a
+    fused plan with comm_blocks == 0 the compute CTAs that carry them."""
+    comm = np.isin(plan.tasks["kind"], COMM_KIND_IDS)
+    return len(np.unique(plan.tasks["row_tile"][comm]))
+
+
+def fused_chunk_rows(plan: Plan, load: Load) -> tuple[np.ndarray, np.ndarray]:
+    """(real, used) rows [M, C, R] that chunk c of minibatch m moves on each rank in the fused
+    kernel: receive rows m MB + c, + C, ... below the padded end (used) and, of those, the rows
+    inside an expert's real rows (real)."""
+    chunks = comm_chunks(plan)
+    c = np.arange(chunks)[None, :, None, None]  # [1, C, 1, 1]
+    lo = (np.arange(plan.num_minibatches) * plan.minibatch_rows)[:, None, None, None]  # [M, 1, 1, 1]
+    hi = lo + plan.minibatch_rows
+
+    def count(a, b):  # rows i in [a, b) with i % C == c
+        return np.maximum((np.maximum(a, b) - c - 1) // chunks - (a - c - 1) // chunks, 0)
+
+    start = load.expert_offsets[None, None, :, :-1]  # [1, 1, R, El]
+    end = start + load.tokens_per_expert[None, None]
+    real = count(np.maximum(lo, start), np.minimum(hi, end)).sum(axis=3)  # [M, C, R]
+    used = count(lo, np.minimum(hi, load.expert_offsets[None, None, :, -1:]))[..., 0]
+    return real, used
+
+
+def _fused_chunk_ns(plan: Plan, gpu: GpuParams, load: Load, kind: TaskKind, sel: np.ndarray) -> np.ndarray:
+    """[n, R] durations of the fused plan's communication tasks `sel` of one kind (module doc)."""
+    if (gpu.comm_cta_row_ns if plan.comm_blocks else gpu.spare_warp_copy_gbs) <= 0:
+        raise ValueError(f"{gpu.name}: no in-kernel copy rate for a fused plan with comm_blocks={plan.comm_blocks} "
+                         "(GpuParams.comm_cta_row_ns / spare_warp_copy_gbs)")
+    t = plan.tasks
+    real, used = fused_chunk_rows(plan, load)
+    rows = (used if kind == TaskKind.DISPATCH else real)[t["minibatch"][sel], t["row_tile"][sel]]  # [n, R]
+    moved = rows * (plan.shape.hidden * ELEM_BYTES)
+    local = moved * load.local_fraction[None, :]
+    direction = plan.policy[OPERATOR_OF[kind]]
+    link = _transfer_ns(gpu, direction, comm_chunks(plan), moved - local, local)
+    rtt = gpu.rtt_ns * ((direction == "pull") & (moved > local))
+    copy = rows * gpu.comm_cta_row_ns if plan.comm_blocks else moved / gpu.spare_warp_copy_gbs
+    return gpu.comm_task_ns + np.maximum(copy, link) + rtt
+
+
+def _outside_transfer_ns(plan: Plan, gpu: GpuParams, load: Load, direction: str, rows: np.ndarray) -> np.ndarray:
+    """[R] a transfer of `rows` [R] rows run as its own launch on every SM (a fused forward's
+    dispatch push or combine pull): its launch, the bytes, a pull's round trip."""
+    moved = rows * (plan.shape.hidden * ELEM_BYTES)
+    local = moved * load.local_fraction
+    ns = _transfer_ns(gpu, direction, plan.num_sms, (moved - local) / plan.num_sms, local / plan.num_sms)
+    return gpu.launch_ns + ns + (gpu.rtt_ns if direction == "pull" else 0.0)
+
+
+def _fused_before_ns(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
+    """[R] what a fused forward runs before its kernel: the counters' memset (a kernel boundary)
+    and, with dispatch push, the push and the wait for every peer's rows."""
+    before = np.full(load.num_ranks, gpu.launch_ns)
+    if not inside_kernel(plan.pass_, plan.policy)[0]:
+        pushed = before + _outside_transfer_ns(plan, gpu, load, "push", load.tokens_per_expert.sum(axis=1))
+        before = np.maximum(pushed + gpu.launch_ns, pushed.max() + gpu.signal_wait_ns(plan.num_ranks))
+    return before
+
+
+def _fused_pass_end_ns(plan: Plan, gpu: GpuParams, load: Load, kernel_end: np.ndarray) -> np.ndarray:
+    """[R] a fused forward's pass end after its kernel ends (kernel_end [R]): raise the combine
+    flag, wait for every peer's (push inside: their rows are in my slots; pull: their results are
+    ready, then pull my N K slot rows), then the weighted sum (cuda/token.cuh, its own launch)."""
+    flag = kernel_end + gpu.launch_ns
+    done = np.maximum(flag + gpu.launch_ns, flag.max() + gpu.signal_wait_ns(plan.num_ranks))
+    if not inside_kernel(plan.pass_, plan.policy)[1]:
+        slots = np.full(load.num_ranks, plan.shape.num_tokens * plan.shape.top_k)
+        done = done + _outside_transfer_ns(plan, gpu, load, "pull", slots)
+    return done + gpu.launch_ns + epilogue_kernel_ns(plan.shape, gpu, plan.num_sms)
+
+
 def _counter_delays(plan: Plan, gpu: GpuParams) -> np.ndarray:
     """[num_counters] extra ns from a counter's last signal to its waiters seeing it."""
     c = plan.counters
@@ -216,18 +342,90 @@ def _counter_delays(plan: Plan, gpu: GpuParams) -> np.ndarray:
     return delay + np.where(c["kind"] == int(CounterKind.STAGE_DONE), gpu.launch_ns, 0.0)
 
 
+def _streams(plan: Plan) -> np.ndarray:
+    """[num_tasks] the in-order stream of every task: 2 x its CTA, + 1 for the communication tasks
+    of a fused plan with comm_blocks == 0 (spare warps of a compute CTA run them beside its GEMM
+    tasks, each kind in table order)."""
+    t = plan.tasks
+    spare = plan.strategy == FUSED and plan.comm_blocks == 0
+    return 2 * t["block"].astype(np.int64) + (spare & np.isin(t["kind"], COMM_KIND_IDS))
+
+
+def _steps(plan: Plan, stream: np.ndarray) -> tuple[list, list]:
+    """(steps, order): each step a tuple of tasks that start together (one task; in a fused plan a
+    tile pair: the k-th GEMM task of CTAs 2j and 2j + 1 past the communicating ones), and the step
+    indices in an order that respects every dependency (Kahn's algorithm: a step is ready once
+    the previous step of its streams ran and every counter it waits on had all its signals).
+    Raises PlanError on a deadlock or on a fused plan whose cluster CTAs disagree on a tile pair."""
+    t = plan.tasks
+    by_stream: dict[int, list] = {}
+    for i in np.lexsort((t["seq"], stream)).tolist():
+        by_stream.setdefault(int(stream[i]), []).append(i)
+    units = []  # sequences of steps run in order
+    paired = set()
+    if plan.strategy == FUSED:
+        for cta in range(plan.comm_blocks, plan.num_sms, 2):
+            even, odd = by_stream.get(2 * cta, []), by_stream.get(2 * cta + 2, [])
+            a, b = t[even], t[odd]
+            same = len(a) == len(b) and np.array_equal(a["kind"], b["kind"]) and np.array_equal(
+                a["minibatch"], b["minibatch"]) and np.array_equal(a["col_tile"], b["col_tile"]) and np.array_equal(
+                a["row_tile"] + 1, b["row_tile"])
+            if not same:
+                raise PlanError(f"cluster CTAs {cta} and {cta + 1}: their GEMM tasks are not one tile pair per position")
+            units.append(list(zip(even, odd)))
+            paired |= {2 * cta, 2 * cta + 2}
+    units += [[(i,) for i in tasks] for s, tasks in by_stream.items() if s not in paired]
+    steps = [st for unit in units for st in unit]
+    first = np.cumsum([0] + [len(u) for u in units])[:-1]
+    follows = np.ones(len(steps), bool)
+    follows[first] = False  # a step after another one of its unit
+    wait, sig = t["wait_counter"].tolist(), t["signal_counter"].tolist()
+    pending = np.bincount(t["signal_counter"][t["signal_counter"] >= 0], minlength=len(plan.counters)).tolist()
+    waiters: list[list] = [[] for _ in pending]
+    deps = follows.astype(np.int64).tolist()
+    for j, st in enumerate(steps):
+        for c in {w for i in st for w in wait[i] if w >= 0 and pending[w]}:
+            waiters[c].append(j)
+            deps[j] += 1
+    ready = [j for j, d in enumerate(deps) if not d]
+    order = []
+    while ready:
+        j = ready.pop()
+        order.append(j)
+        for c in (s for i in steps[j] for s in sig[i] if s >= 0):
+            pending[c] -= 1
+            if not pending[c]:
+                for w in waiters[c]:
+                    deps[w] -= 1
+                    if not deps[w]:
+                        ready.append(w)
+        if j + 1 < len(steps) and follows[j + 1]:
+            deps[j + 1] -= 1
+            if not deps[j + 1]:
+                ready.append(j + 1)
+    if len(order) < len(steps):
+        stuck = sorted(set(range(len(steps))) - set(order))[:3]
+        raise PlanError("deadlock: steps cannot start: " + "; ".join(
+            f"tasks {list(steps[j])} on CTAs {sorted(set(t['block'][list(steps[j])].tolist()))}" for j in stuck))
+    return steps, order
+
+
 def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0) -> SimResult:
-    """Simulate one pass of `plan` on every rank; load defaults to uniform random routing.
+    """Simulate one pass of `plan` on every rank; load defaults to uniform random routing, placed
+    with the plan's padding (`plan_align`).
     Raises plan.PlanError for a plan the megakernel could not run (e.g. a counter target below
     its signals would let waiters start early and give a too short time); the proof is kept
     per plan object, so a second simulation of the same plan does not check again."""
     plan.check()
     if plan.num_sms > gpu.num_sms:
         raise ValueError(f"plan has {plan.num_sms} CTAs but {gpu.name} has {gpu.num_sms} SMs")
-    load = load or routed_load(plan.shape, plan.num_ranks, seed)
+    align = plan_align(plan)
+    load = load or routed_load(plan.shape, plan.num_ranks, seed, align=align)
     if load.expert_offsets[:, -1].max() > plan.capacity_rows:
         raise ValueError(f"a rank receives {load.expert_offsets[:, -1].max()} padded rows, more than the "
                          f"plan's capacity_rows={plan.capacity_rows}")
+    if np.any(load.expert_offsets % align):
+        raise ValueError(f"the load's expert segments must be padded to {align} rows for a {plan.strategy} plan")
     dur = _durations(plan, gpu, load)
     t = plan.tasks
     r = load.num_ranks
@@ -236,24 +434,33 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
     delay = _counter_delays(plan, gpu)
     last = np.zeros((num_c, r))
     ready: list = [None] * num_c
-    # Every CTA starts after one kernel launch: the persistent kernel's (fixed_split) or the
+    # Every CTA starts after one kernel launch: the persistent kernel's (fixed_split, fused) or the
     # first stage's (sequential); each later sequential stage pays one more launch through its
     # STAGE_DONE counter (_counter_delays). So both strategies pay the launches they would issue.
-    cta = np.full((plan.num_sms, r), gpu.launch_ns)
-    start = np.empty((len(t), r))
-    block = t["block"].tolist()
+    fused = plan.strategy == FUSED
+    kernel_start = (_fused_before_ns(plan, gpu, load) if fused else np.zeros(r)) + gpu.launch_ns
+    stream = _streams(plan)
+    free = np.repeat(kernel_start[None, :], 2 * plan.num_sms, axis=0)  # [streams, R]
+    start, end = np.empty((len(t), r)), np.empty((len(t), r))
     waits = [[w for w in ws if w >= 0] for ws in t["wait_counter"].tolist()]
     sigs = [[s for s in ss if s >= 0] for ss in t["signal_counter"].tolist()]
-    for i in plan.execution_order.tolist():
-        s = cta[block[i]]
-        for w in waits[i]:
-            if ready[w] is None:  # every signaller ran already (topological order)
-                ready[w] = (np.full(r, last[w].max()) if remote[w] else last[w]) + delay[w]
-            s = np.maximum(s, ready[w])
-        start[i] = s
-        e = s + dur[i]
-        cta[block[i]] = e
-        for c in sigs[i]:
-            np.maximum(last[c], e, out=last[c])
-    return SimResult(plan, gpu, start, start + dur, load)
-
+    stream = stream.tolist()
+    steps, order = _steps(plan, np.asarray(stream))
+    for j in order:
+        step = steps[j]
+        s = free[stream[step[0]]]
+        for i in step:
+            s = np.maximum(s, free[stream[i]])
+            for w in waits[i]:
+                if ready[w] is None:  # every signaller ran already (topological order)
+                    ready[w] = (np.full(r, last[w].max()) if remote[w] else last[w]) + delay[w]
+                s = np.maximum(s, ready[w])
+        e = s + np.max(dur[list(step)], axis=0)
+        for i in step:  # a tile pair: both CTAs in lockstep
+            start[i], end[i] = s, e
+            free[stream[i]] = e
+            for c in sigs[i]:
+                np.maximum(last[c], e, out=last[c])
+    kernel_end = end.max(axis=0) if len(t) else kernel_start
+    pass_end = _fused_pass_end_ns(plan, gpu, load, kernel_end) if fused else kernel_end
+    return SimResult(plan, gpu, start, end, load, pass_end)

@@ -30,7 +30,14 @@ H200_CALIBRATION = {
     "row_move": ("kimi-k2.7", 8),  # one-GPU pull dispatch, push combine and pull combine
     "link": "kimi-k2.7",  # 2 x H200: push and pull dispatch, and their 4-byte-row signal stages
     "layer": "kimi-k2.7",  # bench_layer's sequential stages of this shape (sim.layer.LAYER_CALIBRATION)
+    # the fused forward's in-kernel copy rate: the dispatch tasks of this measured timeline (sim.fused.calibrate)
+    "fused": "timeline_fused_fwd_kimi-k2.7_62f5296.jsonl",
 }
+# ASSUMED, not measured: one compute CTA's spare warps copying rows beside its GEMM tiles (a fused
+# plan with comm_blocks == 0), row bytes per second. Its shared memory belongs to the GEMM pipeline,
+# so warps copy rows through registers: cuda/fused.cuh notes that a warp per row moves ~10 GB/s per SM
+# (latency-bound). Replace it with a fit once a comm_blocks == 0 timeline is measured.
+SPARE_WARP_COPY_GBS = 10.0
 ROW_MOVES = (("dispatch", "pull"), ("combine", "push"), ("combine", "pull"))  # row_move's bench_comm stages
 TOKEN_TRAFFIC = ("gather_sum", "scatter", "stream")  # access patterns of the token kernels (GpuParams.token_kernel_ns)
 
@@ -62,6 +69,18 @@ class GpuParams:
     row_move_efficiency: float = 1.0  # a row-movement kernel's rate on local rows / copy_gbs
     sum_slots_efficiency: float = 1.0  # weighted_sum / slot_sum HBM traffic rate / a copy's traffic rate
     busy_kernel_ns: float = 0.0  # a kernel boundary on a busy stream (launches queued ahead of the GPU)
+    # The fused forward's in-kernel transfers (cuda/fused.cuh), per CTA. A communicating CTA: one
+    # thread moves rows through a shared-memory ring with at most 8 rows in flight, waiting row by
+    # row (bulk_move), so a row costs the same time whatever its size (up to a ring slot): the
+    # copy rate is rows per second, 1 / comm_cta_row_ns; plus a fixed cost per task (wait, row
+    # mapping, fences). h200: fitted by sim.fused.calibrate on one measured timeline's dispatch
+    # tasks (one row size, 14 KB). Per byte instead, bench_layer's qwen3.5-397b C=8 pass (8 KB
+    # rows, b905f19) would be predicted 37% short; per row it is within 5%.
+    comm_cta_row_ns: float = 0.0
+    comm_task_ns: float = 0.0
+    # ASSUMED (nothing measured yet): spare warps of a compute CTA copying rows beside its GEMM tiles
+    # (fused plans with comm_blocks == 0); the GEMM tiles are assumed not to slow down.
+    spare_warp_copy_gbs: float = 0.0
     note: str = ""
 
     @property
@@ -198,7 +217,7 @@ def h200(results_dir=results.RESULTS_DIR) -> GpuParams:
         # Not measurable from our results; public/assumed: NVLink 4 load round trip ~1 us; an SM
         # keeps 64 KiB of bulk loads in flight; one SM posts stores at up to 100 GB/s.
         rtt_ns=1000.0, pull_window_bytes=64 << 10, sm_push_gbs=100.0,
-        launch_ns=0.0, fence_ns=0.0, signal_ns_per_peer=1000.0,
+        launch_ns=0.0, fence_ns=0.0, signal_ns_per_peer=1000.0, spare_warp_copy_gbs=SPARE_WARP_COPY_GBS,
     )
     # GEMM: one rate per problem such that the simulated kimi uniform grouped GEMM takes the
     # measured time (the makespan scales as 1/rate).
@@ -242,13 +261,15 @@ def h200(results_dir=results.RESULTS_DIR) -> GpuParams:
         link_efficiency=eff, launch_ns=launch, fence_ns=fence, nccl_link_efficiency=nccl_eff,
         row_move_efficiency=row_eff)
     # Sustained load, busy-stream kernel boundaries and the token sums: from the sequential layer's
-    # stages of one shape (sim/layer.py simulates the layer and imports this module).
-    from mok_proto.sim import layer
+    # stages of one shape (sim/layer.py simulates the layer and imports this module); then the fused
+    # forward's in-kernel copies, from one measured timeline (sim/fused.py).
+    from mok_proto.sim import fused, layer
 
-    fitted = layer.calibrate(micro, results_dir)
+    fitted = fused.calibrate(layer.calibrate(micro, results_dir), results_dir)
     return dataclasses.replace(
         fitted, note="calibrated on " + ", ".join(f"{k}={v}" for k, v in H200_CALIBRATION.items())
-        + f"; row_move_efficiency {row_eff:.3f}, " + layer.describe_calibration(fitted))
+        + f"; row_move_efficiency {row_eff:.3f}, " + layer.describe_calibration(fitted) + ", "
+        + fused.describe_calibration(fitted))
 
 
 H200_DENSE_BF16_TFLOPS = 989.0  # H200 SXM dense BF16 (NVIDIA H200 datasheet), to carry GEMM efficiency over
@@ -278,9 +299,13 @@ def gb300_nvl72(h200_params: GpuParams | None = None) -> GpuParams:
         # Through an NVLink switch a load round trip is longer than on a direct H200 pair: assumed
         # 1.5 us; each peer's signal is one ordered remote store behind a fence: one round trip.
         rtt_ns=1500.0, signal_ns_per_peer=1500.0,
+        # The fused kernel's per-CTA copy rates (comm_cta_row_ns, comm_task_ns, spare_warp_copy_gbs)
+        # carry over unchanged (assumed): one CTA's copies are bound by its issue rate and latency, not
+        # by HBM or the link (their shares still cap them, and a remote pull pays a round trip:
+        # model._fused_chunk_ns).
         note="public specs (NVIDIA GB300 NVL72: 2.5 PF dense BF16, 8 TB/s HBM, NVLink 5 900 GB/s each way); "
-             "our kernels' efficiencies (GEMM tiles vs peak, row moves and token sums vs a copy, link) from the "
-             "H200 calibration; no sustained-load factor (assumed)")
+             "our kernels' efficiencies (GEMM tiles vs peak, row moves and token sums vs a copy, link) and the fused "
+             "kernel's per-CTA copy rates from the H200 calibration; no sustained-load factor (assumed)")
 
 
 def nccl_links(gpu: GpuParams) -> GpuParams:

@@ -19,10 +19,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
 from mok_proto import plan as plans
 from mok_proto import results
 from mok_proto.config import MOK_POLICY, ep_share, get_shape
-from mok_proto.sim import layer
+from mok_proto.plan import TaskKind
+from mok_proto.sim import fused, layer
 from mok_proto.sim.model import simulate
 from mok_proto.sim.params import (H200_CALIBRATION, ROW_MOVES, GpuParams, comm_bytes, gb300_nvl72, grouped_gemm_ns,
                                   h200, nccl_links, stage_ms)
@@ -125,7 +128,7 @@ def h200_rows(gpu: GpuParams | None = None, results_dir=results.RESULTS_DIR) -> 
             rows.append(Row(f"h200 comm {where}", f"{op} {r[op]} {r['shape']} EP={r['ep']}", stage_ms(r, op),
                             comm_stage_ns(gpu, r, r[op], op == "dispatch") / 1e6, "ms",
                             "calibration" if calib else "judged"))
-    return _same_as_calibration(rows) + sequential_layer_rows(gpu, results_dir)
+    return _same_as_calibration(rows) + sequential_layer_rows(gpu, results_dir) + fused_rows(gpu, results_dir)
 
 
 # Sequential-layer stages whose measurement holds what the model leaves out: (shape | None for
@@ -155,6 +158,53 @@ def sequential_layer_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> li
                 check, note = ("explained", why) if why else ("judged", "")
             rows.append(Row("h200 layer sequential", f"{r['pass']} {what} {r['shape']}", ms, predicted[stage] / 1e6,
                             "ms", check, note=note))
+    return rows
+
+
+FUSED_MEDIANS = ((TaskKind.COMBINE, "combine chunk"), (TaskKind.GATE_UP, "gate_up tile"), (TaskKind.DOWN, "down tile"))
+
+
+def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
+    """The fused forward on the H200 (one EP=64 rank's share, sim/fused.py): each measured in-kernel
+    timeline against the simulated timeline of the same plan (dispatch end, compute end, kernel end
+    from the first task's start; the median combine chunk and routed GEMM tiles, over the tasks
+    that move rows or compute tiles in the simulation), and bench_layer's fused passes (graph
+    replays, when there are rows). The calibration timeline's dispatch end is the event its
+    dispatch tasks fit (params.H200_CALIBRATION["fused"]): a calibration row. With comm_blocks ==
+    0 the dispatch end and the combine chunks are set by the ASSUMED spare_warp_copy_gbs: assumed
+    rows (the GEMM tiles, compute end and kernel end stay judged)."""
+    rows = []
+    for path in results.timeline_files(results_dir):
+        shape_name, git = results.timeline_name(path)
+        measured = results.load_timeline(path)
+        plan, result = fused.simulate_timeline(measured, ep_share(shape_name, fused.EP), gpu)
+        predicted = result.records(0)
+        label = f"{shape_name} C={plan.comm_blocks} MB={plan.minibatch_rows} {git or 'timeline'}"
+        calib = path.name == H200_CALIBRATION["fused"]
+
+        def check(copies: bool) -> dict:  # a row set by the in-kernel copies: fitted here, or assumed
+            if copies and calib:
+                return dict(check="calibration", note="fits comm_cta_row_ns, comm_task_ns")
+            if copies and not plan.comm_blocks:
+                return dict(check="assumed", note="set by spare_warp_copy_gbs (ASSUMED)")
+            return {}
+        want, got = results.timeline_events(measured), results.timeline_events(predicted)
+        for event in results.TIMELINE_EVENTS:
+            rows.append(Row("h200 fused", f"fwd {event} {label}", want[event] / 1e6, got[event] / 1e6, "ms",
+                            **check(event == "dispatch end")))
+        busy = predicted["end_ns"] - predicted["start_ns"] > gpu.comm_task_ns  # tasks with work (rows or tiles)
+        for kind, what in FUSED_MEDIANS:
+            sel = busy & (measured["kind"] == int(kind))
+            if sel.any():
+                rows.append(Row("h200 fused", f"fwd {what} median {label}",
+                                float(np.median(measured["end_ns"][sel] - measured["start_ns"][sel])) / 1e3,
+                                float(np.median(predicted["end_ns"][sel] - predicted["start_ns"][sel])) / 1e3, "us",
+                                **check(kind == TaskKind.COMBINE and not plan.comm_blocks)))
+    bench = results.newest(results.load("bench_layer", results_dir), group_by=("shape", "schedule"))
+    for r in (r for r in bench if r["schedule"] == "fused"):
+        ns = fused.pass_ns(ep_share(r["shape"], r["ep"]), gpu, r["comm_blocks"], r["minibatch_tokens"], r["num_sms"])
+        rows.append(Row("h200 fused", f"fwd pass (graph) {r['shape']} C={r['comm_blocks']} MB={r['minibatch_tokens']}",
+                        r["median_ms"], ns / 1e6, "ms"))
     return rows
 
 

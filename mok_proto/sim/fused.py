@@ -1,0 +1,125 @@
+"""The fused forward (cuda/fused.cuh executing a `plan.fused_forward` plan) against its measured
+in-kernel timelines: results/timeline_fused_fwd_<shape>[_<git>].jsonl, written by
+scripts/bench_layer.py for one EP=64 rank's share on one H200 (2 virtual ranks, rank 0 traced: the
+emulation of sim/layer.py), times in ns from the first task's start.
+
+Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicating CTAs.
+
+* `timeline_plan`: the plan a timeline ran, rebuilt from its records (CTAs, communicating CTAs,
+  minibatch rows, capacity, ring, which transfers ran inside) and checked task by task against
+  them, so the simulated and the measured records of one plan correspond one to one;
+* `calibrate` (called by params.h200): two parameters from the dispatch tasks of ONE timeline
+  (params.H200_CALIBRATION["fused"]): a communicating CTA's copy rate (its time per row) and the
+  fixed cost of a communication task. The combine tasks (the same copies the other way), the GEMM tiles, the
+  compute end and the kernel end stay predictions;
+* `simulate_timeline`: the simulated timeline of the plan a measured one ran;
+* `pass_ns`: the fused layer's forward pass as bench_layer times it (graph replays: the schedule's
+  launches, the kernel, the flag, the wait and the weighted sum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from mok_proto import plan as plans
+from mok_proto import results
+from mok_proto.config import MOK_POLICY, MoEShape, ep_share, get_shape
+from mok_proto.plan import BM, PAIR_ROWS, TaskKind
+from mok_proto.sim import layer
+from mok_proto.sim.model import COMM_KIND_IDS, ELEM_BYTES, SimResult, fused_chunk_rows, simulate
+from mok_proto.sim.params import H200_CALIBRATION, GpuParams
+
+EP = 64  # bench_layer emulates one rank of EP=64
+BENCH_CAPACITY = 1.15  # scripts/bench_layer.py sizes the layer for 1.15 N K receive rows
+KEY = ("block", "kind", "minibatch", "row_tile", "col_tile")  # what identifies a task in a record
+
+
+def emulated_load(shape: MoEShape, seed: int = 0):
+    """sim/layer.py's emulated load with the fused kernel's padding (PAIR_ROWS)."""
+    return layer.emulated_load(shape, seed, align=PAIR_ROWS)
+
+
+def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.EMULATED_RANKS) -> plans.Plan:
+    """The fused_forward plan whose tasks the records (in the plan's task order, as bench_layer
+    writes them) are: CTAs, communicating CTAs (0: the chunks ride on compute CTAs), minibatch
+    rows, capacity, ring and the transfers inside from the records; the GEMM order (fused_forward's
+    `lookahead`, where plan.py has it) the first that matches. Raises ValueError if no plan matches
+    task by task."""
+    kind = records["kind"]
+    comm = np.isin(kind, COMM_KIND_IDS)
+    if not len(records) or comm.all():
+        raise ValueError("a fused forward timeline needs GEMM tasks")
+    num_mb = int(records["minibatch"].max()) + 1
+    tiles_per_mb = (int(records["row_tile"][kind == int(TaskKind.GATE_UP)].max()) + 1) // num_mb
+    minibatch_rows = tiles_per_mb * BM
+    dispatch, combine = (kind == int(TaskKind.DISPATCH)), (kind == int(TaskKind.COMBINE))
+    policy = dict(MOK_POLICY, dispatch="pull" if dispatch.any() else "push", combine="push" if combine.any() else "pull")
+    ring = num_mb
+    if dispatch.any() and combine.any():  # dispatches of the first communicating CTA before its first combine
+        order = kind[comm & (records["block"] == records["block"][comm][0])]
+        ring = int(np.argmax(order == int(TaskKind.COMBINE)))
+    args = (shape, num_ranks, int(records["block"][~comm].min()), minibatch_rows, ring)
+    fields = dict(policy=policy, num_sms=int(records["block"].max()) + 1, capacity_rows=num_mb * minibatch_rows)
+    tried = []
+    for order in ({},) + tuple({"lookahead": a} for a in range(ring)):
+        try:
+            plan = plans.fused_forward(*args, **fields, **order)
+        except TypeError:  # a plan.py whose fused_forward has no such parameter
+            break
+        except ValueError as e:
+            tried.append(f"{order or 'defaults'}: {e}")
+            continue
+        if len(plan.tasks) == len(records) and all(np.array_equal(plan.tasks[k], records[k]) for k in KEY):
+            return plan
+        tried.append(f"{order or 'defaults'}: {plan.describe()}")
+    raise ValueError("the timeline's tasks are not those of any fused_forward plan tried: " + "; ".join(tried))
+
+
+def calibrate(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> GpuParams:
+    """`gpu` with comm_cta_row_ns and comm_task_ns fitted on the dispatch tasks of the timeline
+    H200_CALIBRATION["fused"]: duration = comm_task_ns + rows x comm_cta_row_ns, least squares over
+    every dispatch task, its rows those the simulator gives it (model.fused_chunk_rows on the
+    emulated load: full chunks of MB / C rows, the partial chunk of the last used minibatch, empty
+    chunks past the padded rows)."""
+    path = Path(results_dir) / H200_CALIBRATION["fused"]
+    if not path.exists():
+        raise ValueError(f"no {path}: the fused forward's in-kernel copy calibration needs it")
+    records = results.load_timeline(path)
+    shape = ep_share(results.timeline_name(path)[0], EP)
+    plan = timeline_plan(records, shape)
+    _, used = fused_chunk_rows(plan, emulated_load(shape))
+    sel = records["kind"] == int(TaskKind.DISPATCH)
+    rows = used[records["minibatch"][sel], records["row_tile"][sel], 0].astype(np.float64)
+    dur = records["end_ns"][sel] - records["start_ns"][sel]
+    (fixed, row_ns), *_ = np.linalg.lstsq(np.stack([np.ones_like(rows), rows], axis=1), dur, rcond=None)
+    return dataclasses.replace(gpu, comm_cta_row_ns=float(row_ns), comm_task_ns=float(fixed))
+
+
+def describe_calibration(gpu: GpuParams) -> str:
+    row_bytes = get_shape(results.timeline_name(H200_CALIBRATION["fused"])[0]).hidden * ELEM_BYTES
+    return (f"comm_cta_row_ns {gpu.comm_cta_row_ns:.0f} ns per row per CTA ({row_bytes / gpu.comm_cta_row_ns:.1f} GB/s "
+            f"with {row_bytes // 1024} KB rows) and comm_task_ns {gpu.comm_task_ns / 1e3:.2f} us "
+            f"({H200_CALIBRATION['fused']} dispatch tasks), spare_warp_copy_gbs {gpu.spare_warp_copy_gbs:.1f} GB/s "
+            "per CTA (ASSUMED)")
+
+
+def simulate_timeline(records: np.ndarray, shape: MoEShape, gpu: GpuParams) -> tuple[plans.Plan, SimResult]:
+    """The plan a measured timeline ran, simulated as bench_layer runs it (`layer.one_gpu(gpu)` on
+    the emulated load); its records: `result.records(0)`."""
+    plan = timeline_plan(records, shape)
+    return plan, simulate(plan, layer.one_gpu(gpu), emulated_load(shape))
+
+
+def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: int, num_sms: int) -> float:
+    """The fused forward pass as bench_layer times it (graph replays), on `gpu` (h200): the
+    schedule's kernels (sim/layer.py's forward "schedule" stage), then the simulated pass (the
+    counters' memset, the kernel, the flag and the wait, the weighted sum)."""
+    capacity = -(-int(BENCH_CAPACITY * shape.num_tokens * shape.top_k) // minibatch_rows) * minibatch_rows
+    plan = plans.fused_forward(shape, layer.EMULATED_RANKS, comm_blocks, minibatch_rows, policy=MOK_POLICY,
+                               num_sms=num_sms, capacity_rows=capacity)
+    one = layer.one_gpu(gpu)
+    schedule = layer.LAYER_STAGES["fwd"]["schedule"].kernels * one.launch_ns
+    return schedule + simulate(plan, one, emulated_load(shape)).time_ns
