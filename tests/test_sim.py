@@ -293,7 +293,11 @@ def test_validate_fused_rows(h200):
                  "fwd down tile median"):
         assert by[what].check == "judged" and by[what].ok(validate.H200_TOLERANCE), what
     assert 500 < h200.comm_cta_row_ns < 700 and 0 < h200.comm_task_ns < 10e3  # 0.6 us per 14 KB row, a few us
-    assert h200.spare_warp_copy_gbs > 0  # assumed, not fitted
+    # the spare warps' rate: fitted on the comm_blocks == 0 timeline, ~1.8 us per row and CTA
+    assert 1000 < h200.spare_row_ns < 3000 and 0 < h200.spare_task_ns < 10e3
+    spare = {r.quantity.split(" kimi")[0]: r for r in rows if " kimi" in r.quantity and " C=0 " in r.quantity}
+    assert spare["fwd dispatch end"].check == "calibration"
+    assert all(r.check == "judged" for q, r in spare.items() if q != "fwd dispatch end")
 
 
 def _timeline_copy(tmp_path, edit):
@@ -400,17 +404,19 @@ def test_fused_comm_spread_over_compute_ctas(h200, monkeypatch):
         assert np.all(g["start_ns"][1:] >= g["end_ns"][:-1] - 1e-6)
         overlapped |= bool(np.any((c["start_ns"][:, None] < g["end_ns"][None]) & (g["start_ns"][None] < c["end_ns"][:, None])))
     assert overlapped
-    # spare warps copy at their own (assumed) rate, not a communicating CTA's
-    slow_spare = _emulated(plan, h200.scaled(spare_warp_copy_gbs=0.1))
+    # spare warps copy at their own rate, not a communicating CTA's
+    slow_spare = _emulated(plan, h200.scaled(spare_row_ns=100 * h200.spare_row_ns))
     assert results.timeline_events(slow_spare.records(0))["dispatch end"] > 2 * results.timeline_events(rec)["dispatch end"]
     assert _emulated(plan, h200.scaled(comm_cta_row_ns=10.0)).time_ns == pytest.approx(result.time_ns)
     split = _fused_plan(8)
-    assert _emulated(split, h200.scaled(spare_warp_copy_gbs=0.1)).time_ns == pytest.approx(_emulated(split, h200).time_ns)
+    assert _emulated(split, h200.scaled(spare_row_ns=100 * h200.spare_row_ns)).time_ns == pytest.approx(
+        _emulated(split, h200).time_ns)
 
 
-def test_spread_timeline_rows_are_assumed_where_spare_warps_copy(h200, tmp_path):
-    # a comm_blocks == 0 timeline: the rows set by the spare warps' copy rate are "assumed", the
-    # rest judged (here the "measured" timeline is the simulated one: every error is 0)
+def test_spread_timeline_rows_are_judged_without_a_combine_median(h200, tmp_path):
+    # a comm_blocks == 0 timeline that is not the calibration one: every row judged (here the
+    # "measured" timeline is the simulated one: every error is 0), and no combine-chunk median
+    # (a spare-warp combine's bar includes its wait: validate.fused_rows' NOTE)
     try:
         plan = P.fused_forward(KIMI_SHARE, 2, 0, 2048, policy=MOK_POLICY, num_sms=132,
                                capacity_rows=10 * 2048)
@@ -422,9 +428,8 @@ def test_spread_timeline_rows_are_assumed_where_spare_warps_copy(h200, tmp_path)
              for name in trace.TRACE_DTYPE.names} for r in rec]
     (tmp_path / f"{results.TIMELINE_PREFIX}kimi-k2.7_spread.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     got = {r.quantity.split(" kimi")[0]: r for r in validate.fused_rows(h200, tmp_path)}
-    assert {q for q, r in got.items() if r.check == "assumed"} == {"fwd dispatch end", "fwd combine chunk median"}
-    assert all(r.check == "judged" and r.error == pytest.approx(0, abs=1e-9) for q, r in got.items()
-               if r.check != "assumed")
+    assert "fwd combine chunk median" not in got and "fwd dispatch end" in got
+    assert all(r.check == "judged" and r.error == pytest.approx(0, abs=1e-9) for r in got.values())
 
 
 def test_fused_deadlock_is_rejected(h200, monkeypatch):

@@ -10,8 +10,10 @@ Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicati
   them, so the simulated and the measured records of one plan correspond one to one;
 * `calibrate` (called by params.h200): two parameters from the dispatch tasks of ONE timeline
   (params.H200_CALIBRATION["fused"]): a communicating CTA's copy rate (its time per row) and the
-  fixed cost of a communication task. The combine tasks (the same copies the other way), the GEMM tiles, the
-  compute end and the kernel end stay predictions;
+  fixed cost of a communication task; and the spare warps' copy rate from the dispatch tasks of
+  one comm_blocks == 0 timeline (H200_CALIBRATION["fused_spare"]). The combine tasks (the same
+  copies the other way), the GEMM tiles, the compute end, the kernel end and every other
+  timeline stay predictions;
 * `simulate_timeline`: the simulated timeline of the plan a measured one ran;
 * `pass_ns`: the fused layer's forward pass as bench_layer times it (graph replays: the schedule's
   launches, the kernel, the flag, the wait and the weighted sum).
@@ -95,15 +97,36 @@ def calibrate(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> GpuParams:
     rows = used[records["minibatch"][sel], records["row_tile"][sel], 0].astype(np.float64)
     dur = records["end_ns"][sel] - records["start_ns"][sel]
     (fixed, row_ns), *_ = np.linalg.lstsq(np.stack([np.ones_like(rows), rows], axis=1), dur, rcond=None)
-    return dataclasses.replace(gpu, comm_cta_row_ns=float(row_ns), comm_task_ns=float(fixed))
+    gpu = dataclasses.replace(gpu, comm_cta_row_ns=float(row_ns), comm_task_ns=float(fixed))
+    return _calibrate_spare_warps(gpu, Path(results_dir) / H200_CALIBRATION["fused_spare"])
+
+
+def _calibrate_spare_warps(gpu: GpuParams, path: Path) -> GpuParams:
+    """`gpu` with spare_row_ns and spare_task_ns fitted on the dispatch tasks of a comm_blocks == 0
+    timeline (a compute CTA's spare warps move chunk c of every minibatch while its GEMMs run):
+    duration = spare_task_ns + rows x spare_row_ns, least squares. A dispatch chunk waits for
+    nothing (a full ring), so its bar is its copy."""
+    if not path.exists():
+        raise ValueError(f"no {path}: the spare warps' copy calibration needs it")
+    records = results.load_timeline(path)
+    shape = ep_share(results.timeline_name(path)[0], EP)
+    plan = timeline_plan(records, shape)
+    if plan.comm_blocks:
+        raise ValueError(f"{path.name}: the spare warps' calibration needs a comm_blocks == 0 timeline")
+    _, used = fused_chunk_rows(plan, emulated_load(shape))
+    sel = records["kind"] == int(TaskKind.DISPATCH)
+    rows = used[records["minibatch"][sel], records["row_tile"][sel], 0].astype(np.float64)
+    dur = records["end_ns"][sel] - records["start_ns"][sel]
+    (fixed, row_ns), *_ = np.linalg.lstsq(np.stack([np.ones_like(rows), rows], axis=1), dur, rcond=None)
+    return dataclasses.replace(gpu, spare_row_ns=float(row_ns), spare_task_ns=float(fixed))
 
 
 def describe_calibration(gpu: GpuParams) -> str:
     row_bytes = get_shape(results.timeline_name(H200_CALIBRATION["fused"])[0]).hidden * ELEM_BYTES
     return (f"comm_cta_row_ns {gpu.comm_cta_row_ns:.0f} ns per row per CTA ({row_bytes / gpu.comm_cta_row_ns:.1f} GB/s "
             f"with {row_bytes // 1024} KB rows) and comm_task_ns {gpu.comm_task_ns / 1e3:.2f} us "
-            f"({H200_CALIBRATION['fused']} dispatch tasks), spare_warp_copy_gbs {gpu.spare_warp_copy_gbs:.1f} GB/s "
-            "per CTA (ASSUMED)")
+            f"({H200_CALIBRATION['fused']} dispatch tasks); spare warps {gpu.spare_row_ns:.0f} ns per row per CTA "
+            f"and {gpu.spare_task_ns / 1e3:.2f} us per task ({H200_CALIBRATION['fused_spare']} dispatch tasks)")
 
 
 def simulate_timeline(records: np.ndarray, shape: MoEShape, gpu: GpuParams) -> tuple[plans.Plan, SimResult]:

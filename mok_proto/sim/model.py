@@ -24,7 +24,7 @@ and wait, the weighted sum). Durations:
   (GpuParams.row_copy_ns); a pull pays a round trip.
 * fused forward chunk c of minibatch m (cuda/fused.cuh: receive rows m MB + c, + C, ..., on CTA c):
   GpuParams.comm_task_ns plus its rows at one CTA's in-kernel copy rate (comm_cta_row_ns per row
-  on a communicating CTA, its bytes at spare_warp_copy_gbs beside GEMM tiles), or slower where the
+  on a communicating CTA, spare_row_ns per row beside GEMM tiles), or slower where the
   CTAs' share of the link or of HBM is; a dispatch moves every row below the padded end (a padding row stores
   the zero row), a combine only the real rows.
 * epilogue tile: reads K slot rows (+ the shared row), writes one row: HBM traffic at the rate of
@@ -289,9 +289,9 @@ def fused_chunk_rows(plan: Plan, load: Load) -> tuple[np.ndarray, np.ndarray]:
 
 def _fused_chunk_ns(plan: Plan, gpu: GpuParams, load: Load, kind: TaskKind, sel: np.ndarray) -> np.ndarray:
     """[n, R] durations of the fused plan's communication tasks `sel` of one kind (module doc)."""
-    if (gpu.comm_cta_row_ns if plan.comm_blocks else gpu.spare_warp_copy_gbs) <= 0:
+    if (gpu.comm_cta_row_ns if plan.comm_blocks else gpu.spare_row_ns) <= 0:
         raise ValueError(f"{gpu.name}: no in-kernel copy rate for a fused plan with comm_blocks={plan.comm_blocks} "
-                         "(GpuParams.comm_cta_row_ns / spare_warp_copy_gbs)")
+                         "(GpuParams.comm_cta_row_ns / spare_row_ns)")
     t = plan.tasks
     real, used = fused_chunk_rows(plan, load)
     rows = (used if kind == TaskKind.DISPATCH else real)[t["minibatch"][sel], t["row_tile"][sel]]  # [n, R]
@@ -300,8 +300,9 @@ def _fused_chunk_ns(plan: Plan, gpu: GpuParams, load: Load, kind: TaskKind, sel:
     direction = plan.policy[OPERATOR_OF[kind]]
     link = _transfer_ns(gpu, direction, comm_chunks(plan), moved - local, local)
     rtt = gpu.rtt_ns * ((direction == "pull") & (moved > local))
-    copy = rows * gpu.comm_cta_row_ns if plan.comm_blocks else moved / gpu.spare_warp_copy_gbs
-    return gpu.comm_task_ns + np.maximum(copy, link) + rtt
+    copy = rows * (gpu.comm_cta_row_ns if plan.comm_blocks else gpu.spare_row_ns)
+    fixed = gpu.comm_task_ns if plan.comm_blocks else gpu.spare_task_ns
+    return fixed + np.maximum(copy, link) + rtt
 
 
 def _outside_transfer_ns(plan: Plan, gpu: GpuParams, load: Load, direction: str, rows: np.ndarray) -> np.ndarray:

@@ -32,12 +32,9 @@ H200_CALIBRATION = {
     "layer": "kimi-k2.7",  # bench_layer's sequential stages of this shape (sim.layer.LAYER_CALIBRATION)
     # the fused forward's in-kernel copy rate: the dispatch tasks of this measured timeline (sim.fused.calibrate)
     "fused": "timeline_fused_fwd_kimi-k2.7_62f5296.jsonl",
+    # ... and the spare warps' copy rate (comm_blocks == 0): the dispatch tasks of this one (b905f19)
+    "fused_spare": "timeline_fused_fwd_kimi-k2.7.jsonl",
 }
-# ASSUMED, not measured: one compute CTA's spare warps copying rows beside its GEMM tiles (a fused
-# plan with comm_blocks == 0), row bytes per second. Its shared memory belongs to the GEMM pipeline,
-# so warps copy rows through registers: cuda/fused.cuh notes that a warp per row moves ~10 GB/s per SM
-# (latency-bound). Replace it with a fit once a comm_blocks == 0 timeline is measured.
-SPARE_WARP_COPY_GBS = 10.0
 ROW_MOVES = (("dispatch", "pull"), ("combine", "push"), ("combine", "pull"))  # row_move's bench_comm stages
 TOKEN_TRAFFIC = ("gather_sum", "scatter", "stream")  # access patterns of the token kernels (GpuParams.token_kernel_ns)
 
@@ -78,9 +75,12 @@ class GpuParams:
     # rows, b905f19) would be predicted 37% short; per row it is within 5%.
     comm_cta_row_ns: float = 0.0
     comm_task_ns: float = 0.0
-    # ASSUMED (nothing measured yet): spare warps of a compute CTA copying rows beside its GEMM tiles
-    # (fused plans with comm_blocks == 0); the GEMM tiles are assumed not to slow down.
-    spare_warp_copy_gbs: float = 0.0
+    # The spare warps of a compute CTA copying rows through registers beside its GEMM tiles (fused
+    # plans with comm_blocks == 0): also per row (measured, b905f19 dispatch chunks: kimi 14 KB rows
+    # 1.80 us, glm 12 KB rows 1.74 us per row and CTA: a row's time hardly depends on its size),
+    # plus a fixed cost per task. h200: fitted by sim.fused.calibrate on one such timeline.
+    spare_row_ns: float = 0.0
+    spare_task_ns: float = 0.0
     note: str = ""
 
     @property
@@ -217,7 +217,7 @@ def h200(results_dir=results.RESULTS_DIR) -> GpuParams:
         # Not measurable from our results; public/assumed: NVLink 4 load round trip ~1 us; an SM
         # keeps 64 KiB of bulk loads in flight; one SM posts stores at up to 100 GB/s.
         rtt_ns=1000.0, pull_window_bytes=64 << 10, sm_push_gbs=100.0,
-        launch_ns=0.0, fence_ns=0.0, signal_ns_per_peer=1000.0, spare_warp_copy_gbs=SPARE_WARP_COPY_GBS,
+        launch_ns=0.0, fence_ns=0.0, signal_ns_per_peer=1000.0,
     )
     # GEMM: one rate per problem such that the simulated kimi uniform grouped GEMM takes the
     # measured time (the makespan scales as 1/rate).
@@ -299,7 +299,7 @@ def gb300_nvl72(h200_params: GpuParams | None = None) -> GpuParams:
         # Through an NVLink switch a load round trip is longer than on a direct H200 pair: assumed
         # 1.5 us; each peer's signal is one ordered remote store behind a fence: one round trip.
         rtt_ns=1500.0, signal_ns_per_peer=1500.0,
-        # The fused kernel's per-CTA copy rates (comm_cta_row_ns, comm_task_ns, spare_warp_copy_gbs)
+        # The fused kernel's per-CTA copy rates (comm_cta_row_ns, comm_task_ns, spare_row_ns, spare_task_ns)
         # carry over unchanged (assumed): one CTA's copies are bound by its issue rate and latency, not
         # by HBM or the link (their shares still cap them, and a remote pull pays a round trip:
         # model._fused_chunk_ns).
