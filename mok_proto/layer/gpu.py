@@ -47,7 +47,7 @@ from mok_proto.config import DIRECTIONS, RunConfig
 from mok_proto.kernels import comm as kc
 from mok_proto.kernels import gemm
 from mok_proto.kernels import token as kt
-from mok_proto.layer.gpu_base import GpuRound, contiguous_ranks, to_experts, to_tokens
+from mok_proto.layer.gpu_base import GpuRound, contiguous_ranks, to_experts, to_tokens, to_tokens_after_fused
 from mok_proto.plan import COMM_KINDS, PAIR_ROWS
 
 BF16, F32, I32 = np.uint16, np.float32, np.int32
@@ -365,11 +365,7 @@ class GpuMoELayer(GpuRound):
         fused.launch(p, self._fused_words, self.error, int(self.run.timeout_s * 1e9), trace=self.trace)
         self._cache_valid = plan.ring_minibatches >= plan.num_minibatches
         mark("combine")
-        if comm_out:
-            kc.raise_flag(p, launch, "kFlagCombine")  # my pushes into the peers' slots are complete
-            kc.wait_peers(p, launch, "kFlagCombine", "kOpCombinePush")
-        else:
-            to_tokens(p, launch, "pull", "kOpCombinePush", "kOpCombinePull")
+        to_tokens_after_fused(p, launch, comm_out, "kOpCombinePush", "kOpCombinePull")
         mark("weighted_sum")
         kt.weighted_sum(self.params_tok, launch)
         mark(None)
@@ -394,11 +390,7 @@ class GpuMoELayer(GpuRound):
         mark("fused")
         fused.launch(p, self._fused_bwd_words, self.error, int(self.run.timeout_s * 1e9), trace=self.trace)
         mark("rev_dispatch")
-        if comm_out:
-            kc.raise_flag(p, launch, "kFlagCombine")  # my pushes into the peers' slots are complete
-            kc.wait_peers(p, launch, "kFlagCombine", "kOpRevDispatchPush")
-        else:
-            to_tokens(p, launch, "pull", "kOpRevDispatchPush", "kOpRevDispatchPull")
+        to_tokens_after_fused(p, launch, comm_out, "kOpRevDispatchPush", "kOpRevDispatchPull")
         mark("token_grads")
         kt.slot_sum(self.params_tok, launch)
         kt.topk_weight_grad(self.params_tok, launch)

@@ -132,6 +132,16 @@ def to_tokens(p, launch: kc.Launch, direction: str, push_op: str, pull_op: str):
         kc.move_rows("combine_pull", p, launch)
 
 
+def to_tokens_after_fused(p, launch, pushed_inside: bool, push_op: str, pull_op: str):
+    """The result rows' transfer after a fused kernel: pushed inside it (its stores are complete
+    when it ends: raise the flag, wait for every peer's), or pulled now as in to_tokens."""
+    if pushed_inside:
+        kc.raise_flag(p, launch, "kFlagCombine")
+        kc.wait_peers(p, launch, "kFlagCombine", push_op)
+    else:
+        to_tokens(p, launch, "pull", push_op, pull_op)
+
+
 def contiguous_ranks(heap, ranks) -> list:
     """`ranks` (None: every rank the heap drives) as a list, checked to be a contiguous run of the
     heap's launch ranks (a launch covers rank_base + blockIdx.y)."""
