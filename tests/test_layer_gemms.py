@@ -55,3 +55,20 @@ def test_backward_slots_run_the_backward_problems():
     # the routed weight gradients read the forward's receive rows and the backward's dy / dg, du
     assert GpuMoELayer._gemm(layer, "bwd", "kSlotGateUpWgrad", 0)[1][:3] == ("recv", "dg", "du")
     assert GpuMoELayer._gemm(layer, "bwd", "kSlotDownWgrad", 0)[1][:2] == ("h", "recv_dy")
+
+
+def test_a_fused_plan_refuses_a_changed_policy():
+    from mok_proto import plan as P
+    from mok_proto.config import MOK_POLICY, get_shape
+    from mok_proto.layer.gpu import _directions
+
+    tile = get_shape("tile")
+    fwd = P.fused_forward(tile, 2, 0, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    bwd = P.fused_backward(tile, 2, 0, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    assert _directions(fwd, MOK_POLICY) == (True, True) and _directions(bwd, MOK_POLICY) == (True, True)
+    # the backward's directions do not concern the forward's plan, and the other way round
+    assert _directions(fwd, {**MOK_POLICY, "rev_combine": "push"}) == (True, True)
+    with pytest.raises(ValueError, match="set_forward_plan"):
+        _directions(fwd, {**MOK_POLICY, "dispatch": "push"})
+    with pytest.raises(ValueError, match="set_backward_plan"):
+        _directions(bwd, {**MOK_POLICY, "rev_dispatch": "pull"})

@@ -69,6 +69,19 @@ def bf16(a):
     return gemm.to_bf16(a)
 
 
+def _directions(plan, policy: dict) -> tuple[bool, bool]:
+    """(incoming, outgoing) transfer of a fused plan's pass runs inside its kernel; ValueError if
+    the layer's policy for that pass's two operators is no longer the plan's."""
+    from mok_proto.plan import PASS_KINDS, inside_kernel
+
+    ops = (PASS_KINDS[plan.pass_].in_op, PASS_KINDS[plan.pass_].out_op)
+    if any(policy[op] != plan.policy[op] for op in ops):
+        setter = "set_forward_plan" if plan.pass_ == "fwd" else "set_backward_plan"
+        raise ValueError(f"the {plan.pass_} plan was built for {ops} = {[plan.policy[op] for op in ops]}, the layer's "
+                         f"policy is now {[policy[op] for op in ops]}: set a plan for this policy ({setter})")
+    return inside_kernel(plan.pass_, policy)
+
+
 class GpuMoELayer(GpuRound):
     """The layer for the launch ranks of one GPU heap (virtual: W ranks in this process; NVSHMEM:
     this process's rank). Set weights and inputs per rank, enqueue, read results per rank."""
@@ -350,14 +363,9 @@ class GpuMoELayer(GpuRound):
     def _enqueue_fused_forward(self, policy, mark):
         """After the schedule: [dispatch push], the fused kernel, [combine: flag and wait | pull],
         the weighted sum (the plan says which transfers run inside the kernel)."""
-        from mok_proto.plan import inside_kernel
-
         fused, p, launch = self.fused, self.params_fwd, self.launch
         plan = fused.plan
-        if any(policy[op] != plan.policy[op] for op in ("dispatch", "combine")):
-            raise ValueError(f"the forward plan was built for policy {plan.policy}, the layer's is now {policy}: "
-                             f"set a plan for this policy (set_forward_plan)")
-        comm_in, comm_out = inside_kernel("fwd", policy)
+        comm_in, comm_out = _directions(plan, policy)
         if not comm_in:
             mark("dispatch")
             to_experts(p, launch, "push", "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
@@ -373,14 +381,8 @@ class GpuMoELayer(GpuRound):
     def _enqueue_fused_backward(self, policy, mark):
         """After dy_slots = w * dout: [reverse-combine: publish and wait | push], the fused kernel,
         [reverse-dispatch: flag and wait | pull], the slot sum and d topk_weights."""
-        from mok_proto.plan import inside_kernel
-
         fused, p, launch = self.fused_bwd, self.params_bwd, self.launch
-        plan = fused.plan
-        if any(policy[op] != plan.policy[op] for op in ("rev_combine", "rev_dispatch")):
-            raise ValueError(f"the backward plan was built for policy {plan.policy}, the layer's is now {policy}: "
-                             f"set a plan for this policy (set_backward_plan)")
-        comm_in, comm_out = inside_kernel("bwd", policy)
+        comm_in, comm_out = _directions(fused.plan, policy)
         mark("rev_combine")
         if comm_in:  # pulled inside: my dy rows are written; wait until every peer's are
             kc.raise_flag(p, launch, "kFlagRouting")
