@@ -458,3 +458,22 @@ def test_ep64_kimi_fused_forward_is_fast(h200, monkeypatch):
     result = sim.simulate(p, gb)  # includes p.check()
     assert time.process_time() - t0 < 2.0
     assert len(result.records()) == len(p.tasks) and result.kernel_ns < result.time_ns
+
+
+def test_measured_grid_takes_the_newest_fused_points(h200, tmp_path):
+    # the heatmap of overlap_explorer.ipynb: the simulated grid, and the newest run's measured
+    # fused forward points on it (older runs, off-grid points, other shapes and passes ignored)
+    from mok_proto.sim import fused as sim_fused
+
+    old, new = dict(git="old", time="2026-12-01T07:00:00"), dict(git="new", time="2026-12-01T08:00:00")
+    lines = [dict(**old, shape="kimi-k2.7", schedule="fused", comm_blocks=0, minibatch_tokens=1024, median_ms=9.0),
+             dict(**new, shape="kimi-k2.7", schedule="fused", comm_blocks=0, minibatch_tokens=1024, median_ms=2.8),
+             dict(**new, shape="kimi-k2.7", schedule="fused", comm_blocks=8, minibatch_tokens=3072, median_ms=3.0),
+             dict(**new, shape="kimi-k2.7", schedule="sequential", median_ms=2.7),
+             dict(**new, shape="glm-5.2", schedule="fused", comm_blocks=0, minibatch_tokens=1024, median_ms=2.4),
+             dict(**new, shape="kimi-k2.7", schedule="fused", comm_blocks=0, minibatch_tokens=2048, median_ms=5.0,
+                  **{"pass": "bwd"})]
+    (tmp_path / "bench_layer.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    sim_ms, measured = sim_fused.measured_grid("kimi-k2.7", h200, (0, 8), (1024, 2048), tmp_path)
+    assert measured == {(0, 1024): 2.8}
+    assert sim_ms.shape == (2, 2) and np.isfinite(sim_ms).all() and (sim_ms > 0.5).all()

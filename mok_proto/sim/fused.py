@@ -146,3 +146,22 @@ def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: i
     one = layer.one_gpu(gpu)
     schedule = layer.LAYER_STAGES["fwd"]["schedule"].kernels * one.launch_ns
     return schedule + simulate(plan, one, emulated_load(shape)).time_ns
+
+
+def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 16), minibatches=(512, 1024, 2048, 4096),
+                  results_dir=results.RESULTS_DIR, num_sms: int = 132):
+    """The fused forward pass on the H200 over communication CTAs x minibatch rows for one shape:
+    (simulated ms [len(comm_blocks), len(minibatches)], {(comm, minibatch): measured ms}). The
+    measured points are the newest git stamp's fused forward rows of bench_layer.jsonl and
+    sweep_overlap.jsonl (scripts/sweep_overlap.py) for that shape; points off the grid are dropped."""
+    shape = ep_share(shape_name, EP)
+    sim_ms = np.array([[pass_ns(shape, gpu, c, m, num_sms) / 1e6 for m in minibatches] for c in comm_blocks])
+    measured = {}
+    for name, mb_key in (("bench_layer", "minibatch_tokens"), ("sweep_overlap", "minibatch_rows")):
+        rows = [r for r in results.load(name, results_dir) if r.get("shape") == shape_name
+                and r.get("schedule", "fused") == "fused" and r.get("pass", "fwd") == "fwd"]
+        for r in results.newest(rows):
+            key = (r["comm_blocks"], r[mb_key])
+            if key[0] in comm_blocks and key[1] in minibatches:
+                measured[key] = r["median_ms"]
+    return sim_ms, measured
