@@ -1,11 +1,14 @@
-// The fused forward of the MoE layer: one persistent launch that runs a plan's task tables
-// (mok_proto/plan.py, strategy `fused_forward`): communication CTAs pull the dispatched rows and
-// push the combined rows minibatch by minibatch while compute CTAs run the shared and routed
-// expert GEMM tiles as soon as their rows are in. Before it (separate launches, as MoK does): the
-// routing all-gather and the schedule; after it: the flag that publishes the combine, the wait,
-// and the fixed-order weighted sum. A transfer in the other direction (dispatch push, combine
-// pull) runs as its sequential launch before (resp. after) this kernel: the plan has chunk
-// tasks only for the transfers that run inside.
+// The fused passes of the MoE layer: one persistent launch that runs a plan's task tables
+// (mok_proto/plan.py, `fused_forward` / `fused_backward`; kernels fused_forward, fused_backward:
+// one task loop, run_fused<kPass>, over the pass's GEMM problems). Forward: the dispatched rows
+// are pulled and the combined rows pushed minibatch by minibatch while the shared and routed
+// expert GEMM tiles run as soon as their rows are in; before it (separate launches, as MoK does)
+// the routing all-gather and the schedule, after it the flag that publishes the combine, the
+// wait and the fixed-order weighted sum. Backward: the same with the reverse-combine (pull, into
+// recv_dy), down_bwd / gate_up_bwd tiles, the reverse-dispatch (push) and the deferred weight-
+// gradient tiles; the slot sum after it. A transfer in the other direction (push in, pull out)
+// runs as its sequential launch before (resp. after) the kernel: the plan has chunk tasks only
+// for the transfers that run inside.
 //
 // Legend: R ranks, El local experts, MB minibatch rows, W launch ranks (grid.y), B = kBM rows.
 //
@@ -21,7 +24,7 @@
 // Rows: expert segments are padded to 2 B = 256 rows (the schedule's align), so a row pair never
 // straddles two experts; the pair's expert is found from the schedule's offsets on the device,
 // so the plan is independent of the routing. Tasks for pairs past the real rows do nothing but
-// signal. Receive row r lives in row r % ring_rows of recv, g, u, h, y (the ring; ring_rows >=
+// signal. Receive row r lives in row r % ring_rows of the row buffers (the ring; ring_rows >=
 // every receive row: no reuse); the plan makes a dispatch into a ring slot wait for the release
 // of its previous occupant (its combine, which comes after its down tiles).
 //

@@ -530,6 +530,8 @@ __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage&
     if (partial) {
       // NOTE: generic-proxy writes, complete and fenced before the barrier tells the consumers.
       // Each CTA fills its own stage; nothing is multicast.
+      // NOTE: the other producers see what thread 0 acquired (a fused task's ready counter) through
+      // this flag and barrier (bar.sync / __syncwarp order memory), not through a register shuffle.
       if (wg_tid == 0) *go = ok;
       producers_sync<kProducers>();
       if (*go) {

@@ -29,9 +29,9 @@ mok::plan::Task/Counter of cuda/abi.cuh, from the spec in mok_proto/abi.py; so a
 
 Strategies are plain functions that return a plan: `sequential` (stage by stage, every SM per
 stage, a barrier counter between stages), `fixed_split` (``comm_blocks`` CTAs communicate,
-the rest compute; MoK's restructured overlap, for the simulator) and `fused_forward` (what the
-forward megakernel, cuda/fused.cuh, executes). `Plan.check` proves on the CPU that a plan is
-executable: see its docstring.
+the rest compute; MoK's restructured overlap, for the simulator) and `fused_forward` /
+`fused_backward` (what the megakernels of cuda/fused.cuh execute). `Plan.check` proves on the
+CPU that a plan is executable: see its docstring.
 """
 
 from __future__ import annotations

@@ -77,6 +77,14 @@ def load_timeline(path: Path | str):
     return rec
 
 
+def comm_bars_from_ready(path: Path | str) -> bool:
+    """Whether a timeline's communication bars start when their task's wait is met (files written
+    since the marker `comm_bars_from: ready`), not when the task began waiting (older files)."""
+    with open(path) as f:
+        first = f.readline()
+    return bool(first.strip()) and json.loads(first).get("comm_bars_from") == "ready"
+
+
 TIMELINE_EVENTS = ("dispatch end", "compute end", "kernel end")
 
 

@@ -217,9 +217,9 @@ def write_timeline(records, path, title):
     from mok_proto.trace import plot_timeline
 
     with open(path, "w") as f:
-        for r in records:
-            f.write(json.dumps({name: (TaskKind(int(r[name])).name.lower() if name == "kind" else r[name].item())
-                                for name in records.dtype.names}) + "\n")
+        for r in records:  # comm_bars_from: a communication task's bar starts when its wait is met
+            f.write(json.dumps({**{name: (TaskKind(int(r[name])).name.lower() if name == "kind" else r[name].item())
+                                   for name in records.dtype.names}, "comm_bars_from": "ready"}) + "\n")
     fig, ax = plt.subplots(figsize=(14, 6))
     plot_timeline(records, ax=ax, title=title)
     fig.tight_layout()
@@ -400,10 +400,11 @@ def main():
                    f"minibatch rows {SWEEP} (default: {DEFAULT_FUSED})")
     p.add_argument("--fused", default=None, help="fused settings to time, COMM:MINIBATCH[,...] (e.g. 8:1024,16:2048)")
     p.add_argument("--no-fused", action="store_true", help="sequential and torch rows only")
-    p.add_argument("--timeline", default="results/timeline_fused_{pass_}_{shape}.jsonl",
-                   help="where the best fused setting's timeline goes ({pass_}, {shape} are replaced; '' = none)")
+    p.add_argument("--timeline", default="results/timeline_fused_{pass_}_{shape}_{git}.jsonl",
+                   help="where the best fused setting's timeline goes ({pass_}, {shape}, {git} are replaced; '' = "
+                        "none)")
     args = p.parse_args()
-    from mok_proto.bench import append_result, require_gpu
+    from mok_proto.bench import append_result, git_sha, require_gpu
 
     require_gpu("bench_layer.py", need_torch=True)
     failed = []
@@ -416,7 +417,7 @@ def main():
         data = make_inputs(shape)
         settings = () if args.no_fused else SWEEP if args.sweep else DEFAULT_FUSED if not args.fused else tuple(
             tuple(int(v) for v in item.split(":")) for item in args.fused.split(","))
-        trace_to = args.timeline.replace("{shape}", name) if args.timeline else None
+        trace_to = args.timeline.replace("{shape}", name).replace("{git}", git_sha()) if args.timeline else None
         mine, stages, bitwise, got, fused_rows = ours(shape, data, args.iters, args.warmup, settings, trace_to)
         base, ref = torch_pipeline(shape, data, args.iters, args.warmup)
         flops = {"fwd": shape.forward_flops(), "bwd": 2 * shape.forward_flops()}

@@ -6,7 +6,7 @@ rank's share of EP=64 (the emulation of bench_layer.py: 2 virtual ranks, rank 0 
 Per shape: the sequential forward (graph replays, the reference time), then every grid point of
 the fused forward (graph replays, median; its output compared bitwise with the sequential one),
 a progress line per point with the time left; the best point timed again and its in-kernel
-timeline written to results/timeline_fused_fwd_<shape>.jsonl (+ .png). One JSON line per point
+timeline written to results/timeline_fused_fwd_<shape>_<git>.jsonl (+ .png). One JSON line per point
 appended to results/sweep_overlap.jsonl (keys: git, shape, comm_blocks, minibatch_rows,
 median_ms, sequential_ms, speedup_vs_sequential, equal_to_sequential, bitwise_repeat), the file
 notebooks/overlap_explorer.ipynb overlays on the simulated heatmap. No bars: bench_layer.py
@@ -36,7 +36,7 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
-    from mok_proto.bench import append_result, require_gpu, summarize, time_stages
+    from mok_proto.bench import append_result, git_sha, require_gpu, summarize, time_stages
 
     require_gpu("sweep_overlap.py")
     import cupy
@@ -56,7 +56,7 @@ def main():
         layer.check()
         print(f"# {name}: sequential forward {seq:.3f} ms; {len(grid)} fused points", flush=True)
         rows = fused(layer, grid, result_bytes(layer, "fwd"), seq, args.iters, args.warmup, stream,
-                     f"results/timeline_fused_fwd_{name}.jsonl", "fwd")
+                     f"results/timeline_fused_fwd_{name}_{git_sha()}.jsonl", "fwd")
         for row in rows:
             append_result("sweep_overlap", {"shape": name, "comm_blocks": row["comm_blocks"],
                                             "minibatch_rows": row["minibatch_tokens"], "sequential_ms": seq,

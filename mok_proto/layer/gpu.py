@@ -47,7 +47,8 @@ from mok_proto.config import DIRECTIONS, RunConfig
 from mok_proto.kernels import comm as kc
 from mok_proto.kernels import gemm
 from mok_proto.kernels import token as kt
-from mok_proto.layer.gpu_base import GpuRound, contiguous_ranks, to_experts, to_tokens, to_tokens_after_fused
+from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, to_experts, to_experts_before_fused, to_tokens,
+                                      to_tokens_after_fused)
 from mok_proto.plan import COMM_KINDS, PAIR_ROWS
 
 BF16, F32, I32 = np.uint16, np.float32, np.int32
@@ -101,7 +102,7 @@ class GpuMoELayer(GpuRound):
         self._blocks_per_rank = blocks_per_rank
         self.fused = None  # kernels.fused.FusedPass of the plan set by set_forward_plan (None: sequential)
         self.fused_bwd = None  # ... of set_backward_plan
-        self.trace = False  # record the fused forward's timeline (see forward_timeline)
+        self.trace = False  # record the fused passes' timelines (see forward_timeline)
         self._cache_valid = True
         self.launch_only(contiguous_ranks(heap, ranks))
 
@@ -368,7 +369,7 @@ class GpuMoELayer(GpuRound):
         comm_in, comm_out = _directions(plan, policy)
         if not comm_in:
             mark("dispatch")
-            to_experts(p, launch, "push", "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
+        to_experts_before_fused(p, launch, comm_in, "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
         mark("fused")
         fused.launch(p, self._fused_words, self.error, int(self.run.timeout_s * 1e9), trace=self.trace)
         self._cache_valid = plan.ring_minibatches >= plan.num_minibatches
@@ -384,11 +385,7 @@ class GpuMoELayer(GpuRound):
         fused, p, launch = self.fused_bwd, self.params_bwd, self.launch
         comm_in, comm_out = _directions(fused.plan, policy)
         mark("rev_combine")
-        if comm_in:  # pulled inside: my dy rows are written; wait until every peer's are
-            kc.raise_flag(p, launch, "kFlagRouting")
-            kc.wait_peers(p, launch, "kFlagRouting", "kOpRevCombinePull")
-        else:
-            to_experts(p, launch, "push", "kOpRevCombinePush", "kOpRevCombinePull", after_schedule=False)
+        to_experts_before_fused(p, launch, comm_in, "kOpRevCombinePush", "kOpRevCombinePull", after_schedule=False)
         mark("fused")
         fused.launch(p, self._fused_bwd_words, self.error, int(self.run.timeout_s * 1e9), trace=self.trace)
         mark("rev_dispatch")

@@ -132,6 +132,18 @@ def to_tokens(p, launch: kc.Launch, direction: str, push_op: str, pull_op: str):
         kc.move_rows("combine_pull", p, launch)
 
 
+def to_experts_before_fused(p, launch, pulled_inside: bool, push_op: str, pull_op: str, after_schedule: bool):
+    """The token-side rows' transfer before a fused kernel: pulled inside it (what to_experts does
+    before its pull: publish and wait, unless right after the schedule), or pushed now as in
+    to_experts."""
+    if pulled_inside:
+        if not after_schedule:
+            kc.raise_flag(p, launch, "kFlagRouting")  # my source rows are written
+            kc.wait_peers(p, launch, "kFlagRouting", pull_op)
+    else:
+        to_experts(p, launch, "push", push_op, pull_op, after_schedule)
+
+
 def to_tokens_after_fused(p, launch, pushed_inside: bool, push_op: str, pull_op: str):
     """The result rows' transfer after a fused kernel: pushed inside it (its stores are complete
     when it ends: raise the flag, wait for every peer's), or pulled now as in to_tokens."""

@@ -69,8 +69,6 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     for order in ({},) + tuple({"lookahead": a} for a in range(ring)):
         try:
             plan = plans.fused_forward(*args, **fields, **order)
-        except TypeError:  # a plan.py whose fused_forward has no such parameter
-            break
         except ValueError as e:
             tried.append(f"{order or 'defaults'}: {e}")
             continue
@@ -81,44 +79,36 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
 
 
 def calibrate(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> GpuParams:
-    """`gpu` with comm_cta_row_ns and comm_task_ns fitted on the dispatch tasks of the timeline
-    H200_CALIBRATION["fused"]: duration = comm_task_ns + rows x comm_cta_row_ns, least squares over
-    every dispatch task, its rows those the simulator gives it (model.fused_chunk_rows on the
-    emulated load: full chunks of MB / C rows, the partial chunk of the last used minibatch, empty
-    chunks past the padded rows)."""
-    path = Path(results_dir) / H200_CALIBRATION["fused"]
+    """`gpu` with the in-kernel copy costs fitted (`_fit_dispatch`): comm_task_ns + rows x
+    comm_cta_row_ns on the communicating CTAs of timeline H200_CALIBRATION["fused"], and
+    spare_task_ns + rows x spare_row_ns on the spare warps of H200_CALIBRATION["fused_spare"]."""
+    fixed, row_ns = _fit_dispatch(Path(results_dir) / H200_CALIBRATION["fused"], spare=False)
+    spare_fixed, spare_row_ns = _fit_dispatch(Path(results_dir) / H200_CALIBRATION["fused_spare"], spare=True)
+    return dataclasses.replace(gpu, comm_cta_row_ns=row_ns, comm_task_ns=fixed, spare_row_ns=spare_row_ns,
+                               spare_task_ns=spare_fixed)
+
+
+def _fit_dispatch(path: Path, spare: bool) -> tuple[float, float]:
+    """(fixed ns per task, ns per row) of a timeline's dispatch tasks: duration = fixed + rows x
+    per row, least squares over every dispatch task, its rows those the simulator gives it
+    (model.fused_chunk_rows on the emulated load: full chunks of MB / C rows, the partial chunk of
+    the last used minibatch, empty chunks past the padded rows). A dispatch chunk of a full ring
+    waits for nothing, so its bar is its copy. spare: the timeline must be a comm_blocks == 0 one
+    (the spare warps of compute CTAs move the chunks), else one with communicating CTAs."""
     if not path.exists():
         raise ValueError(f"no {path}: the fused forward's in-kernel copy calibration needs it")
     records = results.load_timeline(path)
     shape = ep_share(results.timeline_name(path)[0], EP)
     plan = timeline_plan(records, shape)
+    if spare != (plan.comm_blocks == 0):
+        raise ValueError(f"{path.name}: comm_blocks={plan.comm_blocks}, but this calibration needs "
+                         f"{'comm_blocks == 0' if spare else 'communicating CTAs'}")
     _, used = fused_chunk_rows(plan, emulated_load(shape))
     sel = records["kind"] == int(TaskKind.DISPATCH)
     rows = used[records["minibatch"][sel], records["row_tile"][sel], 0].astype(np.float64)
     dur = records["end_ns"][sel] - records["start_ns"][sel]
     (fixed, row_ns), *_ = np.linalg.lstsq(np.stack([np.ones_like(rows), rows], axis=1), dur, rcond=None)
-    gpu = dataclasses.replace(gpu, comm_cta_row_ns=float(row_ns), comm_task_ns=float(fixed))
-    return _calibrate_spare_warps(gpu, Path(results_dir) / H200_CALIBRATION["fused_spare"])
-
-
-def _calibrate_spare_warps(gpu: GpuParams, path: Path) -> GpuParams:
-    """`gpu` with spare_row_ns and spare_task_ns fitted on the dispatch tasks of a comm_blocks == 0
-    timeline (a compute CTA's spare warps move chunk c of every minibatch while its GEMMs run):
-    duration = spare_task_ns + rows x spare_row_ns, least squares. A dispatch chunk waits for
-    nothing (a full ring), so its bar is its copy."""
-    if not path.exists():
-        raise ValueError(f"no {path}: the spare warps' copy calibration needs it")
-    records = results.load_timeline(path)
-    shape = ep_share(results.timeline_name(path)[0], EP)
-    plan = timeline_plan(records, shape)
-    if plan.comm_blocks:
-        raise ValueError(f"{path.name}: the spare warps' calibration needs a comm_blocks == 0 timeline")
-    _, used = fused_chunk_rows(plan, emulated_load(shape))
-    sel = records["kind"] == int(TaskKind.DISPATCH)
-    rows = used[records["minibatch"][sel], records["row_tile"][sel], 0].astype(np.float64)
-    dur = records["end_ns"][sel] - records["start_ns"][sel]
-    (fixed, row_ns), *_ = np.linalg.lstsq(np.stack([np.ones_like(rows), rows], axis=1), dur, rcond=None)
-    return dataclasses.replace(gpu, spare_row_ns=float(row_ns), spare_task_ns=float(fixed))
+    return float(fixed), float(row_ns)
 
 
 def describe_calibration(gpu: GpuParams) -> str:
@@ -149,13 +139,13 @@ def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: i
 
 
 def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 16), minibatches=(512, 1024, 2048, 4096),
-                  results_dir=results.RESULTS_DIR, num_sms: int = 132):
+                  results_dir=results.RESULTS_DIR):
     """The fused forward pass on the H200 over communication CTAs x minibatch rows for one shape:
     (simulated ms [len(comm_blocks), len(minibatches)], {(comm, minibatch): measured ms}). The
     measured points are the newest git stamp's fused forward rows of bench_layer.jsonl and
     sweep_overlap.jsonl (scripts/sweep_overlap.py) for that shape; points off the grid are dropped."""
     shape = ep_share(shape_name, EP)
-    sim_ms = np.array([[pass_ns(shape, gpu, c, m, num_sms) / 1e6 for m in minibatches] for c in comm_blocks])
+    sim_ms = np.array([[pass_ns(shape, gpu, c, m, gpu.num_sms) / 1e6 for m in minibatches] for c in comm_blocks])
     measured = {}
     for name, mb_key in (("bench_layer", "minibatch_tokens"), ("sweep_overlap", "minibatch_rows")):
         rows = [r for r in results.load(name, results_dir) if r.get("shape") == shape_name

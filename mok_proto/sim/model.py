@@ -417,6 +417,9 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
     Raises plan.PlanError for a plan the megakernel could not run (e.g. a counter target below
     its signals would let waiters start early and give a too short time); the proof is kept
     per plan object, so a second simulation of the same plan does not check again."""
+    if plan.strategy == "fused_backward":
+        raise NotImplementedError("the simulator does not model fused_backward plans yet (its weight-gradient "
+                                  "pairs and spare-warp reverse transfers); simulate a fixed_split backward")
     plan.check()
     if plan.num_sms > gpu.num_sms:
         raise ValueError(f"plan has {plan.num_sms} CTAs but {gpu.name} has {gpu.num_sms} SMs")

@@ -33,7 +33,7 @@ H200_CALIBRATION = {
     # the fused forward's in-kernel copy rate: the dispatch tasks of this measured timeline (sim.fused.calibrate)
     "fused": "timeline_fused_fwd_kimi-k2.7_62f5296.jsonl",
     # ... and the spare warps' copy rate (comm_blocks == 0): the dispatch tasks of this one (b905f19)
-    "fused_spare": "timeline_fused_fwd_kimi-k2.7.jsonl",
+    "fused_spare": "timeline_fused_fwd_kimi-k2.7_b905f19.jsonl",
 }
 ROW_MOVES = (("dispatch", "pull"), ("combine", "push"), ("combine", "pull"))  # row_move's bench_comm stages
 TOKEN_TRAFFIC = ("gather_sum", "scatter", "stream")  # access patterns of the token kernels (GpuParams.token_kernel_ns)

@@ -193,22 +193,23 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
         for event in results.TIMELINE_EVENTS:
             rows.append(Row("h200 fused", f"fwd {event} {label}", want[event] / 1e6, got[event] / 1e6, "ms",
                             **check(event == "dispatch end")))
-        busy = predicted["end_ns"] - predicted["start_ns"] > gpu.comm_task_ns  # tasks with work (rows or tiles)
+        fixed = gpu.comm_task_ns if plan.comm_blocks else gpu.spare_task_ns
+        busy = predicted["end_ns"] - predicted["start_ns"] > fixed  # tasks with work (rows or tiles)
         for kind, what in FUSED_MEDIANS:
             sel = busy & (measured["kind"] == int(kind))
-            if kind == TaskKind.COMBINE and not plan.comm_blocks:
+            if kind == TaskKind.COMBINE and not plan.comm_blocks and not results.comm_bars_from_ready(path):
                 # NOTE: a spare-warp combine chunk starts waiting for its minibatch's down tiles as
-                # soon as the previous chunk is done, and these timelines draw a chunk from that
-                # start: its measured bar is wait + copy, the simulated one the copy. Not the same
-                # quantity, so no row; the kernel end (set by the last combines) is judged above.
+                # soon as the previous chunk is done, and files without the `comm_bars_from: ready`
+                # marker draw a chunk from that start: its measured bar is wait + copy, the
+                # simulated one the copy. Not the same quantity, so no row; the kernel end (set by
+                # the last combines) is judged above.
                 continue
             if sel.any():
                 rows.append(Row("h200 fused", f"fwd {what} median {label}",
                                 float(np.median(measured["end_ns"][sel] - measured["start_ns"][sel])) / 1e3,
-                                float(np.median(predicted["end_ns"][sel] - predicted["start_ns"][sel])) / 1e3, "us",
-                                **check(kind == TaskKind.COMBINE and not plan.comm_blocks)))
-    bench = results.newest(results.load("bench_layer", results_dir), group_by=("shape", "schedule"))
-    for r in (r for r in bench if r["schedule"] == "fused"):
+                                float(np.median(predicted["end_ns"][sel] - predicted["start_ns"][sel])) / 1e3, "us"))
+    bench = results.newest(results.load("bench_layer", results_dir), group_by=("shape", "schedule", "pass"))
+    for r in (r for r in bench if r["schedule"] == "fused" and r.get("pass", "fwd") == "fwd"):  # no fused backward model
         ns = fused.pass_ns(ep_share(r["shape"], r["ep"]), gpu, r["comm_blocks"], r["minibatch_tokens"], r["num_sms"])
         rows.append(Row("h200 fused", f"fwd pass (graph) {r['shape']} C={r['comm_blocks']} MB={r['minibatch_tokens']}",
                         r["median_ms"], ns / 1e6, "ms"))
