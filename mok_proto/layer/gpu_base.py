@@ -109,9 +109,7 @@ def to_experts(p, launch: kc.Launch, direction: str, push_op: str, pull_op: str,
     waits until every owner placed its rows; later in a step (reverse-combine) a pull first
     publishes and waits, a push just goes."""
     if direction == "pull":
-        if not after_schedule:
-            kc.raise_flag(p, launch, "kFlagRouting")  # my source rows are written
-            kc.wait_peers(p, launch, "kFlagRouting", pull_op)
+        _publish_for_pull(p, launch, pull_op, after_schedule)
         kc.move_rows("dispatch_pull", p, launch)
     else:
         if after_schedule:
@@ -132,14 +130,20 @@ def to_tokens(p, launch: kc.Launch, direction: str, push_op: str, pull_op: str):
         kc.move_rows("combine_pull", p, launch)
 
 
+def _publish_for_pull(p, launch, pull_op: str, after_schedule: bool):
+    """Before the expert owners pull token-side rows: publish mine and wait for every peer's
+    (right after the schedule nothing: the routing flags it waited for published them)."""
+    if not after_schedule:
+        kc.raise_flag(p, launch, "kFlagRouting")  # my source rows are written
+        kc.wait_peers(p, launch, "kFlagRouting", pull_op)
+
+
 def to_experts_before_fused(p, launch, pulled_inside: bool, push_op: str, pull_op: str, after_schedule: bool):
     """The token-side rows' transfer before a fused kernel: pulled inside it (what to_experts does
     before its pull: publish and wait, unless right after the schedule), or pushed now as in
     to_experts."""
     if pulled_inside:
-        if not after_schedule:
-            kc.raise_flag(p, launch, "kFlagRouting")  # my source rows are written
-            kc.wait_peers(p, launch, "kFlagRouting", pull_op)
+        _publish_for_pull(p, launch, pull_op, after_schedule)
     else:
         to_experts(p, launch, "push", push_op, pull_op, after_schedule)
 

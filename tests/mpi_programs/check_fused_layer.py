@@ -197,13 +197,7 @@ def check_counter_timeout(heap):
 
     from mok_proto.plan import TaskKind
 
-    num_ranks = heap.num_ranks
-    shape = MoEShape("timeout", hidden=256, ffn=256, num_experts=2 * num_ranks, top_k=2, num_tokens=64)
-    prob = make_problem(shape, num_ranks, seed=5)
-    layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=2), name="ftimeout")
-    for rank in layer.ranks:
-        layer.set_weights(rank, prob.local_weights(rank))
-        layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
+    layer = gpu_program.small_layer(heap, "ftimeout", seed=5, num_tokens=64, timeout_s=2)
     layer.set_forward_plan(layer.fused_forward_plan(2, 256))
     tasks = layer.fused.plan.tasks.copy()
     # a down tile of row tile 0 (it holds rows on every rank; a task past the real rows waits for
@@ -229,13 +223,7 @@ def check_missing_peer(heap):
     kernel after it runs nothing (no hang)."""
     if heap.num_ranks < 2 or len(heap.launch_ranks) != heap.num_ranks:
         return
-    num_ranks = heap.num_ranks
-    shape = MoEShape("missing", hidden=256, ffn=256, num_experts=2 * num_ranks, top_k=2, num_tokens=64)
-    prob = make_problem(shape, num_ranks, seed=9)
-    layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=2), name="fmissing")
-    for rank in layer.ranks:
-        layer.set_weights(rank, prob.local_weights(rank))
-        layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
+    layer = gpu_program.small_layer(heap, "fmissing", seed=9, num_tokens=64, timeout_s=2)
     layer.launch_only([0])
     layer.set_forward_plan(layer.fused_forward_plan(0, 256))
     layer.enqueue_forward()

@@ -56,23 +56,33 @@ def all_ranks(comm, per_rank: dict) -> dict:
     return merged
 
 
-def check_overflow(heap, name: str = "overflow", configure=None):
-    """Every token's first choice on rank 0's expert, one receive row too few: rank 0's layer
-    raises CapacityError naming the overflow (the other ranks finish their round cleanly).
-    `configure(layer)` (optional) sets the layer up before the forward (e.g. a fused plan)."""
+def small_layer(heap, name: str, seed: int, num_tokens: int, timeout_s: float = 20, routing: str = "random",
+                capacity: int | None = None):
+    """A GpuMoELayer of H = I = 256, E = 2 R, K = 2 (the error checks' layer) with every rank's
+    weights and inputs set."""
     from mok_proto.config import MoEShape, RunConfig
-    from mok_proto.errors import CapacityError
     from mok_proto.layer.gpu import GpuMoELayer
     from mok_proto.problem import make_problem
 
     num_ranks = heap.num_ranks
-    shape = MoEShape(name, hidden=256, ffn=256, num_experts=2 * num_ranks, top_k=2, num_tokens=8)
-    prob = make_problem(shape, num_ranks, seed=3, routing="one-expert")
-    layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=20), capacity=shape.num_tokens * num_ranks - 1,
-                        name=name)
+    shape = MoEShape(name, hidden=256, ffn=256, num_experts=2 * num_ranks, top_k=2, num_tokens=num_tokens)
+    prob = make_problem(shape, num_ranks, seed=seed, routing=routing)
+    layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=timeout_s), capacity=capacity, name=name)
     for rank in layer.ranks:
         layer.set_weights(rank, prob.local_weights(rank))
         layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
+    return layer
+
+
+def check_overflow(heap, name: str = "overflow", configure=None):
+    """Every token's first choice on rank 0's expert, one receive row too few: rank 0's layer
+    raises CapacityError naming the overflow (the other ranks finish their round cleanly).
+    `configure(layer)` (optional) sets the layer up before the forward (e.g. a fused plan)."""
+    from mok_proto.errors import CapacityError
+
+    tokens = 8
+    layer = small_layer(heap, name, seed=3, num_tokens=tokens, routing="one-expert",
+                        capacity=tokens * heap.num_ranks - 1)
     if configure is not None:
         configure(layer)
     layer.enqueue_forward()
