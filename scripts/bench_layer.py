@@ -160,6 +160,8 @@ def fused(layer, settings, sequential_out: bytes, sequential_ms: float, iters, w
         layer.enqueue_forward()
         layer.enqueue_backward()
         layer.check()
+        if pass_ == "bwd":  # passes alternate: the captured backward is that of one more forward
+            layer.enqueue_forward()
         return layer.capture(forward=pass_ == "fwd", backward=pass_ == "bwd")
 
     def timed(graph):
