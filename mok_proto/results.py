@@ -1,5 +1,5 @@
 """Reading the benchmarks' JSON lines under results/ (never re-running them), and the fused
-forward's in-kernel timelines (`timeline_files`, `load_timeline`, `timeline_events`).
+forward's in-kernel timelines (`timeline_files`, `load_timeline`, `timeline_events`, `timeline_summary`).
 
 A *run* is a stretch of rows of one benchmark with the same git stamp and no gap of more than
 RUN_GAP between consecutive rows; `newest` keeps the newest run per group (e.g. per backend).
@@ -102,3 +102,39 @@ def timeline_events(records) -> dict:
     return {"dispatch end": float(records["end_ns"][dispatch].max() - t0) if dispatch.any() else 0.0,
             "compute end": float(records["end_ns"][~comm].max() - t0),
             "kernel end": float(records["end_ns"].max() - t0)}
+
+
+def timeline_summary(records) -> dict:
+    """Where a fused pass's time went, from its timeline (measured or simulated records):
+    `makespan_ns` (first start to last end); `busy_mean` / `busy_min`: per compute lane (SM), the
+    time covered by its GEMM tasks (the union of their intervals: a tile's loads overlap the
+    previous tile's epilogue) as a fraction of the makespan, averaged / the least busy lane;
+    `kinds`: per task kind (name) the summed task time per compute lane (`per_lane_ns`) and its
+    span (`first_ns`, `last_ns`). Tasks that took no time (past the real rows) are left out."""
+    import numpy as np
+
+    from mok_proto.plan import COMM_KINDS, TaskKind
+
+    rec = records[records["end_ns"] > records["start_ns"]]
+    t0 = rec["start_ns"].min()
+    makespan = float(rec["end_ns"].max() - t0)
+    gemm = rec[~np.isin(rec["kind"], [int(k) for k in COMM_KINDS])]
+    lanes = np.unique(gemm["block"])
+    busy = []
+    for lane in lanes:
+        mine = gemm[gemm["block"] == lane]
+        mine = mine[np.argsort(mine["start_ns"], kind="stable")]
+        covered, end = 0.0, -np.inf
+        for s, e in zip(mine["start_ns"].tolist(), mine["end_ns"].tolist()):
+            covered += max(0.0, e - max(s, end))  # the part of [s, e) after everything before it
+            end = max(end, e)
+        busy.append(covered / makespan)
+    kinds = {}
+    for kind in np.unique(rec["kind"]):
+        sel = rec[rec["kind"] == kind]
+        kinds[TaskKind(int(kind)).name.lower()] = {
+            "per_lane_ns": float((sel["end_ns"] - sel["start_ns"]).sum() / max(len(lanes), 1)),
+            "first_ns": float(sel["start_ns"].min() - t0), "last_ns": float(sel["end_ns"].max() - t0)}
+    return {"makespan_ns": makespan, "compute_lanes": int(len(lanes)),
+            "busy_mean": float(np.mean(busy)) if busy else 0.0, "busy_min": float(np.min(busy)) if busy else 0.0,
+            "kinds": kinds}

@@ -461,3 +461,20 @@ def test_measured_grid_takes_the_newest_fused_points(h200, tmp_path):
     sim_ms, measured = sim_fused.measured_grid("kimi-k2.7", h200, (0, 8), (1024, 2048), tmp_path)
     assert measured == {(0, 1024): 2.8}
     assert sim_ms.shape == (2, 2) and np.isfinite(sim_ms).all() and (sim_ms > 0.5).all()
+
+
+def test_timeline_summary_counts_overlapping_tiles_once():
+    """Two compute lanes and one comm task: lane 0's tiles overlap (loads under the previous
+    epilogue) and must be counted once; lane 1 idles half the pass; the comm task is left out of
+    the busy time but has its own kind row; a task that took no time is left out."""
+    rec = trace.empty(6)
+    rows = [  # block, kind, start, end
+        (0, P.TaskKind.GATE_UP, 100, 400), (0, P.TaskKind.DOWN, 300, 1100), (1, P.TaskKind.GATE_UP, 100, 600),
+        (1, P.TaskKind.DISPATCH, 100, 1100), (1, P.TaskKind.DOWN, 600, 600), (0, P.TaskKind.GATE_UP, 1100, 1100)]
+    for r, (block, kind, start, end) in zip(rec, rows):
+        r["block"], r["kind"], r["start_ns"], r["end_ns"] = block, int(kind), start, end
+    got = results.timeline_summary(rec)
+    assert got["makespan_ns"] == 1000 and got["compute_lanes"] == 2
+    assert got["busy_mean"] == pytest.approx((1.0 + 0.5) / 2) and got["busy_min"] == pytest.approx(0.5)
+    assert got["kinds"]["gate_up"] == {"per_lane_ns": 400.0, "first_ns": 0.0, "last_ns": 500.0}
+    assert got["kinds"]["down"]["per_lane_ns"] == 400.0 and got["kinds"]["dispatch"]["last_ns"] == 1000.0
