@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One command for a GPU session: the GPU test suite, then the layer benchmark, logs in one folder.
+#
+#   bash scripts/gpu_check.sh [--no-bench] [-- bench_layer.py options]
+#
+# Run from the repo root on the GPU machine (no ./run there: it would try to download packages).
+# Installs a carried nvshmem4py wheel from .whl/ if there is one (../shared/DEVICE.md), runs
+# `pytest -m gpu` (4 workers with pytest-xdist when installed: ~2.5 min on an H200, against ~9
+# serially), then scripts/bench_layer.py (~5 min for the four shapes). Logs go to $OUT (the device
+# tool's folder) or results/gpu_check/, and every results/ file this run wrote goes into one
+# archive there, results_new.tgz (the device tool brings back a few files, not a folder's worth).
+# Exit status: the tests' or, if they passed, the benchmark's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bench=1
+if [ "${1:-}" = "--no-bench" ]; then bench=0; shift; fi
+if [ "${1:-}" = "--" ]; then shift; fi
+out=${OUT:-results/gpu_check}
+mkdir -p "$out"
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1  # NOTE: never NVLink multicast
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+export MOK_GIT_SHA=${MOK_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+stamp=$(mktemp) && touch "$stamp"
+workers=()
+if python3 -c "import xdist" 2>/dev/null; then workers=(-n 4); fi
+echo "[gpu_check] pytest -m gpu ${workers[*]} -> $out/gpu_tests.txt" >&2
+python3 -m pytest -m gpu -q -rs "${workers[@]}" --durations=20 > "$out/gpu_tests.txt" 2>&1
+status=$?
+tail -3 "$out/gpu_tests.txt" >&2
+if [ "$bench" = 1 ] && [ "$status" = 0 ]; then
+  echo "[gpu_check] scripts/bench_layer.py $* -> $out/bench_layer.txt" >&2
+  python3 scripts/bench_layer.py "$@" > "$out/bench_layer.txt" 2>&1
+  status=$?
+  tail -12 "$out/bench_layer.txt" >&2
+fi
+new=$(find results -newer "$stamp" -type f ! -path "results/gpu_check/*" | sort)
+if [ -n "$new" ]; then tar czf "$out/results_new.tgz" $new; fi
+rm -f "$stamp"
+echo "[gpu_check] exit $status; logs in $out" >&2
+exit "$status"
