@@ -116,10 +116,13 @@ def timeline_summary(records) -> dict:
     from mok_proto.plan import COMM_KINDS, TaskKind
 
     rec = records[records["end_ns"] > records["start_ns"]]
+    if not len(rec):
+        raise ValueError("timeline_summary: no task took any time")
     t0 = rec["start_ns"].min()
     makespan = float(rec["end_ns"].max() - t0)
+    is_gemm = ~np.isin(records["kind"], [int(k) for k in COMM_KINDS])
+    lanes = np.unique(records["block"][is_gemm])  # a lane whose tiles all took no time counts, idle
     gemm = rec[~np.isin(rec["kind"], [int(k) for k in COMM_KINDS])]
-    lanes = np.unique(gemm["block"])
     busy = []
     for lane in lanes:
         mine = gemm[gemm["block"] == lane]

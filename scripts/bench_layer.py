@@ -47,9 +47,18 @@ BARS = {"fwd": 1.0, "bwd": 1.3}
 FUSED_BARS = {"fwd": {"torch": 1.2, "sequential": 1.1},  # issue: the forward megakernel
               "bwd": {"torch": 1.6, "sequential": 1.1}}  # issue: the backward megakernel
 SCHEDULE_BAR_MS = 0.05
-# The sequential pass's GEMM stages (bench stage names): sequential ms / their sum is what a fused
-# pass could reach by hiding everything else, its GEMM tiles running as fast as standalone.
+# The overlap ceiling of a fused pass (an upper estimate), from the sequential pass's eager stage
+# medians: total / (GEMM stages + the stages that stay outside the fused kernel), i.e. the speed-up
+# over sequential if the fused kernel hid every transfer and launch gap and its GEMM tiles ran as
+# fast as the standalone launches. Eager stages include per-launch gaps that the sequential graph
+# no longer pays, so the ceiling against the graph-timed sequential pass is somewhat lower.
 GEMM_STAGES = {"fwd": ("shared", "experts"), "bwd": ("shared", "experts", "wgrad")}
+OUTSIDE_STAGES = {"fwd": ("schedule", "weighted_sum"), "bwd": ("scale", "token_grads")}
+
+
+def overlap_ceiling(stages: dict, pass_: str) -> float:
+    """Upper estimate of a fused pass's speed-up over sequential (see GEMM_STAGES)."""
+    return stages["total"] / sum(stages[k] for k in GEMM_STAGES[pass_] + OUTSIDE_STAGES[pass_])
 # (communication CTAs, minibatch rows) timed without --sweep; 0 CTAs: every CTA's spare warps move rows
 DEFAULT_FUSED = ((0, 1024), (0, 2048), (8, 2048))
 SWEEP = tuple((c, m) for c in (0, 4, 8, 16) for m in (512, 1024, 2048, 4096))
@@ -467,6 +476,7 @@ def main():
             if not rows:
                 continue
             best = min(rows, key=lambda r: r["median_ms"])
+            ceiling = overlap_ceiling(stages[pass_], pass_)
             for row in rows:
                 append_result("bench_layer", {"shape": name, "pass": pass_, "ep": EP, "schedule": "fused",
                                               "emulation": "2 virtual ranks, rank 0 timed", "flops": flops[pass_],
@@ -477,7 +487,6 @@ def main():
                                               "overlap_ceiling_vs_sequential": ceiling})
             bars = FUSED_BARS[pass_]
             speedup = base[pass_]["median_ms"] / best["retimed_median_ms"]
-            ceiling = mine[pass_]["median_ms"] / sum(stages[pass_][k] for k in GEMM_STAGES[pass_])
             ok = (speedup >= bars["torch"] and best["retimed_speedup_vs_sequential"] >= bars["sequential"]
                   and all(r["equal_to_sequential"] and r["bitwise_repeat"] for r in rows))
             if not ok:
@@ -486,8 +495,8 @@ def main():
                   f"{flops[pass_] / (best['retimed_median_ms'] * 1e-3) / 1e12:>9.0f}{speedup:>8.2f}"
                   f"{bars['torch']:>5.1f}{str(best['bitwise_repeat']):>8}{sched_ms:>9.3f}{'':>9}{'':>7}  fused: "
                   f"comm={best['comm_blocks']} minibatch={best['minibatch_tokens']}, x sequential "
-                  f"{best['retimed_speedup_vs_sequential']:.2f} (bar {bars['sequential']}; ceiling {ceiling:.2f}: "
-                  f"sequential / its GEMM stages), equal to sequential: "
+                  f"{best['retimed_speedup_vs_sequential']:.2f} (bar {bars['sequential']}; ceiling {ceiling:.2f}), "
+                  f"equal to sequential: "
                   f"{all(r['equal_to_sequential'] for r in rows)}", flush=True)
     if failed:
         print(f"FAIL: {len(failed)} rows miss a bar or a check: {', '.join(failed)}", file=sys.stderr)

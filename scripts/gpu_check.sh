@@ -18,16 +18,19 @@ if [ "${1:-}" = "--" ]; then shift; fi
 out=${OUT:-results/gpu_check}
 mkdir -p "$out"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1  # NOTE: never NVLink multicast
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+if ls .whl/*.whl >/dev/null 2>&1; then  # a carried wheel that does not install is an error, not a skip
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || { echo "[gpu_check] the carried wheels in .whl/ did not install" >&2; exit 1; }
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-export MOK_GIT_SHA=${MOK_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# NOTE: the commit stamped on results is mok_proto.bench.git_sha()'s: set MOK_GIT_SHA to the source
+# checkout's `git describe --always --dirty` when this tree is a copy (its .git may be stale).
 stamp=$(mktemp) && touch "$stamp"
-workers=()
-if python3 -c "import xdist" 2>/dev/null; then workers=(-n 4); fi
-echo "[gpu_check] pytest -m gpu ${workers[*]} -> $out/gpu_tests.txt" >&2
-python3 -m pytest -m gpu -q -rs "${workers[@]}" --durations=20 > "$out/gpu_tests.txt" 2>&1
+workers=""
+if python3 -c "import xdist" 2>/dev/null; then workers="-n 4"; fi
+echo "[gpu_check] pytest -m gpu $workers -> $out/gpu_tests.txt" >&2
+# shellcheck disable=SC2086  # $workers: zero or two words
+python3 -m pytest -m gpu -q -rs $workers --durations=20 > "$out/gpu_tests.txt" 2>&1
 status=$?
 tail -3 "$out/gpu_tests.txt" >&2
 if [ "$bench" = 1 ] && [ "$status" = 0 ]; then
@@ -36,8 +39,9 @@ if [ "$bench" = 1 ] && [ "$status" = 0 ]; then
   status=$?
   tail -12 "$out/bench_layer.txt" >&2
 fi
-new=$(find results -newer "$stamp" -type f ! -path "results/gpu_check/*" | sort)
-if [ -n "$new" ]; then tar czf "$out/results_new.tgz" $new; fi
+if [ -n "$(find results -newer "$stamp" -type f ! -path "results/gpu_check/*" | head -1)" ]; then
+  find results -newer "$stamp" -type f ! -path "results/gpu_check/*" -print0 | tar czf "$out/results_new.tgz" --null -T -
+fi
 rm -f "$stamp"
 echo "[gpu_check] exit $status; logs in $out" >&2
 exit "$status"

@@ -464,17 +464,20 @@ def test_measured_grid_takes_the_newest_fused_points(h200, tmp_path):
 
 
 def test_timeline_summary_counts_overlapping_tiles_once():
-    """Two compute lanes and one comm task: lane 0's tiles overlap (loads under the previous
-    epilogue) and must be counted once; lane 1 idles half the pass; the comm task is left out of
-    the busy time but has its own kind row; a task that took no time is left out."""
-    rec = trace.empty(6)
+    """Three compute lanes and one comm task, rows out of order: lane 0's tiles overlap (loads
+    under the previous epilogue) and one lies inside another, each instant counted once (busy 1.0);
+    lane 1 has a gap (union 300 of its 500 ns span); lane 2's only tile took no time (an idle lane,
+    busy 0); the comm task is not busy time but has its kind row."""
     rows = [  # block, kind, start, end
-        (0, P.TaskKind.GATE_UP, 100, 400), (0, P.TaskKind.DOWN, 300, 1100), (1, P.TaskKind.GATE_UP, 100, 600),
-        (1, P.TaskKind.DISPATCH, 100, 1100), (1, P.TaskKind.DOWN, 600, 600), (0, P.TaskKind.GATE_UP, 1100, 1100)]
+        (1, P.TaskKind.DOWN, 500, 600), (0, P.TaskKind.DOWN, 300, 1100), (0, P.TaskKind.GATE_UP, 100, 400),
+        (1, P.TaskKind.DISPATCH, 100, 1100), (0, P.TaskKind.GATE_UP, 500, 700), (1, P.TaskKind.GATE_UP, 100, 300),
+        (2, P.TaskKind.GATE_UP, 100, 100)]
+    rec = trace.empty(len(rows))
     for r, (block, kind, start, end) in zip(rec, rows):
         r["block"], r["kind"], r["start_ns"], r["end_ns"] = block, int(kind), start, end
     got = results.timeline_summary(rec)
-    assert got["makespan_ns"] == 1000 and got["compute_lanes"] == 2
-    assert got["busy_mean"] == pytest.approx((1.0 + 0.5) / 2) and got["busy_min"] == pytest.approx(0.5)
-    assert got["kinds"]["gate_up"] == {"per_lane_ns": 400.0, "first_ns": 0.0, "last_ns": 500.0}
-    assert got["kinds"]["down"]["per_lane_ns"] == 400.0 and got["kinds"]["dispatch"]["last_ns"] == 1000.0
+    assert got["makespan_ns"] == 1000 and got["compute_lanes"] == 3
+    assert got["busy_mean"] == pytest.approx((1.0 + 0.3 + 0.0) / 3) and got["busy_min"] == 0.0
+    assert got["kinds"]["gate_up"] == {"per_lane_ns": pytest.approx(700 / 3), "first_ns": 0.0, "last_ns": 600.0}
+    assert got["kinds"]["down"]["per_lane_ns"] == pytest.approx(900 / 3)
+    assert got["kinds"]["dispatch"]["last_ns"] == 1000.0
