@@ -186,8 +186,9 @@ def parse_args(argv=None):
     p.add_argument("--single", type=int, default=None, metavar="R",
                    help="one process, one GPU, R virtual ranks: digests of the sequential layer only")
     p.add_argument("--fused", default=FUSED_SETTINGS, help="fused settings COMM:MINIBATCH[,...] ('' = none)")
-    p.add_argument("--plan-workers", type=int, default=2, help="helper processes per rank proving fused plans")
-    p.add_argument("--plan-timeout", type=float, default=900.0, help="seconds to wait for one fused plan")
+    p.add_argument("--plan-workers", type=int, default=3,
+                   help="helper processes per rank proving fused plans (a large backward plan: ~1-2 min, ~20 GB RAM)")
+    p.add_argument("--plan-timeout", type=float, default=300.0, help="seconds to wait for one fused plan")
     p.add_argument("--results-dir", default=None, help="JSON lines and digests go here (default results/x<R>)")
     p.add_argument("--digests-out", default=None, help="this run's digests (default <results-dir>/digests_<mode>.json)")
     p.add_argument("--compare", default=None, help="digests file of the other mode to compare with")
