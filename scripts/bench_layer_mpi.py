@@ -269,9 +269,6 @@ def main_single(args) -> int:
     require_gpu("bench_layer_mpi.py --single")
     import cupy
 
-    from mok_proto.layer.gpu import GpuMoELayer
-    from mok_proto.symm.virtual import VirtualWorld
-
     num_ranks = args.single
     out_dir = results_dir(args, num_ranks)
     digests_path = Path(args.digests_out) if args.digests_out else out_dir / "digests_single.json"
@@ -279,62 +276,71 @@ def main_single(args) -> int:
           f"sequential layer, policy {format_policy(MOK_POLICY)}, seed {args.seed}", flush=True)
     shapes, failed = {}, []
     for name in args.shapes:
-        start = time.time()
-        try:
-            prob = Problem(name, args.tokens, num_ranks, args.seed)
-        except ValueError as e:
-            shapes[name] = {"config": {"shape": name}, "skipped": str(e)}
-            print(f"# {name}: skipped: {e}", flush=True)
-            continue
-        entry = shapes[name] = {"config": prob.config()}
-        cupy.get_default_memory_pool().free_all_blocks()
-        free = cupy.cuda.runtime.memGetInfo()[0]
-        need = num_ranks * prob.layer_bytes + MARGIN_BYTES
-        if need > free:
-            entry["skipped"] = (f"{num_ranks} virtual ranks need {need / 1e9:.1f} GB with the margin, the GPU has "
-                                f"{free / 1e9:.1f} GB free")
-            print(f"# {name}: skipped: {entry['skipped']}", flush=True)
-            continue
-        world = layer = None
-        try:
-            world = VirtualWorld(num_ranks)
-            layer = GpuMoELayer(world, prob.run, capacity=prob.capacity, name=name)
-            for rank in range(num_ranks):
-                fill_layer(layer, rank, prob.topk, prob.topk_w, args.seed)
-            layer.enqueue_forward()
-            layer.enqueue_backward()
-            layer.check()
-            entry["per_rank"] = {str(rank): result_digests(layer, rank) for rank in range(num_ranks)}
-            print(f"# {name}: {time.time() - start:.1f} s, capacity {prob.capacity} rows, digests of {num_ranks} ranks",
-                  flush=True)
-        except Exception as e:  # noqa: BLE001 - recorded, the next shape still runs
-            traceback.print_exc()
-            entry["error"] = f"{type(e).__name__}: {e}"
+        entry = shapes[name] = single_shape(name, args, num_ranks)
+        if "error" in entry:
             failed.append(f"{name}: {entry['error']}")
-            print(f"# {name}: FAILED: {entry['error']}", flush=True)
-        finally:
-            if layer is not None:
-                layer.close()
-            if world is not None:
-                world.close()
-            del layer, world
-            cupy.get_default_memory_pool().free_all_blocks()
-    write_digests(digests_path, "single", num_ranks, shapes)
-    print(f"# digests: {digests_path}", flush=True)
-    comparison = compare_digests(shapes, args.compare, "single") if args.compare else {}
-    for name, entry in shapes.items():
-        result = comparison.get(name)
-        print(f"{name:<18} {'skipped: ' + entry['skipped'] if 'skipped' in entry else entry.get('error', 'ok'):<60} "
-              f"vs mpi: {describe_comparison(result)}", flush=True)
+        write_digests(digests_path, "single", num_ranks, shapes)  # after every shape: a stopped run keeps them
+        result = compare_digests({name: entry}, args.compare, "single")[name] if args.compare else None
         if result is not None and result["equal"] is False:
             failed.append(f"{name}: differs from {args.compare}")
+        print(f"{name:<18} {'skipped: ' + entry['skipped'] if 'skipped' in entry else entry.get('error', 'ok')}; "
+              f"vs the R processes: {describe_comparison(result)}", flush=True)
         append_result("bench_layer_mpi", {"mode": "single", **entry["config"], **{k: v for k, v in entry.items()
                                                                                   if k != "config"},
                                           "bitwise_vs_mpi": result}, out_dir)
+    print(f"# digests: {digests_path}", flush=True)
     if failed:
         print(f"FAIL: {'; '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def single_shape(name: str, args, num_ranks: int) -> dict:
+    """One shape on R virtual ranks: {"config", "per_rank": digests} or {"config", "skipped" | "error"}."""
+    import cupy
+
+    from mok_proto.layer.gpu import GpuMoELayer
+    from mok_proto.symm.virtual import VirtualWorld
+
+    start = time.time()
+    try:
+        prob = Problem(name, args.tokens, num_ranks, args.seed)
+    except ValueError as e:
+        return {"config": {"shape": name}, "skipped": str(e)}
+    entry = {"config": prob.config()}
+    cupy.get_default_memory_pool().free_all_blocks()
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    need = num_ranks * prob.layer_bytes + MARGIN_BYTES
+    if need > free:
+        entry["skipped"] = (f"{num_ranks} virtual ranks need {need / 1e9:.1f} GB with the margin, the GPU has "
+                            f"{free / 1e9:.1f} GB free")
+        return entry
+    world = layer = None
+    try:
+        world = VirtualWorld(num_ranks)
+        layer = GpuMoELayer(world, prob.run, capacity=prob.capacity, name=name)
+        for rank in range(num_ranks):
+            fill_layer(layer, rank, prob.topk, prob.topk_w, args.seed)
+        layer.enqueue_forward()
+        layer.enqueue_backward()
+        layer.check()
+        entry["per_rank"] = {str(rank): result_digests(layer, rank) for rank in range(num_ranks)}
+        print(f"# {name}: {time.time() - start:.1f} s, capacity {prob.capacity} rows, digests of {num_ranks} ranks",
+              flush=True)
+    except Exception as e:  # noqa: BLE001 - recorded, the next shape still runs
+        traceback.print_exc()
+        entry["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        try:
+            if layer is not None:
+                layer.close()
+            if world is not None:
+                world.close()
+        except Exception as e:  # noqa: BLE001 - after a device error freeing can fail too
+            entry.setdefault("error", f"freeing failed: {type(e).__name__}: {e}")
+        layer = world = None
+        cupy.get_default_memory_pool().free_all_blocks()
+    return entry
 
 
 # ---------------------------------------------------------------------------------------------
