@@ -575,36 +575,39 @@ def run_ours(ranks, prob, layer, args, jobs, row: dict) -> dict:
     digests["sequential graphs"] = result_digests(layer, rank)
     row["ours"] = {"sequential": seq, "fused": {"fwd": [], "bwd": []}}
     say(f"#   ours sequential (graphs): fwd {seq['fwd']['median_ms']:.3f} ms, bwd {seq['bwd']['median_ms']:.3f} ms")
-    # Each fused setting of each pass (the other pass sequential).
-    for pass_ in ("fwd", "bwd"):
-        for comm_blocks, minibatch in args.fused:
-            label = f"fused {pass_} {comm_blocks}:{minibatch}"
-            waited = time.time()
-            ok, plan = ranks.phase(row, f"{label} plan", lambda key=(prob.name, pass_, comm_blocks, minibatch):
-                                   jobs[key].get(args.plan_timeout))
-            if not ok:
-                continue
-            waited = ranks.max(time.time() - waited)
+    # Each fused setting of each pass (the other pass sequential), until the layer fails on a rank.
+    settings = [(pass_, comm_blocks, minibatch) for pass_ in ("fwd", "bwd") for comm_blocks, minibatch in args.fused]
+    for pass_, comm_blocks, minibatch in settings:
+        if any(ranks.comm.allgather(layer.failed)):  # spent on some rank: every later step would only time out
+            row.setdefault("errors", []).append({"phase": "fused settings after a layer error", "ranks": {}})
+            break
+        label = f"fused {pass_} {comm_blocks}:{minibatch}"
+        waited = time.time()
+        ok, plan = ranks.phase(row, f"{label} plan", lambda key=(prob.name, pass_, comm_blocks, minibatch):
+                               jobs[key].get(args.plan_timeout))
+        if not ok:
+            continue
+        waited = ranks.max(time.time() - waited)
 
-            def fused(pass_=pass_, plan=plan):
-                (layer.set_forward_plan if pass_ == "fwd" else layer.set_backward_plan)(plan)
-                try:
-                    st = time_graphs(ranks, layer, graphs_of(layer, heap), pass_, args.iters, args.warmup)
-                    return st, result_digests(layer, rank)
-                finally:
-                    layer.set_forward_plan(None)
-                    layer.set_backward_plan(None)
+        def fused(pass_=pass_, plan=plan):
+            (layer.set_forward_plan if pass_ == "fwd" else layer.set_backward_plan)(plan)
+            try:
+                st = time_graphs(ranks, layer, graphs_of(layer, heap), pass_, args.iters, args.warmup)
+                return st, result_digests(layer, rank)
+            finally:
+                layer.set_forward_plan(None)
+                layer.set_backward_plan(None)
 
-            ok, got = ranks.phase(row, label, fused)
-            if not ok:
-                continue
-            st, digests[label] = got
-            same = all(ranks.comm.allgather(digests[label] == digests["mok"]))
-            row["ours"]["fused"][pass_].append({"comm_blocks": comm_blocks, "minibatch_rows": minibatch, **st,
-                                                "plan_wait_s": waited, "plan_tasks": len(plan.tasks),
-                                                "num_sms": plan.num_sms, "equal_to_sequential": same})
-            say(f"#   ours {label}: {st['median_ms']:.3f} ms, results equal to the sequential layer's: {same} "
-                f"(waited {waited:.0f} s for its plan)")
+        ok, got = ranks.phase(row, label, fused)
+        if not ok:
+            continue
+        st, digests[label] = got
+        same = all(ranks.comm.allgather(digests[label] == digests["mok"]))
+        row["ours"]["fused"][pass_].append({"comm_blocks": comm_blocks, "minibatch_rows": minibatch, **st,
+                                            "plan_wait_s": waited, "plan_tasks": len(plan.tasks),
+                                            "num_sms": plan.num_sms, "equal_to_sequential": same})
+        say(f"#   ours {label}: {st['median_ms']:.3f} ms, results equal to the sequential layer's: {same} "
+            f"(waited {waited:.0f} s for its plan)")
     everyone = ranks.comm.allgather(digests)  # every rank's {label: {"out", "grads"}}
     equal = {label: all(d[label] == d["mok"] for d in everyone) for label in digests}
     row["bitwise"] = {"equal_to_mok_sequential": equal, "all": all(equal.values())}
