@@ -46,6 +46,10 @@ from seeded CuPy generators, the same in both modes):
             gradient, per rank) of every policy, of the sequential graph replays and of each fused
             setting must be equal; and equal to the single-process run's (--compare).
 Every timing is the slowest rank's median (p20, p80) over --iters iterations after --warmup.
+Order: first, shape by shape, our sequential layer and the torch layer; then, shape by shape on a
+fresh layer with the same inputs, the fused passes (never run over NVSHMEM processes before: a
+device error there cannot cost the other measurements). Every failure is printed by the rank it
+happened on, recorded, and the run goes on with what the ranks can still do together.
 The fused plans are built and proved (Plan.check, minutes of CPU for the backward plans of
 large shapes) by --plan-workers helper processes per rank while the GPU runs the rest.
 Receive capacity: the exact padded need of this routing (layer.gpu.receive_capacity); symmetric
@@ -56,7 +60,9 @@ Bars (issue 15): fused forward >= 1.5x and fused backward >= 1.4x the torch laye
 shape; bitwise across policies, sequential and fused, and to the single process (when compared).
 Exit status: 0 all met; 1 a bar or a check failed, or a shape was skipped or failed (listed);
 2 no GPU, CuPy, torch, NVSHMEM (nvshmem4py) or mpi4py, or a bad argument (one line).
-Results: JSON lines appended to <results-dir>/bench_layer_mpi.jsonl (default results/x<R>).
+Results: JSON lines appended to <results-dir>/bench_layer_mpi.jsonl (default results/x<R>): per
+shape a record "partial (no fused pass yet)" after the first part and a "complete" one (every
+figure, the bars judged, "missed") at the end; --single writes mode "single" records.
 """
 
 from __future__ import annotations
@@ -531,10 +537,10 @@ def push_pull(stages: dict, nbytes: int, link_gbs: float) -> dict:
     return out
 
 
-def run_ours(ranks, prob, layer, args, jobs, row: dict) -> dict:
-    """Our layer: push/pull stages, the sequential passes and each fused setting as graph replays,
-    digests; fills row. Returns the sequential output and input gradient (float32 copies, for the
-    torch comparison), {} if it failed before them."""
+def run_sequential(ranks, prob, layer, args, row: dict) -> dict:
+    """Our sequential layer: push/pull eager stages per policy, the passes as graph replays,
+    digests; fills row. Returns the output and input gradient (float32 copies, for the torch
+    comparison), {} if it failed before them."""
     from mok_proto.kernels import gemm
 
     rank, heap, say = ranks.rank, ranks.heap, ranks.say
@@ -562,7 +568,7 @@ def run_ours(ranks, prob, layer, args, jobs, row: dict) -> dict:
     say("#   push/pull, eager stage ms (+ beyond the bytes at link rate): " + "; ".join(
         f"{op} " + ", ".join(f"{d} {v['stage_ms']:.3f} (+{v['overhead_ms']:.3f})" for d, v in by.items())
         for op, by in row["push_pull"].items()))
-    # The sequential passes as graph replays.
+    # The passes as graph replays.
     ok, graphs = ranks.phase(row, "sequential graphs", lambda: graphs_of(layer, heap))
     if not ok:
         return ours
@@ -575,7 +581,32 @@ def run_ours(ranks, prob, layer, args, jobs, row: dict) -> dict:
     digests["sequential graphs"] = result_digests(layer, rank)
     row["ours"] = {"sequential": seq, "fused": {"fwd": [], "bwd": []}}
     say(f"#   ours sequential (graphs): fwd {seq['fwd']['median_ms']:.3f} ms, bwd {seq['bwd']['median_ms']:.3f} ms")
-    # Each fused setting of each pass (the other pass sequential), until the layer fails on a rank.
+    record_digests(ranks, row, digests)
+    return ours
+
+
+def record_digests(ranks, row: dict, digests: dict) -> None:
+    """Every rank's {label: digests} into row["bitwise"] (each label against MoK's sequential
+    layer, which row["digests"] keeps per rank)."""
+    everyone = ranks.comm.allgather(digests)
+    if "digests" not in row:
+        row["digests"] = [d["mok"] for d in everyone]
+    equal = {**row.get("bitwise", {}).get("equal_to_mok_sequential", {}),
+             **{label: all(d[label] == mok for d, mok in zip(everyone, row["digests"])) for label in digests}}
+    row["bitwise"] = {"equal_to_mok_sequential": equal, "all": all(equal.values())}
+
+
+def run_fused(ranks, prob, layer, args, jobs, row: dict) -> None:
+    """Each fused setting of each pass (the other pass sequential) as graph replays, its results
+    against the sequential layer's (row["digests"]: the first part of this run, on another layer
+    object with the same inputs); fills row["ours"]["fused"]."""
+    rank, heap, say = ranks.rank, ranks.heap, ranks.say
+    mok = row["digests"][rank]
+    digests = {}
+    ok, digests["sequential, second layer"] = ranks.phase(row, "first step (fused part)", lambda: (
+        eager_step(layer, heap), result_digests(layer, rank))[1])
+    if not ok:
+        return
     settings = [(pass_, comm_blocks, minibatch) for pass_ in ("fwd", "bwd") for comm_blocks, minibatch in args.fused]
     for pass_, comm_blocks, minibatch in settings:
         if any(ranks.comm.allgather(layer.failed)):  # spent on some rank: every later step would only time out
@@ -602,17 +633,13 @@ def run_ours(ranks, prob, layer, args, jobs, row: dict) -> dict:
         if not ok:
             continue
         st, digests[label] = got
-        same = all(ranks.comm.allgather(digests[label] == digests["mok"]))
+        same = all(ranks.comm.allgather(digests[label] == mok))
         row["ours"]["fused"][pass_].append({"comm_blocks": comm_blocks, "minibatch_rows": minibatch, **st,
                                             "plan_wait_s": waited, "plan_tasks": len(plan.tasks),
                                             "num_sms": plan.num_sms, "equal_to_sequential": same})
-        say(f"#   ours {label}: {st['median_ms']:.3f} ms, results equal to the sequential layer's: {same} "
-            f"(waited {waited:.0f} s for its plan)")
-    everyone = ranks.comm.allgather(digests)  # every rank's {label: {"out", "grads"}}
-    equal = {label: all(d[label] == d["mok"] for d in everyone) for label in digests}
-    row["bitwise"] = {"equal_to_mok_sequential": equal, "all": all(equal.values())}
-    row["digests"] = [d["mok"] for d in everyone]
-    return ours
+        say(f"#   ours {label}: {st['median_ms']:.3f} ms (sequential {row['ours']['sequential'][pass_]['median_ms']:.3f}),"
+            f" results equal to the sequential layer's: {same} (waited {waited:.0f} s for its plan)")
+    record_digests(ranks, row, digests)
 
 
 def as_torch(a):
@@ -794,10 +821,13 @@ def main_mpi(args) -> int:
         ranks.say(f"# link: NVSHMEM peer pull {link['nvshmem_pull_gbs']:.0f} GB/s per GPU, NCCL all_to_all "
                   f"{link['nccl_a2a_gbs']:.0f} GB/s per GPU (slowest rank); {len(jobs)} fused plans being proved by "
                   f"{args.plan_workers} helper processes per rank; {time.time() - start:.0f} s so far")
-        digests = {}
+        digests, done = {}, {}
+        # Part 1, every shape: our sequential layer and the torch layer (kernels run before).
         for prob in problems:
-            row, heap_held = run_shape(ranks, prob, args, jobs, link, heap_held)
+            row, heap_held = run_shape(ranks, prob, args, heap_held, link, "sequential", {},
+                                       lambda layer, row, prob=prob: sequential_part(ranks, prob, layer, args, row))
             rows.append(row)
+            done[prob.name] = row
             # Recorded as soon as the shape is done: a run stopped later keeps it.
             digests[prob.name] = {"config": {k: row.get(k) for k in ("shape", "ranks", "tokens_per_rank", "seed",
                                                                      "capacity")}}
@@ -810,12 +840,22 @@ def main_mpi(args) -> int:
                                                            "mpi")[prob.name]
                 ranks.say(f"#   bitwise vs the single process ({args.compare}): "
                           f"{describe_comparison(row['bitwise_vs_single'])}")
+            if lead:
+                append_result("bench_layer_mpi", {"mode": "mpi", "record": "partial (no fused pass yet)", **row,
+                                                  "iters": args.iters, "warmup": args.warmup}, out_dir)
+                write_digests(digests_path, "mpi", num_ranks, digests)
+        # Part 2, every shape: the fused passes (never run over NVSHMEM processes before: a device
+        # error there must not cost the shapes above their measurements).
+        for prob in problems:
+            row = done[prob.name]
+            if "digests" in row and args.fused:
+                row, heap_held = run_shape(ranks, prob, args, heap_held, link, "fused", row,
+                                           lambda layer, row, prob=prob: run_fused(ranks, prob, layer, args, jobs, row))
             missed = judge(row)
             failed += [f"{prob.name}: {'; '.join(missed)}"] if missed else []
             if lead:
-                append_result("bench_layer_mpi", {"mode": "mpi", **row, "iters": args.iters, "warmup": args.warmup,
-                                                  "bars": BARS, "missed": missed}, out_dir)
-                write_digests(digests_path, "mpi", num_ranks, digests)
+                append_result("bench_layer_mpi", {"mode": "mpi", "record": "complete", **row, "iters": args.iters,
+                                                  "warmup": args.warmup, "bars": BARS, "missed": missed}, out_dir)
         if lead:
             print_table(rows, link, digests_path, args.compare)
     finally:
@@ -831,40 +871,50 @@ def main_mpi(args) -> int:
     return 0
 
 
-def run_shape(ranks, prob, args, jobs, link: dict, heap_held: int):
-    """One shape: ours, then the torch layer on our weights. Returns (row, heap_held after it)."""
+def sequential_part(ranks, prob, layer, args, row: dict) -> None:
+    """Part 1 of a shape: our sequential layer, then the torch layer on the same weights."""
+    ours = run_sequential(ranks, prob, layer, args, row)
+    if ours:
+        ranks.phase(row, "torch", lambda: run_torch(ranks, prob, layer, ours, args.iters, args.warmup, row))
+    if "torch" in row:
+        t = row["torch"]
+        ranks.say(f"#   torch + NCCL: fwd {t['fwd']['median_ms']:.3f} ms, bwd {t['bwd_median_ms']:.3f} ms "
+                  f"(gate/up {t['gate_up'].split(' ')[0]}); max rel err vs ours: out "
+                  f"{t['max_rel_err_vs_ours']['out']:.1e}, dx {t['max_rel_err_vs_ours']['x']:.1e}")
+
+
+def run_shape(ranks, prob, args, heap_held: int, link: dict, part: str, row: dict, work):
+    """One part of one shape on a fresh layer (allocated and filled if it fits, freed after):
+    work(layer, row). Returns (row, heap_held after it); row starts as the shape's config."""
     import cupy
 
     start = time.time()
-    row = {**prob.config(), "link": link}
-    ranks.say(f"# {prob.name}: N={prob.shape.num_tokens} H={prob.shape.hidden} I={prob.shape.ffn} "
+    row = row or {**prob.config(), "link": link}
+    ranks.say(f"# {prob.name} ({part}): N={prob.shape.num_tokens} H={prob.shape.hidden} I={prob.shape.ffn} "
               f"E={prob.shape.num_experts} (El={prob.shape.num_experts // prob.num_ranks}) K={prob.shape.top_k}, "
               f"capacity {prob.capacity} rows, our layer {prob.layer_bytes / 1e9:.1f} GB per rank")
     free = ranks.free_bytes()
     if prob.layer_bytes + MARGIN_BYTES > free + heap_held:
-        row["skipped"] = (f"our layer needs {prob.layer_bytes / 1e9:.1f} GB per rank (+ {MARGIN_BYTES >> 30} GiB "
-                          f"margin), {free / 1e9:.1f} GB free + {heap_held / 1e9:.1f} GB held by the heap")
-        ranks.say(f"# {prob.name}: skipped: {row['skipped']}")
+        why = (f"our layer needs {prob.layer_bytes / 1e9:.1f} GB per rank (+ {MARGIN_BYTES >> 30} GiB margin), "
+               f"{free / 1e9:.1f} GB free + {heap_held / 1e9:.1f} GB held by the heap")
+        if part == "sequential":
+            row["skipped"] = why
+        else:
+            row.setdefault("errors", []).append({"phase": "fused part: allocate", "ranks": {"all": why}})
+        ranks.say(f"# {prob.name} ({part}): skipped: {why}")
         return row, heap_held
-    ok, layer = ranks.phase(row, "allocate and fill", lambda: new_layer(ranks, prob, args.seed))
+    ok, layer = ranks.phase(row, f"allocate and fill ({part})", lambda: new_layer(ranks, prob, args.seed))
     if ok:
         try:
-            ours = run_ours(ranks, prob, layer, args, jobs, row)
-            if ours:
-                ranks.phase(row, "torch", lambda: run_torch(ranks, prob, layer, ours, args.iters, args.warmup, row))
-            if "torch" in row:
-                t = row["torch"]
-                ranks.say(f"#   torch + NCCL: fwd {t['fwd']['median_ms']:.3f} ms, bwd {t['bwd_median_ms']:.3f} ms "
-                          f"(gate/up {t['gate_up'].split(' ')[0]}); max rel err vs ours: out "
-                          f"{t['max_rel_err_vs_ours']['out']:.1e}, dx {t['max_rel_err_vs_ours']['x']:.1e}")
+            work(layer, row)
         finally:
-            ranks.phase(row, "free", layer.close)
+            ranks.phase(row, f"free ({part})", layer.close)
     layer = None  # (the torch tensors on its buffers went with run_torch's frame)
     cupy.get_default_memory_pool().free_all_blocks()
     # What the heap kept of this layer (free memory that did not come back) stays usable by the next.
     heap_held += max(0, free - ranks.free_bytes())
-    row["elapsed_s"] = time.time() - start
-    ranks.say(f"# {prob.name}: done in {row['elapsed_s']:.1f} s")
+    row[f"elapsed_{part}_s"] = time.time() - start
+    ranks.say(f"# {prob.name} ({part}): done in {row[f'elapsed_{part}_s']:.1f} s")
     return row, heap_held
 
 
