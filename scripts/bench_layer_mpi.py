@@ -544,6 +544,7 @@ def run_sequential(ranks, prob, layer, args, row: dict) -> dict:
     from mok_proto.kernels import gemm
 
     rank, heap, say = ranks.rank, ranks.heap, ranks.say
+    say("#   first step (the first shape compiles the kernels)")
     ok, _ = ranks.phase(row, "first step (compiles)", lambda: eager_step(layer, heap))
     if not ok:
         return {}
@@ -559,6 +560,8 @@ def run_sequential(ranks, prob, layer, args, row: dict) -> dict:
         if not ok:
             return ours
         stages[label], digests[label] = got
+        say(f"#   eager passes, {label}: fwd {got[0]['fwd']['total']['median_ms']:.3f} ms, bwd "
+            f"{got[0]['bwd']['total']['median_ms']:.3f} ms")
         if label == "mok":
             ours = {"out": layer.output(rank), "dx": gemm.from_bf16(layer.result_views(rank)["x"])}
     layer.policy = dict(MOK_POLICY)
@@ -804,6 +807,7 @@ def main_mpi(args) -> int:
     link = {"nvshmem_pull_gbs": float("nan"), "nccl_a2a_gbs": float("nan")}
     try:
         setup = {"shape": "setup"}
+        ranks.say("# compiling the fused kernels (their occupancy sizes the plans)")
         ok, num_sms = ranks.phase(setup, "fused kernels (compile, occupancy)",
                                   lambda: {pass_: default_num_sms(1, pass_) for pass_ in ("fwd", "bwd")})
         if not ok:
