@@ -4,6 +4,7 @@ the slowest rank, a copy-bandwidth ceiling measured in the same run, and JSON-li
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import subprocess
@@ -104,6 +105,66 @@ def copy_ceiling_gbs(nbytes: int = 1 << 30, iters: int = 20) -> float:
     return nbytes / (np.median(samples["copy"]) * 1e-3) / 1e9
 
 
+def peer_pull_gbs(heap, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Link ceiling under NVSHMEM: every rank copies nbytes from the next rank's symmetric buffer
+    at once (a device copy through the peer mapping), in bytes per second per GPU."""
+    import cupy
+
+    buf = heap.alloc("link-ceiling", (nbytes // 4,), np.float32)
+    dst = cupy.empty(nbytes // 4, np.float32)
+    peer = (heap.rank + 1) % heap.num_ranks
+    src = buf.instance(peer)
+    heap.barrier()
+    samples = time_stages(lambda mark: (mark("pull"), dst.__setitem__(Ellipsis, src), mark(None)), iters, 2)
+    heap.free(buf)
+    return nbytes / (np.median(samples["pull"]) * 1e-3) / 1e9
+
+
+DIGEST_ROW_WORDS = 4096  # 32-bit words per fingerprint row of `digest`
+# odd 64-bit multipliers, one per word of a row (fixed: digests compare across runs and machines)
+_DIGEST_MULTIPLIERS = (np.random.default_rng(0x6D6F6B).integers(0, 2 ** 63, DIGEST_ROW_WORDS, dtype=np.uint64)
+                       * np.uint64(2) + np.uint64(1))
+
+
+def digest(arrays: dict, chunk_rows: int = 1 << 14) -> str:
+    """SHA-256 (hex) of named arrays (NumPy or CuPy), for bitwise comparisons of results too large
+    to copy to the host (a layer's fp32 weight gradients: tens of GB). Each array's name, dtype and
+    shape are hashed with fingerprints of its bytes computed where the array lives: the bytes as
+    32-bit words w (zero-padded), in rows of DIGEST_ROW_WORDS, each row's sum of w[i] * m[i] mod
+    2^64 with fixed odd multipliers m. Equal arrays give equal digests; a row that differs in one
+    word always changes its fingerprint (m[i] odd, |w - w'| < 2^32), and rows that differ in
+    several words collide with probability about 2^-64."""
+    from mok_proto.validate import array_module
+
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = arrays[name]
+        xp = array_module(a)
+        h.update(f"{name}:{a.dtype.str}:{tuple(a.shape)};".encode())
+        flat = xp.ascontiguousarray(a).reshape(-1).view(xp.uint8)
+        words = xp.concatenate([flat, xp.zeros(-flat.size % 4, xp.uint8)]).view(xp.uint32) if flat.size % 4 \
+            else flat.view(xp.uint32)
+        mult = xp.asarray(_DIGEST_MULTIPLIERS)
+        step = chunk_rows * DIGEST_ROW_WORDS
+        for start in range(0, words.size, step):
+            part = words[start:start + step]
+            if part.size % DIGEST_ROW_WORDS:
+                part = xp.concatenate([part, xp.zeros(-part.size % DIGEST_ROW_WORDS, xp.uint32)])
+            rows = part.reshape(-1, DIGEST_ROW_WORDS).astype(xp.uint64) * mult  # wraps mod 2^64
+            sums = rows.sum(axis=1, dtype=xp.uint64)
+            h.update((sums.get() if xp is not np else sums).astype("<u8").tobytes())
+    return h.hexdigest()
+
+
+def use_all_cpus() -> None:
+    """Let this process run on every CPU (a helper process of an MPI rank inherits the rank's
+    binding, often one core)."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):  # no such call here, or not allowed: keep the binding
+        pass
+
+
 def git_sha() -> str:
     """The commit the results come from: $MOK_GIT_SHA when set (a copy of the tree on another
     machine may carry a stale .git: set it there to `git describe --always --dirty` of the source
@@ -118,9 +179,11 @@ def git_sha() -> str:
         return "unknown"
 
 
-def append_result(name: str, record: dict) -> Path:
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"{name}.jsonl"
+def append_result(name: str, record: dict, results_dir: Path | str = RESULTS_DIR) -> Path:
+    """Append one JSON line (time and git stamp first) to <results_dir>/<name>.jsonl."""
+    results_dir = Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{name}.jsonl"
     record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git": git_sha(), **record}
     with path.open("a") as f:

@@ -36,8 +36,8 @@ import numpy as np
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
-from mok_proto.bench import (append_result, copy_ceiling_gbs, require_gpu, slowest_rank, summarize,  # noqa: E402
-                             time_stages)
+from mok_proto.bench import (append_result, copy_ceiling_gbs, peer_pull_gbs, require_gpu, slowest_rank,  # noqa: E402
+                             summarize, time_stages)
 from mok_proto.config import DIRECTIONS, PAPER_SHAPES, RunConfig, get_shape  # noqa: E402
 from mok_proto.layer.gpu_comm import GpuCommRound  # noqa: E402
 from mok_proto.reference import stand_in_round  # noqa: E402
@@ -72,21 +72,6 @@ def bit_exact(heap, rnd, want) -> bool:
     rnd.check()
     heap.barrier()
     return all(np.array_equal(rnd.output(rank).get(), out) for rank, out in want.items())
-
-
-def peer_pull_gbs(heap, nbytes=1 << 30, iters=10):
-    """Link ceiling under NVSHMEM: every rank copies nbytes from the next rank's symmetric buffer
-    at once (a device copy through the peer mapping), in bytes per second per GPU."""
-    import cupy
-
-    buf = heap.alloc("link-ceiling", (nbytes // 4,), np.float32)
-    dst = cupy.empty(nbytes // 4, np.float32)
-    peer = (heap.rank + 1) % heap.num_ranks
-    src = buf.instance(peer)
-    heap.barrier()
-    samples = time_stages(lambda mark: (mark("pull"), dst.__setitem__(Ellipsis, src), mark(None)), iters, 2)
-    heap.free(buf)
-    return nbytes / (np.median(samples["pull"]) * 1e-3) / 1e9
 
 
 def time_round(rnd, dispatch, combine, iters, warmup, comm=None):

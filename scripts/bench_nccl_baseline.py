@@ -21,6 +21,7 @@ the NumPy round (exit 1 on a mismatch). JSON lines: results/bench_nccl_baseline.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -97,6 +98,129 @@ class NcclRound:
             out += self.w[:, j, None] * y_slots[:, j]
         mark(None)
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def _all_to_all_rows():
+    """torch.autograd.Function: rows all_to_all_single'd with split sizes, and their gradient
+    sent back the reverse way (built on first use: torch is imported lazily)."""
+    import torch
+    import torch.distributed as dist
+
+    class AllToAllRows(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, rows, out_split, in_split):
+            ctx.splits = (out_split, in_split)
+            out = rows.new_empty((sum(out_split),) + tuple(rows.shape[1:]))
+            dist.all_to_all_single(out, rows.contiguous(), out_split, in_split)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            out_split, in_split = ctx.splits
+            back = grad.new_empty((sum(in_split),) + tuple(grad.shape[1:]))
+            dist.all_to_all_single(back, grad.contiguous(), in_split, out_split)
+            return back, None, None
+
+    return AllToAllRows
+
+
+def all_to_all_rows(rows, out_split: list, in_split: list):
+    """rows [sum(in_split), ...] -> [sum(out_split), ...]: in_split[p] rows go to rank p,
+    out_split[p] rows come from it (NCCL all_to_all_single); autograd sends gradients back."""
+    return _all_to_all_rows().apply(rows, out_split, in_split)
+
+
+class TorchNcclLayer:
+    """The MoE layer as a PyTorch user writes it on R ranks (one per GPU, torch.distributed NCCL):
+    this rank's El = E/R routed SwiGLU experts (rank r owns experts r El .. (r + 1) El - 1) and the
+    optional shared expert, forward and backward by autograd, bf16 with fp32 routing weights.
+
+    forward(x [N,H] bf16, topk_idx [N,K] int64, topk_weights [N,K] fp32):
+      layout        (token, choice) slots sorted by destination rank (expert // El), split sizes
+                    exchanged with all_to_all_single and READ BY THE HOST (.tolist(): the naive
+                    baseline's CPU-GPU synchronization)
+      shared        x @ [gate | up] -> silu(g) * u -> @ down
+      dispatch      the slots' token rows and their expert ids all_to_all_single'd to the owners
+      experts       received rows sorted by local expert, torch._grouped_mm gate/up (one [El,H,2I]
+                    weight, or gate and up apart when concat=False), SwiGLU, grouped_mm down, unsorted
+      combine       result rows all_to_all_single'd back, put into their [N*K] slots
+      weighted_sum  out = shared + sum_j w[:, j] * y[:, j] in fp32, j in order, rounded to bf16
+    The weights are leaves with requires_grad (w_down and the shared down projection share memory
+    with the tensors given; gate/up are concatenated into a copy unless concat=False)."""
+
+    def __init__(self, num_ranks: int, rank: int, w_gate, w_up, w_down, shared=None, concat: bool = True):
+        import torch
+
+        self.num_ranks, self.rank = num_ranks, rank
+        self.num_local = w_gate.shape[0]
+        if concat:
+            self.w1, self.w_gate, self.w_up = torch.cat([w_gate, w_up], dim=2).requires_grad_(), None, None
+        else:
+            self.w1, self.w_gate, self.w_up = None, w_gate.detach().requires_grad_(), w_up.detach().requires_grad_()
+        self.w2 = w_down.detach().requires_grad_()
+        self.s1 = self.s2 = None
+        if shared is not None:  # (gate [H,Is], up [H,Is], down [Is,H])
+            self.s1 = torch.cat([shared[0], shared[1]], dim=1).requires_grad_()
+            self.s2 = shared[2].detach().requires_grad_()
+
+    def parameters(self) -> list:
+        return [p for p in (self.w1, self.w_gate, self.w_up, self.w2, self.s1, self.s2) if p is not None]
+
+    def forward(self, x, topk_idx, topk_weights, mark=None):
+        import torch
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        mark = mark or (lambda stage: None)
+        n, k = topk_idx.shape
+        el, num_ranks = self.num_local, self.num_ranks
+        mark("layout")
+        flat = topk_idx.reshape(-1)  # [N*K] global expert of slot t*K + j
+        dest = flat // el
+        order = torch.argsort(dest, stable=True)  # slots grouped by destination rank
+        send_counts = torch.bincount(dest, minlength=num_ranks)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts)
+        send_split, recv_split = send_counts.tolist(), recv_counts.tolist()  # host readback
+        mark("shared")
+        out = None
+        if self.s1 is not None:
+            gs, us = (x @ self.s1).chunk(2, -1)
+            out = ((F.silu(gs) * us) @ self.s2).float()
+        mark("dispatch")
+        recv = all_to_all_rows(x.index_select(0, order // k), recv_split, send_split)
+        recv_expert = flat.new_empty(sum(recv_split))
+        dist.all_to_all_single(recv_expert, flat.index_select(0, order), recv_split, send_split)
+        mark("experts")
+        local = recv_expert - self.rank * el
+        perm = torch.argsort(local, stable=True)  # received rows grouped by local expert
+        offs = torch.cumsum(torch.bincount(local, minlength=el), 0).to(torch.int32)
+        xs = recv.index_select(0, perm)
+        if self.w1 is not None:
+            g, u = torch._grouped_mm(xs, self.w1, offs=offs).chunk(2, -1)
+        else:
+            g, u = torch._grouped_mm(xs, self.w_gate, offs=offs), torch._grouped_mm(xs, self.w_up, offs=offs)
+        y = torch._grouped_mm(F.silu(g) * u, self.w2, offs=offs)
+        y = y.index_select(0, _inverse(perm))  # back in received order
+        mark("combine")
+        back = all_to_all_rows(y, send_split, recv_split)  # rows in `order`
+        y_slots = back.index_select(0, _inverse(order)).view(n, k, -1)
+        mark("weighted_sum")
+        w = topk_weights.float()
+        for j in range(k):  # fixed order, as the layer's token sums
+            term = w[:, j, None] * y_slots[:, j].float()
+            out = term if out is None else out + term
+        return out.to(x.dtype)
+
+
+def _inverse(perm):
+    """The inverse of a permutation (torch int64)."""
+    import torch
+
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
 
 
 def link_ceiling_gbs(num_ranks, nbytes=1 << 30, iters=10):

@@ -47,8 +47,8 @@ from mok_proto.config import DIRECTIONS, RunConfig
 from mok_proto.kernels import comm as kc
 from mok_proto.kernels import gemm
 from mok_proto.kernels import token as kt
-from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, to_experts, to_experts_before_fused, to_tokens,
-                                      to_tokens_after_fused)
+from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, round_layout, to_experts, to_experts_before_fused,
+                                      to_tokens, to_tokens_after_fused)
 from mok_proto.plan import COMM_KINDS, PAIR_ROWS
 
 BF16, F32, I32 = np.uint16, np.float32, np.int32
@@ -68,6 +68,81 @@ def check_tiles(shape) -> None:
 def bf16(a):
     """float array (NumPy or CuPy) -> bf16 bits (uint16), round to nearest even."""
     return gemm.to_bf16(a)
+
+
+def layer_row_layout(shape, num_local: int, capacity: int) -> dict:
+    """{name: (shape, dtype)} of the layer's own buffers (rows, saved activations, weights and
+    gradients) for `num_local` experts per rank and `capacity` receive rows: GpuMoELayer.row_layout,
+    callable without a GPU (symmetric_bytes sizes the heap with it)."""
+    n, h, k, i_ffn, i_shared = shape.num_tokens, shape.hidden, shape.top_k, shape.ffn, shape.shared_ffn_size
+    el, cap = num_local, capacity
+    layout = {  # name: (shape, dtype); every buffer symmetric (peers reach the row buffers)
+        # forward
+        "x": ((n, h), BF16), "recv": ((cap, h), BF16), "g": ((cap, i_ffn), BF16), "u": ((cap, i_ffn), BF16),
+        "h": ((cap, i_ffn), BF16), "y": ((cap, h), BF16), "y_slots": ((n * k, h), BF16),
+        "base": ((n, h), BF16), "out": ((n, h), BF16),
+        # backward
+        "dout": ((n, h), BF16), "dy_slots": ((n * k, h), BF16), "recv_dy": ((cap, h), BF16),
+        "dg": ((cap, i_ffn), BF16), "du": ((cap, i_ffn), BF16), "dx_rows": ((cap, h), BF16),
+        "dx_slots": ((n * k, h), BF16), "dx_base": ((n, h), BF16), "dx": ((n, h), BF16),
+        "d_topk_w": ((n, k), F32),
+        # routed weights (bf16) and their gradients (fp32)
+        "w_gate": ((el, h, i_ffn), BF16), "w_up": ((el, h, i_ffn), BF16), "w_down": ((el, i_ffn, h), BF16),
+        "dw_gate": ((el, h, i_ffn), F32), "dw_up": ((el, h, i_ffn), F32), "dw_down": ((el, i_ffn, h), F32),
+    }
+    if shape.num_shared == 1:
+        layout.update({
+            "sg": ((n, i_shared), BF16), "su": ((n, i_shared), BF16), "sh": ((n, i_shared), BF16),
+            "sdg": ((n, i_shared), BF16), "sdu": ((n, i_shared), BF16),
+            "shared_gate": ((1, h, i_shared), BF16), "shared_up": ((1, h, i_shared), BF16),
+            "shared_down": ((1, i_shared, h), BF16),
+            "dshared_gate": ((1, h, i_shared), F32), "dshared_up": ((1, h, i_shared), F32),
+            "dshared_down": ((1, i_shared, h), F32),
+        })
+    return layout
+
+
+def symmetric_bytes(run: RunConfig, capacity: int) -> int:
+    """Bytes of symmetric memory one rank's GpuMoELayer allocates (every buffer of round_layout and
+    layer_row_layout, before the allocator's alignment): what NVSHMEM_SYMMETRIC_SIZE must hold."""
+    layout = {**round_layout(run, capacity), **layer_row_layout(run.shape, run.num_local_experts, capacity)}
+    return sum(int(np.prod(shp, dtype=np.int64)) * np.dtype(dt).itemsize for shp, dt in layout.values())
+
+
+def receive_capacity(topk_idx_all, num_experts: int) -> int:
+    """Receive rows the layer needs for this routing ([R, N, K], every rank's): the largest rank's
+    sum over its experts of their rows padded to the schedule's align (PAIR_ROWS), as the device
+    schedule places them. Pass it as `capacity` when the routing is known up front: with many
+    local experts the padding is most of it (El x up to PAIR_ROWS - 1 rows)."""
+    topk = np.asarray(topk_idx_all)
+    num_ranks = topk.shape[0]
+    rows = np.bincount(topk.reshape(-1), minlength=num_experts)  # [E]
+    padded = -(-rows // PAIR_ROWS) * PAIR_ROWS
+    return max(1, int(padded.reshape(num_ranks, num_experts // num_ranks).sum(axis=1).max()))
+
+
+def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, comm_blocks: int, minibatch_rows: int,
+               num_sms: int, ring_minibatches=None, lookahead: int | None = None, check: bool = False):
+    """A plan.fused_forward (pass_="fwd") or plan.fused_backward plan for a layer of `run` with
+    `capacity` receive rows (rounded up to whole minibatches) and `num_sms` CTAs per launch rank;
+    check=True also proves it (Plan.check, kept with the plan: a process can build and check plans
+    for another, e.g. while that one runs the GPU)."""
+    from mok_proto import plan as plans
+
+    capacity_rows = -(-capacity // minibatch_rows) * minibatch_rows
+    if pass_ == "fwd":
+        made = plans.fused_forward(run.shape, run.num_ranks, comm_blocks, minibatch_rows, ring_minibatches,
+                                   policy=policy, num_sms=num_sms, capacity_rows=capacity_rows, lookahead=lookahead)
+    elif pass_ == "bwd":
+        if ring_minibatches is not None:
+            raise ValueError("a fused backward plan has no ring_minibatches (its ring holds every minibatch)")
+        made = plans.fused_backward(run.shape, run.num_ranks, comm_blocks, minibatch_rows, policy=policy,
+                                    num_sms=num_sms, capacity_rows=capacity_rows, lookahead=lookahead)
+    else:
+        raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")
+    if check:
+        made.check()
+    return made
 
 
 def _directions(plan, policy: dict) -> tuple[bool, bool]:
@@ -108,32 +183,7 @@ class GpuMoELayer(GpuRound):
 
     def row_layout(self, capacity):
         """The layer's own buffers: rows, saved activations, weights and gradients."""
-        s, el, cap = self.shape, self.num_local, capacity
-        n, h, k, i_ffn, i_shared = s.num_tokens, s.hidden, s.top_k, s.ffn, s.shared_ffn_size
-        layout = {  # name: (shape, dtype); every buffer symmetric (peers reach the row buffers)
-            # forward
-            "x": ((n, h), BF16), "recv": ((cap, h), BF16), "g": ((cap, i_ffn), BF16), "u": ((cap, i_ffn), BF16),
-            "h": ((cap, i_ffn), BF16), "y": ((cap, h), BF16), "y_slots": ((n * k, h), BF16),
-            "base": ((n, h), BF16), "out": ((n, h), BF16),
-            # backward
-            "dout": ((n, h), BF16), "dy_slots": ((n * k, h), BF16), "recv_dy": ((cap, h), BF16),
-            "dg": ((cap, i_ffn), BF16), "du": ((cap, i_ffn), BF16), "dx_rows": ((cap, h), BF16),
-            "dx_slots": ((n * k, h), BF16), "dx_base": ((n, h), BF16), "dx": ((n, h), BF16),
-            "d_topk_w": ((n, k), F32),
-            # routed weights (bf16) and their gradients (fp32)
-            "w_gate": ((el, h, i_ffn), BF16), "w_up": ((el, h, i_ffn), BF16), "w_down": ((el, i_ffn, h), BF16),
-            "dw_gate": ((el, h, i_ffn), F32), "dw_up": ((el, h, i_ffn), F32), "dw_down": ((el, i_ffn, h), F32),
-        }
-        if self.has_shared:
-            layout.update({
-                "sg": ((n, i_shared), BF16), "su": ((n, i_shared), BF16), "sh": ((n, i_shared), BF16),
-                "sdg": ((n, i_shared), BF16), "sdu": ((n, i_shared), BF16),
-                "shared_gate": ((1, h, i_shared), BF16), "shared_up": ((1, h, i_shared), BF16),
-                "shared_down": ((1, i_shared, h), BF16),
-                "dshared_gate": ((1, h, i_shared), F32), "dshared_up": ((1, h, i_shared), F32),
-                "dshared_down": ((1, i_shared, h), F32),
-            })
-        return layout
+        return layer_row_layout(self.shape, self.num_local, capacity)
 
     def launch_only(self, ranks):
         """Drive only `ranks` (a contiguous subset of the heap's launch ranks) from now on: the
@@ -204,24 +254,18 @@ class GpuMoELayer(GpuRound):
                            num_sms: int | None = None, lookahead: int | None = None):
         """A fused_forward plan for this layer (its shape, R, policy, capacity) and this GPU (num_sms:
         CTAs per launch rank, by default as many as are resident with every launch rank's)."""
-        from mok_proto import plan as plans
         from mok_proto.kernels.fused import default_num_sms
 
-        num_sms = num_sms or default_num_sms(len(self.ranks), "fwd")
-        capacity = -(-self.capacity // minibatch_rows) * minibatch_rows
-        return plans.fused_forward(self.shape, self.run.num_ranks, comm_blocks, minibatch_rows, ring_minibatches,
-                                   policy=self.policy, num_sms=num_sms, capacity_rows=capacity, lookahead=lookahead)
+        return fused_plan("fwd", self.run, self.capacity, self.policy, comm_blocks, minibatch_rows,
+                          num_sms or default_num_sms(len(self.ranks), "fwd"), ring_minibatches, lookahead)
 
     def fused_backward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, num_sms: int | None = None,
                             lookahead: int | None = None):
         """A fused_backward plan for this layer and this GPU (as fused_forward_plan)."""
-        from mok_proto import plan as plans
         from mok_proto.kernels.fused import default_num_sms
 
-        num_sms = num_sms or default_num_sms(len(self.ranks), "bwd")
-        capacity = -(-self.capacity // minibatch_rows) * minibatch_rows
-        return plans.fused_backward(self.shape, self.run.num_ranks, comm_blocks, minibatch_rows, policy=self.policy,
-                                    num_sms=num_sms, capacity_rows=capacity, lookahead=lookahead)
+        return fused_plan("bwd", self.run, self.capacity, self.policy, comm_blocks, minibatch_rows,
+                          num_sms or default_num_sms(len(self.ranks), "bwd"), lookahead=lookahead)
 
     def _gemm(self, pass_: str, slot: str, r: int):
         """(wrapper, args) of one GEMM of rank r: the GemmSlot `slot` of pass `pass_` (None: there
@@ -277,8 +321,6 @@ class GpuMoELayer(GpuRound):
     def set_weights(self, rank: int, weights: dict):
         """This rank's El routed experts (w_gate/w_up [El,H,I], w_down [El,I,H]) and, with a shared
         expert, shared_gate/shared_up [H,Is], shared_down [Is,H]: float arrays, rounded to bf16."""
-        import cupy
-
         s = self.shape
         want = {"w_gate": (self.num_local, s.hidden, s.ffn), "w_up": (self.num_local, s.hidden, s.ffn),
                 "w_down": (self.num_local, s.ffn, s.hidden)}
@@ -288,10 +330,31 @@ class GpuMoELayer(GpuRound):
         for key, shp in want.items():
             if key not in weights:
                 raise ValueError(f"weights: missing {key!r}")
-            a = weights[key]
-            if tuple(a.shape) != shp:
-                raise ValueError(f"weights[{key!r}] must have shape {shp}, got {tuple(a.shape)}")
-            self.bufs[key].instance(rank)[...] = bf16(cupy.asarray(a, dtype=F32)).reshape(self.bufs[key].shape)
+            if tuple(weights[key].shape) != shp:
+                raise ValueError(f"weights[{key!r}] must have shape {shp}, got {tuple(weights[key].shape)}")
+            self.set_weight_part(rank, key, weights[key])
+
+    def set_weight_part(self, rank: int, key: str, values, first_expert: int = 0):
+        """One weight of `rank` (a key of set_weights, same shape), or only routed experts
+        first_expert .. first_expert + len(values) - 1 of w_gate/w_up/w_down: float arrays, rounded
+        to bf16. A large layer can be filled in chunks of experts, without a float copy of it all."""
+        import cupy
+
+        if key not in ("w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down") or key not in self.bufs:
+            raise ValueError(f"set_weight_part: {key!r} is not a weight of this layer")
+        buf = self.bufs[key].instance(rank)
+        if key.startswith("w_"):
+            num = len(values)
+            if values.ndim != 3 or tuple(values.shape[1:]) != buf.shape[1:] or not 0 <= first_expert <= len(buf) - num:
+                raise ValueError(f"set_weight_part: {key} takes [n, {buf.shape[1]}, {buf.shape[2]}] for experts "
+                                 f"first_expert .. first_expert + n - 1 of {len(buf)}, got {tuple(values.shape)} "
+                                 f"at first_expert={first_expert}")
+            part = buf[first_expert:first_expert + num]
+        else:
+            if tuple(values.shape) != buf.shape[1:]:
+                raise ValueError(f"set_weight_part: {key} must have shape {buf.shape[1:]}, got {tuple(values.shape)}")
+            part = buf[0]
+        part[...] = bf16(cupy.asarray(values, dtype=F32))
 
     def set_inputs(self, rank: int, x, topk_idx, topk_weights):
         """One rank's x [N,H] (rounded to bf16), topk_idx [N,K], topk_weights [N,K] (fp32)."""
@@ -475,17 +538,25 @@ class GpuMoELayer(GpuRound):
         """out [N,H] as float32 (from bf16)."""
         return gemm.from_bf16(self._b("out", rank))
 
+    def result_views(self, rank: int) -> dict:
+        """`rank`'s results where the layer keeps them, no copy (for checksums of large layers): out
+        [N,H] and the gradients under grads()' names, bf16 ones (out, x) as their uint16 bits,
+        the shared expert's as [1, ...]. The next pass overwrites them."""
+        b = self._b
+        views = {"out": b("out", rank), "x": b("dx", rank), "topk_weights": b("d_topk_w", rank),
+                 "w_gate": b("dw_gate", rank), "w_up": b("dw_up", rank), "w_down": b("dw_down", rank)}
+        if self.has_shared:
+            views.update(shared_gate=b("dshared_gate", rank), shared_up=b("dshared_up", rank),
+                         shared_down=b("dshared_down", rank))
+        return views
+
     def grads(self, rank: int) -> dict:
         """x [N,H] and topk_weights [N,K] (float32), w_gate/w_up/w_down of this rank's experts and
         the shared expert's gradient (this rank's partial sum), fp32, as CuPy arrays."""
-        b = self._b
-        out = {"x": gemm.from_bf16(b("dx", rank)), "topk_weights": b("d_topk_w", rank).copy(),
-               "w_gate": b("dw_gate", rank).copy(), "w_up": b("dw_up", rank).copy(),
-               "w_down": b("dw_down", rank).copy()}
-        if self.has_shared:
-            out.update(shared_gate=b("dshared_gate", rank)[0].copy(), shared_up=b("dshared_up", rank)[0].copy(),
-                       shared_down=b("dshared_down", rank)[0].copy())
-        return out
+        views = self.result_views(rank)
+        del views["out"]
+        return {key: gemm.from_bf16(v) if key == "x" else v[0].copy() if key.startswith("shared_") else v.copy()
+                for key, v in views.items()}
 
     def poison(self):
         """NaN (bf16 0x7FC0, fp32 NaN) into every row buffer and result of the ranks this process

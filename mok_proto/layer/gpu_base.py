@@ -28,19 +28,11 @@ class GpuRound:
             raise ValueError(f"num_ranks: config says R={run.num_ranks} but the heap has {heap.num_ranks} ranks")
         self.heap, self.run, self.shape, self.policy = heap, run, run.shape, dict(run.policy)
         self.num_local, self.align = run.num_local_experts, align
-        n, k, num_ranks, el = run.shape.num_tokens, run.shape.top_k, run.num_ranks, run.num_local_experts
-        worst = max_receive_slots(n, k, num_ranks, el, align)
+        worst = max_receive_slots(run.shape.num_tokens, run.shape.top_k, run.num_ranks, run.num_local_experts, align)
         self.capacity = worst if capacity is None else int(capacity)
         if not 0 < self.capacity <= worst:
             raise ValueError(f"capacity must be in [1, {worst}] rows, got {self.capacity}")
-        i32 = np.int32
-        layout = {  # routing, the schedule and the round's flags (every buffer symmetric)
-            "topk_idx": ((n, k), i32), "topk_w": ((n, k), np.float32), "routing": ((num_ranks, n * k), i32),
-            "recv_row": ((n * k,), i32), "sched": ((kc.schedule_words(el, self.capacity),), i32),
-            "sched_scratch": ((kc.schedule_scratch_words(num_ranks, n, k, el),), i32),
-            "flags": ((len(abi.FLAG_KIND), num_ranks), np.uint64), "state": ((abi.CONST["kStateWords"],), np.uint64),
-            **self.row_layout(self.capacity),
-        }
+        layout = {**round_layout(run, self.capacity), **self.row_layout(self.capacity)}
         self.bufs = {key: heap.alloc(f"{name}.{key}", shp, dt) for key, (shp, dt) in layout.items()}
         self.error = ErrorRecord(run.timeout_s)  # every wait and GEMM pipeline of this process reports here
         self.failed = False
@@ -100,6 +92,18 @@ class GpuRound:
             finally:  # an error raised while enqueuing must not leave the stream capturing
                 graph = stream.end_capture()
         return graph
+
+
+def round_layout(run: RunConfig, capacity: int) -> dict:
+    """{name: (shape, dtype)} of the buffers every round has: routing, the schedule and the
+    round's flags (every buffer symmetric). A function of the configuration alone, so a run can
+    size the symmetric heap before it exists (see layer.gpu.symmetric_bytes)."""
+    n, k, num_ranks, el = run.shape.num_tokens, run.shape.top_k, run.num_ranks, run.num_local_experts
+    i32 = np.int32
+    return {"topk_idx": ((n, k), i32), "topk_w": ((n, k), np.float32), "routing": ((num_ranks, n * k), i32),
+            "recv_row": ((n * k,), i32), "sched": ((kc.schedule_words(el, capacity),), i32),
+            "sched_scratch": ((kc.schedule_scratch_words(num_ranks, n, k, el),), i32),
+            "flags": ((len(abi.FLAG_KIND), num_ranks), np.uint64), "state": ((abi.CONST["kStateWords"],), np.uint64)}
 
 
 def to_experts(p, launch: kc.Launch, direction: str, push_op: str, pull_op: str, after_schedule: bool):

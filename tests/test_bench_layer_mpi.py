@@ -1,0 +1,236 @@
+"""What scripts/bench_layer_mpi.py computes without a GPU: its inputs, sizes, plans, digests,
+comparisons, verdicts and table; and its refusals (exit 2) where CuPy / a GPU is missing."""
+
+import importlib.util
+import json
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, rank_env
+from mok_proto import plan as plans
+from mok_proto.bench import digest
+from mok_proto.config import MOK_POLICY, MoEShape, RunConfig, get_shape
+from mok_proto.layer import gpu_base
+from mok_proto.layer.gpu import GpuMoELayer, fused_plan, receive_capacity, symmetric_bytes
+from mok_proto.plan import PAIR_ROWS
+from mok_proto.schedule import build_all_schedules
+
+SCRIPT = ROOT / "scripts" / "bench_layer_mpi.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_layer_mpi", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT,
+                          env=rank_env(), timeout=120)
+
+
+@pytest.mark.parametrize("args", [[], ["--single", "2"], ["--shapes", "tile", "--iters", "1"]])
+def test_without_cupy_exit_2_in_one_line(args):
+    if importlib.util.find_spec("cupy"):
+        pytest.skip("cupy is installed here: whether the script runs depends on the GPU")
+    proc = run_script(*args)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+    assert lines[0].startswith("error: bench_layer_mpi.py") and "needs" in lines[0] and "GPU" in lines[0]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--shapes", "nope"], "unknown preset 'nope'"),
+    (["--fused", "8"], "--fused: expected COMM:MINIBATCH"),
+    (["--iters", "0"], "--iters must be >= 1, got 0"),
+    (["--single", "0"], "--single must be >= 1, got 0"),
+    (["--compare", "no/such/digests.json"], "--compare: no file no/such/digests.json"),
+])
+def test_bad_arguments_exit_2_before_anything_runs(args, message):
+    proc = run_script(*args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_arguments_parsed(bench):
+    args = bench.parse_args(["--shapes", "tile, glm-5.2", "--fused", "0:1024,8:2048", "--tokens", "256"])
+    assert args.shapes == ["tile", "glm-5.2"] and args.fused == [(0, 1024), (8, 2048)] and args.tokens == 256
+    assert bench.parse_args([]).fused == [(0, 1024), (0, 2048)] and bench.parse_args(["--fused", ""]).fused == []
+
+
+def test_routing_is_deterministic_and_valid(bench):
+    shape = get_shape("qwen3.5-397b").with_tokens(64)
+    topk, w = bench.make_routing(shape, 2, seed=3)
+    again, w_again = bench.make_routing(shape, 2, seed=3)
+    other, _ = bench.make_routing(shape, 2, seed=4)
+    assert np.array_equal(topk, again) and np.array_equal(w, w_again) and not np.array_equal(topk, other)
+    assert topk.shape == (2, 64, shape.top_k) and topk.dtype == np.int32 and w.dtype == np.float32
+    assert ((topk >= 0) & (topk < shape.num_experts)).all()
+    assert all(len(set(row)) == shape.top_k for row in topk.reshape(-1, shape.top_k))  # distinct experts
+    np.testing.assert_allclose(w.sum(axis=2), 1.0, rtol=1e-6)
+
+
+def test_crossing_bytes_counts_the_busiest_direction(bench):
+    # R=2, E=4 (El=2), N=2, K=2: rank 0 sends 3 rows to rank 1, rank 1 sends 1 row to rank 0.
+    topk = np.array([[[0, 2], [3, 2]], [[1, 3], [2, 3]]], np.int32)
+    assert bench.crossing_bytes(topk, 4, hidden=8) == 3 * 8 * 2
+
+
+def test_receive_capacity_is_the_device_schedules_padded_rows():
+    for name, num_ranks, tokens in (("kimi-k2.7", 2, 2048), ("tile", 4, 64), ("deepseek-v4-pro", 8, 256)):
+        shape = get_shape(name).with_tokens(tokens)
+        rng = np.random.default_rng(1)
+        topk = np.argsort(rng.random((num_ranks * tokens, shape.num_experts)), axis=1)[:, :shape.top_k]
+        topk = topk.reshape(num_ranks, tokens, shape.top_k).astype(np.int32)
+        want = max(s.num_slots for s in build_all_schedules(topk, shape.num_experts, align=PAIR_ROWS))
+        assert receive_capacity(topk, shape.num_experts) == want
+
+
+class _Recorder:
+    """A heap that records what a layer allocates and refuses to go further (no GPU needed)."""
+
+    def __init__(self, num_ranks):
+        self.num_ranks, self.launch_ranks, self.allocated = num_ranks, [0], {}
+
+    def alloc(self, name, shape, dtype):
+        self.allocated[name] = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return object()
+
+
+class _Allocated(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name,num_ranks", [("deepseek-v4-pro", 2), ("tile", 4)])
+def test_symmetric_bytes_is_what_the_layer_allocates(monkeypatch, name, num_ranks):
+    def stop(*args):
+        raise _Allocated
+
+    monkeypatch.setattr(gpu_base, "ErrorRecord", stop)  # called right after the allocations
+    shape = get_shape(name)
+    run, capacity = RunConfig(shape, num_ranks), 3 * PAIR_ROWS
+    for shared in (1, 0):
+        run = RunConfig(MoEShape(shape.name, shape.hidden, shape.ffn, shape.num_experts, shape.top_k,
+                                 shape.num_tokens, num_shared=shared), num_ranks)
+        heap = _Recorder(num_ranks)
+        with pytest.raises(_Allocated):
+            GpuMoELayer(heap, run, capacity=capacity, name="t")
+        assert sum(heap.allocated.values()) == symmetric_bytes(run, capacity)
+    el = shape.num_experts // num_ranks  # the bulk: bf16 weights and their fp32 gradients
+    assert symmetric_bytes(run, capacity) > 3 * el * shape.hidden * shape.ffn * (2 + 4)
+
+
+def test_a_proved_plan_stays_proved_through_pickling(monkeypatch):
+    run = RunConfig(get_shape("tile"), 2)
+    made = fused_plan("bwd", run, 2 * PAIR_ROWS, dict(MOK_POLICY), 0, PAIR_ROWS, num_sms=8, check=True)
+    copy = pickle.loads(pickle.dumps(made))
+
+    def fail(*args):
+        raise AssertionError("check() ran again")
+
+    monkeypatch.setattr(plans, "_check_structure", fail)
+    copy.check()  # what a helper process proved is not proved again
+    assert np.array_equal(copy.tasks, made.tasks) and copy.shape == made.shape
+    fresh = fused_plan("bwd", run, 2 * PAIR_ROWS, dict(MOK_POLICY), 0, PAIR_ROWS, num_sms=8)
+    with pytest.raises(AssertionError, match="ran again"):
+        fresh.check()
+
+
+def test_plans_come_back_proved_from_helper_processes(bench):
+    problems = [bench.Problem("tile", 64, 2, seed=0)]
+    pool, jobs = bench.start_plans(problems, [(0, PAIR_ROWS)], {"fwd": 8, "bwd": 8}, workers=2)
+    try:
+        got = {key: job.get(300) for key, job in jobs.items()}
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    assert set(got) == {("tile", "fwd", 0, PAIR_ROWS), ("tile", "bwd", 0, PAIR_ROWS)}
+    for (_, pass_, _, _), made in got.items():
+        want = fused_plan(pass_, problems[0].run, problems[0].capacity, dict(MOK_POLICY), 0, PAIR_ROWS, num_sms=8)
+        assert made.pass_ == pass_ and made.__dict__.get("_checked") and np.array_equal(made.tasks, want.tasks)
+
+
+def test_digest_sees_every_bit_and_only_the_bits():
+    rng = np.random.default_rng(0)
+    a = {"w": rng.standard_normal((3, 1000, 37)).astype(np.float32), "x": rng.integers(0, 2 ** 16, 77, dtype=np.uint16)}
+    base = digest(a)
+    assert digest({k: v.copy() for k, v in a.items()}) == base
+    assert digest(a, chunk_rows=1) == base  # the chunking does not matter
+    for key, index in (("w", (2, 999, 36)), ("w", (0, 0, 0)), ("x", (76,))):
+        b = {k: v.copy() for k, v in a.items()}
+        b[key].view(np.uint8 if key == "x" else np.uint32)[index] ^= 1  # one bit
+        assert digest(b) != base, (key, index)
+    assert digest({"w": a["w"].reshape(1000, 3, 37), "x": a["x"]}) != base  # the shape counts
+    assert digest({"v": a["w"], "x": a["x"]}) != base  # and the name
+
+
+def _entry(capacity=512, digests=("a", "b")):
+    return {"config": {"shape": "tile", "ranks": 2, "tokens_per_rank": 64, "seed": 0, "capacity": capacity},
+            "per_rank": {str(r): {"out": d, "grads": d} for r, d in enumerate(digests)}}
+
+
+def test_compare_digests_either_way(bench, tmp_path):
+    path = tmp_path / "digests_single.json"
+    bench.write_digests(path, "single", 2, {"tile": _entry(), "glm-5.2": {"config": {}, "skipped": "too big"}})
+    got = bench.compare_digests({"tile": _entry(), "glm-5.2": _entry()}, path, "mpi")
+    assert got["tile"]["equal"] is True and bench.describe_comparison(got["tile"]) == "equal"
+    assert got["glm-5.2"]["equal"] is None and "too big" in got["glm-5.2"]["why"]
+    differs = bench.compare_digests({"tile": _entry(digests=("a", "c"))}, path, "mpi")["tile"]
+    assert differs["equal"] is False and bench.describe_comparison(differs) == "DIFFERS on ranks 1"
+    other = bench.compare_digests({"tile": _entry(capacity=768)}, path, "mpi")["tile"]
+    assert other["equal"] is None and "capacity 768 vs 512" in other["why"]
+    assert bench.compare_digests({"tile": _entry()}, path, "single")["tile"]["equal"] is None  # same mode
+    assert json.loads(path.read_text())["mode"] == "single"
+
+
+def _row(bench, torch_ms=(3.0, 9.0), fused_ms=(1.5, 6.0), equal=True):
+    stage = {"median_ms": 0.5, "p20_ms": 0.4, "p80_ms": 0.6, "iters": 10}
+    stages = {label: {"fwd": {"dispatch": {**stage, "median_ms": 0.50 + i / 100}, "combine": stage},
+                      "bwd": {"rev_combine": stage, "rev_dispatch": stage}}
+              for i, label in enumerate(bench.policies_to_time())}
+    return {"shape": "tile", "ranks": 2,
+            "ours": {"sequential": {p: {**stage, "median_ms": 2 * m} for p, m in zip(("fwd", "bwd"), fused_ms)},
+                     "fused": {p: [{**stage, "median_ms": m, "comm_blocks": 0, "minibatch_rows": 1024},
+                                   {**stage, "median_ms": m * 1.1, "comm_blocks": 0, "minibatch_rows": 2048}]
+                               for p, m in zip(("fwd", "bwd"), fused_ms)}},
+            "torch": {"fwd": {**stage, "median_ms": torch_ms[0]}, "bwd_median_ms": torch_ms[1]},
+            "bitwise": {"equal_to_mok_sequential": {"mok": True, "fused fwd 0:1024": equal}, "all": equal},
+            "push_pull": bench.push_pull(stages, 100_000_000, 400.0)}
+
+
+def test_push_pull_overhead_is_the_stage_beyond_the_bytes_at_link_rate(bench):
+    got = _row(bench)["push_pull"]
+    assert set(got) == {"dispatch", "combine", "rev_combine", "rev_dispatch"}
+    pull = got["dispatch"]["pull"]  # MoK's dispatch: the "mok" policy's stage (0.50 ms)
+    assert pull["policy"] == "mok" and pull["stage_ms"] == pytest.approx(0.50)
+    assert pull["overhead_ms"] == pytest.approx(0.50 - 0.25) and pull["pct_link"] == pytest.approx(50.0)
+    assert got["dispatch"]["push"]["policy"] == "dispatch=push" and got["dispatch"]["push"]["stage_ms"] > 0.50
+    assert bench.push_pull({"mok": {"fwd": {"dispatch": {"median_ms": 1.0}, "combine": {"median_ms": 1.0}},
+                                    "bwd": {"rev_combine": {"median_ms": 1.0}, "rev_dispatch": {"median_ms": 1.0}}}},
+                           100, float("nan"))["dispatch"]["pull"]["overhead_ms"] == 1.0  # no link: all overhead
+
+
+def test_judge_bars_and_checks(bench, capsys):
+    row = _row(bench)
+    assert bench.judge(row) == [] and row["met"]
+    assert row["speedup"]["fused_fwd_vs_torch"] == pytest.approx(2.0) and row["speedup"]["fused_bwd_vs_torch"] == 1.5
+    slow = _row(bench, torch_ms=(2.0, 8.0))
+    assert bench.judge(slow) == ["fused fwd 1.33x torch < 1.5x", "fused bwd 1.33x torch < 1.4x"]
+    assert "not bitwise equal to MoK's sequential: fused fwd 0:1024" in bench.judge(_row(bench, equal=False))
+    differs = {**_row(bench), "bitwise_vs_single": {"equal": False, "ranks": {"0": True, "1": False}}}
+    assert bench.judge(differs) == ["differs from the single-process run"]
+    failed = {**_row(bench), "errors": [{"phase": "torch", "ranks": {"1": "MemoryError: x"}}]}
+    del failed["torch"]
+    assert bench.judge(failed) == ["torch failed", "fused fwd vs torch not measured", "fused bwd vs torch not measured"]
+    assert bench.judge({"shape": "x", "skipped": "too big"}) == ["skipped (too big)"]
+    bench.print_table([row, slow, failed, differs, {"shape": "x", "skipped": "too big"}],
+                      {"nvshmem_pull_gbs": 400.0, "nccl_a2a_gbs": 300.0}, "d.json", None)
+    out = capsys.readouterr().out
+    assert "tile" in out and "2.00" in out and "NO" not in out.split("\n")[2] and "skipped: too big" in out
+    assert "DIFFERS on ranks 1" in out and "dispatch" in out
