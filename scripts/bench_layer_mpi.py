@@ -4,6 +4,8 @@ against the PyTorch + NCCL layer, push against pull per transfer, bitwise checks
     NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 mpirun --bind-to none -n 2 python scripts/bench_layer_mpi.py [--shapes kimi-k2.7,...] [--iters 10] [--warmup 3]
     python scripts/bench_layer_mpi.py --single 2 --compare results/x2/digests_mpi.json
 
+(on the device machine, as root with a carried nvshmem4py: README, "Multi-GPU", gives the command)
+
 or the other way round:
 
     python scripts/bench_layer_mpi.py --single 2
@@ -93,6 +95,7 @@ HEAP_TIMEOUT_S = 60.0  # host barriers between ranks
 MARGIN_BYTES = 4 << 30  # device memory left free beside an estimate (contexts, caches, temporaries)
 WEIGHT_CHUNK_BYTES = 1 << 30  # float32 temporary while generating weights
 SHARED_STREAM = 999  # the shared expert's generator: seed * 1000 + 999 (rank r's: seed * 1000 + r)
+TORCH_REL_ERR = 5e-2  # max |ours - torch| / max |torch| (out, dx) beyond which the baseline is not the same layer
 PROBE_TIMEOUT_S = 120.0  # a plan helper process must answer within this (else plans are proved inline)
 
 
@@ -243,7 +246,10 @@ def compare_digests(mine: dict, path, mode: str) -> dict:
         elif theirs is None:
             out[name] = {"equal": None, "why": f"{name} not in {path}"}
         elif "per_rank" not in theirs or "per_rank" not in got:
-            out[name] = {"equal": None, "why": "no digests: " + "; ".join(
+            # a shape skipped by a documented choice (e.g. --single: R ranks do not fit one GPU) is
+            # not a failure; any other missing comparison is (judge)
+            skipped = all("skipped" in entry for entry in (got, theirs) if "per_rank" not in entry)
+            out[name] = {"equal": None, "skipped": skipped, "why": "no digests: " + "; ".join(
                 f"{who}: {entry.get('skipped') or entry.get('error') or '?'}" for who, entry in (("this run", got),
                                                                                               (str(path), theirs))
                 if "per_rank" not in entry)}
@@ -289,6 +295,8 @@ def main_single(args) -> int:
         result = compare_digests({name: entry}, args.compare, "single")[name] if args.compare else None
         if result is not None and result["equal"] is False:
             failed.append(f"{name}: differs from {args.compare}")
+        elif result is not None and result["equal"] is None and not result.get("skipped"):
+            failed.append(f"{name}: not compared with {args.compare} ({result['why']})")
         print(f"{name:<18} {'skipped: ' + entry['skipped'] if 'skipped' in entry else entry.get('error', 'ok')}; "
               f"vs the R processes: {describe_comparison(result)}", flush=True)
         append_result("bench_layer_mpi", {"mode": "single", **entry["config"], **{k: v for k, v in entry.items()
@@ -757,6 +765,11 @@ def judge(row: dict) -> list:
     vs_single = row.get("bitwise_vs_single")
     if vs_single is not None and vs_single["equal"] is False:
         missed.append("differs from the single-process run")
+    if vs_single is not None and vs_single["equal"] is None and not vs_single.get("skipped"):
+        missed.append(f"not compared with the single-process run ({vs_single['why']})")
+    errors = (row.get("torch") or {}).get("max_rel_err_vs_ours") or {}
+    if any(err > TORCH_REL_ERR for err in errors.values()):  # a wrong baseline would make any speed-up
+        missed.append(f"the torch layer differs from ours: {errors} (bound {TORCH_REL_ERR})")
     row["met"] = not missed
     return missed
 
@@ -782,7 +795,19 @@ def main_mpi(args) -> int:
             failed.append(f"{name}: skipped ({e})")
     need = max([p.layer_bytes for p in problems], default=0) + (1 << 30)  # + the link ceiling's buffer
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", f"{-(-int(need * 1.1) // (1 << 20))}M")
-    cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount()).use()
+    count = cupy.cuda.runtime.getDeviceCount()
+    device = comm.rank % count
+    cupy.cuda.Device(device).use()
+    # Preflight (collective): every GPU of this host must map every other's memory (NVLink / P2P),
+    # or each symmetric allocation would fail only after minutes of setup.
+    no_peer = [p for p in range(count) if p != device and not cupy.cuda.runtime.deviceCanAccessPeer(device, p)]
+    everyone = comm.allgather(no_peer)
+    if any(everyone):
+        if lead:
+            print("bench_layer_mpi.py: GPUs without peer access: " + "; ".join(
+                f"rank {r} (GPU {r % count}) cannot reach GPU(s) {bad}" for r, bad in enumerate(everyone) if bad),
+                file=sys.stderr, flush=True)
+        return 2
     free_at_start = cupy.cuda.runtime.memGetInfo()[0]
 
     from bench_nccl_baseline import init_distributed, link_ceiling_gbs

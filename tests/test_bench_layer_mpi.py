@@ -180,7 +180,7 @@ def test_compare_digests_either_way(bench, tmp_path):
     bench.write_digests(path, "single", 2, {"tile": _entry(), "glm-5.2": {"config": {}, "skipped": "too big"}})
     got = bench.compare_digests({"tile": _entry(), "glm-5.2": _entry()}, path, "mpi")
     assert got["tile"]["equal"] is True and bench.describe_comparison(got["tile"]) == "equal"
-    assert got["glm-5.2"]["equal"] is None and "too big" in got["glm-5.2"]["why"]
+    assert got["glm-5.2"]["equal"] is None and "too big" in got["glm-5.2"]["why"] and got["glm-5.2"]["skipped"]
     differs = bench.compare_digests({"tile": _entry(digests=("a", "c"))}, path, "mpi")["tile"]
     assert differs["equal"] is False and bench.describe_comparison(differs) == "DIFFERS on ranks 1"
     other = bench.compare_digests({"tile": _entry(capacity=768)}, path, "mpi")["tile"]
@@ -225,6 +225,13 @@ def test_judge_bars_and_checks(bench, capsys):
     assert "not bitwise equal to MoK's sequential: fused fwd 0:1024" in bench.judge(_row(bench, equal=False))
     differs = {**_row(bench), "bitwise_vs_single": {"equal": False, "ranks": {"0": True, "1": False}}}
     assert bench.judge(differs) == ["differs from the single-process run"]
+    # a comparison that did not happen fails, unless the other run skipped the shape by choice
+    lost = {**_row(bench), "bitwise_vs_single": {"equal": None, "skipped": False, "why": "tile not in d.json"}}
+    assert bench.judge(lost) == ["not compared with the single-process run (tile not in d.json)"]
+    assert bench.judge({**_row(bench), "bitwise_vs_single": {"equal": None, "skipped": True, "why": "too big"}}) == []
+    wrong = _row(bench)
+    wrong["torch"]["max_rel_err_vs_ours"] = {"out": 0.2, "x": 0.01}  # a baseline that is not the same layer
+    assert bench.judge(wrong)[0].startswith("the torch layer differs from ours")
     failed = {**_row(bench), "errors": [{"phase": "torch", "ranks": {"1": "MemoryError: x"}}]}
     del failed["torch"]
     assert bench.judge(failed) == ["torch failed", "fused fwd vs torch not measured", "fused bwd vs torch not measured"]
