@@ -53,7 +53,8 @@ fresh layer with the same inputs, the fused passes (never run over NVSHMEM proce
 device error there cannot cost the other measurements). Every failure is printed by the rank it
 happened on, recorded, and the run goes on with what the ranks can still do together.
 The fused plans are built and proved (Plan.check, minutes of CPU for the backward plans of
-large shapes) by --plan-workers helper processes per rank while the GPU runs the rest.
+large shapes) by --plan-workers helper processes per rank while the GPU runs the rest; each plan
+on one rank (plan i on rank i % R), sent to the others when it is used.
 Receive capacity: the exact padded need of this routing (layer.gpu.receive_capacity); symmetric
 heap: NVSHMEM_SYMMETRIC_SIZE defaults to the largest shape's layer (layer.gpu.symmetric_bytes)
 plus 10%. A shape whose layer does not fit in GPU memory is skipped with the reason; the
@@ -85,7 +86,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 from mok_proto.bench import RESULTS_DIR, append_result, digest, git_sha  # noqa: E402
 from mok_proto.config import (DIRECTIONS, MOK_POLICY, OPERATORS, PAPER_SHAPES, RunConfig, format_policy,  # noqa: E402
                               get_shape)
-from mok_proto.layer.gpu import receive_capacity, symmetric_bytes  # noqa: E402
+from mok_proto.layer.gpu import layer_row_layout, receive_capacity, round_layout, symmetric_bytes  # noqa: E402
 
 BARS = {"fwd": 1.5, "bwd": 1.4}  # fused pass vs the torch + NCCL layer (issue 15)
 FUSED_SETTINGS = "0:1024,0:2048"  # (communication CTAs, minibatch rows) of the fused passes
@@ -173,6 +174,12 @@ class Problem:
         self.layer_bytes = symmetric_bytes(self.run, self.capacity)
         self.crossing_bytes = crossing_bytes(self.topk, self.shape.num_experts, self.shape.hidden) \
             if num_ranks > 1 else 0
+
+    def array_names(self) -> list:
+        """The symmetric arrays of this shape's GpuMoELayer (name=self.name), in alloc order."""
+        layout = {**round_layout(self.run, self.capacity),
+                  **layer_row_layout(self.shape, self.run.num_local_experts, self.capacity)}
+        return [f"{self.name}.{key}" for key in layout]
 
     def config(self) -> dict:
         s = self.shape
@@ -375,18 +382,81 @@ class Ranks:
 
     def phase(self, row: dict, name: str, fn):
         """fn() on every rank: (True, its value) if it succeeded on every rank, else (False, None),
-        each failing rank's error printed by that rank (with its traceback) and recorded in row."""
+        each failing rank's error printed by that rank (with its traceback) and recorded in row.
+        RULE: fn calls no MPI collective (a rank that raised before it would be at this phase's
+        allgather instead): the reductions (slowest, max, ...) come after a phase that succeeded.
+        Inside fn only heap.barrier (bounded: it raises PeerTimeoutError past HEAP_TIMEOUT_S),
+        symmetric allocations and frees (bounded the same way) and NCCL calls, each after a phase
+        boundary where every rank agreed that its setup succeeded."""
         try:
             value, error = fn(), None
         except Exception as e:  # noqa: BLE001 - every failure is reported and the run goes on
             value, error = None, f"{type(e).__name__}: {e}"
             traceback.print_exc()
             print(f"# rank {self.rank}: {row.get('shape', '')}: {name} FAILED: {error}", flush=True)
-        errors = self.comm.allgather(error)
+        return self._agree(row, name, self.comm.allgather(error), value)
+
+    def _agree(self, row: dict, name: str, errors: list, value):
+        """(True, value) if no rank has an error, else (False, None) and the errors recorded in row
+        (and the arrival barriers resynchronized: called by every rank with the same errors)."""
         if any(errors):
             row.setdefault("errors", []).append({"phase": name, "ranks": {str(r): e for r, e in enumerate(errors) if e}})
+            self.resync_barriers()
             return False, None
         return True, value
+
+    def resync_barriers(self) -> None:
+        """Drop the arrival tokens a failed phase left in flight: a rank whose heap.barrier timed
+        out (its peer had failed elsewhere) sent a token the peer never took, which would let the
+        peer's next barrier (or symmetric allocation) pass before this rank is there. Every rank
+        sends each peer a marker on the same tag; MPI keeps one sender's messages in order, so
+        receiving up to the marker takes every stale token."""
+        from mok_proto.symm.watchdog import ARRIVAL_TAG
+
+        peers = [p for p in range(self.num_ranks) if p != self.rank]
+        marker, got = np.ones(1, np.int64), np.zeros(1, np.int64)
+        sends = [self.comm.Isend([marker, 1], dest=p, tag=ARRIVAL_TAG) for p in peers]
+        for p in peers:
+            stale = -1
+            got[0] = 0
+            while got[0] != 1:
+                self.comm.Recv([got, 1], source=p, tag=ARRIVAL_TAG)
+                stale += 1
+            if stale:
+                print(f"# rank {self.rank}: dropped {stale} stale barrier arrival(s) of rank {p}", flush=True)
+        for request in sends:
+            request.Wait()
+
+    def shared(self, row: dict, name: str, fn, root: int):
+        """fn() on rank `root` only, its value (pickled) sent to every rank: (True, value) on every
+        rank, or (False, None) with root's error recorded in row on every rank."""
+        value = error = None
+        if self.rank == root:
+            try:
+                value = fn()
+            except Exception as e:  # noqa: BLE001 - reported on every rank, the run goes on
+                error = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+                print(f"# rank {self.rank}: {row.get('shape', '')}: {name} FAILED: {error}", flush=True)
+        value, error = self.comm.bcast((value, error), root=root)
+        return self._agree(row, name, [error if r == root else None for r in range(self.num_ranks)], value)
+
+    def release(self, row: dict, names) -> None:
+        """Free the symmetric arrays of `names` (in alloc order) that a failed allocation, fill or
+        free left in heap.arrays, collectively: those every rank holds are freed, in the same
+        order on every rank; any left after that (held by some ranks only, or a free failed) are
+        forgotten (their memory stays mapped; their names can be allocated again)."""
+        arrays = self.heap.arrays
+        everyone = self.comm.allgather([name for name in names if name in arrays])
+        common = [name for name in everyone[0] if all(name in held for held in everyone)]
+        if common:
+            self.say(f"#   freeing {len(common)} symmetric arrays left by a failure")
+            self.phase(row, "free what a failure left", lambda: [self.heap.free(arrays[name]) for name in common])
+        lost = [name for name in names if name in arrays]
+        for name in lost:
+            del arrays[name]
+        if lost:
+            print(f"# rank {self.rank}: {len(lost)} symmetric arrays forgotten, not freed: {lost}", flush=True)
 
     def slowest(self, stats: dict) -> dict:
         from mok_proto.bench import slowest_rank
@@ -424,18 +494,25 @@ def require_mpi_stack() -> None:
             sys.exit(2)
 
 
-def start_plans(problems, settings, num_sms: dict, workers: int):
-    """Helper processes (spawned; each may use every CPU) that build and prove the fused plans of
-    every shape and setting, in shape order: (pool, {(shape, pass, comm CTAs, minibatch rows):
-    AsyncResult of the checked plan})."""
+def start_plans(problems, settings, num_sms: dict, workers: int, rank: int = 0, num_ranks: int = 1):
+    """Helper processes (spawned; each may use every CPU) that build and prove this rank's share
+    of the fused plans, in shape order: plan i of every (shape, pass, setting) is proved by rank
+    i % num_ranks (its prover), which sends it to the others (Ranks.shared). Returns (pool,
+    {(shape, pass, comm CTAs, minibatch rows): (prover, AsyncResult of the checked plan on the
+    prover, None elsewhere)})."""
     import multiprocessing
 
     from mok_proto.bench import use_all_cpus
     from mok_proto.layer.gpu import fused_plan
 
+    keys = [(prob, pass_, comm_blocks, minibatch)
+            for prob in problems for pass_ in ("fwd", "bwd") for comm_blocks, minibatch in settings]
+    roots = {(prob.name, *rest): i % num_ranks for i, (prob, *rest) in enumerate(keys)}
     jobs = {(prob.name, pass_, comm_blocks, minibatch): (pass_, prob.run, prob.capacity, dict(MOK_POLICY), comm_blocks,
                                                          minibatch, num_sms[pass_])
-            for prob in problems for pass_ in ("fwd", "bwd") for comm_blocks, minibatch in settings}
+            for prob, pass_, comm_blocks, minibatch in keys if roots[prob.name, pass_, comm_blocks, minibatch] == rank}
+    if not jobs:
+        return None, {key: (root, None) for key, root in roots.items()}
     pool = multiprocessing.get_context("spawn").Pool(workers, initializer=use_all_cpus, maxtasksperchild=1)
     try:
         pool.apply_async(os.getpid).get(PROBE_TIMEOUT_S)  # the helpers start (import, unpickle) at all
@@ -444,8 +521,9 @@ def start_plans(problems, settings, num_sms: dict, workers: int):
               f"({type(e).__name__}: {e}); the fused plans are proved inline (slower)", flush=True)
         pool.terminate()
         pool.join()
-        return None, {key: InlinePlan(args) for key, args in jobs.items()}
-    return pool, {key: pool.apply_async(fused_plan, args, {"check": True}) for key, args in jobs.items()}
+        return None, {key: (root, InlinePlan(jobs[key]) if key in jobs else None) for key, root in roots.items()}
+    return pool, {key: (root, pool.apply_async(fused_plan, jobs[key], {"check": True}) if key in jobs else None)
+                  for key, root in roots.items()}
 
 
 class InlinePlan:
@@ -477,7 +555,8 @@ def graphs_of(layer, heap):
 
 def time_graphs(ranks, layer, graphs, pass_: str, iters: int, warmup: int) -> dict:
     """Replays alternate (forward graph, backward graph); the events bracket `pass_` only; every
-    iteration starts on all ranks together. The slowest rank's stats."""
+    iteration starts on all ranks together. This rank's stats (a phase body: the caller takes
+    the slowest rank's after the phase)."""
     import cupy
 
     from mok_proto.bench import summarize, time_stages
@@ -497,13 +576,13 @@ def time_graphs(ranks, layer, graphs, pass_: str, iters: int, warmup: int) -> di
         samples = time_stages(one, iters, warmup)
         stream.synchronize()
     layer.check()
-    return ranks.slowest({"run": summarize(samples["run"])})["run"]
+    return summarize(samples["run"])
 
 
 def time_eager_stages(ranks, layer, iters: int, warmup: int) -> dict:
     """{pass: {stage: stats}} of the layer's eager passes under its policy: events at the stages
     of the timed pass, both passes every iteration, every iteration starting on all ranks
-    together; the slowest rank's."""
+    together; this rank's (a phase body: the caller takes the slowest rank's after the phase)."""
     from mok_proto.bench import summarize, time_stages
 
     out = {}
@@ -515,7 +594,7 @@ def time_eager_stages(ranks, layer, iters: int, warmup: int) -> dict:
 
         samples = time_stages(one, iters, warmup)
         layer.check()
-        out[pass_] = ranks.slowest({stage: summarize(v) for stage, v in samples.items()})
+        out[pass_] = {stage: summarize(v) for stage, v in samples.items()}
     return out
 
 
@@ -567,6 +646,7 @@ def run_sequential(ranks, prob, layer, args, row: dict) -> dict:
         ok, got = ranks.phase(row, f"stages {label}", timed)
         if not ok:
             return ours
+        got = ({pass_: ranks.slowest(by) for pass_, by in got[0].items()}, got[1])
         stages[label], digests[label] = got
         say(f"#   eager passes, {label}: fwd {got[0]['fwd']['total']['median_ms']:.3f} ms, bwd "
             f"{got[0]['bwd']['total']['median_ms']:.3f} ms")
@@ -585,10 +665,11 @@ def run_sequential(ranks, prob, layer, args, row: dict) -> dict:
         return ours
     seq = {}
     for pass_ in ("fwd", "bwd"):
-        ok, seq[pass_] = ranks.phase(row, f"sequential {pass_}", lambda p=pass_: time_graphs(
+        ok, st = ranks.phase(row, f"sequential {pass_}", lambda p=pass_: time_graphs(
             ranks, layer, graphs, p, args.iters, args.warmup))
         if not ok:
             return ours
+        seq[pass_] = ranks.slowest({"run": st})["run"]
     digests["sequential graphs"] = result_digests(layer, rank)
     row["ours"] = {"sequential": seq, "fused": {"fwd": [], "bwd": []}}
     say(f"#   ours sequential (graphs): fwd {seq['fwd']['median_ms']:.3f} ms, bwd {seq['bwd']['median_ms']:.3f} ms")
@@ -625,8 +706,9 @@ def run_fused(ranks, prob, layer, args, jobs, row: dict) -> None:
             break
         label = f"fused {pass_} {comm_blocks}:{minibatch}"
         waited = time.time()
-        ok, plan = ranks.phase(row, f"{label} plan", lambda key=(prob.name, pass_, comm_blocks, minibatch):
-                               jobs[key].get(args.plan_timeout))
+        root, job = jobs[prob.name, pass_, comm_blocks, minibatch]
+        ok, plan = ranks.shared(row, f"{label} plan (proved by rank {root})", lambda job=job: job.get(args.plan_timeout),
+                                root)
         if not ok:
             continue
         waited = ranks.max(time.time() - waited)
@@ -643,7 +725,7 @@ def run_fused(ranks, prob, layer, args, jobs, row: dict) -> None:
         ok, got = ranks.phase(row, label, fused)
         if not ok:
             continue
-        st, digests[label] = got
+        st, digests[label] = ranks.slowest({"run": got[0]})["run"], got[1]
         same = all(ranks.comm.allgather(digests[label] == mok))
         row["ours"]["fused"][pass_].append({"comm_blocks": comm_blocks, "minibatch_rows": minibatch, **st,
                                             "plan_wait_s": waited, "plan_tasks": len(plan.tasks),
@@ -677,65 +759,84 @@ def torch_bytes(prob, concat: bool) -> int:
 
 def run_torch(ranks, prob, layer, ours: dict, iters: int, warmup: int, row: dict) -> None:
     """The torch + NCCL layer on our weights and inputs: its timings and its error against ours
-    (row["torch"])."""
+    (row["torch"]). Two phases: its setup (local), then its passes (NCCL: entered only once every
+    rank's setup succeeded) and the comparison; the reductions after both succeeded."""
     import torch
 
-    from bench_nccl_baseline import TorchNcclLayer
     from mok_proto.bench import summarize, time_stages
 
     rank, b = ranks.rank, layer.bufs
     free = ranks.free_bytes()
     concat = torch_bytes(prob, True) + MARGIN_BYTES <= free
-    if not concat and torch_bytes(prob, False) + MARGIN_BYTES > free:
-        raise MemoryError(f"the torch layer needs ~{torch_bytes(prob, False) / 1e9:.1f} GB beside ours, "
-                          f"{free / 1e9:.1f} GB are free")
-    shared = tuple(as_torch(b[key].instance(rank))[0] for key in ("shared_gate", "shared_up", "shared_down")) \
-        if layer.has_shared else None
-    model = TorchNcclLayer(ranks.num_ranks, rank, *(as_torch(b[key].instance(rank)) for key in ("w_gate", "w_up",
-                                                                                                "w_down")),
-                           shared=shared, concat=concat)
-    x = as_torch(b["x"].instance(rank)).detach().requires_grad_()
-    idx = torch.as_tensor(prob.topk[rank], device="cuda").long()
-    w = torch.as_tensor(prob.topk_w[rank], device="cuda").requires_grad_()
-    dout = as_torch(b["dout"].instance(rank))
-    leaves = model.parameters() + [x, w]
+    if not concat and torch_bytes(prob, False) + MARGIN_BYTES > free:  # the same verdict on every rank
+        why = (f"MemoryError: the torch layer needs ~{torch_bytes(prob, False) / 1e9:.1f} GB beside ours, "
+               f"{free / 1e9:.1f} GB are free")
+        ranks.say(f"#   torch: {why}")
+        row.setdefault("errors", []).append({"phase": "torch", "ranks": {"all": why}})
+        return
 
-    def fwd(mark):
-        ranks.heap.barrier()
+    def setup():
+        from bench_nccl_baseline import TorchNcclLayer
+
+        shared = tuple(as_torch(b[key].instance(rank))[0] for key in ("shared_gate", "shared_up", "shared_down")) \
+            if layer.has_shared else None
+        model = TorchNcclLayer(ranks.num_ranks, rank, *(as_torch(b[key].instance(rank))
+                                                        for key in ("w_gate", "w_up", "w_down")),
+                               shared=shared, concat=concat)
+        x = as_torch(b["x"].instance(rank)).detach().requires_grad_()
+        idx = torch.as_tensor(prob.topk[rank], device="cuda").long()
+        w = torch.as_tensor(prob.topk_w[rank], device="cuda").requires_grad_()
+        return model, x, idx, w, as_torch(b["dout"].instance(rank))
+
+    ok, inputs = ranks.phase(row, "torch setup", setup)
+    if not ok:
+        return
+
+    def passes(model, x, idx, w, dout):
+        leaves = model.parameters() + [x, w]
+
+        def fwd(mark):
+            ranks.heap.barrier()
+            with torch.no_grad():
+                model.forward(x, idx, w, mark)
+            mark(None)
+
+        def fwd_bwd(mark):
+            ranks.heap.barrier()
+            for leaf in leaves:  # fresh gradients every iteration (no accumulation)
+                leaf.grad = None
+            mark("fwd")
+            out = model.forward(x, idx, w)
+            mark("bwd")
+            torch.autograd.backward(out, dout)
+            mark(None)
+
+        stages = time_stages(fwd, iters, warmup, api="torch")
+        both = time_stages(fwd_bwd, iters, warmup, api="torch")
+        fwd_bwd(lambda stage: None)  # once more untimed: x.grad for the comparison
         with torch.no_grad():
-            model.forward(x, idx, w, mark)
-        mark(None)
+            out = model.forward(x, idx, w)
+        torch.cuda.synchronize()
 
-    def fwd_bwd(mark):
-        ranks.heap.barrier()
-        for leaf in leaves:  # fresh gradients every iteration (no accumulation)
-            leaf.grad = None
-        mark("fwd")
-        out = model.forward(x, idx, w)
-        mark("bwd")
-        torch.autograd.backward(out, dout)
-        mark(None)
+        def rel_err(mine, ref):
+            ref = ref.float()
+            return float((as_torch(mine) - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
-    stages = time_stages(fwd, iters, warmup, api="torch")
-    both = time_stages(fwd_bwd, iters, warmup, api="torch")
-    bwd_ms = ranks.max(float(np.median(both["total"]) - np.median(stages["total"])))
+        return (stages, both, float(np.median(both["total"]) - np.median(stages["total"])),
+                {"out": rel_err(ours["out"], out), "x": rel_err(ours["dx"], x.grad)})
+
+    ok, got = ranks.phase(row, "torch", lambda: passes(*inputs))
+    inputs = None
+    if not ok:
+        return
+    stages, both, bwd_ms, errors = got
     fwd_stats = ranks.slowest({stage: summarize(v) for stage, v in stages.items()})
     both_stats = ranks.slowest({"total": summarize(both["total"])})
-    fwd_bwd(lambda stage: None)  # once more untimed: x.grad for the comparison
-    with torch.no_grad():
-        out = model.forward(x, idx, w)
-    torch.cuda.synchronize()
-
-    def rel_err(mine, ref):
-        ref = ref.float()
-        return float((as_torch(mine) - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-    errors = {"out": ranks.max(rel_err(ours["out"], out)), "x": ranks.max(rel_err(ours["dx"], x.grad))}
     row["torch"] = {"fwd": fwd_stats["total"], "fwd_stages": {k: v for k, v in fwd_stats.items() if k != "total"},
-                    "fwd_bwd": both_stats["total"], "bwd_median_ms": bwd_ms,
+                    "fwd_bwd": both_stats["total"], "bwd_median_ms": ranks.max(bwd_ms),
                     "bwd_definition": "t(fwd+bwd) - t(fwd, no_grad), the slowest rank's",
                     "gate_up": "concatenated" if concat else "separate (the concatenated copy did not fit)",
-                    "max_rel_err_vs_ours": errors}
+                    "max_rel_err_vs_ours": {key: ranks.max(err) for key, err in errors.items()}}
 
 
 def judge(row: dict) -> list:
@@ -838,18 +939,19 @@ def main_mpi(args) -> int:
         if not ok:
             failed.append(f"setup: {setup['errors']}: no fused pass is timed")
             args.fused = []
-        pool, jobs = start_plans(problems, args.fused, num_sms, args.plan_workers)
+        pool, jobs = start_plans(problems, args.fused, num_sms, args.plan_workers, comm.rank, num_ranks)
         if num_ranks > 1:
             before = ranks.free_bytes()
             ok, gbs = ranks.phase(setup, "link: NVSHMEM peer pull", lambda: peer_pull_gbs(heap))
             link["nvshmem_pull_gbs"] = ranks.min(gbs) if ok else float("nan")
+            ranks.release(setup, ["link-ceiling"])  # peer_pull_gbs's buffer, if it failed before freeing it
             heap_held += max(0, before - ranks.free_bytes())
             ok, gbs = ranks.phase(setup, "link: NCCL all_to_all", lambda: link_ceiling_gbs(num_ranks))
             link["nccl_a2a_gbs"] = ranks.min(gbs) if ok else float("nan")
             torch.cuda.empty_cache()
         ranks.say(f"# link: NVSHMEM peer pull {link['nvshmem_pull_gbs']:.0f} GB/s per GPU, NCCL all_to_all "
-                  f"{link['nccl_a2a_gbs']:.0f} GB/s per GPU (slowest rank); {len(jobs)} fused plans being proved by "
-                  f"{args.plan_workers} helper processes per rank; {time.time() - start:.0f} s so far")
+                  f"{link['nccl_a2a_gbs']:.0f} GB/s per GPU (slowest rank); {len(jobs)} fused plans being proved, split over "
+                  f"the ranks, by {args.plan_workers} helper processes per rank; {time.time() - start:.0f} s so far")
         digests, done = {}, {}
         # Part 1, every shape: our sequential layer and the torch layer (kernels run before).
         for prob in problems:
@@ -904,7 +1006,7 @@ def sequential_part(ranks, prob, layer, args, row: dict) -> None:
     """Part 1 of a shape: our sequential layer, then the torch layer on the same weights."""
     ours = run_sequential(ranks, prob, layer, args, row)
     if ours:
-        ranks.phase(row, "torch", lambda: run_torch(ranks, prob, layer, ours, args.iters, args.warmup, row))
+        run_torch(ranks, prob, layer, ours, args.iters, args.warmup, row)
     if "torch" in row:
         t = row["torch"]
         ranks.say(f"#   torch + NCCL: fwd {t['fwd']['median_ms']:.3f} ms, bwd {t['bwd_median_ms']:.3f} ms "
@@ -938,6 +1040,9 @@ def run_shape(ranks, prob, args, heap_held: int, link: dict, part: str, row: dic
             work(layer, row)
         finally:
             ranks.phase(row, f"free ({part})", layer.close)
+    # What a failed allocation, fill or free left (on any rank) goes too: the next layer of this
+    # name must be allocatable (collective, on every path).
+    ranks.release(row, prob.array_names())
     layer = None  # (the torch tensors on its buffers went with run_torch's frame)
     cupy.get_default_memory_pool().free_all_blocks()
     # What the heap kept of this layer (free memory that did not come back) stays usable by the next.

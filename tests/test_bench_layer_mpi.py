@@ -145,7 +145,7 @@ def test_plans_come_back_proved_from_helper_processes(bench):
     problems = [bench.Problem("tile", 64, 2, seed=0)]
     pool, jobs = bench.start_plans(problems, [(0, PAIR_ROWS)], {"fwd": 8, "bwd": 8}, workers=2)
     try:
-        got = {key: job.get(300) for key, job in jobs.items()}
+        got = {key: job.get(300) for key, (root, job) in jobs.items()}
     finally:
         if pool is not None:
             pool.terminate()
@@ -241,3 +241,72 @@ def test_judge_bars_and_checks(bench, capsys):
     out = capsys.readouterr().out
     assert "tile" in out and "2.00" in out and "NO" not in out.split("\n")[2] and "skipped: too big" in out
     assert "DIFFERS on ranks 1" in out and "dispatch" in out
+
+
+class _Comm:
+    """Rank 0 of a 2-rank world whose peer reports `peer` in every allgather (no MPI needed)."""
+
+    rank, size = 0, 2
+
+    def __init__(self, peer=None):
+        self.peer, self.calls = peer, []
+
+    def allgather(self, value):
+        self.calls.append("allgather")
+        return [value, self.peer if self.peer is not None else value]
+
+    def bcast(self, value, root):
+        self.calls.append(f"bcast from {root}")
+        return value if root == 0 else (None, "TimeoutError: peer's plan")
+
+    def Isend(self, buf, dest, tag):
+        self.calls.append("marker")
+        return type("Request", (), {"Wait": lambda self: None})()
+
+    def Recv(self, buf, source, tag):
+        buf[0][0] = 1  # the peer's marker (no stale token)
+
+
+class _Heap:
+    def __init__(self, names):
+        self.arrays, self.freed = {name: object() for name in names}, []
+
+    def free(self, array):
+        name = next(n for n, a in self.arrays.items() if a is array)
+        self.freed.append(name)
+        del self.arrays[name]
+
+
+def test_a_phase_fails_on_every_rank_when_one_rank_failed(bench):
+    row = {}
+    ranks = bench.Ranks(_Comm(peer="MemoryError: x"), None)
+    assert ranks.phase(row, "torch", lambda: 3) == (False, None)  # it worked here, not on the peer
+    assert row["errors"] == [{"phase": "torch", "ranks": {"1": "MemoryError: x"}}]
+    assert ranks.comm.calls == ["allgather", "marker"]  # agreed, then the barriers resynchronized
+    ok = bench.Ranks(_Comm(), None)
+    assert ok.phase(row, "fine", lambda: 3) == (True, 3) and ok.comm.calls == ["allgather"]
+
+
+def test_a_shared_value_comes_from_its_root_and_its_failure_is_everyones(bench):
+    row = {}
+    ranks = bench.Ranks(_Comm(), None)
+    assert ranks.shared(row, "plan", lambda: "made here", root=0) == (True, "made here")
+    assert ranks.shared(row, "plan", lambda: pytest.fail("not the prover"), root=1) == (False, None)
+    assert row["errors"] == [{"phase": "plan", "ranks": {"1": "TimeoutError: peer's plan"}}]
+
+
+def test_release_frees_what_every_rank_holds_and_forgets_the_rest(bench):
+    names = ["s.a", "s.b", "s.c"]
+    heap = _Heap(["other", "s.a", "s.b", "s.c"])
+    ranks = bench.Ranks(_Comm(peer=["s.a", "s.b"]), heap)  # the peer failed before allocating s.c
+    ranks.release({}, names)
+    assert heap.freed == ["s.a", "s.b"] and list(heap.arrays) == ["other"]  # s.c forgotten, not freed
+
+
+def test_plans_are_split_over_the_ranks(bench):
+    problems = [bench.Problem("tile", 64, 2, seed=0)]
+    pool, jobs = bench.start_plans(problems, [(0, PAIR_ROWS), (0, 2 * PAIR_ROWS)], {"fwd": 8, "bwd": 8},
+                                   workers=1, rank=4, num_ranks=5)
+    assert pool is None  # plan i on rank i % 5: rank 4 proves none of the 4 (no helper processes)
+    assert [root for root, _ in jobs.values()] == [0, 1, 2, 3] and all(job is None for _, job in jobs.values())
+    assert list(jobs) == [("tile", p, 0, m) for p in ("fwd", "bwd") for m in (PAIR_ROWS, 2 * PAIR_ROWS)]
