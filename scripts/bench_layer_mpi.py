@@ -93,6 +93,7 @@ FUSED_SETTINGS = "0:1024,0:2048"  # (communication CTAs, minibatch rows) of the 
 PASS_OF = {"dispatch": "fwd", "combine": "fwd", "rev_combine": "bwd", "rev_dispatch": "bwd"}  # stage -> pass
 TIMEOUT_S = 60.0  # every device wait of the layer (the first pass compiles kernels)
 HEAP_TIMEOUT_S = 60.0  # host barriers between ranks
+NCCL_TIMEOUT_S = 120.0  # every NCCL collective of the torch layer (a failed peer ends the job, not the call)
 MARGIN_BYTES = 4 << 30  # device memory left free beside an estimate (contexts, caches, temporaries)
 WEIGHT_CHUNK_BYTES = 1 << 30  # float32 temporary while generating weights
 SHARED_STREAM = 999  # the shared expert's generator: seed * 1000 + 999 (rank r's: seed * 1000 + r)
@@ -386,8 +387,10 @@ class Ranks:
         RULE: fn calls no MPI collective (a rank that raised before it would be at this phase's
         allgather instead): the reductions (slowest, max, ...) come after a phase that succeeded.
         Inside fn only heap.barrier (bounded: it raises PeerTimeoutError past HEAP_TIMEOUT_S),
-        symmetric allocations and frees (bounded the same way) and NCCL calls, each after a phase
-        boundary where every rank agreed that its setup succeeded."""
+        symmetric allocations and frees, and NCCL calls (bounded by NCCL_TIMEOUT_S), each after a
+        phase boundary where every rank agreed that its setup succeeded. NOTE: not bounded: an
+        allocation's own allgather and NVSHMEM's collective alloc/free (a rank failing inside
+        them hangs its peer), and an error outside any phase (main() then aborts the job)."""
         try:
             value, error = fn(), None
         except Exception as e:  # noqa: BLE001 - every failure is reported and the run goes on
@@ -921,7 +924,7 @@ def main_mpi(args) -> int:
     # Memory the heap holds that free memory does not show (a static heap's reservation; a
     # dynamic heap may keep what it mapped after a free): usable by our next layer only.
     heap_held = max(0, int(ranks.max(free_at_start - cupy.cuda.runtime.memGetInfo()[0])))
-    init_distributed()  # torch.distributed (NCCL), after the heap
+    init_distributed(NCCL_TIMEOUT_S)  # torch.distributed (NCCL), after the heap
     import torch
 
     ranks.say(f"# bench_layer_mpi: R={num_ranks} processes on {torch.cuda.get_device_name()}, iters {args.iters} "
@@ -1097,7 +1100,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.single is not None:
         return main_single(args)
-    return main_mpi(args)
+    try:
+        return main_mpi(args)
+    except Exception:  # noqa: BLE001 (SystemExit, a refusal up front with its exit status, passes)
+        # NOTE: an error outside a phase (e.g. a sticky CUDA error on one rank) leaves the other rank
+        # in a collective, and MPI_Finalize at exit would wait for it: end the whole job instead.
+        traceback.print_exc()
+        sys.stderr.flush()
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+        raise
 
 
 if __name__ == "__main__":

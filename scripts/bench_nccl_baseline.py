@@ -36,7 +36,12 @@ from mok_proto.reference import stand_in_round  # noqa: E402
 from mok_proto.problem import make_routed_tokens  # noqa: E402
 
 
-def init_distributed():
+def init_distributed(timeout_s: float | None = None):
+    """torch.distributed over NCCL, one rank per GPU; timeout_s bounds every NCCL collective (a
+    rank that failed between two of them then ends the job instead of blocking its peers for
+    torch's default 10 minutes)."""
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
@@ -46,8 +51,9 @@ def init_distributed():
     port = comm.bcast(29500 + (os.getpid() % 1000) if comm.rank == 0 else None, root=0)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
+    extra = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
     dist.init_process_group("nccl", rank=comm.rank, world_size=comm.size,
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
+                            device_id=torch.device("cuda", torch.cuda.current_device()), **extra)
     return comm
 
 

@@ -244,15 +244,18 @@ def test_judge_bars_and_checks(bench, capsys):
 
 
 class _Comm:
-    """Rank 0 of a 2-rank world whose peer reports `peer` in every allgather (no MPI needed)."""
+    """Rank 0 of a 2-rank world whose peer reports `peer` in every allgather, or the values of
+    `answers` in its first allgathers and then what this rank reports (no MPI needed)."""
 
     rank, size = 0, 2
 
-    def __init__(self, peer=None):
-        self.peer, self.calls = peer, []
+    def __init__(self, peer=None, answers=()):
+        self.peer, self.answers, self.calls = peer, list(answers), []
 
     def allgather(self, value):
         self.calls.append("allgather")
+        if self.answers:
+            return [value, self.answers.pop(0)]
         return [value, self.peer if self.peer is not None else value]
 
     def bcast(self, value, root):
@@ -298,9 +301,12 @@ def test_a_shared_value_comes_from_its_root_and_its_failure_is_everyones(bench):
 def test_release_frees_what_every_rank_holds_and_forgets_the_rest(bench):
     names = ["s.a", "s.b", "s.c"]
     heap = _Heap(["other", "s.a", "s.b", "s.c"])
-    ranks = bench.Ranks(_Comm(peer=["s.a", "s.b"]), heap)  # the peer failed before allocating s.c
-    ranks.release({}, names)
+    # the peer failed before allocating s.c: it reports only s.a, s.b (then agrees with this rank)
+    ranks = bench.Ranks(_Comm(answers=[["s.a", "s.b"]]), heap)
+    row = {}
+    ranks.release(row, names)
     assert heap.freed == ["s.a", "s.b"] and list(heap.arrays) == ["other"]  # s.c forgotten, not freed
+    assert not row.get("errors")  # the frees succeeded on both ranks
 
 
 def test_plans_are_split_over_the_ranks(bench):
