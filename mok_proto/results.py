@@ -115,14 +115,15 @@ def timeline_summary(records) -> dict:
 
     from mok_proto.plan import COMM_KINDS, TaskKind
 
-    rec = records[records["end_ns"] > records["start_ns"]]
-    if not len(rec):
+    took = records["end_ns"] > records["start_ns"]
+    if not took.any():
         raise ValueError("timeline_summary: no task took any time")
+    rec = records[took]
     t0 = rec["start_ns"].min()
     makespan = float(rec["end_ns"].max() - t0)
     is_gemm = ~np.isin(records["kind"], [int(k) for k in COMM_KINDS])
     lanes = np.unique(records["block"][is_gemm])  # a lane whose tiles all took no time counts, idle
-    gemm = rec[~np.isin(rec["kind"], [int(k) for k in COMM_KINDS])]
+    gemm = records[took & is_gemm]
     busy = []
     for lane in lanes:
         mine = gemm[gemm["block"] == lane]

@@ -114,11 +114,9 @@ def receive_capacity(topk_idx_all, num_experts: int) -> int:
     sum over its experts of their rows padded to the schedule's align (PAIR_ROWS), as the device
     schedule places them. Pass it as `capacity` when the routing is known up front: with many
     local experts the padding is most of it (El x up to PAIR_ROWS - 1 rows)."""
-    topk = np.asarray(topk_idx_all)
-    num_ranks = topk.shape[0]
-    rows = np.bincount(topk.reshape(-1), minlength=num_experts)  # [E]
-    padded = -(-rows // PAIR_ROWS) * PAIR_ROWS
-    return max(1, int(padded.reshape(num_ranks, num_experts // num_ranks).sum(axis=1).max()))
+    from mok_proto.schedule import build_all_schedules
+
+    return max(1, max(s.num_slots for s in build_all_schedules(topk_idx_all, num_experts, align=PAIR_ROWS)))
 
 
 def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, comm_blocks: int, minibatch_rows: int,
