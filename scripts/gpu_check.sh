@@ -12,6 +12,7 @@
 # Exit status: the tests' or, if they passed, the benchmark's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 bench=1
 if [ "${1:-}" = "--no-bench" ]; then bench=0; shift; fi
 if [ "${1:-}" = "--" ]; then shift; fi

@@ -82,3 +82,9 @@ def test_script_without_gpu_says_so_in_one_line(script):
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, lines
     assert script.name in lines[0] and "needs" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_gpu_check_help_runs_nothing():
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--help"], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0 and "One command for a GPU session" in proc.stdout and "[gpu_check]" not in proc.stderr
