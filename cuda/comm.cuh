@@ -225,13 +225,13 @@ __device__ __forceinline__ RowMove combine_push_row(const CommParams* p, int ran
           dst < 0 ? nullptr : row_ptr(p->slots, dst, sv.src_slot[i], p->row_bytes)};
 }
 
-template <int kVec>
+template <int kVec, int kUnroll = 1>
 __device__ __forceinline__ void warp_move_row(RowMove m, i64 bytes, int lane) {
   if (m.dst == nullptr) return;
   if (m.src == nullptr)
-    warp_zero_row(m.dst, bytes, lane);
+    warp_zero_row<kVec>(m.dst, bytes, lane);
   else
-    warp_copy_row<kVec>(m.dst, m.src, bytes, lane);
+    warp_copy_row<kVec, kUnroll>(m.dst, m.src, bytes, lane);
 }
 
 template <int kVec>
@@ -281,7 +281,7 @@ __device__ __forceinline__ void pull_result_rows(const CommParams* p, int rank, 
   for_my_slots(p, rank, begin, end, warps, [&](i64 s, int owner, int row) {
     char* dst = row_ptr(p->slots, rank, s, p->row_bytes);
     if (row < 0)
-      warp_zero_row(dst, p->row_bytes, lane);
+      warp_zero_row<kVec>(dst, p->row_bytes, lane);
     else
       warp_copy_row<kVec>(dst, row_ptr(p->y, owner, row, p->row_bytes), p->row_bytes, lane);
   });

@@ -125,14 +125,31 @@ __device__ __forceinline__ T* at(const u64* table, int rank) {
 }
 
 // One warp copies one row of `bytes` bytes with kVec-byte accesses: kVec = 16 (rows and buffers
-// 16-byte aligned: bytes % 16 == 0) or kVec = 2 (any even row size: bf16 rows of odd H).
-template <int kVec>
+// 16-byte aligned: bytes % 16 == 0) or kVec = 2 (any even row size: bf16 rows of odd H). With
+// 16-byte accesses each lane has kUnroll loads in flight before it stores them (a warp alone on
+// a row is latency-bound: the fused kernel's spare warps take 16; the copy kernels, whose grids
+// fill the GPU with warps, take 1).
+template <int kVec, int kUnroll = 1>
 __device__ __forceinline__ void warp_copy_row(void* dst, const void* src, i64 bytes, int lane) {
   static_assert(kVec == 16 || kVec == 2, "rows move in 16-byte or 2-byte accesses");
-  if (kVec == 16) {
+  static_assert(kVec == 16 || kUnroll == 1, "2-byte copies are not unrolled");
+  if constexpr (kVec == 16) {
     const uint4* s = reinterpret_cast<const uint4*>(src);
     uint4* d = reinterpret_cast<uint4*>(dst);
-    for (i64 i = lane; i < bytes / 16; i += 32) d[i] = s[i];
+    const i64 n = bytes / 16;
+    for (i64 base = 0; base < n; base += 32 * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const i64 i = base + u * 32 + lane;
+        v[u] = i < n ? s[i] : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const i64 i = base + u * 32 + lane;
+        if (i < n) d[i] = v[u];
+      }
+    }
   } else {
     const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
     unsigned short* d = reinterpret_cast<unsigned short*>(dst);
@@ -140,9 +157,16 @@ __device__ __forceinline__ void warp_copy_row(void* dst, const void* src, i64 by
   }
 }
 
+// One warp zeroes one row (kVec as for warp_copy_row).
+template <int kVec>
 __device__ __forceinline__ void warp_zero_row(void* dst, i64 bytes, int lane) {
-  unsigned short* d = reinterpret_cast<unsigned short*>(dst);
-  for (i64 i = lane; i < bytes / 2; i += 32) d[i] = 0;
+  if constexpr (kVec == 16) {
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (i64 i = lane; i < bytes / 16; i += 32) d[i] = make_uint4(0, 0, 0, 0);
+  } else {
+    unsigned short* d = reinterpret_cast<unsigned short*>(dst);
+    for (i64 i = lane; i < bytes / 2; i += 32) d[i] = 0;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

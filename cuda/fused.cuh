@@ -52,6 +52,16 @@ using plan::Task;
 
 constexpr int kCommWarps = gemm::kThreads / 32;  // a communication CTA moves one row per warp
 
+// A compute CTA's register split (gemm.cuh's kProducerRegs / kConsumerRegs for the standalone
+// kernel): here the producer warpgroup also runs the spare warps' row copies (kSideUnroll 16-byte
+// values in flight per lane) and every problem of the pass is one kernel. ptxas -v (nvcc 13.0):
+// fused_backward spills 24 / 104 bytes (stores / loads), fused_forward 4 / 32, against 312 / 492
+// and 32 / 100 with 168 registers for every thread.
+constexpr int kFusedProducerRegs = 120;
+constexpr int kFusedConsumerRegs = 192;
+static_assert(128 * kFusedProducerRegs + 256 * kFusedConsumerRegs <= gemm::kThreads * gemm::kLaunchRegs,
+              "over the CTA's registers");
+
 __device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {
   u32 v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -139,13 +149,27 @@ __device__ __forceinline__ int slot_of(int kind) {
   }
 }
 
-// The tile of GEMM task t for cluster CTA `cta`: row pair p = row_tile / 2 starts at row 2 B p of
-// the segment layout (routed: receive rows, shared: tokens; one group from 0). False: the pair
-// lies past the last real row (nothing to do). Rows past the expert's end are loaded and
-// computed, never stored; a pair's second tile past the end recomputes the first (its loads stay
-// in bounds, its half of B is still needed), as the standalone kernel does.
+__device__ __forceinline__ i64 ring_rows_of(const Ctx& c, int kind) {
+  const bool routed_rows = kind == plan::kTaskGateUp || kind == plan::kTaskDown || kind == plan::kTaskDownBwd ||
+                           kind == plan::kTaskGateUpBwd;
+  return routed_rows ? c.fp->ring_rows : 0;
+}
+
+// The tile of GEMM task t for cluster CTA `cta` (gemm::group_tile, as the standalone kernel
+// names it). Row problems: row pair p = row_tile / 2 starts at row 2 B p of the segment layout
+// (routed: receive rows, shared: tokens; one group from 0), its expert the last whose offset is
+// at or before it; false: the pair lies past the last real row (nothing to do). The tile's rows
+// are then shifted to the ring (row r in row r % ring_rows). Weight gradients: expert t.expert
+// (the shared expert: group 0), weight row tile 2 (row_tile / 2) + cta, K = the expert's rows
+// (its last k-block zero-filled by cp.async): one CTA sums the tile's whole K in order
+// (deterministic, no atomics).
 template <int kP>
-__device__ __forceinline__ bool task_tile(const GemmParams* p, const Task& t, int cta, i64 ring_rows, Tile& tile) {
+__device__ __forceinline__ bool tile_for(const Ctx& c, const GemmParams* p, const Task& t, int cta, Tile& tile) {
+  const int m_tile = (t.row_tile & ~1) + cta;
+  if (!Traits<kP>::kRowProblem) {
+    tile = gemm::group_tile<kP>(p, t.expert < 0 ? 0 : t.expert, m_tile, t.col_tile);
+    return true;
+  }
   const int* offsets = gemm::ptr<const int>(p->row_offsets);
   const int* counts = gemm::ptr<const int>(p->row_counts);
   const int groups = static_cast<int>(p->num_groups);
@@ -156,50 +180,10 @@ __device__ __forceinline__ bool task_tile(const GemmParams* p, const Task& t, in
     const int mid = (lo + hi) / 2;
     if (offsets[mid] <= pair_row) lo = mid; else hi = mid;
   }
-  int m0 = pair_row - offsets[lo] + cta * gemm::kBM;
-  tile.group = lo;
-  tile.rows = counts[lo];
-  tile.store = m0 < tile.rows;
-  tile.m0 = tile.store ? m0 : m0 - gemm::kBM;
-  tile.row0 = offsets[lo] - static_cast<int>(ring_rows > 0 ? pair_row - pair_row % ring_rows : 0);
-  tile.n0 = t.col_tile * Traits<kP>::kTileN;
-  tile.k_blocks = static_cast<int>(p->k) / gemm::kBK;
+  tile = gemm::group_tile<kP>(p, lo, m_tile - offsets[lo] / gemm::kBM, t.col_tile);
+  const i64 ring_rows = ring_rows_of(c, t.kind);
+  if (ring_rows > 0) tile.row0 -= static_cast<int>(pair_row - pair_row % ring_rows);
   return true;
-}
-
-__device__ __forceinline__ i64 ring_rows_of(const Ctx& c, int kind) {
-  const bool routed_rows = kind == plan::kTaskGateUp || kind == plan::kTaskDown || kind == plan::kTaskDownBwd ||
-                           kind == plan::kTaskGateUpBwd;
-  return routed_rows ? c.fp->ring_rows : 0;
-}
-
-// A weight-gradient task's tile for cluster CTA `cta`: expert `expert` (the shared expert: group
-// 0), weight row tile 2 (row_tile / 2) + cta, K = the expert's rows (ragged; its last k-block
-// zero-filled by cp.async), exactly as the standalone kernel's tile_of: one CTA sums the tile's
-// whole K in order (deterministic, no atomics). A pair's second tile past the weight's rows
-// recomputes the first and stores nothing.
-template <int kP>
-__device__ __forceinline__ void wgrad_tile(const GemmParams* p, const Task& t, int cta, Tile& tile) {
-  const int group = t.expert < 0 ? 0 : t.expert;
-  const int m_tiles = static_cast<int>(p->m) / gemm::kBM;
-  const int m_tile = (t.row_tile & ~1) + cta;
-  tile.group = group;
-  tile.store = m_tile < m_tiles;
-  tile.m0 = (tile.store ? m_tile : m_tile - 1) * gemm::kBM;
-  tile.n0 = t.col_tile * Traits<kP>::kTileN;
-  tile.row0 = gemm::ptr<const int>(p->row_offsets)[group];
-  tile.rows = gemm::ptr<const int>(p->row_counts)[group];
-  tile.k_blocks = gemm::ceil_div(tile.rows, gemm::kBK);
-}
-
-// The tile of any GEMM task (false: a row pair past the real rows, nothing to do).
-template <int kP>
-__device__ __forceinline__ bool tile_for(const Ctx& c, const GemmParams* p, const Task& t, int cta, Tile& tile) {
-  if (!Traits<kP>::kRowProblem) {
-    wgrad_tile<kP>(p, t, cta, tile);
-    return true;
-  }
-  return task_tile<kP>(p, t, cta, ring_rows_of(c, t.kind), tile);
 }
 
 // Producer warp (warp 0 of warpgroup 0), one task: lane 0 waits for the task's counters (then
@@ -408,26 +392,6 @@ __device__ __forceinline__ bool comm_task(const Ctx& c, SharedStorage& ss, CopyR
 constexpr int kSideWarps = 3;
 constexpr int kSideUnroll = 16;
 
-__device__ __forceinline__ void side_copy_row(RowMove m, i64 bytes, int lane) {
-  if (m.dst == nullptr) return;
-  const uint4* src = reinterpret_cast<const uint4*>(m.src);
-  uint4* dst = reinterpret_cast<uint4*>(m.dst);
-  const i64 n = bytes / 16;
-  for (i64 base = 0; base < n; base += 32 * kSideUnroll) {
-    uint4 v[kSideUnroll];
-#pragma unroll
-    for (int u = 0; u < kSideUnroll; ++u) {
-      const i64 i = base + u * 32 + lane;
-      v[u] = (src != nullptr && i < n) ? src[i] : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < kSideUnroll; ++u) {
-      const i64 i = base + u * 32 + lane;
-      if (i < n) dst[i] = v[u];
-    }
-  }
-}
-
 __device__ __forceinline__ bool side_comm_task(const Ctx& c, SharedStorage& ss, const Task& t, int index, int side,
                                                int lane, bool ok) {
   const bool lead = side == 0 && lane == 0;
@@ -440,7 +404,8 @@ __device__ __forceinline__ bool side_comm_task(const Ctx& c, SharedStorage& ss, 
   asm volatile("bar.sync 3, 96;" ::: "memory");  // the spare warps only
   ok = *go != 0;
   const ChunkRows rows = chunk_rows(c, t, ok);
-  for (i64 k = side; k < rows.count; k += kSideWarps) side_copy_row(rows.move(k), c.cp->row_bytes, lane);
+  for (i64 k = side; k < rows.count; k += kSideWarps)
+    warp_move_row<16, kSideUnroll>(rows.move(k), c.cp->row_bytes, lane);
   if (rows.dispatch)
     fence_proxy_async_global();  // the rows are read by the GEMMs' TMA loads
   else
@@ -507,21 +472,25 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
       // NOTE: the role is broadcast from lane 0 so the compiler sees it warp-uniform (wgmma).
       const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0), wg_tid = threadIdx.x & 127;
       Ring ring;
-      if (wg == 0 && wg_tid < 32) {  // the producer warp: GEMM tasks
-        for (int i = first; i < last; ++i) {
-          const Task t = c.tasks[i];
-          if (is_comm(t.kind)) continue;
-          ok = with_problem<kPass>(t.kind, [&](auto tag) {
-            return produce_task<decltype(tag)::kProblem>(c, ss, ring, t, i, cta, wg_tid, ok);
-          });
-        }
-      } else if (wg == 0) {  // the spare warps: communication tasks
-        const int side = wg_tid / 32 - 1;
-        for (int i = first; i < last; ++i) {
-          const Task t = c.tasks[i];
-          if (is_comm(t.kind)) ok = side_comm_task(c, ss, t, i, side, wg_tid & 31, ok);
+      if (wg == 0) {
+        warpgroup_reg_dealloc<kFusedProducerRegs>();
+        if (wg_tid < 32) {  // the producer warp: GEMM tasks
+          for (int i = first; i < last; ++i) {
+            const Task t = c.tasks[i];
+            if (is_comm(t.kind)) continue;
+            ok = with_problem<kPass>(t.kind, [&](auto tag) {
+              return produce_task<decltype(tag)::kProblem>(c, ss, ring, t, i, cta, wg_tid, ok);
+            });
+          }
+        } else {  // the spare warps: communication tasks
+          const int side = wg_tid / 32 - 1;
+          for (int i = first; i < last; ++i) {
+            const Task t = c.tasks[i];
+            if (is_comm(t.kind)) ok = side_comm_task(c, ss, t, i, side, wg_tid & 31, ok);
+          }
         }
       } else {
+        warpgroup_reg_alloc<kFusedConsumerRegs>();
         float acc[128];
         float* staging = ss.staging[threadIdx.x / 32 - 4];
         for (int i = first; i < last; ++i) {

@@ -59,6 +59,15 @@ static_assert(kCluster == 2, "tile pairing and the B halves below assume cluster
 static_assert(kStagingFloats * 4 >= 16 * 128, "a staging area holds one stmatrix block: 16 rows x 128 bytes");
 static_assert(kThreads == 128 * (1 + kConsumerWarps / 4), "one producer warpgroup, then the consumers");
 
+// Registers per thread after the warpgroups rebalance them (setmaxnreg): a launch of kThreads
+// threads, one CTA per SM, starts at 65536 / kThreads rounded down to 8 (168) each; the producer
+// warpgroup gives some back and the two consumer warpgroups (128 fp32 accumulators each, plus the
+// epilogue) take them. ptxas -v: no spills in any grouped_gemm<kP> (168 for all: two spilled).
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+constexpr int kProducerRegs = 88;
+constexpr int kConsumerRegs = 208;
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs, "over the CTA's registers");
+
 // Shared memory of one CTA. The kernel aligns the dynamic base up to 1024 bytes (128B-swizzled
 // TMA and wgmma atoms), so a launch asks for sizeof + 1024.
 struct SharedStorage {
@@ -100,44 +109,44 @@ __device__ __forceinline__ T* ptr(i64 address) { return reinterpret_cast<T*>(add
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// Output tile m_tile (rows 128 m_tile ..) x n_tile of group (expert) `group`: row problems have M
+// = the group's rows (ragged) and a fixed K; weight gradients a fixed M and K = the group's rows.
+// An m_tile past the last (a pair's second tile where the M tile count is odd) recomputes the one
+// before it and stores nothing. Every scheduler (StridedTiles here, a fused plan's tasks) names
+// its tiles through this.
+template <int kP>
+__device__ __forceinline__ Tile group_tile(const GemmParams* p, int group, int m_tile, int n_tile) {
+  using Tr = Traits<kP>;
+  Tile tile;
+  tile.group = group;
+  tile.n0 = n_tile * Tr::kTileN;
+  tile.row0 = ptr<const int>(p->row_offsets)[group];
+  tile.rows = ptr<const int>(p->row_counts)[group];
+  const int m_tiles = Tr::kRowProblem ? ceil_div(tile.rows, kBM) : static_cast<int>(p->m) / kBM;
+  tile.k_blocks = Tr::kRowProblem ? static_cast<int>(p->k) / kBK : ceil_div(tile.rows, kBK);
+  tile.store = m_tile < m_tiles;
+  tile.m0 = (tile.store ? m_tile : m_tile - 1) * kBM;
+  return tile;
+}
+
 // Pair tile t of this problem, as run by cluster CTA `cta`. Row problems: per expert
 // ceil(ceil(T_e / BM) / 2) pair rows x n tiles; pair_prefix holds the running count of pair rows.
 // Weight gradients: ceil((M / BM) / 2) pair rows x n tiles per expert.
 template <int kP>
 __device__ __forceinline__ Tile tile_of(const GemmParams* p, const int* pair_prefix, int t, int cta) {
-  using Tr = Traits<kP>;
-  const int n_tiles = static_cast<int>(p->n) / Tr::kTileN;
-  Tile tile;
-  int m_tile, m_tiles;
-  if (Tr::kRowProblem) {
+  const int n_tiles = static_cast<int>(p->n) / Traits<kP>::kTileN;
+  if (Traits<kP>::kRowProblem) {
     const int mp = t / n_tiles;
     int lo = 0, hi = static_cast<int>(p->num_groups);  // last group with prefix <= mp
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
       if (pair_prefix[mid] <= mp) lo = mid; else hi = mid;
     }
-    tile.group = lo;
-    m_tile = 2 * (mp - pair_prefix[lo]) + cta;
-    tile.n0 = (t - mp * n_tiles) * Tr::kTileN;
-    tile.k_blocks = static_cast<int>(p->k) / kBK;
-  } else {
-    m_tiles = static_cast<int>(p->m) / kBM;
-    const int per_group = ceil_div(m_tiles, 2) * n_tiles;
-    tile.group = t / per_group;
-    const int r = t - tile.group * per_group;
-    m_tile = 2 * (r / n_tiles) + cta;
-    tile.n0 = (r % n_tiles) * Tr::kTileN;
+    return group_tile<kP>(p, lo, 2 * (mp - pair_prefix[lo]) + cta, t - mp * n_tiles);
   }
-  tile.row0 = ptr<const int>(p->row_offsets)[tile.group];
-  tile.rows = ptr<const int>(p->row_counts)[tile.group];
-  if (Tr::kRowProblem) {
-    m_tiles = ceil_div(tile.rows, kBM);
-  } else {
-    tile.k_blocks = ceil_div(tile.rows, kBK);
-  }
-  tile.store = m_tile < m_tiles;
-  tile.m0 = (tile.store ? m_tile : m_tile - 1) * kBM;
-  return tile;
+  const int per_group = ceil_div(static_cast<int>(p->m) / kBM, 2) * n_tiles;
+  const int group = t / per_group, r = t - group * per_group;
+  return group_tile<kP>(p, group, 2 * (r / n_tiles) + cta, r % n_tiles);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -617,10 +626,12 @@ __device__ __forceinline__ void run_tiles(const GemmParams* p, SharedStorage& ss
   bool ok = true;
   int t;
   if (wg == 0) {
+    warpgroup_reg_dealloc<kProducerRegs>();
     // NOTE: threads let run ahead to the final cluster barrier instead (warp 0 diverged around its
     // TMA lane) made the row GEMMs ~18% slower: all 128 producer threads walk every tile.
     while (tiles.next(t)) ok = produce_tile<kP>(p, ss, ring, tile_of<kP>(p, ss.pair_prefix, t, cta), cta, wg_tid, ok);
   } else {
+    warpgroup_reg_alloc<kConsumerRegs>();
     float acc[128];
     float* staging = ss.staging[threadIdx.x / 32 - 4];
     while (tiles.next(t))

@@ -77,6 +77,14 @@ __device__ __forceinline__ u32 num_clusters_x() {
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
+// Register budget of the calling warpgroup (every warp of it executes this): the producer
+// warpgroup gives registers back, the consumer warpgroups take them (accumulators, epilogue).
+template <int kRegs> __device__ __forceinline__ void warpgroup_reg_dealloc() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <int kRegs> __device__ __forceinline__ void warpgroup_reg_alloc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
 // Makes mbarrier.init visible to the cluster's other CTAs (before they arrive or multicast).
 __device__ __forceinline__ void fence_mbarrier_init_cluster() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
