@@ -14,7 +14,7 @@ class FakeRequest:
     def Cancel(self):
         pass
 
-    def Wait(self):
+    def Wait(self, status=None):
         pass
 
 
@@ -62,3 +62,72 @@ def test_expired_collective_with_every_peer_alive(dog):
     assert dog._problem() is None
     dog._guard = ("window creation (tokens)", time.monotonic() - 1.0)
     assert "every peer is alive but the collective did not finish" in dog._problem()
+
+
+class Mailbox:
+    """Point-to-point messages from peer 1 to rank 0 (size 2), delivered in order on Test()."""
+
+    rank, size = 0, 2
+
+    def __init__(self):
+        self.queue = []  # tokens peer 1 sent that no receive has matched yet
+        self.on_cancel = []  # tokens that match a receive while it is being cancelled
+
+    def py2f(self):
+        return id(self)
+
+    def Irecv(self, buf, source, tag):
+        box = self
+
+        class Recv:
+            done = False
+
+            def Test(self):
+                if not self.done and box.queue:
+                    buf[0][0] = box.queue.pop(0)
+                    self.done = True
+                return self.done
+
+            def Cancel(self):
+                if not self.done and box.on_cancel:
+                    buf[0][0] = box.on_cancel.pop(0)
+                    self.done = True
+
+            def Wait(self, status=None):  # cancelled unless it matched first
+                if status is not None:
+                    status.Set_cancelled(not self.done)
+
+        return Recv()
+
+    def Isend(self, *args, **kwargs):
+        class Sent:
+            def Test(self):
+                return True
+        return Sent()
+
+
+def test_arrival_token_of_a_barrier_given_up_on_is_not_taken_for_the_next():
+    """Rank 0 times out of barrier 1; peer 1 arrives there late (its token 1 is queued). Barrier 2
+    must not pass on that stale token: it times out until peer 1's token 2 arrives."""
+    comm = Mailbox()
+    with pytest.raises(watchdog.PeerTimeoutError, match="peer"):
+        watchdog.arrival_barrier(comm, "barrier 1", 0.05)
+    comm.queue.append(1)  # peer 1 reached barrier 1 after rank 0 gave up on it
+    with pytest.raises(watchdog.PeerTimeoutError):
+        watchdog.arrival_barrier(comm, "barrier 2", 0.05)  # the stale token is dropped, not an arrival
+    assert comm.queue == []
+    comm.queue += [2, 3]  # peer 1's barrier 2 (which rank 0 gave up on) and barrier 3
+    watchdog.arrival_barrier(comm, "barrier 3", 0.05)  # token 2 is stale, token 3 is the arrival
+    assert comm.queue == []
+
+
+def test_arrival_token_matched_during_the_cancel_counts():
+    """Rank 0 gives up on barrier 1 while its receive matches peer 1's token 2 (peer 1, ahead,
+    had given up on barrier 1 itself): that token is kept, so barrier 2 passes on it with no
+    further message (dropping it would leave rank 0 waiting for a token peer 1 never resends)."""
+    comm = Mailbox()
+    comm.on_cancel.append(2)
+    with pytest.raises(watchdog.PeerTimeoutError):
+        watchdog.arrival_barrier(comm, "barrier 1", 0.05)
+    watchdog.arrival_barrier(comm, "barrier 2", 0.05)
+    assert watchdog._BARRIERS[comm.py2f()] == {"seq": 2, "seen": {1: 2}}

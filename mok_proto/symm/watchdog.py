@@ -73,38 +73,62 @@ def _poll_until(done, deadline: float) -> bool:
     return True
 
 
+# Per communicator (its Fortran handle): barriers entered so far, and per peer the highest
+# arrival token received from it. A token carries its barrier's sequence number, so one that a
+# late peer sent to a barrier this rank gave up on (timed out) is recognised as stale in the
+# next barrier instead of being taken for an arrival there.
+_BARRIERS: dict = {}
+
+
 def arrival_barrier(comm, op: str, timeout_s: float) -> None:
     """Every rank tells every peer it arrived and waits (bounded) until all R-1 peers did."""
     rank, size = comm.rank, comm.size
     if size == 1:
         return
-    token = np.zeros(1, np.int64)
+    state = _BARRIERS.setdefault(comm.py2f(), {"seq": 0, "seen": {}})
+    state["seq"] += 1
+    seq, seen = state["seq"], state["seen"]
+    token = np.array([seq], np.int64)
     inbox = np.zeros(size, np.int64)
     peers = [p for p in range(size) if p != rank]
-    recvs = {p: comm.Irecv([inbox[p:p + 1], 1], source=p, tag=ARRIVAL_TAG) for p in peers}
+    arrived = {p for p in peers if seen.get(p, 0) >= seq}
+
+    def post(p):
+        return comm.Irecv([inbox[p:p + 1], 1], source=p, tag=ARRIVAL_TAG)
+
+    recvs = {p: post(p) for p in peers if p not in arrived}
     sends = [comm.Isend([token, 1], dest=p, tag=ARRIVAL_TAG) for p in peers]
-    arrived = set()
 
     def all_arrived():
         for p in peers:
             if p not in arrived and recvs[p].Test():
-                arrived.add(p)
+                seen[p] = max(seen.get(p, 0), int(inbox[p]))
+                if seen[p] >= seq:
+                    arrived.add(p)
+                else:  # a stale token (a barrier this rank timed out of): wait for this one's
+                    recvs[p] = post(p)
         return len(arrived) == len(peers)
 
     deadline = time.monotonic() + timeout_s
     if not _poll_until(all_arrived, deadline):
         missing = [p for p in peers if p not in arrived]
         for p in missing:
-            _cancel(recvs[p])
+            if _cancel(recvs[p]):  # matched before the cancel took: the token is consumed, keep it
+                seen[p] = max(seen.get(p, 0), int(inbox[p]))
         raise PeerTimeoutError(op, rank, missing, timeout_s)
     # Small messages complete locally (eager) once every peer has arrived; bounded all the same.
     if not _poll_until(lambda: all(request.Test() for request in sends), deadline + timeout_s):
         raise PeerTimeoutError(op, rank, peers, timeout_s)
 
 
-def _cancel(request) -> None:
+def _cancel(request) -> bool:
+    """Cancel a pending receive; True when it had matched a message first (its data arrived)."""
+    from mpi4py import MPI
+
     request.Cancel()
-    request.Wait()  # a cancelled (or meanwhile matched) receive completes locally
+    status = MPI.Status()
+    request.Wait(status)  # a cancelled (or meanwhile matched) receive completes locally
+    return not status.Is_cancelled()
 
 
 class Watchdog:
