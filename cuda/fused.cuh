@@ -161,7 +161,7 @@ __device__ __forceinline__ i64 ring_rows_of(const Ctx& c, int kind) {
 // at or before it; false: the pair lies past the last real row (nothing to do). The tile's rows
 // are then shifted to the ring (row r in row r % ring_rows). Weight gradients: expert t.expert
 // (the shared expert: group 0), weight row tile 2 (row_tile / 2) + cta, K = the expert's rows
-// (its last k-block zero-filled by cp.async): one CTA sums the tile's whole K in order
+// (gemm::zero_tail_k_rows clears its last k-block past the end): one CTA sums the tile's whole K in order
 // (deterministic, no atomics).
 template <int kP>
 __device__ __forceinline__ bool tile_for(const Ctx& c, const GemmParams* p, const Task& t, int cta, Tile& tile) {
@@ -202,7 +202,7 @@ __device__ __forceinline__ bool produce_task(const Ctx& c, SharedStorage& ss, Ri
     if (c.trace) c.trace[index].ready_ns = static_cast<i64>(globaltimer_ns());
   }
   ok = __shfl_sync(0xffffffffu, ready, 0) != 0;
-  return gemm::produce_tile<kP, 32>(p, ss, ring, tile, cta, wg_tid, ok);
+  return gemm::produce_tile<kP>(p, ss, ring, tile, cta, wg_tid, ok);
 }
 
 // Consumer warpgroups, one task: the tile's MMAs and epilogue; once both warpgroups stored their
@@ -217,7 +217,7 @@ __device__ __forceinline__ bool consume_task(const Ctx& c, SharedStorage& ss, Ri
   Tile tile;
   if (tile_for<kP>(c, p, t, cta, tile)) ok = gemm::consume_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
   fence_proxy_async_global();
-  asm volatile("bar.sync 2, 256;" ::: "memory");  // both consumer warpgroups
+  gemm::consumers_sync();
   if (lead) {
     signal_task(c, t);
     trace_times(c, index, start, static_cast<i64>(globaltimer_ns()));

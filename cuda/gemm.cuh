@@ -22,9 +22,9 @@
 //
 // Tile: BM=128 rows (one 64-row half per consumer warpgroup) x BN=256 columns (dual problems:
 // 128 columns of each of two matrices) x BK=64. Rows past an expert's end only reach masked output
-// rows. In the weight gradients K is the expert's rows: its last partial k-block is loaded with
-// zero-filling cp.async instead of TMA, so no expert sums another's rows and ragged sizes
-// (0, 1, 129, ...) need no padding. Weight gradients: one CTA owns one output tile and sums K in
+// rows. In the weight gradients K is the expert's rows: the consumers zero the k rows of its last,
+// partial k-block that lie past its end (zero_tail_k_rows), so no expert sums another's rows and
+// ragged sizes (0, 1, 129, ...) need no padding. Weight gradients: one CTA owns one output tile and sums K in
 // order: deterministic, no atomics.
 // Clusters: tile t of the pair grid (tile pairs along M) is run by both CTAs of one cluster; the
 // CTA with cluster rank `cta` takes M tile 2i + cta. Where an expert has an odd number of M tiles
@@ -76,7 +76,7 @@ struct SharedStorage {
   u64 full[kStages];                              // producer -> consumers: stage loaded
   u64 empty[kStages];                             // consumers (both CTAs) -> producers: stage free
   int abort;                                      // set in both CTAs by cta 0: skip every tile
-  int go;                                         // producer warpgroup: the cp.async path proceeds (fused.cuh: a comm task proceeds)
+  int go;                                         // fused.cuh: a communicating CTA's task proceeds
   int side_go;                                    // the fused kernel's communicating warps: a task proceeds
   int pair_prefix[kMaxGroups + 1];                // row problems: pair rows before expert g
 };
@@ -185,33 +185,29 @@ __device__ __forceinline__ void load_stage_tma(const GemmParams* p, const Tile& 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Zero-filling cp.async load of one stage by kLoaders threads (tid < kLoaders): the weight gradients'
-// last, partial k-block (rows past T_e read as zeros; the row problems never take this path). Both
-// operands are MN-major there: row k of A is a1[(row0 + k) * lda + m0 ...], row k of B is
-// b1|b2[(row0 + k) * ldb + n0 ...], each as atoms of 64 k rows x 64 elements.
+// The weight gradients' last, partial k-block of an expert (K = the expert's rows, ragged): TMA
+// loads all kBK k rows of the stage like any other (rows past the expert's end are the next
+// expert's, or zeros past the tensor), and the consumers zero k rows valid .. kBK - 1 of both
+// operands before their MMAs, so they sum exactly the expert's rows. Both operands are MN-major
+// there, atoms of [64 k rows x 128 bytes]: a k row is one 128-byte line of an atom whatever the
+// swizzle. Warpgroup `half` zeroes its own A atom and B atoms 2 half, 2 half + 1; then both
+// consumer warpgroups meet (named barrier kConsumersBarrier), so each sees all of B zeroed.
 // ---------------------------------------------------------------------------------------------
-template <int kP, int kLoaders>
-__device__ __forceinline__ void load_stage_cp_async(const GemmParams* p, const Tile& tile, int kb, u32 s_a, u32 s_b, int tid) {
-  using Tr = Traits<kP>;
-  typedef unsigned short bf16;
-  const int k0 = kb * kBK;
-  // A: 2 atoms of 64 k rows x 64 m (1024 16-byte chunks).
-  for (int c = tid; c < 1024; c += kLoaders) {
-    const int atom = c >> 9, krow = (c >> 3) & 63, ch = c & 7, kk = k0 + krow;
-    const bool valid = kk < tile.rows;
-    const bf16* src = ptr<const bf16>(p->a1) + static_cast<i64>(tile.row0 + (valid ? kk : 0)) * p->lda + tile.m0 +
-                      atom * 64 + ch * 8;
-    cp_async_16(s_a + atom * 8192 + swizzle128(krow, ch), src, valid);
+constexpr int kConsumersBarrier = 2;  // bar.sync id of the two consumer warpgroups (256 threads)
+
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync %0, 256;" ::"n"(kConsumersBarrier) : "memory");
+}
+
+__device__ __forceinline__ void zero_tail_k_rows(u32 s_a, int valid, int half, int wg_tid) {
+  const int chunks = (kBK - valid) * 8;  // 16-byte chunks per atom to zero
+  for (int c = wg_tid; c < 3 * chunks; c += 128) {
+    const int atom = c / chunks, rest = c - atom * chunks;
+    const u32 base = atom == 0 ? s_a + half * 8192 : s_a + kATileBytes + (2 * half + atom - 1) * 8192;
+    st_shared_zero16(base + (valid + rest / 8) * 128 + (rest & 7) * 16);
   }
-  // B: 4 atoms of 64 k rows x 64 n (2048 chunks); kDualB: atoms 2, 3 from b2.
-  for (int c = tid; c < 2048; c += kLoaders) {
-    const int atom = c >> 9, krow = (c >> 3) & 63, ch = c & 7, kk = k0 + krow;
-    const bool valid = kk < tile.rows;
-    const bf16* base = ptr<const bf16>(Tr::kDualB && atom >= 2 ? p->b2 : p->b1);
-    const int col = tile.n0 + (Tr::kDualB ? (atom & 1) : atom) * 64 + ch * 8;
-    cp_async_16(s_b + atom * 8192 + swizzle128(krow, ch), base + static_cast<i64>(tile.row0 + (valid ? kk : 0)) * p->ldb + col,
-                valid);
-  }
+  fence_proxy_async();  // generic writes, read next by wgmma (the async proxy)
+  consumers_sync();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -459,15 +455,6 @@ __device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile
 // ---------------------------------------------------------------------------------------------
 // The ring and the per-tile roles
 // ---------------------------------------------------------------------------------------------
-// A barrier among the threads that produce: the producer warpgroup (named barrier 1) or one warp.
-template <int kProducers>
-__device__ __forceinline__ void producers_sync() {
-  if (kProducers == 128)
-    asm volatile("bar.sync 1, 128;" ::: "memory");
-  else
-    __syncwarp();
-}
-
 // Stage and phase of the mbarrier ring. The producer and every consumer warpgroup each hold one
 // and advance it once per stage in the same tile order, so they agree on every stage.
 struct Ring {
@@ -495,7 +482,7 @@ __device__ __forceinline__ int gemm_setup(const GemmParams* p, SharedStorage& ss
   const int num_groups = static_cast<int>(p->num_groups);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&ss.full[s], 1);  // the producer's arrive (with the TMA byte count, or after cp.async)
+      mbar_init(&ss.full[s], 1);  // the producer's arrive with the TMA byte count
       mbar_init(&ss.empty[s], kCluster * kConsumerWarps);  // every consumer warp of both CTAs
     }
     fence_mbarrier_init_cluster();
@@ -518,39 +505,19 @@ __device__ __forceinline__ int gemm_setup(const GemmParams* p, SharedStorage& ss
                            : num_groups * ceil_div(static_cast<int>(p->m) / kBM, 2) * n_tiles;
 }
 
-// Producer warpgroup, one tile: thread 0 issues TMA; the weight gradients' last, partial k-block
-// of an expert is loaded by all 128 threads with zero-filling cp.async. All 128 wait for each free
-// stage together. After a failed wait (returns false) thread 0 loads nothing more (no copy may
-// land in a stage still in use, or in a CTA that has left); the consumers' waits then fail too and
-// the kernel ends with the error set.
-// kProducers: the threads that call it (the producer warpgroup, 128; the fused kernels' producer
-// warp, 32); the partial k-block's cp.async loads are split among them.
-template <int kP, int kProducers = 128>
+// Producer warpgroup (or, in the fused kernels, one producer warp), one tile: thread 0 issues
+// TMA; all threads wait for each free stage together. After a failed wait (returns false) thread 0
+// loads nothing more (no copy may land in a stage still in use, or in a CTA that has left); the
+// consumers' waits then fail too and the kernel ends with the error set.
+template <int kP>
 __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
                                              int cta, int wg_tid, bool ok) {
-  static_assert(kProducers == 128 || kProducers == 32, "the producer warpgroup or one warp");
   using Tr = Traits<kP>;
   const u32 s_base = smem_addr(ss.stages);
-  volatile int* go = &ss.go;
   for (int kb = 0; kb < tile.k_blocks; ++kb) {
-    const bool partial = !Tr::kRowProblem && (kb + 1) * kBK > tile.rows;  // the same in both CTAs
-    const u32 s_a = s_base + ring.stage * kStageBytes;
     if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
-    if (partial) {
-      // NOTE: generic-proxy writes, complete and fenced before the barrier tells the consumers.
-      // Each CTA fills its own stage; nothing is multicast.
-      // NOTE: the other producers see what thread 0 acquired (a fused task's ready counter) through
-      // this flag and barrier (bar.sync / __syncwarp order memory), not through a register shuffle.
-      if (wg_tid == 0) *go = ok;
-      producers_sync<kProducers>();
-      if (*go) {
-        load_stage_cp_async<kP, kProducers>(p, tile, kb, s_a, s_a + kATileBytes, wg_tid);
-        cp_async_wait_all();
-        fence_proxy_async();
-      }
-      producers_sync<kProducers>();
-      if (wg_tid == 0 && ok) mbar_arrive(&ss.full[ring.stage]);
-    } else if (wg_tid == 0 && ok) {
+    if (wg_tid == 0 && ok) {
+      const u32 s_a = s_base + ring.stage * kStageBytes;
       load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &ss.full[ring.stage], cta);
     }
     ring.advance();
@@ -584,6 +551,7 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
   for (int kb = 0; kb < tile.k_blocks; ++kb) {
     if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
     const u32 s_a = s_base + ring.stage * kStageBytes;
+    if (!Tr::kRowProblem && (kb + 1) * kBK > tile.rows) zero_tail_k_rows(s_a, tile.rows - kb * kBK, half, wg_tid);
     wgmma_fence();
     mma_stage<kP>(acc, s_a, s_a + kATileBytes, half);
     wgmma_commit();

@@ -1,5 +1,5 @@
 // Hopper (sm_90a) primitives for the GEMM tiles: shared-memory addresses, mbarriers with bounded
-// waits, cp.async with zero fill, 128-byte swizzle, wgmma descriptors and the m64n256k16 bf16 MMA,
+// waits, TMA and bulk copies, 128-byte swizzle, wgmma descriptors and the m64n256k16 bf16 MMA,
 // bf16 packing. Header-only, no standard headers (NVRTC).
 #pragma once
 #include "common.cuh"
@@ -110,15 +110,10 @@ __device__ __forceinline__ void st_cluster_u32(const void* p, u32 cta, u32 value
       : "memory");
 }
 
-// ---------------------------------------------------------------------------------------------
-// cp.async (16 bytes, zero-filled when !valid) and its mbarrier completion
-// ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
+// 16 zero bytes at a shared-memory address (16-byte aligned).
+__device__ __forceinline__ void st_shared_zero16(u32 addr) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0) : "memory");
 }
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // ---------------------------------------------------------------------------------------------
 // TMA: 2-D tiles from a tensor map (in global memory, 64-byte aligned), completion counted in bytes
@@ -169,16 +164,10 @@ __device__ __forceinline__ void bulk_wait_read() {
 
 __device__ __forceinline__ void bulk_wait_done() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
-// NOTE: cp.async writes through the generic proxy, wgmma reads through the async proxy (TMA writes
-// through it too): a thread that filled a stage with cp.async waits for its copies, then fences,
-// then arrives on the stage's barrier.
+// NOTE: plain shared-memory stores go through the generic proxy, wgmma and bulk copies read through
+// the async proxy (TMA writes through it too): a thread that wrote shared memory that an async-proxy
+// operation reads next fences first (gemm::zero_tail_k_rows, the fused kernel's zero row).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-// 128-byte swizzle: in a region of 128-byte rows (1024-byte aligned), 16-byte chunk c of row r
-// lives at chunk c ^ (r % 8). This is the layout wgmma's 128B-swizzle descriptors expect.
-__device__ __forceinline__ u32 swizzle128(int row, int chunk) {
-  return static_cast<u32>(row * 128 + ((chunk ^ (row & 7)) << 4));
-}
 
 // ---------------------------------------------------------------------------------------------
 // wgmma
