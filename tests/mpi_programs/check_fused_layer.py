@@ -3,6 +3,7 @@ plans) against the sequential GPU layer, bitwise.
 
     python tests/mpi_programs/check_fused_layer.py --backend virtual --ranks 4
     NVSHMEM_DISABLE_NVLS=1 mpirun -n 4 python tests/mpi_programs/check_fused_layer.py --backend nvshmem
+    python tests/mpi_programs/check_fused_layer.py --backend virtual --ranks 4 --backward --replays 20
 
 Per case and policy: the sequential forward + backward, then for every knob setting (communication
 CTAs, minibatch rows, ring) the fused forward (+ the sequential backward on its cache): the output,
@@ -15,9 +16,16 @@ that cannot be met raises KernelTimeoutError (no hang), a rank whose peers never
 SymmTimeoutError (virtual ranks), and an overflow raises CapacityError.
 With --backward (instead of the forward's policy x knob sweep), the fused backward (after a
 sequential and after a fused forward): every gradient bitwise equal to the sequential
-backward's for each backward policy and knob setting; forward + backward fused in one graph
-replayed bitwise; its timeline complete.
-Prints `SHA <case> <digest>` (rank 0) over every rank's fused output, to compare backends.
+backward's for each backward policy and knob setting; `--replays` replays of one graph of
+forward + backward, both fused, bitwise equal; a traced backward gives the same bits and a
+record per task. Then the backward's error paths: a counter wait of the fused backward plan
+that cannot be met raises KernelTimeoutError; a rank whose peers ran the forward but never
+start the backward raises SymmTimeoutError naming the reverse-combine and rank 0 (virtual
+ranks, each backward policy); after an overflowed forward (fused forward and backward plans)
+the backward is refused, or, on a rank whose forward finished, times out on rank 0 (in place
+of the forward-only overflow check); then prints `OK fused backward errors ...` (rank 0).
+Prints `SHA <case> <digest>` (rank 0) over every rank's fused output, and with --backward
+`SHA bwd-<case> <digest>` over every rank's fused gradients, to compare backends.
 """
 
 import hashlib
@@ -27,6 +35,7 @@ import sys
 import numpy as np
 
 import gpu_program
+from mok_proto import abi
 from mok_proto.config import MOK_POLICY, MoEShape, RunConfig
 from mok_proto.errors import KernelTimeoutError, SymmTimeoutError
 from mok_proto.layer.gpu import GpuMoELayer
@@ -85,10 +94,18 @@ def run(layer, heap, backward: bool, graph=None):
 BACKWARD_KNOBS = ((0, 256), (2, 512), (8, 768))  # (comm CTAs, minibatch rows) of the fused backward
 
 
-def check_backward(layer, heap, name, max_ctas, policies) -> int:
+def digest(comm, per_rank: dict) -> str:
+    """16 hex digits of SHA-256 over every rank's bytes (this process's {rank: bytes}, gathered), in
+    rank order: the same on every backend that computes the same bits."""
+    everyone = gpu_program.all_ranks(comm, per_rank)
+    return hashlib.sha256(b"".join(v for _, v in sorted(everyone.items()))).hexdigest()[:16]
+
+
+def check_backward(layer, heap, name, max_ctas, policies, replays) -> tuple[int, int, dict]:
     """The fused backward (after a sequential and after a fused forward): every gradient bitwise
     equal to the sequential backward's, for each (reverse-combine, reverse-dispatch) policy and
-    backward knob setting; then forward + backward fused in one graph, replayed bitwise."""
+    backward knob setting; then forward + backward fused in one graph, `replays` replays bitwise
+    equal. Returns (settings checked, replays run, {rank: SHA-256 of its fused gradients})."""
     settings = 0
     for policy in policies:
         layer.policy = dict(policy)
@@ -113,8 +130,10 @@ def check_backward(layer, heap, name, max_ctas, policies) -> int:
     layer.set_backward_plan(layer.fused_backward_plan(0, 256))
     first = run(layer, heap, backward=True)
     graph = layer.capture()  # forward + backward, both fused
-    for replay in range(3):
+    done = 0
+    for replay in range(replays):
         assert run(layer, heap, backward=True, graph=graph) == first, f"{name}: fused fwd+bwd replay {replay} differs"
+        done += 1
     layer.trace = True
     assert run(layer, heap, backward=True) == first, f"{name}: a traced fused backward differs"
     layer.trace = False
@@ -122,7 +141,7 @@ def check_backward(layer, heap, name, max_ctas, policies) -> int:
         rows = layer.forward_timeline(rank, "bwd")
         assert len(rows) == len(layer.fused_bwd.plan.tasks) and (rows["end_ns"] >= rows["start_ns"]).all()
     layer.set_backward_plan(None)
-    return settings
+    return settings, done, {rank: hashlib.sha256(first[rank]["grads"]).digest() for rank in layer.ranks}
 
 
 def check_case(heap, comm, name, case_id, replays, policies, backward_policies):
@@ -167,17 +186,22 @@ def check_case(heap, comm, name, case_id, replays, policies, backward_policies):
                     assert got[rank]["cache"] == want[rank]["cache"], f"{what}: fused cache differs"
                     assert got[rank]["grads"] == want[rank]["grads"], f"{what}: backward after fused differs"
             settings += 1
+    lines, bwd_replays = [], 0
     if backward_policies:
-        settings += check_backward(layer, heap, name, max_ctas, backward_policies)
+        bwd_settings, bwd_replays, grads = check_backward(layer, heap, name, max_ctas, backward_policies, replays)
+        settings += bwd_settings
+        lines.append(f"SHA bwd-{name} {digest(comm, grads)}")
     assert settings, "no knob setting ran"
     # Graph replays of the fused forward (MoK's policy, the first setting).
     layer.policy = dict(MOK_POLICY)
     layer.set_forward_plan(layer.fused_forward_plan(*knob_settings(max_ctas)[0][:3]))
     first = run(layer, heap, backward=False)
     graph = layer.capture(backward=False)
+    fwd_replays = 0
     for replay in range(replays):
         got = run(layer, heap, backward=False, graph=graph)
         assert got == first, f"{name}: fused graph replay {replay} differs"
+        fwd_replays += 1
     # The in-kernel timeline: tracing changes no result bit, and every task has a record.
     layer.trace = True
     traced = run(layer, heap, backward=False)
@@ -186,11 +210,9 @@ def check_case(heap, comm, name, case_id, replays, policies, backward_policies):
     for rank in layer.ranks:
         rows = layer.forward_timeline(rank)  # raises unless every task of the plan wrote its record
         assert len(rows) == len(layer.fused.plan.tasks) and (rows["end_ns"] >= rows["start_ns"]).all()
-    mine = {rank: first[rank]["fwd"] for rank in layer.ranks}
-    everyone = gpu_program.all_ranks(comm, mine)
-    digest = hashlib.sha256(b"".join(v for _, v in sorted(everyone.items()))).hexdigest()[:16]
+    lines.insert(0, f"SHA {name} {digest(comm, {rank: first[rank]['fwd'] for rank in layer.ranks})}")
     layer.close()
-    return f"SHA {name} {digest}", settings
+    return lines, {"settings": settings, "fwd_replays": fwd_replays, "bwd_replays": bwd_replays}
 
 
 def check_counter_timeout(heap, comm):
@@ -252,10 +274,90 @@ def check_missing_peer(heap):
     layer.close()
 
 
+def check_backward_counter_timeout(heap, comm):
+    """The fused backward's counter waits: after a sound forward, a backward plan whose first
+    gate_up_bwd tile of row tile 0 waits for one down_bwd tile more than its row tile has: the
+    kernel reports kOpFusedWait (KernelTimeoutError) after the timeout instead of hanging."""
+    import cupy
+
+    from mok_proto.plan import TaskKind
+
+    layer = gpu_program.small_layer(heap, "btimeout", seed=5, num_tokens=64, timeout_s=2)
+    layer.set_forward_plan(layer.fused_forward_plan(0, 256))
+    layer.set_backward_plan(layer.fused_backward_plan(2, 256))
+    heap.barrier()
+    layer.enqueue_forward()
+    layer.check()  # the forward is sound: the wait below is the only one that cannot be met
+    heap.barrier()
+    fused = layer.fused_bwd
+    tasks = fused.plan.tasks.copy()
+    # a gate_up_bwd tile of row tile 0 (the same routing and receive rows as check_counter_timeout's
+    # forward: rows on every rank) waits for one down_bwd tile more than its row tile has
+    i = int(np.flatnonzero((tasks["kind"] == int(TaskKind.GATE_UP_BWD)) & (tasks["row_tile"] == 0))[0])
+    tasks["wait_target"][i, 0] += 1
+    fused.tasks = cupy.asarray(tasks.view(np.uint8))
+    fused._params.clear()
+    layer.enqueue_backward()
+    # NOTE: as in check_counter_timeout: the bad wait (task i) or one of a task that waits on it
+    # times out first; under NVSHMEM a rank may instead time out on a peer (SymmTimeoutError) or
+    # finish, but the bad wait must have timed out on some rank.
+    plan = fused.plan
+    after_i = [j for j, a in enumerate(_ancestors(plan, plan.execution_order)) if a >> i & 1]
+    seen = ""
+    try:
+        layer.check()
+    except KernelTimeoutError as e:
+        seen = str(e)
+        got = re.search(r"task (\d+) of the plan", seen)
+        assert "fused layer task" in seen and got and int(got[1]) in after_i, (seen, i, after_i)
+    except SymmTimeoutError as e:
+        if len(heap.launch_ranks) == heap.num_ranks:  # one launch of every rank: one record, this task's
+            raise AssertionError(f"the fused backward's counter timeout was not the error reported: {e}") from e
+    heap.barrier()
+    if not any(comm.allgather(bool(seen)) if comm is not None else [bool(seen)]):
+        raise AssertionError("a counter wait of the fused backward that cannot be met did not time out")
+    layer.close()
+
+
+def check_backward_missing_peer(heap, policies) -> int:
+    """Virtual ranks: every rank runs the (fused) forward, then rank 0 alone runs the fused
+    backward (its peers never start that round): rank 0's wait for the peers' reverse-combine
+    (their flags of the backward's epoch, before the fused kernel) raises SymmTimeoutError naming
+    the reverse-combine of the policy, rank 0 and a peer; the fused kernel after it runs nothing
+    (no hang). One layer per backward policy (a failed layer is spent); returns how many ran."""
+    if heap.num_ranks < 2 or len(heap.launch_ranks) != heap.num_ranks:
+        return 0
+    for n, policy in enumerate(policies):
+        layer = gpu_program.small_layer(heap, f"bmissing{n}", seed=9, num_tokens=64, timeout_s=2)
+        layer.policy = dict(policy)
+        layer.set_forward_plan(layer.fused_forward_plan(0, 256))
+        layer.set_backward_plan(layer.fused_backward_plan(0, 256))
+        layer.enqueue_forward()
+        layer.check()  # every rank ran the forward: only the backward can wait in vain
+        layer.launch_only([0])
+        layer.enqueue_backward()
+        op = abi.OP.text(abi.OP["kOpRevCombinePull" if policy["rev_combine"] == "pull" else "kOpRevCombinePush"])
+        try:
+            layer.check()
+        except SymmTimeoutError as e:
+            assert (e.op, e.rank) == (op, 0) and 0 < e.peer < heap.num_ranks, (policy, str(e))
+        else:
+            raise AssertionError(f"{policy}: a fused backward without its peers did not time out")
+        layer.close()
+    return len(policies)
+
+
+def both_fused(layer):
+    """The overflow check's layer in --backward mode: forward and backward fused (2 communicating CTAs)."""
+    layer.set_forward_plan(layer.fused_forward_plan(2, 256))
+    layer.set_backward_plan(layer.fused_backward_plan(2, 256))
+
+
 def main():
     p = gpu_program.parser(CASES, with_policies=True)
-    p.add_argument("--backward", action="store_true", help="the fused backward's checks instead of the forward's "
-                   "policy x knob sweep (the forward's replays, trace and error checks run either way)")
+    p.add_argument("--backward", action="store_true", help="the fused backward's checks (gradients, replays, "
+                   "errors) instead of the forward's policy x knob sweep (the forward's replays, trace and error "
+                   "checks run either way; the overflow check then runs a backward too)")
     args = p.parse_args()
     policies = [] if args.backward else gpu_program.policies(args, forward_only=True)
     backward_policies = gpu_program.policies(args, backward_only=True) if args.backward else []
@@ -265,16 +367,24 @@ def main():
                    for i, name in enumerate(args.cases.split(","))]
         check_counter_timeout(heap, comm)
         check_missing_peer(heap)
-        gpu_program.check_overflow(heap, "foverflow", lambda layer: layer.set_forward_plan(
-            layer.fused_forward_plan(2, 256)))
+        if args.backward:
+            check_backward_counter_timeout(heap, comm)
+            missing = check_backward_missing_peer(heap, backward_policies)
+            gpu_program.check_overflow(heap, "boverflow", both_fused, backward=True, timeout_s=5)
+        else:
+            gpu_program.check_overflow(heap, "foverflow", lambda layer: layer.set_forward_plan(
+                layer.fused_forward_plan(2, 256)))
     finally:
         heap.close()
     if heap.launch_ranks[0] == 0:
-        settings = sum(s for _, s in results)
+        total = {key: sum(done[key] for _, done in results) for key in ("settings", "fwd_replays", "bwd_replays")}
         print(f"OK fused layer backend={args.backend} R={heap.num_ranks}: {len(policies)} forward and "
-              f"{len(backward_policies)} backward policies, {settings} (policy, knob) settings bitwise equal to "
-              f"sequential, {args.replays} graph replays")
-        print("\n".join(line for line, _ in results))
+              f"{len(backward_policies)} backward policies, {total['settings']} (policy, knob) settings bitwise "
+              f"equal to sequential, graph replays bitwise equal: {total['fwd_replays']} of the forward, "
+              f"{total['bwd_replays']} of forward + backward")
+        if args.backward:
+            print(f"OK fused backward errors: counter timeout, missing peer ({missing} policies), overflow")
+        print("\n".join(line for lines, _ in results for line in lines))
     return 0
 
 

@@ -59,7 +59,7 @@ def all_ranks(comm, per_rank: dict) -> dict:
 def small_layer(heap, name: str, seed: int, num_tokens: int, timeout_s: float = 20, routing: str = "random",
                 capacity: int | None = None):
     """A GpuMoELayer of H = I = 256, E = 2 R, K = 2 (the error checks' layer) with every rank's
-    weights and inputs set."""
+    weights, inputs and output gradient set."""
     from mok_proto.config import MoEShape, RunConfig
     from mok_proto.layer.gpu import GpuMoELayer
     from mok_proto.problem import make_problem
@@ -71,26 +71,52 @@ def small_layer(heap, name: str, seed: int, num_tokens: int, timeout_s: float = 
     for rank in layer.ranks:
         layer.set_weights(rank, prob.local_weights(rank))
         layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
+        layer.set_dout(rank, prob.dout[rank])
     return layer
 
 
-def check_overflow(heap, name: str = "overflow", configure=None):
+def check_overflow(heap, name: str = "overflow", configure=None, backward: bool = False, timeout_s: float = 20):
     """Every token's first choice on rank 0's expert, one receive row too few: rank 0's layer
     raises CapacityError naming the overflow (the other ranks finish their round cleanly).
-    `configure(layer)` (optional) sets the layer up before the forward (e.g. a fused plan)."""
-    from mok_proto.errors import CapacityError
+    `configure(layer)` (optional) sets the layer up before the forward (e.g. a fused plan).
+    backward: then a backward of that forward, which must raise, never hang nor run on the
+    overflowed round: a layer that raised CapacityError refuses it (RuntimeError, nothing
+    enqueued), and a rank whose forward finished (NVSHMEM: one process per rank, not rank 0)
+    times out waiting for rank 0's reverse-combine (SymmTimeoutError naming peer 0).
+    timeout_s: the layer's wait bound (the backward's timeout takes that long)."""
+    from mok_proto.errors import CapacityError, SymmTimeoutError
 
     tokens = 8
     layer = small_layer(heap, name, seed=3, num_tokens=tokens, routing="one-expert",
-                        capacity=tokens * heap.num_ranks - 1)
+                        capacity=tokens * heap.num_ranks - 1, timeout_s=timeout_s)
     if configure is not None:
         configure(layer)
     layer.enqueue_forward()
+    overflowed = False
     try:
         layer.check()
     except CapacityError as e:
         assert "overflow on rank" in str(e), str(e)
+        overflowed = True
     else:
         assert 0 not in layer.ranks, "rank 0 receives every first choice and must overflow"
     heap.barrier()
+    if backward:
+        if overflowed:
+            try:
+                layer.enqueue_backward()
+            except RuntimeError as e:
+                assert "reported an error before" in str(e), str(e)
+            else:
+                raise AssertionError("a backward after an overflowed forward was not refused")
+        else:
+            layer.enqueue_backward()
+            try:
+                layer.check()
+            except SymmTimeoutError as e:
+                assert e.peer == 0 and e.op.startswith("reverse-combine"), str(e)
+            else:
+                raise AssertionError(f"ranks {layer.ranks}: a backward whose peer 0 refused it (its forward "
+                                     "overflowed) did not time out")
+        heap.barrier()
     layer.close()
