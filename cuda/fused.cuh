@@ -310,7 +310,8 @@ __device__ __forceinline__ void bulk_wait_read_all_but(int pending) {
 // row k is loaded into slot k % n, stored from there once landed (one bulk group per row), and
 // the slot reloaded with row k + n once that store has read it. The reload of row j's slot is
 // issued d = n / 2 rows later (after row j + d's store), so about d stores and n - d loads are in
-// flight at any time. Returns when every store is complete; false after a failed wait.
+// flight at any time. Returns when every store is complete; false after a failed wait (then only
+// once the loads already issued have landed, at most gemm::kDrainNs each: see gemm::drain_loads).
 template <typename RowOf>
 __device__ __forceinline__ bool bulk_move(const Ctx& c, CopyRing& r, u32 row_bytes, i64 count, RowOf row_of,
                                           int index) {
@@ -326,10 +327,15 @@ __device__ __forceinline__ bool bulk_move(const Ctx& c, CopyRing& r, u32 row_byt
     }
   };
   bool ok = true;
-  for (i64 k = 0; k < count && k < n; ++k) issue(k);
+  i64 issued = 0;  // rows 0 .. issued - 1 have their loads issued (in order)
+  for (; issued < count && issued < n; ++issued) issue(issued);
   for (i64 k = 0; k < count; ++k) {
     const int s = static_cast<int>(k % n);
-    if (ok) ok = mbar_wait(&r.full[s], (r.phases >> s) & 1, c.fp->timeout_ns, c.fp->error, kOpFusedCopy, index);
+    if (!ok && k >= issued) break;  // after a failed wait: every issued load has been waited for
+    if (ok)
+      ok = mbar_wait(&r.full[s], (r.phases >> s) & 1, c.fp->timeout_ns, c.fp->error, kOpFusedCopy, index);
+    else  // a load issued before the failure must land before this CTA may leave
+      mbar_drain(&r.full[s], (r.phases >> s) & 1, gemm::kDrainNs);
     r.phases ^= 1u << s;
     const RowMove m = row_of(k);
     if (ok && m.dst != nullptr) bulk_store(m.dst, m.src != nullptr ? r.slots + s * row_bytes : r.zero, row_bytes);
@@ -338,6 +344,7 @@ __device__ __forceinline__ bool bulk_move(const Ctx& c, CopyRing& r, u32 row_byt
     if (ok && j >= 0 && j + n < count) {
       bulk_wait_read_all_but(d);  // groups up to row j have read their slots
       issue(j + n);
+      issued = j + n + 1;
     }
   }
   bulk_wait_done();  // (every reload was issued in the loop: rows j + n < count have j = k - d <= count - 1 - d)
@@ -482,6 +489,7 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
               return produce_task<decltype(tag)::kProblem>(c, ss, ring, t, i, cta, wg_tid, ok);
             });
           }
+          if (wg_tid == 0) gemm::drain_loads(ss, ring);
         } else {  // the spare warps: communication tasks
           const int side = wg_tid / 32 - 1;
           for (int i = first; i < last; ++i) {

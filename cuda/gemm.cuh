@@ -459,10 +459,29 @@ __device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile
 // and advance it once per stage in the same tile order, so they agree on every stage.
 struct Ring {
   int stage = 0, phase = 0;
+  u32 armed = 0, armed_phase = 0;  // the producer's thread 0: stages it loaded, each one's last parity
   __device__ __forceinline__ void advance() {
     if (++stage == kStages) { stage = 0; phase ^= 1; }
   }
+  // The producer's thread 0, after it armed this stage's `full` barrier and issued the loads.
+  __device__ __forceinline__ void loaded() {
+    armed |= 1u << stage;
+    armed_phase = (armed_phase & ~(1u << stage)) | (static_cast<u32>(phase) << stage);
+  }
 };
+static_assert(kStages <= 32, "Ring keeps a bit per stage");
+
+// The producer's thread 0, once, after its last tile and before the kernel's final cluster
+// barrier: waits (at most kDrainNs a stage, reporting nothing) until the last loads it issued into
+// each stage have landed, its own and the partner's multicast half. Normally the consumers have
+// waited for every one already; after an error they stop waiting, and a CTA must not leave while
+// a TMA copy is still writing into its shared memory (a launch failure).
+constexpr u64 kDrainNs = 1000000;
+
+__device__ __forceinline__ void drain_loads(SharedStorage& ss, const Ring& ring) {
+  for (int s = 0; s < kStages; ++s)
+    if (ring.armed >> s & 1) mbar_drain(&ss.full[s], ring.armed_phase >> s & 1, kDrainNs);
+}
 
 // One arrive per consumer warp on stage s's `empty` barrier in every CTA of the cluster (lane c
 // signals CTA c): the partner multicasts its half of B into this stage too. The warp's reads of
@@ -519,6 +538,7 @@ __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage&
     if (wg_tid == 0 && ok) {
       const u32 s_a = s_base + ring.stage * kStageBytes;
       load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &ss.full[ring.stage], cta);
+      ring.loaded();
     }
     ring.advance();
   }
@@ -529,6 +549,7 @@ __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage&
       mbar_arrive_expect_tx(&ss.full[ring.stage], 2 * kAuxU);
       tma_load_2d(s_a, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, &ss.full[ring.stage]);
       tma_load_2d(s_a + kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, &ss.full[ring.stage]);
+      ring.loaded();
     }
     ring.advance();
   }
@@ -598,6 +619,7 @@ __device__ __forceinline__ void run_tiles(const GemmParams* p, SharedStorage& ss
     // NOTE: threads let run ahead to the final cluster barrier instead (warp 0 diverged around its
     // TMA lane) made the row GEMMs ~18% slower: all 128 producer threads walk every tile.
     while (tiles.next(t)) ok = produce_tile<kP>(p, ss, ring, tile_of<kP>(p, ss.pair_prefix, t, cta), cta, wg_tid, ok);
+    if (wg_tid == 0) drain_loads(ss, ring);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
     float acc[128];

@@ -50,6 +50,14 @@ __device__ __forceinline__ bool mbar_wait(u64* bar, int parity, u64 timeout_ns, 
   return true;
 }
 
+// After an error: wait at most `ns` for a phase, reporting nothing (a copy issued before the error
+// must land before its CTA leaves; see gemm::drain_loads).
+__device__ __forceinline__ void mbar_drain(u64* bar, int parity, u64 ns) {
+  const u64 start = globaltimer_ns();
+  while (!mbar_try_wait(bar, parity) && globaltimer_ns() - start < ns) {
+  }
+}
+
 __device__ __forceinline__ void mbar_arrive(u64* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
