@@ -483,6 +483,20 @@ __device__ __forceinline__ void drain_loads(SharedStorage& ss, const Ring& ring)
     if (ring.armed >> s & 1) mbar_drain(&ss.full[s], ring.armed_phase >> s & 1, kDrainNs);
 }
 
+// The producer's thread 0, before it arms the current stage's `full` barrier again: has the last
+// load it issued there landed? Always, in a sound run (the consumers waited for it before they
+// freed the stage). After an error the consumers stop waiting and free stages at once, and arming
+// a barrier whose phase is still open (its arrival already made) is undefined: measured as a
+// launch failure in the fused backward's wind-down. So it waits (at most kDrainNs) and, if the
+// load has still not landed, the producer loads nothing more.
+__device__ __forceinline__ bool previous_load_landed(SharedStorage& ss, const Ring& ring) {
+  if (!(ring.armed >> ring.stage & 1)) return true;
+  const int parity = ring.armed_phase >> ring.stage & 1;
+  if (mbar_try_wait(&ss.full[ring.stage], parity)) return true;
+  mbar_drain(&ss.full[ring.stage], parity, kDrainNs);
+  return mbar_try_wait(&ss.full[ring.stage], parity);
+}
+
 // One arrive per consumer warp on stage s's `empty` barrier in every CTA of the cluster (lane c
 // signals CTA c): the partner multicasts its half of B into this stage too. The warp's reads of
 // the stage (aux stages: every lane's) are done first.
@@ -535,6 +549,7 @@ __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage&
   const u32 s_base = smem_addr(ss.stages);
   for (int kb = 0; kb < tile.k_blocks; ++kb) {
     if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
+    if (wg_tid == 0 && ok) ok = previous_load_landed(ss, ring);
     if (wg_tid == 0 && ok) {
       const u32 s_a = s_base + ring.stage * kStageBytes;
       load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &ss.full[ring.stage], cta);
@@ -544,6 +559,7 @@ __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage&
   }
   for (int c = 0; c < Tr::kAuxStages; ++c) {  // kDownBwd: g and u of this tile, 64 columns a stage
     if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
+    if (wg_tid == 0 && ok) ok = previous_load_landed(ss, ring);
     if (wg_tid == 0 && ok) {
       const u32 s_a = s_base + ring.stage * kStageBytes;
       mbar_arrive_expect_tx(&ss.full[ring.stage], 2 * kAuxU);
