@@ -215,6 +215,28 @@ def check_case(heap, comm, name, case_id, replays, policies, backward_policies):
     return lines, {"settings": settings, "fwd_replays": fwd_replays, "bwd_replays": bwd_replays}
 
 
+def expect_counter_timeout(layer, heap, comm, plan, i, what: str):
+    """After a launch of `plan` whose task i waits for a count it can never reach: layer.check()
+    raises KernelTimeoutError naming task i or a task that waits on it (through counters or stream
+    order; the first bounded wait to expire is reported); under NVSHMEM a rank may instead time out
+    on a peer (SymmTimeoutError) or finish, but the bad wait must have timed out on some rank."""
+    after_i = [j for j, a in enumerate(_ancestors(plan, plan.execution_order)) if a >> i & 1]
+    seen = ""
+    try:
+        layer.check()
+    except KernelTimeoutError as e:
+        seen = str(e)
+        got = re.search(r"task (\d+) of the plan", seen)
+        assert "fused layer task" in seen and got and int(got[1]) in after_i, (seen, i, after_i)
+    except SymmTimeoutError as e:
+        if len(heap.launch_ranks) == heap.num_ranks:  # one launch of every rank: one record, this task's
+            raise AssertionError(f"the {what}'s counter timeout was not the error reported: {e}") from e
+    heap.barrier()
+    if not any(comm.allgather(bool(seen)) if comm is not None else [bool(seen)]):
+        raise AssertionError(f"a counter wait of the {what} that cannot be met did not time out")
+    layer.close()
+
+
 def check_counter_timeout(heap, comm):
     """A plan whose first routed down tile waits for one signal too many: the kernel reports
     kOpFusedWait (KernelTimeoutError) after the timeout instead of hanging."""
@@ -237,22 +259,7 @@ def check_counter_timeout(heap, comm):
     # process per rank (NVSHMEM) each rank has its own error record: a rank whose row tile 0 is
     # empty never meets the bad wait and instead times out on a peer's missing rows
     # (SymmTimeoutError), or finishes; the bad wait must have timed out on some rank.
-    plan = layer.fused.plan
-    after_i = [j for j, a in enumerate(_ancestors(plan, plan.execution_order)) if a >> i & 1]
-    seen = ""
-    try:
-        layer.check()
-    except KernelTimeoutError as e:
-        seen = str(e)
-        got = re.search(r"task (\d+) of the plan", seen)
-        assert "fused layer task" in seen and got and int(got[1]) in after_i, (seen, i, after_i)
-    except SymmTimeoutError as e:
-        if len(heap.launch_ranks) == heap.num_ranks:  # one launch of every rank: one record, this task's
-            raise AssertionError(f"the fused layer's counter timeout was not the error reported: {e}") from e
-    heap.barrier()
-    if not any(comm.allgather(bool(seen)) if comm is not None else [bool(seen)]):
-        raise AssertionError("a counter wait that cannot be met did not time out")
-    layer.close()
+    expect_counter_timeout(layer, heap, comm, layer.fused.plan, i, "fused forward")
 
 
 def check_missing_peer(heap):
@@ -301,22 +308,7 @@ def check_backward_counter_timeout(heap, comm):
     # NOTE: as in check_counter_timeout: the bad wait (task i) or one of a task that waits on it
     # times out first; under NVSHMEM a rank may instead time out on a peer (SymmTimeoutError) or
     # finish, but the bad wait must have timed out on some rank.
-    plan = fused.plan
-    after_i = [j for j, a in enumerate(_ancestors(plan, plan.execution_order)) if a >> i & 1]
-    seen = ""
-    try:
-        layer.check()
-    except KernelTimeoutError as e:
-        seen = str(e)
-        got = re.search(r"task (\d+) of the plan", seen)
-        assert "fused layer task" in seen and got and int(got[1]) in after_i, (seen, i, after_i)
-    except SymmTimeoutError as e:
-        if len(heap.launch_ranks) == heap.num_ranks:  # one launch of every rank: one record, this task's
-            raise AssertionError(f"the fused backward's counter timeout was not the error reported: {e}") from e
-    heap.barrier()
-    if not any(comm.allgather(bool(seen)) if comm is not None else [bool(seen)]):
-        raise AssertionError("a counter wait of the fused backward that cannot be met did not time out")
-    layer.close()
+    expect_counter_timeout(layer, heap, comm, fused.plan, i, "fused backward")
 
 
 def check_backward_missing_peer(heap, policies) -> int:
