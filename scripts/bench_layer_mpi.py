@@ -409,26 +409,14 @@ class Ranks:
         return True, value
 
     def resync_barriers(self) -> None:
-        """Drop the arrival tokens a failed phase left in flight: a rank whose heap.barrier timed
-        out (its peer had failed elsewhere) sent a token the peer never took, which would let the
-        peer's next barrier (or symmetric allocation) pass before this rank is there. Every rank
-        sends each peer a marker on the same tag; MPI keeps one sender's messages in order, so
-        receiving up to the marker takes every stale token."""
-        from mok_proto.symm.watchdog import ARRIVAL_TAG
+        """Drop the arrival tokens a failed phase left in flight and agree on the barrier count
+        (watchdog.resync_arrivals): a rank whose heap.barrier timed out (its peer had failed
+        elsewhere) sent a token the peer never took, and counted a barrier the peer did not."""
+        from mok_proto.symm.watchdog import resync_arrivals
 
-        peers = [p for p in range(self.num_ranks) if p != self.rank]
-        marker, got = np.ones(1, np.int64), np.zeros(1, np.int64)
-        sends = [self.comm.Isend([marker, 1], dest=p, tag=ARRIVAL_TAG) for p in peers]
-        for p in peers:
-            stale = -1
-            got[0] = 0
-            while got[0] != 1:
-                self.comm.Recv([got, 1], source=p, tag=ARRIVAL_TAG)
-                stale += 1
+        for p, stale in resync_arrivals(self.comm).items():
             if stale:
                 print(f"# rank {self.rank}: dropped {stale} stale barrier arrival(s) of rank {p}", flush=True)
-        for request in sends:
-            request.Wait()
 
     def shared(self, row: dict, name: str, fn, root: int):
         """fn() on rank `root` only, its value (pickled) sent to every rank: (True, value) on every

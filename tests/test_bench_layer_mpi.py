@@ -251,6 +251,8 @@ class _Comm:
 
     def allgather(self, value):
         self.calls.append("allgather")
+        if isinstance(value, int):  # watchdog.resync_arrivals agreeing on the barrier count
+            return [value, value]
         if self.answers:
             return [value, self.answers.pop(0)]
         return [value, self.peer if self.peer is not None else value]
@@ -264,7 +266,10 @@ class _Comm:
         return type("Request", (), {"Wait": lambda self: None})()
 
     def Recv(self, buf, source, tag):
-        buf[0][0] = 1  # the peer's marker (no stale token)
+        buf[0][0] = -1  # the peer's marker (watchdog.RESYNC_MARKER: no stale token)
+
+    def py2f(self):
+        return id(self)
 
 
 class _Heap:
@@ -282,7 +287,7 @@ def test_a_phase_fails_on_every_rank_when_one_rank_failed(bench):
     ranks = bench.Ranks(_Comm(peer="MemoryError: x"), None)
     assert ranks.phase(row, "torch", lambda: 3) == (False, None)  # it worked here, not on the peer
     assert row["errors"] == [{"phase": "torch", "ranks": {"1": "MemoryError: x"}}]
-    assert ranks.comm.calls == ["allgather", "marker"]  # agreed, then the barriers resynchronized
+    assert ranks.comm.calls == ["allgather", "marker", "allgather"]  # agreed, then the barriers resynchronized
     ok = bench.Ranks(_Comm(), None)
     assert ok.phase(row, "fine", lambda: 3) == (True, 3) and ok.comm.calls == ["allgather"]
 

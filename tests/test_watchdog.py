@@ -1,5 +1,6 @@
 """The watchdog's verdicts, on a fake communicator (the real thing runs in tests/test_faults.py)."""
 
+import itertools
 import time
 
 import pytest
@@ -69,12 +70,15 @@ class Mailbox:
 
     rank, size = 0, 2
 
+    handles = itertools.count(1)
+
     def __init__(self):
+        self.handle = next(Mailbox.handles)  # a fresh communicator: no barrier state of another
         self.queue = []  # tokens peer 1 sent that no receive has matched yet
         self.on_cancel = []  # tokens that match a receive while it is being cancelled
 
     def py2f(self):
-        return id(self)
+        return -self.handle  # never a real communicator's handle
 
     def Irecv(self, buf, source, tag):
         box = self
@@ -103,7 +107,17 @@ class Mailbox:
         class Sent:
             def Test(self):
                 return True
+
+            def Wait(self):
+                pass
         return Sent()
+
+    def Recv(self, buf, source, tag):
+        assert self.queue, "a blocking receive with nothing sent"
+        buf[0][0] = self.queue.pop(0)
+
+    def allgather(self, value):
+        return [value, self.peer_seq]
 
 
 def test_arrival_token_of_a_barrier_given_up_on_is_not_taken_for_the_next():
@@ -131,3 +145,20 @@ def test_arrival_token_matched_during_the_cancel_counts():
         watchdog.arrival_barrier(comm, "barrier 1", 0.05)
     watchdog.arrival_barrier(comm, "barrier 2", 0.05)
     assert watchdog._BARRIERS[comm.py2f()] == {"seq": 2, "seen": {1: 2}}
+
+
+def test_resync_drops_stale_tokens_and_agrees_on_the_barrier_count():
+    """After a failure: rank 0 timed out of barriers 1 and 2 (peer 1 entered neither); peer 1 then
+    entered barrier 1 late (its token 1 is queued) and stopped there. The resync takes that token
+    and the peer's marker, and both ranks count from the larger barrier count (2): the next barrier
+    is 3 on both, so peer 1's token 3 is its arrival."""
+    comm = Mailbox()
+    comm.peer_seq = 1
+    for name in ("barrier 1", "barrier 2"):
+        with pytest.raises(watchdog.PeerTimeoutError):
+            watchdog.arrival_barrier(comm, name, 0.05)
+    comm.queue += [1, watchdog.RESYNC_MARKER]
+    assert watchdog.resync_arrivals(comm) == {1: 1}
+    assert comm.queue == [] and watchdog._BARRIERS[comm.py2f()] == {"seq": 2, "seen": {}}
+    comm.queue.append(3)
+    watchdog.arrival_barrier(comm, "barrier 3", 0.05)

@@ -121,6 +121,32 @@ def arrival_barrier(comm, op: str, timeout_s: float) -> None:
         raise PeerTimeoutError(op, rank, peers, timeout_s)
 
 
+RESYNC_MARKER = -1  # an arrival-tag payload no barrier sends (their tokens count from 1)
+
+
+def resync_arrivals(comm) -> dict:
+    """Collective, after a failure every rank agreed on (some ranks' arrival barriers may have
+    timed out while others never entered theirs): every rank sends each peer RESYNC_MARKER on the
+    arrival tag and receives from each peer up to that marker (MPI keeps one sender's messages in
+    order), which takes every token still in flight; then all ranks restart their barrier count at
+    the largest one among them, with nothing pending. Returns {peer: tokens dropped}."""
+    state = _BARRIERS.setdefault(comm.py2f(), {"seq": 0, "seen": {}})
+    peers = [p for p in range(comm.size) if p != comm.rank]
+    marker, got = np.array([RESYNC_MARKER], np.int64), np.zeros(1, np.int64)
+    sends = [comm.Isend([marker, 1], dest=p, tag=ARRIVAL_TAG) for p in peers]
+    dropped = {}
+    for p in peers:
+        dropped[p] = -1
+        got[0] = 0
+        while got[0] != RESYNC_MARKER:
+            comm.Recv([got, 1], source=p, tag=ARRIVAL_TAG)
+            dropped[p] += 1
+    for request in sends:
+        request.Wait()
+    state["seq"], state["seen"] = max(comm.allgather(state["seq"])), {}
+    return dropped
+
+
 def _cancel(request) -> bool:
     """Cancel a pending receive; True when it had matched a message first (its data arrived)."""
     from mpi4py import MPI
