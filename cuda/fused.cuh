@@ -331,7 +331,7 @@ __device__ __forceinline__ bool bulk_move(const Ctx& c, CopyRing& r, u32 row_byt
   for (; issued < count && issued < n; ++issued) issue(issued);
   for (i64 k = 0; k < count; ++k) {
     const int s = static_cast<int>(k % n);
-    if (!ok && k >= issued) break;  // after a failed wait: every issued load has been waited for
+    if (!ok && k >= issued) break;  // after a failed wait: every later issued load has been drained
     if (ok)
       ok = mbar_wait(&r.full[s], (r.phases >> s) & 1, c.fp->timeout_ns, c.fp->error, kOpFusedCopy, index);
     else  // a load issued before the failure must land before this CTA may leave

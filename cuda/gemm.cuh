@@ -541,7 +541,14 @@ __device__ __forceinline__ int gemm_setup(const GemmParams* p, SharedStorage& ss
 // Producer warpgroup (or, in the fused kernels, one producer warp), one tile: thread 0 issues
 // TMA; all threads wait for each free stage together. After a failed wait (returns false) thread 0
 // loads nothing more (no copy may land in a stage still in use, or in a CTA that has left); the
-// consumers' waits then fail too and the kernel ends with the error set.
+// consumers' waits then fail too and the kernel ends with the error set. Thread 0 also stops
+// (silently: an error is recorded already) when a stage's last load has not landed by the time the
+// stage is free again (previous_load_landed), which only happens after an error.
+// NOTE (known, not fixed): after an error the consumers free stages without waiting, so the
+// partner's next multicast B half can land in a stage whose own phase is still open and complete
+// it before this CTA's A load lands; previous_load_landed and drain_loads then pass early. It
+// needs a tight race on the error path only; the robust fix is a bounded drain of `full` by the
+// consumers before they free a stage after an error.
 template <int kP>
 __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
                                              int cta, int wg_tid, bool ok) {

@@ -1,5 +1,5 @@
 // Hopper (sm_90a) primitives for the GEMM tiles: shared-memory addresses, mbarriers with bounded
-// waits, TMA and bulk copies, 128-byte swizzle, wgmma descriptors and the m64n256k16 bf16 MMA,
+// waits, TMA and bulk copies, wgmma descriptors (128-byte swizzle) and the m64n256k16 bf16 MMA,
 // bf16 packing. Header-only, no standard headers (NVRTC).
 #pragma once
 #include "common.cuh"
