@@ -268,9 +268,14 @@ class Plan:
         _check_wgrad_order(self)
         order = self.execution_order
         _check_topological(self, order)
-        ancestors = _ancestors(self, order)
-        _check_ring(self, ancestors)
-        _check_dataflow(self, ancestors)
+        needs = _ring_needs(self) + _dataflow_needs(self)  # (reader, tasks that must precede it)
+        if needs:
+            tracked = np.zeros(len(self.tasks), bool)
+            for _, _, need in needs:
+                tracked[need] = True
+            index = np.flatnonzero(tracked)
+            ancestors = _ancestors(self, order, tracked)
+            _check_needs(self, needs, ancestors, index)
         self.__dict__["_checked"] = True  # frozen dataclass: kept in the instance dict, as cached_property does
 
 
@@ -893,94 +898,110 @@ def _check_topological(plan: Plan, order: np.ndarray) -> None:
                             f"raised by a task at or after it")
 
 
-def _ancestors(plan: Plan, order: np.ndarray) -> list:
+def _ancestors(plan: Plan, order: np.ndarray, tracked: np.ndarray | None = None) -> list:
     """Happens-before: per task, the bitset (a Python int) of the tasks that precede it through
-    counters (every signaller of a counter it waits on) and stream order, itself included."""
+    counters (every signaller of a counter it waits on) and stream order, itself included.
+    tracked (a [num_tasks] mask): only those tasks are recorded, bit k standing for the k-th
+    tracked task (np.flatnonzero(tracked)[k]); a task whose set does not grow shares its
+    predecessor's int, so the sets of the many tasks after the last tracked one cost nothing."""
     t = plan.tasks
+    bit = np.full(len(t), -1, np.int64)
+    sel = np.arange(len(t)) if tracked is None else np.flatnonzero(tracked)
+    bit[sel] = np.arange(len(sel))
     signalers: dict[int, int] = {}
     anc = [0] * len(t)
     prev_in_stream = np.full(len(t), -1, np.int64)
     for stream in plan.streams():
         prev_in_stream[stream[1:]] = stream[:-1]
     wait, sig = t["wait_counter"].tolist(), t["signal_counter"].tolist()
+    prev, bit = prev_in_stream.tolist(), bit.tolist()
     for i in order.tolist():
-        a = 1 << i
-        p = prev_in_stream[i]
-        if p >= 0:
-            a |= anc[p]
+        base = anc[prev[i]] if prev[i] >= 0 else 0
+        extra = 1 << bit[i] if bit[i] >= 0 else 0
         for w in wait[i]:
             if w >= 0:
-                a |= signalers.get(w, 0)
+                extra |= signalers.get(w, 0)
+        a = base | extra if extra & ~base else base
         anc[i] = a
         for s in sig[i]:
             if s >= 0:
-                signalers[s] = signalers.get(s, 0) | a
+                got = signalers.get(s, 0)
+                signalers[s] = got | a if a & ~got else got
     return anc
 
 
-def _check_ring(plan: Plan, anc: list) -> None:
+def _ring_needs(plan: Plan) -> list:
+    """(refill, the tasks that use the rows of the minibatch whose ring slot it refills): see
+    check(), 6. Weight-gradient tiles of macrobatch j read the rows of all its minibatches."""
     ring, k = plan.ring_minibatches, plan.kinds
     if plan.num_minibatches <= ring:
-        return
+        return []
     t = plan.tasks
     kind, mb = t["kind"], t["minibatch"]
-    users_kinds = [k.first, k.second, k.comm_out]
-    user = np.isin(kind, [int(x) for x in users_kinds]) & (mb >= 0)
-    wgrad = np.isin(kind, [int(x) for x in k.wgrad])
-    # Weight-gradient tiles of macrobatch j read the ring rows of all its minibatches.
-    wgrad_macro = t["macrobatch"]
-    users_of = [0] * plan.num_minibatches
-    for i in np.flatnonzero(user):
-        users_of[int(mb[i])] |= 1 << int(i)
-    for i in np.flatnonzero(wgrad):
-        j = int(wgrad_macro[i])
+    user = np.isin(kind, [int(x) for x in (k.first, k.second, k.comm_out)]) & (mb >= 0)
+    users_of = [[np.flatnonzero(user & (mb == m))] for m in range(plan.num_minibatches)]
+    wgrad = np.flatnonzero(np.isin(kind, [int(x) for x in k.wgrad]))
+    macro = t["macrobatch"][wgrad]
+    for j in np.unique(macro).tolist():
         for m in range(j * ring, min((j + 1) * ring, plan.num_minibatches)):
-            users_of[m] |= 1 << int(i)
-    for i in np.flatnonzero((kind == int(k.comm_in)) & (mb >= ring)):
-        need = users_of[int(mb[i]) - ring]
-        if anc[i] & need != need:
-            raise PlanError(f"ring: {_name(plan, int(i))} refills the slot of minibatch {int(mb[i]) - ring} "
-                            f"before every task using its rows finished")
+            users_of[m].append(wgrad[macro == j])
+    need = [np.concatenate(u) for u in users_of]
+    return [("ring", int(i), need[int(mb[i]) - ring])
+            for i in np.flatnonzero((kind == int(k.comm_in)) & (mb >= ring))]
 
 
-def _check_dataflow(plan: Plan, anc: list) -> None:
-    """Fused plans: each reader runs after every writer of its rows (see check(), 8)."""
+def _dataflow_needs(plan: Plan) -> list:
+    """Fused plans: (reader, every writer of the rows it reads): see check(), 8."""
     if plan.strategy not in FUSED_STRATEGIES.values():
-        return
+        return []
     t, k = plan.tasks, plan.kinds
     kind, mb, rt = t["kind"], t["minibatch"], t["row_tile"]
-
-    def bits(sel):
-        b = 0
-        for i in np.flatnonzero(sel):
-            b |= 1 << int(i)
-        return b
-
-    writers = {}  # (reader kind, key) -> bitset of the writers it needs
+    writers = {}  # (reader kind, key) -> the writers it needs
     for m in np.unique(mb[mb >= 0]).tolist():
-        writers[(int(k.first), "mb", m)] = bits((kind == int(k.comm_in)) & (mb == m))
-        writers[(int(k.comm_out), "mb", m)] = bits((kind == int(k.second)) & (mb == m))
+        writers[(int(k.first), "mb", m)] = np.flatnonzero((kind == int(k.comm_in)) & (mb == m))
+        writers[(int(k.comm_out), "mb", m)] = np.flatnonzero((kind == int(k.second)) & (mb == m))
     for r in np.unique(rt[kind == int(k.second)]).tolist():
-        writers[(int(k.second), "rt", r)] = bits((kind == int(k.first)) & (rt == r))
+        writers[(int(k.second), "rt", r)] = np.flatnonzero((kind == int(k.first)) & (rt == r))
     for r in np.unique(rt[kind == int(k.shared_second)]).tolist():
-        writers[(int(k.shared_second), "rt", r)] = bits((kind == int(k.shared_first)) & (rt == r))
+        writers[(int(k.shared_second), "rt", r)] = np.flatnonzero((kind == int(k.shared_first)) & (rt == r))
     # weight gradients read the rows of every minibatch's first GEMM (dg, du; the arrived dy rows)
     # and the shared gate/up weight gradient the shared first GEMM's (sdg, sdu)
     for w in k.wgrad:
-        writers[(int(w), "all", -1)] = bits(kind == int(k.first))
+        writers[(int(w), "all", -1)] = np.flatnonzero(kind == int(k.first))
     if k.shared_wgrad:
-        writers[(int(k.shared_wgrad[1]), "all", -1)] = bits(kind == int(k.shared_first))
-    for i in range(len(t)):
-        if kind[i] in (int(k.second), int(k.shared_second)):
-            key = (int(kind[i]), "rt", int(rt[i]))
-        elif (int(kind[i]), "all", -1) in writers:
-            key = (int(kind[i]), "all", -1)
+        writers[(int(k.shared_wgrad[1]), "all", -1)] = np.flatnonzero(kind == int(k.shared_first))
+    by_rt = {int(k.second), int(k.shared_second)}
+    needs = []
+    for i, (kd, m, r) in enumerate(zip(kind.tolist(), mb.tolist(), rt.tolist())):
+        if kd in by_rt:
+            key = (kd, "rt", r)
+        elif (kd, "all", -1) in writers:
+            key = (kd, "all", -1)
         else:
-            key = (int(kind[i]), "mb", int(mb[i]))
-        need = writers.get(key, 0)
-        if anc[i] & need != need:
-            missing = need & ~anc[i]
-            j = (missing & -missing).bit_length() - 1
+            key = (kd, "mb", m)
+        need = writers.get(key)
+        if need is not None and len(need):
+            needs.append(("data flow", i, need))
+    return needs
+
+
+def _check_needs(plan: Plan, needs: list, anc: list, index: np.ndarray) -> None:
+    """Every (check, reader, tasks) of `needs` has all those tasks among the reader's ancestors
+    (`anc` over the tracked tasks `index`, as _ancestors gives them)."""
+    bit = np.full(len(plan.tasks), -1, np.int64)
+    bit[index] = np.arange(len(index))
+    masks: dict[int, int] = {}  # id of a need array -> its bitset (readers share their writers' arrays)
+    for what, i, need in needs:
+        m = masks.get(id(need))
+        if m is None:
+            m = masks[id(need)] = sum(1 << b for b in bit[need].tolist())
+        if anc[i] & m != m:
+            missing = m & ~anc[i]
+            j = int(index[(missing & -missing).bit_length() - 1])
+            if what == "ring":
+                raise PlanError(f"ring: {_name(plan, i)} refills the slot of minibatch "
+                                f"{int(plan.tasks['minibatch'][i]) - plan.ring_minibatches} before every task using "
+                                f"its rows finished ({_name(plan, j)})")
             raise PlanError(f"data flow: {_name(plan, i)} may run before {_name(plan, j)}, which writes rows it reads")
 
 

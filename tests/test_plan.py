@@ -330,3 +330,20 @@ def test_fused_backward_check_rejects_an_early_weight_gradient():
     t["wait_counter"][sel], t["wait_target"][sel] = -1, 0
     with pytest.raises(P.PlanError, match="data flow"):
         P.with_tasks(p, t).check()
+
+
+def test_ancestors_of_tracked_tasks_are_the_full_relation_restricted():
+    """_ancestors with a `tracked` mask (what Plan.check uses: only the tasks some check needs)
+    gives, bit k for the k-th tracked task, exactly the full happens-before relation on them."""
+    plan = P.fused_backward(SMALL, 2, 2, 256, policy=dict(MOK_POLICY), num_sms=8)
+    order = plan.execution_order
+    full = P._ancestors(plan, order)
+    rng = np.random.default_rng(3)
+    tracked = rng.random(len(plan.tasks)) < 0.3
+    index = np.flatnonzero(tracked)
+    restricted = P._ancestors(plan, order, tracked)
+    for i in range(len(plan.tasks)):
+        want = {k for k, j in enumerate(index) if full[i] >> int(j) & 1}
+        got = {k for k in range(len(index)) if restricted[i] >> k & 1}
+        assert got == want, i
+    assert any(full[i] >> int(j) & 1 for i in range(len(plan.tasks)) for j in index[:5] if i != j)  # not vacuous
