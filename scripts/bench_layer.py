@@ -26,7 +26,9 @@ progress line each), its output compared bitwise with the sequential forward of 
 (`equal_to_sequential`); the best setting per shape is timed once more and judged on that
 against FUSED_BARS (issues: the forward and the backward megakernel), and its timeline written
 under results/ (JSON lines + PNG). The fused backward likewise (pass "bwd": its gradients
-compared bitwise with the sequential backward's).
+compared bitwise with the sequential backward's). --directions times other transfer-direction
+policies too (sequential and fused at MoK's best settings, outputs compared bitwise with that
+policy's sequential layer; rows in results/bench_layer_directions.jsonl, not judged by the bars).
 Bars (issue: the GPU layer): forward >= 1.0x torch, backward >= 1.3x torch, bitwise repeat,
 schedule <= 0.05 ms. `schedule_ms` is the device schedule of one rank at the real EP=64 (64
 virtual ranks, the all-gathered routing staged, graph replays), checked against schedule.py. Exit status: 0 all met, 1 a bar or a check failed (listed), 2 no GPU/torch.
@@ -64,6 +66,37 @@ DEFAULT_FUSED = ((0, 1024), (0, 2048), (8, 2048))
 SWEEP = tuple((c, m) for c in (0, 4, 8, 16) for m in (512, 1024, 2048, 4096))
 
 
+def direction_policies(spec: str) -> list[dict]:
+    """The policies `--directions` names: "mok" (MoK's only), "all" (MoK's, then the three other
+    (incoming, outgoing) pairs, the backward mirroring the forward: reverse-combine as dispatch,
+    reverse-dispatch as combine), or policies as dispatch:combine:rev_combine:rev_dispatch
+    directions, comma-separated (e.g. push:pull:push:pull). MoK's comes first, always."""
+    from mok_proto.config import DIRECTIONS, MOK_POLICY, OPERATORS
+
+    if spec == "mok":
+        return [dict(MOK_POLICY)]
+    if spec == "all":
+        pairs = [(a, b) for a in DIRECTIONS for b in DIRECTIONS]
+        found = [dict(dispatch=a, combine=b, rev_combine=a, rev_dispatch=b) for a, b in pairs]
+    else:
+        found = []
+        for item in spec.split(","):
+            dirs = item.split(":")
+            if len(dirs) != len(OPERATORS) or not set(dirs) <= set(DIRECTIONS):
+                raise ValueError(f"--directions: {item!r} is not {':'.join(OPERATORS)} with each one of {DIRECTIONS}")
+            found.append(dict(zip(OPERATORS, dirs)))
+    return [dict(MOK_POLICY)] + [p for p in found if p != MOK_POLICY]
+
+
+def fused_settings_for(policy: dict, settings) -> dict:
+    """{pass: the settings of `settings` a fused plan of that pass takes under `policy`}:
+    communicating CTAs only where a transfer of the pass runs inside the kernel."""
+    from mok_proto.plan import inside_kernel
+
+    return {pass_: tuple((c, m) for c, m in settings if c == 0 or any(inside_kernel(pass_, policy)))
+            for pass_ in ("fwd", "bwd")}
+
+
 def emulated_shape(name: str) -> MoEShape:
     """The paper shape with E' = 2 E/64 experts: 2 ranks, each owning the E/64 of an EP=64 rank."""
     return ep_share(name, EP)
@@ -85,9 +118,10 @@ def make_inputs(shape: MoEShape, seed: int = 0):
                 weights=weights)
 
 
-def staged_layer(shape, data):
+def staged_layer(shape, data, policy=None):
     """(heap, layer): our layer on 2 virtual ranks after one full round of both, then driving
-    rank 0 only, every flag it waits for from rank 1 raised (see the module doc)."""
+    rank 0 only, every flag it waits for from rank 1 raised (see the module doc). policy: the
+    transfers' directions (default MoK's)."""
     from mok_proto.layer.gpu import GpuMoELayer
     from mok_proto.symm.virtual import VirtualWorld
 
@@ -95,6 +129,8 @@ def staged_layer(shape, data):
     heap = VirtualWorld(2)
     layer = GpuMoELayer(heap, RunConfig(shape, 2, timeout_s=30), capacity=int(1.15 * shape.num_tokens * shape.top_k),
                         name=shape.name)
+    if policy is not None:
+        layer.policy = dict(policy)
     for r in range(2):
         local = {key: v[r * el:(r + 1) * el] for key, v in data["weights"].items() if key.startswith("w_")}
         local.update({key: v for key, v in data["weights"].items() if key.startswith("shared_")})
@@ -115,13 +151,16 @@ def staged_layer(shape, data):
     return heap, layer
 
 
-def ours(shape, data, iters, warmup, settings=(), trace_to=None):
-    """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results, fused rows."""
+def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None):
+    """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results, fused rows.
+    settings: the fused (communication CTAs, minibatch rows) to time, for both passes or as
+    {pass: settings}; policy: the transfers' directions (default MoK's)."""
     import cupy
 
     from mok_proto.bench import summarize, time_stages
 
-    heap, layer = staged_layer(shape, data)
+    heap, layer = staged_layer(shape, data, policy)
+    per_pass = settings if isinstance(settings, dict) else {"fwd": settings, "bwd": settings}
     # Stages: eager, one event per stage of one pass; every iteration runs both passes (they
     # alternate), so the GPU is busy when a timed pass starts and its first stage is GPU time.
     stages = {}
@@ -146,7 +185,7 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None):
         layer.check()
         blobs[name].append(result_bytes(layer, name))
     results = {"out": layer.output(0).get(), **{k: v.get() for k, v in layer.grads(0).items()}}
-    fused_rows = {pass_: fused(layer, settings, blobs[pass_][0], stats[pass_]["median_ms"], iters, warmup, stream,
+    fused_rows = {pass_: fused(layer, per_pass[pass_], blobs[pass_][0], stats[pass_]["median_ms"], iters, warmup, stream,
                                trace_to.format(pass_=pass_) if trace_to else None, pass_)
                   for pass_ in ("fwd", "bwd")}
     layer.close()
@@ -414,6 +453,35 @@ def full_output(shape, data, topk, x_all, s1, s2):
     return out.index_add(0, order // k, w[:, None] * y)
 
 
+def directions_rows(name, shape, data, policy, settings, iters, warmup) -> list:
+    """Our layer under another direction policy: sequential and fused (the given settings, where
+    the policy admits them) for both passes, a line each, rows appended to
+    results/bench_layer_directions.jsonl. Returns what failed a check (fused not bitwise equal to
+    this policy's sequential layer, or two runs differ)."""
+    from mok_proto.bench import append_result
+
+    label = ":".join(policy[op] for op in ("dispatch", "combine", "rev_combine", "rev_dispatch"))
+    mine, stages, bitwise, _, fused_rows = ours(shape, data, iters, warmup, fused_settings_for(policy, settings),
+                                                None, policy)
+    failed = []
+    for pass_ in ("fwd", "bwd"):
+        rows = fused_rows[pass_]
+        line = f"#   directions {label} {pass_}: sequential {mine[pass_]['median_ms']:.3f} ms"
+        for r in rows:
+            line += (f"; fused comm={r['comm_blocks']} minibatch={r['minibatch_tokens']} {r['median_ms']:.3f} ms "
+                     f"(x {r['speedup_vs_sequential']:.2f}, equal {r['equal_to_sequential']})")
+        print(line, flush=True)
+        if not bitwise[pass_] or not all(r["equal_to_sequential"] and r["bitwise_repeat"] for r in rows):
+            failed.append(f"{name} {pass_} directions {label}")
+        common = {"shape": name, "pass": pass_, "ep": EP, "emulation": "2 virtual ranks, rank 0 timed",
+                  "policy": policy}
+        append_result("bench_layer_directions", {**common, "schedule": "sequential", **mine[pass_],
+                                                 "bitwise_repeat": bitwise[pass_], "stages_ms": stages[pass_]})
+        for r in rows:
+            append_result("bench_layer_directions", {**common, "schedule": "fused", **r})
+    return failed
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
@@ -423,11 +491,21 @@ def main():
                    f"minibatch rows {SWEEP} (default: {DEFAULT_FUSED})")
     p.add_argument("--fused", default=None, help="fused settings to time, COMM:MINIBATCH[,...] (e.g. 8:1024,16:2048)")
     p.add_argument("--no-fused", action="store_true", help="sequential and torch rows only")
+    p.add_argument("--directions", default="mok", help="transfer directions: 'mok' (default), 'all' (the four "
+                   "(incoming, outgoing) pairs, the backward mirroring the forward) or dispatch:combine:rev_combine:"
+                   "rev_dispatch,... (e.g. push:pull:push:pull). Policies other than MoK's time the sequential "
+                   "layer and the fused settings of MoK's best (no torch, no timeline) into "
+                   "results/bench_layer_directions.jsonl; their outputs must equal their sequential layer's")
     p.add_argument("--timeline", default="results/timeline_fused_{pass_}_{shape}_{git}.jsonl",
                    help="where the best fused setting's timeline goes ({pass_}, {shape}, {git} are replaced; '' = "
                         "none)")
     args = p.parse_args()
     from mok_proto.bench import append_result, git_sha, require_gpu
+
+    try:
+        others = direction_policies(args.directions)[1:]
+    except ValueError as e:
+        p.error(str(e))
 
     require_gpu("bench_layer.py", need_torch=True)
     failed = []
@@ -498,6 +576,11 @@ def main():
                   f"{best['retimed_speedup_vs_sequential']:.2f} (bar {bars['sequential']}; ceiling {ceiling:.2f}), "
                   f"equal to sequential: "
                   f"{all(r['equal_to_sequential'] for r in rows)}", flush=True)
+        best_settings = tuple(dict.fromkeys((r["comm_blocks"], r["minibatch_tokens"])
+                                            for rows in fused_rows.values() if rows
+                                            for r in [min(rows, key=lambda r: r["median_ms"])]))
+        for policy in others:
+            failed += directions_rows(name, shape, data, policy, best_settings, args.iters, args.warmup)
     if failed:
         print(f"FAIL: {len(failed)} rows miss a bar or a check: {', '.join(failed)}", file=sys.stderr)
         return 1

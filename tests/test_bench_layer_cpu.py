@@ -21,3 +21,55 @@ def test_overlap_ceiling_counts_gemm_and_outside_stages():
     assert bench_layer.overlap_ceiling(fwd, "fwd") == pytest.approx(3.0 / 2.7)
     with pytest.raises(KeyError):  # a stage the layer no longer marks: the bench fails loudly, not silently
         bench_layer.overlap_ceiling({k: v for k, v in fwd.items() if k != "weighted_sum"}, "fwd")
+
+
+def test_direction_policies():
+    from mok_proto.config import MOK_POLICY
+
+    assert bench_layer.direction_policies("mok") == [MOK_POLICY]
+    every = bench_layer.direction_policies("all")
+    assert every[0] == MOK_POLICY and len(every) == 4 and len({tuple(p.values()) for p in every}) == 4
+    # the backward mirrors the forward: reverse-combine goes the dispatch's way, reverse-dispatch the combine's
+    assert all(p["rev_combine"] == p["dispatch"] and p["rev_dispatch"] == p["combine"] for p in every)
+    named = bench_layer.direction_policies("push:pull:push:pull,pull:push:pull:push")
+    assert named == [MOK_POLICY, {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}]
+    for bad in ("push:pull", "push:pull:push:sideways"):
+        with pytest.raises(ValueError, match="--directions"):
+            bench_layer.direction_policies(bad)
+
+
+def test_fused_settings_keep_comm_ctas_only_where_a_transfer_runs_inside():
+    from mok_proto.config import MOK_POLICY
+
+    settings = ((0, 2048), (8, 2048))
+    assert bench_layer.fused_settings_for(MOK_POLICY, settings) == {"fwd": settings, "bwd": settings}
+    outside = {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
+    assert bench_layer.fused_settings_for(outside, settings) == {"fwd": ((0, 2048),), "bwd": ((0, 2048),)}
+
+
+def test_directions_rows_report_and_record(monkeypatch, capsys):
+    """directions_rows on a stand-in for the GPU run: one line per pass, the sequential and fused
+    rows recorded with the policy, and a fused result unequal to its sequential layer's fails."""
+    import mok_proto.bench
+
+    policy = {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
+    seen, recorded = [], []
+
+    def fake_ours(shape, data, iters, warmup, settings, trace_to, pol):
+        seen.append((settings, trace_to, pol))
+        row = {"comm_blocks": 0, "minibatch_tokens": 2048, "median_ms": 2.0, "speedup_vs_sequential": 1.05,
+               "equal_to_sequential": True, "bitwise_repeat": True}
+        return ({p: {"median_ms": 2.1} for p in ("fwd", "bwd")}, {p: {"total": 2.2} for p in ("fwd", "bwd")},
+                {"fwd": True, "bwd": True}, None, {"fwd": [row], "bwd": [dict(row, equal_to_sequential=False)]})
+
+    monkeypatch.setattr(bench_layer, "ours", fake_ours)
+    monkeypatch.setattr(mok_proto.bench, "append_result", lambda name, row: recorded.append((name, row)))
+    failed = bench_layer.directions_rows("kimi-k2.7", None, None, policy, ((0, 2048), (8, 2048)), 3, 1)
+    assert seen == [({"fwd": ((0, 2048),), "bwd": ((0, 2048),)}, None, policy)]
+    assert failed == ["kimi-k2.7 bwd directions push:pull:push:pull"]
+    assert [(n, r["pass"], r["schedule"]) for n, r in recorded] == [
+        ("bench_layer_directions", "fwd", "sequential"), ("bench_layer_directions", "fwd", "fused"),
+        ("bench_layer_directions", "bwd", "sequential"), ("bench_layer_directions", "bwd", "fused")]
+    assert all(r["policy"] == policy for _, r in recorded)
+    out = capsys.readouterr().out
+    assert "directions push:pull:push:pull fwd: sequential 2.100 ms; fused comm=0 minibatch=2048 2.000 ms" in out
