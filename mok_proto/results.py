@@ -1,5 +1,6 @@
 """Reading the benchmarks' JSON lines under results/ (never re-running them), and the fused
-forward's in-kernel timelines (`timeline_files`, `load_timeline`, `timeline_events`, `timeline_summary`).
+passes' in-kernel timelines (`timeline_files`, `load_timeline`, `timeline_events`, `timeline_summary`):
+the forward's by default, the backward's with pass_="bwd" (their own file prefix).
 
 A *run* is a stretch of rows of one benchmark with the same git stamp and no gap of more than
 RUN_GAP between consecutive rows; `newest` keeps the newest run per group (e.g. per backend).
@@ -41,18 +42,23 @@ def newest(rows: list[dict], group_by: tuple = ()) -> list[dict]:
     return [r for r in rows if r["run"] == latest[tuple(r.get(k) for k in group_by)]]
 
 
-TIMELINE_PREFIX = "timeline_fused_fwd_"  # scripts/bench_layer.py --timeline: <prefix><shape>[_<git>].jsonl
+# scripts/bench_layer.py --timeline: <prefix><shape>[_<git>].jsonl, one prefix per pass
+TIMELINE_PREFIXES = {"fwd": "timeline_fused_fwd_", "bwd": "timeline_fused_bwd_"}
+TIMELINE_PREFIX = TIMELINE_PREFIXES["fwd"]
 
 
-def timeline_files(results_dir: Path | str = RESULTS_DIR) -> list[Path]:
-    """The fused forward's measured in-kernel timelines under results/, by name."""
-    return sorted(Path(results_dir).glob(f"{TIMELINE_PREFIX}*.jsonl"))
+def timeline_files(results_dir: Path | str = RESULTS_DIR, pass_: str = "fwd") -> list[Path]:
+    """The measured in-kernel timelines of the fused forward (pass_="bwd": backward) under
+    results/, by name."""
+    return sorted(Path(results_dir).glob(f"{TIMELINE_PREFIXES[pass_]}*.jsonl"))
 
 
 def timeline_name(path: Path | str) -> tuple[str, str]:
-    """(shape, git stamp or "") of a timeline file `<prefix><shape>[_<git>].jsonl` (shape names
-    hold no underscore)."""
-    stem = Path(path).name[len(TIMELINE_PREFIX):].removesuffix(".jsonl")
+    """(shape, git stamp or "") of a timeline file `<prefix><shape>[_<git>].jsonl` of either pass
+    (shape names hold no underscore)."""
+    name = Path(path).name
+    prefix = next((p for p in TIMELINE_PREFIXES.values() if name.startswith(p)), TIMELINE_PREFIX)
+    stem = name[len(prefix):].removesuffix(".jsonl")
     shape, _, git = stem.partition("_")
     return shape, git
 

@@ -1,11 +1,12 @@
-"""The fused forward (cuda/fused.cuh executing a `plan.fused_forward` plan) against its measured
-in-kernel timelines: results/timeline_fused_fwd_<shape>[_<git>].jsonl, written by
+"""The fused passes (cuda/fused.cuh executing a `plan.fused_forward` / `plan.fused_backward` plan)
+against their measured in-kernel timelines: results/timeline_fused_{fwd,bwd}_<shape>[_<git>].jsonl
+(`results.timeline_files(pass_=...)`), written by
 scripts/bench_layer.py for one EP=64 rank's share on one H200 (2 virtual ranks, rank 0 traced: the
 emulation of sim/layer.py), times in ns from the first task's start.
 
 Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicating CTAs.
 
-* `timeline_plan`: the plan a timeline ran, rebuilt from its records (CTAs, communicating CTAs,
+* `timeline_plan`: the plan a timeline ran (the pass from its task kinds), rebuilt from its records (CTAs, communicating CTAs,
   minibatch rows, capacity, ring, which transfers ran inside) and checked task by task against
   them, so the simulated and the measured records of one plan correspond one to one;
 * `calibrate` (called by params.h200): two parameters from the dispatch tasks of ONE timeline
@@ -44,38 +45,50 @@ def emulated_load(shape: MoEShape, seed: int = 0):
     return layer.emulated_load(shape, seed, align=PAIR_ROWS)
 
 
+def timeline_pass(records: np.ndarray) -> str:
+    """The pass ("fwd" or "bwd") of a fused timeline's records, from its task kinds."""
+    bwd = plans.PASS_KINDS["bwd"]
+    return "bwd" if np.isin(records["kind"], [int(bwd.first), int(bwd.comm_in), int(bwd.comm_out)]).any() else "fwd"
+
+
 def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.EMULATED_RANKS) -> plans.Plan:
-    """The fused_forward plan whose tasks the records (in the plan's task order, as bench_layer
-    writes them) are: CTAs, communicating CTAs (0: the chunks ride on compute CTAs), minibatch
-    rows, capacity, ring and the transfers inside from the records; the GEMM order (fused_forward's
-    `lookahead`, where plan.py has it) the first that matches. Raises ValueError if no plan matches
-    task by task."""
+    """The fused_forward (or, from a backward's records, fused_backward) plan whose tasks the
+    records (in the plan's task order, as bench_layer writes them) are: CTAs, communicating CTAs
+    (0: the chunks ride on compute CTAs), minibatch rows, capacity, ring and the transfers inside
+    from the records; the GEMM order (`lookahead`, where plan.py has it) the first that matches.
+    Raises ValueError if no plan matches task by task."""
+    pass_ = timeline_pass(records)
+    k = plans.PASS_KINDS[pass_]
     kind = records["kind"]
     comm = np.isin(kind, COMM_KIND_IDS)
     if not len(records) or comm.all():
-        raise ValueError("a fused forward timeline needs GEMM tasks")
+        raise ValueError(f"a fused {pass_} timeline needs GEMM tasks")
     num_mb = int(records["minibatch"].max()) + 1
-    tiles_per_mb = (int(records["row_tile"][kind == int(TaskKind.GATE_UP)].max()) + 1) // num_mb
+    tiles_per_mb = (int(records["row_tile"][kind == int(k.first)].max()) + 1) // num_mb
     minibatch_rows = tiles_per_mb * BM
-    dispatch, combine = (kind == int(TaskKind.DISPATCH)), (kind == int(TaskKind.COMBINE))
-    policy = dict(MOK_POLICY, dispatch="pull" if dispatch.any() else "push", combine="push" if combine.any() else "pull")
+    incoming, outgoing = (kind == int(k.comm_in)), (kind == int(k.comm_out))
+    policy = dict(MOK_POLICY, **{k.in_op: "pull" if incoming.any() else "push",
+                                 k.out_op: "push" if outgoing.any() else "pull"})
     ring = num_mb
-    if dispatch.any() and combine.any():  # dispatches of the first communicating CTA before its first combine
+    if incoming.any() and outgoing.any():  # incoming chunks of the first communicating CTA before its first outgoing
         order = kind[comm & (records["block"] == records["block"][comm][0])]
-        ring = int(np.argmax(order == int(TaskKind.COMBINE)))
-    args = (shape, num_ranks, int(records["block"][~comm].min()), minibatch_rows, ring)
+        ring = int(np.argmax(order == int(k.comm_out)))
+    args = (shape, num_ranks, int(records["block"][~comm].min()), minibatch_rows)
     fields = dict(policy=policy, num_sms=int(records["block"].max()) + 1, capacity_rows=num_mb * minibatch_rows)
+    if pass_ == "fwd":
+        args += (ring,)
+    make = plans.fused_forward if pass_ == "fwd" else plans.fused_backward
     tried = []
     for order in ({},) + tuple({"lookahead": a} for a in range(ring)):
         try:
-            plan = plans.fused_forward(*args, **fields, **order)
+            plan = make(*args, **fields, **order)
         except ValueError as e:
             tried.append(f"{order or 'defaults'}: {e}")
             continue
         if len(plan.tasks) == len(records) and all(np.array_equal(plan.tasks[k], records[k]) for k in KEY):
             return plan
         tried.append(f"{order or 'defaults'}: {plan.describe()}")
-    raise ValueError("the timeline's tasks are not those of any fused_forward plan tried: " + "; ".join(tried))
+    raise ValueError(f"the timeline's tasks are not those of any {make.__name__} plan tried: " + "; ".join(tried))
 
 
 def calibrate(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> GpuParams:

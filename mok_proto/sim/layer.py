@@ -38,7 +38,7 @@ from mok_proto import plan as plans
 from mok_proto import results
 from mok_proto.config import MOK_POLICY, MoEShape, ep_share
 from mok_proto.plan import BM, CounterKind, TaskKind
-from mok_proto.sim.model import ELEM_BYTES, Load, routed_load, simulate
+from mok_proto.sim.model import SCALE_TO_SLOTS, TOPK_WEIGHT_GRAD, Load, routed_load, simulate, token_kernel_ns
 from mok_proto.sim.params import H200_CALIBRATION, GpuParams
 
 EMULATED_RANKS = 2
@@ -47,7 +47,7 @@ EMULATED_RANKS = 2
 class LayerStage(NamedTuple):
     kinds: tuple  # the plan task kinds it runs (one plan stage, one kernel, each)
     kernels: int = 0  # kernels outside the plan: a kernel boundary each
-    token: tuple = ()  # of those, the ones with HBM traffic: (traffic, reads, writes) in N H elements
+    token: tuple = ()  # of those, the ones with HBM traffic: (traffic, reads, writes) in N H elements (model)
 
 
 # layer stage -> LayerStage, in enqueue order. Kernel counts follow enqueue_forward/_backward under
@@ -63,7 +63,7 @@ LAYER_STAGES = {
     },
     "bwd": {
         # begin_round, scale_to_slots (reads dout, writes K slot rows)
-        "scale": LayerStage((), 2, (("scatter", 1, "K"),)),
+        "scale": LayerStage((), 2, (SCALE_TO_SLOTS,)),
         "shared": LayerStage((TaskKind.SHARED_DOWN_BWD, TaskKind.SHARED_GATE_UP_BWD, TaskKind.SHARED_DOWN_WGRAD,
                               TaskKind.SHARED_GATE_UP_WGRAD)),
         "rev_combine": LayerStage((TaskKind.REV_COMBINE,), 2),  # + raise_flag, wait_peers
@@ -71,7 +71,7 @@ LAYER_STAGES = {
         "rev_dispatch": LayerStage((TaskKind.REV_DISPATCH,), 1),  # + wait_peers
         "wgrad": LayerStage((TaskKind.DOWN_WGRAD, TaskKind.GATE_UP_WGRAD)),
         # + topk_weight_grad: reads dout and K slot rows
-        "token_grads": LayerStage((TaskKind.SLOT_SUM,), 1, (("stream", "K+1", 0),)),
+        "token_grads": LayerStage((TaskKind.SLOT_SUM,), 1, (TOPK_WEIGHT_GRAD,)),
     },
 }
 
@@ -135,12 +135,6 @@ def emulated_load(shape: MoEShape, seed: int = 0, align: int = BM) -> Load:
     return Load(both(load.tokens_per_expert), both(load.expert_offsets), np.ones(EMULATED_RANKS))
 
 
-def _token_bytes(shape: MoEShape, rows) -> float:
-    k = shape.top_k
-    factor = {0: 0, 1: 1, "K": k, "K+1": k + 1}[rows]
-    return factor * shape.num_tokens * shape.hidden * ELEM_BYTES
-
-
 def sequential_stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int = 0) -> dict:
     """{layer stage: (kernels, work ns)} of rank 0 for the sequential layer on `gpu` (use
     `one_gpu(h200)` for bench_layer's emulation): the stage takes kernels x gpu.launch_ns + work."""
@@ -159,8 +153,7 @@ def sequential_stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: in
     for name, stage in LAYER_STAGES[pass_].items():
         sel = [s for s in range(num_stages) if stage.kinds and kinds_of_stage[s] <= {int(k) for k in stage.kinds}]
         work = float(stage_ns[sel].sum()) - len(sel) * gpu.launch_ns  # one launch per plan stage
-        work += sum(gpu.token_kernel_ns(traffic, _token_bytes(shape, reads), _token_bytes(shape, writes))
-                    for traffic, reads, writes in stage.token)
+        work += sum(token_kernel_ns(shape, gpu, kernel) for kernel in stage.token)
         out[name] = (len(sel) + stage.kernels, work)
     return out
 

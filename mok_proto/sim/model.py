@@ -12,21 +12,24 @@ when its streams are free and its counters are complete, and ends after its dura
 counter completes at its last signal; a remote counter (raised by every rank) at the slowest
 rank's last signal plus the receiver's signal wait (a fence and one signal per peer). Every CTA
 starts after one kernel launch; a sequential plan pays one more launch at each stage boundary
-(its STAGE_DONE counters); a fused forward pays what runs around its kernel (`_fused_before_ns`,
-`_fused_pass_end_ns`: the counters' memset, a transfer in the other direction, the combine's flag
-and wait, the weighted sum). Durations:
+(its STAGE_DONE counters); a fused plan (fused_forward or fused_backward) pays what runs around
+its kernel (`_fused_before_ns`, `_fused_pass_end_ns`: the counters' memset, a transfer in the other
+direction, the outgoing transfer's flag and wait, the weighted sum; a backward also the scale
+kernel and the publish of dy_slots before, the slot sum and topk_weight_grad after). Durations:
 
 * GEMM tile: 2*BM*BN*k / (the problem's tile rate per SM under sustained load, GpuParams.tile_ns);
-  tiles past the rank's padded rows take no time; a weight-gradient tile's k is its expert's rows.
+  tiles past the rank's padded rows take no time; a weight-gradient tile's k is its expert's rows
+  (per macrobatch; a fused backward has one), the shared expert's N tokens.
 * communication chunk (1/comm_blocks of a minibatch's rows): remote bytes at the link's rate
   (push or pull efficiency) shared by the communicating CTAs, capped per SM (a pull keeps one
   window in flight per round trip), local bytes at a row-movement kernel's copy rate
   (GpuParams.row_copy_ns); a pull pays a round trip.
-* fused forward chunk c of minibatch m (cuda/fused.cuh: receive rows m MB + c, + C, ..., on CTA c):
+* fused chunk c of minibatch m (cuda/fused.cuh: receive rows m MB + c, + C, ..., on CTA c; the
+  backward's reverse-combine is modeled as the forward's dispatch, its reverse-dispatch as the combine):
   GpuParams.comm_task_ns plus its rows at one CTA's in-kernel copy rate (comm_cta_row_ns per row
   on a communicating CTA, spare_row_ns per row beside GEMM tiles), or slower where the
-  CTAs' share of the link or of HBM is; a dispatch moves every row below the padded end (a padding row stores
-  the zero row), a combine only the real rows.
+  CTAs' share of the link or of HBM is; the incoming transfer (PassKinds.comm_in) moves every row below
+  the padded end (a padding row stores the zero row), the outgoing one only the real rows.
 * epilogue tile: reads K slot rows (+ the shared row), writes one row: HBM traffic at the rate of
   the token sums (GpuParams.token_kernel_ns, "gather_sum").
 """
@@ -40,8 +43,8 @@ import numpy as np
 
 from mok_proto import trace
 from mok_proto.config import MoEShape
-from mok_proto.plan import (BM, COMM_KINDS, EPILOGUE_ROWS, PAIR_ROWS, PROBLEM_OF, CounterKind, Plan, PlanError,
-                            TaskKind, inside_kernel, tile_grid)
+from mok_proto.plan import (BM, COMM_KINDS, EPILOGUE_ROWS, FUSED_STRATEGIES, PAIR_ROWS, PROBLEM_OF, CounterKind,
+                            Plan, PlanError, TaskKind, inside_kernel, tile_grid)
 from mok_proto.sim.params import GpuParams
 
 ELEM_BYTES = 2  # BF16 rows and weights in the layer
@@ -50,13 +53,18 @@ OPERATOR_OF = {TaskKind.DISPATCH: "dispatch", TaskKind.COMBINE: "combine",
                TaskKind.REV_COMBINE: "rev_combine", TaskKind.REV_DISPATCH: "rev_dispatch"}
 ROUTED_ROW_KINDS = (TaskKind.GATE_UP, TaskKind.DOWN, TaskKind.DOWN_BWD, TaskKind.GATE_UP_BWD)
 COMM_KIND_IDS = sorted(int(k) for k in COMM_KINDS)
-FUSED = "fused_forward"
+FUSED = frozenset(FUSED_STRATEGIES.values())  # fused_forward, fused_backward (cuda/fused.cuh)
+
+
+def is_fused(plan: Plan) -> bool:
+    """A plan of the megakernel (plan.fused_forward / plan.fused_backward)."""
+    return plan.strategy in FUSED
 
 
 def plan_align(plan: Plan) -> int:
     """Rows an expert segment is padded to for this plan: a fused plan's cluster pair (PAIR_ROWS),
     else one row tile (BM)."""
-    return PAIR_ROWS if plan.strategy == FUSED else BM
+    return PAIR_ROWS if is_fused(plan) else BM
 
 
 @dataclass(frozen=True)
@@ -135,14 +143,14 @@ class SimResult:
 
     @property
     def time_ns(self) -> float:
-        """The pass's time: the slowest rank (a fused forward: with the launches around its kernel,
-        the weighted sum included)."""
+        """The pass's time: the slowest rank (a fused plan: with the launches around its kernel,
+        the weighted sum / the backward's scale, slot sum and topk_weight_grad included)."""
         return float(self.rank_ns.max())
 
     @property
     def kernel_ns(self) -> float:
         """The plan's tasks as an in-kernel trace measures them: first task start to last task end,
-        the slowest rank (a fused forward: its kernel only, no weighted sum)."""
+        the slowest rank (a fused plan: its kernel only, no weighted sum)."""
         return float((self.end_ns.max(axis=0) - self.start_ns.min(axis=0)).max())
 
     @property
@@ -218,7 +226,7 @@ def _durations(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
         sel = np.flatnonzero(kind == int(k))
         if not len(sel):
             continue
-        if plan.strategy == FUSED:
+        if is_fused(plan):
             dur[sel] = _fused_chunk_ns(plan, gpu, load, k, sel)
             continue
         direction = plan.policy[op]
@@ -249,6 +257,24 @@ def epilogue_kernel_ns(shape: MoEShape, gpu: GpuParams, num_sms: int) -> float:
     (as in a plan's epilogue stage), the busiest CTA's time; no launch cost."""
     tiles = np.arange(-(-shape.num_tokens // EPILOGUE_ROWS))
     return float(np.bincount(tiles % num_sms, _epilogue_task_ns(shape, gpu, tiles, num_sms)).max())
+
+
+# Token kernels outside every plan (cuda/token.cuh): (traffic, rows read, rows written), rows in
+# units of N H elements ("K": N K rows), at GpuParams.token_kernel_ns's rate for that traffic.
+SCALE_TO_SLOTS = ("scatter", 1, "K")  # backward, first: reads dout, writes its K scaled slot rows
+TOPK_WEIGHT_GRAD = ("stream", "K+1", 0)  # backward, last: reads dout and the K slot rows
+
+
+def token_bytes(shape: MoEShape, rows) -> float:
+    """Bytes of `rows` (0, 1, "K", "K+1") x N token rows of H elements."""
+    factor = {0: 0, 1: 1, "K": shape.top_k, "K+1": shape.top_k + 1}[rows]
+    return factor * shape.num_tokens * shape.hidden * ELEM_BYTES
+
+
+def token_kernel_ns(shape: MoEShape, gpu: GpuParams, kernel: tuple) -> float:
+    """The work of a token kernel (traffic, reads, writes) such as SCALE_TO_SLOTS; no launch."""
+    traffic, reads, writes = kernel
+    return gpu.token_kernel_ns(traffic, token_bytes(shape, reads), token_bytes(shape, writes))
 
 
 def _real_rows_per_minibatch(plan: Plan, load: Load) -> np.ndarray:
@@ -294,7 +320,9 @@ def _fused_chunk_ns(plan: Plan, gpu: GpuParams, load: Load, kind: TaskKind, sel:
                          "(GpuParams.comm_cta_row_ns / spare_row_ns)")
     t = plan.tasks
     real, used = fused_chunk_rows(plan, load)
-    rows = (used if kind == TaskKind.DISPATCH else real)[t["minibatch"][sel], t["row_tile"][sel]]  # [n, R]
+    # the incoming transfer (dispatch; backward: reverse-combine) fills every receive row below the
+    # padded end (zero rows for padding), the outgoing one (combine; reverse-dispatch) the real ones
+    rows = (used if kind == plan.kinds.comm_in else real)[t["minibatch"][sel], t["row_tile"][sel]]  # [n, R]
     moved = rows * (plan.shape.hidden * ELEM_BYTES)
     local = moved * load.local_fraction[None, :]
     direction = plan.policy[OPERATOR_OF[kind]]
@@ -314,26 +342,46 @@ def _outside_transfer_ns(plan: Plan, gpu: GpuParams, load: Load, direction: str,
     return gpu.launch_ns + ns + (gpu.rtt_ns if direction == "pull" else 0.0)
 
 
+def _flag_wait_ns(gpu: GpuParams, t: np.ndarray) -> np.ndarray:
+    """[R] after t [R]: raise a flag (a kernel), then wait for every peer's (a kernel: the slowest
+    rank's flag plus the receiver's signal wait)."""
+    flag = t + gpu.launch_ns
+    return np.maximum(flag + gpu.launch_ns, flag.max() + gpu.signal_wait_ns(len(t)))
+
+
 def _fused_before_ns(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
-    """[R] what a fused forward runs before its kernel: the counters' memset (a kernel boundary)
-    and, with dispatch push, the push and the wait for every peer's rows."""
-    before = np.full(load.num_ranks, gpu.launch_ns)
+    """[R] what a fused pass runs before its kernel. A backward first runs begin_round and
+    scale_to_slots (dy_slots = w * dout: SCALE_TO_SLOTS). Then the counters' memset (a kernel
+    boundary) and the incoming transfer's part outside: pushed outside (dispatch / reverse-combine
+    push), the push and the wait for every peer's rows; pulled inside, the backward publishes its
+    dy_slots first (a flag, the wait for every peer's; the forward's pull follows the schedule,
+    whose routing flags published its rows: nothing)."""
+    before = np.zeros(load.num_ranks)
+    if plan.pass_ == "bwd":
+        before += 2 * gpu.launch_ns + token_kernel_ns(plan.shape, gpu, SCALE_TO_SLOTS)
+    before += gpu.launch_ns
     if not inside_kernel(plan.pass_, plan.policy)[0]:
         pushed = before + _outside_transfer_ns(plan, gpu, load, "push", load.tokens_per_expert.sum(axis=1))
         before = np.maximum(pushed + gpu.launch_ns, pushed.max() + gpu.signal_wait_ns(plan.num_ranks))
+    elif plan.pass_ == "bwd":
+        before = _flag_wait_ns(gpu, before)
     return before
 
 
 def _fused_pass_end_ns(plan: Plan, gpu: GpuParams, load: Load, kernel_end: np.ndarray) -> np.ndarray:
-    """[R] a fused forward's pass end after its kernel ends (kernel_end [R]): raise the combine
-    flag, wait for every peer's (push inside: their rows are in my slots; pull: their results are
-    ready, then pull my N K slot rows), then the weighted sum (cuda/token.cuh, its own launch)."""
-    flag = kernel_end + gpu.launch_ns
-    done = np.maximum(flag + gpu.launch_ns, flag.max() + gpu.signal_wait_ns(plan.num_ranks))
+    """[R] a fused pass's end after its kernel ends (kernel_end [R]): raise the flag of the
+    outgoing transfer (combine; reverse-dispatch), wait for every peer's (push inside: their rows
+    are in my slots; pull: their results are ready, then pull my N K slot rows), then the epilogue
+    kernel (cuda/token.cuh, its own launch: the weighted sum; backward: the slot sum, then
+    topk_weight_grad, TOPK_WEIGHT_GRAD)."""
+    done = _flag_wait_ns(gpu, kernel_end)
     if not inside_kernel(plan.pass_, plan.policy)[1]:
         slots = np.full(load.num_ranks, plan.shape.num_tokens * plan.shape.top_k)
         done = done + _outside_transfer_ns(plan, gpu, load, "pull", slots)
-    return done + gpu.launch_ns + epilogue_kernel_ns(plan.shape, gpu, plan.num_sms)
+    done = done + gpu.launch_ns + epilogue_kernel_ns(plan.shape, gpu, plan.num_sms)
+    if plan.pass_ == "bwd":
+        done = done + gpu.launch_ns + token_kernel_ns(plan.shape, gpu, TOPK_WEIGHT_GRAD)
+    return done
 
 
 def _counter_delays(plan: Plan, gpu: GpuParams) -> np.ndarray:
@@ -348,7 +396,7 @@ def _streams(plan: Plan) -> np.ndarray:
     of a fused plan with comm_blocks == 0 (spare warps of a compute CTA run them beside its GEMM
     tasks, each kind in table order)."""
     t = plan.tasks
-    spare = plan.strategy == FUSED and plan.comm_blocks == 0
+    spare = is_fused(plan) and plan.comm_blocks == 0
     return 2 * t["block"].astype(np.int64) + (spare & np.isin(t["kind"], COMM_KIND_IDS))
 
 
@@ -364,7 +412,7 @@ def _steps(plan: Plan, stream: np.ndarray) -> tuple[list, list]:
         by_stream.setdefault(int(stream[i]), []).append(i)
     units = []  # sequences of steps run in order
     paired = set()
-    if plan.strategy == FUSED:
+    if is_fused(plan):
         for cta in range(plan.comm_blocks, plan.num_sms, 2):
             even, odd = by_stream.get(2 * cta, []), by_stream.get(2 * cta + 2, [])
             a, b = t[even], t[odd]
@@ -417,9 +465,6 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
     Raises plan.PlanError for a plan the megakernel could not run (e.g. a counter target below
     its signals would let waiters start early and give a too short time); the proof is kept
     per plan object, so a second simulation of the same plan does not check again."""
-    if plan.strategy == "fused_backward":
-        raise NotImplementedError("the simulator does not model fused_backward plans yet (its weight-gradient "
-                                  "pairs and spare-warp reverse transfers); simulate a fixed_split backward")
     plan.check()
     if plan.num_sms > gpu.num_sms:
         raise ValueError(f"plan has {plan.num_sms} CTAs but {gpu.name} has {gpu.num_sms} SMs")
@@ -441,7 +486,7 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
     # Every CTA starts after one kernel launch: the persistent kernel's (fixed_split, fused) or the
     # first stage's (sequential); each later sequential stage pays one more launch through its
     # STAGE_DONE counter (_counter_delays). So both strategies pay the launches they would issue.
-    fused = plan.strategy == FUSED
+    fused = is_fused(plan)
     kernel_start = (_fused_before_ns(plan, gpu, load) if fused else np.zeros(r)) + gpu.launch_ns
     stream = _streams(plan)
     free = np.repeat(kernel_start[None, :], 2 * plan.num_sms, axis=0)  # [streams, R]
