@@ -27,8 +27,9 @@ progress line each), its output compared bitwise with the sequential forward of 
 against FUSED_BARS (issues: the forward and the backward megakernel), and its timeline written
 under results/ (JSON lines + PNG). The fused backward likewise (pass "bwd": its gradients
 compared bitwise with the sequential backward's). --directions times other transfer-direction
-policies too (sequential and fused at MoK's best settings, outputs compared bitwise with that
-policy's sequential layer; rows in results/bench_layer_directions.jsonl, not judged by the bars).
+policies too, after every shape's MoK rows (sequential, and fused at the settings best for MoK's
+forward or backward; outputs compared bitwise with that policy's sequential layer; rows in
+results/bench_layer_directions.jsonl, not judged by the bars).
 Bars (issue: the GPU layer): forward >= 1.0x torch, backward >= 1.3x torch, bitwise repeat,
 schedule <= 0.05 ms. `schedule_ms` is the device schedule of one rank at the real EP=64 (64
 virtual ranks, the all-gathered routing staged, graph replays), checked against schedule.py. Exit status: 0 all met, 1 a bar or a check failed (listed), 2 no GPU/torch.
@@ -85,15 +86,17 @@ def direction_policies(spec: str) -> list[dict]:
             if len(dirs) != len(OPERATORS) or not set(dirs) <= set(DIRECTIONS):
                 raise ValueError(f"--directions: {item!r} is not {':'.join(OPERATORS)} with each one of {DIRECTIONS}")
             found.append(dict(zip(OPERATORS, dirs)))
-    return [dict(MOK_POLICY)] + [p for p in found if p != MOK_POLICY]
+    unique = {tuple(p[op] for op in OPERATORS): p for p in found if p != MOK_POLICY}
+    return [dict(MOK_POLICY)] + list(unique.values())
 
 
 def fused_settings_for(policy: dict, settings) -> dict:
-    """{pass: the settings of `settings` a fused plan of that pass takes under `policy`}:
-    communicating CTAs only where a transfer of the pass runs inside the kernel."""
+    """{pass: `settings` as a fused plan of that pass takes them under `policy`}: where no
+    transfer of the pass runs inside the kernel, communicating CTAs become 0 (every CTA computes;
+    plan.fused_* refuses communicating CTAs there), duplicates dropped."""
     from mok_proto.plan import inside_kernel
 
-    return {pass_: tuple((c, m) for c, m in settings if c == 0 or any(inside_kernel(pass_, policy)))
+    return {pass_: tuple(dict.fromkeys((c if any(inside_kernel(pass_, policy)) else 0, m) for c, m in settings))
             for pass_ in ("fwd", "bwd")}
 
 
@@ -493,8 +496,10 @@ def main():
     p.add_argument("--no-fused", action="store_true", help="sequential and torch rows only")
     p.add_argument("--directions", default="mok", help="transfer directions: 'mok' (default), 'all' (the four "
                    "(incoming, outgoing) pairs, the backward mirroring the forward) or dispatch:combine:rev_combine:"
-                   "rev_dispatch,... (e.g. push:pull:push:pull). Policies other than MoK's time the sequential "
-                   "layer and the fused settings of MoK's best (no torch, no timeline) into "
+                   "rev_dispatch,... (e.g. push:pull:push:pull). Policies other than MoK's, after every shape's MoK "
+                   "rows, time the sequential layer and the fused settings that were best for MoK's forward or "
+                   "backward (communicating CTAs 0 where the policy moves nothing inside the kernel; no torch, no "
+                   "timeline) into "
                    "results/bench_layer_directions.jsonl; their outputs must equal their sequential layer's")
     p.add_argument("--timeline", default="results/timeline_fused_{pass_}_{shape}_{git}.jsonl",
                    help="where the best fused setting's timeline goes ({pass_}, {shape}, {git} are replaced; '' = "
@@ -508,7 +513,7 @@ def main():
         p.error(str(e))
 
     require_gpu("bench_layer.py", need_torch=True)
-    failed = []
+    failed, best_settings = [], {}
     print(f"{'shape':<16}{'pass':<5}{'torch_ms':>9}{'ours_ms':>9}{'TFLOP/s':>9}{'x torch':>8}{'bar':>5}"
           f"{'bitwise':>8}{'sched_ms':>9}{'err':>9}{'x 2n':>7}", flush=True)
     for name in args.shapes.split(","):
@@ -576,11 +581,14 @@ def main():
                   f"{best['retimed_speedup_vs_sequential']:.2f} (bar {bars['sequential']}; ceiling {ceiling:.2f}), "
                   f"equal to sequential: "
                   f"{all(r['equal_to_sequential'] for r in rows)}", flush=True)
-        best_settings = tuple(dict.fromkeys((r["comm_blocks"], r["minibatch_tokens"])
-                                            for rows in fused_rows.values() if rows
-                                            for r in [min(rows, key=lambda r: r["median_ms"])]))
+        best_settings[name] = tuple(dict.fromkeys((r["comm_blocks"], r["minibatch_tokens"])
+                                                  for rows in fused_rows.values() if rows
+                                                  for r in [min(rows, key=lambda r: r["median_ms"])]))
+    for name in args.shapes.split(",") if others else ():  # after every shape's MoK rows are recorded
+        shape = emulated_shape(name)
+        data = make_inputs(shape)
         for policy in others:
-            failed += directions_rows(name, shape, data, policy, best_settings, args.iters, args.warmup)
+            failed += directions_rows(name, shape, data, policy, best_settings[name], args.iters, args.warmup)
     if failed:
         print(f"FAIL: {len(failed)} rows miss a bar or a check: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -31,7 +31,7 @@ def test_direction_policies():
     assert every[0] == MOK_POLICY and len(every) == 4 and len({tuple(p.values()) for p in every}) == 4
     # the backward mirrors the forward: reverse-combine goes the dispatch's way, reverse-dispatch the combine's
     assert all(p["rev_combine"] == p["dispatch"] and p["rev_dispatch"] == p["combine"] for p in every)
-    named = bench_layer.direction_policies("push:pull:push:pull,pull:push:pull:push")
+    named = bench_layer.direction_policies("push:pull:push:pull,pull:push:pull:push,push:pull:push:pull")
     assert named == [MOK_POLICY, {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}]
     for bad in ("push:pull", "push:pull:push:sideways"):
         with pytest.raises(ValueError, match="--directions"):
@@ -45,6 +45,11 @@ def test_fused_settings_keep_comm_ctas_only_where_a_transfer_runs_inside():
     assert bench_layer.fused_settings_for(MOK_POLICY, settings) == {"fwd": settings, "bwd": settings}
     outside = {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
     assert bench_layer.fused_settings_for(outside, settings) == {"fwd": ((0, 2048),), "bwd": ((0, 2048),)}
+    # MoK's best had communicating CTAs: the policy still gets a fused run, with every CTA computing
+    assert bench_layer.fused_settings_for(outside, ((8, 2048),)) == {"fwd": ((0, 2048),), "bwd": ((0, 2048),)}
+    half = {"dispatch": "pull", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
+    assert bench_layer.fused_settings_for(half, ((8, 2048), (0, 1024))) == {"fwd": ((8, 2048), (0, 1024)),
+                                                                            "bwd": ((0, 2048), (0, 1024))}
 
 
 def test_directions_rows_report_and_record(monkeypatch, capsys):

@@ -214,7 +214,7 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
                                 float(np.median(measured["end_ns"][sel] - measured["start_ns"][sel])) / 1e3,
                                 float(np.median(predicted["end_ns"][sel] - predicted["start_ns"][sel])) / 1e3, "us"))
     bench = results.newest(results.load("bench_layer", results_dir), group_by=("shape", "schedule", "pass"))
-    for r in (r for r in bench if r["schedule"] == "fused" and r.get("pass", "fwd") == "fwd"):  # no fused backward model
+    for r in (r for r in bench if r["schedule"] == "fused" and r.get("pass", "fwd") == "fwd"):  # pass_ns: forward only
         ns = fused.pass_ns(ep_share(r["shape"], r["ep"]), gpu, r["comm_blocks"], r["minibatch_tokens"], r["num_sms"])
         rows.append(Row("h200 fused", f"fwd pass (graph) {r['shape']} C={r['comm_blocks']} MB={r['minibatch_tokens']}",
                         r["median_ms"], ns / 1e6, "ms"))
