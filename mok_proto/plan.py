@@ -268,7 +268,7 @@ class Plan:
         _check_wgrad_order(self)
         order = self.execution_order
         _check_topological(self, order)
-        needs = _ring_needs(self) + _dataflow_needs(self)  # (reader, tasks that must precede it)
+        needs = _ring_needs(self) + _dataflow_needs(self)  # (check, reader, tasks that must precede it)
         if needs:
             tracked = np.zeros(len(self.tasks), bool)
             for _, _, need in needs:

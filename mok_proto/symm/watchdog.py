@@ -80,12 +80,16 @@ def _poll_until(done, deadline: float) -> bool:
 _BARRIERS: dict = {}
 
 
+def _barrier_state(comm) -> dict:
+    return _BARRIERS.setdefault(comm.py2f(), {"seq": 0, "seen": {}})
+
+
 def arrival_barrier(comm, op: str, timeout_s: float) -> None:
     """Every rank tells every peer it arrived and waits (bounded) until all R-1 peers did."""
     rank, size = comm.rank, comm.size
     if size == 1:
         return
-    state = _BARRIERS.setdefault(comm.py2f(), {"seq": 0, "seen": {}})
+    state = _barrier_state(comm)
     state["seq"] += 1
     seq, seen = state["seq"], state["seen"]
     token = np.array([seq], np.int64)
@@ -96,13 +100,16 @@ def arrival_barrier(comm, op: str, timeout_s: float) -> None:
     def post(p):
         return comm.Irecv([inbox[p:p + 1], 1], source=p, tag=ARRIVAL_TAG)
 
+    def received(p):  # p's token in inbox[p] has arrived
+        seen[p] = max(seen.get(p, 0), int(inbox[p]))
+
     recvs = {p: post(p) for p in peers if p not in arrived}
     sends = [comm.Isend([token, 1], dest=p, tag=ARRIVAL_TAG) for p in peers]
 
     def all_arrived():
         for p in peers:
             if p not in arrived and recvs[p].Test():
-                seen[p] = max(seen.get(p, 0), int(inbox[p]))
+                received(p)
                 if seen[p] >= seq:
                     arrived.add(p)
                 else:  # a stale token (a barrier this rank timed out of): wait for this one's
@@ -114,7 +121,7 @@ def arrival_barrier(comm, op: str, timeout_s: float) -> None:
         missing = [p for p in peers if p not in arrived]
         for p in missing:
             if _cancel(recvs[p]):  # matched before the cancel took: the token is consumed, keep it
-                seen[p] = max(seen.get(p, 0), int(inbox[p]))
+                received(p)
         raise PeerTimeoutError(op, rank, missing, timeout_s)
     # Small messages complete locally (eager) once every peer has arrived; bounded all the same.
     if not _poll_until(lambda: all(request.Test() for request in sends), deadline + timeout_s):
@@ -130,7 +137,7 @@ def resync_arrivals(comm) -> dict:
     arrival tag and receives from each peer up to that marker (MPI keeps one sender's messages in
     order), which takes every token still in flight; then all ranks restart their barrier count at
     the largest one among them, with nothing pending. Returns {peer: tokens dropped}."""
-    state = _BARRIERS.setdefault(comm.py2f(), {"seq": 0, "seen": {}})
+    state = _barrier_state(comm)
     peers = [p for p in range(comm.size) if p != comm.rank]
     marker, got = np.array([RESYNC_MARKER], np.int64), np.zeros(1, np.int64)
     sends = [comm.Isend([marker, 1], dest=p, tag=ARRIVAL_TAG) for p in peers]
