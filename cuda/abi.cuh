@@ -30,8 +30,7 @@ enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2 };
 //   kOpGemmMma: GEMM consumer (waiting for a loaded stage)
 //   kOpGemmAux: GEMM consumer (waiting for an epilogue operand stage)
 //   kOpFusedWait: fused layer task (waiting for a ready counter)
-//   kOpFusedCopy: fused layer copy (waiting for a bulk row load)
-enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpCombinePush = 4, kOpCombinePull = 5, kOpRevCombinePull = 6, kOpRevCombinePush = 7, kOpRevDispatchPush = 8, kOpRevDispatchPull = 9, kOpGemmLoad = 10, kOpGemmMma = 11, kOpGemmAux = 12, kOpFusedWait = 13, kOpFusedCopy = 14, kNumOps = 15 };
+enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpCombinePush = 4, kOpCombinePull = 5, kOpRevCombinePull = 6, kOpRevCombinePush = 7, kOpRevDispatchPush = 8, kOpRevDispatchPull = 9, kOpGemmLoad = 10, kOpGemmMma = 11, kOpGemmAux = 12, kOpFusedWait = 13, kNumOps = 14 };
 // FlagKind, as errors print it:
 //   kFlagRouting: routing
 //   kFlagMap: map
@@ -104,7 +103,7 @@ namespace mok {
 constexpr int kCommThreads = 256;  // threads of a row-copy block: 8 warps, one row per warp
 constexpr int kScheduleThreads = 1024;  // threads of the schedule's scan block
 constexpr int kScheduleSegment = 1024;  // slots of one source rank per block of the schedule's count and place steps
-constexpr int kStateWords = 16;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
+constexpr int kStateWords = 15;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
 }  // namespace mok
 
 namespace mok::gemm {

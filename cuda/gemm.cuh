@@ -76,8 +76,7 @@ struct SharedStorage {
   u64 full[kStages];                              // producer -> consumers: stage loaded
   u64 empty[kStages];                             // consumers (both CTAs) -> producers: stage free
   int abort;                                      // set in both CTAs by cta 0: skip every tile
-  int go;                                         // fused.cuh: a communicating CTA's task proceeds
-  int side_go;                                    // the fused kernel's communicating warps: a task proceeds
+  int go;                                         // fused.cuh: the movers of a chunk task proceed
   int pair_prefix[kMaxGroups + 1];                // row problems: pair rows before expert g
 };
 constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;

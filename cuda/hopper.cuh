@@ -149,29 +149,6 @@ __device__ __forceinline__ void tma_load_2d_multicast(u32 dst, i64 tensor_map, i
       : "memory");
 }
 
-// 1-D bulk copies (TMA, no tensor map): `bytes` a multiple of 16, both addresses 16-byte aligned.
-// global -> shared, completion counted on an mbarrier; shared -> global in the issuing thread's
-// bulk async-groups (commit, then wait: .read = the shared source may be reused, else the writes
-// are done). Global addresses may be a peer's memory mapped into this process (NVLink).
-__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u64* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_store(void* dst, u32 src, u32 bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-
-template <int kPending>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
-}
-
-__device__ __forceinline__ void bulk_wait_done() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-
 // NOTE: plain shared-memory stores go through the generic proxy, wgmma and bulk copies read through
 // the async proxy (TMA writes through it too): a thread that wrote shared memory that an async-proxy
 // operation reads next fences first (gemm::zero_tail_k_rows, the fused kernel's zero row).

@@ -143,7 +143,6 @@ OP = Enum("Op", (
     ("kOpGemmMma", "GEMM consumer (waiting for a loaded stage)"),
     ("kOpGemmAux", "GEMM consumer (waiting for an epilogue operand stage)"),
     ("kOpFusedWait", "fused layer task (waiting for a ready counter)"),
-    ("kOpFusedCopy", "fused layer copy (waiting for a bulk row load)"),
 ), count="kNumOps")
 
 # Flags of a communication round: flags[kind, src] on every rank, raised by src.

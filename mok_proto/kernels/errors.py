@@ -28,10 +28,6 @@ def describe(fields: dict, timeout_s: float | None = None) -> Exception | None:
         return KernelTimeoutError(
             f"{what} of grouped GEMM {abi.GEMM_PROBLEM.text(fields['detail'])} timed out{after} (block "
             f"{fields['block']}, thread {fields['thread']}, barrier parity {fields['expected']})")
-    if code == abi.ERROR_CODE["kErrTimeout"] and op == abi.OP["kOpFusedCopy"]:
-        after = f" after {timeout_s:g} s" if timeout_s is not None else ""
-        return KernelTimeoutError(f"{what} timed out{after}: task {fields['detail']} of the plan (block "
-                                  f"{fields['block']}, barrier parity {fields['expected']})")
     if code == abi.ERROR_CODE["kErrTimeout"] and op == abi.OP["kOpFusedWait"]:
         after = f" after {timeout_s:g} s" if timeout_s is not None else ""
         return KernelTimeoutError(
