@@ -63,8 +63,8 @@ def overlap_ceiling(stages: dict, pass_: str) -> float:
     """Upper estimate of a fused pass's speed-up over sequential (see GEMM_STAGES)."""
     return stages["total"] / sum(stages[k] for k in GEMM_STAGES[pass_] + OUTSIDE_STAGES[pass_])
 # (communication CTAs, minibatch rows) timed without --sweep; 0 CTAs: every CTA's spare warps move rows
-DEFAULT_FUSED = ((0, 1024), (0, 2048), (8, 2048))
-SWEEP = tuple((c, m) for c in (0, 4, 8, 16) for m in (512, 1024, 2048, 4096))
+DEFAULT_FUSED = ((0, 2048), (8, 2048), (12, 2048), (16, 2048))
+SWEEP = tuple((c, m) for c in (0, 4, 8, 12, 16) for m in (512, 1024, 2048, 4096))
 
 
 def direction_policies(spec: str) -> list[dict]:
