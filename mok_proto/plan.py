@@ -36,6 +36,7 @@ CPU that a plan is executable: see its docstring.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -48,8 +49,14 @@ from mok_proto.config import OPERATORS, MoEShape
 
 BM = abi.CONST["kBM"]  # GEMM tile rows (receive rows per row tile)
 BN = abi.CONST["kBN"]  # GEMM tile columns; a gate/up tile holds 128 gate + 128 up columns -> 128 columns of h
+BK = abi.CONST["kBK"]  # k depth of one GEMM pipeline stage (a k-block)
+DOWN_BWD_AUX_STAGES = BN // 64  # Traits<kDownBwd>::kAuxStages (cuda/gemm.cuh): a tile's g, u, 64 columns a stage
 EPILOGUE_ROWS = 16  # token rows per weighted-sum / slot-sum task (memory bound: fine grained)
 PASSES = ("fwd", "bwd")
+# How a fused plan's tile pairs go to the 2-CTA clusters (`_assign_clusters`). The default is the
+# one line to change once a GPU measurement has decided.
+ASSIGNMENTS = ("round_robin", "balanced")
+DEFAULT_ASSIGN = "round_robin"
 
 
 # The kinds come from the ABI spec (mok_proto/abi.py: enum mok::plan::TaskKind / CounterKind of
@@ -138,6 +145,27 @@ def wgrad_grid(kind: TaskKind, shape: MoEShape) -> tuple[int, int]:
     return _cdiv(h, BM), _cdiv(2 * ffn, BN)
 
 
+def tile_cost(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: int) -> int:
+    """Estimated time of one GEMM tile of `kind` in a plan of R = num_ranks ranks and
+    capacity_rows receive rows (the balanced assignment's cost model), in units of one
+    BM x 1 x BK step of MMA work: the tile's pipeline stages x its columns (every tile has BM
+    rows). Its stages: the k-blocks of K as the kernels run it (tile_grid: gate/up H, down I,
+    down_bwd H, gate_up_bwd 2I), and for down_bwd the DOWN_BWD_AUX_STAGES that bring its g, u
+    through the same ring (counted as k-blocks). The real rows are known only on the device (a
+    prefix of each expert's segment; the tiles past them exit at once), so the receive buffer is
+    taken as full: every row tile costs a full tile, and a routed weight-gradient tile reduces
+    over capacity_rows / El rows (the shared expert's over its N tokens). The problems' different
+    tile rates (their epilogues) are left out: what matters is the ratio of gate/up to down to
+    weight-gradient tiles (a few % off at most)."""
+    _, cols, k = tile_grid(kind, shape)
+    if kind in PASS_KINDS["bwd"].wgrad:
+        k = _cdiv(capacity_rows, shape.num_experts // num_ranks)
+    elif kind in PASS_KINDS["bwd"].shared_wgrad:
+        k = shape.num_tokens
+    aux = DOWN_BWD_AUX_STAGES if PROBLEM_OF[kind] == "down_bwd" else 0
+    return (_cdiv(k, BK) + aux) * cols
+
+
 # The tables as the megakernel reads them: struct mok::plan::Task / Counter (C layout, fields
 # described in mok_proto/abi.py).
 TASK_DTYPE = abi.TASK.dtype
@@ -166,6 +194,7 @@ class Plan:
     strategy: str
     tasks: np.ndarray  # [num_tasks] TASK_DTYPE, sorted by (block, seq)
     counters: np.ndarray  # [num_counters] COUNTER_DTYPE
+    assign: str = "round_robin"  # how compute tasks went to CTAs (fused plans: ASSIGNMENTS; others round robin)
 
     @property
     def kinds(self) -> PassKinds:
@@ -219,7 +248,8 @@ class Plan:
     def describe(self) -> str:
         return (f"{self.strategy} {self.pass_}: {self.shape.name} R={self.num_ranks} SMs={self.num_sms} "
                 f"comm={self.comm_blocks} minibatch={self.minibatch_rows} ring={self.ring_minibatches} "
-                f"capacity={self.capacity_rows} tasks={len(self.tasks)} counters={len(self.counters)}")
+                f"capacity={self.capacity_rows} assign={self.assign} tasks={len(self.tasks)} "
+                f"counters={len(self.counters)}")
 
     def block_tables(self) -> list[np.ndarray]:
         """Per-CTA ordered task tables (views of `tasks`)."""
@@ -492,13 +522,15 @@ def inside_kernel(pass_: str, policy: dict) -> tuple[bool, bool]:
 
 def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int,
                   ring_minibatches: int | None = None, *, policy: dict, num_sms: int,
-                  capacity_rows: int | None = None, lookahead: int | None = None) -> Plan:
+                  capacity_rows: int | None = None, lookahead: int | None = None, assign: str | None = None) -> Plan:
     """The forward megakernel's plan (cuda/fused.cuh): CTAs 0 .. comm_blocks - 1 pull the
     dispatched rows of minibatch after minibatch (chunk b of each: CTA b), then push the combine
     of each minibatch once its down tiles are done, a ring slot's next dispatch right after the
-    combine that releases it; the other CTAs, in 2-CTA clusters, take GEMM tile pairs round robin
-    in one global order: the shared expert's gate/up then down tiles, then per minibatch routed
-    gate/up (after its rows arrived), then down (after its row tile's gate/up tiles).
+    combine that releases it; the other CTAs, in 2-CTA clusters, take GEMM tile pairs in one
+    global order: the shared expert's gate/up then down tiles, then per minibatch routed
+    gate/up (after its rows arrived), then down (after its row tile's gate/up tiles). assign
+    (ASSIGNMENTS, default DEFAULT_ASSIGN): which cluster takes each pair, round robin or
+    load-balanced (`_assign_clusters`).
     comm_blocks = 0: no CTA is set aside; chunk c of every minibatch goes to CTA c of all
     num_sms, whose spare warps move it while its GEMM tasks run (two independent in-order
     streams per CTA: `Plan.streams`).
@@ -516,11 +548,12 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     (see inside_kernel) those transfers run outside and the ring cannot turn (ring = every
     minibatch)."""
     return _fused("fwd", shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms,
-                  capacity_rows, lookahead)
+                  capacity_rows, lookahead, assign)
 
 
 def fused_backward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int, *, policy: dict,
-                   num_sms: int, capacity_rows: int | None = None, lookahead: int | None = None) -> Plan:
+                   num_sms: int, capacity_rows: int | None = None, lookahead: int | None = None,
+                   assign: str | None = None) -> Plan:
     """The backward megakernel's plan (cuda/fused.cuh, fused_backward), the forward's structure
     with the backward's kinds: chunk tasks pull the reverse-combine (w * dout rows, into the
     receive rows) and push the reverse-dispatch (input-gradient rows into the owners' slots);
@@ -531,16 +564,19 @@ def fused_backward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_
     tile) one pair task that stores its fp32 sum over the expert's rows in order: the same sums,
     in the same order, as the sequential launches. One macrobatch: the ring holds every
     minibatch (a smaller ring would need the forward's activations again). The slot sum and
-    d topk_weights run after the kernel."""
+    d topk_weights run after the kernel. assign: as fused_forward's."""
     return _fused("bwd", shape, num_ranks, comm_blocks, minibatch_rows, None, policy, num_sms, capacity_rows,
-                  lookahead)
+                  lookahead, assign)
 
 
 FUSED_STRATEGIES = {"fwd": "fused_forward", "bwd": "fused_backward"}
 
 
 def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms, capacity_rows,
-           lookahead) -> Plan:
+           lookahead, assign) -> Plan:
+    assign = DEFAULT_ASSIGN if assign is None else assign
+    if assign not in ASSIGNMENTS:
+        raise ValueError(f"assign must be one of {', '.join(ASSIGNMENTS)}, got {assign!r}")
     capacity_rows = capacity_rows or default_capacity(shape, num_ranks, minibatch_rows)
     num_mb = capacity_rows // minibatch_rows if minibatch_rows > 0 else 0
     ring = min(ring_minibatches or num_mb, max(num_mb, 1))  # a ring of every minibatch never turns
@@ -616,15 +652,54 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
         rows, cols = wgrad_grid(kind, shape)
         pairs += [(kind, p, col, lambda rt: data_grad_done, lambda rt: [], {"expert": e, "macrobatch": 0})
                   for e in range(shape.num_experts // num_ranks) for p in range(_cdiv(rows, 2)) for col in range(cols)]
-    clusters = (num_sms - comm_blocks) // 2
-    for turn, (kind, p, col, waits, signals, fields) in enumerate(pairs):
+    # Each pair goes to one cluster, appended to both its CTAs' tables: every table is a
+    # subsequence of the global order (what keeps the plan deadlock free: every counter a pair
+    # waits on is raised by pairs earlier in it), both halves of a pair at the same position.
+    clusters = _assign_clusters(assign, pairs, (num_sms - comm_blocks) // 2,
+                                lambda kind: tile_cost(kind, shape, num_ranks, capacity_rows))
+    for cluster, (kind, p, col, waits, signals, fields) in zip(clusters, pairs):
         for cta in (0, 1):
             rt = 2 * p + cta
-            b.add(comm_blocks + 2 * (turn % clusters) + cta, kind, waits(rt), signals(rt), row_tile=rt, col_tile=col,
-                  **fields)
+            b.add(comm_blocks + 2 * cluster + cta, kind, waits(rt), signals(rt), row_tile=rt, col_tile=col, **fields)
     return b.build(pass_=pass_, shape=shape, num_ranks=num_ranks, policy=dict(policy), num_sms=num_sms,
                    comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, ring_minibatches=ring,
-                   capacity_rows=capacity_rows, strategy=FUSED_STRATEGIES[pass_])
+                   capacity_rows=capacity_rows, strategy=FUSED_STRATEGIES[pass_], assign=assign)
+
+
+def _assign_clusters(assign: str, pairs: list, clusters: int, cost) -> list[int]:
+    """The cluster (0 .. clusters - 1) of every tile pair of `_fused`'s global order `pairs`.
+
+    round_robin: pair j on cluster j % clusters (equal pair counts, whatever their work).
+    balanced: a greedy list schedule over the same order, on estimated times (`cost(kind)`, the
+    pair's tile_cost): a pair can start once the pairs that raise the counters it waits on have
+    finished (per counter, the latest estimated finish of the pairs assigned so far that signal
+    it: they all come earlier in the order); the counters only communication tasks raise
+    (ARRIVED: the rows of a minibatch) count as ready at 0, as the transfers have no estimate in
+    these units. Each pair goes to the cluster that can start it earliest (max of its free time
+    and the pair's ready time), and among those that start it at the same time, the one that
+    became free last (the least idle gap: clusters free earlier stay free for later pairs that
+    are ready earlier), then the lowest index. That cluster's free time becomes the pair's
+    estimated finish. Deterministic (integer costs, no randomness). The estimate takes the
+    receive buffer as full (tile_cost): where it is far from full, the tiles past the real rows
+    (free on the device) were balanced as full ones, and the real work is less even than
+    estimated (tests/test_sim.py has the simulator's verdict)."""
+    if assign == "round_robin":
+        return [turn % clusters for turn in range(len(pairs))]
+    finish_of: dict[int, int] = {}  # counter -> latest estimated finish of the pairs signalling it so far
+    by_free = sorted((0, -cluster) for cluster in range(clusters))  # (free time, -cluster), ascending
+    out = []
+    for kind, p, _, waits, signals, _ in pairs:
+        tiles = (2 * p, 2 * p + 1)
+        ready = max((finish_of.get(c, 0) for rt in tiles for c in waits(rt)), default=0)
+        # the latest free time <= max(ready, earliest free time); among equal ones the lowest cluster
+        j = bisect.bisect_right(by_free, (max(ready, by_free[0][0]), 0)) - 1
+        free, neg_cluster = by_free.pop(j)
+        finish = max(free, ready) + cost(kind)
+        bisect.insort(by_free, (finish, neg_cluster))
+        for c in {c for rt in tiles for c in signals(rt)}:
+            finish_of[c] = max(finish_of.get(c, 0), finish)
+        out.append(-neg_cluster)
+    return out
 
 
 def _epilogue_tasks(k: PassKinds, shape: MoEShape, num_sms: int, ctr) -> list:

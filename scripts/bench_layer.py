@@ -26,10 +26,11 @@ progress line each), its output compared bitwise with the sequential forward of 
 (`equal_to_sequential`); the best setting per shape is timed once more and judged on that
 against FUSED_BARS (issues: the forward and the backward megakernel), and its timeline written
 under results/ (JSON lines + PNG). The fused backward likewise (pass "bwd": its gradients
-compared bitwise with the sequential backward's). --directions times other transfer-direction
-policies too, after every shape's MoK rows (sequential, and fused at the settings best for MoK's
-forward or backward; outputs compared bitwise with that policy's sequential layer; rows in
-results/bench_layer_directions.jsonl, not judged by the bars).
+compared bitwise with the sequential backward's). --assign: how the fused plans' tile pairs go
+to clusters (plan.ASSIGNMENTS; each fused row records it as `assign`). --directions times other
+transfer-direction policies too, after every shape's MoK rows (sequential, and fused at the
+settings best for MoK's forward or backward; outputs compared bitwise with that policy's
+sequential layer; rows in results/bench_layer_directions.jsonl, not judged by the bars).
 Bars (issue: the GPU layer): forward >= 1.0x torch, backward >= 1.3x torch, bitwise repeat,
 schedule <= 0.05 ms. `schedule_ms` is the device schedule of one rank at the real EP=64 (64
 virtual ranks, the all-gathered routing staged, graph replays), checked against schedule.py. Exit status: 0 all met, 1 a bar or a check failed (listed), 2 no GPU/torch.
@@ -44,6 +45,7 @@ import sys
 import numpy as np
 
 from mok_proto.config import PAPER_SHAPES, MoEShape, RunConfig, ep_share, get_shape
+from mok_proto.plan import ASSIGNMENTS, DEFAULT_ASSIGN
 
 EP = 64
 BARS = {"fwd": 1.0, "bwd": 1.3}
@@ -154,10 +156,11 @@ def staged_layer(shape, data, policy=None):
     return heap, layer
 
 
-def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None):
+def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, assign=None):
     """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results, fused rows.
     settings: the fused (communication CTAs, minibatch rows) to time, for both passes or as
-    {pass: settings}; policy: the transfers' directions (default MoK's)."""
+    {pass: settings}; policy: the transfers' directions (default MoK's); assign: the fused plans'
+    tile pairs to clusters (plan.ASSIGNMENTS, None: plan.DEFAULT_ASSIGN)."""
     import cupy
 
     from mok_proto.bench import summarize, time_stages
@@ -189,7 +192,7 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None):
         blobs[name].append(result_bytes(layer, name))
     results = {"out": layer.output(0).get(), **{k: v.get() for k, v in layer.grads(0).items()}}
     fused_rows = {pass_: fused(layer, per_pass[pass_], blobs[pass_][0], stats[pass_]["median_ms"], iters, warmup, stream,
-                               trace_to.format(pass_=pass_) if trace_to else None, pass_)
+                               trace_to.format(pass_=pass_) if trace_to else None, pass_, assign)
                   for pass_ in ("fwd", "bwd")}
     layer.close()
     heap.close()
@@ -197,12 +200,14 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None):
 
 
 def fused(layer, settings, sequential_out: bytes, sequential_ms: float, iters, warmup, stream, trace_to,
-          pass_: str = "fwd"):
+          pass_: str = "fwd", assign=None):
     """The fused forward (pass_="bwd": backward) of rank 0 for each (communication CTAs,
     minibatch rows): graph replays of that pass timed like the sequential one, its results
     compared bitwise with the sequential pass of this run, and with a second run. The fastest
     setting is timed again (the figure judged), and once with the timeline recorded; its
-    timeline (one traced eager run) is written to `trace_to` (JSON lines + PNG) when given."""
+    timeline (one traced eager run) is written to `trace_to` (JSON lines + PNG) when given.
+    assign: the plans' tile pairs to clusters (plan.ASSIGNMENTS, None: plan.DEFAULT_ASSIGN;
+    recorded in each row)."""
     from mok_proto.bench import summarize, time_stages
     from mok_proto.plan import COMM_KINDS, TaskKind
     from mok_proto.results import timeline_summary
@@ -210,9 +215,9 @@ def fused(layer, settings, sequential_out: bytes, sequential_ms: float, iters, w
     def use(comm, minibatch):
         """Set the pass's plan, run one step eagerly (compiles, uploads), return its graph."""
         if pass_ == "fwd":
-            layer.set_forward_plan(layer.fused_forward_plan(comm, minibatch))
+            layer.set_forward_plan(layer.fused_forward_plan(comm, minibatch, assign=assign))
         else:
-            layer.set_backward_plan(layer.fused_backward_plan(comm, minibatch))
+            layer.set_backward_plan(layer.fused_backward_plan(comm, minibatch, assign=assign))
         layer.enqueue_forward()
         layer.enqueue_backward()
         layer.check()
@@ -237,7 +242,8 @@ def fused(layer, settings, sequential_out: bytes, sequential_ms: float, iters, w
         layer.check()
         out.append(result_bytes(layer, pass_))
         plan = (layer.fused if pass_ == "fwd" else layer.fused_bwd).plan
-        rows.append({"comm_blocks": comm, "minibatch_tokens": minibatch, "num_sms": plan.num_sms, **st,
+        rows.append({"comm_blocks": comm, "minibatch_tokens": minibatch, "num_sms": plan.num_sms,
+                     "assign": plan.assign, **st,
                      "equal_to_sequential": out[0] == sequential_out, "bitwise_repeat": out[0] == out[1],
                      "speedup_vs_sequential": sequential_ms / st["median_ms"]})
         print(f"#   fused {pass_} [{i + 1}/{len(settings)}] comm={comm:>2} minibatch={minibatch:>4}: "
@@ -456,16 +462,16 @@ def full_output(shape, data, topk, x_all, s1, s2):
     return out.index_add(0, order // k, w[:, None] * y)
 
 
-def directions_rows(name, shape, data, policy, settings, iters, warmup) -> list:
+def directions_rows(name, shape, data, policy, settings, iters, warmup, assign=None) -> list:
     """Our layer under another direction policy: sequential and fused (the given settings, where
-    the policy admits them) for both passes, a line each, rows appended to
+    the policy admits them; tile pairs by `assign`, as ours) for both passes, a line each, rows appended to
     results/bench_layer_directions.jsonl. Returns what failed a check (fused not bitwise equal to
     this policy's sequential layer, or two runs differ)."""
     from mok_proto.bench import append_result
 
     label = ":".join(policy[op] for op in ("dispatch", "combine", "rev_combine", "rev_dispatch"))
     mine, stages, bitwise, _, fused_rows = ours(shape, data, iters, warmup, fused_settings_for(policy, settings),
-                                                None, policy)
+                                                None, policy, assign)
     failed = []
     for pass_ in ("fwd", "bwd"):
         rows = fused_rows[pass_]
@@ -494,6 +500,8 @@ def main():
                    f"minibatch rows {SWEEP} (default: {DEFAULT_FUSED})")
     p.add_argument("--fused", default=None, help="fused settings to time, COMM:MINIBATCH[,...] (e.g. 8:1024,16:2048)")
     p.add_argument("--no-fused", action="store_true", help="sequential and torch rows only")
+    p.add_argument("--assign", default=None, choices=ASSIGNMENTS, help="the fused plans' tile pairs to clusters "
+                   f"(default {DEFAULT_ASSIGN}; recorded in the fused rows as `assign`)")
     p.add_argument("--directions", default="mok", help="transfer directions: 'mok' (default), 'all' (the four "
                    "(incoming, outgoing) pairs, the backward mirroring the forward) or dispatch:combine:rev_combine:"
                    "rev_dispatch,... (e.g. push:pull:push:pull). Policies other than MoK's, after every shape's MoK "
@@ -524,7 +532,8 @@ def main():
         settings = () if args.no_fused else SWEEP if args.sweep else DEFAULT_FUSED if not args.fused else tuple(
             tuple(int(v) for v in item.split(":")) for item in args.fused.split(","))
         trace_to = args.timeline.replace("{shape}", name).replace("{git}", git_sha()) if args.timeline else None
-        mine, stages, bitwise, got, fused_rows = ours(shape, data, args.iters, args.warmup, settings, trace_to)
+        mine, stages, bitwise, got, fused_rows = ours(shape, data, args.iters, args.warmup, settings, trace_to,
+                                                      assign=args.assign)
         base, ref = torch_pipeline(shape, data, args.iters, args.warmup)
         flops = {"fwd": shape.forward_flops(), "bwd": 2 * shape.forward_flops()}
         sched, sched_exact = schedule_at_ep64(name, args.iters, args.warmup)
@@ -588,7 +597,8 @@ def main():
         shape = emulated_shape(name)
         data = make_inputs(shape)
         for policy in others:
-            failed += directions_rows(name, shape, data, policy, best_settings[name], args.iters, args.warmup)
+            failed += directions_rows(name, shape, data, policy, best_settings[name], args.iters, args.warmup,
+                                      args.assign)
     if failed:
         print(f"FAIL: {len(failed)} rows miss a bar or a check: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -2,13 +2,15 @@
 rank's share of EP=64 (the emulation of bench_layer.py: 2 virtual ranks, rank 0 timed).
 
     python scripts/sweep_overlap.py [--shapes kimi-k2.7,...] [--comm 0,4,8,16] [--minibatch 512,1024,2048,4096]
+                                    [--assign round_robin|balanced]
 
 Per shape: the sequential forward (graph replays, the reference time), then every grid point of
 the fused forward (graph replays, median; its output compared bitwise with the sequential one),
 a progress line per point with the time left; the best point timed again and its in-kernel
 timeline written to results/timeline_fused_fwd_<shape>_<git>.jsonl (+ .png). One JSON line per point
-appended to results/sweep_overlap.jsonl (keys: git, shape, comm_blocks, minibatch_rows,
-median_ms, sequential_ms, speedup_vs_sequential, equal_to_sequential, bitwise_repeat), the file
+appended to results/sweep_overlap.jsonl (keys: git, shape, comm_blocks, minibatch_rows, assign
+(--assign: the plans' tile pairs to clusters, plan.ASSIGNMENTS), median_ms, sequential_ms,
+speedup_vs_sequential, equal_to_sequential, bitwise_repeat), the file
 notebooks/overlap_explorer.ipynb overlays on the simulated heatmap. No bars: bench_layer.py
 judges. Exit status: 0, 1 if a point's output differs from the sequential one, 2 without a GPU.
 """
@@ -22,6 +24,7 @@ import time
 from bench_layer import emulated_shape, fused, make_inputs, result_bytes, staged_layer
 
 from mok_proto.config import PAPER_SHAPES
+from mok_proto.plan import ASSIGNMENTS, DEFAULT_ASSIGN
 
 
 def ints(text: str) -> tuple:
@@ -33,6 +36,8 @@ def main():
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
     p.add_argument("--comm", type=ints, default=(0, 4, 8, 16), help="communication CTAs (0: spare warps)")
     p.add_argument("--minibatch", type=ints, default=(512, 1024, 2048, 4096), help="minibatch rows (x256)")
+    p.add_argument("--assign", default=None, choices=ASSIGNMENTS,
+                   help=f"the fused plans' tile pairs to clusters (default {DEFAULT_ASSIGN})")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
@@ -56,7 +61,7 @@ def main():
         layer.check()
         print(f"# {name}: sequential forward {seq:.3f} ms; {len(grid)} fused points", flush=True)
         rows = fused(layer, grid, result_bytes(layer, "fwd"), seq, args.iters, args.warmup, stream,
-                     f"results/timeline_fused_fwd_{name}_{git_sha()}.jsonl", "fwd")
+                     f"results/timeline_fused_fwd_{name}_{git_sha()}.jsonl", "fwd", args.assign)
         for row in rows:
             append_result("sweep_overlap", {"shape": name, "comm_blocks": row["comm_blocks"],
                                             "minibatch_rows": row["minibatch_tokens"], "sequential_ms": seq,

@@ -60,8 +60,8 @@ def test_directions_rows_report_and_record(monkeypatch, capsys):
     policy = {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
     seen, recorded = [], []
 
-    def fake_ours(shape, data, iters, warmup, settings, trace_to, pol):
-        seen.append((settings, trace_to, pol))
+    def fake_ours(shape, data, iters, warmup, settings, trace_to, pol, assign=None):
+        seen.append((settings, trace_to, pol, assign))
         row = {"comm_blocks": 0, "minibatch_tokens": 2048, "median_ms": 2.0, "speedup_vs_sequential": 1.05,
                "equal_to_sequential": True, "bitwise_repeat": True}
         return ({p: {"median_ms": 2.1} for p in ("fwd", "bwd")}, {p: {"total": 2.2} for p in ("fwd", "bwd")},
@@ -69,8 +69,8 @@ def test_directions_rows_report_and_record(monkeypatch, capsys):
 
     monkeypatch.setattr(bench_layer, "ours", fake_ours)
     monkeypatch.setattr(mok_proto.bench, "append_result", lambda name, row: recorded.append((name, row)))
-    failed = bench_layer.directions_rows("kimi-k2.7", None, None, policy, ((0, 2048), (8, 2048)), 3, 1)
-    assert seen == [({"fwd": ((0, 2048),), "bwd": ((0, 2048),)}, None, policy)]
+    failed = bench_layer.directions_rows("kimi-k2.7", None, None, policy, ((0, 2048), (8, 2048)), 3, 1, "balanced")
+    assert seen == [({"fwd": ((0, 2048),), "bwd": ((0, 2048),)}, None, policy, "balanced")]
     assert failed == ["kimi-k2.7 bwd directions push:pull:push:pull"]
     assert [(n, r["pass"], r["schedule"]) for n, r in recorded] == [
         ("bench_layer_directions", "fwd", "sequential"), ("bench_layer_directions", "fwd", "fused"),

@@ -72,3 +72,24 @@ def test_a_fused_plan_refuses_a_changed_policy():
         _directions(fwd, {**MOK_POLICY, "dispatch": "push"})
     with pytest.raises(ValueError, match="set_backward_plan"):
         _directions(bwd, {**MOK_POLICY, "rev_dispatch": "pull"})
+
+
+def test_fused_plans_take_the_assignment():
+    # fused_plan and the layer's plan builders pass `assign` to the plan (None: plan.DEFAULT_ASSIGN)
+    from types import SimpleNamespace
+
+    from mok_proto import plan as P
+    from mok_proto.config import MOK_POLICY, RunConfig, get_shape
+    from mok_proto.layer.gpu import fused_plan
+
+    run = RunConfig(get_shape("tile"), 2)
+    layer = SimpleNamespace(run=run, capacity=1024, policy=dict(MOK_POLICY), ranks=[0])
+    for pass_, method in (("fwd", GpuMoELayer.fused_forward_plan), ("bwd", GpuMoELayer.fused_backward_plan)):
+        assert fused_plan(pass_, run, 1024, MOK_POLICY, 0, 256, 8).assign == P.DEFAULT_ASSIGN
+        for assign in P.ASSIGNMENTS:
+            made = fused_plan(pass_, run, 1024, MOK_POLICY, 0, 256, 8, assign=assign)
+            built = method(layer, 0, 256, num_sms=8, assign=assign)
+            assert made.assign == built.assign == assign and (made.pass_, built.pass_) == (pass_, pass_)
+            assert made.tasks.tobytes() == built.tasks.tobytes()
+        with pytest.raises(ValueError, match="assign must be one of"):
+            method(layer, 0, 256, num_sms=8, assign="nope")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mok_proto import plan as P
-from mok_proto.config import MOK_POLICY, get_shape
+from mok_proto.config import MOK_POLICY, ep_share, get_shape
 
 SMALL = get_shape("small")
 ALL_PUSH = {op: "push" for op in MOK_POLICY}
@@ -347,3 +347,112 @@ def test_ancestors_of_tracked_tasks_are_the_full_relation_restricted():
         got = {k for k in range(len(index)) if restricted[i] >> k & 1}
         assert got == want, i
     assert any(full[i] >> int(j) & 1 for i in range(len(plan.tasks)) for j in index[:5] if i != j)  # not vacuous
+
+
+# ---------------------------------------------------------------------------------------------
+# Which cluster takes each tile pair (assign)
+# ---------------------------------------------------------------------------------------------
+PAIR_FIELDS = ["kind", "minibatch", "macrobatch", "col_tile", "expert"]  # with the row pair: one tile pair
+
+
+def fused_of(pass_, comm=2, minibatch=256, num_sms=8, assign=None, shape=TILE, **kw):
+    """A fused plan of either pass (the forward's ring turns twice where 4 minibatches allow it)."""
+    if pass_ == "fwd":
+        ring = 2 if 1024 // minibatch > 2 else None
+        return P.fused_forward(shape, 2, comm, minibatch, ring, policy=MOK_POLICY, num_sms=num_sms,
+                               capacity_rows=kw.pop("capacity_rows", 1024), assign=assign, **kw)
+    return P.fused_backward(shape, 2, comm, minibatch, policy=MOK_POLICY, num_sms=num_sms,
+                            capacity_rows=kw.pop("capacity_rows", 1024), assign=assign, **kw)
+
+
+def cluster_pairs(plan) -> list[list[tuple]]:
+    """Per cluster, its tile pairs in table order (the even CTA's GEMM tasks, as PAIR_FIELDS + the
+    row pair); asserts that the odd CTA holds the other half of each pair at the same position."""
+    comm = [int(k) for k in P.COMM_KINDS]
+    tables = [t[~np.isin(t["kind"], comm)] for t in plan.block_tables()[plan.comm_blocks:]]
+    out = []
+    for even, odd in zip(tables[::2], tables[1::2]):
+        assert np.array_equal(even[PAIR_FIELDS], odd[PAIR_FIELDS])
+        assert np.array_equal(even["row_tile"] % 2, np.zeros(len(even))) and np.array_equal(even["row_tile"] + 1,
+                                                                                             odd["row_tile"])
+        out.append([(*key, rt // 2) for key, rt in zip(even[PAIR_FIELDS].tolist(), even["row_tile"].tolist())])
+    return out
+
+
+def global_order(pass_, comm, minibatch):
+    """The global pair order: a plan with one cluster takes every pair, in that order."""
+    (order,) = cluster_pairs(fused_of(pass_, comm, minibatch, num_sms=comm + 2))
+    return order
+
+
+ASSIGN_CASES = [(pass_, comm, minibatch, num_sms) for pass_ in P.PASSES for comm in (0, 2) for minibatch in (256, 512)
+                for num_sms in (8, 14)]
+
+
+@pytest.mark.parametrize("pass_,comm,minibatch,num_sms", ASSIGN_CASES)
+def test_round_robin_is_the_old_assignment(pass_, comm, minibatch, num_sms):
+    # the formula before `assign` existed: pair j of the global order on cluster j % clusters
+    order = global_order(pass_, comm, minibatch)
+    clusters = (num_sms - comm) // 2
+    for plan in (fused_of(pass_, comm, minibatch, num_sms), fused_of(pass_, comm, minibatch, num_sms, "round_robin")):
+        assert plan.assign == "round_robin"
+        assert cluster_pairs(plan) == [order[c::clusters] for c in range(clusters)]
+
+
+@pytest.mark.parametrize("pass_,comm,minibatch,num_sms", ASSIGN_CASES)
+def test_balanced_plans_pass_check_and_keep_the_global_order(pass_, comm, minibatch, num_sms):
+    plan = fused_of(pass_, comm, minibatch, num_sms, "balanced")
+    plan.check()
+    assert plan.assign == "balanced" and "assign=balanced" in plan.describe()
+    position = {pair: j for j, pair in enumerate(global_order(pass_, comm, minibatch))}
+    got = cluster_pairs(plan)  # (both halves of a pair at the same position of the cluster's two tables)
+    assert sorted(position[pair] for pairs in got for pair in pairs) == list(range(len(position)))
+    for pairs in got:  # each cluster's pairs: a subsequence of the global order
+        assert all(position[a] < position[b] for a, b in zip(pairs, pairs[1:]))
+
+
+def test_balanced_differs_from_round_robin_and_is_deterministic():
+    for pass_ in P.PASSES:
+        balanced, again = (fused_of(pass_, 0, 256, 14, "balanced") for _ in range(2))
+        assert np.array_equal(balanced.tasks, again.tasks) and np.array_equal(balanced.counters, again.counters)
+        assert not np.array_equal(balanced.tasks, fused_of(pass_, 0, 256, 14).tasks)  # the tests above are not vacuous
+
+
+def test_bad_assign():
+    for pass_ in P.PASSES:
+        with pytest.raises(ValueError, match="assign must be one of round_robin, balanced"):
+            fused_of(pass_, assign="greedy")
+
+
+def test_tile_cost_follows_the_kernels_k():
+    shape = ep_share("glm-5.2", 64)  # H 6144, I 2048, El 4 of 2 ranks
+    cost = {k: P.tile_cost(k, shape, 2, 16384) for k in P.PROBLEM_OF}
+    bk, cols = P.BK, P.BN
+    assert cost[P.TaskKind.GATE_UP] == cost[P.TaskKind.SHARED_GATE_UP] == 6144 // bk * cols  # K = H
+    assert cost[P.TaskKind.DOWN] == 2048 // bk * cols  # K = I: a gate/up tile is 3 down tiles
+    assert cost[P.TaskKind.DOWN_BWD] == (6144 // bk + P.DOWN_BWD_AUX_STAGES) * cols  # K = H, + its g, u stages
+    assert cost[P.TaskKind.GATE_UP_BWD] == 2 * 2048 // bk * cols  # K = 2I (dg | du)
+    assert cost[P.TaskKind.DOWN_WGRAD] == cost[P.TaskKind.GATE_UP_WGRAD] == 16384 // 4 // bk * cols  # rows per expert
+    assert cost[P.TaskKind.SHARED_DOWN_WGRAD] == shape.num_tokens // bk * cols  # the shared expert: N tokens
+
+
+@pytest.mark.parametrize("name", ["glm-5.2", "kimi-k2.7"])
+@pytest.mark.parametrize("pass_", P.PASSES)
+def test_balanced_evens_out_the_estimated_work(name, pass_):
+    # one EP=64 rank's share on an H200 (132 SMs): every cluster's estimated work within one tile
+    # of the mean, and the most loaded cluster less loaded than round robin's
+    shape = ep_share(name, 64)
+    make = P.fused_forward if pass_ == "fwd" else P.fused_backward
+    for comm in (0, 8):
+        work = {}
+        for assign in P.ASSIGNMENTS:
+            plan = make(shape, 2, comm, 2048, policy=MOK_POLICY, num_sms=132, assign=assign)
+            t = plan.tasks
+            even = (t["block"] >= comm) & (t["block"] % 2 == 0) & ~np.isin(t["kind"], [int(k) for k in P.COMM_KINDS])
+            cost = {k: P.tile_cost(P.TaskKind(k), shape, 2, plan.capacity_rows) for k in np.unique(t["kind"][even])}
+            tile = np.array([cost[k] for k in t["kind"][even].tolist()])
+            work[assign] = np.bincount((t["block"][even] - comm) // 2, tile, minlength=(132 - comm) // 2)
+        largest = max(cost.values())
+        assert work["balanced"].max() - work["balanced"].mean() <= largest
+        assert work["balanced"].max() < work["round_robin"].max()
+        assert work["balanced"].sum() == work["round_robin"].sum()

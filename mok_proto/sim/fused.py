@@ -55,8 +55,8 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     """The fused_forward (or, from a backward's records, fused_backward) plan whose tasks the
     records (in the plan's task order, as bench_layer writes them) are: CTAs, communicating CTAs
     (0: the chunks ride on compute CTAs), minibatch rows, capacity, ring and the transfers inside
-    from the records; the GEMM order (`lookahead`, where plan.py has it) the first that matches.
-    Raises ValueError if no plan matches task by task."""
+    from the records; the GEMM order (`lookahead`, where plan.py has it) and the tile pairs'
+    clusters (`assign`) the first that match. Raises ValueError if no plan matches task by task."""
     pass_ = timeline_pass(records)
     k = plans.PASS_KINDS[pass_]
     kind = records["kind"]
@@ -80,14 +80,15 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     make = plans.fused_forward if pass_ == "fwd" else plans.fused_backward
     tried = []
     for order in ({},) + tuple({"lookahead": a} for a in range(ring)):
-        try:
-            plan = make(*args, **fields, **order)
-        except ValueError as e:
-            tried.append(f"{order or 'defaults'}: {e}")
-            continue
-        if len(plan.tasks) == len(records) and all(np.array_equal(plan.tasks[k], records[k]) for k in KEY):
-            return plan
-        tried.append(f"{order or 'defaults'}: {plan.describe()}")
+        for assign in plans.ASSIGNMENTS:
+            try:
+                plan = make(*args, **fields, **order, assign=assign)
+            except ValueError as e:
+                tried.append(f"{order or 'defaults'}, {assign}: {e}")
+                continue
+            if len(plan.tasks) == len(records) and all(np.array_equal(plan.tasks[k], records[k]) for k in KEY):
+                return plan
+            tried.append(f"{order or 'defaults'}: {plan.describe()}")
     raise ValueError(f"the timeline's tasks are not those of any {make.__name__} plan tried: " + "; ".join(tried))
 
 
