@@ -424,6 +424,21 @@ def test_bad_assign():
             fused_of(pass_, assign="greedy")
 
 
+def test_tile_cost_of_pairs_past_the_expected_rows():
+    # routed row tiles past the rows a rank fills on average (N K + padding) only signal: cost 1;
+    # the shared expert's and the weight gradients' do not depend on a row pair
+    shape = ep_share("glm-5.2", 64)  # N 2048, K 8, El 4: 16384 + 4 * 128 expected rows
+    assert P.expected_rows(shape, 2, 1 << 20) == 2048 * 8 + 4 * 128
+    assert P.expected_rows(shape, 2, 8192) == 8192  # at most the capacity
+    last_real, first_free = (16384 + 512 - 1) // P.PAIR_ROWS, -(-(16384 + 512) // P.PAIR_ROWS)
+    for kind in (P.TaskKind.GATE_UP, P.TaskKind.DOWN, P.TaskKind.DOWN_BWD, P.TaskKind.GATE_UP_BWD):
+        full = P.tile_cost(kind, shape, 2, 20480)
+        assert P.tile_cost(kind, shape, 2, 20480, last_real) == full > 1
+        assert P.tile_cost(kind, shape, 2, 20480, first_free) == 1
+    for kind in (P.TaskKind.SHARED_GATE_UP, P.TaskKind.DOWN_WGRAD):
+        assert P.tile_cost(kind, shape, 2, 20480, first_free) == P.tile_cost(kind, shape, 2, 20480) > 1
+
+
 def test_tile_cost_follows_the_kernels_k():
     shape = ep_share("glm-5.2", 64)  # H 6144, I 2048, El 4 of 2 ranks
     cost = {k: P.tile_cost(k, shape, 2, 16384) for k in P.PROBLEM_OF}
@@ -449,10 +464,10 @@ def test_balanced_evens_out_the_estimated_work(name, pass_):
             plan = make(shape, 2, comm, 2048, policy=MOK_POLICY, num_sms=132, assign=assign)
             t = plan.tasks
             even = (t["block"] >= comm) & (t["block"] % 2 == 0) & ~np.isin(t["kind"], [int(k) for k in P.COMM_KINDS])
-            cost = {k: P.tile_cost(P.TaskKind(k), shape, 2, plan.capacity_rows) for k in np.unique(t["kind"][even])}
-            tile = np.array([cost[k] for k in t["kind"][even].tolist()])
+            tile = np.array([P.tile_cost(P.TaskKind(k), shape, 2, plan.capacity_rows, rt // 2)
+                             for k, rt in zip(t["kind"][even].tolist(), t["row_tile"][even].tolist())])
             work[assign] = np.bincount((t["block"][even] - comm) // 2, tile, minlength=(132 - comm) // 2)
-        largest = max(cost.values())
+        largest = tile.max()
         assert work["balanced"].max() - work["balanced"].mean() <= largest
         assert work["balanced"].max() < work["round_robin"].max()
         assert work["balanced"].sum() == work["round_robin"].sum()

@@ -626,20 +626,26 @@ def test_backward_timelines_are_kept_apart_and_simulated(h200):
 @pytest.mark.parametrize("pass_", P.PASSES)
 def test_balanced_assignment_is_not_slower(h200, name, pass_):
     """The balanced assignment's pass, simulated as bench_layer runs it (one EP=64 share on one
-    H200, minibatch 2048, 0 and 8 communicating CTAs), takes no longer than round robin's, with a
-    receive capacity the rows fill (the cost model's assumption: every row tile a full tile).
-    NOTE: with the default capacity (1.25 N K: 2-3 minibatches of tiles past the real rows, free
-    on the device but balanced as full tiles) the simulator predicts the comm_blocks = 0 forward
-    of both shapes and glm's comm_blocks = 0 backward 1-2% slower than round robin."""
+    H200, minibatch 2048, 0 and 8 communicating CTAs, bench_layer's capacity 1.15 N K and a
+    capacity the rows fill), takes at most 0.5% longer than round robin's (simulated: glm's
+    comm-0 forward +0.3% at bench capacity, the others 0 to -3%), and less over the cases.
+    Costing the tiles past the expected rows as full ones (tile_cost without row_pair) fails
+    it: +1.5% (glm) and +1.9% (kimi) for the comm-0 forward."""
     shape = ep_share(name, 64)
     load = fused.emulated_load(shape)
-    capacity = -(-int(load.expert_offsets[:, -1].max()) // 2048) * 2048
+    filled = -(-int(load.expert_offsets[:, -1].max()) // 2048) * 2048
+    bench = -(-int(1.15 * shape.num_tokens * shape.top_k) // 2048) * 2048
     make = P.fused_forward if pass_ == "fwd" else P.fused_backward
-    for comm in (0, 8):
-        ns = {assign: sim.simulate(make(shape, 2, comm, 2048, policy=MOK_POLICY, num_sms=132, capacity_rows=capacity,
-                                        assign=assign), layer.one_gpu(h200), load).time_ns
-              for assign in P.ASSIGNMENTS}
-        assert ns["balanced"] <= ns["round_robin"], (comm, ns)
+    total = dict.fromkeys(P.ASSIGNMENTS, 0)
+    for capacity in (filled, bench):
+        for comm in (0, 8):
+            ns = {assign: sim.simulate(make(shape, 2, comm, 2048, policy=MOK_POLICY, num_sms=132,
+                                            capacity_rows=capacity, assign=assign), layer.one_gpu(h200), load).time_ns
+                  for assign in P.ASSIGNMENTS}
+            assert ns["balanced"] <= 1.005 * ns["round_robin"], (capacity, comm, ns)
+            for assign in P.ASSIGNMENTS:
+                total[assign] += ns[assign]
+    assert total["balanced"] < total["round_robin"], total
 
 
 def test_timeline_of_a_balanced_plan_is_recognized(h200):
