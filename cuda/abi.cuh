@@ -30,7 +30,8 @@ enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2 };
 //   kOpGemmMma: GEMM consumer (waiting for a loaded stage)
 //   kOpGemmAux: GEMM consumer (waiting for an epilogue operand stage)
 //   kOpFusedWait: fused layer task (waiting for a ready counter)
-enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpCombinePush = 4, kOpCombinePull = 5, kOpRevCombinePull = 6, kOpRevCombinePush = 7, kOpRevDispatchPush = 8, kOpRevDispatchPull = 9, kOpGemmLoad = 10, kOpGemmMma = 11, kOpGemmAux = 12, kOpFusedWait = 13, kNumOps = 14 };
+//   kOpWeightedSum: weighted sum
+enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpCombinePush = 4, kOpCombinePull = 5, kOpRevCombinePull = 6, kOpRevCombinePush = 7, kOpRevDispatchPush = 8, kOpRevDispatchPull = 9, kOpGemmLoad = 10, kOpGemmMma = 11, kOpGemmAux = 12, kOpFusedWait = 13, kOpWeightedSum = 14, kNumOps = 15 };
 // FlagKind, as errors print it:
 //   kFlagRouting: routing
 //   kFlagMap: map
@@ -103,7 +104,7 @@ namespace mok {
 constexpr int kCommThreads = 256;  // threads of a row-copy block: 8 warps, one row per warp
 constexpr int kScheduleThreads = 1024;  // threads of the schedule's scan block
 constexpr int kScheduleSegment = 1024;  // slots of one source rank per block of the schedule's count and place steps
-constexpr int kStateWords = 15;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
+constexpr int kStateWords = 16;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
 }  // namespace mok
 
 namespace mok::gemm {
@@ -123,9 +124,9 @@ struct ErrorRecord {
   u64 code;  // ErrorCode; 0 = no error. The first failure in a process wins (atomicCAS)
   i64 op;  // Op: which operator
   i64 rank;  // EP rank that noticed (-1: not rank-specific)
-  i64 peer;  // timeout: peer waited for; capacity: rows needed; -1 if none
-  i64 expected;  // timeout: epoch (or barrier parity) waited for; capacity: capacity in rows
-  i64 seen;  // timeout: flag value seen
+  i64 peer;  // timeout: peer waited for; capacity: rows needed (kOpWeightedSum: the expert owner that overflowed); -1 if none
+  i64 expected;  // timeout: epoch (or barrier parity) waited for; capacity: capacity in rows (kOpWeightedSum: the rank's slots, N*K)
+  i64 seen;  // timeout: flag value seen; capacity, kOpWeightedSum: slots that got no expert result
   i64 block;  // blockIdx.x of the reporting thread
   i64 thread;  // threadIdx.x of the reporting thread
   i64 detail;  // kernel-specific: the GEMM Problem for kOpGemm*; -1 otherwise
@@ -212,25 +213,29 @@ static_assert(__builtin_offsetof(GemmParams, num_groups) == 0 && __builtin_offse
 
 namespace mok {
 struct TokenParams {
-  i64        num_tokens;  // N
-  i64        top_k;  // K
-  i64        hidden;  // H (a multiple of 8: rows move as 16-byte octets)
-  i64        rank_base;  // EP rank of blockIdx.y == 0
-  i64        has_base;  // 1: add the shared expert's rows (base, dx_base); 0: there is none
-  const u64* topk_w;  // float [N, K]    router weights
-  const u64* base;  // bf16  [N, H]    shared expert's output
-  const u64* y_slots;  // bf16  [N*K, H]  expert outputs in slot order (combine's slot buffer)
-  const u64* out;  // bf16  [N, H]    layer output
-  const u64* dout;  // bf16  [N, H]    output gradient
-  const u64* dy_slots;  // bf16  [N*K, H]  w[t,j] * dout[t]: what reverse-combine moves
-  const u64* dx_slots;  // bf16  [N*K, H]  input gradients in slot order (reverse-dispatch's slot buffer)
-  const u64* dx_base;  // bf16  [N, H]    shared expert's input gradient
-  const u64* dx;  // bf16  [N, H]    layer input gradient
-  const u64* d_topk_w;  // float [N, K]    router-weight gradient
+  i64          num_tokens;  // N
+  i64          top_k;  // K
+  i64          hidden;  // H (a multiple of 8: rows move as 16-byte octets)
+  i64          rank_base;  // EP rank of blockIdx.y == 0
+  i64          has_base;  // 1: add the shared expert's rows (base, dx_base); 0: there is none
+  i64          num_local_experts;  // El (the expert owner of slot s is topk_idx[s] / El)
+  const u64*   topk_idx;  // int32 [N, K]    expert of each slot
+  const u64*   topk_w;  // float [N, K]    router weights
+  const u64*   recv_row;  // int32 [N*K]     receive row of each slot on its expert owner (-1: none placed)
+  const u64*   base;  // bf16  [N, H]    shared expert's output
+  const u64*   y_slots;  // bf16  [N*K, H]  expert outputs in slot order (combine's slot buffer)
+  const u64*   out;  // bf16  [N, H]    layer output
+  const u64*   dout;  // bf16  [N, H]    output gradient
+  const u64*   dy_slots;  // bf16  [N*K, H]  w[t,j] * dout[t]: what reverse-combine moves
+  const u64*   dx_slots;  // bf16  [N*K, H]  input gradients in slot order (reverse-dispatch's slot buffer)
+  const u64*   dx_base;  // bf16  [N, H]    shared expert's input gradient
+  const u64*   dx;  // bf16  [N, H]    layer input gradient
+  const u64*   d_topk_w;  // float [N, K]    router-weight gradient
+  ErrorRecord* error;  // this process's error record (the weighted sum reports slots without a result)
 };
-static_assert(sizeof(TokenParams) == 120, "TokenParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(TokenParams) == 152, "TokenParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(TokenParams, num_tokens) == 0 && __builtin_offsetof(TokenParams, top_k) == 8 && __builtin_offsetof(TokenParams, hidden) == 16 && __builtin_offsetof(TokenParams, rank_base) == 24 && __builtin_offsetof(TokenParams, has_base) == 32 && __builtin_offsetof(TokenParams, topk_w) == 40 && __builtin_offsetof(TokenParams, base) == 48 && __builtin_offsetof(TokenParams, y_slots) == 56 && __builtin_offsetof(TokenParams, out) == 64 && __builtin_offsetof(TokenParams, dout) == 72 && __builtin_offsetof(TokenParams, dy_slots) == 80 && __builtin_offsetof(TokenParams, dx_slots) == 88 && __builtin_offsetof(TokenParams, dx_base) == 96 && __builtin_offsetof(TokenParams, dx) == 104 && __builtin_offsetof(TokenParams, d_topk_w) == 112, "TokenParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(TokenParams, num_tokens) == 0 && __builtin_offsetof(TokenParams, top_k) == 8 && __builtin_offsetof(TokenParams, hidden) == 16 && __builtin_offsetof(TokenParams, rank_base) == 24 && __builtin_offsetof(TokenParams, has_base) == 32 && __builtin_offsetof(TokenParams, num_local_experts) == 40 && __builtin_offsetof(TokenParams, topk_idx) == 48 && __builtin_offsetof(TokenParams, topk_w) == 56 && __builtin_offsetof(TokenParams, recv_row) == 64 && __builtin_offsetof(TokenParams, base) == 72 && __builtin_offsetof(TokenParams, y_slots) == 80 && __builtin_offsetof(TokenParams, out) == 88 && __builtin_offsetof(TokenParams, dout) == 96 && __builtin_offsetof(TokenParams, dy_slots) == 104 && __builtin_offsetof(TokenParams, dx_slots) == 112 && __builtin_offsetof(TokenParams, dx_base) == 120 && __builtin_offsetof(TokenParams, dx) == 128 && __builtin_offsetof(TokenParams, d_topk_w) == 136 && __builtin_offsetof(TokenParams, error) == 144, "TokenParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 }  // namespace mok

@@ -24,7 +24,9 @@
 //   allgather_routing --kFlagRouting--> schedule (3 launches) --kFlagMap--> wait_peers, dispatch_push
 //   dispatch_push --kFlagDispatch--> wait_peers (then the experts)
 //   the experts, raise_flag --kFlagReady--> wait_peers, combine_pull
-//   combine_push --kFlagCombine--> wait_peers (then the weighted sum)
+//   combine_push --kFlagCombine--> wait_peers (then the weighted sum, which also checks that
+//   every slot got a row: an owner that overflowed placed none, recv_row = -1, see
+//   report_unplaced_slots)
 // The GPU layer's backward is a second round (epoch + 1) on the forward's schedule, with the same
 // copies over its own buffers: reverse-combine pull = raise_flag(kFlagRouting: my dy rows are
 // written), wait_peers, dispatch_pull; push = dispatch_push --kFlagDispatch--> wait_peers;
@@ -380,7 +382,9 @@ __global__ void __launch_bounds__(kCommThreads) allgather_routing(const CommPara
 // three launches (see ScheduleScratch), then kFlagMap from the last block of the third. Reads
 // R*N*K*4 bytes twice; the row formula costs O(R) per pair. On overflow (rows > C) it reports
 // kErrCapacity, places nothing (recv_row = -1) and the round runs on (a capacity error stops no
-// wait), so every peer still gets its signals and none hangs; the host raises CapacityError.
+// wait), so every peer still gets its signals and none hangs; the host raises CapacityError. The
+// token owners learn of it from recv_row = -1: their weighted sum reports it in their own record
+// (report_unplaced_slots), so under NVSHMEM every rank's check() raises, naming this rank.
 //
 // schedule_count_segments: grid (R * Q, W), block kCommThreads, dynamic smem El ints. Waits for
 // every peer's routing, then counts segment g's pairs per local expert.
@@ -528,9 +532,18 @@ __global__ void __launch_bounds__(kCommThreads) combine_pull(const CommParams* p
   pull_result_rows<kVec>(p, rank, 0, p->num_tokens * p->top_k, grid_warps(), lane_id());
 }
 
-// weighted_sum over all of [N, H].
+// weighted_sum over all of [N, H], and the check that every slot of mine got a result (a slot
+// whose expert owner overflowed has recv_row < 0: kErrCapacity / kOpWeightedSum in my record, see
+// report_unplaced_slots; the sum runs anyway).
 __global__ void __launch_bounds__(kCommThreads) weighted_sum(const CommParams* p) {
-  weighted_sum_part(p, rank_of(p), 0, p->num_tokens * p->hidden, grid_threads());
+  const int rank = rank_of(p);
+  const int* recv_row = at<const int>(p->recv_row, rank);
+  const i64 num_slots = p->num_tokens * p->top_k;
+  const Workers threads = grid_threads();
+  const int first = threads.id < num_slots ? recv_row[threads.id] : 0;
+  weighted_sum_part(p, rank, 0, p->num_tokens * p->hidden, threads);
+  report_unplaced_slots(recv_row, at<const int>(p->topk_idx, rank), num_slots, static_cast<int>(p->num_local_experts),
+                        p->error, rank, any_slot_unplaced(recv_row, first, 0, num_slots, threads));
 }
 
 }  // namespace mok

@@ -124,6 +124,59 @@ __device__ __forceinline__ T* at(const u64* table, int rank) {
   return reinterpret_cast<T*>(table[rank]);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Slots without an expert result (the token owner, after the combine). An expert owner whose
+// receive buffer overflows places nothing: its schedule reports kErrCapacity in ITS record and
+// writes recv_row[s] = -1 on the token owner for every slot s routed to it (comm.cuh
+// schedule_place; a slot whose owner fits always gets a row >= 0, so -1 means exactly this). The
+// round runs on, so every peer gets its signals, but those slots' rows are never written. With
+// virtual ranks the record is shared and already holds the schedule's report; under NVSHMEM the
+// token owner has a record of its own, so the weighted sum (the forward's last kernel) checks
+// its slots and reports the overflow there too (kOpWeightedSum): every rank's check() raises.
+// ---------------------------------------------------------------------------------------------
+// Whether slot s has no receive row on its expert owner, for any s of [begin, end) in this
+// thread's share. `first`: recv_row[begin + threads.id] loaded earlier (0 if past end), so that
+// its latency hides behind the caller's work (the weighted sum issues it before the sum).
+__device__ __forceinline__ bool any_slot_unplaced(const int* recv_row, int first, i64 begin, i64 end,
+                                                  Workers threads) {
+  bool unplaced = first < 0;
+  for (i64 s = begin + threads.id + threads.count; s < end; s += threads.count) unplaced = unplaced || recv_row[s] < 0;
+  return unplaced;
+}
+
+// The whole block, once (every thread must call it: it has barriers): `unplaced` is this thread's
+// any_slot_unplaced. If any thread of the block saw such a slot and the record is still clear,
+// the block counts every slot of [0, num_slots) without a receive row and reports kErrCapacity /
+// kOpWeightedSum: rank = this (token-owning) rank, peer = the lowest expert-owning rank among
+// those slots (topk_idx[s] / num_local_experts), expected = num_slots, seen = their count. Every
+// block that reports writes the same fields (the first wins). Nothing is skipped: the caller's
+// rows are computed as usual. Cost when every slot has a row: one barrier per block.
+__device__ __forceinline__ void report_unplaced_slots(const int* recv_row, const int* topk_idx, i64 num_slots,
+                                                      int num_local_experts, ErrorRecord* err, int rank,
+                                                      bool unplaced) {
+  __shared__ int s_count, s_owner;
+  if (!__syncthreads_or(unplaced)) return;
+  if (__syncthreads_or(threadIdx.x == 0 && has_error(err))) return;  // reported already (this or an earlier kernel)
+  if (threadIdx.x == 0) {
+    s_count = 0;
+    s_owner = 0x7fffffff;
+  }
+  __syncthreads();
+  int count = 0, owner = 0x7fffffff;
+  for (i64 s = threadIdx.x; s < num_slots; s += blockDim.x) {
+    if (recv_row[s] >= 0) continue;
+    ++count;
+    owner = min(owner, topk_idx[s] / num_local_experts);
+  }
+  if (count > 0) {
+    atomicAdd(&s_count, count);
+    atomicMin(&s_owner, owner);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && s_count > 0)
+    report_error(err, kErrCapacity, kOpWeightedSum, rank, s_owner, num_slots, s_count);
+}
+
 // One warp copies one row of `bytes` bytes with kVec-byte accesses: kVec = 16 (rows and buffers
 // 16-byte aligned: bytes % 16 == 0) or kVec = 2 (any even row size: bf16 rows of odd H). With
 // 16-byte accesses each lane has kUnroll loads in flight before it stores them (a warp alone on

@@ -143,6 +143,9 @@ OP = Enum("Op", (
     ("kOpGemmMma", "GEMM consumer (waiting for a loaded stage)"),
     ("kOpGemmAux", "GEMM consumer (waiting for an epilogue operand stage)"),
     ("kOpFusedWait", "fused layer task (waiting for a ready counter)"),
+    # Token side, after the combine: slots whose expert owner placed no receive row (its buffer
+    # overflowed), found by the weighted sum (cuda/common.cuh report_unplaced_slots).
+    ("kOpWeightedSum", "weighted sum"),
 ), count="kNumOps")
 
 # Flags of a communication round: flags[kind, src] on every rank, raised by src.
@@ -247,9 +250,11 @@ ERROR_RECORD = Struct("ErrorRecord", (
     ("u64", "code", "ErrorCode; 0 = no error. The first failure in a process wins (atomicCAS)"),
     ("i64", "op", "Op: which operator"),
     ("i64", "rank", "EP rank that noticed (-1: not rank-specific)"),
-    ("i64", "peer", "timeout: peer waited for; capacity: rows needed; -1 if none"),
-    ("i64", "expected", "timeout: epoch (or barrier parity) waited for; capacity: capacity in rows"),
-    ("i64", "seen", "timeout: flag value seen"),
+    ("i64", "peer", "timeout: peer waited for; capacity: rows needed (kOpWeightedSum: the expert owner "
+                    "that overflowed); -1 if none"),
+    ("i64", "expected", "timeout: epoch (or barrier parity) waited for; capacity: capacity in rows "
+                        "(kOpWeightedSum: the rank's slots, N*K)"),
+    ("i64", "seen", "timeout: flag value seen; capacity, kOpWeightedSum: slots that got no expert result"),
     ("i64", "block", "blockIdx.x of the reporting thread"),
     ("i64", "thread", "threadIdx.x of the reporting thread"),
     ("i64", "detail", "kernel-specific: the GEMM Problem for kOpGemm*; -1 otherwise"),
@@ -323,7 +328,10 @@ TOKEN_PARAMS = Struct("TokenParams", (
     ("i64", "hidden", "H (a multiple of 8: rows move as 16-byte octets)"),
     ("i64", "rank_base", "EP rank of blockIdx.y == 0"),
     ("i64", "has_base", "1: add the shared expert's rows (base, dx_base); 0: there is none"),
+    ("i64", "num_local_experts", "El (the expert owner of slot s is topk_idx[s] / El)"),
+    ("const u64*", "topk_idx", "int32 [N, K]    expert of each slot"),
     ("const u64*", "topk_w", "float [N, K]    router weights"),
+    ("const u64*", "recv_row", "int32 [N*K]     receive row of each slot on its expert owner (-1: none placed)"),
     ("const u64*", "base", "bf16  [N, H]    shared expert's output"),
     ("const u64*", "y_slots", "bf16  [N*K, H]  expert outputs in slot order (combine's slot buffer)"),
     ("const u64*", "out", "bf16  [N, H]    layer output"),
@@ -333,6 +341,7 @@ TOKEN_PARAMS = Struct("TokenParams", (
     ("const u64*", "dx_base", "bf16  [N, H]    shared expert's input gradient"),
     ("const u64*", "dx", "bf16  [N, H]    layer input gradient"),
     ("const u64*", "d_topk_w", "float [N, K]    router-weight gradient"),
+    ("ErrorRecord*", "error", "this process's error record (the weighted sum reports slots without a result)"),
 ))
 
 # A plan's tables as the megakernel reads them: Task[num_tasks] sorted by (block, seq), Counter[num_counters].

@@ -36,6 +36,12 @@ def describe(fields: dict, timeout_s: float | None = None) -> Exception | None:
     if code == abi.ERROR_CODE["kErrTimeout"]:
         return SymmTimeoutError(what, fields["rank"], fields["peer"], fields["expected"], fields["seen"],
                                 timeout_s if timeout_s is not None else float("nan"))
+    if code == abi.ERROR_CODE["kErrCapacity"] and op == abi.OP["kOpWeightedSum"]:
+        # A token owner's weighted sum found slots whose expert owner placed no receive row (that
+        # owner's schedule overflowed and reported it in its own record)
+        return CapacityError(f"{what}: receive buffer overflow on rank {fields['peer']} (seen by rank "
+                             f"{fields['rank']}: {fields['seen']} of its {fields['expected']} slots got no expert "
+                             f"result)")
     if code == abi.ERROR_CODE["kErrCapacity"]:
         return CapacityError(f"{what}: receive buffer overflow on rank {fields['rank']}: needs {fields['peer']} "
                              f"rows, capacity is {fields['expected']}")

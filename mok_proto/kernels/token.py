@@ -29,7 +29,9 @@ def _go(name, params, launch: Launch):
 
 
 def weighted_sum(params, launch: Launch):
-    """out[t] = base[t] + sum_j w[t,j] * y_slots[t*K+j] (fp32 in order, bf16 out)."""
+    """out[t] = base[t] + sum_j w[t,j] * y_slots[t*K+j] (fp32 in order, bf16 out). Also reports
+    kErrCapacity (Op kOpWeightedSum) into params' error record if a slot got no expert result
+    (recv_row < 0: its expert owner's receive buffer overflowed); the sum runs anyway."""
     _go("mok::weighted_sum_bf16", params, launch)
 
 

@@ -25,7 +25,10 @@ gradients, with the pull reverse-combine and the push reverse-dispatch inside; t
 Every launch covers the launch ranks (all W virtual ranks, or this process's rank under
 NVSHMEM); GEMMs launch once per rank. Nothing is read back to the host: the pair of passes can
 be captured in one CUDA graph (`capture()`). Every wait is bounded; `check()` raises
-SymmTimeoutError / CapacityError / KernelTimeoutError naming the operator and rank. Direction
+SymmTimeoutError / CapacityError / KernelTimeoutError naming the operator and rank. A receive
+buffer overflow raises CapacityError on every rank: the overflowing rank's schedule reports it,
+and every token owner's weighted sum finds its slots that got no row there (recv_row = -1) and
+reports it in its own error record (under NVSHMEM each process has one) naming that rank. Direction
 changes data movement only, never arithmetic, so all 16 policies give bitwise-equal results.
 
 NOTE (buffer reuse across rounds): passes alternate, forward then backward (enforced on the
@@ -100,6 +103,20 @@ def layer_row_layout(shape, num_local: int, capacity: int) -> dict:
             "dshared_down": ((1, i_shared, h), F32),
         })
     return layout
+
+
+def token_fields(shape, num_local: int, rank_base: int, table: dict, error_ptr: int) -> dict:
+    """The TokenParams fields of the layer's token-side kernels (cuda/token.cuh) for launch ranks
+    from `rank_base`: `table` maps buffer names to their peer tables' addresses (buffers of a
+    shared expert absent without one: has_base 0). The weighted sum also checks recv_row (with
+    topk_idx and El: which slots got no result because their expert owner overflowed) and
+    reports into the error record at `error_ptr`."""
+    return dict(num_tokens=shape.num_tokens, top_k=shape.top_k, hidden=shape.hidden, rank_base=rank_base,
+                has_base=int(shape.num_shared == 1), num_local_experts=num_local, topk_idx=table["topk_idx"],
+                topk_w=table["topk_w"], recv_row=table["recv_row"], base=table.get("base", 0),
+                y_slots=table["y_slots"], out=table["out"], dout=table["dout"], dy_slots=table["dy_slots"],
+                dx_slots=table["dx_slots"], dx_base=table.get("dx_base", 0), dx=table["dx"],
+                d_topk_w=table["d_topk_w"], error=error_ptr)
 
 
 def symmetric_bytes(run: RunConfig, capacity: int) -> int:
@@ -191,8 +208,7 @@ class GpuMoELayer(GpuRound):
         others' buffers stay as they are (benchmarks time one rank against staged peers; tests
         leave a peer out)."""
         self.ranks = contiguous_ranks(self.heap, ranks)
-        s = self.shape
-        n, h, k = s.num_tokens, s.hidden, s.top_k
+        h = self.shape.hidden
         table = self.tables()
         common = {**self.comm_fields(self.ranks, 2 * h), "base": 0, "out": 0, "scale": 0}
         # The forward moves token rows x -> receive rows, results y -> slots; the backward moves
@@ -202,11 +218,7 @@ class GpuMoELayer(GpuRound):
         self.params_bwd = kc.pack_params({**common, "slot_rows": 1, "x": table["dy_slots"], "recv": table["recv_dy"],
                                           "y": table["dx_rows"], "slots": table["dx_slots"]})
         ranks = self.ranks
-        self.params_tok = kt.pack_params(dict(
-            num_tokens=n, top_k=k, hidden=h, rank_base=ranks[0], has_base=int(self.has_shared),
-            topk_w=table["topk_w"], base=table.get("base", 0), y_slots=table["y_slots"], out=table["out"],
-            dout=table["dout"], dy_slots=table["dy_slots"], dx_slots=table["dx_slots"],
-            dx_base=table.get("dx_base", 0), dx=table["dx"], d_topk_w=table["d_topk_w"]))
+        self.params_tok = kt.pack_params(token_fields(self.shape, self.num_local, ranks[0], table, self.error.ptr))
         self.launch = self.launch_for(ranks, 2 * h, self._blocks_per_rank)
         if getattr(self, "fused", None) is not None:  # its grid and GEMMs are per launch rank
             self.set_forward_plan(self.fused.plan)

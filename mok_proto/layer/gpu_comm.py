@@ -6,7 +6,8 @@
 All enqueued on one stream with no host readback, so a round can be captured in a CUDA graph and
 replayed; every launch covers the heap's launch ranks (all W virtual ranks, or this process's
 rank under NVSHMEM). Buffers have a fixed capacity chosen up front; an overflow, or a peer that
-never signals, lands in an error record that `check()` turns into an exception.
+never signals, lands in an error record that `check()` turns into an exception (an overflow on
+one rank on every rank: the token owners' weighted sum finds their slots that got no row there).
 
 Legend: N tokens/rank, H hidden, K top-k, R ranks, E experts, El local experts, C capacity.
 """

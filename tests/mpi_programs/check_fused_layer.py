@@ -13,7 +13,8 @@ gradient are bitwise equal to the sequential run's; with a ring smaller than the
 before every run. Then `--replays` replays of one CUDA graph of the fused forward are bitwise
 equal, a traced forward gives the same bits and a record per task, a counter wait
 that cannot be met raises KernelTimeoutError (no hang), a rank whose peers never start raises
-SymmTimeoutError (virtual ranks), and an overflow raises CapacityError.
+SymmTimeoutError (virtual ranks), and an overflow on rank 0 raises CapacityError naming it on
+every rank (gpu_program.check_overflow).
 With --backward (instead of the forward's policy x knob sweep), the fused backward (after a
 sequential and after a fused forward): every gradient bitwise equal to the sequential
 backward's for each backward policy and knob setting; `--replays` replays of one graph of
@@ -21,9 +22,9 @@ forward + backward, both fused, bitwise equal; a traced backward gives the same 
 record per task. Then the backward's error paths: a counter wait of the fused backward plan
 that cannot be met raises KernelTimeoutError; a rank whose peers ran the forward but never
 start the backward raises SymmTimeoutError naming the reverse-combine and rank 0 (virtual
-ranks, each backward policy); after an overflowed forward (fused forward and backward plans)
-the backward is refused, or, on a rank whose forward finished, times out on rank 0 (in place
-of the forward-only overflow check); then prints `OK fused backward errors ...` (rank 0).
+ranks, each backward policy); after an overflowed forward (fused forward and backward plans),
+which raises CapacityError on every rank, every rank refuses the backward (in place of the
+forward-only overflow check); then prints `OK fused backward errors ...` (rank 0).
 Prints `SHA <case> <digest>` (rank 0) over every rank's fused output, and with --backward
 `SHA bwd-<case> <digest>` over every rank's fused gradients, to compare backends.
 """

@@ -7,7 +7,9 @@ combine, weighted sum) against NumPy, for every direction choice.
 Checks, per rank this process drives: the device schedule equals mok_proto/schedule.py bit for
 bit (offsets, counts, src_rank, src_slot, recv_row); the output equals the float32 NumPy round
 bit for bit under all four (dispatch, combine) choices; 20 replays of a captured CUDA graph give
-the same bytes; an overflow raises CapacityError; a missing peer raises SymmTimeoutError.
+the same bytes; an overflow raises CapacityError on every rank (NVSHMEM: a rank whose own buffer
+fits finds it in its weighted sum, from its slots that got no row); a missing peer raises
+SymmTimeoutError.
 """
 
 import itertools
@@ -88,7 +90,8 @@ def check_schedule(rnd, topk_idx_all, num_experts):
 
 
 def check_failures(heap, virtual):
-    """Overflow -> CapacityError; a peer that never runs -> SymmTimeoutError naming it."""
+    """Overflow -> CapacityError on every rank (naming an overflowing rank); a peer that never runs
+    -> SymmTimeoutError naming it."""
     num_ranks = heap.num_ranks
     shape = MoEShape("fail", hidden=8, ffn=4, num_experts=2 * num_ranks, top_k=2, num_tokens=4)
     prob = make_problem(shape, num_ranks, seed=5, routing="one-expert")
@@ -97,8 +100,11 @@ def check_failures(heap, virtual):
     rnd = GpuCommRound(heap, RunConfig(shape, num_ranks, timeout_s=20), name="overflow", capacity=capacity)
     for rank in rnd.ranks:
         rnd.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank], scale)
-    # Every rank whose receive rows exceed the capacity may be the one reported (the first to record
-    # the error wins): rank 0 always does (every first choice is expert 0), others may.
+    # The error record's first report wins. Virtual ranks share one record: the first overflowing
+    # rank's schedule to report (rank 0 always overflows: every first choice is expert 0; others
+    # may). Under NVSHMEM a rank that overflows reports its own schedule's error; one that does not
+    # sees the overflow in its weighted sum (its slots routed to an overflowing rank got no row:
+    # recv_row = -1) and names the lowest such rank. Every rank raises: each routes a slot to rank 0.
     over = {r for r in range(num_ranks)
             if build_pull_schedule(prob.topk_idx, shape.num_experts, r).num_slots > capacity}
     assert 0 in over
@@ -106,10 +112,19 @@ def check_failures(heap, virtual):
     try:
         rnd.check()
     except CapacityError as e:
-        named = int(re.search(r"overflow on rank (\d+):", str(e)).group(1))
-        assert named in over and named in rnd.ranks, (str(e), sorted(over))
+        named = int(re.search(r"overflow on rank (\d+)", str(e)).group(1))
+        assert named in over, (str(e), sorted(over))
+        if virtual or rnd.ranks[0] in over:
+            assert named in rnd.ranks and str(e).startswith("schedule: "), (str(e), rnd.ranks, sorted(over))
+        else:
+            (rank,) = rnd.ranks
+            owners = prob.topk_idx[rank] // (shape.num_experts // num_ranks)
+            unplaced = np.isin(owners, sorted(over))
+            want = (f"weighted sum: receive buffer overflow on rank {int(owners[unplaced].min())} (seen by rank {rank}: "
+                    f"{int(unplaced.sum())} of its {shape.num_tokens * shape.top_k} slots got no expert result)")
+            assert want in str(e), (want, str(e))
     else:
-        assert not over & set(rnd.ranks), f"overflow on ranks {sorted(over & set(rnd.ranks))} was not reported"
+        raise AssertionError(f"ranks {rnd.ranks}: the round raised nothing although ranks {sorted(over)} overflowed")
     heap.barrier()
     if num_ranks < 2:
         return

@@ -8,7 +8,8 @@ reference run on the same bf16-rounded inputs (max |err| <= TOL * max |ref| per 
 direction policies bitwise equal; `--replays` replays of one CUDA graph of forward + backward
 bitwise equal; NaN-poisoned buffers before every run (a missing wait cannot pass). Prints one
 `SHA <case> <digest>` line per case (rank 0) over every rank's results in rank order, so two
-backends can be compared. Then: an overflow raises CapacityError.
+backends can be compared. Then: an overflow on rank 0 raises CapacityError naming it on every rank
+(under NVSHMEM the other ranks find it in their weighted sum: gpu_program.check_overflow).
 """
 
 import hashlib

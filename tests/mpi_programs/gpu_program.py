@@ -56,17 +56,24 @@ def all_ranks(comm, per_rank: dict) -> dict:
     return merged
 
 
-def small_layer(heap, name: str, seed: int, num_tokens: int, timeout_s: float = 20, routing: str = "random",
-                capacity: int | None = None):
-    """A GpuMoELayer of H = I = 256, E = 2 R, K = 2 (the error checks' layer) with every rank's
-    weights, inputs and output gradient set."""
-    from mok_proto.config import MoEShape, RunConfig
-    from mok_proto.layer.gpu import GpuMoELayer
+def small_problem(num_ranks: int, name: str, seed: int, num_tokens: int, routing: str = "random"):
+    """(shape, problem) of small_layer: H = I = 256, E = 2 R, K = 2, every rank's inputs."""
+    from mok_proto.config import MoEShape
     from mok_proto.problem import make_problem
 
-    num_ranks = heap.num_ranks
     shape = MoEShape(name, hidden=256, ffn=256, num_experts=2 * num_ranks, top_k=2, num_tokens=num_tokens)
-    prob = make_problem(shape, num_ranks, seed=seed, routing=routing)
+    return shape, make_problem(shape, num_ranks, seed=seed, routing=routing)
+
+
+def small_layer(heap, name: str, seed: int, num_tokens: int, timeout_s: float = 20, routing: str = "random",
+                capacity: int | None = None):
+    """A GpuMoELayer of small_problem (the error checks' layer) with every rank's weights, inputs
+    and output gradient set."""
+    from mok_proto.config import RunConfig
+    from mok_proto.layer.gpu import GpuMoELayer
+
+    num_ranks = heap.num_ranks
+    shape, prob = small_problem(num_ranks, name, seed, num_tokens, routing)
     layer = GpuMoELayer(heap, RunConfig(shape, num_ranks, timeout_s=timeout_s), capacity=capacity, name=name)
     for rank in layer.ranks:
         layer.set_weights(rank, prob.local_weights(rank))
@@ -75,48 +82,76 @@ def small_layer(heap, name: str, seed: int, num_tokens: int, timeout_s: float = 
     return layer
 
 
-def check_overflow(heap, name: str = "overflow", configure=None, backward: bool = False, timeout_s: float = 20):
-    """Every token's first choice on rank 0's expert, one receive row too few: rank 0's layer
-    raises CapacityError naming the overflow (the other ranks finish their round cleanly).
-    `configure(layer)` (optional) sets the layer up before the forward (e.g. a fused plan).
-    backward: then a backward of that forward, which must raise, never hang nor run on the
-    overflowed round: a layer that raised CapacityError refuses it (RuntimeError, nothing
-    enqueued), and a rank whose forward finished (NVSHMEM: one process per rank, not rank 0)
-    times out waiting for rank 0's reverse-combine (SymmTimeoutError naming peer 0).
-    timeout_s: the layer's wait bound (the backward's timeout takes that long)."""
-    from mok_proto.errors import CapacityError, SymmTimeoutError
+OVERFLOW_SEED = 3
 
-    tokens = 8
-    layer = small_layer(heap, name, seed=3, num_tokens=tokens, routing="one-expert",
-                        capacity=tokens * heap.num_ranks - 1, timeout_s=timeout_s)
+
+def overflow_case(num_ranks: int, name: str = "overflow") -> dict:
+    """The overflow check's setup (no GPU needed): small_problem with every token's first choice
+    on expert 0 (rank 0) and N R > 256 tokens, so expert 0 alone needs two 256-row pairs (the
+    layer pads each expert to PAIR_ROWS), and the capacity of the largest other rank: rank 0
+    overflows, no other rank does. {"tokens", "capacity", "need": receive rows per rank as the
+    schedule places them, "unplaced": per rank, its slots routed to rank 0 (they get no row)}."""
+    import numpy as np
+
+    from mok_proto.plan import PAIR_ROWS
+    from mok_proto.schedule import build_pull_schedule
+
+    tokens = PAIR_ROWS // num_ranks + 8
+    shape, prob = small_problem(num_ranks, name, OVERFLOW_SEED, tokens, routing="one-expert")
+    need = [build_pull_schedule(prob.topk_idx, shape.num_experts, r, align=PAIR_ROWS).num_slots
+            for r in range(num_ranks)]
+    capacity = max(need[1:]) if num_ranks > 1 else need[0] - 1
+    assert need[0] > capacity >= max(need[1:], default=0), (need, capacity)
+    num_local = shape.num_experts // num_ranks
+    unplaced = [int(np.count_nonzero(prob.topk_idx[r] // num_local == 0)) for r in range(num_ranks)]
+    return {"tokens": tokens, "slots": tokens * shape.top_k, "capacity": capacity, "need": need,
+            "unplaced": unplaced}
+
+
+def overflow_message(case: dict, rank: int) -> str:
+    """What CapacityError says on `rank` after overflow_case's forward: rank 0's schedule reports its
+    overflow; a rank whose own buffer fits (NVSHMEM: its own error record) sees rank 0's overflow
+    in its weighted sum, from its slots routed there (recv_row = -1)."""
+    if rank == 0:
+        return f"schedule: receive buffer overflow on rank 0: needs {case['need'][0]} rows, capacity is " \
+               f"{case['capacity']}"
+    return f"weighted sum: receive buffer overflow on rank 0 (seen by rank {rank}: {case['unplaced'][rank]} of " \
+           f"its {case['slots']} slots got no expert result)"
+
+
+def check_overflow(heap, name: str = "overflow", configure=None, backward: bool = False, timeout_s: float = 20):
+    """overflow_case: rank 0's receive buffer overflows, no other rank's does. Every rank's forward
+    raises CapacityError naming rank 0 (overflow_message): virtual ranks share one error record,
+    which holds rank 0's schedule report; under NVSHMEM each other rank's own record holds its
+    weighted sum's report of its slots that got no row on rank 0 (never a silently wrong output).
+    `configure(layer)` (optional) sets the layer up before the forward (e.g. a fused plan).
+    backward: then a backward of that forward, which every rank must refuse (the layer raised, so
+    it is failed: RuntimeError, nothing enqueued; none may hang or run on the overflowed round).
+    timeout_s: the layer's wait bound."""
+    from mok_proto.errors import CapacityError
+
+    case = overflow_case(heap.num_ranks, name)
+    layer = small_layer(heap, name, seed=OVERFLOW_SEED, num_tokens=case["tokens"], routing="one-expert",
+                        capacity=case["capacity"], timeout_s=timeout_s)
     if configure is not None:
         configure(layer)
     layer.enqueue_forward()
-    overflowed = False
     try:
         layer.check()
     except CapacityError as e:
-        assert "overflow on rank" in str(e), str(e)
-        overflowed = True
+        # virtual ranks: one record, and rank 0's schedule reported first (earlier launch)
+        want = overflow_message(case, 0 if 0 in layer.ranks else layer.ranks[0])
+        assert "overflow on rank 0" in str(e) and want in str(e), (want, str(e))
     else:
-        assert 0 not in layer.ranks, "rank 0 receives every first choice and must overflow"
+        raise AssertionError(f"ranks {layer.ranks}: the forward raised nothing although rank 0's receive buffer "
+                             "overflowed (their slots routed there got no result)")
     heap.barrier()
     if backward:
-        if overflowed:
-            try:
-                layer.enqueue_backward()
-            except RuntimeError as e:
-                assert "reported an error before" in str(e), str(e)
-            else:
-                raise AssertionError("a backward after an overflowed forward was not refused")
-        else:
+        try:
             layer.enqueue_backward()
-            try:
-                layer.check()
-            except SymmTimeoutError as e:
-                assert e.peer == 0 and e.op.startswith("reverse-combine"), str(e)
-            else:
-                raise AssertionError(f"ranks {layer.ranks}: a backward whose peer 0 refused it (its forward "
-                                     "overflowed) did not time out")
+        except RuntimeError as e:
+            assert "reported an error before" in str(e), str(e)
+        else:
+            raise AssertionError(f"ranks {layer.ranks}: a backward after an overflowed forward was not refused")
         heap.barrier()
     layer.close()
