@@ -208,8 +208,8 @@ __device__ __forceinline__ void schedule_pad(const CommParams* p, SchedView sv, 
 // for its own loads. (Reverse-combine, pull: the same with the backward's buffers.) The row
 // functions take a `shift`: the fused layer's ring keeps receive row i in row i - shift of recv/y.
 // One row of a movement: copy `bytes` from src to dst; src == nullptr: zero dst; dst == nullptr:
-// nothing to do. The row functions below say which row i moves where; the movers (a warp per row
-// here, bulk copies in the fused kernel) do the copying.
+// nothing to do. The row functions below say which row i moves where; the movers (a warp per row,
+// here and in the fused kernel: warp_move_row) do the copying.
 struct RowMove {
   const char* src;
   char* dst;
@@ -384,7 +384,8 @@ __global__ void __launch_bounds__(kCommThreads) allgather_routing(const CommPara
 // kErrCapacity, places nothing (recv_row = -1) and the round runs on (a capacity error stops no
 // wait), so every peer still gets its signals and none hangs; the host raises CapacityError. The
 // token owners learn of it from recv_row = -1: their weighted sum reports it in their own record
-// (report_unplaced_slots), so under NVSHMEM every rank's check() raises, naming this rank.
+// (report_unplaced_slots), so under NVSHMEM every rank that routed a slot here raises, naming this
+// rank (one that routed none has nothing to report).
 //
 // schedule_count_segments: grid (R * Q, W), block kCommThreads, dynamic smem El ints. Waits for
 // every peer's routing, then counts segment g's pairs per local expert.

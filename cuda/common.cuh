@@ -132,7 +132,8 @@ __device__ __forceinline__ T* at(const u64* table, int rank) {
 // round runs on, so every peer gets its signals, but those slots' rows are never written. With
 // virtual ranks the record is shared and already holds the schedule's report; under NVSHMEM the
 // token owner has a record of its own, so the weighted sum (the forward's last kernel) checks
-// its slots and reports the overflow there too (kOpWeightedSum): every rank's check() raises.
+// its slots and reports the overflow there too (kOpWeightedSum): every rank that routed a slot
+// there raises (one that routed none has no slot to find).
 // ---------------------------------------------------------------------------------------------
 // Whether slot s has no receive row on its expert owner, for any s of [begin, end) in this
 // thread's share. `first`: recv_row[begin + threads.id] loaded earlier (0 if past end), so that
@@ -180,8 +181,8 @@ __device__ __forceinline__ void report_unplaced_slots(const int* recv_row, const
 // One warp copies one row of `bytes` bytes with kVec-byte accesses: kVec = 16 (rows and buffers
 // 16-byte aligned: bytes % 16 == 0) or kVec = 2 (any even row size: bf16 rows of odd H). With
 // 16-byte accesses each lane has kUnroll loads in flight before it stores them (a warp alone on
-// a row is latency-bound: the fused kernel's spare warps take 16; the copy kernels, whose grids
-// fill the GPU with warps, take 1).
+// a row is latency-bound: the fused kernel's spare warps take 16, its communicating CTAs 8; the
+// copy kernels, whose grids fill the GPU with warps, take 1).
 template <int kVec, int kUnroll = 1>
 __device__ __forceinline__ void warp_copy_row(void* dst, const void* src, i64 bytes, int lane) {
   static_assert(kVec == 16 || kVec == 2, "rows move in 16-byte or 2-byte accesses");

@@ -58,10 +58,6 @@ __device__ __forceinline__ void mbar_drain(u64* bar, int parity, u64 ns) {
   }
 }
 
-__device__ __forceinline__ void mbar_arrive(u64* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
 // ---------------------------------------------------------------------------------------------
 // Thread-block clusters (CTAs of one cluster run on one GPC and can reach each other's shared memory)
 // ---------------------------------------------------------------------------------------------
@@ -151,7 +147,7 @@ __device__ __forceinline__ void tma_load_2d_multicast(u32 dst, i64 tensor_map, i
 
 // NOTE: plain shared-memory stores go through the generic proxy, wgmma and bulk copies read through
 // the async proxy (TMA writes through it too): a thread that wrote shared memory that an async-proxy
-// operation reads next fences first (gemm::zero_tail_k_rows, the fused kernel's zero row).
+// operation reads next fences first (gemm::zero_tail_k_rows).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // ---------------------------------------------------------------------------------------------

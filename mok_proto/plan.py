@@ -162,9 +162,10 @@ def tile_cost(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: in
     rows). Its stages: the k-blocks of K as the kernels run it (tile_grid: gate/up H, down I,
     down_bwd H, gate_up_bwd 2I), and for down_bwd the DOWN_BWD_AUX_STAGES that bring its g, u
     through the same ring (counted as k-blocks). The real rows are known only on the device (a
-    prefix of each expert's segment; the tiles past them exit at once), so the receive buffer is
-    taken as full: every row tile costs a full tile, and a routed weight-gradient tile reduces
-    over capacity_rows / El rows (the shared expert's over its N tokens). The problems' different
+    prefix of the receive buffer; the tiles past them exit at once), so the estimate is
+    expected_rows: a routed weight-gradient tile reduces over expected_rows / El rows (the shared
+    expert's over its N tokens), and a routed row tile costs a full tile unless row_pair says it
+    lies past expected_rows. The problems' different
     tile rates (their epilogues) are left out: what matters is the ratio of gate/up to down to
     weight-gradient tiles (a few % off at most).
     row_pair (routed row problems): the tile pair's index in the receive rows; a pair at or past
@@ -175,7 +176,7 @@ def tile_cost(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: in
             shape, num_ranks, capacity_rows):
         return 1
     if kind in PASS_KINDS["bwd"].wgrad:
-        k = _cdiv(capacity_rows, shape.num_experts // num_ranks)
+        k = _cdiv(expected_rows(shape, num_ranks, capacity_rows), shape.num_experts // num_ranks)
     elif kind in PASS_KINDS["bwd"].shared_wgrad:
         k = shape.num_tokens
     aux = DOWN_BWD_AUX_STAGES if PROBLEM_OF[kind] == "down_bwd" else 0

@@ -34,7 +34,7 @@ def ints(text: str) -> tuple:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
-    p.add_argument("--comm", type=ints, default=(0, 4, 8, 16), help="communication CTAs (0: spare warps)")
+    p.add_argument("--comm", type=ints, default=(0, 4, 8, 12, 16), help="communication CTAs (0: spare warps)")
     p.add_argument("--minibatch", type=ints, default=(512, 1024, 2048, 4096), help="minibatch rows (x256)")
     p.add_argument("--assign", default=None, choices=ASSIGNMENTS,
                    help=f"the fused plans' tile pairs to clusters (default {DEFAULT_ASSIGN})")

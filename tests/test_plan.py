@@ -437,6 +437,8 @@ def test_tile_cost_of_pairs_past_the_expected_rows():
         assert P.tile_cost(kind, shape, 2, 20480, first_free) == 1
     for kind in (P.TaskKind.SHARED_GATE_UP, P.TaskKind.DOWN_WGRAD):
         assert P.tile_cost(kind, shape, 2, 20480, first_free) == P.tile_cost(kind, shape, 2, 20480) > 1
+    # a routed weight-gradient tile reduces over the expected rows per expert, not the capacity's
+    assert P.tile_cost(P.TaskKind.DOWN_WGRAD, shape, 2, 20480) == -(-(16384 + 512) // 4 // P.BK) * P.BN
 
 
 def test_tile_cost_follows_the_kernels_k():

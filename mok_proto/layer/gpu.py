@@ -26,9 +26,11 @@ Every launch covers the launch ranks (all W virtual ranks, or this process's ran
 NVSHMEM); GEMMs launch once per rank. Nothing is read back to the host: the pair of passes can
 be captured in one CUDA graph (`capture()`). Every wait is bounded; `check()` raises
 SymmTimeoutError / CapacityError / KernelTimeoutError naming the operator and rank. A receive
-buffer overflow raises CapacityError on every rank: the overflowing rank's schedule reports it,
-and every token owner's weighted sum finds its slots that got no row there (recv_row = -1) and
-reports it in its own error record (under NVSHMEM each process has one) naming that rank. Direction
+buffer overflow raises CapacityError on every rank that routed a slot to the overflowing rank:
+its schedule reports it, and every token owner's weighted sum finds its slots that got no row
+there (recv_row = -1) and reports it in its own error record (under NVSHMEM each process has one)
+naming that rank (a rank that routed none there raises nothing in the forward; its backward
+then times out on the failed rank's reverse-combine). Direction
 changes data movement only, never arithmetic, so all 16 policies give bitwise-equal results.
 
 NOTE (buffer reuse across rounds): passes alternate, forward then backward (enforced on the
