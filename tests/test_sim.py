@@ -26,7 +26,7 @@ def h200():
 def test_validate_h200_rows_within_bar(h200):
     rows = validate.h200_rows(h200)
     judged = [r for r in rows if r.judged]
-    assert len(judged) >= 160  # 166 today: 42 GEMMs, 24 one-GPU and 12 2 x H200 stages, 55 layer rows, 33 fused (2 backward)
+    assert len(judged) >= 185  # 191 today: 42 GEMMs, 24 one-GPU and 12 2 x H200 stages, 55 layer rows, 58 fused (6 backward)
     for group in ("h200 gemm", "h200 comm 1 GPU", "h200 comm 2 x H200"):
         assert sum(r.group == group for r in judged) >= 10, group
     bad = [(r.quantity, round(r.error * 100, 1)) for r in judged if not r.ok(validate.H200_TOLERANCE)]
@@ -231,7 +231,8 @@ def test_ep64_kimi_forward_is_fast(h200):
 # ---------------------------------------------------------------------------------------------
 # The fused forward (plan.fused_forward, cuda/fused.cuh)
 # ---------------------------------------------------------------------------------------------
-CALIBRATION_TIMELINE = results.RESULTS_DIR / H200_CALIBRATION["fused"]
+CALIBRATION_TIMELINE = results.RESULTS_DIR / H200_CALIBRATION["fused_bulk"]  # kimi, comm 8, the bulk ring (62f5296)
+WARPS_TIMELINE = results.RESULTS_DIR / H200_CALIBRATION["fused"]  # kimi, comm 12, the warp movers (1685ef1)
 
 
 def _fused_plan(comm_blocks, minibatch_rows=2048, num_sms=132, policy=MOK_POLICY):
@@ -271,50 +272,158 @@ def test_fused_timeline_is_the_plan_it_ran(h200):
 
 def test_validate_fused_rows(h200):
     rows = [r for r in validate.h200_rows(h200) if r.group == "h200 fused"]
-    by = {r.quantity.split(" kimi")[0]: r for r in rows if r.quantity.endswith("62f5296")}  # the calibration timeline
-    # the dispatch tasks fit the copy rate: the dispatch end is calibration; the rest is judged
-    assert by["fwd dispatch end"].check == "calibration"
-    for what in ("fwd compute end", "fwd kernel end", "fwd combine chunk median", "fwd gate_up tile median",
-                 "fwd down tile median"):
-        assert by[what].check == "judged" and by[what].ok(validate.H200_TOLERANCE), what
-    assert 500 < h200.comm_cta_row_ns < 700 and 0 < h200.comm_task_ns < 10e3  # 0.6 us per 14 KB row, a few us
+    for git in ("62f5296", "1685ef1"):  # the calibration timelines: the bulk ring's (comm 8), the warp movers' (comm 12)
+        by = {r.quantity.split(" kimi")[0]: r for r in rows if r.quantity.endswith(git) and " kimi" in r.quantity}
+        # the dispatch tasks fit the copy rate: the dispatch end is calibration; the rest is judged
+        assert by["fwd dispatch end"].check == "calibration", git
+        for what in ("fwd compute end", "fwd kernel end", "fwd combine chunk median", "fwd gate_up tile median",
+                     "fwd down tile median"):
+            assert by[what].check == "judged" and by[what].ok(validate.H200_TOLERANCE), (git, what)
+    assert 500 < h200.bulk_row_ns < 700 and 0 < h200.bulk_task_ns < 10e3  # 0.6 us per 14 KB row, a few us
+    assert 18 < h200.comm_cta_gbs < 26 and 0 < h200.comm_task_ns < 10e3  # ~22 GB/s per CTA, a few us
+    assert h200.comm_mover == "warps"  # what sim.h200() predicts for new plans
+    # the other comm-12 forward timelines of the warp movers (glm, deepseek): every row judged
+    other = [r for r in rows if r.quantity.startswith("fwd ") and "pass (graph)" not in r.quantity
+             and r.quantity.endswith("C=12 MB=2048 1685ef1") and " kimi" not in r.quantity]
+    assert len(other) == 12 and all(r.check == "judged" for r in other)
     # the spare warps' rate: fitted on the comm_blocks == 0 timeline, ~1.8 us per row and CTA
     assert 1000 < h200.spare_row_ns < 3000 and 0 < h200.spare_task_ns < 10e3
-    spare = {r.quantity.split(" kimi")[0]: r for r in rows if " kimi" in r.quantity and " C=0 " in r.quantity}
+    spare = {r.quantity.split(" kimi")[0]: r for r in rows if " kimi" in r.quantity and " C=0 " in r.quantity
+             and not r.quantity.endswith("1685ef1")}  # (1685ef1's comm-0 pass: validate.FUSED_BENCH_EXPLAINED)
     assert spare["fwd dispatch end"].check == "calibration"
     assert all(r.check == "judged" for q, r in spare.items() if q != "fwd dispatch end")
 
 
-def _timeline_copy(tmp_path, edit):
-    """results/*.jsonl in tmp_path (made here); edit(rows) may change the calibration timeline's
-    JSON rows."""
+def _timeline_copy(tmp_path, edit, timeline=CALIBRATION_TIMELINE):
+    """results/*.jsonl in tmp_path (made here); edit(rows) may change the JSON rows of `timeline`
+    (a calibration timeline)."""
     tmp_path.mkdir()
     for src in results.RESULTS_DIR.glob("*.jsonl"):
         (tmp_path / src.name).write_text(src.read_text())
-    rows = [json.loads(line) for line in CALIBRATION_TIMELINE.read_text().splitlines()]
+    rows = [json.loads(line) for line in timeline.read_text().splitlines()]
     edit(rows)
-    (tmp_path / CALIBRATION_TIMELINE.name).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / timeline.name).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return tmp_path
 
 
-def test_fused_calibration_uses_only_the_dispatch_tasks(h200, tmp_path):
+# (calibration timeline, the fields its dispatch tasks fit, the other movers' fields)
+MOVER_FITS = [(CALIBRATION_TIMELINE, ("bulk_row_ns", "bulk_task_ns"), ("comm_cta_gbs", "comm_task_ns")),
+              (WARPS_TIMELINE, ("comm_cta_gbs", "comm_task_ns"), ("bulk_row_ns", "bulk_task_ns"))]
+
+
+@pytest.mark.parametrize("timeline,fits,others", MOVER_FITS, ids=["bulk", "warps"])
+def test_fused_calibration_uses_only_the_dispatch_tasks(h200, tmp_path, timeline, fits, others):
+    git = results.timeline_name(timeline)[1]
+
     def slow_compute(rows):  # every GEMM and combine task 1.5x later and longer: the fit must not move
         for r in rows:
             if r["kind"] != "dispatch":
                 r["start_ns"], r["end_ns"] = 1.5 * r["start_ns"], 1.5 * r["end_ns"]
-    where = _timeline_copy(tmp_path / "compute", slow_compute)
-    moved = sim.h200(where)
-    assert (moved.comm_cta_row_ns, moved.comm_task_ns) == (h200.comm_cta_row_ns, h200.comm_task_ns)
-    ends = [r for r in validate.fused_rows(moved, where) if r.quantity.endswith("62f5296") and " end " in r.quantity]
+    where = _timeline_copy(tmp_path / "compute", slow_compute, timeline)
+    moved = fused.calibrate(h200, where)
+    assert all(getattr(moved, f) == getattr(h200, f) for f in fits + others)
+    ends = [r for r in validate.fused_rows(moved, where) if r.quantity.endswith(git) and " kimi" in r.quantity
+            and " end " in r.quantity]
     judged = [r for r in ends if r.judged]
     assert len(judged) == 2 and not any(r.ok(validate.H200_TOLERANCE) for r in judged)  # compute end, kernel end
 
-    def slow_dispatch(rows):
+    def slow_dispatch(rows):  # every dispatch 1.25x longer: 1.25x the fixed cost and the time per byte (row)
         for r in rows:
             if r["kind"] == "dispatch":
-                r["end_ns"] = r["start_ns"] + 1.2 * (r["end_ns"] - r["start_ns"])
-    changed = sim.h200(_timeline_copy(tmp_path / "dispatch", slow_dispatch))
-    assert changed.comm_cta_row_ns > 1.1 * h200.comm_cta_row_ns
+                r["end_ns"] = r["start_ns"] + 1.25 * (r["end_ns"] - r["start_ns"])
+    changed = fused.calibrate(h200, _timeline_copy(tmp_path / "dispatch", slow_dispatch, timeline))
+    rate, fixed = fits
+    assert getattr(changed, fixed) == pytest.approx(1.25 * getattr(h200, fixed), rel=1e-6)
+    assert getattr(changed, rate) == pytest.approx(getattr(h200, rate) * (1 / 1.25 if rate.endswith("gbs") else 1.25),
+                                                   rel=1e-6)
+    assert all(getattr(changed, f) == getattr(h200, f) for f in others)
+
+
+def test_fused_calibration_recovers_the_warp_movers_rate(h200, tmp_path):
+    # the warp movers' dispatch tasks rewritten as 2.5 us + bytes at 30 GB/s (each task's rows: those the
+    # simulator gives it): the calibration gives back 30 GB/s and 2.5 us
+    measured = results.load_timeline(WARPS_TIMELINE)
+    plan = fused.timeline_plan(measured, KIMI_SHARE)
+    _, used = model.fused_chunk_rows(plan, fused.emulated_load(KIMI_SHARE))
+    row_bytes = KIMI_SHARE.hidden * model.ELEM_BYTES
+
+    def at_30_gbs(rows):
+        for r in rows:
+            if r["kind"] == "dispatch":
+                r["end_ns"] = r["start_ns"] + 2500.0 + used[r["minibatch"], r["row_tile"], 0] * row_bytes / 30.0
+    fitted = fused.calibrate(h200, _timeline_copy(tmp_path / "synthetic", at_30_gbs, WARPS_TIMELINE))
+    assert fitted.comm_cta_gbs == pytest.approx(30.0, rel=1e-6) and fitted.comm_task_ns == pytest.approx(2500.0, rel=1e-6)
+    # a calibration timeline of the other mover is refused (its git stamp names its kernel)
+    with pytest.raises(ValueError, match="bulk movers, but this calibration needs the warps"):
+        fused._fit_dispatch(CALIBRATION_TIMELINE, "warps")
+
+
+QWEN_SHARE = ep_share("qwen3.5-397b", 64)  # 8 KB rows (kimi: 14 KB)
+
+
+def _chunk_us(shape, gpu, comm_blocks=8):
+    """The median busy dispatch chunk (us) of the fused forward on one EP=64 share (bench_layer's
+    emulation), and its rows."""
+    plan = P.fused_forward(shape, 2, comm_blocks, 2048, policy=MOK_POLICY, num_sms=132, capacity_rows=12 * 2048)
+    load = fused.emulated_load(shape)
+    rec = sim.simulate(plan, layer.one_gpu(gpu), load).records(0)
+    _, used = model.fused_chunk_rows(plan, load)
+    sel = rec["kind"] == int(P.TaskKind.DISPATCH)
+    rows = used[rec["minibatch"][sel], rec["row_tile"][sel], 0]
+    full = rows == rows.max()
+    return float(np.median((rec["end_ns"] - rec["start_ns"])[sel][full])) / 1e3, int(rows.max())
+
+
+def test_comm_mover_copies_per_byte_the_bulk_ring_per_row(h200):
+    # the warp movers (since aceb6ae): a full chunk of qwen's 8 KB rows takes ~8/14 of kimi's 14 KB one
+    # (measured at 1685ef1, comm 12: 66-68 us against 108-114 us); the bulk ring: the same time per row
+    bulk = h200.recorded_at("62f5296")
+    assert bulk.comm_mover == "bulk" and h200.recorded_at("1685ef1").comm_mover == "warps"
+    (kimi_us, kimi_rows), (qwen_us, qwen_rows) = _chunk_us(KIMI_SHARE, h200), _chunk_us(QWEN_SHARE, h200)
+    assert kimi_rows == qwen_rows == 256
+    fixed = h200.comm_task_ns / 1e3
+    assert (qwen_us - fixed) / (kimi_us - fixed) == pytest.approx(QWEN_SHARE.hidden / KIMI_SHARE.hidden, rel=0.02)
+    assert kimi_us == pytest.approx(fixed + 256 * KIMI_SHARE.hidden * model.ELEM_BYTES / h200.comm_cta_gbs / 1e3, rel=0.02)
+    (kimi_bulk, _), (qwen_bulk, _) = _chunk_us(KIMI_SHARE, bulk), _chunk_us(QWEN_SHARE, bulk)
+    assert qwen_bulk == pytest.approx(kimi_bulk, rel=0.02)
+    assert qwen_bulk > 1.5 * qwen_us
+    # the spare warps (comm_blocks == 0) are not the communicating CTAs' movers: unchanged by comm_mover
+    assert _chunk_us(QWEN_SHARE, h200, 0) == _chunk_us(QWEN_SHARE, bulk, 0)
+    with pytest.raises(ValueError, match="comm_mover"):
+        dataclasses.replace(h200, comm_mover="tma")
+
+
+def test_qwen_chunks_judge_the_mover(h200):
+    # qwen's comm-12 backward at 1685ef1 (8 KB rows, the warp movers): the transfers' task time per SM
+    # within 10% with the per-byte rate fitted on kimi's 14 KB rows, and 40% over it per row (the bulk ring's model)
+    path = results.RESULTS_DIR / "timeline_fused_bwd_qwen3.5-397b_1685ef1.jsonl"
+    measured = results.timeline_summary(results.load_timeline(path))["kinds"]
+    for gpu, low, high in ((h200, 0.9, 1.1), (h200.recorded_at("62f5296"), 1.4, 2.0)):
+        plan, result = fused.simulate_timeline(results.load_timeline(path), QWEN_SHARE, gpu)
+        assert plan.comm_blocks == 12
+        got = results.timeline_summary(result.records(0))["kinds"]
+        for kind in ("rev_combine", "rev_dispatch"):
+            ratio = got[kind]["per_lane_ns"] / measured[kind]["per_lane_ns"]
+            assert low < ratio < high, (gpu.comm_mover, kind, ratio)
+
+
+def test_bulk_mover_commits_are_the_stamps_before_aceb6ae():
+    # every git stamp of the fused kernel's measurements in results/ (bench_layer and sweep_overlap rows,
+    # timeline names) ran the bulk ring iff it is an ancestor of aceb6ae
+    import subprocess
+
+    root = results.RESULTS_DIR.parent
+    if subprocess.run(["git", "cat-file", "-e", "aceb6ae^{commit}"], cwd=root, capture_output=True).returncode:
+        pytest.skip("no git history with aceb6ae")
+    from mok_proto.sim.params import BULK_MOVER_COMMITS
+    stamps = {results.timeline_name(p)[1] for p in results.RESULTS_DIR.glob("timeline_fused_*.jsonl")}
+    for src in [*results.RESULTS_DIR.glob("bench_layer*.jsonl"), results.RESULTS_DIR / "sweep_overlap.jsonl"]:
+        stamps |= {json.loads(line).get("git") for line in src.read_text().splitlines() if line.strip().startswith("{")}
+    stamps = {s for s in stamps if s} | set(BULK_MOVER_COMMITS)
+    for stamp in sorted(stamps):
+        before = subprocess.run(["git", "merge-base", "--is-ancestor", stamp, "aceb6ae"], cwd=root,
+                                capture_output=True).returncode == 0
+        assert before == (stamp in BULK_MOVER_COMMITS), stamp
 
 
 def test_fused_pass_rows_from_bench_layer(h200, tmp_path):
@@ -326,7 +435,7 @@ def test_fused_pass_rows_from_bench_layer(h200, tmp_path):
     # a fused backward row of the same run is not judged against the forward's simulation
     bwd = {**row, "pass": "bwd", "median_ms": 4.5, "time": "2099-01-01T00:00:01+00:00"}
     rows = validate.fused_rows(h200, _results_copy(tmp_path, extra_rows=[row, bwd]))
-    passes = [r for r in rows if "pass (graph) kimi" in r.quantity]  # the newest kimi run: this row
+    passes = [r for r in rows if "pass (graph) kimi" in r.quantity and r.quantity.endswith("62f5296")]  # the newest kimi run: this row
     assert len(passes) == 1 and passes[0].check == "judged" and passes[0].ok(validate.H200_TOLERANCE)
     predicted = passes[0].predicted * 1e6
     kernel = _emulated(_fused_plan(8), h200).kernel_ns
@@ -394,7 +503,7 @@ def test_fused_comm_spread_over_compute_ctas(h200, monkeypatch):
     # spare warps copy at their own rate, not a communicating CTA's
     slow_spare = _emulated(plan, h200.scaled(spare_row_ns=100 * h200.spare_row_ns))
     assert results.timeline_events(slow_spare.records(0))["dispatch end"] > 2 * results.timeline_events(rec)["dispatch end"]
-    assert _emulated(plan, h200.scaled(comm_cta_row_ns=10.0)).time_ns == pytest.approx(result.time_ns)
+    assert _emulated(plan, h200.scaled(comm_cta_gbs=0.1)).time_ns == pytest.approx(result.time_ns)
     split = _fused_plan(8)
     assert _emulated(split, h200.scaled(spare_row_ns=100 * h200.spare_row_ns)).time_ns == pytest.approx(
         _emulated(split, h200).time_ns)
@@ -560,7 +669,7 @@ def test_fused_backward_responds_to_what_it_models(h200):
     # comm_blocks == 0: the spare warps of every CTA move the rows beside its tiles
     assert spare.records(0)["block"][_comm(spare.records(0))].max() == 131
     # a slower in-kernel copy lengthens only the transfers' chunks
-    slow = _emulated_bwd(_bwd_plan(8), h200.scaled(comm_cta_row_ns=2.0))
+    slow = _emulated_bwd(_bwd_plan(8), h200.scaled(comm_cta_gbs=0.5))
     assert slow.kind_span_ns([BWD.comm_in]) > 1.5 * base.kind_span_ns([BWD.comm_in])
     # a larger ffn: twice the weight-gradient tiles (each as long: k = the expert's rows), a longer wgrad phase
     wide = dataclasses.replace(KIMI_SHARE, ffn=2 * KIMI_SHARE.ffn, shared_ffn=KIMI_SHARE.shared_ffn_size)
@@ -614,9 +723,9 @@ def test_backward_timelines_are_kept_apart_and_simulated(h200):
         assert np.array_equal(predicted[key], measured[key]), key
     rows = [r for r in validate.h200_rows(h200) if r.quantity.startswith("bwd ")]
     ends = [r for r in rows if " kernel end " in r.quantity]
-    assert len(ends) == 2 and all(r.check == "judged" and r.ok(validate.H200_TOLERANCE) for r in ends)
+    assert len(ends) == 6 and all(r.check == "judged" and r.ok(validate.H200_TOLERANCE) for r in ends)
     per_sm = [r for r in rows if " per SM " in r.quantity]
-    assert len(per_sm) == 20 and all(r.check == "informational" and not r.judged for r in per_sm)
+    assert len(per_sm) == 60 and all(r.check == "informational" and not r.judged for r in per_sm)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,9 +10,11 @@ Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicati
   minibatch rows, capacity, ring, which transfers ran inside) and checked task by task against
   them, so the simulated and the measured records of one plan correspond one to one;
 * `calibrate` (called by params.h200): two parameters from the dispatch tasks of ONE timeline
-  (params.H200_CALIBRATION["fused"]): a communicating CTA's copy rate (its time per row) and the
-  fixed cost of a communication task; and the spare warps' copy rate from the dispatch tasks of
-  one comm_blocks == 0 timeline (H200_CALIBRATION["fused_spare"]). The combine tasks (the same
+  (params.H200_CALIBRATION["fused"]): a communicating CTA's copy rate (bytes per second: its warps
+  copy rows through registers, since aceb6ae) and the fixed cost of a communication task; the
+  same two of the retired bulk-copy ring (per row, for measurements before aceb6ae:
+  params.BULK_MOVER_COMMITS) from H200_CALIBRATION["fused_bulk"]; and the spare warps' copy rate
+  from the dispatch tasks of one comm_blocks == 0 timeline (H200_CALIBRATION["fused_spare"]). The combine tasks (the same
   copies the other way), the GEMM tiles, the compute end, the kernel end and every other
   timeline stay predictions;
 * `simulate_timeline`: the simulated timeline of the plan a measured one ran;
@@ -33,7 +35,7 @@ from mok_proto.config import MOK_POLICY, MoEShape, ep_share, get_shape
 from mok_proto.plan import BM, PAIR_ROWS, TaskKind
 from mok_proto.sim import layer
 from mok_proto.sim.model import COMM_KIND_IDS, ELEM_BYTES, SimResult, fused_chunk_rows, simulate
-from mok_proto.sim.params import H200_CALIBRATION, GpuParams
+from mok_proto.sim.params import BULK_MOVER_COMMITS, H200_CALIBRATION, GpuParams
 
 EP = 64  # bench_layer emulates one rank of EP=64
 BENCH_CAPACITY = 1.15  # scripts/bench_layer.py sizes the layer for 1.15 N K receive rows
@@ -93,50 +95,65 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
 
 
 def calibrate(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> GpuParams:
-    """`gpu` with the in-kernel copy costs fitted (`_fit_dispatch`): comm_task_ns + rows x
-    comm_cta_row_ns on the communicating CTAs of timeline H200_CALIBRATION["fused"], and
-    spare_task_ns + rows x spare_row_ns on the spare warps of H200_CALIBRATION["fused_spare"]."""
-    fixed, row_ns = _fit_dispatch(Path(results_dir) / H200_CALIBRATION["fused"], spare=False)
-    spare_fixed, spare_row_ns = _fit_dispatch(Path(results_dir) / H200_CALIBRATION["fused_spare"], spare=True)
-    return dataclasses.replace(gpu, comm_cta_row_ns=row_ns, comm_task_ns=fixed, spare_row_ns=spare_row_ns,
-                               spare_task_ns=spare_fixed)
+    """`gpu` with the in-kernel copy costs fitted on dispatch tasks (`_fit_dispatch`): comm_task_ns
+    + bytes / comm_cta_gbs on the communicating CTAs (warp movers) of timeline
+    H200_CALIBRATION["fused"], bulk_task_ns + rows x bulk_row_ns on those (bulk ring) of
+    H200_CALIBRATION["fused_bulk"], and spare_task_ns + rows x spare_row_ns on the spare warps of
+    H200_CALIBRATION["fused_spare"]."""
+    fits = {what: _fit_dispatch(Path(results_dir) / H200_CALIBRATION[what], mover)
+            for what, mover in (("fused", "warps"), ("fused_bulk", "bulk"), ("fused_spare", "spare"))}
+    (fixed, row_ns), row_bytes = fits["fused"]
+    return dataclasses.replace(gpu, comm_cta_gbs=row_bytes / row_ns, comm_task_ns=fixed,
+                               bulk_task_ns=fits["fused_bulk"][0][0], bulk_row_ns=fits["fused_bulk"][0][1],
+                               spare_task_ns=fits["fused_spare"][0][0], spare_row_ns=fits["fused_spare"][0][1])
 
 
-def _fit_dispatch(path: Path, spare: bool) -> tuple[float, float]:
-    """(fixed ns per task, ns per row) of a timeline's dispatch tasks: duration = fixed + rows x
-    per row, least squares over every dispatch task, its rows those the simulator gives it
+def _fit_dispatch(path: Path, mover: str) -> tuple[tuple[float, float], int]:
+    """((fixed ns per task, ns per row), row bytes) of a timeline's dispatch tasks: duration = fixed
+    + rows x per row, least squares over every dispatch task, its rows those the simulator gives it
     (model.fused_chunk_rows on the emulated load: full chunks of MB / C rows, the partial chunk of
     the last used minibatch, empty chunks past the padded rows). A dispatch chunk of a full ring
-    waits for nothing, so its bar is its copy. spare: the timeline must be a comm_blocks == 0 one
-    (the spare warps of compute CTAs move the chunks), else one with communicating CTAs."""
+    waits for nothing, so its bar is its copy. One timeline has one row size, so its ns per row is
+    also a rate per byte (row bytes / ns per row: the warp movers' comm_cta_gbs). mover: what the
+    timeline must have run (params.COMM_MOVERS, or "spare": comm_blocks == 0, the spare warps of
+    compute CTAs move the chunks); a communicating CTA's mover is the file's git stamp's
+    (GpuParams.recorded_at)."""
     if not path.exists():
         raise ValueError(f"no {path}: the fused forward's in-kernel copy calibration needs it")
     records = results.load_timeline(path)
-    shape = ep_share(results.timeline_name(path)[0], EP)
+    shape_name, git = results.timeline_name(path)
+    shape = ep_share(shape_name, EP)
     plan = timeline_plan(records, shape)
-    if spare != (plan.comm_blocks == 0):
-        raise ValueError(f"{path.name}: comm_blocks={plan.comm_blocks}, but this calibration needs "
-                         f"{'comm_blocks == 0' if spare else 'communicating CTAs'}")
+    ran = "spare" if plan.comm_blocks == 0 else "bulk" if git in BULK_MOVER_COMMITS else "warps"
+    if ran != mover:
+        raise ValueError(f"{path.name}: comm_blocks={plan.comm_blocks} at {git or 'no git stamp'} ran the {ran} "
+                         f"movers, but this calibration needs the {mover} ones")
     _, used = fused_chunk_rows(plan, emulated_load(shape))
     sel = records["kind"] == int(TaskKind.DISPATCH)
     rows = used[records["minibatch"][sel], records["row_tile"][sel], 0].astype(np.float64)
     dur = records["end_ns"][sel] - records["start_ns"][sel]
     (fixed, row_ns), *_ = np.linalg.lstsq(np.stack([np.ones_like(rows), rows], axis=1), dur, rcond=None)
-    return float(fixed), float(row_ns)
+    return (float(fixed), float(row_ns)), shape.hidden * ELEM_BYTES
 
 
 def describe_calibration(gpu: GpuParams) -> str:
-    row_bytes = get_shape(results.timeline_name(H200_CALIBRATION["fused"])[0]).hidden * ELEM_BYTES
-    return (f"comm_cta_row_ns {gpu.comm_cta_row_ns:.0f} ns per row per CTA ({row_bytes / gpu.comm_cta_row_ns:.1f} GB/s "
-            f"with {row_bytes // 1024} KB rows) and comm_task_ns {gpu.comm_task_ns / 1e3:.2f} us "
-            f"({H200_CALIBRATION['fused']} dispatch tasks); spare warps {gpu.spare_row_ns:.0f} ns per row per CTA "
+    bulk_bytes = get_shape(results.timeline_name(H200_CALIBRATION["fused_bulk"])[0]).hidden * ELEM_BYTES
+    return (f"comm_cta_gbs {gpu.comm_cta_gbs:.1f} GB/s per CTA and comm_task_ns {gpu.comm_task_ns / 1e3:.2f} us "
+            f"({H200_CALIBRATION['fused']} dispatch tasks); before aceb6ae (bulk ring) bulk_row_ns "
+            f"{gpu.bulk_row_ns:.0f} ns per row per CTA ({bulk_bytes / gpu.bulk_row_ns:.1f} GB/s with "
+            f"{bulk_bytes // 1024} KB rows) and bulk_task_ns {gpu.bulk_task_ns / 1e3:.2f} us "
+            f"({H200_CALIBRATION['fused_bulk']} dispatch tasks); spare warps {gpu.spare_row_ns:.0f} ns per row per CTA "
             f"and {gpu.spare_task_ns / 1e3:.2f} us per task ({H200_CALIBRATION['fused_spare']} dispatch tasks)")
 
 
-def simulate_timeline(records: np.ndarray, shape: MoEShape, gpu: GpuParams) -> tuple[plans.Plan, SimResult]:
+def simulate_timeline(records: np.ndarray, shape: MoEShape, gpu: GpuParams,
+                      git: str | None = None) -> tuple[plans.Plan, SimResult]:
     """The plan a measured timeline ran, simulated as bench_layer runs it (`layer.one_gpu(gpu)` on
-    the emulated load); its records: `result.records(0)`."""
+    the emulated load); its records: `result.records(0)`. git: the timeline's git stamp
+    (results.timeline_name), to simulate the communicating CTAs' mover that kernel had
+    (GpuParams.recorded_at); None: gpu's own comm_mover."""
     plan = timeline_plan(records, shape)
+    gpu = gpu if git is None else gpu.recorded_at(git)
     return plan, simulate(plan, layer.one_gpu(gpu), emulated_load(shape))
 
 
@@ -157,13 +174,16 @@ def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 16), minib
     """The fused forward pass on the H200 over communication CTAs x minibatch rows for one shape:
     (simulated ms [len(comm_blocks), len(minibatches)], {(comm, minibatch): measured ms}). The
     measured points are the newest git stamp's fused forward rows of bench_layer.jsonl and
-    sweep_overlap.jsonl (scripts/sweep_overlap.py) for that shape; points off the grid are dropped."""
+    sweep_overlap.jsonl (scripts/sweep_overlap.py) for that shape; points off the grid are dropped,
+    and so are points with communicating CTAs measured on the retired bulk-copy ring
+    (params.BULK_MOVER_COMMITS: not the kernel `gpu` simulates)."""
     shape = ep_share(shape_name, EP)
     sim_ms = np.array([[pass_ns(shape, gpu, c, m, gpu.num_sms) / 1e6 for m in minibatches] for c in comm_blocks])
     measured = {}
     for name, mb_key in (("bench_layer", "minibatch_tokens"), ("sweep_overlap", "minibatch_rows")):
         rows = [r for r in results.load(name, results_dir) if r.get("shape") == shape_name
-                and r.get("schedule", "fused") == "fused" and r.get("pass", "fwd") == "fwd"]
+                and r.get("schedule", "fused") == "fused" and r.get("pass", "fwd") == "fwd"
+                and not (r.get("comm_blocks") and r.get("git") in BULK_MOVER_COMMITS)]
         for r in results.newest(rows):
             key = (r["comm_blocks"], r[mb_key])
             if key[0] in comm_blocks and key[1] in minibatches:

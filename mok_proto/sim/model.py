@@ -26,10 +26,12 @@ kernel and the publish of dy_slots before, the slot sum and topk_weight_grad aft
   (GpuParams.row_copy_ns); a pull pays a round trip.
 * fused chunk c of minibatch m (cuda/fused.cuh: receive rows m MB + c, + C, ..., on CTA c; the
   backward's reverse-combine is modeled as the forward's dispatch, its reverse-dispatch as the combine):
-  GpuParams.comm_task_ns plus its rows at one CTA's in-kernel copy rate (comm_cta_row_ns per row
-  on a communicating CTA, spare_row_ns per row beside GEMM tiles), or slower where the
-  CTAs' share of the link or of HBM is; the incoming transfer (PassKinds.comm_in) moves every row below
-  the padded end (a padding row stores the zero row), the outgoing one only the real rows.
+  the fixed cost of a task plus its rows at one CTA's in-kernel copy rate (GpuParams.fused_task_ns,
+  fused_chunk_copy_ns: a communicating CTA's warps at comm_cta_gbs per byte, or, for kernels
+  before aceb6ae, comm_mover "bulk", bulk_row_ns per row; spare warps beside GEMM tiles
+  spare_row_ns per row), or slower where the CTAs' share of the link or of HBM is; the incoming
+  transfer (PassKinds.comm_in) moves every row below the padded end (a padding row stores the zero
+  row), the outgoing one only the real rows.
 * epilogue tile: reads K slot rows (+ the shared row), writes one row: HBM traffic at the rate of
   the token sums (GpuParams.token_kernel_ns, "gather_sum").
 """
@@ -315,22 +317,20 @@ def fused_chunk_rows(plan: Plan, load: Load) -> tuple[np.ndarray, np.ndarray]:
 
 def _fused_chunk_ns(plan: Plan, gpu: GpuParams, load: Load, kind: TaskKind, sel: np.ndarray) -> np.ndarray:
     """[n, R] durations of the fused plan's communication tasks `sel` of one kind (module doc)."""
-    if (gpu.comm_cta_row_ns if plan.comm_blocks else gpu.spare_row_ns) <= 0:
-        raise ValueError(f"{gpu.name}: no in-kernel copy rate for a fused plan with comm_blocks={plan.comm_blocks} "
-                         "(GpuParams.comm_cta_row_ns / spare_row_ns)")
+    row_bytes = plan.shape.hidden * ELEM_BYTES
+    gpu.fused_chunk_copy_ns(plan.comm_blocks, 0, row_bytes)  # raises without a copy rate for this plan
     t = plan.tasks
     real, used = fused_chunk_rows(plan, load)
     # the incoming transfer (dispatch; backward: reverse-combine) fills every receive row below the
     # padded end (zero rows for padding), the outgoing one (combine; reverse-dispatch) the real ones
     rows = (used if kind == plan.kinds.comm_in else real)[t["minibatch"][sel], t["row_tile"][sel]]  # [n, R]
-    moved = rows * (plan.shape.hidden * ELEM_BYTES)
+    moved = rows * row_bytes
     local = moved * load.local_fraction[None, :]
     direction = plan.policy[OPERATOR_OF[kind]]
     link = _transfer_ns(gpu, direction, comm_chunks(plan), moved - local, local)
     rtt = gpu.rtt_ns * ((direction == "pull") & (moved > local))
-    copy = rows * (gpu.comm_cta_row_ns if plan.comm_blocks else gpu.spare_row_ns)
-    fixed = gpu.comm_task_ns if plan.comm_blocks else gpu.spare_task_ns
-    return fixed + np.maximum(copy, link) + rtt
+    copy = gpu.fused_chunk_copy_ns(plan.comm_blocks, rows, row_bytes)
+    return gpu.fused_task_ns(plan.comm_blocks) + np.maximum(copy, link) + rtt
 
 
 def _outside_transfer_ns(plan: Plan, gpu: GpuParams, load: Load, direction: str, rows: np.ndarray) -> np.ndarray:

@@ -30,13 +30,25 @@ H200_CALIBRATION = {
     "row_move": ("kimi-k2.7", 8),  # one-GPU pull dispatch, push combine and pull combine
     "link": "kimi-k2.7",  # 2 x H200: push and pull dispatch, and their 4-byte-row signal stages
     "layer": "kimi-k2.7",  # bench_layer's sequential stages of this shape (sim.layer.LAYER_CALIBRATION)
-    # the fused forward's in-kernel copy rate: the dispatch tasks of this measured timeline (sim.fused.calibrate)
-    "fused": "timeline_fused_fwd_kimi-k2.7_62f5296.jsonl",
+    # the communicating CTAs' copy rate (warp movers, comm_mover "warps"): the dispatch tasks of this
+    # measured timeline (sim.fused.calibrate)
+    "fused": "timeline_fused_fwd_kimi-k2.7_1685ef1.jsonl",
+    # ... the retired bulk-copy ring's (comm_mover "bulk", timelines before aceb6ae): of this one
+    "fused_bulk": "timeline_fused_fwd_kimi-k2.7_62f5296.jsonl",
     # ... and the spare warps' copy rate (comm_blocks == 0): the dispatch tasks of this one (b905f19)
     "fused_spare": "timeline_fused_fwd_kimi-k2.7_b905f19.jsonl",
 }
 ROW_MOVES = (("dispatch", "pull"), ("combine", "push"), ("combine", "pull"))  # row_move's bench_comm stages
 TOKEN_TRAFFIC = ("gather_sum", "scatter", "stream")  # access patterns of the token kernels (GpuParams.token_kernel_ns)
+
+# How a communicating CTA of the fused kernel (comm_blocks > 0) moves its rows (GpuParams.comm_mover):
+# "warps" (since aceb6ae: every warp copies rows through registers, fused::chunk_task) or "bulk"
+# (before: one thread drove 1-D bulk copies through a shared-memory ring). Measurements stamped
+# with one of BULK_MOVER_COMMITS ran the bulk ring (every git stamp in results/ older than aceb6ae:
+# results/*.jsonl rows, timeline file names); any other stamp, and what sim.h200() predicts for new
+# plans, the warps (`recorded_at`).
+COMM_MOVERS = ("warps", "bulk")
+BULK_MOVER_COMMITS = ("9ca73bf", "5022408", "62f5296", "a679599", "b905f19", "ec6738a", "d689e07")
 
 
 @dataclass(frozen=True)
@@ -66,15 +78,26 @@ class GpuParams:
     row_move_efficiency: float = 1.0  # a row-movement kernel's rate on local rows / copy_gbs
     sum_slots_efficiency: float = 1.0  # weighted_sum / slot_sum HBM traffic rate / a copy's traffic rate
     busy_kernel_ns: float = 0.0  # a kernel boundary on a busy stream (launches queued ahead of the GPU)
-    # The fused forward's in-kernel transfers (cuda/fused.cuh), per CTA. A communicating CTA: one
-    # thread moves rows through a shared-memory ring with at most 8 rows in flight, waiting row by
-    # row (bulk_move), so a row costs the same time whatever its size (up to a ring slot): the
-    # copy rate is rows per second, 1 / comm_cta_row_ns; plus a fixed cost per task (wait, row
-    # mapping, fences). h200: fitted by sim.fused.calibrate on one measured timeline's dispatch
-    # tasks (one row size, 14 KB). Per byte instead, bench_layer's qwen3.5-397b C=8 pass (8 KB
-    # rows, b905f19) would be predicted 37% short; per row it is within 5%.
-    comm_cta_row_ns: float = 0.0
+    # The fused kernel's in-kernel transfers (cuda/fused.cuh), per CTA: a task (one chunk) costs a
+    # fixed part (wait, row mapping, fences) plus its copy (`fused_chunk_copy_ns`). A communicating CTA
+    # (comm_blocks > 0) by comm_mover (COMM_MOVERS):
+    # * "warps" (the kernel since aceb6ae; the default): its 12 warps copy rows through registers
+    #   (chunk_task<kCommWarps=12, kCommUnroll=8>), so a CTA moves bytes at a fixed rate whatever
+    #   the row size: comm_cta_gbs per CTA, plus comm_task_ns per task. h200: fitted by
+    #   sim.fused.calibrate on one measured timeline's dispatch tasks (H200_CALIBRATION["fused"],
+    #   kimi's 14 KB rows at comm 12: ~22 GB/s); the measured chunks of glm (12 KB rows) and qwen
+    #   (8 KB) at comm 12 run at the same rate per byte, not per row (qwen's 8 KB chunk 0.61x
+    #   kimi's 14 KB one).
+    # * "bulk" (timelines and rows recorded before aceb6ae, BULK_MOVER_COMMITS): one thread moved
+    #   rows through a shared-memory ring with at most 8 rows in flight, waiting row by row
+    #   (bulk_move), so a row cost the same time whatever its size: bulk_row_ns per row, plus
+    #   bulk_task_ns per task; fitted on H200_CALIBRATION["fused_bulk"] (14 KB rows). Per byte,
+    #   bench_layer's qwen3.5-397b C=8 pass (8 KB rows, b905f19) would be predicted 37% short.
+    comm_mover: str = "warps"
+    comm_cta_gbs: float = 0.0
     comm_task_ns: float = 0.0
+    bulk_row_ns: float = 0.0
+    bulk_task_ns: float = 0.0
     # The spare warps of a compute CTA copying rows through registers beside its GEMM tiles (fused
     # plans with comm_blocks == 0): also per row (measured, b905f19 dispatch chunks: kimi 14 KB rows
     # 1.80 us, glm 12 KB rows 1.74 us per row and CTA: a row's time hardly depends on its size),
@@ -116,6 +139,36 @@ class GpuParams:
         if traffic == "stream":
             return (read_bytes + write_bytes) / (2.0 * self.copy_gbs)
         raise ValueError(f"traffic must be one of {', '.join(TOKEN_TRAFFIC)}, got {traffic!r}")
+
+    def __post_init__(self):
+        if self.comm_mover not in COMM_MOVERS:
+            raise ValueError(f"comm_mover must be one of {', '.join(COMM_MOVERS)}, got {self.comm_mover!r}")
+
+    def fused_task_ns(self, comm_blocks: int) -> float:
+        """The fixed cost of one in-kernel communication task of a fused plan (comm_blocks == 0:
+        the spare warps'; else the communicating CTAs' mover's, comm_mover)."""
+        if not comm_blocks:
+            return self.spare_task_ns
+        return self.comm_task_ns if self.comm_mover == "warps" else self.bulk_task_ns
+
+    def fused_chunk_copy_ns(self, comm_blocks: int, rows, row_bytes: int):
+        """One CTA copying `rows` rows of `row_bytes` bytes inside the fused kernel, its copy alone
+        (the task's fixed part: fused_task_ns): spare warps (comm_blocks == 0) and the bulk ring per
+        row, the warp movers per byte (the comment on comm_mover). Raises ValueError when the
+        mover's rate is not set."""
+        rate = (self.spare_row_ns if not comm_blocks else
+                self.comm_cta_gbs if self.comm_mover == "warps" else self.bulk_row_ns)
+        if rate <= 0:
+            raise ValueError(f"{self.name}: no in-kernel copy rate for a fused plan with comm_blocks={comm_blocks} "
+                             f"(comm_mover {self.comm_mover!r}: GpuParams.comm_cta_gbs / bulk_row_ns / spare_row_ns)")
+        if comm_blocks and self.comm_mover == "warps":
+            return rows * row_bytes / rate
+        return rows * rate
+
+    def recorded_at(self, git: str) -> "GpuParams":
+        """These parameters with the mover of the kernel a measurement stamped `git` ran: "bulk"
+        for BULK_MOVER_COMMITS, else "warps"."""
+        return dataclasses.replace(self, comm_mover="bulk" if git in BULK_MOVER_COMMITS else "warps")
 
     def pull_sm_gbs(self) -> float:
         """One SM pulling: one window per round trip."""
@@ -299,7 +352,7 @@ def gb300_nvl72(h200_params: GpuParams | None = None) -> GpuParams:
         # Through an NVLink switch a load round trip is longer than on a direct H200 pair: assumed
         # 1.5 us; each peer's signal is one ordered remote store behind a fence: one round trip.
         rtt_ns=1500.0, signal_ns_per_peer=1500.0,
-        # The fused kernel's per-CTA copy rates (comm_cta_row_ns, comm_task_ns, spare_row_ns, spare_task_ns)
+        # The fused kernel's per-CTA copy rates (comm_cta_gbs, comm_task_ns, bulk_*, spare_row_ns, spare_task_ns)
         # carry over unchanged (assumed): one CTA's copies are bound by its issue rate and latency, not
         # by HBM or the link (their shares still cap them, and a remote pull pays a round trip:
         # model._fused_chunk_ns).

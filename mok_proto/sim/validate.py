@@ -167,6 +167,18 @@ def sequential_layer_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> li
 
 
 FUSED_MEDIANS = ((TaskKind.COMBINE, "combine chunk"), (TaskKind.GATE_UP, "gate_up tile"), (TaskKind.DOWN, "down tile"))
+# The timelines of params.H200_CALIBRATION whose dispatch tasks fit in-kernel copy parameters: key -> those parameters.
+FUSED_FITS = {"fused": "comm_cta_gbs, comm_task_ns", "fused_bulk": "bulk_row_ns, bulk_task_ns",
+              "fused_spare": "spare_row_ns, spare_task_ns"}
+# bench_layer's result files whose newest fused forward rows are compared (passes as graph replays): the
+# running file, and 1685ef1's rows (the first run of the warp movers, kept in a file of their own).
+FUSED_BENCH = ("bench_layer", "bench_layer_1685ef1")
+# Fused forward passes whose measurement holds what the model leaves out: (file, comm_blocks) -> why
+# (fixed here, like LAYER_EXPLAINED).
+FUSED_BENCH_EXPLAINED = {
+    ("bench_layer_1685ef1", 0): "comm 0 since d689e07: gate/up tiles 78-89 us against 68-71 at comm 8 "
+                                "(README, results/runs/1685ef1/ab_h200.txt); one sustained GEMM rate in the model",
+}
 
 
 def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
@@ -174,31 +186,28 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
     timeline against the simulated timeline of the same plan (dispatch end, compute end, kernel end
     from the first task's start; the median combine chunk and routed GEMM tiles, over the tasks
     that move rows or compute tiles in the simulation), and bench_layer's fused passes (graph
-    replays, when there are rows). The calibration timeline's dispatch end is the event its
-    dispatch tasks fit (params.H200_CALIBRATION["fused"], and "fused_spare" for the spare warps'
-    rate): calibration rows; every other timeline's rows are judged. No combine-chunk median for
-    comm_blocks == 0 (see the NOTE below)."""
+    replays, when there are rows: FUSED_BENCH). Each measurement is simulated with the
+    communicating CTAs' mover of the kernel that recorded it (GpuParams.recorded_at its git stamp:
+    the bulk ring before aceb6ae, the warp movers since). A calibration timeline's dispatch end is
+    the event its dispatch tasks fit (FUSED_FITS: params.H200_CALIBRATION["fused"], "fused_bulk",
+    "fused_spare"): calibration rows; every other timeline's rows are judged. No combine-chunk
+    median for comm_blocks == 0 (see the NOTE below)."""
     rows = []
     for path in results.timeline_files(results_dir):
         shape_name, git = results.timeline_name(path)
         measured = results.load_timeline(path)
-        plan, result = fused.simulate_timeline(measured, ep_share(shape_name, fused.EP), gpu)
+        plan, result = fused.simulate_timeline(measured, ep_share(shape_name, fused.EP), gpu, git=git)
         predicted = result.records(0)
         label = f"{shape_name} C={plan.comm_blocks} MB={plan.minibatch_rows} {git or 'timeline'}"
-        calib = path.name == H200_CALIBRATION["fused"]
-        calib_spare = path.name == H200_CALIBRATION["fused_spare"]
+        fits = FUSED_FITS.get(next((k for k in FUSED_FITS if path.name == H200_CALIBRATION[k]), None))
 
         def check(copies: bool) -> dict:  # a row set by the in-kernel copies that were fitted on this timeline
-            if copies and calib:
-                return dict(check="calibration", note="fits comm_cta_row_ns, comm_task_ns")
-            if copies and calib_spare:
-                return dict(check="calibration", note="fits spare_row_ns, spare_task_ns")
-            return {}
+            return dict(check="calibration", note=f"fits {fits}") if copies and fits else {}
         want, got = results.timeline_events(measured), results.timeline_events(predicted)
         for event in results.TIMELINE_EVENTS:
             rows.append(Row("h200 fused", f"fwd {event} {label}", want[event] / 1e6, got[event] / 1e6, "ms",
                             **check(event == "dispatch end")))
-        fixed = gpu.comm_task_ns if plan.comm_blocks else gpu.spare_task_ns
+        fixed = gpu.recorded_at(git).fused_task_ns(plan.comm_blocks)
         busy = predicted["end_ns"] - predicted["start_ns"] > fixed  # tasks with work (rows or tiles)
         for kind, what in FUSED_MEDIANS:
             sel = busy & (measured["kind"] == int(kind))
@@ -213,22 +222,28 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
                 rows.append(Row("h200 fused", f"fwd {what} median {label}",
                                 float(np.median(measured["end_ns"][sel] - measured["start_ns"][sel])) / 1e3,
                                 float(np.median(predicted["end_ns"][sel] - predicted["start_ns"][sel])) / 1e3, "us"))
-    bench = results.newest(results.load("bench_layer", results_dir), group_by=("shape", "schedule", "pass"))
-    for r in (r for r in bench if r["schedule"] == "fused" and r.get("pass", "fwd") == "fwd"):  # pass_ns: forward only
-        ns = fused.pass_ns(ep_share(r["shape"], r["ep"]), gpu, r["comm_blocks"], r["minibatch_tokens"], r["num_sms"])
-        rows.append(Row("h200 fused", f"fwd pass (graph) {r['shape']} C={r['comm_blocks']} MB={r['minibatch_tokens']}",
-                        r["median_ms"], ns / 1e6, "ms"))
+    for name in FUSED_BENCH:
+        bench = results.newest(results.load(name, results_dir), group_by=("shape", "schedule", "pass"))
+        for r in (r for r in bench if r["schedule"] == "fused" and r.get("pass", "fwd") == "fwd"):  # pass_ns: forward only
+            ns = fused.pass_ns(ep_share(r["shape"], r["ep"]), gpu.recorded_at(r["git"]), r["comm_blocks"],
+                               r["minibatch_tokens"], r["num_sms"])
+            why = FUSED_BENCH_EXPLAINED.get((name, r["comm_blocks"]))
+            rows.append(Row("h200 fused", f"fwd pass (graph) {r['shape']} C={r['comm_blocks']} MB={r['minibatch_tokens']}"
+                            f" {r['git']}", r["median_ms"], ns / 1e6, "ms", *(("explained", why) if why else ())))
     return rows
 
 
 # The fused backward's measured timelines compared (results/; the older ec6738a ones ran kernels the
 # README suspects of a slowdown, so they are left out): fixed here, not chosen by the error.
-BWD_TIMELINES = ("timeline_fused_bwd_deepseek-v4-pro_d689e07.jsonl", "timeline_fused_bwd_kimi-k2.7_d689e07.jsonl")
+BWD_TIMELINES = ("timeline_fused_bwd_deepseek-v4-pro_d689e07.jsonl", "timeline_fused_bwd_kimi-k2.7_d689e07.jsonl",
+                 "timeline_fused_bwd_deepseek-v4-pro_1685ef1.jsonl", "timeline_fused_bwd_glm-5.2_1685ef1.jsonl",
+                 "timeline_fused_bwd_kimi-k2.7_1685ef1.jsonl", "timeline_fused_bwd_qwen3.5-397b_1685ef1.jsonl")
 
 
 def fused_backward_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
     """The fused backward on the H200 (one EP=64 rank's share; sim/fused.py rebuilds the
-    fused_backward plan each timeline of BWD_TIMELINES ran and simulates it): the kernel end from
+    fused_backward plan each timeline of BWD_TIMELINES ran and simulates it, with the mover of its
+    git stamp's kernel, GpuParams.recorded_at): the kernel end from
     the first task's start (judged: no h200 parameter is fitted on a backward timeline), and per task kind the summed task time per compute SM (results.timeline_summary's
     per_lane_ns; informational)."""
     rows = []
@@ -238,7 +253,7 @@ def fused_backward_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list
             continue
         shape_name, git = results.timeline_name(path)
         measured = results.load_timeline(path)
-        plan, result = fused.simulate_timeline(measured, ep_share(shape_name, fused.EP), gpu)
+        plan, result = fused.simulate_timeline(measured, ep_share(shape_name, fused.EP), gpu, git=git)
         predicted = result.records(0)
         label = f"{shape_name} C={plan.comm_blocks} MB={plan.minibatch_rows} {git}"
         want, got = results.timeline_events(measured), results.timeline_events(predicted)
