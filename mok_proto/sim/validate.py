@@ -176,9 +176,10 @@ FUSED_BENCH = ("bench_layer", "bench_layer_1685ef1")
 # Fused forward passes whose measurement holds what the model leaves out: (file, comm_blocks) -> why
 # (fixed here, like LAYER_EXPLAINED).
 FUSED_BENCH_EXPLAINED = {
-    ("bench_layer_1685ef1", 0): "comm 0: GEMM tiles on all 132 SMs run slower (glm gate/up 78-89 us against "
-                                "68-71 at comm 8, every kernel variant: README, results/runs/1685ef1/ab_h200.txt); "
-                                "one sustained GEMM rate in the model",
+    ("bench_layer_1685ef1", 0): "comm 0 in this run: kimi and deepseek ran 17% over the model, cause not "
+                                "established (timings bimodal by up to 13%, no clocks logged; glm gate/up tiles "
+                                "78-89 us at comm 0 against 68-71 at comm 8: README, "
+                                "results/runs/1685ef1/ab_h200.txt); ec6738a's comm-0 passes are judged",
 }
 
 
