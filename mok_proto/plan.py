@@ -152,7 +152,7 @@ def expected_rows(shape: MoEShape, num_ranks: int, capacity_rows: int) -> int:
     expert, at most capacity_rows. The real rows are a prefix of the receive buffer (expert
     segments back to back, each padded to a row pair); tiles past them exit at once."""
     el = shape.num_experts // num_ranks
-    return min(capacity_rows, shape.num_tokens * shape.top_k + el * (BM * abi.CONST["kCluster"]) // 2)
+    return min(capacity_rows, shape.num_tokens * shape.top_k + el * PAIR_ROWS // 2)
 
 
 def tile_cost(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: int, row_pair: int | None = None) -> int:
@@ -172,7 +172,7 @@ def tile_cost(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: in
     expected_rows costs 1 (a tile past the real rows only signals). Without it, a full tile."""
     _, cols, k = tile_grid(kind, shape)
     routed_rows = kind in (TaskKind.GATE_UP, TaskKind.DOWN, TaskKind.DOWN_BWD, TaskKind.GATE_UP_BWD)
-    if routed_rows and row_pair is not None and row_pair * BM * abi.CONST["kCluster"] >= expected_rows(
+    if routed_rows and row_pair is not None and row_pair * PAIR_ROWS >= expected_rows(
             shape, num_ranks, capacity_rows):
         return 1
     if kind in PASS_KINDS["bwd"].wgrad:

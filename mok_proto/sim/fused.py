@@ -35,7 +35,7 @@ from mok_proto.config import MOK_POLICY, MoEShape, ep_share, get_shape
 from mok_proto.plan import BM, PAIR_ROWS, TaskKind
 from mok_proto.sim import layer
 from mok_proto.sim.model import COMM_KIND_IDS, ELEM_BYTES, SimResult, fused_chunk_rows, simulate
-from mok_proto.sim.params import BULK_MOVER_COMMITS, H200_CALIBRATION, GpuParams
+from mok_proto.sim.params import H200_CALIBRATION, GpuParams, comm_mover_at
 
 EP = 64  # bench_layer emulates one rank of EP=64
 BENCH_CAPACITY = 1.15  # scripts/bench_layer.py sizes the layer for 1.15 N K receive rows
@@ -124,7 +124,7 @@ def _fit_dispatch(path: Path, mover: str) -> tuple[tuple[float, float], int]:
     shape_name, git = results.timeline_name(path)
     shape = ep_share(shape_name, EP)
     plan = timeline_plan(records, shape)
-    ran = "spare" if plan.comm_blocks == 0 else "bulk" if git in BULK_MOVER_COMMITS else "warps"
+    ran = "spare" if plan.comm_blocks == 0 else comm_mover_at(git)
     if ran != mover:
         raise ValueError(f"{path.name}: comm_blocks={plan.comm_blocks} at {git or 'no git stamp'} ran the {ran} "
                          f"movers, but this calibration needs the {mover} ones")
@@ -183,7 +183,7 @@ def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 16), minib
     for name, mb_key in (("bench_layer", "minibatch_tokens"), ("sweep_overlap", "minibatch_rows")):
         rows = [r for r in results.load(name, results_dir) if r.get("shape") == shape_name
                 and r.get("schedule", "fused") == "fused" and r.get("pass", "fwd") == "fwd"
-                and not (r.get("comm_blocks") and r.get("git") in BULK_MOVER_COMMITS)]
+                and not (r.get("comm_blocks") and comm_mover_at(r.get("git")) == "bulk")]
         for r in results.newest(rows):
             key = (r["comm_blocks"], r[mb_key])
             if key[0] in comm_blocks and key[1] in minibatches:

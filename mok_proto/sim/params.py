@@ -51,6 +51,11 @@ COMM_MOVERS = ("warps", "bulk")
 BULK_MOVER_COMMITS = ("9ca73bf", "5022408", "62f5296", "a679599", "b905f19", "ec6738a", "d689e07")
 
 
+def comm_mover_at(git: str | None) -> str:
+    """The communicating CTAs' mover (COMM_MOVERS) of the kernel a measurement stamped `git` ran."""
+    return "bulk" if git in BULK_MOVER_COMMITS else "warps"
+
+
 @dataclass(frozen=True)
 class GpuParams:
     """One GPU of a scale-up domain. Rates in GB/s (1e9 B/s) and TFLOP/s; times in ns."""
@@ -168,7 +173,7 @@ class GpuParams:
     def recorded_at(self, git: str) -> "GpuParams":
         """These parameters with the mover of the kernel a measurement stamped `git` ran: "bulk"
         for BULK_MOVER_COMMITS, else "warps"."""
-        return dataclasses.replace(self, comm_mover="bulk" if git in BULK_MOVER_COMMITS else "warps")
+        return dataclasses.replace(self, comm_mover=comm_mover_at(git))
 
     def pull_sm_gbs(self) -> float:
         """One SM pulling: one window per round trip."""
