@@ -328,21 +328,10 @@ __device__ __forceinline__ void weighted_sum_part(const CommParams* p, int rank,
 // ---------------------------------------------------------------------------------------------
 // Standalone kernels: grid (blocks per rank, W), rank = rank_base + blockIdx.y, every block an
 // equal share of [0, total); blocks of kCommThreads (schedule_scan: kScheduleThreads), as the
-// wrappers launch them. Completion: the last block signals (see last_block).
+// wrappers launch them. Completion: the last block signals (see last_block). Their work shares
+// (grid_threads, grid_warps, block_threads, block_warps) are in common.cuh.
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ int rank_of(const CommParams* p) { return static_cast<int>(p->rank_base) + blockIdx.y; }
-__device__ __forceinline__ Workers grid_threads() {
-  return {static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), static_cast<int>(gridDim.x * blockDim.x)};
-}
-__device__ __forceinline__ Workers grid_warps() {
-  return {static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5), static_cast<int>((gridDim.x * blockDim.x) >> 5)};
-}
-__device__ __forceinline__ Workers block_threads() {
-  return {static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x)};
-}
-__device__ __forceinline__ Workers block_warps() {
-  return {static_cast<int>(threadIdx.x >> 5), static_cast<int>(blockDim.x >> 5)};
-}
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 // My last block raises flag `kind` on every peer.
 __device__ __forceinline__ void signal_when_last(const CommParams* p, int rank, int op, int kind) {
@@ -535,16 +524,12 @@ __global__ void __launch_bounds__(kCommThreads) combine_pull(const CommParams* p
 
 // weighted_sum over all of [N, H], and the check that every slot of mine got a result (a slot
 // whose expert owner overflowed has recv_row < 0: kErrCapacity / kOpWeightedSum in my record, see
-// report_unplaced_slots; the sum runs anyway).
+// report_unplaced_slots; the sum runs anyway). Body: common.cuh sum_checking_slots, shared with
+// token.cuh weighted_sum_bf16.
 __global__ void __launch_bounds__(kCommThreads) weighted_sum(const CommParams* p) {
   const int rank = rank_of(p);
-  const int* recv_row = at<const int>(p->recv_row, rank);
-  const i64 num_slots = p->num_tokens * p->top_k;
-  const Workers threads = grid_threads();
-  const int first = threads.id < num_slots ? recv_row[threads.id] : 0;
-  weighted_sum_part(p, rank, 0, p->num_tokens * p->hidden, threads);
-  report_unplaced_slots(recv_row, at<const int>(p->topk_idx, rank), num_slots, static_cast<int>(p->num_local_experts),
-                        p->error, rank, any_slot_unplaced(recv_row, first, 0, num_slots, threads));
+  sum_checking_slots(p, rank,
+                     [&](Workers threads) { weighted_sum_part(p, rank, 0, p->num_tokens * p->hidden, threads); });
 }
 
 }  // namespace mok

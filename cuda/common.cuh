@@ -1,5 +1,6 @@
-// Shared device helpers: error records, system-scope flags with bounded waits, peer tables, row
-// copies. Header-only; compiled at run time by NVRTC (CuPy RawModule) and by nvcc in the CPU
+// Shared device helpers: error records, system-scope flags with bounded waits, work shares
+// (Workers, grid_threads, ...), peer tables, the weighted sums' slot check (sum_checking_slots),
+// row copies. Header-only; compiled at run time by NVRTC (CuPy RawModule) and by nvcc in the CPU
 // compile test. No standard headers: NVRTC may not ship them.
 //
 // Legend: R ranks (EP degree); `rank` is always an EP rank; W ranks driven by one launch.
@@ -118,6 +119,23 @@ struct Workers {
   int id, count;
 };
 
+// The caller's share in a standalone kernel, whose blocks (per launch rank: blockIdx.x of
+// gridDim.x) split all the work between them (grid_*) or whose block does it all (block_*).
+// Building blocks never call these: they take their Workers from the caller, so a persistent
+// kernel can give them any split of its blocks.
+__device__ __forceinline__ Workers grid_threads() {
+  return {static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), static_cast<int>(gridDim.x * blockDim.x)};
+}
+__device__ __forceinline__ Workers grid_warps() {
+  return {static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5), static_cast<int>((gridDim.x * blockDim.x) >> 5)};
+}
+__device__ __forceinline__ Workers block_threads() {
+  return {static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x)};
+}
+__device__ __forceinline__ Workers block_warps() {
+  return {static_cast<int>(threadIdx.x >> 5), static_cast<int>(blockDim.x >> 5)};
+}
+
 // A symmetric buffer is passed as a table of num_ranks addresses (as seen by this process).
 template <typename T>
 __device__ __forceinline__ T* at(const u64* table, int rank) {
@@ -176,6 +194,23 @@ __device__ __forceinline__ void report_unplaced_slots(const int* recv_row, const
   __syncthreads();
   if (threadIdx.x == 0 && s_count > 0)
     report_error(err, kErrCapacity, kOpWeightedSum, rank, s_owner, num_slots, s_count);
+}
+
+// A weighted sum kernel's body (comm.cuh weighted_sum, token.cuh weighted_sum_bf16): `sum(threads)`
+// with threads = grid_threads(), then the check that each of rank's N*K slots got a result
+// (any_slot_unplaced over this thread's share of the slots, then report_unplaced_slots), its
+// first recv_row load issued before the sum. Params: CommParams or TokenParams (read: recv_row,
+// num_tokens, top_k before the sum; topk_idx, num_local_experts, error after it). Every thread of
+// every block must call it (the report has barriers).
+template <class Params, class Sum>
+__device__ __forceinline__ void sum_checking_slots(const Params* p, int rank, Sum sum) {
+  const int* recv_row = at<const int>(p->recv_row, rank);
+  const i64 num_slots = p->num_tokens * p->top_k;
+  const Workers threads = grid_threads();
+  const int first = threads.id < num_slots ? recv_row[threads.id] : 0;
+  sum(threads);
+  report_unplaced_slots(recv_row, at<const int>(p->topk_idx, rank), num_slots, static_cast<int>(p->num_local_experts),
+                        p->error, rank, any_slot_unplaced(recv_row, first, 0, num_slots, threads));
 }
 
 // One warp copies one row of `bytes` bytes with kVec-byte accesses: kVec = 16 (rows and buffers

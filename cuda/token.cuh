@@ -6,7 +6,8 @@
 //                    reverse-dispatch)
 //   topk_weight_grad d_topk_w[t,j] = <dout[t], y_slots[t*K+j]>
 // weighted_sum also checks that every slot got a result (recv_row >= 0: its expert owner did not
-// overflow) and reports kErrCapacity / kOpWeightedSum otherwise (common.cuh report_unplaced_slots).
+// overflow) and reports kErrCapacity / kOpWeightedSum otherwise (common.cuh sum_checking_slots,
+// report_unplaced_slots: the check comm.cuh's fp32 weighted_sum shares).
 // Every sum runs j = 0..K-1 in order with separately rounded products and sums (no FMA), so the
 // result does not depend on the launch geometry. Memory bound: weighted_sum reads (K + 1) N H
 // bf16 and writes N H; scale_to_slots reads N H, writes N K H; slot_sum reads (K + 1) N H, writes
@@ -57,17 +58,11 @@ __device__ __forceinline__ void sum_slots(const TokenParams* p, int rank, const 
 // Also the forward's check that every slot got its expert's result (see report_unplaced_slots):
 // a slot whose expert owner overflowed has recv_row < 0 and its y_slots row was never written;
 // the sum runs anyway (nothing waits on this kernel), the error record says so. The check reads
-// N*K int32 once per launch rank (each thread a share, the first issued before the sum).
+// N*K int32 once per launch rank (each thread a share, the first issued before the sum): common.cuh
+// sum_checking_slots, whose share (grid_threads) sum_slots ignores (it strides the grid itself).
 __global__ void __launch_bounds__(kCommThreads) weighted_sum_bf16(const TokenParams* p) {
   const int rank = token_rank(p);
-  const int* recv_row = at<const int>(p->recv_row, rank);
-  const i64 num_slots = p->num_tokens * p->top_k;
-  const Workers threads = {static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x),
-                           static_cast<int>(gridDim.x * blockDim.x)};
-  const int first = threads.id < num_slots ? recv_row[threads.id] : 0;
-  sum_slots<true>(p, rank, p->base, p->y_slots, p->out);
-  report_unplaced_slots(recv_row, at<const int>(p->topk_idx, rank), num_slots, static_cast<int>(p->num_local_experts),
-                        p->error, rank, any_slot_unplaced(recv_row, first, 0, num_slots, threads));
+  sum_checking_slots(p, rank, [&](Workers) { sum_slots<true>(p, rank, p->base, p->y_slots, p->out); });
 }
 
 // dy_slots[t*K+j] = w[t,j] * dout[t]: one thread per octet of a slot.  grid (nb, W).
