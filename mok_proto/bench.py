@@ -95,6 +95,35 @@ def time_stages(enqueue, iters: int, warmup: int, api: str = "cupy"):
     return samples
 
 
+def rotating(runs: dict):
+    """enqueue(mark) for time_stages that runs every entry of `runs` (name -> enqueue one run)
+    once per iteration, a stage each, starting one later every iteration (A B, B A, ...). Variants
+    timed this way see the same clocks: under its power cap the H200 moved its SM clock between
+    1590 and 1980 MHz within 100 ms (nvidia-smi, 2026-12-01), and the same setting timed in two
+    blocks one after the other differed by up to 13%."""
+    names = list(runs)
+    turn = [0]
+
+    def enqueue(mark):
+        k = turn[0] % len(names)
+        turn[0] += 1
+        for name in names[k:] + names[:k]:
+            mark(name)
+            runs[name]()
+        mark(None)
+
+    return enqueue
+
+
+def paired_ratio(numerator, denominator) -> float:
+    """Median over iterations of numerator[i] / denominator[i] (samples of one rotating run: the
+    two runs of an iteration are neighbours in time)."""
+    a, b = np.asarray(numerator, np.float64), np.asarray(denominator, np.float64)
+    if a.shape != b.shape or not a.size:
+        raise ValueError(f"paired samples must have one equal, nonzero length, got {a.shape} and {b.shape}")
+    return float(np.median(a / b))
+
+
 def copy_ceiling_gbs(nbytes: int = 1 << 30, iters: int = 20) -> float:
     """Device-to-device copy of nbytes: bytes COPIED per second (read + written is twice that)."""
     import cupy

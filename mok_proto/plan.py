@@ -57,6 +57,11 @@ PASSES = ("fwd", "bwd")
 # one line to change once a GPU measurement has decided.
 ASSIGNMENTS = ("round_robin", "balanced")
 DEFAULT_ASSIGN = "round_robin"
+# The order of one minibatch's tile pairs of one kind in a fused plan's global order: "row", row
+# pair by row pair (columns fastest: the standalone grouped GEMM's order), or "col", column tile by
+# column tile (row pairs fastest: the pairs that run at once share B, the weights' column panels).
+RASTERS = ("row", "col")
+DEFAULT_RASTER = "row"
 
 
 # The kinds come from the ABI spec (mok_proto/abi.py: enum mok::plan::TaskKind / CounterKind of
@@ -212,6 +217,7 @@ class Plan:
     tasks: np.ndarray  # [num_tasks] TASK_DTYPE, sorted by (block, seq)
     counters: np.ndarray  # [num_counters] COUNTER_DTYPE
     assign: str = "round_robin"  # how compute tasks went to CTAs (fused plans: ASSIGNMENTS; others round robin)
+    raster: str = "row"  # the order of a minibatch's tile pairs (fused plans: RASTERS; others row)
 
     @property
     def kinds(self) -> PassKinds:
@@ -265,7 +271,7 @@ class Plan:
     def describe(self) -> str:
         return (f"{self.strategy} {self.pass_}: {self.shape.name} R={self.num_ranks} SMs={self.num_sms} "
                 f"comm={self.comm_blocks} minibatch={self.minibatch_rows} ring={self.ring_minibatches} "
-                f"capacity={self.capacity_rows} assign={self.assign} tasks={len(self.tasks)} "
+                f"capacity={self.capacity_rows} assign={self.assign} raster={self.raster} tasks={len(self.tasks)} "
                 f"counters={len(self.counters)}")
 
     def block_tables(self) -> list[np.ndarray]:
@@ -539,7 +545,8 @@ def inside_kernel(pass_: str, policy: dict) -> tuple[bool, bool]:
 
 def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int,
                   ring_minibatches: int | None = None, *, policy: dict, num_sms: int,
-                  capacity_rows: int | None = None, lookahead: int | None = None, assign: str | None = None) -> Plan:
+                  capacity_rows: int | None = None, lookahead: int | None = None, assign: str | None = None,
+                  raster: str | None = None) -> Plan:
     """The forward megakernel's plan (cuda/fused.cuh): CTAs 0 .. comm_blocks - 1 pull the
     dispatched rows of minibatch after minibatch (chunk b of each: CTA b), then push the combine
     of each minibatch once its down tiles are done, a ring slot's next dispatch right after the
@@ -547,7 +554,8 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     global order: the shared expert's gate/up then down tiles, then per minibatch routed
     gate/up (after its rows arrived), then down (after its row tile's gate/up tiles). assign
     (ASSIGNMENTS, default DEFAULT_ASSIGN): which cluster takes each pair, round robin or
-    load-balanced (`_assign_clusters`).
+    load-balanced (`_assign_clusters`); raster (RASTERS, default DEFAULT_RASTER): the order of a
+    minibatch's pairs of one kind, row pair by row pair or column tile by column tile.
     comm_blocks = 0: no CTA is set aside; chunk c of every minibatch goes to CTA c of all
     num_sms, whose spare warps move it while its GEMM tasks run (two independent in-order
     streams per CTA: `Plan.streams`).
@@ -565,12 +573,12 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     (see inside_kernel) those transfers run outside and the ring cannot turn (ring = every
     minibatch)."""
     return _fused("fwd", shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms,
-                  capacity_rows, lookahead, assign)
+                  capacity_rows, lookahead, assign, raster)
 
 
 def fused_backward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int, *, policy: dict,
                    num_sms: int, capacity_rows: int | None = None, lookahead: int | None = None,
-                   assign: str | None = None) -> Plan:
+                   assign: str | None = None, raster: str | None = None) -> Plan:
     """The backward megakernel's plan (cuda/fused.cuh, fused_backward), the forward's structure
     with the backward's kinds: chunk tasks pull the reverse-combine (w * dout rows, into the
     receive rows) and push the reverse-dispatch (input-gradient rows into the owners' slots);
@@ -581,19 +589,27 @@ def fused_backward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_
     tile) one pair task that stores its fp32 sum over the expert's rows in order: the same sums,
     in the same order, as the sequential launches. One macrobatch: the ring holds every
     minibatch (a smaller ring would need the forward's activations again). The slot sum and
-    d topk_weights run after the kernel. assign: as fused_forward's."""
+    d topk_weights run after the kernel. assign, raster: as fused_forward's."""
     return _fused("bwd", shape, num_ranks, comm_blocks, minibatch_rows, None, policy, num_sms, capacity_rows,
-                  lookahead, assign)
+                  lookahead, assign, raster)
 
 
 FUSED_STRATEGIES = {"fwd": "fused_forward", "bwd": "fused_backward"}
 
 
 def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms, capacity_rows,
-           lookahead, assign) -> Plan:
+           lookahead, assign, raster) -> Plan:
     assign = DEFAULT_ASSIGN if assign is None else assign
     if assign not in ASSIGNMENTS:
         raise ValueError(f"assign must be one of {', '.join(ASSIGNMENTS)}, got {assign!r}")
+    raster = DEFAULT_RASTER if raster is None else raster
+    if raster not in RASTERS:
+        raise ValueError(f"raster must be one of {', '.join(RASTERS)}, got {raster!r}")
+
+    def grid(row_pairs, cols):  # (row pair, column tile) of a minibatch's pairs of one kind, in order
+        if raster == "row":
+            return [(p, col) for p in row_pairs for col in range(cols)]
+        return [(p, col) for col in range(cols) for p in row_pairs]
     capacity_rows = capacity_rows or default_capacity(shape, num_ranks, minibatch_rows)
     num_mb = capacity_rows // minibatch_rows if minibatch_rows > 0 else 0
     ring = min(ring_minibatches or num_mb, max(num_mb, 1))  # a ring of every minibatch never turns
@@ -638,12 +654,10 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
 
     # Tile pairs in one global order: (kind, row pair, col tile, waits(rt), signals(rt), task fields)
     pairs = []
-    for p in range(shared_pairs):
-        pairs += [(k.shared_first, p, col, lambda rt: [], lambda rt: [shared_first[rt]] + shared_done, {})
-                  for col in range(num_col_tiles(k.shared_first, shape))]
-    for p in range(shared_pairs):
-        pairs += [(k.shared_second, p, col, lambda rt: [shared_first[rt]], lambda rt: [], {})
-                  for col in range(num_col_tiles(k.shared_second, shape))]
+    pairs += [(k.shared_first, p, col, lambda rt: [], lambda rt: [shared_first[rt]] + shared_done, {})
+              for p, col in grid(range(shared_pairs), num_col_tiles(k.shared_first, shape))]
+    pairs += [(k.shared_second, p, col, lambda rt: [shared_first[rt]], lambda rt: [], {})
+              for p, col in grid(range(shared_pairs), num_col_tiles(k.shared_second, shape))]
     for kind in (k.shared_wgrad if shared_pairs else ()):  # shared weight gradients: its data gradients' rows
         rows, cols = wgrad_grid(kind, shape)
         waits = shared_done if kind == TaskKind.SHARED_GATE_UP_WGRAD else []
@@ -659,12 +673,12 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
         if m < num_mb:
             pairs += [(k.first, p, col, lambda rt, m=m: [arrived[m]] if comm_in else [],
                        lambda rt: [first_done[rt]] + data_grad_done, {"minibatch": m})
-                      for p in range(m * tpm // 2, (m + 1) * tpm // 2) for col in range(n_first)]
+                      for p, col in grid(range(m * tpm // 2, (m + 1) * tpm // 2), n_first)]
         m = step - lookahead
         if m >= 0:
             pairs += [(k.second, p, col, lambda rt: [first_done[rt]],
                        lambda rt, m=m: [second_done[m]] if comm_out else [], {"minibatch": m})
-                      for p in range(m * tpm // 2, (m + 1) * tpm // 2) for col in range(n_second)]
+                      for p, col in grid(range(m * tpm // 2, (m + 1) * tpm // 2), n_second)]
     for kind in k.wgrad:  # deferred: after every data-gradient tile of every minibatch
         rows, cols = wgrad_grid(kind, shape)
         pairs += [(kind, p, col, lambda rt: data_grad_done, lambda rt: [], {"expert": e, "macrobatch": 0})
@@ -680,7 +694,7 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
             b.add(comm_blocks + 2 * cluster + cta, kind, waits(rt), signals(rt), row_tile=rt, col_tile=col, **fields)
     return b.build(pass_=pass_, shape=shape, num_ranks=num_ranks, policy=dict(policy), num_sms=num_sms,
                    comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, ring_minibatches=ring,
-                   capacity_rows=capacity_rows, strategy=FUSED_STRATEGIES[pass_], assign=assign)
+                   capacity_rows=capacity_rows, strategy=FUSED_STRATEGIES[pass_], assign=assign, raster=raster)
 
 
 def _assign_clusters(assign: str, pairs: list, clusters: int, cost) -> list[int]:

@@ -22,12 +22,15 @@ passes (eager, event per stage), whether two runs are bitwise equal, the max err
 FLOPs as MoK counts them: forward 6 (N + N K) H I, backward twice that.
 The fused forward (one persistent launch of a plan.fused_forward plan, cuda/fused.cuh) is timed
 the same way for each (communication CTAs, minibatch rows) setting (--sweep: a grid of them, a
-progress line each), its output compared bitwise with the sequential forward of the same run
-(`equal_to_sequential`); the best setting per shape is timed once more and judged on that
+progress line each), its replays interleaved with the sequential forward's (the H200's SM clock
+moves under its power cap within 100 ms: x sequential is the median of the per-iteration
+ratios; `sequential_median_ms` is the sequential pass of that interleaved run), its output
+compared bitwise with the sequential forward of the same run (`equal_to_sequential`); the best setting per shape is timed once more and judged on that
 against FUSED_BARS (issues: the forward and the backward megakernel), and its timeline written
 under results/ (JSON lines + PNG). The fused backward likewise (pass "bwd": its gradients
 compared bitwise with the sequential backward's). --assign: how the fused plans' tile pairs go
-to clusters (plan.ASSIGNMENTS; each fused row records it as `assign`). --directions times other
+to clusters (plan.ASSIGNMENTS; each fused row records it as `assign`); --raster: their order
+within a minibatch (plan.RASTERS; recorded as `raster`). --directions times other
 transfer-direction policies too, after every shape's MoK rows (sequential, and fused at the
 settings best for MoK's forward or backward; outputs compared bitwise with that policy's
 sequential layer; rows in results/bench_layer_directions.jsonl, not judged by the bars).
@@ -45,7 +48,7 @@ import sys
 import numpy as np
 
 from mok_proto.config import PAPER_SHAPES, MoEShape, RunConfig, ep_share, get_shape
-from mok_proto.plan import ASSIGNMENTS, DEFAULT_ASSIGN
+from mok_proto.plan import ASSIGNMENTS, DEFAULT_ASSIGN, DEFAULT_RASTER, RASTERS
 
 EP = 64
 BARS = {"fwd": 1.0, "bwd": 1.3}
@@ -156,11 +159,11 @@ def staged_layer(shape, data, policy=None):
     return heap, layer
 
 
-def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, assign=None):
+def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, assign=None, raster=None):
     """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results, fused rows.
     settings: the fused (communication CTAs, minibatch rows) to time, for both passes or as
-    {pass: settings}; policy: the transfers' directions (default MoK's); assign: the fused plans'
-    tile pairs to clusters (plan.ASSIGNMENTS, None: plan.DEFAULT_ASSIGN)."""
+    {pass: settings}; policy: the transfers' directions (default MoK's); assign, raster: the fused
+    plans' tile pairs to clusters and their order (plan.ASSIGNMENTS / plan.RASTERS, None: default)."""
     import cupy
 
     from mok_proto.bench import summarize, time_stages
@@ -191,33 +194,34 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, as
         layer.check()
         blobs[name].append(result_bytes(layer, name))
     results = {"out": layer.output(0).get(), **{k: v.get() for k, v in layer.grads(0).items()}}
-    fused_rows = {pass_: fused(layer, per_pass[pass_], blobs[pass_][0], stats[pass_]["median_ms"], iters, warmup, stream,
-                               trace_to.format(pass_=pass_) if trace_to else None, pass_, assign)
+    fused_rows = {pass_: fused(layer, per_pass[pass_], blobs[pass_][0], graphs[pass_], iters, warmup, stream,
+                               trace_to.format(pass_=pass_) if trace_to else None, pass_, assign, raster)
                   for pass_ in ("fwd", "bwd")}
     layer.close()
     heap.close()
     return stats, stages, {name: b[0] == b[1] for name, b in blobs.items()}, results, fused_rows
 
 
-def fused(layer, settings, sequential_out: bytes, sequential_ms: float, iters, warmup, stream, trace_to,
-          pass_: str = "fwd", assign=None):
+def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmup, stream, trace_to,
+          pass_: str = "fwd", assign=None, raster=None):
     """The fused forward (pass_="bwd": backward) of rank 0 for each (communication CTAs,
-    minibatch rows): graph replays of that pass timed like the sequential one, its results
-    compared bitwise with the sequential pass of this run, and with a second run. The fastest
-    setting is timed again (the figure judged), and once with the timeline recorded; its
-    timeline (one traced eager run) is written to `trace_to` (JSON lines + PNG) when given.
-    assign: the plans' tile pairs to clusters (plan.ASSIGNMENTS, None: plan.DEFAULT_ASSIGN;
-    recorded in each row)."""
-    from mok_proto.bench import summarize, time_stages
+    minibatch rows): graph replays of that pass interleaved with replays of the sequential pass's
+    graph `sequential_graph` (bench.rotating: both under the same clocks; x sequential is the
+    median of the per-iteration ratios), its results compared bitwise with the sequential pass of
+    this run, and with a second run. The fastest setting is timed again (the figure judged), and
+    once with the timeline recorded; its timeline (one traced eager run) is written to `trace_to`
+    (JSON lines + PNG) when given. assign, raster: the plans' tile pairs to clusters and their
+    order (plan.ASSIGNMENTS / plan.RASTERS, None: the plan's default; recorded in each row)."""
+    from mok_proto.bench import paired_ratio, rotating, summarize, time_stages
     from mok_proto.plan import COMM_KINDS, TaskKind
     from mok_proto.results import timeline_summary
 
     def use(comm, minibatch):
         """Set the pass's plan, run one step eagerly (compiles, uploads), return its graph."""
         if pass_ == "fwd":
-            layer.set_forward_plan(layer.fused_forward_plan(comm, minibatch, assign=assign))
+            layer.set_forward_plan(layer.fused_forward_plan(comm, minibatch, assign=assign, raster=raster))
         else:
-            layer.set_backward_plan(layer.fused_backward_plan(comm, minibatch, assign=assign))
+            layer.set_backward_plan(layer.fused_backward_plan(comm, minibatch, assign=assign, raster=raster))
         layer.enqueue_forward()
         layer.enqueue_backward()
         layer.check()
@@ -226,39 +230,47 @@ def fused(layer, settings, sequential_out: bytes, sequential_ms: float, iters, w
         return layer.capture(forward=pass_ == "fwd", backward=pass_ == "bwd")
 
     def timed(graph):
+        """{fused stats, sequential_median_ms, speedup_vs_sequential}: the two graphs interleaved."""
+        runs = {"fused": lambda: graph.launch(stream), "sequential": lambda: sequential_graph.launch(stream)}
         with stream:
-            got = summarize(time_stages(lambda mark: (mark("run"), graph.launch(stream), mark(None)), iters,
-                                        warmup)["run"])
+            samples = time_stages(rotating(runs), iters, warmup)
         layer.check()
-        return got
+        return {**summarize(samples["fused"]), "sequential_median_ms": summarize(samples["sequential"])["median_ms"],
+                "speedup_vs_sequential": paired_ratio(samples["sequential"], samples["fused"])}
+
+    def fused_bytes(graph):
+        """The pass's results after one more replay of the fused graph (the last replay timed may
+        have been the sequential one)."""
+        graph.launch(stream)
+        stream.synchronize()
+        layer.check()
+        return result_bytes(layer, pass_)
 
     rows = []
     for i, (comm, minibatch) in enumerate(settings):
         graph = use(comm, minibatch)
         st = timed(graph)
-        out = [result_bytes(layer, pass_)]
-        graph.launch(stream)
-        stream.synchronize()
-        layer.check()
-        out.append(result_bytes(layer, pass_))
+        out = [fused_bytes(graph), fused_bytes(graph)]
         plan = (layer.fused if pass_ == "fwd" else layer.fused_bwd).plan
         rows.append({"comm_blocks": comm, "minibatch_tokens": minibatch, "num_sms": plan.num_sms,
-                     "assign": plan.assign, **st,
-                     "equal_to_sequential": out[0] == sequential_out, "bitwise_repeat": out[0] == out[1],
-                     "speedup_vs_sequential": sequential_ms / st["median_ms"]})
+                     "assign": plan.assign, "raster": plan.raster, **st,
+                     "equal_to_sequential": out[0] == sequential_out, "bitwise_repeat": out[0] == out[1]})
         print(f"#   fused {pass_} [{i + 1}/{len(settings)}] comm={comm:>2} minibatch={minibatch:>4}: "
-              f"{st['median_ms']:.3f} ms, x sequential {rows[-1]['speedup_vs_sequential']:.2f}, equal "
-              f"{rows[-1]['equal_to_sequential']}", flush=True)
+              f"{st['median_ms']:.3f} ms (sequential interleaved {st['sequential_median_ms']:.3f}), x sequential "
+              f"{st['speedup_vs_sequential']:.2f}, equal {rows[-1]['equal_to_sequential']}", flush=True)
     if rows:  # the fastest median of several is optimistic: the winner is timed once more, and judged on that
         best = min(rows, key=lambda r: r["median_ms"])
         again = timed(use(best["comm_blocks"], best["minibatch_tokens"]))
         best["retimed_median_ms"] = again["median_ms"]
-        best["retimed_speedup_vs_sequential"] = sequential_ms / again["median_ms"]
+        best["retimed_sequential_median_ms"] = again["sequential_median_ms"]
+        best["retimed_speedup_vs_sequential"] = again["speedup_vs_sequential"]
         layer.trace = True  # what recording the timeline costs (off: one branch per task)
         on = timed(use(best["comm_blocks"], best["minibatch_tokens"]))
         best["trace_on_median_ms"] = on["median_ms"]
         print(f"#   fused {pass_} best comm={best['comm_blocks']} minibatch={best['minibatch_tokens']} timed again: "
-              f"{again['median_ms']:.3f} ms; with the timeline recorded: {on['median_ms']:.3f} ms", flush=True)
+              f"{again['median_ms']:.3f} ms (sequential interleaved {again['sequential_median_ms']:.3f}, x "
+              f"{again['speedup_vs_sequential']:.2f}); with the timeline recorded: {on['median_ms']:.3f} ms",
+              flush=True)
         if trace_to:  # the last eager step above was traced
             records = layer.forward_timeline(0, pass_)
             write_timeline(records, trace_to, f"{layer.shape.name}: fused {pass_}, rank 0, "
@@ -462,7 +474,7 @@ def full_output(shape, data, topk, x_all, s1, s2):
     return out.index_add(0, order // k, w[:, None] * y)
 
 
-def directions_rows(name, shape, data, policy, settings, iters, warmup, assign=None) -> list:
+def directions_rows(name, shape, data, policy, settings, iters, warmup, assign=None, raster=None) -> list:
     """Our layer under another direction policy: sequential and fused (the given settings, where
     the policy admits them; tile pairs by `assign`, as ours) for both passes, a line each, rows appended to
     results/bench_layer_directions.jsonl. Returns what failed a check (fused not bitwise equal to
@@ -471,7 +483,7 @@ def directions_rows(name, shape, data, policy, settings, iters, warmup, assign=N
 
     label = ":".join(policy[op] for op in ("dispatch", "combine", "rev_combine", "rev_dispatch"))
     mine, stages, bitwise, _, fused_rows = ours(shape, data, iters, warmup, fused_settings_for(policy, settings),
-                                                None, policy, assign)
+                                                None, policy, assign, raster)
     failed = []
     for pass_ in ("fwd", "bwd"):
         rows = fused_rows[pass_]
@@ -502,6 +514,8 @@ def main():
     p.add_argument("--no-fused", action="store_true", help="sequential and torch rows only")
     p.add_argument("--assign", default=None, choices=ASSIGNMENTS, help="the fused plans' tile pairs to clusters "
                    f"(default {DEFAULT_ASSIGN}; recorded in the fused rows as `assign`)")
+    p.add_argument("--raster", default=None, choices=RASTERS, help="the order of a minibatch's tile pairs in the "
+                   f"fused plans (default {DEFAULT_RASTER}; recorded in the fused rows as `raster`)")
     p.add_argument("--directions", default="mok", help="transfer directions: 'mok' (default), 'all' (the four "
                    "(incoming, outgoing) pairs, the backward mirroring the forward) or dispatch:combine:rev_combine:"
                    "rev_dispatch,... (e.g. push:pull:push:pull). Policies other than MoK's, after every shape's MoK "
@@ -533,7 +547,7 @@ def main():
             tuple(int(v) for v in item.split(":")) for item in args.fused.split(","))
         trace_to = args.timeline.replace("{shape}", name).replace("{git}", git_sha()) if args.timeline else None
         mine, stages, bitwise, got, fused_rows = ours(shape, data, args.iters, args.warmup, settings, trace_to,
-                                                      assign=args.assign)
+                                                      assign=args.assign, raster=args.raster)
         base, ref = torch_pipeline(shape, data, args.iters, args.warmup)
         flops = {"fwd": shape.forward_flops(), "bwd": 2 * shape.forward_flops()}
         sched, sched_exact = schedule_at_ep64(name, args.iters, args.warmup)
@@ -598,7 +612,7 @@ def main():
         data = make_inputs(shape)
         for policy in others:
             failed += directions_rows(name, shape, data, policy, best_settings[name], args.iters, args.warmup,
-                                      args.assign)
+                                      args.assign, args.raster)
     if failed:
         print(f"FAIL: {len(failed)} rows miss a bar or a check: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -2,15 +2,18 @@
 rank's share of EP=64 (the emulation of bench_layer.py: 2 virtual ranks, rank 0 timed).
 
     python scripts/sweep_overlap.py [--shapes kimi-k2.7,...] [--comm 0,4,8,16] [--minibatch 512,1024,2048,4096]
-                                    [--assign round_robin|balanced]
+                                    [--assign round_robin|balanced] [--raster row|col]
 
 Per shape: the sequential forward (graph replays, the reference time), then every grid point of
-the fused forward (graph replays, median; its output compared bitwise with the sequential one),
+the fused forward (graph replays interleaved with the sequential forward's, median; its output
+compared bitwise with the sequential one),
 a progress line per point with the time left; the best point timed again and its in-kernel
 timeline written to results/timeline_fused_fwd_<shape>_<git>.jsonl (+ .png). One JSON line per point
 appended to results/sweep_overlap.jsonl (keys: git, shape, comm_blocks, minibatch_rows, assign
-(--assign: the plans' tile pairs to clusters, plan.ASSIGNMENTS), median_ms, sequential_ms,
-speedup_vs_sequential, equal_to_sequential, bitwise_repeat), the file
+(--assign: the plans' tile pairs to clusters, plan.ASSIGNMENTS), raster (--raster: their order,
+plan.RASTERS), median_ms, sequential_ms (the sequential forward timed alone), sequential_median_ms
+(interleaved with this point), speedup_vs_sequential (median of the per-iteration ratios of the
+interleaved run), equal_to_sequential, bitwise_repeat), the file
 notebooks/overlap_explorer.ipynb overlays on the simulated heatmap. No bars: bench_layer.py
 judges. Exit status: 0, 1 if a point's output differs from the sequential one, 2 without a GPU.
 """
@@ -24,7 +27,7 @@ import time
 from bench_layer import emulated_shape, fused, make_inputs, result_bytes, staged_layer
 
 from mok_proto.config import PAPER_SHAPES
-from mok_proto.plan import ASSIGNMENTS, DEFAULT_ASSIGN
+from mok_proto.plan import ASSIGNMENTS, DEFAULT_ASSIGN, DEFAULT_RASTER, RASTERS
 
 
 def ints(text: str) -> tuple:
@@ -38,6 +41,8 @@ def main():
     p.add_argument("--minibatch", type=ints, default=(512, 1024, 2048, 4096), help="minibatch rows (x256)")
     p.add_argument("--assign", default=None, choices=ASSIGNMENTS,
                    help=f"the fused plans' tile pairs to clusters (default {DEFAULT_ASSIGN})")
+    p.add_argument("--raster", default=None, choices=RASTERS,
+                   help=f"the order of a minibatch's tile pairs (default {DEFAULT_RASTER})")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
@@ -60,8 +65,8 @@ def main():
         stream.synchronize()
         layer.check()
         print(f"# {name}: sequential forward {seq:.3f} ms; {len(grid)} fused points", flush=True)
-        rows = fused(layer, grid, result_bytes(layer, "fwd"), seq, args.iters, args.warmup, stream,
-                     f"results/timeline_fused_fwd_{name}_{git_sha()}.jsonl", "fwd", args.assign)
+        rows = fused(layer, grid, result_bytes(layer, "fwd"), graph, args.iters, args.warmup, stream,
+                     f"results/timeline_fused_fwd_{name}_{git_sha()}.jsonl", "fwd", args.assign, args.raster)
         for row in rows:
             append_result("sweep_overlap", {"shape": name, "comm_blocks": row["comm_blocks"],
                                             "minibatch_rows": row["minibatch_tokens"], "sequential_ms": seq,

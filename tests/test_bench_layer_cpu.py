@@ -60,8 +60,8 @@ def test_directions_rows_report_and_record(monkeypatch, capsys):
     policy = {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
     seen, recorded = [], []
 
-    def fake_ours(shape, data, iters, warmup, settings, trace_to, pol, assign=None):
-        seen.append((settings, trace_to, pol, assign))
+    def fake_ours(shape, data, iters, warmup, settings, trace_to, pol, assign=None, raster=None):
+        seen.append((settings, trace_to, pol, assign, raster))
         row = {"comm_blocks": 0, "minibatch_tokens": 2048, "median_ms": 2.0, "speedup_vs_sequential": 1.05,
                "equal_to_sequential": True, "bitwise_repeat": True}
         return ({p: {"median_ms": 2.1} for p in ("fwd", "bwd")}, {p: {"total": 2.2} for p in ("fwd", "bwd")},
@@ -69,8 +69,9 @@ def test_directions_rows_report_and_record(monkeypatch, capsys):
 
     monkeypatch.setattr(bench_layer, "ours", fake_ours)
     monkeypatch.setattr(mok_proto.bench, "append_result", lambda name, row: recorded.append((name, row)))
-    failed = bench_layer.directions_rows("kimi-k2.7", None, None, policy, ((0, 2048), (8, 2048)), 3, 1, "balanced")
-    assert seen == [({"fwd": ((0, 2048),), "bwd": ((0, 2048),)}, None, policy, "balanced")]
+    failed = bench_layer.directions_rows("kimi-k2.7", None, None, policy, ((0, 2048), (8, 2048)), 3, 1, "balanced",
+                                         "col")
+    assert seen == [({"fwd": ((0, 2048),), "bwd": ((0, 2048),)}, None, policy, "balanced", "col")]
     assert failed == ["kimi-k2.7 bwd directions push:pull:push:pull"]
     assert [(n, r["pass"], r["schedule"]) for n, r in recorded] == [
         ("bench_layer_directions", "fwd", "sequential"), ("bench_layer_directions", "fwd", "fused"),
@@ -78,3 +79,24 @@ def test_directions_rows_report_and_record(monkeypatch, capsys):
     assert all(r["policy"] == policy for _, r in recorded)
     out = capsys.readouterr().out
     assert "directions push:pull:push:pull fwd: sequential 2.100 ms; fused comm=0 minibatch=2048 2.000 ms" in out
+
+
+def test_rotating_interleaves_and_rotates_the_runs():
+    # every run once per iteration, as a stage named after it, the first one moving along each
+    # iteration; paired_ratio: the median of the per-iteration ratios
+    from mok_proto.bench import paired_ratio, rotating
+
+    calls = []
+    enqueue = rotating({name: (lambda name=name: calls.append(("run", name))) for name in ("a", "b", "c")})
+    for _ in range(4):
+        enqueue(lambda stage: calls.append(("mark", stage)))
+    firsts = [calls[i + 1][1] for i in range(0, len(calls), 7)]
+    assert firsts == ["a", "b", "c", "a"]
+    assert calls[:7] == [("mark", "a"), ("run", "a"), ("mark", "b"), ("run", "b"), ("mark", "c"), ("run", "c"),
+                         ("mark", None)]
+    assert calls[7:14] == [("mark", "b"), ("run", "b"), ("mark", "c"), ("run", "c"), ("mark", "a"), ("run", "a"),
+                           ("mark", None)]
+    assert paired_ratio([2.0, 3.0, 10.0], [1.0, 2.0, 2.0]) == 2.0  # (2, 1.5, 5): not 5 / 2 or 3 / 2
+    for bad in (([1.0], [1.0, 2.0]), ([], [])):
+        with pytest.raises(ValueError, match="paired samples"):
+            paired_ratio(*bad)

@@ -75,7 +75,7 @@ def test_a_fused_plan_refuses_a_changed_policy():
 
 
 def test_fused_plans_take_the_assignment():
-    # fused_plan and the layer's plan builders pass `assign` to the plan (None: plan.DEFAULT_ASSIGN)
+    # fused_plan and the layer's plan builders pass `assign` and `raster` to the plan (None: the defaults)
     from types import SimpleNamespace
 
     from mok_proto import plan as P
@@ -93,3 +93,8 @@ def test_fused_plans_take_the_assignment():
             assert made.tasks.tobytes() == built.tasks.tobytes()
         with pytest.raises(ValueError, match="assign must be one of"):
             method(layer, 0, 256, num_sms=8, assign="nope")
+        assert fused_plan(pass_, run, 1024, MOK_POLICY, 0, 256, 8).raster == P.DEFAULT_RASTER
+        for raster in P.RASTERS:  # and `raster` likewise
+            made = fused_plan(pass_, run, 1024, MOK_POLICY, 0, 256, 8, raster=raster)
+            built = method(layer, 0, 256, num_sms=8, raster=raster)
+            assert made.raster == built.raster == raster and made.tasks.tobytes() == built.tasks.tobytes()

@@ -1,5 +1,7 @@
 """Plans: both strategies pass check() on every pass and policy; check() rejects broken plans."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -379,9 +381,9 @@ def cluster_pairs(plan) -> list[list[tuple]]:
     return out
 
 
-def global_order(pass_, comm, minibatch):
+def global_order(pass_, comm, minibatch, raster=None):
     """The global pair order: a plan with one cluster takes every pair, in that order."""
-    (order,) = cluster_pairs(fused_of(pass_, comm, minibatch, num_sms=comm + 2))
+    (order,) = cluster_pairs(fused_of(pass_, comm, minibatch, num_sms=comm + 2, raster=raster))
     return order
 
 
@@ -422,6 +424,40 @@ def test_bad_assign():
     for pass_ in P.PASSES:
         with pytest.raises(ValueError, match="assign must be one of round_robin, balanced"):
             fused_of(pass_, assign="greedy")
+
+
+# ---------------------------------------------------------------------------------------------
+# The order of a minibatch's tile pairs (raster)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pass_", P.PASSES)
+def test_col_raster_reorders_each_minibatch_by_column(pass_):
+    # the same pairs as row order, passing check(); within each (kind, minibatch) the row pair runs
+    # fastest instead of the column tile (the shared expert's pairs likewise, as minibatch -1)
+    wide = dataclasses.replace(TILE, hidden=512, ffn=512)  # 2+ column tiles of every kind
+    row, col = (fused_of(pass_, 2, 512, 8, raster=r, shape=wide) for r in P.RASTERS)
+    col.check()
+    assert (row.raster, col.raster) == P.RASTERS and "raster=col" in col.describe()
+    assert P.DEFAULT_RASTER == fused_of(pass_, 2, 256, 8).raster == "row"
+    orders = {r: cluster_pairs(fused_of(pass_, 2, 512, 4, raster=r, shape=wide))[0]  # one cluster: the global order
+              for r in P.RASTERS}  # 2 row pairs a minibatch
+    assert sorted(orders["row"]) == sorted(orders["col"]) and orders["row"] != orders["col"]
+    data = {P.TaskKind.GATE_UP, P.TaskKind.DOWN, P.TaskKind.SHARED_GATE_UP, P.TaskKind.SHARED_DOWN, P.TaskKind.DOWN_BWD,
+            P.TaskKind.GATE_UP_BWD, P.TaskKind.SHARED_DOWN_BWD, P.TaskKind.SHARED_GATE_UP_BWD}
+    for raster, order in orders.items():
+        groups = {}
+        for kind, minibatch, _, col_tile, _, pair in order:
+            if P.TaskKind(kind) in data:
+                groups.setdefault((kind, minibatch), []).append((pair, col_tile))
+        assert len(groups) > 2
+        for pairs in groups.values():
+            want = sorted(pairs) if raster == "row" else sorted(pairs, key=lambda pc: (pc[1], pc[0]))
+            assert pairs == want
+
+
+def test_bad_raster():
+    for pass_ in P.PASSES:
+        with pytest.raises(ValueError, match="raster must be one of row, col"):
+            fused_of(pass_, raster="diagonal")
 
 
 def test_tile_cost_of_pairs_past_the_expected_rows():

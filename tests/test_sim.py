@@ -762,3 +762,10 @@ def test_timeline_of_a_balanced_plan_is_recognized(h200):
     plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, assign="balanced")
     rebuilt = fused.timeline_plan(_emulated(plan, h200).records(0), KIMI_SHARE)
     assert rebuilt.assign == "balanced" and np.array_equal(rebuilt.tasks, plan.tasks)
+
+
+def test_timeline_of_a_col_raster_plan_is_recognized(h200):
+    # a timeline recorded with the pairs in column order rebuilds to that plan (not the row order's)
+    plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, raster="col")
+    rebuilt = fused.timeline_plan(_emulated(plan, h200).records(0), KIMI_SHARE)
+    assert rebuilt.raster == "col" and np.array_equal(rebuilt.tasks, plan.tasks)

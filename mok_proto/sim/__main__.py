@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fused", action="store_true", help="plan.fused_forward (the forward megakernel's plan)")
     ap.add_argument("--assign", default=None, choices=plans.ASSIGNMENTS,
                     help=f"with --fused: tile pairs to clusters (default {plans.DEFAULT_ASSIGN})")
+    ap.add_argument("--raster", default=None, choices=plans.RASTERS,
+                    help=f"with --fused: the order of a minibatch's tile pairs (default {plans.DEFAULT_RASTER})")
     args = ap.parse_args(argv)
     try:
         if args.validate:
@@ -57,7 +59,8 @@ def main(argv=None) -> int:
             if args.pass_ != "fwd":
                 raise ValueError("--fused simulates the forward")
             p = plans.fused_forward(shape, args.ep, args.comm_sms, args.minibatch, policy=policy,
-                                    num_sms=gpu.num_sms - gpu.num_sms % 2, assign=args.assign)
+                                    num_sms=gpu.num_sms - gpu.num_sms % 2, assign=args.assign,
+                                    raster=args.raster)
         else:
             p = plans.fixed_split(shape, args.ep, args.comm_sms, args.minibatch, pass_=args.pass_, policy=policy,
                                   num_sms=gpu.num_sms)

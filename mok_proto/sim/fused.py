@@ -25,6 +25,7 @@ Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicati
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +59,7 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     records (in the plan's task order, as bench_layer writes them) are: CTAs, communicating CTAs
     (0: the chunks ride on compute CTAs), minibatch rows, capacity, ring and the transfers inside
     from the records; the GEMM order (`lookahead`, where plan.py has it) and the tile pairs'
-    clusters (`assign`) the first that match. Raises ValueError if no plan matches task by task."""
+    clusters (`assign`) and their order (`raster`) the first that match. Raises ValueError if no plan matches task by task."""
     pass_ = timeline_pass(records)
     k = plans.PASS_KINDS[pass_]
     kind = records["kind"]
@@ -82,11 +83,11 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     make = plans.fused_forward if pass_ == "fwd" else plans.fused_backward
     tried = []
     for order in ({},) + tuple({"lookahead": a} for a in range(ring)):
-        for assign in plans.ASSIGNMENTS:
+        for assign, raster in itertools.product(plans.ASSIGNMENTS, plans.RASTERS):
             try:
-                plan = make(*args, **fields, **order, assign=assign)
+                plan = make(*args, **fields, **order, assign=assign, raster=raster)
             except ValueError as e:
-                tried.append(f"{order or 'defaults'}, {assign}: {e}")
+                tried.append(f"{order or 'defaults'}, {assign}, {raster}: {e}")
                 continue
             if len(plan.tasks) == len(records) and all(np.array_equal(plan.tasks[k], records[k]) for k in KEY):
                 return plan
@@ -176,14 +177,16 @@ def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 16), minib
     measured points are the newest git stamp's fused forward rows of bench_layer.jsonl and
     sweep_overlap.jsonl (scripts/sweep_overlap.py) for that shape; points off the grid are dropped,
     and so are points with communicating CTAs measured on the retired bulk-copy ring
-    (params.BULK_MOVER_COMMITS: not the kernel `gpu` simulates)."""
+    (params.BULK_MOVER_COMMITS: not the kernel `gpu` simulates), and points of another tile-pair
+    order than plan.DEFAULT_RASTER (the simulator prices both orders alike)."""
     shape = ep_share(shape_name, EP)
     sim_ms = np.array([[pass_ns(shape, gpu, c, m, gpu.num_sms) / 1e6 for m in minibatches] for c in comm_blocks])
     measured = {}
     for name, mb_key in (("bench_layer", "minibatch_tokens"), ("sweep_overlap", "minibatch_rows")):
         rows = [r for r in results.load(name, results_dir) if r.get("shape") == shape_name
                 and r.get("schedule", "fused") == "fused" and r.get("pass", "fwd") == "fwd"
-                and not (r.get("comm_blocks") and comm_mover_at(r.get("git")) == "bulk")]
+                and not (r.get("comm_blocks") and comm_mover_at(r.get("git")) == "bulk")
+                and r.get("raster", plans.DEFAULT_RASTER) == plans.DEFAULT_RASTER]
         for r in results.newest(rows):
             key = (r["comm_blocks"], r[mb_key])
             if key[0] in comm_blocks and key[1] in minibatches:
