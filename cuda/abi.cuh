@@ -248,7 +248,7 @@ struct Task {
   int      minibatch;  // -1 where none (shared expert, epilogue, weight gradients)
   int      macrobatch;  // weight-gradient tiles: the macrobatch they reduce (0 stores, > 0 adds); -1 elsewhere
   int      row_tile;  // receive-buffer row tile (routed), token row tile (shared, epilogue), weight row tile (wgrad); comm tasks: the chunk of the minibatch
-  int      col_tile;  // output column tile; -1 for comm and epilogue tasks
+  int      col_tile;  // output column tile; comm tasks: the chunks of the minibatch's transfer (row_tile of col_tile); -1 for epilogue tasks
   int      expert;  // local expert of a weight-gradient tile; -1 elsewhere (found on the device)
   int      wait_counter[2];  // -1: no wait
   int      wait_target[2];  // wait until counter >= target
@@ -275,7 +275,6 @@ static_assert(__builtin_offsetof(Counter, kind) == 0 && __builtin_offsetof(Count
 namespace mok::fused {
 struct FusedParams {
   i64          comm_ctas;  // CTAs 0 .. comm_ctas - 1 only communicate (the plan's comm_blocks; 0: none)
-  i64          comm_chunks;  // a minibatch's rows are split into this many chunks (row c, c + chunks, ...)
   i64          num_tasks;  // tasks of the plan (per rank: every rank runs the same plan)
   i64          num_counters;  // ready counters per rank
   i64          minibatch_rows;  // receive rows per minibatch (a multiple of 2 kBM)
@@ -290,9 +289,9 @@ struct FusedParams {
   i64          trace;  // TraceRecord [W][num_tasks] (record_trace)
   ErrorRecord* error;  // this process's error record
 };
-static_assert(sizeof(FusedParams) == 120, "FusedParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(FusedParams) == 112, "FusedParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(FusedParams, comm_ctas) == 0 && __builtin_offsetof(FusedParams, comm_chunks) == 8 && __builtin_offsetof(FusedParams, num_tasks) == 16 && __builtin_offsetof(FusedParams, num_counters) == 24 && __builtin_offsetof(FusedParams, minibatch_rows) == 32 && __builtin_offsetof(FusedParams, ring_rows) == 40 && __builtin_offsetof(FusedParams, record_trace) == 48 && __builtin_offsetof(FusedParams, timeout_ns) == 56 && __builtin_offsetof(FusedParams, tasks) == 64 && __builtin_offsetof(FusedParams, task_begin) == 72 && __builtin_offsetof(FusedParams, comm) == 80 && __builtin_offsetof(FusedParams, gemm) == 88 && __builtin_offsetof(FusedParams, counters) == 96 && __builtin_offsetof(FusedParams, trace) == 104 && __builtin_offsetof(FusedParams, error) == 112, "FusedParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(FusedParams, comm_ctas) == 0 && __builtin_offsetof(FusedParams, num_tasks) == 8 && __builtin_offsetof(FusedParams, num_counters) == 16 && __builtin_offsetof(FusedParams, minibatch_rows) == 24 && __builtin_offsetof(FusedParams, ring_rows) == 32 && __builtin_offsetof(FusedParams, record_trace) == 40 && __builtin_offsetof(FusedParams, timeout_ns) == 48 && __builtin_offsetof(FusedParams, tasks) == 56 && __builtin_offsetof(FusedParams, task_begin) == 64 && __builtin_offsetof(FusedParams, comm) == 72 && __builtin_offsetof(FusedParams, gemm) == 80 && __builtin_offsetof(FusedParams, counters) == 88 && __builtin_offsetof(FusedParams, trace) == 96 && __builtin_offsetof(FusedParams, error) == 104, "FusedParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 struct TraceRecord {

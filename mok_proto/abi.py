@@ -353,7 +353,8 @@ TASK = Struct("Task", (
     ("int", "macrobatch", "weight-gradient tiles: the macrobatch they reduce (0 stores, > 0 adds); -1 elsewhere"),
     ("int", "row_tile", "receive-buffer row tile (routed), token row tile (shared, epilogue), weight row tile "
                         "(wgrad); comm tasks: the chunk of the minibatch"),
-    ("int", "col_tile", "output column tile; -1 for comm and epilogue tasks"),
+    ("int", "col_tile", "output column tile; comm tasks: the chunks of the minibatch's transfer (row_tile of "
+                        "col_tile); -1 for epilogue tasks"),
     ("int", "expert", "local expert of a weight-gradient tile; -1 elsewhere (found on the device)"),
     ("int[2]", "wait_counter", "-1: no wait"),
     ("int[2]", "wait_target", "wait until counter >= target"),
@@ -371,7 +372,6 @@ COUNTER = Struct("Counter", (
 # GEMM params of each launch rank (kFusedGemms per rank, in GemmSlot order).
 FUSED_PARAMS = Struct("FusedParams", (
     ("i64", "comm_ctas", "CTAs 0 .. comm_ctas - 1 only communicate (the plan's comm_blocks; 0: none)"),
-    ("i64", "comm_chunks", "a minibatch's rows are split into this many chunks (row c, c + chunks, ...)"),
     ("i64", "num_tasks", "tasks of the plan (per rank: every rank runs the same plan)"),
     ("i64", "num_counters", "ready counters per rank"),
     ("i64", "minibatch_rows", "receive rows per minibatch (a multiple of 2 kBM)"),

@@ -218,6 +218,7 @@ class Plan:
     counters: np.ndarray  # [num_counters] COUNTER_DTYPE
     assign: str = "round_robin"  # how compute tasks went to CTAs (fused plans: ASSIGNMENTS; others round robin)
     raster: str = "row"  # the order of a minibatch's tile pairs (fused plans: RASTERS; others row)
+    spread_from: int | None = None  # fused plans: outgoing transfers of minibatches >= this one on every CTA
 
     @property
     def kinds(self) -> PassKinds:
@@ -238,8 +239,14 @@ class Plan:
     @property
     def num_chunks(self) -> int:
         """Chunks of a minibatch for communication tasks: one per communicating CTA (a fused plan
-        without communicating CTAs: one per CTA)."""
+        without communicating CTAs: one per CTA); see chunks_of for the spread ones."""
         return self.comm_blocks or self.num_sms
+
+    def chunks_of(self, minibatch: int, outgoing: bool) -> int:
+        """Chunks of one minibatch's incoming or outgoing transfer (a comm task's col_tile): num_chunks,
+        or every CTA's (num_sms) for the outgoing transfer of a minibatch >= spread_from."""
+        spread = outgoing and self.spread_from is not None and minibatch >= self.spread_from
+        return self.num_sms if spread else self.num_chunks
 
     def streams(self) -> list[np.ndarray]:
         """Task indices of each in-order stream, in execution order. A CTA is one stream, except
@@ -271,8 +278,8 @@ class Plan:
     def describe(self) -> str:
         return (f"{self.strategy} {self.pass_}: {self.shape.name} R={self.num_ranks} SMs={self.num_sms} "
                 f"comm={self.comm_blocks} minibatch={self.minibatch_rows} ring={self.ring_minibatches} "
-                f"capacity={self.capacity_rows} assign={self.assign} raster={self.raster} tasks={len(self.tasks)} "
-                f"counters={len(self.counters)}")
+                f"capacity={self.capacity_rows} assign={self.assign} raster={self.raster} spread_from={self.spread_from} "
+                f"tasks={len(self.tasks)} counters={len(self.counters)}")
 
     def block_tables(self) -> list[np.ndarray]:
         """Per-CTA ordered task tables (views of `tasks`)."""
@@ -502,11 +509,12 @@ def fixed_split(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_row
             waits.append(ctr(CounterKind.RELEASED, m - ring))
             if wgrad:
                 waits.append(ctr(CounterKind.WGRAD_DONE, (m - ring) // ring))
-        b.add(c, k.comm_in, waits, [ctr(CounterKind.ARRIVED, m)], minibatch=m, row_tile=c)
+        b.add(c, k.comm_in, waits, [ctr(CounterKind.ARRIVED, m)], minibatch=m, row_tile=c, col_tile=comm_blocks)
 
     def comm_out(c, m):
         b.add(c, k.comm_out, [ctr(CounterKind.SECOND_DONE, m)],
-              [ctr(CounterKind.RELEASED, m), ctr(CounterKind.SLOTS_ARRIVED)], minibatch=m, row_tile=c)
+              [ctr(CounterKind.RELEASED, m), ctr(CounterKind.SLOTS_ARRIVED)], minibatch=m, row_tile=c,
+              col_tile=comm_blocks)
 
     # Tables in CTA order (targets are filled in by build(), once every signal is known).
     for c in range(comm_blocks):
@@ -546,7 +554,7 @@ def inside_kernel(pass_: str, policy: dict) -> tuple[bool, bool]:
 def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int,
                   ring_minibatches: int | None = None, *, policy: dict, num_sms: int,
                   capacity_rows: int | None = None, lookahead: int | None = None, assign: str | None = None,
-                  raster: str | None = None) -> Plan:
+                  raster: str | None = None, spread_from: int | None = None) -> Plan:
     """The forward megakernel's plan (cuda/fused.cuh): CTAs 0 .. comm_blocks - 1 pull the
     dispatched rows of minibatch after minibatch (chunk b of each: CTA b), then push the combine
     of each minibatch once its down tiles are done, a ring slot's next dispatch right after the
@@ -556,6 +564,10 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     (ASSIGNMENTS, default DEFAULT_ASSIGN): which cluster takes each pair, round robin or
     load-balanced (`_assign_clusters`); raster (RASTERS, default DEFAULT_RASTER): the order of a
     minibatch's pairs of one kind, row pair by row pair or column tile by column tile.
+    spread_from (None: no minibatch): the combine of every minibatch >= spread_from is split over
+    all num_sms CTAs (chunk c on CTA c: the communicating CTAs with every warp, the compute CTAs
+    with their spare warps), not just the communicating ones: the last combines run when the
+    GEMM tiles are (nearly) done, so the whole GPU can move them.
     comm_blocks = 0: no CTA is set aside; chunk c of every minibatch goes to CTA c of all
     num_sms, whose spare warps move it while its GEMM tasks run (two independent in-order
     streams per CTA: `Plan.streams`).
@@ -573,12 +585,12 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     (see inside_kernel) those transfers run outside and the ring cannot turn (ring = every
     minibatch)."""
     return _fused("fwd", shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms,
-                  capacity_rows, lookahead, assign, raster)
+                  capacity_rows, lookahead, assign, raster, spread_from)
 
 
 def fused_backward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int, *, policy: dict,
                    num_sms: int, capacity_rows: int | None = None, lookahead: int | None = None,
-                   assign: str | None = None, raster: str | None = None) -> Plan:
+                   assign: str | None = None, raster: str | None = None, spread_from: int | None = None) -> Plan:
     """The backward megakernel's plan (cuda/fused.cuh, fused_backward), the forward's structure
     with the backward's kinds: chunk tasks pull the reverse-combine (w * dout rows, into the
     receive rows) and push the reverse-dispatch (input-gradient rows into the owners' slots);
@@ -589,16 +601,17 @@ def fused_backward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_
     tile) one pair task that stores its fp32 sum over the expert's rows in order: the same sums,
     in the same order, as the sequential launches. One macrobatch: the ring holds every
     minibatch (a smaller ring would need the forward's activations again). The slot sum and
-    d topk_weights run after the kernel. assign, raster: as fused_forward's."""
+    d topk_weights run after the kernel. assign, raster, spread_from (the reverse-dispatch): as
+    fused_forward's."""
     return _fused("bwd", shape, num_ranks, comm_blocks, minibatch_rows, None, policy, num_sms, capacity_rows,
-                  lookahead, assign, raster)
+                  lookahead, assign, raster, spread_from)
 
 
 FUSED_STRATEGIES = {"fwd": "fused_forward", "bwd": "fused_backward"}
 
 
 def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms, capacity_rows,
-           lookahead, assign, raster) -> Plan:
+           lookahead, assign, raster, spread_from) -> Plan:
     assign = DEFAULT_ASSIGN if assign is None else assign
     if assign not in ASSIGNMENTS:
         raise ValueError(f"assign must be one of {', '.join(ASSIGNMENTS)}, got {assign!r}")
@@ -626,6 +639,9 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
     if ring < num_mb and not (comm_in and comm_out):
         raise ValueError(f"a ring of {ring} < {num_mb} minibatches needs {k.in_op} pull and {k.out_op} push (both "
                          f"inside the kernel), got {policy}")
+    if spread_from is not None and not (comm_blocks and comm_out and 0 <= spread_from < num_mb):
+        raise ValueError(f"spread_from ({spread_from}) needs communicating CTAs, the {k.out_op} inside the kernel "
+                         f"(push) and a minibatch in [0, {num_mb})")
     b = _Builder(num_ranks)
     tpm = minibatch_rows // BM
     shared_pairs = _cdiv(shape.num_tokens, PAIR_ROWS) if shape.num_shared else 0
@@ -639,18 +655,25 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
     shared_done = [b.counter(CounterKind.SHARED_DONE, 0)] if wgrad and shared_pairs else []
     data_grad_done = [b.counter(CounterKind.DATA_GRAD_DONE, 0)] if wgrad else []
 
-    for c in range(comm_blocks or num_sms):  # chunk c of every minibatch, on CTA c
+    chunks = comm_blocks or num_sms
+    spread = range(num_mb if spread_from is None else spread_from, num_mb)
+    for c in range(chunks):  # chunk c of every minibatch (of num_chunks), on CTA c
         def comm_in_task(m, c=c):
             waits = [released[m - ring]] if m >= ring else []
-            b.add(c, k.comm_in, waits, [arrived[m]], minibatch=m, row_tile=c)
+            b.add(c, k.comm_in, waits, [arrived[m]], minibatch=m, row_tile=c, col_tile=chunks)
         if comm_in:
             for m in range(min(ring, num_mb)):
                 comm_in_task(m)
         for m in range(num_mb):
             if comm_out:
-                b.add(c, k.comm_out, [second_done[m]], [released[m]] if released else [], minibatch=m, row_tile=c)
+                b.add(c, k.comm_out, [second_done[m]], [released[m]] if released else [], minibatch=m, row_tile=c,
+                      col_tile=num_sms if m in spread else chunks)
             if comm_in and m + ring < num_mb:
                 comm_in_task(m + ring)
+    for c in range(chunks, num_sms):  # the spread minibatches' other chunks: the compute CTAs' spare warps
+        for m in spread:
+            b.add(c, k.comm_out, [second_done[m]], [released[m]] if released else [], minibatch=m, row_tile=c,
+                  col_tile=num_sms)
 
     # Tile pairs in one global order: (kind, row pair, col tile, waits(rt), signals(rt), task fields)
     pairs = []
@@ -694,7 +717,8 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
             b.add(comm_blocks + 2 * cluster + cta, kind, waits(rt), signals(rt), row_tile=rt, col_tile=col, **fields)
     return b.build(pass_=pass_, shape=shape, num_ranks=num_ranks, policy=dict(policy), num_sms=num_sms,
                    comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, ring_minibatches=ring,
-                   capacity_rows=capacity_rows, strategy=FUSED_STRATEGIES[pass_], assign=assign, raster=raster)
+                   capacity_rows=capacity_rows, strategy=FUSED_STRATEGIES[pass_], assign=assign, raster=raster,
+                   spread_from=spread_from)
 
 
 def _assign_clusters(assign: str, pairs: list, clusters: int, cost) -> list[int]:
@@ -753,7 +777,7 @@ def sequential(shape: MoEShape, num_ranks: int, *, pass_: str = "fwd", policy: d
     shared_tiles = _cdiv(shape.num_tokens, BM) if shape.num_shared else 0
     row_tiles = capacity_rows // BM
     # stage: (work items as dicts, is the barrier after it remote)
-    stages = [([dict(kind=k.comm_in, minibatch=0, row_tile=c) for c in range(num_sms)],
+    stages = [([dict(kind=k.comm_in, minibatch=0, row_tile=c, col_tile=num_sms) for c in range(num_sms)],
                CounterKind.ARRIVED in remote)]
     for kind in (k.shared_first, k.shared_second):
         stages.append(([dict(kind=kind, row_tile=r, col_tile=c) for r in range(shared_tiles)
@@ -762,7 +786,7 @@ def sequential(shape: MoEShape, num_ranks: int, *, pass_: str = "fwd", policy: d
                     for c in range(num_col_tiles(k.first, shape))], False))
     stages.append(([dict(kind=k.second, minibatch=0, row_tile=r, col_tile=c) for r in range(row_tiles)
                     for c in range(num_col_tiles(k.second, shape))], CounterKind.SECOND_DONE in remote))
-    stages.append(([dict(kind=k.comm_out, minibatch=0, row_tile=c) for c in range(num_sms)],
+    stages.append(([dict(kind=k.comm_out, minibatch=0, row_tile=c, col_tile=num_sms) for c in range(num_sms)],
                    CounterKind.SLOTS_ARRIVED in remote))
     for kind in k.wgrad:
         rows, cols = wgrad_grid(kind, shape)
@@ -838,7 +862,7 @@ def _expected_keys(plan: Plan) -> np.ndarray:
         return _expected_fused_keys(plan, key)
     for m in range(plan.num_minibatches):
         for kind in (k.comm_in, k.comm_out):
-            keys += [key(kind, m, row_tile=c) for c in range(plan.num_chunks)]
+            keys += [key(kind, m, row_tile=c, col_tile=plan.num_chunks) for c in range(plan.num_chunks)]
         for kind in (k.first, k.second):
             keys += [key(kind, m, row_tile=rt, col_tile=c) for rt in range(m * tpm, (m + 1) * tpm)
                      for c in range(num_col_tiles(kind, shape))]
@@ -867,7 +891,8 @@ def _expected_fused_keys(plan: Plan, key) -> np.ndarray:
     keys = []
     for m in range(plan.num_minibatches):
         for kind, inside in ((k.comm_in, comm_in), (k.comm_out, comm_out)):
-            keys += [key(kind, m, row_tile=c) for c in range(plan.num_chunks)] if inside else []
+            chunks = plan.chunks_of(m, kind == k.comm_out)
+            keys += [key(kind, m, row_tile=c, col_tile=chunks) for c in range(chunks)] if inside else []
         for kind in (k.first, k.second):
             keys += [key(kind, m, row_tile=rt, col_tile=c) for rt in range(m * tpm, (m + 1) * tpm)
                      for c in range(num_col_tiles(kind, shape))]

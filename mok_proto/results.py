@@ -67,7 +67,8 @@ def load_timeline(path: Path | str):
     """A timeline's JSON lines as mok_proto.trace records (TRACE_DTYPE; `kind` is the TaskKind
     name lower-cased in the file), in file order (the plan's task order). The role is the task's
     (comm for a communication task, as GpuMoELayer.forward_timeline records it now; older files
-    gave every task of a compute CTA the compute role, spare warps' transfers included)."""
+    gave every task of a compute CTA the compute role, spare warps' transfers included; files
+    before communication tasks carried their chunk count in col_tile get it from their tasks)."""
     import numpy as np
 
     from mok_proto.plan import COMM_KINDS, TaskKind
@@ -80,6 +81,13 @@ def load_timeline(path: Path | str):
         rec[name] = [int(TaskKind[v.upper()]) for v in values] if name == "kind" else values
     comm = np.isin(rec["kind"], [int(k) for k in COMM_KINDS])
     rec["role"] = np.where(comm, ROLES.index("comm"), ROLES.index("compute"))
+    # files before communication tasks carried their chunk count (col_tile) have -1 there: every
+    # minibatch's transfer then had one chunk per task of it
+    old = np.flatnonzero(comm & (rec["col_tile"] == -1))
+    if len(old):
+        _, inverse, counts = np.unique(np.stack([rec["kind"][old], rec["minibatch"][old]], axis=1), axis=0,
+                                            return_inverse=True, return_counts=True)
+        rec["col_tile"][old] = counts[inverse.ravel()]
     return rec
 
 

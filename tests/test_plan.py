@@ -454,6 +454,35 @@ def test_col_raster_reorders_each_minibatch_by_column(pass_):
             assert pairs == want
 
 
+@pytest.mark.parametrize("pass_", P.PASSES)
+def test_spread_from_splits_the_last_outgoing_transfers_over_every_cta(pass_):
+    # minibatches >= spread_from: one outgoing chunk on every CTA (of num_sms); the others and every
+    # incoming transfer: one on each communicating CTA (of comm_blocks); chunk counts in col_tile
+    base, spread = (fused_of(pass_, 2, 256, 8, spread_from=s) for s in (None, 2))
+    spread.check()
+    assert base.spread_from is None and spread.spread_from == 2 and "spread_from=2" in spread.describe()
+    t, k = spread.tasks, spread.kinds
+    for m in range(spread.num_minibatches):
+        for kind, outgoing in ((k.comm_in, False), (k.comm_out, True)):
+            mine = t[(t["kind"] == int(kind)) & (t["minibatch"] == m)]
+            chunks = 8 if outgoing and m >= 2 else 2
+            assert spread.chunks_of(m, outgoing) == chunks
+            assert sorted(mine["row_tile"].tolist()) == sorted(mine["block"].tolist()) == list(range(chunks))
+            assert set(mine["col_tile"].tolist()) == {chunks}
+    assert np.array_equal(base.tasks[np.isin(base.tasks["kind"], [int(x) for x in P.COMM_KINDS])]["col_tile"],
+                          np.full(int(np.isin(base.tasks["kind"], [int(x) for x in P.COMM_KINDS]).sum()), 2))
+
+
+def test_bad_spread_from():
+    for pass_ in P.PASSES:
+        for comm, spread in ((0, 0), (2, 4), (2, -1)):  # no communicating CTAs; past the 4 minibatches
+            with pytest.raises(ValueError, match="spread_from"):
+                fused_of(pass_, comm, 256, 8, spread_from=spread)
+    with pytest.raises(ValueError, match="spread_from"):  # the combine runs after the kernel (pull)
+        P.fused_forward(TILE, 2, 2, 256, policy={**MOK_POLICY, "combine": "pull"}, num_sms=8, capacity_rows=1024,
+                        spread_from=0)
+
+
 def test_bad_raster():
     for pass_ in P.PASSES:
         with pytest.raises(ValueError, match="raster must be one of row, col"):

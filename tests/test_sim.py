@@ -769,3 +769,30 @@ def test_timeline_of_a_col_raster_plan_is_recognized(h200):
     plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, raster="col")
     rebuilt = fused.timeline_plan(_emulated(plan, h200).records(0), KIMI_SHARE)
     assert rebuilt.raster == "col" and np.array_equal(rebuilt.tasks, plan.tasks)
+
+
+def test_spread_combine_chunks_and_timeline(h200):
+    # a plan that spreads the last combines over every CTA: its chunks move every real row of
+    # each minibatch once (fused_chunk_rows of the outgoing transfer), a chunk on a compute CTA
+    # costs what the same chunk costs in a comm-0 plan (the spare warps), one on a communicating CTA
+    # less (its 12 warps), and its timeline rebuilds to that plan
+    load = fused.emulated_load(KIMI_SHARE)
+    plan = P.fused_forward(KIMI_SHARE, 2, 12, 2048, policy=MOK_POLICY, num_sms=132, spread_from=7)
+    real, _ = model.fused_chunk_rows(plan, load, outgoing=True)
+    whole = model._real_rows_per_minibatch(plan, load)  # [M, R]
+    assert np.array_equal(real.sum(axis=1), whole) and real.shape[1] == 132
+    assert not real[:7, 12:].any() and real[7:, 12:].any()  # chunks past the communicating CTAs' 12: spread ones
+    rec = _emulated(plan, h200).records(0)
+    rebuilt = fused.timeline_plan(rec, KIMI_SHARE)
+    assert rebuilt.spread_from == 7 and np.array_equal(rebuilt.tasks, plan.tasks)
+
+    def chunk_ns(p):  # minibatch 7's combine chunks (row_tile order), as simulated
+        r = _emulated(p, h200).records(0)
+        sel = np.flatnonzero((r["kind"] == int(P.TaskKind.COMBINE)) & (r["minibatch"] == 7))
+        sel = sel[np.argsort(r["row_tile"][sel])]
+        return (r["end_ns"] - r["start_ns"])[sel]
+
+    spread_ns = chunk_ns(plan)
+    comm0_ns = chunk_ns(P.fused_forward(KIMI_SHARE, 2, 0, 2048, policy=MOK_POLICY, num_sms=132))
+    assert len(spread_ns) == len(comm0_ns) == 132
+    assert np.allclose(spread_ns[12:], comm0_ns[12:]) and (spread_ns[:12] < comm0_ns[:12]).all()

@@ -78,7 +78,7 @@ class FusedPass:
         key = (int(comm_params.data.ptr), gemm_words.tobytes(), int(error.ptr), int(timeout_ns), bool(trace))
         if key not in self._params:  # uploaded once per distinct launch (a captured graph never uploads)
             gemms = cupy.asarray(gemm_words)
-            fields = dict(comm_ctas=plan.comm_blocks, comm_chunks=plan.num_chunks, num_tasks=len(plan.tasks),
+            fields = dict(comm_ctas=plan.comm_blocks, num_tasks=len(plan.tasks),
                           num_counters=self.counters.shape[1], minibatch_rows=plan.minibatch_rows,
                           ring_rows=plan.ring_minibatches * plan.minibatch_rows, record_trace=int(bool(trace)),
                           timeout_ns=timeout_ns, tasks=self.tasks, task_begin=self.task_begin, comm=comm_params,

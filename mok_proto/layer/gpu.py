@@ -140,11 +140,12 @@ def receive_capacity(topk_idx_all, num_experts: int) -> int:
 
 def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, comm_blocks: int, minibatch_rows: int,
                num_sms: int, ring_minibatches=None, lookahead: int | None = None, assign: str | None = None,
-               check: bool = False, raster: str | None = None):
+               check: bool = False, raster: str | None = None, spread_from: int | None = None):
     """A plan.fused_forward (pass_="fwd") or plan.fused_backward plan for a layer of `run` with
     `capacity` receive rows (rounded up to whole minibatches) and `num_sms` CTAs per launch rank;
     lookahead, assign (tile pairs to clusters: plan.ASSIGNMENTS, None: plan.DEFAULT_ASSIGN) and raster
-    (the pairs' order: plan.RASTERS, None: plan.DEFAULT_RASTER) as the plan's; check=True also proves it (Plan.check, kept with the plan: a process can build
+    (the pairs' order: plan.RASTERS, None: plan.DEFAULT_RASTER) and spread_from (the minibatches whose
+    outgoing transfer every CTA moves) as the plan's; check=True also proves it (Plan.check, kept with the plan: a process can build
     and check plans for another, e.g. while that one runs the GPU)."""
     from mok_proto import plan as plans
 
@@ -152,13 +153,13 @@ def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, comm_blo
     if pass_ == "fwd":
         made = plans.fused_forward(run.shape, run.num_ranks, comm_blocks, minibatch_rows, ring_minibatches,
                                    policy=policy, num_sms=num_sms, capacity_rows=capacity_rows, lookahead=lookahead,
-                                   assign=assign, raster=raster)
+                                   assign=assign, raster=raster, spread_from=spread_from)
     elif pass_ == "bwd":
         if ring_minibatches is not None:
             raise ValueError("a fused backward plan has no ring_minibatches (its ring holds every minibatch)")
         made = plans.fused_backward(run.shape, run.num_ranks, comm_blocks, minibatch_rows, policy=policy,
                                     num_sms=num_sms, capacity_rows=capacity_rows, lookahead=lookahead, assign=assign,
-                                    raster=raster)
+                                    raster=raster, spread_from=spread_from)
     else:
         raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")
     if check:
@@ -268,25 +269,26 @@ class GpuMoELayer(GpuRound):
 
     def fused_forward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, ring_minibatches=None,
                            num_sms: int | None = None, lookahead: int | None = None, assign: str | None = None,
-                           raster: str | None = None):
+                           raster: str | None = None, spread_from: int | None = None):
         """A fused_forward plan for this layer (its shape, R, policy, capacity) and this GPU (num_sms:
         CTAs per launch rank, by default as many as are resident with every launch rank's); assign:
         tile pairs to clusters (plan.ASSIGNMENTS, None: plan.DEFAULT_ASSIGN); raster: their order
-        (plan.RASTERS, None: plan.DEFAULT_RASTER)."""
+        (plan.RASTERS, None: plan.DEFAULT_RASTER); spread_from: see plan.fused_forward."""
         from mok_proto.kernels.fused import default_num_sms
 
         return fused_plan("fwd", self.run, self.capacity, self.policy, comm_blocks, minibatch_rows,
                           num_sms or default_num_sms(len(self.ranks), "fwd"), ring_minibatches, lookahead, assign,
-                          raster=raster)
+                          raster=raster, spread_from=spread_from)
 
     def fused_backward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, num_sms: int | None = None,
-                            lookahead: int | None = None, assign: str | None = None, raster: str | None = None):
+                            lookahead: int | None = None, assign: str | None = None, raster: str | None = None,
+                            spread_from: int | None = None):
         """A fused_backward plan for this layer and this GPU (as fused_forward_plan)."""
         from mok_proto.kernels.fused import default_num_sms
 
         return fused_plan("bwd", self.run, self.capacity, self.policy, comm_blocks, minibatch_rows,
                           num_sms or default_num_sms(len(self.ranks), "bwd"), lookahead=lookahead, assign=assign,
-                          raster=raster)
+                          raster=raster, spread_from=spread_from)
 
     def _gemm(self, pass_: str, slot: str, r: int):
         """(wrapper, args) of one GEMM of rank r: the GemmSlot `slot` of pass `pass_` (None: there

@@ -7,7 +7,7 @@ emulation of sim/layer.py), times in ns from the first task's start.
 Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicating CTAs.
 
 * `timeline_plan`: the plan a timeline ran (the pass from its task kinds), rebuilt from its records (CTAs, communicating CTAs,
-  minibatch rows, capacity, ring, which transfers ran inside) and checked task by task against
+  minibatch rows, capacity, ring, which transfers ran inside, spread_from) and checked task by task against
   them, so the simulated and the measured records of one plan correspond one to one;
 * `calibrate` (called by params.h200): two parameters from the dispatch tasks of ONE timeline
   (params.H200_CALIBRATION["fused"]): a communicating CTA's copy rate (bytes per second: its warps
@@ -76,8 +76,12 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     if incoming.any() and outgoing.any():  # incoming chunks of the first communicating CTA before its first outgoing
         order = kind[comm & (records["block"] == records["block"][comm][0])]
         ring = int(np.argmax(order == int(k.comm_out)))
-    args = (shape, num_ranks, int(records["block"][~comm].min()), minibatch_rows)
+    comm_blocks = int(records["block"][~comm].min())
+    args = (shape, num_ranks, comm_blocks, minibatch_rows)
     fields = dict(policy=policy, num_sms=int(records["block"].max()) + 1, capacity_rows=num_mb * minibatch_rows)
+    spread = outgoing & (records["block"] >= comm_blocks) if comm_blocks else np.zeros_like(outgoing)
+    if spread.any():  # outgoing chunks on compute CTAs: the spread minibatches (plan spread_from)
+        fields["spread_from"] = int(records["minibatch"][spread].min())
     if pass_ == "fwd":
         args += (ring,)
     make = plans.fused_forward if pass_ == "fwd" else plans.fused_backward

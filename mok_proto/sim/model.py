@@ -190,12 +190,12 @@ def _row_tile_expert(load: Load, plan: Plan, rank: int) -> np.ndarray:
     return np.where(routed & (expert < load.tokens_per_expert.shape[1]), expert, -1)
 
 
-def _transfer_ns(gpu: GpuParams, direction: str, ctas: int, remote, local):
-    """One CTA's share of a row transfer that `ctas` CTAs run at once: remote bytes at its share of
-    the link (capped by what one SM keeps in flight), local bytes at its share of a row-movement
-    kernel's copy rate."""
+def _transfer_ns(gpu: GpuParams, direction: str, ctas, remote, local):
+    """One CTA's share of a row transfer that `ctas` CTAs (a number, or one per row of remote)
+    run at once: remote bytes at its share of the link (capped by what one SM keeps in flight),
+    local bytes at its share of a row-movement kernel's copy rate."""
     link = gpu.link_gbs * gpu.link_efficiency[direction] / ctas
-    link = min(link, gpu.pull_sm_gbs() if direction == "pull" else gpu.sm_push_gbs)
+    link = np.minimum(link, gpu.pull_sm_gbs() if direction == "pull" else gpu.sm_push_gbs)
     return np.maximum(remote / link, gpu.row_copy_ns(local) * ctas)
 
 
@@ -289,24 +289,19 @@ def _real_rows_per_minibatch(plan: Plan, load: Load) -> np.ndarray:
     return np.diff(below, axis=0).astype(np.float64)
 
 
-def comm_chunks(plan: Plan) -> int:
-    """C: the chunks of a minibatch (one per CTA that communicates: row_tile c on CTA c); in a
-    fused plan with comm_blocks == 0 the compute CTAs that carry them."""
-    comm = np.isin(plan.tasks["kind"], COMM_KIND_IDS)
-    return len(np.unique(plan.tasks["row_tile"][comm]))
-
-
-def fused_chunk_rows(plan: Plan, load: Load) -> tuple[np.ndarray, np.ndarray]:
-    """(real, used) rows [M, C, R] that chunk c of minibatch m moves on each rank in the fused
-    kernel: receive rows m MB + c, + C, ... below the padded end (used) and, of those, the rows
-    inside an expert's real rows (real)."""
-    chunks = comm_chunks(plan)
-    c = np.arange(chunks)[None, :, None, None]  # [1, C, 1, 1]
+def fused_chunk_rows(plan: Plan, load: Load, outgoing: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(real, used) rows [M, C, R] that chunk c of minibatch m's incoming (outgoing: outgoing)
+    transfer moves on each rank in the fused kernel, of its C_m = plan.chunks_of(m, outgoing)
+    chunks (C = the largest; chunks c >= C_m move nothing): receive rows m MB + c, + C_m, ...
+    below the padded end (used) and, of those, the rows inside an expert's real rows (real)."""
+    per_mb = np.array([plan.chunks_of(m, outgoing) for m in range(plan.num_minibatches)])
+    chunks = per_mb[:, None, None, None]  # [M, 1, 1, 1]
+    c = np.arange(per_mb.max())[None, :, None, None]  # [1, C, 1, 1]
     lo = (np.arange(plan.num_minibatches) * plan.minibatch_rows)[:, None, None, None]  # [M, 1, 1, 1]
     hi = lo + plan.minibatch_rows
 
-    def count(a, b):  # rows i in [a, b) with i % C == c
-        return np.maximum((np.maximum(a, b) - c - 1) // chunks - (a - c - 1) // chunks, 0)
+    def count(a, b):  # rows i in [a, b) with i % C_m == c (none for c >= C_m)
+        return np.maximum((np.maximum(a, b) - c - 1) // chunks - (a - c - 1) // chunks, 0) * (c < chunks)
 
     start = load.expert_offsets[None, None, :, :-1]  # [1, 1, R, El]
     end = start + load.tokens_per_expert[None, None]
@@ -320,17 +315,26 @@ def _fused_chunk_ns(plan: Plan, gpu: GpuParams, load: Load, kind: TaskKind, sel:
     row_bytes = plan.shape.hidden * ELEM_BYTES
     gpu.fused_chunk_copy_ns(plan.comm_blocks, 0, row_bytes)  # raises without a copy rate for this plan
     t = plan.tasks
-    real, used = fused_chunk_rows(plan, load)
+    outgoing = kind == plan.kinds.comm_out
+    real, used = fused_chunk_rows(plan, load, outgoing)
     # the incoming transfer (dispatch; backward: reverse-combine) fills every receive row below the
     # padded end (zero rows for padding), the outgoing one (combine; reverse-dispatch) the real ones
-    rows = (used if kind == plan.kinds.comm_in else real)[t["minibatch"][sel], t["row_tile"][sel]]  # [n, R]
+    rows = (real if outgoing else used)[t["minibatch"][sel], t["row_tile"][sel]]  # [n, R]
     moved = rows * row_bytes
     local = moved * load.local_fraction[None, :]
     direction = plan.policy[OPERATOR_OF[kind]]
-    link = _transfer_ns(gpu, direction, comm_chunks(plan), moved - local, local)
+    link = _transfer_ns(gpu, direction, t["col_tile"][sel, None], moved - local, local)  # col_tile: its chunks
     rtt = gpu.rtt_ns * ((direction == "pull") & (moved > local))
-    copy = gpu.fused_chunk_copy_ns(plan.comm_blocks, rows, row_bytes)
-    return gpu.fused_task_ns(plan.comm_blocks) + np.maximum(copy, link) + rtt
+    # the mover: a communicating CTA's warps, or a compute CTA's spare warps (comm_blocks 0, or a
+    # transfer spread over every CTA: plan.spread_from)
+    on_comm = np.broadcast_to(t["block"][sel, None] < plan.comm_blocks, rows.shape)
+    copy, fixed = np.zeros(rows.shape), np.zeros(rows.shape)
+    for comm, movers in ((True, plan.comm_blocks), (False, 0)):
+        mine = on_comm == comm
+        if mine.any():
+            copy[mine] = gpu.fused_chunk_copy_ns(movers, rows[mine], row_bytes)
+            fixed[mine] = gpu.fused_task_ns(movers)
+    return fixed + np.maximum(copy, link) + rtt
 
 
 def _outside_transfer_ns(plan: Plan, gpu: GpuParams, load: Load, direction: str, rows: np.ndarray) -> np.ndarray:
@@ -393,11 +397,11 @@ def _counter_delays(plan: Plan, gpu: GpuParams) -> np.ndarray:
 
 def _streams(plan: Plan) -> np.ndarray:
     """[num_tasks] the in-order stream of every task: 2 x its CTA, + 1 for the communication tasks
-    of a fused plan with comm_blocks == 0 (spare warps of a compute CTA run them beside its GEMM
-    tasks, each kind in table order)."""
+    of a compute CTA of a fused plan (comm_blocks == 0, or the spread transfers: the spare warps
+    of a compute CTA run them beside its GEMM tasks, each kind in table order)."""
     t = plan.tasks
-    spare = is_fused(plan) and plan.comm_blocks == 0
-    return 2 * t["block"].astype(np.int64) + (spare & np.isin(t["kind"], COMM_KIND_IDS))
+    spare = is_fused(plan) & (t["block"] >= plan.comm_blocks) & np.isin(t["kind"], COMM_KIND_IDS)
+    return 2 * t["block"].astype(np.int64) + spare
 
 
 def _steps(plan: Plan, stream: np.ndarray) -> tuple[list, list]:

@@ -6,7 +6,8 @@ plans) against the sequential GPU layer, bitwise.
     python tests/mpi_programs/check_fused_layer.py --backend virtual --ranks 4 --backward --replays 20
 
 Per case and policy: the sequential forward + backward, then for every knob setting (communication
-CTAs, minibatch rows, ring) the fused forward (+ the sequential backward on its cache): the output,
+CTAs, minibatch rows, ring, lookahead, raster, spread_from) the fused forward (+ the sequential
+backward on its cache): the output,
 the slot rows, the shared expert's rows, the forward's cache (receive, g, u, h, y rows) and every
 gradient are bitwise equal to the sequential run's; with a ring smaller than the minibatches
 (no cache kept) the output and slot rows are, and a backward is refused. NaN-poisoned buffers
@@ -54,10 +55,11 @@ CACHE = ("recv", "g", "u", "h", "y")  # the activations the backward reads
 
 def knob_settings(max_ctas: int):
     """(comm CTAs (0: the spare warps of every CTA), minibatch rows, ring minibatches or None = every
-    minibatch, lookahead)."""
+    minibatch, lookahead, other plan knobs: raster, spread_from (the combines every CTA moves))."""
     big = min(32, max_ctas - 2)
-    return [(0, 256, None, 1), (2, 256, None, 0), (8, 768, None, 1), (big, 512, None, 2), (0, 512, None, 0),
-            (2, 256, 2, 1), (0, 256, 1, 0)]
+    return [(0, 256, None, 1, {}), (2, 256, None, 0, {}), (8, 768, None, 1, {"spread_from": 0}),
+            (big, 512, None, 2, {"raster": "col"}), (0, 512, None, 0, {"raster": "col"}), (2, 256, 2, 1, {}),
+            (0, 256, 1, 0, {}), (2, 256, 2, 1, {"spread_from": 0})]
 
 
 def forward_bytes(layer, rank, keys) -> bytes:
@@ -92,7 +94,8 @@ def run(layer, heap, backward: bool, graph=None):
     return out
 
 
-BACKWARD_KNOBS = ((0, 256), (2, 512), (8, 768))  # (comm CTAs, minibatch rows) of the fused backward
+# (comm CTAs, minibatch rows, other plan knobs) of the fused backward
+BACKWARD_KNOBS = ((0, 256, {}), (2, 512, {"spread_from": 0}), (8, 768, {"raster": "col"}))
 
 
 def digest(comm, per_rank: dict) -> str:
@@ -113,17 +116,19 @@ def check_backward(layer, heap, name, max_ctas, policies, replays) -> tuple[int,
         layer.set_forward_plan(None)
         layer.set_backward_plan(None)
         want = run(layer, heap, backward=True)
-        for comm_ctas, minibatch in BACKWARD_KNOBS:
+        for comm_ctas, minibatch, knobs in BACKWARD_KNOBS:
             comm_ctas = min(comm_ctas, max_ctas - 2)
             if comm_ctas and not any(inside_kernel("bwd", policy)):
                 continue  # nothing to move inside the kernel: no communicating CTAs
-            layer.set_backward_plan(layer.fused_backward_plan(comm_ctas, minibatch))
+            if "spread_from" in knobs and not inside_kernel("bwd", policy)[1]:
+                continue  # only a reverse-dispatch inside the kernel (push) is spread
+            layer.set_backward_plan(layer.fused_backward_plan(comm_ctas, minibatch, **knobs))
             for fused_forward in (False, True):
                 layer.set_forward_plan(layer.fused_forward_plan(0, 256) if fused_forward else None)
                 got = run(layer, heap, backward=True)
                 for rank in layer.ranks:
                     assert got[rank]["grads"] == want[rank]["grads"], (
-                        f"{name} rank {rank} {policy} fused backward comm={comm_ctas} minibatch={minibatch} "
+                        f"{name} rank {rank} {policy} fused backward comm={comm_ctas} minibatch={minibatch} {knobs} "
                         f"(forward {'fused' if fused_forward else 'sequential'}): gradients differ from sequential")
                 settings += 1
     layer.policy = dict(MOK_POLICY)
@@ -163,13 +168,15 @@ def check_case(heap, comm, name, case_id, replays, policies, backward_policies):
         layer.policy = dict(policy)
         layer.set_forward_plan(None)
         want = run(layer, heap, backward=True)
-        for comm_ctas, minibatch, ring, lookahead in knob_settings(max_ctas):
+        for comm_ctas, minibatch, ring, lookahead, knobs in knob_settings(max_ctas):
             if comm_ctas and not any(inside_kernel("fwd", policy)):
                 continue  # nothing to move inside the kernel: no communicating CTAs (plan.fused_forward)
+            if "spread_from" in knobs and not inside_kernel("fwd", policy)[1]:
+                continue  # only a combine inside the kernel (push) is spread
             full_ring = ring is None
             if not full_ring and not (policy["dispatch"] == "pull" and policy["combine"] == "push"):
                 continue  # the ring turns only with both transfers inside the kernel (plan.fused_forward)
-            plan = layer.fused_forward_plan(comm_ctas, minibatch, ring, lookahead=lookahead)
+            plan = layer.fused_forward_plan(comm_ctas, minibatch, ring, lookahead=lookahead, **knobs)
             layer.set_forward_plan(plan)
             got = run(layer, heap, backward=full_ring)
             if not full_ring:  # the ring kept no activations: a backward is refused, not run on stale rows
@@ -181,7 +188,7 @@ def check_case(heap, comm, name, case_id, replays, policies, backward_policies):
                     raise AssertionError("a backward after a ring forward was not refused")
             for rank in layer.ranks:
                 what = f"{name} rank {rank} {policy} comm={comm_ctas} minibatch={minibatch} ring={ring} " \
-                       f"lookahead={lookahead}"
+                       f"lookahead={lookahead} {knobs}"
                 assert got[rank]["fwd"] == want[rank]["fwd"], f"{what}: fused output differs from sequential"
                 if full_ring:
                     assert got[rank]["cache"] == want[rank]["cache"], f"{what}: fused cache differs"
