@@ -104,9 +104,10 @@ struct Ctx {
 // record naming the counter, its target and the task) after timeout_ns, or at once once any
 // error is recorded (the kernel then winds down: later tasks move and load nothing).
 // The spin reads relaxed, backing off from kSpinMinNs to kSpinMaxNs between reads, and acquires
-// once (fence) when the target is seen. Measured (H200, comm 12, 2026-12-01): spare warps of
-// every compute CTA spinning on an ld.acquire with 64 ns sleeps for most of the kernel made the
-// fused forward ~11% slower.
+// once (fence) when the target is seen. Measured (H200, 2026-12-01): with an ld.acquire spin and
+// 64 ns sleeps, the spare warps of every compute CTA waiting for most of the kernel made its GEMM
+// tiles 10-15% slower (comm 0), and a comm-12 forward's span 10-11% longer when they waited for
+// spread combines.
 constexpr unsigned kSpinMinNs = 64, kSpinMaxNs = 1024;
 
 __device__ __forceinline__ bool wait_task(const Ctx& c, const Task& t, int index) {
@@ -135,7 +136,7 @@ __device__ __forceinline__ bool wait_task(const Ctx& c, const Task& t, int index
 // One thread, after the task's rows are stored (and, by the caller's barrier, everyone's): the
 // release add orders every write before the barrier (its own and, cumulatively, the other
 // threads') before the count (PTX memory model; the pattern of CUTLASS's semaphores). A
-// __threadfence() before it was not needed and cost 0.5-1.3% (12 of 12 fused passes, comm 0,
+// __threadfence() before it was not needed and cost 0.4-2.2% (12 of 12 fused passes, comm 0,
 // kimi and deepseek, H200 2026-12-01).
 __device__ __forceinline__ void signal_task(const Ctx& c, const Task& t) {
   for (int i = 0; i < 2; ++i)
