@@ -121,8 +121,9 @@ struct Workers {
 
 // The caller's share in a standalone kernel, whose blocks (per launch rank: blockIdx.x of
 // gridDim.x) split all the work between them (grid_*) or whose block does it all (block_*).
-// Building blocks never call these: they take their Workers from the caller, so a persistent
-// kernel can give them any split of its blocks.
+// Only kernel bodies (and helpers that serve only them, as sum_checking_slots) call these:
+// building blocks take their Workers from the caller, so a persistent kernel can give them any
+// split of its blocks.
 __device__ __forceinline__ Workers grid_threads() {
   return {static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), static_cast<int>(gridDim.x * blockDim.x)};
 }

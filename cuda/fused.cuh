@@ -13,8 +13,9 @@
 // Legend: R ranks, El local experts, MB minibatch rows, W launch ranks (grid.y), B = kBM rows.
 //
 // Roles: CTA b of a launch rank runs tasks[task_begin[b] .. task_begin[b + 1]) in order. CTAs
-// below comm_ctas only communicate (every warp moves rows through registers); with
-// comm_ctas = 0 the spare warps of every CTA move its chunks while the CTA's GEMMs run. The others run
+// below comm_ctas only communicate (every warp moves rows through registers); the spare warps of
+// a compute CTA move the chunks in its table (every chunk with comm_ctas = 0; with comm_ctas > 0
+// those of a transfer the plan spreads over every CTA) while the CTA's GEMMs run. The others run
 // GEMM tiles with the building blocks of gemm.cuh (its producer warpgroup and two consumer
 // warpgroups), in 2-CTA clusters: the plan gives both CTAs of a cluster the same tile at the same
 // position of their tables, CTA `cta` taking 128-row tile 2p + cta of row pair p, so the pair
@@ -106,7 +107,7 @@ struct Ctx {
 // The spin reads relaxed, backing off from kSpinMinNs to kSpinMaxNs between reads, and acquires
 // once (fence) when the target is seen. Measured (H200, 2026-12-01): with an ld.acquire spin and
 // 64 ns sleeps, the spare warps of every compute CTA waiting for most of the kernel made its GEMM
-// tiles 10-15% slower (comm 0), and a comm-12 forward's span 10-11% longer when they waited for
+// tiles 10-15% slower (comm 0), and a comm-12 forward's span 9-13% longer when they waited for
 // spread combines.
 constexpr unsigned kSpinMinNs = 64, kSpinMaxNs = 1024;
 

@@ -46,6 +46,7 @@ import numpy as np
 
 from mok_proto import abi
 from mok_proto.config import OPERATORS, MoEShape
+from mok_proto.validate import check_int
 
 BM = abi.CONST["kBM"]  # GEMM tile rows (receive rows per row tile)
 BN = abi.CONST["kBN"]  # GEMM tile columns; a gate/up tile holds 128 gate + 128 up columns -> 128 columns of h
@@ -278,8 +279,8 @@ class Plan:
     def describe(self) -> str:
         return (f"{self.strategy} {self.pass_}: {self.shape.name} R={self.num_ranks} SMs={self.num_sms} "
                 f"comm={self.comm_blocks} minibatch={self.minibatch_rows} ring={self.ring_minibatches} "
-                f"capacity={self.capacity_rows} assign={self.assign} raster={self.raster} spread_from={self.spread_from} "
-                f"tasks={len(self.tasks)} counters={len(self.counters)}")
+                f"capacity={self.capacity_rows} assign={self.assign} raster={self.raster} "
+                f"spread_from={self.spread_from} tasks={len(self.tasks)} counters={len(self.counters)}")
 
     def block_tables(self) -> list[np.ndarray]:
         """Per-CTA ordered task tables (views of `tasks`)."""
@@ -563,7 +564,9 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     gate/up (after its rows arrived), then down (after its row tile's gate/up tiles). assign
     (ASSIGNMENTS, default DEFAULT_ASSIGN): which cluster takes each pair, round robin or
     load-balanced (`_assign_clusters`); raster (RASTERS, default DEFAULT_RASTER): the order of a
-    minibatch's pairs of one kind, row pair by row pair or column tile by column tile.
+    minibatch's pairs of one kind (and of the shared expert's), row pair by row pair or column
+    tile by column tile; the backward's weight-gradient pairs keep their order (expert, row pair,
+    column tile) either way.
     spread_from (None: no minibatch): the combine of every minibatch >= spread_from is split over
     all num_sms CTAs (chunk c on CTA c: the communicating CTAs with every warp, the compute CTAs
     with their spare warps), not just the communicating ones: the last combines run when the
@@ -639,7 +642,8 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
     if ring < num_mb and not (comm_in and comm_out):
         raise ValueError(f"a ring of {ring} < {num_mb} minibatches needs {k.in_op} pull and {k.out_op} push (both "
                          f"inside the kernel), got {policy}")
-    if spread_from is not None and not (comm_blocks and comm_out and 0 <= spread_from < num_mb):
+    spread_ok = spread_from is None or comm_blocks and comm_out and 0 <= check_int(spread_from, "spread_from") < num_mb
+    if not spread_ok:
         raise ValueError(f"spread_from ({spread_from}) needs communicating CTAs, the {k.out_op} inside the kernel "
                          f"(push) and a minibatch in [0, {num_mb})")
     b = _Builder(num_ranks)
@@ -657,6 +661,10 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
 
     chunks = comm_blocks or num_sms
     spread = range(num_mb if spread_from is None else spread_from, num_mb)
+    def comm_out_task(c, m):
+        b.add(c, k.comm_out, [second_done[m]], [released[m]] if released else [], minibatch=m, row_tile=c,
+              col_tile=num_sms if m in spread else chunks)
+
     for c in range(chunks):  # chunk c of every minibatch (of num_chunks), on CTA c
         def comm_in_task(m, c=c):
             waits = [released[m - ring]] if m >= ring else []
@@ -666,14 +674,12 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
                 comm_in_task(m)
         for m in range(num_mb):
             if comm_out:
-                b.add(c, k.comm_out, [second_done[m]], [released[m]] if released else [], minibatch=m, row_tile=c,
-                      col_tile=num_sms if m in spread else chunks)
+                comm_out_task(c, m)
             if comm_in and m + ring < num_mb:
                 comm_in_task(m + ring)
     for c in range(chunks, num_sms):  # the spread minibatches' other chunks: the compute CTAs' spare warps
         for m in spread:
-            b.add(c, k.comm_out, [second_done[m]], [released[m]] if released else [], minibatch=m, row_tile=c,
-                  col_tile=num_sms)
+            comm_out_task(c, m)
 
     # Tile pairs in one global order: (kind, row pair, col tile, waits(rt), signals(rt), task fields)
     pairs = []

@@ -25,7 +25,8 @@ the same way for each (communication CTAs, minibatch rows) setting (--sweep: a g
 progress line each), its replays interleaved with the sequential forward's (the H200's SM clock
 moves under its power cap within 100 ms: x sequential is the median of the per-iteration
 ratios; `sequential_median_ms` is the sequential pass of that interleaved run), its output
-compared bitwise with the sequential forward of the same run (`equal_to_sequential`); the best setting per shape is timed once more and judged on that
+compared bitwise with the sequential forward of the same run (`equal_to_sequential`); the best
+setting per shape (the largest x sequential: best_row) is timed once more and judged on that
 against FUSED_BARS (issues: the forward and the backward megakernel), and its timeline written
 under results/ (JSON lines + PNG). The fused backward likewise (pass "bwd": its gradients
 compared bitwise with the sequential backward's). --assign: how the fused plans' tile pairs go
@@ -258,8 +259,8 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
         print(f"#   fused {pass_} [{i + 1}/{len(settings)}] comm={comm:>2} minibatch={minibatch:>4}: "
               f"{st['median_ms']:.3f} ms (sequential interleaved {st['sequential_median_ms']:.3f}), x sequential "
               f"{st['speedup_vs_sequential']:.2f}, equal {rows[-1]['equal_to_sequential']}", flush=True)
-    if rows:  # the fastest median of several is optimistic: the winner is timed once more, and judged on that
-        best = min(rows, key=lambda r: r["median_ms"])
+    if rows:  # the best of several is optimistic: the winner is timed once more, and judged on that
+        best = best_row(rows)
         again = timed(use(best["comm_blocks"], best["minibatch_tokens"]))
         best["retimed_median_ms"] = again["median_ms"]
         best["retimed_sequential_median_ms"] = again["sequential_median_ms"]
@@ -285,6 +286,12 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
     layer.set_forward_plan(None)
     layer.set_backward_plan(None)
     return rows
+
+
+def best_row(rows: list) -> dict:
+    """The fused setting with the largest x sequential (each setting's ratio comes from its own
+    interleaved run; medians of settings timed one after the other differ by the clock's moves)."""
+    return max(rows, key=lambda r: r["speedup_vs_sequential"])
 
 
 def write_timeline(records, path, title):
@@ -581,7 +588,7 @@ def main():
         for pass_, rows in fused_rows.items():
             if not rows:
                 continue
-            best = min(rows, key=lambda r: r["median_ms"])
+            best = best_row(rows)
             ceiling = overlap_ceiling(stages[pass_], pass_)
             for row in rows:
                 append_result("bench_layer", {"shape": name, "pass": pass_, "ep": EP, "schedule": "fused",
@@ -606,7 +613,7 @@ def main():
                   f"{all(r['equal_to_sequential'] for r in rows)}", flush=True)
         best_settings[name] = tuple(dict.fromkeys((r["comm_blocks"], r["minibatch_tokens"])
                                                   for rows in fused_rows.values() if rows
-                                                  for r in [min(rows, key=lambda r: r["median_ms"])]))
+                                                  for r in [best_row(rows)]))
     for name in args.shapes.split(",") if others else ():  # after every shape's MoK rows are recorded
         shape = emulated_shape(name)
         data = make_inputs(shape)

@@ -100,3 +100,75 @@ def test_rotating_interleaves_and_rotates_the_runs():
     for bad in (([1.0], [1.0, 2.0]), ([], [])):
         with pytest.raises(ValueError, match="paired samples"):
             paired_ratio(*bad)
+
+
+def test_fused_times_each_setting_against_the_sequential_pass(monkeypatch):
+    """bench_layer.fused on stand-ins for the layer, its graphs and the event timing: each setting
+    interleaved with the sequential graph, x sequential the median of the per-iteration ratios,
+    the best setting the largest ratio (not the smallest median: the two settings ran under other
+    clocks), its results read after a replay of its own graph."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import mok_proto.bench
+
+    # ms of (stage, setting) per iteration: setting 2 ran under slower clocks (both graphs slower)
+    # but gains more over the sequential pass than setting 0
+    ms = {("fused", 0): [2.0, 2.0, 2.2], ("sequential", 0): [2.1, 2.1, 2.2],
+          ("fused", 2): [2.1, 2.1, 2.3], ("sequential", 2): [2.4, 2.4, 2.5]}
+
+    class Layer:
+        trace, last, fused = False, None, None
+
+        def fused_forward_plan(self, comm, minibatch, assign=None, raster=None):
+            return SimpleNamespace(comm=comm, num_sms=8, assign=assign or "round_robin", raster=raster or "row")
+
+        def set_forward_plan(self, plan):
+            self.fused = None if plan is None else SimpleNamespace(plan=plan)
+
+        def set_backward_plan(self, plan):
+            assert plan is None
+
+        def enqueue_forward(self):
+            pass
+
+        enqueue_backward = check = enqueue_forward
+
+        def capture(self, forward=True, backward=True):
+            return Graph(self, "fused", self.fused.plan.comm)
+
+    class Graph:
+        def __init__(self, layer, name, comm):
+            self.layer, self.name, self.comm = layer, name, comm
+
+        def launch(self, stream):
+            self.layer.last = (self.name, self.comm)
+
+    def fake_time_stages(enqueue, iters, warmup):
+        samples = {}
+        for i in range(iters):
+            marks = []
+            enqueue(lambda stage: marks.append((stage, layer.last)))
+            for stage, _ in marks[:-1]:
+                comm = layer.fused.plan.comm
+                samples.setdefault(stage, []).append(ms[(stage, comm)][i])
+        return samples
+
+    layer = Layer()
+    sequential_graph = Graph(layer, "sequential", None)
+    monkeypatch.setattr(mok_proto.bench, "time_stages", fake_time_stages)
+    monkeypatch.setattr(bench_layer, "result_bytes",
+                        lambda lay, pass_: b"fused bits" if lay.last[0] == "fused" else b"sequential bits")
+    class Stream(contextlib.nullcontext):
+        def synchronize(self):
+            pass
+
+    rows = bench_layer.fused(layer, [(0, 256), (2, 256)], b"fused bits", sequential_graph, 3, 1, Stream(), None,
+                             "fwd", raster="col")
+    by_comm = {r["comm_blocks"]: r for r in rows}
+    assert by_comm[0]["speedup_vs_sequential"] == pytest.approx(2.1 / 2.0)  # median of 1.05, 1.05, 1.0
+    assert by_comm[2]["speedup_vs_sequential"] == pytest.approx(2.4 / 2.1)
+    assert by_comm[0]["median_ms"] == 2.0 and by_comm[2]["sequential_median_ms"] == 2.4
+    assert all(r["equal_to_sequential"] and r["bitwise_repeat"] and r["raster"] == "col" for r in rows)
+    assert "retimed_median_ms" in by_comm[2] and "retimed_median_ms" not in by_comm[0]  # the larger ratio
+    assert bench_layer.best_row(rows) is by_comm[2]

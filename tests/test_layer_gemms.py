@@ -75,7 +75,7 @@ def test_a_fused_plan_refuses_a_changed_policy():
 
 
 def test_fused_plans_take_the_assignment():
-    # fused_plan and the layer's plan builders pass `assign` and `raster` to the plan (None: the defaults)
+    # fused_plan and the layer's plan builders pass `assign`, `raster` and `spread_from` to the plan
     from types import SimpleNamespace
 
     from mok_proto import plan as P
@@ -98,3 +98,6 @@ def test_fused_plans_take_the_assignment():
             made = fused_plan(pass_, run, 1024, MOK_POLICY, 0, 256, 8, raster=raster)
             built = method(layer, 0, 256, num_sms=8, raster=raster)
             assert made.raster == built.raster == raster and made.tasks.tobytes() == built.tasks.tobytes()
+        made = fused_plan(pass_, run, 1024, MOK_POLICY, 2, 256, 8, spread_from=1)  # and `spread_from`
+        built = method(layer, 2, 256, num_sms=8, spread_from=1)
+        assert made.spread_from == built.spread_from == 1 and made.tasks.tobytes() == built.tasks.tobytes()

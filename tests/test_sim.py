@@ -270,6 +270,24 @@ def test_fused_timeline_is_the_plan_it_ran(h200):
         fused.timeline_plan(shuffled, KIMI_SHARE)
 
 
+def test_old_timeline_files_get_their_chunk_counts(tmp_path):
+    # files written before communication tasks carried their chunk count (col_tile -1 there): each
+    # (kind, minibatch) transfer had one chunk per task of it; GEMM tasks keep their column tile
+    plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, spread_from=8)
+    rows = []
+    for t in plan.tasks:
+        kind = P.TaskKind(int(t["kind"]))
+        col = -1 if kind in P.COMM_KINDS else int(t["col_tile"])
+        rows.append({"rank": 0, "block": int(t["block"]), "role": 0, "kind": kind.name.lower(),
+                     "minibatch": int(t["minibatch"]), "expert": -1, "row_tile": int(t["row_tile"]), "col_tile": col,
+                     "start_ns": 0.0, "end_ns": 1.0})
+    path = tmp_path / "timeline_fused_fwd_kimi-k2.7_old.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rec = results.load_timeline(path)
+    assert np.array_equal(rec["col_tile"], plan.tasks["col_tile"])  # 8 per chunk, 132 for minibatches >= 8
+    assert set(rec["col_tile"][_comm(rec)].tolist()) == {8, 132}
+
+
 def test_validate_fused_rows(h200):
     rows = [r for r in validate.h200_rows(h200) if r.group == "h200 fused"]
     for git in ("62f5296", "1685ef1"):  # the calibration timelines: the bulk ring's (comm 8), the warp movers' (comm 12)

@@ -176,10 +176,11 @@ FUSED_BENCH = ("bench_layer", "bench_layer_1685ef1")
 # Fused forward passes whose measurement holds what the model leaves out: (file, comm_blocks) -> why
 # (fixed here, like LAYER_EXPLAINED).
 FUSED_BENCH_EXPLAINED = {
-    ("bench_layer_1685ef1", 0): "comm 0 in this run: kimi and deepseek ran 17% over the model, cause not "
-                                "established (timings bimodal by up to 13%, no clocks logged; glm gate/up tiles "
-                                "78-89 us at comm 0 against 68-71 at comm 8: README, "
-                                "results/runs/1685ef1/ab_h200.txt); ec6738a's comm-0 passes are judged",
+    ("bench_layer_1685ef1", 0): "comm 0 in this run: kimi and deepseek ran 17% over the model: the spare warps "
+                                "of all 132 CTAs spun on ld.acquire with 64 ns sleeps, which slowed the GEMM "
+                                "tiles 10-15% (fixed at e48bf6e; comm-0 x sequential kimi 0.84 -> 0.98, glm 0.87 "
+                                "-> 1.02 in one process each: results/runs/e48bf6e/ab_h200.txt, run 5); the model "
+                                "has no cost for spinning; ec6738a's comm-0 passes are judged",
 }
 
 

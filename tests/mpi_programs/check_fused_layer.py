@@ -122,7 +122,9 @@ def check_backward(layer, heap, name, max_ctas, policies, replays) -> tuple[int,
                 continue  # nothing to move inside the kernel: no communicating CTAs
             if "spread_from" in knobs and not inside_kernel("bwd", policy)[1]:
                 continue  # only a reverse-dispatch inside the kernel (push) is spread
-            layer.set_backward_plan(layer.fused_backward_plan(comm_ctas, minibatch, **knobs))
+            plan = layer.fused_backward_plan(comm_ctas, minibatch, **knobs)
+            assert all(getattr(plan, key) == value for key, value in knobs.items()), (plan.describe(), knobs)
+            layer.set_backward_plan(plan)
             for fused_forward in (False, True):
                 layer.set_forward_plan(layer.fused_forward_plan(0, 256) if fused_forward else None)
                 got = run(layer, heap, backward=True)
@@ -177,6 +179,7 @@ def check_case(heap, comm, name, case_id, replays, policies, backward_policies):
             if not full_ring and not (policy["dispatch"] == "pull" and policy["combine"] == "push"):
                 continue  # the ring turns only with both transfers inside the kernel (plan.fused_forward)
             plan = layer.fused_forward_plan(comm_ctas, minibatch, ring, lookahead=lookahead, **knobs)
+            assert all(getattr(plan, key) == value for key, value in knobs.items()), (plan.describe(), knobs)
             layer.set_forward_plan(plan)
             got = run(layer, heap, backward=full_ring)
             if not full_ring:  # the ring kept no activations: a backward is refused, not run on stale rows
