@@ -497,7 +497,8 @@ def directions_rows(name, shape, data, policy, settings, iters, warmup, assign=N
         line = f"#   directions {label} {pass_}: sequential {mine[pass_]['median_ms']:.3f} ms"
         for r in rows:
             line += (f"; fused comm={r['comm_blocks']} minibatch={r['minibatch_tokens']} {r['median_ms']:.3f} ms "
-                     f"(x {r['speedup_vs_sequential']:.2f}, equal {r['equal_to_sequential']})")
+                     f"against {r['sequential_median_ms']:.3f} interleaved (x {r['speedup_vs_sequential']:.2f}, "
+                     f"equal {r['equal_to_sequential']})")
         print(line, flush=True)
         if not bitwise[pass_] or not all(r["equal_to_sequential"] and r["bitwise_repeat"] for r in rows):
             failed.append(f"{name} {pass_} directions {label}")

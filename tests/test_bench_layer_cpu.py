@@ -62,7 +62,8 @@ def test_directions_rows_report_and_record(monkeypatch, capsys):
 
     def fake_ours(shape, data, iters, warmup, settings, trace_to, pol, assign=None, raster=None):
         seen.append((settings, trace_to, pol, assign, raster))
-        row = {"comm_blocks": 0, "minibatch_tokens": 2048, "median_ms": 2.0, "speedup_vs_sequential": 1.05,
+        row = {"comm_blocks": 0, "minibatch_tokens": 2048, "median_ms": 2.0, "sequential_median_ms": 2.1,
+               "speedup_vs_sequential": 1.05,
                "equal_to_sequential": True, "bitwise_repeat": True}
         return ({p: {"median_ms": 2.1} for p in ("fwd", "bwd")}, {p: {"total": 2.2} for p in ("fwd", "bwd")},
                 {"fwd": True, "bwd": True}, None, {"fwd": [row], "bwd": [dict(row, equal_to_sequential=False)]})
@@ -78,7 +79,8 @@ def test_directions_rows_report_and_record(monkeypatch, capsys):
         ("bench_layer_directions", "bwd", "sequential"), ("bench_layer_directions", "bwd", "fused")]
     assert all(r["policy"] == policy for _, r in recorded)
     out = capsys.readouterr().out
-    assert "directions push:pull:push:pull fwd: sequential 2.100 ms; fused comm=0 minibatch=2048 2.000 ms" in out
+    assert ("directions push:pull:push:pull fwd: sequential 2.100 ms; fused comm=0 minibatch=2048 2.000 ms against "
+            "2.100 interleaved (x 1.05") in out
 
 
 def test_rotating_interleaves_and_rotates_the_runs():
