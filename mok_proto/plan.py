@@ -626,6 +626,7 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
         if raster == "row":
             return [(p, col) for p in row_pairs for col in range(cols)]
         return [(p, col) for col in range(cols) for p in row_pairs]
+
     capacity_rows = capacity_rows or default_capacity(shape, num_ranks, minibatch_rows)
     num_mb = capacity_rows // minibatch_rows if minibatch_rows > 0 else 0
     ring = min(ring_minibatches or num_mb, max(num_mb, 1))  # a ring of every minibatch never turns
