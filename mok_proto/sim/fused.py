@@ -14,7 +14,8 @@ Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicati
   copy rows through registers, since aceb6ae) and the fixed cost of a communication task; the
   same two of the retired bulk-copy ring (per row, for measurements before aceb6ae:
   params.BULK_MOVER_COMMITS) from H200_CALIBRATION["fused_bulk"]; and the spare warps' copy rate
-  from the dispatch tasks of one comm_blocks == 0 timeline (H200_CALIBRATION["fused_spare"]). The combine tasks (the same
+  (per byte) and task cost from the dispatch tasks of one comm_blocks == 0 timeline of a kernel whose
+  counter waits back off (H200_CALIBRATION["fused_spare"]; params.wait_spin_at). The combine tasks (the same
   copies the other way), the GEMM tiles, the compute end, the kernel end and every other
   timeline stay predictions;
 * `simulate_timeline`: the simulated timeline of the plan a measured one ran;
@@ -36,7 +37,7 @@ from mok_proto.config import MOK_POLICY, MoEShape, ep_share, get_shape
 from mok_proto.plan import BM, PAIR_ROWS, TaskKind
 from mok_proto.sim import layer
 from mok_proto.sim.model import COMM_KIND_IDS, ELEM_BYTES, SimResult, fused_chunk_rows, simulate
-from mok_proto.sim.params import H200_CALIBRATION, GpuParams, comm_mover_at
+from mok_proto.sim.params import H200_CALIBRATION, GpuParams, comm_mover_at, spare_warps_spun, wait_spin_at
 
 EP = 64  # bench_layer emulates one rank of EP=64
 BENCH_CAPACITY = 1.15  # scripts/bench_layer.py sizes the layer for 1.15 N K receive rows
@@ -103,14 +104,15 @@ def calibrate(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> GpuParams:
     """`gpu` with the in-kernel copy costs fitted on dispatch tasks (`_fit_dispatch`): comm_task_ns
     + bytes / comm_cta_gbs on the communicating CTAs (warp movers) of timeline
     H200_CALIBRATION["fused"], bulk_task_ns + rows x bulk_row_ns on those (bulk ring) of
-    H200_CALIBRATION["fused_bulk"], and spare_task_ns + rows x spare_row_ns on the spare warps of
+    H200_CALIBRATION["fused_bulk"], and spare_task_ns + bytes / spare_cta_gbs on the spare warps of
     H200_CALIBRATION["fused_spare"]."""
     fits = {what: _fit_dispatch(Path(results_dir) / H200_CALIBRATION[what], mover)
             for what, mover in (("fused", "warps"), ("fused_bulk", "bulk"), ("fused_spare", "spare"))}
     (fixed, row_ns), row_bytes = fits["fused"]
+    (spare_fixed, spare_row_ns), spare_row_bytes = fits["fused_spare"]
     return dataclasses.replace(gpu, comm_cta_gbs=row_bytes / row_ns, comm_task_ns=fixed,
                                bulk_task_ns=fits["fused_bulk"][0][0], bulk_row_ns=fits["fused_bulk"][0][1],
-                               spare_task_ns=fits["fused_spare"][0][0], spare_row_ns=fits["fused_spare"][0][1])
+                               spare_task_ns=spare_fixed, spare_cta_gbs=spare_row_bytes / spare_row_ns)
 
 
 def _fit_dispatch(path: Path, mover: str) -> tuple[tuple[float, float], int]:
@@ -119,10 +121,12 @@ def _fit_dispatch(path: Path, mover: str) -> tuple[tuple[float, float], int]:
     (model.fused_chunk_rows on the emulated load: full chunks of MB / C rows, the partial chunk of
     the last used minibatch, empty chunks past the padded rows). A dispatch chunk of a full ring
     waits for nothing, so its bar is its copy. One timeline has one row size, so its ns per row is
-    also a rate per byte (row bytes / ns per row: the warp movers' comm_cta_gbs). mover: what the
-    timeline must have run (params.COMM_MOVERS, or "spare": comm_blocks == 0, the spare warps of
-    compute CTAs move the chunks); a communicating CTA's mover is the file's git stamp's
-    (GpuParams.recorded_at)."""
+    also a rate per byte (row bytes / ns per row: the warp movers' comm_cta_gbs, the spare warps'
+    spare_cta_gbs). mover: what the timeline must have run (params.COMM_MOVERS, or "spare":
+    comm_blocks == 0, the spare warps of compute CTAs move the chunks); a communicating CTA's mover
+    is the file's git stamp's (GpuParams.recorded_at). A spare-warp timeline must come from a kernel
+    whose counter waits back off (params.wait_spin_at): the model stands for that kernel, and with
+    the acquire spin the spare warps' passes ran slower (params.spare_warps_spun)."""
     if not path.exists():
         raise ValueError(f"no {path}: the fused forward's in-kernel copy calibration needs it")
     records = results.load_timeline(path)
@@ -133,6 +137,9 @@ def _fit_dispatch(path: Path, mover: str) -> tuple[tuple[float, float], int]:
     if ran != mover:
         raise ValueError(f"{path.name}: comm_blocks={plan.comm_blocks} at {git or 'no git stamp'} ran the {ran} "
                          f"movers, but this calibration needs the {mover} ones")
+    if mover == "spare" and spare_warps_spun(git, plan.comm_blocks, plan.spread_from):
+        raise ValueError(f"{path.name}: its kernel ({git or 'no git stamp'}) ran the {wait_spin_at(git)} spin, "
+                         "but the spare warps' calibration needs one whose counter waits back off")
     _, used = fused_chunk_rows(plan, emulated_load(shape))
     sel = records["kind"] == int(TaskKind.DISPATCH)
     rows = used[records["minibatch"][sel], records["row_tile"][sel], 0].astype(np.float64)
@@ -147,7 +154,7 @@ def describe_calibration(gpu: GpuParams) -> str:
             f"({H200_CALIBRATION['fused']} dispatch tasks); before aceb6ae (bulk ring) bulk_row_ns "
             f"{gpu.bulk_row_ns:.0f} ns per row per CTA ({bulk_bytes / gpu.bulk_row_ns:.1f} GB/s with "
             f"{bulk_bytes // 1024} KB rows) and bulk_task_ns {gpu.bulk_task_ns / 1e3:.2f} us "
-            f"({H200_CALIBRATION['fused_bulk']} dispatch tasks); spare warps {gpu.spare_row_ns:.0f} ns per row per CTA "
+            f"({H200_CALIBRATION['fused_bulk']} dispatch tasks); spare warps {gpu.spare_cta_gbs:.2f} GB/s per CTA "
             f"and {gpu.spare_task_ns / 1e3:.2f} us per task ({H200_CALIBRATION['fused_spare']} dispatch tasks)")
 
 

@@ -19,7 +19,9 @@ kernel and the publish of dy_slots before, the slot sum and topk_weight_grad aft
 
 * GEMM tile: 2*BM*BN*k / (the problem's tile rate per SM under sustained load, GpuParams.tile_ns);
   tiles past the rank's padded rows take no time; a weight-gradient tile's k is its expert's rows
-  (per macrobatch; a fused backward has one), the shared expert's N tokens.
+  (per macrobatch; a fused backward has one), the shared expert's N tokens. The same rate beside a
+  fused plan's copies: no cost for the spare warps' copies on the tiles beside them, nor for a
+  counter wait's spin (sim.validate: NOT MODELED, and the acquire-spin rule, params.WAIT_SPINS).
 * communication chunk (1/comm_blocks of a minibatch's rows): remote bytes at the link's rate
   (push or pull efficiency) shared by the communicating CTAs, capped per SM (a pull keeps one
   window in flight per round trip), local bytes at a row-movement kernel's copy rate
@@ -28,8 +30,8 @@ kernel and the publish of dy_slots before, the slot sum and topk_weight_grad aft
   backward's reverse-combine is modeled as the forward's dispatch, its reverse-dispatch as the combine):
   the fixed cost of a task plus its rows at one CTA's in-kernel copy rate (GpuParams.fused_task_ns,
   fused_chunk_copy_ns: a communicating CTA's warps at comm_cta_gbs per byte, or, for kernels
-  before aceb6ae, comm_mover "bulk", bulk_row_ns per row; spare warps beside GEMM tiles
-  spare_row_ns per row), or slower where the CTAs' share of the link or of HBM is; the incoming
+  before aceb6ae, comm_mover "bulk", bulk_row_ns per row; spare warps beside GEMM tiles at
+  spare_cta_gbs per byte), or slower where the CTAs' share of the link or of HBM is; the incoming
   transfer (PassKinds.comm_in) moves every row below the padded end (a padding row stores the zero
   row), the outgoing one only the real rows.
 * epilogue tile: reads K slot rows (+ the shared row), writes one row: HBM traffic at the rate of

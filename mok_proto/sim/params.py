@@ -35,8 +35,9 @@ H200_CALIBRATION = {
     "fused": "timeline_fused_fwd_kimi-k2.7_1685ef1.jsonl",
     # ... the retired bulk-copy ring's (comm_mover "bulk", timelines before aceb6ae): of this one
     "fused_bulk": "timeline_fused_fwd_kimi-k2.7_62f5296.jsonl",
-    # ... and the spare warps' copy rate (comm_blocks == 0): the dispatch tasks of this one (b905f19)
-    "fused_spare": "timeline_fused_fwd_kimi-k2.7_b905f19.jsonl",
+    # ... and the spare warps' copy rate (comm_blocks == 0): the dispatch tasks of this one (e48bf6e, the
+    # kernel whose counter waits back off: WAIT_SPINS; until then the b905f19 comm-0 timeline's)
+    "fused_spare": "timeline_fused_fwd_kimi-k2.7_e48bf6e.jsonl",
 }
 ROW_MOVES = (("dispatch", "pull"), ("combine", "push"), ("combine", "pull"))  # row_move's bench_comm stages
 TOKEN_TRAFFIC = ("gather_sum", "scatter", "stream")  # access patterns of the token kernels (GpuParams.token_kernel_ns)
@@ -54,6 +55,35 @@ BULK_MOVER_COMMITS = ("9ca73bf", "5022408", "62f5296", "a679599", "b905f19", "ec
 def comm_mover_at(git: str | None) -> str:
     """The communicating CTAs' mover (COMM_MOVERS) of the kernel a measurement stamped `git` ran."""
     return "bulk" if git in BULK_MOVER_COMMITS else "warps"
+
+
+# How the fused kernel's counter waits spin (fused::wait_task): "acquire" (every kernel before e48bf6e:
+# ld.acquire.gpu with 64 ns sleeps) or "backoff" (since e48bf6e: relaxed loads, 64 ns to 1 us of backoff,
+# one acquire fence). Measurements stamped with one of ACQUIRE_SPIN_COMMITS (every git stamp in results/
+# older than e48bf6e) ran the acquire spin; any other stamp, and what sim.h200() predicts, the backoff
+# (`wait_spin_at`). The model has no cost for spinning: it stands for the backoff kernel. With the acquire
+# spin, a pass whose compute CTAs' spare warps move rows (comm_blocks == 0, or a plan's spread_from) ran
+# slower: the spare warps of every CTA spin for most of the kernel, and the GEMM tiles beside them slowed
+# (A/B, one process per variant, results/runs/e48bf6e/ab_h200.txt run 5, x sequential interleaved, acquire
+# against backoff: comm-0 forward kimi 0.843 against 0.978, glm 0.872 against 1.016, qwen 0.975 against
+# 1.029; comm-0 backward kimi 0.935 against 1.002, glm 0.965 against 1.043, qwen 0.968 against 1.027; the
+# comm-12 forward spreading its last combines kimi 0.787 against 0.932; comm 12 without spreading unchanged:
+# kimi 0.922 against 0.925, glm 0.933 against 0.931). sim.validate does not judge such measurements
+# (`spare_warps_spun`): it prints them as "explained", error and MISS shown.
+WAIT_SPINS = ("acquire", "backoff")
+ACQUIRE_SPIN_COMMITS = BULK_MOVER_COMMITS + ("1685ef1",)
+
+
+def wait_spin_at(git: str | None) -> str:
+    """How the counter waits of the kernel a measurement stamped `git` ran spin (WAIT_SPINS)."""
+    return "acquire" if git in ACQUIRE_SPIN_COMMITS else "backoff"
+
+
+def spare_warps_spun(git: str | None, comm_blocks: int, spread_from: int | None = None) -> bool:
+    """Whether a fused measurement stamped `git` ran the acquire spin (wait_spin_at) in a pass whose compute
+    CTAs' spare warps move rows (comm_blocks == 0, or outgoing transfers spread over every CTA): a pass
+    the model, with no cost for spinning, predicts short (the comment on WAIT_SPINS)."""
+    return wait_spin_at(git) == "acquire" and (not comm_blocks or spread_from is not None)
 
 
 @dataclass(frozen=True)
@@ -103,11 +133,16 @@ class GpuParams:
     comm_task_ns: float = 0.0
     bulk_row_ns: float = 0.0
     bulk_task_ns: float = 0.0
-    # The spare warps of a compute CTA copying rows through registers beside its GEMM tiles (fused
-    # plans with comm_blocks == 0): also per row (measured, b905f19 dispatch chunks: kimi 14 KB rows
-    # 1.80 us, glm 12 KB rows 1.74 us per row and CTA: a row's time hardly depends on its size),
-    # plus a fixed cost per task. h200: fitted by sim.fused.calibrate on one such timeline.
-    spare_row_ns: float = 0.0
+    # The spare warps of a compute CTA (3 warps of its producer warpgroup, fused plans with comm_blocks
+    # == 0 or a spread outgoing transfer) copying rows through registers beside its GEMM tiles
+    # (chunk_task<kSideWarps, kSideUnroll>): like the communicating CTAs' warps, per byte, spare_cta_gbs
+    # per CTA, plus spare_task_ns per task. h200: fitted by sim.fused.calibrate on one such timeline
+    # (H200_CALIBRATION["fused_spare"]: kimi's 14 KB rows at e48bf6e, ~7 GB/s and ~2.4 us). Measured
+    # (e48bf6e, comm 0, median busy dispatch chunk of ~15 rows): kimi and deepseek (14 KB rows) 32.8-32.9 us,
+    # glm (12 KB) 30.7 us, qwen (8 KB) 20.4 us: qwen's chunk is 0.62x kimi's, as its bytes (plus the fixed
+    # part), not its rows, say. (Until e48bf6e this was a time per row, fitted on b905f19's kimi chunks
+    # of 8 rows at minibatch 1024: 1.80 us per row, which puts qwen's e48bf6e chunks 50% over.)
+    spare_cta_gbs: float = 0.0
     spare_task_ns: float = 0.0
     note: str = ""
 
@@ -158,17 +193,17 @@ class GpuParams:
 
     def fused_chunk_copy_ns(self, comm_blocks: int, rows, row_bytes: int):
         """One CTA copying `rows` rows of `row_bytes` bytes inside the fused kernel, its copy alone
-        (the task's fixed part: fused_task_ns): spare warps (comm_blocks == 0) and the bulk ring per
-        row, the warp movers per byte (the comment on comm_mover). Raises ValueError when the
-        mover's rate is not set."""
-        rate = (self.spare_row_ns if not comm_blocks else
+        (the task's fixed part: fused_task_ns): spare warps (comm_blocks == 0) and the warp movers
+        per byte, the bulk ring per row (the comments on comm_mover and spare_cta_gbs). Raises
+        ValueError when the mover's rate is not set."""
+        rate = (self.spare_cta_gbs if not comm_blocks else
                 self.comm_cta_gbs if self.comm_mover == "warps" else self.bulk_row_ns)
         if rate <= 0:
             raise ValueError(f"{self.name}: no in-kernel copy rate for a fused plan with comm_blocks={comm_blocks} "
-                             f"(comm_mover {self.comm_mover!r}: GpuParams.comm_cta_gbs / bulk_row_ns / spare_row_ns)")
-        if comm_blocks and self.comm_mover == "warps":
-            return rows * row_bytes / rate
-        return rows * rate
+                             f"(comm_mover {self.comm_mover!r}: GpuParams.comm_cta_gbs / bulk_row_ns / spare_cta_gbs)")
+        if comm_blocks and self.comm_mover == "bulk":
+            return rows * rate
+        return rows * row_bytes / rate
 
     def recorded_at(self, git: str) -> "GpuParams":
         """These parameters with the mover of the kernel a measurement stamped `git` ran: "bulk"
@@ -357,7 +392,7 @@ def gb300_nvl72(h200_params: GpuParams | None = None) -> GpuParams:
         # Through an NVLink switch a load round trip is longer than on a direct H200 pair: assumed
         # 1.5 us; each peer's signal is one ordered remote store behind a fence: one round trip.
         rtt_ns=1500.0, signal_ns_per_peer=1500.0,
-        # The fused kernel's per-CTA copy rates (comm_cta_gbs, comm_task_ns, bulk_*, spare_row_ns, spare_task_ns)
+        # The fused kernel's per-CTA copy rates (comm_cta_gbs, comm_task_ns, bulk_*, spare_cta_gbs, spare_task_ns)
         # carry over unchanged (assumed): one CTA's copies are bound by its issue rate and latency, not
         # by HBM or the link (their shares still cap them, and a remote pull pays a round trip:
         # model._fused_chunk_ns).
