@@ -181,25 +181,36 @@ def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: i
     return schedule + simulate(plan, one, emulated_load(shape)).time_ns
 
 
+# bench_layer's result files with fused rows (passes as graph replays): the running file, 1685ef1's
+# rows (the first run of the warp movers) and e48bf6e's (the first run whose counter waits back off;
+# each fused setting's median timed interleaved with the sequential pass, bench.rotating), each kept in
+# a file of its own. validate.fused_rows judges the newest rows of each; measured_grid shows the newest.
+FUSED_BENCH = ("bench_layer", "bench_layer_1685ef1", "bench_layer_e48bf6e")
+
+
 def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 16), minibatches=(512, 1024, 2048, 4096),
                   results_dir=results.RESULTS_DIR):
     """The fused forward pass on the H200 over communication CTAs x minibatch rows for one shape:
     (simulated ms [len(comm_blocks), len(minibatches)], {(comm, minibatch): measured ms}). The
-    measured points are the newest git stamp's fused forward rows of bench_layer.jsonl and
-    sweep_overlap.jsonl (scripts/sweep_overlap.py) for that shape; points off the grid are dropped,
+    measured points are the newest run's fused forward rows for that shape among FUSED_BENCH's files
+    and sweep_overlap.jsonl (scripts/sweep_overlap.py); points off the grid are dropped,
     and so are points with communicating CTAs measured on the retired bulk-copy ring
-    (params.BULK_MOVER_COMMITS: not the kernel `gpu` simulates), and points of another tile-pair
-    order than plan.DEFAULT_RASTER (the simulator prices both orders alike)."""
+    (params.BULK_MOVER_COMMITS: not the kernel `gpu` simulates), points whose spare warps ran the
+    retired acquire spin (params.spare_warps_spun), and points of another tile-pair order than
+    plan.DEFAULT_RASTER (the simulator prices both orders alike)."""
     shape = ep_share(shape_name, EP)
     sim_ms = np.array([[pass_ns(shape, gpu, c, m, gpu.num_sms) / 1e6 for m in minibatches] for c in comm_blocks])
+    rows = []
+    for name in FUSED_BENCH + ("sweep_overlap",):
+        mb_key = "minibatch_rows" if name == "sweep_overlap" else "minibatch_tokens"
+        rows += [dict(r, minibatch=r[mb_key]) for r in results.load(name, results_dir) if r.get("shape") == shape_name
+                 and r.get("schedule", "fused") == "fused" and r.get("pass", "fwd") == "fwd"
+                 and not (r.get("comm_blocks") and comm_mover_at(r.get("git")) == "bulk")
+                 and not spare_warps_spun(r.get("git"), r.get("comm_blocks"), r.get("spread_from"))
+                 and r.get("raster", plans.DEFAULT_RASTER) == plans.DEFAULT_RASTER]
     measured = {}
-    for name, mb_key in (("bench_layer", "minibatch_tokens"), ("sweep_overlap", "minibatch_rows")):
-        rows = [r for r in results.load(name, results_dir) if r.get("shape") == shape_name
-                and r.get("schedule", "fused") == "fused" and r.get("pass", "fwd") == "fwd"
-                and not (r.get("comm_blocks") and comm_mover_at(r.get("git")) == "bulk")
-                and r.get("raster", plans.DEFAULT_RASTER) == plans.DEFAULT_RASTER]
-        for r in results.newest(rows):
-            key = (r["comm_blocks"], r[mb_key])
-            if key[0] in comm_blocks and key[1] in minibatches:
-                measured[key] = r["median_ms"]
+    for r in results.newest(rows):
+        key = (r["comm_blocks"], r["minibatch"])
+        if key[0] in comm_blocks and key[1] in minibatches:
+            measured[key] = r["median_ms"]
     return sim_ms, measured

@@ -172,11 +172,7 @@ FUSED_MEDIANS = ((TaskKind.COMBINE, "combine chunk"), (TaskKind.GATE_UP, "gate_u
 # The timelines of params.H200_CALIBRATION whose dispatch tasks fit in-kernel copy parameters: key -> those parameters.
 FUSED_FITS = {"fused": "comm_cta_gbs, comm_task_ns", "fused_bulk": "bulk_row_ns, bulk_task_ns",
               "fused_spare": "spare_cta_gbs, spare_task_ns"}
-# bench_layer's result files whose newest fused forward rows are compared (passes as graph replays): the
-# running file, 1685ef1's rows (the first run of the warp movers) and e48bf6e's (the first run whose counter
-# waits back off; each fused setting's median timed interleaved with the sequential pass, bench.rotating),
-# each kept in a file of its own.
-FUSED_BENCH = ("bench_layer", "bench_layer_1685ef1", "bench_layer_e48bf6e")
+FUSED_BENCH = fused.FUSED_BENCH  # bench_layer's result files whose newest fused forward rows are compared
 # Fused forward passes whose measurement holds what the model leaves out: (file, comm_blocks) -> why
 # (fixed here, like LAYER_EXPLAINED). None today: the comm-0 passes of 1685ef1 (kimi -16.7%, deepseek
 # -17.3%), of ec6738a and the other kernels before e48bf6e fall under the acquire-spin rule (SPUN).
