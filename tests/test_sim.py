@@ -667,6 +667,31 @@ def test_measured_grid_takes_the_newest_fused_points(h200, tmp_path):
     assert sim_ms.shape == (2, 2) and np.isfinite(sim_ms).all() and (sim_ms > 0.5).all()
 
 
+def test_measured_grid_takes_the_newest_run_over_the_bench_files(h200, tmp_path):
+    # the newest run among FUSED_BENCH's files and sweep_overlap.jsonl (its minibatch key is
+    # minibatch_rows), after dropping the points whose spare warps ran the acquire spin: 1685ef1's
+    # comm-0 row is the newest row of all, and left out
+    from mok_proto.sim import fused as sim_fused
+
+    def write(name, rows):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(dict(shape="kimi-k2.7", **r)) + "\n" for r in rows))
+
+    fused_row = dict(schedule="fused", minibatch_tokens=2048)
+    write("bench_layer", [dict(git="old", time="2026-12-01T07:00:00", schedule="fused", comm_blocks=0,
+                               minibatch_tokens=1024, median_ms=9.0)])
+    write("bench_layer_e48bf6e", [dict(git="e48bf6e", time="2026-12-01T08:00:00", comm_blocks=0, median_ms=2.9,
+                                       **fused_row),
+                                  dict(git="e48bf6e", time="2026-12-01T08:00:20", comm_blocks=12, median_ms=3.0,
+                                       **fused_row)])
+    write("bench_layer_1685ef1", [dict(git="1685ef1", time="2026-12-01T09:00:00", comm_blocks=0, median_ms=3.7,
+                                       **fused_row)])
+    write("sweep_overlap", [dict(git="e48bf6e", time="2026-12-01T08:00:10", comm_blocks=8, minibatch_rows=1024,
+                                 median_ms=2.95)])
+    assert sim_fused.FUSED_BENCH == validate.FUSED_BENCH and "bench_layer_e48bf6e" in sim_fused.FUSED_BENCH
+    _, measured = sim_fused.measured_grid("kimi-k2.7", h200, (0, 8, 12), (1024, 2048), tmp_path)
+    assert measured == {(0, 2048): 2.9, (12, 2048): 3.0, (8, 1024): 2.95}
+
+
 def test_timeline_summary_counts_overlapping_tiles_once():
     """Three compute lanes and one comm task, rows out of order: lane 0's tiles overlap (loads
     under the previous epilogue) and one lies inside another, each instant counted once (busy 1.0);

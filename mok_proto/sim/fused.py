@@ -9,8 +9,8 @@ Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicati
 * `timeline_plan`: the plan a timeline ran (the pass from its task kinds), rebuilt from its records (CTAs, communicating CTAs,
   minibatch rows, capacity, ring, which transfers ran inside, spread_from) and checked task by task against
   them, so the simulated and the measured records of one plan correspond one to one;
-* `calibrate` (called by params.h200): two parameters from the dispatch tasks of ONE timeline
-  (params.H200_CALIBRATION["fused"]): a communicating CTA's copy rate (bytes per second: its warps
+* `calibrate` (called by params.h200): two parameters from the dispatch tasks of each of three
+  timelines; of params.H200_CALIBRATION["fused"]: a communicating CTA's copy rate (bytes per second: its warps
   copy rows through registers, since aceb6ae) and the fixed cost of a communication task; the
   same two of the retired bulk-copy ring (per row, for measurements before aceb6ae:
   params.BULK_MOVER_COMMITS) from H200_CALIBRATION["fused_bulk"]; and the spare warps' copy rate
@@ -184,11 +184,12 @@ def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: i
 # bench_layer's result files with fused rows (passes as graph replays): the running file, 1685ef1's
 # rows (the first run of the warp movers) and e48bf6e's (the first run whose counter waits back off;
 # each fused setting's median timed interleaved with the sequential pass, bench.rotating), each kept in
-# a file of its own. validate.fused_rows judges the newest rows of each; measured_grid shows the newest.
+# a file of its own. validate.fused_rows compares the newest rows of each (judged, or explained by
+# params.spare_warps_spun); measured_grid shows the newest run's.
 FUSED_BENCH = ("bench_layer", "bench_layer_1685ef1", "bench_layer_e48bf6e")
 
 
-def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 16), minibatches=(512, 1024, 2048, 4096),
+def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 12, 16), minibatches=(512, 1024, 2048, 4096),
                   results_dir=results.RESULTS_DIR):
     """The fused forward pass on the H200 over communication CTAs x minibatch rows for one shape:
     (simulated ms [len(comm_blocks), len(minibatches)], {(comm, minibatch): measured ms}). The

@@ -75,7 +75,8 @@ ACQUIRE_SPIN_COMMITS = BULK_MOVER_COMMITS + ("1685ef1",)
 
 
 def wait_spin_at(git: str | None) -> str:
-    """How the counter waits of the kernel a measurement stamped `git` ran spin (WAIT_SPINS)."""
+    """How the counter waits of the kernel a measurement stamped `git` ran spin (WAIT_SPINS); an
+    unstamped measurement (None, "") counts as the current kernel's."""
     return "acquire" if git in ACQUIRE_SPIN_COMMITS else "backoff"
 
 
