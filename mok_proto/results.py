@@ -86,7 +86,7 @@ def load_timeline(path: Path | str):
     old = np.flatnonzero(comm & (rec["col_tile"] == -1))
     if len(old):
         _, inverse, counts = np.unique(np.stack([rec["kind"][old], rec["minibatch"][old]], axis=1), axis=0,
-                                            return_inverse=True, return_counts=True)
+                                       return_inverse=True, return_counts=True)
         rec["col_tile"][old] = counts[inverse.ravel()]
     return rec
 

@@ -139,27 +139,22 @@ def receive_capacity(topk_idx_all, num_experts: int) -> int:
 
 
 def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, comm_blocks: int, minibatch_rows: int,
-               num_sms: int, ring_minibatches=None, lookahead: int | None = None, assign: str | None = None,
-               check: bool = False, raster: str | None = None, spread_from: int | None = None):
+               num_sms: int, ring_minibatches=None, check: bool = False, **knobs):
     """A plan.fused_forward (pass_="fwd") or plan.fused_backward plan for a layer of `run` with
     `capacity` receive rows (rounded up to whole minibatches) and `num_sms` CTAs per launch rank;
-    lookahead, assign (tile pairs to clusters: plan.ASSIGNMENTS, None: plan.DEFAULT_ASSIGN) and raster
-    (the pairs' order: plan.RASTERS, None: plan.DEFAULT_RASTER) and spread_from (the minibatches whose
-    outgoing transfer every CTA moves) as the plan's; check=True also proves it (Plan.check, kept with the plan: a process can build
-    and check plans for another, e.g. while that one runs the GPU)."""
+    knobs: the plan builder's other keywords (lookahead, assign, raster, spread_from: see
+    plan.fused_forward), passed on; check=True also proves it (Plan.check, kept with the plan: a
+    process can build and check plans for another, e.g. while that one runs the GPU)."""
     from mok_proto import plan as plans
 
     capacity_rows = -(-capacity // minibatch_rows) * minibatch_rows
+    common = dict(policy=policy, num_sms=num_sms, capacity_rows=capacity_rows, **knobs)
     if pass_ == "fwd":
-        made = plans.fused_forward(run.shape, run.num_ranks, comm_blocks, minibatch_rows, ring_minibatches,
-                                   policy=policy, num_sms=num_sms, capacity_rows=capacity_rows, lookahead=lookahead,
-                                   assign=assign, raster=raster, spread_from=spread_from)
+        made = plans.fused_forward(run.shape, run.num_ranks, comm_blocks, minibatch_rows, ring_minibatches, **common)
     elif pass_ == "bwd":
         if ring_minibatches is not None:
             raise ValueError("a fused backward plan has no ring_minibatches (its ring holds every minibatch)")
-        made = plans.fused_backward(run.shape, run.num_ranks, comm_blocks, minibatch_rows, policy=policy,
-                                    num_sms=num_sms, capacity_rows=capacity_rows, lookahead=lookahead, assign=assign,
-                                    raster=raster, spread_from=spread_from)
+        made = plans.fused_backward(run.shape, run.num_ranks, comm_blocks, minibatch_rows, **common)
     else:
         raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")
     if check:
@@ -277,8 +272,8 @@ class GpuMoELayer(GpuRound):
         from mok_proto.kernels.fused import default_num_sms
 
         return fused_plan("fwd", self.run, self.capacity, self.policy, comm_blocks, minibatch_rows,
-                          num_sms or default_num_sms(len(self.ranks), "fwd"), ring_minibatches, lookahead, assign,
-                          raster=raster, spread_from=spread_from)
+                          num_sms or default_num_sms(len(self.ranks), "fwd"), ring_minibatches, lookahead=lookahead,
+                          assign=assign, raster=raster, spread_from=spread_from)
 
     def fused_backward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, num_sms: int | None = None,
                             lookahead: int | None = None, assign: str | None = None, raster: str | None = None,
