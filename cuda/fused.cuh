@@ -225,8 +225,17 @@ __device__ __forceinline__ bool produce_task(const Ctx& c, SharedStorage& ss, Ri
   return gemm::produce_tile<kP>(p, ss, ring, tile, cta, wg_tid, ok);
 }
 
-// Consumer warpgroups, one task: the tile's MMAs and epilogue; once both warpgroups stored their
-// rows (and fenced them for TMA readers), the first consumer thread signals.
+// Whose outputs a later task of the same launch reads through TMA (so the writers fence them for
+// the async proxy): gate_up's h (down's A), down_bwd's dg, du (gate_up_bwd's A, gate_up_wgrad's B).
+// down's y and gate_up_bwd's dx are read by the movers' plain loads (or after the kernel), the
+// weight gradients after the kernel.
+template <int kP>
+constexpr bool kTmaReadsOutput = kP == gemm::kGateUp || kP == gemm::kDownBwd;
+
+// Consumer warpgroups, one task: the tile's MMAs and epilogue; then, for a task that signals, once
+// both warpgroups stored their rows (and fenced them for TMA readers), the first consumer thread
+// signals. A task that signals nothing goes straight on to its next tile (no fence, no barrier):
+// the fence and the release wait for the tile's stores to drain, with the tensor cores idle.
 template <int kP>
 __device__ __forceinline__ bool consume_task(const Ctx& c, SharedStorage& ss, Ring& ring, const Task& t, int index,
                                              int cta, float (&acc)[128], float* staging, int half, int wg_tid,
@@ -236,12 +245,12 @@ __device__ __forceinline__ bool consume_task(const Ctx& c, SharedStorage& ss, Ri
   const i64 start = c.trace && lead ? static_cast<i64>(globaltimer_ns()) : 0;
   Tile tile;
   if (tile_for<kP>(c, p, t, cta, tile)) ok = gemm::consume_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
-  fence_proxy_async_global();
-  gemm::consumers_sync();
-  if (lead) {
-    signal_task(c, t);
-    trace_times(c, index, start, static_cast<i64>(globaltimer_ns()));
+  if (t.signal_counter[0] >= 0 || t.signal_counter[1] >= 0) {
+    if constexpr (kTmaReadsOutput<kP>) fence_proxy_async_global();
+    gemm::consumers_sync();
+    if (lead) signal_task(c, t);
   }
+  if (lead) trace_times(c, index, start, static_cast<i64>(globaltimer_ns()));
   return ok;
 }
 
