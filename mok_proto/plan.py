@@ -54,10 +54,12 @@ BK = abi.CONST["kBK"]  # k depth of one GEMM pipeline stage (a k-block)
 DOWN_BWD_AUX_STAGES = BN // 64  # Traits<kDownBwd>::kAuxStages (cuda/gemm.cuh): a tile's g, u, 64 columns a stage
 EPILOGUE_ROWS = 16  # token rows per weighted-sum / slot-sum task (memory bound: fine grained)
 PASSES = ("fwd", "bwd")
-# How a fused plan's tile pairs go to the 2-CTA clusters (`_assign_clusters`). The default is the
-# one line to change once a GPU measurement has decided.
+# How a fused plan's tile pairs go to the 2-CTA clusters (`_assign_clusters`), by default per pass.
+# Measured (H200, comm 0, minibatch 2048, fused replays interleaved with the sequential pass's):
+# balanced made the backward 0.1-2.1% faster in 12 of 13 comparisons (kimi, glm, qwen, deepseek;
+# results/runs/e48bf6e, results/runs/<this stop>), the forward -0.5 to +0.9% (no gain).
 ASSIGNMENTS = ("round_robin", "balanced")
-DEFAULT_ASSIGN = "round_robin"
+DEFAULT_ASSIGN = {"fwd": "round_robin", "bwd": "balanced"}
 # The order of one minibatch's tile pairs of one kind in a fused plan's global order: "row", row
 # pair by row pair (columns fastest: the standalone grouped GEMM's order), or "col", column tile by
 # column tile (row pairs fastest: the pairs that run at once share B, the weights' column panels).
@@ -562,7 +564,7 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     combine that releases it; the other CTAs, in 2-CTA clusters, take GEMM tile pairs in one
     global order: the shared expert's gate/up then down tiles, then per minibatch routed
     gate/up (after its rows arrived), then down (after its row tile's gate/up tiles). assign
-    (ASSIGNMENTS, default DEFAULT_ASSIGN): which cluster takes each pair, round robin or
+    (ASSIGNMENTS, default DEFAULT_ASSIGN["fwd"]): which cluster takes each pair, round robin or
     load-balanced (`_assign_clusters`); raster (RASTERS, default DEFAULT_RASTER): the order of a
     minibatch's pairs of one kind (and of the shared expert's), row pair by row pair or column
     tile by column tile; the backward's weight-gradient pairs keep their order (expert, row pair,
@@ -615,7 +617,7 @@ FUSED_STRATEGIES = {"fwd": "fused_forward", "bwd": "fused_backward"}
 
 def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms, capacity_rows,
            lookahead, assign, raster, spread_from) -> Plan:
-    assign = DEFAULT_ASSIGN if assign is None else assign
+    assign = DEFAULT_ASSIGN[pass_] if assign is None else assign
     if assign not in ASSIGNMENTS:
         raise ValueError(f"assign must be one of {', '.join(ASSIGNMENTS)}, got {assign!r}")
     raster = DEFAULT_RASTER if raster is None else raster

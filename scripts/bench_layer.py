@@ -521,7 +521,7 @@ def main():
     p.add_argument("--fused", default=None, help="fused settings to time, COMM:MINIBATCH[,...] (e.g. 8:1024,16:2048)")
     p.add_argument("--no-fused", action="store_true", help="sequential and torch rows only")
     p.add_argument("--assign", default=None, choices=ASSIGNMENTS, help="the fused plans' tile pairs to clusters "
-                   f"(default {DEFAULT_ASSIGN}; recorded in the fused rows as `assign`)")
+                   f"(default per pass: {DEFAULT_ASSIGN}; recorded in the fused rows as `assign`)")
     p.add_argument("--raster", default=None, choices=RASTERS, help="the order of a minibatch's tile pairs in the "
                    f"fused plans (default {DEFAULT_RASTER}; recorded in the fused rows as `raster`)")
     p.add_argument("--directions", default="mok", help="transfer directions: 'mok' (default), 'all' (the four "

@@ -40,7 +40,7 @@ def main():
     p.add_argument("--comm", type=ints, default=(0, 4, 8, 12, 16), help="communication CTAs (0: spare warps)")
     p.add_argument("--minibatch", type=ints, default=(512, 1024, 2048, 4096), help="minibatch rows (x256)")
     p.add_argument("--assign", default=None, choices=ASSIGNMENTS,
-                   help=f"the fused plans' tile pairs to clusters (default {DEFAULT_ASSIGN})")
+                   help=f"the fused plans' tile pairs to clusters (default {DEFAULT_ASSIGN['fwd']})")
     p.add_argument("--raster", default=None, choices=RASTERS,
                    help=f"the order of a minibatch's tile pairs (default {DEFAULT_RASTER})")
     p.add_argument("--iters", type=int, default=20)

@@ -174,3 +174,32 @@ def test_fused_times_each_setting_against_the_sequential_pass(monkeypatch):
     assert all(r["equal_to_sequential"] and r["bitwise_repeat"] and r["raster"] == "col" for r in rows)
     assert "retimed_median_ms" in by_comm[2] and "retimed_median_ms" not in by_comm[0]  # the larger ratio
     assert bench_layer.best_row(rows) is by_comm[2]
+
+
+# nvidia-smi samples of scripts/power_probe.py
+SMI_LINES = ["timestamp, clocks.current.sm [MHz], power.draw [W], clocks_event_reasons.active",  # a header
+             "2026/12/01 20:45:10.000, 1980, 300.00, 0x0000000000000000",
+             "2026/12/01 20:45:10.200, 1500, 690.00, 0x0000000000000004",
+             "2026/12/01 20:45:10.400, 1400, 700.00, 0x0000000000000004",
+             "2026/12/01 20:45:10.600, 1700, 650.00, 0x0000000000000000",
+             "2026/12/01 20:45:10.8"]  # cut off by the kill
+
+
+def test_smi_samples_parse_and_skip_what_does_not():
+    from mok_proto.bench import smi_samples
+
+    s = smi_samples(SMI_LINES)
+    assert len(s) == 4 and list(s["sm_mhz"]) == [1980, 1500, 1400, 1700] and list(s["reasons"]) == [0, 4, 4, 0]
+    assert s["t"][1] - s["t"][0] == pytest.approx(0.2) and s["power_w"][2] == 700.0
+
+
+def test_phase_power_means_the_settled_samples_only():
+    from mok_proto.bench import phase_power, smi_samples
+
+    s = smi_samples(SMI_LINES)
+    t0 = s["t"][0]
+    got = phase_power(s, t0, t0 + 0.45, settle_s=0.1)  # the samples at +0.2 and +0.4
+    assert got == {"sm_mhz": 1450.0, "power_w": 695.0, "power_capped": 1.0, "samples": 2}
+    assert phase_power(s, t0, t0 + 0.65, settle_s=0.1)["power_capped"] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="no nvidia-smi sample"):
+        phase_power(s, t0 + 0.41, t0 + 0.5, settle_s=0.0)

@@ -85,7 +85,7 @@ def test_fused_plans_take_the_assignment():
     run = RunConfig(get_shape("tile"), 2)
     layer = SimpleNamespace(run=run, capacity=1024, policy=dict(MOK_POLICY), ranks=[0])
     for pass_, method in (("fwd", GpuMoELayer.fused_forward_plan), ("bwd", GpuMoELayer.fused_backward_plan)):
-        assert fused_plan(pass_, run, 1024, MOK_POLICY, 0, 256, 8).assign == P.DEFAULT_ASSIGN
+        assert fused_plan(pass_, run, 1024, MOK_POLICY, 0, 256, 8).assign == P.DEFAULT_ASSIGN[pass_]
         for assign in P.ASSIGNMENTS:
             made = fused_plan(pass_, run, 1024, MOK_POLICY, 0, 256, 8, assign=assign)
             built = method(layer, 0, 256, num_sms=8, assign=assign)

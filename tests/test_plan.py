@@ -396,9 +396,18 @@ def test_round_robin_is_the_old_assignment(pass_, comm, minibatch, num_sms):
     # the formula before `assign` existed: pair j of the global order on cluster j % clusters
     order = global_order(pass_, comm, minibatch)
     clusters = (num_sms - comm) // 2
-    for plan in (fused_of(pass_, comm, minibatch, num_sms), fused_of(pass_, comm, minibatch, num_sms, "round_robin")):
-        assert plan.assign == "round_robin"
-        assert cluster_pairs(plan) == [order[c::clusters] for c in range(clusters)]
+    plan = fused_of(pass_, comm, minibatch, num_sms, "round_robin")
+    assert plan.assign == "round_robin"
+    assert cluster_pairs(plan) == [order[c::clusters] for c in range(clusters)]
+
+
+@pytest.mark.parametrize("pass_,comm,minibatch,num_sms", ASSIGN_CASES)
+def test_default_assignment_is_the_pass_default(pass_, comm, minibatch, num_sms):
+    # the forward round robin, the backward balanced (measured on the H200: plan.DEFAULT_ASSIGN)
+    assert P.DEFAULT_ASSIGN == {"fwd": "round_robin", "bwd": "balanced"}
+    default = fused_of(pass_, comm, minibatch, num_sms)
+    chosen = fused_of(pass_, comm, minibatch, num_sms, P.DEFAULT_ASSIGN[pass_])
+    assert default.assign == P.DEFAULT_ASSIGN[pass_] and default.tasks.tobytes() == chosen.tasks.tobytes()
 
 
 @pytest.mark.parametrize("pass_,comm,minibatch,num_sms", ASSIGN_CASES)
@@ -417,7 +426,8 @@ def test_balanced_differs_from_round_robin_and_is_deterministic():
     for pass_ in P.PASSES:
         balanced, again = (fused_of(pass_, 0, 256, 14, "balanced") for _ in range(2))
         assert np.array_equal(balanced.tasks, again.tasks) and np.array_equal(balanced.counters, again.counters)
-        assert not np.array_equal(balanced.tasks, fused_of(pass_, 0, 256, 14).tasks)  # the tests above are not vacuous
+        rr = fused_of(pass_, 0, 256, 14, "round_robin")
+        assert not np.array_equal(balanced.tasks, rr.tasks)  # the tests above are not vacuous
 
 
 def test_bad_assign():

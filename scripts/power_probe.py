@@ -1,0 +1,146 @@
+"""Power and SM clock of the sequential and the fused passes under sustained load, on the GPU.
+
+    python scripts/power_probe.py [--shapes kimi-k2.7,...] [--secs 2.5] [--comm 0] [--minibatch 2048]
+
+Why: the H200 holds its board power limit (~700 W) by lowering the SM clock, and a layer pass
+replayed back to back runs at that limit. The time of a pass then follows its energy, so a fused
+pass that overlaps the same work saves little time; bench_layer.py's short interleaved runs see
+it only in part. This measures it. Per shape (one EP=64 rank's share on one GPU, as
+bench_layer.py emulates it): the sequential pass and the fused pass (comm blocks, minibatch rows,
+the plans' default assignment and order) of the forward and of the backward are each captured in
+a graph; after a warm-up phase, one graph at a time is replayed for --secs seconds (sequential,
+fused, sequential, fused per pass) while nvidia-smi samples clocks and power every 20 ms.
+
+A progress line per phase; per shape and pass a summary: median ms, mean SM clock, mean power and
+energy per pass (mean power x median time) of each schedule (mean of its two phases), and fused
+over sequential of each. One JSON line per phase appended to results/power_probe.jsonl (keys: git,
+shape, pass, schedule, phase, comm_blocks, minibatch_tokens, median_ms, iters, sm_mhz, power_w,
+energy_mj, power_capped: the fraction of samples under the power cap, samples). No bars.
+Exit status: 0; 1 if a fused result is not bitwise equal to the sequential one; 2 without a GPU
+or nvidia-smi.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench_layer import emulated_shape, make_inputs, result_bytes, staged_layer
+
+from mok_proto.config import PAPER_SHAPES
+
+PHASES = ("sequential", "fused", "sequential", "fused")  # per pass, after one warm-up phase
+
+
+def replay(graph, stream, secs: float):
+    """Replays of `graph` on `stream` for about `secs` seconds, 20 a batch, each between two events:
+    (ms per replay, start, end) with host times (time.time) around the timed replays."""
+    import cupy
+
+    for _ in range(5):
+        graph.launch(stream)
+    stream.synchronize()
+    times, t0 = [], time.time()
+    while time.time() - t0 < secs:
+        events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(20)]
+        for a, b in events:
+            a.record(stream)
+            graph.launch(stream)
+            b.record(stream)
+        stream.synchronize()
+        times += [cupy.cuda.get_elapsed_time(a, b) for a, b in events]
+    return times, t0, time.time()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
+    p.add_argument("--secs", type=float, default=2.5, help="seconds of replays per phase (at least 1)")
+    p.add_argument("--comm", type=int, default=0, help="the fused plans' communicating CTAs")
+    p.add_argument("--minibatch", type=int, default=2048, help="the fused plans' minibatch rows")
+    args = p.parse_args()
+    if args.secs < 1:
+        p.error(f"--secs must be at least 1 (clocks settle for 0.3 s), got {args.secs}")
+    from mok_proto.bench import append_result, phase_power, require_gpu, smi_command, smi_samples
+
+    require_gpu("power_probe.py")
+    if shutil.which("nvidia-smi") is None:
+        print("error: power_probe.py needs nvidia-smi (it samples clocks and power); none on PATH", file=sys.stderr)
+        sys.exit(2)
+    import cupy
+    import numpy as np
+
+    log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
+    smi = subprocess.Popen(smi_command(), stdout=log, stderr=subprocess.STDOUT, text=True)
+    phases, unequal = [], []
+    try:
+        for name in args.shapes.split(","):
+            shape = emulated_shape(name)
+            heap, layer = staged_layer(shape, make_inputs(shape))
+            stream = cupy.cuda.Stream(non_blocking=True)
+            graphs, reference = {}, {}
+            for pass_ in ("fwd", "bwd"):
+                graphs["sequential", pass_] = layer.capture(forward=pass_ == "fwd", backward=pass_ == "bwd")
+                reference[pass_] = result_bytes(layer, pass_)
+            layer.set_forward_plan(layer.fused_forward_plan(args.comm, args.minibatch))
+            layer.set_backward_plan(layer.fused_backward_plan(args.comm, args.minibatch))
+            layer.enqueue_forward()
+            layer.enqueue_backward()
+            layer.check()
+            graphs["fused", "fwd"] = layer.capture(forward=True, backward=False)
+            layer.enqueue_forward()
+            graphs["fused", "bwd"] = layer.capture(forward=False, backward=True)
+            with stream:
+                replay(graphs["sequential", "fwd"], stream, args.secs / 2)  # warm-up: to the power limit
+                for pass_ in ("fwd", "bwd"):
+                    for k, schedule in enumerate(PHASES):
+                        times, t0, t1 = replay(graphs[schedule, pass_], stream, args.secs)
+                        layer.check()
+                        phases.append(dict(shape=name, pass_=pass_, schedule=schedule, phase=k, t0=t0, t1=t1,
+                                           median_ms=float(np.median(times)), iters=len(times)))
+                        print(f"# {name} {pass_} {schedule:10s} {np.median(times):.3f} ms ({len(times)} replays)",
+                              flush=True)
+                    if result_bytes(layer, pass_) != reference[pass_]:  # the fused graph replayed last
+                        unequal.append(f"{name} {pass_}")
+            layer.set_forward_plan(None)
+            layer.set_backward_plan(None)
+            layer.close()
+            heap.close()
+    finally:
+        time.sleep(0.1)
+        smi.terminate()
+        smi.wait()
+    log.seek(0)
+    samples = smi_samples(log)
+    print(f"{'shape':16s} pass  {'sequential ms MHz W mJ':>26s}  {'fused ms MHz W mJ':>26s}  x seq  clock  energy")
+    for ph in phases:
+        ph.update(phase_power(samples, ph["t0"], ph["t1"]))
+        ph["energy_mj"] = ph["power_w"] * ph["median_ms"]
+        append_result("power_probe", {"shape": ph["shape"], "pass": ph["pass_"], "schedule": ph["schedule"],
+                                      "phase": ph["phase"], "comm_blocks": args.comm,
+                                      "minibatch_tokens": args.minibatch,
+                                      **{k: ph[k] for k in ("median_ms", "iters", "sm_mhz", "power_w", "energy_mj",
+                                                            "power_capped", "samples")}})
+    for name in args.shapes.split(","):
+        for pass_ in ("fwd", "bwd"):
+            mean = {s: {k: float(np.mean([ph[k] for ph in phases if (ph["shape"], ph["pass_"], ph["schedule"])
+                                          == (name, pass_, s)])) for k in ("median_ms", "sm_mhz", "power_w",
+                                                                           "energy_mj", "power_capped")}
+                    for s in ("sequential", "fused")}
+            seq, fus = mean["sequential"], mean["fused"]
+            cols = " ".join(f"{m['median_ms']:7.3f} {m['sm_mhz']:5.0f} {m['power_w']:4.0f} {m['energy_mj']:5.0f}"
+                            for m in (seq, fus))
+            print(f"{name:16s} {pass_}  {cols}  {seq['median_ms'] / fus['median_ms']:5.3f}  "
+                  f"{fus['sm_mhz'] / seq['sm_mhz']:5.3f}  {fus['energy_mj'] / seq['energy_mj']:5.3f}"
+                  f"  (power-capped samples {min(seq['power_capped'], fus['power_capped']):.0%})")
+    if unequal:
+        print(f"FAIL: fused not bitwise equal to sequential: {', '.join(unequal)}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
