@@ -56,8 +56,8 @@ EPILOGUE_ROWS = 16  # token rows per weighted-sum / slot-sum task (memory bound:
 PASSES = ("fwd", "bwd")
 # How a fused plan's tile pairs go to the 2-CTA clusters (`_assign_clusters`), by default per pass.
 # Measured (H200, comm 0, minibatch 2048, fused replays interleaved with the sequential pass's):
-# balanced made the backward 0.1-2.1% faster in 12 of 13 comparisons (kimi, glm, qwen, deepseek;
-# results/runs/e48bf6e, results/runs/<this stop>), the forward -0.5 to +0.9% (no gain).
+# balanced made the backward 0.0 to 2.0% faster in 14 comparisons (13 faster, 1 equal; kimi and
+# deepseek, five kernel variants: results/runs/e48bf6e and eb35161), the forward -0.5 to +0.9%.
 ASSIGNMENTS = ("round_robin", "balanced")
 DEFAULT_ASSIGN = {"fwd": "round_robin", "bwd": "balanced"}
 # The order of one minibatch's tile pairs of one kind in a fused plan's global order: "row", row
