@@ -1,6 +1,9 @@
 """Reading the benchmarks' JSON lines under results/ (never re-running them), and the fused
 passes' in-kernel timelines (`timeline_files`, `load_timeline`, `timeline_events`, `timeline_summary`):
-the forward's by default, the backward's with pass_="bwd" (their own file prefix).
+the forward's by default, the backward's with pass_="bwd" (their own file prefix). A timeline is
+stored plain (`.jsonl`, as scripts/bench_layer.py writes it) or gzip-compressed (`.jsonl.gz`, as
+results/ keeps them); the same name is the same timeline, and what reads or finds one here takes
+either spelling (`open_text`, `read_text`, `jsonl_files`, `timeline_file`).
 
 A *run* is a stretch of rows of one benchmark with the same git stamp and no gap of more than
 RUN_GAP between consecutive rows; `newest` keeps the newest run per group (e.g. per backend).
@@ -8,6 +11,7 @@ RUN_GAP between consecutive rows; `newest` keeps the newest run per group (e.g. 
 
 from __future__ import annotations
 
+import gzip
 import json
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -42,21 +46,64 @@ def newest(rows: list[dict], group_by: tuple = ()) -> list[dict]:
     return [r for r in rows if r["run"] == latest[tuple(r.get(k) for k in group_by)]]
 
 
-# scripts/bench_layer.py --timeline: <prefix><shape>[_<git>].jsonl, one prefix per pass
+# The two spellings of a JSON-lines file: plain, and gzip-compressed (the same rows).
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+
+
+def open_text(path: Path | str):
+    """A .jsonl file opened for reading text; a .jsonl.gz one gunzipped."""
+    path = Path(path)
+    return gzip.open(path, "rt") if path.suffix == ".gz" else path.open()
+
+
+def read_text(path: Path | str) -> str:
+    """The text of a .jsonl file; of a .jsonl.gz one, gunzipped."""
+    with open_text(path) as f:
+        return f.read()
+
+
+def plain_name(path: Path | str) -> str:
+    """A file's name as written, whichever way it is stored: `x.jsonl.gz` -> `x.jsonl`."""
+    return Path(path).name.removesuffix(".gz")
+
+
+def jsonl_files(directory: Path | str, pattern: str) -> list[Path]:
+    """The files `<pattern>.jsonl` and `<pattern>.jsonl.gz` under directory (pattern: a Path.glob
+    pattern without the suffix, e.g. "**/timeline_fused_*"), one per name (the plain .jsonl where
+    both exist), sorted by their plain path."""
+    found = {}
+    for suffix in reversed(JSONL_SUFFIXES):  # the .gz first: a plain .jsonl of the same name replaces it
+        for path in Path(directory).glob(pattern + suffix):
+            found[path.with_name(plain_name(path))] = path
+    return [found[plain] for plain in sorted(found)]
+
+
+# scripts/bench_layer.py --timeline: <prefix><shape>[_<git>].jsonl, one prefix per pass (results/
+# keeps them as .jsonl.gz)
 TIMELINE_PREFIXES = {"fwd": "timeline_fused_fwd_", "bwd": "timeline_fused_bwd_"}
 TIMELINE_PREFIX = TIMELINE_PREFIXES["fwd"]
 
 
 def timeline_files(results_dir: Path | str = RESULTS_DIR, pass_: str = "fwd") -> list[Path]:
     """The measured in-kernel timelines of the fused forward (pass_="bwd": backward) under
-    results/, by name."""
-    return sorted(Path(results_dir).glob(f"{TIMELINE_PREFIXES[pass_]}*.jsonl"))
+    results/ (.jsonl or .jsonl.gz: `jsonl_files`), by name."""
+    return jsonl_files(results_dir, f"{TIMELINE_PREFIXES[pass_]}*")
+
+
+def timeline_file(name: str, results_dir: Path | str = RESULTS_DIR) -> Path:
+    """The file of timeline `name` (`<prefix><shape>[_<git>].jsonl`, or that + .gz) in results_dir:
+    the plain .jsonl if it exists, else the .jsonl.gz."""
+    plain = Path(results_dir) / plain_name(name)
+    for path in (plain, plain.with_name(plain.name + ".gz")):
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"no timeline {plain.name} (nor {plain.name}.gz) in {plain.parent}")
 
 
 def timeline_name(path: Path | str) -> tuple[str, str]:
-    """(shape, git stamp or "") of a timeline file `<prefix><shape>[_<git>].jsonl` of either pass
-    (shape names hold no underscore)."""
-    name = Path(path).name
+    """(shape, git stamp or "") of a timeline file `<prefix><shape>[_<git>].jsonl[.gz]` of either
+    pass (shape names hold no underscore)."""
+    name = plain_name(path)
     prefix = next((p for p in TIMELINE_PREFIXES.values() if name.startswith(p)), TIMELINE_PREFIX)
     stem = name[len(prefix):].removesuffix(".jsonl")
     shape, _, git = stem.partition("_")
@@ -64,17 +111,17 @@ def timeline_name(path: Path | str) -> tuple[str, str]:
 
 
 def load_timeline(path: Path | str):
-    """A timeline's JSON lines as mok_proto.trace records (TRACE_DTYPE; `kind` is the TaskKind
-    name lower-cased in the file), in file order (the plan's task order). The role is the task's
-    (comm for a communication task, as GpuMoELayer.forward_timeline records it now; older files
-    gave every task of a compute CTA the compute role, spare warps' transfers included; files
-    before communication tasks carried their chunk count in col_tile get it from their tasks)."""
+    """A timeline's JSON lines (.jsonl or .jsonl.gz) as mok_proto.trace records (TRACE_DTYPE; `kind`
+    is the TaskKind name lower-cased in the file), in file order (the plan's task order). The role
+    is the task's (comm for a communication task, as GpuMoELayer.forward_timeline records it now;
+    older files gave every task of a compute CTA the compute role, spare warps' transfers included;
+    files before communication tasks carried their chunk count in col_tile get it from their tasks)."""
     import numpy as np
 
     from mok_proto.plan import COMM_KINDS, TaskKind
     from mok_proto.trace import ROLES, TRACE_DTYPE
 
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in read_text(path).splitlines() if line.strip()]
     rec = np.zeros(len(rows), TRACE_DTYPE)
     for name in TRACE_DTYPE.names:
         values = [r[name] for r in rows]
@@ -94,7 +141,7 @@ def load_timeline(path: Path | str):
 def comm_bars_from_ready(path: Path | str) -> bool:
     """Whether a timeline's communication bars start when their task's wait is met (files written
     since the marker `comm_bars_from: ready`), not when the task began waiting (older files)."""
-    with open(path) as f:
+    with open_text(path) as f:
         first = f.readline()
     return bool(first.strip()) and json.loads(first).get("comm_bars_from") == "ready"
 

@@ -2,7 +2,9 @@
 load matches the schedule, the model responds to what it models, and it is fast."""
 
 import dataclasses
+import gzip
 import json
+import shutil
 import time
 
 import numpy as np
@@ -69,17 +71,17 @@ def test_validate_sequential_layer_rows(h200):
 
 
 def _results_copy(tmp_path, edit_layer_row=None, extra_rows=()):
-    """results/*.jsonl copied to tmp_path; edit_layer_row(row) may change bench_layer rows in place;
-    extra_rows are appended to bench_layer.jsonl."""
-    for src in results.RESULTS_DIR.glob("*.jsonl"):
-        lines = src.read_text().splitlines()
-        if src.name == "bench_layer.jsonl":
-            rows = [json.loads(line) for line in lines if line.strip()]
-            for row in rows:
-                if edit_layer_row:
-                    edit_layer_row(row)
-            lines = [json.dumps(row) for row in [*rows, *extra_rows]]
-        (tmp_path / src.name).write_text("\n".join(lines) + "\n")
+    """results/*.jsonl (and the timelines stored as .jsonl.gz) copied to tmp_path; edit_layer_row(row)
+    may change bench_layer rows in place; extra_rows are appended to bench_layer.jsonl."""
+    for src in results.jsonl_files(results.RESULTS_DIR, "*"):
+        if src.name != "bench_layer.jsonl":
+            shutil.copy(src, tmp_path)
+            continue
+        rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
+        for row in rows:
+            if edit_layer_row:
+                edit_layer_row(row)
+        (tmp_path / src.name).write_text("\n".join(json.dumps(row) for row in [*rows, *extra_rows]) + "\n")
     return tmp_path
 
 
@@ -231,10 +233,10 @@ def test_ep64_kimi_forward_is_fast(h200):
 # ---------------------------------------------------------------------------------------------
 # The fused forward (plan.fused_forward, cuda/fused.cuh)
 # ---------------------------------------------------------------------------------------------
-CALIBRATION_TIMELINE = results.RESULTS_DIR / H200_CALIBRATION["fused_bulk"]  # kimi, comm 8, the bulk ring (62f5296)
-WARPS_TIMELINE = results.RESULTS_DIR / H200_CALIBRATION["fused"]  # kimi, comm 12, the warp movers (1685ef1)
-SPARE_TIMELINE = results.RESULTS_DIR / H200_CALIBRATION["fused_spare"]  # kimi, comm 0, the spare warps (e48bf6e)
-OLD_SPARE_TIMELINE = results.RESULTS_DIR / "timeline_fused_fwd_kimi-k2.7_b905f19.jsonl"  # the acquire spin's
+CALIBRATION_TIMELINE = results.timeline_file(H200_CALIBRATION["fused_bulk"])  # kimi, comm 8, the bulk ring (62f5296)
+WARPS_TIMELINE = results.timeline_file(H200_CALIBRATION["fused"])  # kimi, comm 12, the warp movers (1685ef1)
+SPARE_TIMELINE = results.timeline_file(H200_CALIBRATION["fused_spare"])  # kimi, comm 0, the spare warps (e48bf6e)
+OLD_SPARE_TIMELINE = results.timeline_file("timeline_fused_fwd_kimi-k2.7_b905f19.jsonl")  # the acquire spin's
 
 
 def _fused_plan(comm_blocks, minibatch_rows=2048, num_sms=132, policy=MOK_POLICY):
@@ -290,6 +292,30 @@ def test_old_timeline_files_get_their_chunk_counts(tmp_path):
     assert set(rec["col_tile"][_comm(rec)].tolist()) == {8, 132}
 
 
+def test_gzipped_timeline_is_the_same_timeline(tmp_path):
+    # results/ keeps its timelines as .jsonl.gz, bench_layer writes .jsonl: both read alike, and one name
+    # stem is one timeline (the plain file where both exist)
+    text = "".join(line + "\n" for line in results.read_text(SPARE_TIMELINE).splitlines()[:500])
+    name = results.plain_name(SPARE_TIMELINE)
+    plain, packed, both = (tmp_path / d for d in ("plain", "packed", "both"))
+    for d in (plain, packed, both):
+        d.mkdir()
+    for d in (plain, both):
+        (d / name).write_text(text)
+    for d in (packed, both):
+        (d / f"{name}.gz").write_bytes(gzip.compress(text.encode()))
+    want = results.load_timeline(plain / name)
+    got = results.load_timeline(packed / f"{name}.gz")
+    assert len(want) == 500 and want.dtype == got.dtype and all(np.array_equal(want[k], got[k]) for k in want.dtype.names)
+    assert results.comm_bars_from_ready(packed / f"{name}.gz") and results.comm_bars_from_ready(plain / name)
+    assert results.timeline_name(packed / f"{name}.gz") == results.timeline_name(plain / name) == ("kimi-k2.7", "e48bf6e")
+    assert results.timeline_files(packed) == [packed / f"{name}.gz"] == [results.timeline_file(name, packed)]
+    assert results.timeline_files(both) == [both / name] == [results.timeline_file(f"{name}.gz", both)]
+    assert results.jsonl_files(tmp_path, "**/timeline_fused_*") == [both / name, packed / f"{name}.gz", plain / name]
+    with pytest.raises(FileNotFoundError, match=f"no timeline {name} \\(nor {name}.gz\\)"):
+        results.timeline_file(name, tmp_path)
+
+
 def test_validate_fused_rows(h200):
     rows = [r for r in validate.h200_rows(h200) if r.group == "h200 fused"]
     for git in ("62f5296", "1685ef1"):  # the calibration timelines: the bulk ring's (comm 8), the warp movers' (comm 12)
@@ -317,14 +343,15 @@ def test_validate_fused_rows(h200):
 
 
 def _timeline_copy(tmp_path, edit, timeline=CALIBRATION_TIMELINE):
-    """results/*.jsonl in tmp_path (made here); edit(rows) may change the JSON rows of `timeline`
-    (a calibration timeline)."""
+    """results/*.jsonl (and the timelines stored as .jsonl.gz) in tmp_path (made here); edit(rows) may
+    change the JSON rows of `timeline` (a calibration timeline), written there as plain .jsonl."""
     tmp_path.mkdir()
-    for src in results.RESULTS_DIR.glob("*.jsonl"):
-        (tmp_path / src.name).write_text(src.read_text())
-    rows = [json.loads(line) for line in timeline.read_text().splitlines()]
+    for src in results.jsonl_files(results.RESULTS_DIR, "*"):
+        if results.plain_name(src) != results.plain_name(timeline):
+            shutil.copy(src, tmp_path)
+    rows = [json.loads(line) for line in results.read_text(timeline).splitlines()]
     edit(rows)
-    (tmp_path / timeline.name).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / results.plain_name(timeline)).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return tmp_path
 
 
@@ -419,7 +446,7 @@ def test_comm_mover_copies_per_byte_the_bulk_ring_per_row(h200):
 def test_qwen_chunks_judge_the_mover(h200):
     # qwen's comm-12 backward at 1685ef1 (8 KB rows, the warp movers): the transfers' task time per SM
     # within 10% with the per-byte rate fitted on kimi's 14 KB rows, and 40% over it per row (the bulk ring's model)
-    path = results.RESULTS_DIR / "timeline_fused_bwd_qwen3.5-397b_1685ef1.jsonl"
+    path = results.timeline_file("timeline_fused_bwd_qwen3.5-397b_1685ef1.jsonl")
     measured = results.timeline_summary(results.load_timeline(path))["kinds"]
     for gpu, low, high in ((h200, 0.9, 1.1), (h200.recorded_at("62f5296"), 1.4, 2.0)):
         plan, result = fused.simulate_timeline(results.load_timeline(path), QWEN_SHARE, gpu)
@@ -439,7 +466,7 @@ def _stamps_before(commit: str, listed) -> dict:
     root = results.RESULTS_DIR.parent
     if subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True).returncode:
         pytest.skip(f"no git history with {commit}")
-    stamps = {results.timeline_name(p)[1] for p in results.RESULTS_DIR.rglob("timeline_fused_*.jsonl")}
+    stamps = {results.timeline_name(p)[1] for p in results.jsonl_files(results.RESULTS_DIR, "**/timeline_fused_*")}
     for src in [*results.RESULTS_DIR.glob("bench_layer*.jsonl"), results.RESULTS_DIR / "sweep_overlap.jsonl"]:
         stamps |= {json.loads(line).get("git") for line in src.read_text().splitlines() if line.strip().startswith("{")}
     return {stamp: subprocess.run(["git", "merge-base", "--is-ancestor", stamp, f"{commit}^"], cwd=root,
@@ -478,7 +505,7 @@ def test_spare_warps_copy_per_byte(h200):
         return tuple(float(np.median(r["end_ns"][sel] - r["start_ns"][sel])) / 1e3 for r in (measured, rec))
 
     (kimi_m, kimi_s) = chunk_us(SPARE_TIMELINE, KIMI_SHARE)
-    (qwen_m, qwen_s) = chunk_us(results.RESULTS_DIR / "timeline_fused_fwd_qwen3.5-397b_e48bf6e.jsonl", QWEN_SHARE)
+    (qwen_m, qwen_s) = chunk_us(results.timeline_file("timeline_fused_fwd_qwen3.5-397b_e48bf6e.jsonl"), QWEN_SHARE)
     assert qwen_m / kimi_m < 0.7
     assert qwen_s / kimi_s == pytest.approx(qwen_m / kimi_m, rel=0.1) and qwen_s == pytest.approx(qwen_m, rel=0.1)
     # the spare warps' rate is a byte rate: a chunk's copy scales with the row size at the same rows
@@ -833,7 +860,7 @@ def test_backward_timelines_are_kept_apart_and_simulated(h200):
     backward = results.timeline_files(pass_="bwd")
     assert forward and backward and not set(forward) & set(backward)
     assert all(p.name.startswith(results.TIMELINE_PREFIX) for p in forward)
-    path = results.RESULTS_DIR / validate.BWD_TIMELINES[1]
+    path = results.timeline_file(validate.BWD_TIMELINES[1])
     assert path in backward and results.timeline_name(path) == ("kimi-k2.7", "d689e07")
     measured = results.load_timeline(path)
     plan, result = fused.simulate_timeline(measured, KIMI_SHARE, h200)

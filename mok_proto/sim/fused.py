@@ -1,5 +1,5 @@
 """The fused passes (cuda/fused.cuh executing a `plan.fused_forward` / `plan.fused_backward` plan)
-against their measured in-kernel timelines: results/timeline_fused_{fwd,bwd}_<shape>[_<git>].jsonl
+against their measured in-kernel timelines: results/timeline_fused_{fwd,bwd}_<shape>[_<git>].jsonl[.gz]
 (`results.timeline_files(pass_=...)`), written by
 scripts/bench_layer.py for one EP=64 rank's share on one H200 (2 virtual ranks, rank 0 traced: the
 emulation of sim/layer.py), times in ns from the first task's start.
@@ -127,8 +127,10 @@ def _fit_dispatch(path: Path, mover: str) -> tuple[tuple[float, float], int]:
     is the file's git stamp's (GpuParams.recorded_at). A spare-warp timeline must come from a kernel
     whose counter waits back off (params.wait_spin_at): the model stands for that kernel, and with
     the acquire spin the spare warps' passes ran slower (params.spare_warps_spun)."""
-    if not path.exists():
-        raise ValueError(f"no {path}: the fused forward's in-kernel copy calibration needs it")
+    try:
+        path = results.timeline_file(path.name, path.parent)  # stored as .jsonl or .jsonl.gz
+    except FileNotFoundError as e:
+        raise ValueError(f"{e}: the fused forward's in-kernel copy calibration needs it") from None
     records = results.load_timeline(path)
     shape_name, git = results.timeline_name(path)
     shape = ep_share(shape_name, EP)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -213,7 +212,7 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
         plan, result = fused.simulate_timeline(measured, ep_share(shape_name, fused.EP), gpu, git=git)
         predicted = result.records(0)
         label = f"{shape_name} C={plan.comm_blocks} MB={plan.minibatch_rows} {git or 'timeline'}"
-        fits = FUSED_FITS.get(next((k for k in FUSED_FITS if path.name == H200_CALIBRATION[k]), None))
+        fits = FUSED_FITS.get(next((k for k in FUSED_FITS if results.plain_name(path) == H200_CALIBRATION[k]), None))
 
         spun = spare_warps_spun(git, plan.comm_blocks, plan.spread_from)
 
@@ -271,8 +270,9 @@ def fused_backward_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list
     (results.timeline_summary's per_lane_ns; informational)."""
     rows = []
     for name in BWD_TIMELINES:
-        path = Path(results_dir) / name
-        if not path.exists():
+        try:
+            path = results.timeline_file(name, results_dir)
+        except FileNotFoundError:
             continue
         shape_name, git = results.timeline_name(path)
         measured = results.load_timeline(path)
