@@ -948,3 +948,12 @@ def test_spread_combine_chunks_and_timeline(h200):
     comm0_ns = chunk_ns(P.fused_forward(KIMI_SHARE, 2, 0, 2048, policy=MOK_POLICY, num_sms=132))
     assert len(spread_ns) == len(comm0_ns) == 132
     assert np.allclose(spread_ns[12:], comm0_ns[12:]) and (spread_ns[:12] < comm0_ns[:12]).all()
+
+
+def test_explained_timeline_events_name_stored_timelines(h200):
+    # an explanation outlives nothing: its timeline is stored, and validate marks exactly its rows
+    for name, event in validate.TIMELINE_EXPLAINED:
+        assert results.timeline_file(name).exists() and event in results.TIMELINE_EVENTS, (name, event)
+    notes = set(validate.TIMELINE_EXPLAINED.values())
+    explained = [r for r in validate.fused_rows(h200) if r.check == "explained" and r.note in notes]
+    assert len(explained) == len(validate.TIMELINE_EXPLAINED)
