@@ -297,7 +297,7 @@ static_assert(__builtin_offsetof(FusedParams, comm_ctas) == 0 && __builtin_offse
 struct TraceRecord {
   i64 start_ns;  // %globaltimer when the task began (before its waits)
   i64 ready_ns;  // when its waits were met
-  i64 end_ns;  // when it signalled
+  i64 end_ns;  // when it signalled (a task that signals nothing: its lead thread's work done)
   int task;  // index into the plan's task table; -1: not run
   int sm;  // %smid
 };

@@ -36,7 +36,8 @@
 // (fence.proxy.async.global) before its release, the TMA-issuing reader after its acquire.
 //
 // Timeline (FusedParams.record_trace): TraceRecord of every task: start (consumer or comm start), ready
-// (waits met: the producer's, for a GEMM tile), end (signal), task index, SM.
+// (waits met: the producer's, for a GEMM tile), end (signal; a GEMM task that signals nothing: the
+// first consumer warpgroup's epilogue issued), task index, SM.
 #pragma once
 #include "comm.cuh"
 #include "gemm.cuh"

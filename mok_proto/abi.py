@@ -390,7 +390,7 @@ FUSED_PARAMS = Struct("FusedParams", (
 TRACE_RECORD = Struct("TraceRecord", (
     ("i64", "start_ns", "%globaltimer when the task began (before its waits)"),
     ("i64", "ready_ns", "when its waits were met"),
-    ("i64", "end_ns", "when it signalled"),
+    ("i64", "end_ns", "when it signalled (a task that signals nothing: its lead thread's work done)"),
     ("int", "task", "index into the plan's task table; -1: not run"),
     ("int", "sm", "%smid"),
 ), namespace="mok::fused")

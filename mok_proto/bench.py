@@ -229,8 +229,11 @@ SMI_PERIOD_MS = 20
 SMI_POWER_CAP = 0x4
 
 
-def smi_command(period_ms: int = SMI_PERIOD_MS) -> list:
-    return ["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits", "-lms", str(period_ms)]
+def smi_command(device: str, period_ms: int | None = SMI_PERIOD_MS) -> list:
+    """nvidia-smi sampling SMI_QUERY of one GPU (`device`: its PCI bus id or index) every period_ms
+    (None: once)."""
+    loop = ["-lms", str(period_ms)] if period_ms else []
+    return ["nvidia-smi", "-i", str(device), f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits", *loop]
 
 
 def smi_samples(lines) -> np.ndarray:
@@ -249,11 +252,14 @@ def smi_samples(lines) -> np.ndarray:
     return np.array(out, dtype)
 
 
-def phase_power(samples: np.ndarray, t0: float, t1: float, settle_s: float = 0.3) -> dict:
+SMI_SETTLE_S = 1.0  # power.draw is a one-second average (NVML, Ampere and later): skip a phase's first second
+
+
+def phase_power(samples: np.ndarray, t0: float, t1: float, settle_s: float = SMI_SETTLE_S) -> dict:
     """Mean SM clock and power of the samples taken in [t0 + settle_s, t1] (a phase of replays of
-    one graph; the first settle_s the clocks still move to that phase's level), and the fraction of
-    them under the power cap. ValueError if there is none (the phase was shorter than settle_s plus
-    a sampling period)."""
+    one graph; during the first settle_s the averaged power still holds the phase before), and the
+    fraction of them under the power cap. ValueError if there is none (the phase was shorter than
+    settle_s plus a sampling period, or nvidia-smi gave no sample)."""
     s = samples[(samples["t"] >= t0 + settle_s) & (samples["t"] <= t1)]
     if not len(s):
         raise ValueError(f"no nvidia-smi sample in [{t0 + settle_s:.3f}, {t1:.3f}]: make the phase longer")

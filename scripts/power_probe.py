@@ -12,12 +12,15 @@ a graph; after a warm-up phase, one graph at a time is replayed for --secs secon
 fused, sequential, fused per pass) while nvidia-smi samples clocks and power every 20 ms.
 
 A progress line per phase; per shape and pass a summary: median ms, mean SM clock, mean power and
-energy per pass (mean power x median time) of each schedule (mean of its two phases), and fused
-over sequential of each. One JSON line per phase appended to results/power_probe.jsonl (keys: git,
-shape, pass, schedule, phase, comm_blocks, minibatch_tokens, median_ms, iters, sm_mhz, power_w,
+energy per pass (mean power x median time) of each schedule (mean of its two phases), then
+x seq (sequential ms / fused ms: above 1, fused is faster), and fused / sequential of the clock
+and of the energy. Power and clocks are averaged from the second second of each phase on
+(nvidia-smi's power.draw is a one-second average: bench.SMI_SETTLE_S). One JSON line per phase
+appended to results/power_probe.jsonl (keys: time, git, shape, pass, schedule, phase,
+comm_blocks, minibatch_tokens, assign, raster, secs, median_ms, iters, sm_mhz, power_w,
 energy_mj, power_capped: the fraction of samples under the power cap, samples). No bars.
-Exit status: 0; 1 if a fused result is not bitwise equal to the sequential one; 2 without a GPU
-or nvidia-smi.
+Exit status: 0; 1 if a fused result is not bitwise equal to the sequential one; 2 without a GPU,
+or without an nvidia-smi that reports this GPU's clock and power.
 """
 
 from __future__ import annotations
@@ -59,23 +62,27 @@ def replay(graph, stream, secs: float):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
-    p.add_argument("--secs", type=float, default=2.5, help="seconds of replays per phase (at least 1)")
+    p.add_argument("--secs", type=float, default=2.5, help="seconds of replays per phase (at least 2)")
     p.add_argument("--comm", type=int, default=0, help="the fused plans' communicating CTAs")
     p.add_argument("--minibatch", type=int, default=2048, help="the fused plans' minibatch rows")
     args = p.parse_args()
-    if args.secs < 1:
-        p.error(f"--secs must be at least 1 (clocks settle for 0.3 s), got {args.secs}")
+    if args.secs < 2:
+        p.error(f"--secs must be at least 2 (the first second of a phase is not averaged), got {args.secs}")
     from mok_proto.bench import append_result, phase_power, require_gpu, smi_command, smi_samples
 
     require_gpu("power_probe.py")
-    if shutil.which("nvidia-smi") is None:
-        print("error: power_probe.py needs nvidia-smi (it samples clocks and power); none on PATH", file=sys.stderr)
-        sys.exit(2)
     import cupy
     import numpy as np
 
+    device = cupy.cuda.Device().pci_bus_id  # the GPU this process runs on (CUDA_VISIBLE_DEVICES applies)
+    if shutil.which("nvidia-smi") is None:
+        fail("power_probe.py needs nvidia-smi (it samples clocks and power); none on PATH")
+    once = subprocess.run(smi_command(device, None), capture_output=True, text=True, timeout=60)
+    if not len(smi_samples(once.stdout.splitlines())):
+        fail(f"power_probe.py: nvidia-smi -i {device} gave no clock and power sample: "
+             f"{(once.stdout + once.stderr).strip().splitlines()[:1]}")
     log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
-    smi = subprocess.Popen(smi_command(), stdout=log, stderr=subprocess.STDOUT, text=True)
+    smi = subprocess.Popen(smi_command(device), stdout=log, stderr=subprocess.STDOUT, text=True)
     phases, unequal = [], []
     try:
         for name in args.shapes.split(","):
@@ -100,8 +107,11 @@ def main():
                     for k, schedule in enumerate(PHASES):
                         times, t0, t1 = replay(graphs[schedule, pass_], stream, args.secs)
                         layer.check()
+                        plan = (layer.fused if pass_ == "fwd" else layer.fused_bwd).plan
                         phases.append(dict(shape=name, pass_=pass_, schedule=schedule, phase=k, t0=t0, t1=t1,
-                                           median_ms=float(np.median(times)), iters=len(times)))
+                                           median_ms=float(np.median(times)), iters=len(times),
+                                           assign=plan.assign if schedule == "fused" else None,
+                                           raster=plan.raster if schedule == "fused" else None))
                         print(f"# {name} {pass_} {schedule:10s} {np.median(times):.3f} ms ({len(times)} replays)",
                               flush=True)
                     if result_bytes(layer, pass_) != reference[pass_]:  # the fused graph replayed last
@@ -112,17 +122,26 @@ def main():
             heap.close()
     finally:
         time.sleep(0.1)
+        died = smi.poll()
         smi.terminate()
         smi.wait()
     log.seek(0)
-    samples = smi_samples(log)
-    print(f"{'shape':16s} pass  {'sequential ms MHz W mJ':>26s}  {'fused ms MHz W mJ':>26s}  x seq  clock  energy")
+    text = log.read()
+    samples = smi_samples(text.splitlines())
+    try:
+        for ph in phases:
+            ph.update(phase_power(samples, ph["t0"], ph["t1"]))
+    except ValueError as e:
+        fail(f"power_probe.py: {e} (nvidia-smi {'exited' if died is not None else 'ran'}; its last line: "
+             f"{text.strip().splitlines()[-1:] or 'none'})")
+    print(f"{'shape':16s} pass  {'sequential ms   MHz    W    mJ':>30s}  {'fused ms   MHz    W    mJ':>30s}"
+          f"  x seq  clock  energy")
     for ph in phases:
-        ph.update(phase_power(samples, ph["t0"], ph["t1"]))
         ph["energy_mj"] = ph["power_w"] * ph["median_ms"]
         append_result("power_probe", {"shape": ph["shape"], "pass": ph["pass_"], "schedule": ph["schedule"],
                                       "phase": ph["phase"], "comm_blocks": args.comm,
-                                      "minibatch_tokens": args.minibatch,
+                                      "minibatch_tokens": args.minibatch, "assign": ph["assign"],
+                                      "raster": ph["raster"], "secs": args.secs,
                                       **{k: ph[k] for k in ("median_ms", "iters", "sm_mhz", "power_w", "energy_mj",
                                                             "power_capped", "samples")}})
     for name in args.shapes.split(","):
@@ -132,14 +151,19 @@ def main():
                                                                            "energy_mj", "power_capped")}
                     for s in ("sequential", "fused")}
             seq, fus = mean["sequential"], mean["fused"]
-            cols = " ".join(f"{m['median_ms']:7.3f} {m['sm_mhz']:5.0f} {m['power_w']:4.0f} {m['energy_mj']:5.0f}"
-                            for m in (seq, fus))
+            cols = "  ".join(f"{m['median_ms']:11.3f} {m['sm_mhz']:5.0f} {m['power_w']:4.0f} {m['energy_mj']:5.0f}"
+                             for m in (seq, fus))
             print(f"{name:16s} {pass_}  {cols}  {seq['median_ms'] / fus['median_ms']:5.3f}  "
                   f"{fus['sm_mhz'] / seq['sm_mhz']:5.3f}  {fus['energy_mj'] / seq['energy_mj']:5.3f}"
                   f"  (power-capped samples {min(seq['power_capped'], fus['power_capped']):.0%})")
     if unequal:
-        print(f"FAIL: fused not bitwise equal to sequential: {', '.join(unequal)}")
+        print(f"FAIL: fused not bitwise equal to sequential: {', '.join(unequal)}", file=sys.stderr)
         sys.exit(1)
+
+
+def fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -203,3 +203,11 @@ def test_phase_power_means_the_settled_samples_only():
     assert phase_power(s, t0, t0 + 0.65, settle_s=0.1)["power_capped"] == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="no nvidia-smi sample"):
         phase_power(s, t0 + 0.41, t0 + 0.5, settle_s=0.0)
+
+
+def test_smi_command_samples_one_gpu():
+    from mok_proto.bench import SMI_QUERY, smi_command
+
+    loop, once = smi_command("00000000:19:00.0"), smi_command(3, None)
+    assert loop[:3] == ["nvidia-smi", "-i", "00000000:19:00.0"] and loop[-2:] == ["-lms", "20"]
+    assert once[:3] == ["nvidia-smi", "-i", "3"] and "-lms" not in once and f"--query-gpu={SMI_QUERY}" in once

@@ -267,7 +267,7 @@ class GpuMoELayer(GpuRound):
                            raster: str | None = None, spread_from: int | None = None):
         """A fused_forward plan for this layer (its shape, R, policy, capacity) and this GPU (num_sms:
         CTAs per launch rank, by default as many as are resident with every launch rank's); assign:
-        tile pairs to clusters (plan.ASSIGNMENTS, None: plan.DEFAULT_ASSIGN); raster: their order
+        tile pairs to clusters (plan.ASSIGNMENTS, None: plan.DEFAULT_ASSIGN[pass]); raster: their order
         (plan.RASTERS, None: plan.DEFAULT_RASTER); spread_from: see plan.fused_forward."""
         from mok_proto.kernels.fused import default_num_sms
 

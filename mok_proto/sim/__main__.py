@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sequential", action="store_true")
     ap.add_argument("--fused", action="store_true", help="plan.fused_forward (the forward megakernel's plan)")
     ap.add_argument("--assign", default=None, choices=plans.ASSIGNMENTS,
-                    help=f"with --fused: tile pairs to clusters (default {plans.DEFAULT_ASSIGN})")
+                    help=f"with --fused: tile pairs to clusters (default {plans.DEFAULT_ASSIGN['fwd']})")
     ap.add_argument("--raster", default=None, choices=plans.RASTERS,
                     help=f"with --fused: the order of a minibatch's tile pairs (default {plans.DEFAULT_RASTER})")
     args = ap.parse_args(argv)

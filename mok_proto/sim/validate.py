@@ -178,6 +178,10 @@ FUSED_BENCH = fused.FUSED_BENCH  # bench_layer's result files whose newest fused
 FUSED_BENCH_EXPLAINED: dict = {}
 # Why a fused measurement of params.spare_warps_spun (git stamp in params.ACQUIRE_SPIN_COMMITS, spare warps
 # moving rows) is explained, not judged.
+SPUN = ("its kernel (before e48bf6e, params.ACQUIRE_SPIN_COMMITS) spun on ld.acquire with 64 ns sleeps in the "
+        "counter waits while the spare warps of every CTA moved rows, which slowed the pass (A/B run 5, "
+        "results/runs/e48bf6e/ab_h200.txt: comm-0 x sequential kimi forward 0.84 against 0.98 with the backoff); "
+        "the model has no cost for spinning")
 # Timeline events the model leaves something out of: (timeline name, event) -> why (named in the note).
 TIMELINE_EXPLAINED = {
     ("timeline_fused_fwd_glm-5.2_a1db532.jsonl", "dispatch end"):
@@ -186,10 +190,6 @@ TIMELINE_EXPLAINED = {
         "dispatch chunks 31.8 us against kimi's 32.6 (0.98x; its bytes say 0.86x); the same event of e48bf6e's "
         "glm timeline is judged at -14.5%",
 }
-SPUN = ("its kernel (before e48bf6e, params.ACQUIRE_SPIN_COMMITS) spun on ld.acquire with 64 ns sleeps in the "
-        "counter waits while the spare warps of every CTA moved rows, which slowed the pass (A/B run 5, "
-        "results/runs/e48bf6e/ab_h200.txt: comm-0 x sequential kimi forward 0.84 against 0.98 with the backoff); "
-        "the model has no cost for spinning")
 # NOT MODELED (the judged e48bf6e comm-0 forwards show it): the GEMM tiles beside the spare warps' copies
 # run at the model's one sustained tile rate (the sequential layer's, GpuParams.sustained_gemm). In the
 # kimi timeline they took 2.70 ms of GEMM tasks per lane against 2.46 ms of GEMM stages (shared +
