@@ -25,8 +25,15 @@ def h200():
     return sim.h200()
 
 
-def test_validate_h200_rows_within_bar(h200):
-    rows = validate.h200_rows(h200)
+@pytest.fixture(scope="module")
+def h200_validation(h200):
+    """validate.h200_rows(h200), computed once for the tests that read it (it simulates every
+    measured timeline and bench row: the longest call of this file)."""
+    return validate.h200_rows(h200)
+
+
+def test_validate_h200_rows_within_bar(h200, h200_validation):
+    rows = h200_validation
     judged = [r for r in rows if r.judged]
     assert len(judged) >= 195  # 202 today: 42 GEMMs, 24 one-GPU and 12 2 x H200 stages, 55 layer rows, 69 fused (8 backward)
     for group in ("h200 gemm", "h200 comm 1 GPU", "h200 comm 2 x H200"):
@@ -50,9 +57,9 @@ def test_validate_row_checks():
         validate.Row("g", "spread", 1.38, 2.0, "x", "range")  # a range needs its high end
 
 
-def test_validate_sequential_layer_rows(h200):
+def test_validate_sequential_layer_rows(h200, h200_validation):
     # every paper shape, both passes: the whole pass (graph) and each stage bench_layer times
-    rows = [r for r in validate.h200_rows(h200) if r.group == "h200 layer sequential"]
+    rows = [r for r in h200_validation if r.group == "h200 layer sequential"]
     stages = {"fwd": ("pass (graph)", "schedule", "shared", "dispatch", "experts", "combine", "weighted_sum"),
               "bwd": ("pass (graph)", "scale", "shared", "rev_combine", "experts", "rev_dispatch", "wgrad",
                       "token_grads")}
@@ -149,10 +156,10 @@ def test_layer_predictions_move_with_their_parameter(h200, factors, moves, stays
             assert moved[quantity] == pytest.approx(value), quantity
 
 
-def test_sustained_load_is_not_bench_gemm_and_not_gb300(h200):
+def test_sustained_load_is_not_bench_gemm_and_not_gb300(h200, h200_validation):
     # bench_gemm's rows are isolated GEMMs: the sustained-load factor does not touch them
-    gemm = [r.predicted for r in validate.h200_rows(h200) if r.group == "h200 gemm"]
-    assert gemm == [r.predicted for r in validate.h200_rows(h200.scaled(sustained_gemm=0.5)) if r.group == "h200 gemm"]
+    gemm = [r.predicted for r in h200_validation if r.group == "h200 gemm"]
+    assert gemm == [r.predicted for r in validate.kernel_rows(h200.scaled(sustained_gemm=0.5)) if r.group == "h200 gemm"]
     # the GB300 set keeps its spec-derived tile rates: no H200 sustained-load factor
     gb = sim.gb300_nvl72(h200)
     assert gb.sustained_gemm == 1.0 and gb.tile_ns("down", 4096) == gb.tile_ns("down", 4096, sustained=False)
@@ -316,8 +323,8 @@ def test_gzipped_timeline_is_the_same_timeline(tmp_path):
         results.timeline_file(name, tmp_path)
 
 
-def test_validate_fused_rows(h200):
-    rows = [r for r in validate.h200_rows(h200) if r.group == "h200 fused"]
+def test_validate_fused_rows(h200, h200_validation):
+    rows = [r for r in h200_validation if r.group == "h200 fused"]
     for git in ("62f5296", "1685ef1"):  # the calibration timelines: the bulk ring's (comm 8), the warp movers' (comm 12)
         by = {r.quantity.split(" kimi")[0]: r for r in rows if r.quantity.endswith(git) and " kimi" in r.quantity}
         # the dispatch tasks fit the copy rate: the dispatch end is calibration; the rest is judged
@@ -521,7 +528,7 @@ def test_spare_calibration_needs_the_backoff_kernel():
     assert row_bytes == KIMI_SHARE.hidden * model.ELEM_BYTES and 1e3 < fixed < 3.5e3 and 1500 < row_ns < 2500
 
 
-def test_acquire_spin_rule_decides_which_fused_rows_are_judged(h200):
+def test_acquire_spin_rule_decides_which_fused_rows_are_judged(h200, h200_validation):
     # a fused row is explained (validate.SPUN, not judged) iff its kernel ran the acquire spin (stamp before
     # e48bf6e) in a pass whose spare warps move rows (comm 0): a rule on the stamp and the plan, not the error
     import re
@@ -530,10 +537,13 @@ def test_acquire_spin_rule_decides_which_fused_rows_are_judged(h200):
     assert spare_warps_spun("1685ef1", 0) and spare_warps_spun("1685ef1", 12, spread_from=7)
     assert not spare_warps_spun("1685ef1", 12) and not spare_warps_spun("e48bf6e", 0)
     assert not spare_warps_spun("e48bf6e", 12, spread_from=7) and wait_spin_at("e48bf6e") == "backoff"
-    rows = [r for r in validate.h200_rows(h200) if r.group == "h200 fused" and r.check != "informational"]
+    rows = [r for r in h200_validation if r.group == "h200 fused" and r.check != "informational"]
+    timeline_notes = set(validate.TIMELINE_EXPLAINED.values())  # explained per event (their own test)
     for r in rows:
         git, comm = r.quantity.rsplit(" ", 1)[1], int(re.search(r" C=(\d+) ", r.quantity).group(1))
         spun = wait_spin_at(git) == "acquire" and comm == 0
+        if not spun and r.note in timeline_notes:
+            continue
         assert (r.check == "explained") == spun, r.quantity
         assert r.note == validate.SPUN if spun else r.check in ("judged", "calibration"), r.quantity
     # the old spare-warp calibration timeline (b905f19) stays as history: shown, explained
@@ -855,7 +865,7 @@ def test_fused_backward_against_the_sequential_backward(h200):
     assert slow_seq - fast_seq > 0.5e6 and slow_fused - fast_fused < 0.05 * fast_fused
 
 
-def test_backward_timelines_are_kept_apart_and_simulated(h200):
+def test_backward_timelines_are_kept_apart_and_simulated(h200, h200_validation):
     forward = results.timeline_files()
     backward = results.timeline_files(pass_="bwd")
     assert forward and backward and not set(forward) & set(backward)
@@ -868,7 +878,7 @@ def test_backward_timelines_are_kept_apart_and_simulated(h200):
     predicted = result.records(0)
     for key in fused.KEY + ("role",):
         assert np.array_equal(predicted[key], measured[key]), key
-    rows = [r for r in validate.h200_rows(h200) if r.quantity.startswith("bwd ")]
+    rows = [r for r in h200_validation if r.quantity.startswith("bwd ")]
     ends = [r for r in rows if " kernel end " in r.quantity]
     assert len(ends) == len(validate.BWD_TIMELINES) == 10
     # judged, but the comm-0 kernel ends of 1685ef1 (glm, kimi): the acquire spin's (params.spare_warps_spun)
@@ -950,12 +960,12 @@ def test_spread_combine_chunks_and_timeline(h200):
     assert np.allclose(spread_ns[12:], comm0_ns[12:]) and (spread_ns[:12] < comm0_ns[:12]).all()
 
 
-def test_explained_timeline_events_name_stored_timelines(h200):
+def test_explained_timeline_events_name_stored_timelines(h200_validation):
     # an explanation outlives nothing: its timeline is stored, and validate marks exactly its rows
     for name, event in validate.TIMELINE_EXPLAINED:
         assert results.timeline_file(name).exists() and event in results.TIMELINE_EVENTS, (name, event)
     notes = set(validate.TIMELINE_EXPLAINED.values())
-    explained = [r for r in validate.fused_rows(h200) if r.check == "explained" and r.note in notes]
+    explained = [r for r in h200_validation if r.check == "explained" and r.note in notes]
     assert len(explained) == len(validate.TIMELINE_EXPLAINED)
     # and each still needs it: a row back inside the bar is judged again (drop its entry)
-    assert all(not r.ok(validate.H200_TOLERANCE) for r in explained), [(r.quantity, r.error) for r in explained]
+    assert all(abs(r.error) > validate.H200_TOLERANCE for r in explained), [(r.quantity, r.error) for r in explained]

@@ -110,6 +110,12 @@ def comm_stage_ns(gpu: GpuParams, row: dict, direction: str, dispatch: bool) -> 
 
 def h200_rows(gpu: GpuParams | None = None, results_dir=results.RESULTS_DIR) -> list[Row]:
     gpu = gpu or h200(results_dir)
+    return (kernel_rows(gpu, results_dir) + sequential_layer_rows(gpu, results_dir) + fused_rows(gpu, results_dir)
+            + fused_backward_rows(gpu, results_dir))
+
+
+def kernel_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
+    """The standalone kernels' rows: bench_gemm's grouped GEMMs and bench_comm's transfers."""
     rows = []
     for r in results.newest(results.load("bench_gemm", results_dir)):
         s = get_shape(r["shape"])
@@ -133,8 +139,7 @@ def h200_rows(gpu: GpuParams | None = None, results_dir=results.RESULTS_DIR) -> 
             rows.append(Row(f"h200 comm {where}", f"{op} {r[op]} {r['shape']} EP={r['ep']}", stage_ms(r, op),
                             comm_stage_ns(gpu, r, r[op], op == "dispatch") / 1e6, "ms",
                             "calibration" if calib else "judged"))
-    return (_same_as_calibration(rows) + sequential_layer_rows(gpu, results_dir) + fused_rows(gpu, results_dir)
-            + fused_backward_rows(gpu, results_dir))
+    return _same_as_calibration(rows)
 
 
 # Sequential-layer stages whose measurement holds what the model leaves out: (shape | None for
