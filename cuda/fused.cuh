@@ -235,8 +235,8 @@ constexpr bool kTmaReadsOutput = kP == gemm::kGateUp || kP == gemm::kDownBwd;
 
 // Consumer warpgroups, one task: the tile's MMAs and epilogue; then, for a task that signals, once
 // both warpgroups stored their rows (and fenced them for TMA readers), the first consumer thread
-// signals. A task that signals nothing goes straight on to its next tile (no fence, no barrier):
-// the fence and the release wait for the tile's stores to drain, with the tensor cores idle.
+// signals. A task that signals nothing goes straight on to its next tile: no fence, no barrier, no
+// release, none of which anyone needs (measured on the H200: as fast as fencing every task, +-1%).
 template <int kP>
 __device__ __forceinline__ bool consume_task(const Ctx& c, SharedStorage& ss, Ring& ring, const Task& t, int index,
                                              int cta, float (&acc)[128], float* staging, int half, int wg_tid,
