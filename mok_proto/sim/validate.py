@@ -10,10 +10,11 @@ Rows: (group, quantity, reference value, predicted value, unit, check, note). Wh
   on, or a row whose prediction is a calibration row's (the same formula on the same bytes).
 * "assumed": the prediction is set by an assumed parameter (params.py), shown, not judged.
 * "explained": a prediction against a measurement that holds what the model leaves out, named in
-  the note (LAYER_EXPLAINED: fixed per stage, FUSED_BENCH_EXPLAINED per file and comm setting, and
-  the fused measurements whose kernel's counter waits spun on ld.acquire beside spare warps that
-  move rows, params.spare_warps_spun: a rule on the git stamp and the plan, not chosen by the
-  error); its error is shown and MISS printed beside it, but it is not judged.
+  the note (LAYER_EXPLAINED: fixed per stage, FUSED_BENCH_EXPLAINED per file and comm setting,
+  TIMELINE_EXPLAINED per timeline and event, and the fused measurements whose kernel's counter
+  waits spun on ld.acquire beside spare warps that move rows, params.spare_warps_spun: a rule on
+  the git stamp and the plan, not chosen by the error); its error is shown and MISS printed
+  beside it, but it is not judged.
 * "informational": a prediction shown with its error, not judged, because nothing in the model
   was checked on that kind of measurement before (the fused backward's per-kind task times per SM,
   `fused_backward_rows`).
@@ -232,8 +233,8 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
         def check(copies: bool = False, event: str = "") -> dict:  # calibration: a row set by the copies fitted here
             if copies and fits:
                 return dict(check="calibration", note=f"fits {fits}")
-            why = TIMELINE_EXPLAINED.get((results.plain_name(path), event))
-            return dict(check="explained", note=SPUN) if spun else dict(check="explained", note=why) if why else {}
+            why = SPUN if spun else TIMELINE_EXPLAINED.get((results.plain_name(path), event))
+            return dict(check="explained", note=why) if why else {}
         want, got = results.timeline_events(measured), results.timeline_events(predicted)
         for event in results.TIMELINE_EVENTS:
             rows.append(Row("h200 fused", f"fwd {event} {label}", want[event] / 1e6, got[event] / 1e6, "ms",
