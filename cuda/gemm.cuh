@@ -230,11 +230,15 @@ __device__ __forceinline__ void mma_stage(float (&acc)[128], u32 s_a, u32 s_b, i
 
 // Epilogues. Accumulator layout of m64nNk16: thread (warp w, lane l) holds rows 16w + l/4 (+8) and
 // columns 8j + 2(l%4) (+1) in acc[4j + 2*(row half) + (column)].
-// fp32 path (kDownBwd, weight gradients): each warp stages 32 columns of
-// its 8 rows of one row half (a "group") in shared memory and reads them back so that lane l holds
-// the 8 consecutive columns 8(l%4) .. +7 of row l/4: every global store (and every read of g, u
-// from the aux stage) is 16 bytes wide. An area is 8 rows x 32 fp32; 16-byte chunk c of row r sits at chunk
-// c ^ (2r % 8), so the float2 writes are free of bank conflicts.
+// fp32-staged paths (kDownBwd, weight gradients): each warp stages 32 columns of its 8 rows of one
+// row half (a "group") in shared memory, then reads them back in the layout its global stores want:
+//   kDownBwd          lane l holds the 8 consecutive columns 8(l%4) .. +7 of row l/4, so every
+//                     bf16 store of dg, du (and every read of g, u from the aux stage) is 16 bytes;
+//   weight gradients  lane l holds the 16-byte chunk l%8 of rows l/8 and l/8 + 4: each store
+//                     instruction writes 4 whole 128-byte lines (fp32 outputs are 2x the bytes of
+//                     bf16 ones, and this is 5% faster than the kDownBwd layout: bench_gemm, H200).
+// An area is 8 rows x 32 fp32; 16-byte chunk c of row r sits at chunk c ^ (2r % 8), so the float2
+// writes and the float4 reads of a quarter warp are free of bank conflicts.
 __device__ __forceinline__ int staged_at(int row, int col) {
   return row * 32 + ((((col >> 2) ^ (row << 1)) & 7) << 2) + (col & 3);
 }
@@ -264,54 +268,36 @@ constexpr int kAuxU = kBM * 128;  // bytes from g to u in an aux stage
 // 1 / (1 + e^-x) with the fast reciprocal (2 SFU operations; relative error ~1e-6, far below bf16's).
 __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
-// The fp32-staged epilogue (kDownBwd, weight gradients) of 8 consecutive columns of one row, at
-// element offset `at` of the outputs. f: the accumulators; f2: the second matrix's same columns
-// (kGateUpWgrad). kDownBwd: g and u of those columns are read from the aux stage at `aux`.
-template <int kP>
-__device__ __forceinline__ void emit8(const GemmParams* p, i64 at, const float (&f)[8], const float (&f2)[8],
-                                      const char* aux) {
-  using Tr = Traits<kP>;
-  if (kP == kDownBwd) {  // f = dh
-    float g[8], u[8], dg[8], du[8];
-    unpack8(*reinterpret_cast<const uint4*>(aux), g);
-    unpack8(*reinterpret_cast<const uint4*>(aux + kAuxU), u);
+// kDownBwd's epilogue of 8 consecutive columns of one row, at element offset `at` of dg and du:
+// f = dh there; g and u of those columns are read from the aux stage at `aux`.
+__device__ __forceinline__ void emit8_down_bwd(const GemmParams* p, i64 at, const float (&f)[8], const char* aux) {
+  float g[8], u[8], dg[8], du[8];
+  unpack8(*reinterpret_cast<const uint4*>(aux), g);
+  unpack8(*reinterpret_cast<const uint4*>(aux + kAuxU), u);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float sig = sigmoid(g[i]);
-      du[i] = f[i] * g[i] * sig;
-      dg[i] = f[i] * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
-    }
-    *ptr<uint4>(p->out1 + 2 * at) = pack8(dg);
-    *ptr<uint4>(p->out2 + 2 * at) = pack8(du);
-  } else {  // weight gradients: fp32 [M, N] per expert
-    float4* o1 = ptr<float4>(p->out1 + 4 * at);
-    o1[0] = make_float4(f[0], f[1], f[2], f[3]);
-    o1[1] = make_float4(f[4], f[5], f[6], f[7]);
-    if (Tr::kDualB) {
-      float4* o2 = ptr<float4>(p->out2 + 4 * at);
-      o2[0] = make_float4(f2[0], f2[1], f2[2], f2[3]);
-      o2[1] = make_float4(f2[4], f2[5], f2[6], f2[7]);
-    }
+  for (int i = 0; i < 8; ++i) {
+    const float sig = sigmoid(g[i]);
+    du[i] = f[i] * g[i] * sig;
+    dg[i] = f[i] * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
   }
+  *ptr<uint4>(p->out1 + 2 * at) = pack8(dg);
+  *ptr<uint4>(p->out2 + 2 * at) = pack8(du);
 }
 
-// Where this lane's row of one row half goes.
+// kDownBwd: where this lane's row of one row half goes.
 struct RowOut {
-  i64 base;     // element offset of the lane's first column in the outputs; group g adds 32 g
+  i64 base;     // element offset of the lane's first column in dg, du; group g adds 32 g
   int row;      // row within the tile (0 .. BM-1)
   bool valid;   // inside the expert (and the tile is stored)
 };
 
-template <int kP, int kRowHalf>
-__device__ __forceinline__ RowOut row_out(const GemmParams* p, const Tile& tile, int half, int wg_tid) {
-  using Tr = Traits<kP>;
+__device__ __forceinline__ RowOut row_out(const GemmParams* p, const Tile& tile, int row_half, int half, int wg_tid) {
   const int warp = wg_tid >> 5, lane = wg_tid & 31;
   RowOut r;
-  r.row = half * 64 + warp * 16 + (lane >> 2) + kRowHalf * 8;
+  r.row = half * 64 + warp * 16 + (lane >> 2) + row_half * 8;
   const int m = tile.m0 + r.row;
-  r.valid = tile.store && (!Tr::kRowProblem || m < tile.rows);
-  const i64 row = Tr::kRowProblem ? tile.row0 + m : m;
-  r.base = (Tr::kRowProblem ? 0 : tile.group * p->o_group_stride) + row * p->ldo + tile.n0 + 8 * (lane & 3);
+  r.valid = tile.store && m < tile.rows;
+  r.base = (tile.row0 + m) * p->ldo + tile.n0 + 8 * (lane & 3);
   return r;
 }
 
@@ -323,36 +309,66 @@ __device__ __forceinline__ const char* aux_at(const char* aux, int row, int lane
   return aux + row * 128 + chunk * 16;
 }
 
-// Two groups per round through the warp's two staging areas: kDualB problems stage a group of
-// the first matrix and the same columns of the second; the others stage groups g and g + 1.
-template <int kP, int kRowHalf, int kGroup>
-__device__ __forceinline__ void store_round(const GemmParams* p, const float (&acc)[128], float* staging, int lane,
-                                            const RowOut& r, const char* aux) {
-  using Tr = Traits<kP>;
-  constexpr int kSecond = Tr::kDualB ? kGroup + 4 : kGroup + 1;
+// kDownBwd, one round: row half kRowHalf of groups kGroup, kGroup + 1 (64 columns: one aux stage)
+// through the warp's two staging areas.
+template <int kRowHalf, int kGroup>
+__device__ __forceinline__ void store_down_bwd_round(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+                                                     float* staging, int half, int wg_tid, const char* aux) {
+  const int lane = wg_tid & 31;
   __syncwarp();  // the previous round's reads are done
   stage_group<kRowHalf, kGroup>(staging, acc, lane);
-  stage_group<kRowHalf, kSecond>(staging + 256, acc, lane);
+  stage_group<kRowHalf, kGroup + 1>(staging + 256, acc, lane);
   __syncwarp();
   float f[8], f2[8];
   unstage8(staging, lane, f);
   unstage8(staging + 256, lane, f2);
+  const RowOut r = row_out(p, tile, kRowHalf, half, wg_tid);
   if (!r.valid) return;
-  const bool with_aux = Tr::kAuxStages > 0;
-  if (Tr::kDualB) {
-    emit8<kP>(p, r.base + 32 * kGroup, f, f2, nullptr);
-  } else {
-    emit8<kP>(p, r.base + 32 * kGroup, f, f, with_aux ? aux_at<kGroup>(aux, r.row, lane) : nullptr);
-    emit8<kP>(p, r.base + 32 * kSecond, f2, f2, with_aux ? aux_at<kSecond>(aux, r.row, lane) : nullptr);
+  emit8_down_bwd(p, r.base + 32 * kGroup, f, aux_at<kGroup>(aux, r.row, lane));
+  emit8_down_bwd(p, r.base + 32 * (kGroup + 1), f2, aux_at<kGroup + 1>(aux, r.row, lane));
+}
+
+// kDownBwd, both row halves of groups kGroup, kGroup + 1. (Whole 128-byte lines per store, as the
+// weight gradients do, measured no faster here: bench_gemm down_bwd within 0.5% on all 4 shapes.)
+template <int kGroup>
+__device__ __forceinline__ void store_down_bwd_columns(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+                                                       float* staging, int half, int wg_tid, const char* aux) {
+  store_down_bwd_round<0, kGroup>(p, tile, acc, staging, half, wg_tid, aux);
+  store_down_bwd_round<1, kGroup>(p, tile, acc, staging, half, wg_tid, aux);
+}
+
+// Weight gradients (fp32 [M, N] per expert; only stored tiles get here), one round: row half
+// kRowHalf of group kGroup and of kSecond (kGateUpWgrad: the same columns of dWu; else the next
+// group) through the two staging areas, then whole 128-byte lines to the outputs.
+template <int kP, int kRowHalf, int kGroup>
+__device__ __forceinline__ void store_wgrad_round(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+                                                  float* staging, int half, int wg_tid) {
+  using Tr = Traits<kP>;
+  constexpr int kSecond = Tr::kDualB ? kGroup + 4 : kGroup + 1;
+  const int warp = wg_tid >> 5, lane = wg_tid & 31, chunk = lane & 7;
+  __syncwarp();  // the previous round's reads are done
+  stage_group<kRowHalf, kGroup>(staging, acc, lane);
+  stage_group<kRowHalf, kSecond>(staging + 256, acc, lane);
+  __syncwarp();
+  float* out2 = ptr<float>(Tr::kDualB ? p->out2 : p->out1);
+  const int col2 = Tr::kDualB ? 32 * kGroup : 32 * kSecond;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = (lane >> 3) + 4 * i;  // row within the warp's 8 rows of this row half
+    const i64 m = tile.m0 + half * 64 + warp * 16 + kRowHalf * 8 + r;
+    const i64 at = tile.group * p->o_group_stride + m * p->ldo + tile.n0 + 4 * chunk;
+    *reinterpret_cast<float4*>(ptr<float>(p->out1) + at + 32 * kGroup) =
+        *reinterpret_cast<const float4*>(staging + staged_at(r, 4 * chunk));
+    *reinterpret_cast<float4*>(out2 + at + col2) =
+        *reinterpret_cast<const float4*>(staging + 256 + staged_at(r, 4 * chunk));
   }
 }
 
-// Both row halves of the 64 columns of groups kGroup, kGroup + 1 (kDownBwd: one aux stage).
 template <int kP, int kGroup>
-__device__ __forceinline__ void store_columns(const GemmParams* p, const Tile& tile, const float (&acc)[128],
-                                              float* staging, int half, int wg_tid, const char* aux) {
-  store_round<kP, 0, kGroup>(p, acc, staging, wg_tid & 31, row_out<kP, 0>(p, tile, half, wg_tid), aux);
-  store_round<kP, 1, kGroup>(p, acc, staging, wg_tid & 31, row_out<kP, 1>(p, tile, half, wg_tid), aux);
+__device__ __forceinline__ void store_wgrad_columns(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+                                                    float* staging, int half, int wg_tid) {
+  store_wgrad_round<kP, 0, kGroup>(p, tile, acc, staging, half, wg_tid);
+  store_wgrad_round<kP, 1, kGroup>(p, tile, acc, staging, half, wg_tid);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -435,19 +451,20 @@ template <int kP>
 __device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile, const float (&acc)[128],
                                            float* staging, int half, int wg_tid) {
   using Tr = Traits<kP>;
+  static_assert(kP != kDownBwd, "kDownBwd's epilogue runs in consume_tile, with its aux stages");
   if (kP == kGateUp || kP == kDown || kP == kGateUpBwd) {
     store_tile_bf16<kP>(p, tile, acc, reinterpret_cast<char*>(staging), half, wg_tid);
     return;
   }
-  store_columns<kP, 0>(p, tile, acc, staging, half, wg_tid, nullptr);
+  store_wgrad_columns<kP, 0>(p, tile, acc, staging, half, wg_tid);
   if (Tr::kDualB) {
-    store_columns<kP, 1>(p, tile, acc, staging, half, wg_tid, nullptr);
-    store_columns<kP, 2>(p, tile, acc, staging, half, wg_tid, nullptr);
-    store_columns<kP, 3>(p, tile, acc, staging, half, wg_tid, nullptr);
+    store_wgrad_columns<kP, 1>(p, tile, acc, staging, half, wg_tid);
+    store_wgrad_columns<kP, 2>(p, tile, acc, staging, half, wg_tid);
+    store_wgrad_columns<kP, 3>(p, tile, acc, staging, half, wg_tid);
   } else {
-    store_columns<kP, 2>(p, tile, acc, staging, half, wg_tid, nullptr);
-    store_columns<kP, 4>(p, tile, acc, staging, half, wg_tid, nullptr);
-    store_columns<kP, 6>(p, tile, acc, staging, half, wg_tid, nullptr);
+    store_wgrad_columns<kP, 2>(p, tile, acc, staging, half, wg_tid);
+    store_wgrad_columns<kP, 4>(p, tile, acc, staging, half, wg_tid);
+    store_wgrad_columns<kP, 6>(p, tile, acc, staging, half, wg_tid);
   }
 }
 
@@ -616,10 +633,10 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
       release_stage(ss, ring.stage, wg_tid);
       ring.advance();
     };
-    store_columns<kP, 0>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
-    store_columns<kP, 2>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
-    store_columns<kP, 4>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
-    store_columns<kP, 6>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+    store_down_bwd_columns<0>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+    store_down_bwd_columns<2>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+    store_down_bwd_columns<4>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+    store_down_bwd_columns<6>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
   } else if (tile.store) {
     store_tile<kP>(p, tile, acc, staging, half, wg_tid);
   }

@@ -1,6 +1,6 @@
 """Our grouped expert GEMMs against torch._grouped_mm and a dense cuBLAS GEMM, on one GPU.
 
-    python scripts/bench_gemm.py [--shapes kimi-k2.7,...] [--iters 20]
+    python scripts/bench_gemm.py [--shapes kimi-k2.7,...] [--problems down_wgrad,...] [--iters 20]
 
 The per-rank load of EP=64: 2048 tokens x K choices spread over E/64 local experts, uniform
 (equal rows per expert) or skewed (rows proportional to 1/(e+1)). For each problem, in one run:
@@ -94,9 +94,14 @@ def main():
     p.add_argument("--ep", type=int, default=64)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--routing", default="uniform,skewed")
+    p.add_argument("--problems", default=",".join(BARS), help="a subset of " + ",".join(BARS))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
+    wanted = args.problems.split(",")
+    unknown = sorted(set(wanted) - set(BARS))
+    if unknown:
+        p.error(f"unknown problem(s) {','.join(unknown)}; choose from {','.join(BARS)}")
     require_gpu("bench_gemm.py", need_torch=True)
     import cupy
     import torch
@@ -154,7 +159,8 @@ def main():
                                                              error=err),
                                   lambda: grouped_mm(x.t(), dgu, offs), (x.t(), dgu), 2 * rows * hidden * 2 * ffn),
             }
-            for name, (ours, make_torch, (da, db), flops) in problems.items():
+            for name in wanted:
+                ours, make_torch, (da, db), flops = problems[name]
                 t_ours = timed(ours, args.iters, args.warmup, flush)
                 t_torch = timed(make_torch(), args.iters, args.warmup, flush)
                 t_dense = timed(lambda: torch.mm(da, db), args.iters, args.warmup, flush)

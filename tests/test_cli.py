@@ -88,3 +88,10 @@ def test_gpu_check_help_runs_nothing():
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--help"], capture_output=True, text=True,
                           timeout=30)
     assert proc.returncode == 0 and "One command for a GPU session" in proc.stdout and "[gpu_check]" not in proc.stderr
+
+
+def test_bench_gemm_unknown_problem_refused_before_any_gpu_work():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gemm.py"), "--problems", "down,dwon"],
+                          capture_output=True, text=True, cwd=ROOT, env=rank_env(), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "unknown problem(s) dwon" in proc.stderr and "gate_up_wgrad" in proc.stderr, proc.stderr
