@@ -238,7 +238,8 @@ __device__ __forceinline__ void mma_stage(float (&acc)[128], u32 s_a, u32 s_b, i
 //                     instruction writes 4 whole 128-byte lines (fp32 outputs are 2x the bytes of
 //                     bf16 ones, and this is 5% faster than the kDownBwd layout: bench_gemm, H200).
 // An area is 8 rows x 32 fp32; 16-byte chunk c of row r sits at chunk c ^ (2r % 8), so the float2
-// writes and the float4 reads of a quarter warp are free of bank conflicts.
+// writes and the weight gradients' float4 reads (a quarter warp: one row) are free of bank
+// conflicts; kDownBwd's (a quarter warp: rows 2i and 2i + 1, chunks c and c ^ 2) are 2-way.
 __device__ __forceinline__ int staged_at(int row, int col) {
   return row * 32 + ((((col >> 2) ^ (row << 1)) & 7) << 2) + (col & 3);
 }

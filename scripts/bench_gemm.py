@@ -98,10 +98,11 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
-    wanted = args.problems.split(",")
-    unknown = sorted(set(wanted) - set(BARS))
-    if unknown:
-        p.error(f"unknown problem(s) {','.join(unknown)}; choose from {','.join(BARS)}")
+    wanted = list(dict.fromkeys(name for name in args.problems.split(",") if name))  # in order, once each
+    unknown = [name for name in wanted if name not in BARS]
+    if unknown or not wanted:
+        said = f"unknown problem(s) {','.join(unknown)}" if unknown else "--problems names no problem"
+        p.error(f"{said}; choose from {','.join(BARS)}")
     require_gpu("bench_gemm.py", need_torch=True)
     import cupy
     import torch

@@ -95,3 +95,6 @@ def test_bench_gemm_unknown_problem_refused_before_any_gpu_work():
                           capture_output=True, text=True, cwd=ROOT, env=rank_env(), timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert "unknown problem(s) dwon" in proc.stderr and "gate_up_wgrad" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gemm.py"), "--problems", ","],
+                          capture_output=True, text=True, cwd=ROOT, env=rank_env(), timeout=60)
+    assert proc.returncode == 2 and "--problems names no problem" in proc.stderr, proc.stderr

@@ -969,3 +969,41 @@ def test_explained_timeline_events_name_stored_timelines(h200_validation):
     assert len(explained) == len(validate.TIMELINE_EXPLAINED)
     # and each still needs it: a row back inside the bar is judged again (drop its entry)
     assert all(abs(r.error) > validate.H200_TOLERANCE for r in explained), [(r.quantity, r.error) for r in explained]
+
+
+def test_scale_to_slots_priced_by_the_kernel_that_ran(h200):
+    # e7e9bd0's scale_to_slots reads each dout row once ("stream"); the kernels before it read it K
+    # times ("scatter"): each run's scale stages are predicted with its own kernel's pattern
+    from mok_proto.sim import params
+
+    assert params.scale_traffic_at("a1db532") == "scatter" and params.scale_traffic_at("e7e9bd0") == "stream"
+    assert h200.scale_traffic == "stream"  # sim.h200() predicts the current kernel
+    one = layer.one_gpu(h200)
+    rows = [r for r in results.load("bench_layer_e7e9bd0") if r["schedule"] == "sequential" and r["pass"] == "bwd"]
+    assert {r["shape"] for r in rows} == set(PAPER_SHAPES)
+    for r in rows:
+        share, measured = ep_share(r["shape"], r["ep"]), r["stages_ms"]["scale"] * 1e6
+        now = layer.sequential_stages_ns(share, "bwd", one.recorded_at(r["git"]))["scale"]
+        before = layer.sequential_stages_ns(share, "bwd", one.recorded_at("a1db532"))["scale"]
+        assert abs(now / measured - 1) <= validate.H200_TOLERANCE, (r["shape"], now, measured)
+        assert before / measured - 1 > validate.H200_TOLERANCE  # the old kernel's price misses it
+
+
+def test_a_partial_bench_gemm_run_replaces_only_its_rows(tmp_path):
+    # bench_gemm --problems/--shapes/--routing appends a subset: the simulator keeps every other
+    # (shape, routing, problem)'s newest row and still calibrates
+    from mok_proto.sim import params
+
+    for f in results.RESULTS_DIR.glob("*.jsonl*"):
+        shutil.copy(f, tmp_path / f.name)
+    full = params.newest_gemm_rows(tmp_path)
+    newer = {k: v for k, v in full[0].items() if k != "run"}
+    newer.update(time="2099-01-01T00:00:00+00:00", git="partial")
+    with open(tmp_path / "bench_gemm.jsonl", "a") as f:
+        f.write(json.dumps(newer) + "\n")
+    rows = params.newest_gemm_rows(tmp_path)
+    key = ("shape", "routing", "problem")
+    assert len(rows) == len(full)
+    assert [r["git"] for r in rows if all(r[k] == full[0][k] for k in key)] == ["partial"]
+    assert sorted(r["time"] for r in rows)[:-1] == sorted(r["time"] for r in full if r is not full[0])
+    params.h200(tmp_path)  # every problem still has rows to fit

@@ -264,8 +264,9 @@ def epilogue_kernel_ns(shape: MoEShape, gpu: GpuParams, num_sms: int) -> float:
 
 
 # Token kernels outside every plan (cuda/token.cuh): (traffic, rows read, rows written), rows in
-# units of N H elements ("K": N K rows), at GpuParams.token_kernel_ns's rate for that traffic.
-SCALE_TO_SLOTS = ("scatter", 1, "K")  # backward, first: reads dout, writes its K scaled slot rows
+# units of N H elements ("K": N K rows), at GpuParams.token_kernel_ns's rate for that traffic
+# (None: the recorded kernel's, GpuParams.scale_traffic).
+SCALE_TO_SLOTS = (None, 1, "K")  # backward, first: reads dout, writes its K scaled slot rows
 TOPK_WEIGHT_GRAD = ("stream", "K+1", 0)  # backward, last: reads dout and the K slot rows
 
 
@@ -278,7 +279,7 @@ def token_bytes(shape: MoEShape, rows) -> float:
 def token_kernel_ns(shape: MoEShape, gpu: GpuParams, kernel: tuple) -> float:
     """The work of a token kernel (traffic, reads, writes) such as SCALE_TO_SLOTS; no launch."""
     traffic, reads, writes = kernel
-    return gpu.token_kernel_ns(traffic, token_bytes(shape, reads), token_bytes(shape, writes))
+    return gpu.token_kernel_ns(traffic or gpu.scale_traffic, token_bytes(shape, reads), token_bytes(shape, writes))
 
 
 def _real_rows_per_minibatch(plan: Plan, load: Load) -> np.ndarray:

@@ -80,6 +80,21 @@ def wait_spin_at(git: str | None) -> str:
     return "acquire" if git in ACQUIRE_SPIN_COMMITS else "backoff"
 
 
+# scale_to_slots' access pattern (GpuParams.scale_traffic, a TOKEN_TRAFFIC): "stream" since e7e9bd0 (a
+# thread per octet of dout reads it once and writes it scaled into the token's K slots: a copy's traffic
+# rate; the e7e9bd0 run's scale stages, begin_round included, are 0.078 / 0.068 / 0.056 / 0.061 ms for
+# kimi / glm / qwen / deepseek, this model -0.1% to +5.6% from them), "scatter" before (a thread per slot octet,
+# K reads of each dout octet: a push dispatch's read/write split). Measurements stamped with one of
+# SCALE_PER_SLOT_COMMITS (every git stamp in results/ older than e7e9bd0) ran the old kernel.
+SCALE_PER_SLOT_COMMITS = ACQUIRE_SPIN_COMMITS + ("e48bf6e", "300fa34", "a1db532")
+
+
+def scale_traffic_at(git: str | None) -> str:
+    """scale_to_slots' access pattern (TOKEN_TRAFFIC) in the kernel a measurement stamped `git` ran; an
+    unstamped measurement (None, "") counts as the current kernel's."""
+    return "scatter" if git in SCALE_PER_SLOT_COMMITS else "stream"
+
+
 def spare_warps_spun(git: str | None, comm_blocks: int, spread_from: int | None = None) -> bool:
     """Whether a fused measurement stamped `git` ran the acquire spin (wait_spin_at) in a pass whose compute
     CTAs' spare warps move rows (comm_blocks == 0, or outgoing transfers spread over every CTA): a pass
@@ -130,6 +145,7 @@ class GpuParams:
     #   bulk_task_ns per task; fitted on H200_CALIBRATION["fused_bulk"] (14 KB rows). Per byte,
     #   bench_layer's qwen3.5-397b C=8 pass (8 KB rows, b905f19) would be predicted 37% short.
     comm_mover: str = "warps"
+    scale_traffic: str = "stream"  # scale_to_slots' access pattern (scale_traffic_at; `recorded_at`)
     comm_cta_gbs: float = 0.0
     comm_task_ns: float = 0.0
     bulk_row_ns: float = 0.0
@@ -168,11 +184,13 @@ class GpuParams:
         (TOKEN_TRAFFIC):
         * "gather_sum": weighted_sum and slot_sum (cuda/token.cuh sum_slots: a token's K slot rows
           summed per 16-byte octet): sum_slots_efficiency of a copy's traffic rate;
-        * "scatter": scale_to_slots (each token row read, K scaled rows written): the access
-          pattern of a push dispatch (K - 1 of a row's K reads hit L2), so its read/write split
-          hbm_read_gbs / hbm_write_gbs, fitted to one;
-        * "stream": topk_weight_grad (reads only): a copy's traffic rate (no measurement of its
-          own); a plain copy reads and writes copy_gbs each."""
+        * "scatter": scale_to_slots before e7e9bd0 (a thread per slot octet: each token row read
+          K times, K scaled rows written): the access pattern of a push dispatch (K - 1 of a row's
+          K reads hit L2), so its read/write split hbm_read_gbs / hbm_write_gbs, fitted to one;
+        * "stream": topk_weight_grad (reads only; no measurement of its own) and scale_to_slots
+          since e7e9bd0 (each token row read once, K scaled rows written): a copy's traffic rate;
+          a plain copy reads and writes copy_gbs each.
+        scale_to_slots takes `scale_traffic` (model.SCALE_TO_SLOTS)."""
         if traffic == "gather_sum":
             return (read_bytes + write_bytes) / (2.0 * self.copy_gbs * self.sum_slots_efficiency)
         if traffic == "scatter":
@@ -184,6 +202,8 @@ class GpuParams:
     def __post_init__(self):
         if self.comm_mover not in COMM_MOVERS:
             raise ValueError(f"comm_mover must be one of {', '.join(COMM_MOVERS)}, got {self.comm_mover!r}")
+        if self.scale_traffic not in TOKEN_TRAFFIC:
+            raise ValueError(f"scale_traffic must be one of {', '.join(TOKEN_TRAFFIC)}, got {self.scale_traffic!r}")
 
     def fused_task_ns(self, comm_blocks: int) -> float:
         """The fixed cost of one in-kernel communication task of a fused plan (comm_blocks == 0:
@@ -207,9 +227,9 @@ class GpuParams:
         return rows * row_bytes / rate
 
     def recorded_at(self, git: str) -> "GpuParams":
-        """These parameters with the mover of the kernel a measurement stamped `git` ran: "bulk"
-        for BULK_MOVER_COMMITS, else "warps"."""
-        return dataclasses.replace(self, comm_mover=comm_mover_at(git))
+        """These parameters with the kernels a measurement stamped `git` ran: the mover ("bulk"
+        for BULK_MOVER_COMMITS, else "warps") and scale_to_slots' traffic (scale_traffic_at)."""
+        return dataclasses.replace(self, comm_mover=comm_mover_at(git), scale_traffic=scale_traffic_at(git))
 
     def pull_sm_gbs(self) -> float:
         """One SM pulling: one window per round trip."""
@@ -269,8 +289,10 @@ def _gemm_rows(row: dict) -> np.ndarray:
     return rows_per_expert(row["rows"], row["experts"], row["routing"])
 
 
-def _newest_gemm(results_dir) -> list[dict]:
-    return results.newest(results.load("bench_gemm", results_dir))
+def newest_gemm_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
+    """bench_gemm's newest row of each (shape, routing, problem): a run of a subset (--shapes,
+    --routing, --problems) replaces only its own rows."""
+    return results.newest(results.load("bench_gemm", results_dir), group_by=("shape", "routing", "problem"))
 
 
 def _newest_comm(results_dir) -> list[dict]:
@@ -302,7 +324,7 @@ def comm_bytes(row: dict, elem_bytes: int = 4) -> dict:
 
 def h200(results_dir=results.RESULTS_DIR) -> GpuParams:
     """H200 (132 SMs) calibrated on H200_CALIBRATION's rows of this project's results."""
-    gemm_rows = _newest_gemm(results_dir)
+    gemm_rows = newest_gemm_rows(results_dir)
     comm = _newest_comm(results_dir)
     base = GpuParams(
         name="h200", num_sms=132,

@@ -34,7 +34,7 @@ from mok_proto.plan import TaskKind
 from mok_proto.sim import fused, layer
 from mok_proto.sim.model import simulate
 from mok_proto.sim.params import (H200_CALIBRATION, ROW_MOVES, GpuParams, comm_bytes, gb300_nvl72, grouped_gemm_ns,
-                                  h200, nccl_links, spare_warps_spun, stage_ms)
+                                  h200, nccl_links, newest_gemm_rows, spare_warps_spun, stage_ms)
 from mok_proto.problem import rows_per_expert
 
 H200_TOLERANCE = 0.15
@@ -118,7 +118,7 @@ def h200_rows(gpu: GpuParams | None = None, results_dir=results.RESULTS_DIR) -> 
 def kernel_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
     """The standalone kernels' rows: bench_gemm's grouped GEMMs and bench_comm's transfers."""
     rows = []
-    for r in results.newest(results.load("bench_gemm", results_dir)):
+    for r in newest_gemm_rows(results_dir):
         s = get_shape(r["shape"])
         counts = rows_per_expert(r["rows"], r["experts"], r["routing"])
         calib = (r["shape"], r["routing"]) == H200_CALIBRATION["gemm"]
@@ -158,7 +158,7 @@ def sequential_layer_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> li
     fitted_by = {ps: name for name, stages in layer.LAYER_CALIBRATION.items() for ps in stages}
     rows = []
     for r in layer.measured_rows(results_dir):
-        predicted = layer.sequential_stages_ns(ep_share(r["shape"], r["ep"]), r["pass"], one)
+        predicted = layer.sequential_stages_ns(ep_share(r["shape"], r["ep"]), r["pass"], one.recorded_at(r["git"]))
         calib = layer.calibration_stages(r["shape"])
         measured = {"total": r["median_ms"], **{k: v for k, v in r["stages_ms"].items() if k != "total"}}
         for stage, ms in measured.items():
