@@ -310,16 +310,23 @@ __device__ __forceinline__ const char* aux_at(const char* aux, int row, int lane
   return aux + row * 128 + chunk * 16;
 }
 
+// One round of the fp32-staged paths: row half kRowHalf of groups kFirst and kSecond into the
+// warp's two staging areas (256 floats apart), once the previous round's reads are done.
+template <int kRowHalf, int kFirst, int kSecond>
+__device__ __forceinline__ void stage_round(float* staging, const float (&acc)[128], int lane) {
+  __syncwarp();  // the previous round's reads are done
+  stage_group<kRowHalf, kFirst>(staging, acc, lane);
+  stage_group<kRowHalf, kSecond>(staging + 256, acc, lane);
+  __syncwarp();
+}
+
 // kDownBwd, one round: row half kRowHalf of groups kGroup, kGroup + 1 (64 columns: one aux stage)
 // through the warp's two staging areas.
 template <int kRowHalf, int kGroup>
 __device__ __forceinline__ void store_down_bwd_round(const GemmParams* p, const Tile& tile, const float (&acc)[128],
                                                      float* staging, int half, int wg_tid, const char* aux) {
   const int lane = wg_tid & 31;
-  __syncwarp();  // the previous round's reads are done
-  stage_group<kRowHalf, kGroup>(staging, acc, lane);
-  stage_group<kRowHalf, kGroup + 1>(staging + 256, acc, lane);
-  __syncwarp();
+  stage_round<kRowHalf, kGroup, kGroup + 1>(staging, acc, lane);
   float f[8], f2[8];
   unstage8(staging, lane, f);
   unstage8(staging + 256, lane, f2);
@@ -347,10 +354,7 @@ __device__ __forceinline__ void store_wgrad_round(const GemmParams* p, const Til
   using Tr = Traits<kP>;
   constexpr int kSecond = Tr::kDualB ? kGroup + 4 : kGroup + 1;
   const int warp = wg_tid >> 5, lane = wg_tid & 31, chunk = lane & 7;
-  __syncwarp();  // the previous round's reads are done
-  stage_group<kRowHalf, kGroup>(staging, acc, lane);
-  stage_group<kRowHalf, kSecond>(staging + 256, acc, lane);
-  __syncwarp();
+  stage_round<kRowHalf, kGroup, kSecond>(staging, acc, lane);
   float* out2 = ptr<float>(Tr::kDualB ? p->out2 : p->out1);
   const int col2 = Tr::kDualB ? 32 * kGroup : 32 * kSecond;
 #pragma unroll

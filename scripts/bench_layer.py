@@ -211,8 +211,9 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
     median of the per-iteration ratios), its results compared bitwise with the sequential pass of
     this run, and with a second run. The best setting (best_row: the largest x sequential) is
     timed again (the figure judged), and once with the timeline recorded; its timeline (one traced
-    eager run) is written to `trace_to` (JSON lines + PNG) when given. assign, raster: the plans' tile pairs to clusters and their
-    order (plan.ASSIGNMENTS / plan.RASTERS, None: the plan's default; recorded in each row)."""
+    eager run) is written to `trace_to` (JSON lines + PNG) when given. assign, raster: the plans'
+    tile pairs to clusters and their order (plan.ASSIGNMENTS / plan.RASTERS, None: the plan's
+    default; recorded in each row)."""
     from mok_proto.bench import paired_ratio, rotating, summarize, time_stages
     from mok_proto.plan import COMM_KINDS, TaskKind
     from mok_proto.results import timeline_summary
