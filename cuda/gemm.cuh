@@ -82,8 +82,15 @@ struct SharedStorage {
 constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
 static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block may have on sm_90");
 
+// The weight gradients' tiles run ping-pong (see consume_tile): each consumer warpgroup owns a run
+// of the tile's stages (its 64 rows of A, all of B), so one warpgroup's fp32 epilogue overlaps the
+// other's MMAs. (A compile-time switch for A/B runs.)
+constexpr bool kWgradPingpong = true;
+
 template <int kP> struct Traits {
   static constexpr bool kRowProblem = kP <= kGateUpBwd;  // M ragged (else K ragged)
+  static constexpr bool kPingpong = kWgradPingpong && !kRowProblem;
+  static constexpr int kRuns = kPingpong ? 2 : 1;  // runs of k-blocks per tile: one per warpgroup, or one shared
   static constexpr bool kDualB = kP == kGateUp || kP == kGateUpWgrad;  // 128 columns from each of b1, b2
   static constexpr int kAMajorMN = kRowProblem ? 0 : 1;
   static constexpr int kBMajorMN = (kP == kDownBwd || kP == kGateUpBwd) ? 0 : 1;
@@ -155,15 +162,15 @@ __device__ __forceinline__ Tile tile_of(const GemmParams* p, const int* pair_pre
 // ---------------------------------------------------------------------------------------------
 template <int kP>
 __device__ __forceinline__ void load_stage_tma(const GemmParams* p, const Tile& tile, int kb, u32 s_a, u32 s_b, u64* bar,
-                                               int cta) {
+                                               int cta, int run) {
   using Tr = Traits<kP>;
   const int k0 = kb * kBK;
   const bool second = kP == kGateUpBwd && k0 >= p->k_split;  // dx: dg/Wg, then du/Wu
   const int k_in = second ? k0 - static_cast<int>(p->k_split) : k0;
-  mbar_arrive_expect_tx(bar, kStageBytes);
-  if (Tr::kAMajorMN) {  // x^T / h^T: two atoms of 64 m x 64 k rows
-    tma_load_2d(s_a, p->tmap_a1, tile.m0, tile.row0 + k0, bar);
-    tma_load_2d(s_a + 8192, p->tmap_a1, tile.m0 + 64, tile.row0 + k0, bar);
+  mbar_arrive_expect_tx(bar, Tr::kPingpong ? kStageBytes - kATileBytes / 2 : kStageBytes);
+  if (Tr::kAMajorMN) {  // x^T / h^T: two atoms of 64 m x 64 k rows (ping-pong: run r's warpgroup's atom r)
+    if (!Tr::kPingpong || run == 0) tma_load_2d(s_a, p->tmap_a1, tile.m0, tile.row0 + k0, bar);
+    if (!Tr::kPingpong || run == 1) tma_load_2d(s_a + 8192, p->tmap_a1, tile.m0 + 64, tile.row0 + k0, bar);
   } else {  // 128 rows x 64 k
     tma_load_2d(s_a, second ? p->tmap_a2 : p->tmap_a1, k_in, tile.row0 + tile.m0, bar);
   }
@@ -189,24 +196,32 @@ __device__ __forceinline__ void load_stage_tma(const GemmParams* p, const Tile& 
 // expert's, or zeros past the tensor), and the consumers zero k rows valid .. kBK - 1 of both
 // operands before their MMAs, so they sum exactly the expert's rows. Both operands are MN-major
 // there, atoms of [64 k rows x 128 bytes]: a k row is one 128-byte line of an atom whatever the
-// swizzle. Warpgroup `half` zeroes its own A atom and B atoms 2 half, 2 half + 1; then both
-// consumer warpgroups meet (named barrier kConsumersBarrier), so each sees all of B zeroed.
+// swizzle. A stage both consumer warpgroups read: warpgroup `half` zeroes its own A atom and B
+// atoms 2 half, 2 half + 1, then both meet (named barrier kConsumersBarrier), so each sees all of B
+// zeroed. A ping-pong stage (kOwn: one warpgroup's): its warpgroup zeroes its A atom and all of B.
 // ---------------------------------------------------------------------------------------------
 constexpr int kConsumersBarrier = 2;  // bar.sync id of the two consumer warpgroups (256 threads)
+constexpr int kWarpgroupBarrier = 4;  // + half: bar.sync id of one consumer warpgroup (128 threads)
 
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync %0, 256;" ::"n"(kConsumersBarrier) : "memory");
 }
 
+template <bool kOwn>
 __device__ __forceinline__ void zero_tail_k_rows(u32 s_a, int valid, int half, int wg_tid) {
   const int chunks = (kBK - valid) * 8;  // 16-byte chunks per atom to zero
-  for (int c = wg_tid; c < 3 * chunks; c += 128) {
+  constexpr int kAtoms = kOwn ? 5 : 3;   // its A atom, then B atoms
+  for (int c = wg_tid; c < kAtoms * chunks; c += 128) {
     const int atom = c / chunks, rest = c - atom * chunks;
-    const u32 base = atom == 0 ? s_a + half * 8192 : s_a + kATileBytes + (2 * half + atom - 1) * 8192;
+    const int b_atom = kOwn ? atom - 1 : 2 * half + atom - 1;
+    const u32 base = atom == 0 ? s_a + half * 8192 : s_a + kATileBytes + b_atom * 8192;
     st_shared_zero16(base + (valid + rest / 8) * 128 + (rest & 7) * 16);
   }
   fence_proxy_async();  // generic writes, read next by wgmma (the async proxy)
-  consumers_sync();
+  if (kOwn)
+    asm volatile("bar.sync %0, 128;" ::"r"(kWarpgroupBarrier + half) : "memory");
+  else
+    consumers_sync();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -484,6 +499,11 @@ struct Ring {
   __device__ __forceinline__ void advance() {
     if (++stage == kStages) { stage = 0; phase ^= 1; }
   }
+  __device__ __forceinline__ void advance(int stages) {  // `stages` advance()s
+    const int s = stage + stages;
+    stage = s % kStages;
+    phase ^= (s / kStages) & 1;
+  }
   // The producer's thread 0, after it armed this stage's `full` barrier and issued the loads.
   __device__ __forceinline__ void loaded() {
     armed |= 1u << stage;
@@ -521,9 +541,11 @@ __device__ __forceinline__ bool previous_load_landed(SharedStorage& ss, const Ri
 // One arrive per consumer warp on stage s's `empty` barrier in every CTA of the cluster (lane c
 // signals CTA c): the partner multicasts its half of B into this stage too. The warp's reads of
 // the stage (aux stages: every lane's) are done first.
-__device__ __forceinline__ void release_stage(SharedStorage& ss, int s, int wg_tid) {
+// A ping-pong stage has one warpgroup: each of its warps counts for its partner warp too (count 2),
+// so `empty` keeps one arrival count for every stage.
+__device__ __forceinline__ void release_stage(SharedStorage& ss, int s, int wg_tid, u32 count = 1) {
   __syncwarp();
-  if ((wg_tid & 31) < kCluster) mbar_arrive_cluster(&ss.empty[s], wg_tid & 31);
+  if ((wg_tid & 31) < kCluster) mbar_arrive_cluster(&ss.empty[s], wg_tid & 31, count);
 }
 
 // Barriers, the pair prefix and the cluster's abort decision; every thread of both CTAs calls it.
@@ -575,15 +597,17 @@ __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage&
                                              int cta, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
   const u32 s_base = smem_addr(ss.stages);
-  for (int kb = 0; kb < tile.k_blocks; ++kb) {
-    if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
-    if (wg_tid == 0 && ok) ok = previous_load_landed(ss, ring);
-    if (wg_tid == 0 && ok) {
-      const u32 s_a = s_base + ring.stage * kStageBytes;
-      load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &ss.full[ring.stage], cta);
-      ring.loaded();
+  for (int run = 0; run < Tr::kRuns; ++run) {
+    for (int kb = 0; kb < tile.k_blocks; ++kb) {
+      if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
+      if (wg_tid == 0 && ok) ok = previous_load_landed(ss, ring);
+      if (wg_tid == 0 && ok) {
+        const u32 s_a = s_base + ring.stage * kStageBytes;
+        load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &ss.full[ring.stage], cta, run);
+        ring.loaded();
+      }
+      ring.advance();
     }
-    ring.advance();
   }
   for (int c = 0; c < Tr::kAuxStages; ++c) {  // kDownBwd: g and u of this tile, 64 columns a stage
     if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
@@ -609,26 +633,30 @@ template <int kP>
 __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
                                              float (&acc)[128], float* staging, int half, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
+  constexpr u32 kRelease = Tr::kPingpong ? 2 : 1;  // arrivals per warp on `empty`
   const u32 s_base = smem_addr(ss.stages);
+  if (Tr::kPingpong && half == 1) ring.advance(tile.k_blocks);  // warpgroup 0's run
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
   int prev = -1;
   for (int kb = 0; kb < tile.k_blocks; ++kb) {
     if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
     const u32 s_a = s_base + ring.stage * kStageBytes;
-    if (!Tr::kRowProblem && (kb + 1) * kBK > tile.rows) zero_tail_k_rows(s_a, tile.rows - kb * kBK, half, wg_tid);
+    if (!Tr::kRowProblem && (kb + 1) * kBK > tile.rows)
+      zero_tail_k_rows<Tr::kPingpong>(s_a, tile.rows - kb * kBK, half, wg_tid);
     wgmma_fence();
     mma_stage<kP>(acc, s_a, s_a + kATileBytes, half);
     wgmma_commit();
     wgmma_wait<1>();  // the previous stage's MMAs are done: hand its buffers back
     fence_accumulators(acc);
-    if (prev >= 0) release_stage(ss, prev, wg_tid);
+    if (prev >= 0) release_stage(ss, prev, wg_tid, kRelease);
     prev = ring.stage;
     ring.advance();
   }
   wgmma_wait<0>();
   fence_accumulators(acc);
-  if (prev >= 0) release_stage(ss, prev, wg_tid);
+  if (prev >= 0) release_stage(ss, prev, wg_tid, kRelease);
+  if (Tr::kPingpong && half == 0) ring.advance(tile.k_blocks);  // warpgroup 1's run
   if constexpr (Tr::kAuxStages > 0) {  // one ring stage per 64 columns (every tile, stored or not)
     auto aux_stage = [&]() {
       if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmAux, kP);
