@@ -541,11 +541,14 @@ __device__ __forceinline__ bool previous_load_landed(SharedStorage& ss, const Ri
 // One arrive per consumer warp on stage s's `empty` barrier in every CTA of the cluster (lane c
 // signals CTA c): the partner multicasts its half of B into this stage too. The warp's reads of
 // the stage (aux stages: every lane's) are done first.
-// A ping-pong stage has one warpgroup: each of its warps counts for its partner warp too (count 2),
-// so `empty` keeps one arrival count for every stage.
-__device__ __forceinline__ void release_stage(SharedStorage& ss, int s, int wg_tid, u32 count = 1) {
+// A ping-pong stage has one warpgroup: each of its warps arrives for its partner warp too (kArrivals
+// 2), so `empty` keeps one arrival count for every stage.
+template <int kArrivals = 1>
+__device__ __forceinline__ void release_stage(SharedStorage& ss, int s, int wg_tid) {
   __syncwarp();
-  if ((wg_tid & 31) < kCluster) mbar_arrive_cluster(&ss.empty[s], wg_tid & 31, count);
+  if ((wg_tid & 31) < kCluster)
+#pragma unroll
+    for (int i = 0; i < kArrivals; ++i) mbar_arrive_cluster(&ss.empty[s], wg_tid & 31);
 }
 
 // Barriers, the pair prefix and the cluster's abort decision; every thread of both CTAs calls it.
@@ -633,7 +636,7 @@ template <int kP>
 __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
                                              float (&acc)[128], float* staging, int half, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
-  constexpr u32 kRelease = Tr::kPingpong ? 2 : 1;  // arrivals per warp on `empty`
+  constexpr int kRelease = Tr::kPingpong ? 2 : 1;  // arrivals per warp on `empty`
   const u32 s_base = smem_addr(ss.stages);
   if (Tr::kPingpong && half == 1) ring.advance(tile.k_blocks);  // warpgroup 0's run
 #pragma unroll
@@ -649,13 +652,13 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
     wgmma_commit();
     wgmma_wait<1>();  // the previous stage's MMAs are done: hand its buffers back
     fence_accumulators(acc);
-    if (prev >= 0) release_stage(ss, prev, wg_tid, kRelease);
+    if (prev >= 0) release_stage<kRelease>(ss, prev, wg_tid);
     prev = ring.stage;
     ring.advance();
   }
   wgmma_wait<0>();
   fence_accumulators(acc);
-  if (prev >= 0) release_stage(ss, prev, wg_tid, kRelease);
+  if (prev >= 0) release_stage<kRelease>(ss, prev, wg_tid);
   if (Tr::kPingpong && half == 0) ring.advance(tile.k_blocks);  // warpgroup 1's run
   if constexpr (Tr::kAuxStages > 0) {  // one ring stage per 64 columns (every tile, stored or not)
     auto aux_stage = [&]() {

@@ -104,15 +104,6 @@ __device__ __forceinline__ void mbar_arrive_cluster(u64* bar, u32 cta) {
       : "memory");
 }
 
-// The same, counting `count` arrivals (a warp that releases a stage on behalf of another warp too).
-__device__ __forceinline__ void mbar_arrive_cluster(u64* bar, u32 cta, u32 count) {
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote], %2;\n}\n" ::"r"(smem_addr(bar)),
-      "r"(cta), "r"(count)
-      : "memory");
-}
-
 // Store to the u32 at the same shared-memory offset as `p`, in cluster CTA `cta` (after a cluster
 // barrier: every CTA of the cluster must have started).
 __device__ __forceinline__ void st_cluster_u32(const void* p, u32 cta, u32 value) {
