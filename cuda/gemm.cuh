@@ -68,12 +68,18 @@ constexpr int kProducerRegs = 88;
 constexpr int kConsumerRegs = 208;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs, "over the CTA's registers");
 
+// `full` barriers: a stage's loads complete one of kFullSets barriers: kFullBoth where both consumer
+// warpgroups read it, kFullOwn + w where only warpgroup w does (a ping-pong run, below). A parity
+// wait must see every phase of its barrier (it cannot tell phase p from p + 2), and a warpgroup
+// skips the other's ping-pong stages, so those complete barriers of their own.
+constexpr int kFullBoth = 0, kFullOwn = 1, kFullSets = 3;
+
 // Shared memory of one CTA. The kernel aligns the dynamic base up to 1024 bytes (128B-swizzled
 // TMA and wgmma atoms), so a launch asks for sizeof + 1024.
 struct SharedStorage {
   char stages[kStages][kStageBytes];              // the ring: A tile, then B tile (or aux g, u)
   float staging[kConsumerWarps][kStagingFloats];  // epilogue staging, two areas per warp
-  u64 full[kStages];                              // producer -> consumers: stage loaded
+  u64 full[kFullSets][kStages];                   // producer -> consumers: stage loaded (see kFullSets)
   u64 empty[kStages];                             // consumers (both CTAs) -> producers: stage free
   int abort;                                      // set in both CTAs by cta 0: skip every tile
   int go;                                         // fused.cuh: the movers of a chunk task proceed
@@ -494,8 +500,10 @@ __device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile
 // Stage and phase of the mbarrier ring. The producer and every consumer warpgroup each hold one
 // and advance it once per stage in the same tile order, so they agree on every stage.
 struct Ring {
-  int stage = 0, phase = 0;
-  u32 armed = 0, armed_phase = 0;  // the producer's thread 0: stages it loaded, each one's last parity
+  int stage = 0, phase = 0;  // the stage, and the parity of its `empty` barrier's lap (the producer's waits)
+  u32 full_phase = 0;        // bit kStages set + s: the parity of full[set][s]'s next phase
+  u32 armed = 0, armed_set = 0, armed_phase = 0;  // the producer's thread 0: stages it loaded, each one's
+                                                  // last barrier set (2 bits) and parity
   __device__ __forceinline__ void advance() {
     if (++stage == kStages) { stage = 0; phase ^= 1; }
   }
@@ -504,13 +512,21 @@ struct Ring {
     stage = s % kStages;
     phase ^= (s / kStages) & 1;
   }
-  // The producer's thread 0, after it armed this stage's `full` barrier and issued the loads.
-  __device__ __forceinline__ void loaded() {
-    armed |= 1u << stage;
-    armed_phase = (armed_phase & ~(1u << stage)) | (static_cast<u32>(phase) << stage);
+  // A consumer, per stage it reads: the parity to wait for on full[set][stage] (then the next one's).
+  __device__ __forceinline__ int take(int set) {
+    const int bit = set * kStages + stage, parity = full_phase >> bit & 1;
+    full_phase ^= 1u << bit;
+    return parity;
   }
+  // The producer's thread 0, after it armed full[set][stage] and issued the loads.
+  __device__ __forceinline__ void loaded(int set) {
+    armed |= 1u << stage;
+    armed_set = (armed_set & ~(3u << 2 * stage)) | (static_cast<u32>(set) << 2 * stage);
+    armed_phase = (armed_phase & ~(1u << stage)) | (static_cast<u32>(take(set)) << stage);
+  }
+  __device__ __forceinline__ int last_set(int s) const { return armed_set >> 2 * s & 3; }
 };
-static_assert(kStages <= 32, "Ring keeps a bit per stage");
+static_assert(kStages * kFullSets <= 32 && kStages <= 16, "Ring keeps a bit per barrier and two per stage");
 
 // The producer's thread 0, once, after its last tile and before the kernel's final cluster
 // barrier: waits (at most kDrainNs a stage, reporting nothing) until the last loads it issued into
@@ -521,7 +537,7 @@ constexpr u64 kDrainNs = 1000000;
 
 __device__ __forceinline__ void drain_loads(SharedStorage& ss, const Ring& ring) {
   for (int s = 0; s < kStages; ++s)
-    if (ring.armed >> s & 1) mbar_drain(&ss.full[s], ring.armed_phase >> s & 1, kDrainNs);
+    if (ring.armed >> s & 1) mbar_drain(&ss.full[ring.last_set(s)][s], ring.armed_phase >> s & 1, kDrainNs);
 }
 
 // The producer's thread 0, before it arms the current stage's `full` barrier again: has the last
@@ -533,9 +549,10 @@ __device__ __forceinline__ void drain_loads(SharedStorage& ss, const Ring& ring)
 __device__ __forceinline__ bool previous_load_landed(SharedStorage& ss, const Ring& ring) {
   if (!(ring.armed >> ring.stage & 1)) return true;
   const int parity = ring.armed_phase >> ring.stage & 1;
-  if (mbar_try_wait(&ss.full[ring.stage], parity)) return true;
-  mbar_drain(&ss.full[ring.stage], parity, kDrainNs);
-  return mbar_try_wait(&ss.full[ring.stage], parity);
+  u64* full = &ss.full[ring.last_set(ring.stage)][ring.stage];
+  if (mbar_try_wait(full, parity)) return true;
+  mbar_drain(full, parity, kDrainNs);
+  return mbar_try_wait(full, parity);
 }
 
 // One arrive per consumer warp on stage s's `empty` barrier in every CTA of the cluster (lane c
@@ -561,7 +578,7 @@ __device__ __forceinline__ int gemm_setup(const GemmParams* p, SharedStorage& ss
   const int num_groups = static_cast<int>(p->num_groups);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&ss.full[s], 1);  // the producer's arrive with the TMA byte count
+      for (int set = 0; set < kFullSets; ++set) mbar_init(&ss.full[set][s], 1);  // the producer's arrive (TMA bytes)
       mbar_init(&ss.empty[s], kCluster * kConsumerWarps);  // every consumer warp of both CTAs
     }
     fence_mbarrier_init_cluster();
@@ -606,8 +623,9 @@ __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage&
       if (wg_tid == 0 && ok) ok = previous_load_landed(ss, ring);
       if (wg_tid == 0 && ok) {
         const u32 s_a = s_base + ring.stage * kStageBytes;
-        load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &ss.full[ring.stage], cta, run);
-        ring.loaded();
+        const int set = Tr::kPingpong ? kFullOwn + run : kFullBoth;
+        load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &ss.full[set][ring.stage], cta, run);
+        ring.loaded(set);
       }
       ring.advance();
     }
@@ -617,10 +635,11 @@ __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage&
     if (wg_tid == 0 && ok) ok = previous_load_landed(ss, ring);
     if (wg_tid == 0 && ok) {
       const u32 s_a = s_base + ring.stage * kStageBytes;
-      mbar_arrive_expect_tx(&ss.full[ring.stage], 2 * kAuxU);
-      tma_load_2d(s_a, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, &ss.full[ring.stage]);
-      tma_load_2d(s_a + kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, &ss.full[ring.stage]);
-      ring.loaded();
+      u64* full = &ss.full[kFullBoth][ring.stage];
+      mbar_arrive_expect_tx(full, 2 * kAuxU);
+      tma_load_2d(s_a, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, full);
+      tma_load_2d(s_a + kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, full);
+      ring.loaded(kFullBoth);
     }
     ring.advance();
   }
@@ -642,8 +661,10 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
   int prev = -1;
+  const int set = Tr::kPingpong ? kFullOwn + half : kFullBoth;
   for (int kb = 0; kb < tile.k_blocks; ++kb) {
-    if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
+    const int parity = ring.take(set);
+    if (ok) ok = mbar_wait(&ss.full[set][ring.stage], parity, p->timeout_ns, p->error, kOpGemmMma, kP);
     const u32 s_a = s_base + ring.stage * kStageBytes;
     if (!Tr::kRowProblem && (kb + 1) * kBK > tile.rows)
       zero_tail_k_rows<Tr::kPingpong>(s_a, tile.rows - kb * kBK, half, wg_tid);
@@ -662,7 +683,8 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
   if (Tr::kPingpong && half == 0) ring.advance(tile.k_blocks);  // warpgroup 1's run
   if constexpr (Tr::kAuxStages > 0) {  // one ring stage per 64 columns (every tile, stored or not)
     auto aux_stage = [&]() {
-      if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmAux, kP);
+      const int parity = ring.take(kFullBoth);
+      if (ok) ok = mbar_wait(&ss.full[kFullBoth][ring.stage], parity, p->timeout_ns, p->error, kOpGemmAux, kP);
       return ss.stages[ring.stage];
     };
     auto next = [&]() {
