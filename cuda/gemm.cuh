@@ -68,18 +68,12 @@ constexpr int kProducerRegs = 88;
 constexpr int kConsumerRegs = 208;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs, "over the CTA's registers");
 
-// `full` barriers: a stage's loads complete one of kFullSets barriers: kFullBoth where both consumer
-// warpgroups read it, kFullOwn + w where only warpgroup w does (a ping-pong run, below). A parity
-// wait must see every phase of its barrier (it cannot tell phase p from p + 2), and a warpgroup
-// skips the other's ping-pong stages, so those complete barriers of their own.
-constexpr int kFullBoth = 0, kFullOwn = 1, kFullSets = 3;
-
 // Shared memory of one CTA. The kernel aligns the dynamic base up to 1024 bytes (128B-swizzled
 // TMA and wgmma atoms), so a launch asks for sizeof + 1024.
 struct SharedStorage {
   char stages[kStages][kStageBytes];              // the ring: A tile, then B tile (or aux g, u)
   float staging[kConsumerWarps][kStagingFloats];  // epilogue staging, two areas per warp
-  u64 full[kFullSets][kStages];                   // producer -> consumers: stage loaded (see kFullSets)
+  u64 full[kStages];                              // producer -> consumers: stage loaded
   u64 empty[kStages];                             // consumers (both CTAs) -> producers: stage free
   int abort;                                      // set in both CTAs by cta 0: skip every tile
   int go;                                         // fused.cuh: the movers of a chunk task proceed
@@ -88,15 +82,8 @@ struct SharedStorage {
 constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
 static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block may have on sm_90");
 
-// The weight gradients' tiles run ping-pong (see consume_tile): each consumer warpgroup owns a run
-// of the tile's stages (its 64 rows of A, all of B), so one warpgroup's fp32 epilogue overlaps the
-// other's MMAs. (A compile-time switch for A/B runs.)
-constexpr bool kWgradPingpong = true;
-
 template <int kP> struct Traits {
   static constexpr bool kRowProblem = kP <= kGateUpBwd;  // M ragged (else K ragged)
-  static constexpr bool kPingpong = kWgradPingpong && !kRowProblem;
-  static constexpr int kRuns = kPingpong ? 2 : 1;  // runs of k-blocks per tile: one per warpgroup, or one shared
   static constexpr bool kDualB = kP == kGateUp || kP == kGateUpWgrad;  // 128 columns from each of b1, b2
   static constexpr int kAMajorMN = kRowProblem ? 0 : 1;
   static constexpr int kBMajorMN = (kP == kDownBwd || kP == kGateUpBwd) ? 0 : 1;
@@ -168,15 +155,15 @@ __device__ __forceinline__ Tile tile_of(const GemmParams* p, const int* pair_pre
 // ---------------------------------------------------------------------------------------------
 template <int kP>
 __device__ __forceinline__ void load_stage_tma(const GemmParams* p, const Tile& tile, int kb, u32 s_a, u32 s_b, u64* bar,
-                                               int cta, int run) {
+                                               int cta) {
   using Tr = Traits<kP>;
   const int k0 = kb * kBK;
   const bool second = kP == kGateUpBwd && k0 >= p->k_split;  // dx: dg/Wg, then du/Wu
   const int k_in = second ? k0 - static_cast<int>(p->k_split) : k0;
-  mbar_arrive_expect_tx(bar, Tr::kPingpong ? kStageBytes - kATileBytes / 2 : kStageBytes);
-  if (Tr::kAMajorMN) {  // x^T / h^T: two atoms of 64 m x 64 k rows (ping-pong: run r's warpgroup's atom r)
-    if (!Tr::kPingpong || run == 0) tma_load_2d(s_a, p->tmap_a1, tile.m0, tile.row0 + k0, bar);
-    if (!Tr::kPingpong || run == 1) tma_load_2d(s_a + 8192, p->tmap_a1, tile.m0 + 64, tile.row0 + k0, bar);
+  mbar_arrive_expect_tx(bar, kStageBytes);
+  if (Tr::kAMajorMN) {  // x^T / h^T: two atoms of 64 m x 64 k rows
+    tma_load_2d(s_a, p->tmap_a1, tile.m0, tile.row0 + k0, bar);
+    tma_load_2d(s_a + 8192, p->tmap_a1, tile.m0 + 64, tile.row0 + k0, bar);
   } else {  // 128 rows x 64 k
     tma_load_2d(s_a, second ? p->tmap_a2 : p->tmap_a1, k_in, tile.row0 + tile.m0, bar);
   }
@@ -202,32 +189,24 @@ __device__ __forceinline__ void load_stage_tma(const GemmParams* p, const Tile& 
 // expert's, or zeros past the tensor), and the consumers zero k rows valid .. kBK - 1 of both
 // operands before their MMAs, so they sum exactly the expert's rows. Both operands are MN-major
 // there, atoms of [64 k rows x 128 bytes]: a k row is one 128-byte line of an atom whatever the
-// swizzle. A stage both consumer warpgroups read: warpgroup `half` zeroes its own A atom and B
-// atoms 2 half, 2 half + 1, then both meet (named barrier kConsumersBarrier), so each sees all of B
-// zeroed. A ping-pong stage (kOwn: one warpgroup's): its warpgroup zeroes its A atom and all of B.
+// swizzle. Warpgroup `half` zeroes its own A atom and B atoms 2 half, 2 half + 1; then both
+// consumer warpgroups meet (named barrier kConsumersBarrier), so each sees all of B zeroed.
 // ---------------------------------------------------------------------------------------------
 constexpr int kConsumersBarrier = 2;  // bar.sync id of the two consumer warpgroups (256 threads)
-constexpr int kWarpgroupBarrier = 4;  // + half: bar.sync id of one consumer warpgroup (128 threads)
 
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync %0, 256;" ::"n"(kConsumersBarrier) : "memory");
 }
 
-template <bool kOwn>
 __device__ __forceinline__ void zero_tail_k_rows(u32 s_a, int valid, int half, int wg_tid) {
   const int chunks = (kBK - valid) * 8;  // 16-byte chunks per atom to zero
-  constexpr int kAtoms = kOwn ? 5 : 3;   // its A atom, then B atoms
-  for (int c = wg_tid; c < kAtoms * chunks; c += 128) {
+  for (int c = wg_tid; c < 3 * chunks; c += 128) {
     const int atom = c / chunks, rest = c - atom * chunks;
-    const int b_atom = kOwn ? atom - 1 : 2 * half + atom - 1;
-    const u32 base = atom == 0 ? s_a + half * 8192 : s_a + kATileBytes + b_atom * 8192;
+    const u32 base = atom == 0 ? s_a + half * 8192 : s_a + kATileBytes + (2 * half + atom - 1) * 8192;
     st_shared_zero16(base + (valid + rest / 8) * 128 + (rest & 7) * 16);
   }
   fence_proxy_async();  // generic writes, read next by wgmma (the async proxy)
-  if (kOwn)
-    asm volatile("bar.sync %0, 128;" ::"r"(kWarpgroupBarrier + half) : "memory");
-  else
-    consumers_sync();
+  consumers_sync();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -500,33 +479,18 @@ __device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile
 // Stage and phase of the mbarrier ring. The producer and every consumer warpgroup each hold one
 // and advance it once per stage in the same tile order, so they agree on every stage.
 struct Ring {
-  int stage = 0, phase = 0;  // the stage, and the parity of its `empty` barrier's lap (the producer's waits)
-  u32 full_phase = 0;        // bit kStages set + s: the parity of full[set][s]'s next phase
-  u32 armed = 0, armed_set = 0, armed_phase = 0;  // the producer's thread 0: stages it loaded, each one's
-                                                  // last barrier set (2 bits) and parity
+  int stage = 0, phase = 0;
+  u32 armed = 0, armed_phase = 0;  // the producer's thread 0: stages it loaded, each one's last parity
   __device__ __forceinline__ void advance() {
     if (++stage == kStages) { stage = 0; phase ^= 1; }
   }
-  __device__ __forceinline__ void advance(int stages) {  // `stages` advance()s
-    const int s = stage + stages;
-    stage = s % kStages;
-    phase ^= (s / kStages) & 1;
-  }
-  // A consumer, per stage it reads: the parity to wait for on full[set][stage] (then the next one's).
-  __device__ __forceinline__ int take(int set) {
-    const int bit = set * kStages + stage, parity = full_phase >> bit & 1;
-    full_phase ^= 1u << bit;
-    return parity;
-  }
-  // The producer's thread 0, after it armed full[set][stage] and issued the loads.
-  __device__ __forceinline__ void loaded(int set) {
+  // The producer's thread 0, after it armed this stage's `full` barrier and issued the loads.
+  __device__ __forceinline__ void loaded() {
     armed |= 1u << stage;
-    armed_set = (armed_set & ~(3u << 2 * stage)) | (static_cast<u32>(set) << 2 * stage);
-    armed_phase = (armed_phase & ~(1u << stage)) | (static_cast<u32>(take(set)) << stage);
+    armed_phase = (armed_phase & ~(1u << stage)) | (static_cast<u32>(phase) << stage);
   }
-  __device__ __forceinline__ int last_set(int s) const { return armed_set >> 2 * s & 3; }
 };
-static_assert(kStages * kFullSets <= 32 && kStages <= 16, "Ring keeps a bit per barrier and two per stage");
+static_assert(kStages <= 32, "Ring keeps a bit per stage");
 
 // The producer's thread 0, once, after its last tile and before the kernel's final cluster
 // barrier: waits (at most kDrainNs a stage, reporting nothing) until the last loads it issued into
@@ -537,7 +501,7 @@ constexpr u64 kDrainNs = 1000000;
 
 __device__ __forceinline__ void drain_loads(SharedStorage& ss, const Ring& ring) {
   for (int s = 0; s < kStages; ++s)
-    if (ring.armed >> s & 1) mbar_drain(&ss.full[ring.last_set(s)][s], ring.armed_phase >> s & 1, kDrainNs);
+    if (ring.armed >> s & 1) mbar_drain(&ss.full[s], ring.armed_phase >> s & 1, kDrainNs);
 }
 
 // The producer's thread 0, before it arms the current stage's `full` barrier again: has the last
@@ -549,23 +513,17 @@ __device__ __forceinline__ void drain_loads(SharedStorage& ss, const Ring& ring)
 __device__ __forceinline__ bool previous_load_landed(SharedStorage& ss, const Ring& ring) {
   if (!(ring.armed >> ring.stage & 1)) return true;
   const int parity = ring.armed_phase >> ring.stage & 1;
-  u64* full = &ss.full[ring.last_set(ring.stage)][ring.stage];
-  if (mbar_try_wait(full, parity)) return true;
-  mbar_drain(full, parity, kDrainNs);
-  return mbar_try_wait(full, parity);
+  if (mbar_try_wait(&ss.full[ring.stage], parity)) return true;
+  mbar_drain(&ss.full[ring.stage], parity, kDrainNs);
+  return mbar_try_wait(&ss.full[ring.stage], parity);
 }
 
 // One arrive per consumer warp on stage s's `empty` barrier in every CTA of the cluster (lane c
 // signals CTA c): the partner multicasts its half of B into this stage too. The warp's reads of
 // the stage (aux stages: every lane's) are done first.
-// A ping-pong stage has one warpgroup: each of its warps arrives for its partner warp too (kArrivals
-// 2), so `empty` keeps one arrival count for every stage.
-template <int kArrivals = 1>
 __device__ __forceinline__ void release_stage(SharedStorage& ss, int s, int wg_tid) {
   __syncwarp();
-  if ((wg_tid & 31) < kCluster)
-#pragma unroll
-    for (int i = 0; i < kArrivals; ++i) mbar_arrive_cluster(&ss.empty[s], wg_tid & 31);
+  if ((wg_tid & 31) < kCluster) mbar_arrive_cluster(&ss.empty[s], wg_tid & 31);
 }
 
 // Barriers, the pair prefix and the cluster's abort decision; every thread of both CTAs calls it.
@@ -578,7 +536,7 @@ __device__ __forceinline__ int gemm_setup(const GemmParams* p, SharedStorage& ss
   const int num_groups = static_cast<int>(p->num_groups);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      for (int set = 0; set < kFullSets; ++set) mbar_init(&ss.full[set][s], 1);  // the producer's arrive (TMA bytes)
+      mbar_init(&ss.full[s], 1);  // the producer's arrive with the TMA byte count
       mbar_init(&ss.empty[s], kCluster * kConsumerWarps);  // every consumer warp of both CTAs
     }
     fence_mbarrier_init_cluster();
@@ -617,29 +575,25 @@ __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage&
                                              int cta, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
   const u32 s_base = smem_addr(ss.stages);
-  for (int run = 0; run < Tr::kRuns; ++run) {
-    for (int kb = 0; kb < tile.k_blocks; ++kb) {
-      if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
-      if (wg_tid == 0 && ok) ok = previous_load_landed(ss, ring);
-      if (wg_tid == 0 && ok) {
-        const u32 s_a = s_base + ring.stage * kStageBytes;
-        const int set = Tr::kPingpong ? kFullOwn + run : kFullBoth;
-        load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &ss.full[set][ring.stage], cta, run);
-        ring.loaded(set);
-      }
-      ring.advance();
+  for (int kb = 0; kb < tile.k_blocks; ++kb) {
+    if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
+    if (wg_tid == 0 && ok) ok = previous_load_landed(ss, ring);
+    if (wg_tid == 0 && ok) {
+      const u32 s_a = s_base + ring.stage * kStageBytes;
+      load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &ss.full[ring.stage], cta);
+      ring.loaded();
     }
+    ring.advance();
   }
   for (int c = 0; c < Tr::kAuxStages; ++c) {  // kDownBwd: g and u of this tile, 64 columns a stage
     if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
     if (wg_tid == 0 && ok) ok = previous_load_landed(ss, ring);
     if (wg_tid == 0 && ok) {
       const u32 s_a = s_base + ring.stage * kStageBytes;
-      u64* full = &ss.full[kFullBoth][ring.stage];
-      mbar_arrive_expect_tx(full, 2 * kAuxU);
-      tma_load_2d(s_a, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, full);
-      tma_load_2d(s_a + kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, full);
-      ring.loaded(kFullBoth);
+      mbar_arrive_expect_tx(&ss.full[ring.stage], 2 * kAuxU);
+      tma_load_2d(s_a, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, &ss.full[ring.stage]);
+      tma_load_2d(s_a + kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, &ss.full[ring.stage]);
+      ring.loaded();
     }
     ring.advance();
   }
@@ -655,36 +609,29 @@ template <int kP>
 __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
                                              float (&acc)[128], float* staging, int half, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
-  constexpr int kRelease = Tr::kPingpong ? 2 : 1;  // arrivals per warp on `empty`
   const u32 s_base = smem_addr(ss.stages);
-  if (Tr::kPingpong && half == 1) ring.advance(tile.k_blocks);  // warpgroup 0's run
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
   int prev = -1;
-  const int set = Tr::kPingpong ? kFullOwn + half : kFullBoth;
   for (int kb = 0; kb < tile.k_blocks; ++kb) {
-    const int parity = ring.take(set);
-    if (ok) ok = mbar_wait(&ss.full[set][ring.stage], parity, p->timeout_ns, p->error, kOpGemmMma, kP);
+    if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
     const u32 s_a = s_base + ring.stage * kStageBytes;
-    if (!Tr::kRowProblem && (kb + 1) * kBK > tile.rows)
-      zero_tail_k_rows<Tr::kPingpong>(s_a, tile.rows - kb * kBK, half, wg_tid);
+    if (!Tr::kRowProblem && (kb + 1) * kBK > tile.rows) zero_tail_k_rows(s_a, tile.rows - kb * kBK, half, wg_tid);
     wgmma_fence();
     mma_stage<kP>(acc, s_a, s_a + kATileBytes, half);
     wgmma_commit();
     wgmma_wait<1>();  // the previous stage's MMAs are done: hand its buffers back
     fence_accumulators(acc);
-    if (prev >= 0) release_stage<kRelease>(ss, prev, wg_tid);
+    if (prev >= 0) release_stage(ss, prev, wg_tid);
     prev = ring.stage;
     ring.advance();
   }
   wgmma_wait<0>();
   fence_accumulators(acc);
-  if (prev >= 0) release_stage<kRelease>(ss, prev, wg_tid);
-  if (Tr::kPingpong && half == 0) ring.advance(tile.k_blocks);  // warpgroup 1's run
+  if (prev >= 0) release_stage(ss, prev, wg_tid);
   if constexpr (Tr::kAuxStages > 0) {  // one ring stage per 64 columns (every tile, stored or not)
     auto aux_stage = [&]() {
-      const int parity = ring.take(kFullBoth);
-      if (ok) ok = mbar_wait(&ss.full[kFullBoth][ring.stage], parity, p->timeout_ns, p->error, kOpGemmAux, kP);
+      if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmAux, kP);
       return ss.stages[ring.stage];
     };
     auto next = [&]() {
