@@ -98,3 +98,22 @@ def test_bench_gemm_unknown_problem_refused_before_any_gpu_work():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gemm.py"), "--problems", ","],
                           capture_output=True, text=True, cwd=ROOT, env=rank_env(), timeout=60)
     assert proc.returncode == 2 and "--problems names no problem" in proc.stderr, proc.stderr
+
+
+def test_sim_cli_fused_backward_against_the_sequential_plan(capsys):
+    """`--fused --pass bwd` simulates plan.fused_backward (it used to refuse), and --vs-sequential
+    prints the sequential plan's time of the same pass and the ratio of the two printed times."""
+    import re
+
+    from mok_proto.sim.__main__ import main
+
+    args = ["--shape", "qwen3.5-397b", "--ep", "64", "--gpu", "h200", "--pass", "bwd", "--comm-sms", "8",
+            "--minibatch", "4096"]
+    assert main(args + ["--fused", "--vs-sequential"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fused_backward bwd: qwen3.5-397b R=64"), out
+    fused_us = float(re.search(r"h200: ([\d.]+) us", out).group(1))
+    seq_us, ratio = (float(v) for v in re.search(r"sequential plan: ([\d.]+) us; x sequential ([\d.]+)", out).groups())
+    assert ratio == pytest.approx(seq_us / fused_us, abs=0.006) and seq_us != fused_us
+    assert main(args + ["--sequential", "--vs-sequential"]) == 2  # nothing to compare
+    assert "drop --sequential" in capsys.readouterr().err

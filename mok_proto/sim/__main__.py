@@ -2,7 +2,9 @@
 
     python -m mok_proto.sim --validate [--h200-only]
     python -m mok_proto.sim --shape kimi-k2.7 --ep 64 --gpu gb300-nvl72 --pass fwd --comm-sms 40 --minibatch 2048
-    python -m mok_proto.sim --fused --comm-sms 0 ...   # the forward megakernel's plan (plan.fused_forward)
+    python -m mok_proto.sim --fused --comm-sms 0 ...   # the megakernel's plan (plan.fused_forward, --pass bwd:
+                                                       # plan.fused_backward)
+    python -m mok_proto.sim --fused --vs-sequential ... # and the sequential plan of the same pass: x sequential
 
 Exit status: 0 ok; 1 an H200 row outside its bar (--validate); 2 bad argument.
 """
@@ -32,9 +34,13 @@ def main(argv=None) -> int:
     ap.add_argument("--comm-sms", type=int, default=40)
     ap.add_argument("--minibatch", type=int, default=2048)
     ap.add_argument("--sequential", action="store_true")
-    ap.add_argument("--fused", action="store_true", help="plan.fused_forward (the forward megakernel's plan)")
+    ap.add_argument("--fused", action="store_true",
+                    help="the megakernel's plan: plan.fused_forward, or plan.fused_backward with --pass bwd")
+    ap.add_argument("--vs-sequential", action="store_true",
+                    help="also simulate the sequential plan of the same pass and print the ratio (x sequential)")
     ap.add_argument("--assign", default=None, choices=plans.ASSIGNMENTS,
-                    help=f"with --fused: tile pairs to clusters (default {plans.DEFAULT_ASSIGN['fwd']})")
+                    help=f"with --fused: tile pairs to clusters (default {plans.DEFAULT_ASSIGN['fwd']} forward, "
+                         f"{plans.DEFAULT_ASSIGN['bwd']} backward)")
     ap.add_argument("--raster", default=None, choices=plans.RASTERS,
                     help=f"with --fused: the order of a minibatch's tile pairs (default {plans.DEFAULT_RASTER})")
     args = ap.parse_args(argv)
@@ -53,18 +59,22 @@ def main(argv=None) -> int:
         shape = get_shape(args.shape)
         policy = parse_policy(args.policy)
         t0 = time.perf_counter()
+        if args.vs_sequential and args.sequential:
+            raise ValueError("--vs-sequential compares another plan with the sequential one: drop --sequential")
         if args.sequential:
             p = plans.sequential(shape, args.ep, pass_=args.pass_, policy=policy, num_sms=gpu.num_sms)
         elif args.fused:
-            if args.pass_ != "fwd":
-                raise ValueError("--fused simulates the forward")
-            p = plans.fused_forward(shape, args.ep, args.comm_sms, args.minibatch, policy=policy,
-                                    num_sms=gpu.num_sms - gpu.num_sms % 2, assign=args.assign,
-                                    raster=args.raster)
+            make = plans.fused_forward if args.pass_ == "fwd" else plans.fused_backward
+            p = make(shape, args.ep, args.comm_sms, args.minibatch, policy=policy,
+                     num_sms=gpu.num_sms - gpu.num_sms % 2, assign=args.assign, raster=args.raster)
         else:
             p = plans.fixed_split(shape, args.ep, args.comm_sms, args.minibatch, pass_=args.pass_, policy=policy,
                                   num_sms=gpu.num_sms)
         result = simulate(p, gpu)
+        baseline = None
+        if args.vs_sequential:
+            baseline = simulate(plans.sequential(shape, args.ep, pass_=args.pass_, policy=policy, num_sms=gpu.num_sms),
+                                gpu)
         elapsed = time.perf_counter() - t0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -72,6 +82,8 @@ def main(argv=None) -> int:
     print(p.describe())
     print(f"{gpu.name}: {result.time_ns / 1e3:.1f} us, of which the plan's tasks {result.kernel_ns / 1e3:.1f} us "
           f"(slowest rank {result.slowest_rank}); simulated in {elapsed:.2f} s")
+    if baseline is not None:
+        print(f"sequential plan: {baseline.time_ns / 1e3:.1f} us; x sequential {baseline.time_ns / result.time_ns:.2f}")
     return 0
 
 
