@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_notebook_runs(name, plots, tmp_path, monkeypatch):
     monkeypatch.setenv("MOK_PLOTS_DIR", str(tmp_path))  # fresh folder: a plot the notebook no longer saves fails
     nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
-    # NOTE: a cell that simulates every measured timeline takes ~100 s on a 2-core CI machine
+    # NOTE: on a 2-core CI machine the slowest cell (overlap_explorer's grid of 25 simulations) takes ~25 s;
+    # the timeline plots took minutes while trace.plot_timeline drew one matplotlib Rectangle per task
     nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
