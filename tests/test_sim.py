@@ -79,19 +79,21 @@ def test_validate_sequential_layer_rows(h200, h200_validation):
 
 def _results_copy(tmp_path, edit_layer_row=None, extra_rows=(), only=None):
     """results/*.jsonl (and the timelines stored as .jsonl.gz) copied to tmp_path; edit_layer_row(row)
-    may change bench_layer rows in place; extra_rows are appended to bench_layer.jsonl; only: the
-    names (as stored) of the files to copy, None for all."""
+    may change the rows of every bench_layer file (layer.BENCH_FILES) in place; extra_rows are
+    appended to bench_layer.jsonl; only: the names (as stored) of the files to copy, None for all."""
+    layer_files = {name + ".jsonl" for name in layer.BENCH_FILES}
     for src in results.jsonl_files(results.RESULTS_DIR, "*"):
         if only is not None and src.name not in only:
             continue
-        if src.name != "bench_layer.jsonl":
+        if src.name not in layer_files:
             shutil.copy(src, tmp_path)
             continue
         rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
         for row in rows:
             if edit_layer_row:
                 edit_layer_row(row)
-        (tmp_path / src.name).write_text("\n".join(json.dumps(row) for row in [*rows, *extra_rows]) + "\n")
+        extra = extra_rows if src.name == "bench_layer.jsonl" else ()
+        (tmp_path / src.name).write_text("\n".join(json.dumps(row) for row in [*rows, *extra]) + "\n")
     return tmp_path
 
 
@@ -129,6 +131,13 @@ def test_layer_rows_use_the_newest_run_of_each_shape(h200, tmp_path):
     # a newer run of one shape only (another git stamp, later): that shape's rows come from it, the
     # others keep theirs
     newest = layer.measured_rows()
+    # the newest run is looked for in every bench_layer file, not only the running one
+    latest = {}
+    for name in layer.BENCH_FILES:
+        for r in results.load(name):
+            if r["schedule"] == "sequential" and r["time"] > latest.get(r["shape"], {"time": ""})["time"]:
+                latest[r["shape"]] = r
+    assert {r["shape"]: r["run"] for r in newest} == {k: r["run"] for k, r in latest.items()}
     glm = [dict(r, git="feedbee", time="2099-01-01T00:00:00+00:00", stages_ms={k: 2 * v for k, v in r["stages_ms"].items()})
            for r in newest if r["shape"] == "glm-5.2"]
     for r in glm:

@@ -183,15 +183,9 @@ def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: i
     return schedule + simulate(plan, one, emulated_load(shape)).time_ns
 
 
-# bench_layer's result files with fused rows (passes as graph replays): the running file, 1685ef1's
-# rows (the first run of the warp movers), e48bf6e's (the first run whose counter waits back off;
-# each fused setting's median timed interleaved with the sequential pass, bench.rotating) and
-# a1db532's (kernels of eb35161; the backward balanced by default) and e7e9bd0's (the weight gradients'
-# whole-line epilogue, scale_to_slots a thread per dout octet), each kept in a file of its own.
-# validate.fused_rows compares the newest rows of each (judged, or explained by params.spare_warps_spun);
-# measured_grid shows the newest run's.
-FUSED_BENCH = ("bench_layer", "bench_layer_1685ef1", "bench_layer_e48bf6e", "bench_layer_a1db532",
-               "bench_layer_e7e9bd0")
+# bench_layer's result files (sim/layer.py, BENCH_FILES): validate.fused_rows compares the newest
+# fused rows of each (judged, or explained by params.spare_warps_spun); measured_grid shows the newest run's.
+FUSED_BENCH = layer.BENCH_FILES
 
 
 def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 12, 16), minibatches=(512, 1024, 2048, 4096),

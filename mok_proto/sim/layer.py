@@ -110,10 +110,20 @@ def calibration_stages(shape_name: str) -> set:
     return {ps for rows in LAYER_CALIBRATION.values() for ps in rows}
 
 
+# bench_layer's result files: the running file, then runs kept in files of their own (passes as
+# graph replays): 1685ef1's rows (the first run of the warp movers), e48bf6e's (the first run whose
+# counter waits back off; each fused setting's median timed interleaved with the sequential pass,
+# bench.rotating), a1db532's (kernels of eb35161; the backward balanced by default) and e7e9bd0's
+# (the weight gradients' whole-line epilogue, scale_to_slots a thread per dout octet).
+BENCH_FILES = ("bench_layer", "bench_layer_1685ef1", "bench_layer_e48bf6e", "bench_layer_a1db532",
+               "bench_layer_e7e9bd0")
+
+
 def measured_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
-    """bench_layer's sequential rows: the newest run of each shape (runs told apart by their git
-    stamp and start time, `results.newest`)."""
-    rows = results.newest(results.load("bench_layer", results_dir), group_by=("shape", "schedule"))
+    """bench_layer's sequential rows: the newest run of each shape among BENCH_FILES (runs told
+    apart by their git stamp and start time, `results.newest`)."""
+    rows = [r for name in BENCH_FILES for r in results.load(name, results_dir)]
+    rows = results.newest(rows, group_by=("shape", "schedule"))
     return [r for r in rows if r["schedule"] == "sequential"]
 
 
