@@ -79,6 +79,7 @@ def plot_timeline(records: np.ndarray, ax=None, title: str | None = None, time_u
         bars.sticky_edges.x[:] = left.tolist()  # as barh's bars: no x margin past the first task's start
         ax.add_collection(bars)
         legend.append(Patch(color=color, label=TaskKind(int(kind)).name.lower()))
+    ax.autoscale_view()  # add_collection updates the data limits; the view, too, only from matplotlib 3.11
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({time_unit})")
     ax.set_ylabel("SM (communication SMs first)")

@@ -115,5 +115,9 @@ def test_sim_cli_fused_backward_against_the_sequential_plan(capsys):
     fused_us = float(re.search(r"h200: ([\d.]+) us", out).group(1))
     seq_us, ratio = (float(v) for v in re.search(r"sequential plan: ([\d.]+) us; x sequential ([\d.]+)", out).groups())
     assert ratio == pytest.approx(seq_us / fused_us, abs=0.006) and seq_us != fused_us
+    assert main(args + ["--sequential"]) == 0  # the baseline is this pass's sequential plan
+    out = capsys.readouterr().out
+    assert out.startswith("sequential bwd: qwen3.5-397b R=64"), out
+    assert float(re.search(r"h200: ([\d.]+) us", out).group(1)) == seq_us
     assert main(args + ["--sequential", "--vs-sequential"]) == 2  # nothing to compare
     assert "drop --sequential" in capsys.readouterr().err

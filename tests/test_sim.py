@@ -148,6 +148,12 @@ def test_layer_rows_use_the_newest_run_of_each_shape(h200, tmp_path):
     assert all(r["git"] == ("feedbee" if r["shape"] == "glm-5.2" else git[r["shape"]]) for r in rows)
 
 
+def test_every_bench_layer_file_is_compared_or_says_why_not():
+    stored = {path.name.split(".")[0] for path in results.jsonl_files(results.RESULTS_DIR, "bench_layer*")}
+    assert stored == set(layer.BENCH_FILES) | set(layer.BENCH_FILES_LEFT_OUT)
+    assert not set(layer.BENCH_FILES) & set(layer.BENCH_FILES_LEFT_OUT)
+
+
 def _layer_predicted(gpu):
     return {r.quantity: r.predicted for r in validate.sequential_layer_rows(gpu)}
 

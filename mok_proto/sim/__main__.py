@@ -81,7 +81,8 @@ def main(argv=None) -> int:
         return 2
     print(p.describe())
     print(f"{gpu.name}: {result.time_ns / 1e3:.1f} us, of which the plan's tasks {result.kernel_ns / 1e3:.1f} us "
-          f"(slowest rank {result.slowest_rank}); simulated in {elapsed:.2f} s")
+          f"(slowest rank {result.slowest_rank}); simulated in {elapsed:.2f} s"
+          + (" (both plans)" if baseline is not None else ""))
     if baseline is not None:
         print(f"sequential plan: {baseline.time_ns / 1e3:.1f} us; x sequential {baseline.time_ns / result.time_ns:.2f}")
     return 0

@@ -76,25 +76,25 @@ LAYER_STAGES = {
 }
 
 # GpuParams field -> the (pass, stage) rows of H200_CALIBRATION["layer"] it is fitted on (`calibrate`).
-# On the 5022408 run (kimi-k2.7) they give:
-# * busy_kernel_ns 7.6 us: 38.1 us / 5 kernels. Judged by the other shapes' schedules (36.6-38.0
-#   us) and by the stages with flag kernels (a pull reverse-combine is the forward's pull dispatch
-#   plus raise_flag + wait_peers: 10-17 us more in every shape). The 5.5 us used before
-#   (bench_comm's 4-byte-row weighted sum, a tiny round that starts on an idle GPU after a
-#   synchronize) is closer to the host's launch rate than to a queued kernel's cost.
-# * sum_slots_efficiency 0.86: the weighted sum moves 294 MB in 83.6 us, 3.5 TB/s = 0.84 of a
-#   copy's 4.2 TB/s (0.86 in the model, whose 128 epilogue tasks of 16 tokens leave 4 of 132 CTAs
-#   idle). No micro-benchmark times this kernel: bench_comm's weighted_sum is another kernel
-#   (fp32, one thread per element: 2.5 TB/s). Judged by the slot sum (the same device function,
-#   sum_slots) inside every shape's token_grads and by the other shapes' weighted sums.
-# * sustained_gemm 0.88: the layer's routed GEMM stages take 1/0.88 = 1.13x the isolated tile
-#   rates' time (fwd experts 2.195 ms vs bench_gemm's 1.928 ms). Why clocks and not the GEMMs
-#   themselves: the same GEMM code on the same data took 1.985 ms in the 9ca73bf run, whose
-#   forward-only loop left the GPU idle at each pass start (now 10.6% more), while the backward
-#   stages, back to back in both runs, agree within 0.5% (experts 2.205 / 2.199, wgrad 2.557 /
-#   2.547 ms); and the memory-bound stages of the same passes run at bench_comm's back-to-back
-#   rates (inferred: bench_layer logs no SM clock). Judged by every shape's shared-expert stages
-#   and the other shapes' GEMM stages.
+# On the e7e9bd0 run (kimi-k2.7; the newest of BENCH_FILES since 2026-12-02; before, ec6738a's) they give:
+# * busy_kernel_ns 7.6 us: 38.2 us / 5 kernels. Judged by the other shapes' schedules (36-38 us) and
+#   by the stages with flag kernels (a pull reverse-combine is the forward's pull dispatch plus
+#   raise_flag + wait_peers: 10-17 us more in every shape). The 5.5 us used before (bench_comm's
+#   4-byte-row weighted sum, a tiny round that starts on an idle GPU after a synchronize) is closer
+#   to the host's launch rate than to a queued kernel's cost.
+# * sum_slots_efficiency 0.95: the weighted sum moves 294 MB in 83.4 us; less the 7.6 us kernel
+#   boundary, 3.9 TB/s = 0.92 of a copy's 4.2 TB/s (0.95 in the model, whose 128 epilogue tasks of
+#   16 tokens leave 4 of 132 CTAs idle; ec6738a's weighted sum, before the overflow check was
+#   rewritten, took 90.9 us: 0.87). No micro-benchmark times this kernel: bench_comm's weighted_sum
+#   is another kernel (fp32, one thread per element: 2.5 TB/s). Judged by the slot sum (the same
+#   device function, sum_slots) inside every shape's token_grads and by the other shapes' weighted sums.
+# * sustained_gemm 0.87: the layer's routed GEMM stages take 1/0.87 = 1.15x the isolated tile
+#   rates' time (fwd experts 2.213 ms vs bench_gemm's 1.921 ms). Why clocks and not the GEMMs
+#   themselves (older runs): the same GEMM code on the same data took 1.985 ms in the 9ca73bf run,
+#   whose forward-only loop left the GPU idle at each pass start, while the backward stages, back
+#   to back in both runs, agreed within 0.5%; and the memory-bound stages of the same passes run at
+#   bench_comm's back-to-back rates (inferred: bench_layer logs no SM clock). Judged by every
+#   shape's shared-expert stages and the other shapes' GEMM stages.
 LAYER_CALIBRATION = {
     "busy_kernel_ns": (("fwd", "schedule"),),  # five kernels that move < 1 MB: boundaries only
     "sum_slots_efficiency": (("fwd", "weighted_sum"),),  # the only kernel of its stage: a token sum
@@ -110,13 +110,19 @@ def calibration_stages(shape_name: str) -> set:
     return {ps for rows in LAYER_CALIBRATION.values() for ps in rows}
 
 
-# bench_layer's result files: the running file, then runs kept in files of their own (passes as
-# graph replays): 1685ef1's rows (the first run of the warp movers), e48bf6e's (the first run whose
-# counter waits back off; each fused setting's median timed interleaved with the sequential pass,
-# bench.rotating), a1db532's (kernels of eb35161; the backward balanced by default) and e7e9bd0's
-# (the weight gradients' whole-line epilogue, scale_to_slots a thread per dout octet).
+# bench_layer's result files the simulator compares with: the running file, then runs kept in files
+# of their own (passes as graph replays): 1685ef1's rows (the first run of the warp movers), e48bf6e's
+# (the first run whose counter waits back off; each fused setting's median timed interleaved with the
+# sequential pass, bench.rotating), a1db532's (kernels of eb35161; the backward balanced by default)
+# and e7e9bd0's (the weight gradients' whole-line epilogue, scale_to_slots a thread per dout octet).
 BENCH_FILES = ("bench_layer", "bench_layer_1685ef1", "bench_layer_e48bf6e", "bench_layer_a1db532",
                "bench_layer_e7e9bd0")
+# The other results/bench_layer_*.jsonl files, and why (tests/test_sim.py: every file is named in one of the two).
+BENCH_FILES_LEFT_OUT = {
+    "bench_layer_d689e07": "its comm-0 fused forwards ran a slowdown never explained (README); its sequential "
+                           "rows are older than e7e9bd0's",
+    "bench_layer_directions": "one shape under the other transfer directions (the simulator takes MoK's)",
+}
 
 
 def measured_rows(results_dir=results.RESULTS_DIR) -> list[dict]:

@@ -1,4 +1,5 @@
-"""Diagnostic only (never committed): per-tile phase stamps (clock64) in consume_tile for the weight gradients."""
+"""Diagnostic only: per-tile phase stamps (clock64) in consume_tile for the weight gradients. Edits a copy of
+e7e9bd0's cuda/gemm.cuh (python phases_patch.py cuda/gemm.cuh), with or without tma_store_epilogue.patch."""
 import re, sys
 p = sys.argv[1]
 s = open(p).read()
@@ -39,12 +40,13 @@ new = '''  wgmma_wait<0>();
   if (ph) ph[2] = clock64();
   if (prev >= 0) release_stage(ss, prev, wg_tid);'''
 assert old in s; s = s.replace(old, new)
-old = '''    store_tile<kP>(p, tile, acc, staging, ring.area, half, wg_tid);
-  }
-  return ok;'''
-new = '''    store_tile<kP>(p, tile, acc, staging, ring.area, half, wg_tid);
-  }
-  if (ph) ph[3] = clock64();
-  return ok;'''
-assert old in s; s = s.replace(old, new)
+# the epilogue's end: e7e9bd0's store_tile call, or the one of tma_store_epilogue.patch (ring.area)
+for call in ("store_tile<kP>(p, tile, acc, staging, half, wg_tid);",
+             "store_tile<kP>(p, tile, acc, staging, ring.area, half, wg_tid);"):
+    old = "    " + call + "\n  }\n  return ok;"
+    if old in s:
+        s = s.replace(old, "    " + call + "\n  }\n  if (ph) ph[3] = clock64();\n  return ok;")
+        break
+else:
+    raise SystemExit("phases_patch.py: consume_tile's epilogue call not found")
 open(p, "w").write(s)
