@@ -44,6 +44,29 @@ def empty(num: int) -> np.ndarray:
     return np.zeros(num, TRACE_DTYPE)
 
 
+def lanes(records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The drawn tasks of plot_timeline (those that take time) and each one's bar centre and height on
+    its SM's lane: a lane that holds both roles (the fused kernel's spare warps move rows beside the
+    GEMMs) has communication in its top third, compute below."""
+    records = records[records["end_ns"] > records["start_ns"]]  # tasks past the real rows take no time
+    comm = records["role"] == ROLES.index("comm")
+    mixed = np.isin(records["block"], np.intersect1d(records["block"][comm], records["block"][~comm]))
+    height = np.where(mixed, np.where(comm, 1 / 3, 2 / 3), 1.0)
+    center = records["block"] + np.where(mixed, np.where(comm, -1 / 3, 1 / 6), 0.0)
+    return records, center, height
+
+
+def finish_timeline(ax, legend: list, title: str | None, time_unit: str):
+    """Axes labels, title and legend of a timeline (lanes top down)."""
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ({time_unit})")
+    ax.set_ylabel("SM (communication SMs first)")
+    if title:
+        ax.set_title(title)
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    return ax
+
+
 def plot_timeline(records: np.ndarray, ax=None, title: str | None = None, time_unit: str = "us"):
     """One lane per SM (block), one bar per task, coloured by task kind; comm lanes on top.
     Returns the matplotlib Axes."""
@@ -54,13 +77,7 @@ def plot_timeline(records: np.ndarray, ax=None, title: str | None = None, time_u
     if ax is None:
         _, ax = plt.subplots(figsize=(12, 5))
     scale = {"ns": 1.0, "us": 1e-3, "ms": 1e-6}[time_unit]
-    records = records[records["end_ns"] > records["start_ns"]]  # tasks past the real rows take no time
-    # A lane that holds both roles (the fused kernel's spare warps move rows beside the GEMMs):
-    # communication in its top third, compute below.
-    comm = records["role"] == ROLES.index("comm")
-    mixed = np.isin(records["block"], np.intersect1d(records["block"][comm], records["block"][~comm]))
-    height = np.where(mixed, np.where(comm, 1 / 3, 2 / 3), 1.0)
-    center = records["block"] + np.where(mixed, np.where(comm, -1 / 3, 1 / 6), 0.0)
+    records, center, height = lanes(records)
     legend = []
     for kind in np.unique(records["kind"]):
         sel = records["kind"] == kind
@@ -68,7 +85,7 @@ def plot_timeline(records: np.ndarray, ax=None, title: str | None = None, time_u
         # One PolyCollection per kind, not ax.barh: barh makes one Rectangle artist per task (minutes
         # for the ~10^5 tasks of the stored timelines); these are the same rectangles (barh's
         # vertices, align="center"), colour, zero edge width, draw order and sticky left edges, so
-        # the figure renders the same.
+        # the figure renders the same (tests/test_trace.py).
         left = records["start_ns"][sel] * scale
         right = left + (records["end_ns"][sel] - records["start_ns"][sel]) * scale
         bottom = center[sel] - height[sel] / 2
@@ -80,10 +97,4 @@ def plot_timeline(records: np.ndarray, ax=None, title: str | None = None, time_u
         ax.add_collection(bars)
         legend.append(Patch(color=color, label=TaskKind(int(kind)).name.lower()))
     ax.autoscale_view()  # add_collection updates the data limits; the view, too, only from matplotlib 3.11
-    ax.invert_yaxis()
-    ax.set_xlabel(f"time ({time_unit})")
-    ax.set_ylabel("SM (communication SMs first)")
-    if title:
-        ax.set_title(title)
-    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    return ax
+    return finish_timeline(ax, legend, title, time_unit)

@@ -17,13 +17,10 @@ from matplotlib.patches import Patch  # noqa: E402
 
 
 def barh_timeline(records, ax, title=None, time_unit="us"):
-    """plot_timeline as it was: one ax.barh call per task kind (one Rectangle per task)."""
+    """plot_timeline's drawing as it was: one ax.barh call per task kind (one Rectangle per task),
+    on the same lanes (trace.lanes) and with the same labels (trace.finish_timeline)."""
     scale = {"ns": 1.0, "us": 1e-3, "ms": 1e-6}[time_unit]
-    records = records[records["end_ns"] > records["start_ns"]]
-    comm = records["role"] == trace.ROLES.index("comm")
-    mixed = np.isin(records["block"], np.intersect1d(records["block"][comm], records["block"][~comm]))
-    height = np.where(mixed, np.where(comm, 1 / 3, 2 / 3), 1.0)
-    center = records["block"] + np.where(mixed, np.where(comm, -1 / 3, 1 / 6), 0.0)
+    records, center, height = trace.lanes(records)
     legend = []
     for kind in np.unique(records["kind"]):
         sel = records["kind"] == kind
@@ -31,13 +28,7 @@ def barh_timeline(records, ax, title=None, time_unit="us"):
         ax.barh(center[sel], (records["end_ns"][sel] - records["start_ns"][sel]) * scale,
                 left=records["start_ns"][sel] * scale, height=height[sel], color=color, linewidth=0)
         legend.append(Patch(color=color, label=TaskKind(int(kind)).name.lower()))
-    ax.invert_yaxis()
-    ax.set_xlabel(f"time ({time_unit})")
-    ax.set_ylabel("SM (communication SMs first)")
-    if title:
-        ax.set_title(title)
-    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    return ax
+    return trace.finish_timeline(ax, legend, title, time_unit)
 
 
 def _records(seed, num_blocks=24, per_block=12, spare_from=None):
@@ -53,7 +44,8 @@ def _records(seed, num_blocks=24, per_block=12, spare_from=None):
             comm = block < 4 or (spare_from is not None and block >= spare_from and rng.random() < 0.4)
             kind = rng.choice(comm_kinds if comm else gemm_kinds)
             length = 0.0 if rng.random() < 0.1 else rng.uniform(200, 9e3)
-            rows.append((block, 0 if comm else 1, int(kind), t, t + length))
+            role = trace.ROLES.index("comm" if comm else "compute")
+            rows.append((block, role, int(kind), t, t + length))
             t += length + rng.uniform(0, 500)
     rec = trace.empty(len(rows))
     for r, (block, role, kind, start, end) in zip(rec, rows):
