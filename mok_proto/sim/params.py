@@ -83,9 +83,10 @@ def wait_spin_at(git: str | None) -> str:
 # scale_to_slots' access pattern (GpuParams.scale_traffic, a TOKEN_TRAFFIC): "stream" since e7e9bd0 (a
 # thread per octet of dout reads it once and writes it scaled into the token's K slots: a copy's traffic
 # rate; the e7e9bd0 run's scale stages, begin_round included, are 0.078 / 0.068 / 0.056 / 0.061 ms for
-# kimi / glm / qwen / deepseek, this model +0.1% to +5.9% from them since the 2026-12-02 refit), "scatter" before (a thread per slot octet,
-# K reads of each dout octet: a push dispatch's read/write split). Measurements stamped with one of
-# SCALE_PER_SLOT_COMMITS (every git stamp in results/ older than e7e9bd0) ran the old kernel.
+# kimi / glm / qwen / deepseek, this model +0.1% to +5.9% from them since the 2026-12-02 refit),
+# "scatter" before (a thread per slot octet, K reads of each dout octet: a push dispatch's read/write
+# split). Measurements stamped with one of SCALE_PER_SLOT_COMMITS (every git stamp in results/ older
+# than e7e9bd0) ran the old kernel.
 SCALE_PER_SLOT_COMMITS = ACQUIRE_SPIN_COMMITS + ("e48bf6e", "300fa34", "a1db532")
 
 

@@ -45,9 +45,8 @@ else:
     for name in sys.argv[2].split(","):
         shape = bl.emulated_shape(name); data = bl.make_inputs(shape); heap, layer = bl.staged_layer(shape, data)
         layer.enqueue_forward(); layer.enqueue_backward(); layer.check()
+        # one module holds every grouped_gemm<kP>, and so one mok_phase: the shared and routed wgrad launches
         _, gmod = gemm.MODULE._lookup("mok::gemm::grouped_gemm<4>")
-        for i, prob in ((4, "down_wgrad"), (5, "gate_up_wgrad")):
-            _, gmod = gemm.MODULE._lookup(f"mok::gemm::grouped_gemm<{i}>")
         summarize("", gmod, reset=True)
         layer.enqueue_forward(); layer.enqueue_backward(); layer.check()
         summarize(f"{name} sequential backward (standalone wgrad launches, shared + routed, per WG in order)", gmod)
