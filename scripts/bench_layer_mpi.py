@@ -61,6 +61,9 @@ plus 10%. A shape whose layer does not fit in GPU memory is skipped with the rea
 torch layer keeps its gate/up apart (no copy) when the copy does not fit, or is skipped.
 Bars (issue 15): fused forward >= 1.5x and fused backward >= 1.4x the torch layer on every
 shape; bitwise across policies, sequential and fused, and to the single process (when compared).
+--no-torch (implied when ranks share a GPU, e.g. `mpirun -n 2` on one GPU: NVSHMEM's MPG mode, a
+check of the whole flow whose timings are not those of 2 GPUs) runs our layer only: the bars are
+not judged, the bitwise checks are, and the fused passes' speed-up over the sequential is printed.
 Exit status: 0 all met; 1 a bar or a check failed, or a shape was skipped or failed (listed);
 2 no GPU, CuPy, torch, NVSHMEM (nvshmem4py) or mpi4py, or a bad argument (one line).
 Results: JSON lines appended to <results-dir>/bench_layer_mpi.jsonl (default results/x<R>): per
@@ -203,6 +206,9 @@ def parse_args(argv=None):
     p.add_argument("--single", type=int, default=None, metavar="R",
                    help="one process, one GPU, R virtual ranks: digests of the sequential layer only")
     p.add_argument("--fused", default=FUSED_SETTINGS, help="fused settings COMM:MINIBATCH[,...] ('' = none)")
+    p.add_argument("--no-torch", action="store_true",
+                   help="our layer only: no torch + NCCL layer and no NCCL link ceiling, so the bars are not judged "
+                        "(the bitwise checks are). Implied when ranks share a GPU (NCCL refuses that)")
     p.add_argument("--plan-workers", type=int, default=3,
                    help="helper processes per rank proving fused plans (a large backward plan: ~1-2 min, ~20 GB RAM)")
     p.add_argument("--plan-timeout", type=float, default=300.0, help="seconds to wait for one fused plan")
@@ -373,9 +379,10 @@ class Ranks:
     and phases whose failure every rank learns of, so that all ranks take the same path after it
     (the same collectives in the same order)."""
 
-    def __init__(self, comm, heap):
+    def __init__(self, comm, heap, per_gpu: int = 1):
         self.comm, self.heap = comm, heap
         self.rank, self.num_ranks, self.lead = comm.rank, comm.size, comm.rank == 0
+        self.per_gpu = per_gpu  # ranks on this rank's GPU (each allocates its own layer there)
 
     def say(self, text: str) -> None:
         if self.lead:
@@ -472,6 +479,11 @@ class Ranks:
         cupy.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
         return int(self.min(cupy.cuda.runtime.memGetInfo()[0]))
+
+
+def ranks_per_gpu(num_ranks: int, gpus: int, device: int) -> int:
+    """How many of num_ranks ranks (rank r on GPU r % gpus) share GPU `device`."""
+    return sum(1 for r in range(num_ranks) if r % gpus == device)
 
 
 def require_mpi_stack() -> None:
@@ -830,24 +842,27 @@ def run_torch(ranks, prob, layer, ours: dict, iters: int, warmup: int, row: dict
                     "max_rel_err_vs_ours": {key: ranks.max(err) for key, err in errors.items()}}
 
 
-def judge(row: dict) -> list:
-    """What of the bars and checks this shape misses (and row gets its speedups and 'met')."""
+def judge(row: dict, bars: bool = True) -> list:
+    """What of the bars and checks this shape misses (and row gets its speedups and 'met').
+    bars=False (no torch layer ran): the speed bars are not judged (row['bars_judged'] says so)."""
     if "skipped" in row:
         return [f"skipped ({row['skipped']})"]
     missed = [f"{err['phase']} failed" for err in row.get("errors", [])]
     ours, torch_row = row.get("ours", {}), row.get("torch", {})
     torch_ms = {"fwd": torch_row.get("fwd", {}).get("median_ms"), "bwd": torch_row.get("bwd_median_ms")}
-    row["speedup"] = {}
+    row["speedup"], row["bars_judged"] = {}, bars
     for pass_, bar in BARS.items():
         runs = ours.get("fused", {}).get(pass_, [])
-        if not runs or torch_ms[pass_] is None:
-            missed.append(f"fused {pass_} vs torch not measured")
+        if not runs or (bars and torch_ms[pass_] is None):
+            missed.append(f"fused {pass_} vs torch not measured" if bars else f"fused {pass_} not measured")
             continue
         best = min(runs, key=lambda r: r["median_ms"])
         seq = ours["sequential"][pass_]["median_ms"]
+        row["speedup"][f"fused_{pass_}_vs_sequential"] = seq / best["median_ms"]
+        if not bars:
+            continue
         speedup = row["speedup"][f"fused_{pass_}_vs_torch"] = torch_ms[pass_] / best["median_ms"]
         row["speedup"][f"sequential_{pass_}_vs_torch"] = torch_ms[pass_] / seq
-        row["speedup"][f"fused_{pass_}_vs_sequential"] = seq / best["median_ms"]
         if speedup < bar:
             missed.append(f"fused {pass_} {speedup:.2f}x torch < {bar}x")
     bitwise = row.get("bitwise")
@@ -890,6 +905,13 @@ def main_mpi(args) -> int:
     count = cupy.cuda.runtime.getDeviceCount()
     device = comm.rank % count
     cupy.cuda.Device(device).use()
+    if count < num_ranks and not args.no_torch:
+        # NVSHMEM runs several processes on one GPU (its MPG mode: a check of the whole flow,
+        # kernels of different processes time-slice); NCCL refuses two ranks on one GPU.
+        args.no_torch = True
+        if lead:
+            print(f"# {num_ranks} ranks on {count} GPU(s): ranks share a GPU, so no torch + NCCL layer (NCCL refuses "
+                  f"that; as --no-torch) and the timings are not those of {num_ranks} GPUs", flush=True)
     # Preflight (collective): every GPU of this host must map every other's memory (NVLink / P2P),
     # or each symmetric allocation would fail only after minutes of setup.
     no_peer = [p for p in range(count) if p != device and not cupy.cuda.runtime.deviceCanAccessPeer(device, p)]
@@ -908,11 +930,12 @@ def main_mpi(args) -> int:
     from mok_proto.symm.nvshmem import NvshmemHeap
 
     heap = NvshmemHeap(comm, timeout_s=HEAP_TIMEOUT_S)
-    ranks = Ranks(comm, heap)
+    ranks = Ranks(comm, heap, ranks_per_gpu(num_ranks, count, device))
     # Memory the heap holds that free memory does not show (a static heap's reservation; a
     # dynamic heap may keep what it mapped after a free): usable by our next layer only.
     heap_held = max(0, int(ranks.max(free_at_start - cupy.cuda.runtime.memGetInfo()[0])))
-    init_distributed(NCCL_TIMEOUT_S)  # torch.distributed (NCCL), after the heap
+    if not args.no_torch:
+        init_distributed(NCCL_TIMEOUT_S)  # torch.distributed (NCCL), after the heap
     import torch
 
     ranks.say(f"# bench_layer_mpi: R={num_ranks} processes on {torch.cuda.get_device_name()}, iters {args.iters} "
@@ -937,8 +960,9 @@ def main_mpi(args) -> int:
             link["nvshmem_pull_gbs"] = ranks.min(gbs) if ok else float("nan")
             ranks.release(setup, ["link-ceiling"])  # peer_pull_gbs's buffer, if it failed before freeing it
             heap_held += max(0, before - ranks.free_bytes())
-            ok, gbs = ranks.phase(setup, "link: NCCL all_to_all", lambda: link_ceiling_gbs(num_ranks))
-            link["nccl_a2a_gbs"] = ranks.min(gbs) if ok else float("nan")
+            if not args.no_torch:
+                ok, gbs = ranks.phase(setup, "link: NCCL all_to_all", lambda: link_ceiling_gbs(num_ranks))
+                link["nccl_a2a_gbs"] = ranks.min(gbs) if ok else float("nan")
             torch.cuda.empty_cache()
         ranks.say(f"# link: NVSHMEM peer pull {link['nvshmem_pull_gbs']:.0f} GB/s per GPU, NCCL all_to_all "
                   f"{link['nccl_a2a_gbs']:.0f} GB/s per GPU (slowest rank); {len(jobs)} fused plans being proved, split over "
@@ -973,7 +997,7 @@ def main_mpi(args) -> int:
             if "digests" in row and args.fused:
                 row, heap_held = run_shape(ranks, prob, args, heap_held, link, "fused", row,
                                            lambda layer, row, prob=prob: run_fused(ranks, prob, layer, args, jobs, row))
-            missed = judge(row)
+            missed = judge(row, bars=not args.no_torch)
             failed += [f"{prob.name}: {'; '.join(missed)}"] if missed else []
             if lead:
                 append_result("bench_layer_mpi", {"mode": "mpi", "record": "complete", **row, "iters": args.iters,
@@ -984,19 +1008,21 @@ def main_mpi(args) -> int:
         if pool is not None:
             pool.terminate()
             pool.join()
-        torch.distributed.destroy_process_group()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
         heap.close()
     if failed:
         ranks.say(f"FAIL ({time.time() - start:.0f} s): " + " | ".join(failed))
         return 1
-    ranks.say(f"all bars and checks met ({time.time() - start:.0f} s)")
+    ranks.say(f"all {'bars and ' if not args.no_torch else ''}checks met ({time.time() - start:.0f} s)"
+              + ("" if not args.no_torch else ": no torch layer, bars not judged"))
     return 0
 
 
 def sequential_part(ranks, prob, layer, args, row: dict) -> None:
     """Part 1 of a shape: our sequential layer, then the torch layer on the same weights."""
     ours = run_sequential(ranks, prob, layer, args, row)
-    if ours:
+    if ours and not args.no_torch:
         run_torch(ranks, prob, layer, ours, args.iters, args.warmup, row)
     if "torch" in row:
         t = row["torch"]
@@ -1016,9 +1042,15 @@ def run_shape(ranks, prob, args, heap_held: int, link: dict, part: str, row: dic
               f"E={prob.shape.num_experts} (El={prob.shape.num_experts // prob.num_ranks}) K={prob.shape.top_k}, "
               f"capacity {prob.capacity} rows, our layer {prob.layer_bytes / 1e9:.1f} GB per rank")
     free = ranks.free_bytes()
-    if prob.layer_bytes + MARGIN_BYTES > free + heap_held:
-        why = (f"our layer needs {prob.layer_bytes / 1e9:.1f} GB per rank (+ {MARGIN_BYTES >> 30} GiB margin), "
-               f"{free / 1e9:.1f} GB free + {heap_held / 1e9:.1f} GB held by the heap")
+    # Ranks sharing a GPU each allocate a layer there: an allocation NVSHMEM cannot back fails
+    # inside its heap and ends the job, so never try one. (heap_held is read off the GPU's free
+    # memory: with ranks sharing the GPU it is what all their heaps hold.)
+    share = ranks.per_gpu
+    if prob.layer_bytes * share + MARGIN_BYTES > free + heap_held:
+        why = (f"our layer needs {prob.layer_bytes / 1e9:.1f} GB per rank"
+               + (f" x {share} ranks on this GPU" if share > 1 else "")
+               + f" (+ {MARGIN_BYTES >> 30} GiB margin), {free / 1e9:.1f} GB free + "
+               f"{heap_held / 1e9:.1f} GB held by the heap" + ("s" if share > 1 else ""))
         if part == "sequential":
             row["skipped"] = why
         else:
@@ -1056,8 +1088,8 @@ def print_table(rows, link, digests_path, compare) -> None:
     def num(value, fmt=".3f"):
         return format(value, fmt) if isinstance(value, float) else "-"
 
-    print(f"\n{'shape':<16}{'torch_fwd':>10}{'seq_fwd':>9}{'fused_fwd':>10}{'x torch':>8}{'torch_bwd':>10}"
-          f"{'seq_bwd':>9}{'fused_bwd':>10}{'x torch':>8}  {'bitwise policies':<18}bitwise vs single")
+    print(f"\n{'shape':<16}{'torch_fwd':>10}{'seq_fwd':>9}{'fused_fwd':>10}{'x torch':>8}{'x seq':>6}{'torch_bwd':>10}"
+          f"{'seq_bwd':>9}{'fused_bwd':>10}{'x torch':>8}{'x seq':>6}  {'bitwise policies':<18}bitwise vs single")
     for row in rows:
         if "skipped" in row:
             print(f"{row['shape']:<16}skipped: {row['skipped']}")
@@ -1067,9 +1099,10 @@ def print_table(rows, link, digests_path, compare) -> None:
         best = {p: min((r["median_ms"] for r in fused.get(p, [])), default=None) for p in ("fwd", "bwd")}
         bitwise = row.get("bitwise", {}).get("all")
         cells = [num(t.get("fwd", {}).get("median_ms")), num(seq.get("fwd", {}).get("median_ms")), num(best["fwd"]),
-                 num(speedup.get("fused_fwd_vs_torch"), ".2f"), num(t.get("bwd_median_ms")),
-                 num(seq.get("bwd", {}).get("median_ms")), num(best["bwd"]), num(speedup.get("fused_bwd_vs_torch"), ".2f")]
-        widths = (10, 9, 10, 8, 10, 9, 10, 8)
+                 num(speedup.get("fused_fwd_vs_torch"), ".2f"), num(speedup.get("fused_fwd_vs_sequential"), ".2f"),
+                 num(t.get("bwd_median_ms")), num(seq.get("bwd", {}).get("median_ms")), num(best["bwd"]),
+                 num(speedup.get("fused_bwd_vs_torch"), ".2f"), num(speedup.get("fused_bwd_vs_sequential"), ".2f")]
+        widths = (10, 9, 10, 8, 6, 10, 9, 10, 8, 6)
         print(f"{row['shape']:<16}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths))
               + f"  {'yes' if bitwise else 'NO' if bitwise is False else '-':<18}"
               + describe_comparison(row.get("bitwise_vs_single")))

@@ -240,6 +240,31 @@ def test_judge_bars_and_checks(bench, capsys):
     assert "DIFFERS on ranks 1" in out and "dispatch" in out
 
 
+def test_ranks_sharing_a_gpu_are_counted(bench):
+    """run_shape budgets a layer per rank on the GPU: 2 processes on one H200 once passed a layer of
+    81.6 GB each (deepseek) and NVSHMEM's heap growth failed and ended the job."""
+    assert bench.ranks_per_gpu(2, 1, 0) == 2 and bench.ranks_per_gpu(4, 4, 3) == 1
+    assert [bench.ranks_per_gpu(5, 2, d) for d in (0, 1)] == [3, 2]
+    assert bench.Ranks(_Comm(), None).per_gpu == 1 and bench.Ranks(_Comm(), None, 2).per_gpu == 2
+
+
+def test_judge_without_torch_checks_bits_but_not_bars(bench, capsys):
+    """--no-torch (or ranks sharing a GPU): no torch row, the speed bars are not judged, the bitwise
+    checks are; the fused passes' speed-up over the sequential is still recorded and printed."""
+    row = {k: v for k, v in _row(bench, fused_ms=(1.5, 6.0)).items() if k != "torch"}
+    assert bench.judge(dict(row)) == ["fused fwd vs torch not measured", "fused bwd vs torch not measured"]
+    assert bench.judge(row, bars=False) == [] and row["met"] and row["bars_judged"] is False
+    assert row["speedup"] == {"fused_fwd_vs_sequential": 2.0, "fused_bwd_vs_sequential": 2.0}
+    unequal = {k: v for k, v in _row(bench, equal=False).items() if k != "torch"}
+    assert bench.judge(unequal, bars=False) == ["not bitwise equal to MoK's sequential: fused fwd 0:1024"]
+    no_fused = {**row, "ours": {"sequential": row["ours"]["sequential"], "fused": {}}}
+    assert bench.judge(no_fused, bars=False) == ["fused fwd not measured", "fused bwd not measured"]
+    bench.print_table([row], {"nvshmem_pull_gbs": 400.0, "nccl_a2a_gbs": float("nan")}, "d.json", None)
+    line = capsys.readouterr().out.split("\n")[2].split()
+    assert line[0] == "tile" and line[1] == "-" and line[4] == "-" and line[5] == "2.00" and line[10] == "2.00"
+    assert bench.parse_args(["--no-torch"]).no_torch and not bench.parse_args([]).no_torch
+
+
 class _Comm:
     """Rank 0 of a 2-rank world whose peer reports `peer` in every allgather, or the values of
     `answers` in its first allgathers and then what this rank reports (no MPI needed)."""
