@@ -68,7 +68,8 @@ Exit status: 0 all met; 1 a bar or a check failed, or a shape was skipped or fai
 2 no GPU, CuPy, torch, NVSHMEM (nvshmem4py) or mpi4py, or a bad argument (one line).
 Results: JSON lines appended to <results-dir>/bench_layer_mpi.jsonl (default results/x<R>): per
 shape a record "partial (no fused pass yet)" after the first part and a "complete" one (every
-figure, the bars judged, "missed") at the end; --single writes mode "single" records.
+figure, the bars judged unless --no-torch: "bars_judged", "missed") at the end; --single writes mode
+"single" records.
 """
 
 from __future__ import annotations
@@ -382,7 +383,7 @@ class Ranks:
     def __init__(self, comm, heap, per_gpu: int = 1):
         self.comm, self.heap = comm, heap
         self.rank, self.num_ranks, self.lead = comm.rank, comm.size, comm.rank == 0
-        self.per_gpu = per_gpu  # ranks on this rank's GPU (each allocates its own layer there)
+        self.per_gpu = per_gpu  # the most ranks on one GPU (each allocates its own layer there; every rank agrees)
 
     def say(self, text: str) -> None:
         if self.lead:
@@ -481,9 +482,21 @@ class Ranks:
         return int(self.min(cupy.cuda.runtime.memGetInfo()[0]))
 
 
-def ranks_per_gpu(num_ranks: int, gpus: int, device: int) -> int:
-    """How many of num_ranks ranks (rank r on GPU r % gpus) share GPU `device`."""
-    return sum(1 for r in range(num_ranks) if r % gpus == device)
+def gpu_sharing(bus_ids) -> int:
+    """The most ranks on one GPU, from every rank's GPU (PCI bus id; an allgather): each of them
+    allocates a layer there, and NCCL refuses a GPU shared by two ranks."""
+    return max(list(bus_ids).count(b) for b in bus_ids)
+
+
+def implied_no_torch(args, num_ranks: int, per_gpu: int):
+    """Ranks sharing a GPU (NVSHMEM's MPG mode: a check of the whole flow, kernels of different
+    processes time-slice) run as --no-torch, since NCCL refuses them: sets args.no_torch and
+    returns the line to print, or None."""
+    if per_gpu <= 1 or args.no_torch:
+        return None
+    args.no_torch = True
+    return (f"# {num_ranks} ranks, up to {per_gpu} on one GPU: no torch + NCCL layer (NCCL refuses a shared GPU; "
+            f"as --no-torch), and the timings are not those of {num_ranks} GPUs")
 
 
 def require_mpi_stack() -> None:
@@ -845,12 +858,13 @@ def run_torch(ranks, prob, layer, ours: dict, iters: int, warmup: int, row: dict
 def judge(row: dict, bars: bool = True) -> list:
     """What of the bars and checks this shape misses (and row gets its speedups and 'met').
     bars=False (no torch layer ran): the speed bars are not judged (row['bars_judged'] says so)."""
+    row["bars_judged"] = bars
     if "skipped" in row:
         return [f"skipped ({row['skipped']})"]
     missed = [f"{err['phase']} failed" for err in row.get("errors", [])]
     ours, torch_row = row.get("ours", {}), row.get("torch", {})
     torch_ms = {"fwd": torch_row.get("fwd", {}).get("median_ms"), "bwd": torch_row.get("bwd_median_ms")}
-    row["speedup"], row["bars_judged"] = {}, bars
+    row["speedup"] = {}
     for pass_, bar in BARS.items():
         runs = ours.get("fused", {}).get(pass_, [])
         if not runs or (bars and torch_ms[pass_] is None):
@@ -905,13 +919,11 @@ def main_mpi(args) -> int:
     count = cupy.cuda.runtime.getDeviceCount()
     device = comm.rank % count
     cupy.cuda.Device(device).use()
-    if count < num_ranks and not args.no_torch:
-        # NVSHMEM runs several processes on one GPU (its MPG mode: a check of the whole flow,
-        # kernels of different processes time-slice); NCCL refuses two ranks on one GPU.
-        args.no_torch = True
-        if lead:
-            print(f"# {num_ranks} ranks on {count} GPU(s): ranks share a GPU, so no torch + NCCL layer (NCCL refuses "
-                  f"that; as --no-torch) and the timings are not those of {num_ranks} GPUs", flush=True)
+    # Ranks per GPU, the same answer on every rank (by PCI address: per-rank CUDA_VISIBLE_DEVICES too).
+    per_gpu = gpu_sharing(comm.allgather(cupy.cuda.Device(device).pci_bus_id))
+    note = implied_no_torch(args, num_ranks, per_gpu)
+    if note and lead:
+        print(note, flush=True)
     # Preflight (collective): every GPU of this host must map every other's memory (NVLink / P2P),
     # or each symmetric allocation would fail only after minutes of setup.
     no_peer = [p for p in range(count) if p != device and not cupy.cuda.runtime.deviceCanAccessPeer(device, p)]
@@ -930,7 +942,7 @@ def main_mpi(args) -> int:
     from mok_proto.symm.nvshmem import NvshmemHeap
 
     heap = NvshmemHeap(comm, timeout_s=HEAP_TIMEOUT_S)
-    ranks = Ranks(comm, heap, ranks_per_gpu(num_ranks, count, device))
+    ranks = Ranks(comm, heap, per_gpu)
     # Memory the heap holds that free memory does not show (a static heap's reservation; a
     # dynamic heap may keep what it mapped after a free): usable by our next layer only.
     heap_held = max(0, int(ranks.max(free_at_start - cupy.cuda.runtime.memGetInfo()[0])))
@@ -944,7 +956,7 @@ def main_mpi(args) -> int:
     for row in rows:
         ranks.say(f"# {row['shape']}: skipped: {row['skipped']}")
     pool = None
-    link = {"nvshmem_pull_gbs": float("nan"), "nccl_a2a_gbs": float("nan")}
+    link = {"nvshmem_pull_gbs": float("nan"), "nccl_a2a_gbs": None if args.no_torch else float("nan")}
     try:
         setup = {"shape": "setup"}
         ranks.say("# compiling the fused kernels (their occupancy sizes the plans)")
@@ -964,8 +976,9 @@ def main_mpi(args) -> int:
                 ok, gbs = ranks.phase(setup, "link: NCCL all_to_all", lambda: link_ceiling_gbs(num_ranks))
                 link["nccl_a2a_gbs"] = ranks.min(gbs) if ok else float("nan")
             torch.cuda.empty_cache()
+        nccl = "not run" if link["nccl_a2a_gbs"] is None else f"{link['nccl_a2a_gbs']:.0f} GB/s per GPU"
         ranks.say(f"# link: NVSHMEM peer pull {link['nvshmem_pull_gbs']:.0f} GB/s per GPU, NCCL all_to_all "
-                  f"{link['nccl_a2a_gbs']:.0f} GB/s per GPU (slowest rank); {len(jobs)} fused plans being proved, split over "
+                  f"{nccl} (slowest rank); {len(jobs)} fused plans being proved, split over "
                   f"the ranks, by {args.plan_workers} helper processes per rank; {time.time() - start:.0f} s so far")
         digests, done = {}, {}
         # Part 1, every shape: our sequential layer and the torch layer (kernels run before).
@@ -1003,7 +1016,7 @@ def main_mpi(args) -> int:
                 append_result("bench_layer_mpi", {"mode": "mpi", "record": "complete", **row, "iters": args.iters,
                                                   "warmup": args.warmup, "bars": BARS, "missed": missed}, out_dir)
         if lead:
-            print_table(rows, link, digests_path, args.compare)
+            print_table(rows, link, digests_path, args.compare, bars=not args.no_torch)
     finally:
         if pool is not None:
             pool.terminate()
@@ -1012,7 +1025,8 @@ def main_mpi(args) -> int:
             torch.distributed.destroy_process_group()
         heap.close()
     if failed:
-        ranks.say(f"FAIL ({time.time() - start:.0f} s): " + " | ".join(failed))
+        ranks.say(f"FAIL ({time.time() - start:.0f} s): " + " | ".join(failed)
+                  + ("" if not args.no_torch else " (no torch layer: bars not judged)"))
         return 1
     ranks.say(f"all {'bars and ' if not args.no_torch else ''}checks met ({time.time() - start:.0f} s)"
               + ("" if not args.no_torch else ": no torch layer, bars not judged"))
@@ -1046,11 +1060,10 @@ def run_shape(ranks, prob, args, heap_held: int, link: dict, part: str, row: dic
     # inside its heap and ends the job, so never try one. (heap_held is read off the GPU's free
     # memory: with ranks sharing the GPU it is what all their heaps hold.)
     share = ranks.per_gpu
-    if prob.layer_bytes * share + MARGIN_BYTES > free + heap_held:
-        why = (f"our layer needs {prob.layer_bytes / 1e9:.1f} GB per rank"
-               + (f" x {share} ranks on this GPU" if share > 1 else "")
-               + f" (+ {MARGIN_BYTES >> 30} GiB margin), {free / 1e9:.1f} GB free + "
-               f"{heap_held / 1e9:.1f} GB held by the heap" + ("s" if share > 1 else ""))
+    if (prob.layer_bytes + MARGIN_BYTES) * share > free + heap_held:
+        why = (f"our layer needs {prob.layer_bytes / 1e9:.1f} GB per rank (+ {MARGIN_BYTES >> 30} GiB margin)"
+               + (f" x {share} ranks on one GPU" if share > 1 else "")
+               + f", {free / 1e9:.1f} GB free + {heap_held / 1e9:.1f} GB held by the heap" + ("s" if share > 1 else ""))
         if part == "sequential":
             row["skipped"] = why
         else:
@@ -1084,7 +1097,7 @@ def new_layer(ranks, prob, seed: int):
     return layer
 
 
-def print_table(rows, link, digests_path, compare) -> None:
+def print_table(rows, link, digests_path, compare, bars: bool = True) -> None:
     def num(value, fmt=".3f"):
         return format(value, fmt) if isinstance(value, float) else "-"
 
@@ -1106,8 +1119,10 @@ def print_table(rows, link, digests_path, compare) -> None:
         print(f"{row['shape']:<16}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths))
               + f"  {'yes' if bitwise else 'NO' if bitwise is False else '-':<18}"
               + describe_comparison(row.get("bitwise_vs_single")))
-    print(f"# bars: fused fwd >= {BARS['fwd']}x, fused bwd >= {BARS['bwd']}x the torch layer; ms, median of the slowest "
-          f"rank; digests: {digests_path}" + ("" if compare else " (no --compare: bitwise vs single not checked)"))
+    judged = (f"bars: fused fwd >= {BARS['fwd']}x, fused bwd >= {BARS['bwd']}x the torch layer" if bars
+              else "bars not judged (no torch layer)")
+    print(f"# {judged}; ms, median of the slowest rank; digests: {digests_path}"
+          + ("" if compare else " (no --compare: bitwise vs single not checked)"))
     print(f"# push vs pull per transfer: sequential layer, eager stage ms / ms beyond the bytes at the link rate / % of "
           f"the NVSHMEM link ({link['nvshmem_pull_gbs']:.0f} GB/s):")
     for row in rows:

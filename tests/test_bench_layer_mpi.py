@@ -4,6 +4,7 @@ comparisons, verdicts and table; and its refusals (exit 2) where CuPy / a GPU is
 import importlib.util
 import json
 import pickle
+import re
 import subprocess
 import sys
 
@@ -240,12 +241,71 @@ def test_judge_bars_and_checks(bench, capsys):
     assert "DIFFERS on ranks 1" in out and "dispatch" in out
 
 
-def test_ranks_sharing_a_gpu_are_counted(bench):
-    """run_shape budgets a layer per rank on the GPU: 2 processes on one H200 once passed a layer of
-    81.6 GB each (deepseek) and NVSHMEM's heap growth failed and ended the job."""
-    assert bench.ranks_per_gpu(2, 1, 0) == 2 and bench.ranks_per_gpu(4, 4, 3) == 1
-    assert [bench.ranks_per_gpu(5, 2, d) for d in (0, 1)] == [3, 2]
-    assert bench.Ranks(_Comm(), None).per_gpu == 1 and bench.Ranks(_Comm(), None, 2).per_gpu == 2
+def test_ranks_sharing_a_gpu_run_without_torch(bench):
+    """NCCL refuses two ranks on one GPU (the first run, 2 processes on one H200, aborted there):
+    every rank counts the ranks per GPU from the same allgather and then runs as --no-torch."""
+    assert bench.gpu_sharing(["0000:3c", "0000:3c"]) == 2 and bench.gpu_sharing(["a", "b", "a"]) == 2
+    assert bench.gpu_sharing(["a", "b", "c"]) == 1
+    args = bench.parse_args([])
+    assert bench.implied_no_torch(args, 4, 1) is None and not args.no_torch
+    note = bench.implied_no_torch(args, 2, 2)
+    assert args.no_torch and "NCCL" in note and "not those of 2 GPUs" in note
+    assert bench.implied_no_torch(bench.parse_args(["--no-torch"]), 2, 2) is None  # asked for: nothing to say
+
+
+def test_run_shape_budgets_a_layer_per_rank_on_the_gpu(bench, monkeypatch):
+    """Two 81.6 GB layers on one H200 once went to NVSHMEM, whose heap growth failed and ended the
+    job: run_shape skips a shape whose layers (one per rank on the GPU, each with its margin) do
+    not fit, with the reason, before allocating anything."""
+    import types
+
+    freed = []
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(get_default_memory_pool=lambda: types.SimpleNamespace(
+        free_all_blocks=lambda: freed.append(1))))
+    shape = types.SimpleNamespace(num_tokens=2048, hidden=7168, ffn=3072, num_experts=384, top_k=6)
+    prob = types.SimpleNamespace(name="deepseek", shape=shape, num_ranks=2, capacity=1, layer_bytes=60 << 30,
+                                 config=lambda: {"shape": "deepseek"}, array_names=lambda: [])
+
+    class FakeRanks:
+        lead, num_ranks = True, 2
+
+        def __init__(self, per_gpu, free):
+            self.per_gpu, self.free, self.phases = per_gpu, free, []
+
+        def say(self, text):
+            pass
+
+        def free_bytes(self):
+            return self.free
+
+        def phase(self, row, name, fn):
+            self.phases.append(name)
+            return False, None  # the allocation "failed": nothing else to run
+
+        def release(self, row, names):
+            pass
+
+    margin = bench.MARGIN_BYTES
+    fits_one = FakeRanks(1, (60 << 30) + margin)
+    row, _ = bench.run_shape(fits_one, prob, None, 0, {}, "sequential", {}, lambda layer, row: None)
+    assert "skipped" not in row and fits_one.phases == ["allocate and fill (sequential)"]
+    shared = FakeRanks(2, (60 << 30) + margin)  # the same GPU, two ranks: 120 GB + 2 margins needed
+    row, _ = bench.run_shape(shared, prob, None, 0, {}, "sequential", {}, lambda layer, row: None)
+    assert shared.phases == [] and "x 2 ranks on one GPU" in row["skipped"]
+    held = FakeRanks(2, 2 * margin)  # what the heaps hold counts: they reuse it
+    row, _ = bench.run_shape(held, prob, None, 120 << 30, {}, "sequential", {}, lambda layer, row: None)
+    assert "skipped" not in row and held.phases == ["allocate and fill (sequential)"]
+
+
+def test_sequential_part_runs_no_torch_layer_without_torch(bench, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "run_sequential", lambda *a: {"fwd": 1.0})
+    monkeypatch.setattr(bench, "run_torch", lambda *a: calls.append("torch"))
+    ranks = type("R", (), {"say": lambda self, text: None})()
+    bench.sequential_part(ranks, None, None, bench.parse_args(["--no-torch"]), {})
+    assert calls == []
+    bench.sequential_part(ranks, None, None, bench.parse_args([]), {})
+    assert calls == ["torch"]
 
 
 def test_judge_without_torch_checks_bits_but_not_bars(bench, capsys):
@@ -255,13 +315,21 @@ def test_judge_without_torch_checks_bits_but_not_bars(bench, capsys):
     assert bench.judge(dict(row)) == ["fused fwd vs torch not measured", "fused bwd vs torch not measured"]
     assert bench.judge(row, bars=False) == [] and row["met"] and row["bars_judged"] is False
     assert row["speedup"] == {"fused_fwd_vs_sequential": 2.0, "fused_bwd_vs_sequential": 2.0}
+    skipped = {"shape": "x", "skipped": "too big"}
+    assert bench.judge(skipped, bars=False) == ["skipped (too big)"] and skipped["bars_judged"] is False
     unequal = {k: v for k, v in _row(bench, equal=False).items() if k != "torch"}
     assert bench.judge(unequal, bars=False) == ["not bitwise equal to MoK's sequential: fused fwd 0:1024"]
     no_fused = {**row, "ours": {"sequential": row["ours"]["sequential"], "fused": {}}}
     assert bench.judge(no_fused, bars=False) == ["fused fwd not measured", "fused bwd not measured"]
-    bench.print_table([row], {"nvshmem_pull_gbs": 400.0, "nccl_a2a_gbs": float("nan")}, "d.json", None)
-    line = capsys.readouterr().out.split("\n")[2].split()
+    bench.print_table([row], {"nvshmem_pull_gbs": 400.0, "nccl_a2a_gbs": None}, "d.json", None, bars=False)
+    lines = capsys.readouterr().out.split("\n")
+    header, cells = lines[1], lines[2]
+    line = cells.split()
     assert line[0] == "tile" and line[1] == "-" and line[4] == "-" and line[5] == "2.00" and line[10] == "2.00"
+    # every column's right edge in the row is its header's (right-aligned numbers under their names)
+    ends = [m.end() for m in re.finditer(r"x torch|x seq|\S+", header.split("  bitwise")[0])][1:]
+    assert len(ends) == 10 and [m.end() for m in re.finditer(r"\S+", cells.split("  yes")[0])][1:] == ends
+    assert "x seq" in header and "bars not judged" in lines[3]
     assert bench.parse_args(["--no-torch"]).no_torch and not bench.parse_args([]).no_torch
 
 
