@@ -157,10 +157,14 @@ def expected_rows(shape: MoEShape, num_ranks: int, capacity_rows: int) -> int:
     """Receive rows a rank fills on average (the balanced assignment's estimate of where the
     real rows end): N K pairs (each rank's N tokens choose K experts among every rank's, so a
     rank receives N K under even routing) plus half a cluster's row pair of padding per local
-    expert, at most capacity_rows. The real rows are a prefix of the receive buffer (expert
+    expert, and at least one whole row pair per local expert (experts of fewer than a row pair
+    of rows: at EP=1 qwen's 512 experts get ~40 rows each, and every one's segment is a pair:
+    costed as half a pair, the tile pairs of the last third of the experts looked free and the
+    balanced backward piled them on a few clusters, 2.1x slower than the sequential pass on the
+    H200), at most capacity_rows. The real rows are a prefix of the receive buffer (expert
     segments back to back, each padded to a row pair); tiles past them exit at once."""
     el = shape.num_experts // num_ranks
-    return min(capacity_rows, shape.num_tokens * shape.top_k + el * PAIR_ROWS // 2)
+    return min(capacity_rows, max(shape.num_tokens * shape.top_k + el * PAIR_ROWS // 2, el * PAIR_ROWS))
 
 
 def tile_cost(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: int, row_pair: int | None = None) -> int:
@@ -423,9 +427,11 @@ def _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, ring_miniba
 
 
 def default_capacity(shape: MoEShape, num_ranks: int, minibatch_rows: int = BM, slack: float = 1.25) -> int:
-    """Receive rows a plan is sized for: `slack` x the mean N*K rows plus El*BM padding, rounded
-    up to whole minibatches (the true worst case, all R*N*K rows, would make the grid huge)."""
-    rows = int(slack * shape.num_tokens * shape.top_k) + (shape.num_experts // num_ranks) * BM
+    """Receive rows a plan is sized for: `slack` x the mean N*K rows plus El*BM padding, and at
+    least a row pair per local expert (each expert's segment is padded to one), rounded up to
+    whole minibatches (the true worst case, all R*N*K rows, would make the grid huge)."""
+    el = shape.num_experts // num_ranks
+    rows = max(int(slack * shape.num_tokens * shape.top_k) + el * BM, el * PAIR_ROWS)
     return _cdiv(rows, minibatch_rows) * minibatch_rows
 
 
