@@ -516,6 +516,24 @@ def test_balanced_backward_spreads_experts_of_fewer_rows_than_a_pair():
     assert max(counts) - min(counts) <= 2, counts
 
 
+def test_expected_rows_follow_the_padded_rows_of_the_routing():
+    # where the real rows end, against the sim's routed load padded to row pairs (the fused
+    # layout): within half a pair a rank at EP=8 and EP=1, where N K + half a pair per expert was 1-4 pairs
+    # short (kimi at EP=8: 341 rows an expert, two pairs each); the EP=64 shares the bench measures keep
+    # N K + half a pair (their measured plans do not change)
+    from mok_proto.sim.model import routed_load
+
+    for name in ("kimi-k2.7", "qwen3.5-397b"):
+        for ranks in (1, 8):
+            shape = get_shape(name)
+            real = routed_load(shape, ranks, align=P.PAIR_ROWS).expert_offsets[:, -1].mean()
+            assert abs(P.expected_rows(shape, ranks, 1 << 30) - real) < P.PAIR_ROWS / 2, (name, ranks)
+            spread = shape.num_tokens * shape.top_k + shape.num_experts // ranks * P.PAIR_ROWS // 2
+            assert real - spread >= P.PAIR_ROWS, (name, ranks)  # the old estimate's shortfall
+        share = ep_share(name, 64)
+        assert P.expected_rows(share, 2, 1 << 30) == share.num_tokens * share.top_k + share.num_experts // 2 * 128
+
+
 def test_tile_cost_of_pairs_past_the_expected_rows():
     # routed row tiles past the rows a rank fills on average (N K + padding) only signal: cost 1;
     # the shared expert's and the weight gradients' do not depend on a row pair
