@@ -1024,12 +1024,11 @@ def main_mpi(args) -> int:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         heap.close()
+    unjudged = " (no torch layer: bars not judged)" if args.no_torch else ""
     if failed:
-        ranks.say(f"FAIL ({time.time() - start:.0f} s): " + " | ".join(failed)
-                  + ("" if not args.no_torch else " (no torch layer: bars not judged)"))
+        ranks.say(f"FAIL ({time.time() - start:.0f} s): " + " | ".join(failed) + unjudged)
         return 1
-    ranks.say(f"all {'bars and ' if not args.no_torch else ''}checks met ({time.time() - start:.0f} s)"
-              + ("" if not args.no_torch else ": no torch layer, bars not judged"))
+    ranks.say(f"all {'checks' if args.no_torch else 'bars and checks'} met ({time.time() - start:.0f} s){unjudged}")
     return 0
 
 

@@ -61,8 +61,12 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if args.vs_sequential and args.sequential:
             raise ValueError("--vs-sequential compares another plan with the sequential one: drop --sequential")
+
+        def sequential_plan():
+            return plans.sequential(shape, args.ep, pass_=args.pass_, policy=policy, num_sms=gpu.num_sms)
+
         if args.sequential:
-            p = plans.sequential(shape, args.ep, pass_=args.pass_, policy=policy, num_sms=gpu.num_sms)
+            p = sequential_plan()
         elif args.fused:
             make = plans.fused_forward if args.pass_ == "fwd" else plans.fused_backward
             p = make(shape, args.ep, args.comm_sms, args.minibatch, policy=policy,
@@ -73,8 +77,7 @@ def main(argv=None) -> int:
         result = simulate(p, gpu)
         baseline = None
         if args.vs_sequential:
-            baseline = simulate(plans.sequential(shape, args.ep, pass_=args.pass_, policy=policy, num_sms=gpu.num_sms),
-                                gpu)
+            baseline = simulate(sequential_plan(), gpu)
         elapsed = time.perf_counter() - t0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
