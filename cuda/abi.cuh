@@ -72,7 +72,8 @@ namespace mok::plan {
 //   kTaskSharedDownWgrad: shared_down_wgrad
 //   kTaskSharedGateUpWgrad: shared_gate_up_wgrad
 //   kTaskSlotSum: slot_sum
-enum TaskKind : int { kTaskDispatch = 0, kTaskSharedGateUp = 1, kTaskSharedDown = 2, kTaskGateUp = 3, kTaskDown = 4, kTaskCombine = 5, kTaskWeightedSum = 6, kTaskRevCombine = 7, kTaskSharedDownBwd = 8, kTaskSharedGateUpBwd = 9, kTaskDownBwd = 10, kTaskGateUpBwd = 11, kTaskRevDispatch = 12, kTaskDownWgrad = 13, kTaskGateUpWgrad = 14, kTaskSharedDownWgrad = 15, kTaskSharedGateUpWgrad = 16, kTaskSlotSum = 17, kNumTaskKinds = 18 };
+//   kTaskScale: scale
+enum TaskKind : int { kTaskDispatch = 0, kTaskSharedGateUp = 1, kTaskSharedDown = 2, kTaskGateUp = 3, kTaskDown = 4, kTaskCombine = 5, kTaskWeightedSum = 6, kTaskRevCombine = 7, kTaskSharedDownBwd = 8, kTaskSharedGateUpBwd = 9, kTaskDownBwd = 10, kTaskGateUpBwd = 11, kTaskRevDispatch = 12, kTaskDownWgrad = 13, kTaskGateUpWgrad = 14, kTaskSharedDownWgrad = 15, kTaskSharedGateUpWgrad = 16, kTaskSlotSum = 17, kTaskScale = 18, kNumTaskKinds = 19 };
 // CounterKind, as errors print it:
 //   kCounterArrived: arrived
 //   kCounterFirstDone: first_done
@@ -84,7 +85,9 @@ enum TaskKind : int { kTaskDispatch = 0, kTaskSharedGateUp = 1, kTaskSharedDown 
 //   kCounterDataGradDone: data_grad_done
 //   kCounterWgradDone: wgrad_done
 //   kCounterStageDone: stage_done
-enum CounterKind : int { kCounterArrived = 0, kCounterFirstDone = 1, kCounterSecondDone = 2, kCounterReleased = 3, kCounterSlotsArrived = 4, kCounterSharedFirstDone = 5, kCounterSharedDone = 6, kCounterDataGradDone = 7, kCounterWgradDone = 8, kCounterStageDone = 9, kNumCounterKinds = 10 };
+//   kCounterSharedSecondDone: shared_second_done
+//   kCounterPublished: published
+enum CounterKind : int { kCounterArrived = 0, kCounterFirstDone = 1, kCounterSecondDone = 2, kCounterReleased = 3, kCounterSlotsArrived = 4, kCounterSharedFirstDone = 5, kCounterSharedDone = 6, kCounterDataGradDone = 7, kCounterWgradDone = 8, kCounterStageDone = 9, kCounterSharedSecondDone = 10, kCounterPublished = 11, kNumCounterKinds = 12 };
 }  // namespace mok::plan
 
 namespace mok::fused {
@@ -118,6 +121,18 @@ constexpr int kConsumerWarps = 8;  // warps of the two consumer warpgroups
 constexpr int kMaxGroups = 1024;  // experts one grouped GEMM launch may cover
 constexpr int kStagingFloats = 512;  // epilogue staging per consumer warp: 2 areas of 8 rows x 32 fp32
 }  // namespace mok::gemm
+
+namespace mok::plan {
+constexpr int kMoverKinds = 397473;  // bit k set: the fused kernel's movers (a communicating CTA's warps, a compute CTA's spare warps) run TaskKind k, its GEMM warps the others
+}  // namespace mok::plan
+
+namespace mok::fused {
+constexpr int kFusedLocalTimeoutFactor = 2;  // the fused kernel's waits on its own counters give up after this x the timeout of a wait on a peer's flag (the peer's timeout is reported first)
+}  // namespace mok::fused
+
+namespace mok::plan {
+constexpr int kEpilogueRows = 16;  // tokens of one weighted-sum / slot-sum task (row_tile: tokens kEpilogueRows row_tile ..)
+}  // namespace mok::plan
 
 namespace mok {
 struct ErrorRecord {
@@ -286,12 +301,14 @@ struct FusedParams {
   i64          comm;  // const CommParams* of the round (rank = rank_base + blockIdx.y)
   i64          gemm;  // GemmParams [W][kFusedGemms]: each launch rank's GEMMs, GemmSlot order
   i64          counters;  // u32 [W][num_counters], zero before the launch
+  i64          counter_info;  // Counter [num_counters]: the plan's counters (a remote one is kept as peer flags)
+  i64          token;  // const TokenParams* of the launch ranks (the token-gradient tasks; 0 when the plan has none)
   i64          trace;  // TraceRecord [W][num_tasks] (record_trace)
   ErrorRecord* error;  // this process's error record
 };
-static_assert(sizeof(FusedParams) == 112, "FusedParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(FusedParams) == 128, "FusedParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(FusedParams, comm_ctas) == 0 && __builtin_offsetof(FusedParams, num_tasks) == 8 && __builtin_offsetof(FusedParams, num_counters) == 16 && __builtin_offsetof(FusedParams, minibatch_rows) == 24 && __builtin_offsetof(FusedParams, ring_rows) == 32 && __builtin_offsetof(FusedParams, record_trace) == 40 && __builtin_offsetof(FusedParams, timeout_ns) == 48 && __builtin_offsetof(FusedParams, tasks) == 56 && __builtin_offsetof(FusedParams, task_begin) == 64 && __builtin_offsetof(FusedParams, comm) == 72 && __builtin_offsetof(FusedParams, gemm) == 80 && __builtin_offsetof(FusedParams, counters) == 88 && __builtin_offsetof(FusedParams, trace) == 96 && __builtin_offsetof(FusedParams, error) == 104, "FusedParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(FusedParams, comm_ctas) == 0 && __builtin_offsetof(FusedParams, num_tasks) == 8 && __builtin_offsetof(FusedParams, num_counters) == 16 && __builtin_offsetof(FusedParams, minibatch_rows) == 24 && __builtin_offsetof(FusedParams, ring_rows) == 32 && __builtin_offsetof(FusedParams, record_trace) == 40 && __builtin_offsetof(FusedParams, timeout_ns) == 48 && __builtin_offsetof(FusedParams, tasks) == 56 && __builtin_offsetof(FusedParams, task_begin) == 64 && __builtin_offsetof(FusedParams, comm) == 72 && __builtin_offsetof(FusedParams, gemm) == 80 && __builtin_offsetof(FusedParams, counters) == 88 && __builtin_offsetof(FusedParams, counter_info) == 96 && __builtin_offsetof(FusedParams, token) == 104 && __builtin_offsetof(FusedParams, trace) == 112 && __builtin_offsetof(FusedParams, error) == 120, "FusedParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 struct TraceRecord {

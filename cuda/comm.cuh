@@ -336,7 +336,7 @@ __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 // My last block raises flag `kind` on every peer.
 __device__ __forceinline__ void signal_when_last(const CommParams* p, int rank, int op, int kind) {
   if (last_block(counter_of(p, rank, op)))
-    signal_all(p->flags, kind, static_cast<int>(p->num_ranks), rank, epoch_of(p, rank));
+    signal_all(p->flags, kind, static_cast<int>(p->num_ranks), rank, epoch_of(p, rank), block_threads());
 }
 
 // begin_round: epoch += 1 for each launch-rank.  grid (1, W), block 32.
@@ -349,7 +349,7 @@ __global__ void begin_round(const CommParams* p) {
 // grid (1, W), block >= R or any (threads loop over peers).
 __global__ void raise_flag(const CommParams* p, int kind) {
   const int rank = rank_of(p);
-  signal_all(p->flags, kind, static_cast<int>(p->num_ranks), rank, epoch_of(p, rank));
+  signal_all(p->flags, kind, static_cast<int>(p->num_ranks), rank, epoch_of(p, rank), block_threads());
 }
 
 // wait_peers: the receiver side of a push: wait until every peer raised flag `kind` this round.

@@ -34,6 +34,12 @@ __device__ __forceinline__ void report_error(ErrorRecord* err, int code, int op,
   }
 }
 
+// A share of some work: the caller is worker `id` of `count` (threads or warps, as the building
+// block says); it takes items begin + id, begin + id + count, ... below end.
+struct Workers {
+  int id, count;
+};
+
 // ---------------------------------------------------------------------------------------------
 // Flags: u64 epochs that only grow. Release/acquire at system scope (peers may be other processes).
 // ---------------------------------------------------------------------------------------------
@@ -101,9 +107,11 @@ __device__ __forceinline__ bool last_block(unsigned int* counter) {
   return is_last != 0;
 }
 
-// Raise flags[kind][rank] = epoch on every peer (threads of one block, one peer each).
-__device__ __forceinline__ void signal_all(const u64* flag_table, int kind, int num_ranks, int rank, u64 epoch) {
-  for (int peer = threadIdx.x; peer < num_ranks; peer += blockDim.x) {
+// Raise flags[kind][rank] = epoch on every peer (the caller's threads, one peer each: a standalone
+// kernel's block_threads(), or one thread of the fused kernel).
+__device__ __forceinline__ void signal_all(const u64* flag_table, int kind, int num_ranks, int rank, u64 epoch,
+                                           Workers threads) {
+  for (int peer = threads.id; peer < num_ranks; peer += threads.count) {
     u64* flags = reinterpret_cast<u64*>(flag_table[peer]);
     __threadfence_system();
     st_release_sys(flags + static_cast<i64>(kind) * num_ranks + rank, epoch);
@@ -113,12 +121,6 @@ __device__ __forceinline__ void signal_all(const u64* flag_table, int kind, int 
 // ---------------------------------------------------------------------------------------------
 // Work shares, peer tables and row copies
 // ---------------------------------------------------------------------------------------------
-// A share of some work: the caller is worker `id` of `count` (threads or warps, as the building
-// block says); it takes items begin + id, begin + id + count, ... below end.
-struct Workers {
-  int id, count;
-};
-
 // The caller's share in a standalone kernel, whose blocks (per launch rank: blockIdx.x of
 // gridDim.x) split all the work between them (grid_*) or whose block does it all (block_*).
 // Only kernel bodies (and helpers that serve only them, as sum_checking_slots) call these:

@@ -6,16 +6,20 @@
 // the routing all-gather and the schedule, after it the flag that publishes the combine, the
 // wait and the fixed-order weighted sum. Backward: the same with the reverse-combine (pull, into
 // recv_dy), down_bwd / gate_up_bwd tiles, the reverse-dispatch (push) and the deferred weight-
-// gradient tiles; the slot sum after it. A transfer in the other direction (push in, pull out)
-// runs as its sequential launch before (resp. after) the kernel: the plan has chunk tasks only
-// for the transfers that run inside.
+// gradient tiles, and (plan.scale, plan.token_grads: the defaults with those transfers inside) the
+// token owner's work: dy_slots = w * dout first (published to the pullers by a flag raised inside)
+// and, once every peer's reverse-dispatch into this rank's slots is complete (their flags), the
+// slot sum and d topk_weights beside the weight-gradient tiles. A transfer in the other direction
+// (push in, pull out) runs as its sequential launch before (resp. after) the kernel: the plan has
+// chunk tasks only for the transfers that run inside.
 //
 // Legend: R ranks, El local experts, MB minibatch rows, W launch ranks (grid.y), B = kBM rows.
 //
 // Roles: CTA b of a launch rank runs tasks[task_begin[b] .. task_begin[b + 1]) in order. CTAs
 // below comm_ctas only communicate (every warp moves rows through registers); the spare warps of
 // a compute CTA move the chunks in its table (every chunk with comm_ctas = 0; with comm_ctas > 0
-// those of a transfer the plan spreads over every CTA) while the CTA's GEMMs run. The others run
+// those of a transfer the plan spreads over every CTA) while the CTA's GEMMs run. These *movers*
+// also run the token-side tasks (scale, slot sum) of their table: kMoverKinds. The others run
 // GEMM tiles with the building blocks of gemm.cuh (its producer warpgroup and two consumer
 // warpgroups), in 2-CTA clusters: the plan gives both CTAs of a cluster the same tile at the same
 // position of their tables, CTA `cta` taking 128-row tile 2p + cta of row pair p, so the pair
@@ -32,7 +36,8 @@
 // Ready counters (u32, this launch rank's, zeroed before the launch): a task waits (one thread,
 // acquire, bounded: kOpFusedWait names the counter and the task) until each of its counters
 // reaches its target, and adds one to each of its signal counters (release) when its rows are
-// stored. Rows stored by plain stores and read by TMA cross proxies: the writer fences
+// stored. A remote counter (every rank's tasks raise it) is kept as peer flags: see remote_flag.
+// Rows stored by plain stores and read by TMA cross proxies: the writer fences
 // (fence.proxy.async.global) before its release, the TMA-issuing reader after its acquire.
 //
 // Timeline (FusedParams.record_trace): TraceRecord of every task: start (consumer or comm start), ready
@@ -41,6 +46,7 @@
 #pragma once
 #include "comm.cuh"
 #include "gemm.cuh"
+#include "token.cuh"
 
 namespace mok {
 namespace fused {
@@ -50,6 +56,7 @@ using gemm::Ring;
 using gemm::SharedStorage;
 using gemm::Tile;
 using gemm::Traits;
+using plan::Counter;
 using plan::Task;
 
 // A compute CTA's register split (gemm.cuh's kProducerRegs / kConsumerRegs for the standalone
@@ -95,16 +102,37 @@ __device__ __forceinline__ int sm_id() {
 struct Ctx {
   const FusedParams* fp;
   const CommParams* cp;
+  const TokenParams* tp;   // the token-side tasks' buffers (scale, slot sum; nullptr: the plan has none)
   const GemmParams* gemm;  // this launch rank's kFusedGemms
   const Task* tasks;
+  const Counter* info;  // the plan's counters (kind, target, remote)
   u32* counters;
   TraceRecord* trace;  // nullptr: no timeline
   int rank;            // EP rank
+  int pass;            // 0: forward, 1: backward
 };
 
-// One thread: wait until each counter of task `index` reaches its target. False (and an error
-// record naming the counter, its target and the task) after timeout_ns, or at once once any
-// error is recorded (the kernel then winds down: later tasks move and load nothing).
+// A *remote* counter (plan.py: raised by the tasks of every rank; its target counts R signals per
+// signalling task) is kept as the round's peer flags: each rank counts its own signals in its
+// counter, and the signal that completes its share (target / R) raises the counter's flag on
+// every peer (flags[kind][rank] = the round's epoch, as raise_flag does after a standalone launch);
+// a wait on it waits for every peer's flag. The kernel knows two remote counters (the host refuses
+// a plan with another: kernels/fused.py), each as the flag its standalone launches raise:
+//   SLOTS_ARRIVED: every peer's outgoing push into my slots is complete  -> kFlagCombine
+//   PUBLISHED:     every peer's rows that I pull are written             -> kFlagRouting
+// and a wait that times out names the operator that waited (SymmTimeoutError).
+__device__ __forceinline__ int remote_flag(int counter_kind) {
+  return counter_kind == plan::kCounterSlotsArrived ? kFlagCombine : kFlagRouting;
+}
+__device__ __forceinline__ int remote_op(int counter_kind, int pass) {
+  if (counter_kind == plan::kCounterSlotsArrived) return pass == 0 ? kOpCombinePush : kOpRevDispatchPush;
+  return pass == 0 ? kOpDispatchPull : kOpRevCombinePull;
+}
+
+// One thread: wait until each counter of task `index` reaches its target (wait_task: wait_local,
+// and for a remote counter wait_peers_flag). False (and an error record naming the counter, its
+// target and the task, or the peer) after the timeout, or at once once any error is recorded (the
+// kernel then winds down: later tasks move and load nothing).
 // The spin reads relaxed, backing off from kSpinMinNs to kSpinMaxNs between reads, and acquires
 // once (fence) when the target is seen. Measured (H200, 2026-12-01): with an ld.acquire spin and
 // 64 ns sleeps, the spare warps of every compute CTA waiting for most of the kernel made its GEMM
@@ -112,25 +140,77 @@ struct Ctx {
 // spread combines.
 constexpr unsigned kSpinMinNs = 64, kSpinMaxNs = 1024;
 
+// One thread spins until seen() >= target (relaxed reads, backing off): true, or false once an
+// error is recorded or after timeout_ns (then `seen_last` is the last value read).
+template <typename Seen>
+__device__ __forceinline__ bool spin_until(const Ctx& c, Seen seen, u64 target, u64 timeout_ns, u64& seen_last) {
+  const u64 start = globaltimer_ns();
+  for (unsigned sleep_ns = kSpinMinNs;; sleep_ns = min(2 * sleep_ns, kSpinMaxNs)) {
+    seen_last = seen();
+    if (seen_last >= target) return true;
+    if (has_error(c.fp->error) || globaltimer_ns() - start > timeout_ns) return false;
+    __nanosleep(sleep_ns);
+  }
+}
+
+__device__ __forceinline__ u64 ld_relaxed_sys(const u64* p) {
+  u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// One thread: this rank's counter `id` reaches `target` (then an acquire). Not in time:
+// kErrTimeout naming kOpFusedWait, the counter, its target, the value seen and task `index` (a
+// wait on this kernel's own work: KernelTimeoutError). It gives up after kFusedLocalTimeoutFactor
+// (abi.cuh) x the timeout of a wait on a peer's flag: when a peer is missing, the tasks that wait
+// here for its rows started waiting about when the task that waits for its flag did, and the
+// peer's timeout (SymmTimeoutError, naming it) must be the error reported; they then see it and
+// stop.
+__device__ __forceinline__ bool wait_local(const Ctx& c, int id, u32 target, int index) {
+  const u32* counter = c.counters + id;
+  if (ld_acquire_gpu(counter) >= target) return true;
+  u64 seen = 0;
+  const u64 timeout_ns = kFusedLocalTimeoutFactor * static_cast<u64>(c.fp->timeout_ns);
+  if (!spin_until(c, [&] { return static_cast<u64>(ld_relaxed_gpu(counter)); }, target, timeout_ns, seen)) {
+    if (!has_error(c.fp->error)) report_error(c.fp->error, kErrTimeout, kOpFusedWait, c.rank, id, target, seen, index);
+    return false;
+  }
+  fence_acq_rel_gpu();
+  return true;
+}
+
+// One thread, remote counter `id` after this rank's own share of it (wait_task): every peer's
+// flag this round (then an acquire at system scope: the peers' rows are visible). A peer that
+// never raises it: kErrTimeout naming remote_op, the peer, the epoch and the flag seen (as the
+// standalone wait_peers reports it: SymmTimeoutError).
+__device__ __forceinline__ bool wait_peers_flag(const Ctx& c, int id) {
+  const u64 epoch = epoch_of(c.cp, c.rank);
+  const u64* flags = my_flags(c.cp, c.rank, remote_flag(c.info[id].kind));
+  for (int src = 0; src < static_cast<int>(c.cp->num_ranks); ++src) {
+    u64 seen = 0;
+    const u64 timeout_ns = static_cast<u64>(c.fp->timeout_ns);
+    if (!spin_until(c, [&] { return ld_relaxed_sys(flags + src); }, epoch, timeout_ns, seen)) {
+      if (!has_error(c.fp->error))
+        report_error(c.fp->error, kErrTimeout, remote_op(c.info[id].kind, c.pass), c.rank, src,
+                     static_cast<i64>(epoch), static_cast<i64>(seen));
+      return false;
+    }
+  }
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+  return true;
+}
+
 __device__ __forceinline__ bool wait_task(const Ctx& c, const Task& t, int index) {
   for (int i = 0; i < 2; ++i) {
     const int id = t.wait_counter[i];
     if (id < 0) continue;
-    const u32 target = static_cast<u32>(t.wait_target[i]);
-    const u32* counter = c.counters + id;
-    if (ld_acquire_gpu(counter) >= target) continue;
-    const u64 start = globaltimer_ns();
-    for (unsigned sleep_ns = kSpinMinNs;; sleep_ns = min(2 * sleep_ns, kSpinMaxNs)) {
-      const u32 seen = ld_relaxed_gpu(counter);
-      if (seen >= target) break;
-      if (has_error(c.fp->error)) return false;
-      if (globaltimer_ns() - start > static_cast<u64>(c.fp->timeout_ns)) {
-        report_error(c.fp->error, kErrTimeout, kOpFusedWait, c.rank, id, target, seen, index);
-        return false;
-      }
-      __nanosleep(sleep_ns);
-    }
-    fence_acq_rel_gpu();
+    // a remote counter: first this rank's own share of its signals (target / R: what fails there is
+    // this kernel's own work), then the peers' flags
+    const bool remote = c.info[id].remote;
+    // (an int division: with c.cp->num_ranks' 64-bit one the movers spilled 40-64 more bytes)
+    const int ranks = static_cast<int>(c.cp->num_ranks);
+    const u32 target = static_cast<u32>(remote ? c.info[id].target / ranks : t.wait_target[i]);
+    if (!wait_local(c, id, target, index) || (remote && !wait_peers_flag(c, id))) return false;
   }
   return true;
 }
@@ -140,9 +220,23 @@ __device__ __forceinline__ bool wait_task(const Ctx& c, const Task& t, int index
 // threads') before the count (PTX memory model; the pattern of CUTLASS's semaphores). A
 // __threadfence() before it was not needed and cost 0.4-2.2% (12 of 12 fused passes, comm 0,
 // kimi and deepseek, H200 2026-12-01).
+// A remote counter (see remote_flag): an acquire-release add, and the add that completes this
+// rank's share raises the flag on every peer (signal_all: a system-scope fence, then a release
+// store; the add's acquire ordered every earlier signaller's rows before it).
 __device__ __forceinline__ void signal_task(const Ctx& c, const Task& t) {
-  for (int i = 0; i < 2; ++i)
-    if (t.signal_counter[i] >= 0) red_release_add(c.counters + t.signal_counter[i]);
+  for (int i = 0; i < 2; ++i) {
+    const int id = t.signal_counter[i];
+    if (id < 0) continue;
+    if (!c.info[id].remote) {
+      red_release_add(c.counters + id);
+      continue;
+    }
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(c.counters + id) : "memory");
+    const int num_ranks = static_cast<int>(c.cp->num_ranks);
+    if (static_cast<int>(old) + 1 == c.info[id].target / num_ranks)
+      signal_all(c.cp->flags, remote_flag(c.info[id].kind), num_ranks, c.rank, epoch_of(c.cp, c.rank), Workers{0, 1});
+  }
 }
 
 __device__ __forceinline__ void trace_times(const Ctx& c, int index, i64 start, i64 end) {
@@ -304,11 +398,15 @@ constexpr int kSideUnroll = 16;
 constexpr int kMoverBarrier = 3;  // bar.sync id of a task's movers (0: __syncthreads; gemm.cuh: kConsumersBarrier)
 static_assert(kMoverBarrier != gemm::kConsumersBarrier, "one named barrier per group of threads");
 
-// The kWarps movers of one chunk task (warp `warp` of them; warp 0's lane 0 leads): the leader
-// waits for the task's counters, every warp moves its rows, then (fenced for the rows' readers)
-// the leader signals. `go`: a shared flag of the movers.
+// The kWarps movers of one mover task (warp `warp` of them; warp 0's lane 0 leads): the leader
+// waits for the task's counters, every warp does its share, then the leader signals. `go`: a
+// shared flag of the movers. A chunk task moves its rows (fenced for their readers: the GEMMs'
+// TMA loads, or the peers). The token-side tasks of tokens kEpilogueRows row_tile .. run the
+// standalone token kernels' device functions (token.cuh): kTaskScale writes their dy_slots rows
+// (scale_part; fenced for the peers that pull them), kTaskSlotSum their dx and d topk_weights
+// (token_grads; read after the kernel).
 template <int kWarps, int kUnroll>
-__device__ __forceinline__ bool chunk_task(const Ctx& c, volatile int* go, const Task& t, int index, int warp,
+__device__ __forceinline__ bool mover_task(const Ctx& c, volatile int* go, const Task& t, int index, int warp,
                                            int lane, bool ok) {
   const bool lead = warp == 0 && lane == 0;
   const i64 start = lead ? static_cast<i64>(globaltimer_ns()) : 0;
@@ -318,12 +416,22 @@ __device__ __forceinline__ bool chunk_task(const Ctx& c, volatile int* go, const
   }
   asm volatile("bar.sync %0, %1;" ::"n"(kMoverBarrier), "n"(kWarps * 32) : "memory");
   ok = *go != 0;
-  const ChunkRows rows = chunk_rows(c, t, ok);
-  for (i64 k = warp; k < rows.count; k += kWarps) warp_move_row<16, kUnroll>(rows.move(k), c.cp->row_bytes, lane);
-  if (rows.dispatch)
-    fence_proxy_async_global();  // the rows are read by the GEMMs' TMA loads
-  else
-    __threadfence_system();  // the peers' slot rows, before the flag raised after this kernel
+  if (t.kind == plan::kTaskSlotSum || t.kind == plan::kTaskScale) {
+    const i64 t0 = static_cast<i64>(t.row_tile) * plan::kEpilogueRows, n = c.tp->num_tokens;
+    const i64 t1 = t0 + plan::kEpilogueRows < n ? t0 + plan::kEpilogueRows : n, h8 = c.tp->hidden / 8;
+    const Workers threads{warp * 32 + lane, kWarps * 32};
+    if (ok && t0 < n && t.kind == plan::kTaskScale) scale_part(c.tp, c.rank, t0 * h8, t1 * h8, threads);
+    if (ok && t0 < n && t.kind == plan::kTaskSlotSum)
+      token_grads(c.tp, c.rank, t0, t1, threads, Workers{warp, kWarps}, lane);
+    if (t.kind == plan::kTaskScale) __threadfence_system();  // the peers' pulls, after the flag
+  } else {
+    const ChunkRows rows = chunk_rows(c, t, ok);
+    for (i64 k = warp; k < rows.count; k += kWarps) warp_move_row<16, kUnroll>(rows.move(k), c.cp->row_bytes, lane);
+    if (rows.dispatch)
+      fence_proxy_async_global();  // the rows are read by the GEMMs' TMA loads
+    else
+      __threadfence_system();  // the peers' slot rows, before the flag that says they are complete
+  }
   asm volatile("bar.sync %0, %1;" ::"n"(kMoverBarrier), "n"(kWarps * 32) : "memory");  // every row is stored
   if (lead) {
     signal_task(c, t);
@@ -332,10 +440,8 @@ __device__ __forceinline__ bool chunk_task(const Ctx& c, volatile int* go, const
   return ok;
 }
 
-__device__ __forceinline__ bool is_comm(int kind) {
-  return kind == plan::kTaskDispatch || kind == plan::kTaskCombine || kind == plan::kTaskRevCombine ||
-         kind == plan::kTaskRevDispatch;
-}
+// The tasks the movers run (abi.cuh kMoverKinds: the transfers' chunks, the scale, the token gradients).
+__device__ __forceinline__ bool is_mover(int kind) { return (plan::kMoverKinds >> kind) & 1; }
 
 // The grouped-GEMM problem of a task of pass kPass (0: forward, 1: backward), for the roles'
 // dispatch: f.template operator()<Problem>() runs the task.
@@ -368,6 +474,9 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
   Ctx c;
   c.fp = fp;
   c.cp = cp;
+  c.tp = reinterpret_cast<const TokenParams*>(fp->token);
+  c.info = reinterpret_cast<const Counter*>(fp->counter_info);
+  c.pass = kPass;
   c.gemm = reinterpret_cast<const GemmParams*>(fp->gemm) + w * kFusedGemms;
   c.tasks = reinterpret_cast<const Task*>(fp->tasks);
   c.counters = reinterpret_cast<u32*>(fp->counters) + w * fp->num_counters;
@@ -381,7 +490,7 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
   if (!ss.abort) {
     if (blockIdx.x < fp->comm_ctas) {
       for (int i = first; i < last; ++i)
-        ok = chunk_task<kCommWarps, kCommUnroll>(c, &ss.go, c.tasks[i], i, threadIdx.x >> 5, threadIdx.x & 31, ok);
+        ok = mover_task<kCommWarps, kCommUnroll>(c, &ss.go, c.tasks[i], i, threadIdx.x >> 5, threadIdx.x & 31, ok);
     } else {
       // NOTE: the role is broadcast from lane 0 so the compiler sees it warp-uniform (wgmma).
       const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0), wg_tid = threadIdx.x & 127;
@@ -391,7 +500,7 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
         if (wg_tid < 32) {  // the producer warp: GEMM tasks
           for (int i = first; i < last; ++i) {
             const Task t = c.tasks[i];
-            if (is_comm(t.kind)) continue;
+            if (is_mover(t.kind)) continue;
             ok = with_problem<kPass>(t.kind, [&](auto tag) {
               return produce_task<decltype(tag)::kProblem>(c, ss, ring, t, i, cta, wg_tid, ok);
             });
@@ -401,7 +510,7 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
           const int side = wg_tid / 32 - 1;
           for (int i = first; i < last; ++i) {
             const Task t = c.tasks[i];
-            if (is_comm(t.kind)) ok = chunk_task<kSideWarps, kSideUnroll>(c, &ss.go, t, i, side, wg_tid & 31, ok);
+            if (is_mover(t.kind)) ok = mover_task<kSideWarps, kSideUnroll>(c, &ss.go, t, i, side, wg_tid & 31, ok);
           }
         }
       } else {
@@ -410,7 +519,7 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
         float* staging = ss.staging[threadIdx.x / 32 - 4];
         for (int i = first; i < last; ++i) {
           const Task t = c.tasks[i];
-          if (is_comm(t.kind)) continue;
+          if (is_mover(t.kind)) continue;
           ok = with_problem<kPass>(t.kind, [&](auto tag) {
             return consume_task<decltype(tag)::kProblem>(c, ss, ring, t, i, cta, acc, staging, wg - 1, wg_tid, ok);
           });

@@ -189,6 +189,7 @@ TASK_KIND = Enum("TaskKind", (
     ("kTaskSharedDownWgrad", "shared_down_wgrad"),
     ("kTaskSharedGateUpWgrad", "shared_gate_up_wgrad"),
     ("kTaskSlotSum", "slot_sum"),  # sum of the K input-gradient slots + the shared expert's
+    ("kTaskScale", "scale"),  # dy_slots = w * dout of kEpilogueRows tokens (what the reverse-combine moves)
 ), namespace="mok::plan", count="kNumTaskKinds")
 
 COUNTER_KIND = Enum("CounterKind", (
@@ -202,6 +203,8 @@ COUNTER_KIND = Enum("CounterKind", (
     ("kCounterDataGradDone", "data_grad_done"),  # per macrobatch: weight gradients may start
     ("kCounterWgradDone", "wgrad_done"),  # per macrobatch: weight gradients read the ring rows
     ("kCounterStageDone", "stage_done"),  # per stage (sequential plans only)
+    ("kCounterSharedSecondDone", "shared_second_done"),  # one: the shared expert's second GEMM (bwd: dx_base)
+    ("kCounterPublished", "published"),  # one: the rows peers pull from this rank are written (bwd: dy_slots)
 ), namespace="mok::plan", count="kNumCounterKinds")
 
 # The fused layer's GEMMs of one launch rank, in FusedParams.gemm order (a forward leaves the
@@ -216,6 +219,10 @@ GEMM_SLOT = Enum("GemmSlot", (
     ("kSlotDownWgrad", "routed experts, down's weight gradients (bwd)"),
     ("kSlotGateUpWgrad", "routed experts, gate/up's weight gradients (bwd)"),
 ), namespace="mok::fused", count="kFusedGemms")
+
+# The task kinds the fused kernel's movers run (kMoverKinds below): the transfers' chunks and the
+# backward's token-side work (the scale before the reverse-combine, the token gradients).
+MOVER_KINDS = ("kTaskDispatch", "kTaskCombine", "kTaskRevCombine", "kTaskRevDispatch", "kTaskSlotSum", "kTaskScale")
 
 ENUMS = (ERROR_CODE, OP, FLAG_KIND, GEMM_PROBLEM, TASK_KIND, COUNTER_KIND, GEMM_SLOT)
 
@@ -240,6 +247,14 @@ CONSTS = (
     Const("kMaxGroups", 1024, "experts one grouped GEMM launch may cover", "mok::gemm"),
     Const("kStagingFloats", 2 * 8 * 32, "epilogue staging per consumer warp: 2 areas of 8 rows x 32 fp32",
           "mok::gemm"),
+    # Plans
+    Const("kMoverKinds", sum(1 << TASK_KIND[k] for k in MOVER_KINDS), "bit k set: the fused kernel's movers (a "
+          "communicating CTA's warps, a compute CTA's spare warps) run TaskKind k, its GEMM warps the others",
+          "mok::plan"),
+    Const("kFusedLocalTimeoutFactor", 2, "the fused kernel's waits on its own counters give up after this x the "
+          "timeout of a wait on a peer's flag (the peer's timeout is reported first)", "mok::fused"),
+    Const("kEpilogueRows", 16, "tokens of one weighted-sum / slot-sum task (row_tile: tokens kEpilogueRows "
+          "row_tile ..)", "mok::plan"),
 )
 CONST = {c.name: c.value for c in CONSTS}
 
@@ -383,6 +398,8 @@ FUSED_PARAMS = Struct("FusedParams", (
     ("i64", "comm", "const CommParams* of the round (rank = rank_base + blockIdx.y)"),
     ("i64", "gemm", "GemmParams [W][kFusedGemms]: each launch rank's GEMMs, GemmSlot order"),
     ("i64", "counters", "u32 [W][num_counters], zero before the launch"),
+    ("i64", "counter_info", "Counter [num_counters]: the plan's counters (a remote one is kept as peer flags)"),
+    ("i64", "token", "const TokenParams* of the launch ranks (the token-gradient tasks; 0 when the plan has none)"),
     ("i64", "trace", "TraceRecord [W][num_tasks] (record_trace)"),
     ("ErrorRecord*", "error", "this process's error record"),
 ), namespace="mok::fused")

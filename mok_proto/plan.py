@@ -53,7 +53,7 @@ BM = abi.CONST["kBM"]  # GEMM tile rows (receive rows per row tile)
 BN = abi.CONST["kBN"]  # GEMM tile columns; a gate/up tile holds 128 gate + 128 up columns -> 128 columns of h
 BK = abi.CONST["kBK"]  # k depth of one GEMM pipeline stage (a k-block)
 DOWN_BWD_AUX_STAGES = BN // 64  # Traits<kDownBwd>::kAuxStages (cuda/gemm.cuh): a tile's g, u, 64 columns a stage
-EPILOGUE_ROWS = 16  # token rows per weighted-sum / slot-sum task (memory bound: fine grained)
+EPILOGUE_ROWS = abi.CONST["kEpilogueRows"]  # token rows per weighted-sum / slot-sum task (memory bound: fine grained)
 PASSES = ("fwd", "bwd")
 # How a fused plan's tile pairs go to the 2-CTA clusters (`_assign_clusters`), by default per pass.
 # Measured (H200, comm 0, minibatch 2048, fused replays interleaved with the sequential pass's):
@@ -86,6 +86,10 @@ PROBLEM_OF = {
 ROUTED_KIND_OF = {problem: kind for kind, problem in PROBLEM_OF.items() if not kind.name.startswith("SHARED")}
 
 COMM_KINDS = frozenset({TaskKind.DISPATCH, TaskKind.COMBINE, TaskKind.REV_COMBINE, TaskKind.REV_DISPATCH})
+# What a fused kernel's movers run (a communicating CTA's warps, a compute CTA's spare warps; the
+# GEMM warps run the other kinds): the transfers' chunks and the backward's token gradients
+# (abi.MOVER_KINDS, the kernel's kMoverKinds).
+MOVER_KINDS = frozenset(TaskKind(abi.TASK_KIND[name]) for name in abi.MOVER_KINDS)
 
 
 @dataclass(frozen=True)
@@ -248,6 +252,8 @@ class Plan:
     assign: str = "round_robin"  # how compute tasks went to CTAs (fused plans: ASSIGNMENTS; others round robin)
     raster: str = "row"  # the order of a minibatch's tile pairs (fused plans: RASTERS; others row)
     spread_from: int | None = None  # fused plans: outgoing transfers of minibatches >= this one on every CTA
+    token_grads: bool = False  # fused backward: the token gradients (SLOT_SUM tasks) run inside the kernel
+    scale: bool = False  # fused backward: dy_slots = w * dout (SCALE tasks) runs inside the kernel
 
     @property
     def kinds(self) -> PassKinds:
@@ -279,14 +285,14 @@ class Plan:
 
     def streams(self) -> list[np.ndarray]:
         """Task indices of each in-order stream, in execution order. A CTA is one stream, except
-        in a fused plan: there a CTA's communication tasks (its spare warps, or a communicating
-        CTA) are one stream, and the GEMM tasks of the two CTAs of a cluster are ONE stream of
+        in a fused plan: there a CTA's mover tasks (MOVER_KINDS: its spare warps, or a
+        communicating CTA) are one stream, and the GEMM tasks of the two CTAs of a cluster are ONE stream of
         tile pairs (even CTA's task, then its partner's: neither half of a pair can finish
         before both halves' waits are met, as they share the B operand and the stage barriers)."""
         t = self.tasks
         if not len(t):
             return []
-        comm = np.isin(t["kind"], [int(k) for k in COMM_KINDS])
+        comm = np.isin(t["kind"], [int(k) for k in MOVER_KINDS])
         if self.strategy not in FUSED_STRATEGIES.values():
             key, pos = t["block"].astype(np.int64), np.arange(len(t))
         else:
@@ -308,7 +314,8 @@ class Plan:
         return (f"{self.strategy} {self.pass_}: {self.shape.name} R={self.num_ranks} SMs={self.num_sms} "
                 f"comm={self.comm_blocks} minibatch={self.minibatch_rows} ring={self.ring_minibatches} "
                 f"capacity={self.capacity_rows} assign={self.assign} raster={self.raster} "
-                f"spread_from={self.spread_from} tasks={len(self.tasks)} counters={len(self.counters)}")
+                f"spread_from={self.spread_from} token_grads={self.token_grads} scale={self.scale} "
+                f"tasks={len(self.tasks)} counters={len(self.counters)}")
 
     def block_tables(self) -> list[np.ndarray]:
         """Per-CTA ordered task tables (views of `tasks`)."""
@@ -344,7 +351,9 @@ class Plan:
            tile's first-GEMM tiles, the outgoing chunks after their minibatch's second-GEMM
            tiles, the shared second after its row tile's shared first; backward: the weight
            gradients after every first-GEMM tile, the shared gate/up weight gradient after every
-           shared first tile), transitively through counters and stream order.
+           shared first tile, the token gradients after every outgoing chunk and every shared
+           second tile, the incoming chunks after every scale tile), transitively through counters
+           and stream order.
 
         The proof is kept: a second call costs nothing (like `execution_order`, it assumes the
         tables are not changed in place; `with_tasks` makes a new plan).
@@ -618,12 +627,13 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     (see inside_kernel) those transfers run outside and the ring cannot turn (ring = every
     minibatch)."""
     return _fused("fwd", shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms,
-                  capacity_rows, lookahead, assign, raster, spread_from)
+                  capacity_rows, lookahead, assign, raster, spread_from, False, False)
 
 
 def fused_backward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int, *, policy: dict,
                    num_sms: int, capacity_rows: int | None = None, lookahead: int | None = None,
-                   assign: str | None = None, raster: str | None = None, spread_from: int | None = None) -> Plan:
+                   assign: str | None = None, raster: str | None = None, spread_from: int | None = None,
+                   token_grads: bool | None = None, scale: bool | None = None) -> Plan:
     """The backward megakernel's plan (cuda/fused.cuh, fused_backward), the forward's structure
     with the backward's kinds: chunk tasks pull the reverse-combine (w * dout rows, into the
     receive rows) and push the reverse-dispatch (input-gradient rows into the owners' slots);
@@ -633,18 +643,30 @@ def fused_backward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_
     down_bwd tile, so they overlap the last reverse-dispatches), each (expert, row pair, column
     tile) one pair task that stores its fp32 sum over the expert's rows in order: the same sums,
     in the same order, as the sequential launches. One macrobatch: the ring holds every
-    minibatch (a smaller ring would need the forward's activations again). The slot sum and
-    d topk_weights run after the kernel. assign, raster, spread_from (the reverse-dispatch): as
-    fused_forward's."""
+    minibatch (a smaller ring would need the forward's activations again). assign, raster,
+    spread_from (the reverse-dispatch): as fused_forward's.
+    token_grads (default: whenever the reverse-dispatch is pushed inside the kernel): the token
+    gradients run inside it too, as SLOT_SUM tasks of EPILOGUE_ROWS tokens (dx = the shared
+    expert's dx + the K slots' sum, and d topk_weights of their slots), round robin over every
+    CTA after its transfers: the movers run them beside the deferred weight-gradient tiles. Each
+    waits for SLOTS_ARRIVED, a remote counter raised by every reverse-dispatch chunk of every
+    rank (the kernel keeps it as the peers' kFlagCombine flags), and for SHARED_SECOND_DONE (the
+    shared expert's dx). False: the slot sum and d topk_weights run after the kernel.
+    scale (default: whenever the reverse-combine is pulled inside the kernel): dy_slots = w * dout
+    runs inside it too, as SCALE tasks of EPILOGUE_ROWS tokens, first in every CTA's table (the
+    movers write this rank's rows while the shared expert's tiles run), each raising PUBLISHED, a
+    remote counter (the kernel keeps it as the peers' kFlagRouting flags) that every
+    reverse-combine chunk waits for. False: the scale kernel and the publish (a flag, a wait for
+    every peer's) run before the kernel."""
     return _fused("bwd", shape, num_ranks, comm_blocks, minibatch_rows, None, policy, num_sms, capacity_rows,
-                  lookahead, assign, raster, spread_from)
+                  lookahead, assign, raster, spread_from, token_grads, scale)
 
 
 FUSED_STRATEGIES = {"fwd": "fused_forward", "bwd": "fused_backward"}
 
 
 def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms, capacity_rows,
-           lookahead, assign, raster, spread_from) -> Plan:
+           lookahead, assign, raster, spread_from, token_grads, scale) -> Plan:
     assign = DEFAULT_ASSIGN[pass_] if assign is None else assign
     if assign not in ASSIGNMENTS:
         raise ValueError(f"assign must be one of {', '.join(ASSIGNMENTS)}, got {assign!r}")
@@ -677,6 +699,16 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
     if not spread_ok:
         raise ValueError(f"spread_from ({spread_from}) needs communicating CTAs, the {k.out_op} inside the kernel "
                          f"(push) and a minibatch in [0, {num_mb})")
+    if token_grads is None:
+        token_grads = pass_ == "bwd" and comm_out
+    if token_grads and not (pass_ == "bwd" and comm_out):
+        raise ValueError(f"token_grads runs the backward's slot sum inside the kernel: it needs the backward with "
+                         f"{k.out_op} push (inside the kernel), got the {pass_} with {policy}")
+    if scale is None:
+        scale = pass_ == "bwd" and comm_in
+    if scale and not (pass_ == "bwd" and comm_in):
+        raise ValueError(f"scale runs the backward's dy_slots = w * dout inside the kernel: it needs the backward "
+                         f"with {k.in_op} pull (inside the kernel), got the {pass_} with {policy}")
     b = _Builder(num_ranks)
     tpm = minibatch_rows // BM
     shared_pairs = _cdiv(shape.num_tokens, PAIR_ROWS) if shape.num_shared else 0
@@ -689,16 +721,22 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
     wgrad = bool(k.wgrad)
     shared_done = [b.counter(CounterKind.SHARED_DONE, 0)] if wgrad and shared_pairs else []
     data_grad_done = [b.counter(CounterKind.DATA_GRAD_DONE, 0)] if wgrad else []
+    slots_arrived = [b.counter(CounterKind.SLOTS_ARRIVED, 0, remote=True)] if token_grads else []
+    shared_second_done = [b.counter(CounterKind.SHARED_SECOND_DONE, 0)] if token_grads and shared_pairs else []
+    published = [b.counter(CounterKind.PUBLISHED, 0, remote=True)] if scale else []
+    if scale:  # first in every CTA's table: its movers write this rank's dy_slots before any pull
+        for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS)):
+            b.add(r % num_sms, TaskKind.SCALE, [], published, row_tile=r)
 
     chunks = comm_blocks or num_sms
     spread = range(num_mb if spread_from is None else spread_from, num_mb)
     def comm_out_task(c, m):
-        b.add(c, k.comm_out, [second_done[m]], [released[m]] if released else [], minibatch=m, row_tile=c,
-              col_tile=num_sms if m in spread else chunks)
+        b.add(c, k.comm_out, [second_done[m]], ([released[m]] if released else []) + slots_arrived, minibatch=m,
+              row_tile=c, col_tile=num_sms if m in spread else chunks)
 
     for c in range(chunks):  # chunk c of every minibatch (of num_chunks), on CTA c
         def comm_in_task(m, c=c):
-            waits = [released[m - ring]] if m >= ring else []
+            waits = ([released[m - ring]] if m >= ring else []) + published
             b.add(c, k.comm_in, waits, [arrived[m]], minibatch=m, row_tile=c, col_tile=chunks)
         if comm_in:
             for m in range(min(ring, num_mb)):
@@ -716,7 +754,7 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
     pairs = []
     pairs += [(k.shared_first, p, col, lambda rt: [], lambda rt: [shared_first[rt]] + shared_done, {})
               for p, col in grid(range(shared_pairs), num_col_tiles(k.shared_first, shape))]
-    pairs += [(k.shared_second, p, col, lambda rt: [shared_first[rt]], lambda rt: [], {})
+    pairs += [(k.shared_second, p, col, lambda rt: [shared_first[rt]], lambda rt: shared_second_done, {})
               for p, col in grid(range(shared_pairs), num_col_tiles(k.shared_second, shape))]
     for kind in (k.shared_wgrad if shared_pairs else ()):  # shared weight gradients: its data gradients' rows
         rows, cols = wgrad_grid(kind, shape)
@@ -752,10 +790,13 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
         for cta in (0, 1):
             rt = 2 * p + cta
             b.add(comm_blocks + 2 * cluster + cta, kind, waits(rt), signals(rt), row_tile=rt, col_tile=col, **fields)
+    if token_grads:  # last in every CTA's table: its movers run them after their transfers
+        for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS)):
+            b.add(r % num_sms, k.epilogue, slots_arrived + shared_second_done, [], row_tile=r)
     return b.build(pass_=pass_, shape=shape, num_ranks=num_ranks, policy=dict(policy), num_sms=num_sms,
                    comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, ring_minibatches=ring,
                    capacity_rows=capacity_rows, strategy=FUSED_STRATEGIES[pass_], assign=assign, raster=raster,
-                   spread_from=spread_from)
+                   spread_from=spread_from, token_grads=bool(token_grads), scale=bool(scale))
 
 
 def _assign_clusters(assign: str, pairs: list, clusters: int, cost) -> list[int]:
@@ -920,7 +961,8 @@ def _expected_keys(plan: Plan) -> np.ndarray:
 def _expected_fused_keys(plan: Plan, key) -> np.ndarray:
     """A fused pass: the transfers inside the kernel (a chunk per chunk), the tile pairs (shared
     expert: both tiles of every token row pair; weight gradients: both tiles of every row pair
-    of every expert's weights), no epilogue (a launch after it)."""
+    of every expert's weights), the epilogue tiles if the plan runs them (token_grads; else a launch
+    after it), the scale tiles if it runs them (scale; else a launch before it)."""
     k, shape = plan.kinds, plan.shape
     comm_in, comm_out = inside_kernel(plan.pass_, plan.policy)
     tpm = plan.tiles_per_minibatch
@@ -942,6 +984,10 @@ def _expected_fused_keys(plan: Plan, key) -> np.ndarray:
             rows, cols = wgrad_grid(kind, shape)
             keys += [key(kind, macrobatch=macro, row_tile=r, col_tile=c, expert=e) for e in experts
                      for r in range(2 * _cdiv(rows, 2)) for c in range(cols)]
+    if plan.token_grads:
+        keys += [key(k.epilogue, row_tile=r) for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))]
+    if plan.scale:
+        keys += [key(TaskKind.SCALE, row_tile=r) for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))]
     return np.array(keys, np.int64).reshape(-1, len(KEY_FIELDS))
 
 
@@ -953,10 +999,10 @@ def _check_pairs(plan: Plan) -> None:
     if plan.strategy not in FUSED_STRATEGIES.values():
         return
     tables = plan.block_tables()
+    comm_kinds = [int(x) for x in MOVER_KINDS]
     for blk in range(plan.comm_blocks):
-        if not np.isin(tables[blk]["kind"], [int(x) for x in COMM_KINDS]).all():
+        if not np.isin(tables[blk]["kind"], comm_kinds).all():
             raise PlanError(f"pairs: communicating CTA {blk} has a GEMM task")
-    comm_kinds = [int(x) for x in COMM_KINDS]
     for blk in range(plan.comm_blocks, plan.num_sms, 2):
         even, odd = (table[~np.isin(table["kind"], comm_kinds)] for table in (tables[blk], tables[blk + 1]))
         if len(even) != len(odd):
@@ -1138,6 +1184,13 @@ def _dataflow_needs(plan: Plan) -> list:
         writers[(int(w), "all", -1)] = np.flatnonzero(kind == int(k.first))
     if k.shared_wgrad:
         writers[(int(k.shared_wgrad[1]), "all", -1)] = np.flatnonzero(kind == int(k.shared_first))
+    # the token gradients read every slot row (every rank's outgoing chunks: by symmetry, this
+    # rank's) and the shared expert's dx (its second GEMM's tiles)
+    writers[(int(k.epilogue), "all", -1)] = np.flatnonzero((kind == int(k.comm_out)) | (kind == int(k.shared_second)))
+    # the backward's pulls read every rank's dy_slots (by symmetry: this rank's scale tiles), where
+    # the kernel writes them
+    if plan.scale:
+        writers[(int(k.comm_in), "all", -1)] = np.flatnonzero(kind == int(TaskKind.SCALE))
     by_rt = {int(k.second), int(k.shared_second)}
     needs = []
     for i, (kd, m, r) in enumerate(zip(kind.tolist(), mb.tolist(), rt.tolist())):

@@ -113,12 +113,13 @@ def timeline_name(path: Path | str) -> tuple[str, str]:
 def load_timeline(path: Path | str):
     """A timeline's JSON lines (.jsonl or .jsonl.gz) as mok_proto.trace records (TRACE_DTYPE; `kind`
     is the TaskKind name lower-cased in the file), in file order (the plan's task order). The role
-    is the task's (comm for a communication task, as GpuMoELayer.forward_timeline records it now;
+    is the task's (comm for a mover task: a transfer's chunk or the token gradients, as
+    GpuMoELayer.forward_timeline records it now;
     older files gave every task of a compute CTA the compute role, spare warps' transfers included;
     files before communication tasks carried their chunk count in col_tile get it from their tasks)."""
     import numpy as np
 
-    from mok_proto.plan import COMM_KINDS, TaskKind
+    from mok_proto.plan import COMM_KINDS, MOVER_KINDS, TaskKind
     from mok_proto.trace import ROLES, TRACE_DTYPE
 
     rows = [json.loads(line) for line in read_text(path).splitlines() if line.strip()]
@@ -127,7 +128,8 @@ def load_timeline(path: Path | str):
         values = [r[name] for r in rows]
         rec[name] = [int(TaskKind[v.upper()]) for v in values] if name == "kind" else values
     comm = np.isin(rec["kind"], [int(k) for k in COMM_KINDS])
-    rec["role"] = np.where(comm, ROLES.index("comm"), ROLES.index("compute"))
+    rec["role"] = np.where(np.isin(rec["kind"], [int(k) for k in MOVER_KINDS]), ROLES.index("comm"),
+                           ROLES.index("compute"))
     # files before communication tasks carried their chunk count (col_tile) have -1 there: every
     # minibatch's transfer then had one chunk per task of it
     old = np.flatnonzero(comm & (rec["col_tile"] == -1))
@@ -155,10 +157,10 @@ def timeline_events(records) -> dict:
     end (the kernel's)."""
     import numpy as np
 
-    from mok_proto.plan import COMM_KINDS, TaskKind
+    from mok_proto.plan import MOVER_KINDS, TaskKind
 
     t0 = records["start_ns"].min()
-    comm = np.isin(records["kind"], [int(k) for k in COMM_KINDS])
+    comm = np.isin(records["kind"], [int(k) for k in MOVER_KINDS])
     dispatch = records["kind"] == int(TaskKind.DISPATCH)
     return {"dispatch end": float(records["end_ns"][dispatch].max() - t0) if dispatch.any() else 0.0,
             "compute end": float(records["end_ns"][~comm].max() - t0),
@@ -174,7 +176,7 @@ def timeline_summary(records) -> dict:
     span (`first_ns`, `last_ns`). Tasks that took no time (past the real rows) are left out."""
     import numpy as np
 
-    from mok_proto.plan import COMM_KINDS, TaskKind
+    from mok_proto.plan import MOVER_KINDS, TaskKind
 
     took = records["end_ns"] > records["start_ns"]
     if not took.any():
@@ -182,7 +184,7 @@ def timeline_summary(records) -> dict:
     rec = records[took]
     t0 = rec["start_ns"].min()
     makespan = float(rec["end_ns"].max() - t0)
-    is_gemm = ~np.isin(records["kind"], [int(k) for k in COMM_KINDS])
+    is_gemm = ~np.isin(records["kind"], [int(k) for k in MOVER_KINDS])
     lanes = np.unique(records["block"][is_gemm])  # a lane whose tiles all took no time counts, idle
     gemm = records[took & is_gemm]
     busy = []

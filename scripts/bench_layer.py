@@ -65,9 +65,20 @@ GEMM_STAGES = {"fwd": ("shared", "experts"), "bwd": ("shared", "experts", "wgrad
 OUTSIDE_STAGES = {"fwd": ("schedule", "weighted_sum"), "bwd": ("scale", "token_grads")}
 
 
-def overlap_ceiling(stages: dict, pass_: str) -> float:
-    """Upper estimate of a fused pass's speed-up over sequential (see GEMM_STAGES)."""
-    return stages["total"] / sum(stages[k] for k in GEMM_STAGES[pass_] + OUTSIDE_STAGES[pass_])
+def overlap_ceiling(stages: dict, pass_: str, inside=()) -> float:
+    """Upper estimate of a fused pass's speed-up over sequential (see GEMM_STAGES); `inside`: the
+    OUTSIDE_STAGES a backward plan runs inside its kernel (plan.scale: "scale", plan.token_grads:
+    "token_grads"), which it may hide too."""
+    outside = tuple(k for k in OUTSIDE_STAGES[pass_] if k not in inside)
+    return stages["total"] / sum(stages[k] for k in GEMM_STAGES[pass_] + outside)
+
+
+def stages_inside(row: dict) -> tuple:
+    """The OUTSIDE_STAGES a fused row's plan ran inside its kernel (its `scale`, `token_grads`)."""
+    return tuple(stage for stage in ("scale", "token_grads") if row.get(stage))
+# --token-grads, --scale: plan.fused_backward's token_grads, scale (None: the plan's default)
+TOKEN_GRADS = {"default": None, "inside": True, "after": False}
+SCALE = {"default": None, "inside": True, "before": False}
 # (communication CTAs, minibatch rows) timed without --sweep; 0 CTAs: every CTA's spare warps move rows
 DEFAULT_FUSED = ((0, 2048), (8, 2048), (12, 2048), (16, 2048))
 SWEEP = tuple((c, m) for c in (0, 4, 8, 12, 16) for m in (512, 1024, 2048, 4096))
@@ -160,11 +171,14 @@ def staged_layer(shape, data, policy=None):
     return heap, layer
 
 
-def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, assign=None, raster=None):
+def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, assign=None, raster=None,
+         token_grads=None, scale=None):
     """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results, fused rows.
     settings: the fused (communication CTAs, minibatch rows) to time, for both passes or as
     {pass: settings}; policy: the transfers' directions (default MoK's); assign, raster: the fused
-    plans' tile pairs to clusters and their order (plan.ASSIGNMENTS / plan.RASTERS, None: default)."""
+    plans' tile pairs to clusters and their order (plan.ASSIGNMENTS / plan.RASTERS, None: default);
+    token_grads, scale: whether the fused backward runs the token gradients / the scale inside (None:
+    the plan's default)."""
     import cupy
 
     from mok_proto.bench import summarize, time_stages
@@ -196,7 +210,8 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, as
         blobs[name].append(result_bytes(layer, name))
     results = {"out": layer.output(0).get(), **{k: v.get() for k, v in layer.grads(0).items()}}
     fused_rows = {pass_: fused(layer, per_pass[pass_], blobs[pass_][0], graphs[pass_], iters, warmup, stream,
-                               trace_to.format(pass_=pass_) if trace_to else None, pass_, assign, raster)
+                               trace_to.format(pass_=pass_) if trace_to else None, pass_, assign, raster,
+                               token_grads, scale)
                   for pass_ in ("fwd", "bwd")}
     layer.close()
     heap.close()
@@ -204,7 +219,7 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, as
 
 
 def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmup, stream, trace_to,
-          pass_: str = "fwd", assign=None, raster=None):
+          pass_: str = "fwd", assign=None, raster=None, token_grads=None, scale=None):
     """The fused forward (pass_="bwd": backward) of rank 0 for each (communication CTAs,
     minibatch rows): graph replays of that pass interleaved with replays of the sequential pass's
     graph `sequential_graph` (bench.rotating: both under the same clocks; x sequential is the
@@ -213,9 +228,10 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
     timed again (the figure judged), and once with the timeline recorded; its timeline (one traced
     eager run) is written to `trace_to` (JSON lines + PNG) when given. assign, raster: the plans'
     tile pairs to clusters and their order (plan.ASSIGNMENTS / plan.RASTERS, None: the plan's
-    default; recorded in each row)."""
+    default; recorded in each row); token_grads, scale: the backward plans' (plan.fused_backward,
+    None: its default; recorded in each backward row)."""
     from mok_proto.bench import paired_ratio, rotating, summarize, time_stages
-    from mok_proto.plan import COMM_KINDS, TaskKind
+    from mok_proto.plan import MOVER_KINDS, TaskKind
     from mok_proto.results import timeline_summary
 
     def use(comm, minibatch):
@@ -223,7 +239,8 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
         if pass_ == "fwd":
             layer.set_forward_plan(layer.fused_forward_plan(comm, minibatch, assign=assign, raster=raster))
         else:
-            layer.set_backward_plan(layer.fused_backward_plan(comm, minibatch, assign=assign, raster=raster))
+            layer.set_backward_plan(layer.fused_backward_plan(comm, minibatch, assign=assign, raster=raster,
+                                                              token_grads=token_grads, scale=scale))
         layer.enqueue_forward()
         layer.enqueue_backward()
         layer.check()
@@ -255,7 +272,8 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
         out = [fused_bytes(graph), fused_bytes(graph)]
         plan = (layer.fused if pass_ == "fwd" else layer.fused_bwd).plan
         rows.append({"comm_blocks": comm, "minibatch_tokens": minibatch, "num_sms": plan.num_sms,
-                     "assign": plan.assign, "raster": plan.raster, **st,
+                     "assign": plan.assign, "raster": plan.raster,
+                     **({"token_grads": plan.token_grads, "scale": plan.scale} if pass_ == "bwd" else {}), **st,
                      "equal_to_sequential": out[0] == sequential_out, "bitwise_repeat": out[0] == out[1]})
         print(f"#   fused {pass_} [{i + 1}/{len(settings)}] comm={comm:>2} minibatch={minibatch:>4}: "
               f"{st['median_ms']:.3f} ms (sequential interleaved {st['sequential_median_ms']:.3f}), x sequential "
@@ -282,7 +300,7 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
             print(f"#   timeline: {summary['makespan_ns'] / 1e6:.3f} ms, compute lanes GEMM-busy "
                   f"{summary['busy_mean']:.1%} (least {summary['busy_min']:.1%}); GEMM ms per lane: " + ", ".join(
                       f"{k} {v['per_lane_ns'] / 1e6:.3f}" for k, v in summary["kinds"].items()
-                      if TaskKind[k.upper()] not in COMM_KINDS), flush=True)
+                      if TaskKind[k.upper()] not in MOVER_KINDS), flush=True)
         layer.trace = False
     layer.set_forward_plan(None)
     layer.set_backward_plan(None)
@@ -525,6 +543,12 @@ def main():
                    f"(default per pass: {DEFAULT_ASSIGN}; recorded in the fused rows as `assign`)")
     p.add_argument("--raster", default=None, choices=RASTERS, help="the order of a minibatch's tile pairs in the "
                    f"fused plans (default {DEFAULT_RASTER}; recorded in the fused rows as `raster`)")
+    p.add_argument("--token-grads", default="default", choices=tuple(TOKEN_GRADS),
+                   help="the fused backward's slot sum and d topk_weights: inside the kernel, after it, or the "
+                        "plan's default (inside whenever the reverse-dispatch is pushed inside)")
+    p.add_argument("--scale", default="default", choices=tuple(SCALE),
+                   help="the fused backward's dy_slots = w * dout: inside the kernel, before it, or the plan's "
+                        "default (inside whenever the reverse-combine is pulled inside)")
     p.add_argument("--directions", default="mok", help="transfer directions: 'mok' (default), 'all' (the four "
                    "(incoming, outgoing) pairs, the backward mirroring the forward) or dispatch:combine:rev_combine:"
                    "rev_dispatch,... (e.g. push:pull:push:pull). Policies other than MoK's, after every shape's MoK "
@@ -556,7 +580,9 @@ def main():
             tuple(int(v) for v in item.split(":")) for item in args.fused.split(","))
         trace_to = args.timeline.replace("{shape}", name).replace("{git}", git_sha()) if args.timeline else None
         mine, stages, bitwise, got, fused_rows = ours(shape, data, args.iters, args.warmup, settings, trace_to,
-                                                      assign=args.assign, raster=args.raster)
+                                                      assign=args.assign, raster=args.raster,
+                                                      token_grads=TOKEN_GRADS[args.token_grads],
+                                                      scale=SCALE[args.scale])
         base, ref = torch_pipeline(shape, data, args.iters, args.warmup)
         flops = {"fwd": shape.forward_flops(), "bwd": 2 * shape.forward_flops()}
         sched, sched_exact = schedule_at_ep64(name, args.iters, args.warmup)
@@ -591,7 +617,7 @@ def main():
             if not rows:
                 continue
             best = best_row(rows)
-            ceiling = overlap_ceiling(stages[pass_], pass_)
+            ceiling = overlap_ceiling(stages[pass_], pass_, stages_inside(best))
             for row in rows:
                 append_result("bench_layer", {"shape": name, "pass": pass_, "ep": EP, "schedule": "fused",
                                               "emulation": "2 virtual ranks, rank 0 timed", "flops": flops[pass_],

@@ -130,3 +130,10 @@ def test_error_record_names_the_operator():
     gemm = describe({**base, "code": abi.ERROR_CODE["kErrTimeout"], "op": abi.OP["kOpGemmLoad"],
                      "detail": abi.GEMM_PROBLEM["kDownBwd"], "block": 12, "thread": 0})
     assert isinstance(gemm, KernelTimeoutError) and "down_bwd" in str(gemm) and "block 12" in str(gemm)
+    # the fused kernel's waits on its own counters run twice a peer wait's timeout (cuda/fused.cuh)
+    assert abi.CONST["kFusedLocalTimeoutFactor"] == 2
+    fused = describe({**base, "code": abi.ERROR_CODE["kErrTimeout"], "op": abi.OP["kOpFusedWait"], "rank": 1,
+                      "peer": 15, "expected": 6, "seen": 2, "detail": 124, "block": 14}, timeout_s=2.0)
+    assert isinstance(fused, KernelTimeoutError) and str(fused) == (
+        "fused layer task (waiting for a ready counter) timed out after 4 s on rank 1: task 124 of the plan "
+        "waited for counter 15 to reach 6, saw 2 (block 14)")

@@ -16,6 +16,14 @@ def test_overlap_ceiling_counts_gemm_and_outside_stages():
     bwd = {"scale": 0.5, "shared": 1.0, "rev_combine": 1.0, "experts": 4.0, "rev_dispatch": 0.5, "wgrad": 2.0,
            "token_grads": 0.5, "total": 10.0}
     assert bench_layer.overlap_ceiling(bwd, "bwd") == pytest.approx(10.0 / 8.0)
+    # a plan that runs the token gradients (and the scale) inside the kernel may hide them as well
+    assert bench_layer.overlap_ceiling(bwd, "bwd", ("token_grads",)) == pytest.approx(10.0 / 7.5)
+    assert bench_layer.overlap_ceiling(bwd, "bwd", ("scale", "token_grads")) == pytest.approx(10.0 / 7.0)
+    assert bench_layer.stages_inside({"scale": True, "token_grads": True}) == ("scale", "token_grads")
+    assert bench_layer.stages_inside({"scale": False, "token_grads": True}) == ("token_grads",)
+    assert bench_layer.stages_inside({"comm_blocks": 0}) == ()  # a forward row: nothing
+    assert bench_layer.TOKEN_GRADS == {"default": None, "inside": True, "after": False}
+    assert bench_layer.SCALE == {"default": None, "inside": True, "before": False}
     fwd = {"schedule": 0.1, "shared": 0.3, "dispatch": 0.1, "experts": 2.2, "combine": 0.1, "weighted_sum": 0.1,
            "total": 3.0}
     assert bench_layer.overlap_ceiling(fwd, "fwd") == pytest.approx(3.0 / 2.7)

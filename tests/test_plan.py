@@ -262,7 +262,7 @@ def test_fused_check_sees_a_cluster_pair_as_one_stream():
     # as independent CTAs that runs, but a pair shares its stage barriers and B: it hangs
     p = fused_plan(ring=None)
     t = p.tasks.copy()
-    gemm = ~np.isin(t["kind"], [int(k) for k in P.COMM_KINDS])
+    gemm = ~np.isin(t["kind"], [int(k) for k in P.MOVER_KINDS])
     even = np.flatnonzero(gemm & (t["block"] == p.comm_blocks))
     odd = np.flatnonzero(gemm & (t["block"] == p.comm_blocks + 1))
     counter = t["signal_counter"][even[-1], 0]  # raised (in part) by the even CTA's last tile
@@ -300,10 +300,90 @@ def test_fused_backward_passes_check(policy):
         want = {P.TaskKind.SHARED_DOWN_BWD, P.TaskKind.SHARED_GATE_UP_BWD, P.TaskKind.SHARED_DOWN_WGRAD,
                 P.TaskKind.SHARED_GATE_UP_WGRAD, P.TaskKind.DOWN_BWD, P.TaskKind.GATE_UP_BWD,
                 P.TaskKind.DOWN_WGRAD, P.TaskKind.GATE_UP_WGRAD}
-        want |= {P.TaskKind.REV_COMBINE} if inside[0] else set()
-        want |= {P.TaskKind.REV_DISPATCH} if inside[1] else set()
-        assert kinds == want  # no slot-sum task: that launch follows the kernel
-        assert not p.counters["remote"].any()
+        want |= {P.TaskKind.REV_COMBINE, P.TaskKind.SCALE} if inside[0] else set()  # the scale inside too
+        want |= {P.TaskKind.REV_DISPATCH, P.TaskKind.SLOT_SUM} if inside[1] else set()  # token grads inside
+        assert kinds == want
+        assert (p.scale, p.token_grads) == inside
+        # the remote counters (the kernel's peer flags): every rank's dy_slots written, every rank's
+        # reverse-dispatch into my slots complete
+        remote = {P.CounterKind(int(k)) for k in p.counters[p.counters["remote"]]["kind"]}
+        assert remote == ({P.CounterKind.PUBLISHED} if inside[0] else set()) | (
+            {P.CounterKind.SLOTS_ARRIVED} if inside[1] else set())
+
+
+def test_fused_backward_runs_the_token_gradients_last_on_every_cta():
+    p = P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    p.check()
+    t = p.tasks
+    sums = t[t["kind"] == int(P.TaskKind.SLOT_SUM)]
+    tiles = -(-TILE.num_tokens // P.EPILOGUE_ROWS)
+    assert sorted(sums["row_tile"].tolist()) == list(range(tiles))
+    assert (sums["block"] == sums["row_tile"] % p.num_sms).all()  # round robin over every CTA
+    for blk in np.unique(sums["block"]):  # after the CTA's transfers (the movers' stream: table order)
+        mine = t[t["block"] == blk]
+        rd = mine["seq"][mine["kind"] == int(P.TaskKind.REV_DISPATCH)]
+        assert mine["seq"][mine["kind"] == int(P.TaskKind.SLOT_SUM)].min() > rd.max()
+    slots = int(np.flatnonzero(p.counters["kind"] == int(P.CounterKind.SLOTS_ARRIVED))[0])
+    chunks = int((t["kind"] == int(P.TaskKind.REV_DISPATCH)).sum())
+    assert p.counters["target"][slots] == 2 * chunks  # R signals per reverse-dispatch chunk
+    assert (t["wait_counter"][t["kind"] == int(P.TaskKind.SLOT_SUM)][:, 0] == slots).all()
+    # off: no token-gradient task, no SLOTS_ARRIVED counter
+    off = P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024, token_grads=False)
+    off.check()
+    assert not off.token_grads and not (off.tasks["kind"] == int(P.TaskKind.SLOT_SUM)).any()
+    assert not (off.counters["kind"] == int(P.CounterKind.SLOTS_ARRIVED)).any()
+    with pytest.raises(ValueError, match="token_grads"):
+        P.fused_backward(TILE, 2, 0, 256, policy={**MOK_POLICY, "rev_dispatch": "pull"}, num_sms=8,
+                         capacity_rows=1024, token_grads=True)
+
+
+def test_fused_backward_runs_the_scale_first_on_every_cta():
+    p = P.fused_backward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    p.check()
+    t = p.tasks
+    scales = t[t["kind"] == int(P.TaskKind.SCALE)]
+    assert sorted(scales["row_tile"].tolist()) == list(range(-(-TILE.num_tokens // P.EPILOGUE_ROWS)))
+    assert (scales["block"] == scales["row_tile"] % p.num_sms).all()
+    for blk in np.unique(scales["block"]):  # before every other task of the CTA's movers
+        mine = t[(t["block"] == blk) & np.isin(t["kind"], [int(k) for k in P.MOVER_KINDS])]
+        n = int((mine["kind"] == int(P.TaskKind.SCALE)).sum())
+        assert (mine["kind"][:n] == int(P.TaskKind.SCALE)).all()
+    published = int(np.flatnonzero(p.counters["kind"] == int(P.CounterKind.PUBLISHED))[0])
+    assert p.counters["remote"][published] and p.counters["target"][published] == 2 * len(scales)
+    assert (t["wait_counter"][t["kind"] == int(P.TaskKind.REV_COMBINE)][:, 0] == published).all()
+    off = P.fused_backward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024, scale=False)
+    off.check()
+    assert not off.scale and not (off.tasks["kind"] == int(P.TaskKind.SCALE)).any()
+    with pytest.raises(ValueError, match="scale"):
+        P.fused_backward(TILE, 2, 0, 256, policy={**MOK_POLICY, "rev_combine": "push"}, num_sms=8,
+                         capacity_rows=1024, scale=True)
+
+
+def test_fused_backward_check_rejects_a_pull_before_the_scale():
+    # a reverse-combine chunk that no longer waits for every rank's scale may pull dy rows before
+    # they are written
+    p = P.fused_backward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    t = p.tasks.copy()
+    sel = t["kind"] == int(P.TaskKind.REV_COMBINE)
+    t["wait_counter"][sel, 0], t["wait_target"][sel, 0] = -1, 0
+    with pytest.raises(P.PlanError, match="data flow: REV_COMBINE"):
+        P.with_tasks(p, t).check()
+
+
+@pytest.mark.parametrize("drop", ["SLOTS_ARRIVED", "SHARED_SECOND_DONE"])
+def test_fused_backward_check_rejects_token_gradients_without_their_wait(drop):
+    # a slot sum that no longer waits for every rank's reverse-dispatch (or the shared expert's dx)
+    # may read slot rows before they land: the data-flow check names it (16 clusters: some run
+    # shared-expert tiles and none of the reverse-dispatch's, so nothing else orders them)
+    p = P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=32, capacity_rows=1024)
+    p.check()
+    t = p.tasks.copy()
+    counter = int(np.flatnonzero(p.counters["kind"] == int(P.CounterKind[drop]))[0])
+    for j in range(P.MAX_WAITS):
+        sel = (t["kind"] == int(P.TaskKind.SLOT_SUM)) & (t["wait_counter"][:, j] == counter)
+        t["wait_counter"][sel, j], t["wait_target"][sel, j] = -1, 0
+    with pytest.raises(P.PlanError, match="data flow: SLOT_SUM"):
+        P.with_tasks(p, t).check()
 
 
 def test_fused_backward_defers_weight_gradients():
@@ -370,7 +450,7 @@ def fused_of(pass_, comm=2, minibatch=256, num_sms=8, assign=None, shape=TILE, *
 def cluster_pairs(plan) -> list[list[tuple]]:
     """Per cluster, its tile pairs in table order (the even CTA's GEMM tasks, as PAIR_FIELDS + the
     row pair); asserts that the odd CTA holds the other half of each pair at the same position."""
-    comm = [int(k) for k in P.COMM_KINDS]
+    comm = [int(k) for k in P.MOVER_KINDS]
     tables = [t[~np.isin(t["kind"], comm)] for t in plan.block_tables()[plan.comm_blocks:]]
     out = []
     for even, odd in zip(tables[::2], tables[1::2]):
@@ -575,7 +655,7 @@ def test_balanced_evens_out_the_estimated_work(name, pass_):
         for assign in P.ASSIGNMENTS:
             plan = make(shape, 2, comm, 2048, policy=MOK_POLICY, num_sms=132, assign=assign)
             t = plan.tasks
-            even = (t["block"] >= comm) & (t["block"] % 2 == 0) & ~np.isin(t["kind"], [int(k) for k in P.COMM_KINDS])
+            even = (t["block"] >= comm) & (t["block"] % 2 == 0) & ~np.isin(t["kind"], [int(k) for k in P.MOVER_KINDS])
             tile = np.array([P.tile_cost(P.TaskKind(k), shape, 2, plan.capacity_rows, rt // 2)
                              for k, rt in zip(t["kind"][even].tolist(), t["row_tile"][even].tolist())])
             work[assign] = np.bincount((t["block"][even] - comm) // 2, tile, minlength=(132 - comm) // 2)

@@ -801,9 +801,9 @@ def test_timeline_summary_counts_overlapping_tiles_once():
 BWD = P.PASS_KINDS["bwd"]
 
 
-def _bwd_plan(comm_blocks, minibatch_rows=2048, shape=KIMI_SHARE, policy=MOK_POLICY):
+def _bwd_plan(comm_blocks, minibatch_rows=2048, shape=KIMI_SHARE, policy=MOK_POLICY, **knobs):
     return P.fused_backward(shape, 2, comm_blocks, minibatch_rows, policy=policy, num_sms=132,
-                            capacity_rows=10 * minibatch_rows)
+                            capacity_rows=10 * minibatch_rows, **knobs)
 
 
 def _emulated_bwd(plan, gpu):
@@ -826,14 +826,29 @@ def test_fused_backward_simulates_every_task(h200):
               *BWD.wgrad, *BWD.shared_wgrad):
         assert busy[rec["kind"] == int(k)].any(), k
     assert np.all(rec["block"][_comm(rec)] < 8) and np.all(rec["role"][_comm(rec)] == 0)
-    # the pass pays the scale kernel before and the slot sum and d topk_weights after its kernel
+    # dy_slots = w * dout (scale) and the slot sum and d topk_weights run inside the kernel (scale and
+    # token_grads, the defaults): one SCALE task per 16 tokens first and one SLOT_SUM task last on
+    # the CTAs' movers, round robin; before the kernel only begin_round and the counters' memset
     one = layer.one_gpu(h200)
+    assert plan.scale and plan.token_grads
+    for kind, after_kind, first in ((P.TaskKind.SCALE, None, True), (P.TaskKind.SLOT_SUM, BWD.comm_out, False)):
+        mine = rec["kind"] == int(kind)
+        assert mine.sum() == KIMI_SHARE.num_tokens // P.EPILOGUE_ROWS and busy[mine].all()
+        assert np.array_equal(rec["block"][mine], np.arange(mine.sum()) % 132) and np.all(rec["role"][mine] == 0)
+        if after_kind is not None:  # after every rank's reverse-dispatch
+            assert rec["start_ns"][mine].min() >= rec["end_ns"][rec["kind"] == int(after_kind)].max()
+        else:  # before every reverse-combine chunk (they wait for every rank's scale)
+            assert rec["end_ns"][mine].max() <= rec["start_ns"][rec["kind"] == int(BWD.comm_in)].min()
+    assert result.time_ns == pytest.approx(result.kernel_ns + 2 * one.launch_ns, rel=0.01)
+    # both outside: the scale kernel and its publish before, the slot sum and d topk_weights after
+    outside = _emulated_bwd(_bwd_plan(8, token_grads=False, scale=False), h200)
     around = 4 * one.launch_ns + model.epilogue_kernel_ns(KIMI_SHARE, one, 132) + sum(
         model.token_kernel_ns(KIMI_SHARE, one, k) for k in (model.SCALE_TO_SLOTS, model.TOPK_WEIGHT_GRAD))
-    assert result.time_ns > result.kernel_ns + around
-    slow_scale = _emulated_bwd(plan, h200.scaled(hbm_write_gbs=0.5))  # scale_to_slots writes K slot rows
-    assert slow_scale.kernel_ns == pytest.approx(result.kernel_ns)
-    assert slow_scale.time_ns > result.time_ns + model.token_kernel_ns(KIMI_SHARE, one, model.SCALE_TO_SLOTS) * 0.5
+    assert not outside.plan.token_grads and not outside.plan.scale
+    assert outside.time_ns > outside.kernel_ns + around
+    slow_scale = _emulated_bwd(outside.plan, h200.scaled(hbm_write_gbs=0.5))  # scale_to_slots writes K slot rows
+    assert slow_scale.kernel_ns == pytest.approx(outside.kernel_ns)
+    assert slow_scale.time_ns > outside.time_ns + model.token_kernel_ns(KIMI_SHARE, one, model.SCALE_TO_SLOTS) * 0.5
 
 
 def test_fused_backward_weight_gradients_after_their_data_gradients(h200):

@@ -29,7 +29,9 @@ def describe(fields: dict, timeout_s: float | None = None) -> Exception | None:
             f"{what} of grouped GEMM {abi.GEMM_PROBLEM.text(fields['detail'])} timed out{after} (block "
             f"{fields['block']}, thread {fields['thread']}, barrier parity {fields['expected']})")
     if code == abi.ERROR_CODE["kErrTimeout"] and op == abi.OP["kOpFusedWait"]:
-        after = f" after {timeout_s:g} s" if timeout_s is not None else ""
+        # the fused kernel's waits on its own counters run kFusedLocalTimeoutFactor x the timeout
+        factor = abi.CONST["kFusedLocalTimeoutFactor"]
+        after = f" after {factor * timeout_s:g} s" if timeout_s is not None else ""
         return KernelTimeoutError(
             f"{what} timed out{after} on rank {fields['rank']}: task {fields['detail']} of the plan waited for "
             f"counter {fields['peer']} to reach {fields['expected']}, saw {fields['seen']} (block {fields['block']})")

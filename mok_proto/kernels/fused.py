@@ -4,11 +4,13 @@ launch rank.
 
 `FusedPass(plan, num_launch_ranks)` uploads the plan's tables once and owns the ready counters
 (zeroed on the stream before each launch: a memset, graph-capturable) and the timeline buffer;
-`launch(comm_params, gemm_params, error, timeout_ns, trace)` enqueues the kernel (the first
-launch of a set of arguments uploads its params: do it once outside a graph capture). The grid is (plan.num_sms,
+`launch(comm_params, gemm_params, error, timeout_ns, trace, token_params)` enqueues the kernel (the
+first launch of a set of arguments uploads its params: do it once outside a graph capture). The grid is (plan.num_sms,
 W) in 2-CTA clusters; every CTA must be resident at once (a CTA spins on counters raised by
 others), so the constructor refuses a plan whose W * num_sms / 2 clusters exceed what the
-driver says the GPU runs at once.
+driver says the GPU runs at once. The remote counters the kernel keeps (as peer flags:
+cuda/fused.cuh remote_flag) are SLOTS_ARRIVED and PUBLISHED (REMOTE_KINDS); a plan with another
+remote counter is refused.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ import numpy as np
 from mok_proto import abi
 from mok_proto.kernels import gemm
 from mok_proto.kernels.build import CudaModule
+from mok_proto.plan import CounterKind
 
 KERNELS = {"fwd": "mok::fused::fused_forward", "bwd": "mok::fused::fused_backward"}
 MODULE = CudaModule("fused.cuh", tuple(KERNELS.values()), archs=("sm_90a",))
 RECORD_DTYPE = abi.TRACE_RECORD.dtype  # one TraceRecord (struct mok::fused::TraceRecord)
 GEMMS_PER_RANK = len(abi.GEMM_SLOT)
+# The remote counters cuda/fused.cuh keeps as peer flags (remote_flag).
+REMOTE_KINDS = frozenset({CounterKind.SLOTS_ARRIVED, CounterKind.PUBLISHED})
 
 
 def _kernel(pass_: str = "fwd"):
@@ -61,28 +66,41 @@ class FusedPass:
             raise ValueError(f"plan needs {plan.num_sms} CTAs x {self.num_launch_ranks} launch ranks = {clusters} "
                              f"clusters resident at once, the GPU runs {resident}: use num_sms <= "
                              f"{2 * (resident // self.num_launch_ranks)}")
+        remote = {CounterKind(int(k)) for k in plan.counters["kind"][plan.counters["remote"]]}
+        if not remote <= REMOTE_KINDS:
+            raise ValueError(f"the fused kernel keeps only {sorted(k.name for k in REMOTE_KINDS)} as remote counters, "
+                             f"the plan has {sorted(k.name for k in remote - REMOTE_KINDS)}")
         self.tasks = cupy.asarray(plan.tasks.view(np.uint8))
+        counters = plan.counters.view(np.uint8) if len(plan.counters) else np.zeros(1, np.uint8)
+        self.counter_info = cupy.asarray(counters)  # the kernel reads each counter's target and remote flag
         begin = np.searchsorted(plan.tasks["block"], np.arange(plan.num_sms + 1)).astype(np.int32)
         self.task_begin = cupy.asarray(begin)
         self.counters = cupy.zeros((self.num_launch_ranks, max(1, len(plan.counters))), np.uint32)
         self.records = cupy.zeros((self.num_launch_ranks, max(1, len(plan.tasks)) * RECORD_DTYPE.itemsize), np.uint8)
         self._params: dict = {}
 
-    def launch(self, comm_params, gemm_params: np.ndarray, error, timeout_ns: int, trace: bool = False):
+    def launch(self, comm_params, gemm_params: np.ndarray, error, timeout_ns: int, trace: bool = False,
+               token_params=None):
         """Enqueue one fused pass. comm_params: the round's device CommParams; gemm_params: host
-        uint64 words of W x kFusedGemms packed GemmParams (GemmSlot order per launch rank)."""
+        uint64 words of W x kFusedGemms packed GemmParams (GemmSlot order per launch rank);
+        token_params: the launch ranks' device TokenParams (needed by a plan with token_grads or scale)."""
         import cupy
 
         plan = self.plan
+        if (plan.token_grads or plan.scale) and token_params is None:
+            raise ValueError("this plan runs token-side work (token_grads, scale) inside the kernel: pass token_params")
+        token_ptr = 0 if token_params is None else int(token_params.data.ptr)
         gemm_words = np.ascontiguousarray(gemm_params, np.uint64)
-        key = (int(comm_params.data.ptr), gemm_words.tobytes(), int(error.ptr), int(timeout_ns), bool(trace))
+        key = (int(comm_params.data.ptr), gemm_words.tobytes(), int(error.ptr), int(timeout_ns), bool(trace),
+               token_ptr)
         if key not in self._params:  # uploaded once per distinct launch (a captured graph never uploads)
             gemms = cupy.asarray(gemm_words)
             fields = dict(comm_ctas=plan.comm_blocks, num_tasks=len(plan.tasks),
                           num_counters=self.counters.shape[1], minibatch_rows=plan.minibatch_rows,
                           ring_rows=plan.ring_minibatches * plan.minibatch_rows, record_trace=int(bool(trace)),
                           timeout_ns=timeout_ns, tasks=self.tasks, task_begin=self.task_begin, comm=comm_params,
-                          gemm=gemms, counters=self.counters, trace=self.records, error=error.ptr)
+                          gemm=gemms, counters=self.counters, counter_info=self.counter_info, token=token_ptr,
+                          trace=self.records, error=error.ptr)
             self._params[key] = (cupy.asarray(abi.FUSED_PARAMS.pack(fields)), gemms)
         params = self._params[key][0]
         self.counters.fill(0)

@@ -21,7 +21,10 @@ the push combine inside (a push dispatch / pull combine runs as above, before / 
 the combine flag and the weighted sum; its output and cache are bitwise the sequential ones.
 The fused backward (`set_backward_plan(plan)`, plan.fused_backward): after dy_slots, one launch
 runs the shared expert's gradients, per minibatch down_bwd and gate_up_bwd, the deferred weight
-gradients, with the pull reverse-combine and the push reverse-dispatch inside; then the slot sum.
+gradients, with the pull reverse-combine and the push reverse-dispatch inside, and (by default,
+plan.token_grads) the slot sum and d topk_weights beside the weight gradients once every peer's
+reverse-dispatch into this rank's slots is complete (its kFlagCombine, raised inside the kernel);
+by default (plan.scale) dy_slots = w * dout runs first inside it too, published by kFlagRouting.
 Every launch covers the launch ranks (all W virtual ranks, or this process's rank under
 NVSHMEM); GEMMs launch once per rank. Nothing is read back to the host: the pair of passes can
 be captured in one CUDA graph (`capture()`). Every wait is bounded; `check()` raises
@@ -54,7 +57,7 @@ from mok_proto.kernels import gemm
 from mok_proto.kernels import token as kt
 from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, round_layout, to_experts, to_experts_before_fused,
                                       to_tokens, to_tokens_after_fused)
-from mok_proto.plan import COMM_KINDS, PAIR_ROWS
+from mok_proto.plan import MOVER_KINDS, PAIR_ROWS
 
 BF16, F32, I32 = np.uint16, np.float32, np.int32
 TILE = abi.CONST["kBN"]  # H, I and Is must be multiples of it (the GEMM tiles)
@@ -195,6 +198,7 @@ class GpuMoELayer(GpuRound):
         self.fused = None  # kernels.fused.FusedPass of the plan set by set_forward_plan (None: sequential)
         self.fused_bwd = None  # ... of set_backward_plan
         self.trace = False  # record the fused passes' timelines (see forward_timeline)
+        self._captured = {}  # id -> the FusedPass objects captured graphs launch (kept alive: see capture)
         self._cache_valid = True
         self.launch_only(contiguous_ranks(heap, ranks))
 
@@ -277,13 +281,16 @@ class GpuMoELayer(GpuRound):
 
     def fused_backward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, num_sms: int | None = None,
                             lookahead: int | None = None, assign: str | None = None, raster: str | None = None,
-                            spread_from: int | None = None):
-        """A fused_backward plan for this layer and this GPU (as fused_forward_plan)."""
+                            spread_from: int | None = None, token_grads: bool | None = None,
+                            scale: bool | None = None):
+        """A fused_backward plan for this layer and this GPU (as fused_forward_plan); token_grads,
+        scale: see plan.fused_backward (None: inside the kernel whenever the reverse-dispatch /
+        reverse-combine is)."""
         from mok_proto.kernels.fused import default_num_sms
 
         return fused_plan("bwd", self.run, self.capacity, self.policy, comm_blocks, minibatch_rows,
                           num_sms or default_num_sms(len(self.ranks), "bwd"), lookahead=lookahead, assign=assign,
-                          raster=raster, spread_from=spread_from)
+                          raster=raster, spread_from=spread_from, token_grads=token_grads, scale=scale)
 
     def _gemm(self, pass_: str, slot: str, r: int):
         """(wrapper, args) of one GEMM of rank r: the GemmSlot `slot` of pass `pass_` (None: there
@@ -461,14 +468,24 @@ class GpuMoELayer(GpuRound):
         mark(None)
 
     def _enqueue_fused_backward(self, policy, mark):
-        """After dy_slots = w * dout: [reverse-combine: publish and wait | push], the fused kernel,
-        [reverse-dispatch: flag and wait | pull], the slot sum and d topk_weights."""
+        """After the round's start: unless the plan runs them inside the kernel (scale: the default
+        with the reverse-combine pulled inside), dy_slots = w * dout and [reverse-combine: publish
+        and wait | push]; the fused kernel; then, unless the plan runs them inside it (token_grads:
+        the default with the reverse-dispatch pushed inside), [reverse-dispatch: flag and wait |
+        pull], the slot sum and d topk_weights."""
         fused, p, launch = self.fused_bwd, self.params_bwd, self.launch
         comm_in, comm_out = _directions(fused.plan, policy)
-        mark("rev_combine")
-        to_experts_before_fused(p, launch, comm_in, "kOpRevCombinePush", "kOpRevCombinePull", after_schedule=False)
+        if not fused.plan.scale:
+            kt.scale_to_slots(self.params_tok, launch)
+            mark("rev_combine")
+            to_experts_before_fused(p, launch, comm_in, "kOpRevCombinePush", "kOpRevCombinePull",
+                                    after_schedule=False)
         mark("fused")
-        fused.launch(p, self._fused_bwd_words, self.error, int(self.run.timeout_s * 1e9), trace=self.trace)
+        fused.launch(p, self._fused_bwd_words, self.error, int(self.run.timeout_s * 1e9), trace=self.trace,
+                     token_params=self.params_tok)
+        if fused.plan.token_grads:
+            mark(None)
+            return
         mark("rev_dispatch")
         to_tokens_after_fused(p, launch, comm_out, "kOpRevDispatchPush", "kOpRevDispatchPull")
         mark("token_grads")
@@ -491,7 +508,7 @@ class GpuMoELayer(GpuRound):
             raise RuntimeError("forward_timeline: no complete trace (set layer.trace = True before the pass)")
         rows = tr.empty(len(tasks))
         rows["rank"], rows["block"] = rank, tasks["block"]
-        comm = np.isin(tasks["kind"], [int(k) for k in COMM_KINDS])
+        comm = np.isin(tasks["kind"], [int(k) for k in MOVER_KINDS])
         rows["role"] = np.where(comm, tr.ROLES.index("comm"), tr.ROLES.index("compute"))
         for key in ("kind", "minibatch", "row_tile", "col_tile"):
             rows[key] = tasks[key]
@@ -517,10 +534,10 @@ class GpuMoELayer(GpuRound):
         mark = mark or (lambda stage: None)
         mark("scale")
         kc.begin_round(p, launch)
-        kt.scale_to_slots(self.params_tok, launch)
         if self.fused_bwd is not None:
             self._enqueue_fused_backward(policy, mark)
             return
+        kt.scale_to_slots(self.params_tok, launch)
         mark("shared")
         self._launch_gemms("bwd", ("kSlotSharedFirst", "kSlotSharedSecond", "kSlotSharedDownWgrad",
                                    "kSlotSharedGateUpWgrad"))
@@ -539,14 +556,20 @@ class GpuMoELayer(GpuRound):
 
     def capture(self, forward: bool = True, backward: bool = True):
         """A CUDA graph of the forward and/or the backward; replay with graph.launch(stream). Run
-        one forward/backward first: the first launches compile kernels and upload descriptors."""
+        one forward/backward first: the first launches compile kernels and upload descriptors.
+        The graph replays the fused plans set when it was captured; the layer keeps their device
+        tables alive after another plan is set (a replay would otherwise read freed memory)."""
         def enqueue():
             if forward:
                 self.enqueue_forward()
             if backward:
                 self.enqueue_backward()
 
-        return self.capture_graph(enqueue)
+        graph = self.capture_graph(enqueue)
+        for fused in (self.fused if forward else None, self.fused_bwd if backward else None):
+            if fused is not None:
+                self._captured[id(fused)] = fused
+        return graph
 
     # -----------------------------------------------------------------------------------------
     # Results

@@ -36,7 +36,7 @@ from mok_proto import results
 from mok_proto.config import MOK_POLICY, MoEShape, ep_share, get_shape
 from mok_proto.plan import BM, PAIR_ROWS, TaskKind
 from mok_proto.sim import layer
-from mok_proto.sim.model import COMM_KIND_IDS, ELEM_BYTES, SimResult, fused_chunk_rows, simulate
+from mok_proto.sim.model import ELEM_BYTES, MOVER_KIND_IDS, SimResult, fused_chunk_rows, simulate
 from mok_proto.sim.params import H200_CALIBRATION, GpuParams, comm_mover_at, spare_warps_spun, wait_spin_at
 
 EP = 64  # bench_layer emulates one rank of EP=64
@@ -58,13 +58,13 @@ def timeline_pass(records: np.ndarray) -> str:
 def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.EMULATED_RANKS) -> plans.Plan:
     """The fused_forward (or, from a backward's records, fused_backward) plan whose tasks the
     records (in the plan's task order, as bench_layer writes them) are: CTAs, communicating CTAs
-    (0: the chunks ride on compute CTAs), minibatch rows, capacity, ring and the transfers inside
-    from the records; the GEMM order (`lookahead`, where plan.py has it) and the tile pairs'
+    (0: the chunks ride on compute CTAs), minibatch rows, capacity, ring, the transfers and (backward)
+    the token gradients inside from the records; the GEMM order (`lookahead`, where plan.py has it) and the tile pairs'
     clusters (`assign`) and their order (`raster`) the first that match. Raises ValueError if no plan matches task by task."""
     pass_ = timeline_pass(records)
     k = plans.PASS_KINDS[pass_]
     kind = records["kind"]
-    comm = np.isin(kind, COMM_KIND_IDS)
+    comm = np.isin(kind, MOVER_KIND_IDS)
     if not len(records) or comm.all():
         raise ValueError(f"a fused {pass_} timeline needs GEMM tasks")
     num_mb = int(records["minibatch"].max()) + 1
@@ -75,7 +75,8 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
                                  k.out_op: "push" if outgoing.any() else "pull"})
     ring = num_mb
     if incoming.any() and outgoing.any():  # incoming chunks of the first communicating CTA before its first outgoing
-        order = kind[comm & (records["block"] == records["block"][comm][0])]
+        moves = incoming | outgoing
+        order = kind[moves & (records["block"] == records["block"][moves][0])]
         ring = int(np.argmax(order == int(k.comm_out)))
     comm_blocks = int(records["block"][~comm].min())
     args = (shape, num_ranks, comm_blocks, minibatch_rows)
@@ -85,6 +86,9 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
         fields["spread_from"] = int(records["minibatch"][spread].min())
     if pass_ == "fwd":
         args += (ring,)
+    else:  # the token gradients and the scale inside the kernel (older timelines: outside it)
+        fields["token_grads"] = bool((kind == int(k.epilogue)).any())
+        fields["scale"] = bool((kind == int(TaskKind.SCALE)).any())
     make = plans.fused_forward if pass_ == "fwd" else plans.fused_backward
     tried = []
     for order in ({},) + tuple({"lookahead": a} for a in range(ring)):

@@ -35,7 +35,11 @@ kernel and the publish of dy_slots before, the slot sum and topk_weight_grad aft
   transfer (PassKinds.comm_in) moves every row below the padded end (a padding row stores the zero
   row), the outgoing one only the real rows.
 * epilogue tile: reads K slot rows (+ the shared row), writes one row: HBM traffic at the rate of
-  the token sums (GpuParams.token_kernel_ns, "gather_sum").
+  the token sums (GpuParams.token_kernel_ns, "gather_sum"); a fused backward's (plan.token_grads:
+  the slot sum and d topk_weights inside the kernel) also reads the token's dout and K slot rows
+  at topk_weight_grad's rate (TOPK_WEIGHT_GRAD), and nothing runs after that kernel. Its scale tiles
+  (plan.scale) are their share of scale_to_slots (SCALE_TO_SLOTS). Each is the GPU's rate shared by
+  every CTA (no measurement of the movers' own rate for these yet).
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ import numpy as np
 
 from mok_proto import trace
 from mok_proto.config import MoEShape
-from mok_proto.plan import (BM, COMM_KINDS, EPILOGUE_ROWS, FUSED_STRATEGIES, PAIR_ROWS, PROBLEM_OF, CounterKind,
-                            Plan, PlanError, TaskKind, inside_kernel, tile_grid)
+from mok_proto.plan import (BM, COMM_KINDS, EPILOGUE_ROWS, FUSED_STRATEGIES, MOVER_KINDS, PAIR_ROWS, PROBLEM_OF,
+                            CounterKind, Plan, PlanError, TaskKind, inside_kernel, tile_grid)
 from mok_proto.sim.params import GpuParams
 
 ELEM_BYTES = 2  # BF16 rows and weights in the layer
@@ -57,6 +61,7 @@ OPERATOR_OF = {TaskKind.DISPATCH: "dispatch", TaskKind.COMBINE: "combine",
                TaskKind.REV_COMBINE: "rev_combine", TaskKind.REV_DISPATCH: "rev_dispatch"}
 ROUTED_ROW_KINDS = (TaskKind.GATE_UP, TaskKind.DOWN, TaskKind.DOWN_BWD, TaskKind.GATE_UP_BWD)
 COMM_KIND_IDS = sorted(int(k) for k in COMM_KINDS)
+MOVER_KIND_IDS = sorted(int(k) for k in MOVER_KINDS)
 FUSED = frozenset(FUSED_STRATEGIES.values())  # fused_forward, fused_backward (cuda/fused.cuh)
 
 
@@ -172,14 +177,14 @@ class SimResult:
 
     def records(self, rank: int | None = None) -> np.ndarray:
         """Timeline records (trace.TRACE_DTYPE) of one rank (default: the slowest), one per plan
-        task in table order; role comm for a communication task (outside sequential plans)."""
+        task in table order; role comm for a mover task (outside sequential plans)."""
         rank = self.slowest_rank if rank is None else rank
         t = self.plan.tasks
         rec = trace.empty(len(t))
         rec["rank"] = rank
         for name in ("block", "kind", "minibatch", "row_tile", "col_tile"):
             rec[name] = t[name]
-        rec["role"] = np.where(np.isin(t["kind"], COMM_KIND_IDS) & (self.plan.strategy != "sequential"), 0, 1)
+        rec["role"] = np.where(np.isin(t["kind"], MOVER_KIND_IDS) & (self.plan.strategy != "sequential"), 0, 1)
         rec["expert"] = np.where(t["expert"] >= 0, t["expert"], _row_tile_expert(self.load, self.plan, rank))
         rec["start_ns"], rec["end_ns"] = self.start_ns[:, rank], self.end_ns[:, rank]
         return rec
@@ -239,10 +244,19 @@ def _durations(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
         local = rows * load.local_fraction[None, :] * row_bytes
         moved = _transfer_ns(gpu, direction, plan.comm_blocks, remote, local)
         dur[sel] = moved + (gpu.rtt_ns if direction == "pull" else 0.0) * (rows > 0)
-    # Epilogue tiles (weighted sum / slot sum; a fused plan runs its weighted sum after the kernel).
+    # Epilogue tiles (weighted sum / slot sum; a fused forward runs its weighted sum after the
+    # kernel; a fused backward with token_grads its slot sum and d topk_weights inside).
     for k in (TaskKind.WEIGHTED_SUM, TaskKind.SLOT_SUM):
         sel = np.flatnonzero(kind == int(k))
         dur[sel] = _epilogue_task_ns(shape, gpu, t["row_tile"][sel], plan.num_sms)[:, None]
+        if k == TaskKind.SLOT_SUM and is_fused(plan):
+            rows = np.minimum(EPILOGUE_ROWS, shape.num_tokens - t["row_tile"][sel] * EPILOGUE_ROWS)
+            dur[sel] += (token_kernel_ns(shape, gpu, TOPK_WEIGHT_GRAD) * rows / shape.num_tokens
+                         * plan.num_sms)[:, None]
+    # A fused backward's scale tiles (plan.scale): their share of scale_to_slots, every CTA at once.
+    sel = np.flatnonzero(kind == int(TaskKind.SCALE))
+    rows = np.minimum(EPILOGUE_ROWS, shape.num_tokens - t["row_tile"][sel] * EPILOGUE_ROWS)
+    dur[sel] = (token_kernel_ns(shape, gpu, SCALE_TO_SLOTS) * rows / shape.num_tokens * plan.num_sms)[:, None]
     return dur
 
 
@@ -362,15 +376,18 @@ def _fused_before_ns(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
     boundary) and the incoming transfer's part outside: pushed outside (dispatch / reverse-combine
     push), the push and the wait for every peer's rows; pulled inside, the backward publishes its
     dy_slots first (a flag, the wait for every peer's; the forward's pull follows the schedule,
-    whose routing flags published its rows: nothing)."""
+    whose routing flags published its rows: nothing). A backward whose kernel runs the scale
+    (plan.scale) does neither: its SCALE tasks write dy_slots and raise the flag inside."""
     before = np.zeros(load.num_ranks)
-    if plan.pass_ == "bwd":
-        before += 2 * gpu.launch_ns + token_kernel_ns(plan.shape, gpu, SCALE_TO_SLOTS)
+    if plan.pass_ == "bwd":  # begin_round, and the scale unless the kernel runs it (plan.scale)
+        before += gpu.launch_ns
+        if not plan.scale:
+            before += gpu.launch_ns + token_kernel_ns(plan.shape, gpu, SCALE_TO_SLOTS)
     before += gpu.launch_ns
     if not inside_kernel(plan.pass_, plan.policy)[0]:
         pushed = before + _outside_transfer_ns(plan, gpu, load, "push", load.tokens_per_expert.sum(axis=1))
         before = np.maximum(pushed + gpu.launch_ns, pushed.max() + gpu.signal_wait_ns(plan.num_ranks))
-    elif plan.pass_ == "bwd":
+    elif plan.pass_ == "bwd" and not plan.scale:
         before = _flag_wait_ns(gpu, before)
     return before
 
@@ -380,7 +397,10 @@ def _fused_pass_end_ns(plan: Plan, gpu: GpuParams, load: Load, kernel_end: np.nd
     outgoing transfer (combine; reverse-dispatch), wait for every peer's (push inside: their rows
     are in my slots; pull: their results are ready, then pull my N K slot rows), then the epilogue
     kernel (cuda/token.cuh, its own launch: the weighted sum; backward: the slot sum, then
-    topk_weight_grad, TOPK_WEIGHT_GRAD)."""
+    topk_weight_grad, TOPK_WEIGHT_GRAD). A backward with token_grads ran all of that inside the
+    kernel: it ends with it."""
+    if plan.token_grads:
+        return kernel_end
     done = _flag_wait_ns(gpu, kernel_end)
     if not inside_kernel(plan.pass_, plan.policy)[1]:
         slots = np.full(load.num_ranks, plan.shape.num_tokens * plan.shape.top_k)
@@ -399,11 +419,11 @@ def _counter_delays(plan: Plan, gpu: GpuParams) -> np.ndarray:
 
 
 def _streams(plan: Plan) -> np.ndarray:
-    """[num_tasks] the in-order stream of every task: 2 x its CTA, + 1 for the communication tasks
-    of a compute CTA of a fused plan (comm_blocks == 0, or the spread transfers: the spare warps
-    of a compute CTA run them beside its GEMM tasks, each kind in table order)."""
+    """[num_tasks] the in-order stream of every task: 2 x its CTA, + 1 for the mover tasks
+    (plan.MOVER_KINDS: transfers, scale, token gradients) of a compute CTA of a fused plan (the
+    spare warps of a compute CTA run them beside its GEMM tasks, in table order)."""
     t = plan.tasks
-    spare = is_fused(plan) & (t["block"] >= plan.comm_blocks) & np.isin(t["kind"], COMM_KIND_IDS)
+    spare = is_fused(plan) & (t["block"] >= plan.comm_blocks) & np.isin(t["kind"], MOVER_KIND_IDS)
     return 2 * t["block"].astype(np.int64) + spare
 
 

@@ -18,10 +18,13 @@ SymmTimeoutError (virtual ranks), and an overflow on rank 0 raises CapacityError
 every rank (gpu_program.check_overflow).
 With --backward (instead of the forward's policy x knob sweep), the fused backward (after a
 sequential and after a fused forward): every gradient bitwise equal to the sequential
-backward's for each backward policy and knob setting; `--replays` replays of one graph of
+backward's for each backward policy and knob setting (the scale and the token gradients inside the
+kernel, the default with the transfers inside, and before / after it); `--replays` replays of one graph of
 forward + backward, both fused, bitwise equal; a traced backward gives the same bits and a
 record per task. Then the backward's error paths: a counter wait of the fused backward plan
-that cannot be met raises KernelTimeoutError; a rank whose peers ran the forward but never
+that cannot be met raises KernelTimeoutError; a peer that stops after publishing its reverse-
+combine rows makes rank 0's in-kernel wait for its reverse-dispatch flag raise SymmTimeoutError
+naming the reverse-dispatch (virtual ranks); a rank whose peers ran the forward but never
 start the backward raises SymmTimeoutError naming the reverse-combine and rank 0 (virtual
 ranks, each backward policy); after an overflowed forward (fused forward and backward plans),
 which raises CapacityError on every rank, every rank refuses the backward (in place of the
@@ -95,7 +98,10 @@ def run(layer, heap, backward: bool, graph=None):
 
 
 # (comm CTAs, minibatch rows, other plan knobs) of the fused backward
-BACKWARD_KNOBS = ((0, 256, {}), (2, 512, {"spread_from": 0}), (8, 768, {"raster": "col"}))
+# (scale, token_grads: dy_slots = w * dout and the slot sum inside the kernel by default, where the
+# reverse-combine / reverse-dispatch are; False: before / after it)
+BACKWARD_KNOBS = ((0, 256, {}), (2, 512, {"spread_from": 0}), (8, 768, {"raster": "col"}),
+                  (0, 512, {"token_grads": False, "scale": False}), (2, 256, {"scale": False}))
 
 
 def digest(comm, per_rank: dict) -> str:
@@ -322,6 +328,35 @@ def check_backward_counter_timeout(heap, comm):
     expect_counter_timeout(layer, heap, comm, fused.plan, i, "fused backward")
 
 
+def check_backward_peer_flag_timeout(heap) -> bool:
+    """Virtual ranks: the fused backward's in-kernel wait for the peers' reverse-dispatch (the
+    remote counter SLOTS_ARRIVED, kept as their kFlagCombine flags). Every rank runs the forward,
+    then rank 0 alone the backward, its peers' reverse-combine flags raised by hand (as if they had
+    published their rows and then stopped): its token-gradient tasks wait for a peer's flag that
+    never comes and give up after the timeout with SymmTimeoutError naming the reverse-dispatch
+    (push), rank 0 and a peer, instead of hanging. False where it does not apply (NVSHMEM, R = 1)."""
+    if heap.num_ranks < 2 or len(heap.launch_ranks) != heap.num_ranks:
+        return False
+    layer = gpu_program.small_layer(heap, "bflag", seed=5, num_tokens=64, timeout_s=2)
+    layer.set_forward_plan(layer.fused_forward_plan(0, 256))
+    layer.set_backward_plan(layer.fused_backward_plan(0, 256))
+    assert layer.fused_bwd.plan.token_grads
+    layer.enqueue_forward()
+    layer.check()  # every rank ran the forward
+    layer.launch_only([0])
+    layer.bufs["flags"].instance(0)[abi.FLAG_KIND["kFlagRouting"], 1:] = np.uint64(2 ** 63)  # "their dy rows are in"
+    layer.enqueue_backward()
+    op = abi.OP.text(abi.OP["kOpRevDispatchPush"])
+    try:
+        layer.check()
+    except SymmTimeoutError as e:
+        assert (e.op, e.rank) == (op, 0) and 0 < e.peer < heap.num_ranks, str(e)
+    else:
+        raise AssertionError("a fused backward whose peers never raise their reverse-dispatch flag did not time out")
+    layer.close()
+    return True
+
+
 def check_backward_missing_peer(heap, policies) -> int:
     """Virtual ranks: every rank runs the (fused) forward, then rank 0 alone runs the fused
     backward (its peers never start that round): rank 0's wait for the peers' reverse-combine
@@ -372,6 +407,7 @@ def main():
         check_missing_peer(heap)
         if args.backward:
             check_backward_counter_timeout(heap, comm)
+            flag = check_backward_peer_flag_timeout(heap)
             missing = check_backward_missing_peer(heap, backward_policies)
             gpu_program.check_overflow(heap, "boverflow", both_fused, backward=True, timeout_s=5)
         else:
@@ -386,7 +422,8 @@ def main():
               f"equal to sequential, graph replays bitwise equal: {total['fwd_replays']} of the forward, "
               f"{total['bwd_replays']} of forward + backward")
         if args.backward:
-            print(f"OK fused backward errors: counter timeout, missing peer ({missing} policies), overflow")
+            print(f"OK fused backward errors: counter timeout, peer flag timeout {'checked' if flag else 'n/a'}, "
+                  f"missing peer ({missing} policies), overflow")
         print("\n".join(line for lines, _ in results for line in lines))
     return 0
 
