@@ -37,6 +37,7 @@ KIND_COLORS = {
     TaskKind.DOWN_BWD: "#d62728", TaskKind.GATE_UP_BWD: "#2ca02c",
     TaskKind.DOWN_WGRAD: "#ff7f0e", TaskKind.GATE_UP_WGRAD: "#9467bd",
     TaskKind.SHARED_DOWN_WGRAD: "#e377c2", TaskKind.SHARED_GATE_UP_WGRAD: "#c5b0d5",
+    TaskKind.SCALE: "#aec7e8",
 }
 
 

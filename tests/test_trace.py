@@ -79,3 +79,16 @@ def test_plot_timeline_makes_its_own_axes():
     ax = trace.plot_timeline(_records(4), title="own axes")
     assert ax.get_title() == "own axes" and ax.yaxis_inverted() and len(ax.get_legend().get_texts()) >= 4
     plt.close(ax.figure)
+
+
+def test_every_task_kind_has_its_colour():
+    # a timeline of any plan draws (a kind without a colour raised KeyError: the backward's SCALE
+    # tasks, new in 8cd190a, had none), and no two kinds of one pass share a colour
+    assert set(trace.KIND_COLORS) == set(TaskKind)
+    from mok_proto.plan import PASS_KINDS
+
+    for pass_, k in PASS_KINDS.items():
+        kinds = [k.comm_in, k.shared_first, k.shared_second, k.first, k.second, k.comm_out, k.epilogue,
+                 *k.wgrad, *k.shared_wgrad] + ([TaskKind.SCALE] if pass_ == "bwd" else [])
+        colours = [trace.KIND_COLORS[kind] for kind in kinds]
+        assert len(set(colours)) == len(colours), pass_
