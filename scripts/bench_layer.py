@@ -76,6 +76,8 @@ def overlap_ceiling(stages: dict, pass_: str, inside=()) -> float:
 def stages_inside(row: dict) -> tuple:
     """The OUTSIDE_STAGES a fused row's plan ran inside its kernel (its `scale`, `token_grads`)."""
     return tuple(stage for stage in ("scale", "token_grads") if row.get(stage))
+
+
 # --token-grads, --scale: plan.fused_backward's token_grads, scale (None: the plan's default)
 TOKEN_GRADS = {"default": None, "inside": True, "after": False}
 SCALE = {"default": None, "inside": True, "before": False}
