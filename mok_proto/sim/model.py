@@ -51,8 +51,8 @@ import numpy as np
 
 from mok_proto import trace
 from mok_proto.config import MoEShape
-from mok_proto.plan import (BM, COMM_KINDS, EPILOGUE_ROWS, FUSED_STRATEGIES, MOVER_KINDS, PAIR_ROWS, PROBLEM_OF,
-                            CounterKind, Plan, PlanError, TaskKind, inside_kernel, tile_grid)
+from mok_proto.plan import (BM, EPILOGUE_ROWS, FUSED_STRATEGIES, MOVER_KINDS, PAIR_ROWS, PROBLEM_OF, CounterKind,
+                            Plan, PlanError, TaskKind, inside_kernel, tile_grid)
 from mok_proto.sim.params import GpuParams
 
 ELEM_BYTES = 2  # BF16 rows and weights in the layer
@@ -60,7 +60,6 @@ ELEM_BYTES = 2  # BF16 rows and weights in the layer
 OPERATOR_OF = {TaskKind.DISPATCH: "dispatch", TaskKind.COMBINE: "combine",
                TaskKind.REV_COMBINE: "rev_combine", TaskKind.REV_DISPATCH: "rev_dispatch"}
 ROUTED_ROW_KINDS = (TaskKind.GATE_UP, TaskKind.DOWN, TaskKind.DOWN_BWD, TaskKind.GATE_UP_BWD)
-COMM_KIND_IDS = sorted(int(k) for k in COMM_KINDS)
 MOVER_KIND_IDS = sorted(int(k) for k in MOVER_KINDS)
 FUSED = frozenset(FUSED_STRATEGIES.values())  # fused_forward, fused_backward (cuda/fused.cuh)
 
