@@ -127,6 +127,7 @@ constexpr int kMoverKinds = 397473;  // bit k set: the fused kernel's movers (a 
 }  // namespace mok::plan
 
 namespace mok::fused {
+constexpr int kRemoteCounterKinds = 2064;  // bit k set: the fused kernel keeps a remote counter of CounterKind k as peer flags (remote_flag)
 constexpr int kFusedLocalTimeoutFactor = 2;  // the fused kernel's waits on its own counters give up after this x the timeout of a wait on a peer's flag (the peer's timeout is reported first)
 }  // namespace mok::fused
 

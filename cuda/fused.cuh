@@ -121,6 +121,8 @@ struct Ctx {
 //   SLOTS_ARRIVED: every peer's outgoing push into my slots is complete  -> kFlagCombine
 //   PUBLISHED:     every peer's rows that I pull are written             -> kFlagRouting
 // and a wait that times out names the operator that waited (SymmTimeoutError).
+static_assert(kRemoteCounterKinds == ((1 << plan::kCounterSlotsArrived) | (1 << plan::kCounterPublished)),
+              "remote_flag and remote_op know SLOTS_ARRIVED and PUBLISHED: teach them the new remote counter");
 __device__ __forceinline__ int remote_flag(int counter_kind) {
   return counter_kind == plan::kCounterSlotsArrived ? kFlagCombine : kFlagRouting;
 }
@@ -442,6 +444,10 @@ __device__ __forceinline__ bool mover_task(const Ctx& c, volatile int* go, const
 
 // The tasks the movers run (abi.cuh kMoverKinds: the transfers' chunks, the scale, the token gradients).
 __device__ __forceinline__ bool is_mover(int kind) { return (plan::kMoverKinds >> kind) & 1; }
+static_assert(plan::kMoverKinds == ((1 << plan::kTaskDispatch) | (1 << plan::kTaskCombine) |
+                                    (1 << plan::kTaskRevCombine) | (1 << plan::kTaskRevDispatch) |
+                                    (1 << plan::kTaskScale) | (1 << plan::kTaskSlotSum)),
+              "mover_task runs the transfers' chunks, kTaskScale and kTaskSlotSum: teach it the new mover kind");
 
 // The grouped-GEMM problem of a task of pass kPass (0: forward, 1: backward), for the roles'
 // dispatch: f.template operator()<Problem>() runs the task.

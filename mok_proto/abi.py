@@ -224,6 +224,11 @@ GEMM_SLOT = Enum("GemmSlot", (
 # backward's token-side work (the scale before the reverse-combine, the token gradients).
 MOVER_KINDS = ("kTaskDispatch", "kTaskCombine", "kTaskRevCombine", "kTaskRevDispatch", "kTaskSlotSum", "kTaskScale")
 
+# The remote counters (raised by every rank's tasks) the fused kernel executes, as the round's peer
+# flags (kRemoteCounterKinds below; cuda/fused.cuh remote_flag: SLOTS_ARRIVED as kFlagCombine,
+# PUBLISHED as kFlagRouting).
+REMOTE_COUNTER_KINDS = ("kCounterSlotsArrived", "kCounterPublished")
+
 ENUMS = (ERROR_CODE, OP, FLAG_KIND, GEMM_PROBLEM, TASK_KIND, COUNTER_KIND, GEMM_SLOT)
 
 # ---------------------------------------------------------------------------------------------
@@ -251,6 +256,8 @@ CONSTS = (
     Const("kMoverKinds", sum(1 << TASK_KIND[k] for k in MOVER_KINDS), "bit k set: the fused kernel's movers (a "
           "communicating CTA's warps, a compute CTA's spare warps) run TaskKind k, its GEMM warps the others",
           "mok::plan"),
+    Const("kRemoteCounterKinds", sum(1 << COUNTER_KIND[k] for k in REMOTE_COUNTER_KINDS), "bit k set: the fused "
+          "kernel keeps a remote counter of CounterKind k as peer flags (remote_flag)", "mok::fused"),
     Const("kFusedLocalTimeoutFactor", 2, "the fused kernel's waits on its own counters give up after this x the "
           "timeout of a wait on a peer's flag (the peer's timeout is reported first)", "mok::fused"),
     Const("kEpilogueRows", 16, "tokens of one weighted-sum / slot-sum task (row_tile: tokens kEpilogueRows "

@@ -340,7 +340,7 @@ class Plan:
         3. Weight-gradient order: each routed weight-gradient output tile runs on one CTA, its
            macrobatches in increasing table order (a store, then adds in a fixed order).
         4. No deadlock: an in-order execution per stream (`streams`: a CTA, or in a fused plan a
-           CTA's communication and a cluster's tile pairs; all co-resident) finishes.
+           CTA's movers (MOVER_KINDS) and a cluster's tile pairs; all co-resident) finishes.
         5. Order: every counter a task waits on is raised only by tasks earlier in that global
            topological order.
         6. Ring: the task that refills the slot of minibatch m happens after every task that
@@ -354,6 +354,11 @@ class Plan:
            shared first tile, the token gradients after every outgoing chunk and every shared
            second tile, the incoming chunks after every scale tile), transitively through counters
            and stream order.
+        9. Cross-rank (fused backward): a task that reads rows every rank's tasks write (a
+           reverse-combine chunk pulls every rank's dy_slots, written by its scale tiles; a
+           token-gradient task reads the slot rows every rank's reverse-dispatch pushed) waits
+           for a remote counter that every one of those writers signals (8 sees this rank's
+           writers only; inside the kernel a remote counter is what waits for the other ranks').
 
         The proof is kept: a second call costs nothing (like `execution_order`, it assumes the
         tables are not changed in place; `with_tasks` makes a new plan).
@@ -364,6 +369,7 @@ class Plan:
         _check_coverage(self)
         _check_pairs(self)
         _check_wgrad_order(self)
+        _check_cross_rank(self)
         order = self.execution_order
         _check_topological(self, order)
         needs = _ring_needs(self) + _dataflow_needs(self)  # (check, reader, tasks that must precede it)
@@ -1057,6 +1063,26 @@ def _check_wgrad_order(plan: Plan) -> None:
             raise PlanError(f"weight-gradient order: {TaskKind(kind).name} tile expert={e} row_tile={r} col_tile={c}: "
                             f"macrobatch {w['macrobatch'][i + 1]} "
                             + what.format(a=w["block"][i], b=w["block"][i + 1], j=w["macrobatch"][i]))
+
+
+def _check_cross_rank(plan: Plan) -> None:
+    """check(), 9: each reader of rows written by every rank waits for a remote counter that all
+    their writers signal."""
+    if plan.strategy not in FUSED_STRATEGIES.values():
+        return
+    t, c, k = plan.tasks, plan.counters, plan.kinds
+    pairs = ([(k.comm_in, TaskKind.SCALE)] if plan.scale else []) + (
+        [(k.epilogue, k.comm_out)] if plan.token_grads else [])
+    for reader, writer in pairs:
+        signals = t["signal_counter"][t["kind"] == int(writer)]
+        every = set(range(len(c))) if len(signals) else set()
+        for row in signals.tolist():
+            every &= {x for x in row if x >= 0}
+        remote = {x for x in every if c["remote"][x]}
+        for i in np.flatnonzero(t["kind"] == int(reader)).tolist():
+            if not remote & set(t["wait_counter"][i].tolist()):
+                raise PlanError(f"cross-rank: {_name(plan, i)} reads rows every rank's {TaskKind(int(writer)).name} "
+                                f"tasks write, but waits for no remote counter they all signal")
 
 
 def _execution_order(plan: Plan) -> np.ndarray:

@@ -311,18 +311,19 @@ def test_fused_backward_passes_check(policy):
             {P.CounterKind.SLOTS_ARRIVED} if inside[1] else set())
 
 
-def test_fused_backward_runs_the_token_gradients_last_on_every_cta():
-    p = P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+@pytest.mark.parametrize("comm", [0, 2])
+def test_fused_backward_runs_the_token_gradients_last_on_every_cta(comm):
+    p = P.fused_backward(TILE, 2, comm, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     p.check()
     t = p.tasks
     sums = t[t["kind"] == int(P.TaskKind.SLOT_SUM)]
     tiles = -(-TILE.num_tokens // P.EPILOGUE_ROWS)
     assert sorted(sums["row_tile"].tolist()) == list(range(tiles))
     assert (sums["block"] == sums["row_tile"] % p.num_sms).all()  # round robin over every CTA
-    for blk in np.unique(sums["block"]):  # after the CTA's transfers (the movers' stream: table order)
-        mine = t[t["block"] == blk]
-        rd = mine["seq"][mine["kind"] == int(P.TaskKind.REV_DISPATCH)]
-        assert mine["seq"][mine["kind"] == int(P.TaskKind.SLOT_SUM)].min() > rd.max()
+    for blk in np.unique(sums["block"]):  # after the CTA's mover tasks (the movers' stream: table order)
+        mine = t[(t["block"] == blk) & np.isin(t["kind"], [int(k) for k in P.MOVER_KINDS])]
+        n = int((mine["kind"] == int(P.TaskKind.SLOT_SUM)).sum())
+        assert (mine["kind"][len(mine) - n:] == int(P.TaskKind.SLOT_SUM)).all()
     slots = int(np.flatnonzero(p.counters["kind"] == int(P.CounterKind.SLOTS_ARRIVED))[0])
     chunks = int((t["kind"] == int(P.TaskKind.REV_DISPATCH)).sum())
     assert p.counters["target"][slots] == 2 * chunks  # R signals per reverse-dispatch chunk
@@ -359,6 +360,53 @@ def test_fused_backward_runs_the_scale_first_on_every_cta():
                          capacity_rows=1024, scale=True)
 
 
+@pytest.mark.parametrize("kind", ["PUBLISHED", "SLOTS_ARRIVED"])
+def test_fused_backward_check_rejects_a_local_counter_for_every_ranks_rows(kind):
+    # the same tasks, waits and signals, but the counter local (its target one rank's signals): each
+    # rank would wait for its own scale (reverse-dispatch) only and read a peer's rows too early; the
+    # data-flow check sees one rank's writers and passes it, the cross-rank check does not
+    p = P.fused_backward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    c, t = p.counters.copy(), p.tasks.copy()
+    i = int(np.flatnonzero(c["kind"] == int(P.CounterKind[kind]))[0])
+    c["remote"][i], c["target"][i] = False, c["target"][i] // 2
+    t["wait_target"][t["wait_counter"] == i] = c["target"][i]
+    with pytest.raises(P.PlanError, match="cross-rank"):
+        P.with_tasks(p, t, c).check()
+
+
+def test_fused_kernel_refuses_remote_counters_it_does_not_keep():
+    from mok_proto.kernels import fused
+
+    assert fused.REMOTE_KINDS == {P.CounterKind.SLOTS_ARRIVED, P.CounterKind.PUBLISHED}
+    p = P.fused_backward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    fused.check_remote_counters(p)
+    for what, change in (("keeps only", lambda c, i: c["kind"].__setitem__(i, int(P.CounterKind.ARRIVED))),
+                         ("one remote counter per kind", lambda c, i: c["kind"].__setitem__(
+                             i, int(P.CounterKind.SLOTS_ARRIVED))),
+                         ("counts R", lambda c, i: c["target"].__setitem__(i, c["target"][i] + 1))):
+        c = p.counters.copy()
+        change(c, int(np.flatnonzero(c["kind"] == int(P.CounterKind.PUBLISHED))[0]))
+        with pytest.raises(ValueError, match=what):
+            fused.check_remote_counters(P.with_tasks(p, p.tasks, c))
+
+
+def test_fused_gemm_waits_outlast_the_counter_and_peer_waits():
+    # a GEMM stage waits for a producer that waits for a counter or a peer's rows: that wait (naming
+    # what is missing) must expire first; before, a missing peer at the default 30 s run timeout was
+    # reported by a GEMM consumer's 10 s stage wait
+    from mok_proto import abi
+    from mok_proto.kernels import fused, gemm
+
+    factor = abi.CONST["kFusedLocalTimeoutFactor"]
+    assert fused.gemm_timeout_ns(30 * 10**9) == (factor + 1) * 30 * 10**9 > factor * 30 * 10**9
+    assert fused.gemm_timeout_ns(10**9) == gemm.TIMEOUT_NS  # never shorter than the standalone GEMMs'
+    fields = {**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "n": 7168, "timeout_ns": gemm.TIMEOUT_NS}
+    words = np.concatenate([abi.GEMM_PARAMS.pack({**fields, "m": m}) for m in (1, 2, 3)])
+    got = fused.with_gemm_timeout(words, 12345).view(abi.GEMM_PARAMS.dtype)
+    assert got["timeout_ns"].tolist() == [12345] * 3 and got["m"].tolist() == [1, 2, 3] and (got["n"] == 7168).all()
+    assert words.view(abi.GEMM_PARAMS.dtype)["timeout_ns"].tolist() == [gemm.TIMEOUT_NS] * 3  # a copy
+
+
 def test_fused_backward_check_rejects_a_pull_before_the_scale():
     # a reverse-combine chunk that no longer waits for every rank's scale may pull dy rows before
     # they are written
@@ -366,12 +414,12 @@ def test_fused_backward_check_rejects_a_pull_before_the_scale():
     t = p.tasks.copy()
     sel = t["kind"] == int(P.TaskKind.REV_COMBINE)
     t["wait_counter"][sel, 0], t["wait_target"][sel, 0] = -1, 0
-    with pytest.raises(P.PlanError, match="data flow: REV_COMBINE"):
+    with pytest.raises(P.PlanError, match="cross-rank: REV_COMBINE"):
         P.with_tasks(p, t).check()
 
 
-@pytest.mark.parametrize("drop", ["SLOTS_ARRIVED", "SHARED_SECOND_DONE"])
-def test_fused_backward_check_rejects_token_gradients_without_their_wait(drop):
+@pytest.mark.parametrize("drop,check", [("SLOTS_ARRIVED", "cross-rank"), ("SHARED_SECOND_DONE", "data flow")])
+def test_fused_backward_check_rejects_token_gradients_without_their_wait(drop, check):
     # a slot sum that no longer waits for every rank's reverse-dispatch (or the shared expert's dx)
     # may read slot rows before they land: the data-flow check names it (16 clusters: some run
     # shared-expert tiles and none of the reverse-dispatch's, so nothing else orders them)
@@ -382,7 +430,7 @@ def test_fused_backward_check_rejects_token_gradients_without_their_wait(drop):
     for j in range(P.MAX_WAITS):
         sel = (t["kind"] == int(P.TaskKind.SLOT_SUM)) & (t["wait_counter"][:, j] == counter)
         t["wait_counter"][sel, j], t["wait_target"][sel, j] = -1, 0
-    with pytest.raises(P.PlanError, match="data flow: SLOT_SUM"):
+    with pytest.raises(P.PlanError, match=f"{check}: SLOT_SUM"):
         P.with_tasks(p, t).check()
 
 

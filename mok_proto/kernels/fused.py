@@ -10,7 +10,7 @@ W) in 2-CTA clusters; every CTA must be resident at once (a CTA spins on counter
 others), so the constructor refuses a plan whose W * num_sms / 2 clusters exceed what the
 driver says the GPU runs at once. The remote counters the kernel keeps (as peer flags:
 cuda/fused.cuh remote_flag) are SLOTS_ARRIVED and PUBLISHED (REMOTE_KINDS); a plan with another
-remote counter is refused.
+remote counter, or two of one kind, is refused (check_remote_counters).
 """
 
 from __future__ import annotations
@@ -26,8 +26,41 @@ KERNELS = {"fwd": "mok::fused::fused_forward", "bwd": "mok::fused::fused_backwar
 MODULE = CudaModule("fused.cuh", tuple(KERNELS.values()), archs=("sm_90a",))
 RECORD_DTYPE = abi.TRACE_RECORD.dtype  # one TraceRecord (struct mok::fused::TraceRecord)
 GEMMS_PER_RANK = len(abi.GEMM_SLOT)
-# The remote counters cuda/fused.cuh keeps as peer flags (remote_flag).
-REMOTE_KINDS = frozenset({CounterKind.SLOTS_ARRIVED, CounterKind.PUBLISHED})
+# The remote counters cuda/fused.cuh keeps as peer flags (remote_flag; abi.REMOTE_COUNTER_KINDS).
+REMOTE_KINDS = frozenset(CounterKind(abi.COUNTER_KIND[name]) for name in abi.REMOTE_COUNTER_KINDS)
+
+
+def check_remote_counters(plan) -> None:
+    """ValueError unless the kernel can execute the plan's remote counters: each of a kind it keeps
+    as peer flags (REMOTE_KINDS), at most one per kind (two would share one flag, and the first
+    to complete would release the other's waiters), and a target of a whole share per rank (the
+    kernel raises the flag at target / R of this rank's own signals)."""
+    counters = plan.counters[plan.counters["remote"]]
+    kinds = [CounterKind(int(k)) for k in counters["kind"]]
+    if not set(kinds) <= REMOTE_KINDS:
+        raise ValueError(f"the fused kernel keeps only {sorted(k.name for k in REMOTE_KINDS)} as remote counters, "
+                         f"the plan has {sorted(k.name for k in set(kinds) - REMOTE_KINDS)}")
+    if len(set(kinds)) < len(kinds):
+        raise ValueError(f"the fused kernel keeps one remote counter per kind (one flag each), the plan has "
+                         f"{sorted(k.name for k in kinds)}")
+    if np.any(counters["target"] % plan.num_ranks):
+        raise ValueError(f"a remote counter's target counts R = {plan.num_ranks} signals per task, got "
+                         f"{counters['target'].tolist()}")
+
+
+def gemm_timeout_ns(timeout_ns: int) -> int:
+    """The fused kernel's GEMM pipeline waits (GemmParams.timeout_ns) for counter waits of
+    `timeout_ns`: longer than its waits on its own counters (kFusedLocalTimeoutFactor x) and than
+    the standalone GEMMs' (gemm.TIMEOUT_NS). A GEMM stage waits for a producer that waits for a
+    counter (or a peer's rows): that wait, naming the counter or the peer, is what gets reported."""
+    return max(gemm.TIMEOUT_NS, (abi.CONST["kFusedLocalTimeoutFactor"] + 1) * int(timeout_ns))
+
+
+def with_gemm_timeout(words: np.ndarray, timeout_ns: int) -> np.ndarray:
+    """Packed GemmParams (host uint64 words, one struct after another) with every timeout_ns set."""
+    records = np.ascontiguousarray(words, np.uint64).copy().view(abi.GEMM_PARAMS.dtype)
+    records["timeout_ns"] = timeout_ns
+    return records.view(np.uint64)
 
 
 def _kernel(pass_: str = "fwd"):
@@ -66,10 +99,7 @@ class FusedPass:
             raise ValueError(f"plan needs {plan.num_sms} CTAs x {self.num_launch_ranks} launch ranks = {clusters} "
                              f"clusters resident at once, the GPU runs {resident}: use num_sms <= "
                              f"{2 * (resident // self.num_launch_ranks)}")
-        remote = {CounterKind(int(k)) for k in plan.counters["kind"][plan.counters["remote"]]}
-        if not remote <= REMOTE_KINDS:
-            raise ValueError(f"the fused kernel keeps only {sorted(k.name for k in REMOTE_KINDS)} as remote counters, "
-                             f"the plan has {sorted(k.name for k in remote - REMOTE_KINDS)}")
+        check_remote_counters(plan)
         self.tasks = cupy.asarray(plan.tasks.view(np.uint8))
         counters = plan.counters.view(np.uint8) if len(plan.counters) else np.zeros(1, np.uint8)
         self.counter_info = cupy.asarray(counters)  # the kernel reads each counter's target and remote flag

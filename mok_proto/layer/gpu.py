@@ -19,8 +19,8 @@ The fused forward (`set_forward_plan(plan)`, plan.fused_forward): after the sche
 persistent launch of cuda/fused.cuh runs the shared and routed GEMMs with the pull dispatch and
 the push combine inside (a push dispatch / pull combine runs as above, before / after it), then
 the combine flag and the weighted sum; its output and cache are bitwise the sequential ones.
-The fused backward (`set_backward_plan(plan)`, plan.fused_backward): after dy_slots, one launch
-runs the shared expert's gradients, per minibatch down_bwd and gate_up_bwd, the deferred weight
+The fused backward (`set_backward_plan(plan)`, plan.fused_backward): one launch runs the shared
+expert's gradients, per minibatch down_bwd and gate_up_bwd, the deferred weight
 gradients, with the pull reverse-combine and the push reverse-dispatch inside, and (by default,
 plan.token_grads) the slot sum and d topk_weights beside the weight gradients once every peer's
 reverse-dispatch into this rank's slots is complete (its kFlagCombine, raised inside the kernel);
@@ -244,8 +244,9 @@ class GpuMoELayer(GpuRound):
 
     def _fused_pass(self, plan, pass_):
         """(kernels.fused.FusedPass, the GEMM params of every launch rank) for a plan of `pass_`,
-        or (None, None)."""
-        from mok_proto.kernels.fused import FusedPass
+        or (None, None). The GEMMs' pipeline waits get fused.gemm_timeout_ns (longer than the
+        kernel's counter and peer waits, which name what was missing)."""
+        from mok_proto.kernels.fused import FusedPass, gemm_timeout_ns, with_gemm_timeout
 
         if plan is None:
             return None, None
@@ -264,7 +265,7 @@ class GpuMoELayer(GpuRound):
                 call = self._gemm(pass_, slot, r)
                 words.append(np.zeros(abi.GEMM_PARAMS.nbytes // 8, np.uint64) if call is None
                              else call[0](*call[1], error=self.error, pack_only=True))
-        return fused, np.concatenate(words)
+        return fused, with_gemm_timeout(np.concatenate(words), gemm_timeout_ns(int(self.run.timeout_s * 1e9)))
 
     def fused_forward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, ring_minibatches=None,
                            num_sms: int | None = None, lookahead: int | None = None, assign: str | None = None,

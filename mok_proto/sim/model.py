@@ -14,8 +14,9 @@ rank's last signal plus the receiver's signal wait (a fence and one signal per p
 starts after one kernel launch; a sequential plan pays one more launch at each stage boundary
 (its STAGE_DONE counters); a fused plan (fused_forward or fused_backward) pays what runs around
 its kernel (`_fused_before_ns`, `_fused_pass_end_ns`: the counters' memset, a transfer in the other
-direction, the outgoing transfer's flag and wait, the weighted sum; a backward also the scale
-kernel and the publish of dy_slots before, the slot sum and topk_weight_grad after). Durations:
+direction, the outgoing transfer's flag and wait, the weighted sum; a backward whose plan keeps
+them outside its kernel (plan.scale, plan.token_grads off) also the scale kernel and the publish
+of dy_slots before, the slot sum and topk_weight_grad after). Durations:
 
 * GEMM tile: 2*BM*BN*k / (the problem's tile rate per SM under sustained load, GpuParams.tile_ns);
   tiles past the rank's padded rows take no time; a weight-gradient tile's k is its expert's rows
@@ -370,8 +371,9 @@ def _flag_wait_ns(gpu: GpuParams, t: np.ndarray) -> np.ndarray:
 
 
 def _fused_before_ns(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
-    """[R] what a fused pass runs before its kernel. A backward first runs begin_round and
-    scale_to_slots (dy_slots = w * dout: SCALE_TO_SLOTS). Then the counters' memset (a kernel
+    """[R] what a fused pass runs before its kernel. A backward first runs begin_round and, unless
+    its kernel runs the scale (plan.scale), scale_to_slots (dy_slots = w * dout: SCALE_TO_SLOTS).
+    Then the counters' memset (a kernel
     boundary) and the incoming transfer's part outside: pushed outside (dispatch / reverse-combine
     push), the push and the wait for every peer's rows; pulled inside, the backward publishes its
     dy_slots first (a flag, the wait for every peer's; the forward's pull follows the schedule,
