@@ -87,7 +87,7 @@ ROUTED_KIND_OF = {problem: kind for kind, problem in PROBLEM_OF.items() if not k
 
 COMM_KINDS = frozenset({TaskKind.DISPATCH, TaskKind.COMBINE, TaskKind.REV_COMBINE, TaskKind.REV_DISPATCH})
 # What a fused kernel's movers run (a communicating CTA's warps, a compute CTA's spare warps; the
-# GEMM warps run the other kinds): the transfers' chunks and the backward's token gradients
+# GEMM warps run the other kinds): the transfers' chunks, the backward's scale and token gradients
 # (abi.MOVER_KINDS, the kernel's kMoverKinds).
 MOVER_KINDS = frozenset(TaskKind(abi.TASK_KIND[name]) for name in abi.MOVER_KINDS)
 
@@ -286,8 +286,8 @@ class Plan:
     def streams(self) -> list[np.ndarray]:
         """Task indices of each in-order stream, in execution order. A CTA is one stream, except
         in a fused plan: there a CTA's mover tasks (MOVER_KINDS: its spare warps, or a
-        communicating CTA) are one stream, and the GEMM tasks of the two CTAs of a cluster are ONE stream of
-        tile pairs (even CTA's task, then its partner's: neither half of a pair can finish
+        communicating CTA) are one stream, and the GEMM tasks of the two CTAs of a cluster are ONE
+        stream of tile pairs (even CTA's task, then its partner's: neither half of a pair can finish
         before both halves' waits are met, as they share the B operand and the stage barriers)."""
         t = self.tasks
         if not len(t):
