@@ -407,6 +407,29 @@ def test_fused_gemm_waits_outlast_the_counter_and_peer_waits():
     assert words.view(abi.GEMM_PARAMS.dtype)["timeout_ns"].tolist() == [gemm.TIMEOUT_NS] * 3  # a copy
 
 
+def test_layer_packs_the_fused_gemms_with_the_longer_timeout(monkeypatch):
+    # GpuMoELayer._fused_pass on the CPU: a stand-in FusedPass and GEMM packers (no GPU); every
+    # packed GemmParams of every launch rank and slot carries fused.gemm_timeout_ns of the run's
+    from types import SimpleNamespace
+
+    from mok_proto import abi
+    from mok_proto.config import RunConfig
+    from mok_proto.kernels import fused, gemm
+    from mok_proto.layer import gpu
+
+    monkeypatch.setattr(fused, "FusedPass", lambda plan, w: ("pass", w))
+    fields = {**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "n": 64, "timeout_ns": gemm.TIMEOUT_NS}
+    pack = (lambda *args, error=None, pack_only=False: abi.GEMM_PARAMS.pack(fields), ())
+    run = RunConfig(TILE, 2, timeout_s=30)
+    layer = SimpleNamespace(run=run, shape=TILE, capacity=1024, ranks=[0, 1], error=None,
+                            _gemm=lambda pass_, slot, r: None if slot == "kSlotSharedDownWgrad" else pack)
+    plan = P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    made, words = gpu.GpuMoELayer._fused_pass(layer, plan, "bwd")
+    got = words.view(abi.GEMM_PARAMS.dtype)
+    assert made == ("pass", 2) and len(got) == 2 * len(abi.GEMM_SLOT)
+    assert (got["timeout_ns"] == fused.gemm_timeout_ns(30 * 10**9)).all() and fused.gemm_timeout_ns(30 * 10**9) > 60e9
+
+
 def test_fused_backward_check_rejects_a_pull_before_the_scale():
     # a reverse-combine chunk that no longer waits for every rank's scale may pull dy rows before
     # they are written
