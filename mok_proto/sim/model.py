@@ -250,14 +250,21 @@ def _durations(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
         sel = np.flatnonzero(kind == int(k))
         dur[sel] = _epilogue_task_ns(shape, gpu, t["row_tile"][sel], plan.num_sms)[:, None]
         if k == TaskKind.SLOT_SUM and is_fused(plan):
-            rows = np.minimum(EPILOGUE_ROWS, shape.num_tokens - t["row_tile"][sel] * EPILOGUE_ROWS)
-            dur[sel] += (token_kernel_ns(shape, gpu, TOPK_WEIGHT_GRAD) * rows / shape.num_tokens
-                         * plan.num_sms)[:, None]
+            dur[sel] += _token_tile_ns(shape, gpu, TOPK_WEIGHT_GRAD, t["row_tile"][sel], plan.num_sms)[:, None]
     # A fused backward's scale tiles (plan.scale): their share of scale_to_slots, every CTA at once.
     sel = np.flatnonzero(kind == int(TaskKind.SCALE))
-    rows = np.minimum(EPILOGUE_ROWS, shape.num_tokens - t["row_tile"][sel] * EPILOGUE_ROWS)
-    dur[sel] = (token_kernel_ns(shape, gpu, SCALE_TO_SLOTS) * rows / shape.num_tokens * plan.num_sms)[:, None]
+    dur[sel] = _token_tile_ns(shape, gpu, SCALE_TO_SLOTS, t["row_tile"][sel], plan.num_sms)[:, None]
     return dur
+
+
+def _tile_tokens(shape: MoEShape, row_tiles) -> np.ndarray:
+    """Tokens of epilogue-sized token tiles (EPILOGUE_ROWS each, the last one shorter)."""
+    return np.minimum(EPILOGUE_ROWS, shape.num_tokens - np.asarray(row_tiles) * EPILOGUE_ROWS)
+
+
+def _token_tile_ns(shape: MoEShape, gpu: GpuParams, kernel: tuple, row_tiles, num_sms: int) -> np.ndarray:
+    """Token tiles' share of a token kernel (such as SCALE_TO_SLOTS), num_sms of them at once."""
+    return token_kernel_ns(shape, gpu, kernel) * _tile_tokens(shape, row_tiles) / shape.num_tokens * num_sms
 
 
 def _epilogue_task_ns(shape: MoEShape, gpu: GpuParams, row_tiles: np.ndarray, num_sms: int) -> np.ndarray:
@@ -265,7 +272,7 @@ def _epilogue_task_ns(shape: MoEShape, gpu: GpuParams, row_tiles: np.ndarray, nu
     shared row) and writes one row per token; every byte once from HBM at the token sums' rate
     (gpu.token_kernel_ns), the GPU's rate shared by num_sms CTAs."""
     row_bytes = shape.hidden * ELEM_BYTES
-    rows = np.minimum(EPILOGUE_ROWS, shape.num_tokens - np.asarray(row_tiles) * EPILOGUE_ROWS)
+    rows = _tile_tokens(shape, row_tiles)
     reads = rows * (shape.top_k + shape.num_shared) * row_bytes
     return gpu.token_kernel_ns("gather_sum", reads, rows * row_bytes) * num_sms
 
