@@ -185,6 +185,9 @@ __device__ __forceinline__ bool wait_local(const Ctx& c, int id, u32 target, int
 // flag this round (then an acquire at system scope: the peers' rows are visible). A peer that
 // never raises it: kErrTimeout naming remote_op, the peer, the epoch and the flag seen (as the
 // standalone wait_peers reports it: SymmTimeoutError).
+// NOTE: not common.cuh's wait_flag (an ld.acquire.sys spin with 256 ns sleeps): spins that acquire
+// on every read slowed the GEMM tiles beside them 10-15% (see kSpinMinNs), so this one reads
+// relaxed with the backoff of spin_until and acquires once.
 __device__ __forceinline__ bool wait_peers_flag(const Ctx& c, int id) {
   const u64 epoch = epoch_of(c.cp, c.rank);
   const u64* flags = my_flags(c.cp, c.rank, remote_flag(c.info[id].kind));
