@@ -113,10 +113,11 @@ def calibration_stages(shape_name: str) -> set:
 # bench_layer's result files the simulator compares with: the running file, then runs kept in files
 # of their own (passes as graph replays): 1685ef1's rows (the first run of the warp movers), e48bf6e's
 # (the first run whose counter waits back off; each fused setting's median timed interleaved with the
-# sequential pass, bench.rotating), a1db532's (kernels of eb35161; the backward balanced by default)
-# and e7e9bd0's (the weight gradients' whole-line epilogue, scale_to_slots a thread per dout octet).
+# sequential pass, bench.rotating), a1db532's (kernels of eb35161; the backward balanced by default),
+# e7e9bd0's (the weight gradients' whole-line epilogue, scale_to_slots a thread per dout octet) and
+# 491ec86's (the kernels of 5b65592: the backward's scale and token gradients inside its fused kernel).
 BENCH_FILES = ("bench_layer", "bench_layer_1685ef1", "bench_layer_e48bf6e", "bench_layer_a1db532",
-               "bench_layer_e7e9bd0")
+               "bench_layer_e7e9bd0", "bench_layer_491ec86")
 # The other results/bench_layer_*.jsonl files, and why (tests/test_sim.py: every file is named in one of the two).
 BENCH_FILES_LEFT_OUT = {
     "bench_layer_d689e07": "its comm-0 fused forwards ran a slowdown never explained (README); its sequential "
