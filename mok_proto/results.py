@@ -173,7 +173,12 @@ def timeline_summary(records) -> dict:
     time covered by its GEMM tasks (the union of their intervals: a tile's loads overlap the
     previous tile's epilogue) as a fraction of the makespan, averaged / the least busy lane;
     `kinds`: per task kind (name) the summed task time per compute lane (`per_lane_ns`) and its
-    span (`first_ns`, `last_ns`). Tasks that took no time (past the real rows) are left out."""
+    span (`first_ns`, `last_ns`). Tasks that took no time (past the real rows) are left out.
+    The tail, over the lanes with GEMM time: `lane_end_min_ns` / `lane_end_max_ns`, the earliest
+    and latest of the lanes' last GEMM ends; `tail_idle_mean_ns`, the mean time from a lane's last
+    GEMM end to the makespan; `end_busy_corr`, the correlation of a lane's last end with its GEMM
+    time (near 1: the lanes that end last are those given the most work, a static imbalance; None
+    with fewer than two lanes or no spread; 0.85-1.00 in the timelines of 491ec86)."""
     import numpy as np
 
     from mok_proto.plan import MOVER_KINDS, TaskKind
@@ -187,7 +192,7 @@ def timeline_summary(records) -> dict:
     is_gemm = ~np.isin(records["kind"], [int(k) for k in MOVER_KINDS])
     lanes = np.unique(records["block"][is_gemm])  # a lane whose tiles all took no time counts, idle
     gemm = records[took & is_gemm]
-    busy = []
+    busy, ends, covers = [], [], []
     for lane in lanes:
         mine = gemm[gemm["block"] == lane]
         mine = mine[np.argsort(mine["start_ns"], kind="stable")]
@@ -196,12 +201,19 @@ def timeline_summary(records) -> dict:
             covered += max(0.0, e - max(s, end))  # the part of [s, e) after everything before it
             end = max(end, e)
         busy.append(covered / makespan)
+        if len(mine):
+            ends.append(float(end - t0))
+            covers.append(covered)
     kinds = {}
     for kind in np.unique(rec["kind"]):
         sel = rec[rec["kind"] == kind]
         kinds[TaskKind(int(kind)).name.lower()] = {
             "per_lane_ns": float((sel["end_ns"] - sel["start_ns"]).sum() / max(len(lanes), 1)),
             "first_ns": float(sel["start_ns"].min() - t0), "last_ns": float(sel["end_ns"].max() - t0)}
+    corr = None
+    if len(ends) > 1 and np.ptp(ends) > 0 and np.ptp(covers) > 0:
+        corr = float(np.corrcoef(ends, covers)[0, 1])
     return {"makespan_ns": makespan, "compute_lanes": int(len(lanes)),
             "busy_mean": float(np.mean(busy)) if busy else 0.0, "busy_min": float(np.min(busy)) if busy else 0.0,
-            "kinds": kinds}
+            "kinds": kinds, "lane_end_min_ns": min(ends, default=0.0), "lane_end_max_ns": max(ends, default=0.0),
+            "tail_idle_mean_ns": float(makespan - np.mean(ends)) if ends else 0.0, "end_busy_corr": corr}

@@ -299,10 +299,16 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
                            f"comm={best['comm_blocks']} minibatch={best['minibatch_tokens']}")
             summary = timeline_summary(records)
             best["timeline_busy_mean"], best["timeline_busy_min"] = summary["busy_mean"], summary["busy_min"]
+            best["timeline_tail_idle_mean_ns"] = summary["tail_idle_mean_ns"]
+            corr = summary["end_busy_corr"]
             print(f"#   timeline: {summary['makespan_ns'] / 1e6:.3f} ms, compute lanes GEMM-busy "
                   f"{summary['busy_mean']:.1%} (least {summary['busy_min']:.1%}); GEMM ms per lane: " + ", ".join(
                       f"{k} {v['per_lane_ns'] / 1e6:.3f}" for k, v in summary["kinds"].items()
-                      if TaskKind[k.upper()] not in MOVER_KINDS), flush=True)
+                      if TaskKind[k.upper()] not in MOVER_KINDS)
+                  + f"; the lanes' last GEMM ends {summary['lane_end_min_ns'] / 1e6:.3f}-"
+                  f"{summary['lane_end_max_ns'] / 1e6:.3f} ms, then idle {summary['tail_idle_mean_ns'] / 1e3:.0f} us "
+                  f"on average (correlation of a lane's end with its GEMM time: "
+                  f"{'n/a' if corr is None else f'{corr:.2f}'})", flush=True)
         layer.trace = False
     layer.set_forward_plan(None)
     layer.set_backward_plan(None)

@@ -794,6 +794,16 @@ def test_timeline_summary_counts_overlapping_tiles_once():
     assert got["kinds"]["gate_up"] == {"per_lane_ns": pytest.approx(700 / 3), "first_ns": 0.0, "last_ns": 600.0}
     assert got["kinds"]["down"]["per_lane_ns"] == pytest.approx(900 / 3)
     assert got["kinds"]["dispatch"]["last_ns"] == 1000.0
+    # the tail: lane 0's last GEMM ends at 1000, lane 1's at 500 (lane 2 has no GEMM time: left out),
+    # so 250 ns idle on average after them; the later end has the more GEMM time (corr 1)
+    assert (got["lane_end_min_ns"], got["lane_end_max_ns"], got["tail_idle_mean_ns"]) == (500.0, 1000.0, 250.0)
+    assert got["end_busy_corr"] == pytest.approx(1.0)
+    late = (rec["block"] == 1) & (rec["kind"] != int(P.TaskKind.DISPATCH))
+    rec["start_ns"][late] += 600  # lane 1's tiles later: it ends last (1100) with less GEMM time (300 < 1000)
+    rec["end_ns"][late] += 600
+    got = results.timeline_summary(rec)
+    assert (got["lane_end_max_ns"], got["makespan_ns"]) == (1100.0, 1100.0)
+    assert got["end_busy_corr"] == pytest.approx(-1.0)
 
 
 # The fused backward (plan.fused_backward, cuda/fused.cuh fused_backward)
