@@ -952,14 +952,19 @@ def test_backward_timelines_are_kept_apart_and_simulated(h200, h200_validation):
         assert np.array_equal(predicted[key], measured[key]), key
     rows = [r for r in h200_validation if r.quantity.startswith("bwd ")]
     ends = [r for r in rows if " kernel end " in r.quantity]
-    assert len(ends) == len(validate.BWD_TIMELINES) == 10
+    assert len(ends) == len(validate.BWD_TIMELINES) == 14
     # judged, but the comm-0 kernel ends of 1685ef1 (glm, kimi): the acquire spin's (params.spare_warps_spun)
     spun = {r.quantity for r in ends if r.check == "explained" and r.note == validate.SPUN}
     assert spun == {"bwd kernel end glm-5.2 C=0 MB=2048 1685ef1", "bwd kernel end kimi-k2.7 C=0 MB=2048 1685ef1"}
     assert all(r.check == "judged" and r.ok(validate.H200_TOLERANCE) for r in ends if r.quantity not in spun)
     assert sum(r.quantity.endswith("e48bf6e") and r.judged for r in ends) == 4
+    # 491ec86's plans run the scale and the token gradients inside (SCALE, SLOT_SUM tasks): their kernel
+    # ends are judged too, and their token tasks have per-SM rows
+    assert sum(r.quantity.endswith("491ec86") and r.judged for r in ends) == 4
     per_sm = [r for r in rows if " per SM " in r.quantity]
-    assert len(per_sm) == 100 and all(r.check == "informational" and not r.judged for r in per_sm)
+    assert len(per_sm) == 148 and all(r.check == "informational" and not r.judged for r in per_sm)
+    assert {r.quantity.split(" per SM ")[0] for r in per_sm if r.quantity.endswith("491ec86")} >= {"bwd scale",
+                                                                                                 "bwd slot_sum"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -279,7 +279,10 @@ BWD_TIMELINES = ("timeline_fused_bwd_deepseek-v4-pro_d689e07.jsonl", "timeline_f
                  "timeline_fused_bwd_deepseek-v4-pro_1685ef1.jsonl", "timeline_fused_bwd_glm-5.2_1685ef1.jsonl",
                  "timeline_fused_bwd_kimi-k2.7_1685ef1.jsonl", "timeline_fused_bwd_qwen3.5-397b_1685ef1.jsonl",
                  "timeline_fused_bwd_deepseek-v4-pro_e48bf6e.jsonl", "timeline_fused_bwd_glm-5.2_e48bf6e.jsonl",
-                 "timeline_fused_bwd_kimi-k2.7_e48bf6e.jsonl", "timeline_fused_bwd_qwen3.5-397b_e48bf6e.jsonl")
+                 "timeline_fused_bwd_kimi-k2.7_e48bf6e.jsonl", "timeline_fused_bwd_qwen3.5-397b_e48bf6e.jsonl",
+                 # the scale and the token gradients inside the kernel (SCALE, SLOT_SUM tasks; 5b65592's kernels)
+                 "timeline_fused_bwd_deepseek-v4-pro_491ec86.jsonl", "timeline_fused_bwd_glm-5.2_491ec86.jsonl",
+                 "timeline_fused_bwd_kimi-k2.7_491ec86.jsonl", "timeline_fused_bwd_qwen3.5-397b_491ec86.jsonl")
 
 
 def fused_backward_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
