@@ -962,9 +962,52 @@ def test_backward_timelines_are_kept_apart_and_simulated(h200, h200_validation):
     # ends are judged too, and their token tasks have per-SM rows
     assert sum(r.quantity.endswith("491ec86") and r.judged for r in ends) == 4
     per_sm = [r for r in rows if " per SM " in r.quantity]
-    assert len(per_sm) == 148 and all(r.check == "informational" and not r.judged for r in per_sm)
+    assert len(per_sm) == 148 and not any(r.judged for r in per_sm)
     assert {r.quantity.split(" per SM ")[0] for r in per_sm if r.quantity.endswith("491ec86")} >= {"bwd scale",
                                                                                                  "bwd slot_sum"}
+    # informational, but the token tasks of the timeline the movers' token rates are fitted on
+    fitted = {r.quantity for r in per_sm if r.check == "calibration"}
+    assert fitted == {"bwd scale per SM kimi-k2.7 C=0 MB=2048 491ec86", "bwd slot_sum per SM kimi-k2.7 C=0 MB=2048 491ec86"}
+    assert all(r.check == "informational" for r in per_sm if r.quantity not in fitted)
+
+
+def test_token_task_rates_fitted_on_one_backward_timeline(h200, h200_validation):
+    """The fused backward's SCALE and SLOT_SUM tasks on the spare warps (GpuParams.token_read_gbs /
+    token_write_gbs): fitted on kimi's 491ec86 backward (~4.6 GB/s read, ~7 GB/s written per CTA),
+    which they then reproduce; glm's tasks (another shape, not fitted on) within 15%; without the
+    rates the model falls back to the tasks' share of the standalone kernels, which put them 4.7-8.2x
+    short."""
+    assert results.timeline_name(H200_CALIBRATION["fused_token"]) == ("kimi-k2.7", "491ec86")
+    assert 3 < h200.token_read_gbs < 7 and 5 < h200.token_write_gbs < 10
+    rows = {r.quantity: r for r in h200_validation if " per SM " in r.quantity and r.quantity.endswith("491ec86")}
+    for kind in ("scale", "slot_sum"):
+        kimi, glm = rows[f"bwd {kind} per SM kimi-k2.7 C=0 MB=2048 491ec86"], rows[f"bwd {kind} per SM glm-5.2 C=0 MB=2048 491ec86"]
+        assert kimi.predicted == pytest.approx(kimi.reference, rel=0.02), kind  # least squares over both kinds
+        assert glm.predicted == pytest.approx(glm.reference, rel=0.15), kind
+    path = results.timeline_file(H200_CALIBRATION["fused_token"])
+    measured = results.load_timeline(path)
+    unfitted = dataclasses.replace(h200, token_read_gbs=0.0, token_write_gbs=0.0)
+    _, result = fused.simulate_timeline(measured, KIMI_SHARE, unfitted, git="491ec86")
+    old = results.timeline_summary(result.records(0))["kinds"]
+    for kind in ("scale", "slot_sum"):
+        assert old[kind]["per_lane_ns"] < rows[f"bwd {kind} per SM kimi-k2.7 C=0 MB=2048 491ec86"].reference * 1e3 / 4
+    # the bytes: a scale task reads a row and writes K per token, a token-gradient task reads 2K + 1 (+ the
+    # shared expert's dx) and writes one; the last tile of 16 tokens may be short
+    shape = ep_share("kimi-k2.7", fused.EP)
+    row = shape.hidden * model.ELEM_BYTES
+    reads, writes = model.token_task_bytes(shape, P.TaskKind.SLOT_SUM, np.array([0]))
+    assert (reads[0], writes[0]) == (16 * row * (2 * shape.top_k + 1 + shape.num_shared), 16 * row)
+    reads, writes = model.token_task_bytes(shape, P.TaskKind.SCALE, np.array([0]))
+    assert (reads[0], writes[0]) == (16 * row, 16 * row * shape.top_k)
+    with pytest.raises(ValueError, match="token-side"):
+        model.token_task_bytes(shape, P.TaskKind.WEIGHTED_SUM, np.array([0]))
+
+
+def test_token_task_calibration_needs_a_backward_with_its_token_tasks_inside():
+    with pytest.raises(ValueError, match="token-task calibration needs"):
+        fused._fit_token(results.timeline_file("timeline_fused_fwd_kimi-k2.7_491ec86.jsonl"))
+    with pytest.raises(ValueError, match="token-task calibration needs"):  # e48bf6e's ran them outside
+        fused._fit_token(results.timeline_file("timeline_fused_bwd_kimi-k2.7_e48bf6e.jsonl"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicati
   same two of the retired bulk-copy ring (per row, for measurements before aceb6ae:
   params.BULK_MOVER_COMMITS) from H200_CALIBRATION["fused_bulk"]; and the spare warps' copy rate
   (per byte) and task cost from the dispatch tasks of one comm_blocks == 0 timeline of a kernel whose
-  counter waits back off (H200_CALIBRATION["fused_spare"]; params.wait_spin_at). The combine tasks (the same
+  counter waits back off (H200_CALIBRATION["fused_spare"]; params.wait_spin_at); and the movers' read and
+  write rates for the fused backward's token-side tasks from the SCALE and SLOT_SUM tasks of
+  H200_CALIBRATION["fused_token"] (`_fit_token`). The combine tasks (the same
   copies the other way), the GEMM tiles, the compute end, the kernel end and every other
   timeline stay predictions;
 * `simulate_timeline`: the simulated timeline of the plan a measured one ran;
@@ -36,7 +38,7 @@ from mok_proto import results
 from mok_proto.config import MOK_POLICY, MoEShape, ep_share, get_shape
 from mok_proto.plan import BM, PAIR_ROWS, TaskKind
 from mok_proto.sim import layer
-from mok_proto.sim.model import ELEM_BYTES, MOVER_KIND_IDS, SimResult, fused_chunk_rows, simulate
+from mok_proto.sim.model import ELEM_BYTES, MOVER_KIND_IDS, SimResult, fused_chunk_rows, simulate, token_task_bytes
 from mok_proto.sim.params import H200_CALIBRATION, GpuParams, comm_mover_at, spare_warps_spun, wait_spin_at
 
 EP = 64  # bench_layer emulates one rank of EP=64
@@ -109,14 +111,47 @@ def calibrate(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> GpuParams:
     + bytes / comm_cta_gbs on the communicating CTAs (warp movers) of timeline
     H200_CALIBRATION["fused"], bulk_task_ns + rows x bulk_row_ns on those (bulk ring) of
     H200_CALIBRATION["fused_bulk"], and spare_task_ns + bytes / spare_cta_gbs on the spare warps of
-    H200_CALIBRATION["fused_spare"]."""
+    H200_CALIBRATION["fused_spare"]; token_read_gbs and token_write_gbs on the token-side tasks of
+    H200_CALIBRATION["fused_token"]."""
     fits = {what: _fit_dispatch(Path(results_dir) / H200_CALIBRATION[what], mover)
             for what, mover in (("fused", "warps"), ("fused_bulk", "bulk"), ("fused_spare", "spare"))}
     (fixed, row_ns), row_bytes = fits["fused"]
     (spare_fixed, spare_row_ns), spare_row_bytes = fits["fused_spare"]
+    read_gbs, write_gbs = _fit_token(Path(results_dir) / H200_CALIBRATION["fused_token"])
     return dataclasses.replace(gpu, comm_cta_gbs=row_bytes / row_ns, comm_task_ns=fixed,
                                bulk_task_ns=fits["fused_bulk"][0][0], bulk_row_ns=fits["fused_bulk"][0][1],
-                               spare_task_ns=spare_fixed, spare_cta_gbs=spare_row_bytes / spare_row_ns)
+                               spare_task_ns=spare_fixed, spare_cta_gbs=spare_row_bytes / spare_row_ns,
+                               token_read_gbs=read_gbs, token_write_gbs=write_gbs)
+
+
+def _fit_token(path: Path) -> tuple[float, float]:
+    """(read, write) GB/s per CTA of a fused backward timeline's token-side tasks (SCALE, SLOT_SUM, on
+    the spare warps of a comm_blocks == 0 plan): duration = bytes read / read rate + bytes written /
+    write rate (model.token_task_bytes), least squares over every such task; the two kinds mix reads
+    and writes differently (a scale task writes K rows per row read, a token-gradient task reads
+    2K + 1 (+ 1) rows per row written), which fixes both rates. A task's bar starts when its wait is
+    met (trace.py), so its duration is its work."""
+    try:
+        path = results.timeline_file(path.name, path.parent)  # stored as .jsonl or .jsonl.gz
+    except FileNotFoundError as e:
+        raise ValueError(f"{e}: the fused backward's token-task calibration needs it") from None
+    records = results.load_timeline(path)
+    shape = ep_share(results.timeline_name(path)[0], EP)
+    plan = timeline_plan(records, shape)
+    if plan.pass_ != "bwd" or plan.comm_blocks or not (plan.scale and plan.token_grads):
+        raise ValueError(f"{path.name}: the token-task calibration needs a comm_blocks == 0 fused backward with its "
+                         f"scale and token gradients inside, got {plan.describe()}")
+    cols, durations = [], []
+    for kind in (TaskKind.SCALE, TaskKind.SLOT_SUM):
+        sel = records["kind"] == int(kind)
+        cols.append(np.stack(token_task_bytes(shape, kind, records["row_tile"][sel]), axis=1))
+        durations.append(records["end_ns"][sel] - records["start_ns"][sel])
+    (ns_per_read, ns_per_write), *_ = np.linalg.lstsq(np.concatenate(cols), np.concatenate(durations).astype(np.float64),
+                                                      rcond=None)
+    if ns_per_read <= 0 or ns_per_write <= 0:
+        raise ValueError(f"{path.name}: the token tasks' fit gave no positive rates "
+                         f"({ns_per_read:.3g}, {ns_per_write:.3g} ns per byte)")
+    return 1.0 / float(ns_per_read), 1.0 / float(ns_per_write)
 
 
 def _fit_dispatch(path: Path, mover: str) -> tuple[tuple[float, float], int]:
@@ -161,7 +196,9 @@ def describe_calibration(gpu: GpuParams) -> str:
             f"{gpu.bulk_row_ns:.0f} ns per row per CTA ({bulk_bytes / gpu.bulk_row_ns:.1f} GB/s with "
             f"{bulk_bytes // 1024} KB rows) and bulk_task_ns {gpu.bulk_task_ns / 1e3:.2f} us "
             f"({H200_CALIBRATION['fused_bulk']} dispatch tasks); spare warps {gpu.spare_cta_gbs:.2f} GB/s per CTA "
-            f"and {gpu.spare_task_ns / 1e3:.2f} us per task ({H200_CALIBRATION['fused_spare']} dispatch tasks)")
+            f"and {gpu.spare_task_ns / 1e3:.2f} us per task ({H200_CALIBRATION['fused_spare']} dispatch tasks); "
+            f"token tasks {gpu.token_read_gbs:.2f} GB/s read and {gpu.token_write_gbs:.2f} GB/s written per CTA "
+            f"({H200_CALIBRATION['fused_token']} scale and slot_sum tasks)")
 
 
 def simulate_timeline(records: np.ndarray, shape: MoEShape, gpu: GpuParams,

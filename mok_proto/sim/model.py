@@ -40,7 +40,9 @@ of dy_slots before, the slot sum and topk_weight_grad after). Durations:
   the slot sum and d topk_weights inside the kernel) also reads the token's dout and K slot rows
   at topk_weight_grad's rate (TOPK_WEIGHT_GRAD), and nothing runs after that kernel. Its scale tiles
   (plan.scale) are their share of scale_to_slots (SCALE_TO_SLOTS). Each is the GPU's rate shared by
-  every CTA (no measurement of the movers' own rate for these yet).
+  every CTA, unless the movers' own rates are fitted (GpuParams.token_read_gbs / token_write_gbs, h200:
+  on kimi's 491ec86 backward): then a fused plan's SCALE and SLOT_SUM tasks are their bytes
+  (token_task_bytes) at those rates.
 """
 
 from __future__ import annotations
@@ -254,6 +256,13 @@ def _durations(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
     # A fused backward's scale tiles (plan.scale): their share of scale_to_slots, every CTA at once.
     sel = np.flatnonzero(kind == int(TaskKind.SCALE))
     dur[sel] = _token_tile_ns(shape, gpu, SCALE_TO_SLOTS, t["row_tile"][sel], plan.num_sms)[:, None]
+    # ... or, where the movers' own rates are fitted (GpuParams.token_read_gbs), at those.
+    if is_fused(plan):
+        for k in (TaskKind.SCALE, TaskKind.SLOT_SUM):
+            sel = np.flatnonzero(kind == int(k))
+            movers = gpu.fused_token_task_ns(*token_task_bytes(shape, k, t["row_tile"][sel]))
+            if movers is not None:
+                dur[sel] = movers[:, None]
     return dur
 
 
@@ -265,6 +274,21 @@ def _tile_tokens(shape: MoEShape, row_tiles) -> np.ndarray:
 def _token_tile_ns(shape: MoEShape, gpu: GpuParams, kernel: tuple, row_tiles, num_sms: int) -> np.ndarray:
     """Token tiles' share of a token kernel (such as SCALE_TO_SLOTS), num_sms of them at once."""
     return token_kernel_ns(shape, gpu, kernel) * _tile_tokens(shape, row_tiles) / shape.num_tokens * num_sms
+
+
+def token_task_bytes(shape: MoEShape, kind: TaskKind, row_tiles) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes read, bytes written) of fused-kernel token-side tasks of `kind` (rows of H bf16; the
+    fp32 router weights and d topk_weights, K per token, are left out: under 0.2% of the bytes):
+    SCALE reads each token's dout row and writes its K dy_slots rows; SLOT_SUM (the token
+    gradients) reads its K dx_slots rows (+ the shared expert's dx row) and writes dx, then reads
+    the dout row and the K y_slots rows for d topk_weights."""
+    rows = _tile_tokens(shape, row_tiles).astype(np.float64) * shape.hidden * ELEM_BYTES
+    k = shape.top_k
+    if kind == TaskKind.SCALE:
+        return rows, rows * k
+    if kind == TaskKind.SLOT_SUM:
+        return rows * (2 * k + 1 + shape.num_shared), rows
+    raise ValueError(f"token_task_bytes: {kind.name} is not a token-side task of a fused kernel")
 
 
 def _epilogue_task_ns(shape: MoEShape, gpu: GpuParams, row_tiles: np.ndarray, num_sms: int) -> np.ndarray:

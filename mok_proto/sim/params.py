@@ -38,6 +38,8 @@ H200_CALIBRATION = {
     # ... and the spare warps' copy rate (comm_blocks == 0): the dispatch tasks of this one (e48bf6e, the
     # kernel whose counter waits back off: WAIT_SPINS; until then the b905f19 comm-0 timeline's)
     "fused_spare": "timeline_fused_fwd_kimi-k2.7_e48bf6e.jsonl",
+    # ... and the movers' rates for the fused backward's token-side tasks: its SCALE and SLOT_SUM tasks
+    "fused_token": "timeline_fused_bwd_kimi-k2.7_491ec86.jsonl",
 }
 ROW_MOVES = (("dispatch", "pull"), ("combine", "push"), ("combine", "pull"))  # row_move's bench_comm stages
 TOKEN_TRAFFIC = ("gather_sum", "scatter", "stream")  # access patterns of the token kernels (GpuParams.token_kernel_ns)
@@ -162,6 +164,17 @@ class GpuParams:
     # of 8 rows at minibatch 1024: 1.80 us per row, which puts qwen's e48bf6e chunks 50% over.)
     spare_cta_gbs: float = 0.0
     spare_task_ns: float = 0.0
+    # The fused backward's token-side tasks on a CTA's movers (SCALE: dy_slots = w * dout; SLOT_SUM: the
+    # slot sum and d topk_weights; plan.scale, plan.token_grads; token.cuh's device functions on a few
+    # warps): bound by those warps' loads in flight, not by a share of the GPU's HBM rate. Per task,
+    # bytes read / token_read_gbs + bytes written / token_write_gbs (fused_token_task_ns; the bytes:
+    # model.token_task_bytes). h200: fitted by sim.fused.calibrate on the SCALE and SLOT_SUM tasks of
+    # H200_CALIBRATION["fused_token"] (kimi's 491ec86 backward, comm 0: spare warps beside GEMM tiles),
+    # ~4.6 GB/s read and ~7 GB/s written per CTA. A communicating CTA's warps are assumed to run them at
+    # the same rate (not measured). 0 (not fitted): their share of the standalone kernels at the GPU's
+    # rate, which put 491ec86's tasks 4.7-8.2x short.
+    token_read_gbs: float = 0.0
+    token_write_gbs: float = 0.0
     note: str = ""
 
     @property
@@ -226,6 +239,13 @@ class GpuParams:
         if comm_blocks and self.comm_mover == "bulk":
             return rows * rate
         return rows * row_bytes / rate
+
+    def fused_token_task_ns(self, read_bytes, write_bytes):
+        """One fused-kernel token-side task on a CTA's movers (see token_read_gbs), or None when its
+        rates are not set (the caller then prices it as its share of the standalone kernels)."""
+        if self.token_read_gbs <= 0 or self.token_write_gbs <= 0:
+            return None
+        return read_bytes / self.token_read_gbs + write_bytes / self.token_write_gbs
 
     def recorded_at(self, git: str) -> "GpuParams":
         """These parameters with the kernels a measurement stamped `git` ran: the mover ("bulk"

@@ -288,10 +288,11 @@ BWD_TIMELINES = ("timeline_fused_bwd_deepseek-v4-pro_d689e07.jsonl", "timeline_f
 def fused_backward_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
     """The fused backward on the H200 (one EP=64 rank's share; sim/fused.py rebuilds the
     fused_backward plan each timeline of BWD_TIMELINES ran and simulates it, with the mover of its
-    git stamp's kernel, GpuParams.recorded_at): the kernel end from the first task's start (judged:
-    no h200 parameter is fitted on a backward timeline; explained for a kernel of
-    params.spare_warps_spun, SPUN), and per task kind the summed task time per compute SM
-    (results.timeline_summary's per_lane_ns; informational)."""
+    git stamp's kernel, GpuParams.recorded_at): the kernel end from the first task's start (judged;
+    explained for a kernel of params.spare_warps_spun, SPUN), and per task kind the summed task time
+    per compute SM (results.timeline_summary's per_lane_ns; informational, but for the scale and
+    token-gradient tasks of H200_CALIBRATION["fused_token"], the timeline the movers' token rates
+    are fitted on: calibration)."""
     rows = []
     for name in BWD_TIMELINES:
         try:
@@ -308,9 +309,12 @@ def fused_backward_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list
         rows.append(Row("h200 fused", f"bwd kernel end {label}", want["kernel end"] / 1e6, got["kernel end"] / 1e6, "ms",
                         *(("explained", SPUN) if spun else ())))
         want, got = results.timeline_summary(measured)["kinds"], results.timeline_summary(predicted)["kinds"]
+        fitted = results.plain_name(path) == results.plain_name(H200_CALIBRATION["fused_token"])
         for kind in (k for k in want if k in got):
+            token = fitted and kind in (TaskKind.SCALE.name.lower(), TaskKind.SLOT_SUM.name.lower())
             rows.append(Row("h200 fused", f"bwd {kind} per SM {label}", want[kind]["per_lane_ns"] / 1e3,
-                            got[kind]["per_lane_ns"] / 1e3, "us", "informational"))
+                            got[kind]["per_lane_ns"] / 1e3, "us",
+                            *(("calibration", "fits token_read_gbs, token_write_gbs") if token else ("informational",))))
     return rows
 
 
