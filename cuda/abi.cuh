@@ -293,6 +293,7 @@ struct FusedParams {
   i64          comm_ctas;  // CTAs 0 .. comm_ctas - 1 only communicate (the plan's comm_blocks; 0: none)
   i64          num_tasks;  // tasks of the plan (per rank: every rank runs the same plan)
   i64          num_counters;  // ready counters per rank
+  i64          first_remote;  // counters first_remote .. num_counters - 1 are the remote ones (plan.Plan.first_remote_counter)
   i64          minibatch_rows;  // receive rows per minibatch (a multiple of 2 kBM)
   i64          ring_rows;  // receive row r lives in row r % ring_rows of the row buffers
   i64          record_trace;  // 1: write a TraceRecord per task into `trace` (the timeline); 0: none
@@ -307,9 +308,9 @@ struct FusedParams {
   i64          trace;  // TraceRecord [W][num_tasks] (record_trace)
   ErrorRecord* error;  // this process's error record
 };
-static_assert(sizeof(FusedParams) == 128, "FusedParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(FusedParams) == 136, "FusedParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(FusedParams, comm_ctas) == 0 && __builtin_offsetof(FusedParams, num_tasks) == 8 && __builtin_offsetof(FusedParams, num_counters) == 16 && __builtin_offsetof(FusedParams, minibatch_rows) == 24 && __builtin_offsetof(FusedParams, ring_rows) == 32 && __builtin_offsetof(FusedParams, record_trace) == 40 && __builtin_offsetof(FusedParams, timeout_ns) == 48 && __builtin_offsetof(FusedParams, tasks) == 56 && __builtin_offsetof(FusedParams, task_begin) == 64 && __builtin_offsetof(FusedParams, comm) == 72 && __builtin_offsetof(FusedParams, gemm) == 80 && __builtin_offsetof(FusedParams, counters) == 88 && __builtin_offsetof(FusedParams, counter_info) == 96 && __builtin_offsetof(FusedParams, token) == 104 && __builtin_offsetof(FusedParams, trace) == 112 && __builtin_offsetof(FusedParams, error) == 120, "FusedParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(FusedParams, comm_ctas) == 0 && __builtin_offsetof(FusedParams, num_tasks) == 8 && __builtin_offsetof(FusedParams, num_counters) == 16 && __builtin_offsetof(FusedParams, first_remote) == 24 && __builtin_offsetof(FusedParams, minibatch_rows) == 32 && __builtin_offsetof(FusedParams, ring_rows) == 40 && __builtin_offsetof(FusedParams, record_trace) == 48 && __builtin_offsetof(FusedParams, timeout_ns) == 56 && __builtin_offsetof(FusedParams, tasks) == 64 && __builtin_offsetof(FusedParams, task_begin) == 72 && __builtin_offsetof(FusedParams, comm) == 80 && __builtin_offsetof(FusedParams, gemm) == 88 && __builtin_offsetof(FusedParams, counters) == 96 && __builtin_offsetof(FusedParams, counter_info) == 104 && __builtin_offsetof(FusedParams, token) == 112 && __builtin_offsetof(FusedParams, trace) == 120 && __builtin_offsetof(FusedParams, error) == 128, "FusedParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 struct TraceRecord {

@@ -105,7 +105,8 @@ struct Ctx {
   const TokenParams* tp;   // the token-side tasks' buffers (scale, slot sum; nullptr: the plan has none)
   const GemmParams* gemm;  // this launch rank's kFusedGemms
   const Task* tasks;
-  const Counter* info;  // the plan's counters (kind, target, remote)
+  const Counter* info;  // the plan's counters (kind, target, remote): read for remote counters only
+  int first_remote;     // counters first_remote .. are the remote ones (plan.py numbers them last)
   u32* counters;
   TraceRecord* trace;  // nullptr: no timeline
   int rank;            // EP rank
@@ -210,11 +211,12 @@ __device__ __forceinline__ bool wait_task(const Ctx& c, const Task& t, int index
     const int id = t.wait_counter[i];
     if (id < 0) continue;
     // a remote counter: first this rank's own share of its signals (target / R: what fails there is
-    // this kernel's own work), then the peers' flags
-    const bool remote = c.info[id].remote;
+    // this kernel's own work), then the peers' flags. Told by its id: loading c.info[id] in every
+    // wait and signal cost the fused forward ~1% (H200, results/runs/491ec86).
+    const bool remote = id >= c.first_remote;
+    u32 target = static_cast<u32>(t.wait_target[i]);
     // (an int division: with c.cp->num_ranks' 64-bit one the movers spilled 40-64 more bytes)
-    const int ranks = static_cast<int>(c.cp->num_ranks);
-    const u32 target = static_cast<u32>(remote ? c.info[id].target / ranks : t.wait_target[i]);
+    if (remote) target = static_cast<u32>(c.info[id].target / static_cast<int>(c.cp->num_ranks));
     if (!wait_local(c, id, target, index) || (remote && !wait_peers_flag(c, id))) return false;
   }
   return true;
@@ -232,7 +234,7 @@ __device__ __forceinline__ void signal_task(const Ctx& c, const Task& t) {
   for (int i = 0; i < 2; ++i) {
     const int id = t.signal_counter[i];
     if (id < 0) continue;
-    if (!c.info[id].remote) {
+    if (id < c.first_remote) {
       red_release_add(c.counters + id);
       continue;
     }
@@ -485,6 +487,7 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
   c.cp = cp;
   c.tp = reinterpret_cast<const TokenParams*>(fp->token);
   c.info = reinterpret_cast<const Counter*>(fp->counter_info);
+  c.first_remote = static_cast<int>(fp->first_remote);
   c.pass = kPass;
   c.gemm = reinterpret_cast<const GemmParams*>(fp->gemm) + w * kFusedGemms;
   c.tasks = reinterpret_cast<const Task*>(fp->tasks);

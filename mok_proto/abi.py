@@ -396,6 +396,7 @@ FUSED_PARAMS = Struct("FusedParams", (
     ("i64", "comm_ctas", "CTAs 0 .. comm_ctas - 1 only communicate (the plan's comm_blocks; 0: none)"),
     ("i64", "num_tasks", "tasks of the plan (per rank: every rank runs the same plan)"),
     ("i64", "num_counters", "ready counters per rank"),
+    ("i64", "first_remote", "counters first_remote .. num_counters - 1 are the remote ones (plan.Plan.first_remote_counter)"),
     ("i64", "minibatch_rows", "receive rows per minibatch (a multiple of 2 kBM)"),
     ("i64", "ring_rows", "receive row r lives in row r % ring_rows of the row buffers"),
     ("i64", "record_trace", "1: write a TraceRecord per task into `trace` (the timeline); 0: none"),

@@ -370,7 +370,35 @@ def test_fused_backward_check_rejects_a_local_counter_for_every_ranks_rows(kind)
     i = int(np.flatnonzero(c["kind"] == int(P.CounterKind[kind]))[0])
     c["remote"][i], c["target"][i] = False, c["target"][i] // 2
     t["wait_target"][t["wait_counter"] == i] = c["target"][i]
+    j = p.first_remote_counter  # the now local counter takes the first remote id: the remote ones stay last
+    c[[i, j]] = c[[j, i]]
+    for field in ("wait_counter", "signal_counter"):
+        ids = t[field].copy()
+        t[field][ids == i], t[field][ids == j] = j, i
     with pytest.raises(P.PlanError, match="cross-rank"):
+        P.with_tasks(p, t, c).check()
+
+
+def test_fused_plans_number_their_remote_counters_last():
+    """The fused kernel tells a remote counter by its id (FusedParams.first_remote): the builder
+    numbers them last, and check() refuses a plan where a remote counter comes before a local one."""
+    p = P.fused_backward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    remote, first = p.counters["remote"], p.first_remote_counter
+    assert remote.sum() == 2 and first == len(remote) - 2 and remote[first:].all() and not remote[:first].any()
+    # the ids in the tasks were renumbered with the counters: each remote counter's waiters and signallers
+    for cid in range(first, len(remote)):
+        kind = P.CounterKind(int(p.counters["kind"][cid]))
+        signallers = set(p.tasks["kind"][(p.tasks["signal_counter"] == cid).any(axis=1)].tolist())
+        assert signallers == {int(P.TaskKind.SCALE if kind == P.CounterKind.PUBLISHED else P.TaskKind.REV_DISPATCH)}
+    f = P.fused_forward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    assert f.first_remote_counter == len(f.counters)  # the forward keeps none
+    c, t = p.counters.copy(), p.tasks.copy()
+    i, j = first - 1, first  # swap the last local counter and the first remote one
+    c[[i, j]] = c[[j, i]]
+    for field in ("wait_counter", "signal_counter"):
+        ids = t[field].copy()
+        t[field][ids == i], t[field][ids == j] = j, i
+    with pytest.raises(P.PlanError, match="remote counters must have the last ids"):
         P.with_tasks(p, t, c).check()
 
 

@@ -102,7 +102,7 @@ class FusedPass:
         check_remote_counters(plan)
         self.tasks = cupy.asarray(plan.tasks.view(np.uint8))
         counters = plan.counters.view(np.uint8) if len(plan.counters) else np.zeros(1, np.uint8)
-        self.counter_info = cupy.asarray(counters)  # the kernel reads each counter's target and remote flag
+        self.counter_info = cupy.asarray(counters)  # the kernel reads a remote counter's kind and target
         begin = np.searchsorted(plan.tasks["block"], np.arange(plan.num_sms + 1)).astype(np.int32)
         self.task_begin = cupy.asarray(begin)
         self.counters = cupy.zeros((self.num_launch_ranks, max(1, len(plan.counters))), np.uint32)
@@ -126,7 +126,8 @@ class FusedPass:
         if key not in self._params:  # uploaded once per distinct launch (a captured graph never uploads)
             gemms = cupy.asarray(gemm_words)
             fields = dict(comm_ctas=plan.comm_blocks, num_tasks=len(plan.tasks),
-                          num_counters=self.counters.shape[1], minibatch_rows=plan.minibatch_rows,
+                          num_counters=self.counters.shape[1], first_remote=plan.first_remote_counter,
+                          minibatch_rows=plan.minibatch_rows,
                           ring_rows=plan.ring_minibatches * plan.minibatch_rows, record_trace=int(bool(trace)),
                           timeout_ns=timeout_ns, tasks=self.tasks, task_begin=self.task_begin, comm=comm_params,
                           gemm=gemms, counters=self.counters, counter_info=self.counter_info, token=token_ptr,
