@@ -177,8 +177,9 @@ def timeline_summary(records) -> dict:
     The tail, over the lanes with GEMM time: `lane_end_min_ns` / `lane_end_max_ns`, the earliest
     and latest of the lanes' last GEMM ends; `tail_idle_mean_ns`, the mean time from a lane's last
     GEMM end to the makespan; `end_busy_corr`, the correlation of a lane's last end with its GEMM
-    time (near 1: the lanes that end last are those given the most work, a static imbalance; None
-    with fewer than two lanes or no spread; 0.85-1.00 in the timelines of 491ec86)."""
+    time (near 1: the lanes that end last are those that worked longest, not those that waited;
+    None with fewer than two lanes or no spread; 0.85-1.00 in the timelines of 491ec86). With no
+    lane's GEMM time the three tail times are 0.0."""
     import numpy as np
 
     from mok_proto.plan import MOVER_KINDS, TaskKind

@@ -299,8 +299,9 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
                            f"comm={best['comm_blocks']} minibatch={best['minibatch_tokens']}")
             summary = timeline_summary(records)
             best["timeline_busy_mean"], best["timeline_busy_min"] = summary["busy_mean"], summary["busy_min"]
-            best["timeline_tail_idle_mean_ns"] = summary["tail_idle_mean_ns"]
             corr = summary["end_busy_corr"]
+            best["timeline_tail_idle_mean_ns"], best["timeline_end_busy_corr"] = summary["tail_idle_mean_ns"], corr
+            best["timeline_lane_end_spread_ns"] = summary["lane_end_max_ns"] - summary["lane_end_min_ns"]
             print(f"#   timeline: {summary['makespan_ns'] / 1e6:.3f} ms, compute lanes GEMM-busy "
                   f"{summary['busy_mean']:.1%} (least {summary['busy_min']:.1%}); GEMM ms per lane: " + ", ".join(
                       f"{k} {v['per_lane_ns'] / 1e6:.3f}" for k, v in summary["kinds"].items()

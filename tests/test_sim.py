@@ -802,8 +802,27 @@ def test_timeline_summary_counts_overlapping_tiles_once():
     rec["start_ns"][late] += 600  # lane 1's tiles later: it ends last (1100) with less GEMM time (300 < 1000)
     rec["end_ns"][late] += 600
     got = results.timeline_summary(rec)
-    assert (got["lane_end_max_ns"], got["makespan_ns"]) == (1100.0, 1100.0)
+    assert (got["lane_end_max_ns"], got["makespan_ns"], got["tail_idle_mean_ns"]) == (1100.0, 1100.0, 50.0)
     assert got["end_busy_corr"] == pytest.approx(-1.0)
+
+
+def test_timeline_summary_tail_correlation():
+    """Four lanes, one tile each: the lanes' ends against their (merged) GEMM time, a correlation
+    strictly between -1 and 1 (numpy's, on the values the summary must use); equal GEMM times or a
+    single lane: None."""
+    spans = [(0, 400), (0, 300), (100, 500), (300, 500)]  # ends 400, 300, 500, 500; GEMM time 400, 300, 400, 200
+    rec = trace.empty(len(spans) + 1)
+    for b, (r, (start, end)) in enumerate(zip(rec, spans)):
+        r["block"], r["kind"], r["start_ns"], r["end_ns"] = b, int(P.TaskKind.GATE_UP), start, end
+    rec[-1]["block"], rec[-1]["kind"], rec[-1]["start_ns"], rec[-1]["end_ns"] = 0, int(P.TaskKind.DOWN), 100, 300  # inside lane 0's tile
+    got = results.timeline_summary(rec)
+    want = np.corrcoef([400, 300, 500, 500], [400, 300, 400, 200])[0, 1]
+    assert -0.9 < want < 0.9 and got["end_busy_corr"] == pytest.approx(want)
+    assert (got["lane_end_min_ns"], got["lane_end_max_ns"], got["tail_idle_mean_ns"]) == (300.0, 500.0, 75.0)
+    same = rec[:2].copy()
+    same["end_ns"] = same["start_ns"] + 300  # two lanes, the same end and GEMM time: no spread
+    assert results.timeline_summary(same)["end_busy_corr"] is None
+    assert results.timeline_summary(rec[:1])["end_busy_corr"] is None  # one lane
 
 
 # The fused backward (plan.fused_backward, cuda/fused.cuh fused_backward)
