@@ -194,9 +194,9 @@ _PER_BYTE_SPARE_COPY = (
     "rounds of 8 KB (kSideUnroll x 16 B x 32 lanes): glm's 12 KB rows take two rounds like kimi's, its "
     "dispatch chunks 31.8 us against kimi's 32.6 (0.98x; its bytes say 0.86x); the same event of e48bf6e's "
     "glm timeline is judged at -14.5%, a1db532's and e7e9bd0's (same forward kernel) are -16.8% and -15.8%, "
-    "491ec86's (its fused.cuh changed the backward's mover tasks only) -19.9%: glm's chunks 27.0 us against "
-    "kimi's 28.8 (0.94x) in a run whose passes all ran 3-7% slower (kimi's sequential forward 2.864 ms against "
-    "e7e9bd0's 2.765)")
+    "491ec86's (the same forward work) -19.9%: glm's chunks 27.0 us against kimi's 28.8 on average (0.94x; "
+    "medians 32.1 and 33.2 us) in a run whose kimi and deepseek passes ran 4-7% slower than e7e9bd0's (kimi's "
+    "sequential forward 2.864 ms against 2.765)")
 TIMELINE_EXPLAINED = {
     ("timeline_fused_fwd_glm-5.2_a1db532.jsonl", "dispatch end"): _PER_BYTE_SPARE_COPY,
     ("timeline_fused_fwd_glm-5.2_e7e9bd0.jsonl", "dispatch end"): _PER_BYTE_SPARE_COPY,

@@ -1,10 +1,10 @@
 """Experiment (H200): how much of the fused passes' tail is static imbalance? The 491ec86 timelines
-show each lane's end tracks its GEMM busy time (corr 0.90-1.00), lanes ending 56-349 us apart.
+show each lane's end tracks its GEMM busy time (corr 0.85-1.00), lanes ending 55-348 us apart.
 Here: trace the default plan once, then build the same plan with the `balanced` list schedule fed
 the MEASURED duration of every tile pair (an oracle for this routing: what a dynamic, claim-in-
 order scheduler could approach), and time default vs oracle vs sequential interleaved
 (bench.rotating), outputs compared bitwise. Rank 0 of bench_layer's staged EP=64 share.
-    python3 .devrun/oracle.py kimi-k2.7,deepseek-v4-pro fwd,bwd 20"""
+    python3 results/runs/491ec86/oracle.py kimi-k2.7,deepseek-v4-pro fwd,bwd 20   (from the repository root)"""
 import bisect, collections, sys
 sys.path.insert(0, "scripts")
 import numpy as np, cupy
