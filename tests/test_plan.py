@@ -360,6 +360,14 @@ def test_fused_backward_runs_the_scale_first_on_every_cta():
                          capacity_rows=1024, scale=True)
 
 
+def _swap_counters(counters, tasks, i, j):
+    """Counters i and j trade ids, in the counter table and in every task's waits and signals (in place)."""
+    counters[[i, j]] = counters[[j, i]]
+    for field in ("wait_counter", "signal_counter"):
+        ids = tasks[field].copy()
+        tasks[field][ids == i], tasks[field][ids == j] = j, i
+
+
 @pytest.mark.parametrize("kind", ["PUBLISHED", "SLOTS_ARRIVED"])
 def test_fused_backward_check_rejects_a_local_counter_for_every_ranks_rows(kind):
     # the same tasks, waits and signals, but the counter local (its target one rank's signals): each
@@ -370,11 +378,7 @@ def test_fused_backward_check_rejects_a_local_counter_for_every_ranks_rows(kind)
     i = int(np.flatnonzero(c["kind"] == int(P.CounterKind[kind]))[0])
     c["remote"][i], c["target"][i] = False, c["target"][i] // 2
     t["wait_target"][t["wait_counter"] == i] = c["target"][i]
-    j = p.first_remote_counter  # the now local counter takes the first remote id: the remote ones stay last
-    c[[i, j]] = c[[j, i]]
-    for field in ("wait_counter", "signal_counter"):
-        ids = t[field].copy()
-        t[field][ids == i], t[field][ids == j] = j, i
+    _swap_counters(c, t, i, p.first_remote_counter)  # it takes the first remote id: the remote ones stay last
     with pytest.raises(P.PlanError, match="cross-rank"):
         P.with_tasks(p, t, c).check()
 
@@ -393,11 +397,7 @@ def test_fused_plans_number_their_remote_counters_last():
     f = P.fused_forward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     assert f.first_remote_counter == len(f.counters)  # the forward keeps none
     c, t = p.counters.copy(), p.tasks.copy()
-    i, j = first - 1, first  # swap the last local counter and the first remote one
-    c[[i, j]] = c[[j, i]]
-    for field in ("wait_counter", "signal_counter"):
-        ids = t[field].copy()
-        t[field][ids == i], t[field][ids == j] = j, i
+    _swap_counters(c, t, first - 1, first)  # the last local counter and the first remote one
     with pytest.raises(P.PlanError, match="remote counters must have the last ids"):
         P.with_tasks(p, t, c).check()
 
