@@ -340,7 +340,8 @@ class Plan:
 
         1. Structure: blocks, seq, kinds, counter ids in range; every wait target equals its
            counter's target, and every counter's target equals the signals it will get
-           (R per signalling task for a remote counter).
+           (R per signalling task for a remote counter); the remote counters have the last ids
+           (first_remote_counter: the fused kernel tells them by their id).
         2. Coverage: every task the pass needs (each GEMM tile, each chunk of each minibatch,
            each epilogue tile, each weight-gradient tile per macrobatch) exists exactly once.
         3. Weight-gradient order: each routed weight-gradient output tile runs on one CTA, its

@@ -129,8 +129,11 @@ def _fit_token(path: Path) -> tuple[float, float]:
     the spare warps of a comm_blocks == 0 plan): duration = bytes read / read rate + bytes written /
     write rate (model.token_task_bytes), least squares over every such task; the two kinds mix reads
     and writes differently (a scale task writes K rows per row read, a token-gradient task reads
-    2K + 1 (+ 1) rows per row written), which fixes both rates. A task's bar starts when its wait is
-    met (trace.py), so its duration is its work."""
+    2K + 1 (+ 1) rows per row written), which fixes both rates. With every tile full (16 tokens:
+    the calibration timeline's) there are two distinct byte counts for two unknowns, so the fit
+    reproduces each kind's mean exactly and does not test the read/write split (the other shapes'
+    tasks do: sim --validate). A task's bar starts when its wait is met (trace.py), so its
+    duration is its work."""
     try:
         path = results.timeline_file(path.name, path.parent)  # stored as .jsonl or .jsonl.gz
     except FileNotFoundError as e:

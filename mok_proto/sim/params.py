@@ -172,7 +172,7 @@ class GpuParams:
     # H200_CALIBRATION["fused_token"] (kimi's 491ec86 backward, comm 0: spare warps beside GEMM tiles),
     # ~4.6 GB/s read and ~7 GB/s written per CTA. A communicating CTA's warps are assumed to run them at
     # the same rate (not measured). 0 (not fitted): their share of the standalone kernels at the GPU's
-    # rate, which put 491ec86's tasks 4.7-8.2x short.
+    # rate, which put 491ec86's tasks 3.6-8.2x short (72-88%).
     token_read_gbs: float = 0.0
     token_write_gbs: float = 0.0
     note: str = ""
@@ -437,12 +437,12 @@ def gb300_nvl72(h200_params: GpuParams | None = None) -> GpuParams:
         # 1.5 us; each peer's signal is one ordered remote store behind a fence: one round trip.
         rtt_ns=1500.0, signal_ns_per_peer=1500.0,
         # The fused kernel's per-CTA copy rates (comm_cta_gbs, comm_task_ns, bulk_*, spare_cta_gbs, spare_task_ns)
-        # carry over unchanged (assumed): one CTA's copies are bound by its issue rate and latency, not
-        # by HBM or the link (their shares still cap them, and a remote pull pays a round trip:
+        # and its movers' token-task rates (token_read_gbs, token_write_gbs) carry over unchanged (assumed): one
+        # CTA's copies are bound by its issue rate and latency, not by HBM or the link (their shares still cap them, and a remote pull pays a round trip:
         # model._fused_chunk_ns).
         note="public specs (NVIDIA GB300 NVL72: 2.5 PF dense BF16, 8 TB/s HBM, NVLink 5 900 GB/s each way); "
              "our kernels' efficiencies (GEMM tiles vs peak, row moves and token sums vs a copy, link) and the fused "
-             "kernel's per-CTA copy rates from the H200 calibration; no sustained-load factor (assumed)")
+             "kernel's per-CTA copy and token-task rates from the H200 calibration; no sustained-load factor (assumed)")
 
 
 def nccl_links(gpu: GpuParams) -> GpuParams:
