@@ -123,6 +123,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _token_tiles(shape: MoEShape) -> range:
+    """The row_tile of every token tile (EPILOGUE_ROWS tokens, the last one shorter): the epilogue's
+    and the fused backward's scale tasks."""
+    return range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))
+
+
 def tile_grid(kind: TaskKind, shape: MoEShape) -> tuple[int, int, int]:
     """(output tile rows, output tile columns, reduction length) of one task's GEMM tile, as
     (rows, cols, k). Row-tile kinds have BM rows of the receive buffer (or of the N tokens);
@@ -748,7 +754,7 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
     shared_second_done = [b.counter(CounterKind.SHARED_SECOND_DONE, 0)] if token_grads and shared_pairs else []
     published = [b.counter(CounterKind.PUBLISHED, 0, remote=True)] if scale else []
     if scale:  # first in every CTA's table: its movers write this rank's dy_slots before any pull
-        for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS)):
+        for r in _token_tiles(shape):
             b.add(r % num_sms, TaskKind.SCALE, [], published, row_tile=r)
 
     chunks = comm_blocks or num_sms
@@ -814,7 +820,7 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
             rt = 2 * p + cta
             b.add(comm_blocks + 2 * cluster + cta, kind, waits(rt), signals(rt), row_tile=rt, col_tile=col, **fields)
     if token_grads:  # last in every CTA's table: its movers run them after their transfers
-        for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS)):
+        for r in _token_tiles(shape):
             b.add(r % num_sms, k.epilogue, slots_arrived + shared_second_done, [], row_tile=r)
     return b.build(pass_=pass_, shape=shape, num_ranks=num_ranks, policy=dict(policy), num_sms=num_sms,
                    comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, ring_minibatches=ring,
@@ -861,7 +867,7 @@ def _assign_clusters(assign: str, pairs: list, clusters: int, cost) -> list[int]
 def _epilogue_tasks(k: PassKinds, shape: MoEShape, num_sms: int, ctr) -> list:
     """Weighted sum (fwd) / slot sum (bwd) per EPILOGUE_ROWS tokens, round robin over every CTA."""
     waits = [ctr(CounterKind.SLOTS_ARRIVED)] + ([ctr(CounterKind.SHARED_DONE)] if shape.num_shared else [])
-    return [(rt % num_sms, k.epilogue, rt, waits) for rt in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))]
+    return [(rt % num_sms, k.epilogue, rt, waits) for rt in _token_tiles(shape)]
 
 
 def sequential(shape: MoEShape, num_ranks: int, *, pass_: str = "fwd", policy: dict, num_sms: int,
@@ -896,7 +902,7 @@ def sequential(shape: MoEShape, num_ranks: int, *, pass_: str = "fwd", policy: d
     for kind in (k.shared_wgrad if shared_tiles else ()):
         rows, cols = wgrad_grid(kind, shape)
         stages.append(([dict(kind=kind, row_tile=r, col_tile=c) for r in range(rows) for c in range(cols)], False))
-    stages.append(([dict(kind=k.epilogue, row_tile=r) for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))], False))
+    stages.append(([dict(kind=k.epilogue, row_tile=r) for r in _token_tiles(shape)], False))
     stages = [(items, rem) for items, rem in stages if items]
 
     b = _Builder(num_ranks)
@@ -980,7 +986,7 @@ def _expected_keys(plan: Plan) -> np.ndarray:
     for kind in (k.shared_wgrad if shared_tiles else ()):
         rows, cols = wgrad_grid(kind, shape)
         keys += [key(kind, row_tile=r, col_tile=c) for r in range(rows) for c in range(cols)]
-    keys += [key(k.epilogue, row_tile=r) for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))]
+    keys += [key(k.epilogue, row_tile=r) for r in _token_tiles(shape)]
     return np.array(keys, np.int64).reshape(-1, len(KEY_FIELDS))
 
 
@@ -1011,9 +1017,9 @@ def _expected_fused_keys(plan: Plan, key) -> np.ndarray:
             keys += [key(kind, macrobatch=macro, row_tile=r, col_tile=c, expert=e) for e in experts
                      for r in range(2 * _cdiv(rows, 2)) for c in range(cols)]
     if plan.token_grads:
-        keys += [key(k.epilogue, row_tile=r) for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))]
+        keys += [key(k.epilogue, row_tile=r) for r in _token_tiles(shape)]
     if plan.scale:
-        keys += [key(TaskKind.SCALE, row_tile=r) for r in range(_cdiv(shape.num_tokens, EPILOGUE_ROWS))]
+        keys += [key(TaskKind.SCALE, row_tile=r) for r in _token_tiles(shape)]
     return np.array(keys, np.int64).reshape(-1, len(KEY_FIELDS))
 
 
