@@ -246,24 +246,30 @@ def _durations(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
         local = rows * load.local_fraction[None, :] * row_bytes
         moved = _transfer_ns(gpu, direction, plan.comm_blocks, remote, local)
         dur[sel] = moved + (gpu.rtt_ns if direction == "pull" else 0.0) * (rows > 0)
-    # Epilogue tiles (weighted sum / slot sum; a fused forward runs its weighted sum after the
-    # kernel; a fused backward with token_grads its slot sum and d topk_weights inside).
-    for k in (TaskKind.WEIGHTED_SUM, TaskKind.SLOT_SUM):
+    # Token tiles: the epilogue (weighted sum / slot sum) and a fused backward's scale.
+    for k in (TaskKind.WEIGHTED_SUM, TaskKind.SLOT_SUM, TaskKind.SCALE):
         sel = np.flatnonzero(kind == int(k))
-        dur[sel] = _epilogue_task_ns(shape, gpu, t["row_tile"][sel], plan.num_sms)[:, None]
-        if k == TaskKind.SLOT_SUM and is_fused(plan):
-            dur[sel] += _token_tile_ns(shape, gpu, TOPK_WEIGHT_GRAD, t["row_tile"][sel], plan.num_sms)[:, None]
-    # A fused backward's scale tiles (plan.scale): their share of scale_to_slots, every CTA at once.
-    sel = np.flatnonzero(kind == int(TaskKind.SCALE))
-    dur[sel] = _token_tile_ns(shape, gpu, SCALE_TO_SLOTS, t["row_tile"][sel], plan.num_sms)[:, None]
-    # ... or, where the movers' own rates are fitted (GpuParams.token_read_gbs), at those.
-    if is_fused(plan):
-        for k in (TaskKind.SCALE, TaskKind.SLOT_SUM):
-            sel = np.flatnonzero(kind == int(k))
-            movers = gpu.fused_token_task_ns(*token_task_bytes(shape, k, t["row_tile"][sel]))
-            if movers is not None:
-                dur[sel] = movers[:, None]
+        dur[sel] = _token_task_ns(plan, gpu, k, t["row_tile"][sel])[:, None]
     return dur
+
+
+def _token_task_ns(plan: Plan, gpu: GpuParams, kind: TaskKind, row_tiles) -> np.ndarray:
+    """Token tiles of `kind` (WEIGHTED_SUM, SLOT_SUM, SCALE). A fused backward's scale and token
+    gradients run on its movers: at their fitted rates (GpuParams.fused_token_task_ns), or where
+    those are not set their share of the standalone kernels, every CTA at once (scale_to_slots;
+    the slot sum plus topk_weight_grad). An epilogue tile outside a fused kernel (a fused forward
+    runs its weighted sum after the kernel): reads K slot rows (+ the shared row), writes one."""
+    shape, fused = plan.shape, is_fused(plan)
+    if fused and kind in (TaskKind.SCALE, TaskKind.SLOT_SUM):
+        movers = gpu.fused_token_task_ns(*token_task_bytes(shape, kind, row_tiles))
+        if movers is not None:
+            return movers
+    if kind == TaskKind.SCALE:
+        return _token_tile_ns(shape, gpu, SCALE_TO_SLOTS, row_tiles, plan.num_sms)
+    ns = _epilogue_task_ns(shape, gpu, row_tiles, plan.num_sms)
+    if kind == TaskKind.SLOT_SUM and fused:
+        ns = ns + _token_tile_ns(shape, gpu, TOPK_WEIGHT_GRAD, row_tiles, plan.num_sms)
+    return ns
 
 
 def _tile_tokens(shape: MoEShape, row_tiles) -> np.ndarray:
