@@ -30,8 +30,9 @@ enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2 };
 //   kOpGemmMma: GEMM consumer (waiting for a loaded stage)
 //   kOpGemmAux: GEMM consumer (waiting for an epilogue operand stage)
 //   kOpFusedWait: fused layer task (waiting for a ready counter)
+//   kOpFusedClaim: fused layer cluster (handing a claimed tile pair to its CTAs)
 //   kOpWeightedSum: weighted sum
-enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpCombinePush = 4, kOpCombinePull = 5, kOpRevCombinePull = 6, kOpRevCombinePush = 7, kOpRevDispatchPush = 8, kOpRevDispatchPull = 9, kOpGemmLoad = 10, kOpGemmMma = 11, kOpGemmAux = 12, kOpFusedWait = 13, kOpWeightedSum = 14, kNumOps = 15 };
+enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpCombinePush = 4, kOpCombinePull = 5, kOpRevCombinePull = 6, kOpRevCombinePush = 7, kOpRevDispatchPush = 8, kOpRevDispatchPull = 9, kOpGemmLoad = 10, kOpGemmMma = 11, kOpGemmAux = 12, kOpFusedWait = 13, kOpFusedClaim = 14, kOpWeightedSum = 15, kNumOps = 16 };
 // FlagKind, as errors print it:
 //   kFlagRouting: routing
 //   kFlagMap: map
@@ -87,7 +88,8 @@ enum TaskKind : int { kTaskDispatch = 0, kTaskSharedGateUp = 1, kTaskSharedDown 
 //   kCounterStageDone: stage_done
 //   kCounterSharedSecondDone: shared_second_done
 //   kCounterPublished: published
-enum CounterKind : int { kCounterArrived = 0, kCounterFirstDone = 1, kCounterSecondDone = 2, kCounterReleased = 3, kCounterSlotsArrived = 4, kCounterSharedFirstDone = 5, kCounterSharedDone = 6, kCounterDataGradDone = 7, kCounterWgradDone = 8, kCounterStageDone = 9, kCounterSharedSecondDone = 10, kCounterPublished = 11, kNumCounterKinds = 12 };
+//   kCounterClaimed: claimed
+enum CounterKind : int { kCounterArrived = 0, kCounterFirstDone = 1, kCounterSecondDone = 2, kCounterReleased = 3, kCounterSlotsArrived = 4, kCounterSharedFirstDone = 5, kCounterSharedDone = 6, kCounterDataGradDone = 7, kCounterWgradDone = 8, kCounterStageDone = 9, kCounterSharedSecondDone = 10, kCounterPublished = 11, kCounterClaimed = 12, kNumCounterKinds = 13 };
 }  // namespace mok::plan
 
 namespace mok::fused {
@@ -107,7 +109,7 @@ namespace mok {
 constexpr int kCommThreads = 256;  // threads of a row-copy block: 8 warps, one row per warp
 constexpr int kScheduleThreads = 1024;  // threads of the schedule's scan block
 constexpr int kScheduleSegment = 1024;  // slots of one source rank per block of the schedule's count and place steps
-constexpr int kStateWords = 16;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
+constexpr int kStateWords = 17;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
 }  // namespace mok
 
 namespace mok::gemm {
@@ -294,6 +296,7 @@ struct FusedParams {
   i64          num_tasks;  // tasks of the plan (per rank: every rank runs the same plan)
   i64          num_counters;  // ready counters per rank
   i64          first_remote;  // counters first_remote .. num_counters - 1 are the remote ones (plan.Plan.first_remote_counter)
+  i64          claim_counter;  // the CLAIMED counter (the clusters' ticket for the pool: tasks[task_begin[num_ctas] .. num_tasks), pair k = tasks 2k, 2k + 1 of it); -1: no pool (plan.Plan.claim_counter)
   i64          minibatch_rows;  // receive rows per minibatch (a multiple of 2 kBM)
   i64          ring_rows;  // receive row r lives in row r % ring_rows of the row buffers
   i64          record_trace;  // 1: write a TraceRecord per task into `trace` (the timeline); 0: none
@@ -308,9 +311,9 @@ struct FusedParams {
   i64          trace;  // TraceRecord [W][num_tasks] (record_trace)
   ErrorRecord* error;  // this process's error record
 };
-static_assert(sizeof(FusedParams) == 136, "FusedParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(FusedParams) == 144, "FusedParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(FusedParams, comm_ctas) == 0 && __builtin_offsetof(FusedParams, num_tasks) == 8 && __builtin_offsetof(FusedParams, num_counters) == 16 && __builtin_offsetof(FusedParams, first_remote) == 24 && __builtin_offsetof(FusedParams, minibatch_rows) == 32 && __builtin_offsetof(FusedParams, ring_rows) == 40 && __builtin_offsetof(FusedParams, record_trace) == 48 && __builtin_offsetof(FusedParams, timeout_ns) == 56 && __builtin_offsetof(FusedParams, tasks) == 64 && __builtin_offsetof(FusedParams, task_begin) == 72 && __builtin_offsetof(FusedParams, comm) == 80 && __builtin_offsetof(FusedParams, gemm) == 88 && __builtin_offsetof(FusedParams, counters) == 96 && __builtin_offsetof(FusedParams, counter_info) == 104 && __builtin_offsetof(FusedParams, token) == 112 && __builtin_offsetof(FusedParams, trace) == 120 && __builtin_offsetof(FusedParams, error) == 128, "FusedParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(FusedParams, comm_ctas) == 0 && __builtin_offsetof(FusedParams, num_tasks) == 8 && __builtin_offsetof(FusedParams, num_counters) == 16 && __builtin_offsetof(FusedParams, first_remote) == 24 && __builtin_offsetof(FusedParams, claim_counter) == 32 && __builtin_offsetof(FusedParams, minibatch_rows) == 40 && __builtin_offsetof(FusedParams, ring_rows) == 48 && __builtin_offsetof(FusedParams, record_trace) == 56 && __builtin_offsetof(FusedParams, timeout_ns) == 64 && __builtin_offsetof(FusedParams, tasks) == 72 && __builtin_offsetof(FusedParams, task_begin) == 80 && __builtin_offsetof(FusedParams, comm) == 88 && __builtin_offsetof(FusedParams, gemm) == 96 && __builtin_offsetof(FusedParams, counters) == 104 && __builtin_offsetof(FusedParams, counter_info) == 112 && __builtin_offsetof(FusedParams, token) == 120 && __builtin_offsetof(FusedParams, trace) == 128 && __builtin_offsetof(FusedParams, error) == 136, "FusedParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 struct TraceRecord {
@@ -319,10 +322,11 @@ struct TraceRecord {
   i64 end_ns;  // when it signalled (a task that signals nothing: its lead thread's work done)
   int task;  // index into the plan's task table; -1: not run
   int sm;  // %smid
+  int block;  // blockIdx.x of the CTA that ran it (a claimed pair's: known only at run time)
 };
-static_assert(sizeof(TraceRecord) == 32, "TraceRecord: size differs from mok_proto/abi.py");
+static_assert(sizeof(TraceRecord) == 40, "TraceRecord: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(TraceRecord, start_ns) == 0 && __builtin_offsetof(TraceRecord, ready_ns) == 8 && __builtin_offsetof(TraceRecord, end_ns) == 16 && __builtin_offsetof(TraceRecord, task) == 24 && __builtin_offsetof(TraceRecord, sm) == 28, "TraceRecord: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(TraceRecord, start_ns) == 0 && __builtin_offsetof(TraceRecord, ready_ns) == 8 && __builtin_offsetof(TraceRecord, end_ns) == 16 && __builtin_offsetof(TraceRecord, task) == 24 && __builtin_offsetof(TraceRecord, sm) == 28 && __builtin_offsetof(TraceRecord, block) == 32, "TraceRecord: field offsets differ from mok_proto/abi.py");
 #endif
 
 }  // namespace mok::fused

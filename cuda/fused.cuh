@@ -253,6 +253,77 @@ __device__ __forceinline__ void trace_times(const Ctx& c, int index, i64 start, 
   r.end_ns = end;
   r.task = index;
   r.sm = sm_id();
+  r.block = static_cast<int>(blockIdx.x);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The pool (plan.py: Plan.pool_table, `claim`): the tile pairs no CTA's table holds, claimed at run
+// time in order, each by a cluster whose own table's GEMM tasks are done (MoK's ticket scheduler,
+// over the tail of the global order): the cluster that finishes first takes the next pair. Cluster
+// CTA 0's producer lane 0 claims (an add on the plan's CLAIMED counter, this launch rank's) and
+// hands each claim to the readers of both CTAs through kTickets shared-memory tickets: it writes
+// ticket j % kTickets into both CTAs, then arrives on both CTAs' ticket_full (release, cluster
+// scope); the readers (CTA 1's producer lane 0; each CTA's consumers, after agreeing on it) wait
+// for it (acquire, cluster scope) and arrive on CTA 0's ticket_empty once they have read it. A
+// ticket of -1: no pair left, or an error (every reader stops). Each claimed pair then runs as a
+// table's does (produce_task, consume_task, same waits and signals), as task Pool::first + 2k + cta.
+// ---------------------------------------------------------------------------------------------
+constexpr int kTicketReaders = (gemm::kCluster - 1) + gemm::kCluster;  // partner producer lanes 0, CTAs' consumers
+
+// Before gemm_setup (whose fence and cluster barrier publish the inits to the partner).
+__device__ __forceinline__ void init_tickets(SharedStorage& ss) {
+  for (int q = 0; q < gemm::kTickets; ++q) {
+    mbar_init(&ss.ticket_full[q], 1);
+    mbar_init(&ss.ticket_empty[q], kTicketReaders);
+  }
+}
+
+// The pool's tasks: pair k is tasks first + 2k (cta 0) and + 1 (cta 1). (Read when a CTA reaches
+// it, not kept in Ctx: two more live registers made ptxas spill more in the consumers.)
+struct Pool {
+  int first, pairs;
+  __device__ __forceinline__ explicit Pool(const Ctx& c)
+      : first(reinterpret_cast<const int*>(c.fp->task_begin)[gridDim.x]),
+        pairs((static_cast<int>(c.fp->num_tasks) - first) / 2) {}
+};
+
+// Claim j of this cluster (CTA 0's producer lane 0): pair k of the pool, or -1 when none is left,
+// written to both CTAs' ticket j.
+__device__ __forceinline__ int claim_pair(const Ctx& c, SharedStorage& ss, int j, bool ok) {
+  const int q = j % gemm::kTickets, parity = (j / gemm::kTickets) & 1;
+  const GemmParams* g = c.gemm + kSlotFirst;
+  if (ok) ok = mbar_wait<true>(&ss.ticket_empty[q], parity ^ 1, g->timeout_ns, c.fp->error, kOpFusedClaim, j);
+  int k = ok ? static_cast<int>(atomicAdd(c.counters + c.fp->claim_counter, 1u)) : -1;
+  if (k >= Pool(c).pairs) k = -1;
+  for (u32 cta = 0; cta < gemm::kCluster; ++cta) {
+    st_cluster_u32(&ss.ticket[q], cta, static_cast<u32>(k));
+    mbar_arrive_release_cluster(&ss.ticket_full[q], cta);
+  }
+  return k;
+}
+
+// A reader thread's ticket j: the pair, or -1 (none left, or the wait failed: an error).
+__device__ __forceinline__ int read_ticket(const Ctx& c, SharedStorage& ss, int j, bool ok) {
+  const int q = j % gemm::kTickets, parity = (j / gemm::kTickets) & 1;
+  const GemmParams* g = c.gemm + kSlotFirst;
+  if (ok) ok = mbar_wait<true>(&ss.ticket_full[q], parity, g->timeout_ns, c.fp->error, kOpFusedClaim, j);
+  return ok ? *reinterpret_cast<volatile int*>(&ss.ticket[q]) : -1;
+}
+
+// One arrive per reader on CTA 0's ticket_empty j, after it read ticket j.
+__device__ __forceinline__ void return_ticket(SharedStorage& ss, int j) {
+  mbar_arrive_release_cluster(&ss.ticket_empty[j % gemm::kTickets], 0);
+}
+
+// Every consumer thread of the CTA (both warpgroups): true if `pred` holds for any of them (a
+// barrier reduction: wgmma needs the warpgroups to agree on every pair they run).
+__device__ __forceinline__ bool consumers_any(bool pred) {
+  u32 any;
+  asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, 256, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+               : "=r"(any)
+               : "r"(static_cast<u32>(pred)), "n"(gemm::kConsumersBarrier)
+               : "memory");
+  return any != 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -495,6 +566,7 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
   c.trace = fp->record_trace ? reinterpret_cast<TraceRecord*>(fp->trace) + w * fp->num_tasks : nullptr;
   c.rank = static_cast<int>(cp->rank_base) + w;
   // Barriers and the cluster's abort decision (an error recorded before this launch: run nothing).
+  if (threadIdx.x == 0) init_tickets(ss);
   gemm::gemm_setup<gemm::kGateUp>(c.gemm + kSlotFirst, ss, cta);
   const int* task_begin = reinterpret_cast<const int*>(fp->task_begin);
   const int first = task_begin[blockIdx.x], last = task_begin[blockIdx.x + 1];
@@ -510,7 +582,20 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
       if (wg == 0) {
         warpgroup_reg_dealloc<kFusedProducerRegs>();
         if (wg_tid < 32) {  // the producer warp: GEMM tasks
-          for (int i = first; i < last; ++i) {
+          // its table's GEMM tasks, then the pool's pairs as claimed (one call site of produce_task:
+          // a second one made ptxas spill more in the consumers)
+          for (int n = first;; ++n) {
+            int i = n;
+            if (n >= last) {  // claim j = n - last (live registers: n and last only, as before the pool)
+              const int j = n - last;
+              if (fp->claim_counter < 0) break;  // no pool
+              int k = -1;
+              if (wg_tid == 0 && cta == 0) k = claim_pair(c, ss, j, ok);
+              if (wg_tid == 0 && cta != 0) k = read_ticket(c, ss, j, ok), return_ticket(ss, j);
+              k = __shfl_sync(0xffffffffu, k, 0);
+              if (k < 0) break;
+              i = Pool(c).first + 2 * k + cta;
+            }
             const Task t = c.tasks[i];
             if (is_mover(t.kind)) continue;
             ok = with_problem<kPass>(t.kind, [&](auto tag) {
@@ -529,7 +614,17 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
         warpgroup_reg_alloc<kFusedConsumerRegs>();
         float acc[128];
         float* staging = ss.staging[threadIdx.x / 32 - 4];
-        for (int i = first; i < last; ++i) {
+        for (int n = first;; ++n) {  // as the producer: the table, then the pool's claimed pairs
+          int i = n;
+          if (n >= last) {
+            const int j = n - last;
+            if (fp->claim_counter < 0) break;
+            const int k = read_ticket(c, ss, j, ok);
+            const bool stop = consumers_any(k < 0);  // after it every consumer has read ticket j
+            if (threadIdx.x == 128) return_ticket(ss, j);
+            if (stop) break;
+            i = Pool(c).first + 2 * k + cta;
+          }
           const Task t = c.tasks[i];
           if (is_mover(t.kind)) continue;
           ok = with_problem<kPass>(t.kind, [&](auto tag) {

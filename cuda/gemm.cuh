@@ -68,6 +68,9 @@ constexpr int kProducerRegs = 88;
 constexpr int kConsumerRegs = 208;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs, "over the CTA's registers");
 
+// Tickets in flight between a cluster's claimer and its readers (fused.cuh: the claimed tile pairs).
+constexpr int kTickets = 4;
+
 // Shared memory of one CTA. The kernel aligns the dynamic base up to 1024 bytes (128B-swizzled
 // TMA and wgmma atoms), so a launch asks for sizeof + 1024.
 struct SharedStorage {
@@ -77,6 +80,9 @@ struct SharedStorage {
   u64 empty[kStages];                             // consumers (both CTAs) -> producers: stage free
   int abort;                                      // set in both CTAs by cta 0: skip every tile
   int go;                                         // fused.cuh: the movers of a chunk task proceed
+  int ticket[kTickets];                           // fused.cuh: claimed tile pairs, cta 0 -> both CTAs
+  u64 ticket_full[kTickets];                      // fused.cuh: a ticket written (cta 0's arrive)
+  u64 ticket_empty[kTickets];                     // fused.cuh (cta 0's only): every reader took it
   int pair_prefix[kMaxGroups + 1];                // row problems: pair rows before expert g
 };
 constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;

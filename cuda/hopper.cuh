@@ -15,13 +15,25 @@ __device__ __forceinline__ void mbar_init(u64* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }
 
+// kCluster: acquire at cluster scope (the phase was completed by a partner CTA's release.cluster
+// arrive, whose shared-memory stores the waiter reads next: fused.cuh's claim hand-off); else the
+// default, acquire at CTA scope.
+template <bool kCluster = false>
 __device__ __forceinline__ bool mbar_try_wait(u64* bar, int parity) {
   u32 done;
-  asm volatile(
-      "{\n.reg .pred P;\nmbarrier.try_wait.parity.shared::cta.b64 P, [%1], %2;\nselp.u32 %0, 1, 0, P;\n}\n"
-      : "=r"(done)
-      : "r"(smem_addr(bar)), "r"(parity)
-      : "memory");
+  if constexpr (kCluster)
+    asm volatile(
+        "{\n.reg .pred P;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, P;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  else
+    asm volatile(
+        "{\n.reg .pred P;\nmbarrier.try_wait.parity.shared::cta.b64 P, [%1], %2;\nselp.u32 %0, 1, 0, P;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
   return done != 0;
 }
 
@@ -31,13 +43,14 @@ __device__ __forceinline__ bool mbar_try_wait(u64* bar, int parity) {
 // one on every spin noticed a completed phase late (the GEMM mainloop lost 10-20% to it).
 // The report names `op` (an Op) and `detail` (see ErrorRecord), the parity waited for, and the
 // reporting block and thread; it has no EP rank or peer (-1).
+template <bool kCluster = false>
 __device__ __forceinline__ bool mbar_wait(u64* bar, int parity, u64 timeout_ns, ErrorRecord* err, int op,
                                           int detail) {
   constexpr u64 kPollNs = 20000;
-  if (mbar_try_wait(bar, parity)) return true;
+  if (mbar_try_wait<kCluster>(bar, parity)) return true;
   const u64 start = globaltimer_ns();
   u64 polled = start;
-  while (!mbar_try_wait(bar, parity)) {
+  while (!mbar_try_wait<kCluster>(bar, parity)) {
     const u64 now = globaltimer_ns();
     if (now - polled < kPollNs) continue;
     polled = now;
@@ -100,6 +113,17 @@ __device__ __forceinline__ void mbar_arrive_cluster(u64* bar, u32 cta) {
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
       "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
+      "r"(cta)
+      : "memory");
+}
+
+// The same arrive with release at cluster scope: this thread's earlier shared-memory stores into
+// that CTA (st_cluster_u32) are seen by a thread whose mbar_wait<true> sees the phase complete.
+// (Slow: fused.cuh's claim hand-off only, once per claimed tile pair.)
+__device__ __forceinline__ void mbar_arrive_release_cluster(u64* bar, u32 cta) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
       "r"(cta)
       : "memory");
 }

@@ -143,6 +143,7 @@ OP = Enum("Op", (
     ("kOpGemmMma", "GEMM consumer (waiting for a loaded stage)"),
     ("kOpGemmAux", "GEMM consumer (waiting for an epilogue operand stage)"),
     ("kOpFusedWait", "fused layer task (waiting for a ready counter)"),
+    ("kOpFusedClaim", "fused layer cluster (handing a claimed tile pair to its CTAs)"),
     # Token side, after the combine: slots whose expert owner placed no receive row (its buffer
     # overflowed), found by the weighted sum (cuda/common.cuh report_unplaced_slots).
     ("kOpWeightedSum", "weighted sum"),
@@ -205,6 +206,7 @@ COUNTER_KIND = Enum("CounterKind", (
     ("kCounterStageDone", "stage_done"),  # per stage (sequential plans only)
     ("kCounterSharedSecondDone", "shared_second_done"),  # one: the shared expert's second GEMM (bwd: dx_base)
     ("kCounterPublished", "published"),  # one: the rows peers pull from this rank are written (bwd: dy_slots)
+    ("kCounterClaimed", "claimed"),  # one (fused plans with a pool): pool pairs claimed so far (the ticket)
 ), namespace="mok::plan", count="kNumCounterKinds")
 
 # The fused layer's GEMMs of one launch rank, in FusedParams.gemm order (a forward leaves the
@@ -397,6 +399,8 @@ FUSED_PARAMS = Struct("FusedParams", (
     ("i64", "num_tasks", "tasks of the plan (per rank: every rank runs the same plan)"),
     ("i64", "num_counters", "ready counters per rank"),
     ("i64", "first_remote", "counters first_remote .. num_counters - 1 are the remote ones (plan.Plan.first_remote_counter)"),
+    ("i64", "claim_counter", "the CLAIMED counter (the clusters' ticket for the pool: tasks[task_begin[num_ctas] .. "
+                             "num_tasks), pair k = tasks 2k, 2k + 1 of it); -1: no pool (plan.Plan.claim_counter)"),
     ("i64", "minibatch_rows", "receive rows per minibatch (a multiple of 2 kBM)"),
     ("i64", "ring_rows", "receive row r lives in row r % ring_rows of the row buffers"),
     ("i64", "record_trace", "1: write a TraceRecord per task into `trace` (the timeline); 0: none"),
@@ -418,6 +422,7 @@ TRACE_RECORD = Struct("TraceRecord", (
     ("i64", "end_ns", "when it signalled (a task that signals nothing: its lead thread's work done)"),
     ("int", "task", "index into the plan's task table; -1: not run"),
     ("int", "sm", "%smid"),
+    ("int", "block", "blockIdx.x of the CTA that ran it (a claimed pair's: known only at run time)"),
 ), namespace="mok::fused")
 
 STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, TOKEN_PARAMS, TASK, COUNTER, FUSED_PARAMS, TRACE_RECORD)

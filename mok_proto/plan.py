@@ -66,6 +66,8 @@ DEFAULT_ASSIGN = {"fwd": "round_robin", "bwd": "balanced"}
 # column tile (row pairs fastest: the pairs that run at once share B, the weights' column panels).
 RASTERS = ("row", "col")
 DEFAULT_RASTER = "row"
+# Tile pairs of a fused plan claimed at run time (`fused_forward`'s claim): the tail of the global order.
+DEFAULT_CLAIM = {"fwd": 0, "bwd": 0}
 
 
 # The kinds come from the ABI spec (mok_proto/abi.py: enum mok::plan::TaskKind / CounterKind of
@@ -260,6 +262,24 @@ class Plan:
     spread_from: int | None = None  # fused plans: outgoing transfers of minibatches >= this one on every CTA
     token_grads: bool = False  # fused backward: the token gradients (SLOT_SUM tasks) run inside the kernel
     scale: bool = False  # fused backward: dy_slots = w * dout (SCALE tasks) runs inside the kernel
+    claim_pairs: int = 0  # fused plans: the last claim_pairs tile pairs of the global order, claimed at run time
+
+    @property
+    def pool_block(self) -> int:
+        """The `block` of the claimed tile pairs' tasks (fused plans with claim_pairs > 0): past every
+        CTA (num_sms). They are in no CTA's table: the kernel's clusters claim them in order (seq
+        2k and 2k + 1: the two halves of pair k) once their own tables' GEMM tasks are done."""
+        return self.num_sms
+
+    @property
+    def claim_counter(self) -> int:
+        """The CLAIMED counter's id (the next pool pair to claim; the kernel's ticket), -1 without a pool."""
+        ids = np.flatnonzero(self.counters["kind"] == int(CounterKind.CLAIMED))
+        return int(ids[0]) if len(ids) else -1
+
+    def pool_table(self) -> np.ndarray:
+        """The claimed tile pairs' tasks (a view of `tasks`, in claim order), empty without a pool."""
+        return self.tasks[np.searchsorted(self.tasks["block"], self.pool_block):]
 
     @property
     def kinds(self) -> PassKinds:
@@ -300,7 +320,8 @@ class Plan:
         in a fused plan: there a CTA's mover tasks (MOVER_KINDS: its spare warps, or a
         communicating CTA) are one stream, and the GEMM tasks of the two CTAs of a cluster are ONE
         stream of tile pairs (even CTA's task, then its partner's: neither half of a pair can finish
-        before both halves' waits are met, as they share the B operand and the stage barriers)."""
+        before both halves' waits are met, as they share the B operand and the stage barriers).
+        The claimed tile pairs (`pool_table`: block pool_block, in claim order) are the last stream."""
         t = self.tasks
         if not len(t):
             return []
@@ -327,7 +348,7 @@ class Plan:
                 f"comm={self.comm_blocks} minibatch={self.minibatch_rows} ring={self.ring_minibatches} "
                 f"capacity={self.capacity_rows} assign={self.assign} raster={self.raster} "
                 f"spread_from={self.spread_from} token_grads={self.token_grads} scale={self.scale} "
-                f"tasks={len(self.tasks)} counters={len(self.counters)}")
+                f"claim_pairs={self.claim_pairs} tasks={len(self.tasks)} counters={len(self.counters)}")
 
     def block_tables(self) -> list[np.ndarray]:
         """Per-CTA ordered task tables (views of `tasks`)."""
@@ -623,7 +644,7 @@ def inside_kernel(pass_: str, policy: dict) -> tuple[bool, bool]:
 def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int,
                   ring_minibatches: int | None = None, *, policy: dict, num_sms: int,
                   capacity_rows: int | None = None, lookahead: int | None = None, assign: str | None = None,
-                  raster: str | None = None, spread_from: int | None = None) -> Plan:
+                  raster: str | None = None, spread_from: int | None = None, claim=None) -> Plan:
     """The forward megakernel's plan (cuda/fused.cuh): CTAs 0 .. comm_blocks - 1 pull the
     dispatched rows of minibatch after minibatch (chunk b of each: CTA b), then push the combine
     of each minibatch once its down tiles are done, a ring slot's next dispatch right after the
@@ -654,15 +675,21 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     Every counter is local (no peer signals inside the kernel). The weighted sum is not in the
     plan: it runs after the kernel (MoK's epilogue kernel). With dispatch push / combine pull
     (see inside_kernel) those transfers run outside and the ring cannot turn (ring = every
-    minibatch)."""
+    minibatch).
+    claim (None: DEFAULT_CLAIM[pass]): the last `claim` tile pairs of the global order go to no
+    cluster: they are the pool (`Plan.pool_table`), which the clusters claim at run time, in
+    order, each once its own table's GEMM tasks are done (MoK's ticket scheduler, over the tail):
+    the cluster that finishes first takes the next pair, whatever the routing made each pair
+    cost. "all": every pair (MoK's scheduler over the whole kernel). check() proves the plan
+    deadlock free with the pool claimed after every cluster's table (`_execution_order`)."""
     return _fused("fwd", shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms,
-                  capacity_rows, lookahead, assign, raster, spread_from, False, False)
+                  capacity_rows, lookahead, assign, raster, spread_from, False, False, claim)
 
 
 def fused_backward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int, *, policy: dict,
                    num_sms: int, capacity_rows: int | None = None, lookahead: int | None = None,
                    assign: str | None = None, raster: str | None = None, spread_from: int | None = None,
-                   token_grads: bool | None = None, scale: bool | None = None) -> Plan:
+                   token_grads: bool | None = None, scale: bool | None = None, claim=None) -> Plan:
     """The backward megakernel's plan (cuda/fused.cuh, fused_backward), the forward's structure
     with the backward's kinds: chunk tasks pull the reverse-combine (w * dout rows, into the
     receive rows) and push the reverse-dispatch (input-gradient rows into the owners' slots);
@@ -686,16 +713,18 @@ def fused_backward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_
     movers write this rank's rows while the shared expert's tiles run), each raising PUBLISHED, a
     remote counter (the kernel keeps it as the peers' kFlagRouting flags) that every
     reverse-combine chunk waits for. False: the scale kernel and the publish (a flag, a wait for
-    every peer's) run before the kernel."""
+    every peer's) run before the kernel.
+    claim: the last `claim` tile pairs (the tail of the deferred weight gradients) are claimed at
+    run time, as fused_forward's."""
     return _fused("bwd", shape, num_ranks, comm_blocks, minibatch_rows, None, policy, num_sms, capacity_rows,
-                  lookahead, assign, raster, spread_from, token_grads, scale)
+                  lookahead, assign, raster, spread_from, token_grads, scale, claim)
 
 
 FUSED_STRATEGIES = {"fwd": "fused_forward", "bwd": "fused_backward"}
 
 
 def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms, capacity_rows,
-           lookahead, assign, raster, spread_from, token_grads, scale) -> Plan:
+           lookahead, assign, raster, spread_from, token_grads, scale, claim=0) -> Plan:
     assign = DEFAULT_ASSIGN[pass_] if assign is None else assign
     if assign not in ASSIGNMENTS:
         raise ValueError(f"assign must be one of {', '.join(ASSIGNMENTS)}, got {assign!r}")
@@ -813,19 +842,28 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
     # Each pair goes to one cluster, appended to both its CTAs' tables: every table is a
     # subsequence of the global order (what keeps the plan deadlock free: every counter a pair
     # waits on is raised by pairs earlier in it), both halves of a pair at the same position.
-    clusters = _assign_clusters(assign, pairs, (num_sms - comm_blocks) // 2,
+    # The last `claim` pairs go to the pool instead (block num_sms, claimed at run time).
+    claim = DEFAULT_CLAIM[pass_] if claim is None else len(pairs) if claim == "all" else check_int(claim, "claim")
+    if not 0 <= claim <= len(pairs):
+        raise ValueError(f"claim must be in [0, {len(pairs)}] (the plan's tile pairs), got {claim}")
+    if claim:
+        b.counter(CounterKind.CLAIMED, 0)
+    static = len(pairs) - claim
+    clusters = _assign_clusters(assign, pairs[:static], (num_sms - comm_blocks) // 2,
                                 lambda kind, p: tile_cost(kind, shape, num_ranks, capacity_rows, p))
+    clusters += [None] * claim
     for cluster, (kind, p, col, waits, signals, fields) in zip(clusters, pairs):
         for cta in (0, 1):
             rt = 2 * p + cta
-            b.add(comm_blocks + 2 * cluster + cta, kind, waits(rt), signals(rt), row_tile=rt, col_tile=col, **fields)
+            blk = num_sms if cluster is None else comm_blocks + 2 * cluster + cta
+            b.add(blk, kind, waits(rt), signals(rt), row_tile=rt, col_tile=col, **fields)
     if token_grads:  # last in every CTA's table: its movers run them after their transfers
         for r in _token_tiles(shape):
             b.add(r % num_sms, k.epilogue, slots_arrived + shared_second_done, [], row_tile=r)
     return b.build(pass_=pass_, shape=shape, num_ranks=num_ranks, policy=dict(policy), num_sms=num_sms,
                    comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, ring_minibatches=ring,
                    capacity_rows=capacity_rows, strategy=FUSED_STRATEGIES[pass_], assign=assign, raster=raster,
-                   spread_from=spread_from, token_grads=bool(token_grads), scale=bool(scale))
+                   spread_from=spread_from, token_grads=bool(token_grads), scale=bool(scale), claim_pairs=claim)
 
 
 def _assign_clusters(assign: str, pairs: list, clusters: int, cost) -> list[int]:
@@ -924,13 +962,14 @@ def _check_structure(plan: Plan) -> None:
     t, c = plan.tasks, plan.counters
     if t.dtype != TASK_DTYPE or c.dtype != COUNTER_DTYPE:
         raise PlanError("tasks/counters must use TASK_DTYPE/COUNTER_DTYPE")
-    if len(t) and (t["block"].min() < 0 or t["block"].max() >= plan.num_sms):
-        raise PlanError(f"task blocks must lie in [0, num_sms={plan.num_sms})")
+    if len(t) and (t["block"].min() < 0 or t["block"].max() > plan.num_sms):
+        raise PlanError(f"task blocks must lie in [0, num_sms={plan.num_sms}) (or be the pool's, num_sms)")
     if np.any(np.diff(t["block"]) < 0):
         raise PlanError("tasks must be sorted by block")
-    for b, table in enumerate(plan.block_tables()):
+    for b, table in enumerate(plan.block_tables() + [plan.pool_table()]):
         if not np.array_equal(table["seq"], np.arange(len(table))):
             raise PlanError(f"block {b}: seq must be 0, 1, ... in table order")
+    _check_pool(plan)
     valid = set(int(x) for x in TaskKind)
     if not set(np.unique(t["kind"]).tolist()) <= valid:
         raise PlanError("unknown task kind")
@@ -952,6 +991,31 @@ def _check_structure(plan: Plan) -> None:
     if np.any(got != c["target"]):
         i = int(np.argmax(got != c["target"]))
         raise PlanError(f"counter {_counter_name(plan, i)}: target {c['target'][i]} but {got[i]} signals")
+
+
+def _check_pool(plan: Plan) -> None:
+    """The claimed tile pairs (check(), 1): claim_pairs pairs of GEMM tasks at block pool_block
+    (a fused plan only), claimed through one local CLAIMED counter that no task waits on or
+    signals (the kernel's ticket: the kernel adds to it, not the tasks)."""
+    pool, claim = plan.pool_table(), plan.claim_pairs
+    if not isinstance(claim, (int, np.integer)) or claim < 0:
+        raise PlanError(f"claim_pairs must be an int >= 0, got {claim!r}")
+    if claim and plan.strategy not in FUSED_STRATEGIES.values():
+        raise PlanError(f"only fused plans claim tile pairs at run time, got {plan.strategy} with claim_pairs={claim}")
+    if len(pool) != 2 * claim:
+        raise PlanError(f"pool: {len(pool)} tasks at block {plan.pool_block}, expected 2 x claim_pairs = {2 * claim}")
+    if np.isin(pool["kind"], [int(k) for k in MOVER_KINDS]).any():
+        raise PlanError("pool: only GEMM tile pairs are claimed at run time (a mover task has its CTA)")
+    c = plan.counters
+    claimed = np.flatnonzero(c["kind"] == int(CounterKind.CLAIMED))
+    if len(claimed) != (1 if claim else 0):
+        raise PlanError(f"pool: {len(claimed)} CLAIMED counters, expected {1 if claim else 0} (claim_pairs={claim})")
+    if len(claimed):
+        i = int(claimed[0])
+        used = np.isin(plan.tasks["wait_counter"], [i]).any() or np.isin(plan.tasks["signal_counter"], [i]).any()
+        if used or c["remote"][i] or c["target"][i] != 0:
+            raise PlanError("pool: the CLAIMED counter is the kernel's ticket: local, target 0, no task waits on or "
+                            "signals it")
 
 
 KEY_FIELDS = ("kind", "minibatch", "macrobatch", "row_tile", "col_tile", "expert")  # what a task computes
@@ -1047,6 +1111,14 @@ def _check_pairs(plan: Plan) -> None:
             i = int(np.argmin(same))
             raise PlanError(f"pairs: CTAs {blk}, {blk + 1}, GEMM task {i}: seq {even['seq'][i]} and {odd['seq'][i]} "
                             f"are not one tile pair")
+    pool = plan.pool_table()
+    even, odd = pool[0::2], pool[1::2]
+    same = (even["kind"] == odd["kind"]) & (even["minibatch"] == odd["minibatch"]) & (
+        even["col_tile"] == odd["col_tile"]) & (even["expert"] == odd["expert"]) & (
+        even["macrobatch"] == odd["macrobatch"]) & (even["row_tile"] % 2 == 0) & (odd["row_tile"] == even["row_tile"] + 1)
+    if not same.all():
+        i = int(np.argmin(same))
+        raise PlanError(f"pairs: pool tasks seq {2 * i} and {2 * i + 1} are not one tile pair")
 
 
 def _check_coverage(plan: Plan) -> None:
@@ -1075,7 +1147,9 @@ def _check_wgrad_order(plan: Plan) -> None:
     sel = np.flatnonzero(np.isin(t["kind"], [int(x) for x in plan.kinds.wgrad]))
     if not len(sel):
         return
-    w = t[sel]
+    w = t[sel].copy()
+    pooled = w["block"] == plan.pool_block  # its CTA is known at run time only: a CTA of its own here
+    w["block"][pooled] = -1 - np.flatnonzero(pooled)
     by_tile = np.lexsort((w["macrobatch"], w["col_tile"], w["row_tile"], w["expert"], w["kind"]))
     w = w[by_tile]
     tile = np.stack([w["kind"], w["expert"], w["row_tile"], w["col_tile"]], axis=1)
@@ -1121,10 +1195,20 @@ def _execution_order(plan: Plan) -> np.ndarray:
     ptr = [0] * len(streams)
     value = [0] * len(c)
     order = []
+    # The pool (the last stream) is modelled as claimed only after every cluster's own GEMM tasks
+    # are done, in claim order: a static task that needs a pool pair could leave no cluster free to
+    # claim it, and this refuses it. (At run time a cluster claims once ITS table is done, and
+    # pool pairs run concurrently, each waiting only for earlier ones: if this order finishes, so
+    # does that one.)
+    movers = [int(k) for k in MOVER_KINDS]
+    pool = len(streams) - 1 if plan.claim_pairs else -1
+    static_gemm = [blk for blk, stream in enumerate(streams) if blk != pool and t["kind"][stream[0]] not in movers]
     progress = True
     while progress:
         progress = False
         for blk, stream in enumerate(streams):
+            if blk == pool and any(ptr[g] < len(streams[g]) for g in static_gemm):
+                continue
             j, end = ptr[blk], len(stream)
             while j < end and all(w < 0 or value[w] >= target[w] for w in wait[stream[j]]):
                 i = stream[j]
@@ -1179,6 +1263,8 @@ def _ancestors(plan: Plan, order: np.ndarray, tracked: np.ndarray | None = None)
     prev_in_stream = np.full(len(t), -1, np.int64)
     for stream in plan.streams():
         prev_in_stream[stream[1:]] = stream[:-1]
+    # claimed pairs run on whichever cluster claims them, concurrently: nothing precedes one by order
+    prev_in_stream[t["block"] == plan.pool_block] = -1
     wait, sig = t["wait_counter"].tolist(), t["signal_counter"].tolist()
     prev, bit = prev_in_stream.tolist(), bit.tolist()
     for i in order.tolist():

@@ -115,8 +115,23 @@ def fused_settings_for(policy: dict, settings) -> dict:
     plan.fused_* refuses communicating CTAs there), duplicates dropped."""
     from mok_proto.plan import inside_kernel
 
-    return {pass_: tuple(dict.fromkeys((c if any(inside_kernel(pass_, policy)) else 0, m) for c, m in settings))
+    return {pass_: tuple(dict.fromkeys((c if any(inside_kernel(pass_, policy)) else 0, *rest) for c, *rest in settings))
             for pass_ in ("fwd", "bwd")}
+
+
+def parse_settings(text: str) -> tuple:
+    """--fused: COMM:MINIBATCH[:CLAIM],... -> ((comm, minibatch, claim), ...); claim an int or "all"
+    (plan.fused_forward's claim: the tile pairs claimed at run time), None when left out (the plan's
+    default, plan.DEFAULT_CLAIM)."""
+    out = []
+    for item in text.split(","):
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or not all(v.isdigit() for v in parts[:2]) or (
+                len(parts) == 3 and not (parts[2].isdigit() or parts[2] == "all")):
+            raise ValueError(f"--fused: {item!r} is not COMM:MINIBATCH or COMM:MINIBATCH:CLAIM (CLAIM an int or all)")
+        claim = None if len(parts) == 2 else parts[2] if parts[2] == "all" else int(parts[2])
+        out.append((int(parts[0]), int(parts[1]), claim))
+    return tuple(out)
 
 
 def emulated_shape(name: str) -> MoEShape:
@@ -236,13 +251,13 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
     from mok_proto.plan import MOVER_KINDS, TaskKind
     from mok_proto.results import timeline_summary
 
-    def use(comm, minibatch):
+    def use(comm, minibatch, claim=None):
         """Set the pass's plan, run one step eagerly (compiles, uploads), return its graph."""
         if pass_ == "fwd":
-            layer.set_forward_plan(layer.fused_forward_plan(comm, minibatch, assign=assign, raster=raster))
+            layer.set_forward_plan(layer.fused_forward_plan(comm, minibatch, assign=assign, raster=raster, claim=claim))
         else:
             layer.set_backward_plan(layer.fused_backward_plan(comm, minibatch, assign=assign, raster=raster,
-                                                              token_grads=token_grads, scale=scale))
+                                                              token_grads=token_grads, scale=scale, claim=claim))
         layer.enqueue_forward()
         layer.enqueue_backward()
         layer.check()
@@ -268,35 +283,39 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
         return result_bytes(layer, pass_)
 
     rows = []
-    for i, (comm, minibatch) in enumerate(settings):
-        graph = use(comm, minibatch)
+    for i, (comm, minibatch, *claim) in enumerate(settings):
+        claim = claim[0] if claim else None
+        graph = use(comm, minibatch, claim)
         st = timed(graph)
         out = [fused_bytes(graph), fused_bytes(graph)]
         plan = (layer.fused if pass_ == "fwd" else layer.fused_bwd).plan
         rows.append({"comm_blocks": comm, "minibatch_tokens": minibatch, "num_sms": plan.num_sms,
-                     "assign": plan.assign, "raster": plan.raster,
+                     "assign": plan.assign, "raster": plan.raster, "claim": claim, "claim_pairs": plan.claim_pairs,
                      **({"token_grads": plan.token_grads, "scale": plan.scale} if pass_ == "bwd" else {}), **st,
                      "equal_to_sequential": out[0] == sequential_out, "bitwise_repeat": out[0] == out[1]})
-        print(f"#   fused {pass_} [{i + 1}/{len(settings)}] comm={comm:>2} minibatch={minibatch:>4}: "
+        print(f"#   fused {pass_} [{i + 1}/{len(settings)}] comm={comm:>2} minibatch={minibatch:>4} "
+              f"claim={plan.claim_pairs:>4}: "
               f"{st['median_ms']:.3f} ms (sequential interleaved {st['sequential_median_ms']:.3f}), x sequential "
               f"{st['speedup_vs_sequential']:.2f}, equal {rows[-1]['equal_to_sequential']}", flush=True)
     if rows:  # the best of several is optimistic: the winner is timed once more, and judged on that
         best = best_row(rows)
-        again = timed(use(best["comm_blocks"], best["minibatch_tokens"]))
+        again = timed(use(best["comm_blocks"], best["minibatch_tokens"], best["claim"]))
         best["retimed_median_ms"] = again["median_ms"]
         best["retimed_sequential_median_ms"] = again["sequential_median_ms"]
         best["retimed_speedup_vs_sequential"] = again["speedup_vs_sequential"]
         layer.trace = True  # what recording the timeline costs (off: one branch per task)
-        on = timed(use(best["comm_blocks"], best["minibatch_tokens"]))
+        on = timed(use(best["comm_blocks"], best["minibatch_tokens"], best["claim"]))
         best["trace_on_median_ms"] = on["median_ms"]
-        print(f"#   fused {pass_} best comm={best['comm_blocks']} minibatch={best['minibatch_tokens']} timed again: "
+        print(f"#   fused {pass_} best comm={best['comm_blocks']} minibatch={best['minibatch_tokens']} "
+              f"claim={best['claim_pairs']} timed again: "
               f"{again['median_ms']:.3f} ms (sequential interleaved {again['sequential_median_ms']:.3f}, x "
               f"{again['speedup_vs_sequential']:.2f}); with the timeline recorded: {on['median_ms']:.3f} ms",
               flush=True)
         if trace_to:  # the last eager step above was traced
             records = layer.forward_timeline(0, pass_)
             write_timeline(records, trace_to, f"{layer.shape.name}: fused {pass_}, rank 0, "
-                           f"comm={best['comm_blocks']} minibatch={best['minibatch_tokens']}")
+                           f"comm={best['comm_blocks']} minibatch={best['minibatch_tokens']} "
+                           f"claim={best['claim_pairs']}")
             summary = timeline_summary(records)
             best["timeline_busy_mean"], best["timeline_busy_min"] = summary["busy_mean"], summary["busy_min"]
             corr = summary["end_busy_corr"]
@@ -546,7 +565,8 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="time the fused forward over communication CTAs x "
                    f"minibatch rows {SWEEP} (default: {DEFAULT_FUSED})")
-    p.add_argument("--fused", default=None, help="fused settings to time, COMM:MINIBATCH[,...] (e.g. 8:1024,16:2048)")
+    p.add_argument("--fused", default=None, help="fused settings to time, COMM:MINIBATCH[:CLAIM][,...] (e.g. "
+                   "8:1024,0:2048:264,0:2048:all; CLAIM: tile pairs claimed at run time, plan.fused_forward)")
     p.add_argument("--no-fused", action="store_true", help="sequential and torch rows only")
     p.add_argument("--assign", default=None, choices=ASSIGNMENTS, help="the fused plans' tile pairs to clusters "
                    f"(default per pass: {DEFAULT_ASSIGN}; recorded in the fused rows as `assign`)")
@@ -573,6 +593,7 @@ def main():
 
     try:
         others = direction_policies(args.directions)[1:]
+        chosen = parse_settings(args.fused) if args.fused else None
     except ValueError as e:
         p.error(str(e))
 
@@ -585,8 +606,7 @@ def main():
         print(f"# {name}: N={shape.num_tokens} H={shape.hidden} I={shape.ffn} El={shape.num_experts // 2} "
               f"K={shape.top_k} ...", flush=True)
         data = make_inputs(shape)
-        settings = () if args.no_fused else SWEEP if args.sweep else DEFAULT_FUSED if not args.fused else tuple(
-            tuple(int(v) for v in item.split(":")) for item in args.fused.split(","))
+        settings = () if args.no_fused else SWEEP if args.sweep else chosen or DEFAULT_FUSED
         trace_to = args.timeline.replace("{shape}", name).replace("{git}", git_sha()) if args.timeline else None
         mine, stages, bitwise, got, fused_rows = ours(shape, data, args.iters, args.warmup, settings, trace_to,
                                                       assign=args.assign, raster=args.raster,
@@ -644,11 +664,12 @@ def main():
             print(f"{name:<16}{pass_:<5}{base[pass_]['median_ms']:>9.3f}{best['retimed_median_ms']:>9.3f}"
                   f"{flops[pass_] / (best['retimed_median_ms'] * 1e-3) / 1e12:>9.0f}{speedup:>8.2f}"
                   f"{bars['torch']:>5.1f}{str(best['bitwise_repeat']):>8}{sched_ms:>9.3f}{'':>9}{'':>7}  fused: "
-                  f"comm={best['comm_blocks']} minibatch={best['minibatch_tokens']}, x sequential "
+                  f"comm={best['comm_blocks']} minibatch={best['minibatch_tokens']} claim={best['claim_pairs']}, "
+                  f"x sequential "
                   f"{best['retimed_speedup_vs_sequential']:.2f} (bar {bars['sequential']}; ceiling {ceiling:.2f}), "
                   f"equal to sequential: "
                   f"{all(r['equal_to_sequential'] for r in rows)}", flush=True)
-        best_settings[name] = tuple(dict.fromkeys((r["comm_blocks"], r["minibatch_tokens"])
+        best_settings[name] = tuple(dict.fromkeys((r["comm_blocks"], r["minibatch_tokens"], r["claim"])
                                                   for rows in fused_rows.values() if rows
                                                   for r in [best_row(rows)]))
     for name in args.shapes.split(",") if others else ():  # after every shape's MoK rows are recorded

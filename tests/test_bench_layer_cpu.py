@@ -219,3 +219,14 @@ def test_smi_command_samples_one_gpu():
     loop, once = smi_command("00000000:19:00.0"), smi_command(3, None)
     assert loop[:3] == ["nvidia-smi", "-i", "00000000:19:00.0"] and loop[-2:] == ["-lms", "20"]
     assert once[:3] == ["nvidia-smi", "-i", "3"] and "-lms" not in once and f"--query-gpu={SMI_QUERY}" in once
+
+
+def test_fused_settings_take_a_claim():
+    assert bench_layer.parse_settings("0:2048,8:1024:264,0:2048:all") == (
+        (0, 2048, None), (8, 1024, 264), (0, 2048, "all"))
+    for bad in ("0", "0:2048:some", "a:2048", "0:2048:1:2"):
+        with pytest.raises(ValueError, match="--fused"):
+            bench_layer.parse_settings(bad)
+    policy = {"dispatch": "push", "combine": "pull", "rev_combine": "pull", "rev_dispatch": "push"}
+    got = bench_layer.fused_settings_for(policy, ((8, 2048, 264), (0, 2048, 264)))
+    assert got["fwd"] == ((0, 2048, 264),) and got["bwd"] == ((8, 2048, 264), (0, 2048, 264))

@@ -762,3 +762,84 @@ def test_balanced_evens_out_the_estimated_work(name, pass_):
         assert work["balanced"].max() - work["balanced"].mean() <= largest
         assert work["balanced"].max() < work["round_robin"].max()
         assert work["balanced"].sum() == work["round_robin"].sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile pairs claimed at run time (`claim`: the pool)
+# ---------------------------------------------------------------------------------------------
+def pool_pairs(plan) -> list[tuple]:
+    """The pool's pairs in claim order (as cluster_pairs gives a cluster's); asserts the halves."""
+    pool = plan.pool_table()
+    even, odd = pool[0::2], pool[1::2]
+    assert np.array_equal(even[PAIR_FIELDS], odd[PAIR_FIELDS]) and np.array_equal(even["row_tile"] + 1, odd["row_tile"])
+    assert np.array_equal(pool["seq"], np.arange(len(pool)))
+    return [(*key, rt // 2) for key, rt in zip(even[PAIR_FIELDS].tolist(), even["row_tile"].tolist())]
+
+
+@pytest.mark.parametrize("pass_", P.PASSES)
+@pytest.mark.parametrize("comm", [0, 2])
+def test_claimed_pairs_are_the_tail_of_the_global_order(pass_, comm):
+    order = global_order(pass_, comm, 256)
+    for claim in (0, 1, 5, len(order) - 1, "all"):
+        plan = fused_of(pass_, comm, 256, claim=claim)
+        plan.check()
+        n = len(order) if claim == "all" else claim
+        assert plan.claim_pairs == n and len(plan.execution_order) == len(plan.tasks)
+        assert pool_pairs(plan) == order[len(order) - n:]
+        static = sorted(p for pairs in cluster_pairs(plan) for p in pairs)
+        assert static == sorted(order[:len(order) - n])  # the rest, in the clusters' tables
+        assert (plan.claim_counter >= 0) == (n > 0)
+        if n:  # the ticket: local, no task waits on or signals it
+            assert not plan.counters["remote"][plan.claim_counter]
+            assert plan.claim_counter not in plan.tasks["wait_counter"] and plan.claim_counter not in plan.tasks[
+                "signal_counter"]
+
+
+def test_bad_claim():
+    for claim in (-1, 10 ** 6, "most", 2.0, True):
+        with pytest.raises(ValueError, match="claim"):
+            fused_of("fwd", 2, 256, claim=claim)
+
+
+def test_check_refuses_a_table_task_that_waits_for_a_claimed_pair():
+    # the pool is claimed after every cluster's table (check's model): a table pair that needs a
+    # claimed pair could hold every cluster, so check() refuses it
+    plan = fused_of("fwd", 2, 256, claim=1)
+    pool = plan.pool_table()
+    (pooled,) = {c for c in pool["signal_counter"].ravel().tolist() if c >= 0} - set(
+        plan.tasks["signal_counter"][plan.tasks["block"] != plan.pool_block].ravel().tolist())
+    tasks = plan.tasks.copy()
+    gemm = np.flatnonzero((tasks["block"] == plan.comm_blocks) & ~np.isin(tasks["kind"], [int(k) for k in P.MOVER_KINDS]))
+    i = int(gemm[0])
+    tasks["wait_counter"][i, 1], tasks["wait_target"][i, 1] = pooled, plan.counters["target"][pooled]
+    with pytest.raises(P.PlanError, match="deadlock"):
+        P.with_tasks(plan, tasks).check()
+
+
+def test_claimed_pairs_are_not_ordered_by_their_claim_order():
+    # pairs of the pool run at once on several clusters: only counters order them. A down pair that
+    # no longer waits for its row tile's gate/up pairs is refused even though it comes after them
+    plan = fused_of("fwd", 2, 512, claim="all")  # a ring of every minibatch: the data-flow check is what fails
+    tasks = plan.tasks.copy()
+    (i,) = np.flatnonzero((tasks["block"] == plan.pool_block) & (tasks["kind"] == int(P.TaskKind.DOWN)))[:1]
+    tasks["wait_counter"][i] = -1
+    tasks["wait_target"][i] = 0
+    with pytest.raises(P.PlanError, match="data flow"):
+        P.with_tasks(plan, tasks).check()
+
+
+def test_check_rejects_a_broken_pool():
+    plan = fused_of("bwd", 2, 256, claim=4)
+    with pytest.raises(P.PlanError, match="pool"):  # one pair more than the pool holds
+        dataclasses.replace(plan, claim_pairs=5).check()
+    tasks = plan.tasks.copy()
+    first, second = np.flatnonzero(tasks["block"] == plan.pool_block)[:2]
+    tasks["row_tile"][[first, second]] = tasks["row_tile"][[second, first]]  # pair 0's halves swapped
+    with pytest.raises(P.PlanError, match="pairs: pool"):
+        P.with_tasks(plan, tasks).check()
+    with pytest.raises(P.PlanError, match="pool: 8 tasks"):  # a pool the plan does not declare
+        dataclasses.replace(plan, claim_pairs=0).check()
+    counters = plan.counters.copy()
+    counters["kind"][plan.claim_counter] = int(P.CounterKind.DATA_GRAD_DONE)
+    with pytest.raises(P.PlanError, match="0 CLAIMED counters"):  # a pool needs its ticket
+        P.with_tasks(plan, plan.tasks, counters).check()

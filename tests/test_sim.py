@@ -1146,3 +1146,29 @@ def test_a_partial_bench_gemm_run_replaces_only_its_rows(tmp_path):
     assert [r["git"] for r in rows if all(r[k] == full[0][k] for k in key)] == ["partial"]
     assert sorted(r["time"] for r in rows)[:-1] == sorted(r["time"] for r in full if r is not full[0])
     params.h200(tmp_path)  # every problem still has rows to fit
+
+
+@pytest.mark.parametrize("pass_", P.PASSES)
+def test_claimed_pairs_run_on_the_cluster_free_first(h200, pass_):
+    # the pool (plan claim): each pair on one cluster's two CTAs, after that cluster's table, in
+    # claim order per cluster; the same work as the plan without a pool, so the static plan's
+    # padded-pair imbalance can only shrink when every pair is claimed
+    shape = ep_share("qwen3.5-397b")
+    build = P.fused_forward if pass_ == "fwd" else P.fused_backward
+    static = sim.simulate(build(shape, 2, 0, 2048, policy=MOK_POLICY, num_sms=132), h200)
+    for claim in (40, "all"):
+        plan = build(shape, 2, 0, 2048, policy=MOK_POLICY, num_sms=132, claim=claim)
+        res = sim.simulate(plan, h200)
+        pool = np.flatnonzero(plan.tasks["block"] == plan.pool_block)
+        for rank in range(plan.num_ranks):
+            rec = res.records(rank)
+            even, odd = rec["block"][pool[0::2]], rec["block"][pool[1::2]]
+            assert ((even % 2 == 0) & (odd == even + 1) & (even < plan.num_sms)).all()
+            tables = plan.tasks["block"] != plan.pool_block
+            for cta in np.unique(even):  # after its own table, its claimed pairs in claim order
+                mine = pool[0::2][even == cta]
+                own = tables & (rec["block"] == cta) & ~np.isin(plan.tasks["kind"], [int(k) for k in P.MOVER_KINDS])
+                assert not own.any() or rec["start_ns"][mine].min() >= rec["end_ns"][own].max()
+                assert (np.diff(rec["start_ns"][mine]) >= 0).all()
+        if claim == "all":
+            assert res.kernel_ns <= static.kernel_ns

@@ -127,6 +127,7 @@ class FusedPass:
             gemms = cupy.asarray(gemm_words)
             fields = dict(comm_ctas=plan.comm_blocks, num_tasks=len(plan.tasks),
                           num_counters=self.counters.shape[1], first_remote=plan.first_remote_counter,
+                          claim_counter=plan.claim_counter,
                           minibatch_rows=plan.minibatch_rows,
                           ring_rows=plan.ring_minibatches * plan.minibatch_rows, record_trace=int(bool(trace)),
                           timeout_ns=timeout_ns, tasks=self.tasks, task_begin=self.task_begin, comm=comm_params,

@@ -269,29 +269,29 @@ class GpuMoELayer(GpuRound):
 
     def fused_forward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, ring_minibatches=None,
                            num_sms: int | None = None, lookahead: int | None = None, assign: str | None = None,
-                           raster: str | None = None, spread_from: int | None = None):
+                           raster: str | None = None, spread_from: int | None = None, claim=None):
         """A fused_forward plan for this layer (its shape, R, policy, capacity) and this GPU (num_sms:
         CTAs per launch rank, by default as many as are resident with every launch rank's); assign:
         tile pairs to clusters (plan.ASSIGNMENTS, None: plan.DEFAULT_ASSIGN[pass]); raster: their order
-        (plan.RASTERS, None: plan.DEFAULT_RASTER); spread_from: see plan.fused_forward."""
+        (plan.RASTERS, None: plan.DEFAULT_RASTER); spread_from, claim: see plan.fused_forward."""
         from mok_proto.kernels.fused import default_num_sms
 
         return fused_plan("fwd", self.run, self.capacity, self.policy, comm_blocks, minibatch_rows,
                           num_sms or default_num_sms(len(self.ranks), "fwd"), ring_minibatches, lookahead=lookahead,
-                          assign=assign, raster=raster, spread_from=spread_from)
+                          assign=assign, raster=raster, spread_from=spread_from, claim=claim)
 
     def fused_backward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, num_sms: int | None = None,
                             lookahead: int | None = None, assign: str | None = None, raster: str | None = None,
                             spread_from: int | None = None, token_grads: bool | None = None,
-                            scale: bool | None = None):
+                            scale: bool | None = None, claim=None):
         """A fused_backward plan for this layer and this GPU (as fused_forward_plan); token_grads,
         scale: see plan.fused_backward (None: inside the kernel whenever the reverse-dispatch /
-        reverse-combine is)."""
+        reverse-combine is); claim: see plan.fused_forward."""
         from mok_proto.kernels.fused import default_num_sms
 
         return fused_plan("bwd", self.run, self.capacity, self.policy, comm_blocks, minibatch_rows,
                           num_sms or default_num_sms(len(self.ranks), "bwd"), lookahead=lookahead, assign=assign,
-                          raster=raster, spread_from=spread_from, token_grads=token_grads, scale=scale)
+                          raster=raster, spread_from=spread_from, token_grads=token_grads, scale=scale, claim=claim)
 
     def _gemm(self, pass_: str, slot: str, r: int):
         """(wrapper, args) of one GEMM of rank r: the GemmSlot `slot` of pass `pass_` (None: there
@@ -508,7 +508,7 @@ class GpuMoELayer(GpuRound):
         if not (got["task"] == np.arange(len(tasks))).all():
             raise RuntimeError("forward_timeline: no complete trace (set layer.trace = True before the pass)")
         rows = tr.empty(len(tasks))
-        rows["rank"], rows["block"] = rank, tasks["block"]
+        rows["rank"], rows["block"] = rank, got["block"]  # a claimed pair's CTA is known only from its record
         comm = np.isin(tasks["kind"], [int(k) for k in MOVER_KINDS])
         rows["role"] = np.where(comm, tr.ROLES.index("comm"), tr.ROLES.index("compute"))
         for key in ("kind", "minibatch", "row_tile", "col_tile"):

@@ -146,6 +146,7 @@ class SimResult:
     end_ns: np.ndarray  # [num_tasks, R]
     load: Load
     pass_end_ns: np.ndarray  # [R] end of the pass: the last task, or what runs after a fused kernel
+    block: np.ndarray | None = None  # [num_tasks, R] the CTA that ran each task (a claimed pair's: simulated)
 
     @property
     def rank_ns(self) -> np.ndarray:
@@ -186,6 +187,8 @@ class SimResult:
         rec["rank"] = rank
         for name in ("block", "kind", "minibatch", "row_tile", "col_tile"):
             rec[name] = t[name]
+        if self.block is not None:
+            rec["block"] = self.block[:, rank]
         rec["role"] = np.where(np.isin(t["kind"], MOVER_KIND_IDS) & (self.plan.strategy != "sequential"), 0, 1)
         rec["expert"] = np.where(t["expert"] >= 0, t["expert"], _row_tile_expert(self.load, self.plan, rank))
         rec["start_ns"], rec["end_ns"] = self.start_ns[:, rank], self.end_ns[:, rank]
@@ -462,14 +465,16 @@ def _streams(plan: Plan) -> np.ndarray:
     spare warps of a compute CTA run them beside its GEMM tasks, in table order)."""
     t = plan.tasks
     spare = is_fused(plan) & (t["block"] >= plan.comm_blocks) & np.isin(t["kind"], MOVER_KIND_IDS)
-    return 2 * t["block"].astype(np.int64) + spare
+    return 2 * t["block"].astype(np.int64) + spare  # the pool (block num_sms): stream 2 num_sms
 
 
 def _steps(plan: Plan, stream: np.ndarray) -> tuple[list, list]:
     """(steps, order): each step a tuple of tasks that start together (one task; in a fused plan a
     tile pair: the k-th GEMM task of CTAs 2j and 2j + 1 past the communicating ones), and the step
     indices in an order that respects every dependency (Kahn's algorithm: a step is ready once
-    the previous step of its streams ran and every counter it waits on had all its signals).
+    the previous step of its streams ran and every counter it waits on had all its signals). The
+    claimed pairs (Plan.pool_table) are one unit of pair steps whose first follows the last step of
+    every cluster (a pair goes to a cluster once that cluster's table is done: simulate).
     Raises PlanError on a deadlock or on a fused plan whose cluster CTAs disagree on a tile pair."""
     t = plan.tasks
     by_stream: dict[int, list] = {}
@@ -488,6 +493,11 @@ def _steps(plan: Plan, stream: np.ndarray) -> tuple[list, list]:
                 raise PlanError(f"cluster CTAs {cta} and {cta + 1}: their GEMM tasks are not one tile pair per position")
             units.append(list(zip(even, odd)))
             paired |= {2 * cta, 2 * cta + 2}
+    pool = by_stream.get(2 * plan.pool_block, []) if is_fused(plan) else []
+    clusters = len(units)  # units[:clusters]: the clusters' tables; then the pool's unit
+    if pool:
+        units.append(list(zip(pool[0::2], pool[1::2])))
+        paired.add(2 * plan.pool_block)
     units += [[(i,) for i in tasks] for s, tasks in by_stream.items() if s not in paired]
     steps = [st for unit in units for st in unit]
     first = np.cumsum([0] + [len(u) for u in units])[:-1]
@@ -497,6 +507,12 @@ def _steps(plan: Plan, stream: np.ndarray) -> tuple[list, list]:
     pending = np.bincount(t["signal_counter"][t["signal_counter"] >= 0], minlength=len(plan.counters)).tolist()
     waiters: list[list] = [[] for _ in pending]
     deps = follows.astype(np.int64).tolist()
+    gate: dict[int, int] = {}  # last step of a cluster's table -> the pool's first step
+    if pool:
+        for u in range(clusters):
+            if units[u]:
+                gate[int(first[u]) + len(units[u]) - 1] = int(first[clusters])
+                deps[int(first[clusters])] += 1
     for j, st in enumerate(steps):
         for c in {w for i in st for w in wait[i] if w >= 0 and pending[w]}:
             waiters[c].append(j)
@@ -517,6 +533,10 @@ def _steps(plan: Plan, stream: np.ndarray) -> tuple[list, list]:
             deps[j + 1] -= 1
             if not deps[j + 1]:
                 ready.append(j + 1)
+        if j in gate:
+            deps[gate[j]] -= 1
+            if not deps[gate[j]]:
+                ready.append(gate[j])
     if len(order) < len(steps):
         stuck = sorted(set(range(len(steps))) - set(order))[:3]
         raise PlanError("deadlock: steps cannot start: " + "; ".join(
@@ -560,21 +580,35 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
     sigs = [[s for s in ss if s >= 0] for ss in t["signal_counter"].tolist()]
     stream = stream.tolist()
     steps, order = _steps(plan, np.asarray(stream))
+    # A claimed pair (the pool, stream 2 num_sms) runs on the cluster free first, per rank: the
+    # kernel's clusters claim the next pair as each finishes (cuda/fused.cuh), the pool in order.
+    block = np.repeat(t["block"][:, None], r, axis=1).astype(np.int32)
+    even_ctas = np.arange(plan.comm_blocks, plan.num_sms, 2)
     for j in order:
         step = steps[j]
-        s = free[stream[step[0]]]
+        pooled = fused and t["block"][step[0]] == plan.pool_block
+        if pooled:
+            cta = even_ctas[np.argmin(free[2 * even_ctas], axis=0)]  # [R] the cluster each rank's pair goes to
+            s = free[2 * cta, np.arange(r)]
+        else:
+            s = free[stream[step[0]]]
         for i in step:
-            s = np.maximum(s, free[stream[i]])
+            if not pooled:
+                s = np.maximum(s, free[stream[i]])
             for w in waits[i]:
                 if ready[w] is None:  # every signaller ran already (topological order)
                     ready[w] = (np.full(r, last[w].max()) if remote[w] else last[w]) + delay[w]
                 s = np.maximum(s, ready[w])
         e = s + np.max(dur[list(step)], axis=0)
-        for i in step:  # a tile pair: both CTAs in lockstep
+        for half, i in enumerate(step):  # a tile pair: both CTAs in lockstep
             start[i], end[i] = s, e
-            free[stream[i]] = e
+            if pooled:
+                block[i] = cta + half
+                free[2 * (cta + half), np.arange(r)] = e
+            else:
+                free[stream[i]] = e
             for c in sigs[i]:
                 np.maximum(last[c], e, out=last[c])
     kernel_end = end.max(axis=0) if len(t) else kernel_start
     pass_end = _fused_pass_end_ns(plan, gpu, load, kernel_end) if fused else kernel_end
-    return SimResult(plan, gpu, start, end, load, pass_end)
+    return SimResult(plan, gpu, start, end, load, pass_end, block)

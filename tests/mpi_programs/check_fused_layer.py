@@ -58,11 +58,37 @@ CACHE = ("recv", "g", "u", "h", "y")  # the activations the backward reads
 
 def knob_settings(max_ctas: int):
     """(comm CTAs (0: the spare warps of every CTA), minibatch rows, ring minibatches or None = every
-    minibatch, lookahead, other plan knobs: raster, spread_from (the combines every CTA moves))."""
+    minibatch, lookahead, other plan knobs: raster, spread_from (the combines every CTA moves), claim
+    (tile pairs claimed at run time))."""
     big = min(32, max_ctas - 2)
     return [(0, 256, None, 1, {}), (2, 256, None, 0, {}), (8, 768, None, 1, {"spread_from": 0}),
             (big, 512, None, 2, {"raster": "col"}), (0, 512, None, 0, {"raster": "col"}), (2, 256, 2, 1, {}),
-            (0, 256, 1, 0, {}), (2, 256, 2, 1, {"spread_from": 0})]
+            (0, 256, 1, 0, {}), (2, 256, 2, 1, {"spread_from": 0}), (0, 256, None, 1, {"claim": 5}),
+            (2, 256, 2, 1, {"claim": "all"})]
+
+
+def check_knobs(plan, knobs):
+    """The plan has the knobs it was built with (claim: as claim_pairs, "all" = every tile pair)."""
+    for key, value in knobs.items():
+        if key == "claim":
+            assert plan.claim_pairs > 0 and (value == "all" or plan.claim_pairs == value), (plan.describe(), knobs)
+        else:
+            assert getattr(plan, key) == value, (plan.describe(), knobs)
+
+
+def check_timeline(layer, rank, pass_):
+    """A traced pass's rows: one per task, each ending after it starts, each on a CTA of the launch;
+    a claimed pair's two halves on the two CTAs of one cluster."""
+    plan = layer.fused.plan if pass_ == "fwd" else layer.fused_bwd.plan
+    rows = layer.forward_timeline(rank, pass_)  # raises unless every task of the plan wrote its record
+    assert len(rows) == len(plan.tasks) and (rows["end_ns"] >= rows["start_ns"]).all()
+    assert ((rows["block"] >= 0) & (rows["block"] < plan.num_sms)).all(), rows["block"]
+    pooled = np.flatnonzero(plan.tasks["block"] == plan.pool_block)
+    static = np.setdiff1d(np.arange(len(rows)), pooled)
+    assert (rows["block"][static] == plan.tasks["block"][static]).all(), "a table's task ran on another CTA"
+    even, odd = rows["block"][pooled[0::2]], rows["block"][pooled[1::2]]
+    assert ((even % 2 == plan.comm_blocks % 2) & (odd == even + 1) & (even >= plan.comm_blocks)).all(), (even, odd)
+    return len(np.unique(even))
 
 
 def forward_bytes(layer, rank, keys) -> bytes:
@@ -101,7 +127,8 @@ def run(layer, heap, backward: bool, graph=None):
 # (scale, token_grads: dy_slots = w * dout and the slot sum inside the kernel by default, where the
 # reverse-combine / reverse-dispatch are; False: before / after it)
 BACKWARD_KNOBS = ((0, 256, {}), (2, 512, {"spread_from": 0}), (8, 768, {"raster": "col"}),
-                  (0, 512, {"token_grads": False, "scale": False}), (2, 256, {"scale": False}))
+                  (0, 512, {"token_grads": False, "scale": False}), (2, 256, {"scale": False}),
+                  (0, 256, {"claim": 7}), (2, 512, {"claim": "all"}))
 
 
 def digest(comm, per_rank: dict) -> str:
@@ -129,7 +156,7 @@ def check_backward(layer, heap, name, max_ctas, policies, replays) -> tuple[int,
             if "spread_from" in knobs and not inside_kernel("bwd", policy)[1]:
                 continue  # only a reverse-dispatch inside the kernel (push) is spread
             plan = layer.fused_backward_plan(comm_ctas, minibatch, **knobs)
-            assert all(getattr(plan, key) == value for key, value in knobs.items()), (plan.describe(), knobs)
+            check_knobs(plan, knobs)
             layer.set_backward_plan(plan)
             for fused_forward in (False, True):
                 layer.set_forward_plan(layer.fused_forward_plan(0, 256) if fused_forward else None)
@@ -141,7 +168,7 @@ def check_backward(layer, heap, name, max_ctas, policies, replays) -> tuple[int,
                 settings += 1
     layer.policy = dict(MOK_POLICY)
     layer.set_forward_plan(layer.fused_forward_plan(0, 256))
-    layer.set_backward_plan(layer.fused_backward_plan(0, 256))
+    layer.set_backward_plan(layer.fused_backward_plan(0, 256, claim="all"))  # which cluster runs a pair varies
     first = run(layer, heap, backward=True)
     graph = layer.capture()  # forward + backward, both fused
     done = 0
@@ -152,8 +179,7 @@ def check_backward(layer, heap, name, max_ctas, policies, replays) -> tuple[int,
     assert run(layer, heap, backward=True) == first, f"{name}: a traced fused backward differs"
     layer.trace = False
     for rank in layer.ranks:
-        rows = layer.forward_timeline(rank, "bwd")
-        assert len(rows) == len(layer.fused_bwd.plan.tasks) and (rows["end_ns"] >= rows["start_ns"]).all()
+        check_timeline(layer, rank, "bwd")
     layer.set_backward_plan(None)
     return settings, done, {rank: hashlib.sha256(first[rank]["grads"]).digest() for rank in layer.ranks}
 
@@ -185,7 +211,7 @@ def check_case(heap, comm, name, case_id, replays, policies, backward_policies):
             if not full_ring and not (policy["dispatch"] == "pull" and policy["combine"] == "push"):
                 continue  # the ring turns only with both transfers inside the kernel (plan.fused_forward)
             plan = layer.fused_forward_plan(comm_ctas, minibatch, ring, lookahead=lookahead, **knobs)
-            assert all(getattr(plan, key) == value for key, value in knobs.items()), (plan.describe(), knobs)
+            check_knobs(plan, knobs)
             layer.set_forward_plan(plan)
             got = run(layer, heap, backward=full_ring)
             if not full_ring:  # the ring kept no activations: a backward is refused, not run on stale rows
@@ -209,9 +235,10 @@ def check_case(heap, comm, name, case_id, replays, policies, backward_policies):
         settings += bwd_settings
         lines.append(f"SHA bwd-{name} {digest(comm, grads)}")
     assert settings, "no knob setting ran"
-    # Graph replays of the fused forward (MoK's policy, the first setting).
+    # Graph replays of the fused forward (MoK's policy, the first setting, every tile pair claimed at
+    # run time: which cluster runs a pair varies from replay to replay, the bits may not).
     layer.policy = dict(MOK_POLICY)
-    layer.set_forward_plan(layer.fused_forward_plan(*knob_settings(max_ctas)[0][:3]))
+    layer.set_forward_plan(layer.fused_forward_plan(*knob_settings(max_ctas)[0][:3], claim="all"))
     first = run(layer, heap, backward=False)
     graph = layer.capture(backward=False)
     fwd_replays = 0
@@ -225,8 +252,7 @@ def check_case(heap, comm, name, case_id, replays, policies, backward_policies):
     layer.trace = False
     assert traced == first, f"{name}: a traced forward differs"
     for rank in layer.ranks:
-        rows = layer.forward_timeline(rank)  # raises unless every task of the plan wrote its record
-        assert len(rows) == len(layer.fused.plan.tasks) and (rows["end_ns"] >= rows["start_ns"]).all()
+        check_timeline(layer, rank, "fwd")
     lines.insert(0, f"SHA {name} {digest(comm, {rank: first[rank]['fwd'] for rank in layer.ranks})}")
     layer.close()
     return lines, {"settings": settings, "fwd_replays": fwd_replays, "bwd_replays": bwd_replays}
