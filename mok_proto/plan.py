@@ -66,8 +66,15 @@ DEFAULT_ASSIGN = {"fwd": "round_robin", "bwd": "balanced"}
 # column tile (row pairs fastest: the pairs that run at once share B, the weights' column panels).
 RASTERS = ("row", "col")
 DEFAULT_RASTER = "row"
-# Tile pairs of a fused plan claimed at run time (`fused_forward`'s claim): the tail of the global order.
-DEFAULT_CLAIM = {"fwd": 0, "bwd": 0}
+# Tile pairs of a fused plan claimed at run time (`fused_forward`'s claim): "all" (every pair: MoK's
+# ticket scheduler) or "tail" (the last TAIL_PAIRS_PER_CLUSTER pairs per cluster of the global
+# order). Measured at 99c90df (results/runs/99c90df: one bench_layer run on the H200, comm 0,
+# minibatch 2048, each setting interleaved with the sequential pass), x sequential for no pool /
+# 264 pairs (the tail of 66 clusters) / every pair: forward kimi 0.97 / 0.97 / 0.99, glm 1.00 / 1.00 /
+# 1.01, qwen 1.02 / 1.03 / 1.05, deepseek 1.01 / 1.02 / 1.02; backward 1.04 / 1.05 / 1.02, 1.06 / 1.07 /
+# 1.05, 1.06 / 1.11 / 1.10, 1.05 / 1.08 / 1.05; all bitwise equal to the sequential pass.
+DEFAULT_CLAIM = {"fwd": "all", "bwd": "tail"}
+TAIL_PAIRS_PER_CLUSTER = 4
 
 
 # The kinds come from the ABI spec (mok_proto/abi.py: enum mok::plan::TaskKind / CounterKind of
@@ -678,10 +685,11 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     minibatch).
     claim (None: DEFAULT_CLAIM[pass]): the last `claim` tile pairs of the global order go to no
     cluster: they are the pool (`Plan.pool_table`), which the clusters claim at run time, in
-    order, each once its own table's GEMM tasks are done (MoK's ticket scheduler, over the tail):
-    the cluster that finishes first takes the next pair, whatever the routing made each pair
-    cost. "all": every pair (MoK's scheduler over the whole kernel). check() proves the plan
-    deadlock free with the pool claimed after every cluster's table (`_execution_order`)."""
+    order, each once its own table's GEMM tasks are done (MoK's ticket scheduler): the cluster
+    that finishes first takes the next pair, whatever the routing made each pair cost. "all":
+    every pair (MoK's scheduler over the whole kernel); "tail": TAIL_PAIRS_PER_CLUSTER per
+    cluster; 0: none (every pair in a cluster's table). check() proves the plan deadlock free
+    with the pool claimed after every cluster's table (`_execution_order`)."""
     return _fused("fwd", shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms,
                   capacity_rows, lookahead, assign, raster, spread_from, False, False, claim)
 
@@ -843,7 +851,10 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
     # subsequence of the global order (what keeps the plan deadlock free: every counter a pair
     # waits on is raised by pairs earlier in it), both halves of a pair at the same position.
     # The last `claim` pairs go to the pool instead (block num_sms, claimed at run time).
-    claim = DEFAULT_CLAIM[pass_] if claim is None else len(pairs) if claim == "all" else check_int(claim, "claim")
+    claim = DEFAULT_CLAIM[pass_] if claim is None else claim
+    if isinstance(claim, str) and claim in ("all", "tail"):
+        claim = len(pairs) if claim == "all" else min(len(pairs), TAIL_PAIRS_PER_CLUSTER * (num_sms - comm_blocks) // 2)
+    claim = check_int(claim, "claim (an int, 'all' or 'tail')")
     if not 0 <= claim <= len(pairs):
         raise ValueError(f"claim must be in [0, {len(pairs)}] (the plan's tile pairs), got {claim}")
     if claim:

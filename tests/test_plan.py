@@ -538,6 +538,7 @@ PAIR_FIELDS = ["kind", "minibatch", "macrobatch", "col_tile", "expert"]  # with 
 
 def fused_of(pass_, comm=2, minibatch=256, num_sms=8, assign=None, shape=TILE, **kw):
     """A fused plan of either pass (the forward's ring turns twice where 4 minibatches allow it)."""
+    kw.setdefault("claim", 0)  # every pair in a cluster's table (the claimed pool: its own tests)
     if pass_ == "fwd":
         ring = 2 if 1024 // minibatch > 2 else None
         return P.fused_forward(shape, 2, comm, minibatch, ring, policy=MOK_POLICY, num_sms=num_sms,

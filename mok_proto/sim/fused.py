@@ -95,8 +95,8 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     tried = []
     for order in ({},) + tuple({"lookahead": a} for a in range(ring)):
         for assign, raster in itertools.product(plans.ASSIGNMENTS, plans.RASTERS):
-            try:
-                plan = make(*args, **fields, **order, assign=assign, raster=raster)
+            try:  # (the timelines judged here ran before the claimed pool: claim 0)
+                plan = make(*args, **fields, **order, assign=assign, raster=raster, claim=0)
             except ValueError as e:
                 tried.append(f"{order or 'defaults'}, {assign}, {raster}: {e}")
                 continue
@@ -215,13 +215,15 @@ def simulate_timeline(records: np.ndarray, shape: MoEShape, gpu: GpuParams,
     return plan, simulate(plan, layer.one_gpu(gpu), emulated_load(shape))
 
 
-def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: int, num_sms: int) -> float:
+def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: int, num_sms: int,
+            claim=0) -> float:
     """The fused forward pass as bench_layer times it (graph replays), on `gpu` (h200): the
     schedule's kernels (sim/layer.py's forward "schedule" stage), then the simulated pass (the
-    counters' memset, the kernel, the flag and the wait, the weighted sum)."""
+    counters' memset, the kernel, the flag and the wait, the weighted sum). claim: the plan's
+    (plan.fused_forward; 0, no pool, as the measured rows before 99c90df ran)."""
     capacity = -(-int(BENCH_CAPACITY * shape.num_tokens * shape.top_k) // minibatch_rows) * minibatch_rows
     plan = plans.fused_forward(shape, layer.EMULATED_RANKS, comm_blocks, minibatch_rows, policy=MOK_POLICY,
-                               num_sms=num_sms, capacity_rows=capacity)
+                               num_sms=num_sms, capacity_rows=capacity, claim=claim)
     one = layer.one_gpu(gpu)
     schedule = layer.LAYER_STAGES["fwd"]["schedule"].kernels * one.launch_ns
     return schedule + simulate(plan, one, emulated_load(shape)).time_ns

@@ -61,7 +61,7 @@ def knob_settings(max_ctas: int):
     minibatch, lookahead, other plan knobs: raster, spread_from (the combines every CTA moves), claim
     (tile pairs claimed at run time))."""
     big = min(32, max_ctas - 2)
-    return [(0, 256, None, 1, {}), (2, 256, None, 0, {}), (8, 768, None, 1, {"spread_from": 0}),
+    return [(0, 256, None, 1, {"claim": 0}), (2, 256, None, 0, {}), (8, 768, None, 1, {"spread_from": 0}),
             (big, 512, None, 2, {"raster": "col"}), (0, 512, None, 0, {"raster": "col"}), (2, 256, 2, 1, {}),
             (0, 256, 1, 0, {}), (2, 256, 2, 1, {"spread_from": 0}), (0, 256, None, 1, {"claim": 5}),
             (2, 256, 2, 1, {"claim": "all"})]
@@ -71,7 +71,7 @@ def check_knobs(plan, knobs):
     """The plan has the knobs it was built with (claim: as claim_pairs, "all" = every tile pair)."""
     for key, value in knobs.items():
         if key == "claim":
-            assert plan.claim_pairs > 0 and (value == "all" or plan.claim_pairs == value), (plan.describe(), knobs)
+            assert plan.claim_pairs == value if isinstance(value, int) else plan.claim_pairs > 0, (plan.describe(), knobs)
         else:
             assert getattr(plan, key) == value, (plan.describe(), knobs)
 
@@ -126,7 +126,7 @@ def run(layer, heap, backward: bool, graph=None):
 # (comm CTAs, minibatch rows, other plan knobs) of the fused backward
 # (scale, token_grads: dy_slots = w * dout and the slot sum inside the kernel by default, where the
 # reverse-combine / reverse-dispatch are; False: before / after it)
-BACKWARD_KNOBS = ((0, 256, {}), (2, 512, {"spread_from": 0}), (8, 768, {"raster": "col"}),
+BACKWARD_KNOBS = ((0, 256, {"claim": 0}), (2, 512, {"spread_from": 0}), (8, 768, {"raster": "col"}),
                   (0, 512, {"token_grads": False, "scale": False}), (2, 256, {"scale": False}),
                   (0, 256, {"claim": 7}), (2, 512, {"claim": "all"}))
 
