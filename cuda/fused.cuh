@@ -15,7 +15,8 @@
 //
 // Legend: R ranks, El local experts, MB minibatch rows, W launch ranks (grid.y), B = kBM rows.
 //
-// Roles: CTA b of a launch rank runs tasks[task_begin[b] .. task_begin[b + 1]) in order. CTAs
+// Roles: CTA b of a launch rank runs tasks[task_begin[b] .. task_begin[b + 1]) in order, then (a
+// cluster's GEMM roles, when the plan has a pool) the pool's tile pairs it claims (see claim_pair). CTAs
 // below comm_ctas only communicate (every warp moves rows through registers); the spare warps of
 // a compute CTA move the chunks in its table (every chunk with comm_ctas = 0; with comm_ctas > 0
 // those of a transfer the plan spreads over every CTA) while the CTA's GEMMs run. These *movers*

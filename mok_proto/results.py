@@ -112,7 +112,8 @@ def timeline_name(path: Path | str) -> tuple[str, str]:
 
 def load_timeline(path: Path | str):
     """A timeline's JSON lines (.jsonl or .jsonl.gz) as mok_proto.trace records (TRACE_DTYPE; `kind`
-    is the TaskKind name lower-cased in the file), in file order (the plan's task order). The role
+    is the TaskKind name lower-cased in the file), in file order (the plan's task order; `claimed`
+    False where the file has none: it ran before the claimed pool). The role
     is the task's (comm for a mover task: a transfer's chunk or the token gradients, as
     GpuMoELayer.forward_timeline records it now;
     older files gave every task of a compute CTA the compute role, spare warps' transfers included;
@@ -125,7 +126,7 @@ def load_timeline(path: Path | str):
     rows = [json.loads(line) for line in read_text(path).splitlines() if line.strip()]
     rec = np.zeros(len(rows), TRACE_DTYPE)
     for name in TRACE_DTYPE.names:
-        values = [r[name] for r in rows]
+        values = [r.get(name, False) if name == "claimed" else r[name] for r in rows]  # (no pool before 99c90df)
         rec[name] = [int(TaskKind[v.upper()]) for v in values] if name == "kind" else values
     comm = np.isin(rec["kind"], [int(k) for k in COMM_KINDS])
     rec["role"] = np.where(np.isin(rec["kind"], [int(k) for k in MOVER_KINDS]), ROLES.index("comm"),

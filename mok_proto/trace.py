@@ -2,8 +2,9 @@
 the fused layer (`GpuMoELayer.forward_timeline`), and one plotting function for both.
 
 A record is one TRACE_DTYPE row: the CTA (one per SM) that ran the task, its role, the task's
-kind, minibatch, expert (local expert of the row tile or weight tile, -1 when none), tile, and
-start/end in nanoseconds from the start of the pass.
+kind, minibatch, expert (local expert of the row tile or weight tile, -1 when none), tile,
+start/end in nanoseconds from the start of the pass, and whether it was claimed at run time (a
+pair of the plan's pool: `block` is then the CTA that claimed it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ TRACE_DTYPE = np.dtype([
     ("col_tile", np.int32),
     ("start_ns", np.float64),
     ("end_ns", np.float64),
+    ("claimed", np.bool_),  # a tile pair of the plan's pool (plan claim): its CTA was claimed at run time
 ])
 
 # One colour per task kind (forward and backward kinds of the same role share a hue family).

@@ -130,8 +130,9 @@ def test_fused_times_each_setting_against_the_sequential_pass(monkeypatch):
     class Layer:
         trace, last, fused = False, None, None
 
-        def fused_forward_plan(self, comm, minibatch, assign=None, raster=None):
-            return SimpleNamespace(comm=comm, num_sms=8, assign=assign or "round_robin", raster=raster or "row")
+        def fused_forward_plan(self, comm, minibatch, assign=None, raster=None, claim=None):
+            return SimpleNamespace(comm=comm, num_sms=8, assign=assign or "round_robin", raster=raster or "row",
+                                   claim_pairs=0 if claim is None else claim)
 
         def set_forward_plan(self, plan):
             self.fused = None if plan is None else SimpleNamespace(plan=plan)

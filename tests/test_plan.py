@@ -158,7 +158,7 @@ PUSH_PULL = {**MOK_POLICY, "dispatch": "push", "combine": "pull"}
 
 def fused_plan(policy=MOK_POLICY, ring=2, comm=2, num_sms=8):
     # 4 minibatches of 256 rows; ring=2: the ring turns twice
-    return P.fused_forward(TILE, 2, comm, 256, ring, policy=policy, num_sms=num_sms, capacity_rows=1024)
+    return P.fused_forward(TILE, 2, comm, 256, ring, policy=policy, num_sms=num_sms, capacity_rows=1024, claim=0)
 
 
 @pytest.mark.parametrize("policy", [MOK_POLICY, ALL_PUSH, ALL_PULL, PUSH_PULL])
@@ -244,13 +244,13 @@ def test_fused_forward_lookahead_orders_gate_up_before_the_previous_down():
         return int(t["seq"][(t["kind"] == int(kind)) & (t["minibatch"] == m)].min())
 
     eager = fused_plan(ring=None, num_sms=4)
-    strict = P.fused_forward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=4, capacity_rows=1024, lookahead=0)
+    strict = P.fused_forward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=4, capacity_rows=1024, lookahead=0, claim=0)
     for p in (eager, strict):
         p.check()
     assert first_seq(eager, P.TaskKind.GATE_UP, 1) < first_seq(eager, P.TaskKind.DOWN, 0)
     assert first_seq(strict, P.TaskKind.GATE_UP, 1) > first_seq(strict, P.TaskKind.DOWN, 0)
     # with a ring of one minibatch, minibatch 1's rows need minibatch 0's slot: no lookahead
-    ring1 = P.fused_forward(TILE, 2, 2, 256, 1, policy=MOK_POLICY, num_sms=4, capacity_rows=1024)
+    ring1 = P.fused_forward(TILE, 2, 2, 256, 1, policy=MOK_POLICY, num_sms=4, capacity_rows=1024, claim=0)
     ring1.check()
     assert first_seq(ring1, P.TaskKind.GATE_UP, 1) > first_seq(ring1, P.TaskKind.DOWN, 0)
     with pytest.raises(ValueError, match="lookahead must be in"):
@@ -753,7 +753,7 @@ def test_balanced_evens_out_the_estimated_work(name, pass_):
     for comm in (0, 8):
         work = {}
         for assign in P.ASSIGNMENTS:
-            plan = make(shape, 2, comm, 2048, policy=MOK_POLICY, num_sms=132, assign=assign)
+            plan = make(shape, 2, comm, 2048, policy=MOK_POLICY, num_sms=132, assign=assign, claim=0)
             t = plan.tasks
             even = (t["block"] >= comm) & (t["block"] % 2 == 0) & ~np.isin(t["kind"], [int(k) for k in P.MOVER_KINDS])
             tile = np.array([P.tile_cost(P.TaskKind(k), shape, 2, plan.capacity_rows, rt // 2)

@@ -285,7 +285,8 @@ OLD_SPARE_TIMELINE = results.timeline_file("timeline_fused_fwd_kimi-k2.7_b905f19
 
 
 def _fused_plan(comm_blocks, minibatch_rows=2048, num_sms=132, policy=MOK_POLICY):
-    return P.fused_forward(KIMI_SHARE, 2, comm_blocks, minibatch_rows, policy=policy, num_sms=num_sms)
+    # claim 0: the plans of the kernels measured before the claimed pool (99c90df)
+    return P.fused_forward(KIMI_SHARE, 2, comm_blocks, minibatch_rows, policy=policy, num_sms=num_sms, claim=0)
 
 
 def _emulated(plan, gpu):
@@ -296,7 +297,7 @@ def _emulated(plan, gpu):
 def _spread_plan(minibatch_rows=2048, num_sms=132):
     """A fused forward with comm_blocks == 0: the chunks spread over compute CTAs (chunk c on CTA c,
     run by spare warps beside its GEMM tiles)."""
-    return P.fused_forward(KIMI_SHARE, 2, 0, minibatch_rows, policy=MOK_POLICY, num_sms=num_sms)
+    return P.fused_forward(KIMI_SHARE, 2, 0, minibatch_rows, policy=MOK_POLICY, num_sms=num_sms, claim=0)
 
 
 def _comm(rec):
@@ -322,7 +323,7 @@ def test_fused_timeline_is_the_plan_it_ran(h200):
 def test_old_timeline_files_get_their_chunk_counts(tmp_path):
     # files written before communication tasks carried their chunk count (col_tile -1 there): each
     # (kind, minibatch) transfer had one chunk per task of it; GEMM tasks keep their column tile
-    plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, spread_from=8)
+    plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, spread_from=8, claim=0)
     rows = []
     for t in plan.tasks:
         kind = P.TaskKind(int(t["kind"]))
@@ -831,6 +832,7 @@ BWD = P.PASS_KINDS["bwd"]
 
 
 def _bwd_plan(comm_blocks, minibatch_rows=2048, shape=KIMI_SHARE, policy=MOK_POLICY, **knobs):
+    knobs.setdefault("claim", 0)  # as the kernels measured before the claimed pool (99c90df)
     return P.fused_backward(shape, 2, comm_blocks, minibatch_rows, policy=policy, num_sms=132,
                             capacity_rows=10 * minibatch_rows, **knobs)
 
@@ -1050,7 +1052,7 @@ def test_balanced_assignment_is_not_slower(h200, name, pass_):
     for capacity in (filled, bench):
         for comm in (0, 8):
             ns = {assign: sim.simulate(make(shape, 2, comm, 2048, policy=MOK_POLICY, num_sms=132,
-                                            capacity_rows=capacity, assign=assign), layer.one_gpu(h200), load).time_ns
+                                            capacity_rows=capacity, assign=assign, claim=0), layer.one_gpu(h200), load).time_ns
                   for assign in P.ASSIGNMENTS}
             assert ns["balanced"] <= 1.005 * ns["round_robin"], (capacity, comm, ns)
             for assign in P.ASSIGNMENTS:
@@ -1060,14 +1062,14 @@ def test_balanced_assignment_is_not_slower(h200, name, pass_):
 
 def test_timeline_of_a_balanced_plan_is_recognized(h200):
     # a timeline recorded under the balanced assignment rebuilds to that plan (and not round robin's)
-    plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, assign="balanced")
+    plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, assign="balanced", claim=0)
     rebuilt = fused.timeline_plan(_emulated(plan, h200).records(0), KIMI_SHARE)
     assert rebuilt.assign == "balanced" and np.array_equal(rebuilt.tasks, plan.tasks)
 
 
 def test_timeline_of_a_col_raster_plan_is_recognized(h200):
     # a timeline recorded with the pairs in column order rebuilds to that plan (not the row order's)
-    plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, raster="col")
+    plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, raster="col", claim=0)
     rebuilt = fused.timeline_plan(_emulated(plan, h200).records(0), KIMI_SHARE)
     assert rebuilt.raster == "col" and np.array_equal(rebuilt.tasks, plan.tasks)
 
@@ -1078,7 +1080,7 @@ def test_spread_combine_chunks_and_timeline(h200):
     # costs what the same chunk costs in a comm-0 plan (the spare warps), one on a communicating CTA
     # less (its 12 warps), and its timeline rebuilds to that plan
     load = fused.emulated_load(KIMI_SHARE)
-    plan = P.fused_forward(KIMI_SHARE, 2, 12, 2048, policy=MOK_POLICY, num_sms=132, spread_from=7)
+    plan = P.fused_forward(KIMI_SHARE, 2, 12, 2048, policy=MOK_POLICY, num_sms=132, spread_from=7, claim=0)
     real, _ = model.fused_chunk_rows(plan, load, outgoing=True)
     whole = model._real_rows_per_minibatch(plan, load)  # [M, R]
     assert np.array_equal(real.sum(axis=1), whole) and real.shape[1] == 132
@@ -1172,3 +1174,15 @@ def test_claimed_pairs_run_on_the_cluster_free_first(h200, pass_):
                 assert (np.diff(rec["start_ns"][mine]) >= 0).all()
         if claim == "all":
             assert res.kernel_ns <= static.kernel_ns
+
+
+def test_timeline_plan_finds_the_claimed_pool():
+    # a traced backward of b0e48a6 (the tail of 66 clusters, 4 pairs each, claimed at run time): the
+    # plan is found from the records, its pool rows (recorded with the CTA that claimed them) last
+    rec = results.load_timeline(results.RESULTS_DIR / "timeline_fused_bwd_kimi-k2.7_b0e48a6.jsonl.gz")
+    plan = fused.timeline_plan(rec, ep_share("kimi-k2.7"))
+    assert plan.claim_pairs == 264 and plan.pass_ == "bwd"
+    pool = np.flatnonzero(plan.tasks["block"] == plan.pool_block)
+    assert len(pool) == 2 * 264 and pool[0] == len(plan.tasks) - 2 * 264
+    even, odd = rec["block"][pool[0::2]], rec["block"][pool[1::2]]
+    assert ((even % 2 == 0) & (odd == even + 1)).all() and len(np.unique(even)) > 1  # claimed by several clusters

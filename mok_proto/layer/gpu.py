@@ -509,6 +509,7 @@ class GpuMoELayer(GpuRound):
             raise RuntimeError("forward_timeline: no complete trace (set layer.trace = True before the pass)")
         rows = tr.empty(len(tasks))
         rows["rank"], rows["block"] = rank, got["block"]  # a claimed pair's CTA is known only from its record
+        rows["claimed"] = tasks["block"] == fused.plan.pool_block
         comm = np.isin(tasks["kind"], [int(k) for k in MOVER_KINDS])
         rows["role"] = np.where(comm, tr.ROLES.index("comm"), tr.ROLES.index("compute"))
         for key in ("kind", "minibatch", "row_tile", "col_tile"):

@@ -82,7 +82,11 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
         ring = int(np.argmax(order == int(k.comm_out)))
     comm_blocks = int(records["block"][~comm].min())
     args = (shape, num_ranks, comm_blocks, minibatch_rows)
-    fields = dict(policy=policy, num_sms=int(records["block"].max()) + 1, capacity_rows=num_mb * minibatch_rows)
+    # The claimed pairs (plan claim: the plan's last tasks, block num_sms) are recorded with the CTA
+    # that claimed them
+    pooled = records["claimed"]
+    fields = dict(policy=policy, num_sms=int(records["block"].max()) + 1, capacity_rows=num_mb * minibatch_rows,
+                  claim=int(pooled.sum()) // 2)
     spread = outgoing & (records["block"] >= comm_blocks) if comm_blocks else np.zeros_like(outgoing)
     if spread.any():  # outgoing chunks on compute CTAs: the spread minibatches (plan spread_from)
         fields["spread_from"] = int(records["minibatch"][spread].min())
@@ -95,12 +99,14 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     tried = []
     for order in ({},) + tuple({"lookahead": a} for a in range(ring)):
         for assign, raster in itertools.product(plans.ASSIGNMENTS, plans.RASTERS):
-            try:  # (the timelines judged here ran before the claimed pool: claim 0)
-                plan = make(*args, **fields, **order, assign=assign, raster=raster, claim=0)
+            try:
+                plan = make(*args, **fields, **order, assign=assign, raster=raster)
             except ValueError as e:
                 tried.append(f"{order or 'defaults'}, {assign}, {raster}: {e}")
                 continue
-            if len(plan.tasks) == len(records) and all(np.array_equal(plan.tasks[k], records[k]) for k in KEY):
+            if len(plan.tasks) == len(records) and all(
+                    np.array_equal(plan.tasks[k][~pooled], records[k][~pooled]) if k == "block" else
+                    np.array_equal(plan.tasks[k], records[k]) for k in KEY):
                 return plan
             tried.append(f"{order or 'defaults'}: {plan.describe()}")
     raise ValueError(f"the timeline's tasks are not those of any {make.__name__} plan tried: " + "; ".join(tried))

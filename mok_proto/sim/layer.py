@@ -123,6 +123,9 @@ BENCH_FILES_LEFT_OUT = {
     "bench_layer_d689e07": "its comm-0 fused forwards ran a slowdown never explained (README); its sequential "
                            "rows are older than e7e9bd0's",
     "bench_layer_directions": "one shape under the other transfer directions (the simulator takes MoK's)",
+    "bench_layer_99c90df": "its fused rows claim tile pairs at run time (plan claim), which the judged fused rows "
+                           "(plan claim 0, fused.pass_ns) do not; its sequential rows are those of b0e48a6's kernels",
+    "bench_layer_b0e48a6": "as bench_layer_99c90df (the same kernels, the claimed pools by default)",
 }
 
 

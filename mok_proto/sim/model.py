@@ -189,6 +189,7 @@ class SimResult:
             rec[name] = t[name]
         if self.block is not None:
             rec["block"] = self.block[:, rank]
+        rec["claimed"] = t["block"] == self.plan.pool_block
         rec["role"] = np.where(np.isin(t["kind"], MOVER_KIND_IDS) & (self.plan.strategy != "sequential"), 0, 1)
         rec["expert"] = np.where(t["expert"] >= 0, t["expert"], _row_tile_expert(self.load, self.plan, rank))
         rec["start_ns"], rec["end_ns"] = self.start_ns[:, rank], self.end_ns[:, rank]

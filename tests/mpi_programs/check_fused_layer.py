@@ -6,12 +6,13 @@ plans) against the sequential GPU layer, bitwise.
     python tests/mpi_programs/check_fused_layer.py --backend virtual --ranks 4 --backward --replays 20
 
 Per case and policy: the sequential forward + backward, then for every knob setting (communication
-CTAs, minibatch rows, ring, lookahead, raster, spread_from) the fused forward (+ the sequential
+CTAs, minibatch rows, ring, lookahead, raster, spread_from, claim) the fused forward (+ the sequential
 backward on its cache): the output,
 the slot rows, the shared expert's rows, the forward's cache (receive, g, u, h, y rows) and every
 gradient are bitwise equal to the sequential run's; with a ring smaller than the minibatches
 (no cache kept) the output and slot rows are, and a backward is refused. NaN-poisoned buffers
-before every run. Then `--replays` replays of one CUDA graph of the fused forward are bitwise
+before every run. Then `--replays` replays of one CUDA graph of the fused forward (every tile
+pair claimed at run time: which cluster runs a pair varies, the bits may not) are bitwise
 equal, a traced forward gives the same bits and a record per task, a counter wait
 that cannot be met raises KernelTimeoutError (no hang), a rank whose peers never start raises
 SymmTimeoutError (virtual ranks), and an overflow on rank 0 raises CapacityError naming it on
