@@ -147,7 +147,7 @@ struct ErrorRecord {
   i64 seen;  // timeout: flag value seen; capacity, kOpWeightedSum: slots that got no expert result
   i64 block;  // blockIdx.x of the reporting thread
   i64 thread;  // threadIdx.x of the reporting thread
-  i64 detail;  // kernel-specific: the GEMM Problem for kOpGemm*; -1 otherwise
+  i64 detail;  // kernel-specific: the GEMM Problem for kOpGemm*, the task for kOpFusedWait, the cluster's ticket (claim) for kOpFusedClaim; -1 otherwise
 };
 static_assert(sizeof(ErrorRecord) == 72, "ErrorRecord: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__

@@ -43,7 +43,8 @@
 //
 // Timeline (FusedParams.record_trace): TraceRecord of every task: start (consumer or comm start), ready
 // (waits met: the producer's, for a GEMM tile), end (signal; a GEMM task that signals nothing: the
-// first consumer warpgroup's epilogue issued), task index, SM.
+// first consumer warpgroup's epilogue issued), task index, SM, and the CTA that ran it (a claimed
+// pair's is known only there).
 #pragma once
 #include "comm.cuh"
 #include "gemm.cuh"
@@ -63,8 +64,9 @@ using plan::Task;
 // A compute CTA's register split (gemm.cuh's kProducerRegs / kConsumerRegs for the standalone
 // kernel): here the producer warpgroup also runs the spare warps' row copies (kSideUnroll 16-byte
 // values in flight per lane) and every problem of the pass is one kernel. ptxas -v (nvcc 13.0):
-// fused_backward spills 24 / 104 bytes (stores / loads), fused_forward 8 / 8, against 312 / 492
-// and 32 / 100 with 168 registers for every thread.
+// fused_backward spills 24 / 72 bytes (stores / loads), fused_forward 24 / 72 (with the claim loops
+// of 99c90df; 24 / 108 and 4 / 32 before them), against 312 / 492 and 32 / 100 with 168 registers
+// for every thread (before the claim loops).
 constexpr int kFusedProducerRegs = 120;
 constexpr int kFusedConsumerRegs = 192;
 static_assert(128 * kFusedProducerRegs + 256 * kFusedConsumerRegs <= gemm::kThreads * gemm::kLaunchRegs,
@@ -289,16 +291,19 @@ struct Pool {
 };
 
 // Claim j of this cluster (CTA 0's producer lane 0): pair k of the pool, or -1 when none is left,
-// written to both CTAs' ticket j.
+// written to both CTAs' ticket j once every reader returned ticket j - kTickets. After an error
+// (ok false, or that wait failed) it writes nothing: a slot may still be unread, and the readers
+// leave their waits on the recorded error.
 __device__ __forceinline__ int claim_pair(const Ctx& c, SharedStorage& ss, int j, bool ok) {
   const int q = j % gemm::kTickets, parity = (j / gemm::kTickets) & 1;
   const GemmParams* g = c.gemm + kSlotFirst;
-  if (ok) ok = mbar_wait<true>(&ss.ticket_empty[q], parity ^ 1, g->timeout_ns, c.fp->error, kOpFusedClaim, j);
-  int k = ok ? static_cast<int>(atomicAdd(c.counters + c.fp->claim_counter, 1u)) : -1;
+  if (!ok || !mbar_wait<true>(&ss.ticket_empty[q], parity ^ 1, g->timeout_ns, c.fp->error, kOpFusedClaim, j))
+    return -1;
+  int k = static_cast<int>(atomicAdd(c.counters + c.fp->claim_counter, 1u));
   if (k >= Pool(c).pairs) k = -1;
   for (u32 cta = 0; cta < gemm::kCluster; ++cta) {
     st_cluster_u32(&ss.ticket[q], cta, static_cast<u32>(k));
-    mbar_arrive_release_cluster(&ss.ticket_full[q], cta);
+    mbar_arrive_cluster<true>(&ss.ticket_full[q], cta);
   }
   return k;
 }
@@ -311,9 +316,10 @@ __device__ __forceinline__ int read_ticket(const Ctx& c, SharedStorage& ss, int 
   return ok ? *reinterpret_cast<volatile int*>(&ss.ticket[q]) : -1;
 }
 
-// One arrive per reader on CTA 0's ticket_empty j, after it read ticket j.
+// One arrive per reader on CTA 0's ticket_empty j, after it read ticket j (only after a wait that
+// succeeded: an early arrive could free the slot of a ticket another reader has not read).
 __device__ __forceinline__ void return_ticket(SharedStorage& ss, int j) {
-  mbar_arrive_release_cluster(&ss.ticket_empty[j % gemm::kTickets], 0);
+  mbar_arrive_cluster<true>(&ss.ticket_empty[j % gemm::kTickets], 0);
 }
 
 // Every consumer thread of the CTA (both warpgroups): true if `pred` holds for any of them (a
@@ -592,7 +598,10 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
               if (fp->claim_counter < 0) break;  // no pool
               int k = -1;
               if (wg_tid == 0 && cta == 0) k = claim_pair(c, ss, j, ok);
-              if (wg_tid == 0 && cta != 0) k = read_ticket(c, ss, j, ok), return_ticket(ss, j);
+              if (wg_tid == 0 && cta != 0) {
+                k = read_ticket(c, ss, j, ok);
+                if (k >= 0) return_ticket(ss, j);  // (-1: the last ticket, or an error)
+              }
               k = __shfl_sync(0xffffffffu, k, 0);
               if (k < 0) break;
               i = Pool(c).first + 2 * k + cta;
@@ -622,7 +631,7 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
             if (fp->claim_counter < 0) break;
             const int k = read_ticket(c, ss, j, ok);
             const bool stop = consumers_any(k < 0);  // after it every consumer has read ticket j
-            if (threadIdx.x == 128) return_ticket(ss, j);
+            if (!stop && threadIdx.x == 128) return_ticket(ss, j);
             if (stop) break;
             i = Pool(c).first + 2 * k + cta;
           }

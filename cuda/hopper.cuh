@@ -108,24 +108,23 @@ __device__ __forceinline__ void fence_mbarrier_init_cluster() {
 }
 // Arrive on the mbarrier at the same shared-memory offset as `bar`, in cluster CTA `cta`.
 // NOTE: default (release, CTA scope) semantics, as for a local arrive: `.release.cluster` made
-// the whole GEMM 1.7x slower.
+// the whole GEMM 1.7x slower. kRelease: release at cluster scope, so that this thread's earlier
+// shared-memory stores into that CTA (st_cluster_u32) are seen by a thread whose mbar_wait<true>
+// sees the phase complete (fused.cuh's claim hand-off only, once per claimed tile pair).
+template <bool kRelease = false>
 __device__ __forceinline__ void mbar_arrive_cluster(u64* bar, u32 cta) {
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
-      "r"(cta)
-      : "memory");
-}
-
-// The same arrive with release at cluster scope: this thread's earlier shared-memory stores into
-// that CTA (st_cluster_u32) are seen by a thread whose mbar_wait<true> sees the phase complete.
-// (Slow: fused.cuh's claim hand-off only, once per claimed tile pair.)
-__device__ __forceinline__ void mbar_arrive_release_cluster(u64* bar, u32 cta) {
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
-      "r"(cta)
-      : "memory");
+  if constexpr (kRelease)
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
+        "r"(cta)
+        : "memory");
+  else
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
+        "r"(cta)
+        : "memory");
 }
 
 // Store to the u32 at the same shared-memory offset as `p`, in cluster CTA `cta` (after a cluster

@@ -372,7 +372,8 @@ class Plan:
     def check(self) -> None:
         """Prove on the CPU that the plan can run: raise PlanError otherwise.
 
-        1. Structure: blocks, seq, kinds, counter ids in range; every wait target equals its
+        1. Structure: blocks, seq, kinds, counter ids in range (a fused plan's pool: `claim_pairs`
+           tile pairs at block num_sms, with its one CLAIMED counter no task touches); every wait target equals its
            counter's target, and every counter's target equals the signals it will get
            (R per signalling task for a remote counter); the remote counters have the last ids
            (first_remote_counter: the fused kernel tells them by their id).
@@ -381,7 +382,9 @@ class Plan:
         3. Weight-gradient order: each routed weight-gradient output tile runs on one CTA, its
            macrobatches in increasing table order (a store, then adds in a fixed order).
         4. No deadlock: an in-order execution per stream (`streams`: a CTA, or in a fused plan a
-           CTA's movers (MOVER_KINDS) and a cluster's tile pairs; all co-resident) finishes.
+           CTA's movers (MOVER_KINDS) and a cluster's tile pairs; all co-resident) finishes, the
+           pool's pairs taken in claim order only once every cluster's own tile pairs ran (at run
+           time a cluster claims once its producer issued its table's loads: see _execution_order).
         5. Order: every counter a task waits on is raised only by tasks earlier in that global
            topological order.
         6. Ring: the task that refills the slot of minibatch m happens after every task that
@@ -394,7 +397,7 @@ class Plan:
            gradients after every first-GEMM tile, the shared gate/up weight gradient after every
            shared first tile, the token gradients after every outgoing chunk and every shared
            second tile, the incoming chunks after every scale tile), transitively through counters
-           and stream order.
+           and stream order (none among the pool's pairs: they run at once on several clusters).
         9. Cross-rank (fused backward): a task that reads rows every rank's tasks write (a
            reverse-combine chunk pulls every rank's dy_slots, written by its scale tiles; a
            token-gradient task reads the slot rows every rank's reverse-dispatch pushed) waits
@@ -1208,9 +1211,9 @@ def _execution_order(plan: Plan) -> np.ndarray:
     order = []
     # The pool (the last stream) is modelled as claimed only after every cluster's own GEMM tasks
     # are done, in claim order: a static task that needs a pool pair could leave no cluster free to
-    # claim it, and this refuses it. (At run time a cluster claims once ITS table is done, and
-    # pool pairs run concurrently, each waiting only for earlier ones: if this order finishes, so
-    # does that one.)
+    # claim it, and this refuses it. (At run time a cluster's producer claims once it issued its
+    # table's loads, and pool pairs run concurrently, each waiting only for earlier ones: if this
+    # order finishes, so does that one.)
     movers = [int(k) for k in MOVER_KINDS]
     pool = len(streams) - 1 if plan.claim_pairs else -1
     static_gemm = [blk for blk, stream in enumerate(streams) if blk != pool and t["kind"][stream[0]] not in movers]
@@ -1261,7 +1264,8 @@ def _check_topological(plan: Plan, order: np.ndarray) -> None:
 
 def _ancestors(plan: Plan, order: np.ndarray, tracked: np.ndarray | None = None) -> list:
     """Happens-before: per task, the bitset (a Python int) of the tasks that precede it through
-    counters (every signaller of a counter it waits on) and stream order, itself included.
+    counters (every signaller of a counter it waits on) and stream order (none within the pool:
+    its pairs run at once on whichever clusters claim them), itself included.
     tracked (a [num_tasks] mask): only those tasks are recorded, bit k standing for the k-th
     tracked task (np.flatnonzero(tracked)[k]); a task whose set does not grow shares its
     predecessor's int, so the sets of the many tasks after the last tracked one cost nothing."""

@@ -120,16 +120,17 @@ def fused_settings_for(policy: dict, settings) -> dict:
 
 
 def parse_settings(text: str) -> tuple:
-    """--fused: COMM:MINIBATCH[:CLAIM],... -> ((comm, minibatch, claim), ...); claim an int or "all"
-    (plan.fused_forward's claim: the tile pairs claimed at run time), None when left out (the plan's
-    default, plan.DEFAULT_CLAIM)."""
+    """--fused: COMM:MINIBATCH[:CLAIM],... -> ((comm, minibatch, claim), ...); claim an int, "all" or
+    "tail" (plan.fused_forward's claim: the tile pairs claimed at run time), None when left out (the
+    plan's default, plan.DEFAULT_CLAIM)."""
     out = []
     for item in text.split(","):
         parts = item.split(":")
         if len(parts) not in (2, 3) or not all(v.isdigit() for v in parts[:2]) or (
-                len(parts) == 3 and not (parts[2].isdigit() or parts[2] == "all")):
-            raise ValueError(f"--fused: {item!r} is not COMM:MINIBATCH or COMM:MINIBATCH:CLAIM (CLAIM an int or all)")
-        claim = None if len(parts) == 2 else parts[2] if parts[2] == "all" else int(parts[2])
+                len(parts) == 3 and not (parts[2].isdigit() or parts[2] in ("all", "tail"))):
+            raise ValueError(f"--fused: {item!r} is not COMM:MINIBATCH or COMM:MINIBATCH:CLAIM (CLAIM an int, all or "
+                             "tail)")
+        claim = None if len(parts) == 2 else parts[2] if parts[2] in ("all", "tail") else int(parts[2])
         out.append((int(parts[0]), int(parts[1]), claim))
     return tuple(out)
 
@@ -566,7 +567,8 @@ def main():
     p.add_argument("--sweep", action="store_true", help="time the fused forward over communication CTAs x "
                    f"minibatch rows {SWEEP} (default: {DEFAULT_FUSED})")
     p.add_argument("--fused", default=None, help="fused settings to time, COMM:MINIBATCH[:CLAIM][,...] (e.g. "
-                   "8:1024,0:2048:264,0:2048:all; CLAIM: tile pairs claimed at run time, plan.fused_forward)")
+                   "8:1024,0:2048:264,0:2048:all; CLAIM: tile pairs claimed at run time, an int, all or tail: "
+                   "plan.fused_forward)")
     p.add_argument("--no-fused", action="store_true", help="sequential and torch rows only")
     p.add_argument("--assign", default=None, choices=ASSIGNMENTS, help="the fused plans' tile pairs to clusters "
                    f"(default per pass: {DEFAULT_ASSIGN}; recorded in the fused rows as `assign`)")

@@ -137,3 +137,15 @@ def test_error_record_names_the_operator():
     assert isinstance(fused, KernelTimeoutError) and str(fused) == (
         "fused layer task (waiting for a ready counter) timed out after 4 s on rank 1: task 124 of the plan "
         "waited for counter 15 to reach 6, saw 2 (block 14)")
+
+
+def test_a_claim_hand_off_timeout_names_the_ticket():
+    from mok_proto.errors import KernelTimeoutError
+    from mok_proto.kernels.errors import describe
+
+    base = dict.fromkeys(abi.ERROR_RECORD.names, 0)
+    claim = describe({**base, "code": abi.ERROR_CODE["kErrTimeout"], "op": abi.OP["kOpFusedClaim"], "rank": -1,
+                      "peer": -1, "expected": 1, "detail": 3, "block": 20, "thread": 128}, timeout_s=2.0)
+    assert isinstance(claim, KernelTimeoutError) and str(claim) == (
+        "fused layer cluster (handing a claimed tile pair to its CTAs) timed out: ticket 3 of the cluster of block "
+        "20 (thread 128, barrier parity 1) was not handed over in time")

@@ -223,8 +223,8 @@ def test_smi_command_samples_one_gpu():
 
 
 def test_fused_settings_take_a_claim():
-    assert bench_layer.parse_settings("0:2048,8:1024:264,0:2048:all") == (
-        (0, 2048, None), (8, 1024, 264), (0, 2048, "all"))
+    assert bench_layer.parse_settings("0:2048,8:1024:264,0:2048:all,0:512:tail") == (
+        (0, 2048, None), (8, 1024, 264), (0, 2048, "all"), (0, 512, "tail"))
     for bad in ("0", "0:2048:some", "a:2048", "0:2048:1:2"):
         with pytest.raises(ValueError, match="--fused"):
             bench_layer.parse_settings(bad)

@@ -844,3 +844,17 @@ def test_check_rejects_a_broken_pool():
     counters["kind"][plan.claim_counter] = int(P.CounterKind.DATA_GRAD_DONE)
     with pytest.raises(P.PlanError, match="0 CLAIMED counters"):  # a pool needs its ticket
         P.with_tasks(plan, plan.tasks, counters).check()
+
+
+def test_default_claims():
+    # the forward claims every tile pair, the backward the tail: TAIL_PAIRS_PER_CLUSTER per cluster
+    assert P.DEFAULT_CLAIM == {"fwd": "all", "bwd": "tail"}
+    for pass_ in P.PASSES:
+        pairs = len(global_order(pass_, 2, 256))
+        for num_sms, comm in ((8, 2), (8, 0), (30, 2)):
+            clusters = (num_sms - comm) // 2
+            plan = fused_of(pass_, comm, 256, num_sms=num_sms, claim=None)
+            want = pairs if pass_ == "fwd" else min(pairs, P.TAIL_PAIRS_PER_CLUSTER * clusters)
+            assert plan.claim_pairs == want, (pass_, num_sms, comm, plan.claim_pairs, want)
+            assert fused_of(pass_, comm, 256, num_sms=num_sms, claim="tail").claim_pairs == min(
+                pairs, P.TAIL_PAIRS_PER_CLUSTER * clusters)

@@ -35,6 +35,11 @@ def describe(fields: dict, timeout_s: float | None = None) -> Exception | None:
         return KernelTimeoutError(
             f"{what} timed out{after} on rank {fields['rank']}: task {fields['detail']} of the plan waited for "
             f"counter {fields['peer']} to reach {fields['expected']}, saw {fields['seen']} (block {fields['block']})")
+    if code == abi.ERROR_CODE["kErrTimeout"] and op == abi.OP["kOpFusedClaim"]:
+        # the claim hand-off waits as long as the fused kernel's GEMM stages (kernels.fused.gemm_timeout_ns)
+        return KernelTimeoutError(
+            f"{what} timed out: ticket {fields['detail']} of the cluster of block {fields['block']} (thread "
+            f"{fields['thread']}, barrier parity {fields['expected']}) was not handed over in time")
     if code == abi.ERROR_CODE["kErrTimeout"]:
         return SymmTimeoutError(what, fields["rank"], fields["peer"], fields["expected"], fields["seen"],
                                 timeout_s if timeout_s is not None else float("nan"))
