@@ -126,6 +126,7 @@ BENCH_FILES_LEFT_OUT = {
     "bench_layer_99c90df": "its fused rows claim tile pairs at run time (plan claim), which the judged fused rows "
                            "(plan claim 0, fused.pass_ns) do not; its sequential rows are those of b0e48a6's kernels",
     "bench_layer_b0e48a6": "as bench_layer_99c90df (the same kernels, the claimed pools by default)",
+    "bench_layer_249b630": "as bench_layer_b0e48a6 (its kernels with the claim hand-off's error path reviewed)",
 }
 
 
