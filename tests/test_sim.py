@@ -1186,3 +1186,16 @@ def test_timeline_plan_finds_the_claimed_pool():
     assert len(pool) == 2 * 264 and pool[0] == len(plan.tasks) - 2 * 264
     even, odd = rec["block"][pool[0::2]], rec["block"][pool[1::2]]
     assert ((even % 2 == 0) & (odd == even + 1)).all() and len(np.unique(even)) > 1  # claimed by several clusters
+
+
+def test_cli_simulates_a_chosen_claim(capsys):
+    from mok_proto.sim import __main__ as cli
+
+    args = ["--gpu", "h200", "--fused", "--shape", "tile", "--ep", "2", "--comm-sms", "0", "--minibatch", "256"]
+    got = {}
+    for claim in ("3", None):  # (each call calibrates the H200 parameters: ~10 s)
+        assert cli.main(args + (["--claim", claim] if claim else [])) == 0
+        got[claim] = int(capsys.readouterr().out.split("claim_pairs=")[1].split()[0])
+    assert got["3"] == 3 and got[None] > 3  # the forward's default: every pair
+    assert cli.main(args + ["--claim", "most"]) == 2  # a bad claim: one line, exit 2
+    assert "claim" in capsys.readouterr().err

@@ -43,6 +43,9 @@ def main(argv=None) -> int:
                          f"{plans.DEFAULT_ASSIGN['bwd']} backward)")
     ap.add_argument("--raster", default=None, choices=plans.RASTERS,
                     help=f"with --fused: the order of a minibatch's tile pairs (default {plans.DEFAULT_RASTER})")
+    ap.add_argument("--claim", default=None,
+                    help=f"with --fused: tile pairs claimed at run time, an int, all or tail (default "
+                         f"{plans.DEFAULT_CLAIM['fwd']} forward, {plans.DEFAULT_CLAIM['bwd']} backward)")
     args = ap.parse_args(argv)
     try:
         if args.validate:
@@ -69,8 +72,9 @@ def main(argv=None) -> int:
             p = sequential_plan()
         elif args.fused:
             make = plans.fused_forward if args.pass_ == "fwd" else plans.fused_backward
+            claim = int(args.claim) if args.claim is not None and args.claim.isdigit() else args.claim
             p = make(shape, args.ep, args.comm_sms, args.minibatch, policy=policy,
-                     num_sms=gpu.num_sms - gpu.num_sms % 2, assign=args.assign, raster=args.raster)
+                     num_sms=gpu.num_sms - gpu.num_sms % 2, assign=args.assign, raster=args.raster, claim=claim)
         else:
             p = plans.fixed_split(shape, args.ep, args.comm_sms, args.minibatch, pass_=args.pass_, policy=policy,
                                   num_sms=gpu.num_sms)
