@@ -261,14 +261,15 @@ __device__ __forceinline__ void trace_times(const Ctx& c, int index, i64 start, 
 
 // ---------------------------------------------------------------------------------------------
 // The pool (plan.py: Plan.pool_table, `claim`): the tile pairs no CTA's table holds, claimed at run
-// time in order, each by a cluster whose own table's GEMM tasks are done (MoK's ticket scheduler,
+// time in order, each by a cluster whose producer issued its own table's GEMM loads (MoK's ticket scheduler,
 // over the tail of the global order): the cluster that finishes first takes the next pair. Cluster
 // CTA 0's producer lane 0 claims (an add on the plan's CLAIMED counter, this launch rank's) and
 // hands each claim to the readers of both CTAs through kTickets shared-memory tickets: it writes
 // ticket j % kTickets into both CTAs, then arrives on both CTAs' ticket_full (release, cluster
 // scope); the readers (CTA 1's producer lane 0; each CTA's consumers, after agreeing on it) wait
 // for it (acquire, cluster scope) and arrive on CTA 0's ticket_empty once they have read it. A
-// ticket of -1: no pair left, or an error (every reader stops). Each claimed pair then runs as a
+// ticket of -1: no pair left (every reader stops); after an error no ticket is written and the readers
+// leave their waits on the recorded error. Each claimed pair then runs as a
 // table's does (produce_task, consume_task, same waits and signals), as task Pool::first + 2k + cta.
 // ---------------------------------------------------------------------------------------------
 constexpr int kTicketReaders = (gemm::kCluster - 1) + gemm::kCluster;  // partner producer lanes 0, CTAs' consumers

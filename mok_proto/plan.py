@@ -73,7 +73,7 @@ DEFAULT_RASTER = "row"
 # 264 pairs (the tail of 66 clusters) / every pair: forward kimi 0.97 / 0.97 / 0.99, glm 1.00 / 1.00 /
 # 1.01, qwen 1.02 / 1.03 / 1.05, deepseek 1.01 / 1.02 / 1.02; backward 1.04 / 1.05 / 1.02, 1.06 / 1.07 /
 # 1.05, 1.06 / 1.11 / 1.10, 1.05 / 1.08 / 1.05; all bitwise equal to the sequential pass. With these
-# defaults, two more runs (b0e48a6, 249b630; README), no pool against the default: forward -0.4 to
+# defaults, two more runs (b0e48a6, 249b630; README), the default against no pool: forward -0.4 to
 # +2.1%, backward +0.1 to +3.7%.
 DEFAULT_CLAIM = {"fwd": "all", "bwd": "tail"}
 TAIL_PAIRS_PER_CLUSTER = 4
@@ -690,7 +690,7 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     minibatch).
     claim (None: DEFAULT_CLAIM[pass]): the last `claim` tile pairs of the global order go to no
     cluster: they are the pool (`Plan.pool_table`), which the clusters claim at run time, in
-    order, each once its own table's GEMM tasks are done (MoK's ticket scheduler): the cluster
+    order, each once its producer issued its own table's GEMM loads (MoK's ticket scheduler): the cluster
     that finishes first takes the next pair, whatever the routing made each pair cost. "all":
     every pair (MoK's scheduler over the whole kernel); "tail": TAIL_PAIRS_PER_CLUSTER per
     cluster; 0: none (every pair in a cluster's table). check() proves the plan deadlock free

@@ -113,7 +113,8 @@ def timeline_name(path: Path | str) -> tuple[str, str]:
 def load_timeline(path: Path | str):
     """A timeline's JSON lines (.jsonl or .jsonl.gz) as mok_proto.trace records (TRACE_DTYPE; `kind`
     is the TaskKind name lower-cased in the file), in file order (the plan's task order; `claimed`
-    False where the file has none: it ran before the claimed pool). The role
+    False where the file has none: files before 99c90df ran no pool, and the stored ones bench_layer
+    wrote at 99c90df and b0e48a6, before it recorded the field, were annotated from their plans). The role
     is the task's (comm for a mover task: a transfer's chunk or the token gradients, as
     GpuMoELayer.forward_timeline records it now;
     older files gave every task of a compute CTA the compute role, spare warps' transfers included;

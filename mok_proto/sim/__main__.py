@@ -62,6 +62,8 @@ def main(argv=None) -> int:
         shape = get_shape(args.shape)
         policy = parse_policy(args.policy)
         t0 = time.perf_counter()
+        if args.claim is not None and not args.fused:
+            raise ValueError("--claim applies to the megakernel's plan: add --fused")
         if args.vs_sequential and args.sequential:
             raise ValueError("--vs-sequential compares another plan with the sequential one: drop --sequential")
 

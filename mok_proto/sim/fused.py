@@ -62,7 +62,11 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     records (in the plan's task order, as bench_layer writes them) are: CTAs, communicating CTAs
     (0: the chunks ride on compute CTAs), minibatch rows, capacity, ring, the transfers and (backward)
     the token gradients inside from the records; the GEMM order (`lookahead`, where plan.py has it) and the tile pairs'
-    clusters (`assign`) and their order (`raster`) the first that match. Raises ValueError if no plan matches task by task."""
+    clusters (`assign`) and their order (`raster`) the first that match; the claimed pool (`claim`)
+    from the records' `claimed` rows, which match the plan's pool task by task but not by CTA (a
+    pair's CTA is the one that claimed it). Communicating CTAs are below the first CTA with a table
+    GEMM task (with none, below the first that ran a claimed one: wrong if that cluster claimed
+    nothing, and then no plan matches). Raises ValueError if no plan matches task by task."""
     pass_ = timeline_pass(records)
     k = plans.PASS_KINDS[pass_]
     kind = records["kind"]
@@ -80,11 +84,14 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
         moves = incoming | outgoing
         order = kind[moves & (records["block"] == records["block"][moves][0])]
         ring = int(np.argmax(order == int(k.comm_out)))
-    comm_blocks = int(records["block"][~comm].min())
-    args = (shape, num_ranks, comm_blocks, minibatch_rows)
     # The claimed pairs (plan claim: the plan's last tasks, block num_sms) are recorded with the CTA
     # that claimed them
     pooled = records["claimed"]
+    if pooled.sum() % 2 or np.any(comm & pooled):
+        raise ValueError("the timeline's claimed tasks are not tile pairs")
+    gemm_blocks = records["block"][~comm & ~pooled] if (~comm & ~pooled).any() else records["block"][~comm]
+    comm_blocks = int(gemm_blocks.min()) // 2 * 2
+    args = (shape, num_ranks, comm_blocks, minibatch_rows)
     fields = dict(policy=policy, num_sms=int(records["block"].max()) + 1, capacity_rows=num_mb * minibatch_rows,
                   claim=int(pooled.sum()) // 2)
     spread = outgoing & (records["block"] >= comm_blocks) if comm_blocks else np.zeros_like(outgoing)
@@ -104,7 +111,7 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
             except ValueError as e:
                 tried.append(f"{order or 'defaults'}, {assign}, {raster}: {e}")
                 continue
-            if len(plan.tasks) == len(records) and all(
+            if len(plan.tasks) == len(records) and np.array_equal(plan.tasks["block"] == plan.pool_block, pooled) and all(
                     np.array_equal(plan.tasks[k][~pooled], records[k][~pooled]) if k == "block" else
                     np.array_equal(plan.tasks[k], records[k]) for k in KEY):
                 return plan
