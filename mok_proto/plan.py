@@ -277,7 +277,7 @@ class Plan:
     def pool_block(self) -> int:
         """The `block` of the claimed tile pairs' tasks (fused plans with claim_pairs > 0): past every
         CTA (num_sms). They are in no CTA's table: the kernel's clusters claim them in order (seq
-        2k and 2k + 1: the two halves of pair k) once their own tables' GEMM tasks are done."""
+        2k and 2k + 1: the two halves of pair k) once their producers issued their own tables' GEMM loads."""
         return self.num_sms
 
     @property
@@ -737,7 +737,7 @@ FUSED_STRATEGIES = {"fwd": "fused_forward", "bwd": "fused_backward"}
 
 
 def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms, capacity_rows,
-           lookahead, assign, raster, spread_from, token_grads, scale, claim=0) -> Plan:
+           lookahead, assign, raster, spread_from, token_grads, scale, claim) -> Plan:
     assign = DEFAULT_ASSIGN[pass_] if assign is None else assign
     if assign not in ASSIGNMENTS:
         raise ValueError(f"assign must be one of {', '.join(ASSIGNMENTS)}, got {assign!r}")
@@ -1119,22 +1119,23 @@ def _check_pairs(plan: Plan) -> None:
         even, odd = (table[~np.isin(table["kind"], comm_kinds)] for table in (tables[blk], tables[blk + 1]))
         if len(even) != len(odd):
             raise PlanError(f"pairs: CTAs {blk} and {blk + 1} (one cluster) have {len(even)} and {len(odd)} tasks")
-        same = (even["kind"] == odd["kind"]) & (even["minibatch"] == odd["minibatch"]) & (
-            even["col_tile"] == odd["col_tile"]) & (even["expert"] == odd["expert"]) & (
-            even["macrobatch"] == odd["macrobatch"]) & (even["row_tile"] % 2 == 0) & (
-            odd["row_tile"] == even["row_tile"] + 1)
+        same = _one_pair(even, odd)
         if not same.all():
             i = int(np.argmin(same))
             raise PlanError(f"pairs: CTAs {blk}, {blk + 1}, GEMM task {i}: seq {even['seq'][i]} and {odd['seq'][i]} "
                             f"are not one tile pair")
     pool = plan.pool_table()
-    even, odd = pool[0::2], pool[1::2]
-    same = (even["kind"] == odd["kind"]) & (even["minibatch"] == odd["minibatch"]) & (
-        even["col_tile"] == odd["col_tile"]) & (even["expert"] == odd["expert"]) & (
-        even["macrobatch"] == odd["macrobatch"]) & (even["row_tile"] % 2 == 0) & (odd["row_tile"] == even["row_tile"] + 1)
+    same = _one_pair(pool[0::2], pool[1::2])
     if not same.all():
         i = int(np.argmin(same))
         raise PlanError(f"pairs: pool tasks seq {2 * i} and {2 * i + 1} are not one tile pair")
+
+
+def _one_pair(even: np.ndarray, odd: np.ndarray) -> np.ndarray:
+    """Per position: the two tasks are one tile pair (the same tile but for row tiles 2p, 2p + 1)."""
+    return (even["kind"] == odd["kind"]) & (even["minibatch"] == odd["minibatch"]) & (
+        even["col_tile"] == odd["col_tile"]) & (even["expert"] == odd["expert"]) & (
+        even["macrobatch"] == odd["macrobatch"]) & (even["row_tile"] % 2 == 0) & (odd["row_tile"] == even["row_tile"] + 1)
 
 
 def _check_coverage(plan: Plan) -> None:
