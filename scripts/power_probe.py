@@ -7,18 +7,20 @@ replayed back to back runs at that limit. The time of a pass then follows its en
 pass that overlaps the same work saves little time; bench_layer.py's short interleaved runs see
 it only in part. This measures it. Per shape (one EP=64 rank's share on one GPU, as
 bench_layer.py emulates it): the sequential pass and the fused pass (comm blocks, minibatch rows,
-the plans' default assignment and order) of the forward and of the backward are each captured in
-a graph; after a warm-up phase, one graph at a time is replayed for --secs seconds (sequential,
-fused, sequential, fused per pass) while nvidia-smi samples clocks and power every 20 ms.
+the plans' default assignment, order and claimed pool: plan.DEFAULT_CLAIM) of the forward and of
+the backward are each captured in a graph; after a warm-up phase, one graph at a time is replayed
+for --secs seconds (sequential, fused, sequential, fused per pass) while nvidia-smi samples clocks and power every 20 ms.
 
 A progress line per phase; per shape and pass a summary: median ms, mean SM clock, mean power and
 energy per pass (mean power x median time) of each schedule (mean of its two phases), then
-x seq (sequential ms / fused ms: above 1, fused is faster), and fused / sequential of the clock
-and of the energy. Power and clocks are averaged from the second second of each phase on
+x seq (sequential ms / fused ms: above 1, fused is faster), fused / sequential of the clock and
+of the energy, and x cycles (sequential ms x MHz / fused ms x MHz: x seq at equal clocks, an
+estimate from mean clocks). Power and clocks are averaged from the second second of each phase on
 (nvidia-smi's power.draw is a one-second average: bench.SMI_SETTLE_S). One JSON line per phase
 appended to results/power_probe.jsonl (keys: time, git, shape, pass, schedule, phase,
-comm_blocks, minibatch_tokens, assign, raster, secs, median_ms, iters, sm_mhz, power_w,
-energy_mj, power_capped: the fraction of samples under the power cap, samples). No bars.
+comm_blocks, minibatch_tokens, assign, raster, claim_pairs (tile pairs claimed at run time),
+secs, median_ms, iters, sm_mhz, power_w, energy_mj, power_capped: the fraction of samples under
+the power cap, samples). No bars.
 Exit status: 0; 1 if a fused result is not bitwise equal to the sequential one; 2 without a GPU,
 or without an nvidia-smi that reports this GPU's clock and power.
 """
@@ -111,7 +113,8 @@ def main():
                         phases.append(dict(shape=name, pass_=pass_, schedule=schedule, phase=k, t0=t0, t1=t1,
                                            median_ms=float(np.median(times)), iters=len(times),
                                            assign=plan.assign if schedule == "fused" else None,
-                                           raster=plan.raster if schedule == "fused" else None))
+                                           raster=plan.raster if schedule == "fused" else None,
+                                           claim_pairs=plan.claim_pairs if schedule == "fused" else None))
                         print(f"# {name} {pass_} {schedule:10s} {np.median(times):.3f} ms ({len(times)} replays)",
                               flush=True)
                     if result_bytes(layer, pass_) != reference[pass_]:  # the fused graph replayed last
@@ -135,13 +138,13 @@ def main():
         fail(f"power_probe.py: {e} (nvidia-smi {'exited' if died is not None else 'ran'}; its last line: "
              f"{text.strip().splitlines()[-1:] or 'none'})")
     print(f"{'shape':16s} pass  {'sequential ms   MHz    W    mJ':>30s}  {'fused ms   MHz    W    mJ':>30s}"
-          f"  x seq  clock  energy")
+          f"  x seq  clock  energy  x cycles")
     for ph in phases:
         ph["energy_mj"] = ph["power_w"] * ph["median_ms"]
         append_result("power_probe", {"shape": ph["shape"], "pass": ph["pass_"], "schedule": ph["schedule"],
                                       "phase": ph["phase"], "comm_blocks": args.comm,
                                       "minibatch_tokens": args.minibatch, "assign": ph["assign"],
-                                      "raster": ph["raster"], "secs": args.secs,
+                                      "raster": ph["raster"], "claim_pairs": ph["claim_pairs"], "secs": args.secs,
                                       **{k: ph[k] for k in ("median_ms", "iters", "sm_mhz", "power_w", "energy_mj",
                                                             "power_capped", "samples")}})
     for name in args.shapes.split(","):
@@ -154,7 +157,8 @@ def main():
             cols = "  ".join(f"{m['median_ms']:11.3f} {m['sm_mhz']:5.0f} {m['power_w']:4.0f} {m['energy_mj']:5.0f}"
                              for m in (seq, fus))
             print(f"{name:16s} {pass_}  {cols}  {seq['median_ms'] / fus['median_ms']:5.3f}  "
-                  f"{fus['sm_mhz'] / seq['sm_mhz']:5.3f}  {fus['energy_mj'] / seq['energy_mj']:5.3f}"
+                  f"{fus['sm_mhz'] / seq['sm_mhz']:5.3f}  {fus['energy_mj'] / seq['energy_mj']:5.3f}  "
+                  f"{seq['median_ms'] * seq['sm_mhz'] / (fus['median_ms'] * fus['sm_mhz']):8.3f}"
                   f"  (power-capped samples {min(seq['power_capped'], fus['power_capped']):.0%})")
     if unequal:
         print(f"FAIL: fused not bitwise equal to sequential: {', '.join(unequal)}", file=sys.stderr)
