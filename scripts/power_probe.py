@@ -149,20 +149,30 @@ def main():
                                                             "power_capped", "samples")}})
     for name in args.shapes.split(","):
         for pass_ in ("fwd", "bwd"):
-            mean = {s: {k: float(np.mean([ph[k] for ph in phases if (ph["shape"], ph["pass_"], ph["schedule"])
-                                          == (name, pass_, s)])) for k in ("median_ms", "sm_mhz", "power_w",
-                                                                           "energy_mj", "power_capped")}
-                    for s in ("sequential", "fused")}
-            seq, fus = mean["sequential"], mean["fused"]
+            seq, fus, ratio = compare(phases, name, pass_)
             cols = "  ".join(f"{m['median_ms']:11.3f} {m['sm_mhz']:5.0f} {m['power_w']:4.0f} {m['energy_mj']:5.0f}"
                              for m in (seq, fus))
-            print(f"{name:16s} {pass_}  {cols}  {seq['median_ms'] / fus['median_ms']:5.3f}  "
-                  f"{fus['sm_mhz'] / seq['sm_mhz']:5.3f}  {fus['energy_mj'] / seq['energy_mj']:5.3f}  "
-                  f"{seq['median_ms'] * seq['sm_mhz'] / (fus['median_ms'] * fus['sm_mhz']):8.3f}"
-                  f"  (power-capped samples {min(seq['power_capped'], fus['power_capped']):.0%})")
+            print(f"{name:16s} {pass_}  {cols}  {ratio['x_seq']:5.3f}  {ratio['clock']:5.3f}  {ratio['energy']:5.3f}  "
+                  f"{ratio['x_cycles']:8.3f}  (power-capped samples {min(seq['power_capped'], fus['power_capped']):.0%})")
     if unequal:
         print(f"FAIL: fused not bitwise equal to sequential: {', '.join(unequal)}", file=sys.stderr)
         sys.exit(1)
+
+
+def compare(phases: list, shape: str, pass_: str):
+    """(sequential, fused, ratios) of one shape and pass: each schedule's phases averaged (median_ms,
+    sm_mhz, power_w, energy_mj, power_capped), and x_seq = sequential ms / fused ms, clock and energy
+    = fused / sequential, x_cycles = sequential ms x MHz / (fused ms x MHz)."""
+    import numpy as np
+
+    mean = {s: {k: float(np.mean([ph[k] for ph in phases if (ph["shape"], ph["pass_"], ph["schedule"])
+                                  == (shape, pass_, s)]))
+                for k in ("median_ms", "sm_mhz", "power_w", "energy_mj", "power_capped")}
+            for s in ("sequential", "fused")}
+    seq, fus = mean["sequential"], mean["fused"]
+    return seq, fus, {"x_seq": seq["median_ms"] / fus["median_ms"], "clock": fus["sm_mhz"] / seq["sm_mhz"],
+                      "energy": fus["energy_mj"] / seq["energy_mj"],
+                      "x_cycles": seq["median_ms"] * seq["sm_mhz"] / (fus["median_ms"] * fus["sm_mhz"])}
 
 
 def fail(message: str):

@@ -231,3 +231,31 @@ def test_fused_settings_take_a_claim():
     policy = {"dispatch": "push", "combine": "pull", "rev_combine": "pull", "rev_dispatch": "push"}
     got = bench_layer.fused_settings_for(policy, ((8, 2048, 264), (0, 2048, 264)))
     assert got["fwd"] == ((0, 2048, 264),) and got["bwd"] == ((8, 2048, 264), (0, 2048, 264))
+
+
+def _power_probe():
+    import sys
+
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)  # power_probe imports bench_layer as a sibling module
+    spec = importlib.util.spec_from_file_location("power_probe", Path(scripts) / "power_probe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_power_probe_compares_the_phases_of_one_shape_and_pass():
+    compare = _power_probe().compare
+    row = lambda shape, pass_, schedule, ms, mhz, w: dict(  # noqa: E731
+        shape=shape, pass_=pass_, schedule=schedule, median_ms=ms, sm_mhz=mhz, power_w=w, energy_mj=ms * w,
+        power_capped=1.0)
+    phases = [row("a", "fwd", "sequential", 2.0, 1500, 700), row("a", "fwd", "fused", 2.2, 1200, 690),
+              row("a", "fwd", "sequential", 2.2, 1500, 700), row("a", "fwd", "fused", 1.8, 1200, 710),
+              row("a", "bwd", "sequential", 9.0, 1000, 100), row("b", "fwd", "fused", 9.0, 1000, 100)]
+    seq, fus, ratio = compare(phases, "a", "fwd")  # other passes and shapes are not averaged in
+    assert seq["median_ms"] == pytest.approx(2.1) and fus["median_ms"] == pytest.approx(2.0)
+    assert seq["sm_mhz"] == 1500 and fus["power_w"] == pytest.approx(700)
+    assert ratio["x_seq"] == pytest.approx(2.1 / 2.0) and ratio["clock"] == pytest.approx(0.8)
+    assert ratio["energy"] == pytest.approx((2.2 * 690 + 1.8 * 710) / 2 / ((2.0 * 700 + 2.2 * 700) / 2))
+    assert ratio["x_cycles"] == pytest.approx(2.1 * 1500 / (2.0 * 1200))  # at equal clocks: 1.3125
