@@ -9,7 +9,8 @@ it only in part. This measures it. Per shape (one EP=64 rank's share on one GPU,
 bench_layer.py emulates it): the sequential pass and the fused pass (comm blocks, minibatch rows,
 the plans' default assignment, order and claimed pool: plan.DEFAULT_CLAIM) of the forward and of
 the backward are each captured in a graph; after a warm-up phase, one graph at a time is replayed
-for --secs seconds (sequential, fused, sequential, fused per pass) while nvidia-smi samples clocks and power every 20 ms.
+for --secs seconds (sequential, fused, sequential, fused per pass) while nvidia-smi samples clocks
+and power every 20 ms.
 
 A progress line per phase; per shape and pass a summary: median ms, mean SM clock, mean power and
 energy per pass (mean power x median time) of each schedule (mean of its two phases), then
