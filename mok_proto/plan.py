@@ -76,7 +76,18 @@ DEFAULT_RASTER = "row"
 # defaults, two more runs (b0e48a6, 249b630; README), the default against no pool: forward -0.4 to
 # +2.1%, backward +0.1 to +3.7%.
 DEFAULT_CLAIM = {"fwd": "all", "bwd": "tail"}
+CLAIMS = ("all", "tail")  # the claims by name; any other is a number of tile pairs
 TAIL_PAIRS_PER_CLUSTER = 4
+
+
+def parse_claim(text: str):
+    """A claim as typed on a command line (bench_layer.py --fused, sim --claim): digits -> an int,
+    a name of CLAIMS as it is; ValueError otherwise."""
+    if text.isdigit():
+        return int(text)
+    if text in CLAIMS:
+        return text
+    raise ValueError(f"claim must be an int >= 0 or one of {', '.join(CLAIMS)}, got {text!r}")
 
 
 # The kinds come from the ABI spec (mok_proto/abi.py: enum mok::plan::TaskKind / CounterKind of
@@ -857,7 +868,7 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
     # waits on is raised by pairs earlier in it), both halves of a pair at the same position.
     # The last `claim` pairs go to the pool instead (block num_sms, claimed at run time).
     claim = DEFAULT_CLAIM[pass_] if claim is None else claim
-    if isinstance(claim, str) and claim in ("all", "tail"):
+    if isinstance(claim, str) and claim in CLAIMS:
         claim = len(pairs) if claim == "all" else min(len(pairs), TAIL_PAIRS_PER_CLUSTER * (num_sms - comm_blocks) // 2)
     claim = check_int(claim, "claim (an int, 'all' or 'tail')")
     if not 0 <= claim <= len(pairs):

@@ -123,15 +123,18 @@ def parse_settings(text: str) -> tuple:
     """--fused: COMM:MINIBATCH[:CLAIM],... -> ((comm, minibatch, claim), ...); claim an int, "all" or
     "tail" (plan.fused_forward's claim: the tile pairs claimed at run time), None when left out (the
     plan's default, plan.DEFAULT_CLAIM)."""
+    from mok_proto.plan import parse_claim
+
     out = []
     for item in text.split(","):
         parts = item.split(":")
-        if len(parts) not in (2, 3) or not all(v.isdigit() for v in parts[:2]) or (
-                len(parts) == 3 and not (parts[2].isdigit() or parts[2] in ("all", "tail"))):
+        try:
+            if len(parts) not in (2, 3) or not all(v.isdigit() for v in parts[:2]):
+                raise ValueError
+            out.append((int(parts[0]), int(parts[1]), parse_claim(parts[2]) if len(parts) == 3 else None))
+        except ValueError:
             raise ValueError(f"--fused: {item!r} is not COMM:MINIBATCH or COMM:MINIBATCH:CLAIM (CLAIM an int, all or "
-                             "tail)")
-        claim = None if len(parts) == 2 else parts[2] if parts[2] in ("all", "tail") else int(parts[2])
-        out.append((int(parts[0]), int(parts[1]), claim))
+                             "tail)") from None
     return tuple(out)
 
 

@@ -858,3 +858,11 @@ def test_default_claims():
             assert plan.claim_pairs == want, (pass_, num_sms, comm, plan.claim_pairs, want)
             assert fused_of(pass_, comm, 256, num_sms=num_sms, claim="tail").claim_pairs == min(
                 pairs, P.TAIL_PAIRS_PER_CLUSTER * clusters)
+
+
+def test_parse_claim_takes_a_count_or_a_name():
+    assert P.parse_claim("264") == 264 and P.parse_claim("0") == 0
+    assert [P.parse_claim(name) for name in P.CLAIMS] == ["all", "tail"]
+    for bad in ("-1", "most", "", "2.5", "ALL"):
+        with pytest.raises(ValueError, match="claim must be"):
+            P.parse_claim(bad)

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
             p = sequential_plan()
         elif args.fused:
             make = plans.fused_forward if args.pass_ == "fwd" else plans.fused_backward
-            claim = int(args.claim) if args.claim is not None and args.claim.isdigit() else args.claim
+            claim = None if args.claim is None else plans.parse_claim(args.claim)
             p = make(shape, args.ep, args.comm_sms, args.minibatch, policy=policy,
                      num_sms=gpu.num_sms - gpu.num_sms % 2, assign=args.assign, raster=args.raster, claim=claim)
         else:
