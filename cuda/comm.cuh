@@ -239,18 +239,24 @@ __device__ __forceinline__ void warp_move_row(RowMove m, i64 bytes, int lane) {
 template <int kVec>
 __device__ __forceinline__ void pull_token_rows(const CommParams* p, int rank, SchedView sv, i64 begin, i64 end,
                                                 Workers warps, int lane) {
-  for (i64 i = begin + warps.id; i < end; i += warps.count)
-    warp_move_row<kVec>(dispatch_pull_row(p, rank, sv, i, 0), p->row_bytes, lane);
+  linked_rows<32 * kVec>(
+      p, rank, kLinkIn, begin, end, warps, lane, [&](i64 i) { return sv.src_rank[i]; },
+      [&](i64 i) { warp_move_row<kVec>(dispatch_pull_row(p, rank, sv, i, 0), p->row_bytes, lane); });
 }
 
 // Token side: f(s, expert owner, receive row there or -1) for my slots [begin, end), one per worker.
-template <typename F>
-__device__ __forceinline__ void for_my_slots(const CommParams* p, int rank, i64 begin, i64 end, Workers workers,
-                                             F f) {
+// With the emulated link, a row pays to or from the slot's expert owner (none where it overflowed);
+// `d` is the direction of the movement (workers: warps).
+template <int kBatch, typename F>
+__device__ __forceinline__ void for_my_slots(const CommParams* p, int rank, int d, i64 begin, i64 end,
+                                             Workers workers, int lane, F f) {
   const int* topk_idx = at<int>(p->topk_idx, rank);
   const int* recv_row = at<int>(p->recv_row, rank);
   const int el = static_cast<int>(p->num_local_experts);
-  for (i64 s = begin + workers.id; s < end; s += workers.count) f(s, topk_idx[s] / el, recv_row[s]);
+  linked_rows<kBatch>(
+      p, rank, d, begin, end, workers, lane,
+      [&](i64 s) { return recv_row[s] < 0 ? -1 : topk_idx[s] / el; },
+      [&](i64 s) { f(s, topk_idx[s] / el, recv_row[s]); });
 }
 
 // Dispatch, push (token side): my slots [begin, end): the source row of s (source_row) into
@@ -259,7 +265,7 @@ __device__ __forceinline__ void for_my_slots(const CommParams* p, int rank, i64 
 template <int kVec>
 __device__ __forceinline__ void push_token_rows(const CommParams* p, int rank, i64 begin, i64 end, Workers warps,
                                                 int lane) {
-  for_my_slots(p, rank, begin, end, warps, [&](i64 s, int owner, int row) {
+  for_my_slots<32 * kVec>(p, rank, kLinkOut, begin, end, warps, lane, [&](i64 s, int owner, int row) {
     if (row < 0) return;
     warp_copy_row<kVec>(row_ptr(p->recv, owner, row, p->row_bytes), row_ptr(p->x, rank, source_row(p, s), p->row_bytes),
                         p->row_bytes, lane);
@@ -271,8 +277,9 @@ __device__ __forceinline__ void push_token_rows(const CommParams* p, int rank, i
 template <int kVec>
 __device__ __forceinline__ void push_result_rows(const CommParams* p, int rank, SchedView sv, i64 begin, i64 end,
                                                  Workers warps, int lane) {
-  for (i64 i = begin + warps.id; i < end; i += warps.count)
-    warp_move_row<kVec>(combine_push_row(p, rank, sv, i, 0), p->row_bytes, lane);
+  linked_rows<32 * kVec>(
+      p, rank, kLinkOut, begin, end, warps, lane, [&](i64 i) { return sv.src_rank[i]; },
+      [&](i64 i) { warp_move_row<kVec>(combine_push_row(p, rank, sv, i, 0), p->row_bytes, lane); });
 }
 
 // Combine, pull (token side): my slots [begin, end): slots[s] <- y[recv_row[s]] of the slot's
@@ -280,7 +287,7 @@ __device__ __forceinline__ void push_result_rows(const CommParams* p, int rank, 
 template <int kVec>
 __device__ __forceinline__ void pull_result_rows(const CommParams* p, int rank, i64 begin, i64 end, Workers warps,
                                                  int lane) {
-  for_my_slots(p, rank, begin, end, warps, [&](i64 s, int owner, int row) {
+  for_my_slots<32 * kVec>(p, rank, kLinkIn, begin, end, warps, lane, [&](i64 s, int owner, int row) {
     char* dst = row_ptr(p->slots, rank, s, p->row_bytes);
     if (row < 0)
       warp_zero_row<kVec>(dst, p->row_bytes, lane);
@@ -335,8 +342,10 @@ __device__ __forceinline__ int rank_of(const CommParams* p) { return static_cast
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 // My last block raises flag `kind` on every peer.
 __device__ __forceinline__ void signal_when_last(const CommParams* p, int rank, int op, int kind) {
-  if (last_block(counter_of(p, rank, op)))
+  if (last_block(counter_of(p, rank, op))) {
+    link_signal(p);
     signal_all(p->flags, kind, static_cast<int>(p->num_ranks), rank, epoch_of(p, rank), block_threads());
+  }
 }
 
 // begin_round: epoch += 1 for each launch-rank.  grid (1, W), block 32.
@@ -349,6 +358,7 @@ __global__ void begin_round(const CommParams* p) {
 // grid (1, W), block >= R or any (threads loop over peers).
 __global__ void raise_flag(const CommParams* p, int kind) {
   const int rank = rank_of(p);
+  link_signal(p);
   signal_all(p->flags, kind, static_cast<int>(p->num_ranks), rank, epoch_of(p, rank), block_threads());
 }
 

@@ -262,6 +262,86 @@ __device__ __forceinline__ void warp_zero_row(void* dst, i64 bytes, int lane) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The emulated link (kernels built with MOK_LINK; mok_proto/link.py is its host side and model).
+// Each rank has a clock per direction (CommParams.link_clock: the link busy until, ns). A warp
+// that moves rows reserves their bytes on its rank's clock (one budget per rank and direction,
+// shared by every warp that moves that rank's rows), copies them, then sleeps until they are
+// done: the reservation's end, and for a pull at least a round trip per batch of loads the warp
+// has in flight. A push pays its round trip at its flush: the signal after it (link_signal).
+// Without MOK_LINK none of this is compiled into any kernel.
+// ---------------------------------------------------------------------------------------------
+#ifdef MOK_LINK
+constexpr bool kLink = true;
+#else
+constexpr bool kLink = false;
+#endif
+enum LinkDirection : int { kLinkIn = 0, kLinkOut = 1 };  // into this rank (pulls), out of it (pushes)
+
+struct Link {
+  u64* clock;  // [2] this rank's, by LinkDirection
+  i64 fs_per_byte, latency_ns;
+  int rank;
+  bool every_row;
+  // Whether a row between this rank and `peer` (-1: no row moves) crosses the link.
+  __device__ __forceinline__ bool pays(int peer) const {
+    return fs_per_byte > 0 && peer >= 0 && (every_row || peer != rank);
+  }
+};
+
+__device__ __forceinline__ Link link_of(const CommParams* p, int rank) {
+  return {at<u64>(p->link_clock, rank), p->link_fs_per_byte, p->link_latency_ns, rank, p->link_every_row != 0};
+}
+
+// Sleep until %globaltimer reaches t_ns, reading no memory (a stalled load costs its warp no more).
+__device__ __forceinline__ void sleep_until(u64 t_ns) {
+  for (u64 now = globaltimer_ns(); now < t_ns; now = globaltimer_ns()) {
+    const u64 left = t_ns - now;
+    __nanosleep(left < 1024 ? static_cast<unsigned>(left) : 1024u);
+  }
+}
+
+// One thread: `bytes` on direction d from max(now, clock), at the link's rate; returns the
+// reservation's end (ns). The max and the add are two atomics: the clock only grows.
+__device__ __forceinline__ u64 link_reserve(const Link& l, int d, i64 bytes, u64 now) {
+  const u64 dur = static_cast<u64>((bytes * l.fs_per_byte + 500000) / 1000000);
+  atomicMax(l.clock + d, now);
+  return atomicAdd(l.clock + d, dur) + dur;
+}
+
+// The whole warp: its items i = begin + warps.id, + warps.count, ... below end, moved by move(i), where
+// peer(i) is the other rank of item i's row (-1: no row). With the link, the paying rows (of
+// row_bytes each) are reserved before the copy and the warp sleeps after it until they are done
+// (a pull: at least one round trip per kBatch bytes of its loads). Every mover calls this: the
+// standalone transfer kernels and the fused kernel's movers see the same link.
+template <int kBatch, class Peer, class Move>
+__device__ __forceinline__ void linked_rows(const CommParams* p, int rank, int d, i64 begin, i64 end, Workers warps,
+                                            int lane, Peer peer, Move move) {
+  u64 done = 0;
+  if constexpr (kLink) {
+    const Link l = link_of(p, rank);
+    i64 rows = 0;
+    for (i64 i = begin + warps.id + lane * warps.count; i < end; i += 32 * warps.count) rows += l.pays(peer(i)) ? 1 : 0;
+    for (int o = 16; o > 0; o >>= 1) rows += __shfl_xor_sync(0xffffffffu, rows, o);
+    if (lane == 0 && rows > 0) {
+      const u64 now = globaltimer_ns();
+      done = link_reserve(l, d, rows * p->row_bytes, now);
+      const u64 round_trips = static_cast<u64>(rows * ((p->row_bytes + kBatch - 1) / kBatch));
+      if (d == kLinkIn && now + round_trips * l.latency_ns > done) done = now + round_trips * l.latency_ns;
+    }
+    done = __shfl_sync(0xffffffffu, done, 0);
+  }
+  for (i64 i = begin + warps.id; i < end; i += warps.count) move(i);
+  if constexpr (kLink) sleep_until(done);
+}
+
+// Before a signal that tells peers rows are complete (a push's flush, a flag): one round trip.
+__device__ __forceinline__ void link_signal(const CommParams* p) {
+  if constexpr (kLink) {
+    if (p->link_fs_per_byte > 0) sleep_until(globaltimer_ns() + static_cast<u64>(p->link_latency_ns));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // bf16 (stored as 16-bit integers; no cuda_bf16.h so NVRTC needs no toolkit headers)
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {  // round to nearest even

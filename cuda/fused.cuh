@@ -244,8 +244,10 @@ __device__ __forceinline__ void signal_task(const Ctx& c, const Task& t) {
     u32 old;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(c.counters + id) : "memory");
     const int num_ranks = static_cast<int>(c.cp->num_ranks);
-    if (static_cast<int>(old) + 1 == c.info[id].target / num_ranks)
+    if (static_cast<int>(old) + 1 == c.info[id].target / num_ranks) {
+      link_signal(c.cp);
       signal_all(c.cp->flags, remote_flag(c.info[id].kind), num_ranks, c.rank, epoch_of(c.cp, c.rank), Workers{0, 1});
+    }
   }
 }
 
@@ -459,6 +461,8 @@ struct ChunkRows {
     const i64 i = first + k * stride;
     return dispatch ? dispatch_pull_row(cp, rank, sv, i, shift) : combine_push_row(cp, rank, sv, i, shift);
   }
+  // The other rank of the k-th row (its token owner; -1: padding), for the emulated link.
+  __device__ __forceinline__ int peer(i64 k) const { return sv.src_rank[first + k * stride]; }
 };
 
 __device__ __forceinline__ ChunkRows chunk_rows(const Ctx& c, const Task& t, bool ok) {
@@ -512,7 +516,10 @@ __device__ __forceinline__ bool mover_task(const Ctx& c, volatile int* go, const
     if (t.kind == plan::kTaskScale) __threadfence_system();  // the peers' pulls, after the flag
   } else {
     const ChunkRows rows = chunk_rows(c, t, ok);
-    for (i64 k = warp; k < rows.count; k += kWarps) warp_move_row<16, kUnroll>(rows.move(k), c.cp->row_bytes, lane);
+    linked_rows<32 * 16 * kUnroll>(
+        c.cp, c.rank, rows.dispatch ? kLinkIn : kLinkOut, 0, rows.count, Workers{warp, kWarps}, lane,
+        [&](i64 k) { return rows.peer(k); },
+        [&](i64 k) { warp_move_row<16, kUnroll>(rows.move(k), c.cp->row_bytes, lane); });
     if (rows.dispatch)
       fence_proxy_async_global();  // the rows are read by the GEMMs' TMA loads
     else

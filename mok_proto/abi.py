@@ -314,6 +314,11 @@ COMM_PARAMS = Struct("CommParams", (
     ("const u64*", "state", "u64   [kStateWords]      epoch, then last-block counters"),
     ("const u64*", "scale", "float [E]                stand-in expert: y = scale[e] * x"),
     ("ErrorRecord*", "error", "this process's error record"),
+    # The emulated link (mok_proto/link.py; read only by kernels built with MOK_LINK)
+    ("i64", "link_fs_per_byte", "femtoseconds per byte per direction; 0: no emulated link"),
+    ("i64", "link_latency_ns", "one round trip: a pull waits one per batch of loads, a signal or a push's flush one"),
+    ("i64", "link_every_row", "1: every row a rank moves pays (it stands for remote peers); 0: rows between two ranks"),
+    ("const u64*", "link_clock", "u64   [2]                the link busy until (ns): into this rank, out of it"),
 ))
 
 GEMM_PARAMS = Struct("GemmParams", (

@@ -208,6 +208,14 @@ def git_sha() -> str:
         return "unknown"
 
 
+def gpu_name(device: int = 0) -> str:
+    """The GPU's name as the driver gives it (e.g. "NVIDIA H100 80GB HBM3"), for results rows."""
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(device)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def append_result(name: str, record: dict, results_dir: Path | str = RESULTS_DIR) -> Path:
     """Append one JSON line (time and git stamp first) to <results_dir>/<name>.jsonl."""
     results_dir = Path(results_dir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from mok_proto.link import LinkModel
 from mok_proto.validate import check_int
 
 OPERATORS = ("dispatch", "combine", "rev_combine", "rev_dispatch")
@@ -133,6 +134,7 @@ class RunConfig:
     seed: int = 0
     dtype: str = "float32"
     timeout_s: float = 30.0  # every spin-wait gives up after this and reports who it waited for
+    link: LinkModel | None = None  # the GPU layer's transfers pay this emulated link (mok_proto/link.py)
 
     def __post_init__(self):
         _positive(self, "num_ranks")
@@ -150,6 +152,8 @@ class RunConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 < self.timeout_s < float("inf"):
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        if self.link is not None and not isinstance(self.link, LinkModel):
+            raise TypeError(f"link must be a mok_proto.link.LinkModel or None, got {type(self.link).__name__}")
 
     @property
     def num_local_experts(self) -> int:

@@ -21,6 +21,14 @@ signalling cost: the same stages with 4-byte rows, where the time is flags, laun
 With virtual ranks all EP ranks share ONE GPU: this measures HBM, not NVLink. Push dispatch can
 exceed the copy ceiling there: a token's K rows are read from HBM once and K-1 times from L2.
 Results: JSON lines appended to results/bench_comm.jsonl.
+
+    python scripts/bench_comm.py --link-gbps 368 --ep 2 --global-tokens 4096   # the emulated link
+
+--link-gbps G: virtual ranks that pay an emulated link of G GB/s per direction (mok_proto/link.py,
+round trip --link-latency-us), each rank with the launch geometry of a rank that has a GPU to
+itself, timing push/push and pull/pull; one row per (shape, stage, direction) with the time of
+the same stage on the 2 x H200 run of results/x2/ (`x2_measured_ms`); exit 1 when a stage differs
+from it by more than --bar (relative).
 """
 
 from __future__ import annotations
@@ -38,21 +46,23 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 from mok_proto.bench import (append_result, copy_ceiling_gbs, peer_pull_gbs, require_gpu, slowest_rank,  # noqa: E402
                              summarize, time_stages)
+from mok_proto import results  # noqa: E402
 from mok_proto.config import DIRECTIONS, PAPER_SHAPES, RunConfig, get_shape  # noqa: E402
+from mok_proto.link import DEFAULT_LATENCY_US, LinkModel  # noqa: E402
 from mok_proto.layer.gpu_comm import GpuCommRound  # noqa: E402
 from mok_proto.reference import stand_in_round  # noqa: E402
 from mok_proto.problem import make_routed_tokens  # noqa: E402
 
 
-def make_round(heap, shape, name, check=True):
+def make_round(heap, shape, name, check=True, link=None, blocks_per_rank=None):
     """One round per (shape, EP); the policy is switched on it (buffers are shared). Returns the
     round, the exact float32 outputs it must produce for the ranks this process drives, and the
     number of rows that cross a link."""
     num_ranks = heap.num_ranks
     # Capacity: balanced load plus 50% headroom for random routing (overflow would be reported).
     expected = shape.num_tokens * shape.top_k
-    rnd = GpuCommRound(heap, RunConfig(shape, num_ranks, timeout_s=30), name=name,
-                       capacity=min(int(expected * 1.5) + 64, expected * num_ranks))
+    rnd = GpuCommRound(heap, RunConfig(shape, num_ranks, timeout_s=30, link=link), name=name,
+                       capacity=min(int(expected * 1.5) + 64, expected * num_ranks), blocks_per_rank=blocks_per_rank)
     data = make_routed_tokens(shape, num_ranks, seed=0)
     want = {}
     for rank in rnd.ranks:
@@ -82,6 +92,56 @@ def time_round(rnd, dispatch, combine, iters, warmup, comm=None):
     return slowest_rank({stage: summarize(v) for stage, v in samples.items()}, comm)
 
 
+def x2_stage_ms(shape: str, stage: str, direction: str, tokens_per_rank: int):
+    """The 2-GPU run's median of one stage (results/x2/bench_comm.jsonl, the policy that moves both
+    operators in `direction`), or None."""
+    rows = [r for r in results.load("bench_comm", results.RESULTS_DIR / "x2")
+            if (r["shape"], r["ep"], r["tokens_per_rank"], r["dispatch"], r["combine"]) ==
+            (shape, 2, tokens_per_rank, direction, direction)]
+    return results.newest(rows)[-1]["stages"][stage]["median_ms"] if rows else None
+
+
+def link_check(args) -> int:
+    """The emulated link against the 2-GPU run (module doc): a row per (shape, stage, direction)."""
+    from mok_proto.bench import gpu_name
+    from mok_proto.kernels.build import num_sms
+    from mok_proto.symm.virtual import VirtualWorld
+
+    link, failed = LinkModel(args.link_gbps, args.link_latency_us), []
+    print(f"# bench_comm: emulated link {link.gbps:g} GB/s per direction, round trip {link.latency_us:g} us, "
+          f"virtual ranks on one {gpu_name()}; x2 = the 2 x H200 run (results/x2/)")
+    print(f"{'shape':<16}{'EP':>3} {'stage':<9}{'dir':<5}{'ms':>8}{'x2 ms':>8}{'error':>8}")
+    for shape_name, ep in itertools.product(args.shapes.split(","), (int(v) for v in args.ep.split(","))):
+        shape = get_shape(shape_name).with_tokens(args.global_tokens // ep)
+        with VirtualWorld(ep) as heap:
+            # each rank as a rank with its own GPU launches them (the launch the 2-GPU run timed)
+            rnd, want, _ = make_round(heap, shape, f"{shape_name}.{ep}", check=not args.no_check, link=link,
+                                      blocks_per_rank=4 * num_sms())
+            for direction in DIRECTIONS:
+                stats = time_round(rnd, direction, direction, args.iters, args.warmup)
+                exact = bit_exact(heap, rnd, want) if want else True
+                for stage in ("dispatch", "combine"):
+                    ms, x2 = stats[stage]["median_ms"], x2_stage_ms(shape_name, stage, direction, shape.num_tokens)
+                    err = None if x2 is None else ms / x2 - 1
+                    bad = not exact or (err is not None and abs(err) > args.bar)
+                    if bad:
+                        failed.append(f"{shape_name} EP={ep} {stage} {direction}" + ("" if exact else " (not exact)"))
+                    print(f"{shape_name:<16}{ep:>3} {stage:<9}{direction:<5}{ms:>8.3f}"
+                          f"{'-' if x2 is None else f'{x2:.3f}':>8}{'-' if err is None else f'{err:+.1%}':>8}"
+                          f"{'  MISS' if bad else ''}", flush=True)
+                    append_result("bench_comm", {
+                        "backend": "virtual", "shape": shape_name, "ep": ep, "tokens_per_rank": shape.num_tokens,
+                        "hidden": shape.hidden, "top_k": shape.top_k, "stage": stage, "direction": direction,
+                        "median_ms": ms, "stats": stats[stage], **link.describe(), "x2_measured_ms": x2,
+                        "error_vs_x2": err, "bar": args.bar, "bit_exact": None if args.no_check else bool(exact),
+                        "gpu": gpu_name()})
+            rnd.close()
+    if failed:
+        print(f"FAIL: {len(failed)} stages:\n  " + "\n  ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
@@ -91,8 +151,22 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-check", action="store_true", help="skip the bit-exact check against NumPy")
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="emulate a link of this many GB/s per direction (virtual ranks; module doc)")
+    p.add_argument("--link-latency-us", type=float, default=DEFAULT_LATENCY_US, help="the emulated link's round trip")
+    p.add_argument("--bar", type=float, default=0.15,
+                   help="with --link-gbps: largest relative difference from the 2-GPU run's stage times")
     args = p.parse_args()
+    if args.link_gbps is not None:
+        try:
+            LinkModel(args.link_gbps, args.link_latency_us)
+        except ValueError as e:
+            p.error(str(e))
+        if args.backend == "nvshmem":
+            p.error("--link-gbps emulates a link between virtual ranks: --backend virtual")
     require_gpu("bench_comm.py")
+    if args.link_gbps is not None:
+        return link_check(args)
 
     if args.backend == "auto":
         launched = max(int(os.environ.get(v, "1")) for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"))

@@ -15,12 +15,14 @@ def _modules():
     return sorted(build.MODULES)
 
 
-def _targets():
-    return [(header, arch) for header in _modules() for arch in build.MODULES[header].archs]
+def _targets(variants: bool = True):
+    """(module key, arch) pairs; variants=False: the plain modules only (a variant differs by a macro)."""
+    return [(key, arch) for key in _modules() for arch in build.MODULES[key].archs
+            if variants or not build.MODULES[key].defines]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
-@pytest.mark.parametrize("header,arch", _targets())
+@pytest.mark.parametrize("header,arch", _targets(variants=False))
 def test_every_kernel_compiles_with_nvcc(tmp_path, header, arch):
     src = tmp_path / "instantiate.cu"
     src.write_text(build.MODULES[header].instantiation_source())
@@ -69,11 +71,12 @@ def test_every_kernel_compiles_with_nvrtc(header, arch):
     if nvrtc is None:
         pytest.skip("NVRTC not available (pip install cuda-bindings nvidia-cuda-nvrtc: the test extra does)")
     module = build.MODULES[header]
-    err, prog = nvrtc.nvrtcCreateProgram(f'#include "{header}"\n'.encode(), b"module.cu", 0, [], [])
+    err, prog = nvrtc.nvrtcCreateProgram(f'#include "{module.header}"\n'.encode(), b"module.cu", 0, [], [])
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
     for name in module.names:
         assert nvrtc.nvrtcAddNameExpression(prog, name.encode())[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
-    options = [o.encode() for o in (*build.CXX_OPTIONS, f"--gpu-architecture={arch}", f"-I{build.CUDA_DIR}")]
+    options = [o.encode() for o in (*build.CXX_OPTIONS, *(f"-D{d}" for d in module.defines),
+                                     f"--gpu-architecture={arch}", f"-I{build.CUDA_DIR}")]
     (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
     log = b" " * size

@@ -65,25 +65,36 @@ def gpu_arch(device=None) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _compile(header: str, names: tuple, arch: str, digest: str):
+def _compile(header: str, names: tuple, arch: str, digest: str, defines: tuple = ()):
     import cupy
 
     code = f"// mok_proto source digest {digest}\n#include \"{header}\"\n"
-    options = CXX_OPTIONS + (f"--gpu-architecture={arch}", f"-I{CUDA_DIR}")
+    options = CXX_OPTIONS + tuple(f"-D{d}" for d in defines) + (f"--gpu-architecture={arch}", f"-I{CUDA_DIR}")
     return cupy.RawModule(code=code, options=options, name_expressions=names)
 
 
 class CudaModule:
     """One header and the name expressions its wrappers launch. `archs`: the architectures it is
-    written for (the CPU tests compile each; wgmma code exists on sm_90a only)."""
+    written for (the CPU tests compile each; wgmma code exists on sm_90a only). `defines`: macros
+    of a variant of the same header (e.g. MOK_LINK), compiled and cached apart."""
 
-    def __init__(self, header: str, names: tuple[str, ...], archs=("sm_90a", "sm_100a")):
+    def __init__(self, header: str, names: tuple[str, ...], archs=("sm_90a", "sm_100a"), defines=()):
         if not (CUDA_DIR / header).is_file():
             raise FileNotFoundError(f"no CUDA header {header!r} under {CUDA_DIR}")
-        self.header, self.names, self.archs = header, tuple(names), tuple(archs)
+        self.header, self.names, self.archs, self.defines = header, tuple(names), tuple(archs), tuple(defines)
         self._functions: dict = {}  # name -> (time looked up, kernel, compiled module)
         self._sizes: dict = {}  # size-export kernel name -> (compiled module it was read from, sizes)
-        MODULES[header] = self
+        MODULES[self.key] = self
+
+    @property
+    def key(self) -> str:
+        """Its name in MODULES: the header, and its defines for a variant (`fused.cuh -DMOK_LINK`)."""
+        return " ".join((self.header, *(f"-D{d}" for d in self.defines)))
+
+    def variant(self, *defines: str) -> "CudaModule":
+        """The same header and names compiled with these macros (one object per variant)."""
+        key = " ".join((self.header, *(f"-D{d}" for d in defines)))
+        return MODULES.get(key) or CudaModule(self.header, self.names, self.archs, defines)
 
     def function(self, name: str):
         """The compiled kernel for one registered name expression (compiles on first use). Launch
@@ -102,7 +113,7 @@ class CudaModule:
         arch = gpu_arch()
         if arch not in self.archs:
             raise RuntimeError(f"{self.header} is written for {', '.join(self.archs)}; this GPU is {arch}")
-        module = _compile(self.header, self.names, arch, source_digest())  # lru-cached: one object per digest
+        module = _compile(self.header, self.names, arch, source_digest(), self.defines)  # lru-cached per digest
         self._functions[name] = (now, module.get_function(name), module)
         return self._functions[name][1:]
 

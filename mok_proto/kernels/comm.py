@@ -25,6 +25,7 @@ MODULE = CudaModule("comm.cuh", (
     "mok::schedule_count_segments", "mok::schedule_scan", "mok::schedule_place_segments",
     "mok::expert_scale", "mok::weighted_sum",
 ) + tuple(f"mok::{kernel}<{vec}>" for kernel in MOVES for vec in VECS))
+LINK_MODULE = MODULE.variant("MOK_LINK")  # the same kernels paying an emulated link (mok_proto/link.py)
 
 
 def pack_params(fields: dict):
@@ -41,6 +42,11 @@ class Launch:
     num_launch_ranks: int  # W (grid.y)
     blocks_per_rank: int  # grid.x of the copy kernels
     vec: int  # bytes per row access: 16 (row_bytes % 16 == 0) or 2
+    link: bool = False  # the kernels built with MOK_LINK (the round's CommParams hold a link)
+
+    @property
+    def module(self):
+        return LINK_MODULE if self.link else MODULE
 
     def __post_init__(self):
         if self.num_launch_ranks < 1 or self.blocks_per_rank < 1 or self.vec not in VECS:
@@ -53,29 +59,29 @@ class Launch:
         return 16 if row_bytes % 16 == 0 else 2
 
 
-def _go(name, grid, block, args, shared_mem=0):
-    kernel = MODULE.function(name)
+def _go(launch: Launch, name, grid, block, args, shared_mem=0):
+    kernel = launch.module.function(name)
     if shared_mem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = shared_mem
     kernel(grid, block, args, shared_mem=shared_mem)
 
 
 def begin_round(params, launch: Launch):
-    _go("mok::begin_round", (1, launch.num_launch_ranks), (32,), (params,))
+    _go(launch, "mok::begin_round", (1, launch.num_launch_ranks), (32,), (params,))
 
 
 def wait_peers(params, launch: Launch, kind: str, op: str):
     """The receiver side of a push: one block per launch-rank waits for flag `kind` (a FlagKind
     member, e.g. "kFlagDispatch") from all peers; `op` (an Op member, e.g. "kOpDispatchPush")
     names the wait in an error report."""
-    _go("mok::wait_peers", (1, launch.num_launch_ranks), (128,),
+    _go(launch, "mok::wait_peers", (1, launch.num_launch_ranks), (128,),
         (params, np.int32(abi.FLAG_KIND[kind]), np.int32(abi.OP[op])))
 
 
 def raise_flag(params, launch: Launch, kind: str):
     """Flag `kind` (a FlagKind member) = this round's epoch on every peer, from each launch-rank
     (after the launches that wrote what the flag announces)."""
-    _go("mok::raise_flag", (1, launch.num_launch_ranks), (128,), (params, np.int32(abi.FLAG_KIND[kind])))
+    _go(launch, "mok::raise_flag", (1, launch.num_launch_ranks), (128,), (params, np.int32(abi.FLAG_KIND[kind])))
 
 
 def allgather_routing(params, launch: Launch):
@@ -101,14 +107,14 @@ def build_schedule(params, launch: Launch, num_ranks: int, num_local_experts: in
     smem = 4 * (el * num_ranks + el + 1 + (THREADS // 32) * el)  # schedule_place_segments: M, offsets, cursors
     if smem > 227 * 1024:
         raise ValueError(f"build_schedule: E = {el * num_ranks} experts need {smem} bytes of shared memory")
-    _go("mok::schedule_count_segments", (segments, w), (THREADS,), (params,), shared_mem=4 * el)
-    _go("mok::schedule_scan", (1, w), (SCHEDULE_THREADS,), (params,), shared_mem=4 * (el * num_ranks + el))
-    _go("mok::schedule_place_segments", (segments, w), (THREADS,), (params,), shared_mem=smem)
+    _go(launch, "mok::schedule_count_segments", (segments, w), (THREADS,), (params,), shared_mem=4 * el)
+    _go(launch, "mok::schedule_scan", (1, w), (SCHEDULE_THREADS,), (params,), shared_mem=4 * (el * num_ranks + el))
+    _go(launch, "mok::schedule_place_segments", (segments, w), (THREADS,), (params,), shared_mem=smem)
 
 
 def _over_rows(name: str, params, launch: Launch):
     """A row kernel over the launch ranks: grid (blocks per rank, W), kCommThreads per block."""
-    _go(name, (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
+    _go(launch, name, (launch.blocks_per_rank, launch.num_launch_ranks), (THREADS,), (params,))
 
 
 def move_rows(kernel: str, params, launch: Launch):

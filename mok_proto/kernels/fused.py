@@ -24,6 +24,7 @@ from mok_proto.plan import CounterKind
 
 KERNELS = {"fwd": "mok::fused::fused_forward", "bwd": "mok::fused::fused_backward"}
 MODULE = CudaModule("fused.cuh", tuple(KERNELS.values()), archs=("sm_90a",))
+LINK_MODULE = MODULE.variant("MOK_LINK")  # its movers pay an emulated link (mok_proto/link.py)
 RECORD_DTYPE = abi.TRACE_RECORD.dtype  # one TraceRecord (struct mok::fused::TraceRecord)
 GEMMS_PER_RANK = len(abi.GEMM_SLOT)
 # The remote counters cuda/fused.cuh keeps as peer flags (remote_flag; abi.REMOTE_COUNTER_KINDS).
@@ -63,18 +64,18 @@ def with_gemm_timeout(words: np.ndarray, timeout_ns: int) -> np.ndarray:
     return records.view(np.uint64)
 
 
-def _kernel(pass_: str = "fwd"):
-    """The compiled kernel of a pass, allowed the GEMMs' dynamic shared memory."""
-    kernel = MODULE.function(KERNELS[pass_])
+def _kernel(pass_: str = "fwd", link: bool = False):
+    """The compiled kernel of a pass (link: the MOK_LINK build), allowed the GEMMs' dynamic shared memory."""
+    kernel = (LINK_MODULE if link else MODULE).function(KERNELS[pass_])
     smem = gemm.smem_bytes()
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
     return kernel
 
 
-def resident_clusters(pass_: str = "fwd") -> int:
+def resident_clusters(pass_: str = "fwd", link: bool = False) -> int:
     """Clusters of a pass's fused kernel the GPU runs at once (the driver's occupancy answer)."""
-    return gemm.resident_clusters(_kernel(pass_), strict=True)
+    return gemm.resident_clusters(_kernel(pass_, link), strict=True)
 
 
 def default_num_sms(num_launch_ranks: int, pass_: str = "fwd") -> int:
@@ -85,7 +86,7 @@ def default_num_sms(num_launch_ranks: int, pass_: str = "fwd") -> int:
 class FusedPass:
     """One plan's device tables, counters and timeline for W launch ranks."""
 
-    def __init__(self, plan, num_launch_ranks: int):
+    def __init__(self, plan, num_launch_ranks: int, link: bool = False):
         import cupy
 
         from mok_proto.plan import FUSED_STRATEGIES
@@ -93,8 +94,8 @@ class FusedPass:
         plan.check()
         if plan.strategy != FUSED_STRATEGIES.get(plan.pass_):
             raise ValueError(f"FusedPass runs fused_forward / fused_backward plans, got strategy {plan.strategy!r}")
-        self.plan, self.num_launch_ranks = plan, int(num_launch_ranks)
-        clusters, resident = plan.num_sms // 2 * self.num_launch_ranks, resident_clusters(plan.pass_)
+        self.plan, self.num_launch_ranks, self.link = plan, int(num_launch_ranks), bool(link)
+        clusters, resident = plan.num_sms // 2 * self.num_launch_ranks, resident_clusters(plan.pass_, self.link)
         if clusters > resident:
             raise ValueError(f"plan needs {plan.num_sms} CTAs x {self.num_launch_ranks} launch ranks = {clusters} "
                              f"clusters resident at once, the GPU runs {resident}: use num_sms <= "
@@ -138,7 +139,7 @@ class FusedPass:
         self.counters.fill(0)
         if trace:
             self.records.fill(255)  # task = -1 until the task ran: a stale timeline cannot pass as this one
-        _kernel(plan.pass_)((plan.num_sms, self.num_launch_ranks), (abi.CONST["kThreads"],), (params,),
+        _kernel(plan.pass_, self.link)((plan.num_sms, self.num_launch_ranks), (abi.CONST["kThreads"],), (params,),
                             shared_mem=gemm.smem_bytes())
 
     def timeline(self, launch_rank: int) -> np.ndarray:

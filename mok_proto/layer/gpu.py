@@ -257,7 +257,7 @@ class GpuMoELayer(GpuRound):
                              f"{self.shape.name} R={self.run.num_ranks}")
         if plan.capacity_rows < self.capacity:
             raise ValueError(f"plan covers {plan.capacity_rows} receive rows, the layer holds {self.capacity}")
-        fused = FusedPass(plan, len(self.ranks))
+        fused = FusedPass(plan, len(self.ranks), link=self.run.link is not None)
         slots = [name for name, _ in abi.GEMM_SLOT.members]
         words = []  # the buffers never move: packed (and their tensor maps made) once
         for r in self.ranks:

@@ -15,6 +15,7 @@ from mok_proto.config import RunConfig
 from mok_proto.kernels import comm as kc
 from mok_proto.kernels.build import num_sms
 from mok_proto.kernels.errors import ErrorRecord
+from mok_proto.link import comm_fields as link_fields
 from mok_proto.schedule import max_receive_slots
 
 
@@ -50,9 +51,9 @@ class GpuRound:
         return dict(num_ranks=run.num_ranks, rank_base=ranks[0], num_tokens=s.num_tokens, top_k=s.top_k,
                     num_experts=s.num_experts, num_local_experts=self.num_local, row_bytes=row_bytes,
                     hidden=s.hidden, capacity=self.capacity, align=self.align,
-                    timeout_ns=int(run.timeout_s * 1e9), error=self.error.ptr,
+                    timeout_ns=int(run.timeout_s * 1e9), error=self.error.ptr, **link_fields(run.link),
                     **{key: t[key] for key in ("topk_idx", "topk_w", "routing", "recv_row", "sched", "sched_scratch",
-                                               "flags", "state")})
+                                               "flags", "state", "link_clock")})
 
     def launch_for(self, ranks, row_bytes: int, blocks_per_rank: int | None) -> kc.Launch:
         """Launch geometry over `ranks`: by default about 4 blocks per SM in all, at most one warp
@@ -61,7 +62,7 @@ class GpuRound:
         if blocks_per_rank is None:
             rows = max(s.num_tokens * s.top_k, self.capacity)
             blocks_per_rank = max(1, min(4 * num_sms() // len(ranks), -(-rows // 8)))
-        return kc.Launch(len(ranks), blocks_per_rank, kc.Launch.vec_for(row_bytes))
+        return kc.Launch(len(ranks), blocks_per_rank, kc.Launch.vec_for(row_bytes), link=self.run.link is not None)
 
     def check(self):
         """Synchronize and raise what the error record holds (the only host readback). After an
@@ -103,7 +104,8 @@ def round_layout(run: RunConfig, capacity: int) -> dict:
     return {"topk_idx": ((n, k), i32), "topk_w": ((n, k), np.float32), "routing": ((num_ranks, n * k), i32),
             "recv_row": ((n * k,), i32), "sched": ((kc.schedule_words(el, capacity),), i32),
             "sched_scratch": ((kc.schedule_scratch_words(num_ranks, n, k, el),), i32),
-            "flags": ((len(abi.FLAG_KIND), num_ranks), np.uint64), "state": ((abi.CONST["kStateWords"],), np.uint64)}
+            "flags": ((len(abi.FLAG_KIND), num_ranks), np.uint64), "state": ((abi.CONST["kStateWords"],), np.uint64),
+            "link_clock": ((2,), np.uint64)}
 
 
 def to_experts(p, launch: kc.Launch, direction: str, push_op: str, pull_op: str, after_schedule: bool):

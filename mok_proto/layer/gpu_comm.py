@@ -88,7 +88,7 @@ class GpuCommRound(GpuRound):
 
     def capture(self):
         """A CUDA graph of one round (replay with graph.launch(stream))."""
-        kc.MODULE.function("mok::begin_round")  # compile and load outside the capture
+        self.launch.module.function("mok::begin_round")  # compile and load outside the capture
         return self.capture_graph(self.enqueue)
 
     def poison(self):
