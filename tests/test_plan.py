@@ -445,7 +445,7 @@ def test_layer_packs_the_fused_gemms_with_the_longer_timeout(monkeypatch):
     from mok_proto.kernels import fused, gemm
     from mok_proto.layer import gpu
 
-    monkeypatch.setattr(fused, "FusedPass", lambda plan, w: ("pass", w))
+    monkeypatch.setattr(fused, "FusedPass", lambda plan, w, link=False: ("pass", w))
     fields = {**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "n": 64, "timeout_ns": gemm.TIMEOUT_NS}
     pack = (lambda *args, error=None, pack_only=False: abi.GEMM_PARAMS.pack(fields), ())
     run = RunConfig(TILE, 2, timeout_s=30)
