@@ -57,6 +57,7 @@ def no_mpi_start(monkeypatch):
         raise AssertionError("the demo accepted the options and went on to start MPI")
 
     monkeypatch.setattr("mok_proto.symm.watchdog.LastResort", refuse)
+    monkeypatch.setenv("UCX_LOG_LEVEL", os.environ.get("UCX_LOG_LEVEL", "error"))  # demo.main sets it: undone after
     for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
         monkeypatch.delenv(var, raising=False)
 
