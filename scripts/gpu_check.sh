@@ -9,13 +9,18 @@
 # serially), then scripts/bench_layer.py (~5 min for the four shapes). Logs go to $OUT (the device
 # tool's folder) or results/gpu_check/, and every results/ file this run wrote goes into one
 # archive there, results_new.tgz (the device tool brings back a few files, not a folder's worth).
-# Exit status: the tests' or, if they passed, the benchmark's.
+# Exit status: the tests' or, if they passed, the benchmark's; 1, with one line saying why, when
+# `nvidia-smi -L` lists no GPU (nothing runs) or no GPU test passed (every one skipped).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+case "${1:-}" in -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 bench=1
 if [ "${1:-}" = "--no-bench" ]; then bench=0; shift; fi
 if [ "${1:-}" = "--" ]; then shift; fi
+if ! nvidia-smi -L 2>/dev/null | grep -q "^GPU "; then
+  echo "[gpu_check] no GPU here: nvidia-smi -L lists none (or is not installed); nothing was run" >&2
+  exit 1
+fi
 out=${OUT:-results/gpu_check}
 mkdir -p "$out"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1  # NOTE: never NVLink multicast
@@ -34,6 +39,11 @@ echo "[gpu_check] pytest -m gpu $workers -> $out/gpu_tests.txt" >&2
 python3 -m pytest -m gpu -q -rs $workers --durations=20 > "$out/gpu_tests.txt" 2>&1
 status=$?
 tail -3 "$out/gpu_tests.txt" >&2
+summary=$(tail -1 "$out/gpu_tests.txt")
+if [ "$status" = 0 ] && ! [[ "$summary" =~ [1-9][0-9]*\ passed ]]; then  # e.g. CuPy missing: every test skips
+  echo "[gpu_check] no GPU test passed (pytest: ${summary//=/}): see the skip reasons in $out/gpu_tests.txt" >&2
+  status=1
+fi
 if [ "$bench" = 1 ] && [ "$status" = 0 ]; then
   echo "[gpu_check] scripts/bench_layer.py $* -> $out/bench_layer.txt" >&2
   python3 scripts/bench_layer.py "$@" > "$out/bench_layer.txt" 2>&1
