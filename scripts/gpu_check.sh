@@ -4,9 +4,9 @@
 #   bash scripts/gpu_check.sh [--no-bench] [-- bench_layer.py options]
 #
 # Run from the repo root on the GPU machine (no ./run there: it would try to download packages).
-# Installs a carried nvshmem4py wheel from .whl/ if there is one (../shared/DEVICE.md), runs
-# `pytest -m gpu` (4 workers with pytest-xdist when installed: ~2.5 min on an H200, against ~9
-# serially), then scripts/bench_layer.py (~5 min for the four shapes). Logs go to $OUT (the device
+# Installs the carried wheels (nvshmem4py, pytest-xdist) from .whl/ (or $MOK_WHEELS) if there are
+# any (../shared/DEVICE.md), runs `pytest -m gpu` (4 workers with pytest-xdist when installed), then
+# scripts/bench_layer.py over the four paper shapes. Logs go to $OUT (the device
 # tool's folder) or results/gpu_check/, and every results/ file this run wrote goes into one
 # archive there, results_new.tgz (the device tool brings back a few files, not a folder's worth).
 # Exit status: the tests' or, if they passed, the benchmark's; 1, with one line saying why, when
@@ -24,8 +24,9 @@ fi
 out=${OUT:-results/gpu_check}
 mkdir -p "$out"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1  # NOTE: never NVLink multicast
-if ls .whl/*.whl >/dev/null 2>&1; then  # a carried wheel that does not install is an error, not a skip
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || { echo "[gpu_check] the carried wheels in .whl/ did not install" >&2; exit 1; }
+wheels=${MOK_WHEELS:-.whl}  # the folder of carried wheels
+if ls "$wheels"/*.whl >/dev/null 2>&1; then  # a carried wheel that does not install is an error, not a skip
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/*.whl || { echo "[gpu_check] the carried wheels in $wheels/ did not install" >&2; exit 1; }
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
