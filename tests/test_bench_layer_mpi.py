@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, rank_env
-from mok_proto import plan as plans
+from mok_proto.plan import check as plan_check
 from mok_proto.bench import digest
 from mok_proto.config import MOK_POLICY, MoEShape, RunConfig, get_shape
 from mok_proto.layer import gpu_base
@@ -131,7 +131,7 @@ def test_a_proved_plan_stays_proved_through_pickling(monkeypatch):
     def fail(*args):
         raise AssertionError("check() ran again")
 
-    monkeypatch.setattr(plans, "_check_structure", fail)
+    monkeypatch.setattr(plan_check, "_check_structure", fail)
     copy.check()  # what a helper process proved is not proved again
     assert np.array_equal(copy.tasks, made.tasks) and copy.shape == made.shape
     fresh = fused_plan("bwd", run, 2 * PAIR_ROWS, dict(MOK_POLICY), 0, PAIR_ROWS, num_sms=8)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mok_proto import plan as P
+from mok_proto.plan.check import ancestors, execution_order
 from mok_proto.config import MOK_POLICY, ep_share, get_shape
 
 SMALL = get_shape("small")
@@ -235,7 +236,7 @@ def test_fused_forward_without_comm_ctas_runs_two_streams_per_cta():
     one_stream = P.with_tasks(p, p.tasks)
     object.__setattr__(one_stream, "strategy", "fused_forward_one_stream")
     with pytest.raises(P.PlanError, match="deadlock"):
-        P._execution_order(one_stream)
+        execution_order(one_stream)
 
 
 def test_fused_forward_lookahead_orders_gate_up_before_the_previous_down():
@@ -514,15 +515,15 @@ def test_fused_backward_check_rejects_an_early_weight_gradient():
 
 
 def test_ancestors_of_tracked_tasks_are_the_full_relation_restricted():
-    """_ancestors with a `tracked` mask (what Plan.check uses: only the tasks some check needs)
+    """ancestors with a `tracked` mask (what Plan.check uses: only the tasks some check needs)
     gives, bit k for the k-th tracked task, exactly the full happens-before relation on them."""
     plan = P.fused_backward(SMALL, 2, 2, 256, policy=dict(MOK_POLICY), num_sms=8)
     order = plan.execution_order
-    full = P._ancestors(plan, order)
+    full = ancestors(plan, order)
     rng = np.random.default_rng(3)
     tracked = rng.random(len(plan.tasks)) < 0.3
     index = np.flatnonzero(tracked)
-    restricted = P._ancestors(plan, order, tracked)
+    restricted = ancestors(plan, order, tracked)
     for i in range(len(plan.tasks)):
         want = {k for k, j in enumerate(index) if full[i] >> int(j) & 1}
         got = {k for k in range(len(index)) if restricted[i] >> k & 1}

@@ -45,7 +45,8 @@ from mok_proto import abi
 from mok_proto.config import MOK_POLICY, MoEShape, RunConfig
 from mok_proto.errors import KernelTimeoutError, SymmTimeoutError
 from mok_proto.layer.gpu import GpuMoELayer
-from mok_proto.plan import _ancestors, inside_kernel
+from mok_proto.plan import inside_kernel
+from mok_proto.plan.check import ancestors
 from mok_proto.problem import make_problem
 
 CASES = {  # name: (H, I, E, K, N, shared, routing)
@@ -264,7 +265,7 @@ def expect_counter_timeout(layer, heap, comm, plan, i, what: str):
     raises KernelTimeoutError naming task i or a task that waits on it (through counters or stream
     order; the first bounded wait to expire is reported); under NVSHMEM a rank may instead time out
     on a peer (SymmTimeoutError) or finish, but the bad wait must have timed out on some rank."""
-    after_i = [j for j, a in enumerate(_ancestors(plan, plan.execution_order)) if a >> i & 1]
+    after_i = [j for j, a in enumerate(ancestors(plan, plan.execution_order)) if a >> i & 1]
     seen = ""
     try:
         layer.check()
