@@ -46,12 +46,11 @@ from mok_proto.plan.kinds import (BK, BM, BN, COMM_KINDS, COUNTER_DTYPE, DOWN_BW
                                   FUSED_STRATEGIES, MAX_SIGNALS, MAX_WAITS, MOVER_KINDS, PAIR_ROWS, PASS_KINDS, PASSES,
                                   PROBLEM_OF, ROUTED_KIND_OF, TASK_DTYPE, CounterKind, PassKinds, PlanError, TaskKind,
                                   inside_kernel)
-from mok_proto.plan.knobs import (ASSIGNMENTS, CLAIMS, DEFAULT_ASSIGN, DEFAULT_CLAIM, DEFAULT_RASTER, RASTERS,
-                                  TAIL_PAIRS_PER_CLUSTER, parse_claim)
+from mok_proto.plan.knobs import ASSIGNMENTS, CLAIMS, RASTERS, TAIL_PAIRS_PER_CLUSTER, FusedKnobs, parse_claim
 
-__all__ = ["ASSIGNMENTS", "BK", "BM", "BN", "CLAIMS", "COMM_KINDS", "COUNTER_DTYPE", "DEFAULT_ASSIGN", "DEFAULT_CLAIM",
-           "DEFAULT_RASTER", "DOWN_BWD_AUX_STAGES", "EPILOGUE_ROWS", "FUSED_STRATEGIES", "KEY_FIELDS", "MAX_SIGNALS",
-           "MAX_WAITS", "MOVER_KINDS", "PAIR_ROWS", "PASSES", "PASS_KINDS", "PROBLEM_OF", "RASTERS", "ROUTED_KIND_OF",
-           "TAIL_PAIRS_PER_CLUSTER", "TASK_DTYPE", "CounterKind", "PassKinds", "Plan", "PlanError", "TaskKind",
-           "default_capacity", "expected_rows", "fixed_split", "fused_backward", "fused_forward", "inside_kernel",
-           "num_col_tiles", "parse_claim", "sequential", "tile_cost", "tile_grid", "wgrad_grid", "with_tasks"]
+__all__ = ["ASSIGNMENTS", "BK", "BM", "BN", "CLAIMS", "COMM_KINDS", "COUNTER_DTYPE", "DOWN_BWD_AUX_STAGES",
+           "EPILOGUE_ROWS", "FUSED_STRATEGIES", "KEY_FIELDS", "MAX_SIGNALS", "MAX_WAITS", "MOVER_KINDS", "PAIR_ROWS",
+           "PASSES", "PASS_KINDS", "PROBLEM_OF", "RASTERS", "ROUTED_KIND_OF", "TAIL_PAIRS_PER_CLUSTER", "TASK_DTYPE",
+           "CounterKind", "default_capacity", "expected_rows", "fixed_split", "fused_backward", "fused_forward",
+           "FusedKnobs", "inside_kernel", "num_col_tiles", "parse_claim", "PassKinds", "Plan", "PlanError",
+           "sequential", "TaskKind", "tile_cost", "tile_grid", "wgrad_grid", "with_tasks"]

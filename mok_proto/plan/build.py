@@ -11,9 +11,7 @@ from mok_proto.plan.core import Builder, Plan
 from mok_proto.plan.cost import default_capacity, num_col_tiles, tile_cost, wgrad_grid
 from mok_proto.plan.kinds import (BM, FUSED_STRATEGIES, PAIR_ROWS, PASS_KINDS, PASSES, CounterKind, PassKinds,
                                   TaskKind, cdiv, inside_kernel, token_tiles)
-from mok_proto.plan.knobs import (ASSIGNMENTS, CLAIMS, DEFAULT_ASSIGN, DEFAULT_CLAIM, DEFAULT_RASTER, RASTERS,
-                                  TAIL_PAIRS_PER_CLUSTER)
-from mok_proto.validate import check_int
+from mok_proto.plan.knobs import FusedKnobs
 
 
 def sequential(shape: MoEShape, num_ranks: int, *, pass_: str = "fwd", policy: dict, num_sms: int,
@@ -23,7 +21,7 @@ def sequential(shape: MoEShape, num_ranks: int, *, pass_: str = "fwd", policy: d
     out, [weight gradients, shared weight gradients], epilogue. One minibatch (the whole
     capacity), ring of one. A stage's barrier is remote when its data crosses ranks."""
     capacity_rows = capacity_rows or default_capacity(shape, num_ranks)
-    _check_common(shape, num_ranks, policy, num_sms, capacity_rows, 1, capacity_rows, pass_)
+    _check_common(shape, num_ranks, policy, num_sms, capacity_rows, capacity_rows, pass_)
     k = PASS_KINDS[pass_]
     remote = _remote_counters(pass_, policy)
     el = shape.num_experts // num_ranks
@@ -75,7 +73,9 @@ def fixed_split(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_row
     (weighted sum / slot sum) on every CTA at the end."""
     capacity_rows = capacity_rows or default_capacity(shape, num_ranks, minibatch_rows)
     ring = ring_minibatches or capacity_rows // minibatch_rows
-    _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, ring, capacity_rows, pass_)
+    _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, capacity_rows, pass_)
+    if not 1 <= ring:
+        raise ValueError(f"ring_minibatches must be >= 1, got {ring}")
     if not 1 <= comm_blocks < num_sms:
         raise ValueError(f"comm_blocks must be in [1, num_sms={num_sms}), got {comm_blocks}")
     k = PASS_KINDS[pass_]
@@ -176,18 +176,17 @@ def fixed_split(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_row
                    capacity_rows=capacity_rows, strategy="fixed_split")
 
 
-def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int,
-                  ring_minibatches: int | None = None, *, policy: dict, num_sms: int,
-                  capacity_rows: int | None = None, lookahead: int | None = None, assign: str | None = None,
-                  raster: str | None = None, spread_from: int | None = None, claim=None) -> Plan:
-    """The forward megakernel's plan (cuda/fused.cuh): CTAs 0 .. comm_blocks - 1 pull the
+def fused_forward(shape: MoEShape, num_ranks: int, knobs: FusedKnobs, *, policy: dict, num_sms: int,
+                  capacity_rows: int | None = None) -> Plan:
+    """The forward megakernel's plan (cuda/fused.cuh) with `knobs` (FusedKnobs; None fields: their
+    defaults, FusedKnobs.resolved). CTAs 0 .. comm_blocks - 1 pull the
     dispatched rows of minibatch after minibatch (chunk b of each: CTA b), then push the combine
     of each minibatch once its down tiles are done, a ring slot's next dispatch right after the
     combine that releases it; the other CTAs, in 2-CTA clusters, take GEMM tile pairs in one
     global order: the shared expert's gate/up then down tiles, then per minibatch routed
     gate/up (after its rows arrived), then down (after its row tile's gate/up tiles). assign
-    (ASSIGNMENTS, default DEFAULT_ASSIGN["fwd"]): which cluster takes each pair, round robin or
-    load-balanced (`_assign_clusters`); raster (RASTERS, default DEFAULT_RASTER): the order of a
+    (ASSIGNMENTS): which cluster takes each pair, round robin or
+    load-balanced (`_assign_clusters`); raster (RASTERS): the order of a
     minibatch's pairs of one kind (and of the shared expert's), row pair by row pair or column
     tile by column tile; the backward's weight-gradient pairs keep their order (expert, row pair,
     column tile) either way.
@@ -211,22 +210,20 @@ def fused_forward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_r
     plan: it runs after the kernel (MoK's epilogue kernel). With dispatch push / combine pull
     (see inside_kernel) those transfers run outside and the ring cannot turn (ring = every
     minibatch).
-    claim (None: DEFAULT_CLAIM[pass]): the last `claim` tile pairs of the global order go to no
+    claim: the last `claim` tile pairs of the global order go to no
     cluster: they are the pool (`Plan.pool_table`), which the clusters claim at run time, in
     order, each once its producer issued its own table's GEMM loads (MoK's ticket scheduler): the cluster
     that finishes first takes the next pair, whatever the routing made each pair cost. "all":
     every pair (MoK's scheduler over the whole kernel); "tail": TAIL_PAIRS_PER_CLUSTER per
     cluster; 0: none (every pair in a cluster's table). check() proves the plan deadlock free
     with the pool claimed after every cluster's table (`check.execution_order`)."""
-    return _fused("fwd", shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms,
-                  capacity_rows, lookahead, assign, raster, spread_from, False, False, claim)
+    return _fused("fwd", shape, num_ranks, knobs, policy, num_sms, capacity_rows)
 
 
-def fused_backward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_rows: int, *, policy: dict,
-                   num_sms: int, capacity_rows: int | None = None, lookahead: int | None = None,
-                   assign: str | None = None, raster: str | None = None, spread_from: int | None = None,
-                   token_grads: bool | None = None, scale: bool | None = None, claim=None) -> Plan:
-    """The backward megakernel's plan (cuda/fused.cuh, fused_backward), the forward's structure
+def fused_backward(shape: MoEShape, num_ranks: int, knobs: FusedKnobs, *, policy: dict, num_sms: int,
+                   capacity_rows: int | None = None) -> Plan:
+    """The backward megakernel's plan (cuda/fused.cuh, fused_backward) with `knobs` (as
+    fused_forward's; ring_minibatches does not apply), the forward's structure
     with the backward's kinds: chunk tasks pull the reverse-combine (w * dout rows, into the
     receive rows) and push the reverse-dispatch (input-gradient rows into the owners' slots);
     the tile pairs run the shared expert's data and weight gradients first, then per minibatch
@@ -252,54 +249,29 @@ def fused_backward(shape: MoEShape, num_ranks: int, comm_blocks: int, minibatch_
     every peer's) run before the kernel.
     claim: the last `claim` tile pairs (the tail of the deferred weight gradients) are claimed at
     run time, as fused_forward's."""
-    return _fused("bwd", shape, num_ranks, comm_blocks, minibatch_rows, None, policy, num_sms, capacity_rows,
-                  lookahead, assign, raster, spread_from, token_grads, scale, claim)
+    return _fused("bwd", shape, num_ranks, knobs, policy, num_sms, capacity_rows)
 
 
-def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatches, policy, num_sms, capacity_rows,
-           lookahead, assign, raster, spread_from, token_grads, scale, claim) -> Plan:
-    assign = DEFAULT_ASSIGN[pass_] if assign is None else assign
-    if assign not in ASSIGNMENTS:
-        raise ValueError(f"assign must be one of {', '.join(ASSIGNMENTS)}, got {assign!r}")
-    raster = DEFAULT_RASTER if raster is None else raster
-    if raster not in RASTERS:
-        raise ValueError(f"raster must be one of {', '.join(RASTERS)}, got {raster!r}")
-
-    def grid(row_pairs, cols):  # (row pair, column tile) of a minibatch's pairs of one kind, in order
-        if raster == "row":
-            return [(p, col) for p in row_pairs for col in range(cols)]
-        return [(p, col) for col in range(cols) for p in row_pairs]
-
+def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, policy: dict, num_sms: int,
+           capacity_rows: int | None) -> Plan:
+    comm_blocks, minibatch_rows = knobs.comm_blocks, knobs.minibatch_rows
     capacity_rows = capacity_rows or default_capacity(shape, num_ranks, minibatch_rows)
-    num_mb = capacity_rows // minibatch_rows if minibatch_rows > 0 else 0
-    ring = min(ring_minibatches or num_mb, max(num_mb, 1))  # a ring of every minibatch never turns
-    _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, ring, capacity_rows, pass_)
-    comm_in, comm_out = inside_kernel(pass_, policy)
-    k = PASS_KINDS[pass_]
-    if comm_blocks and not (comm_in or comm_out):
-        raise ValueError(f"policy {policy} moves no rows inside the kernel: comm_blocks must be 0")
-    if minibatch_rows % PAIR_ROWS:
-        raise ValueError(f"minibatch_rows must be a multiple of {PAIR_ROWS} (a cluster's row pair), got {minibatch_rows}")
+    _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, capacity_rows, pass_)
     if num_sms % 2 or comm_blocks % 2 or not 0 <= comm_blocks < num_sms:
         raise ValueError(f"num_sms ({num_sms}) and comm_blocks ({comm_blocks}) must be even (2-CTA clusters), "
                          f"0 <= comm_blocks < num_sms")
-    if ring < num_mb and not (comm_in and comm_out):
-        raise ValueError(f"a ring of {ring} < {num_mb} minibatches needs {k.in_op} pull and {k.out_op} push (both "
-                         f"inside the kernel), got {policy}")
-    spread_ok = spread_from is None or comm_blocks and comm_out and 0 <= check_int(spread_from, "spread_from") < num_mb
-    if not spread_ok:
-        raise ValueError(f"spread_from ({spread_from}) needs communicating CTAs, the {k.out_op} inside the kernel "
-                         f"(push) and a minibatch in [0, {num_mb})")
-    if token_grads is None:
-        token_grads = pass_ == "bwd" and comm_out
-    if token_grads and not (pass_ == "bwd" and comm_out):
-        raise ValueError(f"token_grads runs the backward's slot sum inside the kernel: it needs the backward with "
-                         f"{k.out_op} push (inside the kernel), got the {pass_} with {policy}")
-    if scale is None:
-        scale = pass_ == "bwd" and comm_in
-    if scale and not (pass_ == "bwd" and comm_in):
-        raise ValueError(f"scale runs the backward's dy_slots = w * dout inside the kernel: it needs the backward "
-                         f"with {k.in_op} pull (inside the kernel), got the {pass_} with {policy}")
+    num_mb = capacity_rows // minibatch_rows
+    knobs = knobs.resolved(pass_, policy, num_mb)
+    ring, lookahead, spread_from = knobs.ring_minibatches, knobs.lookahead, knobs.spread_from
+    token_grads, scale = bool(knobs.token_grads), bool(knobs.scale)
+    comm_in, comm_out = inside_kernel(pass_, policy)
+    k = PASS_KINDS[pass_]
+
+    def grid(row_pairs, cols):  # (row pair, column tile) of a minibatch's pairs of one kind, in order
+        if knobs.raster == "row":
+            return [(p, col) for p in row_pairs for col in range(cols)]
+        return [(p, col) for col in range(cols) for p in row_pairs]
+
     b = Builder(num_ranks)
     tpm = minibatch_rows // BM
     shared_pairs = cdiv(shape.num_tokens, PAIR_ROWS) if shape.num_shared else 0
@@ -352,11 +324,6 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
         waits = shared_done if kind == TaskKind.SHARED_GATE_UP_WGRAD else []
         pairs += [(kind, p, col, lambda rt, w=waits: w, lambda rt: [], {}) for p in range(cdiv(rows, 2))
                   for col in range(cols)]
-    if lookahead is None:
-        lookahead = min(1, max(ring - 1, 0))
-    if not 0 <= lookahead <= max(ring - 1, 0):
-        raise ValueError(f"lookahead must be in [0, ring - 1 = {ring - 1}] (minibatch m + lookahead may need m's "
-                         f"ring slot), got {lookahead}")
     for step in range(num_mb + lookahead):
         m = step  # the first GEMM of minibatch step, then the second of minibatch step - lookahead
         if m < num_mb:
@@ -376,16 +343,11 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
     # subsequence of the global order (what keeps the plan deadlock free: every counter a pair
     # waits on is raised by pairs earlier in it), both halves of a pair at the same position.
     # The last `claim` pairs go to the pool instead (block num_sms, claimed at run time).
-    claim = DEFAULT_CLAIM[pass_] if claim is None else claim
-    if isinstance(claim, str) and claim in CLAIMS:
-        claim = len(pairs) if claim == "all" else min(len(pairs), TAIL_PAIRS_PER_CLUSTER * (num_sms - comm_blocks) // 2)
-    claim = check_int(claim, "claim (an int, 'all' or 'tail')")
-    if not 0 <= claim <= len(pairs):
-        raise ValueError(f"claim must be in [0, {len(pairs)}] (the plan's tile pairs), got {claim}")
+    claim = knobs.claim_pairs(len(pairs), (num_sms - comm_blocks) // 2)
     if claim:
         b.counter(CounterKind.CLAIMED, 0)
     static = len(pairs) - claim
-    clusters = _assign_clusters(assign, pairs[:static], (num_sms - comm_blocks) // 2,
+    clusters = _assign_clusters(knobs.assign, pairs[:static], (num_sms - comm_blocks) // 2,
                                 lambda kind, p: tile_cost(kind, shape, num_ranks, capacity_rows, p))
     clusters += [None] * claim
     for cluster, (kind, p, col, waits, signals, fields) in zip(clusters, pairs):
@@ -398,8 +360,9 @@ def _fused(pass_, shape, num_ranks, comm_blocks, minibatch_rows, ring_minibatche
             b.add(r % num_sms, k.epilogue, slots_arrived + shared_second_done, [], row_tile=r)
     return b.build(pass_=pass_, shape=shape, num_ranks=num_ranks, policy=dict(policy), num_sms=num_sms,
                    comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, ring_minibatches=ring,
-                   capacity_rows=capacity_rows, strategy=FUSED_STRATEGIES[pass_], assign=assign, raster=raster,
-                   spread_from=spread_from, token_grads=bool(token_grads), scale=bool(scale), claim_pairs=claim)
+                   capacity_rows=capacity_rows, strategy=FUSED_STRATEGIES[pass_], assign=knobs.assign,
+                   raster=knobs.raster, spread_from=spread_from, token_grads=token_grads, scale=scale,
+                   claim_pairs=claim)
 
 
 def _assign_clusters(assign: str, pairs: list, clusters: int, cost) -> list[int]:
@@ -458,7 +421,7 @@ def _remote_counters(pass_: str, policy: dict) -> set:
     return remote
 
 
-def _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, ring_minibatches, capacity_rows, pass_):
+def _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, capacity_rows, pass_):
     if pass_ not in PASSES:
         raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
     if set(policy) != set(OPERATORS) or any(v not in ("push", "pull") for v in policy.values()):
@@ -470,8 +433,6 @@ def _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, ring_miniba
     if capacity_rows < minibatch_rows or capacity_rows % minibatch_rows:
         raise ValueError(f"capacity_rows ({capacity_rows}) must be a positive multiple of "
                          f"minibatch_rows ({minibatch_rows})")
-    if not 1 <= ring_minibatches:
-        raise ValueError(f"ring_minibatches must be >= 1, got {ring_minibatches}")
     if num_sms < 2:
         raise ValueError(f"num_sms must be >= 2, got {num_sms}")
 
