@@ -201,7 +201,7 @@ def fused_forward(shape: MoEShape, num_ranks: int, knobs: FusedKnobs, *, policy:
     m + lookahead come before the down tiles of minibatch m in the global order (0: strictly
     per minibatch), so a cluster whose next down
     tile still waits for other clusters' gate/up tiles has gate/up work queued before it instead
-    (measured, kimi: the minibatches' gate/up and down phases no longer alternate in lockstep).
+    (the minibatches' gate/up and down phases no longer alternate in lockstep).
     At most ring - 1 (a later minibatch's rows may need this one's slot).
 
     A tile pair is one task on each CTA of a cluster, at the same position of both tables:
@@ -379,9 +379,8 @@ def _assign_clusters(assign: str, pairs: list, clusters: int, cost) -> list[int]
     became free last (the least idle gap: clusters free earlier stay free for later pairs that
     are ready earlier), then the lowest index. That cluster's free time becomes the pair's
     estimated finish. Deterministic (integer costs, no randomness). The estimate takes the
-    rows up to expected_rows as real and the tile pairs past them as free (tile_cost); costing
-    those as full tiles balanced free tiles against real ones, and the simulator then predicted
-    the comm-0 forwards of glm and kimi 1.5-1.9% slower than round robin."""
+    rows up to expected_rows as real and the tile pairs past them as free (tile_cost): costed
+    as full tiles, free tiles would be balanced against real ones."""
     if assign == "round_robin":
         return [turn % clusters for turn in range(len(pairs))]
     finish_of: dict[int, int] = {}  # counter -> latest estimated finish of the pairs signalling it so far

@@ -53,14 +53,11 @@ def expected_rows(shape: MoEShape, num_ranks: int, capacity_rows: int) -> int:
     tokens choose K experts among every rank's), an expert's count being Binomial(R N, K / E).
     The larger of two estimates of the padded rows:
       N K + half a pair per local expert: right when an expert's rows spread over several pairs
-        (EP=64), and what the measured plans used;
+        (EP=64);
       El x PAIR_ROWS x E[ceil(count / PAIR_ROWS)] (normal approximation): right when the counts
-        sit within one or two pairs, where every segment pads to the same whole pairs. Half a pair
-        each cost the last pairs as free and the balanced backward piled them on a few clusters:
-        at EP=1 (qwen: 512 experts of ~40 rows, one pair each) 95-694 data-gradient tasks per CTA
-        and 2.1x the sequential pass on the H200; at EP=8 kimi (341 rows, two pairs) and qwen (320)
-        the busiest CTA's data-gradient work 1.58x and 1.72x the mean, and the simulated fused
-        backward 8.53 and 3.48 ms against 6.61 and 2.57 ms now."""
+        sit within one or two pairs, where every segment pads to the same whole pairs (there, half
+        a pair each would cost the last real pairs as free, and the balanced backward would pile
+        them on a few clusters)."""
     el = shape.num_experts // num_ranks
     spread = shape.num_tokens * shape.top_k + el * PAIR_ROWS // 2
     return min(capacity_rows, max(spread, _binomial_padded_rows(shape, num_ranks)))
