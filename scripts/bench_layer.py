@@ -44,12 +44,13 @@ Results: JSON lines appended to results/bench_layer.jsonl.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import numpy as np
 
 from mok_proto.config import PAPER_SHAPES, MoEShape, RunConfig, ep_share, get_shape
-from mok_proto.plan import ASSIGNMENTS, DEFAULT_ASSIGN, DEFAULT_RASTER, RASTERS
+from mok_proto.plan import ASSIGNMENTS, RASTERS, FusedKnobs
 
 EP = 64
 BARS = {"fwd": 1.0, "bwd": 1.3}
@@ -81,9 +82,10 @@ def stages_inside(row: dict) -> tuple:
 # --token-grads, --scale: plan.fused_backward's token_grads, scale (None: the plan's default)
 TOKEN_GRADS = {"default": None, "inside": True, "after": False}
 SCALE = {"default": None, "inside": True, "before": False}
-# (communication CTAs, minibatch rows) timed without --sweep; 0 CTAs: every CTA's spare warps move rows
-DEFAULT_FUSED = ((0, 2048), (8, 2048), (12, 2048), (16, 2048))
-SWEEP = tuple((c, m) for c in (0, 4, 8, 12, 16) for m in (512, 1024, 2048, 4096))
+# The fused settings (communication CTAs, minibatch rows) timed without --sweep; 0 CTAs: every CTA's
+# spare warps move rows
+DEFAULT_FUSED = tuple(FusedKnobs(c, 2048) for c in (0, 8, 12, 16))
+SWEEP = tuple(FusedKnobs(c, m) for c in (0, 4, 8, 12, 16) for m in (512, 1024, 2048, 4096))
 
 
 def direction_policies(spec: str) -> list[dict]:
@@ -110,32 +112,21 @@ def direction_policies(spec: str) -> list[dict]:
 
 
 def fused_settings_for(policy: dict, settings) -> dict:
-    """{pass: `settings` as a fused plan of that pass takes them under `policy`}: where no
-    transfer of the pass runs inside the kernel, communicating CTAs become 0 (every CTA computes;
+    """{pass: `settings` (FusedKnobs) as a fused plan of that pass takes them under `policy`}: where
+    no transfer of the pass runs inside the kernel, communicating CTAs become 0 (every CTA computes;
     plan.fused_* refuses communicating CTAs there), duplicates dropped."""
     from mok_proto.plan import inside_kernel
 
-    return {pass_: tuple(dict.fromkeys((c if any(inside_kernel(pass_, policy)) else 0, *rest) for c, *rest in settings))
-            for pass_ in ("fwd", "bwd")}
+    return {pass_: tuple(dict.fromkeys(k if any(inside_kernel(pass_, policy)) else dataclasses.replace(k, comm_blocks=0)
+                                       for k in settings)) for pass_ in ("fwd", "bwd")}
 
 
 def parse_settings(text: str) -> tuple:
-    """--fused: COMM:MINIBATCH[:CLAIM],... -> ((comm, minibatch, claim), ...); claim an int, "all" or
-    "tail" (plan.fused_forward's claim: the tile pairs claimed at run time), None when left out (the
-    plan's default, plan.DEFAULT_CLAIM)."""
-    from mok_proto.plan import parse_claim
-
-    out = []
-    for item in text.split(","):
-        parts = item.split(":")
-        try:
-            if len(parts) not in (2, 3) or not all(v.isdigit() for v in parts[:2]):
-                raise ValueError
-            out.append((int(parts[0]), int(parts[1]), parse_claim(parts[2]) if len(parts) == 3 else None))
-        except ValueError:
-            raise ValueError(f"--fused: {item!r} is not COMM:MINIBATCH or COMM:MINIBATCH:CLAIM (CLAIM an int, all or "
-                             "tail)") from None
-    return tuple(out)
+    """--fused: COMM:MINIBATCH[:CLAIM],... -> (FusedKnobs, ...) (FusedKnobs.parse)."""
+    try:
+        return tuple(FusedKnobs.parse(item) for item in text.split(","))
+    except ValueError as e:
+        raise ValueError(f"--fused: {e}") from None
 
 
 def emulated_shape(name: str) -> MoEShape:
@@ -192,14 +183,10 @@ def staged_layer(shape, data, policy=None):
     return heap, layer
 
 
-def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, assign=None, raster=None,
-         token_grads=None, scale=None):
+def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None):
     """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results, fused rows.
-    settings: the fused (communication CTAs, minibatch rows) to time, for both passes or as
-    {pass: settings}; policy: the transfers' directions (default MoK's); assign, raster: the fused
-    plans' tile pairs to clusters and their order (plan.ASSIGNMENTS / plan.RASTERS, None: default);
-    token_grads, scale: whether the fused backward runs the token gradients / the scale inside (None:
-    the plan's default)."""
+    settings: the fused plans' knobs (FusedKnobs) to time, for both passes or as {pass: settings};
+    policy: the transfers' directions (default MoK's)."""
     import cupy
 
     from mok_proto.bench import summarize, time_stages
@@ -231,8 +218,7 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, as
         blobs[name].append(result_bytes(layer, name))
     results = {"out": layer.output(0).get(), **{k: v.get() for k, v in layer.grads(0).items()}}
     fused_rows = {pass_: fused(layer, per_pass[pass_], blobs[pass_][0], graphs[pass_], iters, warmup, stream,
-                               trace_to.format(pass_=pass_) if trace_to else None, pass_, assign, raster,
-                               token_grads, scale)
+                               trace_to.format(pass_=pass_) if trace_to else None, pass_)
                   for pass_ in ("fwd", "bwd")}
     layer.close()
     heap.close()
@@ -240,28 +226,25 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, as
 
 
 def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmup, stream, trace_to,
-          pass_: str = "fwd", assign=None, raster=None, token_grads=None, scale=None):
-    """The fused forward (pass_="bwd": backward) of rank 0 for each (communication CTAs,
-    minibatch rows): graph replays of that pass interleaved with replays of the sequential pass's
+          pass_: str = "fwd"):
+    """The fused forward (pass_="bwd": backward) of rank 0 for each of `settings` (FusedKnobs:
+    communication CTAs, minibatch rows, ...; recorded in each row, FusedKnobs.describe): graph
+    replays of that pass interleaved with replays of the sequential pass's
     graph `sequential_graph` (bench.rotating: both under the same clocks; x sequential is the
     median of the per-iteration ratios), its results compared bitwise with the sequential pass of
     this run, and with a second run. The best setting (best_row: the largest x sequential) is
     timed again (the figure judged), and once with the timeline recorded; its timeline (one traced
-    eager run) is written to `trace_to` (JSON lines + PNG) when given. assign, raster: the plans'
-    tile pairs to clusters and their order (plan.ASSIGNMENTS / plan.RASTERS, None: the plan's
-    default; recorded in each row); token_grads, scale: the backward plans' (plan.fused_backward,
-    None: its default; recorded in each backward row)."""
+    eager run) is written to `trace_to` (JSON lines + PNG) when given."""
     from mok_proto.bench import paired_ratio, rotating, summarize, time_stages
     from mok_proto.plan import MOVER_KINDS, TaskKind
     from mok_proto.results import timeline_summary
 
-    def use(comm, minibatch, claim=None):
+    def use(knobs):
         """Set the pass's plan, run one step eagerly (compiles, uploads), return its graph."""
         if pass_ == "fwd":
-            layer.set_forward_plan(layer.fused_forward_plan(comm, minibatch, assign=assign, raster=raster, claim=claim))
+            layer.set_forward_plan(layer.fused_forward_plan(knobs))
         else:
-            layer.set_backward_plan(layer.fused_backward_plan(comm, minibatch, assign=assign, raster=raster,
-                                                              token_grads=token_grads, scale=scale, claim=claim))
+            layer.set_backward_plan(layer.fused_backward_plan(knobs))
         layer.enqueue_forward()
         layer.enqueue_backward()
         layer.check()
@@ -287,28 +270,27 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
         return result_bytes(layer, pass_)
 
     rows = []
-    for i, (comm, minibatch, *claim) in enumerate(settings):
-        claim = claim[0] if claim else None
-        graph = use(comm, minibatch, claim)
+    for i, knobs in enumerate(settings):
+        graph = use(knobs)
         st = timed(graph)
         out = [fused_bytes(graph), fused_bytes(graph)]
         plan = (layer.fused if pass_ == "fwd" else layer.fused_bwd).plan
-        rows.append({"comm_blocks": comm, "minibatch_tokens": minibatch, "num_sms": plan.num_sms,
-                     "assign": plan.assign, "raster": plan.raster, "claim": claim, "claim_pairs": plan.claim_pairs,
-                     **({"token_grads": plan.token_grads, "scale": plan.scale} if pass_ == "bwd" else {}), **st,
-                     "equal_to_sequential": out[0] == sequential_out, "bitwise_repeat": out[0] == out[1]})
-        print(f"#   fused {pass_} [{i + 1}/{len(settings)}] comm={comm:>2} minibatch={minibatch:>4} "
+        rows.append({**knobs.describe(pass_, plan.policy), "num_sms": plan.num_sms, "claim_pairs": plan.claim_pairs,
+                     **st, "equal_to_sequential": out[0] == sequential_out, "bitwise_repeat": out[0] == out[1]})
+        print(f"#   fused {pass_} [{i + 1}/{len(settings)}] comm={knobs.comm_blocks:>2} "
+              f"minibatch={knobs.minibatch_rows:>4} "
               f"claim={plan.claim_pairs:>4}: "
               f"{st['median_ms']:.3f} ms (sequential interleaved {st['sequential_median_ms']:.3f}), x sequential "
               f"{st['speedup_vs_sequential']:.2f}, equal {rows[-1]['equal_to_sequential']}", flush=True)
     if rows:  # the best of several is optimistic: the winner is timed once more, and judged on that
         best = best_row(rows)
-        again = timed(use(best["comm_blocks"], best["minibatch_tokens"], best["claim"]))
+        best_knobs = next(k for k, r in zip(settings, rows) if r is best)
+        again = timed(use(best_knobs))
         best["retimed_median_ms"] = again["median_ms"]
         best["retimed_sequential_median_ms"] = again["sequential_median_ms"]
         best["retimed_speedup_vs_sequential"] = again["speedup_vs_sequential"]
         layer.trace = True  # what recording the timeline costs (off: one branch per task)
-        on = timed(use(best["comm_blocks"], best["minibatch_tokens"], best["claim"]))
+        on = timed(use(best_knobs))
         best["trace_on_median_ms"] = on["median_ms"]
         print(f"#   fused {pass_} best comm={best['comm_blocks']} minibatch={best['minibatch_tokens']} "
               f"claim={best['claim_pairs']} timed again: "
@@ -532,16 +514,16 @@ def full_output(shape, data, topk, x_all, s1, s2):
     return out.index_add(0, order // k, w[:, None] * y)
 
 
-def directions_rows(name, shape, data, policy, settings, iters, warmup, assign=None, raster=None) -> list:
+def directions_rows(name, shape, data, policy, settings, iters, warmup) -> list:
     """Our layer under another direction policy: sequential and fused (the given settings, where
-    the policy admits them; tile pairs by `assign`, as ours) for both passes, a line each, rows appended to
+    the policy admits them) for both passes, a line each, rows appended to
     results/bench_layer_directions.jsonl. Returns what failed a check (fused not bitwise equal to
     this policy's sequential layer, or two runs differ)."""
     from mok_proto.bench import append_result
 
     label = ":".join(policy[op] for op in ("dispatch", "combine", "rev_combine", "rev_dispatch"))
     mine, stages, bitwise, _, fused_rows = ours(shape, data, iters, warmup, fused_settings_for(policy, settings),
-                                                None, policy, assign, raster)
+                                                None, policy)
     failed = []
     for pass_ in ("fwd", "bwd"):
         rows = fused_rows[pass_]
@@ -573,10 +555,12 @@ def main():
                    "8:1024,0:2048:264,0:2048:all; CLAIM: tile pairs claimed at run time, an int, all or tail: "
                    "plan.fused_forward)")
     p.add_argument("--no-fused", action="store_true", help="sequential and torch rows only")
+    defaults = FusedKnobs.PASS_DEFAULTS
     p.add_argument("--assign", default=None, choices=ASSIGNMENTS, help="the fused plans' tile pairs to clusters "
-                   f"(default per pass: {DEFAULT_ASSIGN}; recorded in the fused rows as `assign`)")
+                   f"(default {defaults['fwd']['assign']} forward, {defaults['bwd']['assign']} backward; recorded in "
+                   "the fused rows as `assign`)")
     p.add_argument("--raster", default=None, choices=RASTERS, help="the order of a minibatch's tile pairs in the "
-                   f"fused plans (default {DEFAULT_RASTER}; recorded in the fused rows as `raster`)")
+                   f"fused plans (default {defaults['fwd']['raster']}; recorded in the fused rows as `raster`)")
     p.add_argument("--token-grads", default="default", choices=tuple(TOKEN_GRADS),
                    help="the fused backward's slot sum and d topk_weights: inside the kernel, after it, or the "
                         "plan's default (inside whenever the reverse-dispatch is pushed inside)")
@@ -611,12 +595,13 @@ def main():
         print(f"# {name}: N={shape.num_tokens} H={shape.hidden} I={shape.ffn} El={shape.num_experts // 2} "
               f"K={shape.top_k} ...", flush=True)
         data = make_inputs(shape)
-        settings = () if args.no_fused else SWEEP if args.sweep else chosen or DEFAULT_FUSED
+        settings = [dataclasses.replace(k, assign=args.assign, raster=args.raster) for k in
+                    (() if args.no_fused else SWEEP if args.sweep else chosen or DEFAULT_FUSED)]
         trace_to = args.timeline.replace("{shape}", name).replace("{git}", git_sha()) if args.timeline else None
-        mine, stages, bitwise, got, fused_rows = ours(shape, data, args.iters, args.warmup, settings, trace_to,
-                                                      assign=args.assign, raster=args.raster,
-                                                      token_grads=TOKEN_GRADS[args.token_grads],
-                                                      scale=SCALE[args.scale])
+        backward = [dataclasses.replace(k, token_grads=TOKEN_GRADS[args.token_grads], scale=SCALE[args.scale])
+                    for k in settings]
+        mine, stages, bitwise, got, fused_rows = ours(shape, data, args.iters, args.warmup,
+                                                      {"fwd": settings, "bwd": backward}, trace_to)
         base, ref = torch_pipeline(shape, data, args.iters, args.warmup)
         flops = {"fwd": shape.forward_flops(), "bwd": 2 * shape.forward_flops()}
         sched, sched_exact = schedule_at_ep64(name, args.iters, args.warmup)
@@ -674,15 +659,14 @@ def main():
                   f"{best['retimed_speedup_vs_sequential']:.2f} (bar {bars['sequential']}; ceiling {ceiling:.2f}), "
                   f"equal to sequential: "
                   f"{all(r['equal_to_sequential'] for r in rows)}", flush=True)
-        best_settings[name] = tuple(dict.fromkeys((r["comm_blocks"], r["minibatch_tokens"], r["claim"])
-                                                  for rows in fused_rows.values() if rows
-                                                  for r in [best_row(rows)]))
+        best_settings[name] = tuple(dict.fromkeys(  # the other policies: the default token_grads and scale
+            FusedKnobs(r["comm_blocks"], r["minibatch_tokens"], claim=r["claim"], assign=args.assign, raster=args.raster)
+            for rows in fused_rows.values() if rows for r in [best_row(rows)]))
     for name in args.shapes.split(",") if others else ():  # after every shape's MoK rows are recorded
         shape = emulated_shape(name)
         data = make_inputs(shape)
         for policy in others:
-            failed += directions_rows(name, shape, data, policy, best_settings[name], args.iters, args.warmup,
-                                      args.assign, args.raster)
+            failed += directions_rows(name, shape, data, policy, best_settings[name], args.iters, args.warmup)
     if failed:
         print(f"FAIL: {len(failed)} rows miss a bar or a check: {', '.join(failed)}", file=sys.stderr)
         return 1

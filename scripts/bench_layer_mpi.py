@@ -91,6 +91,7 @@ from mok_proto.bench import RESULTS_DIR, append_result, digest, git_sha  # noqa:
 from mok_proto.config import (DIRECTIONS, MOK_POLICY, OPERATORS, PAPER_SHAPES, RunConfig, format_policy,  # noqa: E402
                               get_shape)
 from mok_proto.layer.gpu import layer_row_layout, receive_capacity, round_layout, symmetric_bytes  # noqa: E402
+from mok_proto.plan import FusedKnobs  # noqa: E402
 
 BARS = {"fwd": 1.5, "bwd": 1.4}  # fused pass vs the torch + NCCL layer (issue 15)
 FUSED_SETTINGS = "0:1024,0:2048"  # (communication CTAs, minibatch rows) of the fused passes
@@ -226,6 +227,10 @@ def parse_args(argv=None):
         args.fused = [tuple(int(v) for v in item.split(":")) for item in args.fused.split(",") if item.strip()]
         if any(len(item) != 2 or item[0] < 0 or item[1] <= 0 for item in args.fused):
             raise ValueError("--fused: expected COMM:MINIBATCH[,...] with COMM >= 0, MINIBATCH > 0")
+        try:
+            [FusedKnobs(*item) for item in args.fused]  # the fused plans' own checks of the two knobs
+        except ValueError as e:
+            raise ValueError(f"--fused: {e}") from None
         for name, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
                                  ("--plan-workers", args.plan_workers, 1), ("--tokens", args.tokens, 1),
                                  ("--single", args.single, 1)):
@@ -524,8 +529,8 @@ def start_plans(problems, settings, num_sms: dict, workers: int, rank: int = 0, 
     keys = [(prob, pass_, comm_blocks, minibatch)
             for prob in problems for pass_ in ("fwd", "bwd") for comm_blocks, minibatch in settings]
     roots = {(prob.name, *rest): i % num_ranks for i, (prob, *rest) in enumerate(keys)}
-    jobs = {(prob.name, pass_, comm_blocks, minibatch): (pass_, prob.run, prob.capacity, dict(MOK_POLICY), comm_blocks,
-                                                         minibatch, num_sms[pass_])
+    jobs = {(prob.name, pass_, comm_blocks, minibatch): (pass_, prob.run, prob.capacity, dict(MOK_POLICY),
+                                                         FusedKnobs(comm_blocks, minibatch), num_sms[pass_])
             for prob, pass_, comm_blocks, minibatch in keys if roots[prob.name, pass_, comm_blocks, minibatch] == rank}
     if not jobs:
         return None, {key: (root, None) for key, root in roots.items()}

@@ -7,7 +7,7 @@ replayed back to back runs at that limit. The time of a pass then follows its en
 pass that overlaps the same work saves little time; bench_layer.py's short interleaved runs see
 it only in part. This measures it. Per shape (one EP=64 rank's share on one GPU, as
 bench_layer.py emulates it): the sequential pass and the fused pass (comm blocks, minibatch rows,
-the plans' default assignment, order and claimed pool: plan.DEFAULT_CLAIM) of the forward and of
+the plans' default assignment, order and claimed pool: plan.FusedKnobs) of the forward and of
 the backward are each captured in a graph; after a warm-up phase, one graph at a time is replayed
 for --secs seconds (sequential, fused, sequential, fused per pass) while nvidia-smi samples clocks
 and power every 20 ms.
@@ -38,6 +38,7 @@ import time
 from bench_layer import emulated_shape, make_inputs, result_bytes, staged_layer
 
 from mok_proto.config import PAPER_SHAPES
+from mok_proto.plan import FusedKnobs
 
 PHASES = ("sequential", "fused", "sequential", "fused")  # per pass, after one warm-up phase
 
@@ -71,6 +72,10 @@ def main():
     args = p.parse_args()
     if args.secs < 2:
         p.error(f"--secs must be at least 2 (the first second of a phase is not averaged), got {args.secs}")
+    try:
+        knobs = FusedKnobs(args.comm, args.minibatch)
+    except ValueError as e:
+        p.error(str(e))
     from mok_proto.bench import append_result, phase_power, require_gpu, smi_command, smi_samples
 
     require_gpu("power_probe.py")
@@ -96,8 +101,8 @@ def main():
             for pass_ in ("fwd", "bwd"):
                 graphs["sequential", pass_] = layer.capture(forward=pass_ == "fwd", backward=pass_ == "bwd")
                 reference[pass_] = result_bytes(layer, pass_)
-            layer.set_forward_plan(layer.fused_forward_plan(args.comm, args.minibatch))
-            layer.set_backward_plan(layer.fused_backward_plan(args.comm, args.minibatch))
+            layer.set_forward_plan(layer.fused_forward_plan(knobs))
+            layer.set_backward_plan(layer.fused_backward_plan(knobs))
             layer.enqueue_forward()
             layer.enqueue_backward()
             layer.check()

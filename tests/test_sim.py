@@ -299,7 +299,8 @@ OLD_SPARE_TIMELINE, = results.timeline_index(pass_="fwd", bench="bench_layer", s
 
 def _fused_plan(comm_blocks, minibatch_rows=2048, num_sms=132, policy=MOK_POLICY):
     # claim 0: the plans of the kernels measured before the claimed pool (99c90df)
-    return P.fused_forward(KIMI_SHARE, 2, comm_blocks, minibatch_rows, policy=policy, num_sms=num_sms, claim=0)
+    return P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(comm_blocks, minibatch_rows, claim=0), policy=policy,
+                           num_sms=num_sms)
 
 
 def _emulated(plan, gpu):
@@ -310,7 +311,7 @@ def _emulated(plan, gpu):
 def _spread_plan(minibatch_rows=2048, num_sms=132):
     """A fused forward with comm_blocks == 0: the chunks spread over compute CTAs (chunk c on CTA c,
     run by spare warps beside its GEMM tiles)."""
-    return P.fused_forward(KIMI_SHARE, 2, 0, minibatch_rows, policy=MOK_POLICY, num_sms=num_sms, claim=0)
+    return P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(0, minibatch_rows, claim=0), policy=MOK_POLICY, num_sms=num_sms)
 
 
 def _comm(rec):
@@ -336,7 +337,7 @@ def test_fused_timeline_is_the_plan_it_ran(h200):
 def test_old_timeline_files_get_their_chunk_counts(tmp_path):
     # files written before communication tasks carried their chunk count (col_tile -1 there): each
     # (kind, minibatch) transfer had one chunk per task of it; GEMM tasks keep their column tile
-    plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, spread_from=8, claim=0)
+    plan = P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(8, 2048, spread_from=8, claim=0), policy=MOK_POLICY, num_sms=132)
     rows = []
     for t in plan.tasks:
         kind = P.TaskKind(int(t["kind"]))
@@ -494,7 +495,8 @@ QWEN_SHARE = ep_share("qwen3.5-397b", 64)  # 8 KB rows (kimi: 14 KB)
 def _chunk_us(shape, gpu, comm_blocks=8):
     """The median busy dispatch chunk (us) of the fused forward on one EP=64 share (bench_layer's
     emulation), and its rows."""
-    plan = P.fused_forward(shape, 2, comm_blocks, 2048, policy=MOK_POLICY, num_sms=132, capacity_rows=12 * 2048)
+    plan = P.fused_forward(shape, 2, P.FusedKnobs(comm_blocks, 2048), policy=MOK_POLICY, num_sms=132,
+                           capacity_rows=12 * 2048)
     load = fused.emulated_load(shape)
     rec = sim.simulate(plan, layer.one_gpu(gpu), load).records(0)
     _, used = model.fused_chunk_rows(plan, load)
@@ -737,7 +739,8 @@ def test_spread_timeline_rows_are_judged_without_a_combine_median(h200, tmp_path
     # "measured" timeline is the simulated one: every error is 0), and no combine-chunk median
     # (a spare-warp combine's bar includes its wait: validate.fused_rows' NOTE); a timeline the index
     # does not mark sim_compared is not compared
-    plan = P.fused_forward(KIMI_SHARE, 2, 0, 2048, policy=MOK_POLICY, num_sms=132, capacity_rows=10 * 2048)
+    plan = P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(0, 2048), policy=MOK_POLICY, num_sms=132,
+                           capacity_rows=10 * 2048)
     rec = _emulated(plan, h200).records(0)
     rec["start_ns"], rec["end_ns"] = rec["start_ns"] - rec["start_ns"].min(), rec["end_ns"] - rec["start_ns"].min()
     rows = [{name: (P.TaskKind(int(r["kind"])).name.lower() if name == "kind" else r[name].item())
@@ -776,7 +779,7 @@ def test_simulate_rejects_a_load_padded_for_another_plan(h200):
 def test_ep64_kimi_fused_forward_is_fast(h200, monkeypatch):
     gb = sim.gb300_nvl72(h200)
     t0 = time.process_time()
-    p = P.fused_forward(KIMI, 64, 40, 2048, policy=MOK_POLICY, num_sms=gb.num_sms)
+    p = P.fused_forward(KIMI, 64, P.FusedKnobs(40, 2048), policy=MOK_POLICY, num_sms=gb.num_sms)
     result = sim.simulate(p, gb)  # includes p.check()
     assert time.process_time() - t0 < 2.0
     assert len(result.records()) == len(p.tasks) and result.kernel_ns < result.time_ns
@@ -884,8 +887,8 @@ BWD = P.PASS_KINDS["bwd"]
 
 def _bwd_plan(comm_blocks, minibatch_rows=2048, shape=KIMI_SHARE, policy=MOK_POLICY, **knobs):
     knobs.setdefault("claim", 0)  # as the kernels measured before the claimed pool (99c90df)
-    return P.fused_backward(shape, 2, comm_blocks, minibatch_rows, policy=policy, num_sms=132,
-                            capacity_rows=10 * minibatch_rows, **knobs)
+    return P.fused_backward(shape, 2, P.FusedKnobs(comm_blocks, minibatch_rows, **knobs), policy=policy, num_sms=132,
+                            capacity_rows=10 * minibatch_rows)
 
 
 def _emulated_bwd(plan, gpu):
@@ -1002,7 +1005,8 @@ def test_fused_backward_against_the_sequential_backward(h200):
     # Two ranks over the link: the sequential backward waits for every transfer, the fused one hides
     # them behind its tiles, so a slower link costs the sequential pass and not the fused one.
     def both(gpu):
-        return (sim.simulate(P.fused_backward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132), gpu).time_ns,
+        fused_plan = P.fused_backward(KIMI_SHARE, 2, P.FusedKnobs(8, 2048), policy=MOK_POLICY, num_sms=132)
+        return (sim.simulate(fused_plan, gpu).time_ns,
                 sim.simulate(P.sequential(KIMI_SHARE, 2, pass_="bwd", policy=MOK_POLICY, num_sms=132), gpu).time_ns)
     (fast_fused, fast_seq), (slow_fused, slow_seq) = both(h200), both(h200.scaled(link_gbs=0.5))
     assert fast_fused < fast_seq and slow_fused < slow_seq
@@ -1108,9 +1112,9 @@ def test_balanced_assignment_is_not_slower(h200, name, pass_):
     total = dict.fromkeys(P.ASSIGNMENTS, 0)
     for capacity in (filled, bench):
         for comm in (0, 8):
-            ns = {assign: sim.simulate(make(shape, 2, comm, 2048, policy=MOK_POLICY, num_sms=132,
-                                            capacity_rows=capacity, assign=assign, claim=0), layer.one_gpu(h200), load).time_ns
-                  for assign in P.ASSIGNMENTS}
+            knobs = {assign: P.FusedKnobs(comm, 2048, assign=assign, claim=0) for assign in P.ASSIGNMENTS}
+            ns = {assign: sim.simulate(make(shape, 2, k, policy=MOK_POLICY, num_sms=132, capacity_rows=capacity),
+                                       layer.one_gpu(h200), load).time_ns for assign, k in knobs.items()}
             assert ns["balanced"] <= 1.005 * ns["round_robin"], (capacity, comm, ns)
             for assign in P.ASSIGNMENTS:
                 total[assign] += ns[assign]
@@ -1119,14 +1123,15 @@ def test_balanced_assignment_is_not_slower(h200, name, pass_):
 
 def test_timeline_of_a_balanced_plan_is_recognized(h200):
     # a timeline recorded under the balanced assignment rebuilds to that plan (and not round robin's)
-    plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, assign="balanced", claim=0)
+    plan = P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(8, 2048, assign="balanced", claim=0), policy=MOK_POLICY,
+                           num_sms=132)
     rebuilt = fused.timeline_plan(_emulated(plan, h200).records(0), KIMI_SHARE)
     assert rebuilt.assign == "balanced" and np.array_equal(rebuilt.tasks, plan.tasks)
 
 
 def test_timeline_of_a_col_raster_plan_is_recognized(h200):
     # a timeline recorded with the pairs in column order rebuilds to that plan (not the row order's)
-    plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, raster="col", claim=0)
+    plan = P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(8, 2048, raster="col", claim=0), policy=MOK_POLICY, num_sms=132)
     rebuilt = fused.timeline_plan(_emulated(plan, h200).records(0), KIMI_SHARE)
     assert rebuilt.raster == "col" and np.array_equal(rebuilt.tasks, plan.tasks)
 
@@ -1137,7 +1142,8 @@ def test_spread_combine_chunks_and_timeline(h200):
     # costs what the same chunk costs in a comm-0 plan (the spare warps), one on a communicating CTA
     # less (its 12 warps), and its timeline rebuilds to that plan
     load = fused.emulated_load(KIMI_SHARE)
-    plan = P.fused_forward(KIMI_SHARE, 2, 12, 2048, policy=MOK_POLICY, num_sms=132, spread_from=7, claim=0)
+    plan = P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(12, 2048, spread_from=7, claim=0), policy=MOK_POLICY,
+                           num_sms=132)
     real, _ = model.fused_chunk_rows(plan, load, outgoing=True)
     whole = model._real_rows_per_minibatch(plan, load)  # [M, R]
     assert np.array_equal(real.sum(axis=1), whole) and real.shape[1] == 132
@@ -1153,7 +1159,7 @@ def test_spread_combine_chunks_and_timeline(h200):
         return (r["end_ns"] - r["start_ns"])[sel]
 
     spread_ns = chunk_ns(plan)
-    comm0_ns = chunk_ns(P.fused_forward(KIMI_SHARE, 2, 0, 2048, policy=MOK_POLICY, num_sms=132))
+    comm0_ns = chunk_ns(P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(0, 2048), policy=MOK_POLICY, num_sms=132))
     assert len(spread_ns) == len(comm0_ns) == 132
     assert np.allclose(spread_ns[12:], comm0_ns[12:]) and (spread_ns[:12] < comm0_ns[:12]).all()
 
@@ -1214,9 +1220,9 @@ def test_claimed_pairs_run_on_the_cluster_free_first(h200, pass_):
     # padded-pair imbalance can only shrink when every pair is claimed
     shape = ep_share("qwen3.5-397b")
     build = P.fused_forward if pass_ == "fwd" else P.fused_backward
-    static = sim.simulate(build(shape, 2, 0, 2048, policy=MOK_POLICY, num_sms=132, claim=0), h200)
+    static = sim.simulate(build(shape, 2, P.FusedKnobs(0, 2048, claim=0), policy=MOK_POLICY, num_sms=132), h200)
     for claim in (40, "all"):
-        plan = build(shape, 2, 0, 2048, policy=MOK_POLICY, num_sms=132, claim=claim)
+        plan = build(shape, 2, P.FusedKnobs(0, 2048, claim=claim), policy=MOK_POLICY, num_sms=132)
         res = sim.simulate(plan, h200)
         pool = np.flatnonzero(plan.tasks["block"] == plan.pool_block)
         for rank in range(plan.num_ranks):

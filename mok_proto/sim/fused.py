@@ -61,7 +61,7 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     """The fused_forward (or, from a backward's records, fused_backward) plan whose tasks the
     records (in the plan's task order, as bench_layer writes them) are: CTAs, communicating CTAs
     (0: the chunks ride on compute CTAs), minibatch rows, capacity, ring, the transfers and (backward)
-    the token gradients inside from the records; the GEMM order (`lookahead`, where plan.py has it) and the tile pairs'
+    the token gradients inside from the records; the GEMM order (`lookahead`, where the plan has it) and the tile pairs'
     clusters (`assign`) and their order (`raster`) the first that match; the claimed pool (`claim`)
     from the records' `claimed` rows, which match the plan's pool task by task but not by CTA (a
     pair's CTA is the one that claimed it). Communicating CTAs are below the first CTA with a table
@@ -91,23 +91,23 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
         raise ValueError("the timeline's claimed tasks are not tile pairs")
     gemm_blocks = records["block"][~comm & ~pooled] if (~comm & ~pooled).any() else records["block"][~comm]
     comm_blocks = int(gemm_blocks.min()) // 2 * 2
-    args = (shape, num_ranks, comm_blocks, minibatch_rows)
-    fields = dict(policy=policy, num_sms=int(records["block"].max()) + 1, capacity_rows=num_mb * minibatch_rows,
-                  claim=int(pooled.sum()) // 2)
+    fields = dict(policy=policy, num_sms=int(records["block"].max()) + 1, capacity_rows=num_mb * minibatch_rows)
+    knobs = dict(comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, claim=int(pooled.sum()) // 2)
     spread = outgoing & (records["block"] >= comm_blocks) if comm_blocks else np.zeros_like(outgoing)
     if spread.any():  # outgoing chunks on compute CTAs: the spread minibatches (plan spread_from)
-        fields["spread_from"] = int(records["minibatch"][spread].min())
+        knobs["spread_from"] = int(records["minibatch"][spread].min())
     if pass_ == "fwd":
-        args += (ring,)
+        knobs["ring_minibatches"] = ring
     else:  # the token gradients and the scale inside the kernel (older timelines: outside it)
-        fields["token_grads"] = bool((kind == int(k.epilogue)).any())
-        fields["scale"] = bool((kind == int(TaskKind.SCALE)).any())
+        knobs["token_grads"] = bool((kind == int(k.epilogue)).any())
+        knobs["scale"] = bool((kind == int(TaskKind.SCALE)).any())
     make = plans.fused_forward if pass_ == "fwd" else plans.fused_backward
     tried = []
     for order in ({},) + tuple({"lookahead": a} for a in range(ring)):
         for assign, raster in itertools.product(plans.ASSIGNMENTS, plans.RASTERS):
             try:
-                plan = make(*args, **fields, **order, assign=assign, raster=raster)
+                plan = make(shape, num_ranks, plans.FusedKnobs(**knobs, **order, assign=assign, raster=raster),
+                            **fields)
             except ValueError as e:
                 tried.append(f"{order or 'defaults'}, {assign}, {raster}: {e}")
                 continue
@@ -239,8 +239,8 @@ def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: i
     counters' memset, the kernel, the flag and the wait, the weighted sum). claim: the plan's
     (plan.fused_forward; 0, no pool, as the measured rows before 99c90df ran)."""
     capacity = -(-int(BENCH_CAPACITY * shape.num_tokens * shape.top_k) // minibatch_rows) * minibatch_rows
-    plan = plans.fused_forward(shape, layer.EMULATED_RANKS, comm_blocks, minibatch_rows, policy=MOK_POLICY,
-                               num_sms=num_sms, capacity_rows=capacity, claim=claim)
+    plan = plans.fused_forward(shape, layer.EMULATED_RANKS, plans.FusedKnobs(comm_blocks, minibatch_rows, claim=claim),
+                               policy=MOK_POLICY, num_sms=num_sms, capacity_rows=capacity)
     one = layer.one_gpu(gpu)
     schedule = layer.LAYER_STAGES["fwd"]["schedule"].kernels * one.launch_ns
     return schedule + simulate(plan, one, emulated_load(shape)).time_ns
@@ -254,9 +254,10 @@ def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 12, 16), m
     rows (layer.compared_rows) and sweep_overlap.jsonl (scripts/sweep_overlap.py); points off the grid
     are dropped, and so are points with communicating CTAs measured on the retired bulk-copy ring
     (comm_mover "bulk": not the kernel `gpu` simulates), points whose spare warps ran the retired
-    acquire spin (params.spare_warps_spun), and points of another tile-pair order than
-    plan.DEFAULT_RASTER (the simulator prices both orders alike)."""
+    acquire spin (params.spare_warps_spun), and points of another tile-pair order than the default
+    raster (the simulator prices both orders alike)."""
     shape = ep_share(shape_name, EP)
+    raster = plans.FusedKnobs.PASS_DEFAULTS["fwd"]["raster"]
     sim_ms = np.array([[pass_ns(shape, gpu, c, m, gpu.num_sms) / 1e6 for m in minibatches] for c in comm_blocks])
     rows = []
     for mb_key, found in (("minibatch_tokens", layer.compared_rows(results_dir)),
@@ -265,7 +266,7 @@ def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 12, 16), m
                  and r.get("schedule", "fused") == "fused" and r.get("pass", "fwd") == "fwd"
                  and not (r.get("comm_blocks") and kernel_of(r)["comm_mover"] == "bulk")
                  and not spare_warps_spun(r, r.get("comm_blocks"), r.get("spread_from"))
-                 and r.get("raster", plans.DEFAULT_RASTER) == plans.DEFAULT_RASTER]
+                 and r.get("raster", raster) == raster]
     measured = {}
     for r in results.newest(rows):
         key = (r["comm_blocks"], r["minibatch"])
