@@ -1,5 +1,7 @@
 """Timeline records: one row per task execution, from the simulator or the in-kernel trace of
-the fused layer (`GpuMoELayer.forward_timeline`), and one plotting function for both.
+the fused layer (`GpuMoELayer.forward_timeline`), and one plotting function for both; and the
+notebooks' two small helpers: a heatmap of a sweep (`plot_grid`) and showing a figure inline
+under its name (`show_figure`).
 
 A record is one TRACE_DTYPE row: the CTA (one per SM) that ran the task, its role, the task's
 kind, minibatch, expert (local expert of the row tile or weight tile, -1 when none), tile,
@@ -9,11 +11,17 @@ pair of the plan's pool: `block` is then the CTA that claimed it).
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
+
 import numpy as np
 
 from mok_proto.plan import TaskKind
 
 ROLES = ("comm", "compute")  # record "role": 0 communicates, 1 computes
+FIGURES_ENV = "MOK_PLOTS_DIR"  # a folder: show_figure also saves each figure there (unset: nothing is written)
+FIGURE_LINE = "figure: "  # show_figure prints this and the figure's name on the line before the figure
 
 TRACE_DTYPE = np.dtype([
     ("rank", np.int32),
@@ -101,3 +109,46 @@ def plot_timeline(records: np.ndarray, ax=None, title: str | None = None, time_u
         legend.append(Patch(color=color, label=TaskKind(int(kind)).name.lower()))
     ax.autoscale_view()  # add_collection updates the data limits; the view, too, only from matplotlib 3.11
     return finish_timeline(ax, legend, title, time_unit)
+
+
+def plot_grid(ax, values, rows, cols, labels=None, cmap: str = "viridis", center: float | None = None,
+              highlight=None):
+    """A heatmap of values[i, j] (a sweep over rows x cols, their tick labels), each cell annotated
+    with labels[i][j] (default: the value to two decimals) in black or white, whichever reads on
+    the cell; NaN cells blank but for their label. center: a value the colours are symmetric about
+    (e.g. 1.0 for a speedup, with a diverging cmap such as "RdYlGn"). highlight: (i, j) of one cell
+    to outline. Returns the image (for a colorbar)."""
+    from matplotlib.colors import Normalize
+    from matplotlib.patches import Rectangle
+
+    values = np.asarray(values, dtype=float)
+    norm = None
+    if center is not None and not np.isnan(values).all():
+        span = max(np.nanmax(values) - center, center - np.nanmin(values), 1e-3)
+        norm = Normalize(center - span, center + span)
+    image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=norm, aspect="auto")
+    ax.set_xticks(range(len(cols)), [str(c) for c in cols])
+    ax.set_yticks(range(len(rows)), [str(r) for r in rows])
+    for (i, j), v in np.ndenumerate(values):
+        text = labels[i][j] if labels is not None else ("" if np.isnan(v) else f"{v:.2f}")
+        r, g, b, _ = (1.0, 1.0, 1.0, 1.0) if np.isnan(v) else image.cmap(image.norm(v))
+        ax.text(j, i, text, ha="center", va="center", fontsize=8, color="k" if 0.3 * r + 0.6 * g + 0.1 * b > 0.5 else "w")
+    if highlight is not None:
+        i, j = highlight
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="k", linewidth=2.5))
+    return image
+
+
+def show_figure(fig, name: str):
+    """Show a notebook's figure inline (IPython's display), on the line after FIGURE_LINE + name
+    (the notebook tests find each figure by that line), then close it; with $MOK_PLOTS_DIR set,
+    also save it there as <name>.png (spaces and other characters as _)."""
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    print(FIGURE_LINE + name, flush=True)
+    folder = os.environ.get(FIGURES_ENV)
+    if folder:
+        fig.savefig(Path(folder) / (re.sub(r"[^A-Za-z0-9.-]+", "_", name).strip("_") + ".png"), dpi=80)
+    display(fig)
+    plt.close(fig)
