@@ -1,0 +1,32 @@
+"""Ceilings measured in the same run as a benchmark: a device copy, a peer pull under NVSHMEM."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mok_proto.bench.timing import time_stages
+
+
+def copy_ceiling_gbs(nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device-to-device copy of nbytes: bytes COPIED per second (read + written is twice that)."""
+    import cupy
+
+    src = cupy.ones(nbytes // 4, dtype=np.float32)
+    dst = cupy.empty_like(src)
+    samples = time_stages(lambda mark: (mark("copy"), dst.__setitem__(Ellipsis, src), mark(None)), iters, 3)
+    return nbytes / (np.median(samples["copy"]) * 1e-3) / 1e9
+
+
+def peer_pull_gbs(heap, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Link ceiling under NVSHMEM: every rank copies nbytes from the next rank's symmetric buffer
+    at once (a device copy through the peer mapping), in bytes per second per GPU."""
+    import cupy
+
+    buf = heap.alloc("link-ceiling", (nbytes // 4,), np.float32)
+    dst = cupy.empty(nbytes // 4, np.float32)
+    peer = (heap.rank + 1) % heap.num_ranks
+    src = buf.instance(peer)
+    heap.barrier()
+    samples = time_stages(lambda mark: (mark("pull"), dst.__setitem__(Ellipsis, src), mark(None)), iters, 2)
+    heap.free(buf)
+    return nbytes / (np.median(samples["pull"]) * 1e-3) / 1e9

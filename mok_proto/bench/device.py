@@ -1,0 +1,36 @@
+"""What this machine can run: a CUDA device seen by CuPy and/or PyTorch, and its name."""
+
+from __future__ import annotations
+
+import sys
+
+
+def require_gpu(prog: str, need_cupy: bool = True, need_torch: bool = False) -> None:
+    """Exit 2 with ONE line (no traceback) unless this machine can run a GPU script: a CUDA device
+    seen by CuPy and/or PyTorch, whichever the script uses. Call it after parsing arguments."""
+    reason = None
+    if need_cupy:
+        from mok_proto.symm.gpu import require_cupy
+
+        try:
+            require_cupy(who=prog)
+        except RuntimeError as e:
+            reason = str(e)
+    if need_torch and reason is None:
+        try:
+            import torch
+        except Exception as e:  # noqa: BLE001 - any import failure means no torch here
+            reason = f"{prog} needs torch (its baselines); torch is not importable ({type(e).__name__}: {e})"
+        else:
+            reason = None if torch.cuda.is_available() else f"{prog} needs an NVIDIA GPU; torch sees no CUDA device"
+    if reason is not None:
+        print(f"error: {reason} (install: pip install -c requirements.txt -e '.[gpu,bench]')", file=sys.stderr)
+        sys.exit(2)
+
+
+def gpu_name(device: int = 0) -> str:
+    """The GPU's name as the driver gives it (e.g. "NVIDIA H100 80GB HBM3"), for results rows."""
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(device)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
