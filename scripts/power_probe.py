@@ -35,31 +35,7 @@ import sys
 import tempfile
 import time
 
-from bench_layer import emulated_shape, make_inputs, result_bytes, staged_layer
-
 from mok_proto.config import PAPER_SHAPES
-
-PHASES = ("sequential", "fused", "sequential", "fused")  # per pass, after one warm-up phase
-
-
-def replay(graph, stream, secs: float):
-    """Replays of `graph` on `stream` for about `secs` seconds, 20 a batch, each between two events:
-    (ms per replay, start, end) with host times (time.time) around the timed replays."""
-    import cupy
-
-    for _ in range(5):
-        graph.launch(stream)
-    stream.synchronize()
-    times, t0 = [], time.time()
-    while time.time() - t0 < secs:
-        events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(20)]
-        for a, b in events:
-            a.record(stream)
-            graph.launch(stream)
-            b.record(stream)
-        stream.synchronize()
-        times += [cupy.cuda.get_elapsed_time(a, b) for a, b in events]
-    return times, t0, time.time()
 
 
 def main():
@@ -72,10 +48,10 @@ def main():
     if args.secs < 2:
         p.error(f"--secs must be at least 2 (the first second of a phase is not averaged), got {args.secs}")
     from mok_proto.bench import append_result, phase_power, require_gpu, smi_command, smi_samples
+    from mok_proto.bench.power import compare, probe_shape
 
     require_gpu("power_probe.py")
     import cupy
-    import numpy as np
 
     device = cupy.cuda.Device().pci_bus_id  # the GPU this process runs on (CUDA_VISIBLE_DEVICES applies)
     if shutil.which("nvidia-smi") is None:
@@ -89,41 +65,9 @@ def main():
     phases, unequal = [], []
     try:
         for name in args.shapes.split(","):
-            shape = emulated_shape(name)
-            heap, layer = staged_layer(shape, make_inputs(shape))
-            stream = cupy.cuda.Stream(non_blocking=True)
-            graphs, reference = {}, {}
-            for pass_ in ("fwd", "bwd"):
-                graphs["sequential", pass_] = layer.capture(forward=pass_ == "fwd", backward=pass_ == "bwd")
-                reference[pass_] = result_bytes(layer, pass_)
-            layer.set_forward_plan(layer.fused_forward_plan(args.comm, args.minibatch))
-            layer.set_backward_plan(layer.fused_backward_plan(args.comm, args.minibatch))
-            layer.enqueue_forward()
-            layer.enqueue_backward()
-            layer.check()
-            graphs["fused", "fwd"] = layer.capture(forward=True, backward=False)
-            layer.enqueue_forward()
-            graphs["fused", "bwd"] = layer.capture(forward=False, backward=True)
-            with stream:
-                replay(graphs["sequential", "fwd"], stream, args.secs / 2)  # warm-up: to the power limit
-                for pass_ in ("fwd", "bwd"):
-                    for k, schedule in enumerate(PHASES):
-                        times, t0, t1 = replay(graphs[schedule, pass_], stream, args.secs)
-                        layer.check()
-                        plan = (layer.fused if pass_ == "fwd" else layer.fused_bwd).plan
-                        phases.append(dict(shape=name, pass_=pass_, schedule=schedule, phase=k, t0=t0, t1=t1,
-                                           median_ms=float(np.median(times)), iters=len(times),
-                                           assign=plan.assign if schedule == "fused" else None,
-                                           raster=plan.raster if schedule == "fused" else None,
-                                           claim_pairs=plan.claim_pairs if schedule == "fused" else None))
-                        print(f"# {name} {pass_} {schedule:10s} {np.median(times):.3f} ms ({len(times)} replays)",
-                              flush=True)
-                    if result_bytes(layer, pass_) != reference[pass_]:  # the fused graph replayed last
-                        unequal.append(f"{name} {pass_}")
-            layer.set_forward_plan(None)
-            layer.set_backward_plan(None)
-            layer.close()
-            heap.close()
+            got, bad = probe_shape(name, args.comm, args.minibatch, args.secs)
+            phases += got
+            unequal += bad
     finally:
         time.sleep(0.1)
         died = smi.poll()
@@ -158,22 +102,6 @@ def main():
     if unequal:
         print(f"FAIL: fused not bitwise equal to sequential: {', '.join(unequal)}", file=sys.stderr)
         sys.exit(1)
-
-
-def compare(phases: list, shape: str, pass_: str):
-    """(sequential, fused, ratios) of one shape and pass: each schedule's phases averaged (median_ms,
-    sm_mhz, power_w, energy_mj, power_capped), and x_seq = sequential ms / fused ms, clock and energy
-    = fused / sequential, x_cycles = sequential ms x MHz / (fused ms x MHz)."""
-    import numpy as np
-
-    mean = {s: {k: float(np.mean([ph[k] for ph in phases if (ph["shape"], ph["pass_"], ph["schedule"])
-                                  == (shape, pass_, s)]))
-                for k in ("median_ms", "sm_mhz", "power_w", "energy_mj", "power_capped")}
-            for s in ("sequential", "fused")}
-    seq, fus = mean["sequential"], mean["fused"]
-    return seq, fus, {"x_seq": seq["median_ms"] / fus["median_ms"], "clock": fus["sm_mhz"] / seq["sm_mhz"],
-                      "energy": fus["energy_mj"] / seq["energy_mj"],
-                      "x_cycles": seq["median_ms"] * seq["sm_mhz"] / (fus["median_ms"] * fus["sm_mhz"])}
 
 
 def fail(message: str):

@@ -24,8 +24,8 @@ import argparse
 import sys
 import time
 
-from bench_layer import best_row, emulated_shape, fused, make_inputs, result_bytes, staged_layer
-
+from mok_proto.bench.emulation import emulated_shape, make_inputs, result_bytes, staged_layer
+from mok_proto.bench.layer import best_row, fused
 from mok_proto.config import PAPER_SHAPES
 from mok_proto.plan import ASSIGNMENTS, DEFAULT_ASSIGN, DEFAULT_RASTER, RASTERS
 

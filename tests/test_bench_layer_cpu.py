@@ -1,70 +1,65 @@
-"""CPU checks of scripts/bench_layer.py's pure helpers (the GPU parts run on the device)."""
-
-import importlib.util
-from pathlib import Path
+"""CPU checks of bench_layer.py's library (mok_proto.bench: overlap, settings, layer, power): its pure
+helpers, and its timing on stand-ins for the GPU (the GPU parts run on the device)."""
 
 import pytest
 
-SPEC = importlib.util.spec_from_file_location("bench_layer", Path(__file__).resolve().parents[1] / "scripts" /
-                                              "bench_layer.py")
-bench_layer = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(bench_layer)
+from mok_proto.bench import layer as bench_layer
+from mok_proto.bench import overlap, power
+from mok_proto.bench import settings as bench_settings
 
 
 def test_overlap_ceiling_counts_gemm_and_outside_stages():
     # the backward: everything but the two transfers (1.0 + 0.5) and the gaps (0.5) stays
     bwd = {"scale": 0.5, "shared": 1.0, "rev_combine": 1.0, "experts": 4.0, "rev_dispatch": 0.5, "wgrad": 2.0,
            "token_grads": 0.5, "total": 10.0}
-    assert bench_layer.overlap_ceiling(bwd, "bwd") == pytest.approx(10.0 / 8.0)
+    assert overlap.overlap_ceiling(bwd, "bwd") == pytest.approx(10.0 / 8.0)
     # a plan that runs the token gradients (and the scale) inside the kernel may hide them as well
-    assert bench_layer.overlap_ceiling(bwd, "bwd", ("token_grads",)) == pytest.approx(10.0 / 7.5)
-    assert bench_layer.overlap_ceiling(bwd, "bwd", ("scale", "token_grads")) == pytest.approx(10.0 / 7.0)
-    assert bench_layer.stages_inside({"scale": True, "token_grads": True}) == ("scale", "token_grads")
-    assert bench_layer.stages_inside({"scale": False, "token_grads": True}) == ("token_grads",)
-    assert bench_layer.stages_inside({"comm_blocks": 0}) == ()  # a forward row: nothing
-    assert bench_layer.TOKEN_GRADS == {"default": None, "inside": True, "after": False}
-    assert bench_layer.SCALE == {"default": None, "inside": True, "before": False}
+    assert overlap.overlap_ceiling(bwd, "bwd", ("token_grads",)) == pytest.approx(10.0 / 7.5)
+    assert overlap.overlap_ceiling(bwd, "bwd", ("scale", "token_grads")) == pytest.approx(10.0 / 7.0)
+    assert overlap.stages_inside({"scale": True, "token_grads": True}) == ("scale", "token_grads")
+    assert overlap.stages_inside({"scale": False, "token_grads": True}) == ("token_grads",)
+    assert overlap.stages_inside({"comm_blocks": 0}) == ()  # a forward row: nothing
+    assert bench_settings.TOKEN_GRADS == {"default": None, "inside": True, "after": False}
+    assert bench_settings.SCALE == {"default": None, "inside": True, "before": False}
     fwd = {"schedule": 0.1, "shared": 0.3, "dispatch": 0.1, "experts": 2.2, "combine": 0.1, "weighted_sum": 0.1,
            "total": 3.0}
-    assert bench_layer.overlap_ceiling(fwd, "fwd") == pytest.approx(3.0 / 2.7)
+    assert overlap.overlap_ceiling(fwd, "fwd") == pytest.approx(3.0 / 2.7)
     with pytest.raises(KeyError):  # a stage the layer no longer marks: the bench fails loudly, not silently
-        bench_layer.overlap_ceiling({k: v for k, v in fwd.items() if k != "weighted_sum"}, "fwd")
+        overlap.overlap_ceiling({k: v for k, v in fwd.items() if k != "weighted_sum"}, "fwd")
 
 
 def test_direction_policies():
     from mok_proto.config import MOK_POLICY
 
-    assert bench_layer.direction_policies("mok") == [MOK_POLICY]
-    every = bench_layer.direction_policies("all")
+    assert bench_settings.direction_policies("mok") == [MOK_POLICY]
+    every = bench_settings.direction_policies("all")
     assert every[0] == MOK_POLICY and len(every) == 4 and len({tuple(p.values()) for p in every}) == 4
     # the backward mirrors the forward: reverse-combine goes the dispatch's way, reverse-dispatch the combine's
     assert all(p["rev_combine"] == p["dispatch"] and p["rev_dispatch"] == p["combine"] for p in every)
-    named = bench_layer.direction_policies("push:pull:push:pull,pull:push:pull:push,push:pull:push:pull")
+    named = bench_settings.direction_policies("push:pull:push:pull,pull:push:pull:push,push:pull:push:pull")
     assert named == [MOK_POLICY, {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}]
     for bad in ("push:pull", "push:pull:push:sideways"):
         with pytest.raises(ValueError, match="--directions"):
-            bench_layer.direction_policies(bad)
+            bench_settings.direction_policies(bad)
 
 
 def test_fused_settings_keep_comm_ctas_only_where_a_transfer_runs_inside():
     from mok_proto.config import MOK_POLICY
 
     settings = ((0, 2048), (8, 2048))
-    assert bench_layer.fused_settings_for(MOK_POLICY, settings) == {"fwd": settings, "bwd": settings}
+    assert bench_settings.fused_settings_for(MOK_POLICY, settings) == {"fwd": settings, "bwd": settings}
     outside = {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
-    assert bench_layer.fused_settings_for(outside, settings) == {"fwd": ((0, 2048),), "bwd": ((0, 2048),)}
+    assert bench_settings.fused_settings_for(outside, settings) == {"fwd": ((0, 2048),), "bwd": ((0, 2048),)}
     # MoK's best had communicating CTAs: the policy still gets a fused run, with every CTA computing
-    assert bench_layer.fused_settings_for(outside, ((8, 2048),)) == {"fwd": ((0, 2048),), "bwd": ((0, 2048),)}
+    assert bench_settings.fused_settings_for(outside, ((8, 2048),)) == {"fwd": ((0, 2048),), "bwd": ((0, 2048),)}
     half = {"dispatch": "pull", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
-    assert bench_layer.fused_settings_for(half, ((8, 2048), (0, 1024))) == {"fwd": ((8, 2048), (0, 1024)),
+    assert bench_settings.fused_settings_for(half, ((8, 2048), (0, 1024))) == {"fwd": ((8, 2048), (0, 1024)),
                                                                             "bwd": ((0, 2048), (0, 1024))}
 
 
 def test_directions_rows_report_and_record(monkeypatch, capsys):
     """directions_rows on a stand-in for the GPU run: one line per pass, the sequential and fused
     rows recorded with the policy, and a fused result unequal to its sequential layer's fails."""
-    import mok_proto.bench
-
     policy = {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
     seen, recorded = [], []
 
@@ -77,7 +72,7 @@ def test_directions_rows_report_and_record(monkeypatch, capsys):
                 {"fwd": True, "bwd": True}, None, {"fwd": [row], "bwd": [dict(row, equal_to_sequential=False)]})
 
     monkeypatch.setattr(bench_layer, "ours", fake_ours)
-    monkeypatch.setattr(mok_proto.bench, "append_result", lambda name, row: recorded.append((name, row)))
+    monkeypatch.setattr(bench_layer, "append_result", lambda name, row: recorded.append((name, row)))
     failed = bench_layer.directions_rows("kimi-k2.7", None, None, policy, ((0, 2048), (8, 2048)), 3, 1, "balanced",
                                          "col")
     assert seen == [({"fwd": ((0, 2048),), "bwd": ((0, 2048),)}, None, policy, "balanced", "col")]
@@ -119,8 +114,6 @@ def test_fused_times_each_setting_against_the_sequential_pass(monkeypatch):
     clocks), its results read after a replay of its own graph."""
     import contextlib
     from types import SimpleNamespace
-
-    import mok_proto.bench
 
     # ms of (stage, setting) per iteration: setting 2 ran under slower clocks (both graphs slower)
     # but gains more over the sequential pass than setting 0
@@ -167,7 +160,7 @@ def test_fused_times_each_setting_against_the_sequential_pass(monkeypatch):
 
     layer = Layer()
     sequential_graph = Graph(layer, "sequential", None)
-    monkeypatch.setattr(mok_proto.bench, "time_stages", fake_time_stages)
+    monkeypatch.setattr(bench_layer, "time_stages", fake_time_stages)
     monkeypatch.setattr(bench_layer, "result_bytes",
                         lambda lay, pass_: b"fused bits" if lay.last[0] == "fused" else b"sequential bits")
     class Stream(contextlib.nullcontext):
@@ -185,7 +178,7 @@ def test_fused_times_each_setting_against_the_sequential_pass(monkeypatch):
     assert bench_layer.best_row(rows) is by_comm[2]
 
 
-# nvidia-smi samples of scripts/power_probe.py
+# nvidia-smi samples of power_probe.py (mok_proto.bench.power)
 SMI_LINES = ["timestamp, clocks.current.sm [MHz], power.draw [W], clocks_event_reasons.active",  # a header
              "2026/12/01 20:45:10.000, 1980, 300.00, 0x0000000000000000",
              "2026/12/01 20:45:10.200, 1500, 690.00, 0x0000000000000004",
@@ -223,30 +216,18 @@ def test_smi_command_samples_one_gpu():
 
 
 def test_fused_settings_take_a_claim():
-    assert bench_layer.parse_settings("0:2048,8:1024:264,0:2048:all,0:512:tail") == (
+    assert bench_settings.parse_settings("0:2048,8:1024:264,0:2048:all,0:512:tail") == (
         (0, 2048, None), (8, 1024, 264), (0, 2048, "all"), (0, 512, "tail"))
     for bad in ("0", "0:2048:some", "a:2048", "0:2048:1:2"):
         with pytest.raises(ValueError, match="--fused"):
-            bench_layer.parse_settings(bad)
+            bench_settings.parse_settings(bad)
     policy = {"dispatch": "push", "combine": "pull", "rev_combine": "pull", "rev_dispatch": "push"}
-    got = bench_layer.fused_settings_for(policy, ((8, 2048, 264), (0, 2048, 264)))
+    got = bench_settings.fused_settings_for(policy, ((8, 2048, 264), (0, 2048, 264)))
     assert got["fwd"] == ((0, 2048, 264),) and got["bwd"] == ((8, 2048, 264), (0, 2048, 264))
 
 
-def _power_probe():
-    import sys
-
-    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)  # power_probe imports bench_layer as a sibling module
-    spec = importlib.util.spec_from_file_location("power_probe", Path(scripts) / "power_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_power_probe_compares_the_phases_of_one_shape_and_pass():
-    compare = _power_probe().compare
+    compare = power.compare
     row = lambda shape, pass_, schedule, ms, mhz, w: dict(  # noqa: E731
         shape=shape, pass_=pass_, schedule=schedule, median_ms=ms, sm_mhz=mhz, power_w=w, energy_mj=ms * w,
         power_capped=1.0)

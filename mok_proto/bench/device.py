@@ -34,3 +34,14 @@ def gpu_name(device: int = 0) -> str:
 
     name = cupy.cuda.runtime.getDeviceProperties(device)["name"]
     return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def require_mpi_stack() -> None:
+    """Exit 2 with one line unless mpi4py and nvshmem4py import (after require_gpu)."""
+    for module, what in (("mpi4py", "mpi4py (the ranks)"), ("nvshmem.core", "nvshmem4py (nvshmem4py-cu13)")):
+        try:
+            __import__(module)
+        except Exception as e:  # noqa: BLE001 - any import failure means it is not usable here
+            print(f"error: bench_layer_mpi.py needs {what}; import {module} failed ({type(e).__name__}: {e}); "
+                  f"without them only --single R runs", file=sys.stderr)
+            sys.exit(2)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
+from pathlib import Path
 
 import numpy as np
+
+from mok_proto.bench.rows import git_sha
 
 DIGEST_ROW_WORDS = 4096  # 32-bit words per fingerprint row of `digest`
 # odd 64-bit multipliers, one per word of a row (fixed: digests compare across runs and machines)
@@ -40,3 +44,55 @@ def digest(arrays: dict, chunk_rows: int = 1 << 14) -> str:
             sums = rows.sum(axis=1, dtype=xp.uint64)
             h.update((sums.get() if xp is not np else sums).astype("<u8").tobytes())
     return h.hexdigest()
+
+
+def result_digests(layer, rank: int) -> dict:
+    """{"out": digest of the output, "grads": of every gradient} of `rank` (no host copy)."""
+    views = layer.result_views(rank)
+    out = views.pop("out")
+    return {"out": digest({"out": out}), "grads": digest(views)}
+
+
+def write_digests(path: Path, mode: str, num_ranks: int, shapes: dict) -> None:
+    """shapes: {name: {"config": {...}, "per_rank": {rank: {"out", "grads"}}} or {"config", "skipped"}}."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"mode": mode, "ranks": num_ranks, "git": git_sha(), "shapes": shapes}, indent=1))
+
+
+def compare_digests(mine: dict, path, mode: str) -> dict:
+    """{shape: True (every rank equal) | False | None (not comparable: reason in 'why')} against the
+    digests file of the other mode. Same problem = same shape, R, tokens per rank, seed, capacity."""
+    other = json.loads(Path(path).read_text())
+    out = {}
+    for name, got in mine.items():
+        theirs = other.get("shapes", {}).get(name)
+        keys = ("ranks", "tokens_per_rank", "seed", "capacity")
+        if other.get("mode") == mode:
+            out[name] = {"equal": None, "why": f"{path} holds digests of the same mode ({mode})"}
+        elif theirs is None:
+            out[name] = {"equal": None, "why": f"{name} not in {path}"}
+        elif "per_rank" not in theirs or "per_rank" not in got:
+            # a shape skipped by a documented choice (e.g. --single: R ranks do not fit one GPU) is
+            # not a failure; any other missing comparison is (judge)
+            skipped = all("skipped" in entry for entry in (got, theirs) if "per_rank" not in entry)
+            out[name] = {"equal": None, "skipped": skipped, "why": "no digests: " + "; ".join(
+                f"{who}: {entry.get('skipped') or entry.get('error') or '?'}" for who, entry in (("this run", got),
+                                                                                              (str(path), theirs))
+                if "per_rank" not in entry)}
+        elif any(theirs["config"].get(k) != got["config"].get(k) for k in keys):
+            out[name] = {"equal": None, "why": "a different problem: " + ", ".join(
+                f"{k} {got['config'].get(k)} vs {theirs['config'].get(k)}" for k in keys)}
+        else:
+            ranks = {r: got["per_rank"][r] == theirs["per_rank"].get(r) for r in got["per_rank"]}
+            out[name] = {"equal": all(ranks.values()), "ranks": ranks, "other": str(path)}
+    return out
+
+
+def describe_comparison(result) -> str:
+    if result is None:
+        return "n/a"
+    if result["equal"] is None:
+        return f"not compared ({result['why']})"
+    if result["equal"]:
+        return "equal"
+    return "DIFFERS on ranks " + ",".join(r for r, ok in result["ranks"].items() if not ok)

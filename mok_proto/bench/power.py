@@ -1,10 +1,14 @@
-"""Power and clocks (scripts/power_probe.py): nvidia-smi sampled while one graph replays."""
+"""Power and SM clock of the sequential and the fused passes under sustained load
+(scripts/power_probe.py): one graph replayed at a time while nvidia-smi samples clocks and power."""
 
 from __future__ import annotations
 
 import datetime
+import time
 
 import numpy as np
+
+from mok_proto.bench.emulation import emulated_shape, make_inputs, result_bytes, staged_layer
 
 # nvidia-smi's query, sampled every SMI_PERIOD_MS while one graph replays. clocks_event_reasons is a
 # bit mask; SMI_POWER_CAP is its "SW power cap" bit (the board holds its power limit by lowering
@@ -37,6 +41,7 @@ def smi_samples(lines) -> np.ndarray:
     return np.array(out, dtype)
 
 
+PHASES = ("sequential", "fused", "sequential", "fused")  # per pass, after one warm-up phase
 SMI_SETTLE_S = 1.0  # power.draw is a one-second average (NVML, Ampere and later): skip a phase's first second
 
 
@@ -50,3 +55,83 @@ def phase_power(samples: np.ndarray, t0: float, t1: float, settle_s: float = SMI
         raise ValueError(f"no nvidia-smi sample in [{t0 + settle_s:.3f}, {t1:.3f}]: make the phase longer")
     return {"sm_mhz": float(s["sm_mhz"].mean()), "power_w": float(s["power_w"].mean()),
             "power_capped": float(np.mean((s["reasons"] & SMI_POWER_CAP) != 0)), "samples": int(len(s))}
+
+
+def replay(graph, stream, secs: float):
+    """Replays of `graph` on `stream` for about `secs` seconds, 20 a batch, each between two events:
+    (ms per replay, start, end) with host times (time.time) around the timed replays."""
+    import cupy
+
+    for _ in range(5):
+        graph.launch(stream)
+    stream.synchronize()
+    times, t0 = [], time.time()
+    while time.time() - t0 < secs:
+        events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(20)]
+        for a, b in events:
+            a.record(stream)
+            graph.launch(stream)
+            b.record(stream)
+        stream.synchronize()
+        times += [cupy.cuda.get_elapsed_time(a, b) for a, b in events]
+    return times, t0, time.time()
+
+
+def probe_shape(name: str, comm: int, minibatch: int, secs: float) -> tuple[list, list]:
+    """One shape's phases (one EP=64 rank's share, mok_proto.bench.emulation): the sequential and
+    the fused pass (comm CTAs, minibatch rows, the plans' defaults otherwise) of the forward and of
+    the backward each captured in a graph; after a warm-up phase, PHASES of one graph at a time
+    replayed for `secs` seconds, a progress line each. Returns (phases: one dict each with its
+    host times t0, t1 for phase_power; the passes whose fused results differ from the sequential)."""
+    import cupy
+
+    shape = emulated_shape(name)
+    heap, layer = staged_layer(shape, make_inputs(shape))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graphs, reference, phases, unequal = {}, {}, [], []
+    for pass_ in ("fwd", "bwd"):
+        graphs["sequential", pass_] = layer.capture(forward=pass_ == "fwd", backward=pass_ == "bwd")
+        reference[pass_] = result_bytes(layer, pass_)
+    layer.set_forward_plan(layer.fused_forward_plan(comm, minibatch))
+    layer.set_backward_plan(layer.fused_backward_plan(comm, minibatch))
+    layer.enqueue_forward()
+    layer.enqueue_backward()
+    layer.check()
+    graphs["fused", "fwd"] = layer.capture(forward=True, backward=False)
+    layer.enqueue_forward()
+    graphs["fused", "bwd"] = layer.capture(forward=False, backward=True)
+    with stream:
+        replay(graphs["sequential", "fwd"], stream, secs / 2)  # warm-up: to the power limit
+        for pass_ in ("fwd", "bwd"):
+            for k, schedule in enumerate(PHASES):
+                times, t0, t1 = replay(graphs[schedule, pass_], stream, secs)
+                layer.check()
+                plan = (layer.fused if pass_ == "fwd" else layer.fused_bwd).plan
+                phases.append(dict(shape=name, pass_=pass_, schedule=schedule, phase=k, t0=t0, t1=t1,
+                                   median_ms=float(np.median(times)), iters=len(times),
+                                   assign=plan.assign if schedule == "fused" else None,
+                                   raster=plan.raster if schedule == "fused" else None,
+                                   claim_pairs=plan.claim_pairs if schedule == "fused" else None))
+                print(f"# {name} {pass_} {schedule:10s} {np.median(times):.3f} ms ({len(times)} replays)",
+                      flush=True)
+            if result_bytes(layer, pass_) != reference[pass_]:  # the fused graph replayed last
+                unequal.append(f"{name} {pass_}")
+    layer.set_forward_plan(None)
+    layer.set_backward_plan(None)
+    layer.close()
+    heap.close()
+    return phases, unequal
+
+
+def compare(phases: list, shape: str, pass_: str):
+    """(sequential, fused, ratios) of one shape and pass: each schedule's phases averaged (median_ms,
+    sm_mhz, power_w, energy_mj, power_capped), and x_seq = sequential ms / fused ms, clock and energy
+    = fused / sequential, x_cycles = sequential ms x MHz / (fused ms x MHz)."""
+    mean = {s: {k: float(np.mean([ph[k] for ph in phases if (ph["shape"], ph["pass_"], ph["schedule"])
+                                  == (shape, pass_, s)]))
+                for k in ("median_ms", "sm_mhz", "power_w", "energy_mj", "power_capped")}
+            for s in ("sequential", "fused")}
+    seq, fus = mean["sequential"], mean["fused"]
+    return seq, fus, {"x_seq": seq["median_ms"] / fus["median_ms"], "clock": fus["sm_mhz"] / seq["sm_mhz"],
+                      "energy": fus["energy_mj"] / seq["energy_mj"],
+                      "x_cycles": seq["median_ms"] * seq["sm_mhz"] / (fus["median_ms"] * fus["sm_mhz"])}
