@@ -1,6 +1,7 @@
-"""Our grouped expert GEMMs against torch._grouped_mm and a dense cuBLAS GEMM, on one GPU.
+"""python scripts/bench_gemm.py [--shapes kimi-k2.7,...] [--problems down_wgrad,...] [--iters 20]
 
-    python scripts/bench_gemm.py [--shapes kimi-k2.7,...] [--problems down_wgrad,...] [--iters 20]
+Our grouped expert GEMMs against torch._grouped_mm and a dense cuBLAS GEMM, on one GPU
+(mok_proto.bench.gemm_problems).
 
 The per-rank load of EP=64: 2048 tokens x K choices spread over E/64 local experts, uniform
 (equal rows per expert) or skewed (rows proportional to 1/(e+1)). For each problem, in one run:
@@ -9,8 +10,9 @@ the ratio is conservative for gate_up and down_bwd), and one dense torch.mm of t
 the ceiling. One CUDA event pair per iteration after an L2 flush and a GPU sleep that hides host
 launch cost; median (p20, p80). Every timed kernel's output is also checked against
 torch._grouped_mm's (plus the fused elementwise step in float32): column `err`, max |ours - ref| /
-max |ref|, must stay below ERR_TOL.
-Bars: forward >= 0.9x, data gradients >= 0.85x, weight gradients >= 0.8x of torch._grouped_mm.
+max |ref|, must stay below gemm_problems.ERR_TOL.
+Bars (--bar KEY=VALUE; --help lists them with their defaults): each problem's TFLOP/s x
+torch._grouped_mm's.
 Exit status: 0 when every row meets its bar and its output check, 1 otherwise (the failed rows are
 listed), 2 on a machine without a GPU, CuPy or torch (one line says which).
 Results: JSON lines appended to results/bench_gemm.jsonl.
@@ -18,31 +20,37 @@ Results: JSON lines appended to results/bench_gemm.jsonl.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from mok_proto.bench import append_result, require_gpu
-from mok_proto.bench.gemm_problems import ERR_TOL, make_operands, problems, reference_errors, timed
+from mok_proto.bench.cli import Bar, add_bar_option, parse_bars, parser
+from mok_proto.bench.gemm_problems import ERR_TOL, PROBLEMS, make_operands, problems, reference_errors, timed
 from mok_proto.config import PAPER_SHAPES, get_shape
 
-BARS = {"gate_up": 0.9, "down": 0.9, "down_bwd": 0.85, "gate_up_bwd": 0.85, "down_wgrad": 0.8, "gate_up_wgrad": 0.8}
+BARS = {f"{name}_x_torch": Bar(value, f"{name}: ours x torch._grouped_mm, TFLOP/s") for name, value in
+        zip(PROBLEMS, (0.9, 0.9, 0.85, 0.85, 0.8, 0.8))}
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
     p.add_argument("--ep", type=int, default=64)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--routing", default="uniform,skewed")
-    p.add_argument("--problems", default=",".join(BARS), help="a subset of " + ",".join(BARS))
+    p.add_argument("--problems", default=",".join(PROBLEMS), help="a subset of " + ",".join(PROBLEMS))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    add_bar_option(p, BARS)
     args = p.parse_args()
     wanted = list(dict.fromkeys(name for name in args.problems.split(",") if name))  # in order, once each
-    unknown = [name for name in wanted if name not in BARS]
+    unknown = [name for name in wanted if name not in PROBLEMS]
     if unknown or not wanted:
         said = f"unknown problem(s) {','.join(unknown)}" if unknown else "--problems names no problem"
-        p.error(f"{said}; choose from {','.join(BARS)}")
+        p.error(f"{said}; choose from {','.join(PROBLEMS)}")
+    try:
+        bars = parse_bars(args.bar, BARS)
+    except ValueError as e:
+        p.error(str(e))
     require_gpu("bench_gemm.py", need_torch=True)
     import torch
 
@@ -68,19 +76,19 @@ def main():
                 error = reference_errors(name, ops, offs)
                 tf = {k: flops / (t["median_ms"] * 1e-3) / 1e12 for k, t in
                       (("ours", t_ours), ("torch", t_torch), ("dense", t_dense))}
-                ratio = tf["ours"] / tf["torch"]
+                ratio, bar = tf["ours"] / tf["torch"], bars[f"{name}_x_torch"].value
                 correct = error <= ERR_TOL
-                ok = ratio >= BARS[name] and correct
+                ok = bars[f"{name}_x_torch"].met(ratio) and correct
                 if not ok:
-                    failed.append(f"{shape_name} {routing} {name}: " + (f"ratio {ratio:.2f} < bar {BARS[name]}"
+                    failed.append(f"{shape_name} {routing} {name}: " + (f"ratio {ratio:.2f} < bar {bar}"
                                   if correct else f"max rel err {error:.1e} > {ERR_TOL:.1e}"))
                 print(f"{shape_name:<16}{routing:<8}{name:<14}{tf['ours']:>8.0f}{tf['torch']:>9.0f}{tf['dense']:>8.0f}"
-                      f"{ratio:>7.2f}{BARS[name]:>6.2f}{error:>9.1e}  "
+                      f"{ratio:>7.2f}{bar:>6.2f}{error:>9.1e}  "
                       f"{'yes' if ok else ('NO' if correct else 'WRONG')}", flush=True)
                 append_result("bench_gemm", {"shape": shape_name, "ep": args.ep, "routing": routing, "problem": name,
                                              "experts": int(num_experts), "rows": int(rows), "flops": int(flops),
                                              "ours": t_ours, "torch_grouped_mm": t_torch, "dense": t_dense,
-                                             "tflops": tf, "ratio": ratio, "bar": BARS[name], "max_rel_err": error})
+                                             "tflops": tf, "ratio": ratio, "bar": bar, "max_rel_err": error})
     kernel = gemm.MODULE.function(f"mok::gemm::grouped_gemm<{gemm.PROBLEMS.index('down')}>")
     print(f"# grid: {gemm.resident_clusters(kernel)} clusters of {gemm.CLUSTER} CTAs")
     if failed:

@@ -1,16 +1,18 @@
-"""The whole MoE layer on R GPUs (one process per GPU, NVSHMEM): ours, sequential and fused,
-against the PyTorch + NCCL layer, push against pull per transfer, bitwise checks, in one run.
+"""NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 mpirun --bind-to none -n 2 python scripts/bench_layer_mpi.py [--shapes kimi-k2.7,...] [--iters 10] [--warmup 3]
 
-    NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 mpirun --bind-to none -n 2 python scripts/bench_layer_mpi.py [--shapes kimi-k2.7,...] [--iters 10] [--warmup 3]
+then
+
     python scripts/bench_layer_mpi.py --single 2 --compare results/x2/digests_mpi.json
-
-(on the device machine, as root with a carried nvshmem4py: README, "Multi-GPU", gives the command)
 
 or the other way round:
 
     python scripts/bench_layer_mpi.py --single 2
     NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 mpirun --bind-to none -n 2 python scripts/bench_layer_mpi.py --compare results/x2/digests_single.json
 
+(on the device machine, as root with a carried nvshmem4py: README, "Multi-GPU", gives the command)
+
+The whole MoE layer on R GPUs (one process per GPU, NVSHMEM): ours, sequential and fused,
+against the PyTorch + NCCL layer, push against pull per transfer, bitwise checks, in one run.
 The mpirun line measures (one process per GPU); --single R runs the same global problem in ONE
 process on one GPU (R virtual ranks, mok_proto.symm.virtual; the sequential layer only, shapes
 whose R ranks do not fit on one GPU skipped) and checks that every rank's results are bitwise
@@ -28,7 +30,7 @@ from seeded CuPy generators, the same in both modes):
             reported) timed as CUDA-graph replays; passes alternate (the forward graph, then the
             backward graph), only the timed pass between events, every rank starting each
             iteration together (heap.barrier: device synchronize + host barrier).
-  torch     scripts/bench_nccl_baseline.TorchNcclLayer: the layer with all_to_all_single for
+  torch     mok_proto.bench.torch_baselines.TorchNcclLayer: the layer with all_to_all_single for
             dispatch and combine (split sizes read by the host), torch._grouped_mm experts, the
             same weights (our buffers, zero copy; gate/up concatenated into a copy when it fits)
             and inputs; forward under no_grad, backward = t(forward + backward) - t(forward), as
@@ -43,7 +45,7 @@ from seeded CuPy generators, the same in both modes):
             transfer. pct_link = bytes / stage time against that link.
   link      every rank copies 1 GiB from the next rank's symmetric buffer at once (NVSHMEM peer
             mapping, the same loads/stores as our transfers: the link used above) and a 1 GiB
-            NCCL all_to_all_single (bench_nccl_baseline.link_ceiling_gbs), bytes leaving a GPU/s.
+            NCCL all_to_all_single (mok_proto.bench.ceilings.nccl_a2a_gbs), bytes leaving a GPU/s.
   bitwise   digests (mok_proto.bench.digest: SHA-256 over GPU-side fingerprints of out and every
             gradient, per rank) of every policy, of the sequential graph replays and of each fused
             setting must be equal; and equal to the single-process run's (--compare).
@@ -59,8 +61,9 @@ Receive capacity: the exact padded need of this routing (layer.gpu.receive_capac
 heap: NVSHMEM_SYMMETRIC_SIZE defaults to the largest shape's layer (layer.gpu.symmetric_bytes)
 plus 10%. A shape whose layer does not fit in GPU memory is skipped with the reason; the
 torch layer keeps its gate/up apart (no copy) when the copy does not fit, or is skipped.
-Bars (issue 15): fused forward >= 1.5x and fused backward >= 1.4x the torch layer on every
-shape; bitwise across policies, sequential and fused, and to the single process (when compared).
+Bars (--bar KEY=VALUE; --help lists them with their defaults): the best fused forward and
+backward x the torch layer on every shape. Checks: bitwise across policies, sequential and fused,
+and to the single process (when compared).
 --no-torch (implied when ranks share a GPU, e.g. `mpirun -n 2` on one GPU: NVSHMEM's MPG mode, a
 check of the whole flow whose timings are not those of 2 GPUs) runs our layer only: the bars are
 not judged, the bitwise checks are, and the fused passes' speed-up over the sequential is printed.
@@ -89,7 +92,7 @@ from mok_proto.bench.digests import compare_digests, describe_comparison, write_
 from mok_proto.bench.mpi_layer import run_fused, sequential_part  # noqa: E402
 from mok_proto.bench.mpi_problem import Problem, single_shape  # noqa: E402
 from mok_proto.bench.mpi_args import parse_args, results_dir  # noqa: E402
-from mok_proto.bench.mpi_report import BARS, judge, print_table  # noqa: E402
+from mok_proto.bench.mpi_report import judge, print_table  # noqa: E402
 from mok_proto.bench.plan_workers import start_plans  # noqa: E402
 from mok_proto.bench.ranks import HEAP_TIMEOUT_S, NCCL_TIMEOUT_S, Ranks, gpu_sharing, implied_no_torch, run_shape  # noqa: E402,E501
 from mok_proto.config import MOK_POLICY, format_policy  # noqa: E402
@@ -244,13 +247,14 @@ def main_mpi(args) -> int:
             if "digests" in row and args.fused:
                 row, heap_held = run_shape(ranks, prob, args, heap_held, link, "fused", row,
                                            lambda layer, row, prob=prob: run_fused(ranks, prob, layer, args, jobs, row))
-            missed = judge(row, bars=not args.no_torch)
+            missed = judge(row, bars=not args.no_torch, limits=args.bars)
             failed += [f"{prob.name}: {'; '.join(missed)}"] if missed else []
+            bars = {p: args.bars[f"fused_{p}_x_torch"].value for p in ("fwd", "bwd")}
             if lead:
                 append_result("bench_layer_mpi", {"mode": "mpi", "record": "complete", **row, "iters": args.iters,
-                                                  "warmup": args.warmup, "bars": BARS, "missed": missed}, out_dir)
+                                                  "warmup": args.warmup, "bars": bars, "missed": missed}, out_dir)
         if lead:
-            print_table(rows, link, digests_path, args.compare, bars=not args.no_torch)
+            print_table(rows, link, digests_path, args.compare, bars=not args.no_torch, limits=args.bars)
     finally:
         if pool is not None:
             pool.terminate()
@@ -267,7 +271,7 @@ def main_mpi(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv, __doc__.split("\n")[0])
+    args = parse_args(argv, __doc__)
     if args.single is not None:
         return main_single(args)
     try:

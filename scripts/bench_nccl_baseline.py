@@ -1,6 +1,7 @@
-"""The naive baseline users would write: NCCL all_to_all_single dispatch and combine.
+"""NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 mpirun -n 8 python scripts/bench_nccl_baseline.py [--shapes kimi-k2.7,...] [--tokens 2048]
 
-    NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 mpirun -n 8 python scripts/bench_nccl_baseline.py
+The naive baseline users would write: NCCL all_to_all_single dispatch and combine
+(mok_proto.bench.torch_baselines.NcclRound).
 
 One rank per GPU (torch.distributed, NCCL). Per iteration, like bench_comm.py and on the same
 inputs (mok_proto.problem.make_routed_tokens, same seed, same shapes and bytes):
@@ -20,7 +21,6 @@ the NumPy round (exit 1 on a mismatch). JSON lines: results/bench_nccl_baseline.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -31,6 +31,7 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 from mok_proto.bench import append_result, require_gpu, slowest_rank, summarize, time_stages  # noqa: E402
 from mok_proto.bench.ceilings import nccl_a2a_gbs  # noqa: E402
+from mok_proto.bench.cli import parser  # noqa: E402
 from mok_proto.bench.torch_baselines import NcclRound, init_distributed  # noqa: E402
 from mok_proto.config import PAPER_SHAPES, get_shape  # noqa: E402
 from mok_proto.reference import stand_in_round  # noqa: E402
@@ -38,7 +39,7 @@ from mok_proto.problem import make_routed_tokens  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
     p.add_argument("--tokens", type=int, default=2048, help="tokens per rank (2048: the EP=8 load of bench_comm)")
     p.add_argument("--iters", type=int, default=50)

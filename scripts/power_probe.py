@@ -1,9 +1,10 @@
-"""Power and SM clock of the sequential and the fused passes under sustained load, on the GPU.
+"""python scripts/power_probe.py [--shapes kimi-k2.7,...] [--secs 2.5] [--comm 0] [--minibatch 2048]
 
-    python scripts/power_probe.py [--shapes kimi-k2.7,...] [--secs 2.5] [--comm 0] [--minibatch 2048]
+Power and SM clock of the sequential and the fused passes under sustained load, on the GPU
+(mok_proto.bench.power).
 
-Why: the H200 holds its board power limit (~700 W) by lowering the SM clock, and a layer pass
-replayed back to back runs at that limit. The time of a pass then follows its energy, so a fused
+Why: a GPU holds its board power limit by lowering the SM clock, and a layer pass replayed back
+to back runs at that limit. The time of a pass then follows its energy, so a fused
 pass that overlaps the same work saves little time; bench_layer.py's short interleaved runs see
 it only in part. This measures it. Per shape (one EP=64 rank's share on one GPU, as
 bench_layer.py emulates it): the sequential pass and the fused pass (comm blocks, minibatch rows,
@@ -17,8 +18,8 @@ energy per pass (mean power x median time) of each schedule (mean of its two pha
 x seq (sequential ms / fused ms: above 1, fused is faster), fused / sequential of the clock and
 of the energy, and x cycles (sequential ms x MHz / fused ms x MHz: x seq at equal clocks, an
 estimate from mean clocks). Power and clocks are averaged from the second second of each phase on
-(nvidia-smi's power.draw is a one-second average: bench.SMI_SETTLE_S). One JSON line per phase
-appended to results/power_probe.jsonl (keys: time, git, shape, pass, schedule, phase,
+(nvidia-smi's power.draw is a one-second average: bench.power.SMI_SETTLE_S). One JSON line per phase
+appended to results/power_probe.jsonl (keys: the stamp of mok_proto.bench.rows, shape, pass, schedule, phase,
 comm_blocks, minibatch_tokens, assign, raster, claim_pairs (tile pairs claimed at run time),
 secs, median_ms, iters, sm_mhz, power_w, energy_mj, power_capped: the fraction of samples under
 the power cap, samples). No bars.
@@ -28,18 +29,18 @@ or without an nvidia-smi that reports this GPU's clock and power.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
+from mok_proto.bench.cli import parser
 from mok_proto.config import PAPER_SHAPES
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
     p.add_argument("--secs", type=float, default=2.5, help="seconds of replays per phase (at least 2)")
     p.add_argument("--comm", type=int, default=0, help="the fused plans' communicating CTAs")

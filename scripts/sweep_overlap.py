@@ -1,15 +1,14 @@
-"""Sweep the fused forward's knobs on the GPU: communication CTAs x minibatch rows, per shape, one
-rank's share of EP=64 (the emulation of bench_layer.py: 2 virtual ranks, rank 0 timed).
+"""python scripts/sweep_overlap.py [--shapes kimi-k2.7,...] [--comm 0,4,8,16] [--minibatch 512,1024,2048,4096] [--assign round_robin|balanced] [--raster row|col]
 
-    python scripts/sweep_overlap.py [--shapes kimi-k2.7,...] [--comm 0,4,8,16] [--minibatch 512,1024,2048,4096]
-                                    [--assign round_robin|balanced] [--raster row|col]
+Sweep the fused forward's knobs on the GPU: communication CTAs x minibatch rows, per shape, one
+rank's share of EP=64 (mok_proto.bench.emulation: 2 virtual ranks, rank 0 timed).
 
 Per shape: the sequential forward (graph replays, the reference time), then every grid point of
 the fused forward (graph replays interleaved with the sequential forward's, median; its output
 compared bitwise with the sequential one), a progress line per point with the time left; the
 best point (the largest x sequential) timed again and its in-kernel timeline written to
 results/timeline_fused_fwd_<shape>_<git>.jsonl (+ .png). One JSON line per point appended to
-results/sweep_overlap.jsonl (keys: git, shape, comm_blocks, minibatch_rows, assign (--assign:
+results/sweep_overlap.jsonl (keys: the stamp of mok_proto.bench.rows, shape, comm_blocks, minibatch_rows, assign (--assign:
 the plans' tile pairs to clusters, plan.ASSIGNMENTS), raster (--raster: their order,
 plan.RASTERS), median_ms, sequential_ms (the sequential forward timed alone),
 sequential_median_ms (interleaved with this point), speedup_vs_sequential (median of the
@@ -20,10 +19,10 @@ judges. Exit status: 0, 1 if a point's output differs from the sequential one, 2
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+from mok_proto.bench.cli import parser
 from mok_proto.bench.emulation import emulated_shape, make_inputs, result_bytes, staged_layer
 from mok_proto.bench.layer import best_row, fused
 from mok_proto.config import PAPER_SHAPES
@@ -35,7 +34,7 @@ def ints(text: str) -> tuple:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
     p.add_argument("--comm", type=ints, default=(0, 4, 8, 12, 16), help="communication CTAs (0: spare warps)")
     p.add_argument("--minibatch", type=ints, default=(512, 1024, 2048, 4096), help="minibatch rows (x256)")

@@ -240,3 +240,96 @@ def test_power_probe_compares_the_phases_of_one_shape_and_pass():
     assert ratio["x_seq"] == pytest.approx(2.1 / 2.0) and ratio["clock"] == pytest.approx(0.8)
     assert ratio["energy"] == pytest.approx((2.2 * 690 + 1.8 * 710) / 2 / ((2.0 * 700 + 2.2 * 700) / 2))
     assert ratio["x_cycles"] == pytest.approx(2.1 * 1500 / (2.0 * 1200))  # at equal clocks: 1.3125
+
+
+# --- bench_layer.py's rows and verdicts (mok_proto.bench.layer_rows), on made-up measurements -------
+def _fused_row(comm, ms, seq_ms, equal=True, best=None, claim=None):
+    """A fused row as bench_layer.fused makes it; best=(fused ms, sequential ms) of its timing again."""
+    row = {"comm_blocks": comm, "minibatch_tokens": 2048, "num_sms": 132, "assign": "round_robin", "raster": "row",
+           "claim": claim, "claim_pairs": 264, "median_ms": ms, "p20_ms": ms, "p80_ms": ms, "iters": 5,
+           "sequential_median_ms": seq_ms, "speedup_vs_sequential": seq_ms / ms, "equal_to_sequential": equal,
+           "bitwise_repeat": True}
+    if best:
+        row.update(retimed_median_ms=best[0], retimed_sequential_median_ms=best[1],
+                   retimed_speedup_vs_sequential=best[1] / best[0], trace_on_median_ms=best[0])
+    return row
+
+
+def _measured(fused_fwd, fused_bwd, seq_ms=(2.0, 5.0), results=None):
+    import numpy as np
+
+    from mok_proto.bench.layer import Measured
+
+    stats = {p: {"median_ms": m, "p20_ms": m, "p80_ms": m, "iters": 5} for p, m in zip(("fwd", "bwd"), seq_ms)}
+    stages = {"fwd": {"schedule": 0.1, "shared": 0.3, "dispatch": 0.1, "experts": 1.2, "combine": 0.1,
+                      "weighted_sum": 0.1, "total": 2.2},
+              "bwd": {"scale": 0.2, "shared": 1.0, "rev_combine": 0.4, "experts": 2.0, "rev_dispatch": 0.4,
+                      "wgrad": 1.0, "token_grads": 0.2, "total": 5.4}}
+    results = results or {k: np.full(4, i, np.float32) for i, k in enumerate(("out", "w_down", "w_gate", "w_up"))}
+    return Measured(stats, stages, {"fwd": True, "bwd": True}, results, {"fwd": fused_fwd, "bwd": fused_bwd})
+
+
+def _torch(out_ms=(2.5, 8.0)):
+    import numpy as np
+
+    ref = {k: np.full(4, i, np.float32) for i, k in enumerate(("out", "w_down", "w_gate", "w_up"))}
+    ref["out"] = ref["out"] + 1.0  # out 0 against 1: a relative error of 1 would fail; keep it small below
+    stats = {"fwd": {"median_ms": out_ms[0], "iters": 5}, "bwd": {"median_ms": out_ms[1], "iters": 5,
+                                                               "variant_2n_bwd_ms": 6.0}}
+    return stats, ref
+
+
+def test_rows_keep_their_fields_and_bars_judge_the_best_setting():
+    """The rows are today's (same fields), the fused verdicts use the best setting's timing again,
+    and --bar values replace the defaults."""
+    import numpy as np
+
+    from mok_proto.bench.cli import parse_bars
+    from mok_proto.bench.emulation import emulated_shape
+    from mok_proto.bench.layer_rows import BARS, shape_report
+
+    shape = emulated_shape("kimi-k2.7")
+    fwd = [_fused_row(0, 1.7, 2.0, best=(1.75, 2.0)), _fused_row(8, 1.9, 2.0)]
+    bwd = [_fused_row(0, 4.0, 5.0, best=(4.2, 5.0))]
+    measured = _measured(fwd, bwd)
+    base, ref = _torch()
+    ref["out"] = measured.results["out"] * np.float32(1.01)  # a 1% error: within TORCH_REL_ERR
+    report = shape_report("kimi-k2.7", shape, measured, (base, ref), ({"median_ms": 0.03}, True), BARS)
+    names = [(f, r["schedule"], r["pass"]) for f, r in report.rows]
+    assert names == [("bench_layer", "torch", "fwd"), ("bench_layer", "sequential", "fwd"),
+                     ("bench_layer", "torch", "bwd"), ("bench_layer", "sequential", "bwd"),
+                     ("bench_layer", "fused", "fwd"), ("bench_layer", "fused", "fwd"), ("bench_layer", "fused", "bwd")]
+    seq = report.rows[1][1]
+    assert set(seq) == {"shape", "pass", "ep", "emulation", "flops", "schedule_ms", "schedule_exact",
+                        "schedule", "median_ms", "p20_ms", "p80_ms", "iters", "tflops", "speedup_vs_torch",
+                        "bitwise_repeat", "max_rel_err_vs_torch", "stages_ms", "speedup_vs_torch_variant_2n"}
+    assert seq["speedup_vs_torch"] == pytest.approx(2.5 / 2.0) and seq["ep"] == 64
+    fused = report.rows[4][1]
+    assert fused["best_of_run"] and not report.rows[5][1]["best_of_run"]
+    assert fused["speedup_vs_torch"] == pytest.approx(2.5 / 1.7)
+    assert fused["overlap_ceiling_vs_sequential"] == pytest.approx(2.2 / (0.3 + 1.2 + 0.1 + 0.1))
+    # fwd: 2.5 / 1.75 = 1.43x torch (>= 1.2), 2.0 / 1.75 = 1.14x sequential (>= 1.1): met;
+    # bwd: 8.0 / 4.2 = 1.90x torch, 5.0 / 4.2 = 1.19x sequential: met; sequential bwd 8 / 5 = 1.6x torch
+    assert report.failed == []
+    # the retimed figure is judged, not the first: a retimed 1.85 ms forward is 1.08x sequential
+    fwd[0]["retimed_speedup_vs_sequential"] = 2.0 / 1.85
+    assert shape_report("kimi-k2.7", shape, measured, (base, ref), ({"median_ms": 0.03}, True),
+                          BARS).failed == ["kimi-k2.7 fused fwd"]
+    lowered = parse_bars(["fused_fwd_x_seq=1.05"], BARS)
+    assert shape_report("kimi-k2.7", shape, measured, (base, ref), ({"median_ms": 0.03}, True),
+                          lowered).failed == []
+    # the schedule's bar is a ceiling; the sequential passes' bars x torch
+    slow = shape_report("kimi-k2.7", shape, measured, (base, ref), ({"median_ms": 0.06}, True), lowered)
+    assert slow.failed == ["kimi-k2.7 fwd", "kimi-k2.7 bwd"]
+    assert any("(bar 1.05;" in line for line in slow.lines)  # the bar printed is the one judged
+    torch_slower = shape_report("kimi-k2.7", shape, measured, ({**base, "bwd": {**base["bwd"], "median_ms": 6.0}},
+                                                                 ref), ({"median_ms": 0.03}, True), lowered)
+    assert torch_slower.failed == ["kimi-k2.7 bwd", "kimi-k2.7 fused bwd"]  # 6 / 5 = 1.2x < 1.3; 6 / 4.2 < 1.6
+
+
+def test_timeline_paths_keep_the_runs_apart():
+    from mok_proto.bench.timeline_plot import timeline_path
+
+    template = "results/timeline_fused_{pass_}_{shape}_{git}.jsonl"
+    assert timeline_path(template, "kimi-k2.7", "abc1234") == "results/timeline_fused_{pass_}_kimi-k2.7_abc1234.jsonl"
+    assert timeline_path("", "kimi-k2.7", "abc1234") is None

@@ -28,12 +28,22 @@ def require_gpu(prog: str, need_cupy: bool = True, need_torch: bool = False) -> 
         sys.exit(2)
 
 
-def gpu_name(device: int = 0) -> str:
-    """The GPU's name as the driver gives it (e.g. "NVIDIA H100 80GB HBM3"), for results rows."""
-    import cupy
+def gpu_name() -> str | None:
+    """The current GPU's name as the driver gives it (e.g. "NVIDIA H100 80GB HBM3"), for results
+    rows: CuPy's, else torch's; None where neither sees a GPU."""
+    try:
+        import cupy
 
-    name = cupy.cuda.runtime.getDeviceProperties(device)["name"]
-    return name.decode() if isinstance(name, bytes) else str(name)
+        name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 - no CuPy or no device here: ask torch
+        pass
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - no torch either: the row says so
+        return None
 
 
 def require_mpi_stack() -> None:

@@ -4,6 +4,8 @@ best setting timed again with its timeline, and other transfer-direction policie
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from mok_proto.bench.emulation import EP, result_bytes, staged_layer
 from mok_proto.bench.rows import append_result
 from mok_proto.bench.settings import fused_settings_for
@@ -13,8 +15,20 @@ from mok_proto.plan import MOVER_KINDS, TaskKind
 from mok_proto.results import timeline_summary
 
 
+class Measured(NamedTuple):
+    """What `ours` measured of one layer: per pass the sequential graph's stats, its eager stage
+    medians, whether two replays were bitwise equal, and the fused rows; `results` the sequential
+    passes' output and gradients (NumPy, rank 0)."""
+
+    stats: dict
+    stages: dict
+    bitwise: dict
+    results: dict
+    fused_rows: dict
+
+
 def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, assign=None, raster=None,
-         token_grads=None, scale=None):
+         token_grads=None, scale=None) -> Measured:
     """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results, fused rows.
     settings: the fused (communication CTAs, minibatch rows) to time, for both passes or as
     {pass: settings}; policy: the transfers' directions (default MoK's); assign, raster: the fused
@@ -55,7 +69,7 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, as
                   for pass_ in ("fwd", "bwd")}
     layer.close()
     heap.close()
-    return stats, stages, {name: b[0] == b[1] for name, b in blobs.items()}, results, fused_rows
+    return Measured(stats, stages, {name: b[0] == b[1] for name, b in blobs.items()}, results, fused_rows)
 
 
 def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmup, stream, trace_to,
@@ -70,6 +84,7 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
     tile pairs to clusters and their order (plan.ASSIGNMENTS / plan.RASTERS, None: the plan's
     default; recorded in each row); token_grads, scale: the backward plans' (plan.fused_backward,
     None: its default; recorded in each backward row)."""
+
     def use(comm, minibatch, claim=None):
         """Set the pass's plan, run one step eagerly (compiles, uploads), return its graph."""
         if pass_ == "fwd":

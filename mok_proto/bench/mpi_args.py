@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from mok_proto.bench.cli import add_bar_option, parse_bars, parser
+from mok_proto.bench.mpi_report import BARS
 from mok_proto.bench.rows import RESULTS_DIR
 from mok_proto.config import PAPER_SHAPES, get_shape
 
 FUSED_SETTINGS = "0:1024,0:2048"  # (communication CTAs, minibatch rows) of the fused passes
 
 
-def parse_args(argv=None, description: str | None = None):
-    """scripts/bench_layer_mpi.py's arguments, checked (a bad one: one line, exit 2)."""
-    p = argparse.ArgumentParser(description=description)
+def parse_args(argv=None, doc: str | None = None):
+    """scripts/bench_layer_mpi.py's arguments, checked (a bad one: one line, exit 2); `doc`: what
+    --help prints first (the script's docstring)."""
+    p = parser(doc)
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: the shape's, 2048)")
     p.add_argument("--iters", type=int, default=10)
@@ -31,6 +33,7 @@ def parse_args(argv=None, description: str | None = None):
     p.add_argument("--results-dir", default=None, help="JSON lines and digests go here (default results/x<R>)")
     p.add_argument("--digests-out", default=None, help="this run's digests (default <results-dir>/digests_<mode>.json)")
     p.add_argument("--compare", default=None, help="digests file of the other mode to compare with")
+    add_bar_option(p, BARS)
     args = p.parse_args(argv)
     try:
         args.shapes = [name.strip() for name in args.shapes.split(",") if name.strip()]
@@ -38,9 +41,11 @@ def parse_args(argv=None, description: str | None = None):
             raise ValueError("--shapes: no shape given")
         for name in args.shapes:
             get_shape(name)
-        args.fused = [tuple(int(v) for v in item.split(":")) for item in args.fused.split(",") if item.strip()]
-        if any(len(item) != 2 or item[0] < 0 or item[1] <= 0 for item in args.fused):
+        items = [item.split(":") for item in args.fused.split(",") if item.strip()]
+        if any(len(item) != 2 or not all(v.strip().isdigit() for v in item) or int(item[1]) <= 0 for item in items):
             raise ValueError("--fused: expected COMM:MINIBATCH[,...] with COMM >= 0, MINIBATCH > 0")
+        args.fused = [tuple(int(v) for v in item) for item in items]
+        args.bars = parse_bars(args.bar, BARS)
         for name, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
                                  ("--plan-workers", args.plan_workers, 1), ("--tokens", args.tokens, 1),
                                  ("--single", args.single, 1)):

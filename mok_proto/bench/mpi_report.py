@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import sys
 
+from mok_proto.bench.cli import Bar
 from mok_proto.bench.digests import describe_comparison
 
-BARS = {"fwd": 1.5, "bwd": 1.4}  # fused pass vs the torch + NCCL layer (issue 15)
+BARS = {"fused_fwd_x_torch": Bar(1.5, "the best fused forward x the torch + NCCL layer"),
+        "fused_bwd_x_torch": Bar(1.4, "the best fused backward x the torch + NCCL layer")}
 TORCH_REL_ERR = 5e-2  # max |ours - torch| / max |torch| (out, dx) beyond which the baseline is not the same layer
 
 
-def judge(row: dict, bars: bool = True) -> list:
-    """What of the bars and checks this shape misses (and row gets its speedups and 'met').
-    bars=False (no torch layer ran): the speed bars are not judged (row['bars_judged'] says so)."""
+def judge(row: dict, bars: bool = True, limits: dict = BARS) -> list:
+    """What of the bars (`limits`: {key: Bar}, BARS' keys) and checks this shape misses (and row
+    gets its speedups and 'met'). bars=False (no torch layer ran): the speed bars are not judged
+    (row['bars_judged'] says so)."""
     row["bars_judged"] = bars
     if "skipped" in row:
         return [f"skipped ({row['skipped']})"]
@@ -20,7 +23,8 @@ def judge(row: dict, bars: bool = True) -> list:
     ours, torch_row = row.get("ours", {}), row.get("torch", {})
     torch_ms = {"fwd": torch_row.get("fwd", {}).get("median_ms"), "bwd": torch_row.get("bwd_median_ms")}
     row["speedup"] = {}
-    for pass_, bar in BARS.items():
+    for pass_ in ("fwd", "bwd"):
+        bar = limits[f"fused_{pass_}_x_torch"]
         runs = ours.get("fused", {}).get(pass_, [])
         if not runs or (bars and torch_ms[pass_] is None):
             missed.append(f"fused {pass_} vs torch not measured" if bars else f"fused {pass_} not measured")
@@ -32,8 +36,8 @@ def judge(row: dict, bars: bool = True) -> list:
             continue
         speedup = row["speedup"][f"fused_{pass_}_vs_torch"] = torch_ms[pass_] / best["median_ms"]
         row["speedup"][f"sequential_{pass_}_vs_torch"] = torch_ms[pass_] / seq
-        if speedup < bar:
-            missed.append(f"fused {pass_} {speedup:.2f}x torch < {bar}x")
+        if not bar.met(speedup):
+            missed.append(f"fused {pass_} {speedup:.2f}x torch < {bar.value:g}x")
     bitwise = row.get("bitwise")
     if bitwise and not bitwise["all"]:
         missed.append("not bitwise equal to MoK's sequential: " + ", ".join(
@@ -50,7 +54,7 @@ def judge(row: dict, bars: bool = True) -> list:
     return missed
 
 
-def print_table(rows, link, digests_path, compare, bars: bool = True) -> None:
+def print_table(rows, link, digests_path, compare, bars: bool = True, limits: dict = BARS) -> None:
     def num(value, fmt=".3f"):
         return format(value, fmt) if isinstance(value, float) else "-"
 
@@ -72,7 +76,8 @@ def print_table(rows, link, digests_path, compare, bars: bool = True) -> None:
         print(f"{row['shape']:<16}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths))
               + f"  {'yes' if bitwise else 'NO' if bitwise is False else '-':<18}"
               + describe_comparison(row.get("bitwise_vs_single")))
-    judged = (f"bars: fused fwd >= {BARS['fwd']}x, fused bwd >= {BARS['bwd']}x the torch layer" if bars
+    judged = (f"bars: fused fwd >= {limits['fused_fwd_x_torch'].value:g}x, fused bwd >= "
+              f"{limits['fused_bwd_x_torch'].value:g}x the torch layer" if bars
               else "bars not judged (no torch layer)")
     print(f"# {judged}; ms, median of the slowest rank; digests: {digests_path}"
           + ("" if compare else " (no --compare: bitwise vs single not checked)"))

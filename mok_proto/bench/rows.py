@@ -1,14 +1,26 @@
-"""Results rows: one JSON line per row, appended to results/<name>.jsonl, stamped with the time and commit."""
+"""Results rows: one JSON line per row, appended to results/<name>.jsonl, each stamped with where it
+comes from: the time, the commit, the GPU, the command line, and the kernel features it ran with."""
 
 from __future__ import annotations
 
 import datetime
 import json
 import os
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
+from mok_proto.bench.device import gpu_name
+
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
+
+
+def kernel_features() -> dict:
+    """The kernel features a row's figures depend on, as row fields (edit here when a kernel
+    changes one): who moves the fused kernel's rows (`comm_mover`), how a wait spins (`wait_spin`),
+    how the backward's scale reads its rows (`scale_traffic`)."""
+    return {"comm_mover": "warps", "wait_spin": "backoff", "scale_traffic": "stream"}
 
 
 def git_sha() -> str:
@@ -25,13 +37,25 @@ def git_sha() -> str:
         return "unknown"
 
 
+def command_line(argv=None) -> str:
+    """The command this process runs (sys.argv: the script, relative to the checkout when inside it,
+    and its arguments), as a shell would take it."""
+    argv = list(sys.argv if argv is None else argv)
+    if argv:
+        script = Path(argv[0]).resolve()
+        if script.is_relative_to(RESULTS_DIR.parent):
+            argv[0] = str(script.relative_to(RESULTS_DIR.parent))
+    return shlex.join(argv)
+
+
 def append_result(name: str, record: dict, results_dir: Path | str = RESULTS_DIR) -> Path:
-    """Append one JSON line (time and git stamp first) to <results_dir>/<name>.jsonl."""
+    """Append one JSON line to <results_dir>/<name>.jsonl: the stamp (time, git, gpu, command, the
+    kernel features) first, then `record` (whose fields win over the stamp's)."""
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{name}.jsonl"
     record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "git": git_sha(), **record}
+              "git": git_sha(), "gpu": gpu_name(), "command": command_line(), **kernel_features(), **record}
     with path.open("a") as f:
         f.write(json.dumps(record) + "\n")
     return path

@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 
 
+def timeline_path(template: str, shape: str, git: str) -> str | None:
+    """bench_layer.py --timeline's template with {shape} and {git} replaced ({pass_} is left for the
+    pass); None for ''."""
+    if not template:
+        return None
+    return template.replace("{shape}", shape).replace("{git}", git)
+
+
 def write_timeline(records, path, title):
     """Timeline records -> JSON lines at `path` and a picture next to it (.png)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     from mok_proto.plan import TaskKind
     from mok_proto.trace import plot_timeline
@@ -19,9 +24,8 @@ def write_timeline(records, path, title):
         for r in records:  # comm_bars_from: a communication task's bar starts when its wait is met
             f.write(json.dumps({**{name: (TaskKind(int(r[name])).name.lower() if name == "kind" else r[name].item())
                                    for name in records.dtype.names}, "comm_bars_from": "ready"}) + "\n")
-    fig, ax = plt.subplots(figsize=(14, 6))
-    plot_timeline(records, ax=ax, title=title)
+    fig = Figure(figsize=(14, 6))
+    plot_timeline(records, ax=fig.subplots(), title=title)
     fig.tight_layout()
     fig.savefig(str(path).rsplit(".", 1)[0] + ".png", dpi=110)
-    plt.close(fig)
     print(f"#   timeline: {path} (+ .png)", flush=True)

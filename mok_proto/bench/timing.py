@@ -65,9 +65,8 @@ def time_stages(enqueue, iters: int, warmup: int, api: str = "cupy"):
 def rotating(runs: dict):
     """enqueue(mark) for time_stages that runs every entry of `runs` (name -> enqueue one run)
     once per iteration, a stage each, starting one later every iteration (A B, B A, ...). Variants
-    timed this way see the same clocks: under its power cap the H200 moved its SM clock between
-    1590 and 1980 MHz within 100 ms (nvidia-smi, 2026-12-01), and the same setting timed in two
-    blocks one after the other differed by up to 13%."""
+    timed this way see the same clocks: under its power cap a GPU moves its SM clock within one
+    pass's time, so variants timed in blocks one after the other differ by the clock's moves."""
     names = list(runs)
     turn = [0]
 
