@@ -63,10 +63,8 @@ using plan::Task;
 
 // A compute CTA's register split (gemm.cuh's kProducerRegs / kConsumerRegs for the standalone
 // kernel): here the producer warpgroup also runs the spare warps' row copies (kSideUnroll 16-byte
-// values in flight per lane) and every problem of the pass is one kernel. ptxas -v (nvcc 13.0):
-// fused_backward spills 24 / 72 bytes (stores / loads), fused_forward 24 / 72 (with the claim loops
-// of 99c90df; 24 / 108 and 4 / 32 before them), against 312 / 492 and 32 / 100 with 168 registers
-// for every thread (before the claim loops).
+// values in flight per lane) and every problem of the pass is one kernel. Both fused kernels spill
+// a little at this split (ptxas -v), far less than with the same count for every thread.
 constexpr int kFusedProducerRegs = 120;
 constexpr int kFusedConsumerRegs = 192;
 static_assert(128 * kFusedProducerRegs + 256 * kFusedConsumerRegs <= gemm::kThreads * gemm::kLaunchRegs,
@@ -140,10 +138,8 @@ __device__ __forceinline__ int remote_op(int counter_kind, int pass) {
 // target and the task, or the peer) after the timeout, or at once once any error is recorded (the
 // kernel then winds down: later tasks move and load nothing).
 // The spin reads relaxed, backing off from kSpinMinNs to kSpinMaxNs between reads, and acquires
-// once (fence) when the target is seen. Measured (H200, 2026-12-01): with an ld.acquire spin and
-// 64 ns sleeps, the spare warps of every compute CTA waiting for most of the kernel made its GEMM
-// tiles 10-15% slower (comm 0), and a comm-12 forward's span 9-13% longer when they waited for
-// spread combines.
+// once (fence) when the target is seen: an acquire on every read, by the spare warps of every
+// compute CTA waiting for most of the kernel, slows the GEMM tiles beside them (docs/LOG.md).
 constexpr unsigned kSpinMinNs = 64, kSpinMaxNs = 1024;
 
 // One thread spins until seen() >= target (relaxed reads, backing off): true, or false once an
@@ -190,8 +186,8 @@ __device__ __forceinline__ bool wait_local(const Ctx& c, int id, u32 target, int
 // never raises it: kErrTimeout naming remote_op, the peer, the epoch and the flag seen (as the
 // standalone wait_peers reports it: SymmTimeoutError).
 // NOTE: not common.cuh's wait_flag (an ld.acquire.sys spin with 256 ns sleeps): spins that acquire
-// on every read slowed the GEMM tiles beside them 10-15% (see kSpinMinNs), so this one reads
-// relaxed with the backoff of spin_until and acquires once.
+// on every read slow the GEMM tiles beside them (see kSpinMinNs), so this one reads relaxed with
+// the backoff of spin_until and acquires once.
 __device__ __forceinline__ bool wait_peers_flag(const Ctx& c, int id) {
   const u64 epoch = epoch_of(c.cp, c.rank);
   const u64* flags = my_flags(c.cp, c.rank, remote_flag(c.info[id].kind));
@@ -214,11 +210,11 @@ __device__ __forceinline__ bool wait_task(const Ctx& c, const Task& t, int index
     const int id = t.wait_counter[i];
     if (id < 0) continue;
     // a remote counter: first this rank's own share of its signals (target / R: what fails there is
-    // this kernel's own work), then the peers' flags. Told by its id: loading c.info[id] in every
-    // wait and signal cost the fused forward ~1% (H200, results/runs/491ec86).
+    // this kernel's own work), then the peers' flags. Told by its id: a load of c.info[id] in
+    // every wait and signal slows the fused forward.
     const bool remote = id >= c.first_remote;
     u32 target = static_cast<u32>(t.wait_target[i]);
-    // (an int division: with c.cp->num_ranks' 64-bit one the movers spilled 40-64 more bytes)
+    // (an int division: c.cp->num_ranks' 64-bit one makes the movers spill)
     if (remote) target = static_cast<u32>(c.info[id].target / static_cast<int>(c.cp->num_ranks));
     if (!wait_local(c, id, target, index) || (remote && !wait_peers_flag(c, id))) return false;
   }
@@ -227,9 +223,8 @@ __device__ __forceinline__ bool wait_task(const Ctx& c, const Task& t, int index
 
 // One thread, after the task's rows are stored (and, by the caller's barrier, everyone's): the
 // release add orders every write before the barrier (its own and, cumulatively, the other
-// threads') before the count (PTX memory model; the pattern of CUTLASS's semaphores). A
-// __threadfence() before it was not needed and cost 0.4-2.2% (12 of 12 fused passes, comm 0,
-// kimi and deepseek, H200 2026-12-01).
+// threads') before the count (PTX memory model; the pattern of CUTLASS's semaphores), so no
+// __threadfence() precedes it (one costs every pass time).
 // A remote counter (see remote_flag): an acquire-release add, and the add that completes this
 // rank's share raises the flag on every peer (signal_all: a system-scope fence, then a release
 // store; the add's acquire ordered every earlier signaller's rows before it).
@@ -418,7 +413,7 @@ constexpr bool kTmaReadsOutput = kP == gemm::kGateUp || kP == gemm::kDownBwd;
 // Consumer warpgroups, one task: the tile's MMAs and epilogue; then, for a task that signals, once
 // both warpgroups stored their rows (and fenced them for TMA readers), the first consumer thread
 // signals. A task that signals nothing goes straight on to its next tile: no fence, no barrier, no
-// release, none of which anyone needs (measured on the H200: as fast as fencing every task, +-1%).
+// release, none of which anyone needs.
 template <int kP>
 __device__ __forceinline__ bool consume_task(const Ctx& c, SharedStorage& ss, Ring& ring, const Task& t, int index,
                                              int cta, float (&acc)[128], float* staging, int half, int wg_tid,
@@ -443,11 +438,9 @@ __device__ __forceinline__ bool consume_task(const Ctx& c, SharedStorage& ss, Ri
 // transfer the plan spreads over all of them: plan.py, spread_from). A warp moves a row through registers
 // (warp_move_row, as the standalone comm kernels do), kUnroll 16-byte values per lane in flight.
 // Two kinds of movers run the same function: a communicating CTA (every warp; kCommUnroll) and
-// the spare warps of a compute CTA beside its GEMM tiles (kSideWarps; kSideUnroll).
-// Measured (H200, virtual ranks, comm 8, minibatch 2048): a communicating CTA moves ~22 GB/s
-// whatever the row size; 1-D bulk copies through a shared-memory ring, driven by one thread,
-// moved a row per ~0.6-0.75 us whatever its size (glm: 178 us a chunk against 145 us now; qwen,
-// 8 KB rows: 155 against 95 us).
+// the spare warps of a compute CTA beside its GEMM tiles (kSideWarps; kSideUnroll). A CTA moves
+// bytes at a fixed rate whatever the row size (1-D bulk copies driven by one thread cost a fixed
+// time per row: docs/LOG.md).
 // ---------------------------------------------------------------------------------------------
 // The rows of chunk task t: receive rows first, first + stride, ... (count of them) of its
 // minibatch, each moved by `move(k)` (the RowMove of the k-th); none unless `ok`.
@@ -482,7 +475,7 @@ __device__ __forceinline__ ChunkRows chunk_rows(const Ctx& c, const Task& t, boo
 }
 
 constexpr int kCommWarps = gemm::kThreads / 32;  // a communicating CTA: every warp moves rows
-constexpr int kCommUnroll = 8;                   // (measured: 8 beat 16 by 5-13% per chunk)
+constexpr int kCommUnroll = 8;                   // (8: faster than 16 when every warp of the CTA copies)
 constexpr int kSideWarps = 3;                    // a compute CTA: warps 1 .. 3 of the producer warpgroup
 constexpr int kSideUnroll = 16;
 constexpr int kMoverBarrier = 3;  // bar.sync id of a task's movers (0: __syncthreads; gemm.cuh: kConsumersBarrier)
@@ -601,7 +594,7 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
           // a second one made ptxas spill more in the consumers)
           for (int n = first;; ++n) {
             int i = n;
-            if (n >= last) {  // claim j = n - last (live registers: n and last only, as before the pool)
+            if (n >= last) {  // claim j = n - last (live registers: n and last only)
               const int j = n - last;
               if (fp->claim_counter < 0) break;  // no pool
               int k = -1;

@@ -2,10 +2,10 @@
 // 4-stage mbarrier pipeline, two consumer warpgroups issuing wgmma (fp32 accumulators), fused
 // epilogues. CTAs run in clusters of two that share the B operand: the pair's tiles are stacked
 // along M (same expert, same columns), each CTA loads half of B and multicasts it to both, which
-// halves B's L2 -> SM traffic (worth ~1% on the EP=64 loads: the mainloop was not L2-bound).
-// Where the time went (measured on the H200, bench_gemm): the epilogue, with the tensor cores idle.
-// So it is lean: elementwise math in the fragment layout, stmatrix / shared-memory staging so every
-// global access is 16 bytes wide, fast sigmoid (an IEEE division made down_bwd 25% slower), and
+// halves B's L2 -> SM traffic (a small gain: the mainloop is not L2-bound).
+// The epilogue runs with the tensor cores idle, so it is lean: elementwise math in the fragment
+// layout, stmatrix / shared-memory staging so every global access is 16 bytes wide, fast sigmoid
+// (an IEEE division makes down_bwd much slower), and
 // kDownBwd's g, u arrive through the same TMA ring as the operands instead of as global loads.
 //
 // Legend: T_e rows of expert e (ragged, read from device memory), H hidden, I expert FFN,
@@ -242,7 +242,7 @@ __device__ __forceinline__ void mma_stage(float (&acc)[128], u32 s_a, u32 s_b, i
 //                     bf16 store of dg, du (and every read of g, u from the aux stage) is 16 bytes;
 //   weight gradients  lane l holds the 16-byte chunk l%8 of rows l/8 and l/8 + 4: each store
 //                     instruction writes 4 whole 128-byte lines (fp32 outputs are 2x the bytes of
-//                     bf16 ones, and this is 5% faster than the kDownBwd layout: bench_gemm, H200).
+//                     bf16 ones, and this is faster for them than the kDownBwd layout).
 // An area is 8 rows x 32 fp32; 16-byte chunk c of row r sits at chunk c ^ (2r % 8), so the float2
 // writes and the weight gradients' float4 reads (a quarter warp: one row) are free of bank
 // conflicts; kDownBwd's (a quarter warp: rows 2i and 2i + 1, chunks c and c ^ 2) are 2-way.
@@ -343,7 +343,7 @@ __device__ __forceinline__ void store_down_bwd_round(const GemmParams* p, const 
 }
 
 // kDownBwd, both row halves of groups kGroup, kGroup + 1. (Whole 128-byte lines per store, as the
-// weight gradients do, measured no faster here: bench_gemm down_bwd within 0.5% on all 4 shapes.)
+// weight gradients do, are no faster here.)
 template <int kGroup>
 __device__ __forceinline__ void store_down_bwd_columns(const GemmParams* p, const Tile& tile, const float (&acc)[128],
                                                        float* staging, int half, int wg_tid, const char* aux) {
@@ -513,7 +513,7 @@ __device__ __forceinline__ void drain_loads(SharedStorage& ss, const Ring& ring)
 // The producer's thread 0, before it arms the current stage's `full` barrier again: has the last
 // load it issued there landed? Always, in a sound run (the consumers waited for it before they
 // freed the stage). After an error the consumers stop waiting and free stages at once, and arming
-// a barrier whose phase is still open (its arrival already made) is undefined: measured as a
+// a barrier whose phase is still open (its arrival already made) is undefined: seen as a
 // launch failure in the fused backward's wind-down. So it waits (at most kDrainNs) and, if the
 // load has still not landed, the producer loads nothing more.
 __device__ __forceinline__ bool previous_load_landed(SharedStorage& ss, const Ring& ring) {
@@ -667,7 +667,7 @@ __device__ __forceinline__ void run_tiles(const GemmParams* p, SharedStorage& ss
   if (wg == 0) {
     warpgroup_reg_dealloc<kProducerRegs>();
     // NOTE: threads let run ahead to the final cluster barrier instead (warp 0 diverged around its
-    // TMA lane) made the row GEMMs ~18% slower: all 128 producer threads walk every tile.
+    // TMA lane) make the row GEMMs much slower: all 128 producer threads walk every tile.
     while (tiles.next(t)) ok = produce_tile<kP>(p, ss, ring, tile_of<kP>(p, ss.pair_prefix, t, cta), cta, wg_tid, ok);
     if (wg_tid == 0) drain_loads(ss, ring);
   } else {

@@ -39,8 +39,8 @@ __device__ __forceinline__ bool mbar_try_wait(u64* bar, int parity) {
 
 // Wait for the phase of `parity` to complete; false (and an error record) after timeout_ns, or
 // once another thread has recorded an error. NOTE: the error record and the clock are looked at
-// only every kPollNs: reading the record is a system-scope load (~1 us), and a wait that sat behind
-// one on every spin noticed a completed phase late (the GEMM mainloop lost 10-20% to it).
+// only every kPollNs: reading the record is a slow system-scope load, and a wait that sat behind
+// one on every spin notices a completed phase late (the GEMM mainloop slows markedly).
 // The report names `op` (an Op) and `detail` (see ErrorRecord), the parity waited for, and the
 // reporting block and thread; it has no EP rank or peer (-1).
 template <bool kCluster = false>
@@ -107,8 +107,8 @@ __device__ __forceinline__ void fence_mbarrier_init_cluster() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 // Arrive on the mbarrier at the same shared-memory offset as `bar`, in cluster CTA `cta`.
-// NOTE: default (release, CTA scope) semantics, as for a local arrive: `.release.cluster` made
-// the whole GEMM 1.7x slower. kRelease: release at cluster scope, so that this thread's earlier
+// NOTE: default (release, CTA scope) semantics, as for a local arrive: `.release.cluster` makes
+// the whole GEMM much slower. kRelease: release at cluster scope, so that this thread's earlier
 // shared-memory stores into that CTA (st_cluster_u32) are seen by a thread whose mbar_wait<true>
 // sees the phase complete (fused.cuh's claim hand-off only, once per claimed tile pair).
 template <bool kRelease = false>

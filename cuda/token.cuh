@@ -31,8 +31,8 @@ __device__ __forceinline__ uint4* octets_out(const u64* table, int rank) { retur
 // i of token t = base[t] (has_base, else 0) + sum_j w[t,j] * slots[t*K+j] (kWeighted) or
 // + sum_j slots[t*K+j], j in order; written to out.
 // NOTE: kept as plain loops (nvcc unrolls them and ptxas issues the loads ahead of the adds):
-// loading kSumBatch slot octets into an array first made the fused kernel's mover warps (120
-// registers) spill 300-1100 bytes (nvcc 13.0, batches of 2 and 4).
+// loading a batch of slot octets into an array first makes the fused kernel's mover warps (120
+// registers) spill.
 template <bool kWeighted>
 __device__ __forceinline__ void sum_slots(const TokenParams* p, int rank, const u64* base, const u64* slots,
                                           const u64* out, i64 begin, i64 end, Workers threads) {
@@ -108,8 +108,8 @@ __global__ void __launch_bounds__(kCommThreads) weighted_sum_bf16(const TokenPar
 // dy_slots[t*K+j] = w[t,j] * dout[t] for dout octets [begin, end) (this thread's share:
 // `threads`): a thread reads each of its dout octets once and writes it scaled into the token's K
 // slots (a warp's writes of one slot are 512 contiguous bytes). (One thread per slot octet
-// instead, with a 64-bit division per octet written and K reads of each dout octet, ran at ~2.2
-// TB/s on the H200: half of what a copy reaches.)
+// instead, with a 64-bit division per octet written and K reads of each dout octet, reaches half
+// of a copy's rate.)
 __device__ __forceinline__ void scale_part(const TokenParams* p, int rank, i64 begin, i64 end, Workers threads) {
   const i64 h8 = p->hidden / 8, k = p->top_k;
   const float* w = at<const float>(p->topk_w, rank);

@@ -167,7 +167,7 @@ GEMM_PROBLEM = Enum("Problem", (
     ("kGateUpWgrad", "gate_up_wgrad"),
 ), namespace="mok::gemm")
 
-# Plans (mok_proto/plan.py): what one task of a CTA's table does, and what a counter counts. The
+# Plans (mok_proto/plan/): what one task of a CTA's table does, and what a counter counts. The
 # text is the Python name (plan.TaskKind.GATE_UP is text "gate_up" upper-cased).
 TASK_KIND = Enum("TaskKind", (
     # forward

@@ -35,6 +35,8 @@ BACKENDS = ("auto", "cpu", "gpu")
 # against the float64 reference on the same bf16-rounded inputs.
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "bf16": 2e-2}
 DEFAULT_SHAPE = {"cpu": "small", "gpu": "tile"}
+# The longest --timeout: every wait counts it (and multiples of it) in int64 nanoseconds.
+MAX_TIMEOUT_S = 1e6
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -52,7 +54,7 @@ def parse_args(argv):
                    "tile on the GPU, whose GEMM tiles need H and I multiples of 256)")
     p.add_argument("--policy", default="", help="operator=push|pull list, e.g. dispatch=push,combine=pull "
                    "(operators: dispatch, combine, rev_combine, rev_dispatch; default MoK's choice)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of every rank's inputs, an integer >= 0 (default 0)")
     p.add_argument("--backend", default="auto", help="auto, cpu or gpu. auto: the GPU when CuPy sees one (and, "
                    "under mpiexec, nvshmem4py is installed), else the CPU")
     p.add_argument("--virtual", type=int, default=0, help="GPU only: run this many ranks in ONE process "
@@ -60,12 +62,21 @@ def parse_args(argv):
     p.add_argument("--routing", default="random", help="random, skewed or one-expert")
     p.add_argument("--dtype", default="float32", help="float32 or float64")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds any rank waits for a peer; a stopped or "
-                   "dead peer ends the job (exit 4) about this long after it stopped (default 30)")
+                   f"dead peer ends the job (exit 4) about this long after it stopped (default 30, at most "
+                   f"{MAX_TIMEOUT_S:g})")
     args = p.parse_args(argv)
     if args.backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
     if args.routing not in ("random", "skewed", "one-expert"):
         raise ValueError(f"--routing must be random, skewed or one-expert, got {args.routing!r}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be an integer >= 0, got {args.seed}")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN fails too
+        raise ValueError(f"--timeout must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}, got {args.timeout:g}")
+    operators = [item.partition("=")[0].strip() for item in args.policy.split(",") if item.strip()]
+    twice = sorted({op for op in operators if operators.count(op) > 1})
+    if twice:
+        raise ValueError(f"--policy names {', '.join(twice)} more than once: {args.policy!r}")
     return args
 
 
@@ -293,7 +304,7 @@ def main(argv=None, on_step=None) -> int:
         if args.virtual < 0 or (args.virtual and _launcher_size() > 1):
             raise ValueError("--virtual R runs R ranks in one process: a positive count, started without mpiexec")
         backend = resolve_backend(args.backend, args.virtual)
-        shape = get_shape(args.shape or DEFAULT_SHAPE[backend])
+        shape = get_shape(DEFAULT_SHAPE[backend] if args.shape is None else args.shape)
         if backend == "gpu":
             from mok_proto.layer.gpu import check_tiles
 

@@ -45,6 +45,7 @@ Results: JSON lines appended to results/bench_layer.jsonl.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from mok_proto.bench.cli import add_bar_option, parse_bars, parser
@@ -54,7 +55,7 @@ from mok_proto.bench.layer_rows import BARS, HEADER, shape_report
 from mok_proto.bench.settings import DEFAULT_FUSED, SCALE, SWEEP, TOKEN_GRADS, direction_policies, parse_settings
 from mok_proto.bench.timeline_plot import timeline_path
 from mok_proto.config import PAPER_SHAPES
-from mok_proto.plan import ASSIGNMENTS, DEFAULT_ASSIGN, DEFAULT_RASTER, RASTERS
+from mok_proto.plan import ASSIGNMENTS, RASTERS, FusedKnobs
 
 
 def parse_args(argv=None):
@@ -68,10 +69,12 @@ def parse_args(argv=None):
                    "8:1024,0:2048:264,0:2048:all; CLAIM: tile pairs claimed at run time, an int, all or tail: "
                    "plan.fused_forward)")
     p.add_argument("--no-fused", action="store_true", help="sequential and torch rows only")
+    defaults = FusedKnobs.PASS_DEFAULTS
     p.add_argument("--assign", default=None, choices=ASSIGNMENTS, help="the fused plans' tile pairs to clusters "
-                   f"(default per pass: {DEFAULT_ASSIGN}; recorded in the fused rows as `assign`)")
+                   f"(default {defaults['fwd']['assign']} forward, {defaults['bwd']['assign']} backward; recorded in "
+                   "the fused rows as `assign`)")
     p.add_argument("--raster", default=None, choices=RASTERS, help="the order of a minibatch's tile pairs in the "
-                   f"fused plans (default {DEFAULT_RASTER}; recorded in the fused rows as `raster`)")
+                   f"fused plans (default {defaults['fwd']['raster']}; recorded in the fused rows as `raster`)")
     p.add_argument("--token-grads", default="default", choices=tuple(TOKEN_GRADS),
                    help="the fused backward's slot sum and d topk_weights: inside the kernel, after it, or the "
                         "plan's default (inside whenever the reverse-dispatch is pushed inside)")
@@ -93,7 +96,11 @@ def parse_args(argv=None):
     try:
         args.others = direction_policies(args.directions)[1:]
         chosen = parse_settings(args.fused) if args.fused else None
-        args.settings = () if args.no_fused else SWEEP if args.sweep else chosen or DEFAULT_FUSED
+        forward = [dataclasses.replace(k, assign=args.assign, raster=args.raster)
+                   for k in (() if args.no_fused else SWEEP if args.sweep else chosen or DEFAULT_FUSED)]
+        backward = [dataclasses.replace(k, token_grads=TOKEN_GRADS[args.token_grads], scale=SCALE[args.scale])
+                    for k in forward]
+        args.settings = {"fwd": forward, "bwd": backward}
         args.bars = parse_bars(args.bar, BARS)
     except ValueError as e:
         p.error(str(e))
@@ -118,8 +125,6 @@ def main(argv=None) -> int:
 
     require_gpu("bench_layer.py", need_torch=True)
     failed, best_settings = [], {}
-    knobs = dict(assign=args.assign, raster=args.raster, token_grads=TOKEN_GRADS[args.token_grads],
-                 scale=SCALE[args.scale])
     print(HEADER, flush=True)
     for name in args.shapes.split(","):
         shape = emulated_shape(name)
@@ -127,19 +132,18 @@ def main(argv=None) -> int:
               f"K={shape.top_k} ...", flush=True)
         data = make_inputs(shape)
         measured = ours(shape, data, args.iters, args.warmup, args.settings,
-                        timeline_path(args.timeline, name, git_sha()), **knobs)
+                        timeline_path(args.timeline, name, git_sha()))
         baseline = torch_pipeline(shape, data, args.iters, args.warmup)
         schedule = schedule_at_ep64(name, args.iters, args.warmup)
         emit(shape_report(name, shape, measured, baseline, schedule, args.bars), failed)
-        best_settings[name] = tuple(dict.fromkeys((r["comm_blocks"], r["minibatch_tokens"], r["claim"])
-                                                  for rows in measured.fused_rows.values() if rows
-                                                  for r in [best_row(rows)]))
+        best_settings[name] = tuple(dict.fromkeys(  # the other policies: the default token_grads and scale
+            FusedKnobs(r["comm_blocks"], r["minibatch_tokens"], claim=r["claim"], assign=args.assign, raster=args.raster)
+            for rows in measured.fused_rows.values() if rows for r in [best_row(rows)]))
     for name in args.shapes.split(",") if args.others else ():  # after every shape's MoK rows are recorded
         shape = emulated_shape(name)
         data = make_inputs(shape)
         for policy in args.others:
-            failed += directions_rows(name, shape, data, policy, best_settings[name], args.iters, args.warmup,
-                                      args.assign, args.raster)
+            failed += directions_rows(name, shape, data, policy, best_settings[name], args.iters, args.warmup)
     if failed:
         print(f"FAIL: {len(failed)} rows miss a bar or a check: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -4,23 +4,29 @@
 #   bash scripts/gpu_check.sh [--no-bench] [-- bench_layer.py options]
 #
 # Run from the repo root on the GPU machine (no ./run there: it would try to download packages).
-# Installs a carried nvshmem4py wheel from .whl/ if there is one (../shared/DEVICE.md), runs
-# `pytest -m gpu` (4 workers with pytest-xdist when installed: ~2.5 min on an H200, against ~9
-# serially), then scripts/bench_layer.py (~5 min for the four shapes). Logs go to $OUT (the device
+# Installs the carried wheels (nvshmem4py, pytest-xdist) from .whl/ (or $MOK_WHEELS) if there are
+# any (../shared/DEVICE.md), runs `pytest -m gpu` (4 workers with pytest-xdist when installed), then
+# scripts/bench_layer.py over the four paper shapes. Logs go to $OUT (the device
 # tool's folder) or results/gpu_check/, and every results/ file this run wrote goes into one
 # archive there, results_new.tgz (the device tool brings back a few files, not a folder's worth).
-# Exit status: the tests' or, if they passed, the benchmark's.
+# Exit status: the tests' or, if they passed, the benchmark's; 1, with one line saying why, when
+# `nvidia-smi -L` lists no GPU (nothing runs) or no GPU test passed (every one skipped).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+case "${1:-}" in -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 bench=1
 if [ "${1:-}" = "--no-bench" ]; then bench=0; shift; fi
 if [ "${1:-}" = "--" ]; then shift; fi
+if ! nvidia-smi -L 2>/dev/null | grep -q "^GPU "; then
+  echo "[gpu_check] no GPU here: nvidia-smi -L lists none (or is not installed); nothing was run" >&2
+  exit 1
+fi
 out=${OUT:-results/gpu_check}
 mkdir -p "$out"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1  # NOTE: never NVLink multicast
-if ls .whl/*.whl >/dev/null 2>&1; then  # a carried wheel that does not install is an error, not a skip
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || { echo "[gpu_check] the carried wheels in .whl/ did not install" >&2; exit 1; }
+wheels=${MOK_WHEELS:-.whl}  # the folder of carried wheels
+if ls "$wheels"/*.whl >/dev/null 2>&1; then  # a carried wheel that does not install is an error, not a skip
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/*.whl || { echo "[gpu_check] the carried wheels in $wheels/ did not install" >&2; exit 1; }
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
@@ -34,6 +40,11 @@ echo "[gpu_check] pytest -m gpu $workers -> $out/gpu_tests.txt" >&2
 python3 -m pytest -m gpu -q -rs $workers --durations=20 > "$out/gpu_tests.txt" 2>&1
 status=$?
 tail -3 "$out/gpu_tests.txt" >&2
+summary=$(tail -1 "$out/gpu_tests.txt")
+if [ "$status" = 0 ] && ! [[ "$summary" =~ [1-9][0-9]*\ passed ]]; then  # e.g. CuPy missing: every test skips
+  echo "[gpu_check] no GPU test passed (pytest: ${summary//=/}): see the skip reasons in $out/gpu_tests.txt" >&2
+  status=1
+fi
 if [ "$bench" = 1 ] && [ "$status" = 0 ]; then
   echo "[gpu_check] scripts/bench_layer.py $* -> $out/bench_layer.txt" >&2
   python3 scripts/bench_layer.py "$@" > "$out/bench_layer.txt" 2>&1

@@ -8,7 +8,7 @@ to back runs at that limit. The time of a pass then follows its energy, so a fus
 pass that overlaps the same work saves little time; bench_layer.py's short interleaved runs see
 it only in part. This measures it. Per shape (one EP=64 rank's share on one GPU, as
 bench_layer.py emulates it): the sequential pass and the fused pass (comm blocks, minibatch rows,
-the plans' default assignment, order and claimed pool: plan.DEFAULT_CLAIM) of the forward and of
+the plans' default assignment, order and claimed pool: plan.FusedKnobs) of the forward and of
 the backward are each captured in a graph; after a warm-up phase, one graph at a time is replayed
 for --secs seconds (sequential, fused, sequential, fused per pass) while nvidia-smi samples clocks
 and power every 20 ms.
@@ -37,6 +37,7 @@ import time
 
 from mok_proto.bench.cli import parser
 from mok_proto.config import PAPER_SHAPES
+from mok_proto.plan import FusedKnobs
 
 
 def main():
@@ -48,6 +49,10 @@ def main():
     args = p.parse_args()
     if args.secs < 2:
         p.error(f"--secs must be at least 2 (the first second of a phase is not averaged), got {args.secs}")
+    try:
+        knobs = FusedKnobs(args.comm, args.minibatch)
+    except ValueError as e:
+        p.error(str(e))
     from mok_proto.bench import append_result, phase_power, require_gpu, smi_command, smi_samples
     from mok_proto.bench.power import compare, probe_shape
 
@@ -66,7 +71,7 @@ def main():
     phases, unequal = [], []
     try:
         for name in args.shapes.split(","):
-            got, bad = probe_shape(name, args.comm, args.minibatch, args.secs)
+            got, bad = probe_shape(name, knobs, args.secs)
             phases += got
             unequal += bad
     finally:

@@ -26,7 +26,7 @@ from mok_proto.bench.cli import parser
 from mok_proto.bench.emulation import emulated_shape, make_inputs, result_bytes, staged_layer
 from mok_proto.bench.layer import best_row, fused
 from mok_proto.config import PAPER_SHAPES
-from mok_proto.plan import ASSIGNMENTS, DEFAULT_ASSIGN, DEFAULT_RASTER, RASTERS
+from mok_proto.plan import ASSIGNMENTS, RASTERS, FusedKnobs
 
 
 def ints(text: str) -> tuple:
@@ -38,19 +38,23 @@ def main():
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
     p.add_argument("--comm", type=ints, default=(0, 4, 8, 12, 16), help="communication CTAs (0: spare warps)")
     p.add_argument("--minibatch", type=ints, default=(512, 1024, 2048, 4096), help="minibatch rows (x256)")
+    defaults = FusedKnobs.PASS_DEFAULTS["fwd"]
     p.add_argument("--assign", default=None, choices=ASSIGNMENTS,
-                   help=f"the fused plans' tile pairs to clusters (default {DEFAULT_ASSIGN['fwd']})")
+                   help=f"the fused plans' tile pairs to clusters (default {defaults['assign']})")
     p.add_argument("--raster", default=None, choices=RASTERS,
-                   help=f"the order of a minibatch's tile pairs (default {DEFAULT_RASTER})")
+                   help=f"the order of a minibatch's tile pairs (default {defaults['raster']})")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
+    try:
+        grid = [FusedKnobs(c, m, assign=args.assign, raster=args.raster) for c in args.comm for m in args.minibatch]
+    except ValueError as e:
+        p.error(str(e))
     from mok_proto.bench import append_result, git_sha, require_gpu, summarize, time_stages
 
     require_gpu("sweep_overlap.py")
     import cupy
 
-    grid = [(c, m) for c in args.comm for m in args.minibatch]
     shapes = args.shapes.split(",")
     bad, start, done, total = [], time.monotonic(), 0, len(grid) * len(shapes)
     for name in shapes:
@@ -65,7 +69,7 @@ def main():
         layer.check()
         print(f"# {name}: sequential forward {seq:.3f} ms; {len(grid)} fused points", flush=True)
         rows = fused(layer, grid, result_bytes(layer, "fwd"), graph, args.iters, args.warmup, stream,
-                     f"results/timeline_fused_fwd_{name}_{git_sha()}.jsonl", "fwd", args.assign, args.raster)
+                     f"results/timeline_fused_fwd_{name}_{git_sha()}.jsonl", "fwd")
         for row in rows:
             append_result("sweep_overlap", {"shape": name, "comm_blocks": row["comm_blocks"],
                                             "minibatch_rows": row["minibatch_tokens"], "sequential_ms": seq,

@@ -6,6 +6,8 @@ import pytest
 from mok_proto.bench import layer as bench_layer
 from mok_proto.bench import overlap, power
 from mok_proto.bench import settings as bench_settings
+from mok_proto.config import MOK_POLICY
+from mok_proto.plan import FusedKnobs
 
 
 def test_overlap_ceiling_counts_gemm_and_outside_stages():
@@ -44,17 +46,15 @@ def test_direction_policies():
 
 
 def test_fused_settings_keep_comm_ctas_only_where_a_transfer_runs_inside():
-    from mok_proto.config import MOK_POLICY
-
-    settings = ((0, 2048), (8, 2048))
+    k0, k8, k0_1024 = FusedKnobs(0, 2048), FusedKnobs(8, 2048), FusedKnobs(0, 1024)
+    settings = (k0, k8)
     assert bench_settings.fused_settings_for(MOK_POLICY, settings) == {"fwd": settings, "bwd": settings}
     outside = {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
-    assert bench_settings.fused_settings_for(outside, settings) == {"fwd": ((0, 2048),), "bwd": ((0, 2048),)}
+    assert bench_settings.fused_settings_for(outside, settings) == {"fwd": (k0,), "bwd": (k0,)}
     # MoK's best had communicating CTAs: the policy still gets a fused run, with every CTA computing
-    assert bench_settings.fused_settings_for(outside, ((8, 2048),)) == {"fwd": ((0, 2048),), "bwd": ((0, 2048),)}
+    assert bench_settings.fused_settings_for(outside, (k8,)) == {"fwd": (k0,), "bwd": (k0,)}
     half = {"dispatch": "pull", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
-    assert bench_settings.fused_settings_for(half, ((8, 2048), (0, 1024))) == {"fwd": ((8, 2048), (0, 1024)),
-                                                                            "bwd": ((0, 2048), (0, 1024))}
+    assert bench_settings.fused_settings_for(half, (k8, k0_1024)) == {"fwd": (k8, k0_1024), "bwd": (k0, k0_1024)}
 
 
 def test_directions_rows_report_and_record(monkeypatch, capsys):
@@ -63,8 +63,8 @@ def test_directions_rows_report_and_record(monkeypatch, capsys):
     policy = {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
     seen, recorded = [], []
 
-    def fake_ours(shape, data, iters, warmup, settings, trace_to, pol, assign=None, raster=None):
-        seen.append((settings, trace_to, pol, assign, raster))
+    def fake_ours(shape, data, iters, warmup, settings, trace_to, pol):
+        seen.append((settings, trace_to, pol))
         row = {"comm_blocks": 0, "minibatch_tokens": 2048, "median_ms": 2.0, "sequential_median_ms": 2.1,
                "speedup_vs_sequential": 1.05,
                "equal_to_sequential": True, "bitwise_repeat": True}
@@ -73,9 +73,9 @@ def test_directions_rows_report_and_record(monkeypatch, capsys):
 
     monkeypatch.setattr(bench_layer, "ours", fake_ours)
     monkeypatch.setattr(bench_layer, "append_result", lambda name, row: recorded.append((name, row)))
-    failed = bench_layer.directions_rows("kimi-k2.7", None, None, policy, ((0, 2048), (8, 2048)), 3, 1, "balanced",
-                                         "col")
-    assert seen == [({"fwd": ((0, 2048),), "bwd": ((0, 2048),)}, None, policy, "balanced", "col")]
+    knobs = [FusedKnobs(comm, 2048, assign="balanced", raster="col") for comm in (0, 8)]
+    failed = bench_layer.directions_rows("kimi-k2.7", None, None, policy, knobs, 3, 1)
+    assert seen == [({"fwd": (knobs[0],), "bwd": (knobs[0],)}, None, policy)]
     assert failed == ["kimi-k2.7 bwd directions push:pull:push:pull"]
     assert [(n, r["pass"], r["schedule"]) for n, r in recorded] == [
         ("bench_layer_directions", "fwd", "sequential"), ("bench_layer_directions", "fwd", "fused"),
@@ -123,9 +123,8 @@ def test_fused_times_each_setting_against_the_sequential_pass(monkeypatch):
     class Layer:
         trace, last, fused = False, None, None
 
-        def fused_forward_plan(self, comm, minibatch, assign=None, raster=None, claim=None):
-            return SimpleNamespace(comm=comm, num_sms=8, assign=assign or "round_robin", raster=raster or "row",
-                                   claim_pairs=0 if claim is None else claim)
+        def fused_forward_plan(self, knobs):
+            return SimpleNamespace(comm=knobs.comm_blocks, num_sms=8, claim_pairs=0, policy=dict(MOK_POLICY))
 
         def set_forward_plan(self, plan):
             self.fused = None if plan is None else SimpleNamespace(plan=plan)
@@ -167,13 +166,17 @@ def test_fused_times_each_setting_against_the_sequential_pass(monkeypatch):
         def synchronize(self):
             pass
 
-    rows = bench_layer.fused(layer, [(0, 256), (2, 256)], b"fused bits", sequential_graph, 3, 1, Stream(), None,
-                             "fwd", raster="col")
+    settings = [FusedKnobs(comm, 256, raster="col") for comm in (0, 2)]
+    rows = bench_layer.fused(layer, settings, b"fused bits", sequential_graph, 3, 1, Stream(), None, "fwd")
     by_comm = {r["comm_blocks"]: r for r in rows}
     assert by_comm[0]["speedup_vs_sequential"] == pytest.approx(2.1 / 2.0)  # median of 1.05, 1.05, 1.0
     assert by_comm[2]["speedup_vs_sequential"] == pytest.approx(2.4 / 2.1)
     assert by_comm[0]["median_ms"] == 2.0 and by_comm[2]["sequential_median_ms"] == 2.4
     assert all(r["equal_to_sequential"] and r["bitwise_repeat"] and r["raster"] == "col" for r in rows)
+    # the knobs as the rows record them (FusedKnobs.describe): the forward's, claim as given
+    assert {k: by_comm[2][k] for k in ("comm_blocks", "minibatch_tokens", "assign", "claim", "claim_pairs")} == {
+        "comm_blocks": 2, "minibatch_tokens": 256, "assign": "round_robin", "claim": None, "claim_pairs": 0}
+    assert "token_grads" not in by_comm[2] and "scale" not in by_comm[2]
     assert "retimed_median_ms" in by_comm[2] and "retimed_median_ms" not in by_comm[0]  # the larger ratio
     assert bench_layer.best_row(rows) is by_comm[2]
 
@@ -217,13 +220,15 @@ def test_smi_command_samples_one_gpu():
 
 def test_fused_settings_take_a_claim():
     assert bench_settings.parse_settings("0:2048,8:1024:264,0:2048:all,0:512:tail") == (
-        (0, 2048, None), (8, 1024, 264), (0, 2048, "all"), (0, 512, "tail"))
-    for bad in ("0", "0:2048:some", "a:2048", "0:2048:1:2"):
+        FusedKnobs(0, 2048), FusedKnobs(8, 1024, claim=264), FusedKnobs(0, 2048, claim="all"),
+        FusedKnobs(0, 512, claim="tail"))
+    for bad in ("0", "0:2048:some", "a:2048", "0:2048:1:2", "0:100"):
         with pytest.raises(ValueError, match="--fused"):
             bench_settings.parse_settings(bad)
     policy = {"dispatch": "push", "combine": "pull", "rev_combine": "pull", "rev_dispatch": "push"}
-    got = bench_settings.fused_settings_for(policy, ((8, 2048, 264), (0, 2048, 264)))
-    assert got["fwd"] == ((0, 2048, 264),) and got["bwd"] == ((8, 2048, 264), (0, 2048, 264))
+    got = bench_settings.fused_settings_for(policy, (FusedKnobs(8, 2048, claim=264), FusedKnobs(0, 2048, claim=264)))
+    assert got["fwd"] == (FusedKnobs(0, 2048, claim=264),)
+    assert got["bwd"] == (FusedKnobs(8, 2048, claim=264), FusedKnobs(0, 2048, claim=264))
 
 
 def test_power_probe_compares_the_phases_of_one_shape_and_pass():

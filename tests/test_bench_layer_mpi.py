@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, rank_env
-from mok_proto import plan as plans
+from mok_proto.plan import check as plan_check
 from mok_proto.bench import digest, mpi_layer
 from mok_proto.bench.digests import compare_digests, describe_comparison, write_digests
 from mok_proto.bench.mpi_args import parse_args
@@ -25,7 +25,7 @@ from mok_proto.bench.ranks import Ranks, gpu_sharing, implied_no_torch, run_shap
 from mok_proto.config import MOK_POLICY, MoEShape, RunConfig, get_shape
 from mok_proto.layer import gpu_base
 from mok_proto.layer.gpu import GpuMoELayer, fused_plan, receive_capacity, symmetric_bytes
-from mok_proto.plan import PAIR_ROWS
+from mok_proto.plan import PAIR_ROWS, FusedKnobs
 
 SCRIPT = ROOT / "scripts" / "bench_layer_mpi.py"
 
@@ -125,16 +125,16 @@ def test_symmetric_bytes_is_what_the_layer_allocates(monkeypatch, name, num_rank
 
 def test_a_proved_plan_stays_proved_through_pickling(monkeypatch):
     run = RunConfig(get_shape("tile"), 2)
-    made = fused_plan("bwd", run, 2 * PAIR_ROWS, dict(MOK_POLICY), 0, PAIR_ROWS, num_sms=8, check=True)
+    made = fused_plan("bwd", run, 2 * PAIR_ROWS, dict(MOK_POLICY), FusedKnobs(0, PAIR_ROWS), num_sms=8, check=True)
     copy = pickle.loads(pickle.dumps(made))
 
     def fail(*args):
         raise AssertionError("check() ran again")
 
-    monkeypatch.setattr(plans, "_check_structure", fail)
+    monkeypatch.setattr(plan_check, "_check_structure", fail)
     copy.check()  # what a helper process proved is not proved again
     assert np.array_equal(copy.tasks, made.tasks) and copy.shape == made.shape
-    fresh = fused_plan("bwd", run, 2 * PAIR_ROWS, dict(MOK_POLICY), 0, PAIR_ROWS, num_sms=8)
+    fresh = fused_plan("bwd", run, 2 * PAIR_ROWS, dict(MOK_POLICY), FusedKnobs(0, PAIR_ROWS), num_sms=8)
     with pytest.raises(AssertionError, match="ran again"):
         fresh.check()
 
@@ -150,7 +150,8 @@ def test_plans_come_back_proved_from_helper_processes():
             pool.join()
     assert set(got) == {("tile", "fwd", 0, PAIR_ROWS), ("tile", "bwd", 0, PAIR_ROWS)}
     for (_, pass_, _, _), made in got.items():
-        want = fused_plan(pass_, problems[0].run, problems[0].capacity, dict(MOK_POLICY), 0, PAIR_ROWS, num_sms=8)
+        want = fused_plan(pass_, problems[0].run, problems[0].capacity, dict(MOK_POLICY), FusedKnobs(0, PAIR_ROWS),
+                          num_sms=8)
         assert made.pass_ == pass_ and made.__dict__.get("_checked") and np.array_equal(made.tasks, want.tasks)
 
 

@@ -1,12 +1,14 @@
 """Command lines a new user types: ./run's options, the demo's refusals and help, the scripts' --help."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, rank_env, run_ranks
+from conftest import ROOT, gpu_reason, rank_env, run_ranks
+from mok_proto import demo
 from mok_proto.config import PRESETS, RunConfig
 from mok_proto.demo import estimate_bytes
 
@@ -25,6 +27,65 @@ def test_run_demo_bad_rank_count_one_line_exit_2(args, message):
     assert proc.returncode == 2, proc.stderr
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+# Option values the demo refuses before MPI starts (the issue's `--seed -1` reached the ranks: four
+# numpy tracebacks, exit 3; `--timeout 1e10` a traceback on every rank; `--shape=` ran the default).
+BAD_DEMO_OPTIONS = [
+    (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["--seed=-5"], "--seed must be an integer >= 0, got -5"),
+    (["--seed", "1.5"], "argument --seed: invalid int value: '1.5'"),
+    (["--timeout", "0"], "--timeout must be a number of seconds > 0 and <= 1e+06, got 0"),
+    (["--timeout", "-2"], "--timeout must be a number of seconds > 0 and <= 1e+06, got -2"),
+    (["--timeout", "nan"], "got nan"),
+    (["--timeout", "inf"], "got inf"),
+    (["--timeout", "1e10"], "got 1e+10"),
+    (["--timeout", "abc"], "argument --timeout: invalid float value: 'abc'"),
+    (["--shape="], "shape: unknown preset ''"),
+    (["--routing", "zipf"], "--routing must be random, skewed or one-expert, got 'zipf'"),
+    (["--dtype", "float16"], "dtype must be one of float32, float64, got 'float16'"),
+    (["--policy", "dispatch=pull,dispatch=push"], "--policy names dispatch more than once"),
+    (["--policy", "dispatch"], "policy: expected operator=direction, got 'dispatch'"),
+    (["--virtual", "-1"], "--virtual R runs R ranks in one process: a positive count"),
+]
+
+
+@pytest.fixture
+def no_mpi_start(monkeypatch):
+    """A demo run that got past its checks would start MPI in this process: fail instead."""
+    def refuse(rank):
+        raise AssertionError("the demo accepted the options and went on to start MPI")
+
+    monkeypatch.setattr("mok_proto.symm.watchdog.LastResort", refuse)
+    monkeypatch.setenv("UCX_LOG_LEVEL", os.environ.get("UCX_LOG_LEVEL", "error"))  # demo.main sets it: undone after
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize("args,message", BAD_DEMO_OPTIONS, ids=[" ".join(a) for a, _ in BAD_DEMO_OPTIONS])
+def test_demo_bad_option_value_one_line_exit_2_on_rank_0_only(args, message, no_mpi_start, monkeypatch, capsys):
+    argv = ["--backend", "cpu", *args]  # the CPU's checks on any machine
+    assert demo.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("mok_proto.demo: error: ") and message in err, err
+    monkeypatch.setenv("PMI_RANK", "1")  # any other rank of the job says nothing
+    assert demo.main(argv) == 2
+    assert capsys.readouterr() == ("", "")
+
+
+def test_demo_good_option_values_pass_the_checks(no_mpi_start):
+    """The edges of the accepted values get as far as starting MPI (here: the stand-in's AssertionError)."""
+    for args in (["--seed", "0"], ["--seed", str(2**70)], ["--timeout", "1e6"], ["--timeout", "0.5"],
+                 ["--policy", "dispatch=push,combine=pull"], ["--policy", ""]):
+        with pytest.raises(AssertionError, match="start MPI"):
+            demo.main(["--backend", "cpu", *args])
+
+
+@pytest.mark.mpi
+def test_demo_negative_seed_one_line_from_four_ranks():
+    proc = run_ranks(4, "-m", "mok_proto.demo", "--seed", "-1", expect_rc=2)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert lines == ["mok_proto.demo: error: --seed must be an integer >= 0, got -1"], lines
 
 
 @pytest.mark.mpi
@@ -88,6 +149,38 @@ def test_gpu_check_help_runs_nothing():
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--help"], capture_output=True, text=True,
                           timeout=30)
     assert proc.returncode == 0 and "One command for a GPU session" in proc.stdout and "[gpu_check]" not in proc.stderr
+
+
+def _gpu_check(tmp_path, nvidia_smi_says: str):
+    """Run gpu_check.sh --no-bench with a stand-in nvidia-smi and this Python as python3."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{nvidia_smi_says}\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               MOK_WHEELS=str(tmp_path / "no-wheels"))  # not the checkout's .whl/, which a developer may have
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--no-bench"], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_gpu_check_without_a_gpu_fails_in_one_line_and_runs_nothing(tmp_path):
+    proc = _gpu_check(tmp_path, "echo 'No devices were found'; exit 6")
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "[gpu_check] no GPU here: nvidia-smi -L lists none (or is not installed); nothing was run"], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpu_check_fails_when_every_gpu_test_skipped(tmp_path):
+    """nvidia-smi sees a GPU but the tests cannot use it (e.g. no CuPy): 163 skipped is a failure."""
+    if gpu_reason() is None:
+        pytest.skip("CuPy sees a GPU here: the GPU tests would run")
+    proc = _gpu_check(tmp_path, "echo 'GPU 0: stand-in (UUID: GPU-0)'")
+    assert proc.returncode == 1, proc.stderr
+    reason = [line for line in proc.stderr.splitlines() if "no GPU test passed" in line]
+    assert len(reason) == 1 and "skipped" in reason[0], proc.stderr
+    assert "passed" not in (tmp_path / "out" / "gpu_tests.txt").read_text().splitlines()[-1]
 
 
 def test_bench_gemm_unknown_problem_refused_before_any_gpu_work():

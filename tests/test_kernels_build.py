@@ -35,15 +35,34 @@ def test_every_kernel_compiles_with_nvcc(tmp_path, header, arch):
     assert "Used" in proc.stderr  # ptxas reported registers for the kernels
 
 
-def test_source_digest_covers_every_header(tmp_path, monkeypatch):
-    (tmp_path / "a.cuh").write_text("// a\n")
+def test_source_digest_covers_the_header_and_its_includes(tmp_path, monkeypatch):
+    (tmp_path / "a.cuh").write_text('#include "b.cuh"\n// a\n')
+    (tmp_path / "b.cuh").write_text('#include "c.cuh"\n#include <cstdint>\n')
+    (tmp_path / "c.cuh").write_text("// c\n")
+    (tmp_path / "d.cuh").write_text("// d\n")
     monkeypatch.setattr(build, "CUDA_DIR", tmp_path)
-    before = build.source_digest()
-    (tmp_path / "b.cuh").write_text("// b\n")
-    assert build.source_digest() != before
-    with_b = build.source_digest()
-    (tmp_path / "b.cuh").write_text("// b changed\n")
-    assert build.source_digest() != with_b
+    assert [p.name for p in build.includes("a.cuh")] == ["a.cuh", "b.cuh", "c.cuh"]
+    before = {h: build.source_digest(h) for h in ("a.cuh", "c.cuh", "d.cuh")}
+    (tmp_path / "c.cuh").write_text("// c changed\n")  # a includes c through b: its digest moves too
+    after = {h: build.source_digest(h) for h in before}
+    assert after["a.cuh"] != before["a.cuh"] and after["c.cuh"] != before["c.cuh"] and after["d.cuh"] == before["d.cuh"]
+    (tmp_path / "d.cuh").write_text('#include "c.cuh"\n// d now includes c\n')
+    assert build.source_digest("d.cuh") != after["d.cuh"] and build.includes("d.cuh")[0].name == "c.cuh"
+
+
+def test_editing_a_header_recompiles_only_the_modules_that_include_it(tmp_path, monkeypatch):
+    copy = tmp_path / "cuda"
+    shutil.copytree(build.CUDA_DIR, copy)
+    monkeypatch.setattr(build, "CUDA_DIR", copy)
+    headers = sorted({m.header for m in build.MODULES.values()})
+    before = {h: build.source_digest(h) for h in headers}
+    with (copy / "fused.cuh").open("a") as f:
+        f.write("// a comment\n")
+    changed = {h for h in headers if build.source_digest(h) != before[h]}
+    assert changed == {"fused.cuh"}
+    with (copy / "common.cuh").open("a") as f:  # every kernel module includes common.cuh
+        f.write("// a comment\n")
+    assert {h for h in headers if build.source_digest(h) != before[h]} == set(headers)
 
 
 def test_unregistered_name_is_refused():

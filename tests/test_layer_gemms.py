@@ -63,8 +63,8 @@ def test_a_fused_plan_refuses_a_changed_policy():
     from mok_proto.layer.gpu import _directions
 
     tile = get_shape("tile")
-    fwd = P.fused_forward(tile, 2, 0, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
-    bwd = P.fused_backward(tile, 2, 0, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    fwd = P.fused_forward(tile, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    bwd = P.fused_backward(tile, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     assert _directions(fwd, MOK_POLICY) == (True, True) and _directions(bwd, MOK_POLICY) == (True, True)
     # the backward's directions do not concern the forward's plan, and the other way round
     assert _directions(fwd, {**MOK_POLICY, "rev_combine": "push"}) == (True, True)
@@ -74,8 +74,9 @@ def test_a_fused_plan_refuses_a_changed_policy():
         _directions(bwd, {**MOK_POLICY, "rev_dispatch": "pull"})
 
 
-def test_fused_plans_take_the_assignment():
-    # fused_plan and the layer's plan builders pass `assign`, `raster` and `spread_from` to the plan
+def test_fused_plans_take_the_knobs():
+    # fused_plan and the layer's plan builders build the plan of the knobs they are given (`assign`,
+    # `raster`, `spread_from`), the default knobs (FusedKnobs()) when given none
     from types import SimpleNamespace
 
     from mok_proto import plan as P
@@ -85,19 +86,23 @@ def test_fused_plans_take_the_assignment():
     run = RunConfig(get_shape("tile"), 2)
     layer = SimpleNamespace(run=run, capacity=1024, policy=dict(MOK_POLICY), ranks=[0])
     for pass_, method in (("fwd", GpuMoELayer.fused_forward_plan), ("bwd", GpuMoELayer.fused_backward_plan)):
-        assert fused_plan(pass_, run, 1024, MOK_POLICY, 0, 256, 8).assign == P.DEFAULT_ASSIGN[pass_]
+        default = fused_plan(pass_, run, 1024, MOK_POLICY, P.FusedKnobs(), 8)
+        assert (default.comm_blocks, default.minibatch_rows) == (0, 1024)
+        assert method(layer, num_sms=8).tasks.tobytes() == default.tasks.tobytes()
+        assert fused_plan(pass_, run, 1024, MOK_POLICY, P.FusedKnobs(0, 256), 8).assign == P.FusedKnobs().resolved(
+            pass_, MOK_POLICY).assign
         for assign in P.ASSIGNMENTS:
-            made = fused_plan(pass_, run, 1024, MOK_POLICY, 0, 256, 8, assign=assign)
-            built = method(layer, 0, 256, num_sms=8, assign=assign)
+            knobs = P.FusedKnobs(0, 256, assign=assign)
+            made, built = fused_plan(pass_, run, 1024, MOK_POLICY, knobs, 8), method(layer, knobs, num_sms=8)
             assert made.assign == built.assign == assign and (made.pass_, built.pass_) == (pass_, pass_)
             assert made.tasks.tobytes() == built.tasks.tobytes()
         with pytest.raises(ValueError, match="assign must be one of"):
-            method(layer, 0, 256, num_sms=8, assign="nope")
-        assert fused_plan(pass_, run, 1024, MOK_POLICY, 0, 256, 8).raster == P.DEFAULT_RASTER
+            method(layer, P.FusedKnobs(0, 256, assign="nope"), num_sms=8)
+        assert fused_plan(pass_, run, 1024, MOK_POLICY, P.FusedKnobs(0, 256), 8).raster == "row"
         for raster in P.RASTERS:  # and `raster` likewise
-            made = fused_plan(pass_, run, 1024, MOK_POLICY, 0, 256, 8, raster=raster)
-            built = method(layer, 0, 256, num_sms=8, raster=raster)
+            knobs = P.FusedKnobs(0, 256, raster=raster)
+            made, built = fused_plan(pass_, run, 1024, MOK_POLICY, knobs, 8), method(layer, knobs, num_sms=8)
             assert made.raster == built.raster == raster and made.tasks.tobytes() == built.tasks.tobytes()
-        made = fused_plan(pass_, run, 1024, MOK_POLICY, 2, 256, 8, spread_from=1)  # and `spread_from`
-        built = method(layer, 2, 256, num_sms=8, spread_from=1)
+        knobs = P.FusedKnobs(2, 256, spread_from=1)  # and `spread_from`
+        made, built = fused_plan(pass_, run, 1024, MOK_POLICY, knobs, 8), method(layer, knobs, num_sms=8)
         assert made.spread_from == built.spread_from == 1 and made.tasks.tobytes() == built.tasks.tobytes()

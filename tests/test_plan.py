@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mok_proto import plan as P
+from mok_proto.plan.check import ancestors, execution_order
 from mok_proto.config import MOK_POLICY, ep_share, get_shape
 
 SMALL = get_shape("small")
@@ -158,7 +159,8 @@ PUSH_PULL = {**MOK_POLICY, "dispatch": "push", "combine": "pull"}
 
 def fused_plan(policy=MOK_POLICY, ring=2, comm=2, num_sms=8):
     # 4 minibatches of 256 rows; ring=2: the ring turns twice
-    return P.fused_forward(TILE, 2, comm, 256, ring, policy=policy, num_sms=num_sms, capacity_rows=1024, claim=0)
+    return P.fused_forward(TILE, 2, P.FusedKnobs(comm, 256, ring_minibatches=ring, claim=0), policy=policy,
+                           num_sms=num_sms, capacity_rows=1024)
 
 
 @pytest.mark.parametrize("policy", [MOK_POLICY, ALL_PUSH, ALL_PULL, PUSH_PULL])
@@ -214,13 +216,13 @@ def test_fused_check_rejects_refill_before_the_combine():
 
 def test_fused_forward_bad_arguments():
     with pytest.raises(ValueError, match="multiple of 256"):
-        P.fused_forward(TILE, 2, 2, 128, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+        P.fused_forward(TILE, 2, P.FusedKnobs(2, 128), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     with pytest.raises(ValueError, match="even"):
-        P.fused_forward(TILE, 2, 3, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+        P.fused_forward(TILE, 2, P.FusedKnobs(3, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     with pytest.raises(ValueError, match="needs dispatch pull and combine push"):
         fused_plan(ALL_PUSH, ring=2)
     with pytest.raises(ValueError, match="lookahead"):
-        P.fused_forward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024, lookahead=-1)
+        P.fused_forward(TILE, 2, P.FusedKnobs(2, 256, lookahead=-1), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
 
 
 def test_fused_forward_without_comm_ctas_runs_two_streams_per_cta():
@@ -235,7 +237,7 @@ def test_fused_forward_without_comm_ctas_runs_two_streams_per_cta():
     one_stream = P.with_tasks(p, p.tasks)
     object.__setattr__(one_stream, "strategy", "fused_forward_one_stream")
     with pytest.raises(P.PlanError, match="deadlock"):
-        P._execution_order(one_stream)
+        execution_order(one_stream)
 
 
 def test_fused_forward_lookahead_orders_gate_up_before_the_previous_down():
@@ -244,17 +246,20 @@ def test_fused_forward_lookahead_orders_gate_up_before_the_previous_down():
         return int(t["seq"][(t["kind"] == int(kind)) & (t["minibatch"] == m)].min())
 
     eager = fused_plan(ring=None, num_sms=4)
-    strict = P.fused_forward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=4, capacity_rows=1024, lookahead=0, claim=0)
+    strict = P.fused_forward(TILE, 2, P.FusedKnobs(2, 256, lookahead=0, claim=0), policy=MOK_POLICY, num_sms=4,
+                             capacity_rows=1024)
     for p in (eager, strict):
         p.check()
     assert first_seq(eager, P.TaskKind.GATE_UP, 1) < first_seq(eager, P.TaskKind.DOWN, 0)
     assert first_seq(strict, P.TaskKind.GATE_UP, 1) > first_seq(strict, P.TaskKind.DOWN, 0)
     # with a ring of one minibatch, minibatch 1's rows need minibatch 0's slot: no lookahead
-    ring1 = P.fused_forward(TILE, 2, 2, 256, 1, policy=MOK_POLICY, num_sms=4, capacity_rows=1024, claim=0)
+    ring1 = P.fused_forward(TILE, 2, P.FusedKnobs(2, 256, ring_minibatches=1, claim=0), policy=MOK_POLICY, num_sms=4,
+                            capacity_rows=1024)
     ring1.check()
     assert first_seq(ring1, P.TaskKind.GATE_UP, 1) > first_seq(ring1, P.TaskKind.DOWN, 0)
     with pytest.raises(ValueError, match="lookahead must be in"):
-        P.fused_forward(TILE, 2, 2, 256, 1, policy=MOK_POLICY, num_sms=4, capacity_rows=1024, lookahead=1)
+        P.fused_forward(TILE, 2, P.FusedKnobs(2, 256, ring_minibatches=1, lookahead=1), policy=MOK_POLICY, num_sms=4,
+                        capacity_rows=1024)
 
 
 def test_fused_check_sees_a_cluster_pair_as_one_stream():
@@ -294,7 +299,7 @@ BACKWARD_POLICIES = [{**MOK_POLICY, "rev_combine": rc, "rev_dispatch": rd} for r
 def test_fused_backward_passes_check(policy):
     inside = P.inside_kernel("bwd", policy)
     for comm in (0, 2) if any(inside) else (0,):
-        p = P.fused_backward(TILE, 2, comm, 256, policy=policy, num_sms=8, capacity_rows=1024)
+        p = P.fused_backward(TILE, 2, P.FusedKnobs(comm, 256), policy=policy, num_sms=8, capacity_rows=1024)
         p.check()
         kinds = {P.TaskKind(int(k)) for k in np.unique(p.tasks["kind"])}
         want = {P.TaskKind.SHARED_DOWN_BWD, P.TaskKind.SHARED_GATE_UP_BWD, P.TaskKind.SHARED_DOWN_WGRAD,
@@ -313,7 +318,7 @@ def test_fused_backward_passes_check(policy):
 
 @pytest.mark.parametrize("comm", [0, 2])
 def test_fused_backward_runs_the_token_gradients_last_on_every_cta(comm):
-    p = P.fused_backward(TILE, 2, comm, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    p = P.fused_backward(TILE, 2, P.FusedKnobs(comm, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     p.check()
     t = p.tasks
     sums = t[t["kind"] == int(P.TaskKind.SLOT_SUM)]
@@ -329,17 +334,18 @@ def test_fused_backward_runs_the_token_gradients_last_on_every_cta(comm):
     assert p.counters["target"][slots] == 2 * chunks  # R signals per reverse-dispatch chunk
     assert (t["wait_counter"][t["kind"] == int(P.TaskKind.SLOT_SUM)][:, 0] == slots).all()
     # off: no token-gradient task, no SLOTS_ARRIVED counter
-    off = P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024, token_grads=False)
+    off = P.fused_backward(TILE, 2, P.FusedKnobs(0, 256, token_grads=False), policy=MOK_POLICY, num_sms=8,
+                           capacity_rows=1024)
     off.check()
     assert not off.token_grads and not (off.tasks["kind"] == int(P.TaskKind.SLOT_SUM)).any()
     assert not (off.counters["kind"] == int(P.CounterKind.SLOTS_ARRIVED)).any()
     with pytest.raises(ValueError, match="token_grads"):
-        P.fused_backward(TILE, 2, 0, 256, policy={**MOK_POLICY, "rev_dispatch": "pull"}, num_sms=8,
-                         capacity_rows=1024, token_grads=True)
+        P.fused_backward(TILE, 2, P.FusedKnobs(0, 256, token_grads=True), policy={**MOK_POLICY, "rev_dispatch": "pull"},
+                         num_sms=8, capacity_rows=1024)
 
 
 def test_fused_backward_runs_the_scale_first_on_every_cta():
-    p = P.fused_backward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    p = P.fused_backward(TILE, 2, P.FusedKnobs(2, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     p.check()
     t = p.tasks
     scales = t[t["kind"] == int(P.TaskKind.SCALE)]
@@ -352,12 +358,12 @@ def test_fused_backward_runs_the_scale_first_on_every_cta():
     published = int(np.flatnonzero(p.counters["kind"] == int(P.CounterKind.PUBLISHED))[0])
     assert p.counters["remote"][published] and p.counters["target"][published] == 2 * len(scales)
     assert (t["wait_counter"][t["kind"] == int(P.TaskKind.REV_COMBINE)][:, 0] == published).all()
-    off = P.fused_backward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024, scale=False)
+    off = P.fused_backward(TILE, 2, P.FusedKnobs(2, 256, scale=False), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     off.check()
     assert not off.scale and not (off.tasks["kind"] == int(P.TaskKind.SCALE)).any()
     with pytest.raises(ValueError, match="scale"):
-        P.fused_backward(TILE, 2, 0, 256, policy={**MOK_POLICY, "rev_combine": "push"}, num_sms=8,
-                         capacity_rows=1024, scale=True)
+        P.fused_backward(TILE, 2, P.FusedKnobs(0, 256, scale=True), policy={**MOK_POLICY, "rev_combine": "push"},
+                         num_sms=8, capacity_rows=1024)
 
 
 def _swap_counters(counters, tasks, i, j):
@@ -373,7 +379,7 @@ def test_fused_backward_check_rejects_a_local_counter_for_every_ranks_rows(kind)
     # the same tasks, waits and signals, but the counter local (its target one rank's signals): each
     # rank would wait for its own scale (reverse-dispatch) only and read a peer's rows too early; the
     # data-flow check sees one rank's writers and passes it, the cross-rank check does not
-    p = P.fused_backward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    p = P.fused_backward(TILE, 2, P.FusedKnobs(2, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     c, t = p.counters.copy(), p.tasks.copy()
     i = int(np.flatnonzero(c["kind"] == int(P.CounterKind[kind]))[0])
     c["remote"][i], c["target"][i] = False, c["target"][i] // 2
@@ -386,7 +392,7 @@ def test_fused_backward_check_rejects_a_local_counter_for_every_ranks_rows(kind)
 def test_fused_plans_number_their_remote_counters_last():
     """The fused kernel tells a remote counter by its id (FusedParams.first_remote): the builder
     numbers them last, and check() refuses a plan where a remote counter comes before a local one."""
-    p = P.fused_backward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    p = P.fused_backward(TILE, 2, P.FusedKnobs(2, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     remote, first = p.counters["remote"], p.first_remote_counter
     assert remote.sum() == 2 and first == len(remote) - 2 and remote[first:].all() and not remote[:first].any()
     # the ids in the tasks were renumbered with the counters: each remote counter's waiters and signallers
@@ -394,7 +400,7 @@ def test_fused_plans_number_their_remote_counters_last():
         kind = P.CounterKind(int(p.counters["kind"][cid]))
         signallers = set(p.tasks["kind"][(p.tasks["signal_counter"] == cid).any(axis=1)].tolist())
         assert signallers == {int(P.TaskKind.SCALE if kind == P.CounterKind.PUBLISHED else P.TaskKind.REV_DISPATCH)}
-    f = P.fused_forward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    f = P.fused_forward(TILE, 2, P.FusedKnobs(2, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     assert f.first_remote_counter == len(f.counters)  # the forward keeps none
     c, t = p.counters.copy(), p.tasks.copy()
     _swap_counters(c, t, first - 1, first)  # the last local counter and the first remote one
@@ -406,7 +412,7 @@ def test_fused_kernel_refuses_remote_counters_it_does_not_keep():
     from mok_proto.kernels import fused
 
     assert fused.REMOTE_KINDS == {P.CounterKind.SLOTS_ARRIVED, P.CounterKind.PUBLISHED}
-    p = P.fused_backward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    p = P.fused_backward(TILE, 2, P.FusedKnobs(2, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     fused.check_remote_counters(p)
     for what, change in (("keeps only", lambda c, i: c["kind"].__setitem__(i, int(P.CounterKind.ARRIVED))),
                          ("one remote counter per kind", lambda c, i: c["kind"].__setitem__(
@@ -451,7 +457,7 @@ def test_layer_packs_the_fused_gemms_with_the_longer_timeout(monkeypatch):
     run = RunConfig(TILE, 2, timeout_s=30)
     layer = SimpleNamespace(run=run, shape=TILE, capacity=1024, ranks=[0, 1], error=None,
                             _gemm=lambda pass_, slot, r: None if slot == "kSlotSharedDownWgrad" else pack)
-    plan = P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    plan = P.fused_backward(TILE, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     made, words = gpu.GpuMoELayer._fused_pass(layer, plan, "bwd")
     got = words.view(abi.GEMM_PARAMS.dtype)
     assert made == ("pass", 2) and len(got) == 2 * len(abi.GEMM_SLOT)
@@ -461,7 +467,7 @@ def test_layer_packs_the_fused_gemms_with_the_longer_timeout(monkeypatch):
 def test_fused_backward_check_rejects_a_pull_before_the_scale():
     # a reverse-combine chunk that no longer waits for every rank's scale may pull dy rows before
     # they are written
-    p = P.fused_backward(TILE, 2, 2, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    p = P.fused_backward(TILE, 2, P.FusedKnobs(2, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     t = p.tasks.copy()
     sel = t["kind"] == int(P.TaskKind.REV_COMBINE)
     t["wait_counter"][sel, 0], t["wait_target"][sel, 0] = -1, 0
@@ -474,7 +480,7 @@ def test_fused_backward_check_rejects_token_gradients_without_their_wait(drop, c
     # a slot sum that no longer waits for every rank's reverse-dispatch (or the shared expert's dx)
     # may read slot rows before they land: the data-flow check names it (16 clusters: some run
     # shared-expert tiles and none of the reverse-dispatch's, so nothing else orders them)
-    p = P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=32, capacity_rows=1024)
+    p = P.fused_backward(TILE, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=32, capacity_rows=1024)
     p.check()
     t = p.tasks.copy()
     counter = int(np.flatnonzero(p.counters["kind"] == int(P.CounterKind[drop]))[0])
@@ -486,7 +492,7 @@ def test_fused_backward_check_rejects_token_gradients_without_their_wait(drop, c
 
 
 def test_fused_backward_defers_weight_gradients():
-    p = P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    p = P.fused_backward(TILE, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     routed_wgrad = np.isin(p.tasks["kind"], [int(P.TaskKind.DOWN_WGRAD), int(P.TaskKind.GATE_UP_WGRAD)])
     data = np.isin(p.tasks["kind"], [int(P.TaskKind.DOWN_BWD), int(P.TaskKind.GATE_UP_BWD)])
     for blk in range(p.num_sms):
@@ -498,13 +504,13 @@ def test_fused_backward_defers_weight_gradients():
     assert set(np.unique(w["expert"]).tolist()) == set(range(TILE.num_experts // 2))
     assert (w["macrobatch"] == 0).all()
     with pytest.raises(ValueError, match="lookahead"):
-        P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=8, capacity_rows=1024, lookahead=9)
+        P.fused_backward(TILE, 2, P.FusedKnobs(0, 256, lookahead=9), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
 
 
 def test_fused_backward_check_rejects_an_early_weight_gradient():
     # a routed weight-gradient tile that no longer waits for the data gradients may read dg, du
     # (and dy rows) before they exist (16 clusters: most run no data-gradient tile before it)
-    p = P.fused_backward(TILE, 2, 0, 256, policy=MOK_POLICY, num_sms=32, capacity_rows=1024)
+    p = P.fused_backward(TILE, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=32, capacity_rows=1024)
     p.check()
     t = p.tasks.copy()
     sel = np.isin(t["kind"], [int(P.TaskKind.DOWN_WGRAD), int(P.TaskKind.GATE_UP_WGRAD)])
@@ -514,15 +520,15 @@ def test_fused_backward_check_rejects_an_early_weight_gradient():
 
 
 def test_ancestors_of_tracked_tasks_are_the_full_relation_restricted():
-    """_ancestors with a `tracked` mask (what Plan.check uses: only the tasks some check needs)
+    """ancestors with a `tracked` mask (what Plan.check uses: only the tasks some check needs)
     gives, bit k for the k-th tracked task, exactly the full happens-before relation on them."""
-    plan = P.fused_backward(SMALL, 2, 2, 256, policy=dict(MOK_POLICY), num_sms=8)
+    plan = P.fused_backward(SMALL, 2, P.FusedKnobs(2, 256), policy=dict(MOK_POLICY), num_sms=8)
     order = plan.execution_order
-    full = P._ancestors(plan, order)
+    full = ancestors(plan, order)
     rng = np.random.default_rng(3)
     tracked = rng.random(len(plan.tasks)) < 0.3
     index = np.flatnonzero(tracked)
-    restricted = P._ancestors(plan, order, tracked)
+    restricted = ancestors(plan, order, tracked)
     for i in range(len(plan.tasks)):
         want = {k for k, j in enumerate(index) if full[i] >> int(j) & 1}
         got = {k for k in range(len(index)) if restricted[i] >> k & 1}
@@ -536,15 +542,13 @@ def test_ancestors_of_tracked_tasks_are_the_full_relation_restricted():
 PAIR_FIELDS = ["kind", "minibatch", "macrobatch", "col_tile", "expert"]  # with the row pair: one tile pair
 
 
-def fused_of(pass_, comm=2, minibatch=256, num_sms=8, assign=None, shape=TILE, **kw):
+def fused_of(pass_, comm=2, minibatch=256, num_sms=8, assign=None, shape=TILE, capacity_rows=1024, **knobs):
     """A fused plan of either pass (the forward's ring turns twice where 4 minibatches allow it)."""
-    kw.setdefault("claim", 0)  # every pair in a cluster's table (the claimed pool: its own tests)
-    if pass_ == "fwd":
-        ring = 2 if 1024 // minibatch > 2 else None
-        return P.fused_forward(shape, 2, comm, minibatch, ring, policy=MOK_POLICY, num_sms=num_sms,
-                               capacity_rows=kw.pop("capacity_rows", 1024), assign=assign, **kw)
-    return P.fused_backward(shape, 2, comm, minibatch, policy=MOK_POLICY, num_sms=num_sms,
-                            capacity_rows=kw.pop("capacity_rows", 1024), assign=assign, **kw)
+    knobs.setdefault("claim", 0)  # every pair in a cluster's table (the claimed pool: its own tests)
+    ring = 2 if pass_ == "fwd" and 1024 // minibatch > 2 else None
+    make = P.fused_forward if pass_ == "fwd" else P.fused_backward
+    return make(shape, 2, P.FusedKnobs(comm, minibatch, ring_minibatches=ring, assign=assign, **knobs),
+                policy=MOK_POLICY, num_sms=num_sms, capacity_rows=capacity_rows)
 
 
 def cluster_pairs(plan) -> list[list[tuple]]:
@@ -583,11 +587,12 @@ def test_round_robin_is_the_old_assignment(pass_, comm, minibatch, num_sms):
 
 @pytest.mark.parametrize("pass_,comm,minibatch,num_sms", ASSIGN_CASES)
 def test_default_assignment_is_the_pass_default(pass_, comm, minibatch, num_sms):
-    # the forward round robin, the backward balanced (measured on the H200: plan.DEFAULT_ASSIGN)
-    assert P.DEFAULT_ASSIGN == {"fwd": "round_robin", "bwd": "balanced"}
+    # the forward round robin, the backward balanced (FusedKnobs.PASS_DEFAULTS)
+    want = {"fwd": "round_robin", "bwd": "balanced"}[pass_]
+    assert P.FusedKnobs().resolved(pass_, MOK_POLICY).assign == want
     default = fused_of(pass_, comm, minibatch, num_sms)
-    chosen = fused_of(pass_, comm, minibatch, num_sms, P.DEFAULT_ASSIGN[pass_])
-    assert default.assign == P.DEFAULT_ASSIGN[pass_] and default.tasks.tobytes() == chosen.tasks.tobytes()
+    chosen = fused_of(pass_, comm, minibatch, num_sms, want)
+    assert default.assign == want and default.tasks.tobytes() == chosen.tasks.tobytes()
 
 
 @pytest.mark.parametrize("pass_,comm,minibatch,num_sms", ASSIGN_CASES)
@@ -627,7 +632,7 @@ def test_col_raster_reorders_each_minibatch_by_column(pass_):
     row, col = (fused_of(pass_, 2, 512, 8, raster=r, shape=wide) for r in P.RASTERS)
     col.check()
     assert (row.raster, col.raster) == P.RASTERS and "raster=col" in col.describe()
-    assert P.DEFAULT_RASTER == fused_of(pass_, 2, 256, 8).raster == "row"
+    assert P.FusedKnobs().resolved(pass_, MOK_POLICY).raster == fused_of(pass_, 2, 256, 8).raster == "row"
     orders = {r: cluster_pairs(fused_of(pass_, 2, 512, 4, raster=r, shape=wide))[0]  # one cluster: the global order
               for r in P.RASTERS}  # 2 row pairs a minibatch
     assert sorted(orders["row"]) == sorted(orders["col"]) and orders["row"] != orders["col"]
@@ -669,8 +674,8 @@ def test_bad_spread_from():
             with pytest.raises(ValueError, match="spread_from"):
                 fused_of(pass_, comm, 256, 8, spread_from=spread)
     with pytest.raises(ValueError, match="spread_from"):  # the combine runs after the kernel (pull)
-        P.fused_forward(TILE, 2, 2, 256, policy={**MOK_POLICY, "combine": "pull"}, num_sms=8, capacity_rows=1024,
-                        spread_from=0)
+        P.fused_forward(TILE, 2, P.FusedKnobs(2, 256, spread_from=0), policy={**MOK_POLICY, "combine": "pull"},
+                        num_sms=8, capacity_rows=1024)
 
 
 def test_bad_raster():
@@ -688,7 +693,8 @@ def test_balanced_backward_spreads_experts_of_fewer_rows_than_a_pair():
     shape = get_shape("tile")  # 48 experts, N K = 64 x 4: ~5 rows each, 48 pairs of real rows
     assert P.expected_rows(shape, 1, 1 << 20) == 48 * P.PAIR_ROWS
     assert P.default_capacity(shape, 1, 256) == 48 * P.PAIR_ROWS
-    plan = P.fused_backward(shape, 1, 0, 256, policy=MOK_POLICY, num_sms=16, capacity_rows=48 * P.PAIR_ROWS)
+    plan = P.fused_backward(shape, 1, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=16,
+                            capacity_rows=48 * P.PAIR_ROWS)
     kinds = [int(P.TaskKind.DOWN_BWD), int(P.TaskKind.GATE_UP_BWD)]
     counts = [int(np.isin(t["kind"], kinds).sum()) for t in plan.block_tables()]
     # both CTAs of 48 pairs, down_bwd's I / BN and gate_up_bwd's H / BN column tiles each
@@ -753,7 +759,7 @@ def test_balanced_evens_out_the_estimated_work(name, pass_):
     for comm in (0, 8):
         work = {}
         for assign in P.ASSIGNMENTS:
-            plan = make(shape, 2, comm, 2048, policy=MOK_POLICY, num_sms=132, assign=assign, claim=0)
+            plan = make(shape, 2, P.FusedKnobs(comm, 2048, assign=assign, claim=0), policy=MOK_POLICY, num_sms=132)
             t = plan.tasks
             even = (t["block"] >= comm) & (t["block"] % 2 == 0) & ~np.isin(t["kind"], [int(k) for k in P.MOVER_KINDS])
             tile = np.array([P.tile_cost(P.TaskKind(k), shape, 2, plan.capacity_rows, rt // 2)
@@ -848,7 +854,8 @@ def test_check_rejects_a_broken_pool():
 
 def test_default_claims():
     # the forward claims every tile pair, the backward the tail: TAIL_PAIRS_PER_CLUSTER per cluster
-    assert P.DEFAULT_CLAIM == {"fwd": "all", "bwd": "tail"}
+    assert {pass_: P.FusedKnobs().resolved(pass_, MOK_POLICY).claim for pass_ in P.PASSES} == {"fwd": "all",
+                                                                                               "bwd": "tail"}
     for pass_ in P.PASSES:
         pairs = len(global_order(pass_, 2, 256))
         for num_sms, comm in ((8, 2), (8, 0), (30, 2)):

@@ -6,6 +6,7 @@ import gzip
 import json
 import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,22 +79,23 @@ def test_validate_sequential_layer_rows(h200, h200_validation):
 
 
 def _results_copy(tmp_path, edit_layer_row=None, extra_rows=(), only=None):
-    """results/*.jsonl (and the timelines stored as .jsonl.gz) copied to tmp_path; edit_layer_row(row)
-    may change the rows of every bench_layer file (layer.BENCH_FILES) in place; extra_rows are
-    appended to bench_layer.jsonl; only: the names (as stored) of the files to copy, None for all."""
-    layer_files = {name + ".jsonl" for name in layer.BENCH_FILES}
-    for src in results.jsonl_files(results.RESULTS_DIR, "*"):
-        if only is not None and src.name not in only:
+    """results/'s JSON lines (every machine folder) and its timelines with their index copied to
+    tmp_path; edit_layer_row(row) may change bench_layer's rows in place; extra_rows are appended to
+    bench_layer.jsonl; only: the paths (relative to results/) of the files to copy, None for all."""
+    root = results.RESULTS_DIR
+    for src in results.jsonl_files(root, "**/*"):  # (the timelines' index is JSON lines too)
+        rel = src.relative_to(root)
+        if only is not None and str(rel) not in only:
             continue
-        if src.name not in layer_files:
-            shutil.copy(src, tmp_path)
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        if rel != Path("bench_layer.jsonl"):
+            shutil.copy(src, tmp_path / rel)
             continue
         rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
         for row in rows:
             if edit_layer_row:
                 edit_layer_row(row)
-        extra = extra_rows if src.name == "bench_layer.jsonl" else ()
-        (tmp_path / src.name).write_text("\n".join(json.dumps(row) for row in [*rows, *extra]) + "\n")
+        (tmp_path / rel).write_text("\n".join(json.dumps(row) for row in [*rows, *extra_rows]) + "\n")
     return tmp_path
 
 
@@ -131,12 +133,11 @@ def test_layer_rows_use_the_newest_run_of_each_shape(h200, tmp_path):
     # a newer run of one shape only (another git stamp, later): that shape's rows come from it, the
     # others keep theirs
     newest = layer.measured_rows()
-    # the newest run is looked for in every bench_layer file, not only the running one
+    # the newest run among the compared rows (not a run marked sim_left_out, nor another policy's)
     latest = {}
-    for name in layer.BENCH_FILES:
-        for r in results.load(name):
-            if r["schedule"] == "sequential" and r["time"] > latest.get(r["shape"], {"time": ""})["time"]:
-                latest[r["shape"]] = r
+    for r in layer.compared_rows():
+        if r["schedule"] == "sequential" and r["time"] > latest.get(r["shape"], {"time": ""})["time"]:
+            latest[r["shape"]] = r
     assert {r["shape"]: r["run"] for r in newest} == {k: r["run"] for k, r in latest.items()}
     glm = [dict(r, git="feedbee", time="2099-01-01T00:00:00+00:00", stages_ms={k: 2 * v for k, v in r["stages_ms"].items()})
            for r in newest if r["shape"] == "glm-5.2"]
@@ -148,10 +149,20 @@ def test_layer_rows_use_the_newest_run_of_each_shape(h200, tmp_path):
     assert all(r["git"] == ("feedbee" if r["shape"] == "glm-5.2" else git[r["shape"]]) for r in rows)
 
 
-def test_every_bench_layer_file_is_compared_or_says_why_not():
-    stored = {path.name.split(".")[0] for path in results.jsonl_files(results.RESULTS_DIR, "bench_layer*")}
-    assert stored == set(layer.BENCH_FILES) | set(layer.BENCH_FILES_LEFT_OUT)
-    assert not set(layer.BENCH_FILES) & set(layer.BENCH_FILES_LEFT_OUT)
+def test_every_bench_layer_run_is_compared_or_says_why_not():
+    # a run's rows are all compared or all left out with a reason (sim_left_out), or ran other transfer
+    # directions than MoK's (their `policy`); compared_rows keeps exactly the others
+    rows = results.load("bench_layer")
+    why = {}
+    for r in rows:
+        why.setdefault(r["run"], set()).add(r.get("sim_left_out"))
+    assert all(len(reasons) == 1 for reasons in why.values()), why
+    left_out = {run for run, reasons in why.items() if reasons != {None}}
+    assert left_out and all(len(next(iter(why[run]))) > 20 for run in left_out)
+    other_policy = {r["run"] for r in rows if r.get("policy", MOK_POLICY) != MOK_POLICY}
+    assert other_policy and not other_policy & left_out
+    assert {r["run"] for r in layer.compared_rows()} == set(why) - left_out - other_policy
+    assert not any("sim_left_out" in r or r.get("policy", MOK_POLICY) != MOK_POLICY for r in layer.compared_rows())
 
 
 def _layer_predicted(gpu):
@@ -278,15 +289,18 @@ def test_ep64_kimi_forward_is_fast(h200):
 # ---------------------------------------------------------------------------------------------
 # The fused forward (plan.fused_forward, cuda/fused.cuh)
 # ---------------------------------------------------------------------------------------------
-CALIBRATION_TIMELINE = results.timeline_file(H200_CALIBRATION["fused_bulk"])  # kimi, comm 8, the bulk ring (62f5296)
-WARPS_TIMELINE = results.timeline_file(H200_CALIBRATION["fused"])  # kimi, comm 12, the warp movers (1685ef1)
-SPARE_TIMELINE = results.timeline_file(H200_CALIBRATION["fused_spare"])  # kimi, comm 0, the spare warps (e48bf6e)
-OLD_SPARE_TIMELINE = results.timeline_file("timeline_fused_fwd_kimi-k2.7_b905f19.jsonl")  # the acquire spin's
+# the calibration timelines (index rows): kimi, comm 8, the bulk ring; comm 12, the warp movers; comm 0, the spare warps
+CALIBRATION_TIMELINE, WARPS_TIMELINE, SPARE_TIMELINE = (fused.calibration_timeline(k) for k in
+                                                        ("fused_bulk", "fused", "fused_spare"))
+# kimi's comm-0 forward of a kernel whose counter waits spun on ld.acquire (the spare warps' old calibration)
+OLD_SPARE_TIMELINE, = results.timeline_index(pass_="fwd", bench="bench_layer", shape="kimi-k2.7", comm_blocks=0,
+                                              wait_spin="acquire")
 
 
 def _fused_plan(comm_blocks, minibatch_rows=2048, num_sms=132, policy=MOK_POLICY):
     # claim 0: the plans of the kernels measured before the claimed pool (99c90df)
-    return P.fused_forward(KIMI_SHARE, 2, comm_blocks, minibatch_rows, policy=policy, num_sms=num_sms, claim=0)
+    return P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(comm_blocks, minibatch_rows, claim=0), policy=policy,
+                           num_sms=num_sms)
 
 
 def _emulated(plan, gpu):
@@ -297,7 +311,7 @@ def _emulated(plan, gpu):
 def _spread_plan(minibatch_rows=2048, num_sms=132):
     """A fused forward with comm_blocks == 0: the chunks spread over compute CTAs (chunk c on CTA c,
     run by spare warps beside its GEMM tiles)."""
-    return P.fused_forward(KIMI_SHARE, 2, 0, minibatch_rows, policy=MOK_POLICY, num_sms=num_sms, claim=0)
+    return P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(0, minibatch_rows, claim=0), policy=MOK_POLICY, num_sms=num_sms)
 
 
 def _comm(rec):
@@ -305,8 +319,8 @@ def _comm(rec):
 
 
 def test_fused_timeline_is_the_plan_it_ran(h200):
-    measured = results.load_timeline(CALIBRATION_TIMELINE)
-    assert results.timeline_name(CALIBRATION_TIMELINE) == ("kimi-k2.7", "62f5296")
+    measured = results.load_timeline(CALIBRATION_TIMELINE["path"])
+    assert (CALIBRATION_TIMELINE["shape"], CALIBRATION_TIMELINE["comm_mover"]) == ("kimi-k2.7", "bulk")
     plan, result = fused.simulate_timeline(measured, KIMI_SHARE, h200)
     assert (plan.comm_blocks, plan.minibatch_rows, plan.num_sms, plan.ring_minibatches) == (8, 2048, 132, 10)
     simulated = result.records(0)
@@ -323,7 +337,7 @@ def test_fused_timeline_is_the_plan_it_ran(h200):
 def test_old_timeline_files_get_their_chunk_counts(tmp_path):
     # files written before communication tasks carried their chunk count (col_tile -1 there): each
     # (kind, minibatch) transfer had one chunk per task of it; GEMM tasks keep their column tile
-    plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, spread_from=8, claim=0)
+    plan = P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(8, 2048, spread_from=8, claim=0), policy=MOK_POLICY, num_sms=132)
     rows = []
     for t in plan.tasks:
         kind = P.TaskKind(int(t["kind"]))
@@ -339,13 +353,14 @@ def test_old_timeline_files_get_their_chunk_counts(tmp_path):
 
 
 def test_gzipped_timeline_is_the_same_timeline(tmp_path):
-    # results/ keeps its timelines as .jsonl.gz, bench_layer writes .jsonl: both read alike, and one name
-    # stem is one timeline (the plain file where both exist)
-    text = "".join(line + "\n" for line in results.read_text(SPARE_TIMELINE).splitlines()[:500])
-    name = results.plain_name(SPARE_TIMELINE)
-    plain, packed, both = (tmp_path / d for d in ("plain", "packed", "both"))
+    # results/timelines/ keeps its timelines as .jsonl.gz, bench_layer writes .jsonl: both read alike, one
+    # name stem is one timeline (the plain file where both exist), and add_timeline stores a written one
+    # gzipped with its index row
+    text = "".join(line + "\n" for line in results.read_text(SPARE_TIMELINE["path"]).splitlines()[:500])
+    name = results.plain_name(SPARE_TIMELINE["path"])
+    plain, packed, both = (results.timelines_dir(tmp_path / d) for d in ("plain", "packed", "both"))
     for d in (plain, packed, both):
-        d.mkdir()
+        d.mkdir(parents=True)
     for d in (plain, both):
         (d / name).write_text(text)
     for d in (packed, both):
@@ -354,12 +369,24 @@ def test_gzipped_timeline_is_the_same_timeline(tmp_path):
     got = results.load_timeline(packed / f"{name}.gz")
     assert len(want) == 500 and want.dtype == got.dtype and all(np.array_equal(want[k], got[k]) for k in want.dtype.names)
     assert results.comm_bars_from_ready(packed / f"{name}.gz") and results.comm_bars_from_ready(plain / name)
-    assert results.timeline_name(packed / f"{name}.gz") == results.timeline_name(plain / name) == ("kimi-k2.7", "e48bf6e")
-    assert results.timeline_files(packed) == [packed / f"{name}.gz"] == [results.timeline_file(name, packed)]
-    assert results.timeline_files(both) == [both / name] == [results.timeline_file(f"{name}.gz", both)]
+    assert results.timeline_name(packed / f"{name}.gz") == results.timeline_name(plain / name) == (
+        "kimi-k2.7", SPARE_TIMELINE["git"])
+    assert [results.timeline_file(name, tmp_path / "packed")] == [packed / f"{name}.gz"]
+    assert [results.timeline_file(f"{name}.gz", tmp_path / "both")] == [both / name]
     assert results.jsonl_files(tmp_path, "**/timeline_fused_*") == [both / name, packed / f"{name}.gz", plain / name]
     with pytest.raises(FileNotFoundError, match=f"no timeline {name} \\(nor {name}.gz\\)"):
         results.timeline_file(name, tmp_path)
+    # an index finds them: add_timeline gzips a written file into the timelines folder, appends its row
+    store = tmp_path / "store"
+    row = results.add_timeline(plain / name, store, pass_="fwd", bench="bench_layer", shape="kimi-k2.7")
+    assert row == {"file": f"{name}.gz", "pass": "fwd", "bench": "bench_layer", "shape": "kimi-k2.7"}
+    assert results.timeline_files(store) == [results.timelines_dir(store) / f"{name}.gz"]
+    assert results.timeline_files(store, pass_="bwd") == [] and results.timeline_files(tmp_path / "plain") == []
+    stored = results.load_timeline(results.timeline_files(store)[0])
+    assert all(np.array_equal(want[k], stored[k]) for k in want.dtype.names)
+    assert results.timeline_index(store, shape="kimi-k2.7")[0]["path"] == results.timeline_files(store)[0]
+    with pytest.raises(FileExistsError):
+        results.add_timeline(packed / f"{name}.gz", store, pass_="fwd")
 
 
 def test_validate_fused_rows(h200, h200_validation):
@@ -379,7 +406,7 @@ def test_validate_fused_rows(h200, h200_validation):
              and r.quantity.endswith("C=12 MB=2048 1685ef1") and " kimi" not in r.quantity]
     assert len(other) == 12 and all(r.check == "judged" for r in other)
     # the spare warps' rate: fitted on the e48bf6e comm_blocks == 0 timeline, ~7 GB/s and ~2.4 us per task
-    assert results.timeline_name(SPARE_TIMELINE) == ("kimi-k2.7", "e48bf6e")
+    assert (SPARE_TIMELINE["shape"], SPARE_TIMELINE["git"], SPARE_TIMELINE["comm_blocks"]) == ("kimi-k2.7", "e48bf6e", 0)
     assert 5 < h200.spare_cta_gbs < 9 and 1e3 < h200.spare_task_ns < 3.5e3
     spare = {r.quantity.split(" kimi")[0]: r for r in rows if " kimi" in r.quantity and " C=0 " in r.quantity
              and r.quantity.endswith("e48bf6e") and r.quantity.startswith("fwd ")}
@@ -388,16 +415,20 @@ def test_validate_fused_rows(h200, h200_validation):
     assert len(others) == 6 and all(r.check == "judged" and r.ok(validate.H200_TOLERANCE) for r in others.values())
 
 
-def _timeline_copy(tmp_path, edit, timeline=CALIBRATION_TIMELINE):
-    """results/*.jsonl (and the timelines stored as .jsonl.gz) in tmp_path (made here); edit(rows) may
-    change the JSON rows of `timeline` (a calibration timeline), written there as plain .jsonl."""
+def _timeline_copy(tmp_path, edit, timeline=CALIBRATION_TIMELINE, alone=False):
+    """results/ (its JSON lines and timelines, `_results_copy`) in tmp_path (made here); edit(rows) may
+    change the JSON rows of `timeline` (an index row: a calibration timeline), written there under its
+    name. alone: that timeline and its index row only."""
     tmp_path.mkdir()
-    for src in results.jsonl_files(results.RESULTS_DIR, "*"):
-        if results.plain_name(src) != results.plain_name(timeline):
-            shutil.copy(src, tmp_path)
-    rows = [json.loads(line) for line in results.read_text(timeline).splitlines()]
+    name = f"{results.TIMELINES}/{timeline['file']}"
+    _results_copy(tmp_path, only={name, f"{results.TIMELINES}/{results.INDEX}"} if alone else None)
+    rows = [json.loads(line) for line in results.read_text(timeline["path"]).splitlines()]
     edit(rows)
-    (tmp_path / results.plain_name(timeline)).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / name).write_bytes(gzip.compress(("\n".join(json.dumps(r) for r in rows) + "\n").encode()))
+    if alone:
+        index = tmp_path / results.TIMELINES / results.INDEX
+        index.write_text("".join(line + "\n" for line in index.read_text().splitlines()
+                                 if json.loads(line)["file"] == timeline["file"]))
     return tmp_path
 
 
@@ -409,7 +440,7 @@ MOVER_FITS = [(CALIBRATION_TIMELINE, ("bulk_row_ns", "bulk_task_ns"), ("comm_cta
 
 @pytest.mark.parametrize("timeline,fits,others", MOVER_FITS, ids=["bulk", "warps", "spare"])
 def test_fused_calibration_uses_only_the_dispatch_tasks(h200, tmp_path, timeline, fits, others):
-    git = results.timeline_name(timeline)[1]
+    git = timeline["git"]
 
     def slow_compute(rows):  # every GEMM and combine task 1.5x later and longer: the fit must not move
         for r in rows:
@@ -419,11 +450,9 @@ def test_fused_calibration_uses_only_the_dispatch_tasks(h200, tmp_path, timeline
     moved = fused.calibrate(h200, where)
     assert all(getattr(moved, f) == getattr(h200, f) for f in fits + others)
     # The rows below are the edited timeline's: fused_rows computes a timeline's rows from its own
-    # records and the parameters only, so it is given that timeline alone (the other 18 timelines
-    # and bench_layer's passes, ~35 s to simulate on CI, add rows the filter drops)
-    alone = tmp_path / "compute-alone"
-    alone.mkdir()
-    shutil.copy(where / results.plain_name(timeline), alone)
+    # records and the parameters only, so it is given that timeline alone (the other timelines and
+    # bench_layer's passes, ~35 s to simulate on CI, add rows the filter drops)
+    alone = _timeline_copy(tmp_path / "compute-alone", slow_compute, timeline, alone=True)
     ends = [r for r in validate.fused_rows(moved, alone) if r.quantity.endswith(git) and " kimi" in r.quantity
             and " end " in r.quantity]
     judged = [r for r in ends if r.judged]
@@ -444,7 +473,7 @@ def test_fused_calibration_uses_only_the_dispatch_tasks(h200, tmp_path, timeline
 def test_fused_calibration_recovers_the_warp_movers_rate(h200, tmp_path):
     # the warp movers' dispatch tasks rewritten as 2.5 us + bytes at 30 GB/s (each task's rows: those the
     # simulator gives it): the calibration gives back 30 GB/s and 2.5 us
-    measured = results.load_timeline(WARPS_TIMELINE)
+    measured = results.load_timeline(WARPS_TIMELINE["path"])
     plan = fused.timeline_plan(measured, KIMI_SHARE)
     _, used = model.fused_chunk_rows(plan, fused.emulated_load(KIMI_SHARE))
     row_bytes = KIMI_SHARE.hidden * model.ELEM_BYTES
@@ -455,7 +484,7 @@ def test_fused_calibration_recovers_the_warp_movers_rate(h200, tmp_path):
                 r["end_ns"] = r["start_ns"] + 2500.0 + used[r["minibatch"], r["row_tile"], 0] * row_bytes / 30.0
     fitted = fused.calibrate(h200, _timeline_copy(tmp_path / "synthetic", at_30_gbs, WARPS_TIMELINE))
     assert fitted.comm_cta_gbs == pytest.approx(30.0, rel=1e-6) and fitted.comm_task_ns == pytest.approx(2500.0, rel=1e-6)
-    # a calibration timeline of the other mover is refused (its git stamp names its kernel)
+    # a calibration timeline of the other mover is refused (its index row names its kernel)
     with pytest.raises(ValueError, match="bulk movers, but this calibration needs the warps"):
         fused._fit_dispatch(CALIBRATION_TIMELINE, "warps")
 
@@ -466,7 +495,8 @@ QWEN_SHARE = ep_share("qwen3.5-397b", 64)  # 8 KB rows (kimi: 14 KB)
 def _chunk_us(shape, gpu, comm_blocks=8):
     """The median busy dispatch chunk (us) of the fused forward on one EP=64 share (bench_layer's
     emulation), and its rows."""
-    plan = P.fused_forward(shape, 2, comm_blocks, 2048, policy=MOK_POLICY, num_sms=132, capacity_rows=12 * 2048)
+    plan = P.fused_forward(shape, 2, P.FusedKnobs(comm_blocks, 2048), policy=MOK_POLICY, num_sms=132,
+                           capacity_rows=12 * 2048)
     load = fused.emulated_load(shape)
     rec = sim.simulate(plan, layer.one_gpu(gpu), load).records(0)
     _, used = model.fused_chunk_rows(plan, load)
@@ -479,8 +509,9 @@ def _chunk_us(shape, gpu, comm_blocks=8):
 def test_comm_mover_copies_per_byte_the_bulk_ring_per_row(h200):
     # the warp movers (since aceb6ae): a full chunk of qwen's 8 KB rows takes ~8/14 of kimi's 14 KB one
     # (measured at 1685ef1, comm 12: 66-68 us against 108-114 us); the bulk ring: the same time per row
-    bulk = h200.recorded_at("62f5296")
-    assert bulk.comm_mover == "bulk" and h200.recorded_at("1685ef1").comm_mover == "warps"
+    bulk = h200.recorded_at(CALIBRATION_TIMELINE)
+    assert bulk.comm_mover == "bulk" and h200.recorded_at(WARPS_TIMELINE).comm_mover == "warps"
+    assert h200.recorded_at({}).comm_mover == "warps"  # a measurement without the field: the current kernel
     (kimi_us, kimi_rows), (qwen_us, qwen_rows) = _chunk_us(KIMI_SHARE, h200), _chunk_us(QWEN_SHARE, h200)
     assert kimi_rows == qwen_rows == 256
     fixed = h200.comm_task_ns / 1e3
@@ -498,9 +529,10 @@ def test_comm_mover_copies_per_byte_the_bulk_ring_per_row(h200):
 def test_qwen_chunks_judge_the_mover(h200):
     # qwen's comm-12 backward at 1685ef1 (8 KB rows, the warp movers): the transfers' task time per SM
     # within 10% with the per-byte rate fitted on kimi's 14 KB rows, and 40% over it per row (the bulk ring's model)
-    path = results.timeline_file("timeline_fused_bwd_qwen3.5-397b_1685ef1.jsonl")
+    entry, = results.timeline_index(pass_="bwd", shape="qwen3.5-397b", git=WARPS_TIMELINE["git"])
+    path = entry["path"]
     measured = results.timeline_summary(results.load_timeline(path))["kinds"]
-    for gpu, low, high in ((h200, 0.9, 1.1), (h200.recorded_at("62f5296"), 1.4, 2.0)):
+    for gpu, low, high in ((h200, 0.9, 1.1), (h200.recorded_at({"comm_mover": "bulk"}), 1.4, 2.0)):
         plan, result = fused.simulate_timeline(results.load_timeline(path), QWEN_SHARE, gpu)
         assert plan.comm_blocks == 12
         got = results.timeline_summary(result.records(0))["kinds"]
@@ -509,38 +541,41 @@ def test_qwen_chunks_judge_the_mover(h200):
             assert low < ratio < high, (gpu.comm_mover, kind, ratio)
 
 
-def _stamps_before(commit: str, listed) -> dict:
-    """{git stamp: whether it is older than `commit`} for every git stamp of the fused kernel's
-    measurements in results/ and its subfolders (bench_layer and sweep_overlap rows, timeline names)
-    and every stamp of `listed`; skips without the git history."""
+def _kernel_fields_by_stamp() -> dict:
+    """{git stamp: {kernel feature field: value}} over results/'s rows (every machine folder) and the
+    timelines' index; fails if one stamp carries two values of a field."""
+    measured = [r for src in results.jsonl_files(results.RESULTS_DIR, "**/*") if src.suffix == ".jsonl"
+                for r in results.load(src.stem, src.parent)] + results.timeline_index()
+    fields = {}
+    for r in measured:
+        for k in ("comm_mover", "wait_spin", "scale_traffic"):
+            if k in r:
+                fields.setdefault(r["git"], {}).setdefault(k, set()).add(r[k])
+    assert all(len(v) == 1 for f in fields.values() for v in f.values()), fields
+    return {git: {k: v.pop() for k, v in f.items()} for git, f in fields.items()}
+
+
+def _is_before(stamps, commit: str) -> dict:
+    """{git stamp: whether it is older than `commit`}; skips without the git history."""
     import subprocess
 
     root = results.RESULTS_DIR.parent
     if subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True).returncode:
         pytest.skip(f"no git history with {commit}")
-    stamps = {results.timeline_name(p)[1] for p in results.jsonl_files(results.RESULTS_DIR, "**/timeline_fused_*")}
-    for src in [*results.RESULTS_DIR.glob("bench_layer*.jsonl"), results.RESULTS_DIR / "sweep_overlap.jsonl"]:
-        stamps |= {json.loads(line).get("git") for line in src.read_text().splitlines() if line.strip().startswith("{")}
     return {stamp: subprocess.run(["git", "merge-base", "--is-ancestor", stamp, f"{commit}^"], cwd=root,
                                   capture_output=True).returncode == 0  # (a commit is its own ancestor: commit^)
-            for stamp in sorted({s for s in stamps if s} | set(listed))}
+            for stamp in stamps}
 
 
-def test_bulk_mover_commits_are_the_stamps_before_aceb6ae():
-    # every git stamp of the fused kernel's measurements in results/ ran the bulk ring iff it is older than aceb6ae
-    from mok_proto.sim.params import BULK_MOVER_COMMITS
-    for stamp, before in _stamps_before("aceb6ae", BULK_MOVER_COMMITS).items():
-        assert before == (stamp in BULK_MOVER_COMMITS), stamp
-
-
-def test_acquire_spin_commits_are_the_stamps_before_e48bf6e():
-    # every git stamp of the fused kernel's measurements in results/ ran the acquire spin in its counter
-    # waits iff it is older than e48bf6e (the relaxed spin with backoff)
-    from mok_proto.sim.params import ACQUIRE_SPIN_COMMITS, wait_spin_at
-    stamps = _stamps_before("e48bf6e", ACQUIRE_SPIN_COMMITS)
-    assert {"1685ef1", "b905f19", "e48bf6e"} <= set(stamps)
-    for stamp, before in stamps.items():
-        assert before == (stamp in ACQUIRE_SPIN_COMMITS) == (wait_spin_at(stamp) == "acquire"), stamp
+@pytest.mark.parametrize("field,old,commit", [("comm_mover", "bulk", "aceb6ae"), ("wait_spin", "acquire", "e48bf6e"),
+                                              ("scale_traffic", "scatter", "e7e9bd0")])
+def test_kernel_fields_follow_the_git_history(field, old, commit):
+    # every measurement of results/ (rows and timelines) with a git stamp of a commit carries the kernel
+    # feature that commit's kernels had: the old one iff the stamp is older than the commit that changed it
+    stamps = {git: f[field] for git, f in _kernel_fields_by_stamp().items() if field in f and git != "unknown"}
+    assert {"1685ef1", "e48bf6e", "e7e9bd0"} <= set(stamps) and old in stamps.values()
+    for stamp, before in _is_before(stamps, commit).items():
+        assert before == (stamps[stamp] == old), (field, stamp)
 
 
 def test_spare_warps_copy_per_byte(h200):
@@ -548,16 +583,17 @@ def test_spare_warps_copy_per_byte(h200):
     # rows: the same minibatch over 132 CTAs), as their bytes say and not their rows (a row's time the same:
     # ~1x, what the per-row model fitted at b905f19 said, putting qwen's chunks 50% over); the per-byte rate
     # fitted on kimi predicts qwen's chunks within 10%
-    def chunk_us(path, shape):  # median busy dispatch chunk: measured, simulated
-        measured = results.load_timeline(path)
-        plan, result = fused.simulate_timeline(measured, shape, h200, git=results.timeline_name(path)[1])
+    def chunk_us(entry, shape):  # median busy dispatch chunk: measured, simulated
+        measured = results.load_timeline(entry["path"])
+        plan, result = fused.simulate_timeline(measured, shape, h200, kernel=entry)
         assert plan.comm_blocks == 0
         rec = result.records(0)
         sel = (rec["kind"] == int(P.TaskKind.DISPATCH)) & (rec["end_ns"] - rec["start_ns"] > h200.spare_task_ns)
         return tuple(float(np.median(r["end_ns"][sel] - r["start_ns"][sel])) / 1e3 for r in (measured, rec))
 
     (kimi_m, kimi_s) = chunk_us(SPARE_TIMELINE, KIMI_SHARE)
-    (qwen_m, qwen_s) = chunk_us(results.timeline_file("timeline_fused_fwd_qwen3.5-397b_e48bf6e.jsonl"), QWEN_SHARE)
+    qwen, = results.timeline_index(pass_="fwd", shape="qwen3.5-397b", git=SPARE_TIMELINE["git"])
+    (qwen_m, qwen_s) = chunk_us(qwen, QWEN_SHARE)
     assert qwen_m / kimi_m < 0.7
     assert qwen_s / kimi_s == pytest.approx(qwen_m / kimi_m, rel=0.1) and qwen_s == pytest.approx(qwen_m, rel=0.1)
     # the spare warps' rate is a byte rate: a chunk's copy scales with the row size at the same rows
@@ -567,6 +603,7 @@ def test_spare_warps_copy_per_byte(h200):
 def test_spare_calibration_needs_the_backoff_kernel():
     # the spare warps' copy rate is fitted on a kernel whose counter waits back off (e48bf6e on): the b905f19
     # comm-0 timeline (the old calibration, acquire spin) is refused, the e48bf6e one taken
+    assert OLD_SPARE_TIMELINE["git"] == "b905f19" and SPARE_TIMELINE["wait_spin"] == "backoff"
     with pytest.raises(ValueError, match="ran the acquire spin"):
         fused._fit_dispatch(OLD_SPARE_TIMELINE, "spare")
     (fixed, row_ns), row_bytes = fused._fit_dispatch(SPARE_TIMELINE, "spare")
@@ -578,15 +615,18 @@ def test_acquire_spin_rule_decides_which_fused_rows_are_judged(h200, h200_valida
     # e48bf6e) in a pass whose spare warps move rows (comm 0): a rule on the stamp and the plan, not the error
     import re
 
-    from mok_proto.sim.params import spare_warps_spun, wait_spin_at
-    assert spare_warps_spun("1685ef1", 0) and spare_warps_spun("1685ef1", 12, spread_from=7)
-    assert not spare_warps_spun("1685ef1", 12) and not spare_warps_spun("e48bf6e", 0)
-    assert not spare_warps_spun("e48bf6e", 12, spread_from=7) and wait_spin_at("e48bf6e") == "backoff"
+    from mok_proto.sim.params import spare_warps_spun
+    acquire, backoff = {"wait_spin": "acquire"}, {"wait_spin": "backoff"}
+    assert spare_warps_spun(acquire, 0) and spare_warps_spun(acquire, 12, spread_from=7)
+    assert not spare_warps_spun(acquire, 12) and not spare_warps_spun(backoff, 0) and not spare_warps_spun({}, 0)
+    assert not spare_warps_spun(backoff, 12, spread_from=7)
+    wait_spin = {git: f["wait_spin"] for git, f in _kernel_fields_by_stamp().items() if "wait_spin" in f}
     rows = [r for r in h200_validation if r.group == "h200 fused" and r.check != "informational"]
-    timeline_notes = set(validate.TIMELINE_EXPLAINED.values())  # explained per event (their own test)
+    # explained per event (their own test)
+    timeline_notes = {why for e in results.timeline_index() for why in e.get("sim_explained", {}).values()}
     for r in rows:
         git, comm = r.quantity.rsplit(" ", 1)[1], int(re.search(r" C=(\d+) ", r.quantity).group(1))
-        spun = wait_spin_at(git) == "acquire" and comm == 0
+        spun = wait_spin[git] == "acquire" and comm == 0
         if not spun and r.note in timeline_notes:
             continue
         assert (r.check == "explained") == spun, r.quantity
@@ -608,17 +648,22 @@ def test_fused_pass_rows_from_bench_layer(h200, tmp_path):
     # the schedule, the kernel, the flag and wait, the weighted sum (2.91 ms measured at 62f5296)
     row = {"shape": "kimi-k2.7", "pass": "fwd", "ep": 64, "schedule": "fused", "comm_blocks": 8,
            "minibatch_tokens": 2048, "num_sms": 132, "median_ms": 2.91, "git": "62f5296",
-           "time": "2099-01-01T00:00:00+00:00"}
+           "time": "2099-01-01T00:00:00+00:00", "comm_mover": "bulk", "wait_spin": "acquire", "scale_traffic": "scatter"}
     # a fused backward row of the same run is not judged against the forward's simulation
     bwd = {**row, "pass": "bwd", "median_ms": 4.5, "time": "2099-01-01T00:00:01+00:00"}
     # bench_layer.jsonl alone (its own rows and these two): the rows asserted are that file's passes,
     # which fused_rows computes from its rows and the parameters only; the timelines and the other
     # FUSED_BENCH files (~30 s to simulate on CI) add rows that the filter below drops
     rows = validate.fused_rows(h200, _results_copy(tmp_path, extra_rows=[row, bwd], only={"bench_layer.jsonl"}))
+    # the compared runs' fused forward rows (not those of the runs marked sim_left_out), the newest this one
+    compared = {r["run"] for r in layer.compared_rows(tmp_path) if r["schedule"] == "fused" and r["pass"] == "fwd"}
+    assert sum(r.quantity.startswith("fwd pass (graph)") for r in rows) == sum(
+        r["run"] in compared and r["schedule"] == "fused" and r["pass"] == "fwd" for r in layer.compared_rows(tmp_path))
+    assert not any(r.quantity.endswith("249b630") for r in rows)  # a run left out (claimed pools)
     passes = [r for r in rows if "pass (graph) kimi" in r.quantity and r.quantity.endswith("62f5296")]  # the newest kimi run: this row
     assert len(passes) == 1 and passes[0].check == "judged" and passes[0].ok(validate.H200_TOLERANCE)
     predicted = passes[0].predicted * 1e6
-    kernel = _emulated(_fused_plan(8), h200.recorded_at("62f5296")).kernel_ns  # the row's kernel: the bulk ring
+    kernel = _emulated(_fused_plan(8), h200.recorded_at(row)).kernel_ns  # the row's kernel: the bulk ring
     assert predicted > kernel + model.epilogue_kernel_ns(KIMI_SHARE, layer.one_gpu(h200), 132)
 
 
@@ -692,13 +737,20 @@ def test_fused_comm_spread_over_compute_ctas(h200, monkeypatch):
 def test_spread_timeline_rows_are_judged_without_a_combine_median(h200, tmp_path):
     # a comm_blocks == 0 timeline that is not the calibration one: every row judged (here the
     # "measured" timeline is the simulated one: every error is 0), and no combine-chunk median
-    # (a spare-warp combine's bar includes its wait: validate.fused_rows' NOTE)
-    plan = P.fused_forward(KIMI_SHARE, 2, 0, 2048, policy=MOK_POLICY, num_sms=132, capacity_rows=10 * 2048)
+    # (a spare-warp combine's bar includes its wait: validate.fused_rows' NOTE); a timeline the index
+    # does not mark sim_compared is not compared
+    plan = P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(0, 2048), policy=MOK_POLICY, num_sms=132,
+                           capacity_rows=10 * 2048)
     rec = _emulated(plan, h200).records(0)
     rec["start_ns"], rec["end_ns"] = rec["start_ns"] - rec["start_ns"].min(), rec["end_ns"] - rec["start_ns"].min()
     rows = [{name: (P.TaskKind(int(r["kind"])).name.lower() if name == "kind" else r[name].item())
              for name in trace.TRACE_DTYPE.names} for r in rec]
-    (tmp_path / f"{results.TIMELINE_PREFIX}kimi-k2.7_spread.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    written = tmp_path / f"{results.TIMELINE_PREFIX}kimi-k2.7_spread.jsonl"
+    written.write_text("\n".join(json.dumps(r) for r in rows))
+    results.add_timeline(written, tmp_path, pass_="fwd", bench="bench_layer", shape="kimi-k2.7")
+    assert validate.fused_rows(h200, tmp_path) == []
+    results.add_timeline(written.rename(written.with_name("again.jsonl")), tmp_path, pass_="fwd", bench="bench_layer",
+                         shape="kimi-k2.7", sim_compared=True)
     got = {r.quantity.split(" kimi")[0]: r for r in validate.fused_rows(h200, tmp_path)}
     assert "fwd combine chunk median" not in got and "fwd dispatch end" in got
     assert all(r.check == "judged" and r.error == pytest.approx(0, abs=1e-9) for r in got.values())
@@ -727,7 +779,7 @@ def test_simulate_rejects_a_load_padded_for_another_plan(h200):
 def test_ep64_kimi_fused_forward_is_fast(h200, monkeypatch):
     gb = sim.gb300_nvl72(h200)
     t0 = time.process_time()
-    p = P.fused_forward(KIMI, 64, 40, 2048, policy=MOK_POLICY, num_sms=gb.num_sms)
+    p = P.fused_forward(KIMI, 64, P.FusedKnobs(40, 2048), policy=MOK_POLICY, num_sms=gb.num_sms)
     result = sim.simulate(p, gb)  # includes p.check()
     assert time.process_time() - t0 < 2.0
     assert len(result.records()) == len(p.tasks) and result.kernel_ns < result.time_ns
@@ -753,9 +805,10 @@ def test_measured_grid_takes_the_newest_fused_points(h200, tmp_path):
 
 
 def test_measured_grid_takes_the_newest_run_over_the_bench_files(h200, tmp_path):
-    # the newest run among FUSED_BENCH's files and sweep_overlap.jsonl (its minibatch key is
-    # minibatch_rows), after dropping the points whose spare warps ran the acquire spin: 1685ef1's
-    # comm-0 row is the newest row of all, and left out
+    # the newest run among bench_layer's compared rows and sweep_overlap.jsonl (its minibatch key is
+    # minibatch_rows), after dropping the points whose spare warps ran the acquire spin (1685ef1's
+    # comm-0 row, the newest but one, is left out), the points of the bulk ring with communicating
+    # CTAs and the runs marked sim_left_out (the newest row of all)
     from mok_proto.sim import fused as sim_fused
 
     def write(name, rows):
@@ -763,16 +816,17 @@ def test_measured_grid_takes_the_newest_run_over_the_bench_files(h200, tmp_path)
 
     fused_row = dict(schedule="fused", minibatch_tokens=2048)
     write("bench_layer", [dict(git="old", time="2026-12-01T07:00:00", schedule="fused", comm_blocks=0,
-                               minibatch_tokens=1024, median_ms=9.0)])
-    write("bench_layer_e48bf6e", [dict(git="e48bf6e", time="2026-12-01T08:00:00", comm_blocks=0, median_ms=2.9,
-                                       **fused_row),
-                                  dict(git="e48bf6e", time="2026-12-01T08:00:20", comm_blocks=12, median_ms=3.0,
-                                       **fused_row)])
-    write("bench_layer_1685ef1", [dict(git="1685ef1", time="2026-12-01T09:00:00", comm_blocks=0, median_ms=3.7,
-                                       **fused_row)])
+                               minibatch_tokens=1024, median_ms=9.0),
+                          dict(git="e48bf6e", time="2026-12-01T08:00:00", comm_blocks=0, median_ms=2.9, **fused_row),
+                          dict(git="e48bf6e", time="2026-12-01T08:00:20", comm_blocks=12, median_ms=3.0, **fused_row),
+                          dict(git="1685ef1", time="2026-12-01T09:00:00", comm_blocks=0, median_ms=3.7,
+                               wait_spin="acquire", **fused_row),
+                          dict(git="ec6738a", time="2026-12-01T09:30:00", comm_blocks=8, median_ms=3.1,
+                               comm_mover="bulk", **fused_row),
+                          dict(git="249b630", time="2026-12-01T10:00:00", comm_blocks=0, median_ms=2.5,
+                               sim_left_out="claimed pools", **fused_row)])
     write("sweep_overlap", [dict(git="e48bf6e", time="2026-12-01T08:00:10", comm_blocks=8, minibatch_rows=1024,
                                  median_ms=2.95)])
-    assert sim_fused.FUSED_BENCH == validate.FUSED_BENCH and "bench_layer_e48bf6e" in sim_fused.FUSED_BENCH
     _, measured = sim_fused.measured_grid("kimi-k2.7", h200, (0, 8, 12), (1024, 2048), tmp_path)
     assert measured == {(0, 2048): 2.9, (12, 2048): 3.0, (8, 1024): 2.95}
 
@@ -833,8 +887,8 @@ BWD = P.PASS_KINDS["bwd"]
 
 def _bwd_plan(comm_blocks, minibatch_rows=2048, shape=KIMI_SHARE, policy=MOK_POLICY, **knobs):
     knobs.setdefault("claim", 0)  # as the kernels measured before the claimed pool (99c90df)
-    return P.fused_backward(shape, 2, comm_blocks, minibatch_rows, policy=policy, num_sms=132,
-                            capacity_rows=10 * minibatch_rows, **knobs)
+    return P.fused_backward(shape, 2, P.FusedKnobs(comm_blocks, minibatch_rows, **knobs), policy=policy, num_sms=132,
+                            capacity_rows=10 * minibatch_rows)
 
 
 def _emulated_bwd(plan, gpu):
@@ -951,7 +1005,8 @@ def test_fused_backward_against_the_sequential_backward(h200):
     # Two ranks over the link: the sequential backward waits for every transfer, the fused one hides
     # them behind its tiles, so a slower link costs the sequential pass and not the fused one.
     def both(gpu):
-        return (sim.simulate(P.fused_backward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132), gpu).time_ns,
+        fused_plan = P.fused_backward(KIMI_SHARE, 2, P.FusedKnobs(8, 2048), policy=MOK_POLICY, num_sms=132)
+        return (sim.simulate(fused_plan, gpu).time_ns,
                 sim.simulate(P.sequential(KIMI_SHARE, 2, pass_="bwd", policy=MOK_POLICY, num_sms=132), gpu).time_ns)
     (fast_fused, fast_seq), (slow_fused, slow_seq) = both(h200), both(h200.scaled(link_gbs=0.5))
     assert fast_fused < fast_seq and slow_fused < slow_seq
@@ -963,8 +1018,11 @@ def test_backward_timelines_are_kept_apart_and_simulated(h200, h200_validation):
     backward = results.timeline_files(pass_="bwd")
     assert forward and backward and not set(forward) & set(backward)
     assert all(p.name.startswith(results.TIMELINE_PREFIX) for p in forward)
-    path = results.timeline_file(validate.BWD_TIMELINES[1])
-    assert path in backward and results.timeline_name(path) == ("kimi-k2.7", "d689e07")
+    compared = validate.compared_timelines(pass_="bwd")
+    assert [e["time"] for e in compared] == sorted(e["time"] for e in compared)  # the backward's: by time
+    entry = compared[1]
+    path = entry["path"]
+    assert path in backward and (entry["shape"], entry["git"]) == ("kimi-k2.7", "d689e07")
     measured = results.load_timeline(path)
     plan, result = fused.simulate_timeline(measured, KIMI_SHARE, h200)
     assert plan.strategy == "fused_backward" and plan.comm_blocks == 8
@@ -973,7 +1031,7 @@ def test_backward_timelines_are_kept_apart_and_simulated(h200, h200_validation):
         assert np.array_equal(predicted[key], measured[key]), key
     rows = [r for r in h200_validation if r.quantity.startswith("bwd ")]
     ends = [r for r in rows if " kernel end " in r.quantity]
-    assert len(ends) == len(validate.BWD_TIMELINES) == 14
+    assert len(ends) == len(compared) == 14
     # judged, but the comm-0 kernel ends of 1685ef1 (glm, kimi): the acquire spin's (params.spare_warps_spun)
     spun = {r.quantity for r in ends if r.check == "explained" and r.note == validate.SPUN}
     assert spun == {"bwd kernel end glm-5.2 C=0 MB=2048 1685ef1", "bwd kernel end kimi-k2.7 C=0 MB=2048 1685ef1"}
@@ -998,17 +1056,17 @@ def test_token_task_rates_fitted_on_one_backward_timeline(h200, h200_validation)
     which they then reproduce; glm's tasks (another shape, not fitted on) within 15%; without the
     rates the model falls back to the tasks' share of the standalone kernels, which put them 3.6-8.2x
     short."""
-    assert results.timeline_name(H200_CALIBRATION["fused_token"]) == ("kimi-k2.7", "491ec86")
+    token = fused.calibration_timeline("fused_token")
+    assert (token["shape"], token["git"]) == ("kimi-k2.7", "491ec86")
     assert 3 < h200.token_read_gbs < 7 and 5 < h200.token_write_gbs < 10
     rows = {r.quantity: r for r in h200_validation if " per SM " in r.quantity and r.quantity.endswith("491ec86")}
     for kind in ("scale", "slot_sum"):
         kimi, glm = rows[f"bwd {kind} per SM kimi-k2.7 C=0 MB=2048 491ec86"], rows[f"bwd {kind} per SM glm-5.2 C=0 MB=2048 491ec86"]
         assert kimi.predicted == pytest.approx(kimi.reference, rel=0.02), kind  # least squares over both kinds
         assert glm.predicted == pytest.approx(glm.reference, rel=0.15), kind
-    path = results.timeline_file(H200_CALIBRATION["fused_token"])
-    measured = results.load_timeline(path)
+    measured = results.load_timeline(token["path"])
     unfitted = dataclasses.replace(h200, token_read_gbs=0.0, token_write_gbs=0.0)
-    _, result = fused.simulate_timeline(measured, KIMI_SHARE, unfitted, git="491ec86")
+    _, result = fused.simulate_timeline(measured, KIMI_SHARE, unfitted, kernel=token)
     old = results.timeline_summary(result.records(0))["kinds"]
     for kind in ("scale", "slot_sum"):
         assert old[kind]["per_lane_ns"] < rows[f"bwd {kind} per SM kimi-k2.7 C=0 MB=2048 491ec86"].reference * 1e3 / 4
@@ -1025,10 +1083,13 @@ def test_token_task_rates_fitted_on_one_backward_timeline(h200, h200_validation)
 
 
 def test_token_task_calibration_needs_a_backward_with_its_token_tasks_inside():
+    token = fused.calibration_timeline("fused_token")
+    forward, = results.timeline_index(pass_="fwd", shape="kimi-k2.7", git=token["git"])
     with pytest.raises(ValueError, match="token-task calibration needs"):
-        fused._fit_token(results.timeline_file("timeline_fused_fwd_kimi-k2.7_491ec86.jsonl"))
+        fused._fit_token(forward)
+    outside, = results.timeline_index(pass_="bwd", shape="kimi-k2.7", git=SPARE_TIMELINE["git"])
     with pytest.raises(ValueError, match="token-task calibration needs"):  # e48bf6e's ran them outside
-        fused._fit_token(results.timeline_file("timeline_fused_bwd_kimi-k2.7_e48bf6e.jsonl"))
+        fused._fit_token(outside)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1051,9 +1112,9 @@ def test_balanced_assignment_is_not_slower(h200, name, pass_):
     total = dict.fromkeys(P.ASSIGNMENTS, 0)
     for capacity in (filled, bench):
         for comm in (0, 8):
-            ns = {assign: sim.simulate(make(shape, 2, comm, 2048, policy=MOK_POLICY, num_sms=132,
-                                            capacity_rows=capacity, assign=assign, claim=0), layer.one_gpu(h200), load).time_ns
-                  for assign in P.ASSIGNMENTS}
+            knobs = {assign: P.FusedKnobs(comm, 2048, assign=assign, claim=0) for assign in P.ASSIGNMENTS}
+            ns = {assign: sim.simulate(make(shape, 2, k, policy=MOK_POLICY, num_sms=132, capacity_rows=capacity),
+                                       layer.one_gpu(h200), load).time_ns for assign, k in knobs.items()}
             assert ns["balanced"] <= 1.005 * ns["round_robin"], (capacity, comm, ns)
             for assign in P.ASSIGNMENTS:
                 total[assign] += ns[assign]
@@ -1062,14 +1123,15 @@ def test_balanced_assignment_is_not_slower(h200, name, pass_):
 
 def test_timeline_of_a_balanced_plan_is_recognized(h200):
     # a timeline recorded under the balanced assignment rebuilds to that plan (and not round robin's)
-    plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, assign="balanced", claim=0)
+    plan = P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(8, 2048, assign="balanced", claim=0), policy=MOK_POLICY,
+                           num_sms=132)
     rebuilt = fused.timeline_plan(_emulated(plan, h200).records(0), KIMI_SHARE)
     assert rebuilt.assign == "balanced" and np.array_equal(rebuilt.tasks, plan.tasks)
 
 
 def test_timeline_of_a_col_raster_plan_is_recognized(h200):
     # a timeline recorded with the pairs in column order rebuilds to that plan (not the row order's)
-    plan = P.fused_forward(KIMI_SHARE, 2, 8, 2048, policy=MOK_POLICY, num_sms=132, raster="col", claim=0)
+    plan = P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(8, 2048, raster="col", claim=0), policy=MOK_POLICY, num_sms=132)
     rebuilt = fused.timeline_plan(_emulated(plan, h200).records(0), KIMI_SHARE)
     assert rebuilt.raster == "col" and np.array_equal(rebuilt.tasks, plan.tasks)
 
@@ -1080,7 +1142,8 @@ def test_spread_combine_chunks_and_timeline(h200):
     # costs what the same chunk costs in a comm-0 plan (the spare warps), one on a communicating CTA
     # less (its 12 warps), and its timeline rebuilds to that plan
     load = fused.emulated_load(KIMI_SHARE)
-    plan = P.fused_forward(KIMI_SHARE, 2, 12, 2048, policy=MOK_POLICY, num_sms=132, spread_from=7, claim=0)
+    plan = P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(12, 2048, spread_from=7, claim=0), policy=MOK_POLICY,
+                           num_sms=132)
     real, _ = model.fused_chunk_rows(plan, load, outgoing=True)
     whole = model._real_rows_per_minibatch(plan, load)  # [M, R]
     assert np.array_equal(real.sum(axis=1), whole) and real.shape[1] == 132
@@ -1096,18 +1159,20 @@ def test_spread_combine_chunks_and_timeline(h200):
         return (r["end_ns"] - r["start_ns"])[sel]
 
     spread_ns = chunk_ns(plan)
-    comm0_ns = chunk_ns(P.fused_forward(KIMI_SHARE, 2, 0, 2048, policy=MOK_POLICY, num_sms=132))
+    comm0_ns = chunk_ns(P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(0, 2048), policy=MOK_POLICY, num_sms=132))
     assert len(spread_ns) == len(comm0_ns) == 132
     assert np.allclose(spread_ns[12:], comm0_ns[12:]) and (spread_ns[:12] < comm0_ns[:12]).all()
 
 
 def test_explained_timeline_events_name_stored_timelines(h200_validation):
-    # an explanation outlives nothing: its timeline is stored, and validate marks exactly its rows
-    for name, event in validate.TIMELINE_EXPLAINED:
-        assert results.timeline_file(name).exists() and event in results.TIMELINE_EVENTS, (name, event)
-    notes = set(validate.TIMELINE_EXPLAINED.values())
+    # an explanation outlives nothing: its timeline is stored and compared, and validate marks exactly its rows
+    explains = [(e, event) for e in results.timeline_index() for event in e.get("sim_explained", {})]
+    assert explains
+    for e, event in explains:
+        assert e["path"].exists() and e.get("sim_compared") and event in results.TIMELINE_EVENTS, (e["file"], event)
+    notes = {e["sim_explained"][event] for e, event in explains}
     explained = [r for r in h200_validation if r.check == "explained" and r.note in notes]
-    assert len(explained) == len(validate.TIMELINE_EXPLAINED)
+    assert len(explained) == len(explains)
     # and each still needs it: a row back inside the bar is judged again (drop its entry)
     assert all(abs(r.error) > validate.H200_TOLERANCE for r in explained), [(r.quantity, r.error) for r in explained]
 
@@ -1115,17 +1180,16 @@ def test_explained_timeline_events_name_stored_timelines(h200_validation):
 def test_scale_to_slots_priced_by_the_kernel_that_ran(h200):
     # e7e9bd0's scale_to_slots reads each dout row once ("stream"); the kernels before it read it K
     # times ("scatter"): each run's scale stages are predicted with its own kernel's pattern
-    from mok_proto.sim import params
-
-    assert params.scale_traffic_at("a1db532") == "scatter" and params.scale_traffic_at("e7e9bd0") == "stream"
     assert h200.scale_traffic == "stream"  # sim.h200() predicts the current kernel
     one = layer.one_gpu(h200)
-    rows = [r for r in results.load("bench_layer_e7e9bd0") if r["schedule"] == "sequential" and r["pass"] == "bwd"]
-    assert {r["shape"] for r in rows} == set(PAPER_SHAPES)
+    rows = [r for r in results.load("bench_layer") if r["git"] == "e7e9bd0" and r["schedule"] == "sequential"
+            and r["pass"] == "bwd"]
+    assert {r["shape"] for r in rows} == set(PAPER_SHAPES) and {r["scale_traffic"] for r in rows} == {"stream"}
+    assert {r["scale_traffic"] for r in results.load("bench_layer") if r["git"] == "a1db532"} == {"scatter"}
     for r in rows:
         share, measured = ep_share(r["shape"], r["ep"]), r["stages_ms"]["scale"] * 1e6
-        now = layer.sequential_stages_ns(share, "bwd", one.recorded_at(r["git"]))["scale"]
-        before = layer.sequential_stages_ns(share, "bwd", one.recorded_at("a1db532"))["scale"]
+        now = layer.sequential_stages_ns(share, "bwd", one.recorded_at(r))["scale"]
+        before = layer.sequential_stages_ns(share, "bwd", one.recorded_at({"scale_traffic": "scatter"}))["scale"]
         assert abs(now / measured - 1) <= validate.H200_TOLERANCE, (r["shape"], now, measured)
         assert before / measured - 1 > validate.H200_TOLERANCE  # the old kernel's price misses it
 
@@ -1135,8 +1199,7 @@ def test_a_partial_bench_gemm_run_replaces_only_its_rows(tmp_path):
     # (shape, routing, problem)'s newest row and still calibrates
     from mok_proto.sim import params
 
-    for f in results.RESULTS_DIR.glob("*.jsonl*"):
-        shutil.copy(f, tmp_path / f.name)
+    _results_copy(tmp_path)
     full = params.newest_gemm_rows(tmp_path)
     newer = {k: v for k, v in full[0].items() if k != "run"}
     newer.update(time="2099-01-01T00:00:00+00:00", git="partial")
@@ -1157,9 +1220,9 @@ def test_claimed_pairs_run_on_the_cluster_free_first(h200, pass_):
     # padded-pair imbalance can only shrink when every pair is claimed
     shape = ep_share("qwen3.5-397b")
     build = P.fused_forward if pass_ == "fwd" else P.fused_backward
-    static = sim.simulate(build(shape, 2, 0, 2048, policy=MOK_POLICY, num_sms=132, claim=0), h200)
+    static = sim.simulate(build(shape, 2, P.FusedKnobs(0, 2048, claim=0), policy=MOK_POLICY, num_sms=132), h200)
     for claim in (40, "all"):
-        plan = build(shape, 2, 0, 2048, policy=MOK_POLICY, num_sms=132, claim=claim)
+        plan = build(shape, 2, P.FusedKnobs(0, 2048, claim=claim), policy=MOK_POLICY, num_sms=132)
         res = sim.simulate(plan, h200)
         pool = np.flatnonzero(plan.tasks["block"] == plan.pool_block)
         for rank in range(plan.num_ranks):
@@ -1177,9 +1240,10 @@ def test_claimed_pairs_run_on_the_cluster_free_first(h200, pass_):
 
 
 def test_timeline_plan_finds_the_claimed_pool():
-    # a traced backward of b0e48a6 (the tail of 66 clusters, 4 pairs each, claimed at run time): the
-    # plan is found from the records, its pool rows (recorded with the CTA that claimed them) last
-    rec = results.load_timeline(results.RESULTS_DIR / "timeline_fused_bwd_kimi-k2.7_b0e48a6.jsonl.gz")
+    # a traced backward whose tail (66 clusters, 4 pairs each) was claimed at run time: the plan is found
+    # from the records, its pool rows (recorded with the CTA that claimed them) last
+    claimed = [e for e in results.timeline_index(pass_="bwd", shape="kimi-k2.7") if e["claim_pairs"]]
+    rec = results.load_timeline(max(claimed, key=lambda e: e["time"])["path"])
     plan = fused.timeline_plan(rec, ep_share("kimi-k2.7"))
     assert plan.claim_pairs == 264 and plan.pass_ == "bwd"
     pool = np.flatnonzero(plan.tasks["block"] == plan.pool_block)

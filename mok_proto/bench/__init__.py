@@ -4,9 +4,8 @@ power sampling, and JSON-lines results rows. The names callers used from mok_pro
 re-exported here."""
 
 from mok_proto.bench.ceilings import copy_ceiling_gbs, peer_pull_gbs
-from mok_proto.bench.device import gpu_name, require_gpu
+from mok_proto.bench.device import gpu_name, require_gpu, use_all_cpus
 from mok_proto.bench.digests import DIGEST_ROW_WORDS, digest
-from mok_proto.bench.plan_workers import use_all_cpus
 from mok_proto.bench.power import (SMI_PERIOD_MS, SMI_POWER_CAP, SMI_QUERY, SMI_SETTLE_S, phase_power, smi_command,
                                    smi_samples)
 from mok_proto.bench.rows import RESULTS_DIR, append_result, git_sha

@@ -1,7 +1,9 @@
-"""What this machine can run: a CUDA device seen by CuPy and/or PyTorch, and its name."""
+"""What this machine can run: a CUDA device seen by CuPy and/or PyTorch, its name, the MPI stack,
+and the CPUs a process may use."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -55,3 +57,12 @@ def require_mpi_stack() -> None:
             print(f"error: bench_layer_mpi.py needs {what}; import {module} failed ({type(e).__name__}: {e}); "
                   f"without them only --single R runs", file=sys.stderr)
             sys.exit(2)
+
+
+def use_all_cpus() -> None:
+    """Let this process run on every CPU (a helper process of an MPI rank inherits the rank's
+    binding, often one core)."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):  # no such call here, or not allowed: keep the binding
+        pass

@@ -27,14 +27,10 @@ class Measured(NamedTuple):
     fused_rows: dict
 
 
-def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, assign=None, raster=None,
-         token_grads=None, scale=None) -> Measured:
+def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None) -> Measured:
     """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results, fused rows.
-    settings: the fused (communication CTAs, minibatch rows) to time, for both passes or as
-    {pass: settings}; policy: the transfers' directions (default MoK's); assign, raster: the fused
-    plans' tile pairs to clusters and their order (plan.ASSIGNMENTS / plan.RASTERS, None: default);
-    token_grads, scale: whether the fused backward runs the token gradients / the scale inside (None:
-    the plan's default)."""
+    settings: the fused plans' knobs (FusedKnobs) to time, for both passes or as {pass: settings};
+    policy: the transfers' directions (default MoK's)."""
     import cupy
 
     heap, layer = staged_layer(shape, data, policy)
@@ -64,8 +60,7 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, as
         blobs[name].append(result_bytes(layer, name))
     results = {"out": layer.output(0).get(), **{k: v.get() for k, v in layer.grads(0).items()}}
     fused_rows = {pass_: fused(layer, per_pass[pass_], blobs[pass_][0], graphs[pass_], iters, warmup, stream,
-                               trace_to.format(pass_=pass_) if trace_to else None, pass_, assign, raster,
-                               token_grads, scale)
+                               trace_to.format(pass_=pass_) if trace_to else None, pass_)
                   for pass_ in ("fwd", "bwd")}
     layer.close()
     heap.close()
@@ -73,25 +68,21 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, as
 
 
 def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmup, stream, trace_to,
-          pass_: str = "fwd", assign=None, raster=None, token_grads=None, scale=None):
-    """The fused forward (pass_="bwd": backward) of rank 0 for each (communication CTAs,
-    minibatch rows): graph replays of that pass interleaved with replays of the sequential pass's
+          pass_: str = "fwd"):
+    """The fused forward (pass_="bwd": backward) of rank 0 for each of `settings` (FusedKnobs:
+    communication CTAs, minibatch rows, ...; recorded in each row, FusedKnobs.describe): graph
+    replays of that pass interleaved with replays of the sequential pass's
     graph `sequential_graph` (bench.rotating: both under the same clocks; x sequential is the
     median of the per-iteration ratios), its results compared bitwise with the sequential pass of
     this run, and with a second run. The best setting (best_row: the largest x sequential) is
     timed again (the figure judged), and once with the timeline recorded; its timeline (one traced
-    eager run) is written to `trace_to` (JSON lines + PNG) when given. assign, raster: the plans'
-    tile pairs to clusters and their order (plan.ASSIGNMENTS / plan.RASTERS, None: the plan's
-    default; recorded in each row); token_grads, scale: the backward plans' (plan.fused_backward,
-    None: its default; recorded in each backward row)."""
-
-    def use(comm, minibatch, claim=None):
+    eager run) is written to `trace_to` (JSON lines + PNG) when given."""
+    def use(knobs):
         """Set the pass's plan, run one step eagerly (compiles, uploads), return its graph."""
         if pass_ == "fwd":
-            layer.set_forward_plan(layer.fused_forward_plan(comm, minibatch, assign=assign, raster=raster, claim=claim))
+            layer.set_forward_plan(layer.fused_forward_plan(knobs))
         else:
-            layer.set_backward_plan(layer.fused_backward_plan(comm, minibatch, assign=assign, raster=raster,
-                                                              token_grads=token_grads, scale=scale, claim=claim))
+            layer.set_backward_plan(layer.fused_backward_plan(knobs))
         layer.enqueue_forward()
         layer.enqueue_backward()
         layer.check()
@@ -117,28 +108,27 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
         return result_bytes(layer, pass_)
 
     rows = []
-    for i, (comm, minibatch, *claim) in enumerate(settings):
-        claim = claim[0] if claim else None
-        graph = use(comm, minibatch, claim)
+    for i, knobs in enumerate(settings):
+        graph = use(knobs)
         st = timed(graph)
         out = [fused_bytes(graph), fused_bytes(graph)]
         plan = (layer.fused if pass_ == "fwd" else layer.fused_bwd).plan
-        rows.append({"comm_blocks": comm, "minibatch_tokens": minibatch, "num_sms": plan.num_sms,
-                     "assign": plan.assign, "raster": plan.raster, "claim": claim, "claim_pairs": plan.claim_pairs,
-                     **({"token_grads": plan.token_grads, "scale": plan.scale} if pass_ == "bwd" else {}), **st,
-                     "equal_to_sequential": out[0] == sequential_out, "bitwise_repeat": out[0] == out[1]})
-        print(f"#   fused {pass_} [{i + 1}/{len(settings)}] comm={comm:>2} minibatch={minibatch:>4} "
+        rows.append({**knobs.describe(pass_, plan.policy), "num_sms": plan.num_sms, "claim_pairs": plan.claim_pairs,
+                     **st, "equal_to_sequential": out[0] == sequential_out, "bitwise_repeat": out[0] == out[1]})
+        print(f"#   fused {pass_} [{i + 1}/{len(settings)}] comm={knobs.comm_blocks:>2} "
+              f"minibatch={knobs.minibatch_rows:>4} "
               f"claim={plan.claim_pairs:>4}: "
               f"{st['median_ms']:.3f} ms (sequential interleaved {st['sequential_median_ms']:.3f}), x sequential "
               f"{st['speedup_vs_sequential']:.2f}, equal {rows[-1]['equal_to_sequential']}", flush=True)
     if rows:  # the best of several is optimistic: the winner is timed once more, and judged on that
         best = best_row(rows)
-        again = timed(use(best["comm_blocks"], best["minibatch_tokens"], best["claim"]))
+        best_knobs = next(k for k, r in zip(settings, rows) if r is best)
+        again = timed(use(best_knobs))
         best["retimed_median_ms"] = again["median_ms"]
         best["retimed_sequential_median_ms"] = again["sequential_median_ms"]
         best["retimed_speedup_vs_sequential"] = again["speedup_vs_sequential"]
         layer.trace = True  # what recording the timeline costs (off: one branch per task)
-        on = timed(use(best["comm_blocks"], best["minibatch_tokens"], best["claim"]))
+        on = timed(use(best_knobs))
         best["trace_on_median_ms"] = on["median_ms"]
         print(f"#   fused {pass_} best comm={best['comm_blocks']} minibatch={best['minibatch_tokens']} "
               f"claim={best['claim_pairs']} timed again: "
@@ -175,14 +165,14 @@ def best_row(rows: list) -> dict:
     return max(rows, key=lambda r: r["speedup_vs_sequential"])
 
 
-def directions_rows(name, shape, data, policy, settings, iters, warmup, assign=None, raster=None) -> list:
+def directions_rows(name, shape, data, policy, settings, iters, warmup) -> list:
     """Our layer under another direction policy: sequential and fused (the given settings, where
-    the policy admits them; tile pairs by `assign`, as ours) for both passes, a line each, rows appended to
+    the policy admits them) for both passes, a line each, rows appended to
     results/bench_layer_directions.jsonl. Returns what failed a check (fused not bitwise equal to
     this policy's sequential layer, or two runs differ)."""
     label = ":".join(policy[op] for op in ("dispatch", "combine", "rev_combine", "rev_dispatch"))
     mine, stages, bitwise, _, fused_rows = ours(shape, data, iters, warmup, fused_settings_for(policy, settings),
-                                                None, policy, assign, raster)
+                                                None, policy)
     failed = []
     for pass_ in ("fwd", "bwd"):
         rows = fused_rows[pass_]

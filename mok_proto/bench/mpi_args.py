@@ -8,6 +8,7 @@ from mok_proto.bench.cli import add_bar_option, parse_bars, parser
 from mok_proto.bench.mpi_report import BARS
 from mok_proto.bench.rows import RESULTS_DIR
 from mok_proto.config import PAPER_SHAPES, get_shape
+from mok_proto.plan import FusedKnobs
 
 FUSED_SETTINGS = "0:1024,0:2048"  # (communication CTAs, minibatch rows) of the fused passes
 
@@ -45,6 +46,10 @@ def parse_args(argv=None, doc: str | None = None):
         if any(len(item) != 2 or not all(v.strip().isdigit() for v in item) or int(item[1]) <= 0 for item in items):
             raise ValueError("--fused: expected COMM:MINIBATCH[,...] with COMM >= 0, MINIBATCH > 0")
         args.fused = [tuple(int(v) for v in item) for item in items]
+        try:
+            [FusedKnobs(*item) for item in args.fused]  # the fused plans' own checks of the two knobs
+        except ValueError as e:
+            raise ValueError(f"--fused: {e}") from None
         args.bars = parse_bars(args.bar, BARS)
         for name, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
                                  ("--plan-workers", args.plan_workers, 1), ("--tokens", args.tokens, 1),

@@ -6,19 +6,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 
+from mok_proto.bench.device import use_all_cpus
 from mok_proto.config import MOK_POLICY
 from mok_proto.layer.gpu import fused_plan
+from mok_proto.plan import FusedKnobs
 
 PROBE_TIMEOUT_S = 120.0  # a plan helper process must answer within this (else plans are proved inline)
-
-
-def use_all_cpus() -> None:
-    """Let this process run on every CPU (a helper process of an MPI rank inherits the rank's
-    binding, often one core)."""
-    try:
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except (AttributeError, OSError):  # no such call here, or not allowed: keep the binding
-        pass
 
 
 def start_plans(problems, settings, num_sms: dict, workers: int, rank: int = 0, num_ranks: int = 1):
@@ -30,8 +23,8 @@ def start_plans(problems, settings, num_sms: dict, workers: int, rank: int = 0, 
     keys = [(prob, pass_, comm_blocks, minibatch)
             for prob in problems for pass_ in ("fwd", "bwd") for comm_blocks, minibatch in settings]
     roots = {(prob.name, *rest): i % num_ranks for i, (prob, *rest) in enumerate(keys)}
-    jobs = {(prob.name, pass_, comm_blocks, minibatch): (pass_, prob.run, prob.capacity, dict(MOK_POLICY), comm_blocks,
-                                                         minibatch, num_sms[pass_])
+    jobs = {(prob.name, pass_, comm_blocks, minibatch): (pass_, prob.run, prob.capacity, dict(MOK_POLICY),
+                                                         FusedKnobs(comm_blocks, minibatch), num_sms[pass_])
             for prob, pass_, comm_blocks, minibatch in keys if roots[prob.name, pass_, comm_blocks, minibatch] == rank}
     if not jobs:
         return None, {key: (root, None) for key, root in roots.items()}

@@ -77,9 +77,9 @@ def replay(graph, stream, secs: float):
     return times, t0, time.time()
 
 
-def probe_shape(name: str, comm: int, minibatch: int, secs: float) -> tuple[list, list]:
+def probe_shape(name: str, knobs, secs: float) -> tuple[list, list]:
     """One shape's phases (one EP=64 rank's share, mok_proto.bench.emulation): the sequential and
-    the fused pass (comm CTAs, minibatch rows, the plans' defaults otherwise) of the forward and of
+    the fused pass (plan.FusedKnobs `knobs`: the same for both passes) of the forward and of
     the backward each captured in a graph; after a warm-up phase, PHASES of one graph at a time
     replayed for `secs` seconds, a progress line each. Returns (phases: one dict each with its
     host times t0, t1 for phase_power; the passes whose fused results differ from the sequential)."""
@@ -92,8 +92,8 @@ def probe_shape(name: str, comm: int, minibatch: int, secs: float) -> tuple[list
     for pass_ in ("fwd", "bwd"):
         graphs["sequential", pass_] = layer.capture(forward=pass_ == "fwd", backward=pass_ == "bwd")
         reference[pass_] = result_bytes(layer, pass_)
-    layer.set_forward_plan(layer.fused_forward_plan(comm, minibatch))
-    layer.set_backward_plan(layer.fused_backward_plan(comm, minibatch))
+    layer.set_forward_plan(layer.fused_forward_plan(knobs))
+    layer.set_backward_plan(layer.fused_backward_plan(knobs))
     layer.enqueue_forward()
     layer.enqueue_backward()
     layer.check()

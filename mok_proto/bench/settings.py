@@ -1,17 +1,20 @@
-"""What bench_layer.py times: the fused settings (communication CTAs, minibatch rows, claim), the
-fused backward's options, and the transfer-direction policies."""
+"""What bench_layer.py times: the fused settings (plan.FusedKnobs: communication CTAs, minibatch rows,
+claim, ...), the fused backward's options, and the transfer-direction policies."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from mok_proto.config import DIRECTIONS, MOK_POLICY, OPERATORS
-from mok_proto.plan import inside_kernel, parse_claim
+from mok_proto.plan import FusedKnobs, inside_kernel
 
 # --token-grads, --scale: plan.fused_backward's token_grads, scale (None: the plan's default)
 TOKEN_GRADS = {"default": None, "inside": True, "after": False}
 SCALE = {"default": None, "inside": True, "before": False}
-# (communication CTAs, minibatch rows) timed without --sweep; 0 CTAs: every CTA's spare warps move rows
-DEFAULT_FUSED = ((0, 2048), (8, 2048), (12, 2048), (16, 2048))
-SWEEP = tuple((c, m) for c in (0, 4, 8, 12, 16) for m in (512, 1024, 2048, 4096))
+# The fused settings (communication CTAs, minibatch rows) timed without --sweep; 0 CTAs: every CTA's
+# spare warps move rows
+DEFAULT_FUSED = tuple(FusedKnobs(c, 2048) for c in (0, 8, 12, 16))
+SWEEP = tuple(FusedKnobs(c, m) for c in (0, 4, 8, 12, 16) for m in (512, 1024, 2048, 4096))
 
 
 def direction_policies(spec: str) -> list[dict]:
@@ -36,25 +39,16 @@ def direction_policies(spec: str) -> list[dict]:
 
 
 def fused_settings_for(policy: dict, settings) -> dict:
-    """{pass: `settings` as a fused plan of that pass takes them under `policy`}: where no
-    transfer of the pass runs inside the kernel, communicating CTAs become 0 (every CTA computes;
+    """{pass: `settings` (FusedKnobs) as a fused plan of that pass takes them under `policy`}: where
+    no transfer of the pass runs inside the kernel, communicating CTAs become 0 (every CTA computes;
     plan.fused_* refuses communicating CTAs there), duplicates dropped."""
-    return {pass_: tuple(dict.fromkeys((c if any(inside_kernel(pass_, policy)) else 0, *rest) for c, *rest in settings))
-            for pass_ in ("fwd", "bwd")}
+    return {pass_: tuple(dict.fromkeys(k if any(inside_kernel(pass_, policy)) else dataclasses.replace(k, comm_blocks=0)
+                                       for k in settings)) for pass_ in ("fwd", "bwd")}
 
 
 def parse_settings(text: str) -> tuple:
-    """--fused: COMM:MINIBATCH[:CLAIM],... -> ((comm, minibatch, claim), ...); claim an int, "all" or
-    "tail" (plan.fused_forward's claim: the tile pairs claimed at run time), None when left out (the
-    plan's default, plan.DEFAULT_CLAIM)."""
-    out = []
-    for item in text.split(","):
-        parts = item.split(":")
-        try:
-            if len(parts) not in (2, 3) or not all(v.isdigit() for v in parts[:2]):
-                raise ValueError
-            out.append((int(parts[0]), int(parts[1]), parse_claim(parts[2]) if len(parts) == 3 else None))
-        except ValueError:
-            raise ValueError(f"--fused: {item!r} is not COMM:MINIBATCH or COMM:MINIBATCH:CLAIM (CLAIM an int, all or "
-                             "tail)") from None
-    return tuple(out)
+    """--fused: COMM:MINIBATCH[:CLAIM],... -> (FusedKnobs, ...) (FusedKnobs.parse)."""
+    try:
+        return tuple(FusedKnobs.parse(item) for item in text.split(","))
+    except ValueError as e:
+        raise ValueError(f"--fused: {e}") from None

@@ -3,8 +3,9 @@
 A `CudaModule` names one header and every template instantiation ("name expression") its
 wrappers launch. It compiles on first use for the current GPU's architecture (sm_90a on Hopper,
 so wgmma is available) and is cached in memory by (source digest, options); the digest covers
-every file under cuda/, and it is written into the compiled code, so CuPy's on-disk cache can
-never serve a binary built from an older header. Every module registers itself in MODULES, which
+the header and every header it includes (`#include "..."`, followed through cuda/), and it is
+written into the compiled code, so CuPy's on-disk cache can never serve a binary built from an
+older header, and an edit recompiles only the modules that include the edited file. Every module registers itself in MODULES, which
 the CPU test compiles with the local nvcc for each architecture the module is written for.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 import time
 from pathlib import Path
 
@@ -23,22 +25,46 @@ MODULES: dict[str, "CudaModule"] = {}
 RECHECK_S = 1.0  # how often a launch looks for edited headers
 
 
-_DIGEST: dict = {}  # (cuda dir, file stamps) -> digest: a stat per header per launch, no re-hashing
+_DIGEST: dict = {}  # (header, file stamps) -> (digest, included headers): a stat per header per launch
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
-def source_digest() -> str:
-    """SHA-256 over every header under cuda/ (names and contents). Recomputed only when a file's
-    size or mtime changed, so an edited header recompiles on the next launch, even in Jupyter."""
-    paths = sorted(p for p in CUDA_DIR.glob("**/*") if p.is_file())
-    stamps = (str(CUDA_DIR),) + tuple((p.as_posix(), p.stat().st_mtime_ns, p.stat().st_size) for p in paths)
-    if stamps not in _DIGEST:
-        h = hashlib.sha256()
-        for path in paths:
-            h.update(path.relative_to(CUDA_DIR).as_posix().encode())
-            h.update(path.read_bytes())
-        _DIGEST.clear()
-        _DIGEST[stamps] = h.hexdigest()
-    return _DIGEST[stamps]
+def includes(header: str) -> list[Path]:
+    """`header` and every header it includes with `#include "..."`, directly or not, that exists
+    under cuda/ (system headers and missing files are the compiler's business), sorted."""
+    seen, todo = set(), [CUDA_DIR / header]
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        todo += [path.parent / name for name in _INCLUDE.findall(path.read_text())]
+    return sorted(seen)
+
+
+def source_digest(header: str) -> str:
+    """SHA-256 over `header` and the headers it includes (names and contents). Recomputed only
+    when one of those files' size or mtime changed, so an edited header recompiles on the next
+    launch, even in Jupyter, and only in the modules that include it."""
+    cached = _DIGEST.get(header)
+    if cached is not None:
+        stamps, digest, paths = cached
+        try:
+            if stamps == _stamps(paths):
+                return digest
+        except FileNotFoundError:
+            pass
+    paths = includes(header)
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(path.relative_to(CUDA_DIR).as_posix().encode())
+        h.update(path.read_bytes())
+    _DIGEST[header] = (_stamps(paths), h.hexdigest(), paths)
+    return _DIGEST[header][1]
+
+
+def _stamps(paths) -> tuple:
+    return (str(CUDA_DIR),) + tuple((p.as_posix(), p.stat().st_mtime_ns, p.stat().st_size) for p in paths)
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,7 +139,7 @@ class CudaModule:
         arch = gpu_arch()
         if arch not in self.archs:
             raise RuntimeError(f"{self.header} is written for {', '.join(self.archs)}; this GPU is {arch}")
-        module = _compile(self.header, self.names, arch, source_digest(), self.defines)  # lru-cached per digest
+        module = _compile(self.header, self.names, arch, source_digest(self.header), self.defines)  # cached per digest
         self._functions[name] = (now, module.get_function(name), module)
         return self._functions[name][1:]
 

@@ -1,5 +1,5 @@
 """Wrapper of cuda/fused.cuh: a fused pass of the MoE layer (forward or backward), one persistent
-launch that executes a plan (mok_proto/plan.py, `fused_forward` / `fused_backward`) on every
+launch that executes a plan (mok_proto/plan/, `fused_forward` / `fused_backward`) on every
 launch rank.
 
 `FusedPass(plan, num_launch_ranks)` uploads the plan's tables once and owns the ready counters

@@ -57,7 +57,7 @@ from mok_proto.kernels import gemm
 from mok_proto.kernels import token as kt
 from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, round_layout, to_experts, to_experts_before_fused,
                                       to_tokens, to_tokens_after_fused)
-from mok_proto.plan import MOVER_KINDS, PAIR_ROWS
+from mok_proto.plan import MOVER_KINDS, PAIR_ROWS, FusedKnobs, fused_backward, fused_forward
 
 BF16, F32, I32 = np.uint16, np.float32, np.int32
 TILE = abi.CONST["kBN"]  # H, I and Is must be multiples of it (the GEMM tiles)
@@ -141,25 +141,17 @@ def receive_capacity(topk_idx_all, num_experts: int) -> int:
     return max(1, max(s.num_slots for s in build_all_schedules(topk_idx_all, num_experts, align=PAIR_ROWS)))
 
 
-def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, comm_blocks: int, minibatch_rows: int,
-               num_sms: int, ring_minibatches=None, check: bool = False, **knobs):
-    """A plan.fused_forward (pass_="fwd") or plan.fused_backward plan for a layer of `run` with
-    `capacity` receive rows (rounded up to whole minibatches) and `num_sms` CTAs per launch rank;
-    knobs: the plan builder's other keywords (lookahead, assign, raster, spread_from: see
-    plan.fused_forward), passed on; check=True also proves it (Plan.check, kept with the plan: a
+def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, knobs: FusedKnobs, num_sms: int,
+               check: bool = False):
+    """A plan.fused_forward (pass_="fwd") or plan.fused_backward plan with `knobs` (plan.FusedKnobs)
+    for a layer of `run` with `capacity` receive rows (rounded up to whole minibatches) and
+    `num_sms` CTAs per launch rank; check=True also proves it (Plan.check, kept with the plan: a
     process can build and check plans for another, e.g. while that one runs the GPU)."""
-    from mok_proto import plan as plans
-
-    capacity_rows = -(-capacity // minibatch_rows) * minibatch_rows
-    common = dict(policy=policy, num_sms=num_sms, capacity_rows=capacity_rows, **knobs)
-    if pass_ == "fwd":
-        made = plans.fused_forward(run.shape, run.num_ranks, comm_blocks, minibatch_rows, ring_minibatches, **common)
-    elif pass_ == "bwd":
-        if ring_minibatches is not None:
-            raise ValueError("a fused backward plan has no ring_minibatches (its ring holds every minibatch)")
-        made = plans.fused_backward(run.shape, run.num_ranks, comm_blocks, minibatch_rows, **common)
-    else:
+    builders = {"fwd": fused_forward, "bwd": fused_backward}
+    if pass_ not in builders:
         raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")
+    capacity_rows = -(-capacity // knobs.minibatch_rows) * knobs.minibatch_rows
+    made = builders[pass_](run.shape, run.num_ranks, knobs, policy=policy, num_sms=num_sms, capacity_rows=capacity_rows)
     if check:
         made.check()
     return made
@@ -267,31 +259,21 @@ class GpuMoELayer(GpuRound):
                              else call[0](*call[1], error=self.error, pack_only=True))
         return fused, with_gemm_timeout(np.concatenate(words), gemm_timeout_ns(int(self.run.timeout_s * 1e9)))
 
-    def fused_forward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, ring_minibatches=None,
-                           num_sms: int | None = None, lookahead: int | None = None, assign: str | None = None,
-                           raster: str | None = None, spread_from: int | None = None, claim=None):
+    def fused_forward_plan(self, knobs: FusedKnobs | None = None, num_sms: int | None = None):
         """A fused_forward plan for this layer (its shape, R, policy, capacity) and this GPU (num_sms:
-        CTAs per launch rank, by default as many as are resident with every launch rank's); assign:
-        tile pairs to clusters (plan.ASSIGNMENTS, None: plan.DEFAULT_ASSIGN[pass]); raster: their order
-        (plan.RASTERS, None: plan.DEFAULT_RASTER); spread_from, claim: see plan.fused_forward."""
+        CTAs per launch rank, by default as many as are resident with every launch rank's), with
+        `knobs` (plan.FusedKnobs; None: the defaults)."""
         from mok_proto.kernels.fused import default_num_sms
 
-        return fused_plan("fwd", self.run, self.capacity, self.policy, comm_blocks, minibatch_rows,
-                          num_sms or default_num_sms(len(self.ranks), "fwd"), ring_minibatches, lookahead=lookahead,
-                          assign=assign, raster=raster, spread_from=spread_from, claim=claim)
+        return fused_plan("fwd", self.run, self.capacity, self.policy, knobs or FusedKnobs(),
+                          num_sms or default_num_sms(len(self.ranks), "fwd"))
 
-    def fused_backward_plan(self, comm_blocks: int = 0, minibatch_rows: int = 1024, num_sms: int | None = None,
-                            lookahead: int | None = None, assign: str | None = None, raster: str | None = None,
-                            spread_from: int | None = None, token_grads: bool | None = None,
-                            scale: bool | None = None, claim=None):
-        """A fused_backward plan for this layer and this GPU (as fused_forward_plan); token_grads,
-        scale: see plan.fused_backward (None: inside the kernel whenever the reverse-dispatch /
-        reverse-combine is); claim: see plan.fused_forward."""
+    def fused_backward_plan(self, knobs: FusedKnobs | None = None, num_sms: int | None = None):
+        """A fused_backward plan for this layer and this GPU, as fused_forward_plan."""
         from mok_proto.kernels.fused import default_num_sms
 
-        return fused_plan("bwd", self.run, self.capacity, self.policy, comm_blocks, minibatch_rows,
-                          num_sms or default_num_sms(len(self.ranks), "bwd"), lookahead=lookahead, assign=assign,
-                          raster=raster, spread_from=spread_from, token_grads=token_grads, scale=scale, claim=claim)
+        return fused_plan("bwd", self.run, self.capacity, self.policy, knobs or FusedKnobs(),
+                          num_sms or default_num_sms(len(self.ranks), "bwd"))
 
     def _gemm(self, pass_: str, slot: str, r: int):
         """(wrapper, args) of one GEMM of rank r: the GemmSlot `slot` of pass `pass_` (None: there

@@ -23,6 +23,7 @@ from mok_proto.sim.validate import H200_TOLERANCE, format_table, h200_rows, pape
 
 
 def main(argv=None) -> int:
+    defaults = plans.FusedKnobs.PASS_DEFAULTS  # the fused plans' per-pass knob defaults, for --help
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--validate", action="store_true", help="compare against our H200 results and the paper")
     ap.add_argument("--h200-only", action="store_true", help="with --validate: only the H200 rows")
@@ -39,13 +40,13 @@ def main(argv=None) -> int:
     ap.add_argument("--vs-sequential", action="store_true",
                     help="also simulate the sequential plan of the same pass and print the ratio (x sequential)")
     ap.add_argument("--assign", default=None, choices=plans.ASSIGNMENTS,
-                    help=f"with --fused: tile pairs to clusters (default {plans.DEFAULT_ASSIGN['fwd']} forward, "
-                         f"{plans.DEFAULT_ASSIGN['bwd']} backward)")
+                    help=f"with --fused: tile pairs to clusters (default {defaults['fwd']['assign']} forward, "
+                         f"{defaults['bwd']['assign']} backward)")
     ap.add_argument("--raster", default=None, choices=plans.RASTERS,
-                    help=f"with --fused: the order of a minibatch's tile pairs (default {plans.DEFAULT_RASTER})")
+                    help=f"with --fused: the order of a minibatch's tile pairs (default {defaults['fwd']['raster']})")
     ap.add_argument("--claim", default=None,
                     help=f"with --fused: tile pairs claimed at run time, an int, all or tail (default "
-                         f"{plans.DEFAULT_CLAIM['fwd']} forward, {plans.DEFAULT_CLAIM['bwd']} backward)")
+                         f"{defaults['fwd']['claim']} forward, {defaults['bwd']['claim']} backward)")
     args = ap.parse_args(argv)
     try:
         if args.validate:
@@ -75,8 +76,8 @@ def main(argv=None) -> int:
         elif args.fused:
             make = plans.fused_forward if args.pass_ == "fwd" else plans.fused_backward
             claim = None if args.claim is None else plans.parse_claim(args.claim)
-            p = make(shape, args.ep, args.comm_sms, args.minibatch, policy=policy,
-                     num_sms=gpu.num_sms - gpu.num_sms % 2, assign=args.assign, raster=args.raster, claim=claim)
+            knobs = plans.FusedKnobs(args.comm_sms, args.minibatch, assign=args.assign, raster=args.raster, claim=claim)
+            p = make(shape, args.ep, knobs, policy=policy, num_sms=gpu.num_sms - gpu.num_sms % 2)
         else:
             p = plans.fixed_split(shape, args.ep, args.comm_sms, args.minibatch, pass_=args.pass_, policy=policy,
                                   num_sms=gpu.num_sms)

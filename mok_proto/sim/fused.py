@@ -39,7 +39,7 @@ from mok_proto.config import MOK_POLICY, MoEShape, ep_share, get_shape
 from mok_proto.plan import BM, PAIR_ROWS, TaskKind
 from mok_proto.sim import layer
 from mok_proto.sim.model import ELEM_BYTES, MOVER_KIND_IDS, SimResult, fused_chunk_rows, simulate, token_task_bytes
-from mok_proto.sim.params import H200_CALIBRATION, GpuParams, comm_mover_at, spare_warps_spun, wait_spin_at
+from mok_proto.sim.params import FUSED_CALIBRATION, GpuParams, kernel_of, spare_warps_spun
 
 EP = 64  # bench_layer emulates one rank of EP=64
 BENCH_CAPACITY = 1.15  # scripts/bench_layer.py sizes the layer for 1.15 N K receive rows
@@ -61,7 +61,7 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     """The fused_forward (or, from a backward's records, fused_backward) plan whose tasks the
     records (in the plan's task order, as bench_layer writes them) are: CTAs, communicating CTAs
     (0: the chunks ride on compute CTAs), minibatch rows, capacity, ring, the transfers and (backward)
-    the token gradients inside from the records; the GEMM order (`lookahead`, where plan.py has it) and the tile pairs'
+    the token gradients inside from the records; the GEMM order (`lookahead`, where the plan has it) and the tile pairs'
     clusters (`assign`) and their order (`raster`) the first that match; the claimed pool (`claim`)
     from the records' `claimed` rows, which match the plan's pool task by task but not by CTA (a
     pair's CTA is the one that claimed it). Communicating CTAs are below the first CTA with a table
@@ -91,23 +91,23 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
         raise ValueError("the timeline's claimed tasks are not tile pairs")
     gemm_blocks = records["block"][~comm & ~pooled] if (~comm & ~pooled).any() else records["block"][~comm]
     comm_blocks = int(gemm_blocks.min()) // 2 * 2
-    args = (shape, num_ranks, comm_blocks, minibatch_rows)
-    fields = dict(policy=policy, num_sms=int(records["block"].max()) + 1, capacity_rows=num_mb * minibatch_rows,
-                  claim=int(pooled.sum()) // 2)
+    fields = dict(policy=policy, num_sms=int(records["block"].max()) + 1, capacity_rows=num_mb * minibatch_rows)
+    knobs = dict(comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, claim=int(pooled.sum()) // 2)
     spread = outgoing & (records["block"] >= comm_blocks) if comm_blocks else np.zeros_like(outgoing)
     if spread.any():  # outgoing chunks on compute CTAs: the spread minibatches (plan spread_from)
-        fields["spread_from"] = int(records["minibatch"][spread].min())
+        knobs["spread_from"] = int(records["minibatch"][spread].min())
     if pass_ == "fwd":
-        args += (ring,)
+        knobs["ring_minibatches"] = ring
     else:  # the token gradients and the scale inside the kernel (older timelines: outside it)
-        fields["token_grads"] = bool((kind == int(k.epilogue)).any())
-        fields["scale"] = bool((kind == int(TaskKind.SCALE)).any())
+        knobs["token_grads"] = bool((kind == int(k.epilogue)).any())
+        knobs["scale"] = bool((kind == int(TaskKind.SCALE)).any())
     make = plans.fused_forward if pass_ == "fwd" else plans.fused_backward
     tried = []
     for order in ({},) + tuple({"lookahead": a} for a in range(ring)):
         for assign, raster in itertools.product(plans.ASSIGNMENTS, plans.RASTERS):
             try:
-                plan = make(*args, **fields, **order, assign=assign, raster=raster)
+                plan = make(shape, num_ranks, plans.FusedKnobs(**knobs, **order, assign=assign, raster=raster),
+                            **fields)
             except ValueError as e:
                 tried.append(f"{order or 'defaults'}, {assign}, {raster}: {e}")
                 continue
@@ -119,40 +119,47 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     raise ValueError(f"the timeline's tasks are not those of any {make.__name__} plan tried: " + "; ".join(tried))
 
 
+def calibration_timeline(key: str, results_dir=results.RESULTS_DIR) -> dict:
+    """The index row (mok_proto.results.timeline_index, with its `path`) of the one timeline that
+    says sim_calibrates=key (params.FUSED_CALIBRATION). Raises ValueError without exactly one."""
+    found = results.timeline_index(results_dir, sim_calibrates=key)
+    if len(found) != 1:
+        raise ValueError(f"{len(found)} timelines in {results.timelines_dir(results_dir)} say sim_calibrates={key!r}: "
+                         "the fused kernel's calibration needs one")
+    return found[0]
+
+
 def calibrate(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> GpuParams:
     """`gpu` with the in-kernel copy costs fitted on dispatch tasks (`_fit_dispatch`): comm_task_ns
-    + bytes / comm_cta_gbs on the communicating CTAs (warp movers) of timeline
-    H200_CALIBRATION["fused"], bulk_task_ns + rows x bulk_row_ns on those (bulk ring) of
-    H200_CALIBRATION["fused_bulk"], and spare_task_ns + bytes / spare_cta_gbs on the spare warps of
-    H200_CALIBRATION["fused_spare"]; token_read_gbs and token_write_gbs on the token-side tasks of
-    H200_CALIBRATION["fused_token"]."""
-    fits = {what: _fit_dispatch(Path(results_dir) / H200_CALIBRATION[what], mover)
+    + bytes / comm_cta_gbs on the communicating CTAs (warp movers) of the timeline that
+    sim_calibrates "fused", bulk_task_ns + rows x bulk_row_ns on those (bulk ring) of "fused_bulk",
+    and spare_task_ns + bytes / spare_cta_gbs on the spare warps of "fused_spare"; token_read_gbs and
+    token_write_gbs on the token-side tasks of "fused_token" (`_fit_token`)."""
+    entry = {key: calibration_timeline(key, results_dir) for key in FUSED_CALIBRATION}
+    fits = {what: _fit_dispatch(entry[what], mover)
             for what, mover in (("fused", "warps"), ("fused_bulk", "bulk"), ("fused_spare", "spare"))}
     (fixed, row_ns), row_bytes = fits["fused"]
     (spare_fixed, spare_row_ns), spare_row_bytes = fits["fused_spare"]
-    read_gbs, write_gbs = _fit_token(Path(results_dir) / H200_CALIBRATION["fused_token"])
+    read_gbs, write_gbs = _fit_token(entry["fused_token"])
     return dataclasses.replace(gpu, comm_cta_gbs=row_bytes / row_ns, comm_task_ns=fixed,
                                bulk_task_ns=fits["fused_bulk"][0][0], bulk_row_ns=fits["fused_bulk"][0][1],
                                spare_task_ns=spare_fixed, spare_cta_gbs=spare_row_bytes / spare_row_ns,
                                token_read_gbs=read_gbs, token_write_gbs=write_gbs)
 
 
-def _fit_token(path: Path) -> tuple[float, float]:
+def _fit_token(entry: dict) -> tuple[float, float]:
     """(read, write) GB/s per CTA of a fused backward timeline's token-side tasks (SCALE, SLOT_SUM, on
-    the spare warps of a comm_blocks == 0 plan): duration = bytes read / read rate + bytes written /
-    write rate (model.token_task_bytes), least squares over every such task; the two kinds mix reads
-    and writes differently (a scale task writes K rows per row read, a token-gradient task reads
-    2K + 1 (+ 1) rows per row written), which fixes both rates. With every tile full (16 tokens:
-    the calibration timeline's) there are two distinct byte counts for two unknowns, so the fit
-    reproduces each kind's mean exactly and does not test the read/write split (the other shapes'
-    tasks do: sim --validate). A task's bar starts when its wait is met (trace.py), so its
-    duration is its work."""
-    try:
-        path = results.timeline_file(path.name, path.parent)  # stored as .jsonl or .jsonl.gz
-    except FileNotFoundError as e:
-        raise ValueError(f"{e}: the fused backward's token-task calibration needs it") from None
+    the spare warps of a comm_blocks == 0 plan; entry: its index row): duration = bytes read / read
+    rate + bytes written / write rate (model.token_task_bytes), least squares over every such task;
+    the two kinds mix reads and writes differently (a scale task writes K rows per row read, a
+    token-gradient task reads 2K + 1 (+ 1) rows per row written), which fixes both rates. With every
+    tile full (16 tokens: the calibration timeline's) there are two distinct byte counts for two
+    unknowns, so the fit reproduces each kind's mean exactly and does not test the read/write split
+    (the other shapes' tasks do: sim --validate). A task's bar starts when its wait is met
+    (trace.py), so its duration is its work."""
+    path = entry["path"]
     records = results.load_timeline(path)
-    shape = ep_share(results.timeline_name(path)[0], EP)
+    shape = ep_share(entry["shape"], EP)
     plan = timeline_plan(records, shape)
     if plan.pass_ != "bwd" or plan.comm_blocks or not (plan.scale and plan.token_grads):
         raise ValueError(f"{path.name}: the token-task calibration needs a comm_blocks == 0 fused backward with its "
@@ -170,32 +177,29 @@ def _fit_token(path: Path) -> tuple[float, float]:
     return 1.0 / float(ns_per_read), 1.0 / float(ns_per_write)
 
 
-def _fit_dispatch(path: Path, mover: str) -> tuple[tuple[float, float], int]:
-    """((fixed ns per task, ns per row), row bytes) of a timeline's dispatch tasks: duration = fixed
-    + rows x per row, least squares over every dispatch task, its rows those the simulator gives it
-    (model.fused_chunk_rows on the emulated load: full chunks of MB / C rows, the partial chunk of
-    the last used minibatch, empty chunks past the padded rows). A dispatch chunk of a full ring
-    waits for nothing, so its bar is its copy. One timeline has one row size, so its ns per row is
-    also a rate per byte (row bytes / ns per row: the warp movers' comm_cta_gbs, the spare warps'
-    spare_cta_gbs). mover: what the timeline must have run (params.COMM_MOVERS, or "spare":
-    comm_blocks == 0, the spare warps of compute CTAs move the chunks); a communicating CTA's mover
-    is the file's git stamp's (GpuParams.recorded_at). A spare-warp timeline must come from a kernel
-    whose counter waits back off (params.wait_spin_at): the model stands for that kernel, and with
-    the acquire spin the spare warps' passes ran slower (params.spare_warps_spun)."""
-    try:
-        path = results.timeline_file(path.name, path.parent)  # stored as .jsonl or .jsonl.gz
-    except FileNotFoundError as e:
-        raise ValueError(f"{e}: the fused forward's in-kernel copy calibration needs it") from None
+def _fit_dispatch(entry: dict, mover: str) -> tuple[tuple[float, float], int]:
+    """((fixed ns per task, ns per row), row bytes) of a timeline's dispatch tasks (entry: its index
+    row): duration = fixed + rows x per row, least squares over every dispatch task, its rows those
+    the simulator gives it (model.fused_chunk_rows on the emulated load: full chunks of MB / C rows,
+    the partial chunk of the last used minibatch, empty chunks past the padded rows). A dispatch
+    chunk of a full ring waits for nothing, so its bar is its copy. One timeline has one row size,
+    so its ns per row is also a rate per byte (row bytes / ns per row: the warp movers'
+    comm_cta_gbs, the spare warps' spare_cta_gbs). mover: what the timeline must have run
+    (params.COMM_MOVERS, or "spare": comm_blocks == 0, the spare warps of compute CTAs move the
+    chunks); a communicating CTA's mover is the entry's comm_mover. A spare-warp timeline must come
+    from a kernel whose counter waits back off (wait_spin): the model stands for that kernel, and
+    with the acquire spin the spare warps' passes ran slower (params.spare_warps_spun)."""
+    path = entry["path"]
     records = results.load_timeline(path)
-    shape_name, git = results.timeline_name(path)
-    shape = ep_share(shape_name, EP)
+    shape = ep_share(entry["shape"], EP)
     plan = timeline_plan(records, shape)
-    ran = "spare" if plan.comm_blocks == 0 else comm_mover_at(git)
+    kernel = kernel_of(entry)
+    ran = "spare" if plan.comm_blocks == 0 else kernel["comm_mover"]
     if ran != mover:
-        raise ValueError(f"{path.name}: comm_blocks={plan.comm_blocks} at {git or 'no git stamp'} ran the {ran} "
-                         f"movers, but this calibration needs the {mover} ones")
-    if mover == "spare" and spare_warps_spun(git, plan.comm_blocks, plan.spread_from):
-        raise ValueError(f"{path.name}: its kernel ({git or 'no git stamp'}) ran the {wait_spin_at(git)} spin, "
+        raise ValueError(f"{path.name}: comm_blocks={plan.comm_blocks} with comm_mover {kernel['comm_mover']!r} ran "
+                         f"the {ran} movers, but this calibration needs the {mover} ones")
+    if mover == "spare" and spare_warps_spun(entry, plan.comm_blocks, plan.spread_from):
+        raise ValueError(f"{path.name}: its kernel ran the {kernel['wait_spin']} spin, "
                          "but the spare warps' calibration needs one whose counter waits back off")
     _, used = fused_chunk_rows(plan, emulated_load(shape))
     sel = records["kind"] == int(TaskKind.DISPATCH)
@@ -205,26 +209,26 @@ def _fit_dispatch(path: Path, mover: str) -> tuple[tuple[float, float], int]:
     return (float(fixed), float(row_ns)), shape.hidden * ELEM_BYTES
 
 
-def describe_calibration(gpu: GpuParams) -> str:
-    bulk_bytes = get_shape(results.timeline_name(H200_CALIBRATION["fused_bulk"])[0]).hidden * ELEM_BYTES
+def describe_calibration(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> str:
+    bulk_bytes = get_shape(calibration_timeline("fused_bulk", results_dir)["shape"]).hidden * ELEM_BYTES
     return (f"comm_cta_gbs {gpu.comm_cta_gbs:.1f} GB/s per CTA and comm_task_ns {gpu.comm_task_ns / 1e3:.2f} us "
-            f"({H200_CALIBRATION['fused']} dispatch tasks); before aceb6ae (bulk ring) bulk_row_ns "
+            f"(fused: dispatch tasks); bulk ring bulk_row_ns "
             f"{gpu.bulk_row_ns:.0f} ns per row per CTA ({bulk_bytes / gpu.bulk_row_ns:.1f} GB/s with "
             f"{bulk_bytes // 1024} KB rows) and bulk_task_ns {gpu.bulk_task_ns / 1e3:.2f} us "
-            f"({H200_CALIBRATION['fused_bulk']} dispatch tasks); spare warps {gpu.spare_cta_gbs:.2f} GB/s per CTA "
-            f"and {gpu.spare_task_ns / 1e3:.2f} us per task ({H200_CALIBRATION['fused_spare']} dispatch tasks); "
+            f"(fused_bulk: dispatch tasks); spare warps {gpu.spare_cta_gbs:.2f} GB/s per CTA "
+            f"and {gpu.spare_task_ns / 1e3:.2f} us per task (fused_spare: dispatch tasks); "
             f"token tasks {gpu.token_read_gbs:.2f} GB/s read and {gpu.token_write_gbs:.2f} GB/s written per CTA "
-            f"({H200_CALIBRATION['fused_token']} scale and slot_sum tasks)")
+            f"(fused_token: scale and slot_sum tasks)")
 
 
 def simulate_timeline(records: np.ndarray, shape: MoEShape, gpu: GpuParams,
-                      git: str | None = None) -> tuple[plans.Plan, SimResult]:
+                      kernel=None) -> tuple[plans.Plan, SimResult]:
     """The plan a measured timeline ran, simulated as bench_layer runs it (`layer.one_gpu(gpu)` on
-    the emulated load); its records: `result.records(0)`. git: the timeline's git stamp
-    (results.timeline_name), to simulate the communicating CTAs' mover that kernel had
-    (GpuParams.recorded_at); None: gpu's own comm_mover."""
+    the emulated load); its records: `result.records(0)`. kernel: the timeline's index row (or
+    any mapping of its kernel features, params.kernel_of), to simulate the kernel it ran
+    (GpuParams.recorded_at); None: gpu's own."""
     plan = timeline_plan(records, shape)
-    gpu = gpu if git is None else gpu.recorded_at(git)
+    gpu = gpu if kernel is None else gpu.recorded_at(kernel)
     return plan, simulate(plan, layer.one_gpu(gpu), emulated_load(shape))
 
 
@@ -235,38 +239,34 @@ def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: i
     counters' memset, the kernel, the flag and the wait, the weighted sum). claim: the plan's
     (plan.fused_forward; 0, no pool, as the measured rows before 99c90df ran)."""
     capacity = -(-int(BENCH_CAPACITY * shape.num_tokens * shape.top_k) // minibatch_rows) * minibatch_rows
-    plan = plans.fused_forward(shape, layer.EMULATED_RANKS, comm_blocks, minibatch_rows, policy=MOK_POLICY,
-                               num_sms=num_sms, capacity_rows=capacity, claim=claim)
+    plan = plans.fused_forward(shape, layer.EMULATED_RANKS, plans.FusedKnobs(comm_blocks, minibatch_rows, claim=claim),
+                               policy=MOK_POLICY, num_sms=num_sms, capacity_rows=capacity)
     one = layer.one_gpu(gpu)
     schedule = layer.LAYER_STAGES["fwd"]["schedule"].kernels * one.launch_ns
     return schedule + simulate(plan, one, emulated_load(shape)).time_ns
-
-
-# bench_layer's result files (sim/layer.py, BENCH_FILES): validate.fused_rows compares the newest
-# fused rows of each (judged, or explained by params.spare_warps_spun); measured_grid shows the newest run's.
-FUSED_BENCH = layer.BENCH_FILES
 
 
 def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 12, 16), minibatches=(512, 1024, 2048, 4096),
                   results_dir=results.RESULTS_DIR):
     """The fused forward pass on the H200 over communication CTAs x minibatch rows for one shape:
     (simulated ms [len(comm_blocks), len(minibatches)], {(comm, minibatch): measured ms}). The
-    measured points are the newest run's fused forward rows for that shape among FUSED_BENCH's files
-    and sweep_overlap.jsonl (scripts/sweep_overlap.py); points off the grid are dropped,
-    and so are points with communicating CTAs measured on the retired bulk-copy ring
-    (params.BULK_MOVER_COMMITS: not the kernel `gpu` simulates), points whose spare warps ran the
-    retired acquire spin (params.spare_warps_spun), and points of another tile-pair order than
-    plan.DEFAULT_RASTER (the simulator prices both orders alike)."""
+    measured points are the newest run's fused forward rows for that shape among bench_layer's compared
+    rows (layer.compared_rows) and sweep_overlap.jsonl (scripts/sweep_overlap.py); points off the grid
+    are dropped, and so are points with communicating CTAs measured on the retired bulk-copy ring
+    (comm_mover "bulk": not the kernel `gpu` simulates), points whose spare warps ran the retired
+    acquire spin (params.spare_warps_spun), and points of another tile-pair order than the default
+    raster (the simulator prices both orders alike)."""
     shape = ep_share(shape_name, EP)
+    raster = plans.FusedKnobs.PASS_DEFAULTS["fwd"]["raster"]
     sim_ms = np.array([[pass_ns(shape, gpu, c, m, gpu.num_sms) / 1e6 for m in minibatches] for c in comm_blocks])
     rows = []
-    for name in FUSED_BENCH + ("sweep_overlap",):
-        mb_key = "minibatch_rows" if name == "sweep_overlap" else "minibatch_tokens"
-        rows += [dict(r, minibatch=r[mb_key]) for r in results.load(name, results_dir) if r.get("shape") == shape_name
+    for mb_key, found in (("minibatch_tokens", layer.compared_rows(results_dir)),
+                          ("minibatch_rows", results.load("sweep_overlap", results_dir))):
+        rows += [dict(r, minibatch=r[mb_key]) for r in found if r.get("shape") == shape_name
                  and r.get("schedule", "fused") == "fused" and r.get("pass", "fwd") == "fwd"
-                 and not (r.get("comm_blocks") and comm_mover_at(r.get("git")) == "bulk")
-                 and not spare_warps_spun(r.get("git"), r.get("comm_blocks"), r.get("spread_from"))
-                 and r.get("raster", plans.DEFAULT_RASTER) == plans.DEFAULT_RASTER]
+                 and not (r.get("comm_blocks") and kernel_of(r)["comm_mover"] == "bulk")
+                 and not spare_warps_spun(r, r.get("comm_blocks"), r.get("spread_from"))
+                 and r.get("raster", raster) == raster]
     measured = {}
     for r in results.newest(rows):
         key = (r["comm_blocks"], r["minibatch"])

@@ -110,31 +110,17 @@ def calibration_stages(shape_name: str) -> set:
     return {ps for rows in LAYER_CALIBRATION.values() for ps in rows}
 
 
-# bench_layer's result files the simulator compares with: the running file, then runs kept in files
-# of their own (passes as graph replays): 1685ef1's rows (the first run of the warp movers), e48bf6e's
-# (the first run whose counter waits back off; each fused setting's median timed interleaved with the
-# sequential pass, bench.rotating), a1db532's (kernels of eb35161; the backward balanced by default),
-# e7e9bd0's (the weight gradients' whole-line epilogue, scale_to_slots a thread per dout octet) and
-# 491ec86's (the kernels of 5b65592: the backward's scale and token gradients inside its fused kernel).
-BENCH_FILES = ("bench_layer", "bench_layer_1685ef1", "bench_layer_e48bf6e", "bench_layer_a1db532",
-               "bench_layer_e7e9bd0", "bench_layer_491ec86")
-# The other results/bench_layer_*.jsonl files, and why (tests/test_sim.py: every file is named in one of the two).
-BENCH_FILES_LEFT_OUT = {
-    "bench_layer_d689e07": "its comm-0 fused forwards ran a slowdown never explained (README); its sequential "
-                           "rows are older than e7e9bd0's",
-    "bench_layer_directions": "one shape under the other transfer directions (the simulator takes MoK's)",
-    "bench_layer_99c90df": "its fused rows claim tile pairs at run time (plan claim), which the judged fused rows "
-                           "(plan claim 0, fused.pass_ns) do not; its sequential rows are those of b0e48a6's kernels",
-    "bench_layer_b0e48a6": "as bench_layer_99c90df (the same kernels, the claimed pools by default)",
-    "bench_layer_249b630": "as bench_layer_b0e48a6 (its kernels with the claim hand-off's error path reviewed)",
-}
+def compared_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
+    """bench_layer's rows the simulator compares with: those under MoK's transfer directions (a row
+    with another `policy` is not), of runs not marked `sim_left_out` (a field that says why), by time."""
+    return [r for r in results.load("bench_layer", results_dir)
+            if "sim_left_out" not in r and r.get("policy", MOK_POLICY) == MOK_POLICY]
 
 
 def measured_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
-    """bench_layer's sequential rows: the newest run of each shape among BENCH_FILES (runs told
+    """bench_layer's sequential rows: the newest run of each shape among `compared_rows` (runs told
     apart by their git stamp and start time, `results.newest`)."""
-    rows = [r for name in BENCH_FILES for r in results.load(name, results_dir)]
-    rows = results.newest(rows, group_by=("shape", "schedule"))
+    rows = results.newest(compared_rows(results_dir), group_by=("shape", "schedule"))
     return [r for r in rows if r["schedule"] == "sequential"]
 
 

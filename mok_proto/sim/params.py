@@ -19,6 +19,7 @@ from mok_proto import results
 from mok_proto.config import MoEShape, get_shape
 from mok_proto.plan import BM, BN  # the kernels' tile (mok_proto/abi.py)
 from mok_proto.abi import GEMM_PROBLEM
+from mok_proto.bench.rows import kernel_features
 from mok_proto.problem import rows_per_expert
 
 PROBLEMS = tuple(text for _, text in GEMM_PROBLEM.members)  # the kernels' enum Problem, by name
@@ -30,79 +31,34 @@ H200_CALIBRATION = {
     "row_move": ("kimi-k2.7", 8),  # one-GPU pull dispatch, push combine and pull combine
     "link": "kimi-k2.7",  # 2 x H200: push and pull dispatch, and their 4-byte-row signal stages
     "layer": "kimi-k2.7",  # bench_layer's sequential stages of this shape (sim.layer.LAYER_CALIBRATION)
-    # the communicating CTAs' copy rate (warp movers, comm_mover "warps"): the dispatch tasks of this
-    # measured timeline (sim.fused.calibrate)
-    "fused": "timeline_fused_fwd_kimi-k2.7_1685ef1.jsonl",
-    # ... the retired bulk-copy ring's (comm_mover "bulk", timelines before aceb6ae): of this one
-    "fused_bulk": "timeline_fused_fwd_kimi-k2.7_62f5296.jsonl",
-    # ... and the spare warps' copy rate (comm_blocks == 0): the dispatch tasks of this one (e48bf6e, the
-    # kernel whose counter waits back off: WAIT_SPINS; until then the b905f19 comm-0 timeline's)
-    "fused_spare": "timeline_fused_fwd_kimi-k2.7_e48bf6e.jsonl",
-    # ... and the movers' rates for the fused backward's token-side tasks: its SCALE and SLOT_SUM tasks
-    "fused_token": "timeline_fused_bwd_kimi-k2.7_491ec86.jsonl",
 }
+# The fused kernel's in-kernel copy and token-task rates (sim.fused.calibrate): each fitted on the
+# timeline whose index row says sim_calibrates=<key> (mok_proto.results.timeline_index).
+FUSED_CALIBRATION = ("fused", "fused_bulk", "fused_spare", "fused_token")
 ROW_MOVES = (("dispatch", "pull"), ("combine", "push"), ("combine", "pull"))  # row_move's bench_comm stages
 TOKEN_TRAFFIC = ("gather_sum", "scatter", "stream")  # access patterns of the token kernels (GpuParams.token_kernel_ns)
 
-# How a communicating CTA of the fused kernel (comm_blocks > 0) moves its rows (GpuParams.comm_mover):
-# "warps" (since aceb6ae: every warp copies rows through registers, fused::chunk_task) or "bulk"
-# (before: one thread drove 1-D bulk copies through a shared-memory ring). Measurements stamped
-# with one of BULK_MOVER_COMMITS ran the bulk ring (every git stamp in results/ older than aceb6ae:
-# results/*.jsonl rows, timeline file names); any other stamp, and what sim.h200() predicts for new
-# plans, the warps (`recorded_at`).
-COMM_MOVERS = ("warps", "bulk")
-BULK_MOVER_COMMITS = ("9ca73bf", "5022408", "62f5296", "a679599", "b905f19", "ec6738a", "d689e07")
+# The kernel features a measurement ran (fields of its benchmark row and of its timeline's index
+# row, mok_proto.results): how a communicating CTA of the fused kernel (comm_blocks > 0) moves its
+# rows, comm_mover (GpuParams.comm_mover); how the fused kernel's counter waits spin, wait_spin; and
+# scale_to_slots' access pattern, scale_traffic (GpuParams.scale_traffic). A measurement without
+# them counts as the current kernel's (KERNEL).
+COMM_MOVERS = ("warps", "bulk")  # every warp copies rows through registers | one thread drives bulk copies
+WAIT_SPINS = ("acquire", "backoff")  # ld.acquire with short sleeps | relaxed loads, backoff, one fence
+KERNEL = kernel_features()  # the current kernel's (what every new benchmark row records)
 
 
-def comm_mover_at(git: str | None) -> str:
-    """The communicating CTAs' mover (COMM_MOVERS) of the kernel a measurement stamped `git` ran."""
-    return "bulk" if git in BULK_MOVER_COMMITS else "warps"
+def kernel_of(measurement) -> dict:
+    """The kernel features (KERNEL's keys) of a benchmark row or a timeline's index row: its fields,
+    KERNEL's where it has none."""
+    return {k: measurement.get(k, v) for k, v in KERNEL.items()}
 
 
-# How the fused kernel's counter waits spin (fused::wait_task): "acquire" (every kernel before e48bf6e:
-# ld.acquire.gpu with 64 ns sleeps) or "backoff" (since e48bf6e: relaxed loads, 64 ns to 1 us of backoff,
-# one acquire fence). Measurements stamped with one of ACQUIRE_SPIN_COMMITS (every git stamp in results/
-# older than e48bf6e) ran the acquire spin; any other stamp, and what sim.h200() predicts, the backoff
-# (`wait_spin_at`). The model has no cost for spinning: it stands for the backoff kernel. With the acquire
-# spin, a pass whose compute CTAs' spare warps move rows (comm_blocks == 0, or a plan's spread_from) ran
-# slower: the spare warps of every CTA spin for most of the kernel, and the GEMM tiles beside them slowed
-# (A/B, one process per variant, results/runs/e48bf6e/ab_h200.txt run 5, x sequential interleaved, acquire
-# against backoff: comm-0 forward kimi 0.843 against 0.978, glm 0.872 against 1.016, qwen 0.975 against
-# 1.029; comm-0 backward kimi 0.935 against 1.002, glm 0.965 against 1.043, qwen 0.968 against 1.027; the
-# comm-12 forward spreading its last combines kimi 0.787 against 0.932; comm 12 without spreading unchanged:
-# kimi 0.922 against 0.925, glm 0.933 against 0.931). sim.validate does not judge such measurements
-# (`spare_warps_spun`): it prints them as "explained", error and MISS shown.
-WAIT_SPINS = ("acquire", "backoff")
-ACQUIRE_SPIN_COMMITS = BULK_MOVER_COMMITS + ("1685ef1",)
-
-
-def wait_spin_at(git: str | None) -> str:
-    """How the counter waits of the kernel a measurement stamped `git` ran spin (WAIT_SPINS); an
-    unstamped measurement (None, "") counts as the current kernel's."""
-    return "acquire" if git in ACQUIRE_SPIN_COMMITS else "backoff"
-
-
-# scale_to_slots' access pattern (GpuParams.scale_traffic, a TOKEN_TRAFFIC): "stream" since e7e9bd0 (a
-# thread per octet of dout reads it once and writes it scaled into the token's K slots: a copy's traffic
-# rate; the e7e9bd0 run's scale stages, begin_round included, are 0.078 / 0.068 / 0.056 / 0.061 ms for
-# kimi / glm / qwen / deepseek, this model +0.1% to +5.9% from them since the 2026-12-02 refit),
-# "scatter" before (a thread per slot octet, K reads of each dout octet: a push dispatch's read/write
-# split). Measurements stamped with one of SCALE_PER_SLOT_COMMITS (every git stamp in results/ older
-# than e7e9bd0) ran the old kernel.
-SCALE_PER_SLOT_COMMITS = ACQUIRE_SPIN_COMMITS + ("e48bf6e", "300fa34", "a1db532")
-
-
-def scale_traffic_at(git: str | None) -> str:
-    """scale_to_slots' access pattern (TOKEN_TRAFFIC) in the kernel a measurement stamped `git` ran; an
-    unstamped measurement (None, "") counts as the current kernel's."""
-    return "scatter" if git in SCALE_PER_SLOT_COMMITS else "stream"
-
-
-def spare_warps_spun(git: str | None, comm_blocks: int, spread_from: int | None = None) -> bool:
-    """Whether a fused measurement stamped `git` ran the acquire spin (wait_spin_at) in a pass whose compute
-    CTAs' spare warps move rows (comm_blocks == 0, or outgoing transfers spread over every CTA): a pass
-    the model, with no cost for spinning, predicts short (the comment on WAIT_SPINS)."""
-    return wait_spin_at(git) == "acquire" and (not comm_blocks or spread_from is not None)
+def spare_warps_spun(measurement, comm_blocks: int, spread_from: int | None = None) -> bool:
+    """Whether a fused measurement (a benchmark row or a timeline's index row) ran the acquire spin in
+    a pass whose compute CTAs' spare warps move rows (comm_blocks == 0, or outgoing transfers spread
+    over every CTA): a pass the model, with no cost for spinning, predicts short (validate.SPUN)."""
+    return kernel_of(measurement)["wait_spin"] == "acquire" and (not comm_blocks or spread_from is not None)
 
 
 @dataclass(frozen=True)
@@ -247,10 +203,11 @@ class GpuParams:
             return None
         return read_bytes / self.token_read_gbs + write_bytes / self.token_write_gbs
 
-    def recorded_at(self, git: str) -> "GpuParams":
-        """These parameters with the kernels a measurement stamped `git` ran: the mover ("bulk"
-        for BULK_MOVER_COMMITS, else "warps") and scale_to_slots' traffic (scale_traffic_at)."""
-        return dataclasses.replace(self, comm_mover=comm_mover_at(git), scale_traffic=scale_traffic_at(git))
+    def recorded_at(self, measurement) -> "GpuParams":
+        """These parameters with the kernel a measurement (a benchmark row or a timeline's index row,
+        `kernel_of`) ran: its communicating CTAs' mover and scale_to_slots' traffic."""
+        kernel = kernel_of(measurement)
+        return dataclasses.replace(self, comm_mover=kernel["comm_mover"], scale_traffic=kernel["scale_traffic"])
 
     def pull_sm_gbs(self) -> float:
         """One SM pulling: one window per round trip."""
@@ -316,8 +273,11 @@ def newest_gemm_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
     return results.newest(results.load("bench_gemm", results_dir), group_by=("shape", "routing", "problem"))
 
 
-def _newest_comm(results_dir) -> list[dict]:
-    return results.newest(results.load("bench_comm", results_dir), group_by=("backend",))
+def newest_comm_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
+    """bench_comm's newest run of each backend (virtual ranks on one GPU: results/; NVSHMEM on two
+    GPUs: results/x2/), by time."""
+    rows = results.load("bench_comm", results_dir) + results.load("bench_comm", results.machine_dir(2, results_dir))
+    return results.newest(sorted(rows, key=lambda r: r["time"]), group_by=("backend",))
 
 
 def stage_ms(row: dict, stage: str, signal: bool = False) -> float:
@@ -346,7 +306,7 @@ def comm_bytes(row: dict, elem_bytes: int = 4) -> dict:
 def h200(results_dir=results.RESULTS_DIR) -> GpuParams:
     """H200 (132 SMs) calibrated on H200_CALIBRATION's rows of this project's results."""
     gemm_rows = newest_gemm_rows(results_dir)
-    comm = _newest_comm(results_dir)
+    comm = newest_comm_rows(results_dir)
     base = GpuParams(
         name="h200", num_sms=132,
         tile_tflops_per_sm={p: 1.0 for p in PROBLEMS},
@@ -391,7 +351,7 @@ def h200(results_dir=results.RESULTS_DIR) -> GpuParams:
     eff = {}
     for d, r, fixed in (("push", push, launch + fence + base.signal_ns_per_peer), ("pull", pull, launch + base.rtt_ns)):
         eff[d] = comm_bytes(r)["remote"] / (link * (stage_ms(r, "dispatch") * 1e6 - fixed))
-    nccl = results.newest(results.load("bench_nccl_baseline", results_dir))
+    nccl = results.newest(results.load("bench_nccl_baseline", results.machine_dir(2, results_dir)))
     nccl_eff = {op: float(np.median([n["pct_of_link"][op] for n in nccl])) / 100 for op in ("dispatch", "combine")} if nccl else {}
     micro = dataclasses.replace(
         base, tile_tflops_per_sm=rates, hbm_read_gbs=hbm_read, hbm_write_gbs=hbm_write, link_gbs=link,
@@ -405,8 +365,9 @@ def h200(results_dir=results.RESULTS_DIR) -> GpuParams:
     fitted = fused.calibrate(layer.calibrate(micro, results_dir), results_dir)
     return dataclasses.replace(
         fitted, note="calibrated on " + ", ".join(f"{k}={v}" for k, v in H200_CALIBRATION.items())
+        + ", the timelines of sim_calibrates " + ", ".join(FUSED_CALIBRATION)
         + f"; row_move_efficiency {row_eff:.3f}, " + layer.describe_calibration(fitted) + ", "
-        + fused.describe_calibration(fitted))
+        + fused.describe_calibration(fitted, results_dir))
 
 
 H200_DENSE_BF16_TFLOPS = 989.0  # H200 SXM dense BF16 (NVIDIA H200 datasheet), to carry GEMM efficiency over

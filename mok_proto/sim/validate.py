@@ -34,7 +34,7 @@ from mok_proto.plan import TaskKind
 from mok_proto.sim import fused, layer
 from mok_proto.sim.model import simulate
 from mok_proto.sim.params import (H200_CALIBRATION, ROW_MOVES, GpuParams, comm_bytes, gb300_nvl72, grouped_gemm_ns,
-                                  h200, nccl_links, newest_gemm_rows, spare_warps_spun, stage_ms)
+                                  h200, nccl_links, newest_comm_rows, newest_gemm_rows, spare_warps_spun, stage_ms)
 from mok_proto.problem import rows_per_expert
 
 H200_TOLERANCE = 0.15
@@ -126,7 +126,7 @@ def kernel_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
                         grouped_gemm_ns(gpu, r["problem"], counts, s) / 1e6, "ms",
                         "calibration" if calib else "judged"))
     seen = set()
-    for r in results.newest(results.load("bench_comm", results_dir), group_by=("backend",)):
+    for r in newest_comm_rows(results_dir):
         for op in ("dispatch", "combine"):
             key = (r["backend"], r["shape"], r["ep"], op, r[op])
             if key in seen:
@@ -158,7 +158,7 @@ def sequential_layer_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> li
     fitted_by = {ps: name for name, stages in layer.LAYER_CALIBRATION.items() for ps in stages}
     rows = []
     for r in layer.measured_rows(results_dir):
-        predicted = layer.sequential_stages_ns(ep_share(r["shape"], r["ep"]), r["pass"], one.recorded_at(r["git"]))
+        predicted = layer.sequential_stages_ns(ep_share(r["shape"], r["ep"]), r["pass"], one.recorded_at(r))
         calib = layer.calibration_stages(r["shape"])
         measured = {"total": r["median_ms"], **{k: v for k, v in r["stages_ms"].items() if k != "total"}}
         for stage, ms in measured.items():
@@ -174,78 +174,62 @@ def sequential_layer_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> li
 
 
 FUSED_MEDIANS = ((TaskKind.COMBINE, "combine chunk"), (TaskKind.GATE_UP, "gate_up tile"), (TaskKind.DOWN, "down tile"))
-# The timelines of params.H200_CALIBRATION whose dispatch tasks fit in-kernel copy parameters: key -> those parameters.
+# The calibration timelines (index rows with sim_calibrates, params.FUSED_CALIBRATION) whose dispatch
+# tasks fit in-kernel copy parameters: key -> those parameters.
 FUSED_FITS = {"fused": "comm_cta_gbs, comm_task_ns", "fused_bulk": "bulk_row_ns, bulk_task_ns",
               "fused_spare": "spare_cta_gbs, spare_task_ns"}
-FUSED_BENCH = fused.FUSED_BENCH  # bench_layer's result files whose newest fused forward rows are compared
-# Fused forward passes whose measurement holds what the model leaves out: (file, comm_blocks) -> why
-# (fixed here, like LAYER_EXPLAINED). None today: the comm-0 passes of 1685ef1 (kimi -16.7%, deepseek
-# -17.3%), of ec6738a and the other kernels before e48bf6e fall under the acquire-spin rule (SPUN).
+# Fused forward passes of bench_layer whose measurement holds what the model leaves out: (run label,
+# comm_blocks) -> why (fixed here, like LAYER_EXPLAINED). None today.
 FUSED_BENCH_EXPLAINED: dict = {}
-# Why a fused measurement of params.spare_warps_spun (git stamp in params.ACQUIRE_SPIN_COMMITS, spare warps
-# moving rows) is explained, not judged.
-SPUN = ("its kernel (before e48bf6e, params.ACQUIRE_SPIN_COMMITS) spun on ld.acquire with 64 ns sleeps in the "
-        "counter waits while the spare warps of every CTA moved rows, which slowed the pass (A/B run 5, "
-        "results/runs/e48bf6e/ab_h200.txt: comm-0 x sequential kimi forward 0.84 against 0.98 with the backoff); "
-        "the model has no cost for spinning")
-# Timeline events the model leaves something out of: (timeline name, event) -> why (named in the note).
-_PER_BYTE_SPARE_COPY = (
-    "the spare warps' copy is priced per byte (fitted on kimi's 14 KB rows), but a warp moves a row in "
-    "rounds of 8 KB (kSideUnroll x 16 B x 32 lanes): glm's 12 KB rows take two rounds like kimi's, its "
-    "dispatch chunks 31.8 us against kimi's 32.6 (0.98x; its bytes say 0.86x); the same event of e48bf6e's "
-    "glm timeline is judged at -14.5%, a1db532's and e7e9bd0's (same forward kernel) are -16.8% and -15.8%, "
-    "491ec86's (the same forward work) -19.9%: glm's chunks 27.0 us against kimi's 28.8 on average (0.94x; "
-    "medians 32.1 and 33.2 us) in a run whose kimi and deepseek passes ran 4-7% slower than e7e9bd0's (kimi's "
-    "sequential forward 2.864 ms against 2.765)")
-TIMELINE_EXPLAINED = {
-    ("timeline_fused_fwd_glm-5.2_a1db532.jsonl", "dispatch end"): _PER_BYTE_SPARE_COPY,
-    ("timeline_fused_fwd_glm-5.2_e7e9bd0.jsonl", "dispatch end"): _PER_BYTE_SPARE_COPY,
-    ("timeline_fused_fwd_glm-5.2_491ec86.jsonl", "dispatch end"): _PER_BYTE_SPARE_COPY,
-}
-# NOT MODELED (the judged e48bf6e comm-0 forwards show it): the GEMM tiles beside the spare warps' copies
-# run at the model's one sustained tile rate (the sequential layer's, GpuParams.sustained_gemm). In the
-# kimi timeline they took 2.70 ms of GEMM tasks per lane against 2.46 ms of GEMM stages (shared +
-# experts) in the sequential pass of that run (+9.8%; qwen +8.7%, glm -1.3%, deepseek +0.5%), and the
-# model's compute end is 10% short (qwen's too). Part of it may be the clock (the SM clock moves between
-# 1590 and 1980 MHz under the power cap): the A/B runs' traces of this setting with the backoff spin
-# spanned 2.50-2.51 ms (results/runs/e48bf6e/ab_h200.txt, runs 5 and 6) against this timeline's 2.82 ms.
-# No parameter absorbs it: sustained_gemm stays the sequential layer's fit.
+# Why a fused measurement of params.spare_warps_spun (wait_spin "acquire", spare warps moving rows) is
+# explained, not judged.
+SPUN = ("its kernel spun on ld.acquire with 64 ns sleeps in the counter waits (wait_spin acquire) while the "
+        "spare warps of every CTA moved rows, which slowed the pass (an A/B run of the two spins); the model has "
+        "no cost for spinning")
+# A timeline event the model leaves something out of is explained by its index row (sim_explained:
+# {event: why}), named in the note.
+
+
+def compared_timelines(results_dir=results.RESULTS_DIR, pass_: str = "fwd") -> list[dict]:
+    """The index rows of bench_layer's timelines of pass_ that sim --validate compares (sim_compared):
+    the forward's by file name, the backward's by time (then name)."""
+    found = results.timeline_index(results_dir, pass_, bench="bench_layer", sim_compared=True)
+    return sorted(found, key=lambda e: (e["file"],) if pass_ == "fwd" else (e["time"], e["file"]))
 
 
 def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
-    """The fused forward on the H200 (one EP=64 rank's share, sim/fused.py): each measured in-kernel
-    timeline against the simulated timeline of the same plan (dispatch end, compute end, kernel end
-    from the first task's start; the median combine chunk and routed GEMM tiles, over the tasks
-    that move rows or compute tiles in the simulation), and bench_layer's fused passes (graph
-    replays, when there are rows: FUSED_BENCH). Each measurement is simulated with the
-    communicating CTAs' mover of the kernel that recorded it (GpuParams.recorded_at its git stamp:
-    the bulk ring before aceb6ae, the warp movers since). A calibration timeline's dispatch end is
-    the event its dispatch tasks fit (FUSED_FITS: params.H200_CALIBRATION["fused"], "fused_bulk",
-    "fused_spare"): calibration rows. A measurement of params.spare_warps_spun (the acquire spin
-    beside spare warps that move rows) is explained (SPUN); every other row is judged. No
-    combine-chunk median for comm_blocks == 0 in files without the `comm_bars_from: ready` marker
+    """The fused forward on the H200 (one EP=64 rank's share, sim/fused.py): each compared in-kernel
+    timeline (`compared_timelines`) against the simulated timeline of the same plan (dispatch end,
+    compute end, kernel end from the first task's start; the median combine chunk and routed GEMM
+    tiles, over the tasks that move rows or compute tiles in the simulation), and bench_layer's
+    fused passes (graph replays) of every compared run (layer.compared_rows). Each measurement is
+    simulated with the kernel that recorded it (GpuParams.recorded_at its kernel features: the bulk
+    ring or the warp movers). A calibration timeline's dispatch end is the event its dispatch tasks
+    fit (FUSED_FITS, by its sim_calibrates): calibration rows. A measurement of
+    params.spare_warps_spun (the acquire spin beside spare warps that move rows) is explained (SPUN),
+    and so is a timeline event its index row explains (sim_explained); every other row is judged.
+    No combine-chunk median for comm_blocks == 0 in files without the `comm_bars_from: ready` marker
     (see the NOTE below)."""
     rows = []
-    for path in results.timeline_files(results_dir):
-        shape_name, git = results.timeline_name(path)
+    for entry in compared_timelines(results_dir):
+        path, shape_name, git = entry["path"], entry["shape"], entry.get("git", "")
         measured = results.load_timeline(path)
-        plan, result = fused.simulate_timeline(measured, ep_share(shape_name, fused.EP), gpu, git=git)
+        plan, result = fused.simulate_timeline(measured, ep_share(shape_name, fused.EP), gpu, kernel=entry)
         predicted = result.records(0)
         label = f"{shape_name} C={plan.comm_blocks} MB={plan.minibatch_rows} {git or 'timeline'}"
-        fits = FUSED_FITS.get(next((k for k in FUSED_FITS if results.plain_name(path) == H200_CALIBRATION[k]), None))
-
-        spun = spare_warps_spun(git, plan.comm_blocks, plan.spread_from)
+        fits = FUSED_FITS.get(entry.get("sim_calibrates"))
+        spun = spare_warps_spun(entry, plan.comm_blocks, plan.spread_from)
 
         def check(copies: bool = False, event: str = "") -> dict:  # calibration: a row set by the copies fitted here
             if copies and fits:
                 return dict(check="calibration", note=f"fits {fits}")
-            why = SPUN if spun else TIMELINE_EXPLAINED.get((results.plain_name(path), event))
+            why = SPUN if spun else entry.get("sim_explained", {}).get(event)
             return dict(check="explained", note=why) if why else {}
         want, got = results.timeline_events(measured), results.timeline_events(predicted)
         for event in results.TIMELINE_EVENTS:
             rows.append(Row("h200 fused", f"fwd {event} {label}", want[event] / 1e6, got[event] / 1e6, "ms",
                             **check(event == "dispatch end", event)))
-        fixed = gpu.recorded_at(git).fused_task_ns(plan.comm_blocks)
+        fixed = gpu.recorded_at(entry).fused_task_ns(plan.comm_blocks)
         busy = predicted["end_ns"] - predicted["start_ns"] > fixed  # tasks with work (rows or tiles)
         for kind, what in FUSED_MEDIANS:
             sel = busy & (measured["kind"] == int(kind))
@@ -261,55 +245,42 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
                                 float(np.median(measured["end_ns"][sel] - measured["start_ns"][sel])) / 1e3,
                                 float(np.median(predicted["end_ns"][sel] - predicted["start_ns"][sel])) / 1e3, "us",
                                 **check()))
-    for name in FUSED_BENCH:
-        bench = results.newest(results.load(name, results_dir), group_by=("shape", "schedule", "pass"))
-        for r in (r for r in bench if r["schedule"] == "fused" and r.get("pass", "fwd") == "fwd"):  # pass_ns: forward only
-            ns = fused.pass_ns(ep_share(r["shape"], r["ep"]), gpu.recorded_at(r["git"]), r["comm_blocks"],
+    runs: dict = {}
+    for r in layer.compared_rows(results_dir):
+        if r["schedule"] == "fused" and r.get("pass", "fwd") == "fwd":  # pass_ns: forward only
+            runs.setdefault(r["run"], []).append(r)
+    for run, found in runs.items():
+        for r in found:
+            ns = fused.pass_ns(ep_share(r["shape"], r["ep"]), gpu.recorded_at(r), r["comm_blocks"],
                                r["minibatch_tokens"], r["num_sms"])
-            why = FUSED_BENCH_EXPLAINED.get((name, r["comm_blocks"])) or (
-                SPUN if spare_warps_spun(r["git"], r["comm_blocks"], r.get("spread_from")) else "")
+            why = FUSED_BENCH_EXPLAINED.get((run, r["comm_blocks"])) or (
+                SPUN if spare_warps_spun(r, r["comm_blocks"], r.get("spread_from")) else "")
             rows.append(Row("h200 fused", f"fwd pass (graph) {r['shape']} C={r['comm_blocks']} MB={r['minibatch_tokens']}"
                             f" {r['git']}", r["median_ms"], ns / 1e6, "ms", *(("explained", why) if why else ())))
     return rows
 
 
-# The fused backward's measured timelines compared (results/; the older ec6738a ones ran kernels the
-# README suspects of a slowdown, so they are left out): fixed here, not chosen by the error.
-BWD_TIMELINES = ("timeline_fused_bwd_deepseek-v4-pro_d689e07.jsonl", "timeline_fused_bwd_kimi-k2.7_d689e07.jsonl",
-                 "timeline_fused_bwd_deepseek-v4-pro_1685ef1.jsonl", "timeline_fused_bwd_glm-5.2_1685ef1.jsonl",
-                 "timeline_fused_bwd_kimi-k2.7_1685ef1.jsonl", "timeline_fused_bwd_qwen3.5-397b_1685ef1.jsonl",
-                 "timeline_fused_bwd_deepseek-v4-pro_e48bf6e.jsonl", "timeline_fused_bwd_glm-5.2_e48bf6e.jsonl",
-                 "timeline_fused_bwd_kimi-k2.7_e48bf6e.jsonl", "timeline_fused_bwd_qwen3.5-397b_e48bf6e.jsonl",
-                 # the scale and the token gradients inside the kernel (SCALE, SLOT_SUM tasks; 5b65592's kernels)
-                 "timeline_fused_bwd_deepseek-v4-pro_491ec86.jsonl", "timeline_fused_bwd_glm-5.2_491ec86.jsonl",
-                 "timeline_fused_bwd_kimi-k2.7_491ec86.jsonl", "timeline_fused_bwd_qwen3.5-397b_491ec86.jsonl")
-
-
 def fused_backward_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
     """The fused backward on the H200 (one EP=64 rank's share; sim/fused.py rebuilds the
-    fused_backward plan each timeline of BWD_TIMELINES ran and simulates it, with the mover of its
-    git stamp's kernel, GpuParams.recorded_at): the kernel end from the first task's start (judged;
+    fused_backward plan each compared timeline (`compared_timelines`) ran and simulates it, with the
+    kernel it ran, GpuParams.recorded_at): the kernel end from the first task's start (judged;
     explained for a kernel of params.spare_warps_spun, SPUN), and per task kind the summed task time
     per compute SM (results.timeline_summary's per_lane_ns; informational, but for the scale and
-    token-gradient tasks of H200_CALIBRATION["fused_token"], the timeline the movers' token rates
-    are fitted on: calibration)."""
+    token-gradient tasks of the timeline the movers' token rates are fitted on, sim_calibrates
+    "fused_token": calibration)."""
     rows = []
-    for name in BWD_TIMELINES:
-        try:
-            path = results.timeline_file(name, results_dir)
-        except FileNotFoundError:
-            continue
-        shape_name, git = results.timeline_name(path)
-        measured = results.load_timeline(path)
-        plan, result = fused.simulate_timeline(measured, ep_share(shape_name, fused.EP), gpu, git=git)
+    for entry in compared_timelines(results_dir, "bwd"):
+        shape_name, git = entry["shape"], entry.get("git", "")
+        measured = results.load_timeline(entry["path"])
+        plan, result = fused.simulate_timeline(measured, ep_share(shape_name, fused.EP), gpu, kernel=entry)
         predicted = result.records(0)
         label = f"{shape_name} C={plan.comm_blocks} MB={plan.minibatch_rows} {git}"
         want, got = results.timeline_events(measured), results.timeline_events(predicted)
-        spun = spare_warps_spun(git, plan.comm_blocks, plan.spread_from)
+        spun = spare_warps_spun(entry, plan.comm_blocks, plan.spread_from)
         rows.append(Row("h200 fused", f"bwd kernel end {label}", want["kernel end"] / 1e6, got["kernel end"] / 1e6, "ms",
                         *(("explained", SPUN) if spun else ())))
         want, got = results.timeline_summary(measured)["kinds"], results.timeline_summary(predicted)["kinds"]
-        fitted = results.plain_name(path) == results.plain_name(H200_CALIBRATION["fused_token"])
+        fitted = entry.get("sim_calibrates") == "fused_token"
         for kind in (k for k in want if k in got):
             token = fitted and kind in (TaskKind.SCALE.name.lower(), TaskKind.SLOT_SUM.name.lower())
             rows.append(Row("h200 fused", f"bwd {kind} per SM {label}", want[kind]["per_lane_ns"] / 1e3,

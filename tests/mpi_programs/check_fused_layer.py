@@ -45,7 +45,8 @@ from mok_proto import abi
 from mok_proto.config import MOK_POLICY, MoEShape, RunConfig
 from mok_proto.errors import KernelTimeoutError, SymmTimeoutError
 from mok_proto.layer.gpu import GpuMoELayer
-from mok_proto.plan import _ancestors, inside_kernel
+from mok_proto.plan import FusedKnobs, inside_kernel
+from mok_proto.plan.check import ancestors
 from mok_proto.problem import make_problem
 
 CASES = {  # name: (H, I, E, K, N, shared, routing)
@@ -156,11 +157,11 @@ def check_backward(layer, heap, name, max_ctas, policies, replays) -> tuple[int,
                 continue  # nothing to move inside the kernel: no communicating CTAs
             if "spread_from" in knobs and not inside_kernel("bwd", policy)[1]:
                 continue  # only a reverse-dispatch inside the kernel (push) is spread
-            plan = layer.fused_backward_plan(comm_ctas, minibatch, **knobs)
+            plan = layer.fused_backward_plan(FusedKnobs(comm_ctas, minibatch, **knobs))
             check_knobs(plan, knobs)
             layer.set_backward_plan(plan)
             for fused_forward in (False, True):
-                layer.set_forward_plan(layer.fused_forward_plan(0, 256) if fused_forward else None)
+                layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)) if fused_forward else None)
                 got = run(layer, heap, backward=True)
                 for rank in layer.ranks:
                     assert got[rank]["grads"] == want[rank]["grads"], (
@@ -168,8 +169,9 @@ def check_backward(layer, heap, name, max_ctas, policies, replays) -> tuple[int,
                         f"(forward {'fused' if fused_forward else 'sequential'}): gradients differ from sequential")
                 settings += 1
     layer.policy = dict(MOK_POLICY)
-    layer.set_forward_plan(layer.fused_forward_plan(0, 256))
-    layer.set_backward_plan(layer.fused_backward_plan(0, 256, claim="all"))  # which cluster runs a pair varies
+    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
+    # every pair claimed at run time: which cluster runs a pair varies
+    layer.set_backward_plan(layer.fused_backward_plan(FusedKnobs(0, 256, claim="all")))
     first = run(layer, heap, backward=True)
     graph = layer.capture()  # forward + backward, both fused
     done = 0
@@ -211,7 +213,8 @@ def check_case(heap, comm, name, case_id, replays, policies, backward_policies):
             full_ring = ring is None
             if not full_ring and not (policy["dispatch"] == "pull" and policy["combine"] == "push"):
                 continue  # the ring turns only with both transfers inside the kernel (plan.fused_forward)
-            plan = layer.fused_forward_plan(comm_ctas, minibatch, ring, lookahead=lookahead, **knobs)
+            plan = layer.fused_forward_plan(FusedKnobs(comm_ctas, minibatch, ring_minibatches=ring, lookahead=lookahead,
+                                                       **knobs))
             check_knobs(plan, knobs)
             layer.set_forward_plan(plan)
             got = run(layer, heap, backward=full_ring)
@@ -239,7 +242,9 @@ def check_case(heap, comm, name, case_id, replays, policies, backward_policies):
     # Graph replays of the fused forward (MoK's policy, the first setting, every tile pair claimed at
     # run time: which cluster runs a pair varies from replay to replay, the bits may not).
     layer.policy = dict(MOK_POLICY)
-    layer.set_forward_plan(layer.fused_forward_plan(*knob_settings(max_ctas)[0][:3], claim="all"))
+    comm_ctas, minibatch, ring = knob_settings(max_ctas)[0][:3]
+    knobs = FusedKnobs(comm_ctas, minibatch, ring_minibatches=ring, claim="all")
+    layer.set_forward_plan(layer.fused_forward_plan(knobs))
     first = run(layer, heap, backward=False)
     graph = layer.capture(backward=False)
     fwd_replays = 0
@@ -264,7 +269,7 @@ def expect_counter_timeout(layer, heap, comm, plan, i, what: str):
     raises KernelTimeoutError naming task i or a task that waits on it (through counters or stream
     order; the first bounded wait to expire is reported); under NVSHMEM a rank may instead time out
     on a peer (SymmTimeoutError) or finish, but the bad wait must have timed out on some rank."""
-    after_i = [j for j, a in enumerate(_ancestors(plan, plan.execution_order)) if a >> i & 1]
+    after_i = [j for j, a in enumerate(ancestors(plan, plan.execution_order)) if a >> i & 1]
     seen = ""
     try:
         layer.check()
@@ -289,7 +294,7 @@ def check_counter_timeout(heap, comm):
     from mok_proto.plan import TaskKind
 
     layer = gpu_program.small_layer(heap, "ftimeout", seed=5, num_tokens=64, timeout_s=2)
-    layer.set_forward_plan(layer.fused_forward_plan(2, 256))
+    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(2, 256)))
     tasks = layer.fused.plan.tasks.copy()
     # a down tile of row tile 0 (it holds rows on every rank; a task past the real rows waits for
     # nothing) waits for one gate/up tile more than its row tile has
@@ -314,7 +319,7 @@ def check_missing_peer(heap):
         return
     layer = gpu_program.small_layer(heap, "fmissing", seed=9, num_tokens=64, timeout_s=2)
     layer.launch_only([0])
-    layer.set_forward_plan(layer.fused_forward_plan(0, 256))
+    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
     layer.enqueue_forward()
     try:
         layer.check()
@@ -334,8 +339,8 @@ def check_backward_counter_timeout(heap, comm):
     from mok_proto.plan import TaskKind
 
     layer = gpu_program.small_layer(heap, "btimeout", seed=5, num_tokens=64, timeout_s=2)
-    layer.set_forward_plan(layer.fused_forward_plan(0, 256))
-    layer.set_backward_plan(layer.fused_backward_plan(2, 256))
+    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
+    layer.set_backward_plan(layer.fused_backward_plan(FusedKnobs(2, 256)))
     heap.barrier()
     layer.enqueue_forward()
     layer.check()  # the forward is sound: the wait below is the only one that cannot be met
@@ -365,8 +370,8 @@ def check_backward_peer_flag_timeout(heap) -> bool:
     if heap.num_ranks < 2 or len(heap.launch_ranks) != heap.num_ranks:
         return False
     layer = gpu_program.small_layer(heap, "bflag", seed=5, num_tokens=64, timeout_s=2)
-    layer.set_forward_plan(layer.fused_forward_plan(0, 256))
-    layer.set_backward_plan(layer.fused_backward_plan(0, 256))
+    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
+    layer.set_backward_plan(layer.fused_backward_plan(FusedKnobs(0, 256)))
     assert layer.fused_bwd.plan.token_grads
     layer.enqueue_forward()
     layer.check()  # every rank ran the forward
@@ -395,8 +400,8 @@ def check_backward_missing_peer(heap, policies) -> int:
     for n, policy in enumerate(policies):
         layer = gpu_program.small_layer(heap, f"bmissing{n}", seed=9, num_tokens=64, timeout_s=2)
         layer.policy = dict(policy)
-        layer.set_forward_plan(layer.fused_forward_plan(0, 256))
-        layer.set_backward_plan(layer.fused_backward_plan(0, 256))
+        layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
+        layer.set_backward_plan(layer.fused_backward_plan(FusedKnobs(0, 256)))
         layer.enqueue_forward()
         layer.check()  # every rank ran the forward: only the backward can wait in vain
         layer.launch_only([0])
@@ -414,8 +419,8 @@ def check_backward_missing_peer(heap, policies) -> int:
 
 def both_fused(layer):
     """The overflow check's layer in --backward mode: forward and backward fused (2 communicating CTAs)."""
-    layer.set_forward_plan(layer.fused_forward_plan(2, 256))
-    layer.set_backward_plan(layer.fused_backward_plan(2, 256))
+    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(2, 256)))
+    layer.set_backward_plan(layer.fused_backward_plan(FusedKnobs(2, 256)))
 
 
 def main():
@@ -439,7 +444,7 @@ def main():
             gpu_program.check_overflow(heap, "boverflow", both_fused, backward=True, timeout_s=5)
         else:
             gpu_program.check_overflow(heap, "foverflow", lambda layer: layer.set_forward_plan(
-                layer.fused_forward_plan(2, 256)))
+                layer.fused_forward_plan(FusedKnobs(2, 256))))
     finally:
         heap.close()
     if heap.launch_ranks[0] == 0:

@@ -1,0 +1,90 @@
+"""docs/results.md and the README's status table are generated from results/ and current
+(`python -m mok_proto.results --write` rewrites both), and the generator picks the newest run of
+each benchmark on each GPU."""
+
+import json
+
+import pytest
+
+from mok_proto.results import report
+
+
+def test_docs_results_is_current():
+    assert report.DOCS_FILE.read_text() == report.markdown(), \
+        "docs/results.md is not what results/ gives: run python -m mok_proto.results --write"
+
+
+def test_readme_status_table_is_current():
+    readme = report.README_FILE.read_text()
+    assert report.readme_with_table(readme, report.status_table()) == readme, \
+        "README.md's status table is not what results/ gives: run python -m mok_proto.results --write"
+
+
+def _write(folder, name, rows):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _gemm(time, git, gpu, ratio, **extra):
+    return {"time": time, "git": git, "gpu": gpu, "shape": "kimi-k2.7", "routing": "uniform", "problem": "down",
+            "rows": 16384, "tflops": {"ours": 700.0, "torch": 720.0, "dense": 780.0}, "ratio": ratio, **extra}
+
+
+def _comm(direction, shape, ms, pct, **extra):
+    return {"time": "2026-12-01T10:00:00+00:00", "git": "abc", "gpu": "NVIDIA H200", "backend": "nvshmem",
+            "shape": shape, "ep": 2, "dispatch": direction, "combine": direction,
+            "stages": {"schedule": {"median_ms": 0.3}, "dispatch": {"median_ms": ms}, "combine": {"median_ms": ms}},
+            "dispatch_gbs": 1.0, "combine_gbs": 1.0, "pct_of_ceiling": {"dispatch": pct, "combine": pct},
+            "bit_exact": True, **extra}
+
+
+def test_newest_run_per_gpu(tmp_path):
+    _write(tmp_path, "bench_gemm", [
+        _gemm("2026-12-01T10:00:00+00:00", "old", "NVIDIA H200", 0.80),
+        _gemm("2026-12-02T10:00:00+00:00", "new", "NVIDIA H200", 0.90, command="python scripts/bench_gemm.py --x"),
+        _gemm("2026-12-01T12:00:00+00:00", "h100", "NVIDIA H100 80GB HBM3", 0.85)])
+    text = report.markdown(tmp_path)
+    # one section per GPU, each its newest run only; the recorded command, or the usual one said as such
+    assert text.count("## bench_gemm (one GPU, ") == 2
+    assert "Commit `new`" in text and "Commit `h100`" in text and "Commit `old`" not in text
+    assert "`python scripts/bench_gemm.py --x`" in text
+    assert "command not recorded (the benchmark's usual one: `python scripts/bench_gemm.py`)" in text
+    assert "| 0.90 |" in text and "| 0.85 |" in text and "| 0.80 |" not in text
+    table = report.status_table(tmp_path)
+    assert "| GEMMs (H100 80GB HBM3, `h100`, 2026-12-01) | down | 700 TFLOP/s | 0.85 x `torch._grouped_mm` | |" in table
+    assert "| GEMMs (H200, `new`, 2026-12-02) | down | 700 TFLOP/s | 0.90 x `torch._grouped_mm` | |" in table
+
+
+def test_machines_and_their_baselines(tmp_path):
+    x2 = tmp_path / "x2"
+    _write(x2, "bench_comm", [_comm("push", "kimi-k2.7", 0.5, 96.0), _comm("push", "glm-5.2", 0.4, 90.0),
+                              _comm("pull", "kimi-k2.7", 0.6, 84.0)])
+    nccl = {"time": "2026-12-01T10:00:00+00:00", "git": "abc", "gpu": "NVIDIA H200", "shape": "kimi-k2.7",
+            "ranks": 2, "stages": {"dispatch": {"median_ms": 1.0}, "combine": {"median_ms": 1.2},
+                                   "layout": {"median_ms": 0.7}},
+            "pct_of_link": {"dispatch": 60.0, "combine": 55.0}, "bit_exact": True}
+    _write(x2, "bench_nccl_baseline", [nccl])
+    assert report.machines(tmp_path) == [("", "one GPU"), ("x2", "2 GPUs, one process each")]
+    table = report.status_table(tmp_path)
+    # push: both shapes' range; x NCCL only where NCCL ran the shape (kimi: 1.0 / 0.5)
+    assert "| dispatch push, 2 shapes | 0.400-0.500 ms, 90-96% of link | 2.00 x NCCL | |" in table
+    assert "| combine pull, 1 shape | 0.600 ms, 84% of link | 2.00 x NCCL | |" in table
+    assert "## bench_comm (2 GPUs, one process each, NVIDIA H200)" in report.markdown(tmp_path)
+
+
+def test_link_check_rows_have_their_own_table(tmp_path):
+    check = {"time": "2026-12-03T10:00:00+00:00", "git": "abc", "gpu": "NVIDIA H200", "backend": "virtual",
+             "shape": "kimi-k2.7", "ep": 2, "stage": "dispatch", "direction": "pull", "median_ms": 0.70,
+             "link_gbps": 368, "x2_measured_ms": 0.75, "error_vs_x2": 0.70 / 0.75 - 1, "bit_exact": True}
+    _write(tmp_path, "bench_comm", [_comm("push", "kimi-k2.7", 0.5, 96.0, backend="virtual"), check])
+    text = report.markdown(tmp_path)
+    assert "## bench_comm, emulated link (one GPU, NVIDIA H200)" in text
+    assert "| kimi-k2.7 | 2 | dispatch | pull | 368 | 0.700 | 0.750 | -6.7% | yes |" in text
+    assert text.count("| kimi-k2.7 | 2 |") == 2  # the round's row in one table, the check's in the other
+
+
+def test_readme_block_is_required():
+    with pytest.raises(ValueError, match="status-table block"):
+        report.readme_with_table("# no block here\n", "| table |\n")
+    text = f"a\n{report.README_BEGIN}\nold\n{report.README_END}\nb\n"
+    assert report.readme_with_table(text, "new\n") == f"a\n{report.README_BEGIN}\nnew\n{report.README_END}\nb\n"
