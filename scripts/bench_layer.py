@@ -28,12 +28,13 @@ under the power cap within one pass's time: x sequential is the median of the pe
 ratios; `sequential_median_ms` is the sequential pass of that interleaved run), its output
 compared bitwise with the sequential forward of the same run (`equal_to_sequential`); the best
 setting per shape (the largest x sequential: best_row) is timed once more and judged on that,
-and its timeline written under results/ (JSON lines + PNG). The fused backward likewise (its
-gradients compared bitwise with the sequential backward's). --assign, --raster, --token-grads,
---scale: the fused plans' options (recorded in each fused row). --directions times other
-transfer-direction policies too, after every shape's MoK rows (sequential, and fused at the
-settings best for MoK's forward or backward; outputs compared bitwise with that policy's
-sequential layer; rows in results/bench_layer_directions.jsonl, not judged by the bars).
+and its timeline written under results/timelines/ (JSON lines + PNG, a row in its index). The
+fused backward likewise (its gradients compared bitwise with the sequential backward's). --assign,
+--raster, --token-grads, --scale: the fused plans' options (recorded in each fused row).
+--directions times other transfer-direction policies too, after every shape's MoK rows
+(sequential, and fused at the settings best for MoK's forward or backward; outputs compared
+bitwise with that policy's sequential layer; rows in results/bench_layer_directions.jsonl, not
+judged by the bars).
 `schedule_ms` is the device schedule of one rank at the real EP=64 (64 virtual ranks, the
 all-gathered routing staged, graph replays), checked against schedule.py.
 
@@ -88,9 +89,9 @@ def parse_args(argv=None):
                    "backward (communicating CTAs 0 where the policy moves nothing inside the kernel; no torch, no "
                    "timeline) into results/bench_layer_directions.jsonl; their outputs must equal their sequential "
                    "layer's")
-    p.add_argument("--timeline", default="results/timeline_fused_{pass_}_{shape}_{git}.jsonl",
+    p.add_argument("--timeline", default="results/timelines/timeline_fused_{pass_}_{shape}_{git}.jsonl",
                    help="where the best fused setting's timeline goes ({pass_}, {shape}, {git} are replaced; '' = "
-                        "none)")
+                        "none); in results/timelines/ it is stored gzipped with its row in the index there")
     add_bar_option(p, BARS)
     args = p.parse_args(argv)
     try:
@@ -132,13 +133,13 @@ def main(argv=None) -> int:
               f"K={shape.top_k} ...", flush=True)
         data = make_inputs(shape)
         measured = ours(shape, data, args.iters, args.warmup, args.settings,
-                        timeline_path(args.timeline, name, git_sha()))
+                        timeline_path(args.timeline, name, git_sha()), index={"bench": "bench_layer", "shape": name})
         baseline = torch_pipeline(shape, data, args.iters, args.warmup)
         schedule = schedule_at_ep64(name, args.iters, args.warmup)
         emit(shape_report(name, shape, measured, baseline, schedule, args.bars), failed)
         best_settings[name] = tuple(dict.fromkeys(  # the other policies: the default token_grads and scale
-            FusedKnobs(r["comm_blocks"], r["minibatch_tokens"], claim=r["claim"], assign=args.assign, raster=args.raster)
-            for rows in measured.fused_rows.values() if rows for r in [best_row(rows)]))
+            FusedKnobs(r["comm_blocks"], r["minibatch_tokens"], claim=r["claim"], assign=args.assign,
+                       raster=args.raster) for rows in measured.fused_rows.values() if rows for r in [best_row(rows)]))
     for name in args.shapes.split(",") if args.others else ():  # after every shape's MoK rows are recorded
         shape = emulated_shape(name)
         data = make_inputs(shape)

@@ -94,20 +94,19 @@ from mok_proto.bench.mpi_problem import Problem, single_shape  # noqa: E402
 from mok_proto.bench.mpi_args import parse_args, results_dir  # noqa: E402
 from mok_proto.bench.mpi_report import judge, print_table  # noqa: E402
 from mok_proto.bench.plan_workers import start_plans  # noqa: E402
-from mok_proto.bench.ranks import HEAP_TIMEOUT_S, NCCL_TIMEOUT_S, Ranks, gpu_sharing, implied_no_torch, run_shape  # noqa: E402,E501
+from mok_proto.bench.ranks import (HEAP_TIMEOUT_S, NCCL_TIMEOUT_S, Ranks, gpu_sharing, implied_no_torch,  # noqa: E402
+                                   run_shape)
 from mok_proto.config import MOK_POLICY, format_policy  # noqa: E402
 
 
 def main_single(args) -> int:
-    from mok_proto.bench import require_gpu
+    from mok_proto.bench import gpu_name, require_gpu
 
     require_gpu("bench_layer_mpi.py --single")
-    import cupy
-
     num_ranks = args.single
     out_dir = results_dir(args, num_ranks)
     digests_path = Path(args.digests_out) if args.digests_out else out_dir / "digests_single.json"
-    print(f"# bench_layer_mpi --single {num_ranks}: {num_ranks} virtual ranks on {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
+    print(f"# bench_layer_mpi --single {num_ranks}: {num_ranks} virtual ranks on {gpu_name()}, "
           f"sequential layer, policy {format_policy(MOK_POLICY)}, seed {args.seed}", flush=True)
     shapes, failed = {}, []
     for name in args.shapes:

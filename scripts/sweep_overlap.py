@@ -6,10 +6,11 @@ rank's share of EP=64 (mok_proto.bench.emulation: 2 virtual ranks, rank 0 timed)
 Per shape: the sequential forward (graph replays, the reference time), then every grid point of
 the fused forward (graph replays interleaved with the sequential forward's, median; its output
 compared bitwise with the sequential one), a progress line per point with the time left; the
-best point (the largest x sequential) timed again and its in-kernel timeline written to
-results/timeline_fused_fwd_<shape>_<git>.jsonl (+ .png). One JSON line per point appended to
-results/sweep_overlap.jsonl (keys: the stamp of mok_proto.bench.rows, shape, comm_blocks, minibatch_rows, assign (--assign:
-the plans' tile pairs to clusters, plan.ASSIGNMENTS), raster (--raster: their order,
+best point (the largest x sequential) timed again and its in-kernel timeline stored in
+results/timelines/ (sweep_timeline_fused_fwd_<shape>_<git>.jsonl.gz + .png, a row in its index).
+One JSON line per point appended to results/sweep_overlap.jsonl (keys: the stamp of
+mok_proto.bench.rows, shape, comm_blocks, minibatch_rows, assign (--assign: the plans' tile
+pairs to clusters, plan.ASSIGNMENTS), raster (--raster: their order,
 plan.RASTERS), median_ms, sequential_ms (the sequential forward timed alone),
 sequential_median_ms (interleaved with this point), speedup_vs_sequential (median of the
 per-iteration ratios of the interleaved run), equal_to_sequential, bitwise_repeat), the file
@@ -69,7 +70,8 @@ def main():
         layer.check()
         print(f"# {name}: sequential forward {seq:.3f} ms; {len(grid)} fused points", flush=True)
         rows = fused(layer, grid, result_bytes(layer, "fwd"), graph, args.iters, args.warmup, stream,
-                     f"results/timeline_fused_fwd_{name}_{git_sha()}.jsonl", "fwd")
+                     f"results/timelines/sweep_timeline_fused_fwd_{name}_{git_sha()}.jsonl", "fwd",
+                     {"bench": "sweep_overlap", "shape": name})
         for row in rows:
             append_result("sweep_overlap", {"shape": name, "comm_blocks": row["comm_blocks"],
                                             "minibatch_rows": row["minibatch_tokens"], "sequential_ms": seq,

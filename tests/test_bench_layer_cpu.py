@@ -338,3 +338,42 @@ def test_timeline_paths_keep_the_runs_apart():
     template = "results/timeline_fused_{pass_}_{shape}_{git}.jsonl"
     assert timeline_path(template, "kimi-k2.7", "abc1234") == "results/timeline_fused_{pass_}_kimi-k2.7_abc1234.jsonl"
     assert timeline_path("", "kimi-k2.7", "abc1234") is None
+
+
+def test_a_timeline_in_results_timelines_is_stored_and_indexed(tmp_path):
+    """bench_layer's and sweep_overlap's timelines go into results/timelines/ gzipped, each with its
+    index row (what the simulator and the notebooks find them by); a name taken gets a suffix; a
+    timeline written elsewhere is left alone."""
+    import gzip
+    import json
+
+    import numpy as np
+
+    from mok_proto import results
+    from mok_proto.bench import rows
+    from mok_proto.bench.timeline_plot import index_timeline, write_timeline
+    from mok_proto.trace import TRACE_DTYPE
+
+    records = np.zeros(3, TRACE_DTYPE)
+    records["end_ns"] = [100, 200, 300]
+    plan = {"bench": "bench_layer", "shape": "kimi-k2.7", "comm_blocks": 0, "minibatch_rows": 2048, "claim_pairs": 9}
+    stored = []
+    for _ in range(2):  # the same name twice (a second run at the same commit)
+        path = tmp_path / "timelines" / "timeline_fused_fwd_kimi-k2.7_abc1234.jsonl"
+        write_timeline(records, path, "a title")
+        stored.append(index_timeline(path, "fwd", plan, results_dir=tmp_path))
+        assert not path.exists()  # the plain file is stored gzipped
+    assert [r["file"] for r in stored] == ["timeline_fused_fwd_kimi-k2.7_abc1234.jsonl.gz",
+                                           "timeline_fused_fwd_kimi-k2.7_abc1234_2.jsonl.gz"]
+    first = results.timeline_index(tmp_path, "fwd", bench="bench_layer", shape="kimi-k2.7")[0]
+    assert {k: first[k] for k in ("pass", "git", "comm_blocks", "minibatch_rows", "claim_pairs", "png")} == {
+        "pass": "fwd", "git": rows.git_sha(), "comm_blocks": 0, "minibatch_rows": 2048, "claim_pairs": 9,
+        "png": "timeline_fused_fwd_kimi-k2.7_abc1234.png"}
+    assert all(first[k] == v for k, v in rows.kernel_features().items()) and "gpu" in first and "time" in first
+    assert (tmp_path / "timelines" / stored[1]["png"]).exists()
+    with gzip.open(first["path"], "rt") as f:
+        assert [json.loads(line)["end_ns"] for line in f] == [100, 200, 300]
+    assert len(results.load_timeline(first["path"])) == 3
+    elsewhere = tmp_path / "scratch.jsonl"
+    write_timeline(records, elsewhere, "a title")
+    assert index_timeline(elsewhere, "fwd", plan, results_dir=tmp_path) is None and elsewhere.exists()

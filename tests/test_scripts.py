@@ -29,7 +29,8 @@ def test_script_is_a_thin_tool_that_opens_with_its_command_line(script):
     assert len(text.splitlines()) < 400
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
     assert not imported & {s.stem for s in SCRIPTS}, "a script imports another script"
     assert "sys.path" not in text
 

@@ -62,7 +62,8 @@ def add_bar_option(p: argparse.ArgumentParser, bars: dict) -> None:
     listed = "; ".join(f"{key}={bar.value:g} ({'at most' if bar.at_most else 'at least'}: {bar.what})"
                        for key, bar in bars.items())
     p.add_argument("--bar", action="append", default=[], metavar="KEY=VALUE",
-                   help=f"set a bar of this benchmark (repeatable, or KEY=VALUE,KEY=VALUE). Bars and defaults: {listed}")
+                   help="set a bar of this benchmark (repeatable, or KEY=VALUE,KEY=VALUE). Bars and defaults: "
+                        + listed)
 
 
 def parse_bars(items, bars: dict) -> dict:

@@ -9,7 +9,7 @@ from typing import NamedTuple
 from mok_proto.bench.emulation import EP, result_bytes, staged_layer
 from mok_proto.bench.rows import append_result
 from mok_proto.bench.settings import fused_settings_for
-from mok_proto.bench.timeline_plot import write_timeline
+from mok_proto.bench.timeline_plot import index_timeline, write_timeline
 from mok_proto.bench.timing import paired_ratio, rotating, summarize, time_stages
 from mok_proto.plan import MOVER_KINDS, TaskKind
 from mok_proto.results import timeline_summary
@@ -27,10 +27,11 @@ class Measured(NamedTuple):
     fused_rows: dict
 
 
-def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None) -> Measured:
+def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, index=None) -> Measured:
     """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results, fused rows.
     settings: the fused plans' knobs (FusedKnobs) to time, for both passes or as {pass: settings};
-    policy: the transfers' directions (default MoK's)."""
+    policy: the transfers' directions (default MoK's); trace_to, index: the best settings' timelines
+    (fused)."""
     import cupy
 
     heap, layer = staged_layer(shape, data, policy)
@@ -60,7 +61,7 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None) ->
         blobs[name].append(result_bytes(layer, name))
     results = {"out": layer.output(0).get(), **{k: v.get() for k, v in layer.grads(0).items()}}
     fused_rows = {pass_: fused(layer, per_pass[pass_], blobs[pass_][0], graphs[pass_], iters, warmup, stream,
-                               trace_to.format(pass_=pass_) if trace_to else None, pass_)
+                               trace_to.format(pass_=pass_) if trace_to else None, pass_, index)
                   for pass_ in ("fwd", "bwd")}
     layer.close()
     heap.close()
@@ -68,7 +69,7 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None) ->
 
 
 def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmup, stream, trace_to,
-          pass_: str = "fwd"):
+          pass_: str = "fwd", index: dict | None = None):
     """The fused forward (pass_="bwd": backward) of rank 0 for each of `settings` (FusedKnobs:
     communication CTAs, minibatch rows, ...; recorded in each row, FusedKnobs.describe): graph
     replays of that pass interleaved with replays of the sequential pass's
@@ -76,7 +77,9 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
     median of the per-iteration ratios), its results compared bitwise with the sequential pass of
     this run, and with a second run. The best setting (best_row: the largest x sequential) is
     timed again (the figure judged), and once with the timeline recorded; its timeline (one traced
-    eager run) is written to `trace_to` (JSON lines + PNG) when given."""
+    eager run) is written to `trace_to` (JSON lines + PNG) when given, and with `index` (fields of its
+    index row: bench, shape, ...) stored in results/timelines/ with its index row when trace_to is in
+    that folder (timeline_plot.index_timeline; the best row records its `timeline_file`)."""
     def use(knobs):
         """Set the pass's plan, run one step eagerly (compiles, uploads), return its graph."""
         if pass_ == "fwd":
@@ -153,6 +156,12 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
                   f"{summary['lane_end_max_ns'] / 1e6:.3f} ms, then idle {summary['tail_idle_mean_ns'] / 1e3:.0f} us "
                   f"on average (correlation of a lane's end with its GEMM time: "
                   f"{'n/a' if corr is None else f'{corr:.2f}'})", flush=True)
+            stored = None if index is None else index_timeline(trace_to, pass_, {
+                **index, "comm_blocks": best["comm_blocks"], "minibatch_rows": best["minibatch_tokens"],
+                "claim_pairs": best["claim_pairs"]})
+            if stored:
+                best["timeline_file"] = stored["file"]
+                print(f"#   timeline stored as results/timelines/{stored['file']} (index.jsonl)", flush=True)
         layer.trace = False
     layer.set_forward_plan(None)
     layer.set_backward_plan(None)

@@ -48,14 +48,19 @@ def command_line(argv=None) -> str:
     return shlex.join(argv)
 
 
+def stamp() -> dict:
+    """Where a row comes from: the time, the commit, the GPU, the command line, the kernel features."""
+    return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "git": git_sha(),
+            "gpu": gpu_name(), "command": command_line(), **kernel_features()}
+
+
 def append_result(name: str, record: dict, results_dir: Path | str = RESULTS_DIR) -> Path:
-    """Append one JSON line to <results_dir>/<name>.jsonl: the stamp (time, git, gpu, command, the
-    kernel features) first, then `record` (whose fields win over the stamp's)."""
+    """Append one JSON line to <results_dir>/<name>.jsonl: the stamp first, then `record` (whose
+    fields win over the stamp's)."""
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{name}.jsonl"
-    record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "git": git_sha(), "gpu": gpu_name(), "command": command_line(), **kernel_features(), **record}
+    record = {**stamp(), **record}
     with path.open("a") as f:
         f.write(json.dumps(record) + "\n")
     return path
