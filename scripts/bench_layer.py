@@ -1,4 +1,4 @@
-"""python scripts/bench_layer.py [--shapes kimi-k2.7,...] [--iters 20] [--warmup 5] [--sweep]
+"""python scripts/bench_layer.py [--shapes kimi-k2.7,...] [--iters 20] [--warmup 5] [--sweep] [--link-gbps 368,900]
 
 One rank's share of an EP=64 MoE layer on one GPU: our GPU layer against the unfused PyTorch
 pipeline (../shared/anchors: index_select dispatch, torch._grouped_mm experts, autograd backward),
@@ -38,10 +38,19 @@ judged by the bars).
 `schedule_ms` is the device schedule of one rank at the real EP=64 (64 virtual ranks, the
 all-gathered routing staged, graph replays), checked against schedule.py.
 
+--link-gbps G[,G...]: each shape runs again with an emulated link of G GB/s per direction
+(mok_proto.link.LinkModel, round trip --link-latency-us; every row rank 0 receives or sends back
+pays it, every_row), the same passes and fused settings as without it (the same functions, the
+layer's RunConfig with the link): its rows (sequential and fused, no torch: its pipeline crosses
+no link) go to results/bench_layer_link.jsonl with `link_gbps`, every result checked bitwise
+against the run without the link (`equal_to_no_link`), each fused row with its
+`overlap_efficiency` (mok_proto.bench.layer_rows), its timelines indexed as bench_layer_link,
+and a table per link speed after every shape.
+
 Bars: --bar KEY=VALUE (--help lists them with their defaults); checks: bitwise repeat, fused equal
 to sequential, the error against torch, the schedule equal to schedule.py.
 Exit status: 0 all met, 1 a bar or a check failed (listed), 2 no GPU/torch or a bad argument.
-Results: JSON lines appended to results/bench_layer.jsonl.
+Results: JSON lines appended to results/bench_layer.jsonl (without the link: `link_gbps` null).
 """
 
 from __future__ import annotations
@@ -50,12 +59,13 @@ import dataclasses
 import sys
 
 from mok_proto.bench.cli import add_bar_option, parse_bars, parser
-from mok_proto.bench.emulation import emulated_shape, make_inputs, schedule_at_ep64
-from mok_proto.bench.layer import best_row, directions_rows, ours
-from mok_proto.bench.layer_rows import BARS, HEADER, shape_report
+from mok_proto.bench.emulation import emulated_shape, make_inputs
+from mok_proto.bench.layer import best_row, directions_rows
+from mok_proto.bench.layer_rows import BARS, HEADER, link_table
+from mok_proto.bench.layer_run import run_shape
 from mok_proto.bench.settings import DEFAULT_FUSED, SCALE, SWEEP, TOKEN_GRADS, direction_policies, parse_settings
-from mok_proto.bench.timeline_plot import timeline_path
 from mok_proto.config import PAPER_SHAPES
+from mok_proto.link import DEFAULT_LATENCY_US, LinkModel
 from mok_proto.plan import ASSIGNMENTS, RASTERS, FusedKnobs
 
 
@@ -89,9 +99,14 @@ def parse_args(argv=None):
                    "backward (communicating CTAs 0 where the policy moves nothing inside the kernel; no torch, no "
                    "timeline) into results/bench_layer_directions.jsonl; their outputs must equal their sequential "
                    "layer's")
-    p.add_argument("--timeline", default="results/timelines/timeline_fused_{pass_}_{shape}_{git}.jsonl",
-                   help="where the best fused setting's timeline goes ({pass_}, {shape}, {git} are replaced; '' = "
-                        "none); in results/timelines/ it is stored gzipped with its row in the index there")
+    p.add_argument("--link-gbps", default=None, metavar="G[,G...]",
+                   help="also run each shape with an emulated link of G GB/s per direction (module doc)")
+    p.add_argument("--link-latency-us", type=float, default=DEFAULT_LATENCY_US,
+                   help="the emulated link's round trip (mok_proto.link)")
+    p.add_argument("--timeline", default="results/timelines/timeline_fused_{link}{pass_}_{shape}_{git}.jsonl",
+                   help="where the best fused setting's timeline goes ({pass_}, {shape}, {git} are replaced, {link} "
+                        "by '' without the link and link<G>_ with it; '' = none); in results/timelines/ it is stored "
+                        "gzipped with its row in the index there")
     add_bar_option(p, BARS)
     args = p.parse_args(argv)
     try:
@@ -103,43 +118,48 @@ def parse_args(argv=None):
                     for k in forward]
         args.settings = {"fwd": forward, "bwd": backward}
         args.bars = parse_bars(args.bar, BARS)
+        args.links = []
+        for item in [] if args.link_gbps is None else args.link_gbps.split(","):
+            try:
+                gbps = float(item)
+            except ValueError:
+                raise ValueError(f"--link-gbps: {item!r} is not a number of GB/s") from None
+            try:
+                args.links.append(LinkModel(gbps, args.link_latency_us, every_row=True))
+            except ValueError as e:
+                raise ValueError(f"--link-gbps, --link-latency-us: {e}") from None
+        args.links = list(dict.fromkeys(args.links))  # each link speed once
+        if args.links and args.timeline and "{link}" not in args.timeline:
+            raise ValueError("--timeline: with --link-gbps the template needs {link} (or '' for no timeline)")
     except ValueError as e:
         p.error(str(e))
     return args
 
 
-def emit(report, failed: list) -> None:
-    """Print a report's lines, append its rows, collect what it missed."""
-    from mok_proto.bench.rows import append_result
-
-    for line in report.lines:
-        print(line, flush=True)
-    for name, row in report.rows:
-        append_result(name, row)
-    failed += report.failed
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from mok_proto.bench import git_sha, require_gpu
-    from mok_proto.bench.torch_baselines import torch_pipeline
+    from mok_proto.bench import append_result, require_gpu
 
     require_gpu("bench_layer.py", need_torch=True)
-    failed, best_settings = [], {}
+    failed, best_settings, link_lines = [], {}, {link: [] for link in args.links}
+
+    def emit(report) -> None:
+        for line in report.lines:
+            print(line, flush=True)
+        for file, row in report.rows:
+            append_result(file, row)
+        failed.extend(report.failed)
+
     print(HEADER, flush=True)
     for name in args.shapes.split(","):
-        shape = emulated_shape(name)
-        print(f"# {name}: N={shape.num_tokens} H={shape.hidden} I={shape.ffn} El={shape.num_experts // 2} "
-              f"K={shape.top_k} ...", flush=True)
-        data = make_inputs(shape)
-        measured = ours(shape, data, args.iters, args.warmup, args.settings,
-                        timeline_path(args.timeline, name, git_sha()), index={"bench": "bench_layer", "shape": name})
-        baseline = torch_pipeline(shape, data, args.iters, args.warmup)
-        schedule = schedule_at_ep64(name, args.iters, args.warmup)
-        emit(shape_report(name, shape, measured, baseline, schedule, args.bars), failed)
+        measured, tables = run_shape(name, args, emit)
+        for link, lines in tables.items():
+            link_lines[link] += lines
         best_settings[name] = tuple(dict.fromkeys(  # the other policies: the default token_grads and scale
             FusedKnobs(r["comm_blocks"], r["minibatch_tokens"], claim=r["claim"], assign=args.assign,
                        raster=args.raster) for rows in measured.fused_rows.values() if rows for r in [best_row(rows)]))
+    for link, lines in link_lines.items():
+        print("\n".join(link_table(link, lines)), flush=True)
     for name in args.shapes.split(",") if args.others else ():  # after every shape's MoK rows are recorded
         shape = emulated_shape(name)
         data = make_inputs(shape)

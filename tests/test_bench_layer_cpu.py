@@ -285,8 +285,8 @@ def _torch(out_ms=(2.5, 8.0)):
 
 
 def test_rows_keep_their_fields_and_bars_judge_the_best_setting():
-    """The rows are today's (same fields), the fused verdicts use the best setting's timing again,
-    and --bar values replace the defaults."""
+    """The rows without the link are today's (same fields, `link_gbps` null added), the fused
+    verdicts use the best setting's timing again, and --bar values replace the defaults."""
     import numpy as np
 
     from mok_proto.bench.cli import parse_bars
@@ -305,12 +305,12 @@ def test_rows_keep_their_fields_and_bars_judge_the_best_setting():
                      ("bench_layer", "torch", "bwd"), ("bench_layer", "sequential", "bwd"),
                      ("bench_layer", "fused", "fwd"), ("bench_layer", "fused", "fwd"), ("bench_layer", "fused", "bwd")]
     seq = report.rows[1][1]
-    assert set(seq) == {"shape", "pass", "ep", "emulation", "flops", "schedule_ms", "schedule_exact",
+    assert set(seq) == {"shape", "pass", "ep", "emulation", "flops", "schedule_ms", "schedule_exact", "link_gbps",
                         "schedule", "median_ms", "p20_ms", "p80_ms", "iters", "tflops", "speedup_vs_torch",
                         "bitwise_repeat", "max_rel_err_vs_torch", "stages_ms", "speedup_vs_torch_variant_2n"}
-    assert seq["speedup_vs_torch"] == pytest.approx(2.5 / 2.0) and seq["ep"] == 64
+    assert seq["link_gbps"] is None and seq["speedup_vs_torch"] == pytest.approx(2.5 / 2.0) and seq["ep"] == 64
     fused = report.rows[4][1]
-    assert fused["best_of_run"] and not report.rows[5][1]["best_of_run"]
+    assert fused["best_of_run"] and not report.rows[5][1]["best_of_run"] and fused["link_gbps"] is None
     assert fused["speedup_vs_torch"] == pytest.approx(2.5 / 1.7)
     assert fused["overlap_ceiling_vs_sequential"] == pytest.approx(2.2 / (0.3 + 1.2 + 0.1 + 0.1))
     # fwd: 2.5 / 1.75 = 1.43x torch (>= 1.2), 2.0 / 1.75 = 1.14x sequential (>= 1.1): met;
@@ -332,11 +332,127 @@ def test_rows_keep_their_fields_and_bars_judge_the_best_setting():
     assert torch_slower.failed == ["kimi-k2.7 bwd", "kimi-k2.7 fused bwd"]  # 6 / 5 = 1.2x < 1.3; 6 / 4.2 < 1.6
 
 
+def test_overlap_efficiency_is_the_share_of_the_link_cost_the_fused_pass_hides():
+    from mok_proto.bench.layer_rows import overlap_efficiency
+
+    # the link adds 2 ms to the sequential pass and 0.5 ms to the fused one: 75% hidden
+    assert overlap_efficiency(10.0, 12.0, 8.0, 8.5) == pytest.approx(0.75)
+    assert overlap_efficiency(10.0, 12.0, 8.0, 8.0) == pytest.approx(1.0)  # all hidden
+    assert overlap_efficiency(10.0, 12.0, 8.0, 10.0) == pytest.approx(0.0)  # none: the fused pass pays it all
+    assert overlap_efficiency(10.0, 12.0, 8.0, 11.0) == pytest.approx(-0.5)  # it pays more than the sequential
+    # nothing to hide: the link adds no time to the sequential pass (or the clocks hid it): undefined
+    assert overlap_efficiency(10.0, 10.0, 8.0, 8.5) is None and overlap_efficiency(10.0, 9.9, 8.0, 8.5) is None
+
+
+def _link_case(link_fwd=None, link_bwd=None, equal=True):
+    """A no-link run and a link run of the same settings, in another order, with distinct figures
+    per setting (so a row paired with the wrong setting gets a wrong efficiency)."""
+    import numpy as np
+
+    no_link = _measured([_fused_row(0, 1.70, 2.00, best=(1.70, 2.00)), _fused_row(8, 1.90, 2.05)],
+                        [_fused_row(0, 4.00, 5.00, best=(4.00, 5.00)), _fused_row(8, 4.50, 5.10)],
+                        seq_ms=(1.95, 4.9))
+    link_fwd = link_fwd or [_fused_row(8, 2.30, 2.65), _fused_row(0, 1.80, 2.40, best=(1.82, 2.42))]
+    link_bwd = link_bwd or [_fused_row(8, 5.60, 6.00), _fused_row(0, 4.30, 6.10, best=(4.25, 6.00))]
+    results = {k: v.copy() for k, v in no_link.results.items()}
+    if not equal:
+        results["w_up"].view(np.uint32)[0] ^= 1  # one bit of one gradient
+    return no_link, _measured(link_fwd, link_bwd, seq_ms=(2.3, 6.2), results=results)
+
+
+def test_link_rows_pair_each_setting_with_itself_without_the_link():
+    from mok_proto.bench.emulation import emulated_shape
+    from mok_proto.bench.layer_rows import BARS, LINK_FILE, link_report
+    from mok_proto.link import LinkModel
+
+    link = LinkModel(368, every_row=True)
+    no_link, measured = _link_case()
+    report = link_report("kimi-k2.7", emulated_shape("kimi-k2.7"), link, measured, no_link, BARS)
+    assert all(f == LINK_FILE for f, _ in report.rows)
+    rows = {(r["pass"], r["schedule"], r.get("comm_blocks")): r for _, r in report.rows}
+    assert all(r["link_gbps"] == 368 and r["link_every_row"] and "speedup_vs_torch" not in r for r in rows.values())
+    seq = rows["fwd", "sequential", None]
+    assert seq["median_ms"] == 2.3 and seq["no_link_median_ms"] == 1.95 and seq["equal_to_no_link"]
+    # each fused row against the same setting without the link, from the interleaved medians
+    # (not the sequential graph's 1.95 / 2.3 ms): comm 8: 1 - (2.30 - 1.90) / (2.65 - 2.05)
+    assert rows["fwd", "fused", 8]["overlap_efficiency"] == pytest.approx(1 - 0.40 / 0.60)
+    assert rows["fwd", "fused", 0]["overlap_efficiency"] == pytest.approx(1 - 0.10 / 0.40)
+    assert rows["fwd", "fused", 8]["no_link_median_ms"] == 1.90 and rows["bwd", "fused", 8]["no_link_median_ms"] == 4.5
+    # the best (largest x sequential) is judged on its timing again: 1 - (1.82 - 1.70) / (2.42 - 2.00)
+    best = rows["fwd", "fused", 0]
+    assert best["best_of_run"] and best["retimed_overlap_efficiency"] == pytest.approx(1 - 0.12 / 0.42)
+    assert "retimed_overlap_efficiency" not in rows["fwd", "fused", 8]
+    assert rows["bwd", "fused", 0]["retimed_overlap_efficiency"] == pytest.approx(1 - 0.25 / 1.00)
+    assert all(r["equal_to_no_link"] for r in rows.values())
+    # met: fwd x sequential 2.42 / 1.82 = 1.33 (>= 1.15), overlap 0.71 < 0.8: missed; bwd 0.75 < 0.8: missed
+    assert [f.split(": ", 1)[1] for f in report.failed] == ["overlap efficiency 0.71, bar >= 0.8",
+                                                            "overlap efficiency 0.75, bar >= 0.8"]
+    assert report.failed[0].startswith("kimi-k2.7 link 368 GB/s fused fwd")
+    assert len(report.table) == 2 and report.table[0].split()[:2] == ["kimi-k2.7", "fwd"]
+
+
+def test_link_bars_and_checks_each_catch_their_miss():
+    from mok_proto.bench.cli import parse_bars
+    from mok_proto.bench.emulation import emulated_shape
+    from mok_proto.bench.layer_rows import BARS, link_report, link_table
+    from mok_proto.link import LinkModel
+
+    shape, link = emulated_shape("kimi-k2.7"), LinkModel(900, latency_us=2.0, every_row=True)
+    lenient = parse_bars(["link_overlap_fwd=0.7,link_overlap_bwd=0.7"], BARS)
+    no_link, measured = _link_case()
+    assert link_report("kimi-k2.7", shape, link, measured, no_link, lenient).failed == []
+    # the forward's x sequential at the link speed: 2.42 / 2.15 = 1.13 < 1.15, and its efficiency
+    # 1 - (2.15 - 1.70) / (2.42 - 2.00) = -0.07; the backward (5.2 / 4.6 = 1.13) has no x sequential bar
+    no_link, measured = _link_case(link_fwd=[_fused_row(8, 2.30, 2.65), _fused_row(0, 1.80, 2.40, best=(2.15, 2.42))],
+                                   link_bwd=[_fused_row(0, 4.30, 5.50, best=(4.60, 5.20)), _fused_row(8, 5.6, 6.0)])
+    failed = link_report("kimi-k2.7", shape, link, measured, no_link, lenient).failed
+    assert len(failed) == 3 and "fused fwd: x sequential 1.13, bar >= 1.15" in failed[0]
+    assert "fused fwd: overlap efficiency -0.07, bar >= 0.7" in failed[1]
+    assert "fused bwd: overlap efficiency -2.00" in failed[2]  # 1 - (4.6 - 4.0) / (5.2 - 5.0)
+    # a link that costs the sequential pass nothing leaves the efficiency undefined: not met
+    no_link, measured = _link_case(link_bwd=[_fused_row(0, 4.30, 4.90, best=(4.25, 4.95))])
+    failed = link_report("kimi-k2.7", shape, link, measured, no_link, lenient).failed
+    assert len(failed) == 1 and "fused bwd: overlap efficiency undefined" in failed[0]
+    # results that differ from the run without the link (one bit of one gradient): the backward's
+    # sequential row and every backward fused row fail; the forward's output is the same
+    no_link, measured = _link_case(equal=False)
+    report = link_report("kimi-k2.7", shape, link, measured, no_link, lenient)
+    assert [f.split(": ", 1)[0] for f in report.failed] == ["kimi-k2.7 link 900 GB/s bwd",
+                                                            "kimi-k2.7 link 900 GB/s fused bwd comm=8 minibatch=2048",
+                                                            "kimi-k2.7 link 900 GB/s fused bwd comm=0 minibatch=2048"]
+    assert all("not equal to the run without the link" in f for f in report.failed[1:])
+    # a fused result unequal to the sequential pass of its own run
+    no_link, measured = _link_case(link_fwd=[_fused_row(8, 2.30, 2.65, equal=False),
+                                             _fused_row(0, 1.80, 2.40, best=(1.82, 2.42))])
+    failed = link_report("kimi-k2.7", shape, link, measured, no_link, lenient).failed
+    assert len(failed) == 1 and failed[0].endswith("not equal to sequential, not equal to the run without the link")
+    lines = link_table(link, report.table)
+    assert "900 GB/s per direction, round trip 2 us" in lines[0] and lines[1].split()[:3] == ["shape", "pass", "seq_ms"]
+
+
+def test_same_results_compares_the_pass_s_own_results_bit_for_bit():
+    import numpy as np
+
+    from mok_proto.bench.layer_rows import same_results
+
+    a = {"out": np.zeros(3, np.float32), "w_up": np.ones(3, np.float32), "x": np.ones(2, np.float32)}
+    b = {k: v.copy() for k, v in a.items()}
+    assert same_results(a, b, "fwd") and same_results(a, b, "bwd")
+    b["x"][1] = -0.0 + 1.0000001  # one ulp off in one gradient
+    assert same_results(a, b, "fwd") and not same_results(a, b, "bwd")
+    c = {k: v.copy() for k, v in a.items()}
+    c["out"][0] = -0.0  # equal as numbers, not as bits
+    assert not same_results(a, c, "fwd") and same_results(a, c, "bwd")
+
+
 def test_timeline_paths_keep_the_runs_apart():
     from mok_proto.bench.timeline_plot import timeline_path
+    from mok_proto.link import LinkModel
 
-    template = "results/timeline_fused_{pass_}_{shape}_{git}.jsonl"
+    template = "results/timeline_fused_{link}{pass_}_{shape}_{git}.jsonl"
     assert timeline_path(template, "kimi-k2.7", "abc1234") == "results/timeline_fused_{pass_}_kimi-k2.7_abc1234.jsonl"
+    assert (timeline_path(template, "kimi-k2.7", "abc1234", LinkModel(368.5)) ==
+            "results/timeline_fused_link368.5_{pass_}_kimi-k2.7_abc1234.jsonl")
     assert timeline_path("", "kimi-k2.7", "abc1234") is None
 
 
@@ -377,3 +493,50 @@ def test_a_timeline_in_results_timelines_is_stored_and_indexed(tmp_path):
     elsewhere = tmp_path / "scratch.jsonl"
     write_timeline(records, elsewhere, "a title")
     assert index_timeline(elsewhere, "fwd", plan, results_dir=tmp_path) is None and elsewhere.exists()
+
+
+def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypatch):
+    """bench_layer.py's run of a shape (layer_run.run_shape) on stand-ins for the GPU: the run without
+    the link, then per link speed the same `ours` call (shape, data, iters, settings) with the link
+    and its own timeline; torch and the schedule once; the rows without the link to bench_layer,
+    with `link_gbps` null, those with the link to bench_layer_link, judged against the same run."""
+    from types import SimpleNamespace
+
+    from mok_proto.bench import layer_run
+    from mok_proto.bench.layer_rows import BARS, LINK_FILE
+    from mok_proto.link import LinkModel
+
+    no_link, measured = _link_case()
+    calls, reports = [], []
+
+    def fake_ours(shape, data, iters, warmup, settings, trace_to, index=None, link=None):
+        calls.append(dict(shape=shape.name, data=data, iters=iters, warmup=warmup, settings=settings,
+                          trace_to=trace_to, index=index, link=link))
+        return no_link if link is None else measured
+
+    monkeypatch.setattr(layer_run, "ours", fake_ours)
+    monkeypatch.setattr(layer_run, "make_inputs", lambda shape: "the inputs")
+    monkeypatch.setattr(layer_run, "torch_pipeline", lambda *a: calls.append("torch") or _torch())
+    monkeypatch.setattr(layer_run, "schedule_at_ep64", lambda *a: calls.append("schedule") or ({"median_ms": 0.03}, True))
+    monkeypatch.setattr(layer_run, "git_sha", lambda: "abc1234")
+    links = [LinkModel(368, every_row=True), LinkModel(900, every_row=True)]
+    settings = {"fwd": [FusedKnobs(0, 2048), FusedKnobs(8, 2048)], "bwd": [FusedKnobs(0, 2048)]}
+    args = SimpleNamespace(iters=3, warmup=1, settings=settings, bars=BARS, links=links,
+                           timeline="results/timelines/timeline_fused_{link}{pass_}_{shape}_{git}.jsonl")
+    got, tables = layer_run.run_shape("kimi-k2.7", args, reports.append)
+    assert got is no_link and list(tables) == links and all(len(t) == 2 for t in tables.values())
+    ours_calls = [c for c in calls if isinstance(c, dict)]
+    assert [c["link"] for c in ours_calls] == [None, *links] and calls[1:3] == ["torch", "schedule"]
+    for c in ours_calls:  # the same call but for the link
+        assert (c["shape"], c["data"], c["iters"], c["warmup"], c["settings"]) == (
+            "kimi-k2.7@ep64", "the inputs", 3, 1, settings)
+    assert [c["trace_to"] for c in ours_calls] == [
+        "results/timelines/timeline_fused_{pass_}_kimi-k2.7_abc1234.jsonl",
+        "results/timelines/timeline_fused_link368_{pass_}_kimi-k2.7_abc1234.jsonl",
+        "results/timelines/timeline_fused_link900_{pass_}_kimi-k2.7_abc1234.jsonl"]
+    assert ours_calls[0]["index"] == {"bench": "bench_layer", "shape": "kimi-k2.7"}
+    assert ours_calls[2]["index"]["bench"] == "bench_layer_link" and ours_calls[2]["index"]["link_gbps"] == 900
+    assert len(reports) == 3
+    assert {f for f, _ in reports[0].rows} == {"bench_layer"} and all(r["link_gbps"] is None for _, r in reports[0].rows)
+    assert all(f == LINK_FILE and r["link_gbps"] == g for rep, g in zip(reports[1:], (368, 900)) for f, r in rep.rows)
+    assert all("speedup_vs_torch" not in r for rep in reports[1:] for _, r in rep.rows)

@@ -41,7 +41,8 @@ def test_library_modules_stay_under_700_lines():
 
 
 @pytest.mark.parametrize("script,bars", [
-    ("bench_layer.py", ["fwd_x_torch=1 (at least", "schedule_ms=0.05 (at most", "fused_bwd_x_torch=1.6"]),
+    ("bench_layer.py", ["fwd_x_torch=1 (at least", "schedule_ms=0.05 (at most", "fused_bwd_x_torch=1.6",
+                        "link_fused_fwd_x_seq=1.15", "link_overlap_fwd=0.8", "link_overlap_bwd=0.8"]),
     ("bench_layer_mpi.py", ["fused_fwd_x_torch=1.5", "fused_bwd_x_torch=1.4"]),
     ("bench_gemm.py", ["gate_up_x_torch=0.9", "down_bwd_x_torch=0.85", "gate_up_wgrad_x_torch=0.8"]),
 ])
@@ -55,6 +56,18 @@ def test_help_lists_every_bar_with_its_default_and_a_bad_bar_is_one_line(script,
         proc = run(script, "--bar", bad)
         lines = (proc.stdout + proc.stderr).strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--link-gbps", "0"], "--link-gbps, --link-latency-us: link gbps must be a finite number > 0"),
+    (["--link-gbps", "368,x"], "--link-gbps: 'x' is not a number of GB/s"),
+    (["--link-gbps", "368", "--link-latency-us", "-1"], "link latency_us must be a finite number >= 0"),
+    (["--link-gbps", "368", "--timeline", "results/t_{pass_}_{shape}.jsonl"], "the template needs {link}"),
+])
+def test_bench_layer_link_options_refused_in_one_line(args, message):
+    proc = run("bench_layer.py", *args)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], lines
 
 
 def test_bars_parse_and_judge():

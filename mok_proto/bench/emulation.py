@@ -36,17 +36,18 @@ def make_inputs(shape: MoEShape, seed: int = 0):
                 weights=weights)
 
 
-def staged_layer(shape, data, policy=None):
+def staged_layer(shape, data, policy=None, link=None):
     """(heap, layer): our layer on 2 virtual ranks after one full round of both, then driving
     rank 0 only, every flag it waits for from rank 1 raised (see the module doc). policy: the
-    transfers' directions (default MoK's)."""
+    transfers' directions (default MoK's); link: the emulated link its transfers pay
+    (mok_proto.link.LinkModel with every_row: rank 1 stands for remote peers; None: none)."""
     from mok_proto.layer.gpu import GpuMoELayer
     from mok_proto.symm.virtual import VirtualWorld
 
     el = shape.num_experts // 2
     heap = VirtualWorld(2)
-    layer = GpuMoELayer(heap, RunConfig(shape, 2, timeout_s=30), capacity=int(1.15 * shape.num_tokens * shape.top_k),
-                        name=shape.name)
+    layer = GpuMoELayer(heap, RunConfig(shape, 2, timeout_s=30, link=link),
+                        capacity=int(1.15 * shape.num_tokens * shape.top_k), name=shape.name)
     if policy is not None:
         layer.policy = dict(policy)
     for r in range(2):

@@ -27,14 +27,15 @@ class Measured(NamedTuple):
     fused_rows: dict
 
 
-def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, index=None) -> Measured:
+def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, index=None, link=None) -> Measured:
     """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results, fused rows.
     settings: the fused plans' knobs (FusedKnobs) to time, for both passes or as {pass: settings};
     policy: the transfers' directions (default MoK's); trace_to, index: the best settings' timelines
-    (fused)."""
+    (fused); link: the emulated link every transfer pays (staged_layer; None: none). The same
+    passes and settings with and without a link differ only in the layer's RunConfig."""
     import cupy
 
-    heap, layer = staged_layer(shape, data, policy)
+    heap, layer = staged_layer(shape, data, policy, link)
     per_pass = settings if isinstance(settings, dict) else {"fwd": settings, "bwd": settings}
     # Stages: eager, one event per stage of one pass; every iteration runs both passes (they
     # alternate), so the GPU is busy when a timed pass starts and its first stage is GPU time.

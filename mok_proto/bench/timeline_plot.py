@@ -10,12 +10,13 @@ from mok_proto import results
 from mok_proto.bench.rows import RESULTS_DIR, stamp
 
 
-def timeline_path(template: str, shape: str, git: str) -> str | None:
-    """bench_layer.py --timeline's template with {shape} and {git} replaced ({pass_} is left for the
-    pass); None for ''."""
+def timeline_path(template: str, shape: str, git: str, link=None) -> str | None:
+    """bench_layer.py --timeline's template with {shape}, {git} and {link} replaced ({link}: "" without
+    an emulated link, "link<G>_" with one of G GB/s; {pass_} is left for the pass); None for ''."""
     if not template:
         return None
-    return template.replace("{shape}", shape).replace("{git}", git)
+    tag = "" if link is None else f"link{link.gbps:g}_"
+    return template.replace("{shape}", shape).replace("{git}", git).replace("{link}", tag)
 
 
 def write_timeline(records, path, title):
