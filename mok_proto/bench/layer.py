@@ -81,6 +81,7 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
     eager run) is written to `trace_to` (JSON lines + PNG) when given, and with `index` (fields of its
     index row: bench, shape, ...) stored in results/timelines/ with its index row when trace_to is in
     that folder (timeline_plot.index_timeline; the best row records its `timeline_file`)."""
+
     def use(knobs):
         """Set the pass's plan, run one step eagerly (compiles, uploads), return its graph."""
         if pass_ == "fwd":
