@@ -14,8 +14,8 @@ import pytest
 from mok_proto import plan as P
 from mok_proto import results, schedule, sim, trace
 from mok_proto.config import MOK_POLICY, PAPER_SHAPES, ep_share, get_shape
-from mok_proto.sim import fused, layer, model, validate
-from mok_proto.sim.params import H200_CALIBRATION
+from mok_proto.sim import calibrate, fused, layer, model, params, validate
+from mok_proto.sim.calibrate import H200_CALIBRATION
 
 KIMI = get_shape("kimi-k2.7")
 KIMI_SHARE = ep_share("kimi-k2.7", 64)  # bench_layer's emulation: one EP=64 rank's share, 2 virtual ranks
@@ -45,6 +45,40 @@ def test_validate_h200_rows_within_bar(h200, h200_validation):
     combines = [r for r in rows if r.group == "h200 comm 2 x H200" and r.quantity.startswith("combine")
                 and "kimi" in r.quantity]
     assert combines and all(r.check == "calibration" for r in combines)
+
+
+def test_calibrate_command_reproduces_the_frozen_calibration(tmp_path, capsys):
+    # `python -m mok_proto.sim calibrate --gpu h200` fits on results/ what calibration/h200.json holds,
+    # which the simulator reads; the file names its sources by selectors and index keys, no commit
+    import re
+
+    from mok_proto.sim import __main__ as cli
+
+    out = tmp_path / "h200.json"
+    assert cli.main(["calibrate", "--gpu", "h200", "--out", str(out)]) == 0
+    frozen_text = params.calibration_file("h200").read_text()
+    assert json.loads(out.read_text()) == json.loads(frozen_text)
+    assert capsys.readouterr().out.startswith(f"wrote {out}: calibrated on")
+    frozen = json.loads(frozen_text)
+    assert dataclasses.asdict(sim.h200()) == frozen["params"]
+    assert not re.search(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", frozen_text)
+    assert frozen["sources"]["fused_spare"]["timeline"] == {"sim_calibrates": "fused_spare"}
+    assert frozen["sources"]["layer"]["where"] == {"shape": H200_CALIBRATION["layer"], "schedule": "sequential"}
+    with pytest.raises(SystemExit) as refused:  # spec-derived: nothing to calibrate
+        cli.main(["calibrate", "--gpu", "gb300-nvl72"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and len(err) == 1 and "invalid choice: 'gb300-nvl72'" in err[0]
+
+
+def test_h200_is_read_from_its_calibration_file(tmp_path, monkeypatch):
+    document = json.loads(params.calibration_file("h200").read_text())
+    document["params"]["busy_kernel_ns"] = 1234.5
+    (tmp_path / "h200.json").write_text(json.dumps(document))
+    monkeypatch.setattr(params, "CALIBRATION_DIR", tmp_path)
+    assert sim.h200().busy_kernel_ns == 1234.5 and sim.gb300_nvl72().busy_kernel_ns == 1234.5
+    (tmp_path / "h200.json").unlink()
+    with pytest.raises(ValueError, match="calibrate --gpu h200"):
+        sim.get_params("h200")
 
 
 def test_validate_row_checks():
@@ -104,7 +138,7 @@ FITTED = ("busy_kernel_ns", "sum_slots_efficiency", "sustained_gemm")
 
 def test_layer_calibration_uses_only_its_stated_rows(h200, tmp_path):
     calib_shape = H200_CALIBRATION["layer"]
-    fitted = layer.calibration_stages(calib_shape)
+    fitted = calibrate.calibration_stages(calib_shape)
     # 0.7-1: the layer's GEMMs are slower than bench_gemm's isolated ones, not implausibly so
     assert 0.7 < h200.sustained_gemm < 1.0 and h200.busy_kernel_ns > 0 and 0 < h200.sum_slots_efficiency <= 1
 
@@ -114,7 +148,7 @@ def test_layer_calibration_uses_only_its_stated_rows(h200, tmp_path):
                 row["stages_ms"][stage] *= 2
     judged_dir = tmp_path / "judged"
     judged_dir.mkdir()
-    moved = sim.h200(_results_copy(judged_dir, slow_judged))
+    moved = layer.calibrate(h200, calib_shape, _results_copy(judged_dir, slow_judged, only={"bench_layer.jsonl"}))
     assert all(getattr(moved, f) == getattr(h200, f) for f in FITTED)
     rows = [r for r in validate.sequential_layer_rows(moved, judged_dir) if r.check == "judged"]
     assert rows and all(not r.ok(validate.H200_TOLERANCE) for r in rows if "pass (graph)" not in r.quantity)
@@ -125,7 +159,7 @@ def test_layer_calibration_uses_only_its_stated_rows(h200, tmp_path):
                 row["stages_ms"][stage] *= 1.2
         where = tmp_path / f"{pass_}-{stage}"
         where.mkdir()
-        changed = sim.h200(_results_copy(where, slow_one))
+        changed = layer.calibrate(h200, calib_shape, _results_copy(where, slow_one, only={"bench_layer.jsonl"}))
         assert getattr(changed, field) != getattr(h200, field), (pass_, stage, field)
 
 
@@ -1197,20 +1231,18 @@ def test_scale_to_slots_priced_by_the_kernel_that_ran(h200):
 def test_a_partial_bench_gemm_run_replaces_only_its_rows(tmp_path):
     # bench_gemm --problems/--shapes/--routing appends a subset: the simulator keeps every other
     # (shape, routing, problem)'s newest row and still calibrates
-    from mok_proto.sim import params
-
     _results_copy(tmp_path)
-    full = params.newest_gemm_rows(tmp_path)
+    full = calibrate.newest_gemm_rows(tmp_path)
     newer = {k: v for k, v in full[0].items() if k != "run"}
     newer.update(time="2099-01-01T00:00:00+00:00", git="partial")
     with open(tmp_path / "bench_gemm.jsonl", "a") as f:
         f.write(json.dumps(newer) + "\n")
-    rows = params.newest_gemm_rows(tmp_path)
+    rows = calibrate.newest_gemm_rows(tmp_path)
     key = ("shape", "routing", "problem")
     assert len(rows) == len(full)
     assert [r["git"] for r in rows if all(r[k] == full[0][k] for k in key)] == ["partial"]
     assert sorted(r["time"] for r in rows)[:-1] == sorted(r["time"] for r in full if r is not full[0])
-    params.h200(tmp_path)  # every problem still has rows to fit
+    calibrate.fit_h200(tmp_path)  # every problem still has rows to fit
 
 
 @pytest.mark.parametrize("pass_", P.PASSES)

@@ -1,25 +1,22 @@
 """The fused passes (cuda/fused.cuh executing a `plan.fused_forward` / `plan.fused_backward` plan)
-against their measured in-kernel timelines: results/timeline_fused_{fwd,bwd}_<shape>[_<git>].jsonl[.gz]
-(`results.timeline_files(pass_=...)`), written by
-scripts/bench_layer.py for one EP=64 rank's share on one H200 (2 virtual ranks, rank 0 traced: the
-emulation of sim/layer.py), times in ns from the first task's start.
+against their measured in-kernel timelines (results/timelines/, found through its index:
+`results.timeline_index`), written by scripts/bench_layer.py for one EP=64 rank's share on one H200
+(2 virtual ranks, rank 0 traced: the emulation of sim/layer.py), times in ns from the first task's
+start.
 
 Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicating CTAs.
 
-* `timeline_plan`: the plan a timeline ran (the pass from its task kinds), rebuilt from its records (CTAs, communicating CTAs,
-  minibatch rows, capacity, ring, which transfers ran inside, spread_from) and checked task by task against
-  them, so the simulated and the measured records of one plan correspond one to one;
-* `calibrate` (called by params.h200): two parameters from the dispatch tasks of each of three
-  timelines; of params.H200_CALIBRATION["fused"]: a communicating CTA's copy rate (bytes per second: its warps
-  copy rows through registers, since aceb6ae) and the fixed cost of a communication task; the
-  same two of the retired bulk-copy ring (per row, for measurements before aceb6ae:
-  params.BULK_MOVER_COMMITS) from H200_CALIBRATION["fused_bulk"]; and the spare warps' copy rate
-  (per byte) and task cost from the dispatch tasks of one comm_blocks == 0 timeline of a kernel whose
-  counter waits back off (H200_CALIBRATION["fused_spare"]; params.wait_spin_at); and the movers' read and
-  write rates for the fused backward's token-side tasks from the SCALE and SLOT_SUM tasks of
-  H200_CALIBRATION["fused_token"] (`_fit_token`). The combine tasks (the same
-  copies the other way), the GEMM tiles, the compute end, the kernel end and every other
-  timeline stay predictions;
+* `timeline_plan`: the plan a timeline ran (the pass from its task kinds), rebuilt from its records
+  (CTAs, communicating CTAs, minibatch rows, capacity, ring, which transfers ran inside,
+  spread_from) and checked task by task against them, so the simulated and the measured records of
+  one plan correspond one to one;
+* `calibrate` (called by sim/calibrate.py): the in-kernel copy costs and the movers' token-task rates,
+  each from the tasks of the one timeline whose index row says sim_calibrates=<key>
+  (FUSED_CALIBRATION): a communicating CTA's copy rate per byte (the warp movers) and a task's fixed
+  cost, the same two of the retired bulk-copy ring (per row), the spare warps' (per byte, from a
+  comm_blocks == 0 timeline of a kernel whose counter waits back off), and the read and write rates of
+  the fused backward's token-side tasks. The combine tasks (the same copies the other way), the GEMM
+  tiles, the compute end, the kernel end and every other timeline stay predictions;
 * `simulate_timeline`: the simulated timeline of the plan a measured one ran;
 * `pass_ns`: the fused layer's forward pass as bench_layer times it (graph replays: the schedule's
   launches, the kernel, the flag, the wait and the weighted sum).
@@ -29,21 +26,27 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from pathlib import Path
 
 import numpy as np
 
 from mok_proto import plan as plans
 from mok_proto import results
-from mok_proto.config import MOK_POLICY, MoEShape, ep_share, get_shape
+from mok_proto.config import MOK_POLICY, MoEShape, ep_share
 from mok_proto.plan import BM, PAIR_ROWS, TaskKind
 from mok_proto.sim import layer
 from mok_proto.sim.model import ELEM_BYTES, MOVER_KIND_IDS, SimResult, fused_chunk_rows, simulate, token_task_bytes
-from mok_proto.sim.params import FUSED_CALIBRATION, GpuParams, kernel_of, spare_warps_spun
+from mok_proto.sim.params import GpuParams, kernel_of, spare_warps_spun
 
 EP = 64  # bench_layer emulates one rank of EP=64
 BENCH_CAPACITY = 1.15  # scripts/bench_layer.py sizes the layer for 1.15 N K receive rows
 KEY = ("block", "kind", "minibatch", "row_tile", "col_tile")  # what identifies a task in a record
+# sim_calibrates key of a timeline's index row -> (its tasks fitted, the GpuParams fields they fit)
+FUSED_CALIBRATION = {
+    "fused": ("dispatch", ("comm_cta_gbs", "comm_task_ns")),  # communicating CTAs, the warp movers
+    "fused_bulk": ("dispatch", ("bulk_row_ns", "bulk_task_ns")),  # communicating CTAs, the bulk ring
+    "fused_spare": ("dispatch", ("spare_cta_gbs", "spare_task_ns")),  # spare warps (comm_blocks == 0)
+    "fused_token": ("scale, slot_sum", ("token_read_gbs", "token_write_gbs")),  # the backward's token tasks
+}
 
 
 def emulated_load(shape: MoEShape, seed: int = 0):
@@ -121,7 +124,7 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
 
 def calibration_timeline(key: str, results_dir=results.RESULTS_DIR) -> dict:
     """The index row (mok_proto.results.timeline_index, with its `path`) of the one timeline that
-    says sim_calibrates=key (params.FUSED_CALIBRATION). Raises ValueError without exactly one."""
+    says sim_calibrates=key (FUSED_CALIBRATION). Raises ValueError without exactly one."""
     found = results.timeline_index(results_dir, sim_calibrates=key)
     if len(found) != 1:
         raise ValueError(f"{len(found)} timelines in {results.timelines_dir(results_dir)} say sim_calibrates={key!r}: "
@@ -209,13 +212,11 @@ def _fit_dispatch(entry: dict, mover: str) -> tuple[tuple[float, float], int]:
     return (float(fixed), float(row_ns)), shape.hidden * ELEM_BYTES
 
 
-def describe_calibration(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> str:
-    bulk_bytes = get_shape(calibration_timeline("fused_bulk", results_dir)["shape"]).hidden * ELEM_BYTES
+def describe_calibration(gpu: GpuParams) -> str:
+    """What `calibrate` fitted, with the timelines' tasks it used (by their sim_calibrates key)."""
     return (f"comm_cta_gbs {gpu.comm_cta_gbs:.1f} GB/s per CTA and comm_task_ns {gpu.comm_task_ns / 1e3:.2f} us "
-            f"(fused: dispatch tasks); bulk ring bulk_row_ns "
-            f"{gpu.bulk_row_ns:.0f} ns per row per CTA ({bulk_bytes / gpu.bulk_row_ns:.1f} GB/s with "
-            f"{bulk_bytes // 1024} KB rows) and bulk_task_ns {gpu.bulk_task_ns / 1e3:.2f} us "
-            f"(fused_bulk: dispatch tasks); spare warps {gpu.spare_cta_gbs:.2f} GB/s per CTA "
+            f"(fused: dispatch tasks); bulk ring bulk_row_ns {gpu.bulk_row_ns:.0f} ns per row per CTA and "
+            f"bulk_task_ns {gpu.bulk_task_ns / 1e3:.2f} us (fused_bulk: dispatch tasks); spare warps {gpu.spare_cta_gbs:.2f} GB/s per CTA "
             f"and {gpu.spare_task_ns / 1e3:.2f} us per task (fused_spare: dispatch tasks); "
             f"token tasks {gpu.token_read_gbs:.2f} GB/s read and {gpu.token_write_gbs:.2f} GB/s written per CTA "
             f"(fused_token: scale and slot_sum tasks)")
@@ -237,7 +238,7 @@ def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: i
     """The fused forward pass as bench_layer times it (graph replays), on `gpu` (h200): the
     schedule's kernels (sim/layer.py's forward "schedule" stage), then the simulated pass (the
     counters' memset, the kernel, the flag and the wait, the weighted sum). claim: the plan's
-    (plan.fused_forward; 0, no pool, as the measured rows before 99c90df ran)."""
+    (plan.FusedKnobs; 0: no pool, static tables)."""
     capacity = -(-int(BENCH_CAPACITY * shape.num_tokens * shape.top_k) // minibatch_rows) * minibatch_rows
     plan = plans.fused_forward(shape, layer.EMULATED_RANKS, plans.FusedKnobs(comm_blocks, minibatch_rows, claim=claim),
                                policy=MOK_POLICY, num_sms=num_sms, capacity_rows=capacity)

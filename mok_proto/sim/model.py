@@ -30,8 +30,8 @@ of dy_slots before, the slot sum and topk_weight_grad after). Durations:
 * fused chunk c of minibatch m (cuda/fused.cuh: receive rows m MB + c, + C, ..., on CTA c; the
   backward's reverse-combine is modeled as the forward's dispatch, its reverse-dispatch as the combine):
   the fixed cost of a task plus its rows at one CTA's in-kernel copy rate (GpuParams.fused_task_ns,
-  fused_chunk_copy_ns: a communicating CTA's warps at comm_cta_gbs per byte, or, for kernels
-  before aceb6ae, comm_mover "bulk", bulk_row_ns per row; spare warps beside GEMM tiles at
+  fused_chunk_copy_ns: a communicating CTA's warps at comm_cta_gbs per byte, or, for the
+  retired bulk ring, comm_mover "bulk", bulk_row_ns per row; spare warps beside GEMM tiles at
   spare_cta_gbs per byte), or slower where the CTAs' share of the link or of HBM is; the incoming
   transfer (PassKinds.comm_in) moves every row below the padded end (a padding row stores the zero
   row), the outgoing one only the real rows.
@@ -41,7 +41,7 @@ of dy_slots before, the slot sum and topk_weight_grad after). Durations:
   at topk_weight_grad's rate (TOPK_WEIGHT_GRAD), and nothing runs after that kernel. Its scale tiles
   (plan.scale) are their share of scale_to_slots (SCALE_TO_SLOTS). Each is the GPU's rate shared by
   every CTA, unless the movers' own rates are fitted (GpuParams.token_read_gbs / token_write_gbs, h200:
-  on kimi's 491ec86 backward): then a fused plan's SCALE and SLOT_SUM tasks are their bytes
+  on one measured backward): then a fused plan's SCALE and SLOT_SUM tasks are their bytes
   (token_task_bytes) at those rates.
 """
 
