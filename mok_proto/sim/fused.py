@@ -25,6 +25,7 @@ Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicati
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import numpy as np
@@ -54,13 +55,24 @@ def emulated_load(shape: MoEShape, seed: int = 0):
     return layer.emulated_load(shape, seed, align=PAIR_ROWS)
 
 
+@functools.lru_cache(maxsize=128)
+def _fused_plan(pass_: str, shape: MoEShape, num_ranks: int, knobs: plans.FusedKnobs, policy: tuple, num_sms: int,
+                capacity_rows: int) -> plans.Plan:
+    """plan.fused_forward / fused_backward, built once per arguments (policy: its items) for the
+    timelines and passes simulated here: the same knobs recur across runs, and a plan's proof is kept
+    per object (Plan.check). The plans are shared: read them, never change them."""
+    make = plans.fused_forward if pass_ == "fwd" else plans.fused_backward
+    return make(shape, num_ranks, knobs, policy=dict(policy), num_sms=num_sms, capacity_rows=capacity_rows)
+
+
 def timeline_pass(records: np.ndarray) -> str:
     """The pass ("fwd" or "bwd") of a fused timeline's records, from its task kinds."""
     bwd = plans.PASS_KINDS["bwd"]
     return "bwd" if np.isin(records["kind"], [int(bwd.first), int(bwd.comm_in), int(bwd.comm_out)]).any() else "fwd"
 
 
-def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.EMULATED_RANKS) -> plans.Plan:
+def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.EMULATED_RANKS,
+                  prefer=None) -> plans.Plan:
     """The fused_forward (or, from a backward's records, fused_backward) plan whose tasks the
     records (in the plan's task order, as bench_layer writes them) are: CTAs, communicating CTAs
     (0: the chunks ride on compute CTAs), minibatch rows, capacity, ring, the transfers and (backward)
@@ -69,7 +81,9 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     from the records' `claimed` rows, which match the plan's pool task by task but not by CTA (a
     pair's CTA is the one that claimed it). Communicating CTAs are below the first CTA with a table
     GEMM task (with none, below the first that ran a claimed one: wrong if that cluster claimed
-    nothing, and then no plan matches). Raises ValueError if no plan matches task by task."""
+    nothing, and then no plan matches). prefer: the timeline's index row (or any mapping), whose
+    `assign` and `raster` are tried first (they do not change what the simulator predicts of the
+    plan). Raises ValueError if no plan matches task by task."""
     pass_ = timeline_pass(records)
     k = plans.PASS_KINDS[pass_]
     kind = records["kind"]
@@ -99,18 +113,21 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     spread = outgoing & (records["block"] >= comm_blocks) if comm_blocks else np.zeros_like(outgoing)
     if spread.any():  # outgoing chunks on compute CTAs: the spread minibatches (plan spread_from)
         knobs["spread_from"] = int(records["minibatch"][spread].min())
-    if pass_ == "fwd":
-        knobs["ring_minibatches"] = ring
+    if pass_ == "fwd":  # (a ring of every minibatch is the default: None, the plan the passes' defaults build)
+        knobs["ring_minibatches"] = None if ring == num_mb else ring
     else:  # the token gradients and the scale inside the kernel (older timelines: outside it)
         knobs["token_grads"] = bool((kind == int(k.epilogue)).any())
         knobs["scale"] = bool((kind == int(TaskKind.SCALE)).any())
     make = plans.fused_forward if pass_ == "fwd" else plans.fused_backward
     tried = []
+    preferred = dict(prefer or {})
+    first = lambda choices, name: sorted(choices, key=lambda c: c != preferred.get(name))  # noqa: E731
     for order in ({},) + tuple({"lookahead": a} for a in range(ring)):
-        for assign, raster in itertools.product(plans.ASSIGNMENTS, plans.RASTERS):
+        for assign, raster in itertools.product(first(plans.ASSIGNMENTS, "assign"), first(plans.RASTERS, "raster")):
             try:
-                plan = make(shape, num_ranks, plans.FusedKnobs(**knobs, **order, assign=assign, raster=raster),
-                            **fields)
+                plan = _fused_plan(pass_, shape, num_ranks,
+                                   plans.FusedKnobs(**knobs, **order, assign=assign, raster=raster),
+                                   tuple(fields["policy"].items()), fields["num_sms"], fields["capacity_rows"])
             except ValueError as e:
                 tried.append(f"{order or 'defaults'}, {assign}, {raster}: {e}")
                 continue
@@ -163,7 +180,7 @@ def _fit_token(entry: dict) -> tuple[float, float]:
     path = entry["path"]
     records = results.load_timeline(path)
     shape = ep_share(entry["shape"], EP)
-    plan = timeline_plan(records, shape)
+    plan = timeline_plan(records, shape, prefer=entry)
     if plan.pass_ != "bwd" or plan.comm_blocks or not (plan.scale and plan.token_grads):
         raise ValueError(f"{path.name}: the token-task calibration needs a comm_blocks == 0 fused backward with its "
                          f"scale and token gradients inside, got {plan.describe()}")
@@ -195,7 +212,7 @@ def _fit_dispatch(entry: dict, mover: str) -> tuple[tuple[float, float], int]:
     path = entry["path"]
     records = results.load_timeline(path)
     shape = ep_share(entry["shape"], EP)
-    plan = timeline_plan(records, shape)
+    plan = timeline_plan(records, shape, prefer=entry)
     kernel = kernel_of(entry)
     ran = "spare" if plan.comm_blocks == 0 else kernel["comm_mover"]
     if ran != mover:
@@ -228,7 +245,7 @@ def simulate_timeline(records: np.ndarray, shape: MoEShape, gpu: GpuParams,
     the emulated load); its records: `result.records(0)`. kernel: the timeline's index row (or
     any mapping of its kernel features, params.kernel_of), to simulate the kernel it ran
     (GpuParams.recorded_at); None: gpu's own."""
-    plan = timeline_plan(records, shape)
+    plan = timeline_plan(records, shape, prefer=kernel)
     gpu = gpu if kernel is None else gpu.recorded_at(kernel)
     return plan, simulate(plan, layer.one_gpu(gpu), emulated_load(shape))
 
@@ -238,13 +255,21 @@ def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: i
     """The fused forward pass as bench_layer times it (graph replays), on `gpu` (h200): the
     schedule's kernels (sim/layer.py's forward "schedule" stage), then the simulated pass (the
     counters' memset, the kernel, the flag and the wait, the weighted sum). claim: the plan's
-    (plan.FusedKnobs; 0: no pool, static tables)."""
-    capacity = -(-int(BENCH_CAPACITY * shape.num_tokens * shape.top_k) // minibatch_rows) * minibatch_rows
-    plan = plans.fused_forward(shape, layer.EMULATED_RANKS, plans.FusedKnobs(comm_blocks, minibatch_rows, claim=claim),
-                               policy=MOK_POLICY, num_sms=num_sms, capacity_rows=capacity)
-    one = layer.one_gpu(gpu)
-    schedule = layer.LAYER_STAGES["fwd"]["schedule"].kernels * one.launch_ns
-    return schedule + simulate(plan, one, emulated_load(shape)).time_ns
+    (plan.FusedKnobs; 0: no pool, static tables). Computed once per arguments (gpu by its fields)."""
+    key = (shape, repr(gpu), comm_blocks, minibatch_rows, num_sms, claim)
+    if key not in _PASS_NS:
+        capacity = -(-int(BENCH_CAPACITY * shape.num_tokens * shape.top_k) // minibatch_rows) * minibatch_rows
+        knobs = plans.FusedKnobs(comm_blocks, minibatch_rows, claim=claim)
+        plan = _fused_plan("fwd", shape, layer.EMULATED_RANKS, knobs, tuple(MOK_POLICY.items()), num_sms, capacity)
+        one = layer.one_gpu(gpu)
+        schedule = layer.LAYER_STAGES["fwd"]["schedule"].kernels * one.launch_ns
+        if len(_PASS_NS) >= 512:
+            _PASS_NS.clear()
+        _PASS_NS[key] = schedule + simulate(plan, one, emulated_load(shape)).time_ns
+    return _PASS_NS[key]
+
+
+_PASS_NS: dict = {}  # pass_ns's results: (its arguments, gpu by its repr) -> ns
 
 
 def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 12, 16), minibatches=(512, 1024, 2048, 4096),

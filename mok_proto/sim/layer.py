@@ -30,6 +30,7 @@ prediction that --validate judges.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -117,10 +118,29 @@ def emulated_load(shape: MoEShape, seed: int = 0, align: int = BM) -> Load:
     return Load(both(load.tokens_per_expert), both(load.expert_offsets), np.ones(EMULATED_RANKS))
 
 
+@functools.lru_cache(maxsize=32)
+def _sequential_plan(shape: MoEShape, pass_: str, num_sms: int) -> plans.Plan:
+    """The emulation's sequential plan, built (and proved) once; shared: read it, never change it."""
+    return plans.sequential(shape, EMULATED_RANKS, pass_=pass_, policy=MOK_POLICY, num_sms=num_sms)
+
+
 def sequential_stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int = 0) -> dict:
     """{layer stage: (kernels, work ns)} of rank 0 for the sequential layer on `gpu` (use
-    `one_gpu(h200)` for bench_layer's emulation): the stage takes kernels x gpu.launch_ns + work."""
-    p = plans.sequential(shape, EMULATED_RANKS, pass_=pass_, policy=MOK_POLICY, num_sms=gpu.num_sms)
+    `one_gpu(h200)` for bench_layer's emulation): the stage takes kernels x gpu.launch_ns + work.
+    Computed once per arguments (gpu by its fields); each call returns its own dict."""
+    key = (shape, pass_, repr(gpu), seed)
+    if key not in _STAGE_PARTS:
+        if len(_STAGE_PARTS) >= 256:
+            _STAGE_PARTS.clear()
+        _STAGE_PARTS[key] = _stage_parts(shape, pass_, gpu, seed)
+    return dict(_STAGE_PARTS[key])
+
+
+_STAGE_PARTS: dict = {}  # sequential_stage_parts' results by its arguments
+
+
+def _stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int) -> dict:
+    p = _sequential_plan(shape, pass_, gpu.num_sms)
     result = simulate(p, gpu, emulated_load(shape, seed))
     # Plan stage s ends when its last task on rank 0 ends; its time runs from the previous
     # stage's end (its launch, any wait, its work).

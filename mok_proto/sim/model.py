@@ -94,9 +94,10 @@ class Load:
 def _topk_uniform(rng, num_rows: int, num_experts: int, top_k: int) -> np.ndarray:
     """[num_rows, K] distinct experts per row, uniformly at random (redraw rows with repeats)."""
     idx = rng.integers(0, num_experts, (num_rows, top_k))
+    bad = np.arange(num_rows)  # the rows to check: at first all, then those just redrawn
     while True:
-        s = np.sort(idx, axis=1)
-        bad = np.flatnonzero((s[:, 1:] == s[:, :-1]).any(axis=1))
+        s = np.sort(idx[bad], axis=1)
+        bad = bad[(s[:, 1:] == s[:, :-1]).any(axis=1)]
         if not len(bad):
             return idx
         idx[bad] = rng.integers(0, num_experts, (len(bad), top_k))
@@ -135,7 +136,13 @@ def load_from_topk(topk: np.ndarray, num_experts: int, align: int = BM) -> Load:
 @functools.lru_cache(maxsize=32)
 def routed_load(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.0, align: int = BM) -> Load:
     """The load of a random routing (`route`), placed as the pull schedule does."""
-    return load_from_topk(route(shape, num_ranks, seed, skew), shape.num_experts, align)
+    return load_from_topk(_route_once(shape, num_ranks, seed, skew), shape.num_experts, align)
+
+
+@functools.lru_cache(maxsize=16)
+def _route_once(shape: MoEShape, num_ranks: int, seed: int, skew: float) -> np.ndarray:
+    """`route`, drawn once for every padding of its loads (read only)."""
+    return route(shape, num_ranks, seed, skew)
 
 
 @dataclass(frozen=True)
@@ -580,14 +587,20 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
     waits = [[w for w in ws if w >= 0] for ws in t["wait_counter"].tolist()]
     sigs = [[s for s in ss if s >= 0] for ss in t["signal_counter"].tolist()]
     stream = stream.tolist()
-    steps, order = _steps(plan, np.asarray(stream))
+    if "_sim_steps" not in plan.__dict__:  # a plan's steps depend on it alone: kept with it, as its proof is
+        plan.__dict__["_sim_steps"] = _steps(plan, np.asarray(stream))
+    steps, order = plan.__dict__["_sim_steps"]
     # A claimed pair (the pool, stream 2 num_sms) runs on the cluster free first, per rank: the
     # kernel's clusters claim the next pair as each finishes (cuda/fused.cuh), the pool in order.
     block = np.repeat(t["block"][:, None], r, axis=1).astype(np.int32)
     even_ctas = np.arange(plan.comm_blocks, plan.num_sms, 2)
+    # per step (one task or a tile pair): its duration, the longer task's, and whether it is claimed
+    first, second = (np.array([st[k if len(st) > k else 0] for st in steps], np.int64) for k in (0, 1))
+    step_dur = np.maximum(dur[first], dur[second]) if len(steps) else dur[:0]
+    pooled_steps = ((t["block"][first] == plan.pool_block) if fused else np.zeros(len(steps), bool)).tolist()
     for j in order:
         step = steps[j]
-        pooled = fused and t["block"][step[0]] == plan.pool_block
+        pooled = pooled_steps[j]
         if pooled:
             cta = even_ctas[np.argmin(free[2 * even_ctas], axis=0)]  # [R] the cluster each rank's pair goes to
             s = free[2 * cta, np.arange(r)]
@@ -600,7 +613,7 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
                 if ready[w] is None:  # every signaller ran already (topological order)
                     ready[w] = (np.full(r, last[w].max()) if remote[w] else last[w]) + delay[w]
                 s = np.maximum(s, ready[w])
-        e = s + np.max(dur[list(step)], axis=0)
+        e = s + step_dur[j]
         for half, i in enumerate(step):  # a tile pair: both CTAs in lockstep
             start[i], end[i] = s, e
             if pooled:
