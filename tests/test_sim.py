@@ -275,10 +275,11 @@ def test_load_matches_schedule(skew, align):
 def test_model_responds(h200):
     gb = sim.gb300_nvl72(h200)
     fwd = dict(pass_="fwd", policy=MOK_POLICY, num_sms=gb.num_sms)
-    fused = sim.simulate(P.fixed_split(KIMI, 64, 40, 2048, **fwd), gb)
+    split = P.fixed_split(KIMI, 64, 40, 2048, **fwd)
+    fused = sim.simulate(split, gb)
     seq = sim.simulate(P.sequential(KIMI, 64, **fwd), gb)
     assert fused.time_ns < seq.time_ns  # overlap helps
-    slow_link = sim.simulate(P.fixed_split(KIMI, 64, 40, 2048, **fwd), gb.scaled(link_gbs=0.25))
+    slow_link = sim.simulate(split, gb.scaled(link_gbs=0.25))
     assert slow_link.time_ns > fused.time_ns
     push = dict(MOK_POLICY, dispatch="push")
     pushed = sim.simulate(P.fixed_split(KIMI, 64, 40, 2048, pass_="fwd", policy=push, num_sms=gb.num_sms), gb)
@@ -289,8 +290,8 @@ def test_model_responds(h200):
     # the hottest rank decides (on 8 ranks: a skewed routing of 64 x 2048 tokens takes seconds to draw)
     load = sim.routed_load(KIMI, 8, skew=0.3)
     capacity = -(-int(load.expert_offsets[:, -1].max()) // 2048) * 2048
-    skewed = sim.simulate(P.fixed_split(KIMI, 8, 40, 2048, capacity_rows=capacity, **fwd), gb, load)
-    assert skewed.time_ns > sim.simulate(P.fixed_split(KIMI, 8, 40, 2048, capacity_rows=capacity, **fwd), gb).time_ns
+    split8 = P.fixed_split(KIMI, 8, 40, 2048, capacity_rows=capacity, **fwd)
+    assert sim.simulate(split8, gb, load).time_ns > sim.simulate(split8, gb).time_ns
 
 
 def test_simulate_rejects_a_plan_that_cannot_run(h200):
@@ -550,8 +551,7 @@ QWEN_SHARE = ep_share("qwen3.5-397b", 64)  # 8 KB rows (kimi: 14 KB)
 def _chunk_us(shape, gpu, comm_blocks=8):
     """The median busy dispatch chunk (us) of the fused forward on one EP=64 share (bench_layer's
     emulation), and its rows."""
-    plan = P.fused_forward(shape, 2, P.FusedKnobs(comm_blocks, 2048), policy=MOK_POLICY, num_sms=132,
-                           capacity_rows=12 * 2048)
+    plan = _built(P.fused_forward, shape, P.FusedKnobs(comm_blocks, 2048), num_sms=132, capacity_rows=12 * 2048)
     load = fused.emulated_load(shape)
     rec = sim.simulate(plan, layer.one_gpu(gpu), load).records(0)
     _, used = model.fused_chunk_rows(plan, load)
@@ -1049,7 +1049,8 @@ def test_fused_backward_against_the_sequential_backward(h200):
     # the fused kernel gives 8 CTAs to them and pads to 256 rows: about the sequential time
     # (measured, kimi C=8 MB=2048: 5.94 vs 5.87 ms at d689e07, 6.38 vs 6.01 at ec6738a).
     one = layer.one_gpu(h200)
-    seq = sim.simulate(P.sequential(KIMI_SHARE, 2, pass_="bwd", policy=MOK_POLICY, num_sms=132), one,
+    seq_plan = P.sequential(KIMI_SHARE, 2, pass_="bwd", policy=MOK_POLICY, num_sms=132)
+    seq = sim.simulate(seq_plan, one,
                        layer.emulated_load(KIMI_SHARE))
     fused_bwd = _emulated_bwd(_bwd_plan(8), h200)
     gemm = ~_comm(seq.records(0))
@@ -1059,7 +1060,6 @@ def test_fused_backward_against_the_sequential_backward(h200):
     # Two ranks over the link: the sequential backward waits for every transfer, the fused one hides
     # them behind its tiles, so a slower link costs the sequential pass and not the fused one.
     fused_plan = P.fused_backward(KIMI_SHARE, 2, P.FusedKnobs(8, 2048), policy=MOK_POLICY, num_sms=132)
-    seq_plan = P.sequential(KIMI_SHARE, 2, pass_="bwd", policy=MOK_POLICY, num_sms=132)
 
     def both(gpu):
         return sim.simulate(fused_plan, gpu).time_ns, sim.simulate(seq_plan, gpu).time_ns

@@ -55,12 +55,17 @@ def emulated_load(shape: MoEShape, seed: int = 0):
     return layer.emulated_load(shape, seed, align=PAIR_ROWS)
 
 
-@functools.lru_cache(maxsize=128)
 def _fused_plan(pass_: str, shape: MoEShape, num_ranks: int, knobs: plans.FusedKnobs, policy: tuple, num_sms: int,
                 capacity_rows: int) -> plans.Plan:
-    """plan.fused_forward / fused_backward, built once per arguments (policy: its items) for the
-    timelines and passes simulated here: the same knobs recur across runs, and a plan's proof is kept
-    per object (Plan.check). The plans are shared: read them, never change them."""
+    """plan.fused_forward / fused_backward, built once per arguments (policy: its items; knobs as
+    the pass resolves them, so a default given or left out is one plan) for the timelines and passes
+    simulated here: the same plans recur across runs, and a plan's proof is kept per object
+    (Plan.check). The plans are shared: read them, never change them."""
+    return _built_plan(pass_, shape, num_ranks, knobs.resolved(pass_, dict(policy)), policy, num_sms, capacity_rows)
+
+
+@functools.lru_cache(maxsize=128)
+def _built_plan(pass_, shape, num_ranks, knobs, policy, num_sms, capacity_rows) -> plans.Plan:
     make = plans.fused_forward if pass_ == "fwd" else plans.fused_backward
     return make(shape, num_ranks, knobs, policy=dict(policy), num_sms=num_sms, capacity_rows=capacity_rows)
 

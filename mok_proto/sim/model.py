@@ -598,21 +598,22 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
     first, second = (np.array([st[k if len(st) > k else 0] for st in steps], np.int64) for k in (0, 1))
     step_dur = np.maximum(dur[first], dur[second]) if len(steps) else dur[:0]
     pooled_steps = ((t["block"][first] == plan.pool_block) if fused else np.zeros(len(steps), bool)).tolist()
+    maximum = np.maximum
     for j in order:
         step = steps[j]
         pooled = pooled_steps[j]
         if pooled:
             cta = even_ctas[np.argmin(free[2 * even_ctas], axis=0)]  # [R] the cluster each rank's pair goes to
             s = free[2 * cta, np.arange(r)]
-        else:
+        else:  # (s may be a view of the stream's row: it is stored below before that row changes)
             s = free[stream[step[0]]]
+            for i in step[1:]:
+                s = maximum(s, free[stream[i]])
         for i in step:
-            if not pooled:
-                s = np.maximum(s, free[stream[i]])
             for w in waits[i]:
                 if ready[w] is None:  # every signaller ran already (topological order)
                     ready[w] = (np.full(r, last[w].max()) if remote[w] else last[w]) + delay[w]
-                s = np.maximum(s, ready[w])
+                s = maximum(s, ready[w])
         e = s + step_dur[j]
         for half, i in enumerate(step):  # a tile pair: both CTAs in lockstep
             start[i], end[i] = s, e
@@ -622,7 +623,8 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
             else:
                 free[stream[i]] = e
             for c in sigs[i]:
-                np.maximum(last[c], e, out=last[c])
+                row = last[c]
+                maximum(row, e, out=row)
     kernel_end = end.max(axis=0) if len(t) else kernel_start
     pass_end = _fused_pass_end_ns(plan, gpu, load, kernel_end) if fused else kernel_end
     return SimResult(plan, gpu, start, end, load, pass_end, block)

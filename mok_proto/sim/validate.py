@@ -201,9 +201,9 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
     timeline (`compared_timelines`) against the simulated timeline of the same plan (dispatch end,
     compute end, kernel end from the first task's start; the median combine chunk and routed GEMM
     tiles, over the tasks that move rows or compute tiles in the simulation), and bench_layer's
-    fused passes (graph replays) of every compared run (layer.compared_rows). Each measurement is
-    simulated with the kernel that recorded it (GpuParams.recorded_at its kernel features: the bulk
-    ring or the warp movers). A calibration timeline's dispatch end is the event its dispatch tasks
+    fused passes (graph replays, with the tile pairs the row claimed) of every compared run
+    (layer.compared_rows). Each measurement is simulated with the kernel that recorded it
+    (GpuParams.recorded_at its kernel features: the bulk ring or the warp movers). A calibration timeline's dispatch end is the event its dispatch tasks
     fit (FUSED_FITS, by its sim_calibrates): calibration rows. A measurement of
     params.spare_warps_spun (the acquire spin beside spare warps that move rows) is explained (SPUN),
     and so is a timeline event its index row explains (sim_explained); every other row is judged.
@@ -251,7 +251,7 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
     for run, found in runs.items():
         for r in found:
             ns = fused.pass_ns(ep_share(r["shape"], r["ep"]), gpu.recorded_at(r), r["comm_blocks"],
-                               r["minibatch_tokens"], r["num_sms"])
+                               r["minibatch_tokens"], r["num_sms"], r.get("claim_pairs", 0))
             why = FUSED_BENCH_EXPLAINED.get((run, r["comm_blocks"])) or (
                 SPUN if spare_warps_spun(r, r["comm_blocks"], r.get("spread_from")) else "")
             rows.append(Row("h200 fused", f"fwd pass (graph) {r['shape']} C={r['comm_blocks']} MB={r['minibatch_tokens']}"
