@@ -245,7 +245,7 @@ def test_cli_validate_prints_every_row(h200, h200_validation, monkeypatch):
 
     # The CLI runs as it is (its own h200(), its judging, its table); only its call of h200_rows is
     # answered from the module's fixture when it asks for what the fixture computed (the same
-    # parameters, the default results/: a pure function of those, ~55 s on CI); any other arguments
+    # parameters, the default results/: a pure function of those, the longest computation here); any other arguments
     # are computed as before.
     def h200_rows(gpu=None, results_dir=results.RESULTS_DIR):
         if gpu is not None and gpu == h200 and results_dir == results.RESULTS_DIR:
@@ -507,7 +507,7 @@ def test_fused_calibration_uses_only_the_dispatch_tasks(h200, tmp_path, timeline
     assert all(getattr(moved, f) == getattr(h200, f) for f in fits + others)
     # The rows below are the edited timeline's: fused_rows computes a timeline's rows from its own
     # records and the parameters only, so it is given that timeline alone (the other timelines and
-    # bench_layer's passes, ~35 s to simulate on CI, add rows the filter drops)
+    # bench_layer's passes, seconds to simulate, add rows the filter drops)
     alone = _timeline_copy(tmp_path / "compute-alone", slow_compute, timeline, alone=True)
     ends = [r for r in validate.fused_rows(moved, alone) if r.quantity.endswith(git) and " kimi" in r.quantity
             and " end " in r.quantity]
@@ -706,9 +706,8 @@ def test_fused_pass_rows_from_bench_layer(h200, tmp_path):
            "time": "2099-01-01T00:00:00+00:00", "comm_mover": "bulk", "wait_spin": "acquire", "scale_traffic": "scatter"}
     # a fused backward row of the same run is not judged against the forward's simulation
     bwd = {**row, "pass": "bwd", "median_ms": 4.5, "time": "2099-01-01T00:00:01+00:00"}
-    # bench_layer.jsonl alone (its own rows and these two): the rows asserted are that file's passes,
-    # which fused_rows computes from its rows and the parameters only; the timelines and the other
-    # FUSED_BENCH files (~30 s to simulate on CI) add rows that the filter below drops
+    # bench_layer.jsonl alone (its own rows and these two): fused_rows computes a pass's row from that
+    # row and the parameters only; the timelines (seconds to simulate) would add rows the filter drops
     rows = validate.fused_rows(h200, _results_copy(tmp_path, extra_rows=[row, bwd], only={"bench_layer.jsonl"}))
     # the compared runs' fused forward rows (not those of the runs marked sim_left_out), the newest this one
     compared = {r["run"] for r in layer.compared_rows(tmp_path) if r["schedule"] == "fused" and r["pass"] == "fwd"}
@@ -1310,7 +1309,7 @@ def test_cli_simulates_a_chosen_claim(capsys):
 
     args = ["--gpu", "h200", "--fused", "--shape", "tile", "--ep", "2", "--comm-sms", "0", "--minibatch", "256"]
     got = {}
-    for claim in ("3", None):  # (each call calibrates the H200 parameters: ~10 s)
+    for claim in ("3", None):
         assert cli.main(args + (["--claim", claim] if claim else [])) == 0
         got[claim] = int(capsys.readouterr().out.split("claim_pairs=")[1].split()[0])
     assert got["3"] == 3 and got[None] > 3  # the forward's default: every pair
