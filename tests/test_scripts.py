@@ -96,10 +96,10 @@ def test_rows_carry_their_stamp(tmp_path, monkeypatch):
     assert list(first)[:7] == ["time", "git", "gpu", "command", "comm_mover", "wait_spin", "scale_traffic"]
     assert first["gpu"] == "NVIDIA H100 80GB HBM3" and first["git"] == rows.git_sha()
     assert first["command"] == "scripts/bench_layer.py --shapes kimi-k2.7 --bar fwd_x_torch=1.2"
-    assert {k: first[k] for k in rows.kernel_features()} == rows.kernel_features() == {
-        "comm_mover": "warps", "wait_spin": "backoff", "scale_traffic": "stream"}
+    from mok_proto.kernels.features import CURRENT
     from mok_proto.sim.params import KERNEL  # what the simulator takes a row without them for: the same place
 
-    assert KERNEL == rows.kernel_features()
+    assert {k: first[k] for k in CURRENT} == CURRENT == KERNEL == {
+        "comm_mover": "warps", "wait_spin": "backoff", "scale_traffic": "stream"}
     assert first["median_ms"] == 1.5 and second["wait_spin"] == "plain"  # a row's own field wins
     assert rows.command_line(["/elsewhere/x.py", "a b"]) == "/elsewhere/x.py 'a b'"  # quoted as a shell takes it

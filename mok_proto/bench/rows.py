@@ -12,15 +12,9 @@ import sys
 from pathlib import Path
 
 from mok_proto.bench.device import gpu_name
+from mok_proto.kernels.features import kernel_features
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
-
-
-def kernel_features() -> dict:
-    """The kernel features a row's figures depend on, as row fields (edit here when a kernel
-    changes one): who moves the fused kernel's rows (`comm_mover`), how a wait spins (`wait_spin`),
-    how the backward's scale reads its rows (`scale_traffic`)."""
-    return {"comm_mover": "warps", "wait_spin": "backoff", "scale_traffic": "stream"}
 
 
 def git_sha() -> str:
