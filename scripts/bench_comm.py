@@ -1,7 +1,7 @@
-"""Dispatch and combine on the GPU, push against pull, for the paper's shapes.
-
-    python scripts/bench_comm.py                                  # one GPU, virtual ranks
+"""python scripts/bench_comm.py                                      # one GPU, virtual ranks
     NVSHMEM_DISABLE_NVLS=1 mpirun -n 8 python scripts/bench_comm.py   # one rank per GPU (NVSHMEM)
+
+Dispatch and combine on the GPU, push against pull, for the paper's shapes.
 
 --backend auto (the default) uses NVSHMEM when started by mpirun with more than one process (then
 EP = number of processes and other --ep values are skipped), virtual ranks otherwise.
@@ -33,7 +33,6 @@ from it by more than --bar (relative).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import os
@@ -46,6 +45,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 from mok_proto.bench import (append_result, copy_ceiling_gbs, peer_pull_gbs, require_gpu, slowest_rank,  # noqa: E402
                              summarize, time_stages)
+from mok_proto.bench.cli import parser  # noqa: E402
 from mok_proto import results  # noqa: E402
 from mok_proto.config import DIRECTIONS, PAPER_SHAPES, RunConfig, get_shape  # noqa: E402
 from mok_proto.link import DEFAULT_LATENCY_US, LinkModel  # noqa: E402
@@ -143,7 +143,7 @@ def link_check(args) -> int:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
     p.add_argument("--ep", default="8,64", help="EP degrees (virtual ranks on one GPU)")
     p.add_argument("--global-tokens", type=int, default=16384)

@@ -1,9 +1,10 @@
-"""Power and SM clock of the sequential and the fused passes under sustained load, on the GPU.
+"""python scripts/power_probe.py [--shapes kimi-k2.7,...] [--secs 2.5] [--comm 0] [--minibatch 2048]
 
-    python scripts/power_probe.py [--shapes kimi-k2.7,...] [--secs 2.5] [--comm 0] [--minibatch 2048]
+Power and SM clock of the sequential and the fused passes under sustained load, on the GPU
+(mok_proto.bench.power).
 
-Why: the H200 holds its board power limit (~700 W) by lowering the SM clock, and a layer pass
-replayed back to back runs at that limit. The time of a pass then follows its energy, so a fused
+Why: a GPU holds its board power limit by lowering the SM clock, and a layer pass replayed back
+to back runs at that limit. The time of a pass then follows its energy, so a fused
 pass that overlaps the same work saves little time; bench_layer.py's short interleaved runs see
 it only in part. This measures it. Per shape (one EP=64 rank's share on one GPU, as
 bench_layer.py emulates it): the sequential pass and the fused pass (comm blocks, minibatch rows,
@@ -17,8 +18,8 @@ energy per pass (mean power x median time) of each schedule (mean of its two pha
 x seq (sequential ms / fused ms: above 1, fused is faster), fused / sequential of the clock and
 of the energy, and x cycles (sequential ms x MHz / fused ms x MHz: x seq at equal clocks, an
 estimate from mean clocks). Power and clocks are averaged from the second second of each phase on
-(nvidia-smi's power.draw is a one-second average: bench.SMI_SETTLE_S). One JSON line per phase
-appended to results/power_probe.jsonl (keys: time, git, shape, pass, schedule, phase,
+(nvidia-smi's power.draw is a one-second average: bench.power.SMI_SETTLE_S). One JSON line per phase
+appended to results/power_probe.jsonl (keys: the stamp of mok_proto.bench.rows, shape, pass, schedule, phase,
 comm_blocks, minibatch_tokens, assign, raster, claim_pairs (tile pairs claimed at run time),
 secs, median_ms, iters, sm_mhz, power_w, energy_mj, power_capped: the fraction of samples under
 the power cap, samples). No bars.
@@ -28,43 +29,19 @@ or without an nvidia-smi that reports this GPU's clock and power.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
-from bench_layer import emulated_shape, make_inputs, result_bytes, staged_layer
-
+from mok_proto.bench.cli import parser
 from mok_proto.config import PAPER_SHAPES
 from mok_proto.plan import FusedKnobs
 
-PHASES = ("sequential", "fused", "sequential", "fused")  # per pass, after one warm-up phase
-
-
-def replay(graph, stream, secs: float):
-    """Replays of `graph` on `stream` for about `secs` seconds, 20 a batch, each between two events:
-    (ms per replay, start, end) with host times (time.time) around the timed replays."""
-    import cupy
-
-    for _ in range(5):
-        graph.launch(stream)
-    stream.synchronize()
-    times, t0 = [], time.time()
-    while time.time() - t0 < secs:
-        events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(20)]
-        for a, b in events:
-            a.record(stream)
-            graph.launch(stream)
-            b.record(stream)
-        stream.synchronize()
-        times += [cupy.cuda.get_elapsed_time(a, b) for a, b in events]
-    return times, t0, time.time()
-
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--shapes", default=",".join(PAPER_SHAPES))
     p.add_argument("--secs", type=float, default=2.5, help="seconds of replays per phase (at least 2)")
     p.add_argument("--comm", type=int, default=0, help="the fused plans' communicating CTAs")
@@ -77,10 +54,10 @@ def main():
     except ValueError as e:
         p.error(str(e))
     from mok_proto.bench import append_result, phase_power, require_gpu, smi_command, smi_samples
+    from mok_proto.bench.power import compare, probe_shape
 
     require_gpu("power_probe.py")
     import cupy
-    import numpy as np
 
     device = cupy.cuda.Device().pci_bus_id  # the GPU this process runs on (CUDA_VISIBLE_DEVICES applies)
     if shutil.which("nvidia-smi") is None:
@@ -94,41 +71,9 @@ def main():
     phases, unequal = [], []
     try:
         for name in args.shapes.split(","):
-            shape = emulated_shape(name)
-            heap, layer = staged_layer(shape, make_inputs(shape))
-            stream = cupy.cuda.Stream(non_blocking=True)
-            graphs, reference = {}, {}
-            for pass_ in ("fwd", "bwd"):
-                graphs["sequential", pass_] = layer.capture(forward=pass_ == "fwd", backward=pass_ == "bwd")
-                reference[pass_] = result_bytes(layer, pass_)
-            layer.set_forward_plan(layer.fused_forward_plan(knobs))
-            layer.set_backward_plan(layer.fused_backward_plan(knobs))
-            layer.enqueue_forward()
-            layer.enqueue_backward()
-            layer.check()
-            graphs["fused", "fwd"] = layer.capture(forward=True, backward=False)
-            layer.enqueue_forward()
-            graphs["fused", "bwd"] = layer.capture(forward=False, backward=True)
-            with stream:
-                replay(graphs["sequential", "fwd"], stream, args.secs / 2)  # warm-up: to the power limit
-                for pass_ in ("fwd", "bwd"):
-                    for k, schedule in enumerate(PHASES):
-                        times, t0, t1 = replay(graphs[schedule, pass_], stream, args.secs)
-                        layer.check()
-                        plan = (layer.fused if pass_ == "fwd" else layer.fused_bwd).plan
-                        phases.append(dict(shape=name, pass_=pass_, schedule=schedule, phase=k, t0=t0, t1=t1,
-                                           median_ms=float(np.median(times)), iters=len(times),
-                                           assign=plan.assign if schedule == "fused" else None,
-                                           raster=plan.raster if schedule == "fused" else None,
-                                           claim_pairs=plan.claim_pairs if schedule == "fused" else None))
-                        print(f"# {name} {pass_} {schedule:10s} {np.median(times):.3f} ms ({len(times)} replays)",
-                              flush=True)
-                    if result_bytes(layer, pass_) != reference[pass_]:  # the fused graph replayed last
-                        unequal.append(f"{name} {pass_}")
-            layer.set_forward_plan(None)
-            layer.set_backward_plan(None)
-            layer.close()
-            heap.close()
+            got, bad = probe_shape(name, knobs, args.secs)
+            phases += got
+            unequal += bad
     finally:
         time.sleep(0.1)
         died = smi.poll()
@@ -163,22 +108,6 @@ def main():
     if unequal:
         print(f"FAIL: fused not bitwise equal to sequential: {', '.join(unequal)}", file=sys.stderr)
         sys.exit(1)
-
-
-def compare(phases: list, shape: str, pass_: str):
-    """(sequential, fused, ratios) of one shape and pass: each schedule's phases averaged (median_ms,
-    sm_mhz, power_w, energy_mj, power_capped), and x_seq = sequential ms / fused ms, clock and energy
-    = fused / sequential, x_cycles = sequential ms x MHz / (fused ms x MHz)."""
-    import numpy as np
-
-    mean = {s: {k: float(np.mean([ph[k] for ph in phases if (ph["shape"], ph["pass_"], ph["schedule"])
-                                  == (shape, pass_, s)]))
-                for k in ("median_ms", "sm_mhz", "power_w", "energy_mj", "power_capped")}
-            for s in ("sequential", "fused")}
-    seq, fus = mean["sequential"], mean["fused"]
-    return seq, fus, {"x_seq": seq["median_ms"] / fus["median_ms"], "clock": fus["sm_mhz"] / seq["sm_mhz"],
-                      "energy": fus["energy_mj"] / seq["energy_mj"],
-                      "x_cycles": seq["median_ms"] * seq["sm_mhz"] / (fus["median_ms"] * fus["sm_mhz"])}
 
 
 def fail(message: str):

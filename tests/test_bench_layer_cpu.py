@@ -1,71 +1,65 @@
-"""CPU checks of scripts/bench_layer.py's pure helpers (the GPU parts run on the device)."""
-
-import importlib.util
-from pathlib import Path
+"""CPU checks of bench_layer.py's library (mok_proto.bench: overlap, settings, layer, power): its pure
+helpers, and its timing on stand-ins for the GPU (the GPU parts run on the device)."""
 
 import pytest
 
+from mok_proto.bench import layer as bench_layer
+from mok_proto.bench import overlap, power
+from mok_proto.bench import settings as bench_settings
 from mok_proto.config import MOK_POLICY
 from mok_proto.plan import FusedKnobs
-
-SPEC = importlib.util.spec_from_file_location("bench_layer", Path(__file__).resolve().parents[1] / "scripts" /
-                                              "bench_layer.py")
-bench_layer = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(bench_layer)
 
 
 def test_overlap_ceiling_counts_gemm_and_outside_stages():
     # the backward: everything but the two transfers (1.0 + 0.5) and the gaps (0.5) stays
     bwd = {"scale": 0.5, "shared": 1.0, "rev_combine": 1.0, "experts": 4.0, "rev_dispatch": 0.5, "wgrad": 2.0,
            "token_grads": 0.5, "total": 10.0}
-    assert bench_layer.overlap_ceiling(bwd, "bwd") == pytest.approx(10.0 / 8.0)
+    assert overlap.overlap_ceiling(bwd, "bwd") == pytest.approx(10.0 / 8.0)
     # a plan that runs the token gradients (and the scale) inside the kernel may hide them as well
-    assert bench_layer.overlap_ceiling(bwd, "bwd", ("token_grads",)) == pytest.approx(10.0 / 7.5)
-    assert bench_layer.overlap_ceiling(bwd, "bwd", ("scale", "token_grads")) == pytest.approx(10.0 / 7.0)
-    assert bench_layer.stages_inside({"scale": True, "token_grads": True}) == ("scale", "token_grads")
-    assert bench_layer.stages_inside({"scale": False, "token_grads": True}) == ("token_grads",)
-    assert bench_layer.stages_inside({"comm_blocks": 0}) == ()  # a forward row: nothing
-    assert bench_layer.TOKEN_GRADS == {"default": None, "inside": True, "after": False}
-    assert bench_layer.SCALE == {"default": None, "inside": True, "before": False}
+    assert overlap.overlap_ceiling(bwd, "bwd", ("token_grads",)) == pytest.approx(10.0 / 7.5)
+    assert overlap.overlap_ceiling(bwd, "bwd", ("scale", "token_grads")) == pytest.approx(10.0 / 7.0)
+    assert overlap.stages_inside({"scale": True, "token_grads": True}) == ("scale", "token_grads")
+    assert overlap.stages_inside({"scale": False, "token_grads": True}) == ("token_grads",)
+    assert overlap.stages_inside({"comm_blocks": 0}) == ()  # a forward row: nothing
+    assert bench_settings.TOKEN_GRADS == {"default": None, "inside": True, "after": False}
+    assert bench_settings.SCALE == {"default": None, "inside": True, "before": False}
     fwd = {"schedule": 0.1, "shared": 0.3, "dispatch": 0.1, "experts": 2.2, "combine": 0.1, "weighted_sum": 0.1,
            "total": 3.0}
-    assert bench_layer.overlap_ceiling(fwd, "fwd") == pytest.approx(3.0 / 2.7)
+    assert overlap.overlap_ceiling(fwd, "fwd") == pytest.approx(3.0 / 2.7)
     with pytest.raises(KeyError):  # a stage the layer no longer marks: the bench fails loudly, not silently
-        bench_layer.overlap_ceiling({k: v for k, v in fwd.items() if k != "weighted_sum"}, "fwd")
+        overlap.overlap_ceiling({k: v for k, v in fwd.items() if k != "weighted_sum"}, "fwd")
 
 
 def test_direction_policies():
     from mok_proto.config import MOK_POLICY
 
-    assert bench_layer.direction_policies("mok") == [MOK_POLICY]
-    every = bench_layer.direction_policies("all")
+    assert bench_settings.direction_policies("mok") == [MOK_POLICY]
+    every = bench_settings.direction_policies("all")
     assert every[0] == MOK_POLICY and len(every) == 4 and len({tuple(p.values()) for p in every}) == 4
     # the backward mirrors the forward: reverse-combine goes the dispatch's way, reverse-dispatch the combine's
     assert all(p["rev_combine"] == p["dispatch"] and p["rev_dispatch"] == p["combine"] for p in every)
-    named = bench_layer.direction_policies("push:pull:push:pull,pull:push:pull:push,push:pull:push:pull")
+    named = bench_settings.direction_policies("push:pull:push:pull,pull:push:pull:push,push:pull:push:pull")
     assert named == [MOK_POLICY, {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}]
     for bad in ("push:pull", "push:pull:push:sideways"):
         with pytest.raises(ValueError, match="--directions"):
-            bench_layer.direction_policies(bad)
+            bench_settings.direction_policies(bad)
 
 
 def test_fused_settings_keep_comm_ctas_only_where_a_transfer_runs_inside():
     k0, k8, k0_1024 = FusedKnobs(0, 2048), FusedKnobs(8, 2048), FusedKnobs(0, 1024)
     settings = (k0, k8)
-    assert bench_layer.fused_settings_for(MOK_POLICY, settings) == {"fwd": settings, "bwd": settings}
+    assert bench_settings.fused_settings_for(MOK_POLICY, settings) == {"fwd": settings, "bwd": settings}
     outside = {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
-    assert bench_layer.fused_settings_for(outside, settings) == {"fwd": (k0,), "bwd": (k0,)}
+    assert bench_settings.fused_settings_for(outside, settings) == {"fwd": (k0,), "bwd": (k0,)}
     # MoK's best had communicating CTAs: the policy still gets a fused run, with every CTA computing
-    assert bench_layer.fused_settings_for(outside, (k8,)) == {"fwd": (k0,), "bwd": (k0,)}
+    assert bench_settings.fused_settings_for(outside, (k8,)) == {"fwd": (k0,), "bwd": (k0,)}
     half = {"dispatch": "pull", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
-    assert bench_layer.fused_settings_for(half, (k8, k0_1024)) == {"fwd": (k8, k0_1024), "bwd": (k0, k0_1024)}
+    assert bench_settings.fused_settings_for(half, (k8, k0_1024)) == {"fwd": (k8, k0_1024), "bwd": (k0, k0_1024)}
 
 
 def test_directions_rows_report_and_record(monkeypatch, capsys):
     """directions_rows on a stand-in for the GPU run: one line per pass, the sequential and fused
     rows recorded with the policy, and a fused result unequal to its sequential layer's fails."""
-    import mok_proto.bench
-
     policy = {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
     seen, recorded = [], []
 
@@ -78,7 +72,7 @@ def test_directions_rows_report_and_record(monkeypatch, capsys):
                 {"fwd": True, "bwd": True}, None, {"fwd": [row], "bwd": [dict(row, equal_to_sequential=False)]})
 
     monkeypatch.setattr(bench_layer, "ours", fake_ours)
-    monkeypatch.setattr(mok_proto.bench, "append_result", lambda name, row: recorded.append((name, row)))
+    monkeypatch.setattr(bench_layer, "append_result", lambda name, row: recorded.append((name, row)))
     knobs = [FusedKnobs(comm, 2048, assign="balanced", raster="col") for comm in (0, 8)]
     failed = bench_layer.directions_rows("kimi-k2.7", None, None, policy, knobs, 3, 1)
     assert seen == [({"fwd": (knobs[0],), "bwd": (knobs[0],)}, None, policy)]
@@ -120,8 +114,6 @@ def test_fused_times_each_setting_against_the_sequential_pass(monkeypatch):
     clocks), its results read after a replay of its own graph."""
     import contextlib
     from types import SimpleNamespace
-
-    import mok_proto.bench
 
     # ms of (stage, setting) per iteration: setting 2 ran under slower clocks (both graphs slower)
     # but gains more over the sequential pass than setting 0
@@ -167,7 +159,7 @@ def test_fused_times_each_setting_against_the_sequential_pass(monkeypatch):
 
     layer = Layer()
     sequential_graph = Graph(layer, "sequential", None)
-    monkeypatch.setattr(mok_proto.bench, "time_stages", fake_time_stages)
+    monkeypatch.setattr(bench_layer, "time_stages", fake_time_stages)
     monkeypatch.setattr(bench_layer, "result_bytes",
                         lambda lay, pass_: b"fused bits" if lay.last[0] == "fused" else b"sequential bits")
     class Stream(contextlib.nullcontext):
@@ -189,7 +181,7 @@ def test_fused_times_each_setting_against_the_sequential_pass(monkeypatch):
     assert bench_layer.best_row(rows) is by_comm[2]
 
 
-# nvidia-smi samples of scripts/power_probe.py
+# nvidia-smi samples of power_probe.py (mok_proto.bench.power)
 SMI_LINES = ["timestamp, clocks.current.sm [MHz], power.draw [W], clocks_event_reasons.active",  # a header
              "2026/12/01 20:45:10.000, 1980, 300.00, 0x0000000000000000",
              "2026/12/01 20:45:10.200, 1500, 690.00, 0x0000000000000004",
@@ -227,32 +219,20 @@ def test_smi_command_samples_one_gpu():
 
 
 def test_fused_settings_take_a_claim():
-    assert bench_layer.parse_settings("0:2048,8:1024:264,0:2048:all,0:512:tail") == (
+    assert bench_settings.parse_settings("0:2048,8:1024:264,0:2048:all,0:512:tail") == (
         FusedKnobs(0, 2048), FusedKnobs(8, 1024, claim=264), FusedKnobs(0, 2048, claim="all"),
         FusedKnobs(0, 512, claim="tail"))
     for bad in ("0", "0:2048:some", "a:2048", "0:2048:1:2", "0:100"):
         with pytest.raises(ValueError, match="--fused"):
-            bench_layer.parse_settings(bad)
+            bench_settings.parse_settings(bad)
     policy = {"dispatch": "push", "combine": "pull", "rev_combine": "pull", "rev_dispatch": "push"}
-    got = bench_layer.fused_settings_for(policy, (FusedKnobs(8, 2048, claim=264), FusedKnobs(0, 2048, claim=264)))
+    got = bench_settings.fused_settings_for(policy, (FusedKnobs(8, 2048, claim=264), FusedKnobs(0, 2048, claim=264)))
     assert got["fwd"] == (FusedKnobs(0, 2048, claim=264),)
     assert got["bwd"] == (FusedKnobs(8, 2048, claim=264), FusedKnobs(0, 2048, claim=264))
 
 
-def _power_probe():
-    import sys
-
-    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)  # power_probe imports bench_layer as a sibling module
-    spec = importlib.util.spec_from_file_location("power_probe", Path(scripts) / "power_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_power_probe_compares_the_phases_of_one_shape_and_pass():
-    compare = _power_probe().compare
+    compare = power.compare
     row = lambda shape, pass_, schedule, ms, mhz, w: dict(  # noqa: E731
         shape=shape, pass_=pass_, schedule=schedule, median_ms=ms, sm_mhz=mhz, power_w=w, energy_mj=ms * w,
         power_capped=1.0)
@@ -265,3 +245,298 @@ def test_power_probe_compares_the_phases_of_one_shape_and_pass():
     assert ratio["x_seq"] == pytest.approx(2.1 / 2.0) and ratio["clock"] == pytest.approx(0.8)
     assert ratio["energy"] == pytest.approx((2.2 * 690 + 1.8 * 710) / 2 / ((2.0 * 700 + 2.2 * 700) / 2))
     assert ratio["x_cycles"] == pytest.approx(2.1 * 1500 / (2.0 * 1200))  # at equal clocks: 1.3125
+
+
+# --- bench_layer.py's rows and verdicts (mok_proto.bench.layer_rows), on made-up measurements -------
+def _fused_row(comm, ms, seq_ms, equal=True, best=None, claim=None):
+    """A fused row as bench_layer.fused makes it; best=(fused ms, sequential ms) of its timing again."""
+    row = {"comm_blocks": comm, "minibatch_tokens": 2048, "num_sms": 132, "assign": "round_robin", "raster": "row",
+           "claim": claim, "claim_pairs": 264, "median_ms": ms, "p20_ms": ms, "p80_ms": ms, "iters": 5,
+           "sequential_median_ms": seq_ms, "speedup_vs_sequential": seq_ms / ms, "equal_to_sequential": equal,
+           "bitwise_repeat": True}
+    if best:
+        row.update(retimed_median_ms=best[0], retimed_sequential_median_ms=best[1],
+                   retimed_speedup_vs_sequential=best[1] / best[0], trace_on_median_ms=best[0])
+    return row
+
+
+def _measured(fused_fwd, fused_bwd, seq_ms=(2.0, 5.0), results=None):
+    import numpy as np
+
+    from mok_proto.bench.layer import Measured
+
+    stats = {p: {"median_ms": m, "p20_ms": m, "p80_ms": m, "iters": 5} for p, m in zip(("fwd", "bwd"), seq_ms)}
+    stages = {"fwd": {"schedule": 0.1, "shared": 0.3, "dispatch": 0.1, "experts": 1.2, "combine": 0.1,
+                      "weighted_sum": 0.1, "total": 2.2},
+              "bwd": {"scale": 0.2, "shared": 1.0, "rev_combine": 0.4, "experts": 2.0, "rev_dispatch": 0.4,
+                      "wgrad": 1.0, "token_grads": 0.2, "total": 5.4}}
+    results = results or {k: np.full(4, i, np.float32) for i, k in enumerate(("out", "w_down", "w_gate", "w_up"))}
+    return Measured(stats, stages, {"fwd": True, "bwd": True}, results, {"fwd": fused_fwd, "bwd": fused_bwd})
+
+
+def _torch(out_ms=(2.5, 8.0)):
+    import numpy as np
+
+    ref = {k: np.full(4, i, np.float32) for i, k in enumerate(("out", "w_down", "w_gate", "w_up"))}
+    ref["out"] = ref["out"] + 1.0  # out 0 against 1: a relative error of 1 would fail; keep it small below
+    stats = {"fwd": {"median_ms": out_ms[0], "iters": 5}, "bwd": {"median_ms": out_ms[1], "iters": 5,
+                                                               "variant_2n_bwd_ms": 6.0}}
+    return stats, ref
+
+
+def test_rows_keep_their_fields_and_bars_judge_the_best_setting():
+    """The rows without the link are today's (same fields, `link_gbps` null added), the fused
+    verdicts use the best setting's timing again, and --bar values replace the defaults."""
+    import numpy as np
+
+    from mok_proto.bench.cli import parse_bars
+    from mok_proto.bench.emulation import emulated_shape
+    from mok_proto.bench.layer_rows import BARS, shape_report
+
+    shape = emulated_shape("kimi-k2.7")
+    fwd = [_fused_row(0, 1.7, 2.0, best=(1.75, 2.0)), _fused_row(8, 1.9, 2.0)]
+    bwd = [_fused_row(0, 4.0, 5.0, best=(4.2, 5.0))]
+    measured = _measured(fwd, bwd)
+    base, ref = _torch()
+    ref["out"] = measured.results["out"] * np.float32(1.01)  # a 1% error: within TORCH_REL_ERR
+    report = shape_report("kimi-k2.7", shape, measured, (base, ref), ({"median_ms": 0.03}, True), BARS)
+    names = [(f, r["schedule"], r["pass"]) for f, r in report.rows]
+    assert names == [("bench_layer", "torch", "fwd"), ("bench_layer", "sequential", "fwd"),
+                     ("bench_layer", "torch", "bwd"), ("bench_layer", "sequential", "bwd"),
+                     ("bench_layer", "fused", "fwd"), ("bench_layer", "fused", "fwd"), ("bench_layer", "fused", "bwd")]
+    seq = report.rows[1][1]
+    assert set(seq) == {"shape", "pass", "ep", "emulation", "flops", "schedule_ms", "schedule_exact", "link_gbps",
+                        "schedule", "median_ms", "p20_ms", "p80_ms", "iters", "tflops", "speedup_vs_torch",
+                        "bitwise_repeat", "max_rel_err_vs_torch", "stages_ms", "speedup_vs_torch_variant_2n"}
+    assert seq["link_gbps"] is None and seq["speedup_vs_torch"] == pytest.approx(2.5 / 2.0) and seq["ep"] == 64
+    fused = report.rows[4][1]
+    assert fused["best_of_run"] and not report.rows[5][1]["best_of_run"] and fused["link_gbps"] is None
+    assert fused["speedup_vs_torch"] == pytest.approx(2.5 / 1.7)
+    assert fused["overlap_ceiling_vs_sequential"] == pytest.approx(2.2 / (0.3 + 1.2 + 0.1 + 0.1))
+    # fwd: 2.5 / 1.75 = 1.43x torch (>= 1.2), 2.0 / 1.75 = 1.14x sequential (>= 1.1): met;
+    # bwd: 8.0 / 4.2 = 1.90x torch, 5.0 / 4.2 = 1.19x sequential: met; sequential bwd 8 / 5 = 1.6x torch
+    assert report.failed == []
+    # the retimed figure is judged, not the first: a retimed 1.85 ms forward is 1.08x sequential
+    fwd[0]["retimed_speedup_vs_sequential"] = 2.0 / 1.85
+    assert shape_report("kimi-k2.7", shape, measured, (base, ref), ({"median_ms": 0.03}, True),
+                          BARS).failed == ["kimi-k2.7 fused fwd"]
+    lowered = parse_bars(["fused_fwd_x_seq=1.05"], BARS)
+    assert shape_report("kimi-k2.7", shape, measured, (base, ref), ({"median_ms": 0.03}, True),
+                          lowered).failed == []
+    # the schedule's bar is a ceiling; the sequential passes' bars x torch
+    slow = shape_report("kimi-k2.7", shape, measured, (base, ref), ({"median_ms": 0.06}, True), lowered)
+    assert slow.failed == ["kimi-k2.7 fwd", "kimi-k2.7 bwd"]
+    assert any("(bar 1.05;" in line for line in slow.lines)  # the bar printed is the one judged
+    torch_slower = shape_report("kimi-k2.7", shape, measured, ({**base, "bwd": {**base["bwd"], "median_ms": 6.0}},
+                                                                 ref), ({"median_ms": 0.03}, True), lowered)
+    assert torch_slower.failed == ["kimi-k2.7 bwd", "kimi-k2.7 fused bwd"]  # 6 / 5 = 1.2x < 1.3; 6 / 4.2 < 1.6
+
+
+def test_overlap_efficiency_is_the_share_of_the_link_cost_the_fused_pass_hides():
+    from mok_proto.bench.layer_rows import overlap_efficiency
+
+    # the link adds 2 ms to the sequential pass and 0.5 ms to the fused one: 75% hidden
+    assert overlap_efficiency(10.0, 12.0, 8.0, 8.5) == pytest.approx(0.75)
+    assert overlap_efficiency(10.0, 12.0, 8.0, 8.0) == pytest.approx(1.0)  # all hidden
+    assert overlap_efficiency(10.0, 12.0, 8.0, 10.0) == pytest.approx(0.0)  # none: the fused pass pays it all
+    assert overlap_efficiency(10.0, 12.0, 8.0, 11.0) == pytest.approx(-0.5)  # it pays more than the sequential
+    # nothing to hide: the link adds no time to the sequential pass (or the clocks hid it): undefined
+    assert overlap_efficiency(10.0, 10.0, 8.0, 8.5) is None and overlap_efficiency(10.0, 9.9, 8.0, 8.5) is None
+
+
+def _link_case(link_fwd=None, link_bwd=None, equal=True):
+    """A no-link run and a link run of the same settings, in another order, with distinct figures
+    per setting (so a row paired with the wrong setting gets a wrong efficiency)."""
+    import numpy as np
+
+    no_link = _measured([_fused_row(0, 1.70, 2.00, best=(1.70, 2.00)), _fused_row(8, 1.90, 2.05)],
+                        [_fused_row(0, 4.00, 5.00, best=(4.00, 5.00)), _fused_row(8, 4.50, 5.10)],
+                        seq_ms=(1.95, 4.9))
+    link_fwd = link_fwd or [_fused_row(8, 2.30, 2.65), _fused_row(0, 1.80, 2.40, best=(1.82, 2.42))]
+    link_bwd = link_bwd or [_fused_row(8, 5.60, 6.00), _fused_row(0, 4.30, 6.10, best=(4.25, 6.00))]
+    results = {k: v.copy() for k, v in no_link.results.items()}
+    if not equal:
+        results["w_up"].view(np.uint32)[0] ^= 1  # one bit of one gradient
+    return no_link, _measured(link_fwd, link_bwd, seq_ms=(2.3, 6.2), results=results)
+
+
+def test_link_rows_pair_each_setting_with_itself_without_the_link():
+    from mok_proto.bench.emulation import emulated_shape
+    from mok_proto.bench.layer_rows import BARS, LINK_FILE, link_report
+    from mok_proto.link import LinkModel
+
+    link = LinkModel(368, every_row=True)
+    no_link, measured = _link_case()
+    report = link_report("kimi-k2.7", emulated_shape("kimi-k2.7"), link, measured, no_link, BARS)
+    assert all(f == LINK_FILE for f, _ in report.rows)
+    rows = {(r["pass"], r["schedule"], r.get("comm_blocks")): r for _, r in report.rows}
+    assert all(r["link_gbps"] == 368 and r["link_every_row"] and "speedup_vs_torch" not in r for r in rows.values())
+    seq = rows["fwd", "sequential", None]
+    assert seq["median_ms"] == 2.3 and seq["no_link_median_ms"] == 1.95 and seq["equal_to_no_link"]
+    # each fused row against the same setting without the link, from the interleaved medians
+    # (not the sequential graph's 1.95 / 2.3 ms): comm 8: 1 - (2.30 - 1.90) / (2.65 - 2.05)
+    assert rows["fwd", "fused", 8]["overlap_efficiency"] == pytest.approx(1 - 0.40 / 0.60)
+    assert rows["fwd", "fused", 0]["overlap_efficiency"] == pytest.approx(1 - 0.10 / 0.40)
+    assert rows["fwd", "fused", 8]["no_link_median_ms"] == 1.90 and rows["bwd", "fused", 8]["no_link_median_ms"] == 4.5
+    # the best (largest x sequential) is judged on its timing again: 1 - (1.82 - 1.70) / (2.42 - 2.00)
+    best = rows["fwd", "fused", 0]
+    assert best["best_of_run"] and best["retimed_overlap_efficiency"] == pytest.approx(1 - 0.12 / 0.42)
+    assert "retimed_overlap_efficiency" not in rows["fwd", "fused", 8]
+    assert rows["bwd", "fused", 0]["retimed_overlap_efficiency"] == pytest.approx(1 - 0.25 / 1.00)
+    assert all(r["equal_to_no_link"] for r in rows.values())
+    # met: fwd x sequential 2.42 / 1.82 = 1.33 (>= 1.15), overlap 0.71 < 0.8: missed; bwd 0.75 < 0.8: missed
+    assert [f.split(": ", 1)[1] for f in report.failed] == ["overlap efficiency 0.71, bar >= 0.8",
+                                                            "overlap efficiency 0.75, bar >= 0.8"]
+    assert report.failed[0].startswith("kimi-k2.7 link 368 GB/s fused fwd")
+    assert len(report.table) == 2 and report.table[0].split()[:2] == ["kimi-k2.7", "fwd"]
+
+
+def test_link_bars_and_checks_each_catch_their_miss():
+    from mok_proto.bench.cli import parse_bars
+    from mok_proto.bench.emulation import emulated_shape
+    from mok_proto.bench.layer_rows import BARS, link_report, link_table
+    from mok_proto.link import LinkModel
+
+    shape, link = emulated_shape("kimi-k2.7"), LinkModel(900, latency_us=2.0, every_row=True)
+    lenient = parse_bars(["link_overlap_fwd=0.7,link_overlap_bwd=0.7"], BARS)
+    no_link, measured = _link_case()
+    assert link_report("kimi-k2.7", shape, link, measured, no_link, lenient).failed == []
+    # the forward's x sequential at the link speed: 2.42 / 2.15 = 1.13 < 1.15, and its efficiency
+    # 1 - (2.15 - 1.70) / (2.42 - 2.00) = -0.07; the backward (5.2 / 4.6 = 1.13) has no x sequential bar
+    no_link, measured = _link_case(link_fwd=[_fused_row(8, 2.30, 2.65), _fused_row(0, 1.80, 2.40, best=(2.15, 2.42))],
+                                   link_bwd=[_fused_row(0, 4.30, 5.50, best=(4.60, 5.20)), _fused_row(8, 5.6, 6.0)])
+    failed = link_report("kimi-k2.7", shape, link, measured, no_link, lenient).failed
+    assert len(failed) == 3 and "fused fwd: x sequential 1.13, bar >= 1.15" in failed[0]
+    assert "fused fwd: overlap efficiency -0.07, bar >= 0.7" in failed[1]
+    assert "fused bwd: overlap efficiency -2.00" in failed[2]  # 1 - (4.6 - 4.0) / (5.2 - 5.0)
+    # a link that costs the sequential pass nothing leaves the efficiency undefined: not met
+    no_link, measured = _link_case(link_bwd=[_fused_row(0, 4.30, 4.90, best=(4.25, 4.95))])
+    failed = link_report("kimi-k2.7", shape, link, measured, no_link, lenient).failed
+    assert len(failed) == 1 and "fused bwd: overlap efficiency undefined" in failed[0]
+    # results that differ from the run without the link (one bit of one gradient): the backward's
+    # sequential row and every backward fused row fail; the forward's output is the same
+    no_link, measured = _link_case(equal=False)
+    report = link_report("kimi-k2.7", shape, link, measured, no_link, lenient)
+    assert [f.split(": ", 1)[0] for f in report.failed] == ["kimi-k2.7 link 900 GB/s bwd",
+                                                            "kimi-k2.7 link 900 GB/s fused bwd comm=8 minibatch=2048",
+                                                            "kimi-k2.7 link 900 GB/s fused bwd comm=0 minibatch=2048"]
+    assert all("not equal to the run without the link" in f for f in report.failed[1:])
+    # a fused result unequal to the sequential pass of its own run
+    no_link, measured = _link_case(link_fwd=[_fused_row(8, 2.30, 2.65, equal=False),
+                                             _fused_row(0, 1.80, 2.40, best=(1.82, 2.42))])
+    failed = link_report("kimi-k2.7", shape, link, measured, no_link, lenient).failed
+    assert len(failed) == 1 and failed[0].endswith("not equal to sequential, not equal to the run without the link")
+    lines = link_table(link, report.table)
+    assert "900 GB/s per direction, round trip 2 us" in lines[0] and lines[1].split()[:3] == ["shape", "pass", "seq_ms"]
+
+
+def test_same_results_compares_the_pass_s_own_results_bit_for_bit():
+    import numpy as np
+
+    from mok_proto.bench.layer_rows import same_results
+
+    a = {"out": np.zeros(3, np.float32), "w_up": np.ones(3, np.float32), "x": np.ones(2, np.float32)}
+    b = {k: v.copy() for k, v in a.items()}
+    assert same_results(a, b, "fwd") and same_results(a, b, "bwd")
+    b["x"][1] = -0.0 + 1.0000001  # one ulp off in one gradient
+    assert same_results(a, b, "fwd") and not same_results(a, b, "bwd")
+    c = {k: v.copy() for k, v in a.items()}
+    c["out"][0] = -0.0  # equal as numbers, not as bits
+    assert not same_results(a, c, "fwd") and same_results(a, c, "bwd")
+
+
+def test_timeline_paths_keep_the_runs_apart():
+    from mok_proto.bench.timeline_plot import timeline_path
+    from mok_proto.link import LinkModel
+
+    template = "results/timeline_fused_{link}{pass_}_{shape}_{git}.jsonl"
+    assert timeline_path(template, "kimi-k2.7", "abc1234") == "results/timeline_fused_{pass_}_kimi-k2.7_abc1234.jsonl"
+    assert (timeline_path(template, "kimi-k2.7", "abc1234", LinkModel(368.5)) ==
+            "results/timeline_fused_link368.5_{pass_}_kimi-k2.7_abc1234.jsonl")
+    assert timeline_path("", "kimi-k2.7", "abc1234") is None
+
+
+def test_a_timeline_in_results_timelines_is_stored_and_indexed(tmp_path):
+    """bench_layer's and sweep_overlap's timelines go into results/timelines/ gzipped, each with its
+    index row (what the simulator and the notebooks find them by); a name taken gets a suffix; a
+    timeline written elsewhere is left alone."""
+    import gzip
+    import json
+
+    import numpy as np
+
+    from mok_proto import results
+    from mok_proto.bench import rows
+    from mok_proto.bench.timeline_plot import index_timeline, write_timeline
+    from mok_proto.trace import TRACE_DTYPE
+
+    records = np.zeros(3, TRACE_DTYPE)
+    records["end_ns"] = [100, 200, 300]
+    plan = {"bench": "bench_layer", "shape": "kimi-k2.7", "comm_blocks": 0, "minibatch_rows": 2048, "claim_pairs": 9}
+    stored = []
+    for _ in range(2):  # the same name twice (a second run at the same commit)
+        path = tmp_path / "timelines" / "timeline_fused_fwd_kimi-k2.7_abc1234.jsonl"
+        write_timeline(records, path, "a title")
+        stored.append(index_timeline(path, "fwd", plan, results_dir=tmp_path))
+        assert not path.exists()  # the plain file is stored gzipped
+    assert [r["file"] for r in stored] == ["timeline_fused_fwd_kimi-k2.7_abc1234.jsonl.gz",
+                                           "timeline_fused_fwd_kimi-k2.7_abc1234_2.jsonl.gz"]
+    first = results.timeline_index(tmp_path, "fwd", bench="bench_layer", shape="kimi-k2.7")[0]
+    assert {k: first[k] for k in ("pass", "git", "comm_blocks", "minibatch_rows", "claim_pairs", "png")} == {
+        "pass": "fwd", "git": rows.git_sha(), "comm_blocks": 0, "minibatch_rows": 2048, "claim_pairs": 9,
+        "png": "timeline_fused_fwd_kimi-k2.7_abc1234.png"}
+    assert all(first[k] == v for k, v in rows.kernel_features().items()) and "gpu" in first and "time" in first
+    assert (tmp_path / "timelines" / stored[1]["png"]).exists()
+    with gzip.open(first["path"], "rt") as f:
+        assert [json.loads(line)["end_ns"] for line in f] == [100, 200, 300]
+    assert len(results.load_timeline(first["path"])) == 3
+    elsewhere = tmp_path / "scratch.jsonl"
+    write_timeline(records, elsewhere, "a title")
+    assert index_timeline(elsewhere, "fwd", plan, results_dir=tmp_path) is None and elsewhere.exists()
+
+
+def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypatch):
+    """bench_layer.py's run of a shape (layer_run.run_shape) on stand-ins for the GPU: the run without
+    the link, then per link speed the same `ours` call (shape, data, iters, settings) with the link
+    and its own timeline; torch and the schedule once; the rows without the link to bench_layer,
+    with `link_gbps` null, those with the link to bench_layer_link, judged against the same run."""
+    from types import SimpleNamespace
+
+    from mok_proto.bench import layer_run
+    from mok_proto.bench.layer_rows import BARS, LINK_FILE
+    from mok_proto.link import LinkModel
+
+    no_link, measured = _link_case()
+    calls, reports = [], []
+
+    def fake_ours(shape, data, iters, warmup, settings, trace_to, index=None, link=None):
+        calls.append(dict(shape=shape.name, data=data, iters=iters, warmup=warmup, settings=settings,
+                          trace_to=trace_to, index=index, link=link))
+        return no_link if link is None else measured
+
+    monkeypatch.setattr(layer_run, "ours", fake_ours)
+    monkeypatch.setattr(layer_run, "make_inputs", lambda shape: "the inputs")
+    monkeypatch.setattr(layer_run, "torch_pipeline", lambda *a: calls.append("torch") or _torch())
+    monkeypatch.setattr(layer_run, "schedule_at_ep64", lambda *a: calls.append("schedule") or ({"median_ms": 0.03}, True))
+    monkeypatch.setattr(layer_run, "git_sha", lambda: "abc1234")
+    links = [LinkModel(368, every_row=True), LinkModel(900, every_row=True)]
+    settings = {"fwd": [FusedKnobs(0, 2048), FusedKnobs(8, 2048)], "bwd": [FusedKnobs(0, 2048)]}
+    args = SimpleNamespace(iters=3, warmup=1, settings=settings, bars=BARS, links=links,
+                           timeline="results/timelines/timeline_fused_{link}{pass_}_{shape}_{git}.jsonl")
+    got, tables = layer_run.run_shape("kimi-k2.7", args, reports.append)
+    assert got is no_link and list(tables) == links and all(len(t) == 2 for t in tables.values())
+    ours_calls = [c for c in calls if isinstance(c, dict)]
+    assert [c["link"] for c in ours_calls] == [None, *links] and calls[1:3] == ["torch", "schedule"]
+    for c in ours_calls:  # the same call but for the link
+        assert (c["shape"], c["data"], c["iters"], c["warmup"], c["settings"]) == (
+            "kimi-k2.7@ep64", "the inputs", 3, 1, settings)
+    assert [c["trace_to"] for c in ours_calls] == [
+        "results/timelines/timeline_fused_{pass_}_kimi-k2.7_abc1234.jsonl",
+        "results/timelines/timeline_fused_link368_{pass_}_kimi-k2.7_abc1234.jsonl",
+        "results/timelines/timeline_fused_link900_{pass_}_kimi-k2.7_abc1234.jsonl"]
+    assert ours_calls[0]["index"] == {"bench": "bench_layer", "shape": "kimi-k2.7"}
+    assert ours_calls[2]["index"]["bench"] == "bench_layer_link" and ours_calls[2]["index"]["link_gbps"] == 900
+    assert len(reports) == 3
+    assert {f for f, _ in reports[0].rows} == {"bench_layer"} and all(r["link_gbps"] is None for _, r in reports[0].rows)
+    assert all(f == LINK_FILE and r["link_gbps"] == g for rep, g in zip(reports[1:], (368, 900)) for f, r in rep.rows)
+    assert all("speedup_vs_torch" not in r for rep in reports[1:] for _, r in rep.rows)

@@ -1,5 +1,6 @@
-"""What scripts/bench_layer_mpi.py computes without a GPU: its inputs, sizes, plans, digests,
-comparisons, verdicts and table; and its refusals (exit 2) where CuPy / a GPU is missing."""
+"""What scripts/bench_layer_mpi.py computes without a GPU (its library: mok_proto.bench's mpi_args,
+mpi_problem, plan_workers, digests, mpi_layer, mpi_report, ranks): its inputs, sizes, plans, digests,
+comparisons, verdicts and table; and the script's refusals (exit 2) where CuPy / a GPU is missing."""
 
 import importlib.util
 import json
@@ -13,21 +14,20 @@ import pytest
 
 from conftest import ROOT, rank_env
 from mok_proto.plan import check as plan_check
-from mok_proto.bench import digest
+from mok_proto.bench import digest, mpi_layer
+from mok_proto.bench.digests import compare_digests, describe_comparison, write_digests
+from mok_proto.bench.mpi_args import parse_args
+from mok_proto.bench.mpi_layer import policies_to_time, push_pull, sequential_part
+from mok_proto.bench.mpi_problem import MARGIN_BYTES, Problem, crossing_bytes, make_routing
+from mok_proto.bench.mpi_report import judge, print_table
+from mok_proto.bench.plan_workers import start_plans
+from mok_proto.bench.ranks import Ranks, gpu_sharing, implied_no_torch, run_shape
 from mok_proto.config import MOK_POLICY, MoEShape, RunConfig, get_shape
 from mok_proto.layer import gpu_base
 from mok_proto.layer.gpu import GpuMoELayer, fused_plan, receive_capacity, symmetric_bytes
 from mok_proto.plan import PAIR_ROWS, FusedKnobs
 
 SCRIPT = ROOT / "scripts" / "bench_layer_mpi.py"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_layer_mpi", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_script(*args):
@@ -57,17 +57,17 @@ def test_bad_arguments_exit_2_before_anything_runs(args, message):
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
-def test_arguments_parsed(bench):
-    args = bench.parse_args(["--shapes", "tile, glm-5.2", "--fused", "0:1024,8:2048", "--tokens", "256"])
+def test_arguments_parsed():
+    args = parse_args(["--shapes", "tile, glm-5.2", "--fused", "0:1024,8:2048", "--tokens", "256"])
     assert args.shapes == ["tile", "glm-5.2"] and args.fused == [(0, 1024), (8, 2048)] and args.tokens == 256
-    assert bench.parse_args([]).fused == [(0, 1024), (0, 2048)] and bench.parse_args(["--fused", ""]).fused == []
+    assert parse_args([]).fused == [(0, 1024), (0, 2048)] and parse_args(["--fused", ""]).fused == []
 
 
-def test_routing_is_deterministic_and_valid(bench):
+def test_routing_is_deterministic_and_valid():
     shape = get_shape("qwen3.5-397b").with_tokens(64)
-    topk, w = bench.make_routing(shape, 2, seed=3)
-    again, w_again = bench.make_routing(shape, 2, seed=3)
-    other, _ = bench.make_routing(shape, 2, seed=4)
+    topk, w = make_routing(shape, 2, seed=3)
+    again, w_again = make_routing(shape, 2, seed=3)
+    other, _ = make_routing(shape, 2, seed=4)
     assert np.array_equal(topk, again) and np.array_equal(w, w_again) and not np.array_equal(topk, other)
     assert topk.shape == (2, 64, shape.top_k) and topk.dtype == np.int32 and w.dtype == np.float32
     assert ((topk >= 0) & (topk < shape.num_experts)).all()
@@ -75,10 +75,10 @@ def test_routing_is_deterministic_and_valid(bench):
     np.testing.assert_allclose(w.sum(axis=2), 1.0, rtol=1e-6)
 
 
-def test_crossing_bytes_counts_the_busiest_direction(bench):
+def test_crossing_bytes_counts_the_busiest_direction():
     # R=2, E=4 (El=2), N=2, K=2: rank 0 sends 3 rows to rank 1, rank 1 sends 1 row to rank 0.
     topk = np.array([[[0, 2], [3, 2]], [[1, 3], [2, 3]]], np.int32)
-    assert bench.crossing_bytes(topk, 4, hidden=8) == 3 * 8 * 2
+    assert crossing_bytes(topk, 4, hidden=8) == 3 * 8 * 2
 
 
 def test_receive_capacity_is_the_device_schedules_padded_rows():
@@ -139,9 +139,9 @@ def test_a_proved_plan_stays_proved_through_pickling(monkeypatch):
         fresh.check()
 
 
-def test_plans_come_back_proved_from_helper_processes(bench):
-    problems = [bench.Problem("tile", 64, 2, seed=0)]
-    pool, jobs = bench.start_plans(problems, [(0, PAIR_ROWS)], {"fwd": 8, "bwd": 8}, workers=2)
+def test_plans_come_back_proved_from_helper_processes():
+    problems = [Problem("tile", 64, 2, seed=0)]
+    pool, jobs = start_plans(problems, [(0, PAIR_ROWS)], {"fwd": 8, "bwd": 8}, workers=2)
     try:
         got = {key: job.get(300) for key, (root, job) in jobs.items()}
     finally:
@@ -174,25 +174,25 @@ def _entry(capacity=512, digests=("a", "b")):
             "per_rank": {str(r): {"out": d, "grads": d} for r, d in enumerate(digests)}}
 
 
-def test_compare_digests_either_way(bench, tmp_path):
+def test_compare_digests_either_way(tmp_path):
     path = tmp_path / "digests_single.json"
-    bench.write_digests(path, "single", 2, {"tile": _entry(), "glm-5.2": {"config": {}, "skipped": "too big"}})
-    got = bench.compare_digests({"tile": _entry(), "glm-5.2": _entry()}, path, "mpi")
-    assert got["tile"]["equal"] is True and bench.describe_comparison(got["tile"]) == "equal"
+    write_digests(path, "single", 2, {"tile": _entry(), "glm-5.2": {"config": {}, "skipped": "too big"}})
+    got = compare_digests({"tile": _entry(), "glm-5.2": _entry()}, path, "mpi")
+    assert got["tile"]["equal"] is True and describe_comparison(got["tile"]) == "equal"
     assert got["glm-5.2"]["equal"] is None and "too big" in got["glm-5.2"]["why"] and got["glm-5.2"]["skipped"]
-    differs = bench.compare_digests({"tile": _entry(digests=("a", "c"))}, path, "mpi")["tile"]
-    assert differs["equal"] is False and bench.describe_comparison(differs) == "DIFFERS on ranks 1"
-    other = bench.compare_digests({"tile": _entry(capacity=768)}, path, "mpi")["tile"]
+    differs = compare_digests({"tile": _entry(digests=("a", "c"))}, path, "mpi")["tile"]
+    assert differs["equal"] is False and describe_comparison(differs) == "DIFFERS on ranks 1"
+    other = compare_digests({"tile": _entry(capacity=768)}, path, "mpi")["tile"]
     assert other["equal"] is None and "capacity 768 vs 512" in other["why"]
-    assert bench.compare_digests({"tile": _entry()}, path, "single")["tile"]["equal"] is None  # same mode
+    assert compare_digests({"tile": _entry()}, path, "single")["tile"]["equal"] is None  # same mode
     assert json.loads(path.read_text())["mode"] == "single"
 
 
-def _row(bench, torch_ms=(3.0, 9.0), fused_ms=(1.5, 6.0), equal=True):
+def _row(torch_ms=(3.0, 9.0), fused_ms=(1.5, 6.0), equal=True):
     stage = {"median_ms": 0.5, "p20_ms": 0.4, "p80_ms": 0.6, "iters": 10}
     stages = {label: {"fwd": {"dispatch": {**stage, "median_ms": 0.50 + i / 100}, "combine": stage},
                       "bwd": {"rev_combine": stage, "rev_dispatch": stage}}
-              for i, label in enumerate(bench.policies_to_time())}
+              for i, label in enumerate(policies_to_time())}
     return {"shape": "tile", "ranks": 2,
             "ours": {"sequential": {p: {**stage, "median_ms": 2 * m} for p, m in zip(("fwd", "bwd"), fused_ms)},
                      "fused": {p: [{**stage, "median_ms": m, "comm_blocks": 0, "minibatch_rows": 1024},
@@ -200,61 +200,61 @@ def _row(bench, torch_ms=(3.0, 9.0), fused_ms=(1.5, 6.0), equal=True):
                                for p, m in zip(("fwd", "bwd"), fused_ms)}},
             "torch": {"fwd": {**stage, "median_ms": torch_ms[0]}, "bwd_median_ms": torch_ms[1]},
             "bitwise": {"equal_to_mok_sequential": {"mok": True, "fused fwd 0:1024": equal}, "all": equal},
-            "push_pull": bench.push_pull(stages, 100_000_000, 400.0)}
+            "push_pull": push_pull(stages, 100_000_000, 400.0)}
 
 
-def test_push_pull_overhead_is_the_stage_beyond_the_bytes_at_link_rate(bench):
-    got = _row(bench)["push_pull"]
+def test_push_pull_overhead_is_the_stage_beyond_the_bytes_at_link_rate():
+    got = _row()["push_pull"]
     assert set(got) == {"dispatch", "combine", "rev_combine", "rev_dispatch"}
     pull = got["dispatch"]["pull"]  # MoK's dispatch: the "mok" policy's stage (0.50 ms)
     assert pull["policy"] == "mok" and pull["stage_ms"] == pytest.approx(0.50)
     assert pull["overhead_ms"] == pytest.approx(0.50 - 0.25) and pull["pct_link"] == pytest.approx(50.0)
     assert got["dispatch"]["push"]["policy"] == "dispatch=push" and got["dispatch"]["push"]["stage_ms"] > 0.50
-    assert bench.push_pull({"mok": {"fwd": {"dispatch": {"median_ms": 1.0}, "combine": {"median_ms": 1.0}},
+    assert push_pull({"mok": {"fwd": {"dispatch": {"median_ms": 1.0}, "combine": {"median_ms": 1.0}},
                                     "bwd": {"rev_combine": {"median_ms": 1.0}, "rev_dispatch": {"median_ms": 1.0}}}},
                            100, float("nan"))["dispatch"]["pull"]["overhead_ms"] == 1.0  # no link: all overhead
 
 
-def test_judge_bars_and_checks(bench, capsys):
-    row = _row(bench)
-    assert bench.judge(row) == [] and row["met"]
+def test_judge_bars_and_checks(capsys):
+    row = _row()
+    assert judge(row) == [] and row["met"]
     assert row["speedup"]["fused_fwd_vs_torch"] == pytest.approx(2.0) and row["speedup"]["fused_bwd_vs_torch"] == 1.5
-    slow = _row(bench, torch_ms=(2.0, 8.0))
-    assert bench.judge(slow) == ["fused fwd 1.33x torch < 1.5x", "fused bwd 1.33x torch < 1.4x"]
-    assert "not bitwise equal to MoK's sequential: fused fwd 0:1024" in bench.judge(_row(bench, equal=False))
-    differs = {**_row(bench), "bitwise_vs_single": {"equal": False, "ranks": {"0": True, "1": False}}}
-    assert bench.judge(differs) == ["differs from the single-process run"]
+    slow = _row(torch_ms=(2.0, 8.0))
+    assert judge(slow) == ["fused fwd 1.33x torch < 1.5x", "fused bwd 1.33x torch < 1.4x"]
+    assert "not bitwise equal to MoK's sequential: fused fwd 0:1024" in judge(_row(equal=False))
+    differs = {**_row(), "bitwise_vs_single": {"equal": False, "ranks": {"0": True, "1": False}}}
+    assert judge(differs) == ["differs from the single-process run"]
     # a comparison that did not happen fails, unless the other run skipped the shape by choice
-    lost = {**_row(bench), "bitwise_vs_single": {"equal": None, "skipped": False, "why": "tile not in d.json"}}
-    assert bench.judge(lost) == ["not compared with the single-process run (tile not in d.json)"]
-    assert bench.judge({**_row(bench), "bitwise_vs_single": {"equal": None, "skipped": True, "why": "too big"}}) == []
-    wrong = _row(bench)
+    lost = {**_row(), "bitwise_vs_single": {"equal": None, "skipped": False, "why": "tile not in d.json"}}
+    assert judge(lost) == ["not compared with the single-process run (tile not in d.json)"]
+    assert judge({**_row(), "bitwise_vs_single": {"equal": None, "skipped": True, "why": "too big"}}) == []
+    wrong = _row()
     wrong["torch"]["max_rel_err_vs_ours"] = {"out": 0.2, "x": 0.01}  # a baseline that is not the same layer
-    assert bench.judge(wrong)[0].startswith("the torch layer differs from ours")
-    failed = {**_row(bench), "errors": [{"phase": "torch", "ranks": {"1": "MemoryError: x"}}]}
+    assert judge(wrong)[0].startswith("the torch layer differs from ours")
+    failed = {**_row(), "errors": [{"phase": "torch", "ranks": {"1": "MemoryError: x"}}]}
     del failed["torch"]
-    assert bench.judge(failed) == ["torch failed", "fused fwd vs torch not measured", "fused bwd vs torch not measured"]
-    assert bench.judge({"shape": "x", "skipped": "too big"}) == ["skipped (too big)"]
-    bench.print_table([row, slow, failed, differs, {"shape": "x", "skipped": "too big"}],
+    assert judge(failed) == ["torch failed", "fused fwd vs torch not measured", "fused bwd vs torch not measured"]
+    assert judge({"shape": "x", "skipped": "too big"}) == ["skipped (too big)"]
+    print_table([row, slow, failed, differs, {"shape": "x", "skipped": "too big"}],
                       {"nvshmem_pull_gbs": 400.0, "nccl_a2a_gbs": 300.0}, "d.json", None)
     out = capsys.readouterr().out
     assert "tile" in out and "2.00" in out and "NO" not in out.split("\n")[2] and "skipped: too big" in out
     assert "DIFFERS on ranks 1" in out and "dispatch" in out
 
 
-def test_ranks_sharing_a_gpu_run_without_torch(bench):
+def test_ranks_sharing_a_gpu_run_without_torch():
     """NCCL refuses two ranks on one GPU (the first run, 2 processes on one H200, aborted there):
     every rank counts the ranks per GPU from the same allgather and then runs as --no-torch."""
-    assert bench.gpu_sharing(["0000:3c", "0000:3c"]) == 2 and bench.gpu_sharing(["a", "b", "a"]) == 2
-    assert bench.gpu_sharing(["a", "b", "c"]) == 1
-    args = bench.parse_args([])
-    assert bench.implied_no_torch(args, 4, 1) is None and not args.no_torch
-    note = bench.implied_no_torch(args, 2, 2)
+    assert gpu_sharing(["0000:3c", "0000:3c"]) == 2 and gpu_sharing(["a", "b", "a"]) == 2
+    assert gpu_sharing(["a", "b", "c"]) == 1
+    args = parse_args([])
+    assert implied_no_torch(args, 4, 1) is None and not args.no_torch
+    note = implied_no_torch(args, 2, 2)
     assert args.no_torch and "NCCL" in note and "not those of 2 GPUs" in note
-    assert bench.implied_no_torch(bench.parse_args(["--no-torch"]), 2, 2) is None  # asked for: nothing to say
+    assert implied_no_torch(parse_args(["--no-torch"]), 2, 2) is None  # asked for: nothing to say
 
 
-def test_run_shape_budgets_a_layer_per_rank_on_the_gpu(bench, monkeypatch):
+def test_run_shape_budgets_a_layer_per_rank_on_the_gpu(monkeypatch):
     """Two 81.6 GB layers on one H200 once went to NVSHMEM, whose heap growth failed and ended the
     job: run_shape skips a shape whose layers (one per rank on the GPU, each with its margin) do
     not fit, with the reason, before allocating anything."""
@@ -286,43 +286,43 @@ def test_run_shape_budgets_a_layer_per_rank_on_the_gpu(bench, monkeypatch):
         def release(self, row, names):
             pass
 
-    margin = bench.MARGIN_BYTES
+    margin = MARGIN_BYTES
     fits_one = FakeRanks(1, (60 << 30) + margin)
-    row, _ = bench.run_shape(fits_one, prob, None, 0, {}, "sequential", {}, lambda layer, row: None)
+    row, _ = run_shape(fits_one, prob, None, 0, {}, "sequential", {}, lambda layer, row: None)
     assert "skipped" not in row and fits_one.phases == ["allocate and fill (sequential)"]
     shared = FakeRanks(2, (60 << 30) + margin)  # the same GPU, two ranks: 120 GB + 2 margins needed
-    row, _ = bench.run_shape(shared, prob, None, 0, {}, "sequential", {}, lambda layer, row: None)
+    row, _ = run_shape(shared, prob, None, 0, {}, "sequential", {}, lambda layer, row: None)
     assert shared.phases == [] and "x 2 ranks on one GPU" in row["skipped"]
     held = FakeRanks(2, 2 * margin)  # what the heaps hold counts: they reuse it
-    row, _ = bench.run_shape(held, prob, None, 120 << 30, {}, "sequential", {}, lambda layer, row: None)
+    row, _ = run_shape(held, prob, None, 120 << 30, {}, "sequential", {}, lambda layer, row: None)
     assert "skipped" not in row and held.phases == ["allocate and fill (sequential)"]
 
 
-def test_sequential_part_runs_no_torch_layer_without_torch(bench, monkeypatch):
+def test_sequential_part_runs_no_torch_layer_without_torch(monkeypatch):
     calls = []
-    monkeypatch.setattr(bench, "run_sequential", lambda *a: {"fwd": 1.0})
-    monkeypatch.setattr(bench, "run_torch", lambda *a: calls.append("torch"))
+    monkeypatch.setattr(mpi_layer, "run_sequential", lambda *a: {"fwd": 1.0})
+    monkeypatch.setattr(mpi_layer, "run_torch", lambda *a: calls.append("torch"))
     ranks = type("R", (), {"say": lambda self, text: None})()
-    bench.sequential_part(ranks, None, None, bench.parse_args(["--no-torch"]), {})
+    sequential_part(ranks, None, None, parse_args(["--no-torch"]), {})
     assert calls == []
-    bench.sequential_part(ranks, None, None, bench.parse_args([]), {})
+    sequential_part(ranks, None, None, parse_args([]), {})
     assert calls == ["torch"]
 
 
-def test_judge_without_torch_checks_bits_but_not_bars(bench, capsys):
+def test_judge_without_torch_checks_bits_but_not_bars(capsys):
     """--no-torch (or ranks sharing a GPU): no torch row, the speed bars are not judged, the bitwise
     checks are; the fused passes' speed-up over the sequential is still recorded and printed."""
-    row = {k: v for k, v in _row(bench, fused_ms=(1.5, 6.0)).items() if k != "torch"}
-    assert bench.judge(dict(row)) == ["fused fwd vs torch not measured", "fused bwd vs torch not measured"]
-    assert bench.judge(row, bars=False) == [] and row["met"] and row["bars_judged"] is False
+    row = {k: v for k, v in _row(fused_ms=(1.5, 6.0)).items() if k != "torch"}
+    assert judge(dict(row)) == ["fused fwd vs torch not measured", "fused bwd vs torch not measured"]
+    assert judge(row, bars=False) == [] and row["met"] and row["bars_judged"] is False
     assert row["speedup"] == {"fused_fwd_vs_sequential": 2.0, "fused_bwd_vs_sequential": 2.0}
     skipped = {"shape": "x", "skipped": "too big"}
-    assert bench.judge(skipped, bars=False) == ["skipped (too big)"] and skipped["bars_judged"] is False
-    unequal = {k: v for k, v in _row(bench, equal=False).items() if k != "torch"}
-    assert bench.judge(unequal, bars=False) == ["not bitwise equal to MoK's sequential: fused fwd 0:1024"]
+    assert judge(skipped, bars=False) == ["skipped (too big)"] and skipped["bars_judged"] is False
+    unequal = {k: v for k, v in _row(equal=False).items() if k != "torch"}
+    assert judge(unequal, bars=False) == ["not bitwise equal to MoK's sequential: fused fwd 0:1024"]
     no_fused = {**row, "ours": {"sequential": row["ours"]["sequential"], "fused": {}}}
-    assert bench.judge(no_fused, bars=False) == ["fused fwd not measured", "fused bwd not measured"]
-    bench.print_table([row], {"nvshmem_pull_gbs": 400.0, "nccl_a2a_gbs": None}, "d.json", None, bars=False)
+    assert judge(no_fused, bars=False) == ["fused fwd not measured", "fused bwd not measured"]
+    print_table([row], {"nvshmem_pull_gbs": 400.0, "nccl_a2a_gbs": None}, "d.json", None, bars=False)
     lines = capsys.readouterr().out.split("\n")
     header, cells = lines[1], lines[2]
     line = cells.split()
@@ -331,7 +331,7 @@ def test_judge_without_torch_checks_bits_but_not_bars(bench, capsys):
     ends = [m.end() for m in re.finditer(r"x torch|x seq|\S+", header.split("  bitwise")[0])][1:]
     assert len(ends) == 10 and [m.end() for m in re.finditer(r"\S+", cells.split("  yes")[0])][1:] == ends
     assert "x seq" in header and "bars not judged" in lines[3]
-    assert bench.parse_args(["--no-torch"]).no_torch and not bench.parse_args([]).no_torch
+    assert parse_args(["--no-torch"]).no_torch and not parse_args([]).no_torch
 
 
 class _Comm:
@@ -376,38 +376,38 @@ class _Heap:
         del self.arrays[name]
 
 
-def test_a_phase_fails_on_every_rank_when_one_rank_failed(bench):
+def test_a_phase_fails_on_every_rank_when_one_rank_failed():
     row = {}
-    ranks = bench.Ranks(_Comm(peer="MemoryError: x"), None)
+    ranks = Ranks(_Comm(peer="MemoryError: x"), None)
     assert ranks.phase(row, "torch", lambda: 3) == (False, None)  # it worked here, not on the peer
     assert row["errors"] == [{"phase": "torch", "ranks": {"1": "MemoryError: x"}}]
     assert ranks.comm.calls == ["allgather", "marker", "allgather"]  # agreed, then the barriers resynchronized
-    ok = bench.Ranks(_Comm(), None)
+    ok = Ranks(_Comm(), None)
     assert ok.phase(row, "fine", lambda: 3) == (True, 3) and ok.comm.calls == ["allgather"]
 
 
-def test_a_shared_value_comes_from_its_root_and_its_failure_is_everyones(bench):
+def test_a_shared_value_comes_from_its_root_and_its_failure_is_everyones():
     row = {}
-    ranks = bench.Ranks(_Comm(), None)
+    ranks = Ranks(_Comm(), None)
     assert ranks.shared(row, "plan", lambda: "made here", root=0) == (True, "made here")
     assert ranks.shared(row, "plan", lambda: pytest.fail("not the prover"), root=1) == (False, None)
     assert row["errors"] == [{"phase": "plan", "ranks": {"1": "TimeoutError: peer's plan"}}]
 
 
-def test_release_frees_what_every_rank_holds_and_forgets_the_rest(bench):
+def test_release_frees_what_every_rank_holds_and_forgets_the_rest():
     names = ["s.a", "s.b", "s.c"]
     heap = _Heap(["other", "s.a", "s.b", "s.c"])
     # the peer failed before allocating s.c: it reports only s.a, s.b (then agrees with this rank)
-    ranks = bench.Ranks(_Comm(answers=[["s.a", "s.b"]]), heap)
+    ranks = Ranks(_Comm(answers=[["s.a", "s.b"]]), heap)
     row = {}
     ranks.release(row, names)
     assert heap.freed == ["s.a", "s.b"] and list(heap.arrays) == ["other"]  # s.c forgotten, not freed
     assert not row.get("errors")  # the frees succeeded on both ranks
 
 
-def test_plans_are_split_over_the_ranks(bench):
-    problems = [bench.Problem("tile", 64, 2, seed=0)]
-    pool, jobs = bench.start_plans(problems, [(0, PAIR_ROWS), (0, 2 * PAIR_ROWS)], {"fwd": 8, "bwd": 8},
+def test_plans_are_split_over_the_ranks():
+    problems = [Problem("tile", 64, 2, seed=0)]
+    pool, jobs = start_plans(problems, [(0, PAIR_ROWS), (0, 2 * PAIR_ROWS)], {"fwd": 8, "bwd": 8},
                                    workers=1, rank=4, num_ranks=5)
     assert pool is None  # plan i on rank i % 5: rank 4 proves none of the 4 (no helper processes)
     assert [root for root, _ in jobs.values()] == [0, 1, 2, 3] and all(job is None for _, job in jobs.values())

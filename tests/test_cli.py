@@ -203,14 +203,75 @@ def test_sim_cli_fused_backward_against_the_sequential_plan(capsys):
     args = ["--shape", "qwen3.5-397b", "--ep", "64", "--gpu", "h200", "--pass", "bwd", "--comm-sms", "8",
             "--minibatch", "4096"]
     assert main(args + ["--fused", "--vs-sequential"]) == 0
-    out = capsys.readouterr().out
+    header, out = capsys.readouterr().out.split("\n", 1)
     assert out.startswith("fused_backward bwd: qwen3.5-397b R=64"), out
     fused_us = float(re.search(r"h200: ([\d.]+) us", out).group(1))
     seq_us, ratio = (float(v) for v in re.search(r"sequential plan: ([\d.]+) us; x sequential ([\d.]+)", out).groups())
     assert ratio == pytest.approx(seq_us / fused_us, abs=0.006) and seq_us != fused_us
     assert main(args + ["--sequential"]) == 0  # the baseline is this pass's sequential plan
-    out = capsys.readouterr().out
+    header, out = capsys.readouterr().out.split("\n", 1)
     assert out.startswith("sequential bwd: qwen3.5-397b R=64"), out
     assert float(re.search(r"h200: ([\d.]+) us", out).group(1)) == seq_us
     assert main(args + ["--sequential", "--vs-sequential"]) == 2  # nothing to compare
     assert "drop --sequential" in capsys.readouterr().err
+
+
+SIM = [sys.executable, "-m", "mok_proto.sim"]
+
+
+def test_sim_help_shows_every_default_and_choice():
+    proc = subprocess.run([*SIM, "--help"], capture_output=True, text=True, cwd=ROOT, env=rank_env(), timeout=60)
+    text = "".join(proc.stdout.split())  # (argparse wraps long values anywhere)
+    assert proc.returncode == 0, proc.stderr
+    for want in ("--shape {kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro,", "(default kimi-k2.7)", "(default 64)",
+                 "--gpu {h200,gb300-nvl72}", "(default gb300-nvl72)", "--pass {fwd,bwd}", "(default fwd)",
+                 "communicating SMs (default 40; with --fused 0", "receive rows per minibatch (default 2048; with --fused 1024",
+                 "--assign {round_robin,balanced}", "(default round_robin forward, balanced backward)",
+                 "--raster {row,col}", "an int >= 0, all or tail (default all forward, tail backward)",
+                 "(default MoK's: dispatch=pull,combine=push,rev_combine=pull,rev_dispatch=push)"):
+        assert "".join(want.split()) in text, want
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ep", "0"], "--ep must be a positive divisor of kimi-k2.7's 384 experts, got 0"),
+    (["--ep", "-64"], "--ep must be a positive divisor of kimi-k2.7's 384 experts, got -64"),
+    (["--ep", "5"], "--ep must be a positive divisor of kimi-k2.7's 384 experts, got 5"),
+    (["--ep", "abc"], "argument --ep: invalid int value: 'abc'"),
+    (["--minibatch", "0"], "--minibatch must be >= 1 and --comm-sms >= 0, got 0 and 40"),
+    (["--fused", "--minibatch", "0"], "--minibatch must be >= 1 and --comm-sms >= 0, got 0 and 0"),
+    (["--sequential", "--comm-sms", "-8"], "--minibatch must be >= 1 and --comm-sms >= 0, got 2048 and -8"),
+    (["--fused", "--minibatch", "100"], "minibatch_rows must be a multiple of 256"),
+    (["--shape", "kimi"], "argument --shape: invalid choice: 'kimi'"),
+    (["--gpu", "h100"], "argument --gpu: invalid choice: 'h100'"),
+    (["--pass", "both"], "argument --pass: invalid choice: 'both'"),
+    (["--sequential", "--fused"], "--sequential and --fused name two plans: give one"),
+    (["--claim", "3"], "--claim applies to the megakernel's plan: add --fused"),
+    (["--fused", "--claim", "-1"], "claim must be an int >= 0 or one of all, tail, got '-1'"),
+    (["--policy", "dispatch=both"], "policy: dispatch must be push or pull"),
+])
+def test_sim_bad_input_one_line_exit_2(args, message, capsys):
+    from mok_proto.sim.__main__ import main
+
+    try:
+        rc = main(args)
+    except SystemExit as e:  # argparse's refusals
+        rc = e.code
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert rc == 2 and not captured.out and len(lines) == 1 and message in lines[0], (rc, captured)
+    assert lines[0].startswith("python -m mok_proto.sim: error: ")
+
+
+def test_sim_header_names_every_setting_and_its_defaults(capsys):
+    from mok_proto.sim.__main__ import main
+
+    assert main(["--shape", "tile", "--ep", "2", "--gpu", "h200", "--fused", "--minibatch", "256"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header == ("# shape tile, ep 2, gpu h200, pass fwd (default), plan fused, policy dispatch=pull,"
+                      "combine=push,rev_combine=pull,rev_dispatch=push (default), comm-sms 0 (default), minibatch 256, "
+                      "assign round_robin (default), raster row (default), claim all (default)"), header
+    assert main(["--shape", "tile", "--ep", "2", "--gpu", "h200", "--pass", "bwd", "--comm-sms", "8",
+                 "--policy", "dispatch=push"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header == ("# shape tile, ep 2, gpu h200, pass bwd, plan fixed_split, policy dispatch=push,"
+                      "combine=push,rev_combine=pull,rev_dispatch=push, comm-sms 8, minibatch 2048 (default)"), header

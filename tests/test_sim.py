@@ -14,8 +14,8 @@ import pytest
 from mok_proto import plan as P
 from mok_proto import results, schedule, sim, trace
 from mok_proto.config import MOK_POLICY, PAPER_SHAPES, ep_share, get_shape
-from mok_proto.sim import fused, layer, model, validate
-from mok_proto.sim.params import H200_CALIBRATION
+from mok_proto.sim import calibrate, fused, layer, model, params, validate
+from mok_proto.sim.calibrate import H200_CALIBRATION
 
 KIMI = get_shape("kimi-k2.7")
 KIMI_SHARE = ep_share("kimi-k2.7", 64)  # bench_layer's emulation: one EP=64 rank's share, 2 virtual ranks
@@ -45,6 +45,40 @@ def test_validate_h200_rows_within_bar(h200, h200_validation):
     combines = [r for r in rows if r.group == "h200 comm 2 x H200" and r.quantity.startswith("combine")
                 and "kimi" in r.quantity]
     assert combines and all(r.check == "calibration" for r in combines)
+
+
+def test_calibrate_command_reproduces_the_frozen_calibration(tmp_path, capsys):
+    # `python -m mok_proto.sim calibrate --gpu h200` fits on results/ what calibration/h200.json holds,
+    # which the simulator reads; the file names its sources by selectors and index keys, no commit
+    import re
+
+    from mok_proto.sim import __main__ as cli
+
+    out = tmp_path / "h200.json"
+    assert cli.main(["calibrate", "--gpu", "h200", "--out", str(out)]) == 0
+    frozen_text = params.calibration_file("h200").read_text()
+    assert json.loads(out.read_text()) == json.loads(frozen_text)
+    assert capsys.readouterr().out.startswith(f"wrote {out}: calibrated on")
+    frozen = json.loads(frozen_text)
+    assert dataclasses.asdict(sim.h200()) == frozen["params"]
+    assert not re.search(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", frozen_text)
+    assert frozen["sources"]["fused_spare"]["timeline"] == {"sim_calibrates": "fused_spare"}
+    assert frozen["sources"]["layer"]["where"] == {"shape": H200_CALIBRATION["layer"], "schedule": "sequential"}
+    with pytest.raises(SystemExit) as refused:  # spec-derived: nothing to calibrate
+        cli.main(["calibrate", "--gpu", "gb300-nvl72"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and len(err) == 1 and "invalid choice: 'gb300-nvl72'" in err[0]
+
+
+def test_h200_is_read_from_its_calibration_file(tmp_path, monkeypatch):
+    document = json.loads(params.calibration_file("h200").read_text())
+    document["params"]["busy_kernel_ns"] = 1234.5
+    (tmp_path / "h200.json").write_text(json.dumps(document))
+    monkeypatch.setattr(params, "CALIBRATION_DIR", tmp_path)
+    assert sim.h200().busy_kernel_ns == 1234.5 and sim.gb300_nvl72().busy_kernel_ns == 1234.5
+    (tmp_path / "h200.json").unlink()
+    with pytest.raises(ValueError, match="calibrate --gpu h200"):
+        sim.get_params("h200")
 
 
 def test_validate_row_checks():
@@ -104,7 +138,7 @@ FITTED = ("busy_kernel_ns", "sum_slots_efficiency", "sustained_gemm")
 
 def test_layer_calibration_uses_only_its_stated_rows(h200, tmp_path):
     calib_shape = H200_CALIBRATION["layer"]
-    fitted = layer.calibration_stages(calib_shape)
+    fitted = calibrate.calibration_stages(calib_shape)
     # 0.7-1: the layer's GEMMs are slower than bench_gemm's isolated ones, not implausibly so
     assert 0.7 < h200.sustained_gemm < 1.0 and h200.busy_kernel_ns > 0 and 0 < h200.sum_slots_efficiency <= 1
 
@@ -114,7 +148,7 @@ def test_layer_calibration_uses_only_its_stated_rows(h200, tmp_path):
                 row["stages_ms"][stage] *= 2
     judged_dir = tmp_path / "judged"
     judged_dir.mkdir()
-    moved = sim.h200(_results_copy(judged_dir, slow_judged))
+    moved = layer.calibrate(h200, calib_shape, _results_copy(judged_dir, slow_judged, only={"bench_layer.jsonl"}))
     assert all(getattr(moved, f) == getattr(h200, f) for f in FITTED)
     rows = [r for r in validate.sequential_layer_rows(moved, judged_dir) if r.check == "judged"]
     assert rows and all(not r.ok(validate.H200_TOLERANCE) for r in rows if "pass (graph)" not in r.quantity)
@@ -125,7 +159,7 @@ def test_layer_calibration_uses_only_its_stated_rows(h200, tmp_path):
                 row["stages_ms"][stage] *= 1.2
         where = tmp_path / f"{pass_}-{stage}"
         where.mkdir()
-        changed = sim.h200(_results_copy(where, slow_one))
+        changed = layer.calibrate(h200, calib_shape, _results_copy(where, slow_one, only={"bench_layer.jsonl"}))
         assert getattr(changed, field) != getattr(h200, field), (pass_, stage, field)
 
 
@@ -211,7 +245,7 @@ def test_cli_validate_prints_every_row(h200, h200_validation, monkeypatch):
 
     # The CLI runs as it is (its own h200(), its judging, its table); only its call of h200_rows is
     # answered from the module's fixture when it asks for what the fixture computed (the same
-    # parameters, the default results/: a pure function of those, ~55 s on CI); any other arguments
+    # parameters, the default results/: a pure function of those, the longest computation here); any other arguments
     # are computed as before.
     def h200_rows(gpu=None, results_dir=results.RESULTS_DIR):
         if gpu is not None and gpu == h200 and results_dir == results.RESULTS_DIR:
@@ -241,10 +275,11 @@ def test_load_matches_schedule(skew, align):
 def test_model_responds(h200):
     gb = sim.gb300_nvl72(h200)
     fwd = dict(pass_="fwd", policy=MOK_POLICY, num_sms=gb.num_sms)
-    fused = sim.simulate(P.fixed_split(KIMI, 64, 40, 2048, **fwd), gb)
+    split = P.fixed_split(KIMI, 64, 40, 2048, **fwd)
+    fused = sim.simulate(split, gb)
     seq = sim.simulate(P.sequential(KIMI, 64, **fwd), gb)
     assert fused.time_ns < seq.time_ns  # overlap helps
-    slow_link = sim.simulate(P.fixed_split(KIMI, 64, 40, 2048, **fwd), gb.scaled(link_gbs=0.25))
+    slow_link = sim.simulate(split, gb.scaled(link_gbs=0.25))
     assert slow_link.time_ns > fused.time_ns
     push = dict(MOK_POLICY, dispatch="push")
     pushed = sim.simulate(P.fixed_split(KIMI, 64, 40, 2048, pass_="fwd", policy=push, num_sms=gb.num_sms), gb)
@@ -252,10 +287,11 @@ def test_model_responds(h200):
         return result.start_ns[result.plan.tasks["kind"] == int(P.TaskKind.GATE_UP)].min()
     # a pushed dispatch waits for 63 peers' signals (the shared expert hides part of it)
     assert first_gate_up_ns(pushed) > first_gate_up_ns(fused) + 10e3
-    load = sim.routed_load(KIMI, 64, skew=0.3)
+    # the hottest rank decides (on 8 ranks: a skewed routing of 64 x 2048 tokens takes seconds to draw)
+    load = sim.routed_load(KIMI, 8, skew=0.3)
     capacity = -(-int(load.expert_offsets[:, -1].max()) // 2048) * 2048
-    skewed = sim.simulate(P.fixed_split(KIMI, 64, 40, 2048, capacity_rows=capacity, **fwd), gb, load)
-    assert skewed.time_ns > fused.time_ns  # the hottest rank decides
+    split8 = P.fixed_split(KIMI, 8, 40, 2048, capacity_rows=capacity, **fwd)
+    assert sim.simulate(split8, gb, load).time_ns > sim.simulate(split8, gb).time_ns
 
 
 def test_simulate_rejects_a_plan_that_cannot_run(h200):
@@ -297,21 +333,35 @@ OLD_SPARE_TIMELINE, = results.timeline_index(pass_="fwd", bench="bench_layer", s
                                               wait_spin="acquire")
 
 
+_PLANS: dict = {}  # the plans these tests build, once each (a plan is never changed: a test edits a copy)
+_RESULTS: dict = {}  # their emulated simulations, once per (plan, parameters)
+
+
+def _built(make, shape, knobs, policy=MOK_POLICY, **fields):
+    key = (make.__name__, shape, knobs, tuple(policy.items()), tuple(sorted(fields.items())))
+    if key not in _PLANS:
+        _PLANS[key] = make(shape, 2, knobs, policy=policy, **fields)
+    return _PLANS[key]
+
+
 def _fused_plan(comm_blocks, minibatch_rows=2048, num_sms=132, policy=MOK_POLICY):
     # claim 0: the plans of the kernels measured before the claimed pool (99c90df)
-    return P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(comm_blocks, minibatch_rows, claim=0), policy=policy,
-                           num_sms=num_sms)
+    return _built(P.fused_forward, KIMI_SHARE, P.FusedKnobs(comm_blocks, minibatch_rows, claim=0), policy,
+                  num_sms=num_sms)
 
 
 def _emulated(plan, gpu):
-    """A plan as bench_layer runs it: one EP=64 share on one H200."""
-    return sim.simulate(plan, layer.one_gpu(gpu), fused.emulated_load(KIMI_SHARE))
+    """A plan as bench_layer runs it: one EP=64 share on one H200 (its load: the plan's shape's)."""
+    key = (id(plan), repr(gpu))
+    if key not in _RESULTS or _RESULTS[key].plan is not plan:
+        _RESULTS[key] = sim.simulate(plan, layer.one_gpu(gpu), fused.emulated_load(plan.shape))
+    return _RESULTS[key]
 
 
 def _spread_plan(minibatch_rows=2048, num_sms=132):
     """A fused forward with comm_blocks == 0: the chunks spread over compute CTAs (chunk c on CTA c,
     run by spare warps beside its GEMM tiles)."""
-    return P.fused_forward(KIMI_SHARE, 2, P.FusedKnobs(0, minibatch_rows, claim=0), policy=MOK_POLICY, num_sms=num_sms)
+    return _built(P.fused_forward, KIMI_SHARE, P.FusedKnobs(0, minibatch_rows, claim=0), num_sms=num_sms)
 
 
 def _comm(rec):
@@ -328,10 +378,16 @@ def test_fused_timeline_is_the_plan_it_ran(h200):
     for key in fused.KEY + ("role",):  # one simulated record per measured one, the same task
         assert np.array_equal(simulated[key], measured[key]), key
     assert np.array_equal(measured["role"] == 0, _comm(measured))  # role by kind (older files: by CTA)
-    shuffled = measured.copy()
+    # records of no plan are refused (a small plan's: the refusal tries every order, assignment and raster)
+    tile = get_shape("tile")
+    small = _built(P.fused_forward, tile, P.FusedKnobs(2, 1024, claim=0), num_sms=16)
+    records = sim.simulate(small, h200).records(0)
+    assert np.array_equal(fused.timeline_plan(records, tile).tasks, small.tasks)
+    shuffled = records.copy()
     shuffled[[0, 1]] = shuffled[[1, 0]]  # CTA 0's first two tasks swapped
+    assert (shuffled["block"][:2] == 0).all() and not np.array_equal(shuffled["minibatch"], records["minibatch"])
     with pytest.raises(ValueError, match="not those of any"):
-        fused.timeline_plan(shuffled, KIMI_SHARE)
+        fused.timeline_plan(shuffled, tile)
 
 
 def test_old_timeline_files_get_their_chunk_counts(tmp_path):
@@ -451,7 +507,7 @@ def test_fused_calibration_uses_only_the_dispatch_tasks(h200, tmp_path, timeline
     assert all(getattr(moved, f) == getattr(h200, f) for f in fits + others)
     # The rows below are the edited timeline's: fused_rows computes a timeline's rows from its own
     # records and the parameters only, so it is given that timeline alone (the other timelines and
-    # bench_layer's passes, ~35 s to simulate on CI, add rows the filter drops)
+    # bench_layer's passes, seconds to simulate, add rows the filter drops)
     alone = _timeline_copy(tmp_path / "compute-alone", slow_compute, timeline, alone=True)
     ends = [r for r in validate.fused_rows(moved, alone) if r.quantity.endswith(git) and " kimi" in r.quantity
             and " end " in r.quantity]
@@ -495,8 +551,7 @@ QWEN_SHARE = ep_share("qwen3.5-397b", 64)  # 8 KB rows (kimi: 14 KB)
 def _chunk_us(shape, gpu, comm_blocks=8):
     """The median busy dispatch chunk (us) of the fused forward on one EP=64 share (bench_layer's
     emulation), and its rows."""
-    plan = P.fused_forward(shape, 2, P.FusedKnobs(comm_blocks, 2048), policy=MOK_POLICY, num_sms=132,
-                           capacity_rows=12 * 2048)
+    plan = _built(P.fused_forward, shape, P.FusedKnobs(comm_blocks, 2048), num_sms=132, capacity_rows=12 * 2048)
     load = fused.emulated_load(shape)
     rec = sim.simulate(plan, layer.one_gpu(gpu), load).records(0)
     _, used = model.fused_chunk_rows(plan, load)
@@ -651,9 +706,8 @@ def test_fused_pass_rows_from_bench_layer(h200, tmp_path):
            "time": "2099-01-01T00:00:00+00:00", "comm_mover": "bulk", "wait_spin": "acquire", "scale_traffic": "scatter"}
     # a fused backward row of the same run is not judged against the forward's simulation
     bwd = {**row, "pass": "bwd", "median_ms": 4.5, "time": "2099-01-01T00:00:01+00:00"}
-    # bench_layer.jsonl alone (its own rows and these two): the rows asserted are that file's passes,
-    # which fused_rows computes from its rows and the parameters only; the timelines and the other
-    # FUSED_BENCH files (~30 s to simulate on CI) add rows that the filter below drops
+    # bench_layer.jsonl alone (its own rows and these two): fused_rows computes a pass's row from that
+    # row and the parameters only; the timelines (seconds to simulate) would add rows the filter drops
     rows = validate.fused_rows(h200, _results_copy(tmp_path, extra_rows=[row, bwd], only={"bench_layer.jsonl"}))
     # the compared runs' fused forward rows (not those of the runs marked sim_left_out), the newest this one
     compared = {r["run"] for r in layer.compared_rows(tmp_path) if r["schedule"] == "fused" and r["pass"] == "fwd"}
@@ -887,12 +941,11 @@ BWD = P.PASS_KINDS["bwd"]
 
 def _bwd_plan(comm_blocks, minibatch_rows=2048, shape=KIMI_SHARE, policy=MOK_POLICY, **knobs):
     knobs.setdefault("claim", 0)  # as the kernels measured before the claimed pool (99c90df)
-    return P.fused_backward(shape, 2, P.FusedKnobs(comm_blocks, minibatch_rows, **knobs), policy=policy, num_sms=132,
-                            capacity_rows=10 * minibatch_rows)
+    return _built(P.fused_backward, shape, P.FusedKnobs(comm_blocks, minibatch_rows, **knobs), policy, num_sms=132,
+                  capacity_rows=10 * minibatch_rows)
 
 
-def _emulated_bwd(plan, gpu):
-    return sim.simulate(plan, layer.one_gpu(gpu), fused.emulated_load(plan.shape))
+_emulated_bwd = _emulated  # (the load is the plan's shape's)
 
 
 def _kinds(rec, kinds):
@@ -995,7 +1048,8 @@ def test_fused_backward_against_the_sequential_backward(h200):
     # the fused kernel gives 8 CTAs to them and pads to 256 rows: about the sequential time
     # (measured, kimi C=8 MB=2048: 5.94 vs 5.87 ms at d689e07, 6.38 vs 6.01 at ec6738a).
     one = layer.one_gpu(h200)
-    seq = sim.simulate(P.sequential(KIMI_SHARE, 2, pass_="bwd", policy=MOK_POLICY, num_sms=132), one,
+    seq_plan = P.sequential(KIMI_SHARE, 2, pass_="bwd", policy=MOK_POLICY, num_sms=132)
+    seq = sim.simulate(seq_plan, one,
                        layer.emulated_load(KIMI_SHARE))
     fused_bwd = _emulated_bwd(_bwd_plan(8), h200)
     gemm = ~_comm(seq.records(0))
@@ -1004,10 +1058,10 @@ def test_fused_backward_against_the_sequential_backward(h200):
     assert fused_bwd.time_ns == pytest.approx(seq.time_ns, rel=0.1)
     # Two ranks over the link: the sequential backward waits for every transfer, the fused one hides
     # them behind its tiles, so a slower link costs the sequential pass and not the fused one.
+    fused_plan = P.fused_backward(KIMI_SHARE, 2, P.FusedKnobs(8, 2048), policy=MOK_POLICY, num_sms=132)
+
     def both(gpu):
-        fused_plan = P.fused_backward(KIMI_SHARE, 2, P.FusedKnobs(8, 2048), policy=MOK_POLICY, num_sms=132)
-        return (sim.simulate(fused_plan, gpu).time_ns,
-                sim.simulate(P.sequential(KIMI_SHARE, 2, pass_="bwd", policy=MOK_POLICY, num_sms=132), gpu).time_ns)
+        return sim.simulate(fused_plan, gpu).time_ns, sim.simulate(seq_plan, gpu).time_ns
     (fast_fused, fast_seq), (slow_fused, slow_seq) = both(h200), both(h200.scaled(link_gbs=0.5))
     assert fast_fused < fast_seq and slow_fused < slow_seq
     assert slow_seq - fast_seq > 0.5e6 and slow_fused - fast_fused < 0.05 * fast_fused
@@ -1197,20 +1251,18 @@ def test_scale_to_slots_priced_by_the_kernel_that_ran(h200):
 def test_a_partial_bench_gemm_run_replaces_only_its_rows(tmp_path):
     # bench_gemm --problems/--shapes/--routing appends a subset: the simulator keeps every other
     # (shape, routing, problem)'s newest row and still calibrates
-    from mok_proto.sim import params
-
     _results_copy(tmp_path)
-    full = params.newest_gemm_rows(tmp_path)
+    full = calibrate.newest_gemm_rows(tmp_path)
     newer = {k: v for k, v in full[0].items() if k != "run"}
     newer.update(time="2099-01-01T00:00:00+00:00", git="partial")
     with open(tmp_path / "bench_gemm.jsonl", "a") as f:
         f.write(json.dumps(newer) + "\n")
-    rows = params.newest_gemm_rows(tmp_path)
+    rows = calibrate.newest_gemm_rows(tmp_path)
     key = ("shape", "routing", "problem")
     assert len(rows) == len(full)
     assert [r["git"] for r in rows if all(r[k] == full[0][k] for k in key)] == ["partial"]
     assert sorted(r["time"] for r in rows)[:-1] == sorted(r["time"] for r in full if r is not full[0])
-    params.h200(tmp_path)  # every problem still has rows to fit
+    calibrate.fit_h200(tmp_path)  # every problem still has rows to fit
 
 
 @pytest.mark.parametrize("pass_", P.PASSES)
@@ -1257,7 +1309,7 @@ def test_cli_simulates_a_chosen_claim(capsys):
 
     args = ["--gpu", "h200", "--fused", "--shape", "tile", "--ep", "2", "--comm-sms", "0", "--minibatch", "256"]
     got = {}
-    for claim in ("3", None):  # (each call calibrates the H200 parameters: ~10 s)
+    for claim in ("3", None):
         assert cli.main(args + (["--claim", claim] if claim else [])) == 0
         got[claim] = int(capsys.readouterr().out.split("claim_pairs=")[1].split()[0])
     assert got["3"] == 3 and got[None] > 3  # the forward's default: every pair

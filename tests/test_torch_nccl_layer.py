@@ -1,4 +1,4 @@
-"""scripts/bench_nccl_baseline.TorchNcclLayer (the PyTorch layer bench_layer_mpi.py measures ours
+"""mok_proto.bench.torch_baselines.TorchNcclLayer (the PyTorch layer bench_layer_mpi.py measures ours
 against) computes the MoE layer: 2 ranks on the CPU (torch.distributed gloo), forward and
 backward against the float64 NumPy reference on the same bf16-rounded inputs. Skips without torch."""
 
@@ -8,7 +8,6 @@ import multiprocessing
 import numpy as np
 import pytest
 
-from conftest import ROOT
 from mok_proto.config import MoEShape
 from mok_proto.problem import make_problem
 from mok_proto.reference import from_bf16, to_bf16
@@ -27,9 +26,8 @@ def _rank(rank: int, init_file: str, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    spec = importlib.util.spec_from_file_location("bench_nccl_baseline", ROOT / "scripts" / "bench_nccl_baseline.py")
-    baseline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(baseline)
+    from mok_proto.bench import torch_baselines as baseline
+
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS)
     try:
         prob = make_problem(SHAPE, RANKS, seed=5)

@@ -5,49 +5,112 @@
     python -m mok_proto.sim --fused --comm-sms 0 ...   # the megakernel's plan (plan.fused_forward, --pass bwd:
                                                        # plan.fused_backward)
     python -m mok_proto.sim --fused --vs-sequential ... # and the sequential plan of the same pass: x sequential
+    python -m mok_proto.sim calibrate --gpu h200       # refit calibration/h200.json on results/
 
-Exit status: 0 ok; 1 an H200 row outside its bar (--validate); 2 bad argument.
+A simulation's first output line names every setting it ran with, "(default)" after those not given.
+Exit status: 0 ok; 1 an H200 row outside its bar (--validate); 2 bad argument (one line on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
 from mok_proto import plan as plans
-from mok_proto.config import get_shape, parse_policy
+from mok_proto import results
+from mok_proto.config import MOK_POLICY, PRESETS, get_shape, parse_policy
+from mok_proto.sim import calibrate
 from mok_proto.sim.model import simulate
-from mok_proto.sim.params import get_params, h200
+from mok_proto.sim.params import PARAMS, get_params, h200, params_from_json
 from mok_proto.sim.validate import H200_TOLERANCE, format_table, h200_rows, paper_rows, tolerance_of
 
+PROG = "python -m mok_proto.sim"
+SPLIT_DEFAULTS = {"comm_sms": 40, "minibatch": 2048}  # MoK's fixed split on GB300 (the paper's forward setting)
+FUSED_DEFAULTS = {"comm_sms": plans.FusedKnobs.comm_blocks, "minibatch": plans.FusedKnobs.minibatch_rows}
 
-def main(argv=None) -> int:
-    defaults = plans.FusedKnobs.PASS_DEFAULTS  # the fused plans' per-pass knob defaults, for --help
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse's own adds the usage)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    fused = plans.FusedKnobs.PASS_DEFAULTS  # the fused plans' per-pass knob defaults
+    ap = _Parser(prog=PROG, description=__doc__.splitlines()[0],
+                 epilog=f"calibrate: {PROG} calibrate --help. Exit status: 0 ok; 1 an H200 row outside its bar "
+                        "(--validate); 2 bad argument.")
     ap.add_argument("--validate", action="store_true", help="compare against our H200 results and the paper")
     ap.add_argument("--h200-only", action="store_true", help="with --validate: only the H200 rows")
-    ap.add_argument("--shape", default="kimi-k2.7")
-    ap.add_argument("--ep", type=int, default=64)
-    ap.add_argument("--gpu", default="gb300-nvl72")
-    ap.add_argument("--pass", dest="pass_", default="fwd", choices=plans.PASSES)
-    ap.add_argument("--policy", default="")
-    ap.add_argument("--comm-sms", type=int, default=40)
-    ap.add_argument("--minibatch", type=int, default=2048)
-    ap.add_argument("--sequential", action="store_true")
+    ap.add_argument("--shape", default="kimi-k2.7", choices=list(PRESETS), help="the layer's shape (default %(default)s)")
+    ap.add_argument("--ep", type=int, default=64, help="ranks (GPUs), dividing the shape's experts (default %(default)s)")
+    ap.add_argument("--gpu", default="gb300-nvl72", choices=list(PARAMS), help="parameter set (default %(default)s)")
+    ap.add_argument("--pass", dest="pass_", default="fwd", choices=plans.PASSES, help="pass (default %(default)s)")
+    ap.add_argument("--policy", default="", help="transfer directions, e.g. dispatch=push,combine=pull (default "
+                    "MoK's: " + ",".join(f"{k}={v}" for k, v in MOK_POLICY.items()) + ")")
+    ap.add_argument("--comm-sms", type=int, default=None,
+                    help=f"communicating SMs (default {SPLIT_DEFAULTS['comm_sms']}; with --fused "
+                         f"{FUSED_DEFAULTS['comm_sms']}: plan.FusedKnobs)")
+    ap.add_argument("--minibatch", type=int, default=None,
+                    help=f"receive rows per minibatch (default {SPLIT_DEFAULTS['minibatch']}; with --fused "
+                         f"{FUSED_DEFAULTS['minibatch']}: plan.FusedKnobs)")
+    ap.add_argument("--sequential", action="store_true", help="the sequential plan (default: MoK's fixed split)")
     ap.add_argument("--fused", action="store_true",
-                    help="the megakernel's plan: plan.fused_forward, or plan.fused_backward with --pass bwd")
+                    help="the megakernel's plan: plan.fused_forward, or plan.fused_backward with --pass bwd "
+                         "(default: MoK's fixed split)")
     ap.add_argument("--vs-sequential", action="store_true",
                     help="also simulate the sequential plan of the same pass and print the ratio (x sequential)")
     ap.add_argument("--assign", default=None, choices=plans.ASSIGNMENTS,
-                    help=f"with --fused: tile pairs to clusters (default {defaults['fwd']['assign']} forward, "
-                         f"{defaults['bwd']['assign']} backward)")
+                    help=f"with --fused: tile pairs to clusters (default {fused['fwd']['assign']} forward, "
+                         f"{fused['bwd']['assign']} backward)")
     ap.add_argument("--raster", default=None, choices=plans.RASTERS,
-                    help=f"with --fused: the order of a minibatch's tile pairs (default {defaults['fwd']['raster']})")
+                    help=f"with --fused: the order of a minibatch's tile pairs (default {fused['fwd']['raster']} "
+                         f"forward, {fused['bwd']['raster']} backward)")
     ap.add_argument("--claim", default=None,
-                    help=f"with --fused: tile pairs claimed at run time, an int, all or tail (default "
-                         f"{defaults['fwd']['claim']} forward, {defaults['bwd']['claim']} backward)")
+                    help=f"with --fused: tile pairs claimed at run time, an int >= 0, {' or '.join(plans.CLAIMS)} "
+                         f"(default {fused['fwd']['claim']} forward, {fused['bwd']['claim']} backward)")
+    return ap
+
+
+def _calibrate(argv) -> int:
+    ap = _Parser(prog=f"{PROG} calibrate", description="Fit a GPU parameter set on results/ and write its "
+                 "calibration file, which the simulator reads.")
+    ap.add_argument("--gpu", required=True, choices=list(calibrate.CALIBRATIONS), help="the parameter set")
+    ap.add_argument("--results", default=str(results.RESULTS_DIR), help="the results folder (default %(default)s)")
+    ap.add_argument("--out", default=None, help="the file to write (default mok_proto/sim/calibration/<gpu>.json)")
     args = ap.parse_args(argv)
+    try:
+        path = calibrate.write_calibration(args.gpu, args.results, args.out)
+    except (ValueError, KeyError, OSError) as e:
+        print(f"{PROG} calibrate: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: " + calibrate.describe(params_from_json(json.loads(path.read_text())["params"])))
+    return 0
+
+
+def _settings(args, given: set, plan: str, policy: dict) -> str:
+    """The header line: every setting of the run, "(default)" after those not given."""
+    def item(name, value, flag=None):
+        return f"{name} {value}" + ("" if (flag or name) in given else " (default)")
+    out = [item("shape", args.shape), item("ep", args.ep), item("gpu", args.gpu), item("pass", args.pass_),
+           f"plan {plan}", item("policy", ",".join(f"{k}={v}" for k, v in policy.items()))]
+    if plan != "sequential":
+        out += [item("comm-sms", args.comm_sms), item("minibatch", args.minibatch)]
+    if plan == "fused":
+        resolved = plans.FusedKnobs(args.comm_sms, args.minibatch, assign=args.assign, raster=args.raster,
+                                    claim=args.claim).resolved(args.pass_, policy)
+        out += [item(k, getattr(resolved, k)) for k in ("assign", "raster", "claim")]
+    return "# " + ", ".join(out)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["calibrate"]:
+        return _calibrate(argv[1:])
+    ap = _parser()
+    args = ap.parse_args(argv)
+    given = {a.lstrip("-").split("=")[0].replace("_", "-") for a in argv if a.startswith("--")}
     try:
         if args.validate:
             calibrated = h200()
@@ -55,18 +118,32 @@ def main(argv=None) -> int:
             bad = [r for r in rows if not r.ok(H200_TOLERANCE)]
             if not args.h200_only:
                 rows += paper_rows()
-            print(f"# h200 parameters: {calibrated.note}")
+            print(f"# h200 parameters: {calibrate.describe(calibrated)}")
             print(format_table(rows, tolerance_of))
             print(f"# {len(bad)} H200 rows outside {H200_TOLERANCE * 100:.0f}%")
             return 1 if bad else 0
-        gpu = get_params(args.gpu)
-        shape = get_shape(args.shape)
-        policy = parse_policy(args.policy)
-        t0 = time.perf_counter()
+        if args.sequential and args.fused:
+            raise ValueError("--sequential and --fused name two plans: give one")
         if args.claim is not None and not args.fused:
             raise ValueError("--claim applies to the megakernel's plan: add --fused")
         if args.vs_sequential and args.sequential:
             raise ValueError("--vs-sequential compares another plan with the sequential one: drop --sequential")
+        plan = "sequential" if args.sequential else "fused" if args.fused else "fixed_split"
+        for name, value in (FUSED_DEFAULTS if args.fused else SPLIT_DEFAULTS).items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+        gpu = get_params(args.gpu)
+        shape = get_shape(args.shape)
+        if args.ep < 1 or shape.num_experts % args.ep:
+            raise ValueError(f"--ep must be a positive divisor of {args.shape}'s {shape.num_experts} experts, "
+                             f"got {args.ep}")
+        if args.minibatch < 1 or args.comm_sms < 0:
+            raise ValueError(f"--minibatch must be >= 1 and --comm-sms >= 0, got {args.minibatch} and {args.comm_sms}")
+        policy = parse_policy(args.policy)
+        if args.claim is not None:
+            args.claim = plans.parse_claim(args.claim)
+        header = _settings(args, given, plan, policy)
+        t0 = time.perf_counter()
 
         def sequential_plan():
             return plans.sequential(shape, args.ep, pass_=args.pass_, policy=policy, num_sms=gpu.num_sms)
@@ -75,8 +152,8 @@ def main(argv=None) -> int:
             p = sequential_plan()
         elif args.fused:
             make = plans.fused_forward if args.pass_ == "fwd" else plans.fused_backward
-            claim = None if args.claim is None else plans.parse_claim(args.claim)
-            knobs = plans.FusedKnobs(args.comm_sms, args.minibatch, assign=args.assign, raster=args.raster, claim=claim)
+            knobs = plans.FusedKnobs(args.comm_sms, args.minibatch, assign=args.assign, raster=args.raster,
+                                     claim=args.claim)
             p = make(shape, args.ep, knobs, policy=policy, num_sms=gpu.num_sms - gpu.num_sms % 2)
         else:
             p = plans.fixed_split(shape, args.ep, args.comm_sms, args.minibatch, pass_=args.pass_, policy=policy,
@@ -87,8 +164,9 @@ def main(argv=None) -> int:
             baseline = simulate(sequential_plan(), gpu)
         elapsed = time.perf_counter() - t0
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    print(header)
     print(p.describe())
     print(f"{gpu.name}: {result.time_ns / 1e3:.1f} us, of which the plan's tasks {result.kernel_ns / 1e3:.1f} us "
           f"(slowest rank {result.slowest_rank}); simulated in {elapsed:.2f} s"

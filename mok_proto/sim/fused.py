@@ -1,25 +1,22 @@
 """The fused passes (cuda/fused.cuh executing a `plan.fused_forward` / `plan.fused_backward` plan)
-against their measured in-kernel timelines: results/timeline_fused_{fwd,bwd}_<shape>[_<git>].jsonl[.gz]
-(`results.timeline_files(pass_=...)`), written by
-scripts/bench_layer.py for one EP=64 rank's share on one H200 (2 virtual ranks, rank 0 traced: the
-emulation of sim/layer.py), times in ns from the first task's start.
+against their measured in-kernel timelines (results/timelines/, found through its index:
+`results.timeline_index`), written by scripts/bench_layer.py for one EP=64 rank's share on one H200
+(2 virtual ranks, rank 0 traced: the emulation of sim/layer.py), times in ns from the first task's
+start.
 
 Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicating CTAs.
 
-* `timeline_plan`: the plan a timeline ran (the pass from its task kinds), rebuilt from its records (CTAs, communicating CTAs,
-  minibatch rows, capacity, ring, which transfers ran inside, spread_from) and checked task by task against
-  them, so the simulated and the measured records of one plan correspond one to one;
-* `calibrate` (called by params.h200): two parameters from the dispatch tasks of each of three
-  timelines; of params.H200_CALIBRATION["fused"]: a communicating CTA's copy rate (bytes per second: its warps
-  copy rows through registers, since aceb6ae) and the fixed cost of a communication task; the
-  same two of the retired bulk-copy ring (per row, for measurements before aceb6ae:
-  params.BULK_MOVER_COMMITS) from H200_CALIBRATION["fused_bulk"]; and the spare warps' copy rate
-  (per byte) and task cost from the dispatch tasks of one comm_blocks == 0 timeline of a kernel whose
-  counter waits back off (H200_CALIBRATION["fused_spare"]; params.wait_spin_at); and the movers' read and
-  write rates for the fused backward's token-side tasks from the SCALE and SLOT_SUM tasks of
-  H200_CALIBRATION["fused_token"] (`_fit_token`). The combine tasks (the same
-  copies the other way), the GEMM tiles, the compute end, the kernel end and every other
-  timeline stay predictions;
+* `timeline_plan`: the plan a timeline ran (the pass from its task kinds), rebuilt from its records
+  (CTAs, communicating CTAs, minibatch rows, capacity, ring, which transfers ran inside,
+  spread_from) and checked task by task against them, so the simulated and the measured records of
+  one plan correspond one to one;
+* `calibrate` (called by sim/calibrate.py): the in-kernel copy costs and the movers' token-task rates,
+  each from the tasks of the one timeline whose index row says sim_calibrates=<key>
+  (FUSED_CALIBRATION): a communicating CTA's copy rate per byte (the warp movers) and a task's fixed
+  cost, the same two of the retired bulk-copy ring (per row), the spare warps' (per byte, from a
+  comm_blocks == 0 timeline of a kernel whose counter waits back off), and the read and write rates of
+  the fused backward's token-side tasks. The combine tasks (the same copies the other way), the GEMM
+  tiles, the compute end, the kernel end and every other timeline stay predictions;
 * `simulate_timeline`: the simulated timeline of the plan a measured one ran;
 * `pass_ns`: the fused layer's forward pass as bench_layer times it (graph replays: the schedule's
   launches, the kernel, the flag, the wait and the weighted sum).
@@ -28,27 +25,49 @@ Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicati
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-from pathlib import Path
 
 import numpy as np
 
 from mok_proto import plan as plans
 from mok_proto import results
-from mok_proto.config import MOK_POLICY, MoEShape, ep_share, get_shape
+from mok_proto.config import MOK_POLICY, MoEShape, ep_share
 from mok_proto.plan import BM, PAIR_ROWS, TaskKind
 from mok_proto.sim import layer
 from mok_proto.sim.model import ELEM_BYTES, MOVER_KIND_IDS, SimResult, fused_chunk_rows, simulate, token_task_bytes
-from mok_proto.sim.params import FUSED_CALIBRATION, GpuParams, kernel_of, spare_warps_spun
+from mok_proto.sim.params import GpuParams, kernel_of, spare_warps_spun
 
 EP = 64  # bench_layer emulates one rank of EP=64
 BENCH_CAPACITY = 1.15  # scripts/bench_layer.py sizes the layer for 1.15 N K receive rows
 KEY = ("block", "kind", "minibatch", "row_tile", "col_tile")  # what identifies a task in a record
+# sim_calibrates key of a timeline's index row -> (its tasks fitted, the GpuParams fields they fit)
+FUSED_CALIBRATION = {
+    "fused": ("dispatch", ("comm_cta_gbs", "comm_task_ns")),  # communicating CTAs, the warp movers
+    "fused_bulk": ("dispatch", ("bulk_row_ns", "bulk_task_ns")),  # communicating CTAs, the bulk ring
+    "fused_spare": ("dispatch", ("spare_cta_gbs", "spare_task_ns")),  # spare warps (comm_blocks == 0)
+    "fused_token": ("scale, slot_sum", ("token_read_gbs", "token_write_gbs")),  # the backward's token tasks
+}
 
 
 def emulated_load(shape: MoEShape, seed: int = 0):
     """sim/layer.py's emulated load with the fused kernel's padding (PAIR_ROWS)."""
     return layer.emulated_load(shape, seed, align=PAIR_ROWS)
+
+
+def _fused_plan(pass_: str, shape: MoEShape, num_ranks: int, knobs: plans.FusedKnobs, policy: tuple, num_sms: int,
+                capacity_rows: int) -> plans.Plan:
+    """plan.fused_forward / fused_backward, built once per arguments (policy: its items; knobs as
+    the pass resolves them, so a default given or left out is one plan) for the timelines and passes
+    simulated here: the same plans recur across runs, and a plan's proof is kept per object
+    (Plan.check). The plans are shared: read them, never change them."""
+    return _built_plan(pass_, shape, num_ranks, knobs.resolved(pass_, dict(policy)), policy, num_sms, capacity_rows)
+
+
+@functools.lru_cache(maxsize=128)
+def _built_plan(pass_, shape, num_ranks, knobs, policy, num_sms, capacity_rows) -> plans.Plan:
+    make = plans.fused_forward if pass_ == "fwd" else plans.fused_backward
+    return make(shape, num_ranks, knobs, policy=dict(policy), num_sms=num_sms, capacity_rows=capacity_rows)
 
 
 def timeline_pass(records: np.ndarray) -> str:
@@ -57,7 +76,8 @@ def timeline_pass(records: np.ndarray) -> str:
     return "bwd" if np.isin(records["kind"], [int(bwd.first), int(bwd.comm_in), int(bwd.comm_out)]).any() else "fwd"
 
 
-def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.EMULATED_RANKS) -> plans.Plan:
+def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.EMULATED_RANKS,
+                  prefer=None) -> plans.Plan:
     """The fused_forward (or, from a backward's records, fused_backward) plan whose tasks the
     records (in the plan's task order, as bench_layer writes them) are: CTAs, communicating CTAs
     (0: the chunks ride on compute CTAs), minibatch rows, capacity, ring, the transfers and (backward)
@@ -66,7 +86,9 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     from the records' `claimed` rows, which match the plan's pool task by task but not by CTA (a
     pair's CTA is the one that claimed it). Communicating CTAs are below the first CTA with a table
     GEMM task (with none, below the first that ran a claimed one: wrong if that cluster claimed
-    nothing, and then no plan matches). Raises ValueError if no plan matches task by task."""
+    nothing, and then no plan matches). prefer: the timeline's index row (or any mapping), whose
+    `assign` and `raster` are tried first (they do not change what the simulator predicts of the
+    plan). Raises ValueError if no plan matches task by task."""
     pass_ = timeline_pass(records)
     k = plans.PASS_KINDS[pass_]
     kind = records["kind"]
@@ -96,18 +118,21 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     spread = outgoing & (records["block"] >= comm_blocks) if comm_blocks else np.zeros_like(outgoing)
     if spread.any():  # outgoing chunks on compute CTAs: the spread minibatches (plan spread_from)
         knobs["spread_from"] = int(records["minibatch"][spread].min())
-    if pass_ == "fwd":
-        knobs["ring_minibatches"] = ring
+    if pass_ == "fwd":  # (a ring of every minibatch is the default: None, the plan the passes' defaults build)
+        knobs["ring_minibatches"] = None if ring == num_mb else ring
     else:  # the token gradients and the scale inside the kernel (older timelines: outside it)
         knobs["token_grads"] = bool((kind == int(k.epilogue)).any())
         knobs["scale"] = bool((kind == int(TaskKind.SCALE)).any())
     make = plans.fused_forward if pass_ == "fwd" else plans.fused_backward
     tried = []
+    preferred = dict(prefer or {})
+    first = lambda choices, name: sorted(choices, key=lambda c: c != preferred.get(name))  # noqa: E731
     for order in ({},) + tuple({"lookahead": a} for a in range(ring)):
-        for assign, raster in itertools.product(plans.ASSIGNMENTS, plans.RASTERS):
+        for assign, raster in itertools.product(first(plans.ASSIGNMENTS, "assign"), first(plans.RASTERS, "raster")):
             try:
-                plan = make(shape, num_ranks, plans.FusedKnobs(**knobs, **order, assign=assign, raster=raster),
-                            **fields)
+                plan = _fused_plan(pass_, shape, num_ranks,
+                                   plans.FusedKnobs(**knobs, **order, assign=assign, raster=raster),
+                                   tuple(fields["policy"].items()), fields["num_sms"], fields["capacity_rows"])
             except ValueError as e:
                 tried.append(f"{order or 'defaults'}, {assign}, {raster}: {e}")
                 continue
@@ -121,7 +146,7 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
 
 def calibration_timeline(key: str, results_dir=results.RESULTS_DIR) -> dict:
     """The index row (mok_proto.results.timeline_index, with its `path`) of the one timeline that
-    says sim_calibrates=key (params.FUSED_CALIBRATION). Raises ValueError without exactly one."""
+    says sim_calibrates=key (FUSED_CALIBRATION). Raises ValueError without exactly one."""
     found = results.timeline_index(results_dir, sim_calibrates=key)
     if len(found) != 1:
         raise ValueError(f"{len(found)} timelines in {results.timelines_dir(results_dir)} say sim_calibrates={key!r}: "
@@ -160,7 +185,7 @@ def _fit_token(entry: dict) -> tuple[float, float]:
     path = entry["path"]
     records = results.load_timeline(path)
     shape = ep_share(entry["shape"], EP)
-    plan = timeline_plan(records, shape)
+    plan = timeline_plan(records, shape, prefer=entry)
     if plan.pass_ != "bwd" or plan.comm_blocks or not (plan.scale and plan.token_grads):
         raise ValueError(f"{path.name}: the token-task calibration needs a comm_blocks == 0 fused backward with its "
                          f"scale and token gradients inside, got {plan.describe()}")
@@ -192,7 +217,7 @@ def _fit_dispatch(entry: dict, mover: str) -> tuple[tuple[float, float], int]:
     path = entry["path"]
     records = results.load_timeline(path)
     shape = ep_share(entry["shape"], EP)
-    plan = timeline_plan(records, shape)
+    plan = timeline_plan(records, shape, prefer=entry)
     kernel = kernel_of(entry)
     ran = "spare" if plan.comm_blocks == 0 else kernel["comm_mover"]
     if ran != mover:
@@ -209,13 +234,11 @@ def _fit_dispatch(entry: dict, mover: str) -> tuple[tuple[float, float], int]:
     return (float(fixed), float(row_ns)), shape.hidden * ELEM_BYTES
 
 
-def describe_calibration(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> str:
-    bulk_bytes = get_shape(calibration_timeline("fused_bulk", results_dir)["shape"]).hidden * ELEM_BYTES
+def describe_calibration(gpu: GpuParams) -> str:
+    """What `calibrate` fitted, with the timelines' tasks it used (by their sim_calibrates key)."""
     return (f"comm_cta_gbs {gpu.comm_cta_gbs:.1f} GB/s per CTA and comm_task_ns {gpu.comm_task_ns / 1e3:.2f} us "
-            f"(fused: dispatch tasks); bulk ring bulk_row_ns "
-            f"{gpu.bulk_row_ns:.0f} ns per row per CTA ({bulk_bytes / gpu.bulk_row_ns:.1f} GB/s with "
-            f"{bulk_bytes // 1024} KB rows) and bulk_task_ns {gpu.bulk_task_ns / 1e3:.2f} us "
-            f"(fused_bulk: dispatch tasks); spare warps {gpu.spare_cta_gbs:.2f} GB/s per CTA "
+            f"(fused: dispatch tasks); bulk ring bulk_row_ns {gpu.bulk_row_ns:.0f} ns per row per CTA and "
+            f"bulk_task_ns {gpu.bulk_task_ns / 1e3:.2f} us (fused_bulk: dispatch tasks); spare warps {gpu.spare_cta_gbs:.2f} GB/s per CTA "
             f"and {gpu.spare_task_ns / 1e3:.2f} us per task (fused_spare: dispatch tasks); "
             f"token tasks {gpu.token_read_gbs:.2f} GB/s read and {gpu.token_write_gbs:.2f} GB/s written per CTA "
             f"(fused_token: scale and slot_sum tasks)")
@@ -227,7 +250,7 @@ def simulate_timeline(records: np.ndarray, shape: MoEShape, gpu: GpuParams,
     the emulated load); its records: `result.records(0)`. kernel: the timeline's index row (or
     any mapping of its kernel features, params.kernel_of), to simulate the kernel it ran
     (GpuParams.recorded_at); None: gpu's own."""
-    plan = timeline_plan(records, shape)
+    plan = timeline_plan(records, shape, prefer=kernel)
     gpu = gpu if kernel is None else gpu.recorded_at(kernel)
     return plan, simulate(plan, layer.one_gpu(gpu), emulated_load(shape))
 
@@ -237,13 +260,21 @@ def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: i
     """The fused forward pass as bench_layer times it (graph replays), on `gpu` (h200): the
     schedule's kernels (sim/layer.py's forward "schedule" stage), then the simulated pass (the
     counters' memset, the kernel, the flag and the wait, the weighted sum). claim: the plan's
-    (plan.fused_forward; 0, no pool, as the measured rows before 99c90df ran)."""
-    capacity = -(-int(BENCH_CAPACITY * shape.num_tokens * shape.top_k) // minibatch_rows) * minibatch_rows
-    plan = plans.fused_forward(shape, layer.EMULATED_RANKS, plans.FusedKnobs(comm_blocks, minibatch_rows, claim=claim),
-                               policy=MOK_POLICY, num_sms=num_sms, capacity_rows=capacity)
-    one = layer.one_gpu(gpu)
-    schedule = layer.LAYER_STAGES["fwd"]["schedule"].kernels * one.launch_ns
-    return schedule + simulate(plan, one, emulated_load(shape)).time_ns
+    (plan.FusedKnobs; 0: no pool, static tables). Computed once per arguments (gpu by its fields)."""
+    key = (shape, repr(gpu), comm_blocks, minibatch_rows, num_sms, claim)
+    if key not in _PASS_NS:
+        capacity = -(-int(BENCH_CAPACITY * shape.num_tokens * shape.top_k) // minibatch_rows) * minibatch_rows
+        knobs = plans.FusedKnobs(comm_blocks, minibatch_rows, claim=claim)
+        plan = _fused_plan("fwd", shape, layer.EMULATED_RANKS, knobs, tuple(MOK_POLICY.items()), num_sms, capacity)
+        one = layer.one_gpu(gpu)
+        schedule = layer.LAYER_STAGES["fwd"]["schedule"].kernels * one.launch_ns
+        if len(_PASS_NS) >= 512:
+            _PASS_NS.clear()
+        _PASS_NS[key] = schedule + simulate(plan, one, emulated_load(shape)).time_ns
+    return _PASS_NS[key]
+
+
+_PASS_NS: dict = {}  # pass_ns's results: (its arguments, gpu by its repr) -> ns
 
 
 def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 12, 16), minibatches=(512, 1024, 2048, 4096),

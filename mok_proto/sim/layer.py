@@ -22,14 +22,15 @@ the GPU (`GpuParams.busy_kernel_ns`), not a host launch. On one GPU every "remot
 the same HBM, so the load is all local (a row transfer is an HBM row copy), and rank 1's flags
 are raised before the timed region, so a wait costs its kernel boundary only (`one_gpu`).
 
-Calibration (`calibrate`, called by `params.h200`): the stages named in LAYER_CALIBRATION of ONE
-shape (params.H200_CALIBRATION["layer"]) fit three parameters; every other stage, and every stage
-of the other shapes, stays a prediction that --validate judges.
+Calibration (`calibrate`, called by sim/calibrate.py): the stages named in LAYER_CALIBRATION of ONE
+shape fit three parameters; every other stage, and every stage of the other shapes, stays a
+prediction that --validate judges.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -39,7 +40,7 @@ from mok_proto import results
 from mok_proto.config import MOK_POLICY, MoEShape, ep_share
 from mok_proto.plan import BM, CounterKind, TaskKind
 from mok_proto.sim.model import SCALE_TO_SLOTS, TOPK_WEIGHT_GRAD, Load, routed_load, simulate, token_kernel_ns
-from mok_proto.sim.params import H200_CALIBRATION, GpuParams
+from mok_proto.sim.params import GpuParams
 
 EMULATED_RANKS = 2
 
@@ -75,39 +76,14 @@ LAYER_STAGES = {
     },
 }
 
-# GpuParams field -> the (pass, stage) rows of H200_CALIBRATION["layer"] it is fitted on (`calibrate`).
-# On the e7e9bd0 run (kimi-k2.7; the newest of BENCH_FILES since 2026-12-02; before, ec6738a's) they give:
-# * busy_kernel_ns 7.6 us: 38.2 us / 5 kernels. Judged by the other shapes' schedules (36-38 us) and
-#   by the stages with flag kernels (a pull reverse-combine is the forward's pull dispatch plus
-#   raise_flag + wait_peers: 10-17 us more in every shape). The 5.5 us used before (bench_comm's
-#   4-byte-row weighted sum, a tiny round that starts on an idle GPU after a synchronize) is closer
-#   to the host's launch rate than to a queued kernel's cost.
-# * sum_slots_efficiency 0.95: the weighted sum moves 294 MB in 83.4 us; less the 7.6 us kernel
-#   boundary, 3.9 TB/s = 0.92 of a copy's 4.2 TB/s (0.95 in the model, whose 128 epilogue tasks of
-#   16 tokens leave 4 of 132 CTAs idle; ec6738a's weighted sum, before the overflow check was
-#   rewritten, took 90.9 us: 0.87). No micro-benchmark times this kernel: bench_comm's weighted_sum
-#   is another kernel (fp32, one thread per element: 2.5 TB/s). Judged by the slot sum (the same
-#   device function, sum_slots) inside every shape's token_grads and by the other shapes' weighted sums.
-# * sustained_gemm 0.87: the layer's routed GEMM stages take 1/0.87 = 1.15x the isolated tile
-#   rates' time (fwd experts 2.213 ms vs bench_gemm's 1.921 ms). Why clocks and not the GEMMs
-#   themselves (older runs): the same GEMM code on the same data took 1.985 ms in the 9ca73bf run,
-#   whose forward-only loop left the GPU idle at each pass start, while the backward stages, back
-#   to back in both runs, agreed within 0.5%; and the memory-bound stages of the same passes run at
-#   bench_comm's back-to-back rates (inferred: bench_layer logs no SM clock). Judged by every
-#   shape's shared-expert stages and the other shapes' GEMM stages.
+# GpuParams field -> the (pass, stage) rows of the calibration shape it is fitted on (`calibrate`;
+# why these stages: docs/design.md). Each is judged by the same stages of the other shapes and by
+# the stages that hold the same kernels (the flag kernels, the slot sum, the shared expert's GEMMs).
 LAYER_CALIBRATION = {
     "busy_kernel_ns": (("fwd", "schedule"),),  # five kernels that move < 1 MB: boundaries only
     "sum_slots_efficiency": (("fwd", "weighted_sum"),),  # the only kernel of its stage: a token sum
     "sustained_gemm": (("fwd", "experts"), ("bwd", "experts"), ("bwd", "wgrad")),  # routed GEMMs only
 }
-
-
-def calibration_stages(shape_name: str) -> set:
-    """{(pass, stage)} of `shape_name`'s bench_layer rows that h200() is fitted on (empty for the
-    shapes that are only judged)."""
-    if shape_name != H200_CALIBRATION["layer"]:
-        return set()
-    return {ps for rows in LAYER_CALIBRATION.values() for ps in rows}
 
 
 def compared_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
@@ -128,7 +104,7 @@ def one_gpu(gpu: GpuParams) -> GpuParams:
     """`gpu` as bench_layer runs it: virtual ranks on one GPU, every stage timed with its
     launches queued ahead of the GPU, so a kernel boundary costs `busy_kernel_ns`; peers' flags are
     raised ahead, so no fence and no signal wait. (A pull still pays `rtt_ns`, an NVLink round
-    trip, where HBM's latency is shorter: at most 1 us of a ~100 us stage.)"""
+    trip, where HBM's latency is shorter: small against a stage's copy.)"""
     return dataclasses.replace(gpu, name=gpu.name + " 1 GPU", launch_ns=gpu.busy_kernel_ns, fence_ns=0.0,
                                signal_ns_per_peer=0.0)
 
@@ -142,10 +118,29 @@ def emulated_load(shape: MoEShape, seed: int = 0, align: int = BM) -> Load:
     return Load(both(load.tokens_per_expert), both(load.expert_offsets), np.ones(EMULATED_RANKS))
 
 
+@functools.lru_cache(maxsize=32)
+def _sequential_plan(shape: MoEShape, pass_: str, num_sms: int) -> plans.Plan:
+    """The emulation's sequential plan, built (and proved) once; shared: read it, never change it."""
+    return plans.sequential(shape, EMULATED_RANKS, pass_=pass_, policy=MOK_POLICY, num_sms=num_sms)
+
+
 def sequential_stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int = 0) -> dict:
     """{layer stage: (kernels, work ns)} of rank 0 for the sequential layer on `gpu` (use
-    `one_gpu(h200)` for bench_layer's emulation): the stage takes kernels x gpu.launch_ns + work."""
-    p = plans.sequential(shape, EMULATED_RANKS, pass_=pass_, policy=MOK_POLICY, num_sms=gpu.num_sms)
+    `one_gpu(h200)` for bench_layer's emulation): the stage takes kernels x gpu.launch_ns + work.
+    Computed once per arguments (gpu by its fields); each call returns its own dict."""
+    key = (shape, pass_, repr(gpu), seed)
+    if key not in _STAGE_PARTS:
+        if len(_STAGE_PARTS) >= 256:
+            _STAGE_PARTS.clear()
+        _STAGE_PARTS[key] = _stage_parts(shape, pass_, gpu, seed)
+    return dict(_STAGE_PARTS[key])
+
+
+_STAGE_PARTS: dict = {}  # sequential_stage_parts' results by its arguments
+
+
+def _stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int) -> dict:
+    p = _sequential_plan(shape, pass_, gpu.num_sms)
     result = simulate(p, gpu, emulated_load(shape, seed))
     # Plan stage s ends when its last task on rank 0 ends; its time runs from the previous
     # stage's end (its launch, any wait, its work).
@@ -174,9 +169,9 @@ def sequential_stages_ns(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int 
     return out
 
 
-def calibrate(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> GpuParams:
-    """`gpu` with the three parameters LAYER_CALIBRATION names, fitted on the newest bench_layer
-    rows of H200_CALIBRATION["layer"] (both passes). Each stage is kernels x busy_kernel_ns + work
+def calibrate(gpu: GpuParams, shape_name: str, results_dir=results.RESULTS_DIR) -> GpuParams:
+    """`gpu` with the three parameters LAYER_CALIBRATION names, fitted on the newest compared
+    bench_layer rows of shape_name (both passes, `measured_rows`). Each stage is kernels x busy_kernel_ns + work
     (sequential_stage_parts), in this order:
 
     * busy_kernel_ns = the forward schedule stage / its 5 kernels (the model gives them no work);
@@ -185,12 +180,11 @@ def calibrate(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> GpuParams:
     * sustained_gemm = sum of the routed GEMM stages' isolated-rate work (bench_gemm's tile rates)
       / sum of (their stages - their boundaries): the same tiles under back-to-back load.
     """
-    shape_name = H200_CALIBRATION["layer"]
     measured = {r["pass"]: r for r in measured_rows(results_dir) if r["shape"] == shape_name}
     if set(measured) != set(plans.PASSES):
         raise ValueError(f"no bench_layer sequential rows of {shape_name} for both passes: the sustained-load "
                          "calibration needs them")
-    one = one_gpu(dataclasses.replace(gpu, sustained_gemm=1.0, sum_slots_efficiency=1.0))
+    one = one_gpu(dataclasses.replace(gpu, sustained_gemm=1.0, sum_slots_efficiency=1.0, busy_kernel_ns=0.0))
     parts = {p: sequential_stage_parts(ep_share(shape_name, r["ep"]), p, one) for p, r in measured.items()}
 
     def ms(pass_, stage):
@@ -211,9 +205,8 @@ def calibrate(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> GpuParams:
 
 
 def describe_calibration(gpu: GpuParams) -> str:
-    """What `calibrate` fitted, with the rows it used."""
-    shape = H200_CALIBRATION["layer"]
+    """What `calibrate` fitted, with the stages it used."""
     rows = {name: ", ".join(f"{p} {s}" for p, s in stages) for name, stages in LAYER_CALIBRATION.items()}
-    return (f"busy_kernel_ns {gpu.busy_kernel_ns / 1e3:.2f} us ({shape} {rows['busy_kernel_ns']}), "
-            f"sum_slots_efficiency {gpu.sum_slots_efficiency:.3f} ({shape} {rows['sum_slots_efficiency']}), "
-            f"sustained_gemm {gpu.sustained_gemm:.3f} ({shape} {rows['sustained_gemm']})")
+    return (f"busy_kernel_ns {gpu.busy_kernel_ns / 1e3:.2f} us ({rows['busy_kernel_ns']}), "
+            f"sum_slots_efficiency {gpu.sum_slots_efficiency:.3f} ({rows['sum_slots_efficiency']}), "
+            f"sustained_gemm {gpu.sustained_gemm:.3f} ({rows['sustained_gemm']})")

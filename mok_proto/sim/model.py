@@ -30,8 +30,8 @@ of dy_slots before, the slot sum and topk_weight_grad after). Durations:
 * fused chunk c of minibatch m (cuda/fused.cuh: receive rows m MB + c, + C, ..., on CTA c; the
   backward's reverse-combine is modeled as the forward's dispatch, its reverse-dispatch as the combine):
   the fixed cost of a task plus its rows at one CTA's in-kernel copy rate (GpuParams.fused_task_ns,
-  fused_chunk_copy_ns: a communicating CTA's warps at comm_cta_gbs per byte, or, for kernels
-  before aceb6ae, comm_mover "bulk", bulk_row_ns per row; spare warps beside GEMM tiles at
+  fused_chunk_copy_ns: a communicating CTA's warps at comm_cta_gbs per byte, or, for the
+  retired bulk ring, comm_mover "bulk", bulk_row_ns per row; spare warps beside GEMM tiles at
   spare_cta_gbs per byte), or slower where the CTAs' share of the link or of HBM is; the incoming
   transfer (PassKinds.comm_in) moves every row below the padded end (a padding row stores the zero
   row), the outgoing one only the real rows.
@@ -41,7 +41,7 @@ of dy_slots before, the slot sum and topk_weight_grad after). Durations:
   at topk_weight_grad's rate (TOPK_WEIGHT_GRAD), and nothing runs after that kernel. Its scale tiles
   (plan.scale) are their share of scale_to_slots (SCALE_TO_SLOTS). Each is the GPU's rate shared by
   every CTA, unless the movers' own rates are fitted (GpuParams.token_read_gbs / token_write_gbs, h200:
-  on kimi's 491ec86 backward): then a fused plan's SCALE and SLOT_SUM tasks are their bytes
+  on one measured backward): then a fused plan's SCALE and SLOT_SUM tasks are their bytes
   (token_task_bytes) at those rates.
 """
 
@@ -94,9 +94,10 @@ class Load:
 def _topk_uniform(rng, num_rows: int, num_experts: int, top_k: int) -> np.ndarray:
     """[num_rows, K] distinct experts per row, uniformly at random (redraw rows with repeats)."""
     idx = rng.integers(0, num_experts, (num_rows, top_k))
+    bad = np.arange(num_rows)  # the rows to check: at first all, then those just redrawn
     while True:
-        s = np.sort(idx, axis=1)
-        bad = np.flatnonzero((s[:, 1:] == s[:, :-1]).any(axis=1))
+        s = np.sort(idx[bad], axis=1)
+        bad = bad[(s[:, 1:] == s[:, :-1]).any(axis=1)]
         if not len(bad):
             return idx
         idx[bad] = rng.integers(0, num_experts, (len(bad), top_k))
@@ -135,7 +136,13 @@ def load_from_topk(topk: np.ndarray, num_experts: int, align: int = BM) -> Load:
 @functools.lru_cache(maxsize=32)
 def routed_load(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.0, align: int = BM) -> Load:
     """The load of a random routing (`route`), placed as the pull schedule does."""
-    return load_from_topk(route(shape, num_ranks, seed, skew), shape.num_experts, align)
+    return load_from_topk(_route_once(shape, num_ranks, seed, skew), shape.num_experts, align)
+
+
+@functools.lru_cache(maxsize=16)
+def _route_once(shape: MoEShape, num_ranks: int, seed: int, skew: float) -> np.ndarray:
+    """`route`, drawn once for every padding of its loads (read only)."""
+    return route(shape, num_ranks, seed, skew)
 
 
 @dataclass(frozen=True)
@@ -580,27 +587,34 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
     waits = [[w for w in ws if w >= 0] for ws in t["wait_counter"].tolist()]
     sigs = [[s for s in ss if s >= 0] for ss in t["signal_counter"].tolist()]
     stream = stream.tolist()
-    steps, order = _steps(plan, np.asarray(stream))
+    if "_sim_steps" not in plan.__dict__:  # a plan's steps depend on it alone: kept with it, as its proof is
+        plan.__dict__["_sim_steps"] = _steps(plan, np.asarray(stream))
+    steps, order = plan.__dict__["_sim_steps"]
     # A claimed pair (the pool, stream 2 num_sms) runs on the cluster free first, per rank: the
     # kernel's clusters claim the next pair as each finishes (cuda/fused.cuh), the pool in order.
     block = np.repeat(t["block"][:, None], r, axis=1).astype(np.int32)
     even_ctas = np.arange(plan.comm_blocks, plan.num_sms, 2)
+    # per step (one task or a tile pair): its duration, the longer task's, and whether it is claimed
+    first, second = (np.array([st[k if len(st) > k else 0] for st in steps], np.int64) for k in (0, 1))
+    step_dur = np.maximum(dur[first], dur[second]) if len(steps) else dur[:0]
+    pooled_steps = ((t["block"][first] == plan.pool_block) if fused else np.zeros(len(steps), bool)).tolist()
+    maximum = np.maximum
     for j in order:
         step = steps[j]
-        pooled = fused and t["block"][step[0]] == plan.pool_block
+        pooled = pooled_steps[j]
         if pooled:
             cta = even_ctas[np.argmin(free[2 * even_ctas], axis=0)]  # [R] the cluster each rank's pair goes to
             s = free[2 * cta, np.arange(r)]
-        else:
+        else:  # (s may be a view of the stream's row: it is stored below before that row changes)
             s = free[stream[step[0]]]
+            for i in step[1:]:
+                s = maximum(s, free[stream[i]])
         for i in step:
-            if not pooled:
-                s = np.maximum(s, free[stream[i]])
             for w in waits[i]:
                 if ready[w] is None:  # every signaller ran already (topological order)
                     ready[w] = (np.full(r, last[w].max()) if remote[w] else last[w]) + delay[w]
-                s = np.maximum(s, ready[w])
-        e = s + np.max(dur[list(step)], axis=0)
+                s = maximum(s, ready[w])
+        e = s + step_dur[j]
         for half, i in enumerate(step):  # a tile pair: both CTAs in lockstep
             start[i], end[i] = s, e
             if pooled:
@@ -609,7 +623,8 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
             else:
                 free[stream[i]] = e
             for c in sigs[i]:
-                np.maximum(last[c], e, out=last[c])
+                row = last[c]
+                maximum(row, e, out=row)
     kernel_end = end.max(axis=0) if len(t) else kernel_start
     pass_end = _fused_pass_end_ns(plan, gpu, load, kernel_end) if fused else kernel_end
     return SimResult(plan, gpu, start, end, load, pass_end, block)

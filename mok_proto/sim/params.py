@@ -1,41 +1,28 @@
-"""GPU parameter sets of the simulator: `h200` calibrated from this project's results/*.jsonl,
-`gb300_nvl72` from public specifications.
+"""GPU parameter sets of the simulator: `h200` from its calibration file (calibration/h200.json,
+fitted on this project's results/ by `python -m mok_proto.sim calibrate --gpu h200`, sim/calibrate.py),
+`gb300_nvl72` from public specifications and the H200's calibrated efficiencies.
 
-Calibration uses a small fixed set of measurements (listed in `H200_CALIBRATION`); every other
-measured number is a prediction that `python -m mok_proto.sim --validate` checks. Three h200
-parameters come from the sequential layer's stages of ONE shape (`H200_CALIBRATION["layer"]`,
-the rows named in `sim.layer.LAYER_CALIBRATION`); the other shapes' stages are judged.
+This module holds the parameters and what they price; it reads no results (sim/calibrate.py does).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from mok_proto import plan as plans
-from mok_proto import results
-from mok_proto.config import MoEShape, get_shape
-from mok_proto.plan import BM, BN  # the kernels' tile (mok_proto/abi.py)
 from mok_proto.abi import GEMM_PROBLEM
-from mok_proto.problem import rows_per_expert
+from mok_proto.config import MoEShape
+from mok_proto.kernels.features import kernel_features
+from mok_proto.plan import BM, BN  # the kernels' tile (mok_proto/abi.py)
 
 PROBLEMS = tuple(text for _, text in GEMM_PROBLEM.members)  # the kernels' enum Problem, by name
-
-# What h200() calibrates on; everything else in results/ is predicted.
-H200_CALIBRATION = {
-    "gemm": ("kimi-k2.7", "uniform"),  # one tile rate per GEMM problem, from these rows
-    "hbm": ("kimi-k2.7", 8, "push"),  # one-GPU push dispatch (+ the copy ceiling of that run)
-    "row_move": ("kimi-k2.7", 8),  # one-GPU pull dispatch, push combine and pull combine
-    "link": "kimi-k2.7",  # 2 x H200: push and pull dispatch, and their 4-byte-row signal stages
-    "layer": "kimi-k2.7",  # bench_layer's sequential stages of this shape (sim.layer.LAYER_CALIBRATION)
-}
-# The fused kernel's in-kernel copy and token-task rates (sim.fused.calibrate): each fitted on the
-# timeline whose index row says sim_calibrates=<key> (mok_proto.results.timeline_index).
-FUSED_CALIBRATION = ("fused", "fused_bulk", "fused_spare", "fused_token")
-ROW_MOVES = (("dispatch", "pull"), ("combine", "push"), ("combine", "pull"))  # row_move's bench_comm stages
 TOKEN_TRAFFIC = ("gather_sum", "scatter", "stream")  # access patterns of the token kernels (GpuParams.token_kernel_ns)
+CALIBRATION_DIR = Path(__file__).resolve().parent / "calibration"  # <gpu>.json: a calibrated GpuParams
 
 # The kernel features a measurement ran (fields of its benchmark row and of its timeline's index
 # row, mok_proto.results): how a communicating CTA of the fused kernel (comm_blocks > 0) moves its
@@ -44,7 +31,7 @@ TOKEN_TRAFFIC = ("gather_sum", "scatter", "stream")  # access patterns of the to
 # them counts as the current kernel's (KERNEL).
 COMM_MOVERS = ("warps", "bulk")  # every warp copies rows through registers | one thread drives bulk copies
 WAIT_SPINS = ("acquire", "backoff")  # ld.acquire with short sleeps | relaxed loads, backoff, one fence
-KERNEL = {"comm_mover": "warps", "wait_spin": "backoff", "scale_traffic": "stream"}  # the current kernel's
+KERNEL = kernel_features()  # the current kernel's (what every new benchmark row records)
 
 
 def kernel_of(measurement) -> dict:
@@ -79,10 +66,9 @@ class GpuParams:
     signal_ns_per_peer: float  # a receiver waits for one more peer's signal
     nccl_link_efficiency: dict = field(default_factory=dict)  # operator kind -> NCCL's fraction of link
     # Sustained load: tile rate when the GPU runs kernels back to back (a training step) over the
-    # isolated rate of tile_tflops_per_sm (bench_gemm: each GEMM after an L2 flush and a ~1 ms GPU
-    # sleep). Below 1 where the board's power limit lowers the SM clock under tensor-core load;
-    # memory-bound kernels do not slow (bench_comm times them back to back already, and the
-    # layer's row copies run at bench_comm's rates). h200: fitted by sim.layer.calibrate.
+    # isolated rate of tile_tflops_per_sm (bench_gemm: each GEMM after an L2 flush and a GPU sleep).
+    # Below 1 where the board's power limit lowers the SM clock under tensor-core load; memory-bound
+    # kernels do not slow (bench_comm times them back to back already).
     sustained_gemm: float = 1.0
     row_move_efficiency: float = 1.0  # a row-movement kernel's rate on local rows / copy_gbs
     sum_slots_efficiency: float = 1.0  # weighted_sum / slot_sum HBM traffic rate / a copy's traffic rate
@@ -90,44 +76,29 @@ class GpuParams:
     # The fused kernel's in-kernel transfers (cuda/fused.cuh), per CTA: a task (one chunk) costs a
     # fixed part (wait, row mapping, fences) plus its copy (`fused_chunk_copy_ns`). A communicating CTA
     # (comm_blocks > 0) by comm_mover (COMM_MOVERS):
-    # * "warps" (the kernel since aceb6ae; the default): its 12 warps copy rows through registers
-    #   (chunk_task<kCommWarps=12, kCommUnroll=8>), so a CTA moves bytes at a fixed rate whatever
-    #   the row size: comm_cta_gbs per CTA, plus comm_task_ns per task. h200: fitted by
-    #   sim.fused.calibrate on one measured timeline's dispatch tasks (H200_CALIBRATION["fused"],
-    #   kimi's 14 KB rows at comm 12: ~22 GB/s); the measured chunks of glm (12 KB rows) and qwen
-    #   (8 KB) at comm 12 run at the same rate per byte, not per row (qwen's 8 KB chunk 0.61x
-    #   kimi's 14 KB one).
-    # * "bulk" (timelines and rows recorded before aceb6ae, BULK_MOVER_COMMITS): one thread moved
-    #   rows through a shared-memory ring with at most 8 rows in flight, waiting row by row
-    #   (bulk_move), so a row cost the same time whatever its size: bulk_row_ns per row, plus
-    #   bulk_task_ns per task; fitted on H200_CALIBRATION["fused_bulk"] (14 KB rows). Per byte,
-    #   bench_layer's qwen3.5-397b C=8 pass (8 KB rows, b905f19) would be predicted 37% short.
+    # * "warps" (the current kernel): its warps copy rows through registers (chunk_task), so a CTA
+    #   moves bytes at a fixed rate whatever the row size: comm_cta_gbs per CTA, plus comm_task_ns
+    #   per task;
+    # * "bulk" (the retired ring): one thread moved rows through a shared-memory ring with a few rows
+    #   in flight, waiting row by row, so a row cost the same time whatever its size: bulk_row_ns per
+    #   row, plus bulk_task_ns per task.
     comm_mover: str = "warps"
-    scale_traffic: str = "stream"  # scale_to_slots' access pattern (scale_traffic_at; `recorded_at`)
+    scale_traffic: str = "stream"  # scale_to_slots' access pattern (a TOKEN_TRAFFIC; `recorded_at`)
     comm_cta_gbs: float = 0.0
     comm_task_ns: float = 0.0
     bulk_row_ns: float = 0.0
     bulk_task_ns: float = 0.0
-    # The spare warps of a compute CTA (3 warps of its producer warpgroup, fused plans with comm_blocks
-    # == 0 or a spread outgoing transfer) copying rows through registers beside its GEMM tiles
-    # (chunk_task<kSideWarps, kSideUnroll>): like the communicating CTAs' warps, per byte, spare_cta_gbs
-    # per CTA, plus spare_task_ns per task. h200: fitted by sim.fused.calibrate on one such timeline
-    # (H200_CALIBRATION["fused_spare"]: kimi's 14 KB rows at e48bf6e, ~7 GB/s and ~2.4 us). Measured
-    # (e48bf6e, comm 0, median busy dispatch chunk of ~15 rows): kimi and deepseek (14 KB rows) 32.8-32.9 us,
-    # glm (12 KB) 30.7 us, qwen (8 KB) 20.4 us: qwen's chunk is 0.62x kimi's, as its bytes (plus the fixed
-    # part), not its rows, say. (Until e48bf6e this was a time per row, fitted on b905f19's kimi chunks
-    # of 8 rows at minibatch 1024: 1.80 us per row, which puts qwen's e48bf6e chunks 50% over.)
+    # The spare warps of a compute CTA (warps of its producer warpgroup, fused plans with comm_blocks
+    # == 0 or a spread outgoing transfer) copying rows through registers beside its GEMM tiles: per
+    # byte like the communicating CTAs' warps, spare_cta_gbs per CTA, plus spare_task_ns per task.
     spare_cta_gbs: float = 0.0
     spare_task_ns: float = 0.0
     # The fused backward's token-side tasks on a CTA's movers (SCALE: dy_slots = w * dout; SLOT_SUM: the
-    # slot sum and d topk_weights; plan.scale, plan.token_grads; token.cuh's device functions on a few
-    # warps): bound by those warps' loads in flight, not by a share of the GPU's HBM rate. Per task,
-    # bytes read / token_read_gbs + bytes written / token_write_gbs (fused_token_task_ns; the bytes:
-    # model.token_task_bytes). h200: fitted by sim.fused.calibrate on the SCALE and SLOT_SUM tasks of
-    # H200_CALIBRATION["fused_token"] (kimi's 491ec86 backward, comm 0: spare warps beside GEMM tiles),
-    # ~4.6 GB/s read and ~7 GB/s written per CTA. A communicating CTA's warps are assumed to run them at
-    # the same rate (not measured). 0 (not fitted): their share of the standalone kernels at the GPU's
-    # rate, which put 491ec86's tasks 3.6-8.2x short (72-88%).
+    # slot sum and d topk_weights; token.cuh's device functions on a few warps): bound by those warps'
+    # loads in flight, not by a share of the GPU's HBM rate. Per task, bytes read / token_read_gbs +
+    # bytes written / token_write_gbs (fused_token_task_ns; the bytes: model.token_task_bytes). A
+    # communicating CTA's warps are assumed to run them at the same rate. 0 (not fitted): their share of
+    # the standalone kernels at the GPU's rate.
     token_read_gbs: float = 0.0
     token_write_gbs: float = 0.0
     note: str = ""
@@ -153,11 +124,11 @@ class GpuParams:
         (TOKEN_TRAFFIC):
         * "gather_sum": weighted_sum and slot_sum (cuda/token.cuh sum_slots: a token's K slot rows
           summed per 16-byte octet): sum_slots_efficiency of a copy's traffic rate;
-        * "scatter": scale_to_slots before e7e9bd0 (a thread per slot octet: each token row read
-          K times, K scaled rows written): the access pattern of a push dispatch (K - 1 of a row's
-          K reads hit L2), so its read/write split hbm_read_gbs / hbm_write_gbs, fitted to one;
-        * "stream": topk_weight_grad (reads only; no measurement of its own) and scale_to_slots
-          since e7e9bd0 (each token row read once, K scaled rows written): a copy's traffic rate;
+        * "scatter": the retired scale_to_slots (a thread per slot octet: each token row read K
+          times, K scaled rows written): the access pattern of a push dispatch (K - 1 of a row's K
+          reads hit L2), so its read/write split hbm_read_gbs / hbm_write_gbs, fitted to one;
+        * "stream": topk_weight_grad (reads only; no measurement of its own) and the current
+          scale_to_slots (each token row read once, K scaled rows written): a copy's traffic rate;
           a plain copy reads and writes copy_gbs each.
         scale_to_slots takes `scale_traffic` (model.SCALE_TO_SLOTS)."""
         if traffic == "gather_sum":
@@ -262,111 +233,35 @@ def grouped_gemm_ns(gpu: GpuParams, problem: str, rows: np.ndarray, shape: MoESh
     return float(np.bincount(np.arange(len(dur)) % num_ctas, dur).max()) if len(dur) else 0.0
 
 
-def _gemm_rows(row: dict) -> np.ndarray:
-    return rows_per_expert(row["rows"], row["experts"], row["routing"])
+def params_to_json(gpu: GpuParams) -> dict:
+    """The fields of `gpu` as JSON values (a calibration file's "params"; `params_from_json` reads them back)."""
+    return dataclasses.asdict(gpu)
 
 
-def newest_gemm_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
-    """bench_gemm's newest row of each (shape, routing, problem): a run of a subset (--shapes,
-    --routing, --problems) replaces only its own rows."""
-    return results.newest(results.load("bench_gemm", results_dir), group_by=("shape", "routing", "problem"))
+def params_from_json(fields: dict) -> GpuParams:
+    """A GpuParams from its fields as `params_to_json` wrote them."""
+    return GpuParams(**fields)
 
 
-def newest_comm_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
-    """bench_comm's newest run of each backend (virtual ranks on one GPU: results/; NVSHMEM on two
-    GPUs: results/x2/), by time."""
-    rows = results.load("bench_comm", results_dir) + results.load("bench_comm", results.machine_dir(2, results_dir))
-    return results.newest(sorted(rows, key=lambda r: r["time"]), group_by=("backend",))
+def calibration_file(name: str) -> Path:
+    """The calibration file of GPU parameter set `name` (calibration/<name>.json)."""
+    return CALIBRATION_DIR / f"{name}.json"
 
 
-def stage_ms(row: dict, stage: str, signal: bool = False) -> float:
-    return row["signal_stages" if signal else "stages"][stage]["median_ms"]
+def calibrated(name: str) -> GpuParams:
+    """The GPU parameter set `name` as its calibration file holds it (a new object per call)."""
+    path = calibration_file(name)
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"gpu: no calibration file {path}: write it with "
+                         f"python -m mok_proto.sim calibrate --gpu {name}") from None
+    return params_from_json(document["params"])
 
 
-def comm_row(rows: list[dict], backend: str, shape: str, ep: int, policy: dict) -> dict:
-    """The bench_comm row of one (backend, shape, EP, dispatch/combine directions)."""
-    for r in rows:
-        if (r["backend"], r["shape"], r["ep"]) == (backend, shape, ep) and all(r[op] == d for op, d in policy.items()):
-            return r
-    raise KeyError(f"no bench_comm row for {backend} {shape} EP={ep} {policy}")
-
-
-def comm_bytes(row: dict, elem_bytes: int = 4) -> dict:
-    """Bytes a bench_comm stage moves per GPU: pairs (token, choice), remote (cross the link)
-    and local rows, and token rows read once (a push dispatch reads each token once)."""
-    row_bytes = row["hidden"] * elem_bytes
-    gpus = row["ep"] if row["backend"] == "nvshmem" else 1  # virtual ranks share one GPU
-    pairs = row["ep"] * row["tokens_per_rank"] * row["top_k"] / gpus
-    remote = row["remote_rows"] / gpus if row["backend"] == "nvshmem" else 0.0
-    return {"pairs": pairs * row_bytes, "remote": remote * row_bytes, "local": (pairs - remote) * row_bytes,
-            "tokens": row["ep"] * row["tokens_per_rank"] / gpus * row_bytes}
-
-
-def h200(results_dir=results.RESULTS_DIR) -> GpuParams:
-    """H200 (132 SMs) calibrated on H200_CALIBRATION's rows of this project's results."""
-    gemm_rows = newest_gemm_rows(results_dir)
-    comm = newest_comm_rows(results_dir)
-    base = GpuParams(
-        name="h200", num_sms=132,
-        tile_tflops_per_sm={p: 1.0 for p in PROBLEMS},
-        hbm_read_gbs=1.0, hbm_write_gbs=1.0, link_gbs=1.0, link_efficiency={"push": 1.0, "pull": 1.0},
-        # Not measurable from our results; public/assumed: NVLink 4 load round trip ~1 us; an SM
-        # keeps 64 KiB of bulk loads in flight; one SM posts stores at up to 100 GB/s.
-        rtt_ns=1000.0, pull_window_bytes=64 << 10, sm_push_gbs=100.0,
-        launch_ns=0.0, fence_ns=0.0, signal_ns_per_peer=1000.0,
-    )
-    # GEMM: one rate per problem such that the simulated kimi uniform grouped GEMM takes the
-    # measured time (the makespan scales as 1/rate).
-    shape_name, routing = H200_CALIBRATION["gemm"]
-    rates = {}
-    for r in gemm_rows:
-        if (r["shape"], r["routing"]) == (shape_name, routing):
-            ns_at_one = grouped_gemm_ns(base, r["problem"], _gemm_rows(r), get_shape(r["shape"]))
-            rates[r["problem"]] = ns_at_one / (r["ours"]["median_ms"] * 1e6)
-    # HBM: a copy of B bytes reads and writes B: 1/copy = 1/read + 1/write; a push dispatch on
-    # one GPU reads each token row once and writes K rows: t = tokens/read + pairs/write.
-    shape_name, ep, _ = H200_CALIBRATION["hbm"]
-    row = comm_row(comm, "virtual", shape_name, ep, {"dispatch": "push"})
-    b = comm_bytes(row)
-    t_ns = stage_ms(row, "dispatch") * 1e6
-    inv_copy = 1.0 / row["copy_ceiling_gbs"]
-    # tokens*(inv_copy - 1/w) + pairs/w = t  ->  1/w = (t - tokens*inv_copy) / (pairs - tokens)
-    inv_write = (t_ns - b["tokens"] * inv_copy) / (b["pairs"] - b["tokens"])
-    hbm_write, hbm_read = 1.0 / inv_write, 1.0 / (inv_copy - inv_write)
-    # Row moves (one GPU): a pull dispatch, a push and a pull combine copy each (token, choice)
-    # row once; efficiency = bytes copied / (that run's copy ceiling x time), median of the three.
-    shape_name, ep = H200_CALIBRATION["row_move"]
-    moves = [comm_row(comm, "virtual", shape_name, ep, {op: d}) for op, d in ROW_MOVES]
-    row_eff = float(np.median([comm_bytes(r)["pairs"] / (r["copy_ceiling_gbs"] * stage_ms(r, op) * 1e6)
-                               for r, (op, _) in zip(moves, ROW_MOVES)]))
-    # Link (2 x H200, one peer): stage = launch + (pull: rtt | push: fence + 1 peer's signal)
-    # + remote bytes / (link * efficiency); the 4-byte-row stages give the fixed parts.
-    shape_name = H200_CALIBRATION["link"]
-    push = comm_row(comm, "nvshmem", shape_name, 2, {"dispatch": "push"})
-    pull = comm_row(comm, "nvshmem", shape_name, 2, {"dispatch": "pull"})
-    launch = stage_ms(pull, "dispatch", signal=True) * 1e6 - base.rtt_ns
-    fence = stage_ms(push, "dispatch", signal=True) * 1e6 - launch - base.signal_ns_per_peer
-    link = push["link_ceiling_gbs"]
-    eff = {}
-    for d, r, fixed in (("push", push, launch + fence + base.signal_ns_per_peer), ("pull", pull, launch + base.rtt_ns)):
-        eff[d] = comm_bytes(r)["remote"] / (link * (stage_ms(r, "dispatch") * 1e6 - fixed))
-    nccl = results.newest(results.load("bench_nccl_baseline", results.machine_dir(2, results_dir)))
-    nccl_eff = {op: float(np.median([n["pct_of_link"][op] for n in nccl])) / 100 for op in ("dispatch", "combine")} if nccl else {}
-    micro = dataclasses.replace(
-        base, tile_tflops_per_sm=rates, hbm_read_gbs=hbm_read, hbm_write_gbs=hbm_write, link_gbs=link,
-        link_efficiency=eff, launch_ns=launch, fence_ns=fence, nccl_link_efficiency=nccl_eff,
-        row_move_efficiency=row_eff)
-    # Sustained load, busy-stream kernel boundaries and the token sums: from the sequential layer's
-    # stages of one shape (sim/layer.py simulates the layer and imports this module); then the fused
-    # forward's in-kernel copies, from one measured timeline (sim/fused.py).
-    from mok_proto.sim import fused, layer
-
-    fitted = fused.calibrate(layer.calibrate(micro, results_dir), results_dir)
-    return dataclasses.replace(
-        fitted, note="calibrated on " + ", ".join(f"{k}={v}" for k, v in H200_CALIBRATION.items())
-        + ", the timelines of sim_calibrates " + ", ".join(FUSED_CALIBRATION)
-        + f"; row_move_efficiency {row_eff:.3f}, " + layer.describe_calibration(fitted) + ", "
-        + fused.describe_calibration(fitted, results_dir))
+def h200() -> GpuParams:
+    """H200 (132 SMs) as calibrated on this project's results (calibration/h200.json)."""
+    return calibrated("h200")
 
 
 H200_DENSE_BF16_TFLOPS = 989.0  # H200 SXM dense BF16 (NVIDIA H200 datasheet), to carry GEMM efficiency over

@@ -32,10 +32,10 @@ from mok_proto import results
 from mok_proto.config import MOK_POLICY, ep_share, get_shape
 from mok_proto.plan import TaskKind
 from mok_proto.sim import fused, layer
+from mok_proto.sim.calibrate import (H200_CALIBRATION, ROW_MOVES, calibration_stages, comm_bytes, gemm_rows_per_expert,
+                                     newest_comm_rows, newest_gemm_rows, stage_ms)
 from mok_proto.sim.model import simulate
-from mok_proto.sim.params import (H200_CALIBRATION, ROW_MOVES, GpuParams, comm_bytes, gb300_nvl72, grouped_gemm_ns,
-                                  h200, nccl_links, newest_comm_rows, newest_gemm_rows, spare_warps_spun, stage_ms)
-from mok_proto.problem import rows_per_expert
+from mok_proto.sim.params import GpuParams, gb300_nvl72, grouped_gemm_ns, h200, nccl_links, spare_warps_spun
 
 H200_TOLERANCE = 0.15
 PAPER_TOLERANCE = 0.25
@@ -110,7 +110,7 @@ def comm_stage_ns(gpu: GpuParams, row: dict, direction: str, dispatch: bool) -> 
 
 
 def h200_rows(gpu: GpuParams | None = None, results_dir=results.RESULTS_DIR) -> list[Row]:
-    gpu = gpu or h200(results_dir)
+    gpu = gpu or h200()
     return (kernel_rows(gpu, results_dir) + sequential_layer_rows(gpu, results_dir) + fused_rows(gpu, results_dir)
             + fused_backward_rows(gpu, results_dir))
 
@@ -120,7 +120,7 @@ def kernel_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
     rows = []
     for r in newest_gemm_rows(results_dir):
         s = get_shape(r["shape"])
-        counts = rows_per_expert(r["rows"], r["experts"], r["routing"])
+        counts = gemm_rows_per_expert(r)
         calib = (r["shape"], r["routing"]) == H200_CALIBRATION["gemm"]
         rows.append(Row("h200 gemm", f"{r['problem']} {r['shape']} {r['routing']}", r["ours"]["median_ms"],
                         grouped_gemm_ns(gpu, r["problem"], counts, s) / 1e6, "ms",
@@ -145,7 +145,7 @@ def kernel_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
 
 # Sequential-layer stages whose measurement holds what the model leaves out: (shape | None for
 # every shape, pass, stage | "total") -> why. Fixed here, not chosen from the error. None today:
-# since bench_layer runs both passes back to back (5022408), every stage is GPU time.
+# since bench_layer runs both passes back to back, every stage is GPU time.
 LAYER_EXPLAINED: dict = {}
 
 
@@ -159,7 +159,7 @@ def sequential_layer_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> li
     rows = []
     for r in layer.measured_rows(results_dir):
         predicted = layer.sequential_stages_ns(ep_share(r["shape"], r["ep"]), r["pass"], one.recorded_at(r))
-        calib = layer.calibration_stages(r["shape"])
+        calib = calibration_stages(r["shape"])
         measured = {"total": r["median_ms"], **{k: v for k, v in r["stages_ms"].items() if k != "total"}}
         for stage, ms in measured.items():
             why = LAYER_EXPLAINED.get((r["shape"], r["pass"], stage)) or LAYER_EXPLAINED.get((None, r["pass"], stage))
@@ -174,10 +174,9 @@ def sequential_layer_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> li
 
 
 FUSED_MEDIANS = ((TaskKind.COMBINE, "combine chunk"), (TaskKind.GATE_UP, "gate_up tile"), (TaskKind.DOWN, "down tile"))
-# The calibration timelines (index rows with sim_calibrates, params.FUSED_CALIBRATION) whose dispatch
+# The calibration timelines (index rows with sim_calibrates, fused.FUSED_CALIBRATION) whose dispatch
 # tasks fit in-kernel copy parameters: key -> those parameters.
-FUSED_FITS = {"fused": "comm_cta_gbs, comm_task_ns", "fused_bulk": "bulk_row_ns, bulk_task_ns",
-              "fused_spare": "spare_cta_gbs, spare_task_ns"}
+FUSED_FITS = {key: ", ".join(fits) for key, (tasks, fits) in fused.FUSED_CALIBRATION.items() if tasks == "dispatch"}
 # Fused forward passes of bench_layer whose measurement holds what the model leaves out: (run label,
 # comm_blocks) -> why (fixed here, like LAYER_EXPLAINED). None today.
 FUSED_BENCH_EXPLAINED: dict = {}
@@ -202,9 +201,9 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
     timeline (`compared_timelines`) against the simulated timeline of the same plan (dispatch end,
     compute end, kernel end from the first task's start; the median combine chunk and routed GEMM
     tiles, over the tasks that move rows or compute tiles in the simulation), and bench_layer's
-    fused passes (graph replays) of every compared run (layer.compared_rows). Each measurement is
-    simulated with the kernel that recorded it (GpuParams.recorded_at its kernel features: the bulk
-    ring or the warp movers). A calibration timeline's dispatch end is the event its dispatch tasks
+    fused passes (graph replays, with the tile pairs the row claimed) of every compared run
+    (layer.compared_rows). Each measurement is simulated with the kernel that recorded it
+    (GpuParams.recorded_at its kernel features: the bulk ring or the warp movers). A calibration timeline's dispatch end is the event its dispatch tasks
     fit (FUSED_FITS, by its sim_calibrates): calibration rows. A measurement of
     params.spare_warps_spun (the acquire spin beside spare warps that move rows) is explained (SPUN),
     and so is a timeline event its index row explains (sim_explained); every other row is judged.
@@ -252,7 +251,7 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
     for run, found in runs.items():
         for r in found:
             ns = fused.pass_ns(ep_share(r["shape"], r["ep"]), gpu.recorded_at(r), r["comm_blocks"],
-                               r["minibatch_tokens"], r["num_sms"])
+                               r["minibatch_tokens"], r["num_sms"], r.get("claim_pairs", 0))
             why = FUSED_BENCH_EXPLAINED.get((run, r["comm_blocks"])) or (
                 SPUN if spare_warps_spun(r, r["comm_blocks"], r.get("spread_from")) else "")
             rows.append(Row("h200 fused", f"fwd pass (graph) {r['shape']} C={r['comm_blocks']} MB={r['minibatch_tokens']}"

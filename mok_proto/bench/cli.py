@@ -1,0 +1,86 @@
+"""What the benchmark scripts share on their command lines: a parser whose --help shows the
+script's docstring and every option's default and whose errors are one line, and the bars as
+`--bar KEY=VALUE`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and "(default: ...)" after every option that has one."""
+
+    def _get_help_string(self, action):
+        default = action.default
+        if default is None or default is False or default is argparse.SUPPRESS or default in ([], ()):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (exit 2), without the usage, and whose
+    options without a help text still show their default in --help."""
+
+    def add_argument(self, *args, **kwargs):
+        if kwargs.get("help") is None and kwargs.get("default") is not None:
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """A script's argument parser; its --help prints `doc` (the script's docstring) first."""
+    return Parser(description=doc, formatter_class=HelpFormatter)
+
+
+@dataclass(frozen=True)
+class Bar:
+    """A value a benchmark's figure must reach: at least `value` (at_most: at most), `what` says of which."""
+
+    value: float
+    what: str
+    at_most: bool = False
+
+    def met(self, measured) -> bool:
+        """Whether `measured` meets the bar (None or NaN: not measured, so not met)."""
+        if measured is None or math.isnan(measured):
+            return False
+        return measured <= self.value if self.at_most else measured >= self.value
+
+    def __str__(self) -> str:
+        return f"{'<=' if self.at_most else '>='} {self.value:g}"
+
+
+def add_bar_option(p: argparse.ArgumentParser, bars: dict) -> None:
+    """--bar KEY=VALUE (repeatable, or comma-separated) over `bars` {key: Bar}, every bar and its
+    default in the help."""
+    listed = "; ".join(f"{key}={bar.value:g} ({'at most' if bar.at_most else 'at least'}: {bar.what})"
+                       for key, bar in bars.items())
+    p.add_argument("--bar", action="append", default=[], metavar="KEY=VALUE",
+                   help="set a bar of this benchmark (repeatable, or KEY=VALUE,KEY=VALUE). Bars and defaults: "
+                        + listed)
+
+
+def parse_bars(items, bars: dict) -> dict:
+    """`bars` with the values of --bar's KEY=VALUE items in place of the defaults. ValueError (one
+    line) for an unknown key or a value that is not a finite number."""
+    out = dict(bars)
+    for item in (part.strip() for text in items for part in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = (s.strip() for s in item.partition("="))
+        if not sep or key not in bars:
+            raise ValueError(f"--bar: {item!r} is not KEY=VALUE with KEY one of {', '.join(bars)}")
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number):
+            raise ValueError(f"--bar {key}: {value!r} is not a finite number")
+        out[key] = dataclasses.replace(bars[key], value=number)
+    return out
