@@ -88,3 +88,15 @@ def test_readme_block_is_required():
         report.readme_with_table("# no block here\n", "| table |\n")
     text = f"a\n{report.README_BEGIN}\nold\n{report.README_END}\nb\n"
     assert report.readme_with_table(text, "new\n") == f"a\n{report.README_BEGIN}\nnew\n{report.README_END}\nb\n"
+
+
+def test_layer_rows_at_link_speed_have_their_own_table(tmp_path):
+    row = {"time": "2026-12-03T10:00:00+00:00", "git": "abc", "gpu": "NVIDIA H200", "shape": "kimi-k2.7",
+           "pass": "fwd", "schedule": "fused", "comm_blocks": 0, "minibatch_tokens": 2048, "claim_pairs": 3872,
+           "link_gbps": 368, "median_ms": 3.0, "no_link_median_ms": 2.8, "speedup_vs_sequential": 1.3,
+           "overlap_efficiency": 0.85, "equal_to_no_link": True}
+    _write(tmp_path, "bench_layer_link", [row])
+    text = report.markdown(tmp_path)
+    assert "## bench_layer_link (one GPU, NVIDIA H200)" in text
+    assert "| kimi-k2.7 | fwd | fused | comm 0, minibatch 2048, claim 3872 | 368 | 3.000 | 2.800 | 1.30 | 0.85 |  | yes |" \
+        in text

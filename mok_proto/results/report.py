@@ -83,6 +83,15 @@ LAYER = View("bench_layer", "python scripts/bench_layer.py", (
     ("TFLOP/s", lambda r: _f(r.get("tflops"), ".0f")),
     ("bitwise", lambda r: _yes(r.get("equal_to_sequential", r.get("bitwise_repeat"))))),
     section=lambda r: "other direction policies" if r.get("policy") else None)
+LAYER_LINK = View("bench_layer_link", "python scripts/bench_layer.py --link-gbps 368,900", (
+    ("shape", lambda r: r["shape"]), ("pass", lambda r: r["pass"]), ("layer", lambda r: r.get("schedule", "")),
+    ("knobs", _knobs), ("link GB/s", lambda r: _f(r.get("link_gbps"), "g")),
+    ("ms", lambda r: _f(r.get("median_ms"))), ("without the link", lambda r: _f(r.get("no_link_median_ms"))),
+    ("x sequential", lambda r: _x(r.get("speedup_vs_sequential"))),
+    ("overlap eff.", lambda r: _x(r.get("overlap_efficiency"))),
+    ("timed again: ms, x sequential, overlap eff.", lambda r: f"{_f(r['retimed_median_ms'])}, {_x(_layer_x_seq(r))}, "
+     f"{_x(r.get('retimed_overlap_efficiency'))}" if "retimed_median_ms" in r else ""),
+    ("bitwise", lambda r: _yes(r.get("equal_to_no_link")))))
 GEMM = View("bench_gemm", "python scripts/bench_gemm.py", (
     ("shape", lambda r: r["shape"]), ("routing", lambda r: r["routing"]), ("problem", lambda r: r["problem"]),
     ("rows", lambda r: str(r["rows"])), ("ours TFLOP/s", lambda r: _f(r["tflops"]["ours"], ".0f")),
@@ -126,7 +135,7 @@ LAYER_MPI = View("bench_layer_mpi", "mpirun -n R python scripts/bench_layer_mpi.
     ("bitwise", lambda r: _yes((r.get("bitwise") or r.get("bitwise_vs_mpi") or {}).get("equal")
                                if isinstance(r.get("bitwise") or r.get("bitwise_vs_mpi"), dict) else r.get("bitwise"))),
     ("skipped", lambda r: str(r.get("skipped") or ""))))
-VIEWS = (LAYER, GEMM, COMM, LINK_CHECK, NCCL, LAYER_MPI, POWER, SWEEP)
+VIEWS = (LAYER, LAYER_LINK, GEMM, COMM, LINK_CHECK, NCCL, LAYER_MPI, POWER, SWEEP)
 
 
 def runs(view: View, results_dir: Path) -> list[tuple[str, list[dict]]]:
