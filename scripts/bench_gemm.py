@@ -56,10 +56,14 @@ def main():
 
     from mok_proto.kernels import gemm
 
+    from mok_proto.bench.ceilings import DENSE_N, dense_matmul_tflops, of_dense
+
+    dense_ceiling = dense_matmul_tflops()
     print(f"# bench_gemm on {torch.cuda.get_device_name()}: EP={args.ep}, {args.tokens} tokens/rank, bf16, "
-          f"TFLOP/s median over {args.iters} (ratio = ours / torch._grouped_mm)")
+          f"TFLOP/s median over {args.iters} (ratio = ours / torch._grouped_mm); of dense = ours / a dense "
+          f"{DENSE_N}^3 torch.matmul ({dense_ceiling:.0f} TFLOP/s)")
     print(f"{'shape':<16}{'routing':<8}{'problem':<14}{'ours':>8}{'grouped':>9}{'dense':>8}{'ratio':>7}{'bar':>6}"
-          f"{'err':>9}  ok")
+          f"{'of dense':>9}{'err':>9}  ok")
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device="cuda")
     failed = []  # rows that miss their bar or whose output is wrong
     for shape_name in args.shapes.split(","):
@@ -83,12 +87,13 @@ def main():
                     failed.append(f"{shape_name} {routing} {name}: " + (f"ratio {ratio:.2f} < bar {bar}"
                                   if correct else f"max rel err {error:.1e} > {ERR_TOL:.1e}"))
                 print(f"{shape_name:<16}{routing:<8}{name:<14}{tf['ours']:>8.0f}{tf['torch']:>9.0f}{tf['dense']:>8.0f}"
-                      f"{ratio:>7.2f}{bar:>6.2f}{error:>9.1e}  "
+                      f"{ratio:>7.2f}{bar:>6.2f}{tf['ours'] / dense_ceiling:>9.2f}{error:>9.1e}  "
                       f"{'yes' if ok else ('NO' if correct else 'WRONG')}", flush=True)
-                append_result("bench_gemm", {"shape": shape_name, "ep": args.ep, "routing": routing, "problem": name,
-                                             "experts": int(num_experts), "rows": int(rows), "flops": int(flops),
-                                             "ours": t_ours, "torch_grouped_mm": t_torch, "dense": t_dense,
-                                             "tflops": tf, "ratio": ratio, "bar": bar, "max_rel_err": error})
+                append_result("bench_gemm", of_dense({
+                    "shape": shape_name, "ep": args.ep, "routing": routing, "problem": name,
+                    "experts": int(num_experts), "rows": int(rows), "flops": int(flops), "ours": t_ours,
+                    "torch_grouped_mm": t_torch, "dense": t_dense, "tflops": tf, "ratio": ratio, "bar": bar,
+                    "max_rel_err": error}, tf["ours"], dense_ceiling))
     kernel = gemm.MODULE.function(f"mok::gemm::grouped_gemm<{gemm.PROBLEMS.index('down')}>")
     print(f"# grid: {gemm.resident_clusters(kernel)} clusters of {gemm.CLUSTER} CTAs")
     if failed:

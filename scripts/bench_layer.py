@@ -139,17 +139,20 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from mok_proto.bench import append_result, require_gpu
+    from mok_proto.bench.ceilings import DENSE_N, dense_matmul_tflops, of_dense
 
     require_gpu("bench_layer.py", need_torch=True)
     failed, best_settings, link_lines = [], {}, {link: [] for link in args.links}
+    dense = dense_matmul_tflops()
 
     def emit(report) -> None:
         for line in report.lines:
             print(line, flush=True)
         for file, row in report.rows:
-            append_result(file, row)
+            append_result(file, of_dense(row, row.get("tflops"), dense))
         failed.extend(report.failed)
 
+    print(f"# dense {DENSE_N}^3 BF16 torch.matmul: {dense:.0f} TFLOP/s (every row's fraction_of_dense)", flush=True)
     print(HEADER, flush=True)
     for name in args.shapes.split(","):
         measured, tables = run_shape(name, args, emit)

@@ -41,7 +41,8 @@ def _comm(direction, shape, ms, pct, **extra):
 def test_newest_run_per_gpu(tmp_path):
     _write(tmp_path, "bench_gemm", [
         _gemm("2026-12-01T10:00:00+00:00", "old", "NVIDIA H200", 0.80),
-        _gemm("2026-12-02T10:00:00+00:00", "new", "NVIDIA H200", 0.90, command="python scripts/bench_gemm.py --x"),
+        _gemm("2026-12-02T10:00:00+00:00", "new", "NVIDIA H200", 0.90, command="python scripts/bench_gemm.py --x",
+              fraction_of_dense=0.875),
         _gemm("2026-12-01T12:00:00+00:00", "h100", "NVIDIA H100 80GB HBM3", 0.85)])
     text = report.markdown(tmp_path)
     # one section per GPU, each its newest run only; the recorded command, or the usual one said as such
@@ -51,8 +52,10 @@ def test_newest_run_per_gpu(tmp_path):
     assert "command not recorded (the benchmark's usual one: `python scripts/bench_gemm.py`)" in text
     assert "| 0.90 |" in text and "| 0.85 |" in text and "| 0.80 |" not in text
     table = report.status_table(tmp_path)
-    assert "| GEMMs (H100 80GB HBM3, `h100`, 2026-12-01) | down | 700 TFLOP/s | 0.85 x `torch._grouped_mm` | |" in table
-    assert "| GEMMs (H200, `new`, 2026-12-02) | down | 700 TFLOP/s | 0.90 x `torch._grouped_mm` | |" in table
+    assert "| GEMMs (H100 80GB HBM3, `h100`, 2026-12-01) | down | 700 TFLOP/s | 0.85 x `torch._grouped_mm` | | - |" \
+        in table
+    # a row with fraction_of_dense (the dense 8192^3 matmul of its run) shows it
+    assert "| GEMMs (H200, `new`, 2026-12-02) | down | 700 TFLOP/s | 0.90 x `torch._grouped_mm` | | 0.88 |" in table
 
 
 def test_machines_and_their_baselines(tmp_path):
@@ -67,8 +70,8 @@ def test_machines_and_their_baselines(tmp_path):
     assert report.machines(tmp_path) == [("", "one GPU"), ("x2", "2 GPUs, one process each")]
     table = report.status_table(tmp_path)
     # push: both shapes' range; x NCCL only where NCCL ran the shape (kimi: 1.0 / 0.5)
-    assert "| dispatch push, 2 shapes | 0.400-0.500 ms, 90-96% of link | 2.00 x NCCL | |" in table
-    assert "| combine pull, 1 shape | 0.600 ms, 84% of link | 2.00 x NCCL | |" in table
+    assert "| dispatch push, 2 shapes | 0.400-0.500 ms, 90-96% of link | 2.00 x NCCL | | |" in table
+    assert "| combine pull, 1 shape | 0.600 ms, 84% of link | 2.00 x NCCL | | |" in table
     assert "## bench_comm (2 GPUs, one process each, NVIDIA H200)" in report.markdown(tmp_path)
 
 
@@ -100,3 +103,11 @@ def test_layer_rows_at_link_speed_have_their_own_table(tmp_path):
     assert "## bench_layer_link (one GPU, NVIDIA H200)" in text
     assert "| kimi-k2.7 | fwd | fused | comm 0, minibatch 2048, claim 3872 | 368 | 3.000 | 2.800 | 1.30 | 0.85 |  | yes |" \
         in text
+
+
+def test_fraction_of_dense():
+    from mok_proto.bench.ceilings import of_dense
+
+    row = of_dense({"shape": "kimi-k2.7", "tflops": 600.0}, 600.0, 800.0)
+    assert row == {"shape": "kimi-k2.7", "tflops": 600.0, "dense_tflops": 800.0, "fraction_of_dense": 0.75}
+    assert of_dense({"schedule": "x"}, None, 800.0)["fraction_of_dense"] is None  # a row without TFLOP/s

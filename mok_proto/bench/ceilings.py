@@ -45,7 +45,17 @@ def nccl_a2a_gbs(num_ranks, nbytes=1 << 30, iters=10):
     return nbytes * (num_ranks - 1) / num_ranks / (np.median(samples["a2a"]) * 1e-3) / 1e9
 
 
-def dense_matmul_tflops(n: int = 8192, iters: int = 20, warmup: int = 5) -> float:
+DENSE_N = 8192  # the dense GEMM every row's fraction_of_dense is measured against
+
+
+def of_dense(row: dict, useful_tflops: float | None, dense_tflops: float) -> dict:
+    """`row` with `dense_tflops` (the dense DENSE_N^3 BF16 matmul of the same run) and
+    `fraction_of_dense`: the row's useful TFLOP/s over it (None where the row has none)."""
+    fraction = None if useful_tflops is None else useful_tflops / dense_tflops
+    return {**row, "dense_tflops": dense_tflops, "fraction_of_dense": fraction}
+
+
+def dense_matmul_tflops(n: int = DENSE_N, iters: int = 20, warmup: int = 5) -> float:
     """A dense n x n x n BF16 torch.matmul (cuBLAS) in TFLOP/s: the GPU's GEMM ceiling in this run."""
     import torch
 

@@ -80,7 +80,7 @@ LAYER = View("bench_layer", "python scripts/bench_layer.py", (
     ("timed again: ms, x sequential", lambda r: f"{_f(r['retimed_median_ms'])}, {_x(_layer_x_seq(r))}"
      if "retimed_median_ms" in r else ""),
     ("overlap eff.", lambda r: _x(r.get("overlap_efficiency"))),
-    ("TFLOP/s", lambda r: _f(r.get("tflops"), ".0f")),
+    ("TFLOP/s", lambda r: _f(r.get("tflops"), ".0f")), ("of dense", lambda r: _x(r.get("fraction_of_dense"))),
     ("bitwise", lambda r: _yes(r.get("equal_to_sequential", r.get("bitwise_repeat"))))),
     section=lambda r: "other direction policies" if r.get("policy") else None)
 LAYER_LINK = View("bench_layer_link", "python scripts/bench_layer.py --link-gbps 368,900", (
@@ -96,7 +96,8 @@ GEMM = View("bench_gemm", "python scripts/bench_gemm.py", (
     ("shape", lambda r: r["shape"]), ("routing", lambda r: r["routing"]), ("problem", lambda r: r["problem"]),
     ("rows", lambda r: str(r["rows"])), ("ours TFLOP/s", lambda r: _f(r["tflops"]["ours"], ".0f")),
     ("torch._grouped_mm", lambda r: _f(r["tflops"]["torch"], ".0f")), ("x torch", lambda r: _x(r.get("ratio"))),
-    ("dense TFLOP/s", lambda r: _f(r["tflops"].get("dense"), ".0f"))))
+    ("same-FLOP torch.mm TFLOP/s", lambda r: _f(r["tflops"].get("dense"), ".0f")),
+    ("of dense", lambda r: _x(r.get("fraction_of_dense")))))
 COMM = View("bench_comm", "python scripts/bench_comm.py", (
     ("shape", lambda r: r["shape"]), ("EP", lambda r: str(r["ep"])), ("dispatch", lambda r: r["dispatch"]),
     ("combine", lambda r: r["combine"]), ("schedule ms", lambda r: _f(_median(r["stages"], "schedule"))),
@@ -215,7 +216,7 @@ def _layer_lines(gpu: str, rows: list[dict]) -> list[str]:
             best = max(of["fused"], key=lambda r: (bool(r.get("best_of_run")), _layer_x_seq(r)))
             torch_ms, seq_ms, ms = of["torch"][0]["median_ms"], of["sequential"][0]["median_ms"], _layer_ms(best)
             lines.append(f"| {label} | {shape} | {ms:.3f} ms (sequential {seq_ms:.3f}) | {torch_ms / ms:.2f} x torch "
-                         f"({torch_ms:.3f} ms) | {_layer_x_seq(best):.2f} |")
+                         f"({torch_ms:.3f} ms) | {_layer_x_seq(best):.2f} | {_x(best.get('fraction_of_dense'))} |")
             label = ""
     return lines
 
@@ -224,8 +225,10 @@ def _gemm_lines(gpu: str, rows: list[dict]) -> list[str]:
     lines, label = [], f"GEMMs ({_run_label(gpu, rows)})"
     for problem in dict.fromkeys(r["problem"] for r in rows):
         mine = [r for r in rows if r["problem"] == problem]
+        fractions = [r["fraction_of_dense"] for r in mine if r.get("fraction_of_dense") is not None]
         lines.append(f"| {label} | {problem} | {_range([r['tflops']['ours'] for r in mine], '.0f')} TFLOP/s | "
-                     f"{_range([r['ratio'] for r in mine], '.2f')} x `torch._grouped_mm` | |")
+                     f"{_range([r['ratio'] for r in mine], '.2f')} x `torch._grouped_mm` | | "
+                     f"{_range(fractions, '.2f') if fractions else '-'} |")
         label = ""
     return lines
 
@@ -242,7 +245,7 @@ def _comm_lines(gpu: str, rows: list[dict], nccl: list[dict], machine: str) -> l
             shapes = f"{len(mine)} shape" + ("s" if len(mine) > 1 else "")
             lines.append(f"| {label} | {op} {direction}, {shapes} | {_range(ms, '.3f')} ms, "
                          f"{_range([r['pct_of_ceiling'][op] for r in mine], '.0f')}% of link | "
-                         + (f"{_range(vs, '.2f')} x NCCL" if vs else "") + " | |")
+                         + (f"{_range(vs, '.2f')} x NCCL" if vs else "") + " | | |")
             label = ""
     return lines
 
@@ -252,7 +255,7 @@ def status_table(results_dir: Path | str = results.RESULTS_DIR) -> str:
     (fused against torch and our sequential pass), the grouped GEMMs, and the transfers on the
     machines with several GPUs (against NCCL in the same folder)."""
     results_dir = Path(results_dir)
-    lines = ["| benchmark | case | ours | x baseline | x sequential |", "|---|---|---|---|---|"]
+    lines = ["| benchmark | case | ours | x baseline | x sequential | of dense |", "|---|---|---|---|---|---|"]
     for gpu, rows in runs(LAYER, results_dir):
         lines += _layer_lines(gpu, rows)
     for gpu, rows in runs(GEMM, results_dir):
