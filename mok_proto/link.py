@@ -21,8 +21,8 @@ The model, per rank and direction (into the rank: what it pulls; out of it: what
 Rows are delayed, never changed: a run with the link is bitwise equal to one without.
 
 This module is the host side (the CommParams fields) and the arithmetic of the model, in the
-same integer units as the device (femtoseconds per byte, nanoseconds), for the CPU tests and the
-simulator.
+same integer units as the device (femtoseconds per byte, nanoseconds), for the tests (the
+simulator does not use it).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def comm_fields(link: LinkModel | None) -> dict:
 
 class LinkClock:
     """One rank's clock of one direction, as the device keeps it (cuda/common.cuh link_reserve,
-    linked_rows): for the CPU tests and the simulator."""
+    linked_rows): for the CPU tests."""
 
     def __init__(self, link: LinkModel):
         self.link, self.busy_until = link, 0
