@@ -1,5 +1,5 @@
 // The fused passes of the MoE layer: one persistent launch that runs a plan's task tables
-// (mok_proto/plan.py, `fused_forward` / `fused_backward`; kernels fused_forward, fused_backward:
+// (mok_proto/plan/, `fused_forward` / `fused_backward`; kernels fused_forward, fused_backward:
 // one task loop, run_fused<kPass>, over the pass's GEMM problems). Forward: the dispatched rows
 // are pulled and the combined rows pushed minibatch by minibatch while the shared and routed
 // expert GEMM tiles run as soon as their rows are in; before it (separate launches, as MoK does)
@@ -107,14 +107,14 @@ struct Ctx {
   const GemmParams* gemm;  // this launch rank's kFusedGemms
   const Task* tasks;
   const Counter* info;  // the plan's counters (kind, target, remote): read for remote counters only
-  int first_remote;     // counters first_remote .. are the remote ones (plan.py numbers them last)
+  int first_remote;     // counters first_remote .. are the remote ones (plan/core.py numbers them last)
   u32* counters;
   TraceRecord* trace;  // nullptr: no timeline
   int rank;            // EP rank
   int pass;            // 0: forward, 1: backward
 };
 
-// A *remote* counter (plan.py: raised by the tasks of every rank; its target counts R signals per
+// A *remote* counter (mok_proto/plan/: raised by the tasks of every rank; its target counts R signals per
 // signalling task) is kept as the round's peer flags: each rank counts its own signals in its
 // counter, and the signal that completes its share (target / R) raises the counter's flag on
 // every peer (flags[kind][rank] = the round's epoch, as raise_flag does after a standalone launch);
@@ -257,7 +257,7 @@ __device__ __forceinline__ void trace_times(const Ctx& c, int index, i64 start, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// The pool (plan.py: Plan.pool_table, `claim`): the tile pairs no CTA's table holds, claimed at run
+// The pool (plan/core.py: Plan.pool_table, `claim`): the tile pairs no CTA's table holds, claimed at run
 // time in order, each by a cluster whose producer issued its own table's GEMM loads (MoK's ticket scheduler,
 // over the tail of the global order): the cluster that finishes first takes the next pair. Cluster
 // CTA 0's producer lane 0 claims (an add on the plan's CLAIMED counter, this launch rank's) and
@@ -435,7 +435,7 @@ __device__ __forceinline__ bool consume_task(const Ctx& c, SharedStorage& ss, Ri
 // ---------------------------------------------------------------------------------------------
 // Communication tasks: chunk c = row_tile of the C = col_tile chunks of minibatch m's transfer
 // moves its receive rows m MB + c, + C, ... (C: the communicating CTAs, or every CTA for a
-// transfer the plan spreads over all of them: plan.py, spread_from). A warp moves a row through registers
+// transfer the plan spreads over all of them: plan/build.py, spread_from). A warp moves a row through registers
 // (warp_move_row, as the standalone comm kernels do), kUnroll 16-byte values per lane in flight.
 // Two kinds of movers run the same function: a communicating CTA (every warp; kCommUnroll) and
 // the spare warps of a compute CTA beside its GEMM tiles (kSideWarps; kSideUnroll). A CTA moves

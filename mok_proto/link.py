@@ -21,8 +21,8 @@ The model, per rank and direction (into the rank: what it pulls; out of it: what
 Rows are delayed, never changed: a run with the link is bitwise equal to one without.
 
 This module is the host side (the CommParams fields) and the arithmetic of the model, in the
-same integer units as the device (femtoseconds per byte, nanoseconds), for the CPU tests and the
-simulator.
+same integer units as the device (femtoseconds per byte, nanoseconds), for the tests (the
+simulator does not use it).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ DEFAULT_LATENCY_US = 3.5
 NS_PER_S = 1e9
 FS_PER_NS = 1_000_000
 LOAD_BATCH_BYTES = 32 * 16  # one warp's 16-byte loads, one per lane (kernels multiply by their unroll)
+# link_reserve multiplies a reservation's bytes by the rate in int64: 2**38 bytes (more than a GPU
+# holds) at the slowest rate must not overflow (it would sleep for centuries, not time out).
+MAX_FS_PER_BYTE = (2**63 - FS_PER_NS) // 2**38  # (with the rounding's half nanosecond)
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class LinkModel:
             raise ValueError(f"link latency_us must be a finite number >= 0, got {self.latency_us!r}")
         if self.fs_per_byte < 1:
             raise ValueError(f"link gbps {self.gbps} is too fast to emulate (under 1 fs per byte)")
+        if self.fs_per_byte > MAX_FS_PER_BYTE:
+            raise ValueError(f"link gbps {self.gbps} is too slow to emulate (at least "
+                             f"{FS_PER_NS / MAX_FS_PER_BYTE:.3g} GB/s: the device's femtoseconds are int64)")
 
     @property
     def fs_per_byte(self) -> int:
@@ -92,7 +98,7 @@ def comm_fields(link: LinkModel | None) -> dict:
 
 class LinkClock:
     """One rank's clock of one direction, as the device keeps it (cuda/common.cuh link_reserve,
-    linked_rows): for the CPU tests and the simulator."""
+    linked_rows): for the CPU tests."""
 
     def __init__(self, link: LinkModel):
         self.link, self.busy_until = link, 0

@@ -21,10 +21,19 @@ def test_rate_in_device_units():
 
 
 @pytest.mark.parametrize("gbps,latency", [(0, 1.0), (-5, 1.0), (float("inf"), 1.0), (float("nan"), 1.0),
-                                          (368, -1.0), (368, float("nan")), (2e6, 1.0)])
+                                          (368, -1.0), (368, float("nan")), (2e6, 1.0), (0.01, 1.0)])
 def test_bad_settings_are_refused(gbps, latency):
     with pytest.raises(ValueError, match="link"):
         LinkModel(gbps, latency)
+
+
+def test_the_slowest_link_cannot_overflow_the_device_arithmetic():
+    from mok_proto.link import FS_PER_NS, MAX_FS_PER_BYTE
+
+    slowest = LinkModel(1e6 / MAX_FS_PER_BYTE)  # 0.0298 GB/s
+    assert slowest.fs_per_byte == MAX_FS_PER_BYTE and MAX_FS_PER_BYTE * 2**38 + FS_PER_NS // 2 <= 2**63 - 1
+    with pytest.raises(ValueError, match="too slow"):
+        LinkModel(1e6 / MAX_FS_PER_BYTE * 0.99)
 
 
 def test_one_budget_shared_by_every_mover():

@@ -1265,6 +1265,21 @@ def test_a_partial_bench_gemm_run_replaces_only_its_rows(tmp_path):
     calibrate.fit_h200(tmp_path)  # every problem still has rows to fit
 
 
+def test_a_link_check_run_leaves_the_comm_rows_alone(h200, tmp_path):
+    # bench_comm --link-gbps appends rows of another kind (a stage per row, no `stages`) to
+    # bench_comm.jsonl: the newest timed round of each backend still calibrates and is judged
+    _results_copy(tmp_path, only={"bench_comm.jsonl", "x2/bench_comm.jsonl"})
+    before = calibrate.newest_comm_rows(tmp_path)
+    check = {"backend": "virtual", "shape": "kimi-k2.7", "ep": 2, "tokens_per_rank": 2048, "stage": "dispatch",
+             "direction": "push", "median_ms": 1.0, "link_gbps": 368.0, "x2_measured_ms": 0.5,
+             "time": "2099-01-01T00:00:00+00:00", "git": "link-check"}
+    with open(tmp_path / "bench_comm.jsonl", "a") as f:
+        f.write(json.dumps(check) + "\n")
+    assert results.is_link_check(check) and not any(results.is_link_check(r) for r in before)
+    assert calibrate.newest_comm_rows(tmp_path) == before
+    assert validate.kernel_rows(h200, tmp_path)  # reads every newest comm row's dispatch and combine
+
+
 @pytest.mark.parametrize("pass_", P.PASSES)
 def test_claimed_pairs_run_on_the_cluster_free_first(h200, pass_):
     # the pool (plan claim): each pair on one cluster's two CTAs, after that cluster's table, in

@@ -13,6 +13,7 @@ from mok_proto.bench.timing import summarize, time_stages
 from mok_proto.config import MoEShape, RunConfig, ep_share, get_shape
 
 EP = 64
+EMULATION = "2 virtual ranks, rank 0 timed"  # the rows' `emulation` field
 
 
 def emulated_shape(name: str) -> MoEShape:

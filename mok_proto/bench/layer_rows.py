@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mok_proto.bench.cli import Bar
-from mok_proto.bench.emulation import EP
+from mok_proto.bench.emulation import EMULATION, EP
 from mok_proto.bench.layer import best_row
 from mok_proto.bench.overlap import overlap_ceiling, stages_inside
 
-EMULATION = "2 virtual ranks, rank 0 timed"
 TORCH_REL_ERR = 0.05  # max |ours - torch| / max |torch| (bf16) beyond which the two are not the same layer
 LINK_FILE = "bench_layer_link"  # the rows with the emulated link (bench_layer's rows stay without it)
 BARS = {

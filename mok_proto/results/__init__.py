@@ -50,6 +50,12 @@ def machine_dir(num_gpus: int = 1, results_dir: Path | str = RESULTS_DIR) -> Pat
     return Path(results_dir) if num_gpus == 1 else Path(results_dir) / f"x{num_gpus}"
 
 
+def is_link_check(row: dict) -> bool:
+    """Whether a bench_comm row is of its emulated-link check (`--link-gbps`: one row per stage and
+    direction, against the 2-GPU run), not of a timed round (a row per policy, its `stages`)."""
+    return "stage" in row
+
+
 def newest(rows: list[dict], group_by: tuple = ()) -> list[dict]:
     """The rows of the newest run of each group (rows share a group when their group_by
     fields are equal)."""
@@ -61,6 +67,6 @@ def newest(rows: list[dict], group_by: tuple = ()) -> list[dict]:
 
 
 __all__ = ["INDEX", "JSONL_SUFFIXES", "RESULTS_DIR", "RUN_GAP", "TIMELINES", "TIMELINE_EVENTS", "TIMELINE_PREFIX",
-           "TIMELINE_PREFIXES", "add_timeline", "comm_bars_from_ready", "jsonl_files", "load", "load_timeline", "machine_dir",
-           "newest", "open_text", "plain_name", "read_text", "timeline_events", "timeline_file", "timeline_files",
-           "timeline_index", "timeline_name", "timeline_summary", "timelines_dir"]
+           "TIMELINE_PREFIXES", "add_timeline", "comm_bars_from_ready", "is_link_check", "jsonl_files", "load",
+           "load_timeline", "machine_dir", "newest", "open_text", "plain_name", "read_text", "timeline_events",
+           "timeline_file", "timeline_files", "timeline_index", "timeline_name", "timeline_summary", "timelines_dir"]

@@ -106,13 +106,13 @@ COMM = View("bench_comm", "python scripts/bench_comm.py", (
     ("combine ms", lambda r: _f(_median(r["stages"], "combine"))),
     ("GB/s ", lambda r: _f(r.get("combine_gbs"), ".0f")), ("% ceiling ", lambda r: _f(r["pct_of_ceiling"]["combine"], ".0f")),
     ("exact", lambda r: _yes(r.get("bit_exact")))),
-    keep=lambda r: "stage" not in r)
+    keep=lambda r: not results.is_link_check(r))
 LINK_CHECK = View("bench_comm", "python scripts/bench_comm.py --link-gbps 368 --ep 2 --global-tokens 4096", (
     ("shape", lambda r: r["shape"]), ("EP", lambda r: str(r["ep"])), ("stage", lambda r: r["stage"]),
     ("direction", lambda r: r["direction"]), ("link GB/s", lambda r: _f(r.get("link_gbps"), "g")),
     ("emulated ms", lambda r: _f(r["median_ms"])), ("2 x H200 ms", lambda r: _f(r.get("x2_measured_ms"))),
     ("difference", lambda r: _f(r.get("error_vs_x2"), "+.1%")), ("exact", lambda r: _yes(r.get("bit_exact")))),
-    keep=lambda r: "stage" in r)
+    keep=results.is_link_check)
 NCCL = View("bench_nccl_baseline", "python scripts/bench_nccl_baseline.py", (
     ("shape", lambda r: r["shape"]), ("ranks", lambda r: str(r.get("ranks"))),
     ("layout ms", lambda r: _f(_median(r["stages"], "layout"))), ("dispatch ms", lambda r: _f(_median(r["stages"], "dispatch"))),

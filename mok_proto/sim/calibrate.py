@@ -52,8 +52,9 @@ def newest_gemm_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
 
 def newest_comm_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
     """bench_comm's newest run of each backend (virtual ranks on one GPU: results/; NVSHMEM on two
-    GPUs: results/x2/), by time."""
+    GPUs: results/x2/), by time; the emulated link's check rows are another measurement (left out)."""
     rows = results.load("bench_comm", results_dir) + results.load("bench_comm", results.machine_dir(2, results_dir))
+    rows = [r for r in rows if not results.is_link_check(r)]
     return results.newest(sorted(rows, key=lambda r: r["time"]), group_by=("backend",))
 
 
