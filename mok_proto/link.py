@@ -11,7 +11,8 @@ The model, per rank and direction (into the rank: what it pulls; out of it: what
     reserves their bytes on it: its rows are done at max(now, clock) + bytes / rate (one budget
     shared by every mover: a lone mover sees the whole link, many movers share it);
   * a pull also waits at least one round trip (`latency_us`) per batch of loads its warp has in
-    flight (the kernel's own batch: 32 lanes x 16 bytes x its unroll);
+    flight (the kernel's own batch: 32 lanes x its access width x its unroll: 512 bytes x unroll
+    with 16-byte accesses, 64 bytes for rows copied 2 bytes at a time, whose pulls are slow);
   * a push pays one round trip at its flush, the signal after it; every signal (flag, remote
     counter) pays one round trip;
   * which rows pay: rows between two different ranks, or (every_row) every row a rank moves, for
@@ -30,9 +31,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# The round trip of one batch of loads, fitted to the 2 x H200 pull stages (results/x2/, with the
-# standalone pull kernel's loads in flight): the only parameter fitted to the real link.
-DEFAULT_LATENCY_US = 3.5
+# The round trip of one batch of loads: the only parameter fitted to the real link, on the 2 x H200
+# pull stages (results/x2/) with the standalone pull kernel's launch of a rank that has its GPU to
+# itself (how, and the fit per stage: docs/LOG.md).
+DEFAULT_LATENCY_US = 3.4
 NS_PER_S = 1e9
 FS_PER_NS = 1_000_000
 LOAD_BATCH_BYTES = 32 * 16  # one warp's 16-byte loads, one per lane (kernels multiply by their unroll)
