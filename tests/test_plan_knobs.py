@@ -108,3 +108,15 @@ def test_describe_gives_the_fields_of_a_results_row():
     row = P.FusedKnobs(0, 256, claim="all", scale=False).describe("bwd", MOK_POLICY)
     assert (row["assign"], row["raster"], row["token_grads"], row["scale"]) == (plan.assign, plan.raster,
                                                                                plan.token_grads, plan.scale)
+
+
+@pytest.mark.parametrize("pass_,knobs", [
+    ("fwd", P.FusedKnobs(8, 2048)), ("fwd", P.FusedKnobs(8, 256, spread_from=1, lookahead=0, claim=3, raster="col")),
+    ("fwd", P.FusedKnobs(0, 512, ring_minibatches=2)), ("bwd", P.FusedKnobs(0, 2048, claim="all", scale=False)),
+    ("bwd", P.FusedKnobs(12, 1024, assign="round_robin", token_grads=False))])
+def test_from_row_builds_the_plan_a_row_ran(pass_, knobs):
+    # sim --validate rebuilds a fused row's plan from its fields: the same knobs as the pass ran them
+    row = knobs.describe(pass_, MOK_POLICY)
+    again = P.FusedKnobs.from_row({**row, "num_sms": 132, "claim_pairs": 7, "median_ms": 1.0})
+    assert again.resolved(pass_, MOK_POLICY) == knobs.resolved(pass_, MOK_POLICY)
+    assert again.describe(pass_, MOK_POLICY) == row

@@ -53,6 +53,12 @@ class Launch:
             raise ValueError(f"bad launch geometry {self}")
 
     @staticmethod
+    def default_blocks_per_rank(rows: int, num_sms: int, num_launch_ranks: int) -> int:
+        """The copy kernels' grid.x when the caller sets none: about 4 blocks per SM in all, at
+        most one block per 8 rows (rows: the larger of the slot and receive buffers)."""
+        return max(1, min(4 * num_sms // num_launch_ranks, -(-rows // 8)))
+
+    @staticmethod
     def vec_for(row_bytes: int) -> int:
         if row_bytes % 2:
             raise ValueError(f"rows must have an even number of bytes, got {row_bytes}")

@@ -56,12 +56,12 @@ class GpuRound:
                                                "flags", "state", "link_clock")})
 
     def launch_for(self, ranks, row_bytes: int, blocks_per_rank: int | None) -> kc.Launch:
-        """Launch geometry over `ranks`: by default about 4 blocks per SM in all, at most one warp
-        per 8 rows of the larger of the slot and receive buffers."""
+        """Launch geometry over `ranks`: by default kc.Launch.default_blocks_per_rank of the larger
+        of the slot and receive buffers."""
         s = self.shape
         if blocks_per_rank is None:
             rows = max(s.num_tokens * s.top_k, self.capacity)
-            blocks_per_rank = max(1, min(4 * num_sms() // len(ranks), -(-rows // 8)))
+            blocks_per_rank = kc.Launch.default_blocks_per_rank(rows, num_sms(), len(ranks))
         return kc.Launch(len(ranks), blocks_per_rank, kc.Launch.vec_for(row_bytes), link=self.run.link is not None)
 
     def check(self):

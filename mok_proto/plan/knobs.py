@@ -143,6 +143,13 @@ class FusedKnobs:
         return row
 
     @classmethod
+    def from_row(cls, row: dict) -> FusedKnobs:
+        """The knobs of a results row's fused plan (the fields `describe` wrote): they build that plan
+        again with the row's pass, policy and grid."""
+        names = ("assign", "raster", "claim", "ring_minibatches", "lookahead", "spread_from", "token_grads", "scale")
+        return cls(row["comm_blocks"], row["minibatch_tokens"], **{k: row[k] for k in names if row.get(k) is not None})
+
+    @classmethod
     def parse(cls, text: str) -> FusedKnobs:
         """COMM:MINIBATCH[:CLAIM] as typed on a command line (CLAIM: parse_claim; left out: the
         pass's default) -> FusedKnobs; ValueError otherwise."""

@@ -5,6 +5,9 @@
     python -m mok_proto.sim --fused --comm-sms 0 ...   # the megakernel's plan (plan.fused_forward, --pass bwd:
                                                        # plan.fused_backward)
     python -m mok_proto.sim --fused --vs-sequential ... # and the sequential plan of the same pass: x sequential
+    python -m mok_proto.sim --link-gbps 368,900        # bench_layer.py --link-gbps's emulation: one GPU, EP=64's
+                                                       # share, both passes, sequential and fused with the link
+    python -m mok_proto.sim --fused --vs-sequential --ep 8 --link-gbps 450 ...  # a projection with link_gbs 450
     python -m mok_proto.sim calibrate --gpu h200       # refit calibration/h200.json on results/
 
 A simulation's first output line names every setting it ran with, "(default)" after those not given.
@@ -14,17 +17,20 @@ Exit status: 0 ok; 1 an H200 row outside its bar (--validate); 2 bad argument (o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 
 from mok_proto import plan as plans
 from mok_proto import results
-from mok_proto.config import MOK_POLICY, PRESETS, get_shape, parse_policy
-from mok_proto.sim import calibrate
+from mok_proto.bench.layer_rows import overlap_efficiency
+from mok_proto.config import MOK_POLICY, PRESETS, ep_share, get_shape, parse_policy
+from mok_proto.link import DEFAULT_LATENCY_US, LinkModel
+from mok_proto.sim import calibrate, fused, layer
 from mok_proto.sim.model import simulate
 from mok_proto.sim.params import PARAMS, get_params, h200, params_from_json
-from mok_proto.sim.validate import H200_TOLERANCE, format_table, h200_rows, paper_rows, tolerance_of
+from mok_proto.sim.validate import H200_TOLERANCE, format_table, h200_rows, link_note, paper_rows, tolerance_of
 
 PROG = "python -m mok_proto.sim"
 SPLIT_DEFAULTS = {"comm_sms": 40, "minibatch": 2048}  # MoK's fixed split on GB300 (the paper's forward setting)
@@ -70,6 +76,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--claim", default=None,
                     help=f"with --fused: tile pairs claimed at run time, an int >= 0, {' or '.join(plans.CLAIMS)} "
                          f"(default {fused['fwd']['claim']} forward, {fused['bwd']['claim']} backward)")
+    ap.add_argument("--link-gbps", default=None, metavar="G[,G...]",
+                    help="a link's rate per direction, GB/s. Without --sequential, --fused, --vs-sequential: "
+                         "bench_layer.py --link-gbps's emulation (one GPU, default h200; one EP=--ep rank's share on 2 "
+                         "virtual ranks, every row rank 0 moves paying the emulated link, mok_proto.link.LinkModel): "
+                         "the sequential and fused passes (the fused knobs: --comm-sms ... --claim) with and without "
+                         "the link, both passes (or --pass), each G. With one of them: that projection with the --gpu "
+                         "parameter set's link_gbs = G (one G)")
+    ap.add_argument("--link-latency-us", type=float, default=None,
+                    help=f"the emulated link's round trip (default {DEFAULT_LATENCY_US}: mok_proto.link); a projection "
+                         "keeps its parameter set's round trips")
     return ap
 
 
@@ -89,12 +105,62 @@ def _calibrate(argv) -> int:
     return 0
 
 
+def _link_speeds(text: str) -> list[float]:
+    """--link-gbps G[,G...] -> [G, ...] (ValueError naming the flag otherwise)."""
+    try:
+        return list(dict.fromkeys(float(g) for g in text.split(",")))
+    except ValueError:
+        raise ValueError(f"--link-gbps: {text!r} is not G[,G...] in GB/s") from None
+
+
+def _emulation(args, given: set) -> int:
+    """--link-gbps without a plan option: bench_layer's one-GPU emulation at each link speed."""
+    latency = DEFAULT_LATENCY_US if args.link_latency_us is None else args.link_latency_us
+    speeds = _link_speeds(args.link_gbps)
+    try:
+        links = [LinkModel(g, latency, every_row=True) for g in speeds]
+    except ValueError as e:
+        raise ValueError(f"--link-gbps, --link-latency-us: {e}") from None
+    if "policy" in given:
+        raise ValueError("--policy: the emulation's sequential stages follow MoK's directions (sim/layer.py)")
+    if "gpu" not in given:
+        args.gpu = "h200"  # the GPU bench_layer runs on
+    gpu, knobs = get_params(args.gpu), plans.FusedKnobs(args.comm_sms, args.minibatch, assign=args.assign,
+                                                         raster=args.raster, claim=args.claim)
+    shape = ep_share(args.shape, args.ep)
+    passes = [args.pass_] if "pass" in given else list(plans.PASSES)
+    fused_knobs = {p: knobs.resolved(p, MOK_POLICY).describe(p, MOK_POLICY) for p in passes}  # (checks them)
+    num_sms, one = gpu.num_sms - gpu.num_sms % 2, layer.one_gpu(gpu)
+    table = []  # bench_layer's link table's columns (ms): the sequential and fused passes without and with the link
+    for link in links:
+        for pass_ in passes:
+            seq, seq_link = (layer.sequential_stages_ns(shape, pass_, one, link=k)["total"] / 1e6 for k in (None, link))
+            fus, fus_link = (fused.fused_pass_ns(shape, gpu, pass_, knobs, num_sms, k) / 1e6 for k in (None, link))
+            eff = overlap_efficiency(seq, seq_link, fus, fus_link)
+            table.append(f"{link.gbps:>6g}  {args.shape:<16}{pass_:<5}{seq:>9.3f}{seq_link:>9.3f}{fus:>9.3f}"
+                         f"{fus_link:>9.3f}{seq_link / fus_link:>7.2f}{'-' if eff is None else f'{eff:.2f}':>8}")
+    item = lambda name, value: f"{name} {value}" + ("" if name in given else " (default)")  # noqa: E731
+    print("# " + ", ".join([item("shape", args.shape), item("ep", args.ep), item("gpu", args.gpu),
+                            "one GPU: 2 virtual ranks, every row rank 0 moves pays the link",
+                            f"link-gbps {','.join(f'{link.gbps:g}' for link in links)}",
+                            item("link-latency-us", f"{latency:g}"), item("comm-sms", args.comm_sms),
+                            item("minibatch", args.minibatch)]))
+    for pass_, row in fused_knobs.items():
+        print(f"# fused {pass_}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+    print(f"{'link':>6}  {'shape':<16}{'pass':<5}{'seq_ms':>9}{'seq_link':>9}{'fused_ms':>9}{'fus_link':>9}{'x seq':>7}"
+          f"{'overlap':>8}")
+    print("\n".join(table))
+    return 0
+
+
 def _settings(args, given: set, plan: str, policy: dict) -> str:
     """The header line: every setting of the run, "(default)" after those not given."""
     def item(name, value, flag=None):
         return f"{name} {value}" + ("" if (flag or name) in given else " (default)")
     out = [item("shape", args.shape), item("ep", args.ep), item("gpu", args.gpu), item("pass", args.pass_),
            f"plan {plan}", item("policy", ",".join(f"{k}={v}" for k, v in policy.items()))]
+    if args.link_gbps is not None:
+        out.append(f"link-gbps {args.link_gbps} (the parameter set's link_gbs)")
     if plan != "sequential":
         out += [item("comm-sms", args.comm_sms), item("minibatch", args.minibatch)]
     if plan == "fused":
@@ -120,16 +186,21 @@ def main(argv=None) -> int:
                 rows += paper_rows()
             print(f"# h200 parameters: {calibrate.describe(calibrated)}")
             print(format_table(rows, tolerance_of))
+            note = link_note()
+            if note:
+                print(note)
             print(f"# {len(bad)} H200 rows outside {H200_TOLERANCE * 100:.0f}%")
             return 1 if bad else 0
+        # bench_layer's one-GPU emulation with its link: --link-gbps without a plan option
+        emulation = args.link_gbps is not None and not (args.sequential or args.fused or args.vs_sequential)
         if args.sequential and args.fused:
             raise ValueError("--sequential and --fused name two plans: give one")
-        if args.claim is not None and not args.fused:
+        if args.claim is not None and not (args.fused or emulation):
             raise ValueError("--claim applies to the megakernel's plan: add --fused")
         if args.vs_sequential and args.sequential:
             raise ValueError("--vs-sequential compares another plan with the sequential one: drop --sequential")
         plan = "sequential" if args.sequential else "fused" if args.fused else "fixed_split"
-        for name, value in (FUSED_DEFAULTS if args.fused else SPLIT_DEFAULTS).items():
+        for name, value in (FUSED_DEFAULTS if args.fused or emulation else SPLIT_DEFAULTS).items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
         gpu = get_params(args.gpu)
@@ -142,6 +213,16 @@ def main(argv=None) -> int:
         policy = parse_policy(args.policy)
         if args.claim is not None:
             args.claim = plans.parse_claim(args.claim)
+        if emulation:
+            return _emulation(args, given)
+        if args.link_latency_us is not None:
+            raise ValueError("--link-latency-us sets the emulated link's round trip (--link-gbps without --sequential, "
+                             "--fused, --vs-sequential); a projection keeps its parameter set's round trips")
+        if args.link_gbps is not None:
+            speeds = _link_speeds(args.link_gbps)
+            if len(speeds) != 1 or not 0 < speeds[0] < float("inf"):
+                raise ValueError(f"--link-gbps: a projection takes one link rate > 0 in GB/s, got {args.link_gbps!r}")
+            gpu = dataclasses.replace(gpu, link_gbs=speeds[0])
         header = _settings(args, given, plan, policy)
         t0 = time.perf_counter()
 

@@ -19,7 +19,8 @@ Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicati
   tiles, the compute end, the kernel end and every other timeline stay predictions;
 * `simulate_timeline`: the simulated timeline of the plan a measured one ran;
 * `pass_ns`: the fused layer's forward pass as bench_layer times it (graph replays: the schedule's
-  launches, the kernel, the flag, the wait and the weighted sum).
+  launches, the kernel, the flag, the wait and the weighted sum); `fused_pass_ns` either pass, with
+  the knobs of a results row and bench_layer's emulated link (--link-gbps).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 from mok_proto import plan as plans
 from mok_proto import results
 from mok_proto.config import MOK_POLICY, MoEShape, ep_share
+from mok_proto.link import LinkModel
 from mok_proto.plan import BM, PAIR_ROWS, TaskKind
 from mok_proto.sim import layer
 from mok_proto.sim.model import ELEM_BYTES, MOVER_KIND_IDS, SimResult, fused_chunk_rows, simulate, token_task_bytes
@@ -257,24 +259,38 @@ def simulate_timeline(records: np.ndarray, shape: MoEShape, gpu: GpuParams,
 
 def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: int, num_sms: int,
             claim=0) -> float:
-    """The fused forward pass as bench_layer times it (graph replays), on `gpu` (h200): the
-    schedule's kernels (sim/layer.py's forward "schedule" stage), then the simulated pass (the
-    counters' memset, the kernel, the flag and the wait, the weighted sum). claim: the plan's
-    (plan.FusedKnobs; 0: no pool, static tables). Computed once per arguments (gpu by its fields)."""
-    key = (shape, repr(gpu), comm_blocks, minibatch_rows, num_sms, claim)
+    """The fused forward pass as bench_layer times it (`fused_pass_ns`, no link) with these knobs;
+    claim: the plan's (plan.FusedKnobs; 0: no pool, static tables)."""
+    return fused_pass_ns(shape, gpu, "fwd", plans.FusedKnobs(comm_blocks, minibatch_rows, claim=claim), num_sms)
+
+
+def fused_pass_ns(shape: MoEShape, gpu: GpuParams, pass_: str, knobs: plans.FusedKnobs, num_sms: int,
+                  link: LinkModel | None = None) -> float:
+    """A fused pass as bench_layer times it (graph replays) on `gpu` (h200), with the plan `knobs`
+    build (MoK's directions, bench_layer's capacity) and its transfers paying `link` (an emulated
+    link, mok_proto.link.LinkModel) if one is given: the forward's schedule kernels (sim/layer.py's
+    forward "schedule" stage), then the simulated pass (the forward: the counters' memset, the
+    kernel, the flag and the wait, the weighted sum; the backward from its round's start).
+    Computed once per arguments (gpu by its fields)."""
+    key = (shape, repr(gpu), pass_, knobs, num_sms, link)
     if key not in _PASS_NS:
-        capacity = -(-int(BENCH_CAPACITY * shape.num_tokens * shape.top_k) // minibatch_rows) * minibatch_rows
-        knobs = plans.FusedKnobs(comm_blocks, minibatch_rows, claim=claim)
-        plan = _fused_plan("fwd", shape, layer.EMULATED_RANKS, knobs, tuple(MOK_POLICY.items()), num_sms, capacity)
+        rows = knobs.minibatch_rows
+        capacity = -(-int(BENCH_CAPACITY * shape.num_tokens * shape.top_k) // rows) * rows
+        plan = _fused_plan(pass_, shape, layer.EMULATED_RANKS, knobs, tuple(MOK_POLICY.items()), num_sms, capacity)
         one = layer.one_gpu(gpu)
-        schedule = layer.LAYER_STAGES["fwd"]["schedule"].kernels * one.launch_ns
+        outside = 0.0
+        if pass_ == "fwd":
+            schedule = layer.LAYER_STAGES["fwd"]["schedule"]
+            outside = schedule.kernels * one.launch_ns
+            if link is not None:
+                outside += schedule.signals * link.latency_ns
         if len(_PASS_NS) >= 512:
             _PASS_NS.clear()
-        _PASS_NS[key] = schedule + simulate(plan, one, emulated_load(shape)).time_ns
+        _PASS_NS[key] = outside + simulate(plan, one, emulated_load(shape), link=link).time_ns
     return _PASS_NS[key]
 
 
-_PASS_NS: dict = {}  # pass_ns's results: (its arguments, gpu by its repr) -> ns
+_PASS_NS: dict = {}  # fused_pass_ns's results: (its arguments, gpu by its repr) -> ns
 
 
 def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 12, 16), minibatches=(512, 1024, 2048, 4096),

@@ -38,24 +38,29 @@ import numpy as np
 from mok_proto import plan as plans
 from mok_proto import results
 from mok_proto.config import MOK_POLICY, MoEShape, ep_share
+from mok_proto.link import LinkModel
 from mok_proto.plan import BM, CounterKind, TaskKind
 from mok_proto.sim.model import SCALE_TO_SLOTS, TOPK_WEIGHT_GRAD, Load, routed_load, simulate, token_kernel_ns
 from mok_proto.sim.params import GpuParams
 
 EMULATED_RANKS = 2
+LINK_RESULTS = "bench_layer_link"  # bench_layer.py --link-gbps's rows (bench.layer_rows.LINK_FILE)
 
 
 class LayerStage(NamedTuple):
     kinds: tuple  # the plan task kinds it runs (one plan stage, one kernel, each)
     kernels: int = 0  # kernels outside the plan: a kernel boundary each
     token: tuple = ()  # of those, the ones with HBM traffic: (traffic, reads, writes) in N H elements (model)
+    signals: int = 0  # of those, the ones that raise a flag: a round trip each under a link (a push of the plan
+    # pays its own flag's: model.simulate)
 
 
 # layer stage -> LayerStage, in enqueue order. Kernel counts follow enqueue_forward/_backward under
 # MOK_POLICY (dispatch pull, combine push, rev_combine pull, rev_dispatch push).
 LAYER_STAGES = {
     "fwd": {
-        "schedule": LayerStage((), 5),  # begin_round, allgather_routing, count, scan, place
+        "schedule": LayerStage((), 5, signals=2),  # begin_round, allgather_routing, count, scan, place (flags:
+        # the all-gather's and the placement's)
         "shared": LayerStage((TaskKind.SHARED_GATE_UP, TaskKind.SHARED_DOWN)),
         "dispatch": LayerStage((TaskKind.DISPATCH,)),
         "experts": LayerStage((TaskKind.GATE_UP, TaskKind.DOWN)),
@@ -67,7 +72,7 @@ LAYER_STAGES = {
         "scale": LayerStage((), 2, (SCALE_TO_SLOTS,)),
         "shared": LayerStage((TaskKind.SHARED_DOWN_BWD, TaskKind.SHARED_GATE_UP_BWD, TaskKind.SHARED_DOWN_WGRAD,
                               TaskKind.SHARED_GATE_UP_WGRAD)),
-        "rev_combine": LayerStage((TaskKind.REV_COMBINE,), 2),  # + raise_flag, wait_peers
+        "rev_combine": LayerStage((TaskKind.REV_COMBINE,), 2, signals=1),  # + raise_flag, wait_peers
         "experts": LayerStage((TaskKind.DOWN_BWD, TaskKind.GATE_UP_BWD)),
         "rev_dispatch": LayerStage((TaskKind.REV_DISPATCH,), 1),  # + wait_peers
         "wgrad": LayerStage((TaskKind.DOWN_WGRAD, TaskKind.GATE_UP_WGRAD)),
@@ -86,11 +91,20 @@ LAYER_CALIBRATION = {
 }
 
 
-def compared_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
-    """bench_layer's rows the simulator compares with: those under MoK's transfer directions (a row
-    with another `policy` is not), of runs not marked `sim_left_out` (a field that says why), by time."""
-    return [r for r in results.load("bench_layer", results_dir)
+def compared_rows(results_dir=results.RESULTS_DIR, bench: str = "bench_layer") -> list[dict]:
+    """bench_layer's rows (bench: its results file's name) the simulator compares with: those under
+    MoK's transfer directions (a row with another `policy` is not), of runs not marked
+    `sim_left_out` (a field that says why), by time."""
+    return [r for r in results.load(bench, results_dir)
             if "sim_left_out" not in r and r.get("policy", MOK_POLICY) == MOK_POLICY]
+
+
+def link_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
+    """bench_layer.py --link-gbps's rows (results/<LINK_RESULTS>.jsonl) the simulator compares with:
+    `compared_rows` measured on an H200 (the h200 parameters' GPU; a row without `gpu` counts as
+    one), the newest run of each shape and link."""
+    rows = [r for r in compared_rows(results_dir, LINK_RESULTS) if "H200" in r.get("gpu", "H200")]
+    return results.newest(rows, group_by=("shape", "link_gbps", "link_latency_us", "link_every_row"))
 
 
 def measured_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
@@ -124,24 +138,27 @@ def _sequential_plan(shape: MoEShape, pass_: str, num_sms: int) -> plans.Plan:
     return plans.sequential(shape, EMULATED_RANKS, pass_=pass_, policy=MOK_POLICY, num_sms=num_sms)
 
 
-def sequential_stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int = 0) -> dict:
+def sequential_stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int = 0,
+                           link: LinkModel | None = None) -> dict:
     """{layer stage: (kernels, work ns)} of rank 0 for the sequential layer on `gpu` (use
-    `one_gpu(h200)` for bench_layer's emulation): the stage takes kernels x gpu.launch_ns + work.
-    Computed once per arguments (gpu by its fields); each call returns its own dict."""
-    key = (shape, pass_, repr(gpu), seed)
+    `one_gpu(h200)` for bench_layer's emulation), its transfers paying `link` if one is given (an
+    emulated link, mok_proto.link.LinkModel; its flags' round trips are work): the stage takes
+    kernels x gpu.launch_ns + work. Computed once per arguments (gpu by its fields); each call
+    returns its own dict."""
+    key = (shape, pass_, repr(gpu), seed, link)
     if key not in _STAGE_PARTS:
         if len(_STAGE_PARTS) >= 256:
             _STAGE_PARTS.clear()
-        _STAGE_PARTS[key] = _stage_parts(shape, pass_, gpu, seed)
+        _STAGE_PARTS[key] = _stage_parts(shape, pass_, gpu, seed, link)
     return dict(_STAGE_PARTS[key])
 
 
 _STAGE_PARTS: dict = {}  # sequential_stage_parts' results by its arguments
 
 
-def _stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int) -> dict:
+def _stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int, link: LinkModel | None) -> dict:
     p = _sequential_plan(shape, pass_, gpu.num_sms)
-    result = simulate(p, gpu, emulated_load(shape, seed))
+    result = simulate(p, gpu, emulated_load(shape, seed), link=link)
     # Plan stage s ends when its last task on rank 0 ends; its time runs from the previous
     # stage's end (its launch, any wait, its work).
     t = p.tasks
@@ -156,15 +173,19 @@ def _stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int) -> dict
         sel = [s for s in range(num_stages) if stage.kinds and kinds_of_stage[s] <= {int(k) for k in stage.kinds}]
         work = float(stage_ns[sel].sum()) - len(sel) * gpu.launch_ns  # one launch per plan stage
         work += sum(token_kernel_ns(shape, gpu, kernel) for kernel in stage.token)
+        if link is not None:
+            work += stage.signals * link.latency_ns
         out[name] = (len(sel) + stage.kernels, work)
     return out
 
 
-def sequential_stages_ns(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int = 0) -> dict:
+def sequential_stages_ns(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int = 0,
+                         link: LinkModel | None = None) -> dict:
     """{layer stage: predicted ns} of rank 0 for the sequential layer on `gpu` (use `one_gpu(h200)`
-    for bench_layer's emulation), plus "total" (their sum: the stages run back to back)."""
+    for bench_layer's emulation; link: sequential_stage_parts'), plus "total" (their sum: the
+    stages run back to back)."""
     out = {name: kernels * gpu.launch_ns + work
-           for name, (kernels, work) in sequential_stage_parts(shape, pass_, gpu, seed).items()}
+           for name, (kernels, work) in sequential_stage_parts(shape, pass_, gpu, seed, link).items()}
     out["total"] = sum(out.values())
     return out
 

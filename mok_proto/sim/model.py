@@ -43,6 +43,12 @@ of dy_slots before, the slot sum and topk_weight_grad after). Durations:
   every CTA, unless the movers' own rates are fitted (GpuParams.token_read_gbs / token_write_gbs, h200:
   on one measured backward): then a fused plan's SCALE and SLOT_SUM tasks are their bytes
   (token_task_bytes) at those rates.
+
+With an emulated link (simulate's `link`: bench_layer's emulation on one GPU, sim/linked.py) a
+transfer task is its copy in HBM or, where longer, its paying bytes on its rank's link clock of its
+direction (one budget shared by every mover, reserved as each starts) or a pull's round trips; a
+flag pays a round trip. The clocks make the steps' order matter: they are visited in the order of
+their start on rank 0 (StepGraph.by_start; every rank of the emulation moves rank 0's rows).
 """
 
 from __future__ import annotations
@@ -54,16 +60,18 @@ import numpy as np
 
 from mok_proto import trace
 from mok_proto.config import MoEShape
-from mok_proto.plan import (BM, EPILOGUE_ROWS, FUSED_STRATEGIES, MOVER_KINDS, PAIR_ROWS, PROBLEM_OF, CounterKind,
-                            Plan, PlanError, TaskKind, inside_kernel, tile_grid)
+from mok_proto.link import LinkModel
+from mok_proto.plan import (BM, EPILOGUE_ROWS, FUSED_STRATEGIES, PAIR_ROWS, PROBLEM_OF, CounterKind, Plan, TaskKind,
+                            inside_kernel, tile_grid)
+from mok_proto.sim import linked
 from mok_proto.sim.params import GpuParams
+from mok_proto.sim.steps import MOVER_KIND_IDS, StepGraph, streams
 
 ELEM_BYTES = 2  # BF16 rows and weights in the layer
 
 OPERATOR_OF = {TaskKind.DISPATCH: "dispatch", TaskKind.COMBINE: "combine",
                TaskKind.REV_COMBINE: "rev_combine", TaskKind.REV_DISPATCH: "rev_dispatch"}
 ROUTED_ROW_KINDS = (TaskKind.GATE_UP, TaskKind.DOWN, TaskKind.DOWN_BWD, TaskKind.GATE_UP_BWD)
-MOVER_KIND_IDS = sorted(int(k) for k in MOVER_KINDS)
 FUSED = frozenset(FUSED_STRATEGIES.values())  # fused_forward, fused_backward (cuda/fused.cuh)
 
 
@@ -219,8 +227,9 @@ def _transfer_ns(gpu: GpuParams, direction: str, ctas, remote, local):
     return np.maximum(remote / link, gpu.row_copy_ns(local) * ctas)
 
 
-def _durations(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
-    """[num_tasks, R] duration of every task on every rank, in ns."""
+def _durations(plan: Plan, gpu: GpuParams, load: Load, movers: linked.LinkedMovers | None = None) -> np.ndarray:
+    """[num_tasks, R] duration of every task on every rank, in ns; with `movers` (a link), the
+    transfer tasks' pricing under the link goes there too."""
     t, shape, r = plan.tasks, plan.shape, load.num_ranks
     kind = t["kind"].astype(np.int64)
     dur = np.zeros((len(t), r))
@@ -249,7 +258,7 @@ def _durations(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
         if not len(sel):
             continue
         if is_fused(plan):
-            dur[sel] = _fused_chunk_ns(plan, gpu, load, k, sel)
+            dur[sel] = _fused_chunk_ns(plan, gpu, load, k, sel, movers)
             continue
         direction = plan.policy[op]
         rows = real_in_mb[t["minibatch"][sel]] / plan.num_chunks  # [n, R]
@@ -257,6 +266,12 @@ def _durations(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
         local = rows * load.local_fraction[None, :] * row_bytes
         moved = _transfer_ns(gpu, direction, plan.comm_blocks, remote, local)
         dur[sel] = moved + (gpu.rtt_ns if direction == "pull" else 0.0) * (rows > 0)
+        if movers is not None:  # a standalone kernel's share: all its warps reserve from the stage's start
+            pull, link = direction == "pull", movers.link
+            movers.add(sel, pull, rows * row_bytes * linked.paying_fraction(link, load.local_fraction)[None, :],
+                       _transfer_ns(gpu, direction, plan.comm_blocks, 0.0, rows * row_bytes),
+                       _standalone_round_trips(plan, gpu, load, link, k == plan.kinds.comm_in) if pull else 0.0,
+                       signal=0.0 if pull else link.latency_ns)
     # Token tiles: the epilogue (weighted sum / slot sum) and a fused backward's scale.
     for k in (TaskKind.WEIGHTED_SUM, TaskKind.SLOT_SUM, TaskKind.SCALE):
         sel = np.flatnonzero(kind == int(k))
@@ -375,8 +390,10 @@ def fused_chunk_rows(plan: Plan, load: Load, outgoing: bool = False) -> tuple[np
     return real, used
 
 
-def _fused_chunk_ns(plan: Plan, gpu: GpuParams, load: Load, kind: TaskKind, sel: np.ndarray) -> np.ndarray:
-    """[n, R] durations of the fused plan's communication tasks `sel` of one kind (module doc)."""
+def _fused_chunk_ns(plan: Plan, gpu: GpuParams, load: Load, kind: TaskKind, sel: np.ndarray,
+                    linked_movers: linked.LinkedMovers | None = None) -> np.ndarray:
+    """[n, R] durations of the fused plan's communication tasks `sel` of one kind (module doc);
+    with `linked_movers`, their pricing under the link too."""
     row_bytes = plan.shape.hidden * ELEM_BYTES
     gpu.fused_chunk_copy_ns(plan.comm_blocks, 0, row_bytes)  # raises without a copy rate for this plan
     t = plan.tasks
@@ -399,26 +416,56 @@ def _fused_chunk_ns(plan: Plan, gpu: GpuParams, load: Load, kind: TaskKind, sel:
         if mine.any():
             copy[mine] = gpu.fused_chunk_copy_ns(movers, rows[mine], row_bytes)
             fixed[mine] = gpu.fused_task_ns(movers)
+    if linked_movers is not None:  # the real rows pay (a padding row has no peer), spread over the task's warps
+        pull, emulated = direction == "pull", linked_movers.link
+        pays = real[t["minibatch"][sel], t["row_tile"][sel]] * linked.paying_fraction(emulated, load.local_fraction)
+        (warps, batch), (spare_warps, spare_batch) = linked.COMM_CTA_MOVERS, linked.SPARE_MOVERS
+        trips = linked.round_trips_ns(emulated, np.ceil(pays / np.where(on_comm, warps, spare_warps)), row_bytes,
+                                      np.where(on_comm, batch, spare_batch))
+        floor = fixed + np.maximum(copy, _transfer_ns(gpu, direction, t["col_tile"][sel, None], 0.0, moved))
+        linked_movers.add(sel, pull, pays * row_bytes, floor, trips if pull else 0.0, fixed)
     return fixed + np.maximum(copy, link) + rtt
 
 
-def _outside_transfer_ns(plan: Plan, gpu: GpuParams, load: Load, direction: str, rows: np.ndarray) -> np.ndarray:
+def _outside_transfer_ns(plan: Plan, gpu: GpuParams, load: Load, direction: str, rows: np.ndarray,
+                         link: LinkModel | None = None) -> np.ndarray:
     """[R] a transfer of `rows` [R] rows run as its own launch on every SM (a fused forward's
-    dispatch push or combine pull): its launch, the bytes, a pull's round trip."""
+    dispatch push or combine pull): its launch, the bytes, a pull's round trip. Under a link
+    (sim/linked.py) no other mover of the rank runs: the whole link; a push's flag pays a round trip."""
     moved = rows * (plan.shape.hidden * ELEM_BYTES)
     local = moved * load.local_fraction
+    if link is not None:  # (the transfer pulled after a kernel is the outgoing one: of the N K slots)
+        pull = direction == "pull"
+        pays = moved * linked.paying_fraction(link, load.local_fraction)
+        trips = _standalone_round_trips(plan, gpu, load, link, incoming=False) if pull else 0.0
+        return gpu.launch_ns + linked.standalone_ns(link, pays, gpu.row_copy_ns(moved), trips,
+                                                    0.0 if pull else link.latency_ns)
     ns = _transfer_ns(gpu, direction, plan.num_sms, (moved - local) / plan.num_sms, local / plan.num_sms)
     return gpu.launch_ns + ns + (gpu.rtt_ns if direction == "pull" else 0.0)
 
 
-def _flag_wait_ns(gpu: GpuParams, t: np.ndarray) -> np.ndarray:
-    """[R] after t [R]: raise a flag (a kernel), then wait for every peer's (a kernel: the slowest
-    rank's flag plus the receiver's signal wait)."""
-    flag = t + gpu.launch_ns
+def _standalone_round_trips(plan: Plan, gpu: GpuParams, load: Load, link: LinkModel, incoming: bool) -> np.ndarray:
+    """[R] a standalone pull kernel's least time under the link: its busiest warp's paying rows, of
+    the receive rows (incoming: dispatch, reverse-combine) or of the N K slots (outgoing)."""
+    shape = plan.shape
+    nk = shape.num_tokens * shape.top_k
+    warps = linked.standalone_warps(max(nk, plan.capacity_rows), gpu.num_sms)
+    if incoming:
+        rows = linked.busiest_warp_rows(load.expert_offsets[:, :-1], load.tokens_per_expert, warps)
+    else:
+        rows = np.full(load.num_ranks, -(-nk // warps))
+    rows = np.ceil(rows * linked.paying_fraction(link, load.local_fraction))
+    return linked.round_trips_ns(link, rows, shape.hidden * ELEM_BYTES, linked.STANDALONE_BATCH)
+
+
+def _flag_wait_ns(gpu: GpuParams, t: np.ndarray, signal_ns: float = 0.0) -> np.ndarray:
+    """[R] after t [R]: raise a flag (a kernel, and signal_ns: a link's round trip), then wait for
+    every peer's (a kernel: the slowest rank's flag plus the receiver's signal wait)."""
+    flag = t + gpu.launch_ns + signal_ns
     return np.maximum(flag + gpu.launch_ns, flag.max() + gpu.signal_wait_ns(len(t)))
 
 
-def _fused_before_ns(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
+def _fused_before_ns(plan: Plan, gpu: GpuParams, load: Load, link: LinkModel | None = None) -> np.ndarray:
     """[R] what a fused pass runs before its kernel. A backward first runs begin_round and, unless
     its kernel runs the scale (plan.scale), scale_to_slots (dy_slots = w * dout: SCALE_TO_SLOTS).
     Then the counters' memset (a kernel
@@ -434,14 +481,15 @@ def _fused_before_ns(plan: Plan, gpu: GpuParams, load: Load) -> np.ndarray:
             before += gpu.launch_ns + token_kernel_ns(plan.shape, gpu, SCALE_TO_SLOTS)
     before += gpu.launch_ns
     if not inside_kernel(plan.pass_, plan.policy)[0]:
-        pushed = before + _outside_transfer_ns(plan, gpu, load, "push", load.tokens_per_expert.sum(axis=1))
+        pushed = before + _outside_transfer_ns(plan, gpu, load, "push", load.tokens_per_expert.sum(axis=1), link)
         before = np.maximum(pushed + gpu.launch_ns, pushed.max() + gpu.signal_wait_ns(plan.num_ranks))
     elif plan.pass_ == "bwd" and not plan.scale:
-        before = _flag_wait_ns(gpu, before)
+        before = _flag_wait_ns(gpu, before, _signal_ns(link))
     return before
 
 
-def _fused_pass_end_ns(plan: Plan, gpu: GpuParams, load: Load, kernel_end: np.ndarray) -> np.ndarray:
+def _fused_pass_end_ns(plan: Plan, gpu: GpuParams, load: Load, kernel_end: np.ndarray,
+                       link: LinkModel | None = None) -> np.ndarray:
     """[R] a fused pass's end after its kernel ends (kernel_end [R]): raise the flag of the
     outgoing transfer (combine; reverse-dispatch), wait for every peer's (push inside: their rows
     are in my slots; pull: their results are ready, then pull my N K slot rows), then the epilogue
@@ -450,14 +498,19 @@ def _fused_pass_end_ns(plan: Plan, gpu: GpuParams, load: Load, kernel_end: np.nd
     kernel: it ends with it."""
     if plan.token_grads:
         return kernel_end
-    done = _flag_wait_ns(gpu, kernel_end)
+    done = _flag_wait_ns(gpu, kernel_end, _signal_ns(link))
     if not inside_kernel(plan.pass_, plan.policy)[1]:
         slots = np.full(load.num_ranks, plan.shape.num_tokens * plan.shape.top_k)
-        done = done + _outside_transfer_ns(plan, gpu, load, "pull", slots)
+        done = done + _outside_transfer_ns(plan, gpu, load, "pull", slots, link)
     done = done + gpu.launch_ns + epilogue_kernel_ns(plan.shape, gpu, plan.num_sms)
     if plan.pass_ == "bwd":
         done = done + gpu.launch_ns + token_kernel_ns(plan.shape, gpu, TOPK_WEIGHT_GRAD)
     return done
+
+
+def _signal_ns(link: LinkModel | None) -> float:
+    """What a flag costs its signaller beyond a launch: a link's round trip (none without one)."""
+    return 0.0 if link is None else float(link.latency_ns)
 
 
 def _counter_delays(plan: Plan, gpu: GpuParams) -> np.ndarray:
@@ -467,100 +520,22 @@ def _counter_delays(plan: Plan, gpu: GpuParams) -> np.ndarray:
     return delay + np.where(c["kind"] == int(CounterKind.STAGE_DONE), gpu.launch_ns, 0.0)
 
 
-def _streams(plan: Plan) -> np.ndarray:
-    """[num_tasks] the in-order stream of every task: 2 x its CTA, + 1 for the mover tasks
-    (plan.MOVER_KINDS: transfers, scale, token gradients) of a compute CTA of a fused plan (the
-    spare warps of a compute CTA run them beside its GEMM tasks, in table order)."""
-    t = plan.tasks
-    spare = is_fused(plan) & (t["block"] >= plan.comm_blocks) & np.isin(t["kind"], MOVER_KIND_IDS)
-    return 2 * t["block"].astype(np.int64) + spare  # the pool (block num_sms): stream 2 num_sms
-
-
-def _steps(plan: Plan, stream: np.ndarray) -> tuple[list, list]:
-    """(steps, order): each step a tuple of tasks that start together (one task; in a fused plan a
-    tile pair: the k-th GEMM task of CTAs 2j and 2j + 1 past the communicating ones), and the step
-    indices in an order that respects every dependency (Kahn's algorithm: a step is ready once
-    the previous step of its streams ran and every counter it waits on had all its signals). The
-    claimed pairs (Plan.pool_table) are one unit of pair steps whose first follows the last step of
-    every cluster (a pair goes to a cluster once that cluster's table is done: simulate).
-    Raises PlanError on a deadlock or on a fused plan whose cluster CTAs disagree on a tile pair."""
-    t = plan.tasks
-    by_stream: dict[int, list] = {}
-    for i in np.lexsort((t["seq"], stream)).tolist():
-        by_stream.setdefault(int(stream[i]), []).append(i)
-    units = []  # sequences of steps run in order
-    paired = set()
-    if is_fused(plan):
-        for cta in range(plan.comm_blocks, plan.num_sms, 2):
-            even, odd = by_stream.get(2 * cta, []), by_stream.get(2 * cta + 2, [])
-            a, b = t[even], t[odd]
-            same = len(a) == len(b) and np.array_equal(a["kind"], b["kind"]) and np.array_equal(
-                a["minibatch"], b["minibatch"]) and np.array_equal(a["col_tile"], b["col_tile"]) and np.array_equal(
-                a["row_tile"] + 1, b["row_tile"])
-            if not same:
-                raise PlanError(f"cluster CTAs {cta} and {cta + 1}: their GEMM tasks are not one tile pair per position")
-            units.append(list(zip(even, odd)))
-            paired |= {2 * cta, 2 * cta + 2}
-    pool = by_stream.get(2 * plan.pool_block, []) if is_fused(plan) else []
-    clusters = len(units)  # units[:clusters]: the clusters' tables; then the pool's unit
-    if pool:
-        units.append(list(zip(pool[0::2], pool[1::2])))
-        paired.add(2 * plan.pool_block)
-    units += [[(i,) for i in tasks] for s, tasks in by_stream.items() if s not in paired]
-    steps = [st for unit in units for st in unit]
-    first = np.cumsum([0] + [len(u) for u in units])[:-1]
-    follows = np.ones(len(steps), bool)
-    follows[first] = False  # a step after another one of its unit
-    wait, sig = t["wait_counter"].tolist(), t["signal_counter"].tolist()
-    pending = np.bincount(t["signal_counter"][t["signal_counter"] >= 0], minlength=len(plan.counters)).tolist()
-    waiters: list[list] = [[] for _ in pending]
-    deps = follows.astype(np.int64).tolist()
-    gate: dict[int, int] = {}  # last step of a cluster's table -> the pool's first step
-    if pool:
-        for u in range(clusters):
-            if units[u]:
-                gate[int(first[u]) + len(units[u]) - 1] = int(first[clusters])
-                deps[int(first[clusters])] += 1
-    for j, st in enumerate(steps):
-        for c in {w for i in st for w in wait[i] if w >= 0 and pending[w]}:
-            waiters[c].append(j)
-            deps[j] += 1
-    ready = [j for j, d in enumerate(deps) if not d]
-    order = []
-    while ready:
-        j = ready.pop()
-        order.append(j)
-        for c in (s for i in steps[j] for s in sig[i] if s >= 0):
-            pending[c] -= 1
-            if not pending[c]:
-                for w in waiters[c]:
-                    deps[w] -= 1
-                    if not deps[w]:
-                        ready.append(w)
-        if j + 1 < len(steps) and follows[j + 1]:
-            deps[j + 1] -= 1
-            if not deps[j + 1]:
-                ready.append(j + 1)
-        if j in gate:
-            deps[gate[j]] -= 1
-            if not deps[gate[j]]:
-                ready.append(gate[j])
-    if len(order) < len(steps):
-        stuck = sorted(set(range(len(steps))) - set(order))[:3]
-        raise PlanError("deadlock: steps cannot start: " + "; ".join(
-            f"tasks {list(steps[j])} on CTAs {sorted(set(t['block'][list(steps[j])].tolist()))}" for j in stuck))
-    return steps, order
-
-
-def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0) -> SimResult:
+def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0,
+             link: LinkModel | None = None) -> SimResult:
     """Simulate one pass of `plan` on every rank; load defaults to uniform random routing, placed
-    with the plan's padding (`plan_align`).
+    with the plan's padding (`plan_align`). link: the emulated link (mok_proto.link.LinkModel) the
+    plan's transfers pay, every row in this GPU's memory (bench_layer's emulation: sim/linked.py;
+    a sequential or fused plan, whose kernels this project runs).
     Raises plan.PlanError for a plan the megakernel could not run (e.g. a counter target below
     its signals would let waiters start early and give a too short time); the proof is kept
     per plan object, so a second simulation of the same plan does not check again."""
     plan.check()
     if plan.num_sms > gpu.num_sms:
         raise ValueError(f"plan has {plan.num_sms} CTAs but {gpu.name} has {gpu.num_sms} SMs")
+    fused = is_fused(plan)
+    if link is not None and not (fused or plan.strategy == "sequential"):
+        raise ValueError(f"the emulated link is priced as this project's kernels move rows: a sequential or fused "
+                         f"plan, got {plan.strategy}")
     align = plan_align(plan)
     load = load or routed_load(plan.shape, plan.num_ranks, seed, align=align)
     if load.expert_offsets[:, -1].max() > plan.capacity_rows:
@@ -568,28 +543,32 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
                          f"plan's capacity_rows={plan.capacity_rows}")
     if np.any(load.expert_offsets % align):
         raise ValueError(f"the load's expert segments must be padded to {align} rows for a {plan.strategy} plan")
-    dur = _durations(plan, gpu, load)
     t = plan.tasks
     r = load.num_ranks
+    movers = None if link is None else linked.LinkedMovers(link, len(t), r)
+    dur = _durations(plan, gpu, load, movers)
     num_c = len(plan.counters)
     remote = plan.counters["remote"].tolist()
     delay = _counter_delays(plan, gpu)
+    if link is not None and fused:  # a remote counter's flags: its last signaller's round trip first (its own
+        # CTA goes on after it too: not modelled; a fused plan's remote counters have waiters in the kernel)
+        delay = delay + np.where(plan.counters["remote"], _signal_ns(link), 0.0)
     last = np.zeros((num_c, r))
     ready: list = [None] * num_c
     # Every CTA starts after one kernel launch: the persistent kernel's (fixed_split, fused) or the
     # first stage's (sequential); each later sequential stage pays one more launch through its
     # STAGE_DONE counter (_counter_delays). So both strategies pay the launches they would issue.
-    fused = is_fused(plan)
-    kernel_start = (_fused_before_ns(plan, gpu, load) if fused else np.zeros(r)) + gpu.launch_ns
-    stream = _streams(plan)
+    kernel_start = (_fused_before_ns(plan, gpu, load, link) if fused else np.zeros(r)) + gpu.launch_ns
+    stream = streams(plan, fused)
     free = np.repeat(kernel_start[None, :], 2 * plan.num_sms, axis=0)  # [streams, R]
     start, end = np.empty((len(t), r)), np.empty((len(t), r))
     waits = [[w for w in ws if w >= 0] for ws in t["wait_counter"].tolist()]
     sigs = [[s for s in ss if s >= 0] for ss in t["signal_counter"].tolist()]
-    stream = stream.tolist()
     if "_sim_steps" not in plan.__dict__:  # a plan's steps depend on it alone: kept with it, as its proof is
-        plan.__dict__["_sim_steps"] = _steps(plan, np.asarray(stream))
-    steps, order = plan.__dict__["_sim_steps"]
+        plan.__dict__["_sim_steps"] = StepGraph(plan, stream, fused)
+    graph = plan.__dict__["_sim_steps"]
+    steps = graph.steps
+    stream = stream.tolist()
     # A claimed pair (the pool, stream 2 num_sms) runs on the cluster free first, per rank: the
     # kernel's clusters claim the next pair as each finishes (cuda/fused.cuh), the pool in order.
     block = np.repeat(t["block"][:, None], r, axis=1).astype(np.int32)
@@ -598,11 +577,13 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
     first, second = (np.array([st[k if len(st) > k else 0] for st in steps], np.int64) for k in (0, 1))
     step_dur = np.maximum(dur[first], dur[second]) if len(steps) else dur[:0]
     pooled_steps = ((t["block"][first] == plan.pool_block) if fused else np.zeros(len(steps), bool)).tolist()
+    linked_steps = (movers.moves[first] if movers is not None else np.zeros(len(steps), bool)).tolist()
     maximum = np.maximum
-    for j in order:
-        step = steps[j]
-        pooled = pooled_steps[j]
-        if pooled:
+
+    def start_of(j):
+        """(start [R], the cluster [R] of a claimed pair or None) of step j, every step it depends on run."""
+        step, cta = steps[j], None
+        if pooled_steps[j]:
             cta = even_ctas[np.argmin(free[2 * even_ctas], axis=0)]  # [R] the cluster each rank's pair goes to
             s = free[2 * cta, np.arange(r)]
         else:  # (s may be a view of the stream's row: it is stored below before that row changes)
@@ -614,10 +595,17 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
                 if ready[w] is None:  # every signaller ran already (topological order)
                     ready[w] = (np.full(r, last[w].max()) if remote[w] else last[w]) + delay[w]
                 s = maximum(s, ready[w])
-        e = s + step_dur[j]
+        return s, cta
+
+    # without a link any order that respects the dependencies gives the same times; a link's clocks
+    # are reserved in the order the movers start
+    visit = ((j, *start_of(j)) for j in graph.order) if movers is None else graph.by_start(start_of)
+    for j, s, cta in visit:
+        step = steps[j]
+        e = s + (movers.duration(step[0], s) if linked_steps[j] else step_dur[j])
         for half, i in enumerate(step):  # a tile pair: both CTAs in lockstep
             start[i], end[i] = s, e
-            if pooled:
+            if cta is not None:
                 block[i] = cta + half
                 free[2 * (cta + half), np.arange(r)] = e
             else:
@@ -626,5 +614,5 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
                 row = last[c]
                 maximum(row, e, out=row)
     kernel_end = end.max(axis=0) if len(t) else kernel_start
-    pass_end = _fused_pass_end_ns(plan, gpu, load, kernel_end) if fused else kernel_end
+    pass_end = _fused_pass_end_ns(plan, gpu, load, kernel_end, link) if fused else kernel_end
     return SimResult(plan, gpu, start, end, load, pass_end, block)

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from mok_proto import plan as plans
 from mok_proto import results
 from mok_proto.config import MOK_POLICY, ep_share, get_shape
+from mok_proto.link import LinkModel
 from mok_proto.plan import TaskKind
 from mok_proto.sim import fused, layer
 from mok_proto.sim.calibrate import (H200_CALIBRATION, ROW_MOVES, calibration_stages, comm_bytes, gemm_rows_per_expert,
@@ -112,7 +114,7 @@ def comm_stage_ns(gpu: GpuParams, row: dict, direction: str, dispatch: bool) -> 
 def h200_rows(gpu: GpuParams | None = None, results_dir=results.RESULTS_DIR) -> list[Row]:
     gpu = gpu or h200()
     return (kernel_rows(gpu, results_dir) + sequential_layer_rows(gpu, results_dir) + fused_rows(gpu, results_dir)
-            + fused_backward_rows(gpu, results_dir))
+            + fused_backward_rows(gpu, results_dir) + link_rows(gpu, results_dir))
 
 
 def kernel_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
@@ -257,6 +259,40 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
             rows.append(Row("h200 fused", f"fwd pass (graph) {r['shape']} C={r['comm_blocks']} MB={r['minibatch_tokens']}"
                             f" {r['git']}", r["median_ms"], ns / 1e6, "ms", *(("explained", why) if why else ())))
     return rows
+
+
+def link_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
+    """bench_layer.py --link-gbps's rows (layer.link_rows: one EP=64 rank's share on one H200, every
+    row rank 0 moves paying the emulated link), each pass (graph replays) simulated with its link and
+    the kernel that ran it (GpuParams.recorded_at): a sequential row as sim/layer.py's stages (their
+    sum), a fused row as the plan its knobs build (plan.FusedKnobs.from_row, fused.fused_pass_ns).
+    Every row is judged, but a fused pass of params.spare_warps_spun is explained (SPUN)."""
+    rows = []
+    for r in layer.link_rows(results_dir):
+        link = LinkModel(r["link_gbps"], r["link_latency_us"], r["link_every_row"])
+        shape, pass_, ran = ep_share(r["shape"], r["ep"]), r["pass"], gpu.recorded_at(r)
+        what = f"{pass_} {r['schedule']} {r['shape']} link {link.gbps:g} GB/s"
+        why = ""
+        if r["schedule"] == "sequential":
+            ns = layer.sequential_stages_ns(shape, pass_, layer.one_gpu(ran), link=link)["total"]
+        else:
+            ns = fused.fused_pass_ns(shape, ran, pass_, plans.FusedKnobs.from_row(r), r["num_sms"], link)
+            what += f" C={r['comm_blocks']} MB={r['minibatch_tokens']}"
+            why = SPUN if spare_warps_spun(r, r["comm_blocks"], r.get("spread_from")) else ""
+        rows.append(Row("h200 link", what, r["median_ms"], ns / 1e6, "ms", *(("explained", why) if why else ())))
+    return rows
+
+
+def link_note(results_dir=results.RESULTS_DIR) -> str | None:
+    """A line for --validate when it judges no row of bench_layer.py --link-gbps: why (no file, or no
+    row of it compared)."""
+    path = Path(results_dir) / f"{layer.LINK_RESULTS}.jsonl"
+    if not path.exists():
+        return f"# h200 link: no {path.name} in {results_dir} (scripts/bench_layer.py --link-gbps writes it): nothing judged"
+    if not layer.link_rows(results_dir):
+        return (f"# h200 link: no row of {path.name} is compared (none of an H200 under MoK's directions without "
+                "sim_left_out)")
+    return None
 
 
 def fused_backward_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
