@@ -73,11 +73,16 @@ def route(x, w_router, k, score="softmax"):
 # ---------------------------------------------------------------------------------------------
 # One SwiGLU expert on a block of rows (shared by the reference and every distributed path)
 # ---------------------------------------------------------------------------------------------
+def expert_hidden(x, w_gate, w_up):
+    """x [n,H] -> (g, u, h) [n,I]: the gate/up GEMMs and SwiGLU, h = silu(g) * u."""
+    g = x @ w_gate
+    u = x @ w_up
+    return g, u, silu(g) * u
+
+
 def expert_forward(x, w_gate, w_up, w_down):
     """x [n,H] -> y [n,H]; saved = (x, g, u, h) for the backward."""
-    g = x @ w_gate  # [n, I]
-    u = x @ w_up  # [n, I]
-    h = silu(g) * u  # [n, I]
+    g, u, h = expert_hidden(x, w_gate, w_up)
     return h @ w_down, (x, g, u, h)
 
 

@@ -81,3 +81,21 @@ def test_demo_error_never_hides_a_nan():
     bad[1, 2] = np.nan
     assert rel_error(bad, ref) == float("inf")
     assert rel_error(ref * 1.5, ref) == 0.5
+
+
+# H,I,E,K,N,num_shared, R: El = E/R >= K (worst-case routing puts every choice on rank 0)
+RING_CASES = [("16,8,8,2,12,1", 2), ("16,8,16,3,9,1", 4), ("8,4,24,3,5,0", 8)]
+
+
+@pytest.mark.parametrize("shape,num_ranks", RING_CASES)
+def test_ring_worst_case_routing_bitwise_equal(shape, num_ranks):
+    """Every token's every choice on rank 0: rings of a quarter of its rows and of one segment run
+    forward and backward (replaying) and give the bits of a ring that holds everything."""
+    proc = run_ranks(num_ranks, "tests/mpi_programs/check_ring.py", "--shape", shape, "--routing", "worst-case")
+    assert f"OK R={num_ranks} {shape} routing=worst-case" in proc.stdout, proc.stdout
+
+
+def test_ring_skewed_routing_all_policies():
+    proc = run_ranks(2, "tests/mpi_programs/check_ring.py", "--shape", "16,8,8,2,12,1", "--routing", "skewed",
+                     "--policies", "all")
+    assert "16 policies bitwise equal to one turn" in proc.stdout, proc.stdout

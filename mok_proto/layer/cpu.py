@@ -1,16 +1,20 @@
 """The distributed MoE layer on the CPU: NumPy arithmetic over a symmetric-memory heap.
 
-Legend: N tokens/rank, H hidden, K top-k, R ranks, El local experts, C receive capacity.
+Legend: N tokens/rank, H hidden, I expert FFN, K top-k, R ranks, El local experts, C logical
+receive capacity (rows of the schedule's index space), M ring rows (macrobatch_rows).
 One rank's view. Forward round:
   1. x into my symmetric token buffer; my routing into every rank's routing table; round-start
      flags (the routing all-gather doubles as "my x is published").  Shared expert meanwhile.
   2. Pull schedule from the all-gathered routing (pure function: every rank agrees).
-  3. dispatch (to_experts), local experts on the receive rows, combine (to_tokens).
+  3. Per turn m = T-1 .. 0 (T = ceil(C / M)): dispatch receive rows [m M, (m+1) M) into the ring,
+     the local experts on them, combine them out (transfer.Turn).
   4. Token owner: out = shared + sum_j w[t,j] * y_slots[t*K+j] (fixed order).
-Backward mirrors it: dy_slots = w * dout published + round-start flags, reverse-combine
-(to_experts), expert backward, reverse-dispatch (to_tokens), dx = shared dx + sum_j dx_slots.
-The direction of each operator comes from RunConfig.policy; it changes data movement only,
-never arithmetic, so results are bitwise equal across policies.
+Backward mirrors it, turns m = 0 .. T-1: the ring still holds turn 0's activations; every later
+turn first replays its dispatch and gate/up (the same rows and arithmetic, so the same bits), then
+reverse-combine, expert backward, reverse-dispatch. Every expert GEMM runs on blocks of `align`
+receive rows and the weight gradients add the blocks' products in row order, so every ring size
+gives the same bits. The direction of each operator comes from RunConfig.policy; it changes data
+movement only, never arithmetic, so results are bitwise equal across policies.
 """
 
 from __future__ import annotations
@@ -20,15 +24,21 @@ import numpy as np
 from mok_proto import reference, validate
 from mok_proto.config import RunConfig
 from mok_proto.layer import transfer
+from mok_proto.layer.transfer import Turn
+from mok_proto.plan.kinds import SEGMENT_ROWS
 from mok_proto.schedule import build_pull_schedule, max_receive_slots
 from mok_proto.symm.base import CapacityError, SymmetricHeap
 
 
 class CpuMoELayer:
     """One rank of the layer. `weights`: this rank's El experts (w_gate/w_up [El,H,I], w_down
-    [El,I,H]) plus the replicated shared expert (optional)."""
+    [El,I,H]) plus the replicated shared expert (optional). capacity: the logical receive rows
+    (default the worst case: no routing overflows it); macrobatch_rows: the ring's rows (default
+    all of them: one turn); align: the rows expert segments are padded to, of which the ring is a
+    multiple (SEGMENT_ROWS, as on the GPU; tests use fewer to get many turns from small shapes)."""
 
-    def __init__(self, heap: SymmetricHeap, run: RunConfig, weights: dict, capacity: int | None = None):
+    def __init__(self, heap: SymmetricHeap, run: RunConfig, weights: dict, capacity: int | None = None,
+                 macrobatch_rows: int | None = None, align: int = SEGMENT_ROWS):
         shape = run.shape
         if heap.num_ranks != run.num_ranks:
             raise ValueError(f"num_ranks: config says R={run.num_ranks} but the heap has {heap.num_ranks} ranks")
@@ -41,19 +51,32 @@ class CpuMoELayer:
                                       f"got shape {weights['w_gate'].shape}")
         self.weights = {key: np.asarray(v, self.dtype) for key, v in weights.items()}
         n, h, k = shape.num_tokens, shape.hidden, shape.top_k
-        worst = max_receive_slots(n, k, run.num_ranks, num_local)
+        self.align = validate.check_int(align, "align", minimum=1)
+        worst = max_receive_slots(n, k, run.num_ranks, num_local, self.align)
         self.capacity = worst if capacity is None else capacity
         if not 0 < self.capacity <= worst:
             raise ValueError(f"capacity must be in [1, {worst}] rows, got {self.capacity}")
-        # Symmetric buffers, named by role (forward use / backward use).
+        whole = -(-self.capacity // self.align) * self.align
+        self.macrobatch_rows = whole if macrobatch_rows is None else macrobatch_rows
+        validate.check_int(self.macrobatch_rows, "macrobatch_rows", minimum=1)
+        if self.macrobatch_rows % self.align or self.macrobatch_rows > whole:
+            raise ValueError(f"macrobatch_rows must be a multiple of {self.align} (the segment alignment) and at "
+                             f"most {whole} (the capacity, rounded up), got {self.macrobatch_rows}")
+        self.num_turns = -(-self.capacity // self.macrobatch_rows)  # T, the same on every rank
+        ring = self.macrobatch_rows
+        # Symmetric buffers, named by role (forward use / backward use); the expert side's are the ring.
         self.routing = heap.alloc("routing", (run.num_ranks, n, k), np.int32)  # [R, N, K]
         self.tokens = heap.alloc("tokens", (n, h), self.dtype)  # x
         self.token_slots_out = heap.alloc("token_slots_out", (n * k, h), self.dtype)  # dy slots
         self.token_slots_in = heap.alloc("token_slots_in", (n * k, h), self.dtype)  # y slots / dx slots
-        self.expert_in = heap.alloc("expert_in", (self.capacity, h), self.dtype)  # x rows / dy rows
-        self.expert_out = heap.alloc("expert_out", (self.capacity, h), self.dtype)  # y rows / dx rows
+        self.expert_in = heap.alloc("expert_in", (ring, h), self.dtype)  # x rows
+        self.expert_dy = heap.alloc("expert_dy", (ring, h), self.dtype)  # dy rows
+        self.expert_out = heap.alloc("expert_out", (ring, h), self.dtype)  # y rows / dx rows
+        # The ring's activations only this rank reads: g, u, h of its receive rows.
+        self.activations = {key: np.zeros((ring, shape.ffn), self.dtype) for key in ("g", "u", "h")}
         self.signals = heap.signals("flags", transfer.NUM_FLAG_KINDS)
-        self.epoch = 0  # grows by one per round (forward or backward); flags are never reset
+        self.epoch = 0  # the last flag value raised; grows by one per use (rounds, turns, transfers)
+        self.replayed_rows = 0  # receive rows the last backward replayed (their forward did not fit the ring)
         self.policy = dict(run.policy)  # may be changed between rounds (same on every rank)
 
     # -----------------------------------------------------------------------------------------
@@ -66,39 +89,35 @@ class CpuMoELayer:
         x = np.ascontiguousarray(x, self.dtype)
         topk_idx = np.ascontiguousarray(topk_idx, np.int32)
         topk_weights = np.ascontiguousarray(topk_weights, self.dtype)
-        self.epoch += 1
-        epoch, timeout = self.epoch, run.timeout_s
+        timeout = run.timeout_s
 
         # 1. Publish x, all-gather routing; the shared expert overlaps the wait.
         self.tokens.local[...] = x
         self.tokens.publish()
         for peer in range(run.num_ranks):
             self.routing.put_rows(peer, [rank], topk_idx[None])
-        shared = transfer.round_start(self.signals, rank, run.num_ranks, epoch, timeout, "routing all-gather",
+        shared = transfer.round_start(self.signals, rank, run.num_ranks, self._stamp(), timeout, "routing all-gather",
                                       before_wait=lambda: self._shared_forward(x))
         topk_idx_all = self.routing.local.copy()  # [R, N, K]
 
         # 2. Schedule; capacity is checked on every rank's need, so all ranks fail together.
         self._check_capacity(topk_idx_all)
-        sched = build_pull_schedule(topk_idx_all, shape.num_experts, rank)
+        sched = build_pull_schedule(topk_idx_all, shape.num_experts, rank, align=self.align)
 
-        # 3. dispatch -> experts -> combine
-        transfer.to_experts(self.policy["dispatch"], sched, self.tokens, self.expert_in, self.signals,
-                            epoch, timeout, "dispatch", token_rows=True)
-        saved = []
-        for lo, hi in self._expert_rows(sched):
-            y, s = reference.expert_forward(self.expert_in.local[lo:hi], *self._expert(len(saved)))
-            self.expert_out.local[lo:hi] = y
-            saved.append(tuple(a.copy() for a in s))
-        transfer.to_tokens(self.policy["combine"], sched, self.expert_out, self.token_slots_in, self.signals,
-                           epoch, timeout, "combine")
+        # 3. Per turn, last first (the ring keeps turn 0 for the backward): dispatch -> experts -> combine
+        pulled = None
+        for m in reversed(range(self.num_turns)):
+            lo, hi, free = self._begin_turn(m, pulled, "dispatch")
+            transfer.to_experts(self.policy["dispatch"], sched, self.tokens, self.expert_in, self.signals,
+                                Turn(lo, hi, self._stamp(), free), timeout, "dispatch", token_rows=True)
+            self._experts_forward(sched, lo, hi, with_y=True)
+            pulled = self._to_tokens("combine", sched, Turn(lo, hi, self._stamp(), free))
 
         # 4. Weighted sum on the token owner, fixed order.
         base, shared_saved = shared
         y_slots = self.token_slots_in.local.copy()
         out = reference.weighted_sum(base, y_slots, topk_weights)
-        self._cache = dict(sched=sched, saved=saved, shared_saved=shared_saved, y_slots=y_slots,
-                           topk_weights=topk_weights)
+        self._cache = dict(sched=sched, shared_saved=shared_saved, y_slots=y_slots, topk_weights=topk_weights)
         return out
 
     def backward(self, dout):
@@ -110,25 +129,29 @@ class CpuMoELayer:
         dout = np.ascontiguousarray(
             validate.check_array(dout, "dout", (shape.num_tokens, shape.hidden), "NH", kind="f"), self.dtype)
         sched = cache["sched"]
-        self.epoch += 1
-        epoch, timeout = self.epoch, run.timeout_s
+        timeout = run.timeout_s
 
         # 1. Publish dy slots (w * dout); round-start flags; shared backward overlaps the wait.
         self.token_slots_out.local[...] = reference.scale_to_slots(dout, cache["topk_weights"])
         self.token_slots_out.publish()
-        shared = transfer.round_start(self.signals, rank, run.num_ranks, epoch, timeout, "backward start",
+        shared = transfer.round_start(self.signals, rank, run.num_ranks, self._stamp(), timeout, "backward start",
                                       before_wait=lambda: self._shared_backward(dout, cache["shared_saved"]))
 
-        # 2. reverse-combine -> expert backward -> reverse-dispatch
-        transfer.to_experts(self.policy["rev_combine"], sched, self.token_slots_out, self.expert_in, self.signals,
-                            epoch, timeout, "rev_combine", token_rows=False)
+        # 2. Per turn, first first: [replay: dispatch, gate/up] -> reverse-combine -> expert backward
+        #    -> reverse-dispatch; weight gradients added in receive-row order.
         grads = {key: np.zeros_like(self.weights[key]) for key in ("w_gate", "w_up", "w_down")}
-        for local, (lo, hi) in enumerate(self._expert_rows(sched)):
-            dx, grads["w_gate"][local], grads["w_up"][local], grads["w_down"][local] = reference.expert_backward(
-                self.expert_in.local[lo:hi], cache["saved"][local], *self._expert(local))
-            self.expert_out.local[lo:hi] = dx
-        transfer.to_tokens(self.policy["rev_dispatch"], sched, self.expert_out, self.token_slots_in, self.signals,
-                           epoch, timeout, "rev_dispatch")
+        pulled, self.replayed_rows = None, 0
+        for m in range(self.num_turns):
+            lo, hi, free = self._begin_turn(m, pulled, "rev_combine")
+            if m > 0:  # the forward's later turns overwrote this one's activations: replay it
+                transfer.to_experts(self.policy["dispatch"], sched, self.tokens, self.expert_in, self.signals,
+                                    Turn(lo, hi, self._stamp(), free), timeout, "dispatch replay", token_rows=True)
+                self._experts_forward(sched, lo, hi, with_y=False)
+                self.replayed_rows += int(np.count_nonzero(sched.src_rank[lo:hi] >= 0))
+            transfer.to_experts(self.policy["rev_combine"], sched, self.token_slots_out, self.expert_dy, self.signals,
+                                Turn(lo, hi, self._stamp(), free), timeout, "rev_combine", token_rows=False)
+            self._experts_backward(sched, lo, hi, grads)
+            pulled = self._to_tokens("rev_dispatch", sched, Turn(lo, hi, self._stamp(), free))
 
         # 3. Token owner: dx and d(topk_weights), fixed order.
         base, shared_grads = shared
@@ -139,13 +162,61 @@ class CpuMoELayer:
         return grads
 
     # -----------------------------------------------------------------------------------------
+    def _stamp(self) -> int:
+        """The next flag value; every rank draws the same sequence (same turns, same transfers)."""
+        self.epoch += 1
+        return self.epoch
+
+    def _begin_turn(self, m, pulled, op):
+        """(lo, hi, free) of turn m: its receive rows and, with more than one turn, the RING_FREE
+        value this rank raised once its ring's previous turn was done with (pulled: that turn's
+        to_tokens stamp if peers pulled from the ring)."""
+        lo = m * self.macrobatch_rows
+        if self.num_turns == 1:
+            return lo, lo + self.macrobatch_rows, None
+        free = self._stamp()
+        transfer.free_ring(self.signals, self.rank, self.run.num_ranks, free, pulled, self.run.timeout_s, op)
+        return lo, lo + self.macrobatch_rows, free
+
+    def _to_tokens(self, op, sched, turn):
+        """The turn's rows out to their token owners; the stamp peers' PULLED flags will carry
+        (None when nobody pulls from the ring)."""
+        transfer.to_tokens(self.policy[op], sched, self.expert_out, self.token_slots_in, self.signals, turn,
+                           self.run.timeout_s, op)
+        return turn.stamp if turn.free is not None and self.policy[op] == "pull" else None
+
+    def _blocks(self, sched, lo, hi):
+        """(local expert, ring rows) of the real receive rows in [lo, hi), expert by expert, in
+        blocks of `align` rows (segments start on a multiple of it, so a block never spans turns)."""
+        for local, (start, count) in enumerate(zip(sched.expert_offsets[:-1], sched.tokens_per_expert)):
+            a, b = max(int(start), lo), min(int(start + count), hi)
+            for first in range(a, b, self.align):
+                yield local, slice(first - lo, min(first + self.align, b) - lo)
+
+    def _experts_forward(self, sched, lo, hi, with_y):
+        """g, u, h (and y: the forward, not its replay) of the ring's rows of turn [lo, hi)."""
+        act = self.activations
+        for local, rows in self._blocks(sched, lo, hi):
+            g, u, h = reference.expert_hidden(self.expert_in.local[rows], *self._expert(local)[:2])
+            act["g"][rows], act["u"][rows], act["h"][rows] = g, u, h
+            if with_y:
+                self.expert_out.local[rows] = h @ self.weights["w_down"][local]
+
+    def _experts_backward(self, sched, lo, hi, grads):
+        """dx rows of turn [lo, hi) into the ring; each block's weight-gradient products added to
+        `grads` in row order."""
+        act = self.activations
+        for local, rows in self._blocks(sched, lo, hi):
+            saved = (self.expert_in.local[rows], act["g"][rows], act["u"][rows], act["h"][rows])
+            dx, dw_gate, dw_up, dw_down = reference.expert_backward(self.expert_dy.local[rows], saved,
+                                                                    *self._expert(local))
+            self.expert_out.local[rows] = dx
+            grads["w_gate"][local] += dw_gate
+            grads["w_up"][local] += dw_up
+            grads["w_down"][local] += dw_down
+
     def _expert(self, local):
         return self.weights["w_gate"][local], self.weights["w_up"][local], self.weights["w_down"][local]
-
-    @staticmethod
-    def _expert_rows(sched):
-        for lo, n in zip(sched.expert_offsets[:-1], sched.tokens_per_expert):
-            yield int(lo), int(lo + n)
 
     def _shared_forward(self, x):
         if not self.has_shared:
@@ -161,12 +232,13 @@ class CpuMoELayer:
         return dx, {"shared_gate": dg, "shared_up": du, "shared_down": dd}
 
     def _check_capacity(self, topk_idx_all):
-        num_local = self.run.num_local_experts
-        need = np.bincount(topk_idx_all.reshape(-1) // num_local, minlength=self.run.num_ranks)  # [R]
+        run, align = self.run, self.align
+        counts = np.bincount(topk_idx_all.reshape(-1), minlength=run.shape.num_experts)
+        need = (-(-counts // align) * align).reshape(run.num_ranks, run.num_local_experts).sum(axis=1)  # [R]
         worst = int(need.argmax())
         if need[worst] > self.capacity:
-            raise CapacityError(f"receive buffer overflow: rank {worst} needs {int(need[worst])} rows, "
-                                f"capacity is {self.capacity}; raise capacity or rebalance routing")
+            raise CapacityError(f"receive buffer overflow: rank {worst} needs {int(need[worst])} rows, the logical "
+                                f"capacity is {self.capacity}; leave capacity at its default (the worst case)")
 
     def close(self):
         self.heap.close()

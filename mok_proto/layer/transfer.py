@@ -1,6 +1,6 @@
 """The four row movements of the layer, each as a one-sided push or pull over symmetric memory.
 
-Legend: N tokens/rank, H hidden, K top-k, R ranks, C receive capacity (rows).
+Legend: N tokens/rank, H hidden, K top-k, R ranks, C receive capacity (rows), M ring rows.
 Two shapes of movement, read off one PullSchedule (mok_proto.schedule):
 
   to_experts   token side -> expert side receive rows      forward dispatch, backward reverse-combine
@@ -14,6 +14,12 @@ Directions, and who must wait for whom (MoK insight 1):
 A to_experts pull reads a round INPUT (x or dy) that the round-start flags already published, so
 it needs no flag of its own; a to_tokens pull reads rows produced inside the round, so it does.
 
+The ring: every movement covers one Turn, a window [lo, hi) of receive rows that lives in the
+expert owner's ring rows [0, hi - lo). With more than one turn a pass (Turn.free set), the owner's
+ring is reused, so two more flags order it: the owner raises RING_FREE when its ring may take
+the turn's rows (a push into it waits for that), and a token owner that pulled rows out of the
+ring raises PULLED (the owner waits for every rank's before it frees the ring again).
+
 NOTE (buffer reuse across rounds): every round starts with a flag from every rank (routing
 all-gather in forward, "dy ready" in backward), raised only after that rank finished its previous
 round, and every round ends with each rank having heard from all R peers. So once a rank is past
@@ -22,50 +28,82 @@ a round's start flags, no peer still reads or writes any buffer of the previous 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 # Flag kinds: row of the [kinds, R] signal table.
-ROUND_START, TO_EXPERTS, TO_TOKENS = 0, 1, 2
-NUM_FLAG_KINDS = 3
+ROUND_START, TO_EXPERTS, TO_TOKENS, RING_FREE, PULLED = 0, 1, 2, 3, 4
+NUM_FLAG_KINDS = 5
 
 
-def to_experts(mode, sched, src, dst, signals, epoch, timeout_s, op, token_rows):
-    """Receive slot i of dst <- row of src on rank src_rank[i]: src_slot[i] // K if token_rows
-    (src is x [N,H]) else src_slot[i] (src is a slot buffer [N*K,H])."""
+class Turn(NamedTuple):
+    """One movement's receive-row window and the flag value (stamp) it raises and waits for;
+    free: the RING_FREE value a push into the owner's ring waits for (None: one turn a pass, no
+    ring reuse, and no PULLED flags)."""
+
+    lo: int
+    hi: int
+    stamp: int
+    free: int | None = None
+
+
+def to_experts(mode, sched, src, dst, signals, turn: Turn, timeout_s, op, token_rows):
+    """Receive row i in [turn.lo, turn.hi) of the owner -> its ring row i - turn.lo in dst, from
+    the row of src on rank src_rank[i]: src_slot[i] // K if token_rows (src is x [N,H]) else
+    src_slot[i] (src is a slot buffer [N*K,H])."""
     rank, num_ranks, top_k = sched.rank, sched.num_ranks, sched.top_k
+    lo, hi = turn.lo, min(turn.hi, sched.num_slots)
     if mode == "pull":
         for peer in _peers_from(rank, num_ranks):
-            recv_slots = np.flatnonzero(sched.src_rank == peer)
-            rows = sched.src_slot[recv_slots] // top_k if token_rows else sched.src_slot[recv_slots]
-            dst.local[recv_slots] = src.get_rows(peer, rows)
+            recv_rows = lo + np.flatnonzero(sched.src_rank[lo:hi] == peer)
+            rows = sched.src_slot[recv_rows] // top_k if token_rows else sched.src_slot[recv_rows]
+            dst.local[recv_rows - lo] = src.get_rows(peer, rows)
         return
     for peer in _peers_from(rank, num_ranks):
-        my_slots = np.flatnonzero(sched.dst_rank == peer)
+        my_slots = np.flatnonzero((sched.dst_rank == peer) & (sched.recv_row >= turn.lo) & (sched.recv_row < turn.hi))
         rows = my_slots // top_k if token_rows else my_slots
-        dst.put_rows(peer, sched.recv_row[my_slots], src.local[rows])
-        signals.signal(peer, TO_EXPERTS, epoch)
+        if turn.free is not None:  # the owner's ring holds its previous turn until it says otherwise
+            signals.wait(RING_FREE, peer, turn.free, timeout_s, f"{op} (ring of rank {peer})")
+        dst.put_rows(peer, sched.recv_row[my_slots] - turn.lo, src.local[rows])
+        signals.signal(peer, TO_EXPERTS, turn.stamp)
     for peer in range(num_ranks):
-        signals.wait(TO_EXPERTS, peer, epoch, timeout_s, op)
+        signals.wait(TO_EXPERTS, peer, turn.stamp, timeout_s, op)
 
 
-def to_tokens(mode, sched, src, dst, signals, epoch, timeout_s, op):
-    """Slot s of dst (token side, [N*K,H]) <- receive row recv_row[s] of src on rank dst_rank[s]."""
+def to_tokens(mode, sched, src, dst, signals, turn: Turn, timeout_s, op):
+    """Slot s of dst (token side, [N*K,H]) <- receive row recv_row[s] of the owner dst_rank[s],
+    for the slots whose row is in [turn.lo, turn.hi): its ring row recv_row[s] - turn.lo of src."""
     rank, num_ranks = sched.rank, sched.num_ranks
     if mode == "push":
+        lo, hi = turn.lo, min(turn.hi, sched.num_slots)
         for peer in _peers_from(rank, num_ranks):
-            recv_slots = np.flatnonzero(sched.src_rank == peer)
-            dst.put_rows(peer, sched.src_slot[recv_slots], src.local[recv_slots])
-            signals.signal(peer, TO_TOKENS, epoch)
+            recv_rows = lo + np.flatnonzero(sched.src_rank[lo:hi] == peer)
+            dst.put_rows(peer, sched.src_slot[recv_rows], src.local[recv_rows - lo])
+            signals.signal(peer, TO_TOKENS, turn.stamp)
         for peer in range(num_ranks):
-            signals.wait(TO_TOKENS, peer, epoch, timeout_s, op)
+            signals.wait(TO_TOKENS, peer, turn.stamp, timeout_s, op)
         return
     src.publish()  # NOTE: my results must be visible before any peer is told they are ready
     for peer in _peers_from(rank, num_ranks):
-        signals.signal(peer, TO_TOKENS, epoch)
+        signals.signal(peer, TO_TOKENS, turn.stamp)
     for peer in _peers_from(rank, num_ranks):
-        signals.wait(TO_TOKENS, peer, epoch, timeout_s, op)
-        my_slots = np.flatnonzero(sched.dst_rank == peer)
-        dst.local[my_slots] = src.get_rows(peer, sched.recv_row[my_slots])
+        signals.wait(TO_TOKENS, peer, turn.stamp, timeout_s, op)
+        my_slots = np.flatnonzero((sched.dst_rank == peer) & (sched.recv_row >= turn.lo) & (sched.recv_row < turn.hi))
+        dst.local[my_slots] = src.get_rows(peer, sched.recv_row[my_slots] - turn.lo)
+        if turn.free is not None:
+            signals.signal(peer, PULLED, turn.stamp)
+
+
+def free_ring(signals, rank, num_ranks, stamp, pulled_stamp, timeout_s, op):
+    """The owner's side of a turn boundary: wait until every rank pulled the previous turn's rows
+    out of my ring (pulled_stamp: that turn's to_tokens stamp; None: nothing was pulled), then
+    tell every rank my ring may take the turn of `stamp`."""
+    if pulled_stamp is not None:
+        for peer in range(num_ranks):
+            signals.wait(PULLED, peer, pulled_stamp, timeout_s, f"{op} (ring reuse)")
+    for peer in _peers_from(rank, num_ranks):
+        signals.signal(peer, RING_FREE, stamp)
 
 
 def round_start(signals, rank, num_ranks, epoch, timeout_s, op, before_wait=None):

@@ -17,6 +17,7 @@ DOWN_BWD_AUX_STAGES = BN // 64  # Traits<kDownBwd>::kAuxStages (cuda/gemm.cuh): 
 EPILOGUE_ROWS = abi.CONST["kEpilogueRows"]  # token rows per weighted-sum / slot-sum task (memory bound: fine grained)
 PASSES = ("fwd", "bwd")
 PAIR_ROWS = BM * abi.CONST["kCluster"]  # rows of one 2-CTA cluster's tile pair (the fused kernel's align)
+SEGMENT_ROWS = PAIR_ROWS  # the one segment alignment: expert segments, minibatches and rings are multiples of it
 FUSED_STRATEGIES = {"fwd": "fused_forward", "bwd": "fused_backward"}
 
 # The kinds come from the ABI spec (mok_proto/abi.py: enum mok::plan::TaskKind / CounterKind of

@@ -67,9 +67,12 @@ def poison(layer, heap):
     """NaN into every row buffer between rounds (all ranks idle: barriers on both sides), so a row
     read before it landed reads NaN, not the previous round's identical bytes."""
     heap.barrier()
-    for buf in (layer.tokens, layer.token_slots_out, layer.token_slots_in, layer.expert_in, layer.expert_out):
+    for buf in (layer.tokens, layer.token_slots_out, layer.token_slots_in, layer.expert_in, layer.expert_dy,
+                layer.expert_out):
         buf.local[...] = np.nan
         buf.publish()
+    for act in layer.activations.values():
+        act[...] = np.nan
     heap.barrier()
 
 

@@ -1,0 +1,87 @@
+"""Run under mpiexec -n R: the CPU layer through a small ring (many turns, the backward replaying
+the forward) against the same layer whose ring holds every row, bitwise, for the given policies;
+and against the float64 reference. Exits non-zero (assertion) on any failure.
+
+Routing `worst-case`: every choice of every token of every rank goes to rank 0's experts, the
+most rows any routing can send one rank (needs El = E/R >= K)."""
+
+import argparse
+import itertools
+
+import numpy as np
+from mpi4py import MPI
+
+from check_layer import check_against_reference, poison
+from mok_proto import reference
+from mok_proto.config import DIRECTIONS, OPERATORS, MOK_POLICY, MoEShape, RunConfig
+from mok_proto.layer.cpu import CpuMoELayer
+from mok_proto.problem import make_problem
+from mok_proto.symm.mpi import MpiHeap
+
+
+def worst_case(prob, num_local):
+    """Every token's K choices on rank 0's first K experts, in a per-token rotated order."""
+    r, n, k = prob.topk_idx.shape
+    assert num_local >= k, f"worst-case routing needs El={num_local} >= K={k}"
+    t = np.arange(r * n).reshape(r, n, 1)
+    prob.topk_idx[...] = ((t + np.arange(k)) % num_local).astype(np.int32)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", required=True, help="H,I,E,K,N,num_shared")
+    p.add_argument("--routing", default="worst-case", help="worst-case | random | skewed")
+    p.add_argument("--align", type=int, default=4, help="segment rows (the ring is a multiple of it)")
+    p.add_argument("--policies", default="some", help="all (16) | some (MoK's, all push, all pull)")
+    args = p.parse_args()
+    h, i, e, k, n, ns = (int(v) for v in args.shape.split(","))
+    shape = MoEShape("test", hidden=h, ffn=i, num_experts=e, top_k=k, num_tokens=n, num_shared=ns)
+    comm = MPI.COMM_WORLD
+    rank, num_ranks = comm.rank, comm.size
+    num_local = e // num_ranks
+    prob = make_problem(shape, num_ranks, seed=3, routing="random" if args.routing == "worst-case" else args.routing)
+    if args.routing == "worst-case":
+        worst_case(prob, num_local)
+    # Rank 0's rows (the most of any rank here): rings of about a quarter of them, and of one segment.
+    counts = np.bincount(prob.topk_idx.reshape(-1), minlength=e)[:num_local]
+    need = int((-(-counts // args.align) * args.align).sum())
+    quarter = max(args.align, need // 4 // args.align * args.align)
+    rings = [None, quarter, args.align]
+
+    if args.policies == "all":
+        policies = [dict(zip(OPERATORS, combo)) for combo in itertools.product(DIRECTIONS, repeat=4)]
+    else:
+        policies = [dict(MOK_POLICY), dict.fromkeys(OPERATORS, "push"), dict.fromkeys(OPERATORS, "pull")]
+    run = RunConfig(shape, num_ranks=num_ranks, timeout_s=60)
+    first, turns = None, []
+    for ring in rings:
+        with MpiHeap(comm) as heap:
+            layer = CpuMoELayer(heap, run, prob.local_weights(rank), macrobatch_rows=ring, align=args.align)
+            turns.append(layer.num_turns)
+            for policy in policies:
+                layer.policy = policy
+                poison(layer, heap)
+                got = {"out": layer.forward(prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])}
+                got.update(layer.backward(prob.dout[rank]))
+                blob = {key: got[key].tobytes() for key in got}
+                if first is None:
+                    first = blob
+                    ref_out, cache = reference.forward(prob.flat("x"), prob.flat("topk_idx"),
+                                                       prob.flat("topk_weights"), prob.weights, dtype="float64")
+                    ref = reference.backward(prob.flat("dout").astype(np.float64), cache)
+                    ref["out"] = ref_out
+                    check_against_reference(comm, got, ref, slice(rank * n, (rank + 1) * n),
+                                            slice(rank * num_local, (rank + 1) * num_local))
+                for key in first:
+                    assert blob[key] == first[key], f"rank {rank}: {key} differs with ring {ring} under {policy}"
+                replayed = comm.allreduce(layer.replayed_rows)
+                assert (replayed > 0) == (layer.num_turns > 1 and ring != rings[0]), \
+                    f"ring {ring}: {replayed} rows replayed in {layer.num_turns} turns"
+    assert turns[0] == 1 and 1 < turns[1] <= turns[2], turns
+    if rank == 0:
+        print(f"OK R={num_ranks} {args.shape} routing={args.routing}: rings {rings[1:]} ({turns[1:]} turns) x "
+              f"{len(policies)} policies bitwise equal to one turn")
+
+
+if __name__ == "__main__":
+    main()
