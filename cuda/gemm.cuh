@@ -375,6 +375,31 @@ __device__ __forceinline__ void store_wgrad_round(const GemmParams* p, const Til
   }
 }
 
+// Weight gradients with GemmParams::accumulate: the accumulators start from the stored fp32 output
+// (the layout above: acc[4j + 2 rh + c] is row 16w + l/4 + 8 rh, column 8j + 2(l%4) + c; kGateUpWgrad's
+// j >= 16 are dWu's columns 8(j - 16) ..). The k-loop then goes on where an earlier launch over the
+// rows before these stopped, so rows split at a multiple of kBK give the bits of one launch.
+template <int kP>
+__device__ __forceinline__ void load_wgrad_accumulators(const GemmParams* p, const Tile& tile, float (&acc)[128],
+                                                        int half, int wg_tid) {
+  constexpr bool kDual = Traits<kP>::kDualB;
+  const int warp = wg_tid >> 5, lane = wg_tid & 31;
+  const float* out1 = ptr<const float>(p->out1);
+  const float* out2 = ptr<const float>(kDual ? p->out2 : p->out1);
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const i64 m = tile.m0 + half * 64 + warp * 16 + (lane >> 2) + 8 * rh;
+    const i64 at = tile.group * p->o_group_stride + m * p->ldo + tile.n0 + 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const bool second = kDual && j >= 16;
+      const float2 v = *reinterpret_cast<const float2*>((second ? out2 : out1) + at + 8 * (second ? j - 16 : j));
+      acc[4 * j + 2 * rh] = v.x;
+      acc[4 * j + 2 * rh + 1] = v.y;
+    }
+  }
+}
+
 template <int kP, int kGroup>
 __device__ __forceinline__ void store_wgrad_columns(const GemmParams* p, const Tile& tile, const float (&acc)[128],
                                                     float* staging, int half, int wg_tid) {
@@ -616,8 +641,12 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
                                              float (&acc)[128], float* staging, int half, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
   const u32 s_base = smem_addr(ss.stages);
+  if (!Tr::kRowProblem && p->accumulate && tile.store) {
+    load_wgrad_accumulators<kP>(p, tile, acc, half, wg_tid);
+  } else {
 #pragma unroll
-  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  }
   int prev = -1;
   for (int kb = 0; kb < tile.k_blocks; ++kb) {
     if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);

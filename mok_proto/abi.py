@@ -350,6 +350,7 @@ GEMM_PARAMS = Struct("GemmParams", (
     ("i64", "tmap_b2", ""),
     ("i64", "tmap_aux1", "kDownBwd: g, u in boxes of 128 rows x 64 columns"),
     ("i64", "tmap_aux2", ""),
+    ("i64", "accumulate", "weight gradients: 1 starts each tile from the stored output (a later turn's rows), 0 from 0"),
 ), namespace="mok::gemm")
 
 TOKEN_PARAMS = Struct("TokenParams", (

@@ -190,6 +190,37 @@ def test_weight_grads_deterministic(shape):
             assert err <= FP32_TOL, f"{name}[{ex}]: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("split", [64, 128], ids=lambda s: f"split{s}")
+def test_weight_grads_accumulate_over_split_rows_bitwise(split):
+    """Every expert's rows in two launches, the second with accumulate=True from row `split` (a
+    multiple of BK) on: the bits of one launch over all rows (the ring's later turns do this)."""
+    import cupy
+    from mok_proto.kernels import gemm
+
+    d = _setup(768, 512)
+    e, ffn, hidden = d["w_down"].shape
+    first = np.minimum(d["counts"], split).astype(np.int32)
+    parts = [(cupy.asarray(d["offsets"]), cupy.asarray(first), False),
+             (cupy.asarray(d["offsets"] + first), cupy.asarray(d["counts"] - first), True)]
+
+    def grads(launches):
+        out = [cupy.full((e, ffn, hidden), np.nan, np.float32)] + \
+              [cupy.full((e, hidden, ffn), np.nan, np.float32) for _ in range(2)]
+        for offsets, counts, accumulate in launches:
+            _run(lambda *a, **k: gemm.down_wgrad(*a, accumulate=accumulate, **k), d["h"], d["dy"], offsets, counts,
+                 out[0])
+            _run(lambda *a, **k: gemm.gate_up_wgrad(*a, accumulate=accumulate, **k), d["x"], d["dg"], d["du"],
+                 offsets, counts, out[1], out[2])
+        return [a.get() for a in out]
+
+    whole = grads([(d["d_offsets"], d["d_counts"], False)])
+    for name, a, b in zip(("dWd", "dWg", "dWu"), whole, grads(parts)):
+        assert a.tobytes() == b.tobytes(), f"{name}: two accumulated launches differ from one"
+    # the flag is what carries the first part: without it the second launch overwrites
+    for a, b in zip(whole, grads([(o, c, False) for o, c, _ in parts])):
+        assert a.tobytes() != b.tobytes()
+
+
 def test_launch_on_a_failed_error_record_does_nothing():
     from mok_proto.kernels import gemm
 

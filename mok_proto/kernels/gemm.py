@@ -244,8 +244,10 @@ def gate_up_bwd(dg, du, w_gate, w_up, row_offsets, row_counts, dx, error=None, p
                    tmap_b2=tensor_map(w_up, ffn, num_experts * hidden, BK, BN // CLUSTER))
 
 
-def down_wgrad(h, dy, row_offsets, row_counts, dw_down, error=None, pack_only=False):
-    """h [rows,I], dy [rows,H] -> dw_down [E,I,H] fp32, dw_down[e] = h_e^T dy_e."""
+def down_wgrad(h, dy, row_offsets, row_counts, dw_down, error=None, pack_only=False, accumulate=False):
+    """h [rows,I], dy [rows,H] -> dw_down [E,I,H] fp32, dw_down[e] = h_e^T dy_e. accumulate: add
+    to dw_down as the rows after the ones it holds (segments split at a multiple of BK rows give
+    the bits of one launch over all of them)."""
     num_experts, ffn, hidden = dw_down.shape
     rows = h.shape[0]
     _check("h", h, (rows, ffn), "bf16"), _check("dy", dy, (rows, hidden), "bf16")
@@ -254,12 +256,13 @@ def down_wgrad(h, dy, row_offsets, row_counts, dw_down, error=None, pack_only=Fa
     _multiple("I", ffn, BM), _multiple("H", hidden, BN)
     return _launch("down_wgrad", error, pack_only, num_groups=num_experts,
                    m=ffn, n=hidden, lda=ffn, ldb=hidden, ldo=hidden, o_group_stride=ffn * hidden, a1=h, b1=dy,
-                   out1=dw_down, row_offsets=row_offsets, row_counts=row_counts,
+                   out1=dw_down, row_offsets=row_offsets, row_counts=row_counts, accumulate=int(bool(accumulate)),
                    tmap_a1=tensor_map(h, ffn, rows, 64, BK), tmap_b1=tensor_map(dy, hidden, rows, 64, BK))
 
 
-def gate_up_wgrad(x, dg, du, row_offsets, row_counts, dw_gate, dw_up, error=None, pack_only=False):
-    """x [rows,H], dg/du [rows,I] -> dw_gate, dw_up [E,H,I] fp32."""
+def gate_up_wgrad(x, dg, du, row_offsets, row_counts, dw_gate, dw_up, error=None, pack_only=False,
+                  accumulate=False):
+    """x [rows,H], dg/du [rows,I] -> dw_gate, dw_up [E,H,I] fp32; accumulate as down_wgrad."""
     num_experts, hidden, ffn = dw_gate.shape
     rows = x.shape[0]
     _check("x", x, (rows, hidden), "bf16"), _check("dg", dg, (rows, ffn), "bf16")
@@ -270,5 +273,5 @@ def gate_up_wgrad(x, dg, du, row_offsets, row_counts, dw_gate, dw_up, error=None
     return _launch("gate_up_wgrad", error, pack_only, num_groups=num_experts,
                    m=hidden, n=ffn, lda=hidden, ldb=ffn, ldo=ffn, o_group_stride=hidden * ffn, a1=x, b1=dg, b2=du,
                    out1=dw_gate, out2=dw_up, row_offsets=row_offsets, row_counts=row_counts,
-                   tmap_a1=tensor_map(x, hidden, rows, 64, BK), tmap_b1=tensor_map(dg, ffn, rows, 64, BK),
+                   accumulate=int(bool(accumulate)), tmap_a1=tensor_map(x, hidden, rows, 64, BK), tmap_b1=tensor_map(dg, ffn, rows, 64, BK),
                    tmap_b2=tensor_map(du, ffn, rows, 64, BK))
