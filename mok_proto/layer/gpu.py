@@ -57,7 +57,7 @@ from mok_proto.kernels import gemm
 from mok_proto.kernels import token as kt
 from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, round_layout, to_experts, to_experts_before_fused,
                                       to_tokens, to_tokens_after_fused)
-from mok_proto.plan import MOVER_KINDS, PAIR_ROWS, FusedKnobs, fused_backward, fused_forward
+from mok_proto.plan import MOVER_KINDS, SEGMENT_ROWS, FusedKnobs, fused_backward, fused_forward
 
 BF16, F32, I32 = np.uint16, np.float32, np.int32
 TILE = abi.CONST["kBN"]  # H, I and Is must be multiples of it (the GEMM tiles)
@@ -133,12 +133,12 @@ def symmetric_bytes(run: RunConfig, capacity: int) -> int:
 
 def receive_capacity(topk_idx_all, num_experts: int) -> int:
     """Receive rows the layer needs for this routing ([R, N, K], every rank's): the largest rank's
-    sum over its experts of their rows padded to the schedule's align (PAIR_ROWS), as the device
+    sum over its experts of their rows padded to the schedule's align (SEGMENT_ROWS), as the device
     schedule places them. Pass it as `capacity` when the routing is known up front: with many
-    local experts the padding is most of it (El x up to PAIR_ROWS - 1 rows)."""
+    local experts the padding is most of it (El x up to SEGMENT_ROWS - 1 rows)."""
     from mok_proto.schedule import build_all_schedules
 
-    return max(1, max(s.num_slots for s in build_all_schedules(topk_idx_all, num_experts, align=PAIR_ROWS)))
+    return max(1, max(s.num_slots for s in build_all_schedules(topk_idx_all, num_experts, align=SEGMENT_ROWS)))
 
 
 def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, knobs: FusedKnobs, num_sms: int,
@@ -180,9 +180,9 @@ class GpuMoELayer(GpuRound):
         if shape is not None:
             check_tiles(shape)
         self.has_shared = shape is not None and shape.num_shared == 1
-        # Expert segments padded to a cluster's row pair (256 rows): the fused forward's tiles never
-        # straddle two experts, and both schedules keep the same receive layout (bitwise-equal caches).
-        super().__init__(heap, run, capacity, PAIR_ROWS, name)
+        # Expert segments padded to SEGMENT_ROWS: the fused passes' tile pairs never straddle two
+        # experts, and both schedules keep the same receive layout (bitwise-equal caches).
+        super().__init__(heap, run, capacity, SEGMENT_ROWS, name)
         import cupy
 
         self._whole = (cupy.zeros(1, I32), cupy.full(1, self.shape.num_tokens, I32))  # shared expert: one group
