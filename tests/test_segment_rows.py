@@ -1,16 +1,18 @@
 """The one segment-alignment rule (plan.SEGMENT_ROWS): every consumer of the rule reads the one
 constant (the GPU layer's schedule align and receive capacity, the fused knobs, the cost model,
-the simulator's fused padding)."""
+the simulator's fused padding, the memory's worst case and ring)."""
 
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from mok_proto import memory
 from mok_proto import plan as P
 from mok_proto.config import MOK_POLICY, RunConfig, ep_share, get_shape
 from mok_proto.layer import gpu, gpu_base
 from mok_proto.plan import cost, knobs
+from mok_proto.schedule import max_receive_slots
 from mok_proto.sim import fused as sim_fused
 from mok_proto.sim import layer as sim_layer
 from mok_proto.sim import model as sim_model
@@ -66,13 +68,15 @@ CONSUMERS = {
     "sim plan_align": (sim_model, lambda mp, s: sim_model.plan_align(_fused_plan()) == s),
     "sim fused load": (sim_fused, lambda mp, s: not np.any(sim_fused.emulated_load(ep_share("qwen3.5-397b"))
                                                            .expert_offsets % s)),
+    "memory": (memory, lambda mp, s: memory.worst_capacity(KIMI, 64) == max_receive_slots(2048, 8, 64, 6, s)
+               and memory.default_macrobatch_rows(KIMI, 64) % s == 0),
 }
 
 
 def test_every_consumer_uses_segment_rows(monkeypatch):
     """Nothing changes: today's rule is a cluster's tile pair, and the GPU layer's schedule align,
-    the receive capacity, the knobs' check, the cost model's padding and the simulator's fused
-    padding all equal plan.SEGMENT_ROWS."""
+    the receive capacity, the knobs' check, the cost model's padding, the simulator's fused padding
+    and the memory's worst case all equal plan.SEGMENT_ROWS."""
     assert S == P.PAIR_ROWS == 256
     for name, (_, follows) in CONSUMERS.items():
         assert follows(monkeypatch, S), name

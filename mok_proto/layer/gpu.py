@@ -59,6 +59,7 @@ from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, to_experts, to
                                       to_tokens_after_fused)
 # (round_layout, layer_row_layout: also imported from here, as the layer's own)
 from mok_proto.layer.layout import BF16, F32, I32, layer_layout, layer_row_layout, nbytes, round_layout  # noqa: F401
+from mok_proto.memory import layer_memory
 from mok_proto.plan import MOVER_KINDS, SEGMENT_ROWS, FusedKnobs, fused_backward, fused_forward
 
 TILE = abi.CONST["kBN"]  # H, I and Is must be multiples of it (the GEMM tiles)
@@ -162,6 +163,11 @@ class GpuMoELayer(GpuRound):
         self._captured = {}  # id -> the FusedPass objects captured graphs launch (kept alive: see capture)
         self._cache_valid = True
         self.launch_only(contiguous_ranks(heap, ranks))
+
+    def memory(self):
+        """This layer's memory per rank (mok_proto.memory.LayerMemory: bytes by buffer, symmetric and
+        private, totals, formula()): its logical capacity, and a ring as large (it holds every row)."""
+        return layer_memory(self.shape, self.run.num_ranks, capacity=self.capacity, macrobatch_rows=self.capacity)
 
     def row_layout(self, rows):
         """The layer's own buffers: rows, saved activations, weights and gradients (`rows` receive
