@@ -60,8 +60,8 @@ def test_token_params_carry_what_the_check_reads_as_comm_params_does():
 
 @pytest.mark.parametrize("num_shared", [0, 1])
 def test_the_layer_fills_every_token_field(num_shared):
-    from mok_proto.layer.gpu import layer_row_layout, token_fields
-    from mok_proto.layer.gpu_base import round_layout
+    from mok_proto.layer.gpu import token_fields
+    from mok_proto.layer.layout import layer_row_layout, round_layout
     from mok_proto.config import RunConfig
 
     shape = MoEShape("tok", hidden=256, ffn=256, num_experts=8, top_k=2, num_tokens=16, num_shared=num_shared,

@@ -691,10 +691,10 @@ def test_balanced_backward_spreads_experts_of_fewer_rows_than_a_pair():
     # clusters: at EP=1 qwen's (512 experts, ~40 rows each) 95 to 694 data-gradient tasks per CTA,
     # and the fused backward took 29.6 ms against the sequential's 13.8 on the H200 (14.9 after).
     shape = get_shape("tile")  # 48 experts, N K = 64 x 4: ~5 rows each, 48 pairs of real rows
-    assert P.expected_rows(shape, 1, 1 << 20) == 48 * P.PAIR_ROWS
-    assert P.default_capacity(shape, 1, 256) == 48 * P.PAIR_ROWS
+    assert P.expected_rows(shape, 1, 1 << 20) == 48 * P.SEGMENT_ROWS
+    assert P.default_capacity(shape, 1, 256) == 48 * P.SEGMENT_ROWS
     plan = P.fused_backward(shape, 1, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=16,
-                            capacity_rows=48 * P.PAIR_ROWS)
+                            capacity_rows=48 * P.SEGMENT_ROWS)
     kinds = [int(P.TaskKind.DOWN_BWD), int(P.TaskKind.GATE_UP_BWD)]
     counts = [int(np.isin(t["kind"], kinds).sum()) for t in plan.block_tables()]
     # both CTAs of 48 pairs, down_bwd's I / BN and gate_up_bwd's H / BN column tiles each
@@ -703,19 +703,19 @@ def test_balanced_backward_spreads_experts_of_fewer_rows_than_a_pair():
 
 
 def test_expected_rows_follow_the_padded_rows_of_the_routing():
-    # where the real rows end, against the sim's routed load padded to row pairs (the fused
-    # layout): within half a pair a rank at EP=8 and EP=1, where N K + half a pair per expert was 1-4 pairs
-    # short (kimi at EP=8: 341 rows an expert, two pairs each); the EP=64 shares the bench measures keep
-    # N K + half a pair (their measured plans do not change)
+    # where the real rows end, against the sim's routed load padded to segments (the GPU layer's
+    # layout): within half a segment a rank at EP=8 and EP=1, where N K + half a segment per expert was
+    # 1-4 segments short (kimi at EP=8: 341 rows an expert, two segments each); the EP=64 shares the
+    # bench measures keep N K + half a segment (their measured plans do not change)
     from mok_proto.sim.model import routed_load
 
     for name in ("kimi-k2.7", "qwen3.5-397b"):
         for ranks in (1, 8):
             shape = get_shape(name)
-            real = routed_load(shape, ranks, align=P.PAIR_ROWS).expert_offsets[:, -1].mean()
-            assert abs(P.expected_rows(shape, ranks, 1 << 30) - real) < P.PAIR_ROWS / 2, (name, ranks)
-            spread = shape.num_tokens * shape.top_k + shape.num_experts // ranks * P.PAIR_ROWS // 2
-            assert real - spread >= P.PAIR_ROWS, (name, ranks)  # the old estimate's shortfall
+            real = routed_load(shape, ranks, align=P.SEGMENT_ROWS).expert_offsets[:, -1].mean()
+            assert abs(P.expected_rows(shape, ranks, 1 << 30) - real) < P.SEGMENT_ROWS / 2, (name, ranks)
+            spread = shape.num_tokens * shape.top_k + shape.num_experts // ranks * P.SEGMENT_ROWS // 2
+            assert real - spread >= P.SEGMENT_ROWS, (name, ranks)  # the old estimate's shortfall
         share = ep_share(name, 64)
         assert P.expected_rows(share, 2, 1 << 30) == share.num_tokens * share.top_k + share.num_experts // 2 * 128
 

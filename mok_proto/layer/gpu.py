@@ -55,11 +55,13 @@ from mok_proto.config import DIRECTIONS, RunConfig
 from mok_proto.kernels import comm as kc
 from mok_proto.kernels import gemm
 from mok_proto.kernels import token as kt
-from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, round_layout, to_experts, to_experts_before_fused,
-                                      to_tokens, to_tokens_after_fused)
-from mok_proto.plan import MOVER_KINDS, PAIR_ROWS, FusedKnobs, fused_backward, fused_forward
+from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, to_experts, to_experts_before_fused, to_tokens,
+                                      to_tokens_after_fused)
+# (round_layout, layer_row_layout: also imported from here, as the layer's own)
+from mok_proto.layer.layout import BF16, F32, I32, layer_layout, layer_row_layout, nbytes, round_layout  # noqa: F401
+from mok_proto.memory import layer_memory
+from mok_proto.plan import MOVER_KINDS, SEGMENT_ROWS, FusedKnobs, fused_backward, fused_forward
 
-BF16, F32, I32 = np.uint16, np.float32, np.int32
 TILE = abi.CONST["kBN"]  # H, I and Is must be multiples of it (the GEMM tiles)
 
 
@@ -78,38 +80,6 @@ def bf16(a):
     return gemm.to_bf16(a)
 
 
-def layer_row_layout(shape, num_local: int, capacity: int) -> dict:
-    """{name: (shape, dtype)} of the layer's own buffers (rows, saved activations, weights and
-    gradients) for `num_local` experts per rank and `capacity` receive rows: GpuMoELayer.row_layout,
-    callable without a GPU (symmetric_bytes sizes the heap with it)."""
-    n, h, k, i_ffn, i_shared = shape.num_tokens, shape.hidden, shape.top_k, shape.ffn, shape.shared_ffn_size
-    el, cap = num_local, capacity
-    layout = {  # name: (shape, dtype); every buffer symmetric (peers reach the row buffers)
-        # forward
-        "x": ((n, h), BF16), "recv": ((cap, h), BF16), "g": ((cap, i_ffn), BF16), "u": ((cap, i_ffn), BF16),
-        "h": ((cap, i_ffn), BF16), "y": ((cap, h), BF16), "y_slots": ((n * k, h), BF16),
-        "base": ((n, h), BF16), "out": ((n, h), BF16),
-        # backward
-        "dout": ((n, h), BF16), "dy_slots": ((n * k, h), BF16), "recv_dy": ((cap, h), BF16),
-        "dg": ((cap, i_ffn), BF16), "du": ((cap, i_ffn), BF16), "dx_rows": ((cap, h), BF16),
-        "dx_slots": ((n * k, h), BF16), "dx_base": ((n, h), BF16), "dx": ((n, h), BF16),
-        "d_topk_w": ((n, k), F32),
-        # routed weights (bf16) and their gradients (fp32)
-        "w_gate": ((el, h, i_ffn), BF16), "w_up": ((el, h, i_ffn), BF16), "w_down": ((el, i_ffn, h), BF16),
-        "dw_gate": ((el, h, i_ffn), F32), "dw_up": ((el, h, i_ffn), F32), "dw_down": ((el, i_ffn, h), F32),
-    }
-    if shape.num_shared == 1:
-        layout.update({
-            "sg": ((n, i_shared), BF16), "su": ((n, i_shared), BF16), "sh": ((n, i_shared), BF16),
-            "sdg": ((n, i_shared), BF16), "sdu": ((n, i_shared), BF16),
-            "shared_gate": ((1, h, i_shared), BF16), "shared_up": ((1, h, i_shared), BF16),
-            "shared_down": ((1, i_shared, h), BF16),
-            "dshared_gate": ((1, h, i_shared), F32), "dshared_up": ((1, h, i_shared), F32),
-            "dshared_down": ((1, i_shared, h), F32),
-        })
-    return layout
-
-
 def token_fields(shape, num_local: int, rank_base: int, table: dict, error_ptr: int) -> dict:
     """The TokenParams fields of the layer's token-side kernels (cuda/token.cuh) for launch ranks
     from `rank_base`: `table` maps buffer names to their peer tables' addresses (buffers of a
@@ -125,20 +95,20 @@ def token_fields(shape, num_local: int, rank_base: int, table: dict, error_ptr: 
 
 
 def symmetric_bytes(run: RunConfig, capacity: int) -> int:
-    """Bytes of symmetric memory one rank's GpuMoELayer allocates (every buffer of round_layout and
-    layer_row_layout, before the allocator's alignment): what NVSHMEM_SYMMETRIC_SIZE must hold."""
-    layout = {**round_layout(run, capacity), **layer_row_layout(run.shape, run.num_local_experts, capacity)}
-    return sum(int(np.prod(shp, dtype=np.int64)) * np.dtype(dt).itemsize for shp, dt in layout.values())
+    """Bytes of symmetric memory one rank's GpuMoELayer allocates (every buffer of layout.layer_layout,
+    its ring as large as its capacity, before the allocator's alignment): what NVSHMEM_SYMMETRIC_SIZE
+    must hold."""
+    return sum(nbytes(shp, dt) for shp, dt in layer_layout(run, capacity, capacity).values())
 
 
 def receive_capacity(topk_idx_all, num_experts: int) -> int:
     """Receive rows the layer needs for this routing ([R, N, K], every rank's): the largest rank's
-    sum over its experts of their rows padded to the schedule's align (PAIR_ROWS), as the device
+    sum over its experts of their rows padded to the schedule's align (SEGMENT_ROWS), as the device
     schedule places them. Pass it as `capacity` when the routing is known up front: with many
-    local experts the padding is most of it (El x up to PAIR_ROWS - 1 rows)."""
+    local experts the padding is most of it (El x up to SEGMENT_ROWS - 1 rows)."""
     from mok_proto.schedule import build_all_schedules
 
-    return max(1, max(s.num_slots for s in build_all_schedules(topk_idx_all, num_experts, align=PAIR_ROWS)))
+    return max(1, max(s.num_slots for s in build_all_schedules(topk_idx_all, num_experts, align=SEGMENT_ROWS)))
 
 
 def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, knobs: FusedKnobs, num_sms: int,
@@ -180,9 +150,9 @@ class GpuMoELayer(GpuRound):
         if shape is not None:
             check_tiles(shape)
         self.has_shared = shape is not None and shape.num_shared == 1
-        # Expert segments padded to a cluster's row pair (256 rows): the fused forward's tiles never
-        # straddle two experts, and both schedules keep the same receive layout (bitwise-equal caches).
-        super().__init__(heap, run, capacity, PAIR_ROWS, name)
+        # Expert segments padded to SEGMENT_ROWS: the fused passes' tile pairs never straddle two
+        # experts, and both schedules keep the same receive layout (bitwise-equal caches).
+        super().__init__(heap, run, capacity, SEGMENT_ROWS, name)
         import cupy
 
         self._whole = (cupy.zeros(1, I32), cupy.full(1, self.shape.num_tokens, I32))  # shared expert: one group
@@ -194,9 +164,15 @@ class GpuMoELayer(GpuRound):
         self._cache_valid = True
         self.launch_only(contiguous_ranks(heap, ranks))
 
-    def row_layout(self, capacity):
-        """The layer's own buffers: rows, saved activations, weights and gradients."""
-        return layer_row_layout(self.shape, self.num_local, capacity)
+    def memory(self):
+        """This layer's memory per rank (mok_proto.memory.LayerMemory: bytes by buffer, symmetric and
+        private, totals, formula()): its logical capacity, and a ring as large (it holds every row)."""
+        return layer_memory(self.shape, self.run.num_ranks, capacity=self.capacity, macrobatch_rows=self.capacity)
+
+    def row_layout(self, rows):
+        """The layer's own buffers: rows, saved activations, weights and gradients (`rows` receive
+        rows: its ring holds all of them)."""
+        return layer_row_layout(self.shape, self.num_local, rows)
 
     def launch_only(self, ranks):
         """Drive only `ranks` (a contiguous subset of the heap's launch ranks) from now on: the

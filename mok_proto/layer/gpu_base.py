@@ -1,6 +1,6 @@
 """What the GPU communication round (gpu_comm.py) and the GPU layer (gpu.py) share: a RunConfig
 checked against the heap, the receive capacity, the symmetric buffers of routing, schedule and
-flags, one error record, the launch ranks and their CommParams fields, check / close / capture.
+flags (layout.round_layout), one error record, the launch ranks and their CommParams fields, check / close / capture.
 
 Legend: N tokens/rank, K top-k, R ranks, El = E/R local experts, C receive capacity (rows),
 W launch ranks (grid.y of every launch).
@@ -8,13 +8,11 @@ W launch ranks (grid.y of every launch).
 
 from __future__ import annotations
 
-import numpy as np
-
-from mok_proto import abi
 from mok_proto.config import RunConfig
 from mok_proto.kernels import comm as kc
 from mok_proto.kernels.build import num_sms
 from mok_proto.kernels.errors import ErrorRecord
+from mok_proto.layer.layout import round_layout
 from mok_proto.link import comm_fields as link_fields
 from mok_proto.schedule import max_receive_slots
 
@@ -93,19 +91,6 @@ class GpuRound:
             finally:  # an error raised while enqueuing must not leave the stream capturing
                 graph = stream.end_capture()
         return graph
-
-
-def round_layout(run: RunConfig, capacity: int) -> dict:
-    """{name: (shape, dtype)} of the buffers every round has: routing, the schedule and the
-    round's flags (every buffer symmetric). A function of the configuration alone, so a run can
-    size the symmetric heap before it exists (see layer.gpu.symmetric_bytes)."""
-    n, k, num_ranks, el = run.shape.num_tokens, run.shape.top_k, run.num_ranks, run.num_local_experts
-    i32 = np.int32
-    return {"topk_idx": ((n, k), i32), "topk_w": ((n, k), np.float32), "routing": ((num_ranks, n * k), i32),
-            "recv_row": ((n * k,), i32), "sched": ((kc.schedule_words(el, capacity),), i32),
-            "sched_scratch": ((kc.schedule_scratch_words(num_ranks, n, k, el),), i32),
-            "flags": ((len(abi.FLAG_KIND), num_ranks), np.uint64), "state": ((abi.CONST["kStateWords"],), np.uint64),
-            "link_clock": ((2,), np.uint64)}
 
 
 def to_experts(p, launch: kc.Launch, direction: str, push_op: str, pull_op: str, after_schedule: bool):

@@ -10,7 +10,7 @@ counters. Counters live in device memory; a *remote* counter is one whose value 
 raised by the tasks of every rank (a push's receiver waits for all peers' signals; a pull's
 puller waits for the peers' data), so its target counts R signals per signalling task.
 
-The receive buffer holds ``capacity_rows`` rows, expert segments padded to BM rows (the
+The receive buffer holds ``capacity_rows`` rows, expert segments padded to SEGMENT_ROWS rows (the
 schedule's ``align``), so every row tile belongs to one expert, found on the device from the
 schedule's offsets: the plan is independent of routing. Tasks past the real row count (known on
 the device only) exit at once. Rows are processed in minibatches of ``minibatch_rows``; the
@@ -44,13 +44,13 @@ from mok_proto.plan.core import Plan, with_tasks
 from mok_proto.plan.cost import default_capacity, expected_rows, num_col_tiles, tile_cost, tile_grid, wgrad_grid
 from mok_proto.plan.kinds import (BK, BM, BN, COMM_KINDS, COUNTER_DTYPE, DOWN_BWD_AUX_STAGES, EPILOGUE_ROWS,
                                   FUSED_STRATEGIES, MAX_SIGNALS, MAX_WAITS, MOVER_KINDS, PAIR_ROWS, PASS_KINDS, PASSES,
-                                  PROBLEM_OF, ROUTED_KIND_OF, TASK_DTYPE, CounterKind, PassKinds, PlanError, TaskKind,
-                                  inside_kernel)
+                                  PROBLEM_OF, ROUTED_KIND_OF, SEGMENT_ROWS, TASK_DTYPE, CounterKind, PassKinds,
+                                  PlanError, TaskKind, inside_kernel)
 from mok_proto.plan.knobs import ASSIGNMENTS, CLAIMS, RASTERS, TAIL_PAIRS_PER_CLUSTER, FusedKnobs, parse_claim
 
 __all__ = ["ASSIGNMENTS", "BK", "BM", "BN", "CLAIMS", "COMM_KINDS", "COUNTER_DTYPE", "DOWN_BWD_AUX_STAGES",
            "EPILOGUE_ROWS", "FUSED_STRATEGIES", "KEY_FIELDS", "MAX_SIGNALS", "MAX_WAITS", "MOVER_KINDS", "PAIR_ROWS",
-           "PASSES", "PASS_KINDS", "PROBLEM_OF", "RASTERS", "ROUTED_KIND_OF", "TAIL_PAIRS_PER_CLUSTER", "TASK_DTYPE",
-           "CounterKind", "default_capacity", "expected_rows", "fixed_split", "fused_backward", "fused_forward",
-           "FusedKnobs", "inside_kernel", "num_col_tiles", "parse_claim", "PassKinds", "Plan", "PlanError",
-           "sequential", "TaskKind", "tile_cost", "tile_grid", "wgrad_grid", "with_tasks"]
+           "PASSES", "PASS_KINDS", "PROBLEM_OF", "RASTERS", "ROUTED_KIND_OF", "SEGMENT_ROWS", "TAIL_PAIRS_PER_CLUSTER",
+           "TASK_DTYPE", "CounterKind", "default_capacity", "expected_rows", "fixed_split", "fused_backward",
+           "fused_forward", "FusedKnobs", "inside_kernel", "num_col_tiles", "parse_claim", "PassKinds", "Plan",
+           "PlanError", "sequential", "TaskKind", "tile_cost", "tile_grid", "wgrad_grid", "with_tasks"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 
 from mok_proto.config import MoEShape
-from mok_proto.plan.kinds import (BK, BM, BN, DOWN_BWD_AUX_STAGES, PAIR_ROWS, PASS_KINDS, PROBLEM_OF, TaskKind,
-                                  cdiv)
+from mok_proto.plan.kinds import (BK, BM, BN, DOWN_BWD_AUX_STAGES, PAIR_ROWS, PASS_KINDS, PROBLEM_OF, SEGMENT_ROWS,
+                                  TaskKind, cdiv)
 
 
 def tile_grid(kind: TaskKind, shape: MoEShape) -> tuple[int, int, int]:
@@ -48,33 +48,33 @@ def wgrad_grid(kind: TaskKind, shape: MoEShape) -> tuple[int, int]:
 def expected_rows(shape: MoEShape, num_ranks: int, capacity_rows: int) -> int:
     """Receive rows a rank fills on average (the balanced assignment's estimate of where the
     real rows end; the tiles past them exit at once), at most capacity_rows. The real rows are a
-    prefix of the receive buffer: expert segments back to back, each padded to a multiple of a
-    cluster's row pair (PAIR_ROWS). Under even routing a rank receives N K rows (each rank's N
-    tokens choose K experts among every rank's), an expert's count being Binomial(R N, K / E).
+    prefix of the receive buffer: expert segments back to back, each padded to a multiple of
+    SEGMENT_ROWS. Under even routing a rank receives N K rows (each rank's N tokens choose K
+    experts among every rank's), an expert's count being Binomial(R N, K / E).
     The larger of two estimates of the padded rows:
-      N K + half a pair per local expert: right when an expert's rows spread over several pairs
-        (EP=64);
-      El x PAIR_ROWS x E[ceil(count / PAIR_ROWS)] (normal approximation): right when the counts
-        sit within one or two pairs, where every segment pads to the same whole pairs (there, half
-        a pair each would cost the last real pairs as free, and the balanced backward would pile
-        them on a few clusters)."""
+      N K + half a segment per local expert: right when an expert's rows spread over several
+        segments (EP=64);
+      El x SEGMENT_ROWS x E[ceil(count / SEGMENT_ROWS)] (normal approximation): right when the
+        counts sit within one or two segments, where every expert pads to the same whole segments
+        (there, half a segment each would cost the last real tile pairs as free, and the balanced
+        backward would pile them on a few clusters)."""
     el = shape.num_experts // num_ranks
-    spread = shape.num_tokens * shape.top_k + el * PAIR_ROWS // 2
+    spread = shape.num_tokens * shape.top_k + el * SEGMENT_ROWS // 2
     return min(capacity_rows, max(spread, _binomial_padded_rows(shape, num_ranks)))
 
 
 def _binomial_padded_rows(shape: MoEShape, num_ranks: int) -> int:
-    """El x PAIR_ROWS x E[ceil(X / PAIR_ROWS)] for an expert's rows X ~ Binomial(R N, K / E):
-    E[ceil(X / P)] = sum over j >= 0 of P(X > j P), each term by the normal approximation (with
-    continuity correction); at least one pair per expert."""
+    """El x SEGMENT_ROWS x E[ceil(X / SEGMENT_ROWS)] for an expert's rows X ~ Binomial(R N, K / E):
+    E[ceil(X / S)] = sum over j >= 0 of P(X > j S), each term by the normal approximation (with
+    continuity correction); at least one segment per expert."""
     el = shape.num_experts // num_ranks
     n, p = num_ranks * shape.num_tokens, shape.top_k / shape.num_experts
     mean, sd = n * p, math.sqrt(max(n * p * (1.0 - p), 1e-12))
-    pairs, j = 0.0, 0
-    while j * PAIR_ROWS <= mean + 12 * sd:
-        pairs += 0.5 * math.erfc((j * PAIR_ROWS + 0.5 - mean) / (sd * math.sqrt(2.0)))
+    segments, j = 0.0, 0
+    while j * SEGMENT_ROWS <= mean + 12 * sd:
+        segments += 0.5 * math.erfc((j * SEGMENT_ROWS + 0.5 - mean) / (sd * math.sqrt(2.0)))
         j += 1
-    return int(round(el * PAIR_ROWS * max(1.0, pairs)))
+    return int(round(el * SEGMENT_ROWS * max(1.0, segments)))
 
 
 def tile_cost(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: int, row_pair: int | None = None) -> int:
@@ -107,9 +107,10 @@ def tile_cost(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: in
 
 
 def default_capacity(shape: MoEShape, num_ranks: int, minibatch_rows: int = BM, slack: float = 1.25) -> int:
-    """Receive rows a plan is sized for: `slack` x the mean N*K rows plus El*BM padding, and at
-    least a row pair per local expert (each expert's segment is padded to one), rounded up to
-    whole minibatches (the true worst case, all R*N*K rows, would make the grid huge)."""
+    """Receive rows a plan is sized for: `slack` x the mean N*K rows plus half a segment of
+    padding per local expert, and at least a segment per local expert (each expert's rows are
+    padded to SEGMENT_ROWS), rounded up to whole minibatches (the true worst case, all R*N*K
+    rows, would make the grid huge)."""
     el = shape.num_experts // num_ranks
-    rows = max(int(slack * shape.num_tokens * shape.top_k) + el * BM, el * PAIR_ROWS)
+    rows = max(int(slack * shape.num_tokens * shape.top_k) + el * SEGMENT_ROWS // 2, el * SEGMENT_ROWS)
     return cdiv(rows, minibatch_rows) * minibatch_rows

@@ -16,8 +16,12 @@ BK = abi.CONST["kBK"]  # k depth of one GEMM pipeline stage (a k-block)
 DOWN_BWD_AUX_STAGES = BN // 64  # Traits<kDownBwd>::kAuxStages (cuda/gemm.cuh): a tile's g, u, 64 columns a stage
 EPILOGUE_ROWS = abi.CONST["kEpilogueRows"]  # token rows per weighted-sum / slot-sum task (memory bound: fine grained)
 PASSES = ("fwd", "bwd")
-PAIR_ROWS = BM * abi.CONST["kCluster"]  # rows of one 2-CTA cluster's tile pair (the fused kernel's align)
-SEGMENT_ROWS = PAIR_ROWS  # the one segment alignment: expert segments, minibatches and rings are multiples of it
+PAIR_ROWS = BM * abi.CONST["kCluster"]  # rows of one 2-CTA cluster's tile pair (a GEMM fact)
+# The one segment-alignment rule: every expert's receive rows are padded to a multiple of it (the
+# GPU layer's schedule, sequential and fused), the plans' minibatch_rows and the ring's
+# macrobatch_rows are multiples of it, the simulator pads the fused plans' loads with it. The fused
+# kernel runs whole tile pairs over a segment (cuda/fused.cuh), so it is a multiple of PAIR_ROWS.
+SEGMENT_ROWS = PAIR_ROWS
 FUSED_STRATEGIES = {"fwd": "fused_forward", "bwd": "fused_backward"}
 
 # The kinds come from the ABI spec (mok_proto/abi.py: enum mok::plan::TaskKind / CounterKind of

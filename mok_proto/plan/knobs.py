@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import KW_ONLY, dataclass
 from typing import ClassVar
 
-from mok_proto.plan.kinds import PAIR_ROWS, PASS_KINDS, PASSES, inside_kernel
+from mok_proto.plan.kinds import PASS_KINDS, PASSES, SEGMENT_ROWS, inside_kernel
 from mok_proto.validate import check_int
 
 ASSIGNMENTS = ("round_robin", "balanced")  # how tile pairs go to the 2-CTA clusters (build._assign_clusters)
@@ -41,7 +41,7 @@ class FusedKnobs:
     backward's only (the other pass's `resolved` drops them)."""
 
     comm_blocks: int = 0  # CTAs set aside to communicate; 0: every CTA computes, its spare warps move rows
-    minibatch_rows: int = 1024  # receive rows per minibatch, a multiple of PAIR_ROWS
+    minibatch_rows: int = 1024  # receive rows per minibatch, a multiple of SEGMENT_ROWS
     _: KW_ONLY
     ring_minibatches: int | None = None  # forward: minibatches the buffers hold (None: every one, no ring turns)
     lookahead: int | None = None  # minibatch m + lookahead's first GEMM before m's second (None: 1, 0 for a ring of 1)
@@ -61,9 +61,9 @@ class FusedKnobs:
     def __post_init__(self):
         check_int(self.comm_blocks, "comm_blocks", minimum=0)
         minibatch_rows = check_int(self.minibatch_rows, "minibatch_rows")
-        if minibatch_rows < PAIR_ROWS or minibatch_rows % PAIR_ROWS:
-            raise ValueError(f"minibatch_rows must be a multiple of {PAIR_ROWS} (a cluster's row pair), "
-                             f"got {minibatch_rows}")
+        if minibatch_rows < SEGMENT_ROWS or minibatch_rows % SEGMENT_ROWS:
+            raise ValueError(f"minibatch_rows must be a multiple of {SEGMENT_ROWS} (plan.SEGMENT_ROWS, an expert "
+                             f"segment's alignment), got {minibatch_rows}")
         for name, minimum in (("ring_minibatches", 1), ("lookahead", None), ("spread_from", None)):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name, minimum=minimum)

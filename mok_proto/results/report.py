@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mok_proto import results
+from mok_proto.config import PAPER_SHAPES, get_shape
+from mok_proto.memory import GB, layer_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS_FILE = ROOT / "docs" / "results.md"
@@ -202,9 +204,21 @@ def _run_label(gpu: str, rows: list[dict]) -> str:
     return f"{gpu.removeprefix('NVIDIA ')}, `{rows[0].get('git', 'unknown')}`, {rows[0]['time'][:10]}"
 
 
+MEMORY_EPS = (64, 8)  # the real layouts whose memory per rank the status table states
+
+
+def _memory_cells(shape: str) -> str:
+    """The layer's memory per rank (GB, mok_proto.memory with the default ring) at each of
+    MEMORY_EPS for a paper shape, as table cells ("" for another shape)."""
+    if shape not in PAPER_SHAPES:
+        return " | ".join("" for _ in MEMORY_EPS)
+    return " | ".join(f"{layer_memory(get_shape(shape), ep).total_bytes / GB:.1f}" for ep in MEMORY_EPS)
+
+
 def _layer_lines(gpu: str, rows: list[dict]) -> list[str]:
     """Per pass and shape: the best fused setting (MoK's policy, no emulated link) timed again,
-    against the torch pipeline and our sequential pass of the same run."""
+    against the torch pipeline and our sequential pass of the same run, and the layer's memory
+    per rank at the real layouts (_memory_cells)."""
     lines = []
     for pass_ in ("fwd", "bwd"):
         mine = [r for r in rows if r["pass"] == pass_ and not r.get("policy") and r.get("link_gbps") is None]
@@ -216,7 +230,8 @@ def _layer_lines(gpu: str, rows: list[dict]) -> list[str]:
             best = max(of["fused"], key=lambda r: (bool(r.get("best_of_run")), _layer_x_seq(r)))
             torch_ms, seq_ms, ms = of["torch"][0]["median_ms"], of["sequential"][0]["median_ms"], _layer_ms(best)
             lines.append(f"| {label} | {shape} | {ms:.3f} ms (sequential {seq_ms:.3f}) | {torch_ms / ms:.2f} x torch "
-                         f"({torch_ms:.3f} ms) | {_layer_x_seq(best):.2f} | {_x(best.get('fraction_of_dense'))} |")
+                         f"({torch_ms:.3f} ms) | {_layer_x_seq(best):.2f} | {_x(best.get('fraction_of_dense'))} | "
+                         f"{_memory_cells(shape)} |")
             label = ""
     return lines
 
@@ -228,7 +243,7 @@ def _gemm_lines(gpu: str, rows: list[dict]) -> list[str]:
         fractions = [r["fraction_of_dense"] for r in mine if r.get("fraction_of_dense") is not None]
         lines.append(f"| {label} | {problem} | {_range([r['tflops']['ours'] for r in mine], '.0f')} TFLOP/s | "
                      f"{_range([r['ratio'] for r in mine], '.2f')} x `torch._grouped_mm` | | "
-                     f"{_range(fractions, '.2f') if fractions else '-'} |")
+                     f"{_range(fractions, '.2f') if fractions else '-'} |{' |' * len(MEMORY_EPS)}")
         label = ""
     return lines
 
@@ -245,17 +260,20 @@ def _comm_lines(gpu: str, rows: list[dict], nccl: list[dict], machine: str) -> l
             shapes = f"{len(mine)} shape" + ("s" if len(mine) > 1 else "")
             lines.append(f"| {label} | {op} {direction}, {shapes} | {_range(ms, '.3f')} ms, "
                          f"{_range([r['pct_of_ceiling'][op] for r in mine], '.0f')}% of link | "
-                         + (f"{_range(vs, '.2f')} x NCCL" if vs else "") + " | | |")
+                         + (f"{_range(vs, '.2f')} x NCCL" if vs else "") + " | | |" + " |" * len(MEMORY_EPS))
             label = ""
     return lines
 
 
 def status_table(results_dir: Path | str = results.RESULTS_DIR) -> str:
     """The README's status table, from the newest run of each benchmark (on each GPU): the layer
-    (fused against torch and our sequential pass), the grouped GEMMs, and the transfers on the
-    machines with several GPUs (against NCCL in the same folder)."""
+    (fused against torch and our sequential pass; its memory per rank at EP = 64 and 8, from
+    mok_proto.memory), the grouped GEMMs, and the transfers on the machines with several GPUs
+    (against NCCL in the same folder)."""
     results_dir = Path(results_dir)
-    lines = ["| benchmark | case | ours | x baseline | x sequential | of dense |", "|---|---|---|---|---|---|"]
+    headers = ["benchmark", "case", "ours", "x baseline", "x sequential", "of dense"]
+    headers += [f"GB/rank EP={ep}" for ep in MEMORY_EPS]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for gpu, rows in runs(LAYER, results_dir):
         lines += _layer_lines(gpu, rows)
     for gpu, rows in runs(GEMM, results_dir):

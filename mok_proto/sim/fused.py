@@ -35,7 +35,7 @@ from mok_proto import plan as plans
 from mok_proto import results
 from mok_proto.config import MOK_POLICY, MoEShape, ep_share
 from mok_proto.link import LinkModel
-from mok_proto.plan import BM, PAIR_ROWS, TaskKind
+from mok_proto.plan import BM, SEGMENT_ROWS, TaskKind
 from mok_proto.sim import layer
 from mok_proto.sim.model import ELEM_BYTES, MOVER_KIND_IDS, SimResult, fused_chunk_rows, simulate, token_task_bytes
 from mok_proto.sim.params import GpuParams, kernel_of, spare_warps_spun
@@ -53,8 +53,8 @@ FUSED_CALIBRATION = {
 
 
 def emulated_load(shape: MoEShape, seed: int = 0):
-    """sim/layer.py's emulated load with the fused kernel's padding (PAIR_ROWS)."""
-    return layer.emulated_load(shape, seed, align=PAIR_ROWS)
+    """sim/layer.py's emulated load with the fused kernel's padding (SEGMENT_ROWS)."""
+    return layer.emulated_load(shape, seed, align=SEGMENT_ROWS)
 
 
 def _fused_plan(pass_: str, shape: MoEShape, num_ranks: int, knobs: plans.FusedKnobs, policy: tuple, num_sms: int,

@@ -61,8 +61,8 @@ import numpy as np
 from mok_proto import trace
 from mok_proto.config import MoEShape
 from mok_proto.link import LinkModel
-from mok_proto.plan import (BM, EPILOGUE_ROWS, FUSED_STRATEGIES, PAIR_ROWS, PROBLEM_OF, CounterKind, Plan, TaskKind,
-                            inside_kernel, tile_grid)
+from mok_proto.plan import (BM, EPILOGUE_ROWS, FUSED_STRATEGIES, PROBLEM_OF, SEGMENT_ROWS, CounterKind, Plan,
+                            TaskKind, inside_kernel, tile_grid)
 from mok_proto.sim import linked
 from mok_proto.sim.params import GpuParams
 from mok_proto.sim.steps import MOVER_KIND_IDS, StepGraph, streams
@@ -81,9 +81,12 @@ def is_fused(plan: Plan) -> bool:
 
 
 def plan_align(plan: Plan) -> int:
-    """Rows an expert segment is padded to for this plan: a fused plan's cluster pair (PAIR_ROWS),
-    else one row tile (BM)."""
-    return PAIR_ROWS if is_fused(plan) else BM
+    """Rows an expert segment is padded to for this plan: a fused plan's SEGMENT_ROWS (the GPU
+    layer's align), else one row tile (BM). The GPU layer pads its sequential pass to SEGMENT_ROWS
+    too (its standalone GEMMs run whole tile pairs), but the sequential model keeps BM: padding it
+    to SEGMENT_ROWS moves two shapes' predictions without fitting the measured stages better
+    (docs/LOG.md)."""
+    return SEGMENT_ROWS if is_fused(plan) else BM
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class Load:
     """Receive rows of every rank, from an actual routing (the schedule's placement)."""
 
     tokens_per_expert: np.ndarray  # [R, El] real rows of each local expert
-    expert_offsets: np.ndarray  # [R, El + 1] padded to the schedule's align (plan_align: BM or PAIR_ROWS)
+    expert_offsets: np.ndarray  # [R, El + 1] padded to the schedule's align (plan_align: BM or SEGMENT_ROWS)
     local_fraction: np.ndarray  # [R] share of received rows that come from the rank itself
 
     @property
