@@ -39,7 +39,9 @@ enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatc
 //   kFlagDispatch: dispatch
 //   kFlagReady: ready
 //   kFlagCombine: combine
-enum FlagKind : int { kFlagRouting = 0, kFlagMap = 1, kFlagDispatch = 2, kFlagReady = 3, kFlagCombine = 4, kNumFlagKinds = 5 };
+//   kFlagRingFree: ring free
+//   kFlagPulled: pulled
+enum FlagKind : int { kFlagRouting = 0, kFlagMap = 1, kFlagDispatch = 2, kFlagReady = 3, kFlagCombine = 4, kFlagRingFree = 5, kFlagPulled = 6, kNumFlagKinds = 7 };
 }  // namespace mok
 
 namespace mok::gemm {
@@ -187,10 +189,14 @@ struct CommParams {
   i64          link_latency_ns;  // one round trip: a pull waits one per batch of loads, a signal or a push's flush one
   i64          link_every_row;  // 1: every row a rank moves pays (it stands for remote peers); 0: rows between two ranks
   const u64*   link_clock;  // u64   [2]                the link busy until (ns): into this rank, out of it
+  i64          ring_rows;  // M: rows of the ring buffers recv, y; 0: no ring (they hold all C rows)
+  i64          ring_lo;  // the turn's first receive row: rows [ring_lo, ring_lo + M) live in recv, y rows 0 .. M-1
+  i64          num_turns;  // T = ceil(C / M): turns a pass runs (turn_segments writes each one's segments)
+  const u64*   turn_sched;  // int32 [T, 2, El]         each turn's expert segments in the ring: offsets, counts
 };
-static_assert(sizeof(CommParams) == 256, "CommParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(CommParams) == 288, "CommParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(CommParams, num_ranks) == 0 && __builtin_offsetof(CommParams, rank_base) == 8 && __builtin_offsetof(CommParams, num_tokens) == 16 && __builtin_offsetof(CommParams, top_k) == 24 && __builtin_offsetof(CommParams, num_experts) == 32 && __builtin_offsetof(CommParams, num_local_experts) == 40 && __builtin_offsetof(CommParams, row_bytes) == 48 && __builtin_offsetof(CommParams, slot_rows) == 56 && __builtin_offsetof(CommParams, hidden) == 64 && __builtin_offsetof(CommParams, capacity) == 72 && __builtin_offsetof(CommParams, align) == 80 && __builtin_offsetof(CommParams, timeout_ns) == 88 && __builtin_offsetof(CommParams, topk_idx) == 96 && __builtin_offsetof(CommParams, topk_w) == 104 && __builtin_offsetof(CommParams, routing) == 112 && __builtin_offsetof(CommParams, x) == 120 && __builtin_offsetof(CommParams, recv) == 128 && __builtin_offsetof(CommParams, y) == 136 && __builtin_offsetof(CommParams, slots) == 144 && __builtin_offsetof(CommParams, base) == 152 && __builtin_offsetof(CommParams, out) == 160 && __builtin_offsetof(CommParams, recv_row) == 168 && __builtin_offsetof(CommParams, sched) == 176 && __builtin_offsetof(CommParams, sched_scratch) == 184 && __builtin_offsetof(CommParams, flags) == 192 && __builtin_offsetof(CommParams, state) == 200 && __builtin_offsetof(CommParams, scale) == 208 && __builtin_offsetof(CommParams, error) == 216 && __builtin_offsetof(CommParams, link_fs_per_byte) == 224 && __builtin_offsetof(CommParams, link_latency_ns) == 232 && __builtin_offsetof(CommParams, link_every_row) == 240 && __builtin_offsetof(CommParams, link_clock) == 248, "CommParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(CommParams, num_ranks) == 0 && __builtin_offsetof(CommParams, rank_base) == 8 && __builtin_offsetof(CommParams, num_tokens) == 16 && __builtin_offsetof(CommParams, top_k) == 24 && __builtin_offsetof(CommParams, num_experts) == 32 && __builtin_offsetof(CommParams, num_local_experts) == 40 && __builtin_offsetof(CommParams, row_bytes) == 48 && __builtin_offsetof(CommParams, slot_rows) == 56 && __builtin_offsetof(CommParams, hidden) == 64 && __builtin_offsetof(CommParams, capacity) == 72 && __builtin_offsetof(CommParams, align) == 80 && __builtin_offsetof(CommParams, timeout_ns) == 88 && __builtin_offsetof(CommParams, topk_idx) == 96 && __builtin_offsetof(CommParams, topk_w) == 104 && __builtin_offsetof(CommParams, routing) == 112 && __builtin_offsetof(CommParams, x) == 120 && __builtin_offsetof(CommParams, recv) == 128 && __builtin_offsetof(CommParams, y) == 136 && __builtin_offsetof(CommParams, slots) == 144 && __builtin_offsetof(CommParams, base) == 152 && __builtin_offsetof(CommParams, out) == 160 && __builtin_offsetof(CommParams, recv_row) == 168 && __builtin_offsetof(CommParams, sched) == 176 && __builtin_offsetof(CommParams, sched_scratch) == 184 && __builtin_offsetof(CommParams, flags) == 192 && __builtin_offsetof(CommParams, state) == 200 && __builtin_offsetof(CommParams, scale) == 208 && __builtin_offsetof(CommParams, error) == 216 && __builtin_offsetof(CommParams, link_fs_per_byte) == 224 && __builtin_offsetof(CommParams, link_latency_ns) == 232 && __builtin_offsetof(CommParams, link_every_row) == 240 && __builtin_offsetof(CommParams, link_clock) == 248 && __builtin_offsetof(CommParams, ring_rows) == 256 && __builtin_offsetof(CommParams, ring_lo) == 264 && __builtin_offsetof(CommParams, num_turns) == 272 && __builtin_offsetof(CommParams, turn_sched) == 280, "CommParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 }  // namespace mok

@@ -64,6 +64,22 @@ __device__ __forceinline__ SchedView sched_of(const CommParams* p, int rank) {
   const i64 el = p->num_local_experts, cap = p->capacity;
   return {s, s + el + 1, s + 2 * el + 1, s + 2 * el + 1 + cap};
 }
+// The receive rows [lo, hi) this launch moves and computes on (one turn of the ring; all of them
+// without one): rows lo .. hi - 1 live in rows 0 .. hi - lo - 1 of recv and y.
+struct TurnRows {
+  i64 lo, hi;
+};
+__device__ __forceinline__ TurnRows turn_rows(const CommParams* p, SchedView sv) {
+  const i64 used = sv.offsets[p->num_local_experts];
+  if (p->ring_rows == 0) return {0, used};
+  return {p->ring_lo, max(p->ring_lo, min(p->ring_lo + p->ring_rows, used))};
+}
+constexpr int kOutsideTurn = -2;  // a slot whose receive row another turn moves
+// Token side: slot s's receive row as this launch sees it: its ring row, kOutsideTurn, or -1 (none).
+__device__ __forceinline__ int turn_row(const CommParams* p, int row) {
+  if (p->ring_rows == 0 || row < 0) return row;
+  return row >= p->ring_lo && row < p->ring_lo + p->ring_rows ? static_cast<int>(row - p->ring_lo) : kOutsideTurn;
+}
 __device__ __forceinline__ char* row_ptr(const u64* table, int rank, i64 row, i64 row_bytes) {
   return at<char>(table, rank) + row * row_bytes;
 }
@@ -238,15 +254,15 @@ __device__ __forceinline__ void warp_move_row(RowMove m, i64 bytes, int lane) {
 
 template <int kVec>
 __device__ __forceinline__ void pull_token_rows(const CommParams* p, int rank, SchedView sv, i64 begin, i64 end,
-                                                Workers warps, int lane) {
+                                                i64 shift, Workers warps, int lane) {
   linked_rows<32 * kVec>(
       p, rank, kLinkIn, begin, end, warps, lane, [&](i64 i) { return sv.src_rank[i]; },
-      [&](i64 i) { warp_move_row<kVec>(dispatch_pull_row(p, rank, sv, i, 0), p->row_bytes, lane); });
+      [&](i64 i) { warp_move_row<kVec>(dispatch_pull_row(p, rank, sv, i, shift), p->row_bytes, lane); });
 }
 
-// Token side: f(s, expert owner, receive row there or -1) for my slots [begin, end), one per worker.
-// With the emulated link, a row pays to or from the slot's expert owner (none where it overflowed);
-// `d` is the direction of the movement (workers: warps).
+// Token side: f(s, expert owner, receive row there as turn_row sees it) for my slots [begin, end),
+// one per worker. With the emulated link, a row pays to or from the slot's expert owner (none where
+// it overflowed or another turn moves it); `d` is the direction of the movement (workers: warps).
 template <int kBatch, typename F>
 __device__ __forceinline__ void for_my_slots(const CommParams* p, int rank, int d, i64 begin, i64 end,
                                              Workers workers, int lane, F f) {
@@ -255,8 +271,8 @@ __device__ __forceinline__ void for_my_slots(const CommParams* p, int rank, int 
   const int el = static_cast<int>(p->num_local_experts);
   linked_rows<kBatch>(
       p, rank, d, begin, end, workers, lane,
-      [&](i64 s) { return recv_row[s] < 0 ? -1 : topk_idx[s] / el; },
-      [&](i64 s) { f(s, topk_idx[s] / el, recv_row[s]); });
+      [&](i64 s) { return turn_row(p, recv_row[s]) < 0 ? -1 : topk_idx[s] / el; },
+      [&](i64 s) { f(s, topk_idx[s] / el, turn_row(p, recv_row[s])); });
 }
 
 // Dispatch, push (token side): my slots [begin, end): the source row of s (source_row) into
@@ -276,10 +292,10 @@ __device__ __forceinline__ void push_token_rows(const CommParams* p, int rank, i
 // owner src_rank[i] (padding rows skipped).
 template <int kVec>
 __device__ __forceinline__ void push_result_rows(const CommParams* p, int rank, SchedView sv, i64 begin, i64 end,
-                                                 Workers warps, int lane) {
+                                                 i64 shift, Workers warps, int lane) {
   linked_rows<32 * kVec>(
       p, rank, kLinkOut, begin, end, warps, lane, [&](i64 i) { return sv.src_rank[i]; },
-      [&](i64 i) { warp_move_row<kVec>(combine_push_row(p, rank, sv, i, 0), p->row_bytes, lane); });
+      [&](i64 i) { warp_move_row<kVec>(combine_push_row(p, rank, sv, i, shift), p->row_bytes, lane); });
 }
 
 // Combine, pull (token side): my slots [begin, end): slots[s] <- y[recv_row[s]] of the slot's
@@ -288,6 +304,7 @@ template <int kVec>
 __device__ __forceinline__ void pull_result_rows(const CommParams* p, int rank, i64 begin, i64 end, Workers warps,
                                                  int lane) {
   for_my_slots<32 * kVec>(p, rank, kLinkIn, begin, end, warps, lane, [&](i64 s, int owner, int row) {
+    if (row == kOutsideTurn) return;
     char* dst = row_ptr(p->slots, rank, s, p->row_bytes);
     if (row < 0)
       warp_zero_row<kVec>(dst, p->row_bytes, lane);
@@ -490,15 +507,34 @@ __global__ void __launch_bounds__(kCommThreads) schedule_place_segments(const Co
   signal_when_last(p, rank, kOpSchedule, kFlagMap);
 }
 
-// dispatch_pull: every receive row pulled from its token owner. Moves rows * H * elem bytes.
+// turn_segments: each turn's expert segments in the ring (what its GEMMs run on), from the
+// schedule: turn t holds receive rows [t M, (t+1) M); expert l's part of them starts at ring row
+// offsets[t][l] and has counts[t][l] real rows (0 where the expert has none there).
+// grid (1, W), block any.
+__global__ void turn_segments(const CommParams* p) {
+  const int rank = rank_of(p), el = static_cast<int>(p->num_local_experts);
+  const SchedView sv = sched_of(p, rank);
+  int* out = at<int>(p->turn_sched, rank);
+  for (i64 i = threadIdx.x; i < p->num_turns * el; i += blockDim.x) {
+    const i64 t = i / el, l = i - t * el, lo = t * p->ring_rows, hi = lo + p->ring_rows;
+    const i64 a = max(lo, static_cast<i64>(sv.offsets[l])), b = min(hi, static_cast<i64>(sv.offsets[l] + sv.counts[l]));
+    out[t * 2 * el + l] = static_cast<int>(min(a, hi) - lo);
+    out[t * 2 * el + el + l] = static_cast<int>(max(b - a, static_cast<i64>(0)));
+  }
+}
+
+// dispatch_pull: every receive row of the turn (turn_rows) pulled from its token owner. Moves
+// rows * H * elem bytes.
 template <int kVec>
 __global__ void __launch_bounds__(kCommThreads) dispatch_pull(const CommParams* p) {
   const int rank = rank_of(p);
   const SchedView sv = sched_of(p, rank);
-  pull_token_rows<kVec>(p, rank, sv, 0, sv.offsets[p->num_local_experts], grid_warps(), lane_id());
+  const TurnRows t = turn_rows(p, sv);
+  pull_token_rows<kVec>(p, rank, sv, t.lo, t.hi, t.lo, grid_warps(), lane_id());
 }
 
-// dispatch_push: every slot of mine pushed to its expert owner, then kFlagDispatch on every peer
+// dispatch_push: every slot of mine (of the turn: turn_row) pushed to its expert owner, then
+// kFlagDispatch on every peer
 // (the consumer waits for all R). Forward: after a wait_peers(kFlagMap) launch (the owners'
 // receive rows are placed).
 template <int kVec>
@@ -515,16 +551,17 @@ __global__ void __launch_bounds__(kCommThreads) expert_scale(const CommParams* p
   scale_rows(p, rank, sv, 0, sv.offsets[p->num_local_experts], grid_warps(), lane_id());
 }
 
-// combine_push: every receive row pushed to its token owner, then kFlagCombine on every peer.
+// combine_push: every receive row of the turn pushed to its token owner, then kFlagCombine on every peer.
 template <int kVec>
 __global__ void __launch_bounds__(kCommThreads) combine_push(const CommParams* p) {
   const int rank = rank_of(p);
   const SchedView sv = sched_of(p, rank);
-  push_result_rows<kVec>(p, rank, sv, 0, sv.offsets[p->num_local_experts], grid_warps(), lane_id());
+  const TurnRows t = turn_rows(p, sv);
+  push_result_rows<kVec>(p, rank, sv, t.lo, t.hi, t.lo, grid_warps(), lane_id());
   signal_when_last(p, rank, kOpCombinePush, kFlagCombine);
 }
 
-// combine_pull: the token owner pulls every slot, after a wait_peers(kFlagReady) launch (every
+// combine_pull: the token owner pulls every slot (of the turn), after a wait_peers(kFlagReady) launch (every
 // expert owner's result rows are written).
 template <int kVec>
 __global__ void __launch_bounds__(kCommThreads) combine_pull(const CommParams* p) {

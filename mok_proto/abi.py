@@ -156,6 +156,8 @@ FLAG_KIND = Enum("FlagKind", (
     ("kFlagDispatch", "dispatch"),
     ("kFlagReady", "ready"),
     ("kFlagCombine", "combine"),
+    ("kFlagRingFree", "ring free"),  # an expert owner's ring may take the turn's rows (pushes wait for it)
+    ("kFlagPulled", "pulled"),  # a token owner pulled the turn's rows out of every owner's ring
 ), count="kNumFlagKinds")
 
 GEMM_PROBLEM = Enum("Problem", (
@@ -319,6 +321,11 @@ COMM_PARAMS = Struct("CommParams", (
     ("i64", "link_latency_ns", "one round trip: a pull waits one per batch of loads, a signal or a push's flush one"),
     ("i64", "link_every_row", "1: every row a rank moves pays (it stands for remote peers); 0: rows between two ranks"),
     ("const u64*", "link_clock", "u64   [2]                the link busy until (ns): into this rank, out of it"),
+    # The ring (the layer's turns): the receive rows this launch moves, where they live
+    ("i64", "ring_rows", "M: rows of the ring buffers recv, y; 0: no ring (they hold all C rows)"),
+    ("i64", "ring_lo", "the turn's first receive row: rows [ring_lo, ring_lo + M) live in recv, y rows 0 .. M-1"),
+    ("i64", "num_turns", "T = ceil(C / M): turns a pass runs (turn_segments writes each one's segments)"),
+    ("const u64*", "turn_sched", "int32 [T, 2, El]         each turn's expert segments in the ring: offsets, counts"),
 ))
 
 GEMM_PARAMS = Struct("GemmParams", (

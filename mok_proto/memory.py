@@ -122,7 +122,8 @@ def _cdiv(a: int, b: int) -> int:
 # to the sum over the layout's buffers.
 FORMULA = (
     ("ring", "2 M (4H + 5I)", lambda s: 2 * s["M"] * (4 * s["H"] + 5 * s["I"])),
-    ("index", "4 (2C + 2El + 1)", lambda s: 4 * (2 * s["C"] + 2 * s["El"] + 1)),
+    ("index", "4 (2C + 2El + 1) + 8 T El (T = ceil(C/M) turns, when T > 1)",
+     lambda s: 4 * (2 * s["C"] + 2 * s["El"] + 1) + (8 * _cdiv(s["C"], s["M"]) * s["El"] if s["C"] > s["M"] else 0)),
     ("token", f"2NH (6 + 3K) + 10 N Is + 4NK (4 + R) + 4 (R El ceil(NK/{SCHEDULE_SEGMENT}) + R El + 1)",
      lambda s: (2 * s["N"] * s["H"] * (6 + 3 * s["K"]) + 10 * s["N"] * s["Is"] + 4 * s["N"] * s["K"] * (4 + s["R"])
                 + 4 * (s["R"] * s["El"] * _cdiv(s["N"] * s["K"], SCHEDULE_SEGMENT) + s["R"] * s["El"] + 1))),
@@ -176,8 +177,10 @@ def default_macrobatch_rows(shape: MoEShape, num_ranks: int, free_bytes: int | N
     if not free_bytes > 0:
         raise ValueError(f"free_bytes must be > 0, got {free_bytes}")
     budget = fraction * free_bytes
-    fixed = _bytes(shape, num_ranks, capacity, 0)
-    per_row = _bytes(shape, num_ranks, capacity, 1) - fixed
+    # The ring's bytes a row, and the rest with the most turn segments any ring of whole segments has.
+    per_row = sum(b.bytes for b in _buffers(shape, num_ranks, capacity, 1) if b.role == "ring")
+    fixed = (_bytes(shape, num_ranks, capacity, capacity) - per_row * capacity
+             + 8 * _cdiv(capacity, SEGMENT_ROWS) * (shape.num_experts // num_ranks))
     fits = math.floor((budget - fixed) / per_row) // SEGMENT_ROWS * SEGMENT_ROWS
     if fits < SEGMENT_ROWS:
         need = fixed + SEGMENT_ROWS * per_row

@@ -45,8 +45,12 @@ def test_what_the_layer_allocates_is_its_memory():
         mem = memory.layer_memory(run.shape, ranks, capacity, capacity)
         assert mem.symmetric_bytes == gpu.symmetric_bytes(run, capacity)
         layer = object.__new__(gpu.GpuMoELayer)  # no GPU: only the fields memory() reads
-        layer.shape, layer.run, layer.capacity = run.shape, run, capacity
+        layer.shape, layer.run, layer.capacity, layer.ring_rows = run.shape, run, capacity, capacity
         assert layer.memory() == mem
+        ring = memory.layer_memory(run.shape, ranks, capacity, S)  # a ring of several turns
+        assert ring.symmetric_bytes == gpu.symmetric_bytes(run, capacity, S) < mem.symmetric_bytes
+        layer.ring_rows = S
+        assert layer.memory() == ring
         assert mem.private_bytes == memory.PRIVATE["error"][0][0] * 8 > 0
 
 
@@ -54,15 +58,19 @@ def test_ring_rows_scale_only_the_ring_buffers_and_capacity_only_the_index():
     shape, ranks = get_shape("glm-5.2"), 8
     worst = memory.worst_capacity(shape, ranks)
     one, four = (memory.layer_memory(shape, ranks, worst, m) for m in (S, 4 * S))
-    changed = {a.name for a, b in zip(one.buffers, four.buffers) if a.bytes != b.bytes}
+    changed = {a.name for a, b in zip(one.buffers, four.buffers) if a.bytes != b.bytes} - {"turn_sched"}
     assert changed == set(layout.RING_BUFFERS) == {b.name for b in one.buffers if b.role == "ring"}
     for a, b in zip(one.buffers, four.buffers):
+        if a.name == "turn_sched":  # each turn's segments: int32 [T, 2, El], T = ceil(C / M)
+            assert (a.bytes, b.bytes) == (8 * -(-worst // S) * shape.num_experts // ranks,
+                                          8 * -(-worst // (4 * S)) * shape.num_experts // ranks)
+            continue
         assert b.bytes == (4 * a.bytes if a.name in changed else a.bytes)
     row_values = sum(a.shape[1] for a in one.buffers if a.name in changed)
     assert row_values == 4 * shape.hidden + 5 * shape.ffn  # 4H + 5I bf16 values a ring row
     small = memory.layer_memory(shape, ranks, worst // 2, S)
     changed = {a.name for a, b in zip(one.buffers, small.buffers) if a.bytes != b.bytes}
-    assert changed == {"sched"} == {b.name for b in one.buffers if b.role == "index"}
+    assert changed == {"sched", "turn_sched"} == {b.name for b in one.buffers if b.role == "index"}
 
 
 def test_every_buffer_has_a_role():

@@ -23,7 +23,7 @@ MOVES = ("dispatch_pull", "dispatch_push", "combine_push", "combine_pull")  # th
 MODULE = CudaModule("comm.cuh", (
     "mok::begin_round", "mok::wait_peers", "mok::raise_flag", "mok::allgather_routing",
     "mok::schedule_count_segments", "mok::schedule_scan", "mok::schedule_place_segments",
-    "mok::expert_scale", "mok::weighted_sum",
+    "mok::expert_scale", "mok::weighted_sum", "mok::turn_segments",
 ) + tuple(f"mok::{kernel}<{vec}>" for kernel in MOVES for vec in VECS))
 LINK_MODULE = MODULE.variant("MOK_LINK")  # the same kernels paying an emulated link (mok_proto/link.py)
 
@@ -116,6 +116,11 @@ def build_schedule(params, launch: Launch, num_ranks: int, num_local_experts: in
     _go(launch, "mok::schedule_count_segments", (segments, w), (THREADS,), (params,), shared_mem=4 * el)
     _go(launch, "mok::schedule_scan", (1, w), (SCHEDULE_THREADS,), (params,), shared_mem=4 * (el * num_ranks + el))
     _go(launch, "mok::schedule_place_segments", (segments, w), (THREADS,), (params,), shared_mem=smem)
+
+
+def turn_segments(params, launch: Launch):
+    """Every turn's expert segments in the ring (CommParams.turn_sched), after the schedule."""
+    _go(launch, "mok::turn_segments", (1, launch.num_launch_ranks), (256,), (params,))
 
 
 def _over_rows(name: str, params, launch: Launch):

@@ -55,6 +55,7 @@ from mok_proto.config import DIRECTIONS, RunConfig
 from mok_proto.kernels import comm as kc
 from mok_proto.kernels import gemm
 from mok_proto.kernels import token as kt
+from mok_proto.layer import gpu_ring
 from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, to_experts, to_experts_before_fused, to_tokens,
                                       to_tokens_after_fused)
 # (round_layout, layer_row_layout: also imported from here, as the layer's own)
@@ -94,11 +95,12 @@ def token_fields(shape, num_local: int, rank_base: int, table: dict, error_ptr: 
                 d_topk_w=table["d_topk_w"], error=error_ptr)
 
 
-def symmetric_bytes(run: RunConfig, capacity: int) -> int:
+def symmetric_bytes(run: RunConfig, capacity: int, macrobatch_rows: int | None = None) -> int:
     """Bytes of symmetric memory one rank's GpuMoELayer allocates (every buffer of layout.layer_layout,
-    its ring as large as its capacity, before the allocator's alignment): what NVSHMEM_SYMMETRIC_SIZE
-    must hold."""
-    return sum(nbytes(shp, dt) for shp, dt in layer_layout(run, capacity, capacity).values())
+    its ring of `macrobatch_rows` rows, by default as large as its capacity, before the allocator's
+    alignment): what NVSHMEM_SYMMETRIC_SIZE must hold."""
+    ring = capacity if macrobatch_rows is None else macrobatch_rows
+    return sum(nbytes(shp, dt) for shp, dt in layer_layout(run, capacity, ring).values())
 
 
 def receive_capacity(topk_idx_all, num_experts: int) -> int:
@@ -145,14 +147,14 @@ class GpuMoELayer(GpuRound):
     this process's rank). Set weights and inputs per rank, enqueue, read results per rank."""
 
     def __init__(self, heap, run: RunConfig, capacity: int | None = None, ranks=None, name: str = "layer",
-                 blocks_per_rank: int | None = None):
+                 blocks_per_rank: int | None = None, macrobatch_rows: int | None = None):
         shape = run.shape if isinstance(run, RunConfig) else None
         if shape is not None:
             check_tiles(shape)
         self.has_shared = shape is not None and shape.num_shared == 1
         # Expert segments padded to SEGMENT_ROWS: the fused passes' tile pairs never straddle two
         # experts, and both schedules keep the same receive layout (bitwise-equal caches).
-        super().__init__(heap, run, capacity, SEGMENT_ROWS, name)
+        super().__init__(heap, run, capacity, SEGMENT_ROWS, name, macrobatch_rows)
         import cupy
 
         self._whole = (cupy.zeros(1, I32), cupy.full(1, self.shape.num_tokens, I32))  # shared expert: one group
@@ -166,8 +168,8 @@ class GpuMoELayer(GpuRound):
 
     def memory(self):
         """This layer's memory per rank (mok_proto.memory.LayerMemory: bytes by buffer, symmetric and
-        private, totals, formula()): its logical capacity, and a ring as large (it holds every row)."""
-        return layer_memory(self.shape, self.run.num_ranks, capacity=self.capacity, macrobatch_rows=self.capacity)
+        private, totals, formula()): its logical capacity and its ring."""
+        return layer_memory(self.shape, self.run.num_ranks, capacity=self.capacity, macrobatch_rows=self.ring_rows)
 
     def row_layout(self, rows):
         """The layer's own buffers: rows, saved activations, weights and gradients (`rows` receive
@@ -181,13 +183,17 @@ class GpuMoELayer(GpuRound):
         self.ranks = contiguous_ranks(self.heap, ranks)
         h = self.shape.hidden
         table = self.tables()
-        common = {**self.comm_fields(self.ranks, 2 * h), "base": 0, "out": 0, "scale": 0}
         # The forward moves token rows x -> receive rows, results y -> slots; the backward moves
-        # slot rows dy_slots -> receive rows, input-gradient rows dx_rows -> slots.
-        self.params_fwd = kc.pack_params({**common, "slot_rows": 0, "x": table["x"], "recv": table["recv"],
-                                          "y": table["y"], "slots": table["y_slots"]})
-        self.params_bwd = kc.pack_params({**common, "slot_rows": 1, "x": table["dy_slots"], "recv": table["recv_dy"],
-                                          "y": table["dx_rows"], "slots": table["dx_slots"]})
+        # slot rows dy_slots -> receive rows, input-gradient rows dx_rows -> slots. One CommParams
+        # per turn of the ring (a pass of one turn: one).
+        fwd = {"slot_rows": 0, "x": table["x"], "recv": table["recv"], "y": table["y"], "slots": table["y_slots"]}
+        bwd = {"slot_rows": 1, "x": table["dy_slots"], "recv": table["recv_dy"], "y": table["dx_rows"],
+               "slots": table["dx_slots"]}
+        turns = [{**self.comm_fields(self.ranks, 2 * h, t), "base": 0, "out": 0, "scale": 0}
+                 for t in range(self.num_turns)]
+        self.turn_params = {"fwd": [kc.pack_params({**c, **fwd}) for c in turns],
+                            "bwd": [kc.pack_params({**c, **bwd}) for c in turns]}
+        self.params_fwd, self.params_bwd = self.turn_params["fwd"][0], self.turn_params["bwd"][0]
         ranks = self.ranks
         self.params_tok = kt.pack_params(token_fields(self.shape, self.num_local, ranks[0], table, self.error.ptr))
         self.launch = self.launch_for(ranks, 2 * h, self._blocks_per_rank)
@@ -218,6 +224,10 @@ class GpuMoELayer(GpuRound):
 
         if plan is None:
             return None, None
+        if self.num_turns > 1:
+            raise ValueError(f"the fused passes run one turn, this layer's ring of {self.ring_rows} rows takes "
+                             f"{self.num_turns} for its capacity of {self.capacity}: use the sequential passes, or "
+                             f"macrobatch_rows >= capacity")
         if plan.pass_ != pass_:
             raise ValueError(f"a {pass_} plan is needed, got a {plan.pass_} plan ({plan.strategy})")
         if plan.shape != self.shape or plan.num_ranks != self.run.num_ranks:
@@ -251,11 +261,11 @@ class GpuMoELayer(GpuRound):
         return fused_plan("bwd", self.run, self.capacity, self.policy, knobs or FusedKnobs(),
                           num_sms or default_num_sms(len(self.ranks), "bwd"))
 
-    def _gemm(self, pass_: str, slot: str, r: int):
+    def _gemm(self, pass_: str, slot: str, r: int, turn: int = 0):
         """(wrapper, args) of one GEMM of rank r: the GemmSlot `slot` of pass `pass_` (None: there
-        is none, e.g. a shared slot without a shared expert). The sequential passes launch them,
-        the fused passes pack them: one list of operands for both."""
-        b, (offsets, counts), whole = self._b, self._rows(r), self._whole
+        is none, e.g. a shared slot without a shared expert), on the ring's rows of turn `turn`.
+        The sequential passes launch them, the fused passes pack them: one list of operands for both."""
+        b, (offsets, counts), whole = self._b, self._rows(r, turn), self._whole
         shared = slot.startswith("kSlotShared")
         if shared and not self.has_shared:
             return None
@@ -294,13 +304,15 @@ class GpuMoELayer(GpuRound):
         make = calls.get(slot)
         return None if make is None else make()
 
-    def _launch_gemms(self, pass_: str, slots):
-        """Launch GEMM slots of a pass, rank by rank (the sequential schedule; absent slots skipped)."""
+    def _launch_gemms(self, pass_: str, slots, turn: int = 0, accumulate: bool = False):
+        """Launch GEMM slots of a pass, rank by rank (the sequential schedule; absent slots skipped),
+        on turn `turn`'s rows; accumulate: weight gradients add to what earlier turns stored."""
         for r in self.ranks:
             for slot in slots:
-                call = self._gemm(pass_, slot, r)
+                call = self._gemm(pass_, slot, r, turn)
                 if call is not None:
-                    call[0](*call[1], error=self.error)
+                    extra = {"accumulate": True} if accumulate and slot in ("kSlotDownWgrad", "kSlotGateUpWgrad") else {}
+                    call[0](*call[1], error=self.error, **extra)
 
     def set_weights(self, rank: int, weights: dict):
         """This rank's El routed experts (w_gate/w_up [El,H,I], w_down [El,I,H]) and, with a shared
@@ -374,10 +386,15 @@ class GpuMoELayer(GpuRound):
             raise RuntimeError("this layer reported an error before; build a new GpuMoELayer")
         return self.policy
 
-    def _rows(self, rank):
-        """(offsets, counts) of this rank's El expert segments, as the device schedule wrote them."""
+    def _rows(self, rank, turn: int = 0):
+        """(offsets, counts) of this rank's El expert segments, as the device schedule wrote them;
+        with a ring of several turns, those of turn `turn` in the ring (kernels.comm.turn_segments)."""
+        el = self.num_local
+        if self.num_turns > 1:
+            segments = self.bufs["turn_sched"].instance(rank)[turn * 2 * el:(turn + 1) * 2 * el]
+            return segments[:el], segments[el:]
         sched = self.bufs["sched"].instance(rank)
-        return sched[: self.num_local], sched[self.num_local + 1: 2 * self.num_local + 1]
+        return sched[:el], sched[el + 1: 2 * el + 1]
 
     def _b(self, key, rank):
         return self.bufs[key].instance(rank)
@@ -394,6 +411,9 @@ class GpuMoELayer(GpuRound):
         kc.build_schedule(p, launch, self.run.num_ranks, self.num_local, self.shape.num_tokens, self.shape.top_k)
         if self.fused is not None:
             self._enqueue_fused_forward(policy, mark)
+            return
+        if self.num_turns > 1:
+            gpu_ring.forward_turns(self, policy, mark)
             return
         self._cache_valid = True
         mark("shared")
@@ -496,6 +516,9 @@ class GpuMoELayer(GpuRound):
         kc.begin_round(p, launch)
         if self.fused_bwd is not None:
             self._enqueue_fused_backward(policy, mark)
+            return
+        if self.num_turns > 1:
+            gpu_ring.backward_turns(self, policy, mark)
             return
         kt.scale_to_slots(self.params_tok, launch)
         mark("shared")

@@ -12,7 +12,7 @@ from mok_proto.config import RunConfig
 from mok_proto.kernels import comm as kc
 from mok_proto.kernels.build import num_sms
 from mok_proto.kernels.errors import ErrorRecord
-from mok_proto.layer.layout import round_layout
+from mok_proto.layer.layout import num_turns, round_layout
 from mok_proto.link import comm_fields as link_fields
 from mok_proto.schedule import max_receive_slots
 
@@ -20,7 +20,8 @@ from mok_proto.schedule import max_receive_slots
 class GpuRound:
     """Subclasses give `row_layout(capacity)`: {name: (shape, dtype)} of their own buffers."""
 
-    def __init__(self, heap, run: RunConfig, capacity: int | None, align: int, name: str):
+    def __init__(self, heap, run: RunConfig, capacity: int | None, align: int, name: str,
+                 macrobatch_rows: int | None = None):
         if not isinstance(run, RunConfig):
             raise TypeError(f"run must be a RunConfig, got {type(run).__name__}")
         if heap.num_ranks != run.num_ranks:
@@ -31,7 +32,14 @@ class GpuRound:
         self.capacity = worst if capacity is None else int(capacity)
         if not 0 < self.capacity <= worst:
             raise ValueError(f"capacity must be in [1, {worst}] rows, got {self.capacity}")
-        layout = {**round_layout(run, self.capacity), **self.row_layout(self.capacity)}
+        # The ring: the row buffers hold M rows, a pass runs T = ceil(C / M) turns (docs/design.md 3.1).
+        whole = -(-self.capacity // align) * align
+        self.ring_rows = whole if macrobatch_rows is None else int(macrobatch_rows)
+        if self.ring_rows < 1 or self.ring_rows % align or self.ring_rows > whole:
+            raise ValueError(f"macrobatch_rows must be a multiple of {align} (the segment alignment) in [{align}, "
+                             f"{whole}] (the capacity, rounded up), got {macrobatch_rows}")
+        self.num_turns = num_turns(self.capacity, self.ring_rows)
+        layout = {**round_layout(run, self.capacity, self.num_turns), **self.row_layout(self.ring_rows)}
         self.bufs = {key: heap.alloc(f"{name}.{key}", shp, dt) for key, (shp, dt) in layout.items()}
         self.error = ErrorRecord(run.timeout_s)  # every wait and GEMM pipeline of this process reports here
         self.failed = False
@@ -43,11 +51,16 @@ class GpuRound:
         """{buffer name: device address of its peer table}."""
         return {key: buf.ptr_table.data.ptr for key, buf in self.bufs.items()}
 
-    def comm_fields(self, ranks, row_bytes: int) -> dict:
-        """The CommParams fields every round sets (the row buffers and slot_rows are the caller's)."""
+    def comm_fields(self, ranks, row_bytes: int, turn: int = 0) -> dict:
+        """The CommParams fields every round sets (the row buffers and slot_rows are the caller's),
+        for turn `turn` of the ring (one turn: ring_rows 0, the rows are where the schedule put them)."""
         s, run, t = self.shape, self.run, self.tables()
+        ring = dict(ring_rows=0, ring_lo=0, num_turns=1, turn_sched=0)
+        if self.num_turns > 1:
+            ring = dict(ring_rows=self.ring_rows, ring_lo=turn * self.ring_rows, num_turns=self.num_turns,
+                        turn_sched=t["turn_sched"])
         return dict(num_ranks=run.num_ranks, rank_base=ranks[0], num_tokens=s.num_tokens, top_k=s.top_k,
-                    num_experts=s.num_experts, num_local_experts=self.num_local, row_bytes=row_bytes,
+                    num_experts=s.num_experts, num_local_experts=self.num_local, row_bytes=row_bytes, **ring,
                     hidden=s.hidden, capacity=self.capacity, align=self.align,
                     timeout_ns=int(run.timeout_s * 1e9), error=self.error.ptr, **link_fields(run.link),
                     **{key: t[key] for key in ("topk_idx", "topk_w", "routing", "recv_row", "sched", "sched_scratch",
@@ -58,7 +71,7 @@ class GpuRound:
         of the slot and receive buffers."""
         s = self.shape
         if blocks_per_rank is None:
-            rows = max(s.num_tokens * s.top_k, self.capacity)
+            rows = max(s.num_tokens * s.top_k, min(self.capacity, self.ring_rows))
             blocks_per_rank = kc.Launch.default_blocks_per_rank(rows, num_sms(), len(ranks))
         return kc.Launch(len(ranks), blocks_per_rank, kc.Launch.vec_for(row_bytes), link=self.run.link is not None)
 

@@ -26,7 +26,7 @@ ROLES = ("index", "ring", "token", "weights", "gradients", "control")
 RING_BUFFERS = ("recv", "g", "u", "h", "y", "recv_dy", "dg", "du", "dx_rows")  # 4 x [M, H] + 5 x [M, I], bf16
 WEIGHTS = ("w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")
 BUFFER_ROLE = {
-    "sched": "index", **{name: "ring" for name in RING_BUFFERS}, **{name: "weights" for name in WEIGHTS},
+    "sched": "index", "turn_sched": "index", **{name: "ring" for name in RING_BUFFERS}, **{name: "weights" for name in WEIGHTS},
     **{"d" + name: "gradients" for name in WEIGHTS}, "flags": "control", "state": "control", "link_clock": "control",
 }
 
@@ -36,17 +36,24 @@ def role_of(name: str) -> str:
     return BUFFER_ROLE.get(name, "token")
 
 
-def round_layout(run: RunConfig, capacity: int) -> dict:
+def round_layout(run: RunConfig, capacity: int, num_turns: int = 1) -> dict:
     """{name: (shape, dtype)} of the buffers every round has: routing, the schedule and the
-    round's flags (every buffer symmetric). A function of the configuration alone, so a run can
-    size the symmetric heap before it exists (see layer.gpu.symmetric_bytes). Only the schedule
-    (`sched`: offsets, counts and src_rank, src_slot per receive row) follows the capacity."""
+    round's flags, and with a ring of several turns each turn's segments (every buffer
+    symmetric). A function of the configuration alone, so a run can size the symmetric heap
+    before it exists (see layer.gpu.symmetric_bytes). Only the schedule (`sched`: offsets, counts
+    and src_rank, src_slot per receive row) follows the capacity."""
     n, k, num_ranks, el = run.shape.num_tokens, run.shape.top_k, run.num_ranks, run.num_local_experts
     return {"topk_idx": ((n, k), I32), "topk_w": ((n, k), F32), "routing": ((num_ranks, n * k), I32),
             "recv_row": ((n * k,), I32), "sched": ((kc.schedule_words(el, capacity),), I32),
             "sched_scratch": ((kc.schedule_scratch_words(num_ranks, n, k, el),), I32),
             "flags": ((len(abi.FLAG_KIND), num_ranks), np.uint64), "state": ((abi.CONST["kStateWords"],), np.uint64),
-            "link_clock": ((2,), np.uint64)}
+            "link_clock": ((2,), np.uint64),
+            **({"turn_sched": ((num_turns * 2 * el,), I32)} if num_turns > 1 else {})}
+
+
+def num_turns(capacity: int, macrobatch_rows: int) -> int:
+    """T = ceil(C / M): the turns a pass runs through the ring (docs/design.md 3.1)."""
+    return -(-capacity // macrobatch_rows)
 
 
 def layer_row_layout(shape, num_local: int, macrobatch_rows: int) -> dict:
@@ -84,7 +91,8 @@ def layer_row_layout(shape, num_local: int, macrobatch_rows: int) -> dict:
 def layer_layout(run: RunConfig, capacity: int, macrobatch_rows: int) -> dict:
     """Every symmetric buffer of one rank's GpuMoELayer, in allocation order: round_layout (the
     schedule sized for `capacity` rows) then layer_row_layout (a ring of `macrobatch_rows`)."""
-    return {**round_layout(run, capacity), **layer_row_layout(run.shape, run.num_local_experts, macrobatch_rows)}
+    return {**round_layout(run, capacity, num_turns(capacity, macrobatch_rows)),
+            **layer_row_layout(run.shape, run.num_local_experts, macrobatch_rows)}
 
 
 def nbytes(shape, dtype) -> int:
