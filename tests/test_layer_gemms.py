@@ -25,8 +25,8 @@ class StandIn:
             raise KeyError(key)
         return key
 
-    def _rows(self, rank):
-        return "offsets", "counts"
+    def _rows(self, rank, turn=0):
+        return f"offsets{turn or ''}", f"counts{turn or ''}"
 
 
 @pytest.mark.parametrize("has_shared", [True, False])
@@ -55,6 +55,19 @@ def test_backward_slots_run_the_backward_problems():
     # the routed weight gradients read the forward's receive rows and the backward's dy / dg, du
     assert GpuMoELayer._gemm(layer, "bwd", "kSlotGateUpWgrad", 0)[1][:3] == ("recv", "dg", "du")
     assert GpuMoELayer._gemm(layer, "bwd", "kSlotDownWgrad", 0)[1][:2] == ("h", "recv_dy")
+
+
+def test_a_turn_of_the_ring_runs_on_its_own_segments():
+    """Turn t's routed GEMMs read turn t's segments (layer._rows(rank, t)); the shared expert's the
+    whole token range, whatever the turn."""
+    layer = StandIn(True)
+    for pass_ in ("fwd", "bwd"):
+        for slot in SLOTS:
+            call = GpuMoELayer._gemm(layer, pass_, slot, 0, 2)
+            if call is None:
+                continue
+            want = ("whole_offsets", "whole_counts") if slot.startswith("kSlotShared") else ("offsets2", "counts2")
+            assert tuple(a for a in call[1] if "offsets" in a or "counts" in a) == want, (pass_, slot)
 
 
 def test_a_fused_plan_refuses_a_changed_policy():

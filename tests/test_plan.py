@@ -455,7 +455,7 @@ def test_layer_packs_the_fused_gemms_with_the_longer_timeout(monkeypatch):
     fields = {**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "n": 64, "timeout_ns": gemm.TIMEOUT_NS}
     pack = (lambda *args, error=None, pack_only=False: abi.GEMM_PARAMS.pack(fields), ())
     run = RunConfig(TILE, 2, timeout_s=30)
-    layer = SimpleNamespace(run=run, shape=TILE, capacity=1024, ranks=[0, 1], error=None,
+    layer = SimpleNamespace(run=run, shape=TILE, capacity=1024, num_turns=1, ranks=[0, 1], error=None,
                             _gemm=lambda pass_, slot, r: None if slot == "kSlotSharedDownWgrad" else pack)
     plan = P.fused_backward(TILE, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     made, words = gpu.GpuMoELayer._fused_pass(layer, plan, "bwd")
