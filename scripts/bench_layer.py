@@ -1,4 +1,4 @@
-"""python scripts/bench_layer.py [--shapes kimi-k2.7,...] [--iters 20] [--warmup 5] [--sweep] [--link-gbps 368,900]
+"""python scripts/bench_layer.py [--shapes kimi-k2.7,...] [--iters 20] [--warmup 5] [--sweep] [--link-gbps 368,900] [--routing hot:0.25]
 
 One rank's share of an EP=64 MoE layer on one GPU: our GPU layer against the unfused PyTorch
 pipeline (../shared/anchors: index_select dispatch, torch._grouped_mm experts, autograd backward),
@@ -38,6 +38,15 @@ judged by the bars).
 `schedule_ms` is the device schedule of one rank at the real EP=64 (64 virtual ranks, the
 all-gathered routing staged, graph replays), checked against schedule.py.
 
+--routing uniform | zipf:ALPHA | hot:FRACTION (mok_proto.routing; default uniform, the emulation
+above): rank 0 receives, per local expert, the rows rank 0 of the real EP=64 layout drawn under the
+spec receives (hot:F: a fraction F of the first choices of all 64 N tokens on rank 0's experts,
+about (64 F + K - 1) N rows); as one peer's N tokens cannot send that many, W = 1 + P virtual
+ranks, P the fewest whose tokens carry them (mok_proto.bench.emulation.emulated_topk), all staged
+and frozen alike, the layer sized for the routing's exact receive rows. Every row records
+`routing`, `emulation` (its virtual ranks) and `received_rows` (rank 0's); under a skewed routing
+the FLOPs count rank 0's received rows for N K. The device schedule runs under the same routing.
+
 --link-gbps G[,G...]: each shape runs again with an emulated link of G GB/s per direction
 (mok_proto.link.LinkModel, round trip --link-latency-us; every row rank 0 receives or sends back
 pays it, every_row), the same passes and fused settings as without it (the same functions, the
@@ -58,8 +67,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from mok_proto.bench.cli import add_bar_option, parse_bars, parser
-from mok_proto.bench.emulation import emulated_shape, make_inputs
+from mok_proto.bench.cli import add_bar_option, add_routing_option, parse_bars, parser
+from mok_proto.bench.emulation import emulated_inputs
 from mok_proto.bench.layer import best_row, directions_rows
 from mok_proto.bench.layer_rows import BARS, HEADER, link_table
 from mok_proto.bench.layer_run import run_shape
@@ -107,6 +116,7 @@ def parse_args(argv=None):
                    help="where the best fused setting's timeline goes ({pass_}, {shape}, {git} are replaced, {link} "
                         "by '' without the link and link<G>_ with it; '' = none); in results/timelines/ it is stored "
                         "gzipped with its row in the index there")
+    add_routing_option(p, "rank 0 the timed rank of EP=64")
     add_bar_option(p, BARS)
     args = p.parse_args(argv)
     try:
@@ -164,8 +174,7 @@ def main(argv=None) -> int:
     for link, lines in link_lines.items():
         print("\n".join(link_table(link, lines)), flush=True)
     for name in args.shapes.split(",") if args.others else ():  # after every shape's MoK rows are recorded
-        shape = emulated_shape(name)
-        data = make_inputs(shape)
+        shape, data = emulated_inputs(name, args.routing)
         for policy in args.others:
             failed += directions_rows(name, shape, data, policy, best_settings[name], args.iters, args.warmup)
     if failed:

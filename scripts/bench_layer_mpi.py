@@ -1,4 +1,4 @@
-"""NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 mpirun --bind-to none -n 2 python scripts/bench_layer_mpi.py [--shapes kimi-k2.7,...] [--iters 10] [--warmup 3]
+"""NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 mpirun --bind-to none -n 2 python scripts/bench_layer_mpi.py [--shapes kimi-k2.7,...] [--iters 10] [--warmup 3] [--routing hot:0.25]
 
 then
 
@@ -23,8 +23,9 @@ so either order works: the second run prints and records (JSON lines) the compar
 processes below leave that binding anyway.)
 
 Per paper shape (config.PAPER_SHAPES, N = 2048 tokens per rank, E/R experts per rank, uniform
-random top-K routing identical on every rank; weights, x and dout generated on the GPU per rank
-from seeded CuPy generators, the same in both modes):
+random top-K routing identical on every rank, or --routing zipf:ALPHA | hot:FRACTION over the R
+ranks with rank 0 the timed (hot) one: mok_proto.routing; weights, x and dout generated on the GPU
+per rank from seeded CuPy generators, the same in both modes; every record holds `routing`):
   ours      GpuMoELayer over NvshmemHeap, MoK's policy. Sequential and fused (fused_forward /
             fused_backward plans, comm CTAs 0 and minibatch 1024 or 2048 rows: the faster one is
             reported) timed as CUDA-graph replays; passes alternate (the forward graph, then the
@@ -107,7 +108,7 @@ def main_single(args) -> int:
     out_dir = results_dir(args, num_ranks)
     digests_path = Path(args.digests_out) if args.digests_out else out_dir / "digests_single.json"
     print(f"# bench_layer_mpi --single {num_ranks}: {num_ranks} virtual ranks on {gpu_name()}, "
-          f"sequential layer, policy {format_policy(MOK_POLICY)}, seed {args.seed}", flush=True)
+          f"sequential layer, policy {format_policy(MOK_POLICY)}, seed {args.seed}, routing {args.routing}", flush=True)
     shapes, failed = {}, []
     for name in args.shapes:
         entry = shapes[name] = single_shape(name, args, num_ranks)
@@ -146,7 +147,7 @@ def main_mpi(args) -> int:
     problems, rows, failed = [], [], []
     for name in args.shapes:
         try:
-            problems.append(Problem(name, args.tokens, num_ranks, args.seed))
+            problems.append(Problem(name, args.tokens, num_ranks, args.seed, args.routing))
         except ValueError as e:
             rows.append({"shape": name, "ranks": num_ranks, "skipped": str(e)})
             failed.append(f"{name}: skipped ({e})")
@@ -187,7 +188,8 @@ def main_mpi(args) -> int:
     import torch
 
     ranks.say(f"# bench_layer_mpi: R={num_ranks} processes on {torch.cuda.get_device_name()}, iters {args.iters} "
-              f"warmup {args.warmup}, seed {args.seed}, NVSHMEM_SYMMETRIC_SIZE={os.environ['NVSHMEM_SYMMETRIC_SIZE']}, "
+              f"warmup {args.warmup}, seed {args.seed}, routing {args.routing}, "
+              f"NVSHMEM_SYMMETRIC_SIZE={os.environ['NVSHMEM_SYMMETRIC_SIZE']}, "
               f"git {git_sha()}")
     for row in rows:
         ranks.say(f"# {row['shape']}: skipped: {row['skipped']}")
@@ -225,7 +227,7 @@ def main_mpi(args) -> int:
             done[prob.name] = row
             # Recorded as soon as the shape is done: a run stopped later keeps it.
             digests[prob.name] = {"config": {k: row.get(k) for k in ("shape", "ranks", "tokens_per_rank", "seed",
-                                                                     "capacity")}}
+                                                                     "routing", "capacity")}}
             if "digests" in row:
                 digests[prob.name]["per_rank"] = {str(r): d for r, d in enumerate(row["digests"])}
             else:

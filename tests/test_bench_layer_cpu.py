@@ -59,7 +59,12 @@ def test_fused_settings_keep_comm_ctas_only_where_a_transfer_runs_inside():
 
 def test_directions_rows_report_and_record(monkeypatch, capsys):
     """directions_rows on a stand-in for the GPU run: one line per pass, the sequential and fused
-    rows recorded with the policy, and a fused result unequal to its sequential layer's fails."""
+    rows recorded with the policy and the emulation's routing, and a fused result unequal to its
+    sequential layer's fails."""
+    from mok_proto.bench.emulation import make_inputs
+    from mok_proto.config import get_shape
+
+    data = make_inputs(get_shape("tiny"))
     policy = {"dispatch": "push", "combine": "pull", "rev_combine": "push", "rev_dispatch": "pull"}
     seen, recorded = [], []
 
@@ -74,13 +79,14 @@ def test_directions_rows_report_and_record(monkeypatch, capsys):
     monkeypatch.setattr(bench_layer, "ours", fake_ours)
     monkeypatch.setattr(bench_layer, "append_result", lambda name, row: recorded.append((name, row)))
     knobs = [FusedKnobs(comm, 2048, assign="balanced", raster="col") for comm in (0, 8)]
-    failed = bench_layer.directions_rows("kimi-k2.7", None, None, policy, knobs, 3, 1)
+    failed = bench_layer.directions_rows("kimi-k2.7", None, data, policy, knobs, 3, 1)
     assert seen == [({"fwd": (knobs[0],), "bwd": (knobs[0],)}, None, policy)]
     assert failed == ["kimi-k2.7 bwd directions push:pull:push:pull"]
     assert [(n, r["pass"], r["schedule"]) for n, r in recorded] == [
         ("bench_layer_directions", "fwd", "sequential"), ("bench_layer_directions", "fwd", "fused"),
         ("bench_layer_directions", "bwd", "sequential"), ("bench_layer_directions", "bwd", "fused")]
-    assert all(r["policy"] == policy for _, r in recorded)
+    assert all(r["policy"] == policy and r["routing"] == "uniform" for _, r in recorded)
+    assert all(r["emulation"] == "2 virtual ranks, rank 0 timed" for _, r in recorded)
     out = capsys.readouterr().out
     assert ("directions push:pull:push:pull fwd: sequential 2.100 ms; fused comm=0 minibatch=2048 2.000 ms against "
             "2.100 interleaved (x 1.05") in out
@@ -305,7 +311,8 @@ def test_rows_keep_their_fields_and_bars_judge_the_best_setting():
                      ("bench_layer", "torch", "bwd"), ("bench_layer", "sequential", "bwd"),
                      ("bench_layer", "fused", "fwd"), ("bench_layer", "fused", "fwd"), ("bench_layer", "fused", "bwd")]
     seq = report.rows[1][1]
-    assert set(seq) == {"shape", "pass", "ep", "emulation", "flops", "schedule_ms", "schedule_exact", "link_gbps",
+    assert set(seq) == {"shape", "pass", "ep", "emulation", "routing", "flops", "schedule_ms", "schedule_exact",
+                        "link_gbps",
                         "schedule", "median_ms", "p20_ms", "p80_ms", "iters", "tflops", "speedup_vs_torch",
                         "bitwise_repeat", "max_rel_err_vs_torch", "stages_ms", "speedup_vs_torch_variant_2n"}
     assert seq["link_gbps"] is None and seq["speedup_vs_torch"] == pytest.approx(2.5 / 2.0) and seq["ep"] == 64
@@ -330,6 +337,13 @@ def test_rows_keep_their_fields_and_bars_judge_the_best_setting():
     torch_slower = shape_report("kimi-k2.7", shape, measured, ({**base, "bwd": {**base["bwd"], "median_ms": 6.0}},
                                                                  ref), ({"median_ms": 0.03}, True), lowered)
     assert torch_slower.failed == ["kimi-k2.7 bwd", "kimi-k2.7 fused bwd"]  # 6 / 5 = 1.2x < 1.3; 6 / 4.2 < 1.6
+    # a skewed routing: every row records the emulation's fields, the FLOPs count rank 0's received rows
+    skewed = {"emulation": "5 virtual ranks, rank 0 timed", "routing": "hot:0.25", "received_rows": 3 * 16384}
+    rows = [r for _, r in shape_report("kimi-k2.7", shape, measured, (base, ref), ({"median_ms": 0.03}, True),
+                                       BARS, skewed).rows]
+    assert len(rows) == 7 and all({**r, **skewed} == r for r in rows)
+    extra = 6 * shape.hidden * shape.ffn * 2 * 16384  # 2 N K more routed rows than uniform's N K
+    assert [r["flops"] for r in rows[:2]] == [shape.forward_flops() + extra] * 2
 
 
 def test_overlap_efficiency_is_the_share_of_the_link_cost_the_fused_pass_hides():
@@ -503,8 +517,10 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
     from types import SimpleNamespace
 
     from mok_proto.bench import layer_run
+    from mok_proto.bench.emulation import emulated_shape
     from mok_proto.bench.layer_rows import BARS, LINK_FILE
     from mok_proto.link import LinkModel
+    from mok_proto.routing import UNIFORM
 
     no_link, measured = _link_case()
     calls, reports = [], []
@@ -515,13 +531,16 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
         return no_link if link is None else measured
 
     monkeypatch.setattr(layer_run, "ours", fake_ours)
-    monkeypatch.setattr(layer_run, "make_inputs", lambda shape: "the inputs")
+    fields = {"emulation": "2 virtual ranks, rank 0 timed", "routing": "uniform", "received_rows": 16384}
+    monkeypatch.setattr(layer_run, "emulated_inputs",
+                        lambda name, routing: (emulated_shape(name), {"topk_idx": [0, 1], "routing": routing}))
+    monkeypatch.setattr(layer_run, "row_fields", lambda data: fields)
     monkeypatch.setattr(layer_run, "torch_pipeline", lambda *a: calls.append("torch") or _torch())
     monkeypatch.setattr(layer_run, "schedule_at_ep64", lambda *a: calls.append("schedule") or ({"median_ms": 0.03}, True))
     monkeypatch.setattr(layer_run, "git_sha", lambda: "abc1234")
     links = [LinkModel(368, every_row=True), LinkModel(900, every_row=True)]
     settings = {"fwd": [FusedKnobs(0, 2048), FusedKnobs(8, 2048)], "bwd": [FusedKnobs(0, 2048)]}
-    args = SimpleNamespace(iters=3, warmup=1, settings=settings, bars=BARS, links=links,
+    args = SimpleNamespace(iters=3, warmup=1, settings=settings, bars=BARS, links=links, routing=UNIFORM,
                            timeline="results/timelines/timeline_fused_{link}{pass_}_{shape}_{git}.jsonl")
     got, tables = layer_run.run_shape("kimi-k2.7", args, reports.append)
     assert got is no_link and list(tables) == links and all(len(t) == 2 for t in tables.values())
@@ -529,14 +548,15 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
     assert [c["link"] for c in ours_calls] == [None, *links] and calls[1:3] == ["torch", "schedule"]
     for c in ours_calls:  # the same call but for the link
         assert (c["shape"], c["data"], c["iters"], c["warmup"], c["settings"]) == (
-            "kimi-k2.7@ep64", "the inputs", 3, 1, settings)
+            "kimi-k2.7@ep64", {"topk_idx": [0, 1], "routing": UNIFORM}, 3, 1, settings)
     assert [c["trace_to"] for c in ours_calls] == [
         "results/timelines/timeline_fused_{pass_}_kimi-k2.7_abc1234.jsonl",
         "results/timelines/timeline_fused_link368_{pass_}_kimi-k2.7_abc1234.jsonl",
         "results/timelines/timeline_fused_link900_{pass_}_kimi-k2.7_abc1234.jsonl"]
-    assert ours_calls[0]["index"] == {"bench": "bench_layer", "shape": "kimi-k2.7"}
+    assert ours_calls[0]["index"] == {"bench": "bench_layer", "shape": "kimi-k2.7", "routing": "uniform"}
     assert ours_calls[2]["index"]["bench"] == "bench_layer_link" and ours_calls[2]["index"]["link_gbps"] == 900
     assert len(reports) == 3
     assert {f for f, _ in reports[0].rows} == {"bench_layer"} and all(r["link_gbps"] is None for _, r in reports[0].rows)
     assert all(f == LINK_FILE and r["link_gbps"] == g for rep, g in zip(reports[1:], (368, 900)) for f, r in rep.rows)
     assert all("speedup_vs_torch" not in r for rep in reports[1:] for _, r in rep.rows)
+    assert all({**r, **fields} == r for rep in reports for _, r in rep.rows)  # every row records the routing

@@ -75,6 +75,24 @@ def test_routing_is_deterministic_and_valid():
     np.testing.assert_allclose(w.sum(axis=2), 1.0, rtol=1e-6)
 
 
+def test_skewed_routing_is_the_spec_over_the_real_ranks():
+    """--routing applies to bench_layer_mpi's own R ranks, rank 0 the hot one; uniform keeps its draws."""
+    from mok_proto.routing import UNIFORM, RoutingSpec
+
+    shape = get_shape("qwen3.5-397b").with_tokens(256)
+    assert all(np.array_equal(a, b) for a, b in zip(make_routing(shape, 4, 3), make_routing(shape, 4, 3, UNIFORM)))
+    topk, w = make_routing(shape, 4, 3, RoutingSpec.parse("hot:0.5"))
+    assert all(np.array_equal(a, b) for a, b in zip((topk, w), make_routing(shape, 4, 3, RoutingSpec("hot", 0.5))))
+    el = shape.num_experts // 4
+    assert (topk[..., 0] < el).mean() == 0.5  # half of all 4 N first choices on rank 0's experts
+    assert all(len(set(row)) == shape.top_k for row in topk.reshape(-1, shape.top_k))
+    np.testing.assert_allclose(w.sum(axis=2), 1.0, rtol=1e-6)
+    prob = Problem("tile", 64, 2, seed=0, routing=RoutingSpec.parse("hot:1"))
+    assert prob.config()["routing"] == "hot:1" and Problem("tile", 64, 2, seed=0).config()["routing"] == "uniform"
+    assert (prob.topk[..., 0] < 24).all() and prob.capacity == receive_capacity(prob.topk, 48)
+    assert parse_args([]).routing == UNIFORM and parse_args(["--routing", "hot:1"]).routing == RoutingSpec("hot", 1.0)
+
+
 def test_crossing_bytes_counts_the_busiest_direction():
     # R=2, E=4 (El=2), N=2, K=2: rank 0 sends 3 rows to rank 1, rank 1 sends 1 row to rank 0.
     topk = np.array([[[0, 2], [3, 2]], [[1, 3], [2, 3]]], np.int32)
@@ -185,6 +203,13 @@ def test_compare_digests_either_way(tmp_path):
     other = compare_digests({"tile": _entry(capacity=768)}, path, "mpi")["tile"]
     assert other["equal"] is None and "capacity 768 vs 512" in other["why"]
     assert compare_digests({"tile": _entry()}, path, "single")["tile"]["equal"] is None  # same mode
+    # a file from before configs held the routing ran uniform routing
+    hot = _entry()
+    hot["config"]["routing"] = "hot:0.25"
+    other = compare_digests({"tile": hot}, path, "mpi")["tile"]
+    assert other["equal"] is None and "routing hot:0.25 vs uniform" in other["why"]
+    hot["config"]["routing"] = "uniform"
+    assert compare_digests({"tile": hot}, path, "mpi")["tile"]["equal"] is True
     assert json.loads(path.read_text())["mode"] == "single"
 
 

@@ -248,6 +248,10 @@ def test_sim_help_shows_every_default_and_choice():
     (["--claim", "3"], "--claim applies to the megakernel's plan: add --fused"),
     (["--fused", "--claim", "-1"], "claim must be an int >= 0 or one of all, tail, got '-1'"),
     (["--policy", "dispatch=both"], "policy: dispatch must be push or pull"),
+    (["--routing", "hot"], "argument --routing: routing must be uniform, zipf:ALPHA (ALPHA > 0) or hot:FRACTION"),
+    (["--routing", "zipf:0"], "got 'zipf:0'"),
+    (["--routing", "hot:1.5"], "got 'hot:1.5'"),
+    (["--validate", "--routing", "hot:0.5"], "--validate compares the measured rows of uniform routing"),
 ])
 def test_sim_bad_input_one_line_exit_2(args, message, capsys):
     from mok_proto.sim.__main__ import main
@@ -268,10 +272,12 @@ def test_sim_header_names_every_setting_and_its_defaults(capsys):
     assert main(["--shape", "tile", "--ep", "2", "--gpu", "h200", "--fused", "--minibatch", "256"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert header == ("# shape tile, ep 2, gpu h200, pass fwd (default), plan fused, policy dispatch=pull,"
-                      "combine=push,rev_combine=pull,rev_dispatch=push (default), comm-sms 0 (default), minibatch 256, "
-                      "assign round_robin (default), raster row (default), claim all (default)"), header
+                      "combine=push,rev_combine=pull,rev_dispatch=push (default), routing uniform (default), "
+                      "comm-sms 0 (default), minibatch 256, assign round_robin (default), raster row (default), "
+                      "claim all (default)"), header
     assert main(["--shape", "tile", "--ep", "2", "--gpu", "h200", "--pass", "bwd", "--comm-sms", "8",
                  "--policy", "dispatch=push"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert header == ("# shape tile, ep 2, gpu h200, pass bwd, plan fixed_split, policy dispatch=push,"
-                      "combine=push,rev_combine=pull,rev_dispatch=push, comm-sms 8, minibatch 2048 (default)"), header
+                      "combine=push,rev_combine=pull,rev_dispatch=push, routing uniform (default), comm-sms 8, "
+                      "minibatch 2048 (default)"), header

@@ -111,3 +111,25 @@ def test_fraction_of_dense():
     row = of_dense({"shape": "kimi-k2.7", "tflops": 600.0}, 600.0, 800.0)
     assert row == {"shape": "kimi-k2.7", "tflops": 600.0, "dense_tflops": 800.0, "fraction_of_dense": 0.75}
     assert of_dense({"schedule": "x"}, None, 800.0)["fraction_of_dense"] is None  # a row without TFLOP/s
+
+
+def test_skewed_routing_rows_have_their_own_table_and_leave_the_status_table(tmp_path):
+    """A bench_layer run under a skewed routing (its rows' `routing`) gets its own table; the layer's
+    table and the README's status line stay the newest uniform run's (rows without `routing` are)."""
+    def layer(time, git, schedule, ms, **extra):
+        return {"time": time, "git": git, "gpu": "NVIDIA H200", "shape": "kimi-k2.7", "pass": "fwd",
+                "schedule": schedule, "median_ms": ms, "link_gbps": None, "speedup_vs_torch": 3.0 / ms, **extra}
+
+    uniform = [layer("2026-12-03T10:00:00+00:00", "uni", s, ms) for s, ms in (("torch", 3.0), ("sequential", 2.0))]
+    uniform.append(layer("2026-12-03T10:00:00+00:00", "uni", "fused", 1.8, best_of_run=True,
+                         speedup_vs_sequential=1.1, comm_blocks=0, minibatch_tokens=2048))
+    hot = [dict(r, time="2026-12-04T10:00:00+00:00", git="hot", routing="hot:0.25", received_rows=46000,
+                emulation="5 virtual ranks, rank 0 timed", median_ms=r["median_ms"] * 3) for r in uniform]
+    _write(tmp_path, "bench_layer", uniform + hot)
+    table = report.status_table(tmp_path)
+    assert "| layer fwd (H200, `uni`, 2026-12-03) | kimi-k2.7 | 1.800 ms (sequential 2.000) |" in table
+    assert "`hot`" not in table
+    text = report.markdown(tmp_path)
+    assert "## bench_layer (one GPU, NVIDIA H200)" in text and "## bench_layer, skewed routing (one GPU, NVIDIA H200)" in text
+    assert "| kimi-k2.7 | hot:0.25 | 5 virtual ranks, rank 0 timed | 46000 | fwd | fused |" in text
+    assert text.count("| kimi-k2.7 | fwd |") == 3  # the uniform run's three rows, in the layer's table

@@ -70,6 +70,18 @@ def test_bench_layer_link_options_refused_in_one_line(args, message):
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], lines
 
 
+@pytest.mark.parametrize("script", ["bench_layer.py", "bench_layer_mpi.py"])
+def test_routing_refused_in_one_line_naming_the_forms(script):
+    for bad in ("zipf", "hot:0", "hot:1.01", "zipf:-1", "uniform:1", "skewed"):
+        proc = run(script, "--routing", bad)
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, lines
+        assert "argument --routing: routing must be uniform, zipf:ALPHA (ALPHA > 0) or hot:FRACTION " in lines[0]
+        assert repr(bad) in lines[0], lines
+    help_text = " ".join(run(script, "--help").stdout.split())
+    assert "--routing SPEC" in help_text and "(default: uniform)" in help_text
+
+
 def test_bars_parse_and_judge():
     bars = {"x_seq": Bar(1.1, "x sequential"), "ms": Bar(0.05, "a time", at_most=True)}
     got = parse_bars(["x_seq=1.2", " ms = 0.1 ,x_seq=1.3"], bars)  # repeated and comma-separated; the last wins

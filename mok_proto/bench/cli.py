@@ -1,6 +1,6 @@
 """What the benchmark scripts share on their command lines: a parser whose --help shows the
-script's docstring and every option's default and whose errors are one line, and the bars as
-`--bar KEY=VALUE`."""
+script's docstring and every option's default and whose errors are one line, the bars as
+`--bar KEY=VALUE`, and the routing as `--routing SPEC` (mok_proto.routing)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import argparse
 import dataclasses
 import math
 from dataclasses import dataclass
+
+from mok_proto.routing import UNIFORM, RoutingSpec
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -84,3 +86,19 @@ def parse_bars(items, bars: dict) -> dict:
             raise ValueError(f"--bar {key}: {value!r} is not a finite number")
         out[key] = dataclasses.replace(bars[key], value=number)
     return out
+
+
+def routing_spec(text: str) -> RoutingSpec:
+    """--routing's type: the parsed spec, or argparse's one-line error naming the accepted forms."""
+    try:
+        return RoutingSpec.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_routing_option(p: argparse.ArgumentParser, what: str) -> None:
+    """--routing SPEC (default uniform) -> args.routing, a RoutingSpec; `what` says where it applies."""
+    p.add_argument("--routing", type=routing_spec, default=UNIFORM, metavar="SPEC",
+                   help="the routing: uniform, zipf:ALPHA (expert popularity 1/(j+1)^ALPHA, the hottest expert "
+                        "the timed rank's) or hot:FRACTION (that fraction of all tokens' first choices on the timed "
+                        f"rank's experts); {what}; recorded in every row as `routing` (mok_proto.routing)")

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from mok_proto.bench.rows import git_sha
+from mok_proto.routing import UNIFORM
 
 DIGEST_ROW_WORDS = 4096  # 32-bit words per fingerprint row of `digest`
 # odd 64-bit multipliers, one per word of a row (fixed: digests compare across runs and machines)
@@ -61,12 +62,13 @@ def write_digests(path: Path, mode: str, num_ranks: int, shapes: dict) -> None:
 
 def compare_digests(mine: dict, path, mode: str) -> dict:
     """{shape: True (every rank equal) | False | None (not comparable: reason in 'why')} against the
-    digests file of the other mode. Same problem = same shape, R, tokens per rank, seed, capacity."""
+    digests file of the other mode. Same problem = same shape, R, tokens per rank, seed, routing (a
+    file without it: uniform), capacity."""
     other = json.loads(Path(path).read_text())
     out = {}
     for name, got in mine.items():
         theirs = other.get("shapes", {}).get(name)
-        keys = ("ranks", "tokens_per_rank", "seed", "capacity")
+        keys = ("ranks", "tokens_per_rank", "seed", "routing", "capacity")
         if other.get("mode") == mode:
             out[name] = {"equal": None, "why": f"{path} holds digests of the same mode ({mode})"}
         elif theirs is None:
@@ -79,13 +81,18 @@ def compare_digests(mine: dict, path, mode: str) -> dict:
                 f"{who}: {entry.get('skipped') or entry.get('error') or '?'}" for who, entry in (("this run", got),
                                                                                               (str(path), theirs))
                 if "per_rank" not in entry)}
-        elif any(theirs["config"].get(k) != got["config"].get(k) for k in keys):
+        elif any(_config(theirs, k) != _config(got, k) for k in keys):
             out[name] = {"equal": None, "why": "a different problem: " + ", ".join(
-                f"{k} {got['config'].get(k)} vs {theirs['config'].get(k)}" for k in keys)}
+                f"{k} {_config(got, k)} vs {_config(theirs, k)}" for k in keys)}
         else:
             ranks = {r: got["per_rank"][r] == theirs["per_rank"].get(r) for r in got["per_rank"]}
             out[name] = {"equal": all(ranks.values()), "ranks": ranks, "other": str(path)}
     return out
+
+
+def _config(entry: dict, key: str):
+    """A digests entry's config value; a file written before configs held the routing: uniform."""
+    return entry["config"].get(key, str(UNIFORM) if key == "routing" else None)
 
 
 def describe_comparison(result) -> str:

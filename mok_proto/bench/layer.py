@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from mok_proto.bench.emulation import EMULATION, EP, result_bytes, staged_layer
+from mok_proto.bench.emulation import EP, result_bytes, row_fields, staged_layer
 from mok_proto.bench.rows import append_result
 from mok_proto.bench.settings import fused_settings_for
 from mok_proto.bench.timeline_plot import index_timeline, write_timeline
@@ -195,8 +195,7 @@ def directions_rows(name, shape, data, policy, settings, iters, warmup) -> list:
         print(line, flush=True)
         if not bitwise[pass_] or not all(r["equal_to_sequential"] and r["bitwise_repeat"] for r in rows):
             failed.append(f"{name} {pass_} directions {label}")
-        common = {"shape": name, "pass": pass_, "ep": EP, "emulation": EMULATION,
-                  "policy": policy}
+        common = {"shape": name, "pass": pass_, "ep": EP, **row_fields(data), "policy": policy}
         append_result("bench_layer_directions", {**common, "schedule": "sequential", **mine[pass_],
                                                  "bitwise_repeat": bitwise[pass_], "stages_ms": stages[pass_]})
         for r in rows:

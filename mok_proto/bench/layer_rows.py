@@ -16,6 +16,7 @@ import numpy as np
 
 from mok_proto.bench.cli import Bar
 from mok_proto.bench.emulation import EMULATION, EP
+from mok_proto.routing import UNIFORM
 from mok_proto.bench.layer import best_row
 from mok_proto.bench.overlap import overlap_ceiling, stages_inside
 
@@ -50,24 +51,32 @@ HEADER = (f"{'shape':<16}{'pass':<5}{'torch_ms':>9}{'ours_ms':>9}{'TFLOP/s':>9}{
           f"{'bitwise':>8}{'sched_ms':>9}{'err':>9}{'x 2n':>7}")
 
 
-def flops_of(shape) -> dict:
-    """FLOPs as MoK counts them: forward 6 (N + N K) H I, backward twice that."""
-    return {"fwd": shape.forward_flops(), "bwd": 2 * shape.forward_flops()}
+UNIFORM_FIELDS = {"emulation": EMULATION, "routing": str(UNIFORM)}  # rows' fields without emulation.row_fields
+
+
+def flops_of(shape, fields: dict | None = None) -> dict:
+    """FLOPs as MoK counts them: forward 6 (N + N K) H I, backward twice that; under a skewed
+    routing (fields: emulation.row_fields) the routed GEMMs count rank 0's received rows for N K."""
+    fwd = shape.forward_flops()
+    if fields and fields["routing"] != str(UNIFORM):
+        fwd += 6 * shape.hidden * shape.ffn * (fields["received_rows"] - shape.num_tokens * shape.top_k)
+    return {"fwd": fwd, "bwd": 2 * fwd}
 
 
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
 
 
-def shape_report(name, shape, measured, torch, schedule, bars) -> Report:
+def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UNIFORM_FIELDS) -> Report:
     """The shape's rows without the link (results/bench_layer.jsonl): per pass torch's and the
     sequential layer's, then every fused row; judged against `bars` ({key: Bar}, BARS' keys).
     measured: layer.Measured; torch: (stats, reference results) of torch_pipeline; schedule: (stats,
-    whether it equals schedule.py) of schedule_at_ep64."""
+    whether it equals schedule.py) of schedule_at_ep64; fields: what every row records of the
+    emulation (emulation.row_fields: its virtual ranks, routing, rank 0's received rows)."""
     mine, stages, bitwise, got, fused_rows = measured
     base, ref = torch
     sched_ms, sched_exact = schedule[0]["median_ms"], schedule[1]
-    flops, out = flops_of(shape), Report()
+    flops, out = flops_of(shape, fields), Report()
     out.lines.append(f"#   schedule at EP={EP}, N={shape.num_tokens} (one rank, graph): {sched_ms:.3f} ms, "
                      f"{'bit-identical to schedule.py' if sched_exact else 'DIFFERS from schedule.py'}")
     for pass_ in ("fwd", "bwd"):
@@ -85,7 +94,7 @@ def shape_report(name, shape, measured, torch, schedule, bars) -> Report:
                          f"{ours_tflops:>9.0f}{speedup:>8.2f}{bar.value:>5.1f}{str(bitwise[pass_]):>8}"
                          f"{sched_ms:>9.3f}{err:>9.1e}{variant_speedup:>7.2f}")
         out.lines.append("#   stages (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in stages[pass_].items()))
-        common = {"shape": name, "pass": pass_, "ep": EP, "emulation": EMULATION, "flops": flops[pass_],
+        common = {"shape": name, "pass": pass_, "ep": EP, **fields, "flops": flops[pass_],
                   "schedule_ms": sched_ms, "schedule_exact": sched_exact, "link_gbps": None}
         out.rows.append(("bench_layer", {**common, "schedule": "torch", **base[pass_],
                                          "tflops": tflops(flops[pass_], base[pass_]["median_ms"]),
@@ -101,7 +110,7 @@ def shape_report(name, shape, measured, torch, schedule, bars) -> Report:
         ceiling = overlap_ceiling(stages[pass_], pass_, stages_inside(best))
         for row in rows:
             out.rows.append(("bench_layer", {"shape": name, "pass": pass_, "ep": EP, "schedule": "fused",
-                                             "emulation": EMULATION, "flops": flops[pass_], "schedule_ms": sched_ms,
+                                             **fields, "flops": flops[pass_], "schedule_ms": sched_ms,
                                              "schedule_exact": sched_exact, "link_gbps": None, **row,
                                              "tflops": tflops(flops[pass_], row["median_ms"]),
                                              "speedup_vs_torch": base[pass_]["median_ms"] / row["median_ms"],
@@ -142,20 +151,19 @@ def same_results(a: dict, b: dict, pass_: str) -> bool:
     return sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in keys)
 
 
-def link_report(name, shape, link, measured, no_link, bars) -> Report:
+def link_report(name, shape, link, measured, no_link, bars, fields: dict = UNIFORM_FIELDS) -> Report:
     """The shape's rows at one link speed (results/<LINK_FILE>.jsonl; no torch: the torch pipeline
     crosses no link): per pass the sequential row, then every fused row with its overlap efficiency
     against the same setting without the link (`no_link`: that run's layer.Measured); the best fused
     setting (best_row) is judged on its timing again (retimed_*). Checks: every result bitwise equal
     to the run without the link (`equal_to_no_link`) and to the sequential pass; bars: the fused
     forward x sequential at the link speed, the overlap efficiency of each pass. `table`: this
-    link speed's table rows (link_table)."""
-    flops, out, speed = flops_of(shape), Report(), f"link {link.gbps:g} GB/s"
+    link speed's table rows (link_table); fields: shape_report's."""
+    flops, out, speed = flops_of(shape, fields), Report(), f"link {link.gbps:g} GB/s"
     for pass_ in ("fwd", "bwd"):
         seq, seq_no_link = measured.stats[pass_], no_link.stats[pass_]
         equal = same_results(measured.results, no_link.results, pass_)
-        common = {"shape": name, "pass": pass_, "ep": EP, "emulation": EMULATION, "flops": flops[pass_],
-                  **link.describe()}
+        common = {"shape": name, "pass": pass_, "ep": EP, **fields, "flops": flops[pass_], **link.describe()}
         out.rows.append((LINK_FILE, {**common, "schedule": "sequential", **seq,
                                      "tflops": tflops(flops[pass_], seq["median_ms"]),
                                      "bitwise_repeat": measured.bitwise[pass_], "stages_ms": measured.stages[pass_],

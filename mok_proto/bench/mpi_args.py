@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mok_proto.bench.cli import add_bar_option, parse_bars, parser
+from mok_proto.bench.cli import add_bar_option, add_routing_option, parse_bars, parser
 from mok_proto.bench.mpi_report import BARS
 from mok_proto.bench.rows import RESULTS_DIR
 from mok_proto.config import PAPER_SHAPES, get_shape
@@ -34,6 +34,7 @@ def parse_args(argv=None, doc: str | None = None):
     p.add_argument("--results-dir", default=None, help="JSON lines and digests go here (default results/x<R>)")
     p.add_argument("--digests-out", default=None, help="this run's digests (default <results-dir>/digests_<mode>.json)")
     p.add_argument("--compare", default=None, help="digests file of the other mode to compare with")
+    add_routing_option(p, "over the R ranks, rank 0 the timed one")
     add_bar_option(p, BARS)
     args = p.parse_args(argv)
     try:

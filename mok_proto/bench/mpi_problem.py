@@ -1,7 +1,8 @@
 """The global problem of the R-process benchmark (scripts/bench_layer_mpi.py), the same on every
-rank and in both modes (R processes, or R virtual ranks in one process): every rank's routing,
-the receive capacity, the bytes one transfer moves, and each rank's weights and inputs generated
-on the GPU from seeded generators."""
+rank and in both modes (R processes, or R virtual ranks in one process): every rank's routing
+(uniform, or under a routing spec with rank 0 the timed one: mok_proto.routing), the receive
+capacity, the bytes one transfer moves, and each rank's weights and inputs generated on the GPU
+from seeded generators."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import numpy as np
 from mok_proto.bench.digests import result_digests
 from mok_proto.config import RunConfig, get_shape
 from mok_proto.layer.gpu import layer_row_layout, receive_capacity, round_layout, symmetric_bytes
+from mok_proto.routing import UNIFORM, RoutingSpec
+from mok_proto.routing import topk as routed_topk
 
 TIMEOUT_S = 60.0  # every device wait of the layer (the first pass compiles kernels)
 MARGIN_BYTES = 4 << 30  # device memory left free beside an estimate (contexts, caches, temporaries)
@@ -20,12 +23,16 @@ WEIGHT_CHUNK_BYTES = 1 << 30  # float32 temporary while generating weights
 SHARED_STREAM = 999  # the shared expert's generator: seed * 1000 + 999 (rank r's: seed * 1000 + r)
 
 
-def make_routing(shape, num_ranks: int, seed: int):
+def make_routing(shape, num_ranks: int, seed: int, routing: RoutingSpec = UNIFORM):
     """Every rank's routing, built identically by every process from `seed`: topk_idx [R,N,K]
-    int32 (K distinct experts, uniform) and topk_weights [R,N,K] float32 (rows sum to 1)."""
+    int32 (K distinct experts: uniform, or drawn under `routing` with rank 0 timed) and
+    topk_weights [R,N,K] float32 (rows sum to 1)."""
     rng = np.random.default_rng(seed)
     n, k, e = shape.num_tokens, shape.top_k, shape.num_experts
-    topk = np.argsort(rng.random((num_ranks * n, e), dtype=np.float32), axis=1)[:, :k].astype(np.int32)
+    if routing.is_uniform:
+        topk = np.argsort(rng.random((num_ranks * n, e), dtype=np.float32), axis=1)[:, :k].astype(np.int32)
+    else:
+        topk = routed_topk(routing, num_ranks, n, e, k, rng).reshape(num_ranks * n, k)
     w = rng.random((num_ranks * n, k), dtype=np.float32) + np.float32(0.5)
     w /= w.sum(axis=1, keepdims=True)
     return topk.reshape(num_ranks, n, k), w.reshape(num_ranks, n, k)
@@ -72,13 +79,13 @@ def fill_layer(layer, rank: int, topk, topk_w, seed: int) -> None:
 class Problem:
     """One shape's global problem: routing of every rank, receive capacity, bytes per transfer."""
 
-    def __init__(self, name: str, tokens: int | None, num_ranks: int, seed: int):
+    def __init__(self, name: str, tokens: int | None, num_ranks: int, seed: int, routing: RoutingSpec = UNIFORM):
         paper = get_shape(name)
         self.name, self.shape = name, paper if tokens is None else paper.with_tokens(tokens)
-        self.num_ranks, self.seed = num_ranks, seed
+        self.num_ranks, self.seed, self.routing = num_ranks, seed, routing
         if self.shape.num_experts % num_ranks:
             raise ValueError(f"{name}: E={self.shape.num_experts} experts are not divisible by R={num_ranks} ranks")
-        self.topk, self.topk_w = make_routing(self.shape, num_ranks, seed)
+        self.topk, self.topk_w = make_routing(self.shape, num_ranks, seed, routing)
         self.capacity = receive_capacity(self.topk, self.shape.num_experts)
         self.run = RunConfig(self.shape, num_ranks, timeout_s=TIMEOUT_S)
         self.layer_bytes = symmetric_bytes(self.run, self.capacity)
@@ -96,7 +103,8 @@ class Problem:
         return {"shape": self.name, "ranks": self.num_ranks, "tokens_per_rank": s.num_tokens, "hidden": s.hidden,
                 "ffn": s.ffn, "experts": s.num_experts, "local_experts": s.num_experts // self.num_ranks,
                 "top_k": s.top_k, "shared_ffn": s.shared_ffn_size if s.num_shared else 0, "seed": self.seed,
-                "capacity": self.capacity, "layer_bytes": self.layer_bytes, "crossing_bytes": self.crossing_bytes}
+                "routing": str(self.routing), "capacity": self.capacity, "layer_bytes": self.layer_bytes,
+                "crossing_bytes": self.crossing_bytes}
 
 
 def new_layer(ranks, prob, seed: int):
@@ -117,7 +125,7 @@ def single_shape(name: str, args, num_ranks: int) -> dict:
 
     start = time.time()
     try:
-        prob = Problem(name, args.tokens, num_ranks, args.seed)
+        prob = Problem(name, args.tokens, num_ranks, args.seed, args.routing)
     except ValueError as e:
         return {"config": {"shape": name}, "skipped": str(e)}
     entry = {"config": prob.config()}

@@ -19,42 +19,43 @@ def torch_pipeline(shape, data, iters, warmup):
     As the anchor defines it (../shared/anchors/torch_layer_baseline.py): the dispatch source
     x_src holds the token rows of all EP=64 ranks and requires grad (so autograd builds its
     [64 N, H] input gradient, and accumulates it and the weight gradients across iterations), and
-    the backward is t(forward + backward, grad mode) - t(forward, no_grad). Here rows 0..2N of
-    x_src are our two ranks' tokens (the only rows routed to rank 0's experts), the other 62 N
-    rows random. Also timed, and reported beside it (key `variant_2n`): the previous, lighter
-    variant: an x_src of only the 2 N rows, the backward timed by one event pair around
-    autograd.backward."""
+    the backward is t(forward + backward, grad mode) - t(forward, no_grad). Here rows 0..W N of
+    x_src are our W virtual ranks' tokens (the only rows routed to rank 0's experts; W = 2 under
+    uniform routing), the other (64 - W) N rows random. Also timed, and reported beside it (key
+    `variant_2n`): the previous, lighter variant: an x_src of only the W N rows, the backward timed
+    by one event pair around autograd.backward."""
     import torch
     import torch.nn.functional as F
 
     dev, bf = "cuda", torch.bfloat16
     n, h, k = shape.num_tokens, shape.hidden, shape.top_k
-    el = shape.num_experts // 2
+    num = len(data["topk_idx"])  # virtual ranks
+    el = shape.num_experts // num
     t = lambda a, dtype=bf: torch.as_tensor(a, device=dev).to(dtype)  # noqa: E731
-    topk = t(data["topk_idx"].reshape(2 * n, k), torch.int64)
+    topk = t(data["topk_idx"].reshape(num * n, k), torch.int64)
     tok, j = (topk < el).nonzero(as_tuple=True)  # (token, choice) pairs for rank 0's experts
     e = topk[tok, j]
     order = torch.sort(e, stable=True).indices
     tok, j, e = tok[order], j[order], e[order]
     offs = torch.cumsum(torch.bincount(e, minlength=el), 0).to(torch.int32)
     # Rank 0 of the anchor owns 1/64 of the rows it receives (its N of the 64 N tokens): the first
-    # 2 N / 64 of our 2 N tokens play that part (the rest are "other owners'": copied out), so
+    # W N / 64 of our W N tokens play that part (the rest are "other owners'": copied out), so
     # torch's combine copies as many rows as the anchor's.
-    own = tok < (2 * n) // EP
+    own = tok < (num * n) // EP
     own_slot = (tok * k + j)[own]
     wts = data["weights"]
     w1 = torch.cat([t(wts["w_gate"][:el]), t(wts["w_up"][:el])], dim=2).requires_grad_()
     w2 = t(wts["w_down"][:el]).requires_grad_()
     s1 = torch.cat([t(wts["shared_gate"]), t(wts["shared_up"])], dim=1).requires_grad_()
     s2 = t(wts["shared_down"]).requires_grad_()
-    x_all = t(data["x"].reshape(2 * n, h))
+    x_all = t(data["x"].reshape(num * n, h))
     x_own = x_all[:n].clone().requires_grad_()
     gen = torch.Generator(device=dev).manual_seed(1)
-    x_ep = torch.cat([x_all, torch.randn((EP - 2) * n, h, device=dev, dtype=bf, generator=gen)])
+    x_ep = torch.cat([x_all, torch.randn(max(EP - num, 0) * n, h, device=dev, dtype=bf, generator=gen)])
     x_srcs = {"anchor": x_ep.requires_grad_(), "variant_2n": x_all.clone().requires_grad_()}
-    w_all = t(data["topk_w"].reshape(2 * n, k), torch.float32)
+    w_all = t(data["topk_w"].reshape(num * n, k), torch.float32)
     w_own = w_all[:n].to(bf)[:, :, None]
-    dout_all = t(data["dout"].reshape(2 * n, h), torch.float32)
+    dout_all = t(data["dout"].reshape(num * n, h), torch.float32)
     dout = dout_all[:n].to(bf)
     # what the other owners send back for their rows: w[t,j] * dout[t] (so the weight gradients
     # of rank 0's experts are complete and comparable with ours)
@@ -100,8 +101,9 @@ def torch_pipeline(shape, data, iters, warmup):
 
 
 def full_output(shape, data, topk, x_all, s1, s2):
-    """Rank 0's whole output with torch (untimed): its tokens through the experts of BOTH ranks
-    (the timed pipeline only computes rank 0's experts, as the anchor does)."""
+    """Rank 0's whole output with torch (untimed): its tokens through the experts of EVERY rank
+    (the timed pipeline only computes rank 0's experts, as the anchor does); a peer's expert j
+    computes with the weights every peer holds (emulation.make_inputs: routed expert El + j)."""
     import torch
     import torch.nn.functional as F
 
@@ -110,9 +112,11 @@ def full_output(shape, data, topk, x_all, s1, s2):
     dev, bf = x_all.device, torch.bfloat16
     w1 = torch.cat([torch.as_tensor(wts["w_gate"], device=dev), torch.as_tensor(wts["w_up"], device=dev)], 2).to(bf)
     w2 = torch.as_tensor(wts["w_down"], device=dev).to(bf)
+    el = len(wts["w_gate"]) // 2
     e = topk[:n].reshape(-1)
+    e = torch.where(e < el, e, el + e % el)  # the routed weights: rank 0's, then the peers'
     order = torch.sort(e, stable=True).indices
-    offs = torch.cumsum(torch.bincount(e, minlength=shape.num_experts), 0).to(torch.int32)
+    offs = torch.cumsum(torch.bincount(e, minlength=2 * el), 0).to(torch.int32)
     g, u = torch._grouped_mm(x_all[order // k], w1, offs=offs).chunk(2, -1)
     y = torch._grouped_mm(F.silu(g) * u, w2, offs=offs).float()
     w = torch.as_tensor(data["topk_w"][0], device=dev).reshape(-1)[order]

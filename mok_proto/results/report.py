@@ -72,6 +72,12 @@ class View:
     columns: tuple  # ((header, row -> str), ...)
     section: object = None  # row -> name of its table within the benchmark (None: one table)
     keep: object = None  # row -> bool (None: every row)
+    title: str | None = None  # its heading in docs/results.md (None: the benchmark's name)
+
+
+def _uniform(r: dict) -> bool:
+    """A row of uniform routing (rows from before they recorded `routing` were)."""
+    return r.get("routing", "uniform") == "uniform"
 
 
 LAYER = View("bench_layer", "python scripts/bench_layer.py", (
@@ -84,7 +90,11 @@ LAYER = View("bench_layer", "python scripts/bench_layer.py", (
     ("overlap eff.", lambda r: _x(r.get("overlap_efficiency"))),
     ("TFLOP/s", lambda r: _f(r.get("tflops"), ".0f")), ("of dense", lambda r: _x(r.get("fraction_of_dense"))),
     ("bitwise", lambda r: _yes(r.get("equal_to_sequential", r.get("bitwise_repeat"))))),
-    section=lambda r: "other direction policies" if r.get("policy") else None)
+    section=lambda r: "other direction policies" if r.get("policy") else None, keep=_uniform)
+LAYER_SKEWED = View("bench_layer", "python scripts/bench_layer.py --routing hot:0.25", (
+    ("shape", lambda r: r["shape"]), ("routing", lambda r: r["routing"]), ("ranks", lambda r: r.get("emulation", "")),
+    ("received rows", lambda r: str(r.get("received_rows", "-"))), *LAYER.columns[1:]),
+    section=LAYER.section, keep=lambda r: not _uniform(r), title="bench_layer, skewed routing")
 LAYER_LINK = View("bench_layer_link", "python scripts/bench_layer.py --link-gbps 368,900", (
     ("shape", lambda r: r["shape"]), ("pass", lambda r: r["pass"]), ("layer", lambda r: r.get("schedule", "")),
     ("knobs", _knobs), ("link GB/s", lambda r: _f(r.get("link_gbps"), "g")),
@@ -93,7 +103,7 @@ LAYER_LINK = View("bench_layer_link", "python scripts/bench_layer.py --link-gbps
     ("overlap eff.", lambda r: _x(r.get("overlap_efficiency"))),
     ("timed again: ms, x sequential, overlap eff.", lambda r: f"{_f(r['retimed_median_ms'])}, {_x(_layer_x_seq(r))}, "
      f"{_x(r.get('retimed_overlap_efficiency'))}" if "retimed_median_ms" in r else ""),
-    ("bitwise", lambda r: _yes(r.get("equal_to_no_link")))))
+    ("bitwise", lambda r: _yes(r.get("equal_to_no_link")))), keep=_uniform)
 GEMM = View("bench_gemm", "python scripts/bench_gemm.py", (
     ("shape", lambda r: r["shape"]), ("routing", lambda r: r["routing"]), ("problem", lambda r: r["problem"]),
     ("rows", lambda r: str(r["rows"])), ("ours TFLOP/s", lambda r: _f(r["tflops"]["ours"], ".0f")),
@@ -114,7 +124,7 @@ LINK_CHECK = View("bench_comm", "python scripts/bench_comm.py --link-gbps 368 --
     ("direction", lambda r: r["direction"]), ("link GB/s", lambda r: _f(r.get("link_gbps"), "g")),
     ("emulated ms", lambda r: _f(r["median_ms"])), ("2 x H200 ms", lambda r: _f(r.get("x2_measured_ms"))),
     ("difference", lambda r: _f(r.get("error_vs_x2"), "+.1%")), ("exact", lambda r: _yes(r.get("bit_exact")))),
-    keep=results.is_link_check)
+    keep=results.is_link_check, title="bench_comm, emulated link")
 NCCL = View("bench_nccl_baseline", "python scripts/bench_nccl_baseline.py", (
     ("shape", lambda r: r["shape"]), ("ranks", lambda r: str(r.get("ranks"))),
     ("layout ms", lambda r: _f(_median(r["stages"], "layout"))), ("dispatch ms", lambda r: _f(_median(r["stages"], "dispatch"))),
@@ -138,7 +148,7 @@ LAYER_MPI = View("bench_layer_mpi", "mpirun -n R python scripts/bench_layer_mpi.
     ("bitwise", lambda r: _yes((r.get("bitwise") or r.get("bitwise_vs_mpi") or {}).get("equal")
                                if isinstance(r.get("bitwise") or r.get("bitwise_vs_mpi"), dict) else r.get("bitwise"))),
     ("skipped", lambda r: str(r.get("skipped") or ""))))
-VIEWS = (LAYER, LAYER_LINK, GEMM, COMM, LINK_CHECK, NCCL, LAYER_MPI, POWER, SWEEP)
+VIEWS = (LAYER, LAYER_SKEWED, LAYER_LINK, GEMM, COMM, LINK_CHECK, NCCL, LAYER_MPI, POWER, SWEEP)
 
 
 def runs(view: View, results_dir: Path) -> list[tuple[str, list[dict]]]:
@@ -183,8 +193,7 @@ def markdown(results_dir: Path | str = results.RESULTS_DIR) -> str:
         where = results_dir / folder if folder else results_dir
         for view in VIEWS:
             for gpu, rows in runs(view, where):
-                title = view.bench if view is not LINK_CHECK else "bench_comm, emulated link"
-                out += [f"## {title} ({machine}, {gpu})", "", _provenance(view, rows, machine), ""]
+                out += [f"## {view.title or view.bench} ({machine}, {gpu})", "", _provenance(view, rows, machine), ""]
                 sections: dict = {}
                 for r in rows:
                     sections.setdefault(view.section(r) if view.section else None, []).append(r)

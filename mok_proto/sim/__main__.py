@@ -8,6 +8,7 @@
     python -m mok_proto.sim --link-gbps 368,900        # bench_layer.py --link-gbps's emulation: one GPU, EP=64's
                                                        # share, both passes, sequential and fused with the link
     python -m mok_proto.sim --fused --vs-sequential --ep 8 --link-gbps 450 ...  # a projection with link_gbs 450
+    python -m mok_proto.sim --routing hot:0.25 ...     # skewed routing (mok_proto.routing), rank 0 the hot rank
     python -m mok_proto.sim calibrate --gpu h200       # refit calibration/h200.json on results/
 
 A simulation's first output line names every setting it ran with, "(default)" after those not given.
@@ -24,11 +25,13 @@ import time
 
 from mok_proto import plan as plans
 from mok_proto import results
+from mok_proto.bench.cli import routing_spec
 from mok_proto.bench.layer_rows import overlap_efficiency
 from mok_proto.config import MOK_POLICY, PRESETS, ep_share, get_shape, parse_policy
 from mok_proto.link import DEFAULT_LATENCY_US, LinkModel
+from mok_proto.routing import UNIFORM, expected_rows
 from mok_proto.sim import calibrate, fused, layer
-from mok_proto.sim.model import simulate
+from mok_proto.sim.model import plan_align, simulate, spec_load
 from mok_proto.sim.params import PARAMS, get_params, h200, params_from_json
 from mok_proto.sim.validate import H200_TOLERANCE, format_table, h200_rows, link_note, paper_rows, tolerance_of
 
@@ -83,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
                          "the sequential and fused passes (the fused knobs: --comm-sms ... --claim) with and without "
                          "the link, both passes (or --pass), each G. With one of them: that projection with the --gpu "
                          "parameter set's link_gbs = G (one G)")
+    ap.add_argument("--routing", type=routing_spec, default=UNIFORM, metavar="SPEC",
+                    help="uniform (default), zipf:ALPHA or hot:FRACTION (mok_proto.routing): the routing of the --ep "
+                         "ranks' layout, rank 0 the hot (timed) rank; with the emulation (--link-gbps alone) rank 0 "
+                         "of the emulation receives what rank 0 of that layout receives, as bench_layer.py --routing")
     ap.add_argument("--link-latency-us", type=float, default=None,
                     help=f"the emulated link's round trip (default {DEFAULT_LATENCY_US}: mok_proto.link); a projection "
                          "keeps its parameter set's round trips")
@@ -132,19 +139,23 @@ def _emulation(args, given: set) -> int:
     fused_knobs = {p: knobs.resolved(p, MOK_POLICY).describe(p, MOK_POLICY) for p in passes}  # (checks them)
     num_sms, one = gpu.num_sms - gpu.num_sms % 2, layer.one_gpu(gpu)
     table = []  # bench_layer's link table's columns (ms): the sequential and fused passes without and with the link
+    routed = {"routing": args.routing, "ep": args.ep}
     for link in links:
         for pass_ in passes:
-            seq, seq_link = (layer.sequential_stages_ns(shape, pass_, one, link=k)["total"] / 1e6 for k in (None, link))
-            fus, fus_link = (fused.fused_pass_ns(shape, gpu, pass_, knobs, num_sms, k) / 1e6 for k in (None, link))
+            seq, seq_link = (layer.sequential_stages_ns(shape, pass_, one, link=k, **routed)["total"] / 1e6
+                             for k in (None, link))
+            fus, fus_link = (fused.fused_pass_ns(shape, gpu, pass_, knobs, num_sms, k, **routed) / 1e6
+                             for k in (None, link))
             eff = overlap_efficiency(seq, seq_link, fus, fus_link)
             table.append(f"{link.gbps:>6g}  {args.shape:<16}{pass_:<5}{seq:>9.3f}{seq_link:>9.3f}{fus:>9.3f}"
                          f"{fus_link:>9.3f}{seq_link / fus_link:>7.2f}{'-' if eff is None else f'{eff:.2f}':>8}")
     item = lambda name, value: f"{name} {value}" + ("" if name in given else " (default)")  # noqa: E731
+    _, num, _ = layer.emulation(shape, args.routing, 0, args.ep)
     print("# " + ", ".join([item("shape", args.shape), item("ep", args.ep), item("gpu", args.gpu),
-                            "one GPU: 2 virtual ranks, every row rank 0 moves pays the link",
+                            f"one GPU: {num} virtual ranks, every row rank 0 moves pays the link",
                             f"link-gbps {','.join(f'{link.gbps:g}' for link in links)}",
                             item("link-latency-us", f"{latency:g}"), item("comm-sms", args.comm_sms),
-                            item("minibatch", args.minibatch)]))
+                            item("minibatch", args.minibatch), item("routing", args.routing)]))
     for pass_, row in fused_knobs.items():
         print(f"# fused {pass_}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
     print(f"{'link':>6}  {'shape':<16}{'pass':<5}{'seq_ms':>9}{'seq_link':>9}{'fused_ms':>9}{'fus_link':>9}{'x seq':>7}"
@@ -158,7 +169,8 @@ def _settings(args, given: set, plan: str, policy: dict) -> str:
     def item(name, value, flag=None):
         return f"{name} {value}" + ("" if (flag or name) in given else " (default)")
     out = [item("shape", args.shape), item("ep", args.ep), item("gpu", args.gpu), item("pass", args.pass_),
-           f"plan {plan}", item("policy", ",".join(f"{k}={v}" for k, v in policy.items()))]
+           f"plan {plan}", item("policy", ",".join(f"{k}={v}" for k, v in policy.items())),
+           item("routing", args.routing)]
     if args.link_gbps is not None:
         out.append(f"link-gbps {args.link_gbps} (the parameter set's link_gbs)")
     if plan != "sequential":
@@ -179,6 +191,8 @@ def main(argv=None) -> int:
     given = {a.lstrip("-").split("=")[0].replace("_", "-") for a in argv if a.startswith("--")}
     try:
         if args.validate:
+            if "routing" in given:
+                raise ValueError("--validate compares the measured rows of uniform routing: drop --routing")
             calibrated = h200()
             rows = h200_rows(calibrated)
             bad = [r for r in rows if not r.ok(H200_TOLERANCE)]
@@ -225,9 +239,18 @@ def main(argv=None) -> int:
             gpu = dataclasses.replace(gpu, link_gbs=speeds[0])
         header = _settings(args, given, plan, policy)
         t0 = time.perf_counter()
+        # Under a skewed routing the plans hold its largest rank's padded rows (not the uniform default).
+        need = None if args.routing.is_uniform else int(
+            spec_load(shape, args.ep, args.routing, align=plans.SEGMENT_ROWS).expert_offsets[:, -1].max())
+        capacity = lambda rows: None if need is None else -(-need // rows) * rows  # noqa: E731
 
         def sequential_plan():
-            return plans.sequential(shape, args.ep, pass_=args.pass_, policy=policy, num_sms=gpu.num_sms)
+            return plans.sequential(shape, args.ep, pass_=args.pass_, policy=policy, num_sms=gpu.num_sms,
+                                    capacity_rows=capacity(plans.BM))
+
+        def run(p):
+            load = None if need is None else spec_load(shape, args.ep, args.routing, align=plan_align(p))
+            return simulate(p, gpu, load)
 
         if args.sequential:
             p = sequential_plan()
@@ -235,19 +258,25 @@ def main(argv=None) -> int:
             make = plans.fused_forward if args.pass_ == "fwd" else plans.fused_backward
             knobs = plans.FusedKnobs(args.comm_sms, args.minibatch, assign=args.assign, raster=args.raster,
                                      claim=args.claim)
-            p = make(shape, args.ep, knobs, policy=policy, num_sms=gpu.num_sms - gpu.num_sms % 2)
+            p = make(shape, args.ep, knobs, policy=policy, num_sms=gpu.num_sms - gpu.num_sms % 2,
+                     capacity_rows=capacity(knobs.minibatch_rows))
         else:
             p = plans.fixed_split(shape, args.ep, args.comm_sms, args.minibatch, pass_=args.pass_, policy=policy,
-                                  num_sms=gpu.num_sms)
-        result = simulate(p, gpu)
+                                  num_sms=gpu.num_sms, capacity_rows=capacity(args.minibatch))
+        result = run(p)
         baseline = None
         if args.vs_sequential:
-            baseline = simulate(sequential_plan(), gpu)
+            baseline = run(sequential_plan())
         elapsed = time.perf_counter() - t0
     except ValueError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     print(header)
+    if need is not None:
+        rows = result.load.tokens_per_expert.sum(axis=1)
+        print(f"# routing {args.routing}: rank 0 receives {rows[0]} rows ({expected_rows(args.routing, shape, args.ep):.0f} "
+              f"expected: mok_proto.routing.expected_rows), the busiest rank {rows.max()}; uniform: "
+              f"{shape.num_tokens * shape.top_k}")
     print(p.describe())
     print(f"{gpu.name}: {result.time_ns / 1e3:.1f} us, of which the plan's tasks {result.kernel_ns / 1e3:.1f} us "
           f"(slowest rank {result.slowest_rank}); simulated in {elapsed:.2f} s"

@@ -33,15 +33,17 @@ import numpy as np
 
 from mok_proto import plan as plans
 from mok_proto import results
+from mok_proto.bench.emulation import UNIFORM_CAPACITY
 from mok_proto.config import MOK_POLICY, MoEShape, ep_share
 from mok_proto.link import LinkModel
 from mok_proto.plan import BM, SEGMENT_ROWS, TaskKind
+from mok_proto.routing import UNIFORM, RoutingSpec
 from mok_proto.sim import layer
 from mok_proto.sim.model import ELEM_BYTES, MOVER_KIND_IDS, SimResult, fused_chunk_rows, simulate, token_task_bytes
 from mok_proto.sim.params import GpuParams, kernel_of, spare_warps_spun
 
-EP = 64  # bench_layer emulates one rank of EP=64
-BENCH_CAPACITY = 1.15  # scripts/bench_layer.py sizes the layer for 1.15 N K receive rows
+EP = layer.EP  # bench_layer emulates one rank of EP=64
+BENCH_CAPACITY = UNIFORM_CAPACITY  # scripts/bench_layer.py sizes the layer for 1.15 N K receive rows (uniform)
 KEY = ("block", "kind", "minibatch", "row_tile", "col_tile")  # what identifies a task in a record
 # sim_calibrates key of a timeline's index row -> (its tasks fitted, the GpuParams fields they fit)
 FUSED_CALIBRATION = {
@@ -52,9 +54,9 @@ FUSED_CALIBRATION = {
 }
 
 
-def emulated_load(shape: MoEShape, seed: int = 0):
+def emulated_load(shape: MoEShape, seed: int = 0, routing: RoutingSpec = UNIFORM, ep: int = EP):
     """sim/layer.py's emulated load with the fused kernel's padding (SEGMENT_ROWS)."""
-    return layer.emulated_load(shape, seed, align=SEGMENT_ROWS)
+    return layer.emulated_load(shape, seed, align=SEGMENT_ROWS, routing=routing, ep=ep)
 
 
 def _fused_plan(pass_: str, shape: MoEShape, num_ranks: int, knobs: plans.FusedKnobs, policy: tuple, num_sms: int,
@@ -265,18 +267,21 @@ def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: i
 
 
 def fused_pass_ns(shape: MoEShape, gpu: GpuParams, pass_: str, knobs: plans.FusedKnobs, num_sms: int,
-                  link: LinkModel | None = None) -> float:
+                  link: LinkModel | None = None, routing: RoutingSpec = UNIFORM, ep: int = EP) -> float:
     """A fused pass as bench_layer times it (graph replays) on `gpu` (h200), with the plan `knobs`
     build (MoK's directions, bench_layer's capacity) and its transfers paying `link` (an emulated
-    link, mok_proto.link.LinkModel) if one is given: the forward's schedule kernels (sim/layer.py's
-    forward "schedule" stage), then the simulated pass (the forward: the counters' memset, the
-    kernel, the flag and the wait, the weighted sum; the backward from its round's start).
-    Computed once per arguments (gpu by its fields)."""
-    key = (shape, repr(gpu), pass_, knobs, num_sms, link)
+    link, mok_proto.link.LinkModel) if one is given, rank 0 routed by `routing` (layer.emulation;
+    ep: the real layout's ranks): the forward's schedule kernels (sim/layer.py's forward
+    "schedule" stage), then the simulated pass (the forward: the counters' memset, the kernel, the
+    flag and the wait, the weighted sum; the backward from its round's start). Computed once per
+    arguments (gpu by its fields)."""
+    key = (shape, repr(gpu), pass_, knobs, num_sms, link, routing, ep)
     if key not in _PASS_NS:
         rows = knobs.minibatch_rows
-        capacity = -(-int(BENCH_CAPACITY * shape.num_tokens * shape.top_k) // rows) * rows
-        plan = _fused_plan(pass_, shape, layer.EMULATED_RANKS, knobs, tuple(MOK_POLICY.items()), num_sms, capacity)
+        wide, num, need = layer.emulation(shape, routing, 0, ep)
+        need = need or int(BENCH_CAPACITY * shape.num_tokens * shape.top_k)
+        capacity = -(-need // rows) * rows
+        plan = _fused_plan(pass_, wide, num, knobs, tuple(MOK_POLICY.items()), num_sms, capacity)
         one = layer.one_gpu(gpu)
         outside = 0.0
         if pass_ == "fwd":
@@ -286,7 +291,7 @@ def fused_pass_ns(shape: MoEShape, gpu: GpuParams, pass_: str, knobs: plans.Fuse
                 outside += schedule.signals * link.latency_ns
         if len(_PASS_NS) >= 512:
             _PASS_NS.clear()
-        _PASS_NS[key] = outside + simulate(plan, one, emulated_load(shape), link=link).time_ns
+        _PASS_NS[key] = outside + simulate(plan, one, emulated_load(shape, routing=routing, ep=ep), link=link).time_ns
     return _PASS_NS[key]
 
 

@@ -1,6 +1,8 @@
 """The GPU layer's sequential passes (mok_proto/layer/gpu.py) as the simulator predicts them, stage
 by stage, for bench_layer's emulation: one rank's share of EP=64 on one GPU (2 virtual ranks, El
-= E/64 experts each, N tokens per rank, uniform routing; rank 0 timed, rank 1 staged).
+= E/64 experts each, N tokens per rank, uniform routing; rank 0 timed, rank 1 staged). Under a
+skewed routing spec (mok_proto.routing) the emulation bench_layer runs: W virtual ranks, rank 0
+receiving what rank 0 of the real layout drawn under the spec receives (`emulation`).
 
 Shape legend: N tokens/rank, H hidden, K top-k, El local experts.
 
@@ -37,13 +39,17 @@ import numpy as np
 
 from mok_proto import plan as plans
 from mok_proto import results
+from mok_proto.bench.emulation import emulated_topk
 from mok_proto.config import MOK_POLICY, MoEShape, ep_share
 from mok_proto.link import LinkModel
-from mok_proto.plan import BM, CounterKind, TaskKind
-from mok_proto.sim.model import SCALE_TO_SLOTS, TOPK_WEIGHT_GRAD, Load, routed_load, simulate, token_kernel_ns
+from mok_proto.plan import BM, SEGMENT_ROWS, CounterKind, TaskKind
+from mok_proto.routing import UNIFORM, RoutingSpec
+from mok_proto.sim.model import (SCALE_TO_SLOTS, TOPK_WEIGHT_GRAD, Load, load_from_topk, routed_load, simulate,
+                                 token_kernel_ns)
 from mok_proto.sim.params import GpuParams
 
-EMULATED_RANKS = 2
+EMULATED_RANKS = 2  # under uniform routing
+EP = 64  # the real layout bench_layer emulates one rank of
 LINK_RESULTS = "bench_layer_link"  # bench_layer.py --link-gbps's rows (bench.layer_rows.LINK_FILE)
 
 
@@ -93,10 +99,11 @@ LAYER_CALIBRATION = {
 
 def compared_rows(results_dir=results.RESULTS_DIR, bench: str = "bench_layer") -> list[dict]:
     """bench_layer's rows (bench: its results file's name) the simulator compares with: those under
-    MoK's transfer directions (a row with another `policy` is not), of runs not marked
-    `sim_left_out` (a field that says why), by time."""
+    MoK's transfer directions (a row with another `policy` is not) and uniform routing (a row
+    without `routing` is), of runs not marked `sim_left_out` (a field that says why), by time."""
     return [r for r in results.load(bench, results_dir)
-            if "sim_left_out" not in r and r.get("policy", MOK_POLICY) == MOK_POLICY]
+            if "sim_left_out" not in r and r.get("policy", MOK_POLICY) == MOK_POLICY
+            and r.get("routing", str(UNIFORM)) == str(UNIFORM)]
 
 
 def link_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
@@ -123,42 +130,75 @@ def one_gpu(gpu: GpuParams) -> GpuParams:
                                signal_ns_per_peer=0.0)
 
 
-def emulated_load(shape: MoEShape, seed: int = 0, align: int = BM) -> Load:
-    """Rank 0's receive rows under uniform routing over 2 ranks, for both ranks (rank 1 only
-    stands for the peers: it never makes rank 0 wait), every row local (one HBM); expert segments
-    padded to `align` rows (model.plan_align)."""
-    load = routed_load(shape, EMULATED_RANKS, seed, align=align)
-    both = lambda a: np.repeat(a[:1], EMULATED_RANKS, axis=0)  # noqa: E731
-    return Load(both(load.tokens_per_expert), both(load.expert_offsets), np.ones(EMULATED_RANKS))
+@functools.lru_cache(maxsize=16)
+def emulation(shape: MoEShape, routing: RoutingSpec = UNIFORM, seed: int = 0,
+              ep: int = EP) -> tuple[MoEShape, int, int | None]:
+    """bench_layer's emulation of `shape` (one EP=ep rank's share, ep_share: E' = 2 El) under
+    `routing`: (its shape, E' = W El; its W virtual ranks; the receive rows its layer and plans are
+    sized for: the routing's largest padded need (SEGMENT_ROWS), None under uniform routing: the
+    plans' defaults, today's 2 ranks)."""
+    if routing.is_uniform:
+        return shape, EMULATED_RANKS, None
+    topk = _emulated_topk(shape, routing, seed, ep)
+    wide = dataclasses.replace(shape, num_experts=len(topk) * (shape.num_experts // EMULATED_RANKS))
+    need = load_from_topk(topk, wide.num_experts, SEGMENT_ROWS).expert_offsets[:, -1].max()
+    return wide, len(topk), int(need)
+
+
+@functools.lru_cache(maxsize=8)
+def _emulated_topk(shape: MoEShape, routing: RoutingSpec, seed: int, ep: int) -> np.ndarray:
+    """emulation.emulated_topk of the paper shape `shape` shares (read only)."""
+    paper = dataclasses.replace(shape, num_experts=shape.num_experts // EMULATED_RANKS * ep)
+    return emulated_topk(paper, routing, seed, ep)
+
+
+def emulated_load(shape: MoEShape, seed: int = 0, align: int = BM, routing: RoutingSpec = UNIFORM,
+                  ep: int = EP) -> Load:
+    """Rank 0's receive rows, for every virtual rank of the emulation (the peers only stand for
+    the other ranks: they never make rank 0 wait), every row local (one HBM); expert segments
+    padded to `align` rows (model.plan_align). Uniform routing: uniform over 2 ranks; else rank 0
+    of the real layout under `routing` (`emulation`: W ranks)."""
+    if routing.is_uniform:
+        num, load = EMULATED_RANKS, routed_load(shape, EMULATED_RANKS, seed, align=align)
+    else:
+        topk = _emulated_topk(shape, routing, seed, ep)
+        num = len(topk)
+        load = load_from_topk(topk, num * (shape.num_experts // EMULATED_RANKS), align)
+    every = lambda a: np.repeat(a[:1], num, axis=0)  # noqa: E731
+    return Load(every(load.tokens_per_expert), every(load.expert_offsets), np.ones(num))
 
 
 @functools.lru_cache(maxsize=32)
-def _sequential_plan(shape: MoEShape, pass_: str, num_sms: int) -> plans.Plan:
+def _sequential_plan(shape: MoEShape, pass_: str, num_sms: int, num_ranks: int = EMULATED_RANKS,
+                     capacity_rows: int | None = None) -> plans.Plan:
     """The emulation's sequential plan, built (and proved) once; shared: read it, never change it."""
-    return plans.sequential(shape, EMULATED_RANKS, pass_=pass_, policy=MOK_POLICY, num_sms=num_sms)
+    return plans.sequential(shape, num_ranks, pass_=pass_, policy=MOK_POLICY, num_sms=num_sms,
+                            capacity_rows=capacity_rows)
 
 
 def sequential_stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int = 0,
-                           link: LinkModel | None = None) -> dict:
+                           link: LinkModel | None = None, routing: RoutingSpec = UNIFORM, ep: int = EP) -> dict:
     """{layer stage: (kernels, work ns)} of rank 0 for the sequential layer on `gpu` (use
     `one_gpu(h200)` for bench_layer's emulation), its transfers paying `link` if one is given (an
-    emulated link, mok_proto.link.LinkModel; its flags' round trips are work): the stage takes
-    kernels x gpu.launch_ns + work. Computed once per arguments (gpu by its fields); each call
-    returns its own dict."""
-    key = (shape, pass_, repr(gpu), seed, link)
+    emulated link, mok_proto.link.LinkModel; its flags' round trips are work), rank 0 routed by
+    `routing` (`emulation`; ep: the real layout's ranks): the stage takes kernels x gpu.launch_ns +
+    work. Computed once per arguments (gpu by its fields); each call returns its own dict."""
+    key = (shape, pass_, repr(gpu), seed, link, routing, ep)
     if key not in _STAGE_PARTS:
         if len(_STAGE_PARTS) >= 256:
             _STAGE_PARTS.clear()
-        _STAGE_PARTS[key] = _stage_parts(shape, pass_, gpu, seed, link)
+        _STAGE_PARTS[key] = _stage_parts(shape, pass_, gpu, seed, link, routing, ep)
     return dict(_STAGE_PARTS[key])
 
 
 _STAGE_PARTS: dict = {}  # sequential_stage_parts' results by its arguments
 
 
-def _stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int, link: LinkModel | None) -> dict:
-    p = _sequential_plan(shape, pass_, gpu.num_sms)
-    result = simulate(p, gpu, emulated_load(shape, seed), link=link)
+def _stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int, link: LinkModel | None,
+                 routing: RoutingSpec, ep: int) -> dict:
+    wide, num, need = emulation(shape, routing, seed, ep)
+    p = _sequential_plan(wide, pass_, gpu.num_sms, num, need)
+    result = simulate(p, gpu, emulated_load(shape, seed, routing=routing, ep=ep), link=link)
     # Plan stage s ends when its last task on rank 0 ends; its time runs from the previous
     # stage's end (its launch, any wait, its work).
     t = p.tasks
@@ -180,12 +220,12 @@ def _stage_parts(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int, link: L
 
 
 def sequential_stages_ns(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int = 0,
-                         link: LinkModel | None = None) -> dict:
+                         link: LinkModel | None = None, routing: RoutingSpec = UNIFORM, ep: int = EP) -> dict:
     """{layer stage: predicted ns} of rank 0 for the sequential layer on `gpu` (use `one_gpu(h200)`
-    for bench_layer's emulation; link: sequential_stage_parts'), plus "total" (their sum: the
-    stages run back to back)."""
+    for bench_layer's emulation; link, routing, ep: sequential_stage_parts'), plus "total" (their
+    sum: the stages run back to back)."""
     out = {name: kernels * gpu.launch_ns + work
-           for name, (kernels, work) in sequential_stage_parts(shape, pass_, gpu, seed, link).items()}
+           for name, (kernels, work) in sequential_stage_parts(shape, pass_, gpu, seed, link, routing, ep).items()}
     out["total"] = sum(out.values())
     return out
 

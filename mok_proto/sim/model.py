@@ -63,6 +63,8 @@ from mok_proto.config import MoEShape
 from mok_proto.link import LinkModel
 from mok_proto.plan import (BM, EPILOGUE_ROWS, FUSED_STRATEGIES, PROBLEM_OF, SEGMENT_ROWS, CounterKind, Plan,
                             TaskKind, inside_kernel, tile_grid)
+from mok_proto.routing import RoutingSpec, uniform_topk
+from mok_proto.routing import topk as routed_topk
 from mok_proto.sim import linked
 from mok_proto.sim.params import GpuParams
 from mok_proto.sim.steps import MOVER_KIND_IDS, StepGraph, streams
@@ -102,18 +104,6 @@ class Load:
         return self.tokens_per_expert.shape[0]
 
 
-def _topk_uniform(rng, num_rows: int, num_experts: int, top_k: int) -> np.ndarray:
-    """[num_rows, K] distinct experts per row, uniformly at random (redraw rows with repeats)."""
-    idx = rng.integers(0, num_experts, (num_rows, top_k))
-    bad = np.arange(num_rows)  # the rows to check: at first all, then those just redrawn
-    while True:
-        s = np.sort(idx[bad], axis=1)
-        bad = bad[(s[:, 1:] == s[:, :-1]).any(axis=1)]
-        if not len(bad):
-            return idx
-        idx[bad] = rng.integers(0, num_experts, (len(bad), top_k))
-
-
 def route(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.0) -> np.ndarray:
     """[R, N, K] every rank's top-k experts. skew = 0: uniform random top-k; skew > 0: expert e
     drawn with weight (e+1)^-skew (a popular-expert imbalance), experts in a random order over ranks."""
@@ -124,7 +114,7 @@ def route(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.0) -> 
         gumbel = np.log(weights)[None, :] - np.log(-np.log(rng.random((num_ranks * n, e))))
         topk = np.argpartition(-gumbel, k - 1, axis=1)[:, :k]
     else:
-        topk = _topk_uniform(rng, num_ranks * n, e, k)
+        topk = uniform_topk(rng, num_ranks * n, e, k)
     return topk.reshape(num_ranks, n, k)
 
 
@@ -154,6 +144,21 @@ def routed_load(shape: MoEShape, num_ranks: int, seed: int = 0, skew: float = 0.
 def _route_once(shape: MoEShape, num_ranks: int, seed: int, skew: float) -> np.ndarray:
     """`route`, drawn once for every padding of its loads (read only)."""
     return route(shape, num_ranks, seed, skew)
+
+
+def spec_load(shape: MoEShape, num_ranks: int, routing: RoutingSpec, seed: int = 0, align: int = BM) -> Load:
+    """The load of a routing spec over the real layout (mok_proto.routing, rank 0 timed; uniform:
+    `routed_load`'s, the same draws), placed as the pull schedule does."""
+    if routing.is_uniform:
+        return routed_load(shape, num_ranks, seed, align=align)
+    return load_from_topk(_spec_topk(shape, num_ranks, routing, seed), shape.num_experts, align)
+
+
+@functools.lru_cache(maxsize=8)
+def _spec_topk(shape: MoEShape, num_ranks: int, routing: RoutingSpec, seed: int) -> np.ndarray:
+    """The routing of `spec_load`, drawn once for every padding of its loads (read only)."""
+    return routed_topk(routing, num_ranks, shape.num_tokens, shape.num_experts, shape.top_k,
+                       np.random.default_rng(seed))
 
 
 @dataclass(frozen=True)
