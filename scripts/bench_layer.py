@@ -68,7 +68,7 @@ import dataclasses
 import sys
 
 from mok_proto.bench.cli import add_bar_option, add_routing_option, parse_bars, parser
-from mok_proto.bench.emulation import emulated_inputs
+from mok_proto.bench.emulation import check_ring_option, emulated_inputs
 from mok_proto.bench.layer import best_row, directions_rows
 from mok_proto.bench.layer_rows import BARS, HEADER, link_table
 from mok_proto.bench.layer_run import run_shape
@@ -117,6 +117,11 @@ def parse_args(argv=None):
                         "by '' without the link and link<G>_ with it; '' = none); in results/timelines/ it is stored "
                         "gzipped with its row in the index there")
     add_routing_option(p, "rank 0 the timed rank of EP=64")
+    p.add_argument("--macrobatch-rows", default=None, metavar="M|Fx",
+                   help="the layer's ring: M receive rows (a multiple of 256), or F x rank 0's received rows "
+                        "(e.g. 0.25x, rounded down to whole 256-row segments); default: a ring that holds every row. "
+                        "With several turns the backward replays the forward of the turns it did not keep "
+                        "(rows: replay_ms) and only the sequential passes run")
     add_bar_option(p, BARS)
     args = p.parse_args(argv)
     try:
@@ -141,6 +146,8 @@ def parse_args(argv=None):
         args.links = list(dict.fromkeys(args.links))  # each link speed once
         if args.links and args.timeline and "{link}" not in args.timeline:
             raise ValueError("--timeline: with --link-gbps the template needs {link} (or '' for no timeline)")
+        if args.macrobatch_rows is not None:
+            check_ring_option(args.macrobatch_rows)
     except ValueError as e:
         p.error(str(e))
     return args

@@ -314,7 +314,8 @@ def test_rows_keep_their_fields_and_bars_judge_the_best_setting():
     assert set(seq) == {"shape", "pass", "ep", "emulation", "routing", "flops", "schedule_ms", "schedule_exact",
                         "link_gbps",
                         "schedule", "median_ms", "p20_ms", "p80_ms", "iters", "tflops", "speedup_vs_torch",
-                        "bitwise_repeat", "max_rel_err_vs_torch", "stages_ms", "speedup_vs_torch_variant_2n"}
+                        "bitwise_repeat", "max_rel_err_vs_torch", "stages_ms", "speedup_vs_torch_variant_2n",
+                        "replay_ms"}
     assert seq["link_gbps"] is None and seq["speedup_vs_torch"] == pytest.approx(2.5 / 2.0) and seq["ep"] == 64
     fused = report.rows[4][1]
     assert fused["best_of_run"] and not report.rows[5][1]["best_of_run"] and fused["link_gbps"] is None
@@ -525,9 +526,9 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
     no_link, measured = _link_case()
     calls, reports = [], []
 
-    def fake_ours(shape, data, iters, warmup, settings, trace_to, index=None, link=None):
+    def fake_ours(shape, data, iters, warmup, settings, trace_to, index=None, link=None, macrobatch_rows=None):
         calls.append(dict(shape=shape.name, data=data, iters=iters, warmup=warmup, settings=settings,
-                          trace_to=trace_to, index=index, link=link))
+                          trace_to=trace_to, index=index, link=link, ring=macrobatch_rows))
         return no_link if link is None else measured
 
     monkeypatch.setattr(layer_run, "ours", fake_ours)
@@ -541,14 +542,16 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
     links = [LinkModel(368, every_row=True), LinkModel(900, every_row=True)]
     settings = {"fwd": [FusedKnobs(0, 2048), FusedKnobs(8, 2048)], "bwd": [FusedKnobs(0, 2048)]}
     args = SimpleNamespace(iters=3, warmup=1, settings=settings, bars=BARS, links=links, routing=UNIFORM,
-                           timeline="results/timelines/timeline_fused_{link}{pass_}_{shape}_{git}.jsonl")
+                           timeline="results/timelines/timeline_fused_{link}{pass_}_{shape}_{git}.jsonl",
+                           macrobatch_rows="0.25x")
     got, tables = layer_run.run_shape("kimi-k2.7", args, reports.append)
     assert got is no_link and list(tables) == links and all(len(t) == 2 for t in tables.values())
     ours_calls = [c for c in calls if isinstance(c, dict)]
     assert [c["link"] for c in ours_calls] == [None, *links] and calls[1:3] == ["torch", "schedule"]
-    for c in ours_calls:  # the same call but for the link
-        assert (c["shape"], c["data"], c["iters"], c["warmup"], c["settings"]) == (
-            "kimi-k2.7@ep64", {"topk_idx": [0, 1], "routing": UNIFORM}, 3, 1, settings)
+    for c in ours_calls:  # the same call but for the link; the ring a quarter of rank 0's 16384 rows
+        assert (c["shape"], c["data"], c["iters"], c["warmup"], c["settings"], c["ring"]) == (
+            "kimi-k2.7@ep64", {"topk_idx": [0, 1], "routing": UNIFORM}, 3, 1, settings, 4096)
+    assert fields["macrobatch_rows"] == 4096 and fields["memory_bytes"] > 70e9  # kimi's EP=64 rank, default ring
     assert [c["trace_to"] for c in ours_calls] == [
         "results/timelines/timeline_fused_{pass_}_kimi-k2.7_abc1234.jsonl",
         "results/timelines/timeline_fused_link368_{pass_}_kimi-k2.7_abc1234.jsonl",
@@ -560,3 +563,22 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
     assert all(f == LINK_FILE and r["link_gbps"] == g for rep, g in zip(reports[1:], (368, 900)) for f, r in rep.rows)
     assert all("speedup_vs_torch" not in r for rep in reports[1:] for _, r in rep.rows)
     assert all({**r, **fields} == r for rep in reports for _, r in rep.rows)  # every row records the routing
+
+
+def test_macrobatch_rows_option_and_replay_ms():
+    """--macrobatch-rows: whole rows, or a fraction of rank 0's received rows in whole segments;
+    replay_ms sums the backward's replay.<turn> stages (0 without a ring of several turns)."""
+    from mok_proto.bench.emulation import check_ring_option, ring_rows
+    from mok_proto.bench.layer_rows import replay_ms
+
+    assert ring_rows(None, 46452) is None
+    assert ring_rows("0.25x", 46452) == 11520 == 45 * 256  # 11613 rows, rounded down to segments
+    assert ring_rows("0.001x", 46452) == 256 and ring_rows("4096", 1) == 4096
+    for good in ("0.25x", "1x", "512"):
+        check_ring_option(good)
+    for bad in ("300", "0x", "2x", "-256", "abc", "x"):
+        with pytest.raises(ValueError, match="--macrobatch-rows"):
+            check_ring_option(bad)
+    stages = {"scale": 0.1, "shared": 0.5, "replay.1": 0.25, "turn.0": 1.0, "replay.2": 0.5, "token_grads": 0.2}
+    assert replay_ms(stages) == 0.75
+    assert replay_ms({"scale": 0.1, "experts": 2.0}) == 0.0

@@ -20,6 +20,7 @@ import numpy as np
 
 from mok_proto.bench.timing import summarize, time_stages
 from mok_proto.config import MoEShape, RunConfig, ep_share, get_shape
+from mok_proto.plan import SEGMENT_ROWS
 from mok_proto.routing import UNIFORM, RoutingSpec
 from mok_proto.routing import topk as routed_topk
 
@@ -115,13 +116,14 @@ def row_fields(data: dict) -> dict:
     return {"emulation": label, "routing": str(data["routing"]), "received_rows": int((data["topk_idx"] < el).sum())}
 
 
-def staged_layer(shape, data, policy=None, link=None):
+def staged_layer(shape, data, policy=None, link=None, macrobatch_rows=None):
     """(heap, layer): our layer on the W virtual ranks of `data` (make_inputs) after one full round
     of all, then driving rank 0 only, every flag it waits for from a peer raised (see the module
     doc). Receive capacity: UNIFORM_CAPACITY x N K under uniform routing, else the routing's exact
     need (layer.gpu.receive_capacity). policy: the transfers' directions (default MoK's); link: the
     emulated link its transfers pay (mok_proto.link.LinkModel with every_row: the peers stand for
-    remote ranks; None: none)."""
+    remote ranks; None: none); macrobatch_rows: the layer's ring (None: it holds every row; fewer:
+    the sequential passes run in turns, the backward replaying, docs/design.md 3.1)."""
     from mok_proto.layer.gpu import GpuMoELayer, receive_capacity
     from mok_proto.symm.virtual import VirtualWorld
 
@@ -129,7 +131,8 @@ def staged_layer(shape, data, policy=None, link=None):
     capacity = (int(UNIFORM_CAPACITY * shape.num_tokens * shape.top_k) if data["routing"].is_uniform
                 else receive_capacity(data["topk_idx"], shape.num_experts))
     heap = VirtualWorld(num)
-    layer = GpuMoELayer(heap, RunConfig(shape, num, timeout_s=30, link=link), capacity=capacity, name=shape.name)
+    layer = GpuMoELayer(heap, RunConfig(shape, num, timeout_s=30, link=link), capacity=capacity, name=shape.name,
+                        macrobatch_rows=macrobatch_rows)
     if policy is not None:
         layer.policy = dict(policy)
     for r in range(num):
@@ -148,6 +151,27 @@ def staged_layer(shape, data, policy=None, link=None):
         layer.enqueue_backward()
     layer.check()
     return heap, layer
+
+
+def ring_rows(text: str | None, received_rows: int) -> int | None:
+    """--macrobatch-rows: None (a ring that holds every row), whole rows ("4096"), or a fraction of
+    rank 0's received rows ("0.25x"), rounded down to whole segments (at least one)."""
+    if text is None:
+        return None
+    if text.endswith("x"):
+        return max(SEGMENT_ROWS, int(float(text[:-1]) * received_rows) // SEGMENT_ROWS * SEGMENT_ROWS)
+    return int(text)
+
+
+def check_ring_option(text: str) -> None:
+    """ValueError (one line) unless `text` is a --macrobatch-rows value ring_rows takes."""
+    try:
+        value = float(text[:-1]) if text.endswith("x") else int(text)
+    except ValueError:
+        value = None
+    if value is None or not (0 < value <= 1 if text.endswith("x") else value >= SEGMENT_ROWS and value % SEGMENT_ROWS == 0):
+        raise ValueError(f"--macrobatch-rows: {text!r} is neither a multiple of {SEGMENT_ROWS} rows nor a fraction "
+                         "F x of rank 0's received rows with 0 < F <= 1 (e.g. 0.25x)")
 
 
 def result_bytes(layer, name) -> bytes:

@@ -27,16 +27,23 @@ class Measured(NamedTuple):
     fused_rows: dict
 
 
-def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, index=None, link=None) -> Measured:
+def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, index=None, link=None,
+         macrobatch_rows=None) -> Measured:
     """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results, fused rows.
     settings: the fused plans' knobs (FusedKnobs) to time, for both passes or as {pass: settings};
     policy: the transfers' directions (default MoK's); trace_to, index: the best settings' timelines
     (fused); link: the emulated link every transfer pays (staged_layer; None: none). The same
-    passes and settings with and without a link differ only in the layer's RunConfig."""
+    passes and settings with and without a link differ only in the layer's RunConfig.
+    macrobatch_rows: the layer's ring (staged_layer); with several turns no fused setting runs (the
+    fused passes run one turn)."""
     import cupy
 
-    heap, layer = staged_layer(shape, data, policy, link)
+    heap, layer = staged_layer(shape, data, policy, link, macrobatch_rows)
     per_pass = settings if isinstance(settings, dict) else {"fwd": settings, "bwd": settings}
+    if layer.num_turns > 1 and any(per_pass.values()):
+        print(f"#   ring of {layer.ring_rows} rows: {layer.num_turns} turns a pass; the fused passes run one turn, "
+              "so only the sequential passes are timed", flush=True)
+        per_pass = {"fwd": (), "bwd": ()}
     # Stages: eager, one event per stage of one pass; every iteration runs both passes (they
     # alternate), so the GPU is busy when a timed pass starts and its first stage is GPU time.
     stages = {}

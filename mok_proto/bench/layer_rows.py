@@ -67,6 +67,12 @@ def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
 
 
+def replay_ms(stages: dict) -> float:
+    """What the backward spent replaying the forward of turns the ring did not keep (its
+    `replay.<turn>` stages, layer/gpu_ring.py); 0 with one turn and in the forward."""
+    return float(sum(ms for stage, ms in stages.items() if stage.startswith("replay.")))
+
+
 def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UNIFORM_FIELDS) -> Report:
     """The shape's rows without the link (results/bench_layer.jsonl): per pass torch's and the
     sequential layer's, then every fused row; judged against `bars` ({key: Bar}, BARS' keys).
@@ -102,6 +108,7 @@ def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UN
         out.rows.append(("bench_layer", {**common, "schedule": "sequential", **mine[pass_], "tflops": ours_tflops,
                                          "speedup_vs_torch": speedup, "bitwise_repeat": bitwise[pass_],
                                          "max_rel_err_vs_torch": err, "stages_ms": stages[pass_],
+                                         "replay_ms": replay_ms(stages[pass_]),
                                          "speedup_vs_torch_variant_2n": variant_speedup}))
     for pass_, rows in fused_rows.items():
         if not rows:
