@@ -157,3 +157,26 @@ def test_status_table_states_the_memory_at_the_real_layouts(tmp_path):
     want = [f"{memory.layer_memory(KIMI, ep).total_bytes / memory.GB:.1f}" for ep in (64, 8)]
     assert f"| kimi-k2.7 | 1.000 ms (sequential 2.000) | 3.00 x torch (3.000 ms) | 2.00 | - | {want[0]} | {want[1]} |" \
         in table
+
+
+def test_the_layer_default_ring_comes_from_the_free_memory(monkeypatch):
+    """GpuMoELayer's default ring on virtual ranks: what fits 0.9 of the free device memory split
+    over the ranks (every row when the worst case fits); under NVSHMEM every row (None)."""
+    import sys
+    from types import SimpleNamespace
+
+    free = {"bytes": 0}
+    fake = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(memGetInfo=lambda: (free["bytes"], 0))),
+                           get_default_memory_pool=lambda: SimpleNamespace(free_bytes=lambda: 0))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    run = RunConfig(KIMI, 64)
+    worst = memory.worst_capacity(KIMI, 64)
+    free["bytes"] = 2 * 80 * 10**9  # two ranks' worth of an 80 GB card: one rank gets 80 GB
+    two = SimpleNamespace(backend="virtual", num_ranks=2)
+    ring = gpu.default_ring_rows(two, run, None)
+    assert ring == memory.default_macrobatch_rows(KIMI, 64, free_bytes=80 * 10**9) < worst  # kimi at EP=64: a ring
+    free["bytes"] = 4 * 80 * 10**9  # the same per rank with 4 ranks on a card 2x as large
+    assert gpu.default_ring_rows(SimpleNamespace(backend="virtual", num_ranks=4), run, None) == ring
+    free["bytes"] = 10**12
+    assert gpu.default_ring_rows(two, run, None) >= worst  # the worst case fits: one turn
+    assert gpu.default_ring_rows(SimpleNamespace(backend="nvshmem", num_ranks=2), run, None) is None

@@ -60,7 +60,7 @@ from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, to_experts, to
                                       to_tokens_after_fused)
 # (round_layout, layer_row_layout: also imported from here, as the layer's own)
 from mok_proto.layer.layout import BF16, F32, I32, layer_layout, layer_row_layout, nbytes, round_layout  # noqa: F401
-from mok_proto.memory import layer_memory
+from mok_proto.memory import default_macrobatch_rows, layer_memory
 from mok_proto.plan import MOVER_KINDS, SEGMENT_ROWS, FusedKnobs, fused_backward, fused_forward
 
 TILE = abi.CONST["kBN"]  # H, I and Is must be multiples of it (the GEMM tiles)
@@ -113,6 +113,19 @@ def receive_capacity(topk_idx_all, num_experts: int) -> int:
     return max(1, max(s.num_slots for s in build_all_schedules(topk_idx_all, num_experts, align=SEGMENT_ROWS)))
 
 
+def default_ring_rows(heap, run: RunConfig, capacity: int | None) -> int | None:
+    """The ring a layer gets by default: on virtual ranks (every rank's buffers on this GPU) the
+    largest that fits 0.9 of the GPU's free memory split over the ranks (memory.default_macrobatch_rows:
+    every row when the worst case fits); under NVSHMEM, whose symmetric heap is sized up front
+    (symmetric_bytes), a ring that holds every row (None)."""
+    if getattr(heap, "backend", None) != "virtual":
+        return None
+    import cupy
+
+    free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
+    return default_macrobatch_rows(run.shape, run.num_ranks, free_bytes=free // heap.num_ranks, capacity=capacity)
+
+
 def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, knobs: FusedKnobs, num_sms: int,
                check: bool = False):
     """A plan.fused_forward (pass_="fwd") or plan.fused_backward plan with `knobs` (plan.FusedKnobs)
@@ -152,6 +165,8 @@ class GpuMoELayer(GpuRound):
         if shape is not None:
             check_tiles(shape)
         self.has_shared = shape is not None and shape.num_shared == 1
+        if macrobatch_rows is None and shape is not None:
+            macrobatch_rows = default_ring_rows(heap, run, capacity)
         # Expert segments padded to SEGMENT_ROWS: the fused passes' tile pairs never straddle two
         # experts, and both schedules keep the same receive layout (bitwise-equal caches).
         super().__init__(heap, run, capacity, SEGMENT_ROWS, name, macrobatch_rows)
