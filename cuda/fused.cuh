@@ -463,10 +463,13 @@ __device__ __forceinline__ ChunkRows chunk_rows(const Ctx& c, const Task& t, boo
   r.cp = c.cp;
   r.sv = sched_of(c.cp, c.rank);
   r.rank = c.rank;
-  const i64 used = r.sv.offsets[c.cp->num_local_experts];
-  const i64 begin = t.minibatch * c.fp->minibatch_rows;
-  const i64 end = begin + c.fp->minibatch_rows < used ? begin + c.fp->minibatch_rows : used;
-  r.shift = begin - begin % c.fp->ring_rows;
+  // With the layer's ring of several turns (CommParams ring_rows), the plan's rows are the turn's:
+  // receive rows ring_lo + ..., stored from ring row 0 (turn_rows, comm.cuh).
+  const TurnRows turn = turn_rows(c.cp, r.sv);
+  const i64 row = t.minibatch * c.fp->minibatch_rows;
+  const i64 begin = turn.lo + row;
+  const i64 end = begin + c.fp->minibatch_rows < turn.hi ? begin + c.fp->minibatch_rows : turn.hi;
+  r.shift = turn.lo + row - row % c.fp->ring_rows;
   r.stride = t.col_tile;  // the minibatch's transfer is split into col_tile chunks
   r.first = begin + t.row_tile;
   r.count = ok && r.first < end ? (end - r.first + r.stride - 1) / r.stride : 0;

@@ -641,7 +641,9 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
                                              float (&acc)[128], float* staging, int half, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
   const u32 s_base = smem_addr(ss.stages);
-  if (!Tr::kRowProblem && p->accumulate && tile.store) {
+  // An accumulating weight gradient with no rows here adds nothing: its stored tile stays as it is.
+  const bool unchanged = !Tr::kRowProblem && p->accumulate && tile.rows == 0;
+  if (!Tr::kRowProblem && p->accumulate && tile.store && !unchanged) {
     load_wgrad_accumulators<kP>(p, tile, acc, half, wg_tid);
   } else {
 #pragma unroll
@@ -677,7 +679,7 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
     store_down_bwd_columns<2>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
     store_down_bwd_columns<4>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
     store_down_bwd_columns<6>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
-  } else if (tile.store) {
+  } else if (tile.store && !unchanged) {
     store_tile<kP>(p, tile, acc, staging, half, wg_tid);
   }
   return ok;

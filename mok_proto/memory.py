@@ -195,7 +195,7 @@ def layer_memory(shape: MoEShape, num_ranks: int, capacity: int | None = None,
     """One rank's memory (LayerMemory: its buffers, totals, formula()) for a layer of `shape` on
     `num_ranks` ranks. capacity: the logical capacity (default the worst case, worst_capacity);
     macrobatch_rows: the ring's rows, a multiple of SEGMENT_ROWS up to the capacity rounded up to
-    one, or the capacity itself (a ring that holds every row, as today's layer allocates); default
+    one, or the capacity itself (a ring that holds exactly every row); default
     default_macrobatch_rows on an 80 GB H100."""
     capacity = _capacity(shape, num_ranks, capacity)
     if macrobatch_rows is None:

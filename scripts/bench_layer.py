@@ -121,7 +121,8 @@ def parse_args(argv=None):
                    help="the layer's ring: M receive rows (a multiple of 256), or F x rank 0's received rows "
                         "(e.g. 0.25x, rounded down to whole 256-row segments); default: a ring that holds every row. "
                         "With several turns the backward replays the forward of the turns it did not keep "
-                        "(rows: replay_ms) and only the sequential passes run")
+                        "(rows: replay_ms); the fused backward then runs its scale and token gradients outside "
+                        "the kernel")
     add_bar_option(p, BARS)
     args = p.parse_args(argv)
     try:

@@ -130,13 +130,13 @@ def test_symmetric_bytes_is_what_the_layer_allocates(monkeypatch, name, num_rank
     monkeypatch.setattr(gpu_base, "ErrorRecord", stop)  # called right after the allocations
     shape = get_shape(name)
     run, capacity = RunConfig(shape, num_ranks), 3 * PAIR_ROWS
-    for shared in (1, 0):
+    for shared, cap, ring in ((1, capacity, None), (0, capacity, None), (1, 1000, None), (1, 1000, PAIR_ROWS)):
         run = RunConfig(MoEShape(shape.name, shape.hidden, shape.ffn, shape.num_experts, shape.top_k,
                                  shape.num_tokens, num_shared=shared), num_ranks)
         heap = _Recorder(num_ranks)
-        with pytest.raises(_Allocated):
-            GpuMoELayer(heap, run, capacity=capacity, name="t")
-        assert sum(heap.allocated.values()) == symmetric_bytes(run, capacity)
+        with pytest.raises(_Allocated):  # a capacity off the segment rule: its ring rounds up to whole segments
+            GpuMoELayer(heap, run, capacity=cap, name="t", macrobatch_rows=ring)
+        assert sum(heap.allocated.values()) == symmetric_bytes(run, cap, ring), (shared, cap, ring)
     el = shape.num_experts // num_ranks  # the bulk: bf16 weights and their fp32 gradients
     assert symmetric_bytes(run, capacity) > 3 * el * shape.hidden * shape.ffn * (2 + 4)
 

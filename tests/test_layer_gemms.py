@@ -70,6 +70,26 @@ def test_a_turn_of_the_ring_runs_on_its_own_segments():
             assert tuple(a for a in call[1] if "offsets" in a or "counts" in a) == want, (pass_, slot)
 
 
+def test_fused_plans_of_a_ring_cover_one_turn():
+    """With a ring of several turns a fused plan covers one turn's rows, and the backward's, run
+    once a turn, leaves dy_slots and the token gradients to launches outside it."""
+    from types import SimpleNamespace
+
+    from mok_proto import plan as P
+    from mok_proto.config import MOK_POLICY, RunConfig, get_shape
+
+    run = RunConfig(get_shape("tile"), 2)
+    layer = SimpleNamespace(run=run, capacity=1536, policy=dict(MOK_POLICY), ranks=[0], num_turns=3, ring_rows=512)
+    layer._plan_rows = lambda: GpuMoELayer._plan_rows(layer)
+    fwd = GpuMoELayer.fused_forward_plan(layer, P.FusedKnobs(0, 256), num_sms=8)
+    bwd = GpuMoELayer.fused_backward_plan(layer, P.FusedKnobs(0, 256), num_sms=8)
+    assert fwd.capacity_rows == bwd.capacity_rows == 512 and (bwd.scale, bwd.token_grads) == (False, False)
+    one = SimpleNamespace(**{**vars(layer), "num_turns": 1, "ring_rows": 1536})
+    one._plan_rows = lambda: GpuMoELayer._plan_rows(one)
+    whole = GpuMoELayer.fused_backward_plan(one, P.FusedKnobs(0, 256), num_sms=8)
+    assert whole.capacity_rows == 1536 and (whole.scale, whole.token_grads) == (True, True)  # MoK's defaults
+
+
 def test_a_fused_plan_refuses_a_changed_policy():
     from mok_proto import plan as P
     from mok_proto.config import MOK_POLICY, get_shape
@@ -97,7 +117,8 @@ def test_fused_plans_take_the_knobs():
     from mok_proto.layer.gpu import fused_plan
 
     run = RunConfig(get_shape("tile"), 2)
-    layer = SimpleNamespace(run=run, capacity=1024, policy=dict(MOK_POLICY), ranks=[0])
+    layer = SimpleNamespace(run=run, capacity=1024, policy=dict(MOK_POLICY), ranks=[0], num_turns=1, ring_rows=1024)
+    layer._plan_rows = lambda: GpuMoELayer._plan_rows(layer)
     for pass_, method in (("fwd", GpuMoELayer.fused_forward_plan), ("bwd", GpuMoELayer.fused_backward_plan)):
         default = fused_plan(pass_, run, 1024, MOK_POLICY, P.FusedKnobs(), 8)
         assert (default.comm_blocks, default.minibatch_rows) == (0, 1024)

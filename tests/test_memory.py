@@ -42,10 +42,11 @@ def test_what_the_layer_allocates_is_its_memory():
     # symmetric_bytes is what GpuMoELayer allocates (tests/test_bench_layer_mpi.py), and memory() states it
     for name, ranks, capacity in (("deepseek-v4-pro", 2, 3 * S), ("tile", 4, 1000)):
         run = RunConfig(get_shape(name), ranks)
-        mem = memory.layer_memory(run.shape, ranks, capacity, capacity)
+        whole = -(-capacity // S) * S  # the ring that holds every row, in whole segments
+        mem = memory.layer_memory(run.shape, ranks, capacity, whole)
         assert mem.symmetric_bytes == gpu.symmetric_bytes(run, capacity)
         layer = object.__new__(gpu.GpuMoELayer)  # no GPU: only the fields memory() reads
-        layer.shape, layer.run, layer.capacity, layer.ring_rows = run.shape, run, capacity, capacity
+        layer.shape, layer.run, layer.capacity, layer.ring_rows = run.shape, run, capacity, whole
         assert layer.memory() == mem
         ring = memory.layer_memory(run.shape, ranks, capacity, S)  # a ring of several turns
         assert ring.symmetric_bytes == gpu.symmetric_bytes(run, capacity, S) < mem.symmetric_bytes

@@ -453,15 +453,31 @@ def test_layer_packs_the_fused_gemms_with_the_longer_timeout(monkeypatch):
 
     monkeypatch.setattr(fused, "FusedPass", lambda plan, w, link=False: ("pass", w))
     fields = {**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "n": 64, "timeout_ns": gemm.TIMEOUT_NS}
-    pack = (lambda *args, error=None, pack_only=False: abi.GEMM_PARAMS.pack(fields), ())
+    pack = (lambda *args, error=None, pack_only=False, accumulate=False:
+            abi.GEMM_PARAMS.pack({**fields, "accumulate": int(accumulate)}), ())
     run = RunConfig(TILE, 2, timeout_s=30)
-    layer = SimpleNamespace(run=run, shape=TILE, capacity=1024, num_turns=1, ranks=[0, 1], error=None,
-                            _gemm=lambda pass_, slot, r: None if slot == "kSlotSharedDownWgrad" else pack)
+    layer = SimpleNamespace(run=run, shape=TILE, capacity=1024, num_turns=1, ring_rows=1024, ranks=[0, 1], error=None,
+                            _gemm=lambda pass_, slot, r, t=0: None if slot == "kSlotSharedDownWgrad" else pack)
+    layer._plan_rows = lambda: gpu.GpuMoELayer._plan_rows(layer)
     plan = P.fused_backward(TILE, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     made, words = gpu.GpuMoELayer._fused_pass(layer, plan, "bwd")
-    got = words.view(abi.GEMM_PARAMS.dtype)
-    assert made == ("pass", 2) and len(got) == 2 * len(abi.GEMM_SLOT)
+    got = words[0].view(abi.GEMM_PARAMS.dtype)
+    assert made == ("pass", 2) and len(words) == 1 and len(got) == 2 * len(abi.GEMM_SLOT)
     assert (got["timeout_ns"] == fused.gemm_timeout_ns(30 * 10**9)).all() and fused.gemm_timeout_ns(30 * 10**9) > 60e9
+    assert not got["accumulate"].any()
+    # a ring of 2 turns: a plan of one turn's rows, words per turn, the routed weight gradients of
+    # the second accumulating (and nothing else); the backward's token-side work outside the kernel
+    layer.num_turns, layer.ring_rows = 2, 512
+    with pytest.raises(ValueError, match="scale and token gradients must run outside"):
+        gpu.GpuMoELayer._fused_pass(layer, P.fused_backward(TILE, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY,
+                                                            num_sms=8, capacity_rows=512), "bwd")
+    plan = P.fused_backward(TILE, 2, P.FusedKnobs(0, 256, token_grads=False, scale=False), policy=MOK_POLICY,
+                            num_sms=8, capacity_rows=512)
+    _, words = gpu.GpuMoELayer._fused_pass(layer, plan, "bwd")
+    slots = [name for name, _ in abi.GEMM_SLOT.members] * 2  # GemmSlot order, per launch rank
+    accumulating = [s for s, a in zip(slots, words[1].view(abi.GEMM_PARAMS.dtype)["accumulate"]) if a]
+    assert len(words) == 2 and not words[0].view(abi.GEMM_PARAMS.dtype)["accumulate"].any()
+    assert accumulating == ["kSlotDownWgrad", "kSlotGateUpWgrad"] * 2
 
 
 def test_fused_backward_check_rejects_a_pull_before_the_scale():

@@ -10,7 +10,7 @@ import pytest
 from mok_proto import memory
 from mok_proto import plan as P
 from mok_proto.config import MOK_POLICY, RunConfig, ep_share, get_shape
-from mok_proto.layer import gpu, gpu_base
+from mok_proto.layer import cpu, gpu, gpu_base
 from mok_proto.plan import cost, knobs
 from mok_proto.schedule import max_receive_slots
 from mok_proto.sim import fused as sim_fused
@@ -58,6 +58,17 @@ def _knobs_take(rows: int) -> bool:
     return True
 
 
+def _cpu_layer_align() -> int:
+    """The segment align (and so the ring's unit) of a CPU layer built with the defaults."""
+    heap = SimpleNamespace(num_ranks=1, rank=0, signals=lambda name, kinds: None,
+                           alloc=lambda name, shape, dtype: SimpleNamespace(local=np.zeros(shape, dtype)))
+    shape = get_shape("tiny")
+    weights = {"w_gate": np.zeros((12, 16, 8)), "w_up": np.zeros((12, 16, 8)), "w_down": np.zeros((12, 8, 16))}
+    layer = cpu.CpuMoELayer(heap, RunConfig(shape, 1), weights)
+    assert layer.macrobatch_rows % layer.align == 0
+    return layer.align
+
+
 # consumer: (the module whose SEGMENT_ROWS it reads, does its output follow a rule of s rows?)
 CONSUMERS = {
     "gpu layer": (gpu, lambda mp, s: _layer_align(mp) == s and _one_row_capacity() == s),
@@ -68,6 +79,7 @@ CONSUMERS = {
     "sim plan_align": (sim_model, lambda mp, s: sim_model.plan_align(_fused_plan()) == s),
     "sim fused load": (sim_fused, lambda mp, s: not np.any(sim_fused.emulated_load(ep_share("qwen3.5-397b"))
                                                            .expert_offsets % s)),
+    "cpu layer": (cpu, lambda mp, s: _cpu_layer_align() == s),
     "memory": (memory, lambda mp, s: memory.worst_capacity(KIMI, 64) == max_receive_slots(2048, 8, 64, 6, s)
                and memory.default_macrobatch_rows(KIMI, 64) % s == 0),
 }

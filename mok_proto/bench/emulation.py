@@ -130,9 +130,18 @@ def staged_layer(shape, data, policy=None, link=None, macrobatch_rows=None):
     num = len(data["topk_idx"])
     capacity = (int(UNIFORM_CAPACITY * shape.num_tokens * shape.top_k) if data["routing"].is_uniform
                 else receive_capacity(data["topk_idx"], shape.num_experts))
+    if macrobatch_rows is not None:  # a ring larger than every row is one turn
+        macrobatch_rows = min(macrobatch_rows, -(-capacity // SEGMENT_ROWS) * SEGMENT_ROWS)
     heap = VirtualWorld(num)
     layer = GpuMoELayer(heap, RunConfig(shape, num, timeout_s=30, link=link), capacity=capacity, name=shape.name,
                         macrobatch_rows=macrobatch_rows)
+    pushed_in = [op for op in ("dispatch", "rev_combine") if (policy or layer.policy)[op] == "push"]
+    if layer.num_turns > 1 and pushed_in:
+        # NOTE: the frozen peers push nothing into rank 0's ring after the staging round
+        layer.close()
+        heap.close()
+        raise ValueError(f"a ring of several turns needs {' and '.join(pushed_in)} pulled in this emulation: the "
+                         "staged peers push no rows into rank 0's ring once frozen")
     if policy is not None:
         layer.policy = dict(policy)
     for r in range(num):

@@ -4,6 +4,8 @@ best setting timed again with its timeline, and other transfer-direction policie
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import NamedTuple
 
 from mok_proto.bench.emulation import EP, result_bytes, row_fields, staged_layer
@@ -34,16 +36,16 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, in
     policy: the transfers' directions (default MoK's); trace_to, index: the best settings' timelines
     (fused); link: the emulated link every transfer pays (staged_layer; None: none). The same
     passes and settings with and without a link differ only in the layer's RunConfig.
-    macrobatch_rows: the layer's ring (staged_layer); with several turns no fused setting runs (the
-    fused passes run one turn)."""
+    macrobatch_rows: the layer's ring (staged_layer); with several turns the fused settings run once
+    a turn, their backward's scale and token gradients outside the kernel."""
     import cupy
 
     heap, layer = staged_layer(shape, data, policy, link, macrobatch_rows)
     per_pass = settings if isinstance(settings, dict) else {"fwd": settings, "bwd": settings}
-    if layer.num_turns > 1 and any(per_pass.values()):
-        print(f"#   ring of {layer.ring_rows} rows: {layer.num_turns} turns a pass; the fused passes run one turn, "
-              "so only the sequential passes are timed", flush=True)
-        per_pass = {"fwd": (), "bwd": ()}
+    if layer.num_turns > 1:
+        print(f"#   ring of {layer.ring_rows} rows: {layer.num_turns} turns a pass", flush=True)
+        per_pass = {"fwd": per_pass["fwd"], "bwd": [dataclasses.replace(k, scale=False, token_grads=False)
+                                                    for k in per_pass["bwd"]]}
     # Stages: eager, one event per stage of one pass; every iteration runs both passes (they
     # alternate), so the GPU is busy when a timed pass starts and its first stage is GPU time.
     stages = {}

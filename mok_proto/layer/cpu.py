@@ -35,10 +35,10 @@ class CpuMoELayer:
     [El,I,H]) plus the replicated shared expert (optional). capacity: the logical receive rows
     (default the worst case: no routing overflows it); macrobatch_rows: the ring's rows (default
     all of them: one turn); align: the rows expert segments are padded to, of which the ring is a
-    multiple (SEGMENT_ROWS, as on the GPU; tests use fewer to get many turns from small shapes)."""
+    multiple (default SEGMENT_ROWS, as on the GPU; tests use fewer to get many turns from small shapes)."""
 
     def __init__(self, heap: SymmetricHeap, run: RunConfig, weights: dict, capacity: int | None = None,
-                 macrobatch_rows: int | None = None, align: int = SEGMENT_ROWS):
+                 macrobatch_rows: int | None = None, align: int | None = None):
         shape = run.shape
         if heap.num_ranks != run.num_ranks:
             raise ValueError(f"num_ranks: config says R={run.num_ranks} but the heap has {heap.num_ranks} ranks")
@@ -51,7 +51,7 @@ class CpuMoELayer:
                                       f"got shape {weights['w_gate'].shape}")
         self.weights = {key: np.asarray(v, self.dtype) for key, v in weights.items()}
         n, h, k = shape.num_tokens, shape.hidden, shape.top_k
-        self.align = validate.check_int(align, "align", minimum=1)
+        self.align = validate.check_int(SEGMENT_ROWS if align is None else align, "align", minimum=1)
         worst = max_receive_slots(n, k, run.num_ranks, num_local, self.align)
         self.capacity = worst if capacity is None else capacity
         if not 0 < self.capacity <= worst:

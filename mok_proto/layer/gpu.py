@@ -48,6 +48,8 @@ reverse-combine could overwrite receive rows a peer's weight gradients still rea
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from mok_proto import abi
@@ -97,9 +99,9 @@ def token_fields(shape, num_local: int, rank_base: int, table: dict, error_ptr: 
 
 def symmetric_bytes(run: RunConfig, capacity: int, macrobatch_rows: int | None = None) -> int:
     """Bytes of symmetric memory one rank's GpuMoELayer allocates (every buffer of layout.layer_layout,
-    its ring of `macrobatch_rows` rows, by default as large as its capacity, before the allocator's
-    alignment): what NVSHMEM_SYMMETRIC_SIZE must hold."""
-    ring = capacity if macrobatch_rows is None else macrobatch_rows
+    its ring of `macrobatch_rows` rows, by default every row: the capacity in whole segments; before
+    the allocator's alignment): what NVSHMEM_SYMMETRIC_SIZE must hold."""
+    ring = -(-capacity // SEGMENT_ROWS) * SEGMENT_ROWS if macrobatch_rows is None else macrobatch_rows
     return sum(nbytes(shp, dt) for shp, dt in layer_layout(run, capacity, ring).values())
 
 
@@ -232,33 +234,43 @@ class GpuMoELayer(GpuRound):
         self.fused_bwd, self._fused_bwd_words = self._fused_pass(backward_plan, "bwd")
 
     def _fused_pass(self, plan, pass_):
-        """(kernels.fused.FusedPass, the GEMM params of every launch rank) for a plan of `pass_`,
-        or (None, None). The GEMMs' pipeline waits get fused.gemm_timeout_ns (longer than the
-        kernel's counter and peer waits, which name what was missing)."""
+        """(kernels.fused.FusedPass, per turn of the ring the GEMM params of every launch rank) for a
+        plan of `pass_`, or (None, None). The GEMMs' pipeline waits get fused.gemm_timeout_ns (longer
+        than the kernel's counter and peer waits, which name what was missing)."""
         from mok_proto.kernels.fused import FusedPass, gemm_timeout_ns, with_gemm_timeout
 
         if plan is None:
             return None, None
-        if self.num_turns > 1:
-            raise ValueError(f"the fused passes run one turn, this layer's ring of {self.ring_rows} rows takes "
-                             f"{self.num_turns} for its capacity of {self.capacity}: use the sequential passes, or "
-                             f"macrobatch_rows >= capacity")
+        if self.num_turns > 1 and pass_ == "bwd" and (plan.scale or plan.token_grads):
+            raise ValueError(f"this layer's ring takes {self.num_turns} turns: the fused backward runs once a turn, so "
+                             "its scale and token gradients must run outside it (FusedKnobs(scale=False, "
+                             "token_grads=False); fused_backward_plan() does so by default)")
         if plan.pass_ != pass_:
             raise ValueError(f"a {pass_} plan is needed, got a {plan.pass_} plan ({plan.strategy})")
         if plan.shape != self.shape or plan.num_ranks != self.run.num_ranks:
             raise ValueError(f"plan is for {plan.shape.name} R={plan.num_ranks}, this layer runs "
                              f"{self.shape.name} R={self.run.num_ranks}")
-        if plan.capacity_rows < self.capacity:
-            raise ValueError(f"plan covers {plan.capacity_rows} receive rows, the layer holds {self.capacity}")
+        if plan.capacity_rows < self._plan_rows():
+            raise ValueError(f"plan covers {plan.capacity_rows} receive rows, the layer's pass runs {self._plan_rows()} "
+                             "at a time")
         fused = FusedPass(plan, len(self.ranks), link=self.run.link is not None)
         slots = [name for name, _ in abi.GEMM_SLOT.members]
-        words = []  # the buffers never move: packed (and their tensor maps made) once
-        for r in self.ranks:
-            for slot in slots:
-                call = self._gemm(pass_, slot, r)
-                words.append(np.zeros(abi.GEMM_PARAMS.nbytes // 8, np.uint64) if call is None
-                             else call[0](*call[1], error=self.error, pack_only=True))
-        return fused, with_gemm_timeout(np.concatenate(words), gemm_timeout_ns(int(self.run.timeout_s * 1e9)))
+        timeout = gemm_timeout_ns(int(self.run.timeout_s * 1e9))
+        per_turn = []  # the buffers never move: packed (and their tensor maps made) once
+        for t in range(self.num_turns):
+            words = []
+            for r in self.ranks:
+                for slot in slots:
+                    call = self._gemm(pass_, slot, r, t)
+                    extra = {"accumulate": True} if t > 0 and slot in gpu_ring.ROUTED_WGRAD else {}
+                    words.append(np.zeros(abi.GEMM_PARAMS.nbytes // 8, np.uint64) if call is None
+                                 else call[0](*call[1], error=self.error, pack_only=True, **extra))
+            per_turn.append(with_gemm_timeout(np.concatenate(words), timeout))
+        return fused, per_turn
+
+    def _plan_rows(self) -> int:
+        """Receive rows a fused plan must cover: all of them, or with a ring of several turns one turn's."""
+        return self.ring_rows if self.num_turns > 1 else self.capacity
 
     def fused_forward_plan(self, knobs: FusedKnobs | None = None, num_sms: int | None = None):
         """A fused_forward plan for this layer (its shape, R, policy, capacity) and this GPU (num_sms:
@@ -266,14 +278,18 @@ class GpuMoELayer(GpuRound):
         `knobs` (plan.FusedKnobs; None: the defaults)."""
         from mok_proto.kernels.fused import default_num_sms
 
-        return fused_plan("fwd", self.run, self.capacity, self.policy, knobs or FusedKnobs(),
+        return fused_plan("fwd", self.run, self._plan_rows(), self.policy, knobs or FusedKnobs(),
                           num_sms or default_num_sms(len(self.ranks), "fwd"))
 
     def fused_backward_plan(self, knobs: FusedKnobs | None = None, num_sms: int | None = None):
         """A fused_backward plan for this layer and this GPU, as fused_forward_plan."""
         from mok_proto.kernels.fused import default_num_sms
 
-        return fused_plan("bwd", self.run, self.capacity, self.policy, knobs or FusedKnobs(),
+        knobs = knobs or FusedKnobs()
+        if self.num_turns > 1:  # once a turn: the token-side work runs outside the kernel
+            knobs = dataclasses.replace(knobs, scale=False if knobs.scale is None else knobs.scale,
+                                        token_grads=False if knobs.token_grads is None else knobs.token_grads)
+        return fused_plan("bwd", self.run, self._plan_rows(), self.policy, knobs,
                           num_sms or default_num_sms(len(self.ranks), "bwd"))
 
     def _gemm(self, pass_: str, slot: str, r: int, turn: int = 0):
@@ -326,7 +342,7 @@ class GpuMoELayer(GpuRound):
             for slot in slots:
                 call = self._gemm(pass_, slot, r, turn)
                 if call is not None:
-                    extra = {"accumulate": True} if accumulate and slot in ("kSlotDownWgrad", "kSlotGateUpWgrad") else {}
+                    extra = {"accumulate": True} if accumulate and slot in gpu_ring.ROUTED_WGRAD else {}
                     call[0](*call[1], error=self.error, **extra)
 
     def set_weights(self, rank: int, weights: dict):
@@ -424,11 +440,11 @@ class GpuMoELayer(GpuRound):
         kc.begin_round(p, launch)
         kc.allgather_routing(p, launch)
         kc.build_schedule(p, launch, self.run.num_ranks, self.num_local, self.shape.num_tokens, self.shape.top_k)
+        if self.num_turns > 1:
+            gpu_ring.forward_turns(self, policy, mark, self.fused and _directions(self.fused.plan, policy))
+            return
         if self.fused is not None:
             self._enqueue_fused_forward(policy, mark)
-            return
-        if self.num_turns > 1:
-            gpu_ring.forward_turns(self, policy, mark)
             return
         self._cache_valid = True
         mark("shared")
@@ -453,7 +469,7 @@ class GpuMoELayer(GpuRound):
             mark("dispatch")
         to_experts_before_fused(p, launch, comm_in, "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
         mark("fused")
-        fused.launch(p, self._fused_words, self.error, int(self.run.timeout_s * 1e9), trace=self.trace)
+        fused.launch(p, self._fused_words[0], self.error, int(self.run.timeout_s * 1e9), trace=self.trace)
         self._cache_valid = plan.ring_minibatches >= plan.num_minibatches
         mark("combine")
         to_tokens_after_fused(p, launch, comm_out, "kOpCombinePush", "kOpCombinePull")
@@ -475,7 +491,7 @@ class GpuMoELayer(GpuRound):
             to_experts_before_fused(p, launch, comm_in, "kOpRevCombinePush", "kOpRevCombinePull",
                                     after_schedule=False)
         mark("fused")
-        fused.launch(p, self._fused_bwd_words, self.error, int(self.run.timeout_s * 1e9), trace=self.trace,
+        fused.launch(p, self._fused_bwd_words[0], self.error, int(self.run.timeout_s * 1e9), trace=self.trace,
                      token_params=self.params_tok)
         if fused.plan.token_grads:
             mark(None)
@@ -529,11 +545,11 @@ class GpuMoELayer(GpuRound):
         mark = mark or (lambda stage: None)
         mark("scale")
         kc.begin_round(p, launch)
+        if self.num_turns > 1:
+            gpu_ring.backward_turns(self, policy, mark, self.fused_bwd and _directions(self.fused_bwd.plan, policy))
+            return
         if self.fused_bwd is not None:
             self._enqueue_fused_backward(policy, mark)
-            return
-        if self.num_turns > 1:
-            gpu_ring.backward_turns(self, policy, mark)
             return
         kt.scale_to_slots(self.params_tok, launch)
         mark("shared")

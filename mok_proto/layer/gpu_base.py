@@ -18,7 +18,8 @@ from mok_proto.schedule import max_receive_slots
 
 
 class GpuRound:
-    """Subclasses give `row_layout(capacity)`: {name: (shape, dtype)} of their own buffers."""
+    """Subclasses give `row_layout(rows)`: {name: (shape, dtype)} of their own buffers for a ring of
+    `rows` receive rows."""
 
     def __init__(self, heap, run: RunConfig, capacity: int | None, align: int, name: str,
                  macrobatch_rows: int | None = None):

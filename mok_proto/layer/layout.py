@@ -5,7 +5,7 @@ sizes the heap with them; mok_proto.memory states them.
 
 Legend: N tokens/rank, H hidden, I expert FFN, Is shared FFN, K top-k, R ranks, El = E/R local
 experts, C logical receive capacity (rows of the schedule's index space), M ring rows
-(macrobatch_rows: the receive-row buffers; today's layer allocates M = C).
+(macrobatch_rows: the receive-row buffers).
 """
 
 from __future__ import annotations

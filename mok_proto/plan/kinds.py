@@ -22,6 +22,9 @@ PAIR_ROWS = BM * abi.CONST["kCluster"]  # rows of one 2-CTA cluster's tile pair 
 # macrobatch_rows are multiples of it, the simulator pads the fused plans' loads with it. The fused
 # kernel runs whole tile pairs over a segment (cuda/fused.cuh), so it is a multiple of PAIR_ROWS.
 SEGMENT_ROWS = PAIR_ROWS
+# A ring's turn ends a multiple of SEGMENT_ROWS after an expert's first row; weight gradients that
+# accumulate over turns keep the one-pass bits only if that is a whole number of k-blocks.
+assert SEGMENT_ROWS % BK == 0 and SEGMENT_ROWS % (BM * abi.CONST["kCluster"]) == 0
 FUSED_STRATEGIES = {"fwd": "fused_forward", "bwd": "fused_backward"}
 
 # The kinds come from the ABI spec (mok_proto/abi.py: enum mok::plan::TaskKind / CounterKind of

@@ -7,8 +7,8 @@ every choice of every token of every rank on rank 0's experts (the most rows one
 Rank 0 receives 2048 rows. Per direction policy: a ring of a quarter of them (512 rows) and of one
 segment (256 rows), forward and backward (the backward replaying every turn after the first),
 bitwise equal to a ring that holds every row (one turn), which is within TOL of the float64
-reference; a CUDA graph of the ring's passes replayed bitwise equal; NaN-poisoned buffers before
-every run. The fused passes refuse a ring of several turns.
+reference; a CUDA graph of the ring's passes replayed bitwise equal; the fused passes (once a
+turn) bitwise equal too; NaN-poisoned buffers before every run.
 """
 
 import sys
@@ -19,21 +19,24 @@ import gpu_program
 from check_gpu_layer import blob, check_against_reference, run_once
 from mok_proto.config import MoEShape, RunConfig
 from mok_proto.layer.gpu import GpuMoELayer
-from mok_proto.plan.kinds import SEGMENT_ROWS
+from mok_proto.plan import SEGMENT_ROWS, FusedKnobs
 from mok_proto.problem import make_problem
 
 RANK0_ROWS = 2048
 
 
 def worst_case_problem(num_ranks):
-    """(shape, problem): K = El = 2, N = 2048 / (2 R) tokens a rank, every choice on rank 0's two
-    experts (alternating which one comes first)."""
-    k = 2
+    """(shape, problem): K = 2, El = 3, N = 2048 / (2 R) tokens a rank, every choice on rank 0's
+    experts: the first on expert 0, the second on expert 1 for every fifth token, else on expert 2.
+    Rank 0's segments (1024, 205 and 819 rows, padded to 256) put two experts in one turn, one of
+    them starting mid-ring and one ending mid-turn."""
+    k, el = 2, 3
     n = RANK0_ROWS // (k * num_ranks)
-    shape = MoEShape("ring", hidden=256, ffn=256, num_experts=k * num_ranks, top_k=k, num_tokens=n)
+    shape = MoEShape("ring", hidden=256, ffn=256, num_experts=el * num_ranks, top_k=k, num_tokens=n)
     prob = make_problem(shape, num_ranks, seed=11)
-    t = np.arange(num_ranks * n).reshape(num_ranks, n, 1)
-    prob.topk_idx[...] = ((t + np.arange(k)) % k).astype(np.int32)
+    t = np.arange(num_ranks * n).reshape(num_ranks, n)
+    prob.topk_idx[..., 0] = 0
+    prob.topk_idx[..., 1] = np.where(t % 5 == 0, 1, 2).astype(np.int32)
     return shape, prob
 
 
@@ -65,26 +68,28 @@ def main():
                     ref = prob.reference_results(bf16=True)
                     shared = {key: sum(gpu_program.all_ranks(comm, {r: g[key] for r, g in got.items()}).values())
                               for key in got[layer.ranks[0]] if key.startswith("shared_")}
-                    check_against_reference(got, ref, num_ranks, shape.num_tokens, 2, shared)
+                    check_against_reference(got, ref, num_ranks, shape.num_tokens, 3, shared)
                 assert blob(got) == first, f"ring {ring} under {policy}: results differ from one turn's"
             if ring is not None:
                 graph = layer.capture()
                 for replay in range(args.replays):
                     assert blob(run_once(layer, heap, graph)) == first, f"ring {ring}: graph replay {replay} differs"
-                try:
-                    layer.set_forward_plan(layer.fused_forward_plan())
-                except ValueError as e:
-                    assert "the fused passes run one turn" in str(e), str(e)
-                else:
-                    raise AssertionError("a fused plan was accepted with a ring of several turns")
+                for policy in policies:  # the fused passes, once a turn: the same bits
+                    layer.policy = dict(policy)
+                    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, SEGMENT_ROWS)))
+                    layer.set_backward_plan(layer.fused_backward_plan(FusedKnobs(0, SEGMENT_ROWS)))
+                    assert not layer.fused_bwd.plan.scale and not layer.fused_bwd.plan.token_grads
+                    assert blob(run_once(layer, heap)) == first, f"ring {ring}, fused, {policy}: differs from one turn"
+                layer.set_forward_plan(None)
+                layer.set_backward_plan(None)
             layer.close()
         assert turns[0] == 1 and 1 < turns[1] < turns[2], turns
     finally:
         heap.close()
     if heap.launch_ranks[0] == 0:
         print(f"OK gpu ring worst case backend={args.backend} R={num_ranks}: rings of {RANK0_ROWS // 4} and "
-              f"{SEGMENT_ROWS} rows ({turns[1]} and {turns[2]} turns) x {len(policies)} policies bitwise equal to "
-              f"one turn, {args.replays} graph replays")
+              f"{SEGMENT_ROWS} rows ({turns[1]} and {turns[2]} turns) x {len(policies)} policies, sequential and "
+              f"fused, bitwise equal to one turn, {args.replays} graph replays")
     return 0
 
 

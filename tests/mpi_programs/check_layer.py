@@ -27,16 +27,10 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default="all", help="all | mok")
     args = p.parse_args()
-    h, i, e, k, n, ns = (int(v) for v in args.shape.split(","))
-    shape = MoEShape("test", hidden=h, ffn=i, num_experts=e, top_k=k, num_tokens=n, num_shared=ns)
-    comm = MPI.COMM_WORLD
-    rank, num_ranks = comm.rank, comm.size
+    shape, comm, rank, num_ranks = world(args.shape)
+    e, n = shape.num_experts, shape.num_tokens
     prob = make_problem(shape, num_ranks, seed=args.seed, routing=args.routing)
-
-    ref_out, cache = reference.forward(prob.flat("x"), prob.flat("topk_idx"), prob.flat("topk_weights"),
-                                       prob.weights, dtype="float64")
-    ref = reference.backward(prob.flat("dout").astype(np.float64), cache)
-    ref["out"] = ref_out
+    ref = reference_of(prob)
     num_local = e // num_ranks
     tokens, experts = slice(rank * n, (rank + 1) * n), slice(rank * num_local, (rank + 1) * num_local)
 
@@ -50,10 +44,7 @@ def main():
         for policy in policies:
             layer.policy = policy  # same buffers, new directions: the epochs keep growing
             for repeat in range(2):
-                poison(layer, heap)
-                got = {"out": layer.forward(prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])}
-                got.update(layer.backward(prob.dout[rank]))
-                blob = {key: got[key].tobytes() for key in got}
+                got, blob = step(layer, heap, prob, rank)
                 if first is None:
                     first = blob
                     check_against_reference(comm, got, ref, tokens, experts)
@@ -61,6 +52,31 @@ def main():
                     assert blob[key] == first[key], f"rank {rank}: {key} differs under {policy} (repeat {repeat})"
     if rank == 0:
         print(f"OK R={num_ranks} {args.shape} routing={args.routing}: {len(policies)} policies x 2 runs bitwise equal")
+
+
+def world(shape_text):
+    """--shape H,I,E,K,N,num_shared -> (MoEShape, MPI.COMM_WORLD, this rank, R)."""
+    h, i, e, k, n, ns = (int(v) for v in shape_text.split(","))
+    comm = MPI.COMM_WORLD
+    shape = MoEShape("test", hidden=h, ffn=i, num_experts=e, top_k=k, num_tokens=n, num_shared=ns)
+    return shape, comm, comm.rank, comm.size
+
+
+def reference_of(prob) -> dict:
+    """The float64 reference over every rank's tokens: out and every gradient."""
+    ref_out, cache = reference.forward(prob.flat("x"), prob.flat("topk_idx"), prob.flat("topk_weights"),
+                                       prob.weights, dtype="float64")
+    ref = reference.backward(prob.flat("dout").astype(np.float64), cache)
+    ref["out"] = ref_out
+    return ref
+
+
+def step(layer, heap, prob, rank):
+    """One forward and backward of `rank` after poisoning: ({name: result}, {name: its bytes})."""
+    poison(layer, heap)
+    got = {"out": layer.forward(prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])}
+    got.update(layer.backward(prob.dout[rank]))
+    return got, {key: got[key].tobytes() for key in got}
 
 
 def poison(layer, heap):

@@ -9,11 +9,9 @@ import argparse
 import itertools
 
 import numpy as np
-from mpi4py import MPI
 
-from check_layer import check_against_reference, poison
-from mok_proto import reference
-from mok_proto.config import DIRECTIONS, OPERATORS, MOK_POLICY, MoEShape, RunConfig
+from check_layer import check_against_reference, reference_of, step, world
+from mok_proto.config import DIRECTIONS, MOK_POLICY, OPERATORS, RunConfig
 from mok_proto.layer.cpu import CpuMoELayer
 from mok_proto.problem import make_problem
 from mok_proto.symm.mpi import MpiHeap
@@ -34,10 +32,8 @@ def main():
     p.add_argument("--align", type=int, default=4, help="segment rows (the ring is a multiple of it)")
     p.add_argument("--policies", default="some", help="all (16) | some (MoK's, all push, all pull)")
     args = p.parse_args()
-    h, i, e, k, n, ns = (int(v) for v in args.shape.split(","))
-    shape = MoEShape("test", hidden=h, ffn=i, num_experts=e, top_k=k, num_tokens=n, num_shared=ns)
-    comm = MPI.COMM_WORLD
-    rank, num_ranks = comm.rank, comm.size
+    shape, comm, rank, num_ranks = world(args.shape)
+    e, n = shape.num_experts, shape.num_tokens
     num_local = e // num_ranks
     prob = make_problem(shape, num_ranks, seed=3, routing="random" if args.routing == "worst-case" else args.routing)
     if args.routing == "worst-case":
@@ -60,17 +56,10 @@ def main():
             turns.append(layer.num_turns)
             for policy in policies:
                 layer.policy = policy
-                poison(layer, heap)
-                got = {"out": layer.forward(prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])}
-                got.update(layer.backward(prob.dout[rank]))
-                blob = {key: got[key].tobytes() for key in got}
+                got, blob = step(layer, heap, prob, rank)
                 if first is None:
                     first = blob
-                    ref_out, cache = reference.forward(prob.flat("x"), prob.flat("topk_idx"),
-                                                       prob.flat("topk_weights"), prob.weights, dtype="float64")
-                    ref = reference.backward(prob.flat("dout").astype(np.float64), cache)
-                    ref["out"] = ref_out
-                    check_against_reference(comm, got, ref, slice(rank * n, (rank + 1) * n),
+                    check_against_reference(comm, got, reference_of(prob), slice(rank * n, (rank + 1) * n),
                                             slice(rank * num_local, (rank + 1) * num_local))
                 for key in first:
                     assert blob[key] == first[key], f"rank {rank}: {key} differs with ring {ring} under {policy}"
