@@ -451,18 +451,20 @@ def test_layer_packs_the_fused_gemms_with_the_longer_timeout(monkeypatch):
     from mok_proto.kernels import fused, gemm
     from mok_proto.layer import gpu
 
-    monkeypatch.setattr(fused, "FusedPass", lambda plan, w, link=False: ("pass", w))
+    monkeypatch.setattr(fused, "FusedPass", lambda plan, w, link=False: SimpleNamespace(plan=plan, w=w))
     fields = {**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "n": 64, "timeout_ns": gemm.TIMEOUT_NS}
     pack = (lambda *args, error=None, pack_only=False, accumulate=False:
             abi.GEMM_PARAMS.pack({**fields, "accumulate": int(accumulate)}), ())
     run = RunConfig(TILE, 2, timeout_s=30)
     layer = SimpleNamespace(run=run, shape=TILE, capacity=1024, num_turns=1, ring_rows=1024, ranks=[0, 1], error=None,
+                            has_shared=True,
                             _gemm=lambda pass_, slot, r, t=0: None if slot == "kSlotSharedDownWgrad" else pack)
     layer._plan_rows = lambda: gpu.GpuMoELayer._plan_rows(layer)
     plan = P.fused_backward(TILE, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
     made, words = gpu.GpuMoELayer._fused_pass(layer, plan, "bwd")
     got = words[0].view(abi.GEMM_PARAMS.dtype)
-    assert made == ("pass", 2) and len(words) == 1 and len(got) == 2 * len(abi.GEMM_SLOT)
+    assert (made.plan, made.w) == (plan, 2) and len(words) == 1 and len(got) == 2 * len(abi.GEMM_SLOT)
+    assert not hasattr(made, "rest")  # one turn: no plan for other turns
     assert (got["timeout_ns"] == fused.gemm_timeout_ns(30 * 10**9)).all() and fused.gemm_timeout_ns(30 * 10**9) > 60e9
     assert not got["accumulate"].any()
     # a ring of 2 turns: a plan of one turn's rows, words per turn, the routed weight gradients of
@@ -473,7 +475,15 @@ def test_layer_packs_the_fused_gemms_with_the_longer_timeout(monkeypatch):
                                                             num_sms=8, capacity_rows=512), "bwd")
     plan = P.fused_backward(TILE, 2, P.FusedKnobs(0, 256, token_grads=False, scale=False), policy=MOK_POLICY,
                             num_sms=8, capacity_rows=512)
-    _, words = gpu.GpuMoELayer._fused_pass(layer, plan, "bwd")
+    made, words = gpu.GpuMoELayer._fused_pass(layer, plan, "bwd")
+    # turns after the first run the same plan without the shared expert's tiles
+    shared = {int(k) for k in P.TaskKind if k.name.startswith("SHARED")}
+    assert np.isin(plan.tasks["kind"], list(shared)).any() and not np.isin(made.rest.plan.tasks["kind"],
+                                                                            list(shared)).any()
+    assert made.rest.plan.knobs == plan.knobs and made.rest.plan.capacity_rows == 512
+    def routed_kinds(tasks):
+        return np.bincount(tasks["kind"][~np.isin(tasks["kind"], list(shared))], minlength=len(P.TaskKind))
+    assert (routed_kinds(made.rest.plan.tasks) == routed_kinds(plan.tasks)).all()  # the same routed work
     slots = [name for name, _ in abi.GEMM_SLOT.members] * 2  # GemmSlot order, per launch rank
     accumulating = [s for s, a in zip(slots, words[1].view(abi.GEMM_PARAMS.dtype)["accumulate"]) if a]
     assert len(words) == 2 and not words[0].view(abi.GEMM_PARAMS.dtype)["accumulate"].any()

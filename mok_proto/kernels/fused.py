@@ -107,6 +107,7 @@ class FusedPass:
         begin = np.searchsorted(plan.tasks["block"], np.arange(plan.num_sms + 1)).astype(np.int32)
         self.task_begin = cupy.asarray(begin)
         self.counters = cupy.zeros((self.num_launch_ranks, max(1, len(plan.counters))), np.uint32)
+        self.rest = self  # a layer's ring of several turns: what its turns after the first run (gpu_ring)
         self.records = cupy.zeros((self.num_launch_ranks, max(1, len(plan.tasks)) * RECORD_DTYPE.itemsize), np.uint8)
         self._params: dict = {}
 

@@ -254,6 +254,11 @@ class GpuMoELayer(GpuRound):
             raise ValueError(f"plan covers {plan.capacity_rows} receive rows, the layer's pass runs {self._plan_rows()} "
                              "at a time")
         fused = FusedPass(plan, len(self.ranks), link=self.run.link is not None)
+        if self.num_turns > 1 and self.has_shared:  # turns after the first: the same plan without the shared expert
+            builder = fused_forward if pass_ == "fwd" else fused_backward
+            rest = builder(dataclasses.replace(plan.shape, num_shared=0), plan.num_ranks, plan.knobs,
+                           policy=plan.policy, num_sms=plan.num_sms, capacity_rows=plan.capacity_rows)
+            fused.rest = FusedPass(rest, len(self.ranks), link=self.run.link is not None)
         slots = [name for name, _ in abi.GEMM_SLOT.members]
         timeout = gemm_timeout_ns(int(self.run.timeout_s * 1e9))
         per_turn = []  # the buffers never move: packed (and their tensor maps made) once

@@ -11,8 +11,9 @@ launches, so their epochs agree), and two flags order the ring's reuse: kFlagRin
 ring may take the turn: pushes into it wait for every owner's) and kFlagPulled (a token owner
 pulled the turn's rows out of every ring: owners wait for all before the next turn). Weight
 gradients of turns after the first accumulate (GemmParams.accumulate): the bits of one pass.
-A fused plan runs once a turn over the turn's rows (its shared-expert tiles too, each time the
-same values); the backward's dy_slots and token gradients then run outside it, once.
+A fused plan runs once a turn over the turn's rows (the shared expert's tiles in turn 0 only: the
+other turns run the same plan built without them, FusedPass.rest); the backward's dy_slots and
+token gradients then run outside it, once.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def forward_turns(layer, policy: dict, mark, inside=None):
             _into_ring(p, launch, policy["dispatch"], "kOpDispatchPush")
         if fused is None:
             layer._launch_gemms("fwd", ("kSlotFirst", "kSlotSecond"), turn=t)
-        else:
-            fused.launch(p, layer._fused_words[t], layer.error, int(layer.run.timeout_s * 1e9), trace=layer.trace)
+        else:  # the shared expert's tiles in the last turn run (turn 0) only
+            (fused if t == 0 else fused.rest).launch(p, layer._fused_words[t], layer.error,
+                                                     int(layer.run.timeout_s * 1e9), trace=layer.trace)
         _out_of_ring(p, launch, policy["combine"], "kOpCombinePush", "kOpCombinePull", pushed_inside=comm_out)
     mark("weighted_sum")
     kt.weighted_sum(layer.params_tok, launch)
@@ -122,9 +124,10 @@ def backward_turns(layer, policy: dict, mark, inside=None):
             _into_ring(p, launch, policy["rev_combine"], "kOpRevCombinePush")
         if fused is None:
             layer._launch_gemms("bwd", ("kSlotFirst", "kSlotSecond"), turn=t)
-        else:
-            fused.launch(p, layer._fused_bwd_words[t], layer.error, int(layer.run.timeout_s * 1e9),
-                         trace=layer.trace, token_params=layer.params_tok)
+        else:  # the shared expert's gradients in the first turn only
+            (fused if t == 0 else fused.rest).launch(p, layer._fused_bwd_words[t], layer.error,
+                                                     int(layer.run.timeout_s * 1e9), trace=layer.trace,
+                                                     token_params=layer.params_tok)
         _out_of_ring(p, launch, policy["rev_dispatch"], "kOpRevDispatchPush", "kOpRevDispatchPull",
                      pushed_inside=comm_out)
         if fused is None:

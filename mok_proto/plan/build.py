@@ -362,7 +362,7 @@ def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, polic
                    comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, ring_minibatches=ring,
                    capacity_rows=capacity_rows, strategy=FUSED_STRATEGIES[pass_], assign=knobs.assign,
                    raster=knobs.raster, spread_from=spread_from, token_grads=token_grads, scale=scale,
-                   claim_pairs=claim)
+                   claim_pairs=claim, knobs=knobs)
 
 
 def _assign_clusters(assign: str, pairs: list, clusters: int, cost) -> list[int]:
