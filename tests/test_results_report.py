@@ -124,12 +124,15 @@ def test_skewed_routing_rows_have_their_own_table_and_leave_the_status_table(tmp
     uniform.append(layer("2026-12-03T10:00:00+00:00", "uni", "fused", 1.8, best_of_run=True,
                          speedup_vs_sequential=1.1, comm_blocks=0, minibatch_tokens=2048))
     hot = [dict(r, time="2026-12-04T10:00:00+00:00", git="hot", routing="hot:0.25", received_rows=46000,
-                emulation="5 virtual ranks, rank 0 timed", median_ms=r["median_ms"] * 3) for r in uniform]
+                emulation="5 virtual ranks, rank 0 timed", median_ms=r["median_ms"] * 3, macrobatch_rows=11520,
+                memory_bytes=75.36e9, **({"replay_ms": 1.25} if r["schedule"] == "sequential" else {}))
+           for r in uniform]
     _write(tmp_path, "bench_layer", uniform + hot)
     table = report.status_table(tmp_path)
     assert "| layer fwd (H200, `uni`, 2026-12-03) | kimi-k2.7 | 1.800 ms (sequential 2.000) |" in table
     assert "`hot`" not in table
     text = report.markdown(tmp_path)
     assert "## bench_layer (one GPU, NVIDIA H200)" in text and "## bench_layer, skewed routing (one GPU, NVIDIA H200)" in text
-    assert "| kimi-k2.7 | hot:0.25 | 5 virtual ranks, rank 0 timed | 46000 | fwd | fused |" in text
+    assert "| kimi-k2.7 | hot:0.25 | 5 virtual ranks, rank 0 timed | 46000 | 11520 | - | 75.4 | fwd | fused |" in text
+    assert "| 46000 | 11520 | 1.250 | 75.4 | fwd | sequential |" in text  # the replay, the EP=64 rank's memory
     assert text.count("| kimi-k2.7 | fwd |") == 3  # the uniform run's three rows, in the layer's table

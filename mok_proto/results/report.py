@@ -91,9 +91,13 @@ LAYER = View("bench_layer", "python scripts/bench_layer.py", (
     ("TFLOP/s", lambda r: _f(r.get("tflops"), ".0f")), ("of dense", lambda r: _x(r.get("fraction_of_dense"))),
     ("bitwise", lambda r: _yes(r.get("equal_to_sequential", r.get("bitwise_repeat"))))),
     section=lambda r: "other direction policies" if r.get("policy") else None, keep=_uniform)
-LAYER_SKEWED = View("bench_layer", "python scripts/bench_layer.py --routing hot:0.25", (
+LAYER_SKEWED = View("bench_layer", "python scripts/bench_layer.py --routing hot:0.25 --macrobatch-rows 0.25x", (
     ("shape", lambda r: r["shape"]), ("routing", lambda r: r["routing"]), ("ranks", lambda r: r.get("emulation", "")),
-    ("received rows", lambda r: str(r.get("received_rows", "-"))), *LAYER.columns[1:]),
+    ("received rows", lambda r: str(r.get("received_rows", "-"))),
+    ("ring rows", lambda r: str(r.get("macrobatch_rows") or "all")),
+    ("replay ms", lambda r: _f(r.get("replay_ms"))),
+    ("EP=64 GB/rank", lambda r: _f(r["memory_bytes"] / 1e9, ".1f") if r.get("memory_bytes") else "-"),
+    *LAYER.columns[1:]),
     section=LAYER.section, keep=lambda r: not _uniform(r), title="bench_layer, skewed routing")
 LAYER_LINK = View("bench_layer_link", "python scripts/bench_layer.py --link-gbps 368,900", (
     ("shape", lambda r: r["shape"]), ("pass", lambda r: r["pass"]), ("layer", lambda r: r.get("schedule", "")),
