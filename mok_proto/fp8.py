@@ -173,12 +173,7 @@ def quantize_blocks(w, *, pow2: bool = False):
     """w [..., R, C] -> (codes [..., R, C] uint8, scales [..., R / 128, C / 128] float32): blocks of
     128 x 128 over the last two dimensions. See the module docstring."""
     w = _as_f32(w, "w")
-    if w.ndim < 2:
-        raise InputError(f"w must have at least two dimensions [..., R, C], got shape {w.shape}")
-    rows, cols = w.shape[-2:]
-    _check_multiple(rows, "R")
-    _check_multiple(cols, "C")
-    lead = w.shape[:-2]
+    lead, rows, cols = _blocked_shape(w, "w")
     tiles = w.reshape(*lead, rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
     tiles = np.moveaxis(tiles, -3, -2).reshape(*lead, rows // BLOCK, cols // BLOCK, BLOCK * BLOCK)
     codes, scales = _quantize(tiles, pow2)
@@ -190,12 +185,8 @@ def dequantize_blocks(codes, scales) -> np.ndarray:
     """codes [..., R, C], scales [..., R / 128, C / 128] -> float32 [..., R, C]."""
     values = decode_e4m3(codes)
     scales = _as_f32(scales, "scales")
-    if values.ndim < 2:
-        raise InputError(f"codes must have at least two dimensions, got shape {values.shape}")
-    rows, cols = values.shape[-2:]
-    _check_multiple(rows, "R")
-    _check_multiple(cols, "C")
-    want = (*values.shape[:-2], rows // BLOCK, cols // BLOCK)
+    lead, rows, cols = _blocked_shape(values, "codes")
+    want = (*lead, rows // BLOCK, cols // BLOCK)
     if scales.shape != want:
         raise InputError(f"scales must have shape {want}, got {scales.shape}")
     full = np.repeat(np.repeat(scales, BLOCK, axis=-2), BLOCK, axis=-1)
@@ -209,6 +200,16 @@ def _as_f32(a, name: str) -> np.ndarray:
         raise InputError(f"{name} must hold floating-point values, got {a.dtype} (bf16 bits: convert with "
                          f"reference.from_bf16 first)")
     return np.asarray(a, dtype=np.float32, order="C")
+
+
+def _blocked_shape(a: np.ndarray, name: str):
+    """(leading dims, R, C) of an array blocked 128 x 128 over its last two dimensions."""
+    if a.ndim < 2:
+        raise InputError(f"{name} must have at least two dimensions [..., R, C], got shape {a.shape}")
+    rows, cols = a.shape[-2:]
+    _check_multiple(rows, "R")
+    _check_multiple(cols, "C")
+    return a.shape[:-2], rows, cols
 
 
 def _check_multiple(n: int, name: str):

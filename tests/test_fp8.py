@@ -375,11 +375,12 @@ def _assert_bitwise(got, want, what):
     assert not len(diff[0]), f"{what}: {len(diff[0])} differ, first at {tuple(int(d[0]) for d in diff)}"
 
 
-def _check_gpu(x: np.ndarray, kind: str, pow2: bool, what: str):
+def _check_gpu(x: np.ndarray, kind: str, pow2: bool, what: str, rows: bool = True):
+    """Both quantizers (rows: also the row quantizer, both orientations) on x [R, C]."""
     from mok_proto.kernels import fp8 as kfp8
 
     dev, values = _inputs(x, kind)
-    for transpose in (False, True):
+    for transpose in (False, True) if rows else ():
         codes, scales = kfp8.quantize_rows(dev, pow2=pow2, transpose=transpose)
         want = fp8.quantize_rows(values, pow2=pow2, transpose=transpose)
         _assert_bitwise(codes, want[0], f"{what} rows transpose={transpose} codes")
@@ -404,11 +405,13 @@ def test_gpu_quantizers_equal_the_rule_on_edge_cases(kind, pow2):
 @pytest.mark.parametrize("kind", ["f32", "bf16"])
 @pytest.mark.parametrize("pow2", [False, True])
 def test_gpu_quantizers_equal_the_rule_at_paper_sizes(kind, pow2):
+    """Activations x [256, H], h [256, I] (every quantizer); a weight [H, I] (blocks, both
+    orientations: [I, H] is its transpose)."""
     rng = np.random.default_rng(6)
     for hidden, ffn in _paper_sizes():
-        for rows, cols in ((256, hidden), (256, ffn), (hidden, ffn), (ffn, hidden)):  # activations, weights
+        for rows, cols in ((256, hidden), (256, ffn), (hidden, ffn)):
             x = (rng.standard_normal((rows, cols)) * 10.0 ** rng.uniform(-3, 3, (rows, 1))).astype(np.float32)
-            _check_gpu(x, kind, pow2, f"[{rows}, {cols}]")
+            _check_gpu(x, kind, pow2, f"[{rows}, {cols}]", rows=rows == 256)
 
 
 @pytest.mark.gpu
