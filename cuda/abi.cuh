@@ -139,6 +139,12 @@ namespace mok::plan {
 constexpr int kEpilogueRows = 16;  // tokens of one weighted-sum / slot-sum task (row_tile: tokens kEpilogueRows row_tile ..)
 }  // namespace mok::plan
 
+namespace mok::fp8 {
+constexpr int kQuantBlock = 128;  // edge of a quantization block: 1 x 128 (activations), 128 x 128 (weights)
+constexpr int kE4m3Max = 448;  // the largest finite e4m3 value (scale = amax / kE4m3Max)
+constexpr int kQuantThreads = 256;  // threads of a quantizer block (8 warps)
+}  // namespace mok::fp8
+
 namespace mok {
 struct ErrorRecord {
   u64 code;  // ErrorCode; 0 = no error. The first failure in a process wins (atomicCAS)
@@ -341,3 +347,22 @@ static_assert(__builtin_offsetof(TraceRecord, start_ns) == 0 && __builtin_offset
 #endif
 
 }  // namespace mok::fused
+
+namespace mok::fp8 {
+struct QuantParams {
+  i64 batch;  // matrices (quantize_blocks: experts); 1 for quantize_rows
+  i64 rows;  // rows of each matrix
+  i64 cols;  // columns (the contiguous dimension)
+  i64 pow2;  // 1: power-of-two scales; 0: amax / kE4m3Max
+  i64 x;  // input, fp32 or bf16 bits [batch, rows, cols]
+  i64 codes;  // uint8: [batch, rows, cols]; quantize_rows<transposed>: [cols, rows]
+  i64 scales;  // fp32: rows [rows, cols / B] (transposed: [cols, rows / B]); blocks [batch, rows / B, cols / B]
+  i64 codes_t;  // quantize_blocks: uint8 [batch, cols, rows], the transposed codes; 0: none
+  i64 scales_t;  // quantize_blocks: fp32 [batch, cols / B, rows / B], the transposed scales; 0: none
+};
+static_assert(sizeof(QuantParams) == 72, "QuantParams: size differs from mok_proto/abi.py");
+#ifndef __CUDACC_RTC__
+static_assert(__builtin_offsetof(QuantParams, batch) == 0 && __builtin_offsetof(QuantParams, rows) == 8 && __builtin_offsetof(QuantParams, cols) == 16 && __builtin_offsetof(QuantParams, pow2) == 24 && __builtin_offsetof(QuantParams, x) == 32 && __builtin_offsetof(QuantParams, codes) == 40 && __builtin_offsetof(QuantParams, scales) == 48 && __builtin_offsetof(QuantParams, codes_t) == 56 && __builtin_offsetof(QuantParams, scales_t) == 64, "QuantParams: field offsets differ from mok_proto/abi.py");
+#endif
+
+}  // namespace mok::fp8

@@ -266,6 +266,10 @@ CONSTS = (
           "timeout of a wait on a peer's flag (the peer's timeout is reported first)", "mok::fused"),
     Const("kEpilogueRows", 16, "tokens of one weighted-sum / slot-sum task (row_tile: tokens kEpilogueRows "
           "row_tile ..)", "mok::plan"),
+    # FP8 quantization (mok_proto/fp8.py is the rule; cuda/fp8.cuh matches it bit for bit)
+    Const("kQuantBlock", 128, "edge of a quantization block: 1 x 128 (activations), 128 x 128 (weights)", "mok::fp8"),
+    Const("kE4m3Max", 448, "the largest finite e4m3 value (scale = amax / kE4m3Max)", "mok::fp8"),
+    Const("kQuantThreads", 256, "threads of a quantizer block (8 warps)", "mok::fp8"),
 )
 CONST = {c.name: c.value for c in CONSTS}
 
@@ -439,7 +443,22 @@ TRACE_RECORD = Struct("TraceRecord", (
     ("int", "block", "blockIdx.x of the CTA that ran it (a claimed pair's: known only at run time)"),
 ), namespace="mok::fused")
 
-STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, TOKEN_PARAMS, TASK, COUNTER, FUSED_PARAMS, TRACE_RECORD)
+# The standalone quantizers (cuda/fp8.cuh; layouts: mok_proto/fp8.py). Row-major arrays; x is
+# [batch, rows, cols] (quantize_rows: batch 1).
+QUANT_PARAMS = Struct("QuantParams", (
+    ("i64", "batch", "matrices (quantize_blocks: experts); 1 for quantize_rows"),
+    ("i64", "rows", "rows of each matrix"),
+    ("i64", "cols", "columns (the contiguous dimension)"),
+    ("i64", "pow2", "1: power-of-two scales; 0: amax / kE4m3Max"),
+    ("i64", "x", "input, fp32 or bf16 bits [batch, rows, cols]"),
+    ("i64", "codes", "uint8: [batch, rows, cols]; quantize_rows<transposed>: [cols, rows]"),
+    ("i64", "scales", "fp32: rows [rows, cols / B] (transposed: [cols, rows / B]); blocks [batch, rows / B, cols / B]"),
+    ("i64", "codes_t", "quantize_blocks: uint8 [batch, cols, rows], the transposed codes; 0: none"),
+    ("i64", "scales_t", "quantize_blocks: fp32 [batch, cols / B, rows / B], the transposed scales; 0: none"),
+), namespace="mok::fp8")
+
+STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, TOKEN_PARAMS, TASK, COUNTER, FUSED_PARAMS, TRACE_RECORD,
+           QUANT_PARAMS)
 
 
 # ---------------------------------------------------------------------------------------------

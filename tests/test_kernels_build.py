@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from mok_proto.kernels import build, comm, fused, gemm, token  # noqa: F401 - registers the modules
+from mok_proto.kernels import build, comm, fp8, fused, gemm, token  # noqa: F401 - registers the modules
 
 NVCC = shutil.which("nvcc")
 

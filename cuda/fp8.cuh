@@ -1,0 +1,209 @@
+// FP8 (e4m3) block quantization: the rule of mok_proto/fp8.py, matched bit for bit (codes and
+// scales; that module's docstring is the spec and gives the layouts).
+//   quantize_rows<In, false>  x [rows, cols] -> codes [rows, cols], scales [rows, cols / B]
+//                             (1 x B blocks along a row: activations as the row GEMMs read them)
+//   quantize_rows<In, true>   x [rows, cols] -> codes [cols, rows], scales [cols, rows / B]
+//                             (the rule on x^T: B x 1 blocks, K-major for the weight gradients)
+//   quantize_blocks<In>       x [batch, rows, cols] -> codes [batch, rows, cols], scales
+//                             [batch, rows / B, cols / B] (B x B blocks: weights), optionally also
+//                             the transposed codes [batch, cols, rows] and scales
+// In: float (fp32) or unsigned short (bf16 bits). Each reads rows * cols * sizeof(In) bytes and
+// writes rows * cols (twice with the transposed codes) + 4 rows * cols / B; no FLOPs to speak of.
+// Shapes are the wrapper's business (mok_proto/kernels/fp8.py): rows, cols multiples of B (the
+// transposed row kernel: rows only), 16-byte aligned rows.
+//
+// Legend: B = kQuantBlock (128). Every division is IEEE (__fdiv_rn): no fast-math path may change
+// a code. amax reductions may run in any order (max is exact); fmaxf skips NaN as the rule does.
+#pragma once
+#include "common.cuh"
+
+namespace mok::fp8 {
+
+constexpr int kWarps = kQuantThreads / 32;
+
+// Four e4m3 codes, a in the lowest byte. cvt.rn.satfinite (PTX ISA, cvt): round to nearest even,
+// |value| beyond 448 (infinities included) gives sign-preserved 448, subnormal inputs and results
+// supported, zero keeps its sign, a NaN gives "NaN in the destination format" with its sign left
+// open: every NaN byte is made 0x7F here (the rule's NaN code).
+__device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
+  unsigned short lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));  // first operand: upper byte
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+  const u32 v = static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
+  // A byte is a NaN code iff its low 7 bits are all ones: then ~v & 0x7F is 0 and adding 0x7F
+  // leaves bit 7 clear (no carry crosses a byte: 0x7F + 0x7F < 0x100). Clear those bytes' sign.
+  const u32 not_nan = ((~v & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) & 0x80808080u;
+  return v & (not_nan | 0x7F7F7F7Fu);
+}
+
+// 2^e, e the smallest integer with amax <= 448 * 2^e, at least -149; 1 for amax 0; an infinite
+// amax is returned as is. From the bits: amax = 1.f * 2^E gives e = E - 8 + (1.f > 1.75).
+__device__ __forceinline__ float pow2_scale(float amax) {
+  const u32 bits = __float_as_uint(amax);
+  if (bits == 0u) return 1.0f;
+  if (bits >= 0x7F800000u) return amax;
+  int exp;
+  u32 mant;
+  if (bits < 0x00800000u) {  // subnormal: normalise the mantissa
+    const int s = __clz(bits) - 8;
+    exp = -126 - s;
+    mant = (bits << s) & 0x7FFFFFu;
+  } else {
+    exp = static_cast<int>(bits >> 23) - 127;
+    mant = bits & 0x7FFFFFu;
+  }
+  const int e = max(exp - 8 + (mant > 0x600000u ? 1 : 0), -149);
+  return e >= -126 ? __uint_as_float(static_cast<u32>(e + 127) << 23) : __uint_as_float(1u << (e + 149));
+}
+
+// The block's scale from its amax (>= 0): amax / 448 rounded to nearest (1 where that is 0), or
+// the power of two above.
+__device__ __forceinline__ float block_scale(float amax, bool pow2) {
+  if (pow2) return pow2_scale(amax);
+  const float s = __fdiv_rn(amax, static_cast<float>(kE4m3Max));
+  return s == 0.0f ? 1.0f : s;
+}
+
+__device__ __forceinline__ u32 quantize4(const float (&v)[4], float scale) {
+  return e4m3x4(__fdiv_rn(v[0], scale), __fdiv_rn(v[1], scale), __fdiv_rn(v[2], scale), __fdiv_rn(v[3], scale));
+}
+
+__device__ __forceinline__ float amax4(float m, const float (&v)[4]) {
+  return fmaxf(fmaxf(m, fmaxf(fabsf(v[0]), fabsf(v[1]))), fmaxf(fabsf(v[2]), fabsf(v[3])));
+}
+
+__device__ __forceinline__ float warp_max(float m) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  return m;
+}
+
+// Four consecutive elements (16 bytes of fp32, 8 of bf16) as floats; one element.
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
+  const float4 f = *reinterpret_cast<const float4*>(p);
+  v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+}
+__device__ __forceinline__ void load4(const unsigned short* p, float (&v)[4]) {
+  const uint2 w = *reinterpret_cast<const uint2*>(p);
+  v[0] = bf16_lo(w.x); v[1] = bf16_hi(w.x); v[2] = bf16_lo(w.y); v[3] = bf16_hi(w.y);
+}
+__device__ __forceinline__ float load1(const float* p) { return *p; }
+__device__ __forceinline__ float load1(const unsigned short* p) { return bf16_lo(*p); }
+
+// 1 x B blocks along rows: block i (of rows * cols / B, row-major) is x[i*B : (i+1)*B] of the flat
+// array, and its scale is scales[i]. One warp per block, 4 elements per lane, one 128-byte store.
+template <typename In>
+__device__ __forceinline__ void quantize_row_blocks(const QuantParams* p, Workers warps, int lane) {
+  const In* x = reinterpret_cast<const In*>(p->x);
+  u32* codes = reinterpret_cast<u32*>(p->codes);
+  float* scales = reinterpret_cast<float*>(p->scales);
+  const i64 num_blocks = p->rows * (p->cols / kQuantBlock);
+  for (i64 blk = warps.id; blk < num_blocks; blk += warps.count) {
+    float v[4];
+    load4(x + blk * kQuantBlock + 4 * lane, v);
+    const float scale = block_scale(warp_max(amax4(0.0f, v)), p->pow2 != 0);
+    codes[blk * (kQuantBlock / 4) + lane] = quantize4(v, scale);
+    if (lane == 0) scales[blk] = scale;
+  }
+}
+
+// B x 1 blocks: the CTA takes rows [row0, row0 + B) of 32 columns and writes those columns as 32
+// rows of codes [cols, rows] (128 bytes each) and their scales [cols, rows / B].
+template <typename In>
+__device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, int warp, int lane) {
+  __shared__ float tile[32][kQuantBlock + 1];  // [column][row]
+  __shared__ float partial[kWarps][32];
+  __shared__ float col_scale[32];
+  const i64 rows = p->rows, cols = p->cols, col0 = static_cast<i64>(blockIdx.x) * 32;
+  const i64 row0 = static_cast<i64>(blockIdx.y) * kQuantBlock;
+  const bool live = col0 + lane < cols;
+  const In* x = reinterpret_cast<const In*>(p->x) + row0 * cols + col0 + lane;
+  float m = 0.0f;
+  for (int r = warp; r < kQuantBlock; r += kWarps) {
+    const float v = live ? load1(x + r * cols) : 0.0f;
+    tile[lane][r] = v;
+    m = fmaxf(m, fabsf(v));
+  }
+  partial[warp][lane] = m;
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) m = fmaxf(m, partial[w][lane]);
+    const float scale = block_scale(m, p->pow2 != 0);
+    col_scale[lane] = scale;
+    if (live) reinterpret_cast<float*>(p->scales)[(col0 + lane) * (rows / kQuantBlock) + blockIdx.y] = scale;
+  }
+  __syncthreads();
+  for (int c = warp; c < 32 && col0 + c < cols; c += kWarps) {
+    const float v[4] = {tile[c][4 * lane], tile[c][4 * lane + 1], tile[c][4 * lane + 2], tile[c][4 * lane + 3]};
+    reinterpret_cast<u32*>(p->codes + (col0 + c) * rows + row0)[lane] = quantize4(v, col_scale[c]);
+  }
+}
+
+// x [rows, cols] quantized in 1 x B blocks (kTransposed: B x 1 blocks, written transposed).
+// grid: any x (a grid-stride loop over blocks); kTransposed: (ceil(cols / 32), rows / B).
+template <typename In, bool kTransposed>
+__global__ void __launch_bounds__(kQuantThreads) quantize_rows(const QuantParams* p) {
+  if constexpr (kTransposed) {
+    quantize_column_blocks<In>(p, threadIdx.x >> 5, threadIdx.x & 31);
+  } else {
+    quantize_row_blocks<In>(p, grid_warps(), threadIdx.x & 31);
+  }
+}
+
+// x [batch, rows, cols] quantized in B x B blocks; grid (cols / B, rows / B, batch), one CTA per
+// block. Warp w holds rows w, w + 8, ... of the block, lane l its columns 4l .. 4l + 3 (64 values
+// in registers). With codes_t the codes are staged in shared memory and written transposed too.
+template <typename In>
+__global__ void __launch_bounds__(kQuantThreads) quantize_blocks(const QuantParams* p) {
+  constexpr int kRowsPerWarp = kQuantBlock / kWarps;
+  __shared__ float partial[kWarps];
+  __shared__ __align__(16) unsigned char staged[kQuantBlock][kQuantBlock + 4];  // [column][row]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const i64 rows = p->rows, cols = p->cols;
+  const i64 row0 = static_cast<i64>(blockIdx.y) * kQuantBlock, col0 = static_cast<i64>(blockIdx.x) * kQuantBlock;
+  const i64 matrix = static_cast<i64>(blockIdx.z) * rows * cols;
+  const In* x = reinterpret_cast<const In*>(p->x) + matrix + row0 * cols + col0 + 4 * lane;
+  float v[kRowsPerWarp][4];
+  float m = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kRowsPerWarp; ++j) {
+    load4(x + (warp + kWarps * j) * cols, v[j]);
+    m = amax4(m, v[j]);
+  }
+  m = warp_max(m);
+  if (lane == 0) partial[warp] = m;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, partial[w]);
+  const float scale = block_scale(m, p->pow2 != 0);
+  const i64 row_blocks = rows / kQuantBlock, col_blocks = cols / kQuantBlock;
+  if (threadIdx.x == 0) {
+    reinterpret_cast<float*>(p->scales)[(blockIdx.z * row_blocks + blockIdx.y) * col_blocks + blockIdx.x] = scale;
+    if (p->scales_t) {
+      reinterpret_cast<float*>(p->scales_t)[(blockIdx.z * col_blocks + blockIdx.x) * row_blocks + blockIdx.y] = scale;
+    }
+  }
+  unsigned char* codes = reinterpret_cast<unsigned char*>(p->codes) + matrix + row0 * cols + col0 + 4 * lane;
+#pragma unroll
+  for (int j = 0; j < kRowsPerWarp; ++j) {
+    const int r = warp + kWarps * j;
+    const u32 q = quantize4(v[j], scale);
+    *reinterpret_cast<u32*>(codes + r * cols) = q;
+    if (p->codes_t) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) staged[4 * lane + i][r] = static_cast<unsigned char>(q >> (8 * i));
+    }
+  }
+  if (p->codes_t) {  // uniform: every thread of the CTA takes this branch or none does
+    __syncthreads();
+    unsigned char* codes_t = reinterpret_cast<unsigned char*>(p->codes_t) + matrix + col0 * rows + row0 + 4 * lane;
+#pragma unroll
+    for (int j = 0; j < kRowsPerWarp; ++j) {
+      const int c = warp + kWarps * j;
+      *reinterpret_cast<u32*>(codes_t + c * rows) = *reinterpret_cast<const u32*>(&staged[c][4 * lane]);
+    }
+  }
+}
+
+}  // namespace mok::fp8
