@@ -140,3 +140,56 @@ def test_fused_plans_take_the_knobs():
         knobs = P.FusedKnobs(2, 256, spread_from=1)  # and `spread_from`
         made, built = fused_plan(pass_, run, 1024, MOK_POLICY, knobs, 8), method(layer, knobs, num_sms=8)
         assert made.spread_from == built.spread_from == 1 and made.tasks.tobytes() == built.tasks.tobytes()
+
+
+def test_turns_after_the_first_run_the_plan_without_the_shared_expert(monkeypatch):
+    """without_shared keeps the knobs (a claim of more pairs than the routed ones claims them all);
+    forward_turns / backward_turns launch the full plan in turn 0 only (the forward's last turn,
+    the backward's first) and replay the gate/up of every later turn; the sequential weight
+    gradients accumulate after turn 0."""
+    from types import SimpleNamespace
+
+    from mok_proto import plan as P
+    from mok_proto.config import MOK_POLICY, get_shape
+    from mok_proto.layer import gpu_ring
+    from mok_proto.layer.gpu import without_shared
+
+    tile = get_shape("tile")
+    full = P.fused_forward(tile, 2, P.FusedKnobs(0, 256, claim=9), policy=MOK_POLICY, num_sms=8, capacity_rows=512)
+    rest = without_shared(full)
+    assert full.claim_pairs == 9 and 0 < rest.claim_pairs < 9 and rest.shape.num_shared == 0
+    assert rest.knobs.minibatch_rows == full.knobs.minibatch_rows and rest.capacity_rows == full.capacity_rows
+
+    calls = []
+    record = lambda name: lambda *a, **k: calls.append((name, k.get("turn"), k.get("accumulate")))  # noqa: E731
+    stub_kc = SimpleNamespace(**{n: record(n) for n in ("turn_segments", "begin_round", "raise_flag", "wait_peers",
+                                                        "move_rows")})
+    stub_kt = SimpleNamespace(**{n: record(n) for n in ("weighted_sum", "scale_to_slots", "slot_sum",
+                                                        "topk_weight_grad")})
+
+    def fused_pass(name):
+        return SimpleNamespace(plan=SimpleNamespace(ring_minibatches=2, num_minibatches=2),
+                               launch=lambda p, words, *a, **k: calls.append((name, words, None)))
+
+    fwd, bwd = fused_pass("fwd full"), fused_pass("bwd full")
+    fwd.rest, bwd.rest = fused_pass("fwd rest"), fused_pass("bwd rest")
+    layer = SimpleNamespace(num_turns=3, turn_params={"fwd": [0, 1, 2], "bwd": [0, 1, 2]}, params_fwd=0,
+                            params_bwd=0, params_tok=None, launch=None, error=None, trace=False,
+                            run=SimpleNamespace(timeout_s=1), fused=fwd, fused_bwd=bwd,
+                            _fused_words=["w0", "w1", "w2"], _fused_bwd_words=["b0", "b1", "b2"],
+                            _launch_gemms=lambda pass_, slots, turn=0, accumulate=False:
+                            calls.append((f"{pass_} {','.join(slots)}", turn, accumulate)))
+    monkeypatch.setattr(gpu_ring, "kc", stub_kc)
+    monkeypatch.setattr(gpu_ring, "kt", stub_kt)
+    gpu_ring.forward_turns(layer, MOK_POLICY, lambda stage: None, (True, True))
+    assert [c[:2] for c in calls if "fwd " in c[0]] == [("fwd rest", "w2"), ("fwd rest", "w1"), ("fwd full", "w0")]
+    calls.clear()
+    gpu_ring.backward_turns(layer, MOK_POLICY, lambda stage: None, (True, True))
+    assert [c[:2] for c in calls if "bwd " in c[0]] == [("bwd full", "b0"), ("bwd rest", "b1"), ("bwd rest", "b2")]
+    assert [c[1] for c in calls if c[0] == "fwd kSlotFirst"] == [1, 2]  # the replays' gate/up
+    calls.clear()
+    layer.fused = layer.fused_bwd = None  # sequential: the weight gradients accumulate after turn 0
+    gpu_ring.backward_turns(layer, MOK_POLICY, lambda stage: None)
+    wgrads = [(turn, acc) for name, turn, acc in calls if name == "bwd kSlotDownWgrad,kSlotGateUpWgrad"]
+    assert wgrads == [(0, False), (1, True), (2, True)]
+    assert [c[0] for c in calls][-2:] == ["slot_sum", "topk_weight_grad"]

@@ -167,8 +167,9 @@ def test_the_layer_default_ring_comes_from_the_free_memory(monkeypatch):
     from types import SimpleNamespace
 
     free = {"bytes": 0}
-    fake = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(memGetInfo=lambda: (free["bytes"], 0))),
-                           get_default_memory_pool=lambda: SimpleNamespace(free_bytes=lambda: 0))
+    pool = 10**10  # what CuPy's pool holds free counts as free too
+    fake = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(memGetInfo=lambda: (free["bytes"] - pool, 0))),
+                           get_default_memory_pool=lambda: SimpleNamespace(free_bytes=lambda: pool))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     run = RunConfig(KIMI, 64)
     worst = memory.worst_capacity(KIMI, 64)

@@ -130,8 +130,10 @@ def staged_layer(shape, data, policy=None, link=None, macrobatch_rows=None):
     num = len(data["topk_idx"])
     capacity = (int(UNIFORM_CAPACITY * shape.num_tokens * shape.top_k) if data["routing"].is_uniform
                 else receive_capacity(data["topk_idx"], shape.num_experts))
-    if macrobatch_rows is not None:  # a ring larger than every row is one turn
-        macrobatch_rows = min(macrobatch_rows, -(-capacity // SEGMENT_ROWS) * SEGMENT_ROWS)
+    # The ring: every row unless asked (not the layer's free-memory default, which would vary with
+    # what else the run holds); a ring larger than every row is one turn.
+    whole = -(-capacity // SEGMENT_ROWS) * SEGMENT_ROWS
+    macrobatch_rows = whole if macrobatch_rows is None else min(macrobatch_rows, whole)
     heap = VirtualWorld(num)
     layer = GpuMoELayer(heap, RunConfig(shape, num, timeout_s=30, link=link), capacity=capacity, name=shape.name,
                         macrobatch_rows=macrobatch_rows)

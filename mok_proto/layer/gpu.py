@@ -144,6 +144,19 @@ def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, knobs: F
     return made
 
 
+def without_shared(plan):
+    """The fused plan of `plan`'s knobs for its shape without the shared expert (what a ring's turns
+    after the first run). A claim of more pairs than the routed ones claims them all."""
+    builder = {"fwd": fused_forward, "bwd": fused_backward}[plan.pass_]
+    shape, knobs = dataclasses.replace(plan.shape, num_shared=0), plan.knobs
+    build = lambda k: builder(shape, plan.num_ranks, k, policy=plan.policy, num_sms=plan.num_sms,  # noqa: E731
+                              capacity_rows=plan.capacity_rows)
+    if isinstance(knobs.claim, int) and knobs.claim > 0:
+        probe = build(dataclasses.replace(knobs, claim="all"))  # every routed pair in the pool
+        knobs = dataclasses.replace(knobs, claim=min(knobs.claim, probe.claim_pairs))
+    return build(knobs)
+
+
 def _directions(plan, policy: dict) -> tuple[bool, bool]:
     """(incoming, outgoing) transfer of a fused plan's pass runs inside its kernel; ValueError if
     the layer's policy for that pass's two operators is no longer the plan's."""
@@ -255,10 +268,7 @@ class GpuMoELayer(GpuRound):
                              "at a time")
         fused = FusedPass(plan, len(self.ranks), link=self.run.link is not None)
         if self.num_turns > 1 and self.has_shared:  # turns after the first: the same plan without the shared expert
-            builder = fused_forward if pass_ == "fwd" else fused_backward
-            rest = builder(dataclasses.replace(plan.shape, num_shared=0), plan.num_ranks, plan.knobs,
-                           policy=plan.policy, num_sms=plan.num_sms, capacity_rows=plan.capacity_rows)
-            fused.rest = FusedPass(rest, len(self.ranks), link=self.run.link is not None)
+            fused.rest = FusedPass(without_shared(plan), len(self.ranks), link=self.run.link is not None)
         slots = [name for name, _ in abi.GEMM_SLOT.members]
         timeout = gemm_timeout_ns(int(self.run.timeout_s * 1e9))
         per_turn = []  # the buffers never move: packed (and their tensor maps made) once

@@ -37,7 +37,7 @@ class Plan:
     token_grads: bool = False  # fused backward: the token gradients (SLOT_SUM tasks) run inside the kernel
     scale: bool = False  # fused backward: dy_slots = w * dout (SCALE tasks) runs inside the kernel
     claim_pairs: int = 0  # fused plans: the last claim_pairs tile pairs of the global order, claimed at run time
-    knobs: object = None  # fused plans: the FusedKnobs they were built with (as given: None fields are defaults)
+    knobs: object = None  # fused plans: the FusedKnobs they were built with (resolved for the pass)
 
     @property
     def pool_block(self) -> int:
