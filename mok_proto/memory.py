@@ -26,7 +26,7 @@ import numpy as np
 from mok_proto import abi
 from mok_proto.config import PRESETS, MoEShape, RunConfig, get_shape
 from mok_proto.kernels.comm import SCHEDULE_SEGMENT
-from mok_proto.layer.layout import ROLES, layer_layout, nbytes, role_of
+from mok_proto.layer.layout import ROLES, layer_layout, nbytes, role_of, whole_ring
 from mok_proto.plan import SEGMENT_ROWS
 from mok_proto.schedule import max_receive_slots
 from mok_proto.validate import check_int
@@ -187,7 +187,7 @@ def default_macrobatch_rows(shape: MoEShape, num_ranks: int, free_bytes: int | N
         raise ValueError(f"{shape.name} at R={num_ranks}: the layer needs {need / GB:.2f} GB per rank with a ring of "
                          f"one segment ({SEGMENT_ROWS} rows), {fraction:g} x {free_bytes / GB:.2f} GB free holds "
                          f"{budget / GB:.2f} GB: short by {(need - budget) / GB:.2f} GB")
-    return min(fits, _cdiv(capacity, SEGMENT_ROWS) * SEGMENT_ROWS)
+    return min(fits, whole_ring(capacity))
 
 
 def layer_memory(shape: MoEShape, num_ranks: int, capacity: int | None = None,
@@ -200,7 +200,7 @@ def layer_memory(shape: MoEShape, num_ranks: int, capacity: int | None = None,
     capacity = _capacity(shape, num_ranks, capacity)
     if macrobatch_rows is None:
         macrobatch_rows = default_macrobatch_rows(shape, num_ranks, capacity=capacity)
-    top = _cdiv(capacity, SEGMENT_ROWS) * SEGMENT_ROWS
+    top = whole_ring(capacity)
     m = check_int(macrobatch_rows, "macrobatch_rows", minimum=1)
     if m != capacity and (m % SEGMENT_ROWS or m > top):
         raise ValueError(f"macrobatch_rows must be a multiple of {SEGMENT_ROWS} (plan.SEGMENT_ROWS) up to {top} "

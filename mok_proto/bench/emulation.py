@@ -125,6 +125,7 @@ def staged_layer(shape, data, policy=None, link=None, macrobatch_rows=None):
     remote ranks; None: none); macrobatch_rows: the layer's ring (None: it holds every row; fewer:
     the sequential passes run in turns, the backward replaying, docs/design.md 3.1)."""
     from mok_proto.layer.gpu import GpuMoELayer, receive_capacity
+    from mok_proto.layer.layout import whole_ring
     from mok_proto.symm.virtual import VirtualWorld
 
     num = len(data["topk_idx"])
@@ -132,7 +133,7 @@ def staged_layer(shape, data, policy=None, link=None, macrobatch_rows=None):
                 else receive_capacity(data["topk_idx"], shape.num_experts))
     # The ring: every row unless asked (not the layer's free-memory default, which would vary with
     # what else the run holds); a ring larger than every row is one turn.
-    whole = -(-capacity // SEGMENT_ROWS) * SEGMENT_ROWS
+    whole = whole_ring(capacity)
     macrobatch_rows = whole if macrobatch_rows is None else min(macrobatch_rows, whole)
     heap = VirtualWorld(num)
     layer = GpuMoELayer(heap, RunConfig(shape, num, timeout_s=30, link=link), capacity=capacity, name=shape.name,

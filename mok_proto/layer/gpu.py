@@ -61,7 +61,8 @@ from mok_proto.layer import gpu_ring
 from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, to_experts, to_experts_before_fused, to_tokens,
                                       to_tokens_after_fused)
 # (round_layout, layer_row_layout: also imported from here, as the layer's own)
-from mok_proto.layer.layout import BF16, F32, I32, layer_layout, layer_row_layout, nbytes, round_layout  # noqa: F401
+from mok_proto.layer.layout import (BF16, F32, I32, layer_layout, layer_row_layout, nbytes,  # noqa: F401
+                                    round_layout, whole_ring)
 from mok_proto.memory import default_macrobatch_rows, layer_memory
 from mok_proto.plan import MOVER_KINDS, SEGMENT_ROWS, FusedKnobs, fused_backward, fused_forward
 
@@ -101,7 +102,7 @@ def symmetric_bytes(run: RunConfig, capacity: int, macrobatch_rows: int | None =
     """Bytes of symmetric memory one rank's GpuMoELayer allocates (every buffer of layout.layer_layout,
     its ring of `macrobatch_rows` rows, by default every row: the capacity in whole segments; before
     the allocator's alignment): what NVSHMEM_SYMMETRIC_SIZE must hold."""
-    ring = -(-capacity // SEGMENT_ROWS) * SEGMENT_ROWS if macrobatch_rows is None else macrobatch_rows
+    ring = whole_ring(capacity) if macrobatch_rows is None else macrobatch_rows
     return sum(nbytes(shp, dt) for shp, dt in layer_layout(run, capacity, ring).values())
 
 

@@ -12,7 +12,7 @@ from mok_proto.config import RunConfig
 from mok_proto.kernels import comm as kc
 from mok_proto.kernels.build import num_sms
 from mok_proto.kernels.errors import ErrorRecord
-from mok_proto.layer.layout import num_turns, round_layout
+from mok_proto.layer.layout import num_turns, round_layout, whole_ring
 from mok_proto.link import comm_fields as link_fields
 from mok_proto.schedule import max_receive_slots
 
@@ -34,7 +34,7 @@ class GpuRound:
         if not 0 < self.capacity <= worst:
             raise ValueError(f"capacity must be in [1, {worst}] rows, got {self.capacity}")
         # The ring: the row buffers hold M rows, a pass runs T = ceil(C / M) turns (docs/design.md 3.1).
-        whole = -(-self.capacity // align) * align
+        whole = whole_ring(self.capacity, align)
         self.ring_rows = whole if macrobatch_rows is None else int(macrobatch_rows)
         if self.ring_rows < 1 or self.ring_rows % align or self.ring_rows > whole:
             raise ValueError(f"macrobatch_rows must be a multiple of {align} (the segment alignment) in [{align}, "

@@ -15,6 +15,7 @@ import numpy as np
 from mok_proto import abi
 from mok_proto.config import RunConfig
 from mok_proto.kernels import comm as kc
+from mok_proto.plan.kinds import SEGMENT_ROWS
 
 BF16, F32, I32 = np.uint16, np.float32, np.int32
 
@@ -49,6 +50,11 @@ def round_layout(run: RunConfig, capacity: int, num_turns: int = 1) -> dict:
             "flags": ((len(abi.FLAG_KIND), num_ranks), np.uint64), "state": ((abi.CONST["kStateWords"],), np.uint64),
             "link_clock": ((2,), np.uint64),
             **({"turn_sched": ((num_turns * 2 * el,), I32)} if num_turns > 1 else {})}
+
+
+def whole_ring(capacity: int, align: int = SEGMENT_ROWS) -> int:
+    """The ring that holds every row: the capacity in whole segments (one turn)."""
+    return -(-capacity // align) * align
 
 
 def num_turns(capacity: int, macrobatch_rows: int) -> int:
