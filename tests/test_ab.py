@@ -1,0 +1,166 @@
+"""scripts/ab_layer.py and mok_proto.bench.ab on the CPU: worker processes over two stand-in trees
+(a fake `mok_proto.bench.emulation` and a fake `cupy` whose replays "take" a set time), so the
+protocol, the alternation, the ratio and the checks run for real without a GPU."""
+
+import importlib.util
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mok_proto.bench import ab
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAKE_EMULATION = """
+import os
+MS, BITS, TURNS = {ms}, {bits!r}, {turns}
+
+class Layer:
+    num_turns, ring_rows = TURNS, 4096
+    def capture(self, forward=True, backward=True):
+        return Graph()
+    def check(self):
+        pass
+    def close(self):
+        pass
+
+class Graph:
+    def launch(self, stream):
+        pass
+
+class Heap:
+    def close(self):
+        pass
+
+def emulated_shape(name):
+    if name == "broken":
+        raise ValueError("no such shape here")
+    return name
+
+def make_inputs(shape, seed=0):
+    return {{"seed": seed}}
+
+def staged_layer(shape, data):
+    return Heap(), Layer()
+
+def result_bytes(layer, name):
+    return (BITS + name).encode()
+"""
+
+FAKE_CUPY = """
+import os
+from mok_proto.bench import emulation
+
+class cuda:
+    class Stream:
+        def __init__(self, non_blocking=False):
+            pass
+        def synchronize(self):
+            with open(os.environ["AB_LOG"], "a") as f:
+                f.write(emulation.BITS[0])
+    class Event:
+        def record(self, stream=None):
+            pass
+    @staticmethod
+    def get_elapsed_time(a, b):
+        return emulation.MS
+"""
+
+
+def fake_tree(root: Path, ms: float, bits: str, turns: int = 1) -> Path:
+    (root / "mok_proto" / "bench").mkdir(parents=True)
+    (root / "mok_proto" / "__init__.py").write_text("")
+    (root / "mok_proto" / "bench" / "__init__.py").write_text("")
+    (root / "mok_proto" / "bench" / "emulation.py").write_text(FAKE_EMULATION.format(ms=ms, bits=bits, turns=turns))
+    (root / "cupy.py").write_text(textwrap.dedent(FAKE_CUPY))
+    return root
+
+
+@pytest.fixture
+def log(tmp_path, monkeypatch):
+    path = tmp_path / "order.log"
+    monkeypatch.setenv("AB_LOG", str(path))
+    return path
+
+
+def test_workers_alternate_and_the_ratio_is_b_over_a(tmp_path, log):
+    a = ab.Worker(fake_tree(tmp_path / "a", 2.0, "A-bits"), "A")
+    b = ab.Worker(fake_tree(tmp_path / "b", 2.5, "B-bits"), "B")
+    try:
+        da, db = a.ask(cmd="setup", shape="kimi-k2.7"), b.ask(cmd="setup", shape="kimi-k2.7")
+        assert da["digest"]["fwd"] != db["digest"]["fwd"] and da["num_turns"] == 1
+        log.write_text("")  # the setups' synchronizations
+        res = ab.interleaved(a, b, "fwd", rounds=4, iters=3, warmup=1)
+    finally:
+        a.close()
+        b.close()
+    assert res["ratio"] == pytest.approx(1.25) and res["a"]["median_ms"] == pytest.approx(2.0)
+    assert log.read_text() == "ABBAABBA"  # one synchronization per timed block, the order flipping each round
+
+
+def test_a_worker_error_is_one_line_naming_the_worker(tmp_path, log):
+    w = ab.Worker(fake_tree(tmp_path / "a", 1.0, "A"), "base (A)")
+    try:
+        with pytest.raises(RuntimeError, match=r"base \(A\) worker failed: ValueError: no such shape here"):
+            w.ask(cmd="setup", shape="broken")
+    finally:
+        w.close()
+
+
+def test_tree_of_exports_a_revision_and_refuses_nonsense(tmp_path):
+    tree = ab.tree_of("HEAD", tmp_path)
+    assert (tree / "mok_proto" / "layer" / "gpu.py").is_file() and (tree / "cuda").is_dir()
+    assert ab.tree_of(str(tree), tmp_path / "x") == tree.resolve()  # a folder is taken as is
+    with pytest.raises(ValueError, match="neither a folder"):
+        ab.tree_of("no-such-revision-anywhere", tmp_path / "y")
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("ab_layer_script", ROOT / "scripts" / "ab_layer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("ms_b, bits_b, turns, failed", [
+    (2.0, "same", 1, []),
+    (2.1, "same", 1, ["B/A 1.050 > 1.03"]),
+    (2.0, "other", 1, ["results differ"]),
+    (2.0, "same", 2, ["runs 2 turns"]),
+])
+def test_script_checks(tmp_path, log, monkeypatch, capsys, ms_b, bits_b, turns, failed):
+    script = load_script()
+    base = fake_tree(tmp_path / "a", 2.0, "same")
+    monkeypatch.setattr(script, "ROOT", fake_tree(tmp_path / "b", ms_b, bits_b, turns))
+    monkeypatch.setattr(script, "append_result", lambda name, row: rows.append((name, row)))
+    rows = []
+    args = script.parse_args(["--base", str(base), "--shapes", "kimi-k2.7", "--rounds", "2", "--iters", "2"])
+    code = script.run(args)
+    err = capsys.readouterr().err
+    assert code == (1 if failed else 0)
+    for text in failed:
+        assert text in err
+    assert [r["pass"] for _, r in rows] == ["fwd", "bwd"] and all(name == "ab_layer" for name, _ in rows)
+    assert rows[0][1]["equal_to_base"] == (bits_b == "same") and rows[0][1]["num_turns"] == turns
+    json.dumps(rows)  # rows are JSON
+
+
+def test_script_refuses_bad_arguments(capsys):
+    script = load_script()
+    assert load_script().run(script.parse_args(["--shapes", "kimi-k2.7"])) == 2  # no --base
+    for argv in (["--base", "HEAD", "--shapes", "nope"], ["--base", "HEAD", "--rounds", "0"]):
+        with pytest.raises(SystemExit) as e:
+            script.parse_args(argv)
+        assert e.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_worker_runs_on_its_own_tree(tmp_path, log):
+    """The worker must import the tree it is given, not the one its file lives in."""
+    w = ab.Worker(fake_tree(tmp_path / "a", 1.0, "fake"), "A")
+    try:
+        assert w.ask(cmd="setup", shape="x")["ring_rows"] == 4096  # the fake layer's, not a real one
+    finally:
+        w.close()
