@@ -8,7 +8,7 @@ import bisect
 
 from mok_proto.config import OPERATORS, MoEShape
 from mok_proto.plan.core import Builder, Plan
-from mok_proto.plan.cost import default_capacity, num_col_tiles, tile_cost, wgrad_grid
+from mok_proto.plan.cost import default_capacity, num_col_tiles, past_expected, tile_cost, wgrad_grid
 from mok_proto.plan.kinds import (BM, FUSED_STRATEGIES, PAIR_ROWS, PASS_KINDS, PASSES, CounterKind, PassKinds,
                                   TaskKind, cdiv, inside_kernel, token_tiles)
 from mok_proto.plan.knobs import FusedKnobs
@@ -348,7 +348,8 @@ def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, polic
         b.counter(CounterKind.CLAIMED, 0)
     static = len(pairs) - claim
     clusters = _assign_clusters(knobs.assign, pairs[:static], (num_sms - comm_blocks) // 2,
-                                lambda kind, p: tile_cost(kind, shape, num_ranks, capacity_rows, p))
+                                lambda kind, p: tile_cost(kind, shape, num_ranks, capacity_rows, p),
+                                lambda kind, p: past_expected(kind, shape, num_ranks, capacity_rows, p))
     clusters += [None] * claim
     for cluster, (kind, p, col, waits, signals, fields) in zip(clusters, pairs):
         for cta in (0, 1):
@@ -365,7 +366,7 @@ def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, polic
                    claim_pairs=claim, knobs=knobs)
 
 
-def _assign_clusters(assign: str, pairs: list, clusters: int, cost) -> list[int]:
+def _assign_clusters(assign: str, pairs: list, clusters: int, cost, past=lambda kind, p: False) -> list[int]:
     """The cluster (0 .. clusters - 1) of every tile pair of `_fused`'s global order `pairs`.
 
     round_robin: pair j on cluster j % clusters (equal pair counts, whatever their work).
@@ -380,15 +381,27 @@ def _assign_clusters(assign: str, pairs: list, clusters: int, cost) -> list[int]
     are ready earlier), then the lowest index. That cluster's free time becomes the pair's
     estimated finish. Deterministic (integer costs, no randomness). The estimate takes the
     rows up to expected_rows as real and the tile pairs past them as free (tile_cost): costed
-    as full tiles, free tiles would be balanced against real ones."""
+    as full tiles, free tiles would be balanced against real ones.
+    balanced: the pairs past expected_rows (`past(kind, p)`) go round robin instead, in order,
+    each finishing 1 after it is ready and taking no cluster's time: under even routing they
+    exit at once wherever they are, and under skewed routing, where they are real, no cluster
+    gets more than its share of them. balanced_all: they too go where the estimate says, i.e.
+    onto the clusters free earliest (what skewed routing punishes)."""
     if assign == "round_robin":
         return [turn % clusters for turn in range(len(pairs))]
     finish_of: dict[int, int] = {}  # counter -> latest estimated finish of the pairs signalling it so far
     by_free = sorted((0, -cluster) for cluster in range(clusters))  # (free time, -cluster), ascending
     out = []
+    spilled = 0
     for kind, p, _, waits, signals, _ in pairs:
         tiles = (2 * p, 2 * p + 1)
         ready = max((finish_of.get(c, 0) for rt in tiles for c in waits(rt)), default=0)
+        if assign == "balanced" and past(kind, p):
+            for c in {c for rt in tiles for c in signals(rt)}:
+                finish_of[c] = max(finish_of.get(c, 0), ready + 1)
+            out.append(spilled % clusters)
+            spilled += 1
+            continue
         # the latest free time <= max(ready, earliest free time); among equal ones the lowest cluster
         j = bisect.bisect_right(by_free, (max(ready, by_free[0][0]), 0)) - 1
         free, neg_cluster = by_free.pop(j)

@@ -77,6 +77,13 @@ def _binomial_padded_rows(shape: MoEShape, num_ranks: int) -> int:
     return int(round(el * SEGMENT_ROWS * max(1.0, segments)))
 
 
+def past_expected(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: int, row_pair: int) -> bool:
+    """Whether the routed row tile pair `row_pair` lies at or past expected_rows: under even routing
+    its rows are probably past the real ones (it exits at once); under skewed routing it is real."""
+    routed_rows = kind in (TaskKind.GATE_UP, TaskKind.DOWN, TaskKind.DOWN_BWD, TaskKind.GATE_UP_BWD)
+    return routed_rows and row_pair * PAIR_ROWS >= expected_rows(shape, num_ranks, capacity_rows)
+
+
 def tile_cost(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: int, row_pair: int | None = None) -> int:
     """Estimated time of one GEMM tile of `kind` in a plan of R = num_ranks ranks and
     capacity_rows receive rows (the balanced assignment's cost model), in units of one
@@ -93,9 +100,7 @@ def tile_cost(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: in
     row_pair (routed row problems): the tile pair's index in the receive rows; a pair at or past
     expected_rows costs 1 (a tile past the real rows only signals). Without it, a full tile."""
     _, cols, k = tile_grid(kind, shape)
-    routed_rows = kind in (TaskKind.GATE_UP, TaskKind.DOWN, TaskKind.DOWN_BWD, TaskKind.GATE_UP_BWD)
-    if routed_rows and row_pair is not None and row_pair * PAIR_ROWS >= expected_rows(
-            shape, num_ranks, capacity_rows):
+    if row_pair is not None and past_expected(kind, shape, num_ranks, capacity_rows, row_pair):
         return 1
     if kind in PASS_KINDS["bwd"].wgrad:
         k = cdiv(expected_rows(shape, num_ranks, capacity_rows), shape.num_experts // num_ranks)

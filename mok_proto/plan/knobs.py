@@ -12,7 +12,10 @@ from typing import ClassVar
 from mok_proto.plan.kinds import PASS_KINDS, PASSES, SEGMENT_ROWS, inside_kernel
 from mok_proto.validate import check_int
 
-ASSIGNMENTS = ("round_robin", "balanced")  # how tile pairs go to the 2-CTA clusters (build._assign_clusters)
+# How tile pairs go to the 2-CTA clusters (build._assign_clusters): "balanced" prices the pairs on
+# the expected rows and deals the pairs past them round robin; "balanced_all" prices every pair (those
+# past the expected rows as free), so under skewed routing their real work piles onto few clusters.
+ASSIGNMENTS = ("round_robin", "balanced", "balanced_all")
 # The order of one minibatch's tile pairs of one kind in a fused plan's global order: "row", row
 # pair by row pair (columns fastest: the standalone grouped GEMM's order), or "col", column tile by
 # column tile (row pairs fastest: the pairs that run at once share B, the weights' column panels).
