@@ -50,15 +50,16 @@ def round_bf16(a) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 def scaled_matmul(a, b, acc=None) -> np.ndarray:
     """a = (codes [M,K] uint8, scales [M,K/B]), b = (codes [N,K], scales [N,K/B]) -> C [M,N]
-    float32, k-blocks kb = 0, 1, ... in order, each element:
+    float32, k-blocks kb = 0, 1, ... in order, each element as the kernels promote it:
 
-        C = fl32(C + fl32(S_kb * fl32(sa[m,kb] * sb[n,kb])))      (C starts at acc, or 0)
+        C = fma32(S_kb, fl32(sa[m,kb] * sb[n,kb]), C)          (C starts at acc, or 0)
 
     S_kb = the sum over the block of decode(A) decode(B), exact and then rounded to float32 once
     (every partial sum of e4m3 products is a multiple of 2^-18 below 2^25: float64 holds it
-    whatever the order, so C depends on neither BLAS nor how the rows are split). A weight's BxB
-    scales come in repeated over its B rows (weight_operand). acc: continue a k-loop (a weight
-    gradient whose rows arrive in runs: one call over all the blocks gives the same bits)."""
+    whatever the order, so C depends on neither BLAS nor how the rows are split; the tensor cores'
+    own in-block sum is less exact). A weight's BxB scales come in repeated over its B rows
+    (weight_operand). acc: continue a k-loop (a weight gradient whose rows arrive in runs: runs in
+    order give the bits of one call over all of them)."""
     (ca, sa), (cb, sb) = a, b
     m, k = ca.shape
     n = cb.shape[0]
@@ -72,8 +73,25 @@ def scaled_matmul(a, b, acc=None) -> np.ndarray:
     out = np.zeros((m, n), np.float32) if acc is None else np.array(acc, np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         for kb in range(nb):
-            out = out + sums[kb] * (sa[:, kb, None] * sb[None, :, kb])
+            out = fma32(sums[kb], sa[:, kb, None] * sb[None, :, kb], out)
     return out
+
+
+def fma32(a, b, c) -> np.ndarray:
+    """fl32(a * b + c) with one rounding (IEEE fmaf, CUDA __fmaf_rn) of float32 arrays: the
+    product is exact in float64, the sum is rounded to odd in float64 (its exact remainder from
+    TwoSum), and a value rounded to odd with 29 bits to spare rounds to float32 as the exact one."""
+    p = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32).astype(np.float64)
+    c = np.asarray(c, np.float32).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = p + c
+        back = s - p
+        rest = (p - (s - back)) + (c - back)  # p + c - s, exactly
+        bits = s.view(np.int64)
+        even = (rest != 0) & ((bits & 1) == 0) & np.isfinite(s)
+        step = np.where(np.signbit(rest) == np.signbit(s), 1, -1)  # one ulp toward p + c
+        odd = np.where(even, bits + step, bits).view(np.float64)
+        return odd.astype(np.float32)
 
 
 def quantize_weights(weights: dict, keys) -> dict:

@@ -45,8 +45,34 @@ def test_scaled_matmul_within_2e3_of_float64_on_dequantized(m, n, k):
     assert 0 < err <= 2e-3
 
 
+def _libm_fmaf():
+    import ctypes
+    import ctypes.util
+
+    fmaf = ctypes.CDLL(ctypes.util.find_library("m")).fmaf
+    fmaf.restype, fmaf.argtypes = ctypes.c_float, [ctypes.c_float] * 3
+    return lambda a, b, c: np.float32(fmaf(float(a), float(b), float(c)))
+
+
+def test_fma32_rounds_once_as_libm_fmaf():
+    fmaf = _libm_fmaf()
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.standard_normal(3000).astype(np.float32) * np.float32(2.0) ** rng.integers(-30, 30, 3000)
+               for _ in range(3))
+    c[::3] = -(a[::3] * b[::3])  # cancellation
+    a = np.concatenate([a, np.float32([1 + 2 ** -23, 3e38, 1e-30, np.nan, 0.0])])
+    b = np.concatenate([b, np.float32([1 - 2 ** -23, 10.0, 1e-15, 1.0, -1.0])])
+    c = np.concatenate([c, np.float32([2 ** 24 + 2, 0.0, 1e-45, 1.0, 0.0])])
+    got = reference_fp8.fma32(a, b, c)
+    want = np.array([fmaf(*v) for v in zip(a, b, c)], np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    # 2^24 + 3 - 2^-46: a float64 sum rounds onto the float32 tie 2^24 + 3 (then to even, 2^24 + 4)
+    assert got[3000] == 2 ** 24 + 2 != np.float32(np.float64(a[3000]) * np.float64(b[3000]) + np.float64(c[3000]))
+
+
 def test_scaled_matmul_is_the_stated_float32_expression():
-    """C = fl32(C + fl32(S * fl32(sa sb))) per k-block, S the exact block sum rounded once."""
+    """C = fmaf(S, fl32(sa sb), C) per k-block, S the exact block sum rounded once."""
+    fmaf = _libm_fmaf()
     rng = np.random.default_rng(1)
     a, b = quantized(rng, 3, 3 * B, scale=7.0), quantized(rng, 2, 3 * B, scale=1e-3)
     got = reference_fp8.scaled_matmul(a, b)
@@ -56,7 +82,7 @@ def test_scaled_matmul_is_the_stated_float32_expression():
             c = np.float32(0)
             for kb in range(3):
                 exact = sum(da[m, j] * db[n, j] for j in range(kb * B, (kb + 1) * B))  # exact: multiples of 2^-18
-                c = np.float32(c + np.float32(np.float32(exact) * np.float32(a[1][m, kb] * b[1][n, kb])))
+                c = fmaf(np.float32(exact), np.float32(a[1][m, kb] * b[1][n, kb]), c)
             assert got[m, n].view(np.uint32) == c.view(np.uint32), (m, n)
 
 
