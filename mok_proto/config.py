@@ -17,6 +17,7 @@ DIRECTIONS = ("push", "pull")
 # MoK's choice: the expert owner pulls tokens in and pushes results out; backward mirrors it.
 MOK_POLICY = {"dispatch": "pull", "combine": "push", "rev_combine": "pull", "rev_dispatch": "push"}
 DTYPES = ("float32", "float64")
+PRECISIONS = ("bf16", "fp8")  # of the experts' GEMMs: bf16, or block-scaled e4m3 (mok_proto/reference_fp8.py)
 
 
 def _positive(obj, *names):
@@ -125,7 +126,8 @@ def format_policy(policy: dict) -> str:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """How one layer runs: EP degree, direction of each operator, minibatch, seed, dtype."""
+    """How one layer runs: EP degree, direction of each operator, minibatch, seed, dtype, the
+    experts' precision and what the dispatch moves."""
 
     shape: MoEShape
     num_ranks: int = 1  # R
@@ -135,6 +137,9 @@ class RunConfig:
     dtype: str = "float32"
     timeout_s: float = 30.0  # every spin-wait gives up after this and reports who it waited for
     link: LinkModel | None = None  # the GPU layer's transfers pay this emulated link (mok_proto/link.py)
+    precision: str = "bf16"  # the routed experts' (PRECISIONS); bf16 on the CPU: the layer's dtype throughout
+    shared_precision: str = "bf16"  # the shared expert's; fp8 only with precision fp8
+    dispatch_dtype: str = "bf16"  # with precision fp8, what dispatch moves: bf16 rows or e4m3 codes + fp32 scales
 
     def __post_init__(self):
         _positive(self, "num_ranks")
@@ -154,6 +159,13 @@ class RunConfig:
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
         if self.link is not None and not isinstance(self.link, LinkModel):
             raise TypeError(f"link must be a mok_proto.link.LinkModel or None, got {type(self.link).__name__}")
+        for name in ("precision", "shared_precision", "dispatch_dtype"):
+            if getattr(self, name) not in PRECISIONS:
+                raise ValueError(f"{name} must be one of {', '.join(PRECISIONS)}, got {getattr(self, name)!r}")
+        if self.precision == "bf16" and (self.shared_precision, self.dispatch_dtype) != ("bf16", "bf16"):
+            raise ValueError("shared_precision and dispatch_dtype may be fp8 only with precision fp8")
+        if self.precision == "fp8" and self.dtype != "float32":
+            raise ValueError(f"precision fp8 stores bf16 and accumulates in fp32: dtype must be float32, got {self.dtype}")
 
     @property
     def num_local_experts(self) -> int:

@@ -86,14 +86,20 @@ def expert_forward(x, w_gate, w_up, w_down):
     return h @ w_down, (x, g, u, h)
 
 
+def swiglu_grad(dh, g, u):
+    """The SwiGLU backward: dh [n,I] (d loss / d h, h = silu(g) * u) -> (dg, du) [n,I]."""
+    sig = sigmoid(g)
+    du = dh * (g * sig)
+    dg = dh * u * (sig * (1.0 + g * (1.0 - sig)))  # d silu(g) / dg
+    return dg, du
+
+
 def expert_backward(dy, saved, w_gate, w_up, w_down):
     """dy [n,H] -> (dx [n,H], dw_gate [H,I], dw_up [H,I], dw_down [I,H])."""
     x, g, u, h = saved
     dh = dy @ w_down.T  # [n, I]
     dw_down = h.T @ dy
-    sig = sigmoid(g)
-    du = dh * (g * sig)
-    dg = dh * u * (sig * (1.0 + g * (1.0 - sig)))  # d silu(g) / dg
+    dg, du = swiglu_grad(dh, g, u)
     dw_gate = x.T @ dg
     dw_up = x.T @ du
     dx = dg @ w_gate.T + du @ w_up.T
@@ -136,7 +142,7 @@ def topk_weight_grad(dout, y_slots, top_k):
 # ---------------------------------------------------------------------------------------------
 # The layer
 # ---------------------------------------------------------------------------------------------
-def _check_inputs(x, topk_idx, topk_weights, weights):
+def check_inputs(x, topk_idx, topk_weights, weights):
     """-> (x, topk_idx, topk_weights, has_shared), lists converted; InputError naming the argument."""
     x = validate.check_array(x, "x", (None, None), "NH", kind="f")
     has_shared = validate.check_weights(weights, hidden=x.shape[1])
@@ -158,7 +164,7 @@ def group_slots_by_expert(topk_idx, num_experts):
 def forward(x, topk_idx, topk_weights, weights, dtype="float32"):
     """x [N,H], topk_idx/topk_weights [N,K], weights (see WEIGHT_KEYS) -> (out [N,H], cache)."""
     dt = _dtype(dtype)
-    x, topk_idx, topk_weights, has_shared = _check_inputs(x, topk_idx, topk_weights, weights)
+    x, topk_idx, topk_weights, has_shared = check_inputs(x, topk_idx, topk_weights, weights)
     xp = array_module(x)
     x = x.astype(dt)
     w = {key: xp.asarray(weights[key]).astype(dt) for key in WEIGHT_KEYS if key in weights}

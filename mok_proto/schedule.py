@@ -59,6 +59,7 @@ __all__ = [
     "build_pull_schedule",
     "build_all_schedules",
     "max_receive_slots",
+    "expert_slot_order",
 ]
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -273,3 +274,15 @@ def max_receive_slots(
     num_local_experts = check_int(num_local_experts, "num_local_experts", minimum=0)
     align = _check_align(align)
     return num_ranks * num_tokens * top_k + num_local_experts * (align - 1)
+
+
+def expert_slot_order(topk_idx_all, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order [R*N*K], offsets [E+1]) int64: every expert's pairs in the order its owner's receive
+    buffer holds them, as global slots r*N*K + s (the flat [R*N] tokens' slots), expert e's at
+    order[offsets[e]:offsets[e+1]]. The row order of the experts' weight-gradient sums (with FP8,
+    which rows share a 128-row scale block): reference_fp8.forward(slot_order=...) takes it."""
+    topk, num_experts = _check_routing(topk_idx_all, num_experts)
+    place = _place(topk, num_experts, 1)
+    num_src = topk.shape[1] * topk.shape[2]
+    order = place.src_rank.astype(np.int64) * num_src + place.src_slot
+    return order, place.expert_offsets.copy()

@@ -15,13 +15,17 @@ reverse-combine, expert backward, reverse-dispatch. Every expert GEMM runs on bl
 receive rows and the weight gradients add the blocks' products in row order, so every ring size
 gives the same bits. The direction of each operator comes from RunConfig.policy; it changes data
 movement only, never arithmetic, so results are bitwise equal across policies.
+RunConfig.precision "fp8": the experts as mok_proto/reference_fp8.py computes them (bf16 storage,
+block-scaled e4m3 GEMMs; `align` a multiple of 128). RunConfig.dispatch_dtype: what the dispatch
+moves, bf16 rows (the expert owner quantizes them where they land) or e4m3 codes + fp32 scales (the
+token owner quantizes its rows once). The same rule on the same bf16 rows: the same bits.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from mok_proto import reference, validate
+from mok_proto import fp8, reference, reference_fp8, validate
 from mok_proto.config import RunConfig
 from mok_proto.layer import transfer
 from mok_proto.layer.transfer import Turn
@@ -52,6 +56,9 @@ class CpuMoELayer:
         self.weights = {key: np.asarray(v, self.dtype) for key, v in weights.items()}
         n, h, k = shape.num_tokens, shape.hidden, shape.top_k
         self.align = validate.check_int(SEGMENT_ROWS if align is None else align, "align", minimum=1)
+        self.fp8 = run.precision == "fp8"
+        if self.fp8:
+            self._quantize_weights()
         worst = max_receive_slots(n, k, run.num_ranks, num_local, self.align)
         self.capacity = worst if capacity is None else capacity
         if not 0 < self.capacity <= worst:
@@ -66,10 +73,11 @@ class CpuMoELayer:
         ring = self.macrobatch_rows
         # Symmetric buffers, named by role (forward use / backward use); the expert side's are the ring.
         self.routing = heap.alloc("routing", (run.num_ranks, n, k), np.int32)  # [R, N, K]
-        self.tokens = heap.alloc("tokens", (n, h), self.dtype)  # x
+        row_shape, row_dtype = self._dispatch_rows()
+        self.tokens = heap.alloc("tokens", (n, *row_shape), row_dtype)  # x (fp8 dispatch: its codes + scales)
         self.token_slots_out = heap.alloc("token_slots_out", (n * k, h), self.dtype)  # dy slots
         self.token_slots_in = heap.alloc("token_slots_in", (n * k, h), self.dtype)  # y slots / dx slots
-        self.expert_in = heap.alloc("expert_in", (ring, h), self.dtype)  # x rows
+        self.expert_in = heap.alloc("expert_in", (ring, *row_shape), row_dtype)  # x rows
         self.expert_dy = heap.alloc("expert_dy", (ring, h), self.dtype)  # dy rows
         self.expert_out = heap.alloc("expert_out", (ring, h), self.dtype)  # y rows / dx rows
         # The ring's activations only this rank reads: g, u, h of its receive rows.
@@ -86,13 +94,13 @@ class CpuMoELayer:
         # Checked before any cast (an id of 2**32 must not wrap into range).
         x, topk_idx, topk_weights = validate.check_layer_inputs(
             x, topk_idx, topk_weights, shape.num_experts, shape.num_tokens, shape.hidden, shape.top_k)
-        x = np.ascontiguousarray(x, self.dtype)
+        x = self._bf16(np.ascontiguousarray(x, self.dtype))
         topk_idx = np.ascontiguousarray(topk_idx, np.int32)
         topk_weights = np.ascontiguousarray(topk_weights, self.dtype)
         timeout = run.timeout_s
 
         # 1. Publish x, all-gather routing; the shared expert overlaps the wait.
-        self.tokens.local[...] = x
+        self.tokens.local[...] = self._token_rows(x)
         self.tokens.publish()
         for peer in range(run.num_ranks):
             self.routing.put_rows(peer, [rank], topk_idx[None])
@@ -116,7 +124,7 @@ class CpuMoELayer:
         # 4. Weighted sum on the token owner, fixed order.
         base, shared_saved = shared
         y_slots = self.token_slots_in.local.copy()
-        out = reference.weighted_sum(base, y_slots, topk_weights)
+        out = self._bf16(reference.weighted_sum(base, y_slots, topk_weights))
         self._cache = dict(sched=sched, shared_saved=shared_saved, y_slots=y_slots, topk_weights=topk_weights)
         return out
 
@@ -126,13 +134,13 @@ class CpuMoELayer:
         if getattr(self, "_cache", None) is None:
             raise RuntimeError("backward() needs a forward() first")
         run, shape, rank, cache = self.run, self.run.shape, self.rank, self._cache
-        dout = np.ascontiguousarray(
-            validate.check_array(dout, "dout", (shape.num_tokens, shape.hidden), "NH", kind="f"), self.dtype)
+        dout = self._bf16(np.ascontiguousarray(
+            validate.check_array(dout, "dout", (shape.num_tokens, shape.hidden), "NH", kind="f"), self.dtype))
         sched = cache["sched"]
         timeout = run.timeout_s
 
         # 1. Publish dy slots (w * dout); round-start flags; shared backward overlaps the wait.
-        self.token_slots_out.local[...] = reference.scale_to_slots(dout, cache["topk_weights"])
+        self.token_slots_out.local[...] = self._bf16(reference.scale_to_slots(dout, cache["topk_weights"]))
         self.token_slots_out.publish()
         shared = transfer.round_start(self.signals, rank, run.num_ranks, self._stamp(), timeout, "backward start",
                                       before_wait=lambda: self._shared_backward(dout, cache["shared_saved"]))
@@ -156,7 +164,7 @@ class CpuMoELayer:
         # 3. Token owner: dx and d(topk_weights), fixed order.
         base, shared_grads = shared
         grads.update(shared_grads)
-        grads["x"] = reference.slot_sum(base, self.token_slots_in.local, shape.top_k)
+        grads["x"] = self._bf16(reference.slot_sum(base, self.token_slots_in.local, shape.top_k))
         grads["topk_weights"] = reference.topk_weight_grad(dout, cache["y_slots"], shape.top_k)
         self._cache = None
         return grads
@@ -197,16 +205,22 @@ class CpuMoELayer:
         """g, u, h (and y: the forward, not its replay) of the ring's rows of turn [lo, hi)."""
         act = self.activations
         for local, rows in self._blocks(sched, lo, hi):
-            g, u, h = reference.expert_hidden(self.expert_in.local[rows], *self._expert(local)[:2])
+            if self.fp8:
+                y, (g, u, h) = reference_fp8.expert_forward(self._received_fp8(rows), reference_fp8.expert_weights(self.wq, local))
+            else:
+                g, u, h = reference.expert_hidden(self.expert_in.local[rows], *self._expert(local)[:2])
             act["g"][rows], act["u"][rows], act["h"][rows] = g, u, h
             if with_y:
-                self.expert_out.local[rows] = h @ self.weights["w_down"][local]
+                self.expert_out.local[rows] = y if self.fp8 else h @ self.weights["w_down"][local]
 
     def _experts_backward(self, sched, lo, hi, grads):
         """dx rows of turn [lo, hi) into the ring; each block's weight-gradient products added to
         `grads` in row order."""
         act = self.activations
         for local, rows in self._blocks(sched, lo, hi):
+            if self.fp8:
+                self._expert_backward_fp8(local, rows, grads)
+                continue
             saved = (self.expert_in.local[rows], act["g"][rows], act["u"][rows], act["h"][rows])
             dx, dw_gate, dw_up, dw_down = reference.expert_backward(self.expert_dy.local[rows], saved,
                                                                     *self._expert(local))
@@ -222,14 +236,71 @@ class CpuMoELayer:
         if not self.has_shared:
             return np.zeros_like(x), None
         w = self.weights
+        if self.fp8:
+            return reference_fp8.shared_forward(x, w, self.shared_wq)
         return reference.expert_forward(x, w["shared_gate"], w["shared_up"], w["shared_down"])
 
     def _shared_backward(self, dout, saved):
         if saved is None:
             return np.zeros_like(dout), {}
         w = self.weights
+        if self.fp8:
+            return reference_fp8.shared_backward(dout, saved, w, self.shared_wq)
         dx, dg, du, dd = reference.expert_backward(dout, saved, w["shared_gate"], w["shared_up"], w["shared_down"])
         return dx, {"shared_gate": dg, "shared_up": du, "shared_down": dd}
+
+    # -----------------------------------------------------------------------------------------
+    # precision fp8 (reference_fp8: what is stored where, and quantized when)
+    # -----------------------------------------------------------------------------------------
+    def _quantize_weights(self):
+        """Checks; the weights rounded to bf16, the routed (and an fp8 shared expert's) quantized once."""
+        shape, run = self.run.shape, self.run
+        shared_fp8 = self.has_shared and run.shared_precision == "fp8"
+        reference_fp8.check_fp8_shape(shape.hidden, shape.ffn, shape.shared_ffn_size if shared_fp8 else None)
+        if self.align % fp8.BLOCK:
+            raise validate.InputError(f"precision fp8 needs align a multiple of {fp8.BLOCK} (an expert's weight-gradient "
+                                      f"scale blocks start at its first row and must not span two turns), got {self.align}")
+        self.weights = {key: reference_fp8.round_bf16(v) for key, v in self.weights.items()}
+        self.wq = reference_fp8.quantize_weights(self.weights, validate.WEIGHT_KEYS)
+        self.shared_wq = reference_fp8.quantize_weights(self.weights, validate.SHARED_KEYS) if shared_fp8 else None
+
+    def _dispatch_rows(self):
+        """(row shape, dtype) of the rows dispatch moves: x in the layer's dtype; with precision fp8
+        its bf16 bits, or (dispatch_dtype fp8) its e4m3 codes and fp32 scales in one byte row."""
+        h = self.run.shape.hidden
+        if not self.fp8:
+            return (h,), self.dtype
+        if self.run.dispatch_dtype == "fp8":
+            return (transfer.fp8_row_bytes(h),), np.dtype(np.uint8)
+        return (h,), np.dtype(np.uint16)
+
+    def _bf16(self, a):
+        """With precision fp8 the GPU layer's bf16 storage (a rounded to bf16), else a itself."""
+        return reference_fp8.round_bf16(a) if self.fp8 else a
+
+    def _token_rows(self, x):
+        """What this rank publishes for the dispatch: x, its bf16 bits, or its quantized rows."""
+        if not self.fp8:
+            return x
+        if self.run.dispatch_dtype == "fp8":
+            return transfer.pack_fp8_rows(*fp8.quantize_rows(x))
+        return reference.to_bf16(x)
+
+    def _received_fp8(self, rows):
+        """(codes, scales) of the ring's x rows `rows`: as dispatched, or quantized here from bf16."""
+        got = self.expert_in.local[rows]
+        if self.run.dispatch_dtype == "fp8":
+            return transfer.unpack_fp8_rows(got, self.run.shape.hidden)
+        return fp8.quantize_rows(reference.from_bf16(got))
+
+    def _expert_backward_fp8(self, local, rows, grads):
+        """expert_backward of one block of rows: dx rows into the ring, its weight-gradient k-blocks
+        added to `grads` (the blocks of an expert come in row order)."""
+        act, dy = self.activations, self.expert_dy.local[rows]
+        dx, dg, du = reference_fp8.expert_backward(dy, act["g"][rows], act["u"][rows], reference_fp8.expert_weights(self.wq, local))
+        self.expert_out.local[rows] = dx
+        reference_fp8.add_weight_grads({key: grads[key][local] for key in validate.WEIGHT_KEYS},
+                                       self._received_fp8(rows), act["h"][rows], dy, dg, du)
 
     def _check_capacity(self, topk_idx_all):
         run, align = self.run, self.align

@@ -27,6 +27,9 @@ class GpuRound:
             raise TypeError(f"run must be a RunConfig, got {type(run).__name__}")
         if heap.num_ranks != run.num_ranks:
             raise ValueError(f"num_ranks: config says R={run.num_ranks} but the heap has {heap.num_ranks} ranks")
+        if run.precision != "bf16":
+            raise ValueError(f"precision {run.precision}: the GPU layer has bf16 passes only so far (the CPU layer "
+                             "and mok_proto/reference_fp8.py run fp8)")
         self.heap, self.run, self.shape, self.policy = heap, run, run.shape, dict(run.policy)
         self.num_local, self.align = run.num_local_experts, align
         worst = max_receive_slots(run.shape.num_tokens, run.shape.top_k, run.num_ranks, run.num_local_experts, align)

@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from mok_proto import fp8
+
 # Flag kinds: row of the [kinds, R] signal table.
 ROUND_START, TO_EXPERTS, TO_TOKENS, RING_FREE, PULLED = 0, 1, 2, 3, 4
 NUM_FLAG_KINDS = 5
@@ -114,6 +116,24 @@ def round_start(signals, rank, num_ranks, epoch, timeout_s, op, before_wait=None
     for peer in range(num_ranks):
         signals.wait(ROUND_START, peer, epoch, timeout_s, op)
     return result
+
+
+def fp8_row_bytes(hidden: int) -> int:
+    """Bytes of one FP8 dispatch row: H e4m3 codes, then H/128 fp32 scales (bf16: 2H)."""
+    return hidden + 4 * (hidden // fp8.BLOCK)
+
+
+def pack_fp8_rows(codes, scales) -> np.ndarray:
+    """codes [n,H] uint8, scales [n,H/128] float32 (fp8.quantize_rows) -> rows [n, fp8_row_bytes(H)]
+    uint8: what an FP8 dispatch moves, one row per token, quantized once by its owner."""
+    n, num_blocks = scales.shape
+    return np.concatenate([codes, np.ascontiguousarray(scales, np.float32).view(np.uint8).reshape(n, 4 * num_blocks)],
+                          axis=1)
+
+
+def unpack_fp8_rows(rows, hidden: int):
+    """rows [n, fp8_row_bytes(H)] uint8 -> (codes [n,H] uint8, scales [n,H/128] float32)."""
+    return np.ascontiguousarray(rows[:, :hidden]), np.ascontiguousarray(rows[:, hidden:]).view(np.float32)
 
 
 def _peers_from(rank, num_ranks):
