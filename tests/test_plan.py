@@ -7,6 +7,7 @@ import pytest
 
 from mok_proto import plan as P
 from mok_proto.plan.check import ancestors, execution_order
+from mok_proto.plan.cost import past_expected
 from mok_proto.config import MOK_POLICY, ep_share, get_shape
 
 SMALL = get_shape("small")
@@ -899,3 +900,24 @@ def test_parse_claim_takes_a_count_or_a_name():
     for bad in ("-1", "most", "", "2.5", "ALL"):
         with pytest.raises(ValueError, match="claim must be"):
             P.parse_claim(bad)
+
+
+@pytest.mark.parametrize("pass_", P.PASSES)
+def test_balanced_deals_the_pairs_past_the_expected_rows_round_robin(pass_):
+    # a capacity 3x the expected rows (as under skewed routing): the tile pairs past the expected
+    # rows are real there; balanced spreads them evenly, balanced_all piles them onto few clusters
+    shape = ep_share("kimi-k2.7", 64)
+    capacity = 3 * 2048 * 8 // 2048 * 2048
+    make = P.fused_forward if pass_ == "fwd" else P.fused_backward
+    counts = {}
+    for assign in ("balanced", "balanced_all"):
+        plan = make(shape, 2, P.FusedKnobs(0, 2048, assign=assign, claim=0), policy=MOK_POLICY, num_sms=132,
+                    capacity_rows=capacity)
+        t = plan.tasks
+        even = (t["block"] % 2 == 0) & ~np.isin(t["kind"], [int(k) for k in P.MOVER_KINDS])
+        past = np.array([past_expected(P.TaskKind(k), shape, 2, capacity, rt // 2)
+                         for k, rt in zip(t["kind"][even].tolist(), t["row_tile"][even].tolist())])
+        counts[assign] = np.bincount(t["block"][even][past] // 2, minlength=66)
+        assert past.sum() > 66 * 4  # the test is about many such pairs
+    assert counts["balanced"].max() - counts["balanced"].min() <= 1
+    assert counts["balanced_all"].max() > 2 * counts["balanced_all"].mean()
