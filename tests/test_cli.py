@@ -226,7 +226,7 @@ def test_sim_help_shows_every_default_and_choice():
     for want in ("--shape {kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro,", "(default kimi-k2.7)", "(default 64)",
                  "--gpu {h200,gb300-nvl72}", "(default gb300-nvl72)", "--pass {fwd,bwd}", "(default fwd)",
                  "communicating SMs (default 40; with --fused 0", "receive rows per minibatch (default 2048; with --fused 1024",
-                 "--assign {round_robin,balanced}", "(default round_robin forward, balanced backward)",
+                 "--assign {round_robin,balanced,balanced_all}", "(default round_robin forward, balanced backward)",
                  "--raster {row,col}", "an int >= 0, all or tail (default all forward, tail backward)",
                  "(default MoK's: dispatch=pull,combine=push,rev_combine=pull,rev_dispatch=push)"):
         assert "".join(want.split()) in text, want
