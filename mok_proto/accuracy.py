@@ -12,6 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 ERR_REL_RMS_BOUND = 0.06  # issue 35: three quantization steps of ~3% each, added in quadrature
+# What the block-scaled e4m3 recipe meets on every array (out and dx meet the bound above; the
+# weight gradients pass more quantizations: docs/design.md 5.7).
+ERR_REL_RMS_RECIPE = 0.08
 
 
 def errors(got, ref) -> dict:

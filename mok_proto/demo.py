@@ -25,6 +25,7 @@ import traceback
 
 import numpy as np
 
+from mok_proto import accuracy
 from mok_proto.config import PRESETS, RunConfig, format_policy, get_shape, parse_policy
 from mok_proto.exitcodes import EXIT_BAD_ARGUMENT, EXIT_MISMATCH, EXIT_PASS, EXIT_PEER, EXIT_PROTOCOL
 from mok_proto.problem import make_problem
@@ -33,8 +34,12 @@ from mok_proto.symm.base import CapacityError, SymmTimeoutError
 BACKENDS = ("auto", "cpu", "gpu")
 # max |got - ref| / max |ref|, per array. bf16: the GPU layer (bf16 rows, fp32 accumulation)
 # against the float64 reference on the same bf16-rounded inputs.
-TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "bf16": 2e-2}
+# fp8 (--precision fp8): err_rel_rms per array, against the float64 reference on the bf16 inputs
+# (mok_proto.accuracy: what the block-scaled e4m3 recipe meets on every array).
+TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "bf16": 2e-2, "fp8": accuracy.ERR_REL_RMS_RECIPE}
 DEFAULT_SHAPE = {"cpu": "small", "gpu": "tile"}
+FP8_SHAPE = "tile"  # the smallest preset whose H and I are multiples of 128 (fp8.BLOCK)
+PRECISIONS = ("bf16", "fp8")
 # The longest --timeout: every wait counts it (and multiples of it) in int64 nanoseconds.
 MAX_TIMEOUT_S = 1e6
 
@@ -61,6 +66,10 @@ def parse_args(argv):
                    "(virtual ranks on one GPU; start without mpiexec). 0: one rank per process (NVSHMEM)")
     p.add_argument("--routing", default="random", help="random, skewed or one-expert")
     p.add_argument("--dtype", default="float32", help="float32 or float64")
+    p.add_argument("--precision", default="bf16", help="the routed experts: bf16 (the --dtype on the CPU) or fp8 "
+                   "(block-scaled e4m3, docs/design.md 5.6-5.7; errors as err_rel_rms; default shape tile)")
+    p.add_argument("--dispatch-dtype", default="bf16", help="with --precision fp8: what the dispatch moves, bf16 "
+                   "rows (quantized where they land) or fp8 (e4m3 codes + scales, quantized by the token owner)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds any rank waits for a peer; a stopped or "
                    f"dead peer ends the job (exit 4) about this long after it stopped (default 30, at most "
                    f"{MAX_TIMEOUT_S:g})")
@@ -69,6 +78,9 @@ def parse_args(argv):
         raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
     if args.routing not in ("random", "skewed", "one-expert"):
         raise ValueError(f"--routing must be random, skewed or one-expert, got {args.routing!r}")
+    if args.precision not in PRECISIONS or args.dispatch_dtype not in PRECISIONS:
+        raise ValueError(f"--precision and --dispatch-dtype must be one of {', '.join(PRECISIONS)}, got "
+                         f"{args.precision!r}, {args.dispatch_dtype!r}")
     if args.seed < 0:
         raise ValueError(f"--seed must be an integer >= 0, got {args.seed}")
     if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN fails too
@@ -182,7 +194,8 @@ def run_rank(comm, args, run: RunConfig, heap_timeout_s: float):
         t2 = time.perf_counter()
         _step(args, "cleanup")
 
-    ref = prob.reference_results()  # over all ranks' tokens (float64); each row checks its slice
+    # over all ranks' tokens (float64); each row checks its slice. fp8: on the bf16 inputs it stores
+    ref = prob.reference_results(bf16=run.precision == "fp8")
     shared = {}
     for key in sorted(k for k in grads if k.startswith("shared_")):  # per-rank partial sums
         watchdog.arrival_barrier(comm, f"gather of {key}", heap_timeout_s)
@@ -196,13 +209,14 @@ def result_row(run, rank, out, grads, shared, ref, fwd_ms, bwd_ms) -> dict:
     gradients: their sum over ranks, in rank order), timings, checksums."""
     n, num_local = run.shape.num_tokens, run.num_local_experts
     tokens, experts = slice(rank * n, (rank + 1) * n), slice(rank * num_local, (rank + 1) * num_local)
-    errors = {"out": rel_error(out, ref["out"][tokens])}
+    error = rel_error if run.precision != "fp8" else lambda g, r: accuracy.errors(g, r)["err_rel_rms"]
+    errors = {"out": error(out, ref["out"][tokens])}
     for key, g in grads.items():
         if key in ("x", "topk_weights"):
-            errors[key] = rel_error(g, ref[key][tokens])
+            errors[key] = error(g, ref[key][tokens])
         elif key.startswith("w_"):
-            errors[key] = rel_error(g, ref[key][experts])
-    errors.update({key: rel_error(total, ref[key]) for key, total in shared.items()})
+            errors[key] = error(g, ref[key][experts])
+    errors.update({key: error(total, ref[key]) for key, total in shared.items()})
     return dict(rank=rank, shape=run.shape.name, policy=format_policy(run.policy), fwd_ms=fwd_ms, bwd_ms=bwd_ms,
                 max_err=max(errors.values()), worst=max(errors, key=errors.get),
                 out_sha=checksum([out]), grad_sha=checksum([grads[k] for k in sorted(grads)]))
@@ -304,7 +318,11 @@ def main(argv=None, on_step=None) -> int:
         if args.virtual < 0 or (args.virtual and _launcher_size() > 1):
             raise ValueError("--virtual R runs R ranks in one process: a positive count, started without mpiexec")
         backend = resolve_backend(args.backend, args.virtual)
-        shape = get_shape(DEFAULT_SHAPE[backend] if args.shape is None else args.shape)
+        fp8 = args.precision == "fp8"
+        shape = get_shape(args.shape or (FP8_SHAPE if fp8 else DEFAULT_SHAPE[backend]))
+        if fp8 and backend == "gpu":
+            raise ValueError("--precision fp8 runs on the CPU backend (--backend cpu): the GPU layer has no FP8 "
+                             "passes yet")
         if backend == "gpu":
             from mok_proto.layer.gpu import check_tiles
 
@@ -313,7 +331,8 @@ def main(argv=None, on_step=None) -> int:
                 raise ValueError("--dtype: the GPU layer computes in bf16 with fp32 accumulation; --dtype is the "
                                  "CPU backend's")
         run = RunConfig(shape, num_ranks=args.virtual or _launcher_size(), policy=parse_policy(args.policy),
-                        seed=args.seed, dtype=args.dtype, timeout_s=args.timeout)
+                        seed=args.seed, dtype=args.dtype, timeout_s=args.timeout, precision=args.precision,
+                        dispatch_dtype=args.dispatch_dtype)
         check_fits(run, backend, _ranks_here())
     except ValueError as e:
         if _launcher_rank() == 0:  # one line per job, not one per rank
@@ -334,7 +353,7 @@ def main(argv=None, on_step=None) -> int:
     # Collectives wait one timeout longer than a peer's flags: a rank that gave up on a flag
     # reports it (and ends the job) before a collective on another rank would.
     heap_timeout = 2 * args.timeout
-    dtype = "bf16" if backend == "gpu" else args.dtype
+    dtype = "fp8" if run.precision == "fp8" else "bf16" if backend == "gpu" else args.dtype
     try:
         mine = (run_ranks_gpu if backend == "gpu" else run_rank)(comm, args, run, heap_timeout)
         watchdog.arrival_barrier(comm, "gather of results", heap_timeout)
@@ -365,7 +384,11 @@ def print_rows(args, backend, dtype, run, rows, ok):
     print(f"# {run.shape.describe()} R={run.num_ranks} backend={backend}{where} dtype={dtype} "
           f"routing={args.routing} seed={args.seed}")
     print(f"# policy {rows[0]['policy']}")
-    print(f"{'rank':>4} {'fwd_ms':>8} {'bwd_ms':>8} {'max_rel_err':>11} {'(array)':>14}  "
+    metric = "rel_rms_err" if dtype == "fp8" else "max_rel_err"
+    if dtype == "fp8":
+        print(f"# routed experts fp8 (e4m3, 1x128 / 128x128 scales), dispatch {run.dispatch_dtype}; "
+              f"err_rel_rms per array against the float64 reference on the bf16 inputs")
+    print(f"{'rank':>4} {'fwd_ms':>8} {'bwd_ms':>8} {metric:>11} {'(array)':>14}  "
           f"{'sha256(out)':<16}  {'sha256(grads)':<16}")
     for r in rows:
         print(f"{r['rank']:>4} {r['fwd_ms']:>8.2f} {r['bwd_ms']:>8.2f} {r['max_err']:>11.2e} "

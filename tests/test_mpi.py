@@ -52,7 +52,20 @@ def test_demo_checksums_equal_across_policies():
     assert other_seed[0][1] != a[0][1], "the checksum must depend on the data"
 
 
+def test_demo_fp8_prints_err_rel_rms_and_dispatch_dtype_moves_no_bit():
+    procs = {d: run_ranks(2, "-m", "mok_proto.demo", "--precision", "fp8", "--dispatch-dtype", d)
+             for d in ("bf16", "fp8")}
+    rows = {d: _demo_rows(p.stdout) for d, p in procs.items()}
+    assert sorted(rows["bf16"]) == [0, 1] and all("PASS" in p.stdout for p in procs.values())
+    assert "rel_rms_err" in procs["bf16"].stdout and "dispatch fp8" in procs["fp8"].stdout
+    assert rows["bf16"] == rows["fp8"]  # the same codes, whoever quantizes
+    # an FP8 layer's error is that of e4m3, far above bf16's and within the recipe's bound
+    from mok_proto.accuracy import ERR_REL_RMS_RECIPE
+    assert all(0.01 < err <= ERR_REL_RMS_RECIPE for err, _, _ in rows["bf16"].values())
+
+
 @pytest.mark.parametrize("args,message", [
+    (["--precision", "fp16"], "--precision and --dispatch-dtype must be one of"),
     (["--policy", "dispatch=sideways"], "dispatch must be push or pull"),
     (["--policy", "gather=pull"], "unknown operator 'gather'"),
     (["--shape", "huge"], "unknown preset 'huge'"),
