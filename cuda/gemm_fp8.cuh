@@ -3,8 +3,8 @@
 // gradients: both operands 1 x 128 along K = the expert's rows), the scales applied to fp32
 // accumulators in registers once per 128-deep k-block. The shape of gemm.cuh (read it first): a
 // producer warpgroup, a 4-stage TMA ring, two consumer warpgroups, clusters of two that share B by
-// multicast; its tile naming, ring helpers, gemm_setup, epilogues and scheduler are reused as they
-// are. Layouts of codes and scales: mok_proto/fp8.py (quantize_rows, quantize_blocks).
+// multicast; its tile naming, ring helpers, gemm_setup and epilogues are reused as they are.
+// Layouts of codes and scales: mok_proto/fp8.py (quantize_rows, quantize_blocks).
 //
 // Legend: as gemm.cuh. Hopper's FP8 wgmma takes only K-major operands: every A is [M, K] and every
 // B is [N, K], K contiguous (the weights' codes in the orientation each problem needs, the weight
@@ -178,55 +178,48 @@ __device__ __forceinline__ void load_stage_scales(const Fp8GemmParams* p, const 
   cp_async_arrive_noinc(bar);
 }
 
-// Warp 0 of the producer, after the wait for a free stage: lane 0 decides for the warp whether it
-// loads (gemm::previous_load_landed: after an error it may not, and then loads nothing more).
-__device__ __forceinline__ bool loader_may_load(SharedStorage& ss, const Ring& ring, int lane, bool ok) {
-  if (lane == 0 && ok) ok = gemm::previous_load_landed(ss, ring);
-  return __shfl_sync(0xffffffffu, ok, 0);
+// One stage of the ring: every producer thread waits for it to be free (as in gemm.cuh), then
+// warp 0 loads it, `load(bar, s_stage)` in every lane of it, unless lane 0 finds the stage's last
+// load not landed (gemm::previous_load_landed: only after an error; it then loads nothing more).
+template <class Load>
+__device__ __forceinline__ bool produce_stage(const Fp8GemmParams* p, SharedStorage& ss, Ring& ring, int problem,
+                                              int wg_tid, bool ok, Load load) {
+  if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, problem);
+  if (wg_tid < 32) {
+    if (wg_tid == 0 && ok) ok = gemm::previous_load_landed(ss, ring);
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    if (ok) {
+      load(&ss.full[ring.stage], smem_addr(ss.stages[ring.stage]));
+      if (wg_tid == 0) ring.loaded();
+    }
+  }
+  ring.advance();
+  return ok;
 }
 
-// The producer warpgroup, one tile: every thread waits for each free stage (as in gemm.cuh); warp 0
-// loads it. After a failed wait the warp loads nothing more and the consumers' waits fail too.
+// The producer warpgroup, one tile: its k-blocks (kDownBwd: then g and u of the tile, 64 columns a
+// stage, for the epilogue). After a failed wait warp 0 loads nothing more and the consumers' waits
+// fail too.
 template <int kP>
 __device__ __forceinline__ bool produce_tile(const Fp8GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
                                              int cta, int wg_tid, bool ok) {
-  using Tr = Traits<kP>;
-  const u32 s_base = smem_addr(ss.stages);
   const int lane = wg_tid & 31;
-  const bool loader = wg_tid < 32;
   for (int kb = 0; kb < tile.k_blocks; ++kb) {
-    if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
-    if (loader) {
-      ok = loader_may_load(ss, ring, lane, ok);
-      if (ok) {
-        u64* bar = &ss.full[ring.stage];
-        if (lane == 0) {
-          load_stage_tma<kP>(p, tile, kb, s_base + ring.stage * kStageBytes, bar, cta);
-          ring.loaded();
-        }
-        load_stage_scales<kP>(p, tile, kb, smem_addr(ss.scale_a[ring.stage]), smem_addr(ss.scale_b[ring.stage]), bar,
-                              lane);
-      }
-    }
-    ring.advance();
+    ok = produce_stage(p, ss, ring, kP, wg_tid, ok, [&](u64* bar, u32 s_stage) {
+      if (lane == 0) load_stage_tma<kP>(p, tile, kb, s_stage, bar, cta);
+      load_stage_scales<kP>(p, tile, kb, smem_addr(ss.scale_a[ring.stage]), smem_addr(ss.scale_b[ring.stage]), bar,
+                            lane);
+    });
   }
-  for (int c = 0; c < Tr::kAuxStages; ++c) {  // kDownBwd: g and u of this tile, 64 columns a stage
-    if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
-    if (loader) {
-      ok = loader_may_load(ss, ring, lane, ok);
-      if (ok) {
-        u64* bar = &ss.full[ring.stage];
-        if (lane == 0) {
-          const u32 s_a = s_base + ring.stage * kStageBytes;
-          mbar_arrive_expect_tx(bar, 2 * gemm::kAuxU);
-          tma_load_2d(s_a, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, bar);
-          tma_load_2d(s_a + gemm::kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, bar);
-          ring.loaded();
-        }
-        mbar_arrive(bar);  // no scales: the lanes' arrivals alone
+  for (int c = 0; c < Traits<kP>::kAuxStages; ++c) {
+    ok = produce_stage(p, ss, ring, kP, wg_tid, ok, [&](u64* bar, u32 s_stage) {
+      if (lane == 0) {
+        mbar_arrive_expect_tx(bar, 2 * gemm::kAuxU);
+        tma_load_2d(s_stage, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, bar);
+        tma_load_2d(s_stage + gemm::kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, bar);
       }
-    }
-    ring.advance();
+      mbar_arrive(bar);  // no scales: the lanes' arrivals alone
+    });
   }
   return ok;
 }
@@ -274,11 +267,7 @@ __device__ __forceinline__ void mma_half(float (&blk)[64], u32 s_a, int half) {
   for (int ks = 0; ks < kKBlock / 32; ++ks) {
     const u64 da = wgmma_desc(s_a + half * 64 * kKBlock + ks * 32, 16, 1024);
     const u64 db = wgmma_desc(s_a + kATileBytes + kHalfN * kHalfBytes + ks * 32, 16, 1024);
-    if (ks == 0) {
-      wgmma_m64n128k32_e4m3<false>(blk, da, db);
-    } else {
-      wgmma_m64n128k32_e4m3<true>(blk, da, db);
-    }
+    wgmma_m64n128k32_e4m3(blk, da, db, ks);  // the first of a k-block starts the sum (scale-d 0)
   }
   wgmma_commit();
   wgmma_wait<0>();
@@ -380,7 +369,7 @@ __device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, SharedStora
   const u32 s_base = smem_addr(ss.stages);
   const int lane = wg_tid & 31, row = half * 64 + (wg_tid >> 5) * 16 + (lane >> 2);  // this thread's rows: row, row + 8
   const bool unchanged = gemm::start_accumulators<kP>(p, tile, acc, half, wg_tid);
-  float blk[64];  // one n128 half of one k-block (dead between its promotion and the next MMA)
+  float blk[64] = {};  // one n128 half of one k-block (each k-block starts it with scale-d 0)
   for (int kb = 0; kb < tile.k_blocks; ++kb) {
     if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
     const u32 s_a = s_base + ring.stage * kStageBytes;
