@@ -246,6 +246,48 @@ static_assert(__builtin_offsetof(GemmParams, num_groups) == 0 && __builtin_offse
 
 }  // namespace mok::gemm
 
+namespace mok::gemm_fp8 {
+struct Fp8GemmParams {
+  i64          num_groups;  // El
+  i64          m;  // weight gradients: M (fixed); row problems: unused (M = T_e)
+  i64          n;  // N of every expert's problem
+  i64          k;  // row problems: K (fixed, a multiple of 128); weight gradients: unused (K = T_e)
+  i64          ldo;  // elements between output rows (bf16 or fp32); kGateUp: also the bytes between hq rows
+  i64          o_group_stride;  // elements between experts' outputs (weight gradients)
+  i64          k_split;  // kGateUpBwd: k < k_split reads a1/b1, else a2/b2 at k - k_split
+  i64          a_scale_stride;  // floats between rows of A's scales: row problems K_a / 128, weight gradients rows / 128
+  i64          b_scale_stride;  // floats between rows of B's scales: row problems K_b / 128 (128 x 128 blocks), weight gradients rows / 128
+  i64          b_scale_group_stride;  // row problems: floats between experts' B scales
+  i64          pow2;  // kGateUp: 1 quantizes h with power-of-two scales
+  i64          timeout_ns;  // every pipeline wait is bounded
+  i64          scale_a1;  // fp32 scales of the operands (row problems' A: [rows, K/128]; B: [E, N/128, K/128]; weight gradients': [M or N, rows/128])
+  i64          scale_a2;
+  i64          scale_b1;
+  i64          scale_b2;
+  i64          out1;  // output addresses (bf16 rows, fp32 weight gradients)
+  i64          out2;
+  i64          out3;
+  i64          out_codes;  // kGateUp: hq, e4m3 [rows, I] (h quantized 1 x 128)
+  i64          out_scales;  // kGateUp: hs, fp32 [rows, I / 128]
+  i64          row_scale;  // kDown: optional fp32 [rows] (0 = none)
+  i64          row_offsets;  // int32 [El]; weight gradients: multiples of 128 (no scale block straddles two experts)
+  i64          row_counts;  // int32 [El]
+  ErrorRecord* error;  // where a failed wait is reported
+  i64          tmap_a1;  // CUtensorMap addresses: codes in boxes of 128 rows x 128 bytes, 128B swizzle
+  i64          tmap_a2;
+  i64          tmap_b1;
+  i64          tmap_b2;
+  i64          tmap_aux1;  // kDownBwd: g, u (bf16) in boxes of 128 rows x 64 columns
+  i64          tmap_aux2;
+  i64          accumulate;  // weight gradients: 1 starts each tile from the stored output (a later turn's rows), 0 from 0
+};
+static_assert(sizeof(Fp8GemmParams) == 256, "Fp8GemmParams: size differs from mok_proto/abi.py");
+#ifndef __CUDACC_RTC__
+static_assert(__builtin_offsetof(Fp8GemmParams, num_groups) == 0 && __builtin_offsetof(Fp8GemmParams, m) == 8 && __builtin_offsetof(Fp8GemmParams, n) == 16 && __builtin_offsetof(Fp8GemmParams, k) == 24 && __builtin_offsetof(Fp8GemmParams, ldo) == 32 && __builtin_offsetof(Fp8GemmParams, o_group_stride) == 40 && __builtin_offsetof(Fp8GemmParams, k_split) == 48 && __builtin_offsetof(Fp8GemmParams, a_scale_stride) == 56 && __builtin_offsetof(Fp8GemmParams, b_scale_stride) == 64 && __builtin_offsetof(Fp8GemmParams, b_scale_group_stride) == 72 && __builtin_offsetof(Fp8GemmParams, pow2) == 80 && __builtin_offsetof(Fp8GemmParams, timeout_ns) == 88 && __builtin_offsetof(Fp8GemmParams, scale_a1) == 96 && __builtin_offsetof(Fp8GemmParams, scale_a2) == 104 && __builtin_offsetof(Fp8GemmParams, scale_b1) == 112 && __builtin_offsetof(Fp8GemmParams, scale_b2) == 120 && __builtin_offsetof(Fp8GemmParams, out1) == 128 && __builtin_offsetof(Fp8GemmParams, out2) == 136 && __builtin_offsetof(Fp8GemmParams, out3) == 144 && __builtin_offsetof(Fp8GemmParams, out_codes) == 152 && __builtin_offsetof(Fp8GemmParams, out_scales) == 160 && __builtin_offsetof(Fp8GemmParams, row_scale) == 168 && __builtin_offsetof(Fp8GemmParams, row_offsets) == 176 && __builtin_offsetof(Fp8GemmParams, row_counts) == 184 && __builtin_offsetof(Fp8GemmParams, error) == 192 && __builtin_offsetof(Fp8GemmParams, tmap_a1) == 200 && __builtin_offsetof(Fp8GemmParams, tmap_a2) == 208 && __builtin_offsetof(Fp8GemmParams, tmap_b1) == 216 && __builtin_offsetof(Fp8GemmParams, tmap_b2) == 224 && __builtin_offsetof(Fp8GemmParams, tmap_aux1) == 232 && __builtin_offsetof(Fp8GemmParams, tmap_aux2) == 240 && __builtin_offsetof(Fp8GemmParams, accumulate) == 248, "Fp8GemmParams: field offsets differ from mok_proto/abi.py");
+#endif
+
+}  // namespace mok::gemm_fp8
+
 namespace mok {
 struct TokenParams {
   i64          num_tokens;  // N

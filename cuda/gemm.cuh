@@ -42,6 +42,9 @@
 //   consume_tile    one consumer warpgroup's wgmma over one tile, then its epilogue
 //   run_tiles       both roles over the tiles a scheduler yields (`bool Tiles::next(int& t)`)
 //   StridedTiles    the standalone kernel's scheduler: cluster c takes t = c, c + clusters, ...
+// The tile naming (group_tile, tile_of), the ring helpers, gemm_setup and the epilogues are
+// templates over the params and shared-storage types, so gemm_fp8.cuh's FP8 tiles reuse them
+// (a type with the fields they read: GemmParams, mok::gemm_fp8::Fp8GemmParams).
 //
 // Per tile (BM x BN x K): 2 * BM * BN * K FLOPs; each CTA loads (BM + BN / 2) * K * 2 bytes and
 // receives BN / 2 * K * 2 more from its partner.
@@ -119,8 +122,8 @@ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; 
 // An m_tile past the last (a pair's second tile where the M tile count is odd) recomputes the one
 // before it and stores nothing. Every scheduler (StridedTiles here, a fused plan's tasks) names
 // its tiles through this.
-template <int kP>
-__device__ __forceinline__ Tile group_tile(const GemmParams* p, int group, int m_tile, int n_tile) {
+template <int kP, int kDepth = kBK, class Params>
+__device__ __forceinline__ Tile group_tile(const Params* p, int group, int m_tile, int n_tile) {
   using Tr = Traits<kP>;
   Tile tile;
   tile.group = group;
@@ -128,7 +131,7 @@ __device__ __forceinline__ Tile group_tile(const GemmParams* p, int group, int m
   tile.row0 = ptr<const int>(p->row_offsets)[group];
   tile.rows = ptr<const int>(p->row_counts)[group];
   const int m_tiles = Tr::kRowProblem ? ceil_div(tile.rows, kBM) : static_cast<int>(p->m) / kBM;
-  tile.k_blocks = Tr::kRowProblem ? static_cast<int>(p->k) / kBK : ceil_div(tile.rows, kBK);
+  tile.k_blocks = Tr::kRowProblem ? static_cast<int>(p->k) / kDepth : ceil_div(tile.rows, kDepth);
   tile.store = m_tile < m_tiles;
   tile.m0 = (tile.store ? m_tile : m_tile - 1) * kBM;
   return tile;
@@ -137,8 +140,8 @@ __device__ __forceinline__ Tile group_tile(const GemmParams* p, int group, int m
 // Pair tile t of this problem, as run by cluster CTA `cta`. Row problems: per expert
 // ceil(ceil(T_e / BM) / 2) pair rows x n tiles; pair_prefix holds the running count of pair rows.
 // Weight gradients: ceil((M / BM) / 2) pair rows x n tiles per expert.
-template <int kP>
-__device__ __forceinline__ Tile tile_of(const GemmParams* p, const int* pair_prefix, int t, int cta) {
+template <int kP, int kDepth = kBK, class Params>
+__device__ __forceinline__ Tile tile_of(const Params* p, const int* pair_prefix, int t, int cta) {
   const int n_tiles = static_cast<int>(p->n) / Traits<kP>::kTileN;
   if (Traits<kP>::kRowProblem) {
     const int mp = t / n_tiles;
@@ -147,11 +150,11 @@ __device__ __forceinline__ Tile tile_of(const GemmParams* p, const int* pair_pre
       const int mid = (lo + hi) / 2;
       if (pair_prefix[mid] <= mp) lo = mid; else hi = mid;
     }
-    return group_tile<kP>(p, lo, 2 * (mp - pair_prefix[lo]) + cta, t - mp * n_tiles);
+    return group_tile<kP, kDepth>(p, lo, 2 * (mp - pair_prefix[lo]) + cta, t - mp * n_tiles);
   }
   const int per_group = ceil_div(static_cast<int>(p->m) / kBM, 2) * n_tiles;
   const int group = t / per_group, r = t - group * per_group;
-  return group_tile<kP>(p, group, 2 * (r / n_tiles) + cta, r % n_tiles);
+  return group_tile<kP, kDepth>(p, group, 2 * (r / n_tiles) + cta, r % n_tiles);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -277,7 +280,8 @@ __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f
 
 // kDownBwd's epilogue of 8 consecutive columns of one row, at element offset `at` of dg and du:
 // f = dh there; g and u of those columns are read from the aux stage at `aux`.
-__device__ __forceinline__ void emit8_down_bwd(const GemmParams* p, i64 at, const float (&f)[8], const char* aux) {
+template <class Params>
+__device__ __forceinline__ void emit8_down_bwd(const Params* p, i64 at, const float (&f)[8], const char* aux) {
   float g[8], u[8], dg[8], du[8];
   unpack8(*reinterpret_cast<const uint4*>(aux), g);
   unpack8(*reinterpret_cast<const uint4*>(aux + kAuxU), u);
@@ -298,7 +302,8 @@ struct RowOut {
   bool valid;   // inside the expert (and the tile is stored)
 };
 
-__device__ __forceinline__ RowOut row_out(const GemmParams* p, const Tile& tile, int row_half, int half, int wg_tid) {
+template <class Params>
+__device__ __forceinline__ RowOut row_out(const Params* p, const Tile& tile, int row_half, int half, int wg_tid) {
   const int warp = wg_tid >> 5, lane = wg_tid & 31;
   RowOut r;
   r.row = half * 64 + warp * 16 + (lane >> 2) + row_half * 8;
@@ -328,8 +333,8 @@ __device__ __forceinline__ void stage_round(float* staging, const float (&acc)[1
 
 // kDownBwd, one round: row half kRowHalf of groups kGroup, kGroup + 1 (64 columns: one aux stage)
 // through the warp's two staging areas.
-template <int kRowHalf, int kGroup>
-__device__ __forceinline__ void store_down_bwd_round(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+template <int kRowHalf, int kGroup, class Params>
+__device__ __forceinline__ void store_down_bwd_round(const Params* p, const Tile& tile, const float (&acc)[128],
                                                      float* staging, int half, int wg_tid, const char* aux) {
   const int lane = wg_tid & 31;
   stage_round<kRowHalf, kGroup, kGroup + 1>(staging, acc, lane);
@@ -344,8 +349,8 @@ __device__ __forceinline__ void store_down_bwd_round(const GemmParams* p, const 
 
 // kDownBwd, both row halves of groups kGroup, kGroup + 1. (Whole 128-byte lines per store, as the
 // weight gradients do, are no faster here.)
-template <int kGroup>
-__device__ __forceinline__ void store_down_bwd_columns(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+template <int kGroup, class Params>
+__device__ __forceinline__ void store_down_bwd_columns(const Params* p, const Tile& tile, const float (&acc)[128],
                                                        float* staging, int half, int wg_tid, const char* aux) {
   store_down_bwd_round<0, kGroup>(p, tile, acc, staging, half, wg_tid, aux);
   store_down_bwd_round<1, kGroup>(p, tile, acc, staging, half, wg_tid, aux);
@@ -354,8 +359,8 @@ __device__ __forceinline__ void store_down_bwd_columns(const GemmParams* p, cons
 // Weight gradients (fp32 [M, N] per expert; only stored tiles get here), one round: row half
 // kRowHalf of group kGroup and of kSecond (kGateUpWgrad: the same columns of dWu; else the next
 // group) through the two staging areas, then whole 128-byte lines to the outputs.
-template <int kP, int kRowHalf, int kGroup>
-__device__ __forceinline__ void store_wgrad_round(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+template <int kP, int kRowHalf, int kGroup, class Params>
+__device__ __forceinline__ void store_wgrad_round(const Params* p, const Tile& tile, const float (&acc)[128],
                                                   float* staging, int half, int wg_tid) {
   using Tr = Traits<kP>;
   constexpr int kSecond = Tr::kDualB ? kGroup + 4 : kGroup + 1;
@@ -379,8 +384,8 @@ __device__ __forceinline__ void store_wgrad_round(const GemmParams* p, const Til
 // (the layout above: acc[4j + 2 rh + c] is row 16w + l/4 + 8 rh, column 8j + 2(l%4) + c; kGateUpWgrad's
 // j >= 16 are dWu's columns 8(j - 16) ..). The k-loop then goes on where an earlier launch over the
 // rows before these stopped, so rows split at a multiple of kBK give the bits of one launch.
-template <int kP>
-__device__ __forceinline__ void load_wgrad_accumulators(const GemmParams* p, const Tile& tile, float (&acc)[128],
+template <int kP, class Params>
+__device__ __forceinline__ void load_wgrad_accumulators(const Params* p, const Tile& tile, float (&acc)[128],
                                                         int half, int wg_tid) {
   constexpr bool kDual = Traits<kP>::kDualB;
   const int warp = wg_tid >> 5, lane = wg_tid & 31;
@@ -400,8 +405,8 @@ __device__ __forceinline__ void load_wgrad_accumulators(const GemmParams* p, con
   }
 }
 
-template <int kP, int kGroup>
-__device__ __forceinline__ void store_wgrad_columns(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+template <int kP, int kGroup, class Params>
+__device__ __forceinline__ void store_wgrad_columns(const Params* p, const Tile& tile, const float (&acc)[128],
                                                     float* staging, int half, int wg_tid) {
   store_wgrad_round<kP, 0, kGroup>(p, tile, acc, staging, half, wg_tid);
   store_wgrad_round<kP, 1, kGroup>(p, tile, acc, staging, half, wg_tid);
@@ -417,8 +422,8 @@ enum BlockOp : int { kCopy = 0, kScaleRows = 1, kSwiGLU = 2 };
 
 // Columns 64 kBlock .. +63 of the matrix whose 8-column block j sits at acc[4 (kJ0 + j) ...]; with
 // kSwiGLU, silu(that) * (the matrix at kJ0 + 16), i.e. h from g (columns 0..127) and u (128..255).
-template <int kBlock, int kJ0, int kOp>
-__device__ __forceinline__ void store_block_bf16(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+template <int kBlock, int kJ0, int kOp, class Params>
+__device__ __forceinline__ void store_block_bf16(const Params* p, const Tile& tile, const float (&acc)[128],
                                                  char* stg, int half, int wg_tid, i64 out, float scale0,
                                                  float scale1) {
   const int warp = wg_tid >> 5, lane = wg_tid & 31;
@@ -454,8 +459,8 @@ __device__ __forceinline__ void store_block_bf16(const GemmParams* p, const Tile
   }
 }
 
-template <int kP>
-__device__ __forceinline__ void store_tile_bf16(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+template <int kP, class Params>
+__device__ __forceinline__ void store_tile_bf16(const Params* p, const Tile& tile, const float (&acc)[128],
                                                 char* stg, int half, int wg_tid) {
   if (kP == kGateUp) {  // h (128 columns); g and u too where asked for
     store_block_bf16<0, 0, kSwiGLU>(p, tile, acc, stg, half, wg_tid, p->out1, 1.0f, 1.0f);
@@ -483,8 +488,8 @@ __device__ __forceinline__ void store_tile_bf16(const GemmParams* p, const Tile&
   }
 }
 
-template <int kP>
-__device__ __forceinline__ void store_tile(const GemmParams* p, const Tile& tile, const float (&acc)[128],
+template <int kP, class Params>
+__device__ __forceinline__ void store_tile(const Params* p, const Tile& tile, const float (&acc)[128],
                                            float* staging, int half, int wg_tid) {
   using Tr = Traits<kP>;
   static_assert(kP != kDownBwd, "kDownBwd's epilogue runs in consume_tile, with its aux stages");
@@ -530,7 +535,8 @@ static_assert(kStages <= 32, "Ring keeps a bit per stage");
 // a TMA copy is still writing into its shared memory (a launch failure).
 constexpr u64 kDrainNs = 1000000;
 
-__device__ __forceinline__ void drain_loads(SharedStorage& ss, const Ring& ring) {
+template <class Storage>
+__device__ __forceinline__ void drain_loads(Storage& ss, const Ring& ring) {
   for (int s = 0; s < kStages; ++s)
     if (ring.armed >> s & 1) mbar_drain(&ss.full[s], ring.armed_phase >> s & 1, kDrainNs);
 }
@@ -541,7 +547,8 @@ __device__ __forceinline__ void drain_loads(SharedStorage& ss, const Ring& ring)
 // a barrier whose phase is still open (its arrival already made) is undefined: seen as a
 // launch failure in the fused backward's wind-down. So it waits (at most kDrainNs) and, if the
 // load has still not landed, the producer loads nothing more.
-__device__ __forceinline__ bool previous_load_landed(SharedStorage& ss, const Ring& ring) {
+template <class Storage>
+__device__ __forceinline__ bool previous_load_landed(Storage& ss, const Ring& ring) {
   if (!(ring.armed >> ring.stage & 1)) return true;
   const int parity = ring.armed_phase >> ring.stage & 1;
   if (mbar_try_wait(&ss.full[ring.stage], parity)) return true;
@@ -552,7 +559,8 @@ __device__ __forceinline__ bool previous_load_landed(SharedStorage& ss, const Ri
 // One arrive per consumer warp on stage s's `empty` barrier in every CTA of the cluster (lane c
 // signals CTA c): the partner multicasts its half of B into this stage too. The warp's reads of
 // the stage (aux stages: every lane's) are done first.
-__device__ __forceinline__ void release_stage(SharedStorage& ss, int s, int wg_tid) {
+template <class Storage>
+__device__ __forceinline__ void release_stage(Storage& ss, int s, int wg_tid) {
   __syncwarp();
   if ((wg_tid & 31) < kCluster) mbar_arrive_cluster(&ss.empty[s], wg_tid & 31);
 }
@@ -561,13 +569,13 @@ __device__ __forceinline__ void release_stage(SharedStorage& ss, int s, int wg_t
 // Returns the number of pair tiles (0 if an error was already recorded: an earlier launch's, on a
 // shared record; decided once by cta 0 for both CTAs so that neither loads into a partner that
 // left).
-template <int kP>
-__device__ __forceinline__ int gemm_setup(const GemmParams* p, SharedStorage& ss, int cta) {
+template <int kP, int kFullArrivals = 1, class Params, class Storage>
+__device__ __forceinline__ int gemm_setup(const Params* p, Storage& ss, int cta) {
   using Tr = Traits<kP>;
   const int num_groups = static_cast<int>(p->num_groups);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&ss.full[s], 1);  // the producer's arrive with the TMA byte count
+      mbar_init(&ss.full[s], kFullArrivals);  // the producer's arrive(s), one with the TMA byte count
       mbar_init(&ss.empty[s], kCluster * kConsumerWarps);  // every consumer warp of both CTAs
     }
     fence_mbarrier_init_cluster();
@@ -631,6 +639,44 @@ __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage&
   return ok;
 }
 
+// The accumulators a tile starts from: zeros, or (a weight gradient with GemmParams::accumulate) its
+// stored output. True where the tile must stay as it is: an accumulating weight gradient with no
+// rows here adds nothing.
+template <int kP, class Params>
+__device__ __forceinline__ bool start_accumulators(const Params* p, const Tile& tile, float (&acc)[128], int half,
+                                                   int wg_tid) {
+  using Tr = Traits<kP>;
+  const bool unchanged = !Tr::kRowProblem && p->accumulate && tile.rows == 0;
+  if (!Tr::kRowProblem && p->accumulate && tile.store && !unchanged) {
+    load_wgrad_accumulators<kP>(p, tile, acc, half, wg_tid);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  }
+  return unchanged;
+}
+
+// kDownBwd's epilogue after a tile's k-blocks: one ring stage of g, u per 64 columns (every tile,
+// stored or not, so that the ring stays in step with the producer's aux stages).
+template <int kP, class Params, class Storage>
+__device__ __forceinline__ bool store_down_bwd_tile(const Params* p, Storage& ss, Ring& ring, const Tile& tile,
+                                                    const float (&acc)[128], float* staging, int half, int wg_tid,
+                                                    bool ok) {
+  auto aux_stage = [&]() {
+    if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmAux, kP);
+    return ss.stages[ring.stage];
+  };
+  auto next = [&]() {
+    release_stage(ss, ring.stage, wg_tid);
+    ring.advance();
+  };
+  store_down_bwd_columns<0>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+  store_down_bwd_columns<2>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+  store_down_bwd_columns<4>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+  store_down_bwd_columns<6>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+  return ok;
+}
+
 // Consumer warpgroup `half` (rows 64 half .. 64 half + 63), one tile: waits for loaded stages,
 // issues wgmma into `acc`, hands each stage back to the producers of both CTAs, runs the epilogue
 // through this warp's `staging` areas. After a failed wait (timeout, or an error recorded
@@ -641,14 +687,7 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
                                              float (&acc)[128], float* staging, int half, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
   const u32 s_base = smem_addr(ss.stages);
-  // An accumulating weight gradient with no rows here adds nothing: its stored tile stays as it is.
-  const bool unchanged = !Tr::kRowProblem && p->accumulate && tile.rows == 0;
-  if (!Tr::kRowProblem && p->accumulate && tile.store && !unchanged) {
-    load_wgrad_accumulators<kP>(p, tile, acc, half, wg_tid);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-  }
+  const bool unchanged = start_accumulators<kP>(p, tile, acc, half, wg_tid);
   int prev = -1;
   for (int kb = 0; kb < tile.k_blocks; ++kb) {
     if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
@@ -666,19 +705,8 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
   wgmma_wait<0>();
   fence_accumulators(acc);
   if (prev >= 0) release_stage(ss, prev, wg_tid);
-  if constexpr (Tr::kAuxStages > 0) {  // one ring stage per 64 columns (every tile, stored or not)
-    auto aux_stage = [&]() {
-      if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmAux, kP);
-      return ss.stages[ring.stage];
-    };
-    auto next = [&]() {
-      release_stage(ss, ring.stage, wg_tid);
-      ring.advance();
-    };
-    store_down_bwd_columns<0>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
-    store_down_bwd_columns<2>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
-    store_down_bwd_columns<4>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
-    store_down_bwd_columns<6>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+  if constexpr (Tr::kAuxStages > 0) {
+    ok = store_down_bwd_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
   } else if (tile.store && !unchanged) {
     store_tile<kP>(p, tile, acc, staging, half, wg_tid);
   }

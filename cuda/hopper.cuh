@@ -1,6 +1,6 @@
 // Hopper (sm_90a) primitives for the GEMM tiles: shared-memory addresses, mbarriers with bounded
-// waits, TMA and bulk copies, wgmma descriptors (128-byte swizzle) and the m64n256k16 bf16 MMA,
-// bf16 packing. Header-only, no standard headers (NVRTC).
+// waits, TMA and bulk copies, wgmma descriptors (128-byte swizzle), the m64n256k16 bf16 and
+// m64n128k32 e4m3 MMAs, bf16 packing. Header-only, no standard headers (NVRTC).
 #pragma once
 #include "common.cuh"
 
@@ -137,6 +137,19 @@ __device__ __forceinline__ void st_cluster_u32(const void* p, u32 cta, u32 value
       : "memory");
 }
 
+// Loads from a shared-memory address (32-bit: a generic pointer into shared memory costs a 64-bit
+// register pair and a generic load). Volatile: never moved above the barrier wait before them.
+__device__ __forceinline__ float ld_shared_f32(u32 addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ float2 ld_shared_f32x2(u32 addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
 // 16 zero bytes at a shared-memory address (16-byte aligned).
 __device__ __forceinline__ void st_shared_zero16(u32 addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0) : "memory");
@@ -148,6 +161,12 @@ __device__ __forceinline__ void st_shared_zero16(u32 addr) {
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+// One arrival on a local mbarrier (release at CTA scope: this thread's earlier shared-memory
+// stores are seen by a thread whose wait sees the phase complete).
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
 __device__ __forceinline__ void tma_load_2d(u32 dst, i64 tensor_map, int c0, int c1, u64* bar) {
@@ -167,6 +186,22 @@ __device__ __forceinline__ void tma_load_2d_multicast(u32 dst, i64 tensor_map, i
       "l"(tensor_map), "r"(c0), "r"(c1), "r"(smem_addr(bar)), "h"(cta_mask)
       : "memory");
 }
+
+// cp.async: 4 bytes global -> shared without holding them in registers. src_bytes 0 reads nothing
+// and writes 4 zero bytes (src must still be a global address).
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, u32 src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// One arrival of this thread on `bar`'s current phase once every cp.async it issued before has
+// landed (noinc: the barrier's expected count includes this arrival). A waiter that sees the
+// phase complete sees those copies.
+__device__ __forceinline__ void cp_async_arrive_noinc(u64* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Every cp.async this thread issued has landed (before its CTA may leave).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // NOTE: plain shared-memory stores go through the generic proxy, wgmma and bulk copies read through
 // the async proxy (TMA writes through it too): a thread that wrote shared memory that an async-proxy
@@ -216,6 +251,26 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], u64 desc_a, u6
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTA), "n"(kTB));
 }
 
+// D[64x128] (+)= A[64x32] * B[32x128], e4m3 in, fp32 accumulate; scale_d 0: D = A * B. FP8 wgmma
+// has no transpose operands: both A and B are K-major in shared memory (a k32 step is 32 bytes of
+// a 128-byte row). (The tensor cores' accumulation of FP8 products is not IEEE fp32: gemm_fp8.cuh
+// adds each k-block's result into fp32 registers.)
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], u64 desc_a, u64 desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
 // Four 8x8 bf16 matrices to shared memory: lane l gives the address of row l % 8 of matrix l / 8;
 // v[i] is this lane's element pair of matrix i in the mma fragment layout (row l / 4, columns
 // 2 (l % 4), +1), which is the layout of a wgmma accumulator's 8-column block.
@@ -226,9 +281,10 @@ __device__ __forceinline__ void stmatrix_x4(u32 addr, const u32 (&v)[4]) {
 }
 
 // Keep the accumulators in registers across the asynchronous MMA (no spill, no reordering).
-__device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
+template <int kN>
+__device__ __forceinline__ void fence_accumulators(float (&d)[kN]) {
 #pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 }  // namespace mok

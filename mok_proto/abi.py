@@ -364,6 +364,46 @@ GEMM_PARAMS = Struct("GemmParams", (
     ("i64", "accumulate", "weight gradients: 1 starts each tile from the stored output (a later turn's rows), 0 from 0"),
 ), namespace="mok::gemm")
 
+# The grouped FP8 GEMMs (cuda/gemm_fp8.cuh): e4m3 codes with fp32 block scales (layouts:
+# mok_proto/fp8.py), every operand K-major. The fields named as in GemmParams mean the same there
+# (gemm.cuh's tile naming and epilogues read them).
+FP8_GEMM_PARAMS = Struct("Fp8GemmParams", (
+    ("i64", "num_groups", "El"),
+    ("i64", "m", "weight gradients: M (fixed); row problems: unused (M = T_e)"),
+    ("i64", "n", "N of every expert's problem"),
+    ("i64", "k", "row problems: K (fixed, a multiple of 128); weight gradients: unused (K = T_e)"),
+    ("i64", "ldo", "elements between output rows (bf16 or fp32); kGateUp: also the bytes between hq rows"),
+    ("i64", "o_group_stride", "elements between experts' outputs (weight gradients)"),
+    ("i64", "k_split", "kGateUpBwd: k < k_split reads a1/b1, else a2/b2 at k - k_split"),
+    ("i64", "a_scale_stride", "floats between rows of A's scales: row problems K_a / 128, weight gradients rows / 128"),
+    ("i64", "b_scale_stride", "floats between rows of B's scales: row problems K_b / 128 (128 x 128 blocks), "
+                              "weight gradients rows / 128"),
+    ("i64", "b_scale_group_stride", "row problems: floats between experts' B scales"),
+    ("i64", "pow2", "kGateUp: 1 quantizes h with power-of-two scales"),
+    ("i64", "timeout_ns", "every pipeline wait is bounded"),
+    ("i64", "scale_a1", "fp32 scales of the operands (row problems' A: [rows, K/128]; B: [E, N/128, K/128]; "
+                        "weight gradients': [M or N, rows/128])"),
+    ("i64", "scale_a2", ""),
+    ("i64", "scale_b1", ""),
+    ("i64", "scale_b2", ""),
+    ("i64", "out1", "output addresses (bf16 rows, fp32 weight gradients)"),
+    ("i64", "out2", ""),
+    ("i64", "out3", ""),
+    ("i64", "out_codes", "kGateUp: hq, e4m3 [rows, I] (h quantized 1 x 128)"),
+    ("i64", "out_scales", "kGateUp: hs, fp32 [rows, I / 128]"),
+    ("i64", "row_scale", "kDown: optional fp32 [rows] (0 = none)"),
+    ("i64", "row_offsets", "int32 [El]; weight gradients: multiples of 128 (no scale block straddles two experts)"),
+    ("i64", "row_counts", "int32 [El]"),
+    ("ErrorRecord*", "error", "where a failed wait is reported"),
+    ("i64", "tmap_a1", "CUtensorMap addresses: codes in boxes of 128 rows x 128 bytes, 128B swizzle"),
+    ("i64", "tmap_a2", ""),
+    ("i64", "tmap_b1", ""),
+    ("i64", "tmap_b2", ""),
+    ("i64", "tmap_aux1", "kDownBwd: g, u (bf16) in boxes of 128 rows x 64 columns"),
+    ("i64", "tmap_aux2", ""),
+    ("i64", "accumulate", "weight gradients: 1 starts each tile from the stored output (a later turn's rows), 0 from 0"),
+), namespace="mok::gemm_fp8")
+
 TOKEN_PARAMS = Struct("TokenParams", (
     ("i64", "num_tokens", "N"),
     ("i64", "top_k", "K"),
@@ -457,8 +497,8 @@ QUANT_PARAMS = Struct("QuantParams", (
     ("i64", "scales_t", "quantize_blocks: fp32 [batch, cols / B, rows / B], the transposed scales; 0: none"),
 ), namespace="mok::fp8")
 
-STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, TOKEN_PARAMS, TASK, COUNTER, FUSED_PARAMS, TRACE_RECORD,
-           QUANT_PARAMS)
+STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, FP8_GEMM_PARAMS, TOKEN_PARAMS, TASK, COUNTER, FUSED_PARAMS,
+           TRACE_RECORD, QUANT_PARAMS)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,14 +1,16 @@
 """CPU checks of the kernel layer: every registered kernel compiles with the local nvcc for each
 architecture its module is written for (the ABI itself: tests/test_abi.py)."""
 
+import re
 import shutil
 import subprocess
 
 import pytest
 
-from mok_proto.kernels import build, comm, fp8, fused, gemm, token  # noqa: F401 - registers the modules
+from mok_proto.kernels import build, comm, fp8, fused, gemm, gemm_fp8, token  # noqa: F401 - registers the modules
 
 NVCC = shutil.which("nvcc")
+SPILL_FREE = ("gemm.cuh", "gemm_fp8.cuh")  # the standalone GEMM tiles: ptxas -v must show no spills
 
 
 def _modules():
@@ -33,6 +35,9 @@ def test_every_kernel_compiles_with_nvcc(tmp_path, header, arch):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "out.o").stat().st_size > 0
     assert "Used" in proc.stderr  # ptxas reported registers for the kernels
+    if header in SPILL_FREE:  # their register budgets (setmaxnreg) are chosen so that nothing spills
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
+        assert spills and all(s == ("0", "0") for s in spills), f"{header} spills registers: {spills}"
 
 
 def test_source_digest_covers_the_header_and_its_includes(tmp_path, monkeypatch):

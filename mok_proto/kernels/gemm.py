@@ -45,15 +45,17 @@ _TMAPS: dict = {}  # device tensor maps by (address, dims, box), most recent las
 _SITE_RECORDS: dict = {}  # (device, problem) -> the wrapper's own error record
 
 
-def smem_bytes() -> int:
+def smem_bytes(module=None, namespace: str = "mok::gemm") -> int:
     """Dynamic shared memory of a launch: sizeof(SharedStorage) + alignment slack, as the compiled
-    header computes it (kSmemBytes, written by export_sizes)."""
-    return MODULE.read_sizes("mok::gemm::export_sizes", 1)[0]
+    header computes it (kSmemBytes, written by export_sizes). module, namespace: another family of
+    grouped GEMMs (kernels/gemm_fp8.py)."""
+    return (module or MODULE).read_sizes(f"{namespace}::export_sizes", 1)[0]
 
 
 def site_record(problem: str) -> ErrorRecord:
     """The error record a wrapper uses when the caller gives none (one per problem and device; it
-    keeps an error until cleared, so a failure is never silently overwritten)."""
+    keeps an error until cleared, so a failure is never silently overwritten). `problem`: the
+    wrapper's name (gemm_fp8's are prefixed "fp8 ")."""
     import cupy
 
     key = (cupy.cuda.runtime.getDevice(), problem)
@@ -66,7 +68,7 @@ def site_record(problem: str) -> ErrorRecord:
 def _check(name, a, shape, kind):
     if tuple(a.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
-    ok = {"bf16": (np.uint16, np.int16), "f32": (np.float32,), "i32": (np.int32,)}[kind]
+    ok = {"bf16": (np.uint16, np.int16), "f32": (np.float32,), "i32": (np.int32,), "u8": (np.uint8,)}[kind]
     if a.dtype not in ok:
         raise ValueError(f"{name}: expected {kind} ({', '.join(np.dtype(d).name for d in ok)}), got {a.dtype}")
     if not a.flags.c_contiguous:
@@ -91,37 +93,45 @@ def _launch(problem, error: ErrorRecord | None, pack_only: bool = False, **field
     """Pack GemmParams, launch one persistent grid, return the error record it reports into.
     pack_only: launch nothing, return the packed host struct (uint64 words) instead: the fused
     layer runs the same problem's tiles inside its own kernel (kernels/fused.py)."""
+    return launch_grouped(MODULE, "mok::gemm", abi.GEMM_PARAMS, problem, problem, error, pack_only, fields)
+
+
+def launch_grouped(module, namespace: str, struct, problem: str, site: str, error: ErrorRecord | None,
+                   pack_only: bool, fields: dict):
+    """One persistent grid of `namespace`::grouped_gemm<problem> (a grouped-GEMM family: this
+    module's, or gemm_fp8's) with its params `struct` packed from `fields`; `site`: the wrapper's
+    own error record's name. Returns the error record, or with pack_only the packed host struct."""
     import cupy
 
-    error = error if error is not None else site_record(problem)
-    fields = {**{name: 0 for name in abi.GEMM_PARAMS.names}, "timeout_ns": TIMEOUT_NS, **fields,
-              "error": error.ptr}
-    host = abi.GEMM_PARAMS.pack(fields)
+    error = error if error is not None else site_record(site)
+    fields = {**{name: 0 for name in struct.names}, "timeout_ns": TIMEOUT_NS, **fields, "error": error.ptr}
+    host = struct.pack(fields)
     if pack_only:
         return host
-    key = (problem,) + tuple(int(v) for v in host)
+    key = (namespace, problem) + tuple(int(v) for v in host)
     params = _PARAMS.pop(key, None)
     if params is None:  # a host -> device copy only the first time these arguments are seen
         params = cupy.asarray(host)
         if len(_PARAMS) >= CACHE_ENTRIES:
             _PARAMS.pop(next(iter(_PARAMS)))
     _PARAMS[key] = params
-    kernel = MODULE.function(f"mok::gemm::grouped_gemm<{PROBLEMS.index(problem)}>")
-    smem = smem_bytes()
+    kernel = module.function(f"{namespace}::grouped_gemm<{PROBLEMS.index(problem)}>")
+    smem = smem_bytes(module, namespace)
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
-    clusters = resident_clusters(kernel)
+    clusters = resident_clusters(kernel, smem=smem)
     if MAX_CLUSTERS is not None:
         clusters = min(clusters, max(1, int(MAX_CLUSTERS)))
     kernel((clusters * CLUSTER,), (THREADS,), (params,), shared_mem=smem)
     return error
 
 
-def resident_clusters(kernel, strict: bool = False) -> int:
+def resident_clusters(kernel, strict: bool = False, smem: int | None = None) -> int:
     """How many clusters of this kernel the GPU runs at once (asked of the driver once per kernel;
     the SM count halved if it cannot say): the persistent grid never waits for a second wave.
     strict: raise instead of guessing (a kernel whose CTAs wait for each other would hang, up to
-    its timeouts, on a wrong guess)."""
+    its timeouts, on a wrong guess). smem: the launch's dynamic shared memory (default: this
+    module's grouped_gemm's)."""
     handle = kernel.kernel.ptr
     if strict and _CLUSTERS.get(handle, 0) == 0:
         _CLUSTERS.pop(handle, None)
@@ -133,7 +143,7 @@ def resident_clusters(kernel, strict: bool = False) -> int:
             config = cu.CUlaunchConfig()
             config.gridDimX, config.gridDimY, config.gridDimZ = num_sms() // CLUSTER * CLUSTER, 1, 1
             config.blockDimX, config.blockDimY, config.blockDimZ = THREADS, 1, 1
-            config.sharedMemBytes = smem_bytes()
+            config.sharedMemBytes = smem if smem is not None else smem_bytes()
             err, clusters = cu.cuOccupancyMaxActiveClusters(cu.CUfunction(handle), config)
             if err != cu.CUresult.CUDA_SUCCESS:
                 clusters = 0
@@ -146,19 +156,21 @@ def resident_clusters(kernel, strict: bool = False) -> int:
     return _CLUSTERS[handle]
 
 
-def tensor_map(array, inner: int, outer: int, box_inner: int, box_outer: int):
-    """A TMA descriptor (CUtensorMap, 128 bytes in device memory) for the row-major bf16 2-D view
-    [outer, inner] of `array`, boxes of [box_outer, box_inner], 128-byte swizzle. Cached by
-    (address, dims, box): encoding and uploading happen once per buffer."""
+def tensor_map(array, inner: int, outer: int, box_inner: int, box_outer: int, dtype: str = "bf16"):
+    """A TMA descriptor (CUtensorMap, 128 bytes in device memory) for the row-major 2-D view
+    [outer, inner] of `array` (elements: "bf16", or "u8" for e4m3 codes), boxes of
+    [box_outer, box_inner], 128-byte swizzle. Cached by (address, dims, box, dtype): encoding and
+    uploading happen once per buffer."""
     import cupy
     from cuda.bindings import driver as cu
 
-    key = (array.data.ptr, inner, outer, box_inner, box_outer)
+    key = (array.data.ptr, inner, outer, box_inner, box_outer, dtype)
     dev = _TMAPS.pop(key, None)
     if dev is None:
+        kind, size = {"bf16": ("BFLOAT16", 2), "u8": ("UINT8", 1)}[dtype]
         err, tmap = cu.cuTensorMapEncodeTiled(
-            cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, array.data.ptr,
-            [cu.cuuint64_t(inner), cu.cuuint64_t(outer)], [cu.cuuint64_t(inner * 2)],
+            getattr(cu.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{kind}"), 2, array.data.ptr,
+            [cu.cuuint64_t(inner), cu.cuuint64_t(outer)], [cu.cuuint64_t(inner * size)],
             [cu.cuuint32_t(box_inner), cu.cuuint32_t(box_outer)], [cu.cuuint32_t(1), cu.cuuint32_t(1)],
             cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
             cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B, cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

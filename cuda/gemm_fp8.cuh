@@ -1,0 +1,459 @@
+// Grouped FP8 GEMMs of the expert FFNs on Hopper, block-scaled as DeepSeek-V3 trains: e4m3 codes,
+// one fp32 scale per 1 x 128 activation block along K and per 128 x 128 weight block (the weight
+// gradients: both operands 1 x 128 along K = the expert's rows), the scales applied to fp32
+// accumulators in registers once per 128-deep k-block. The shape of gemm.cuh (read it first): a
+// producer warpgroup, a 4-stage TMA ring, two consumer warpgroups, clusters of two that share B by
+// multicast; its tile naming, ring helpers, gemm_setup and epilogues are reused as they are.
+// Layouts of codes and scales: mok_proto/fp8.py (quantize_rows, quantize_blocks).
+//
+// Legend: as gemm.cuh. Hopper's FP8 wgmma takes only K-major operands: every A is [M, K] and every
+// B is [N, K], K contiguous (the weights' codes in the orientation each problem needs, the weight
+// gradients' operands quantized transposed).
+//
+//   problem       C per tile        A [M,K] (1x128 scales)   B [N,K] (scales)                     K     epilogue
+//   kGateUp       [T_e, I] g|u      xq [rows,H]              Wg^T|Wu^T [E,I,H] (128x128)          H     h, g, u bf16; hq, hs
+//   kDown         [T_e, H]          hq [rows,I]              Wd^T [E,H,I] (128x128)               I     y = s_row acc, bf16
+//   kDownBwd      [T_e, I]          dyq [rows,H]             Wd [E,I,H] (128x128)                 H     dg, du bf16
+//   kGateUpBwd    [T_e, H]          dgq|duq [rows,I]         Wg|Wu [E,H,I] (128x128)              2I    dx bf16
+//   kDownWgrad    [I, H]            h^T [I,rows]             dy^T [H,rows] (1x128)                T_e   dWd fp32
+//   kGateUpWgrad  [H, I] x 2        x^T [H,rows]             dg^T|du^T [I,rows] (1x128)           T_e   dWg, dWu fp32
+//
+// The arithmetic, per output element (m, n), k-blocks kb = 0, 1, ... in increasing order
+// (mok_proto/reference_fp8.py scaled_matmul is its NumPy mirror):
+//     block = sum over the kb's 128 k of A[m, k] B[n, k]    4 wgmma k32 into a temporary (scale-d 0 first)
+//     acc   = __fmaf_rn(block, __fmul_rn(sa[m, kb], sb[n, kb]), acc)
+// with sb the 128 x 128 block's scale in the row problems. The tensor cores sum a k-block's FP8
+// products with less than fp32's precision; promoting every 128 k into fp32 registers bounds that.
+//
+// Tile: BM = 128 rows (64 per consumer warpgroup) x BN = 256 columns (dual problems: 128 of each
+// matrix) x 128 k a stage (one scale block; 128 bytes of e4m3 = one 128B-swizzle row). A
+// consumer warpgroup holds the 128 result accumulators of gemm.cuh's m64n256 layout and a 64-register
+// temporary: per k-block it runs the 4 m64n128k32 MMAs of one n128 half, waits, promotes, then the
+// other half; the other warpgroup's MMAs keep the tensor cores busy meanwhile.
+// Scales: the scale arrays' layouts allow no TMA box (a tile's scales are strided), so the lanes of
+// the producer's warp 0 copy the stage's scales with cp.async (sa of the tile's 128 rows; sb: the
+// two n128 halves' block scales, or the weight gradients' 256 column scales) into shared memory
+// beside the ring; the stage's `full` barrier counts lane 0's arrive with the TMA byte count and
+// one arrival per lane once its copies have landed (cp.async.mbarrier.arrive.noinc). Rows past an
+// expert's end get scale 0 in the row problems (their codes may be NaN: those rows are never stored).
+// Weight gradients: K = the expert's rows; expert segments start at multiples of 128 rows (the
+// caller's layout), so k-block kb of expert e is scale block row0 / 128 + kb of [*, rows / 128]
+// and no scale block straddles two experts. The consumers zero the k bytes of the last, partial
+// k-block that lie past the expert's end in both operands (zero_tail_k), whatever codes the gap
+// holds (NaN codes included). One CTA owns an output tile and sums K in order: deterministic.
+// kGateUp's h: h = silu(g) * u as gemm.cuh computes it, rounded to bf16 and stored; hq, hs are the
+// 1 x 128 quantization of that bf16 h (this tile's 128 columns of a row are one block), equal bit
+// for bit to fp8.quantize_rows of the stored h (cuda/fp8.cuh's block_scale and quantize4).
+//
+// Building blocks (as gemm.cuh): SharedStorage, load_stage_tma / load_stage_scales, produce_tile,
+// consume_tile, run_tiles<kP, Tiles>; tile naming gemm::tile_of<kP, kKBlock>, ring gemm::Ring;
+// SharedCountTiles, the standalone kernel's scheduler. The kernel: grouped_gemm<kP>, kP a
+// gemm::Problem (the fp8 module's problems are the bf16 module's, with FP8 operands).
+//
+// Per tile (BM x BN x K): 2 * BM * BN * K FLOPs; each CTA loads (BM + BN / 2) * K code bytes and
+// (BM + BN) * 4 (row problems: BM * 4 + 8) scale bytes per 128 k, and receives BN / 2 * K from its
+// partner.
+#pragma once
+#include "fp8.cuh"
+#include "gemm.cuh"
+
+namespace mok {
+namespace gemm_fp8 {
+
+using gemm::kBM;
+using gemm::kBN;
+using gemm::kCluster;
+using gemm::kConsumerWarps;
+using gemm::kDown;
+using gemm::kDownBwd;
+using gemm::kDownWgrad;
+using gemm::kGateUp;
+using gemm::kGateUpBwd;
+using gemm::kGateUpWgrad;
+using gemm::kMaxGroups;
+using gemm::kStages;
+using gemm::kStagingFloats;
+using gemm::kThreads;
+using gemm::ptr;
+using gemm::Ring;
+using gemm::Tile;
+using gemm::Traits;
+
+constexpr int kKBlock = fp8::kQuantBlock;       // k depth of a stage: one scale block, 128 bytes of codes
+constexpr int kATileBytes = kBM * kKBlock;      // 16 KB
+constexpr int kHalfBytes = 128 * kKBlock;       // one n128 half of the B tile: 16 KB
+constexpr int kBTileBytes = 2 * kHalfBytes;     // 32 KB
+constexpr int kStageBytes = kATileBytes + kBTileBytes;
+constexpr int kFullArrivals = 33;  // producer warp 0: lane 0's arrive with the TMA bytes, then one per lane
+static_assert(kBN == 256 && kBM == 128, "the tile is two n128 halves of B over two 64-row consumer halves");
+static_assert(kKBlock == 128, "a k-block is one 128-byte swizzle row of e4m3 codes");
+static_assert(kStagingFloats * 4 >= 16 * kKBlock, "a staging area holds a warp's 16 rows of 128 codes");
+
+// Registers per thread after setmaxnreg (gemm.cuh): a consumer holds 128 accumulators and a
+// 64-register temporary. ptxas -v (nvcc): no spills in any grouped_gemm<kP> with 64 / 216; the
+// allocation is not monotonic in these numbers (72 / 216 and 56 / 224 spill a few bytes).
+constexpr int kProducerRegs = 64;
+constexpr int kConsumerRegs = 216;
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * gemm::kLaunchRegs, "over the CTA's registers");
+
+// Shared memory of one CTA (the kernel aligns the base up to 1024 bytes: a launch asks sizeof + 1024).
+struct SharedStorage {
+  char stages[kStages][kStageBytes];              // the ring: A codes, then B codes (or aux g, u)
+  float staging[kConsumerWarps][kStagingFloats];  // epilogue staging, 2 KB per warp
+  float scale_a[kStages][kBM];                    // each stage's A scales, one per tile row
+  float scale_b[kStages][kBN];                    // B's: [0], [1] per n128 half (row problems); per column
+  u64 full[kStages];                              // producer warp 0 -> consumers: stage loaded
+  u64 empty[kStages];                             // consumers (both CTAs) -> producers: stage free
+  int abort;                                      // set in both CTAs by cta 0: skip every tile
+  int num_tiles;                                  // the standalone kernel's pair tiles (SharedCountTiles)
+  int pair_prefix[kMaxGroups + 1];                // row problems: pair rows before expert g
+};
+constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
+static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block may have on sm_90");
+
+// ---------------------------------------------------------------------------------------------
+// Producer: one stage's codes (lane 0 of warp 0, TMA) and scales (every lane of warp 0)
+// ---------------------------------------------------------------------------------------------
+// A [128 rows x 128 k] into this CTA; B half `cta` [128 rows x 128 k] into both CTAs of the
+// cluster (the partner loads the other half). Row problems: B is expert `group`'s [N, K] matrix
+// (rows group * N + n), dual (kGateUp): half h is matrix h at the tile's 128 columns. Weight
+// gradients: A = X^T [M, rows], B = Y^T [N, rows] at k = the expert's rows row0 + k0 ..
+template <int kP>
+__device__ __forceinline__ void load_stage_tma(const Fp8GemmParams* p, const Tile& tile, int kb, u32 s_a, u64* bar,
+                                               int cta) {
+  using Tr = Traits<kP>;
+  constexpr unsigned short kBoth = (1u << kCluster) - 1;
+  const int k0 = kb * kKBlock;
+  const u32 s_b = s_a + kATileBytes + cta * kHalfBytes;
+  mbar_arrive_expect_tx(bar, kStageBytes);
+  if (Tr::kRowProblem) {
+    const bool second = kP == kGateUpBwd && k0 >= p->k_split;  // dx: dg/Wg, then du/Wu
+    const int k_in = second ? k0 - static_cast<int>(p->k_split) : k0;
+    tma_load_2d(s_a, second ? p->tmap_a2 : p->tmap_a1, k_in, tile.row0 + tile.m0, bar);
+    const i64 b_map = (Tr::kDualB ? cta : second) ? p->tmap_b2 : p->tmap_b1;
+    const int n_row = tile.group * static_cast<int>(p->n) + tile.n0 + (Tr::kDualB ? 0 : 128 * cta);
+    tma_load_2d_multicast(s_b, b_map, k_in, n_row, bar, kBoth);
+  } else {
+    const int k_row = tile.row0 + k0;
+    tma_load_2d(s_a, p->tmap_a1, k_row, tile.m0, bar);
+    const i64 b_map = Tr::kDualB && cta ? p->tmap_b2 : p->tmap_b1;
+    tma_load_2d_multicast(s_b, b_map, k_row, tile.n0 + (Tr::kDualB ? 0 : 128 * cta), bar, kBoth);
+  }
+}
+
+// Lane `lane` of the producer's warp 0: its share of k-block kb's scales, copied (cp.async) into
+// the stage's arrays s_a [kBM], s_b [kBN] (shared addresses); then its arrival on the stage's
+// `full` barrier once they have landed.
+template <int kP>
+__device__ __forceinline__ void load_stage_scales(const Fp8GemmParams* p, const Tile& tile, int kb, u32 s_a, u32 s_b,
+                                                  u64* bar, int lane) {
+  using Tr = Traits<kP>;
+  if (Tr::kRowProblem) {
+    const bool second = kP == kGateUpBwd && kb * kKBlock >= p->k_split;
+    const int kb_in = second ? kb - static_cast<int>(p->k_split) / kKBlock : kb;
+    const float* sa = ptr<const float>(second ? p->scale_a2 : p->scale_a1) + kb_in;
+#pragma unroll 1
+    for (int r = lane; r < kBM; r += 32) {  // rows past the expert's end: 0 (never stored)
+      const int m = tile.m0 + r;
+      const bool in = m < tile.rows;
+      cp_async_4(s_a + 4 * r, sa + (in ? static_cast<i64>(tile.row0 + m) * p->a_scale_stride : 0), in ? 4 : 0);
+    }
+    if (lane < 2) {  // the 128 x 128 block scale of each n128 half
+      const float* sb = ptr<const float>((Tr::kDualB ? lane : second) ? p->scale_b2 : p->scale_b1);
+      const int n_block = (tile.n0 + (Tr::kDualB ? 0 : 128 * lane)) / 128;
+      cp_async_4(s_b + 4 * lane, sb + tile.group * p->b_scale_group_stride + n_block * p->b_scale_stride + kb_in, 4);
+    }
+  } else {
+    const int kb_rows = tile.row0 / kKBlock + kb;  // segments start at multiples of 128 rows
+    const float* sa = ptr<const float>(p->scale_a1) + kb_rows;
+#pragma unroll 1
+    for (int r = lane; r < kBM; r += 32) cp_async_4(s_a + 4 * r, sa + (tile.m0 + r) * p->a_scale_stride, 4);
+#pragma unroll 1
+    for (int c = lane; c < kBN; c += 32) {
+      const bool b2 = Tr::kDualB && c >= 128;
+      const float* sb = ptr<const float>(b2 ? p->scale_b2 : p->scale_b1) + kb_rows;
+      cp_async_4(s_b + 4 * c, sb + (tile.n0 + (b2 ? c - 128 : c)) * p->b_scale_stride, 4);
+    }
+  }
+  cp_async_arrive_noinc(bar);
+}
+
+// One stage of the ring: every producer thread waits for it to be free (as in gemm.cuh), then
+// warp 0 loads it, `load(bar, s_stage)` in every lane of it, unless lane 0 finds the stage's last
+// load not landed (gemm::previous_load_landed: only after an error; it then loads nothing more).
+template <class Load>
+__device__ __forceinline__ bool produce_stage(const Fp8GemmParams* p, SharedStorage& ss, Ring& ring, int problem,
+                                              int wg_tid, bool ok, Load load) {
+  if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, problem);
+  if (wg_tid < 32) {
+    if (wg_tid == 0 && ok) ok = gemm::previous_load_landed(ss, ring);
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    if (ok) {
+      load(&ss.full[ring.stage], smem_addr(ss.stages[ring.stage]));
+      if (wg_tid == 0) ring.loaded();
+    }
+  }
+  ring.advance();
+  return ok;
+}
+
+// The producer warpgroup, one tile: its k-blocks (kDownBwd: then g and u of the tile, 64 columns a
+// stage, for the epilogue). After a failed wait warp 0 loads nothing more and the consumers' waits
+// fail too.
+template <int kP>
+__device__ __forceinline__ bool produce_tile(const Fp8GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
+                                             int cta, int wg_tid, bool ok) {
+  const int lane = wg_tid & 31;
+  for (int kb = 0; kb < tile.k_blocks; ++kb) {
+    ok = produce_stage(p, ss, ring, kP, wg_tid, ok, [&](u64* bar, u32 s_stage) {
+      if (lane == 0) load_stage_tma<kP>(p, tile, kb, s_stage, bar, cta);
+      load_stage_scales<kP>(p, tile, kb, smem_addr(ss.scale_a[ring.stage]), smem_addr(ss.scale_b[ring.stage]), bar,
+                            lane);
+    });
+  }
+  for (int c = 0; c < Traits<kP>::kAuxStages; ++c) {
+    ok = produce_stage(p, ss, ring, kP, wg_tid, ok, [&](u64* bar, u32 s_stage) {
+      if (lane == 0) {
+        mbar_arrive_expect_tx(bar, 2 * gemm::kAuxU);
+        tma_load_2d(s_stage, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, bar);
+        tma_load_2d(s_stage + gemm::kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, bar);
+      }
+      mbar_arrive(bar);  // no scales: the lanes' arrivals alone
+    });
+  }
+  return ok;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consumer
+// ---------------------------------------------------------------------------------------------
+// The weight gradients' last, partial k-block (K = the expert's rows): TMA loaded all 128 k of
+// the stage (past the expert's end: the next expert's rows, gap rows with any codes, or zeros past
+// the tensor). Both operands are K-major, so k is the byte within a 128-byte row, and the 128B
+// swizzle moves whole 16-byte chunks (logical chunk c of stage row r sits at chunk c ^ (r % 8)).
+// Warpgroup `half` clears bytes valid .. 127 of its 64 A rows and of B rows 128 half .. +127
+// (stage rows 128 + ..); then both consumer warpgroups meet, so each sees all of B cleared.
+__device__ __forceinline__ void zero_tail_k(char* stage, int valid, int half, int wg_tid) {
+  const int first = valid >> 4, keep = valid & 15;  // the first chunk to clear; its bytes 0 .. keep - 1 stay
+#pragma unroll 1
+  for (int i = wg_tid; i < 192 * 8; i += 128) {  // (row r of this warpgroup's 192, logical chunk c)
+    const int r = i >> 3, c = i & 7;
+    if (c < first) continue;
+    const int row = r < 64 ? half * 64 + r : 128 + half * 128 + (r - 64);  // stage row (B's start at 128)
+    uint4* chunk = reinterpret_cast<uint4*>(stage + row * 128 + ((c ^ (row & 7)) << 4));
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (c == first && keep) {  // little-endian words: byte b of the chunk is byte b % 4 of word b / 4
+      v = *chunk;
+      u32* w = reinterpret_cast<u32*>(&v);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int n = keep - 4 * j;
+        w[j] &= n >= 4 ? 0xFFFFFFFFu : n <= 0 ? 0u : (1u << (8 * n)) - 1u;
+      }
+    }
+    *chunk = v;
+  }
+  fence_proxy_async();  // generic writes, read next by wgmma (the async proxy)
+  gemm::consumers_sync();
+}
+
+// One n128 half of one k-block into `blk`: 4 x m64n128k32 over this warpgroup's 64 A rows and B
+// rows 128 kHalfN .. +127. K-major 128B-swizzle descriptors: rows of 128 bytes, 8-row groups 1024
+// bytes apart (SBO; LBO unused), a k32 step is +32 bytes. Waits for them (the promotion reads blk).
+template <int kHalfN>
+__device__ __forceinline__ void mma_half(float (&blk)[64], u32 s_a, int half) {
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kKBlock / 32; ++ks) {
+    const u64 da = wgmma_desc(s_a + half * 64 * kKBlock + ks * 32, 16, 1024);
+    const u64 db = wgmma_desc(s_a + kATileBytes + kHalfN * kHalfBytes + ks * 32, 16, 1024);
+    wgmma_m64n128k32_e4m3(blk, da, db, ks);  // the first of a k-block starts the sum (scale-d 0)
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_accumulators(blk);
+}
+
+// acc's n128 half kHalfN += blk * (sa * sb). Fragment layout (gemm.cuh): blk[4j + 2 rh + c] is row
+// 16 w + l/4 + 8 rh, column 8j + 2 (l%4) + c of the half; acc[64 kHalfN + ..] the same element of C.
+// sa0, sa1: the scales of this thread's rows rh = 0, 1; s_b: the stage's B scales (shared address).
+template <int kP, int kHalfN>
+__device__ __forceinline__ void promote(float (&acc)[128], const float (&blk)[64], float sa0, float sa1, u32 s_b,
+                                        int lane) {
+  constexpr int kAt = 64 * kHalfN;
+  if constexpr (Traits<kP>::kRowProblem) {  // one block scale for the whole half
+    const float sb = ld_shared_f32(s_b + 4 * kHalfN);
+    const float s0 = __fmul_rn(sa0, sb), s1 = __fmul_rn(sa1, sb);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[kAt + i] = __fmaf_rn(blk[i], (i & 2) ? s1 : s0, acc[kAt + i]);
+  } else {  // a scale per column
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float2 b = ld_shared_f32x2(s_b + 4 * (128 * kHalfN + 8 * j + 2 * (lane & 3)));
+      const float s[4] = {__fmul_rn(sa0, b.x), __fmul_rn(sa0, b.y), __fmul_rn(sa1, b.x), __fmul_rn(sa1, b.y)};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[kAt + 4 * j + c] = __fmaf_rn(blk[4 * j + c], s[c], acc[kAt + 4 * j + c]);
+    }
+  }
+}
+
+__device__ __forceinline__ float round_bf16(float x) { return bf16_lo(pack_bf16x2(x, 0.0f)); }
+
+// kGateUp: this warp's 16 rows of h (acc[4J + 2 rh + c], J < 16, already bf16 values) quantized
+// 1 x 128: the row's amax over the quad that holds it, the scale, the codes staged in the warp's
+// 2 KB area (16-byte chunk c of row r at c ^ (r % 8)), then 16-byte stores of whole rows.
+__device__ __forceinline__ void store_h_codes(const Fp8GemmParams* p, const Tile& tile, const float (&acc)[128],
+                                              char* stg, int half, int wg_tid) {
+  const int warp = wg_tid >> 5, lane = wg_tid & 31;
+  const int m_warp = tile.m0 + half * 64 + warp * 16;  // the warp's first row in the expert
+  __syncwarp();  // the previous use of the staging area is done
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fmaxf(fabsf(acc[4 * j + 2 * rh]), fabsf(acc[4 * j + 2 * rh + 1])));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const float scale = fp8::block_scale(amax, p->pow2 != 0);
+    const int r = (lane >> 2) + 8 * rh;
+#pragma unroll
+    for (int j = 0; j < 16; j += 2) {  // columns 8j + 2(l%4), +1 and 8(j+1) + 2(l%4), +1: chunk j/2 of row r
+      const float v[4] = {acc[4 * j + 2 * rh], acc[4 * j + 2 * rh + 1], acc[4 * j + 4 + 2 * rh],
+                          acc[4 * j + 5 + 2 * rh]};
+      const u32 q = fp8::quantize4(v, scale);
+      char* chunk = stg + r * 128 + (((j >> 1) ^ (r & 7)) << 4) + 2 * (lane & 3);
+      *reinterpret_cast<unsigned short*>(chunk) = static_cast<unsigned short>(q);
+      *reinterpret_cast<unsigned short*>(chunk + 8) = static_cast<unsigned short>(q >> 16);
+    }
+    if ((lane & 3) == 0 && m_warp + r < tile.rows)
+      ptr<float>(p->out_scales)[static_cast<i64>(tile.row0 + m_warp + r) * (p->n / kKBlock) + tile.n0 / kKBlock] = scale;
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = (lane >> 3) + 4 * i, c = lane & 7;
+    const uint4 v = *reinterpret_cast<const uint4*>(stg + r * 128 + ((c ^ (r & 7)) << 4));
+    if (m_warp + r < tile.rows)
+      *ptr<uint4>(p->out_codes + static_cast<i64>(tile.row0 + m_warp + r) * p->ldo + tile.n0 + 16 * c) = v;
+  }
+}
+
+// kGateUp's epilogue: g, u where asked (bf16), then h = silu(g) * u (as gemm.cuh computes it) into
+// g's registers, rounded to bf16: stored as h, and quantized into hq, hs.
+__device__ __forceinline__ void store_gate_up(const Fp8GemmParams* p, const Tile& tile, float (&acc)[128], char* stg,
+                                              int half, int wg_tid) {
+  using gemm::kCopy;
+  if (p->out2) {
+    gemm::store_block_bf16<0, 0, kCopy>(p, tile, acc, stg, half, wg_tid, p->out2, 1.0f, 1.0f);
+    gemm::store_block_bf16<1, 0, kCopy>(p, tile, acc, stg, half, wg_tid, p->out2, 1.0f, 1.0f);
+  }
+  if (p->out3) {
+    gemm::store_block_bf16<0, 16, kCopy>(p, tile, acc, stg, half, wg_tid, p->out3, 1.0f, 1.0f);
+    gemm::store_block_bf16<1, 16, kCopy>(p, tile, acc, stg, half, wg_tid, p->out3, 1.0f, 1.0f);
+  }
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = round_bf16(acc[i] * gemm::sigmoid(acc[i]) * acc[64 + i]);
+  gemm::store_block_bf16<0, 0, kCopy>(p, tile, acc, stg, half, wg_tid, p->out1, 1.0f, 1.0f);
+  gemm::store_block_bf16<1, 0, kCopy>(p, tile, acc, stg, half, wg_tid, p->out1, 1.0f, 1.0f);
+  store_h_codes(p, tile, acc, stg, half, wg_tid);
+}
+
+// Consumer warpgroup `half` (rows 64 half .. +63), one tile: per k-block, waits for the stage,
+// reads its scales, runs and promotes the two n128 halves, hands the stage back to the producers
+// of both CTAs; then the epilogue. After a failed wait the loops run on over garbage (wgmma must
+// stay warpgroup-uniform) and the kernel ends with the error set.
+template <int kP>
+__device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
+                                             float (&acc)[128], float* staging, int half, int wg_tid, bool ok) {
+  using Tr = Traits<kP>;
+  const u32 s_base = smem_addr(ss.stages);
+  const int lane = wg_tid & 31, row = half * 64 + (wg_tid >> 5) * 16 + (lane >> 2);  // this thread's rows: row, row + 8
+  const bool unchanged = gemm::start_accumulators<kP>(p, tile, acc, half, wg_tid);
+  float blk[64] = {};  // one n128 half of one k-block (each k-block starts it with scale-d 0)
+  for (int kb = 0; kb < tile.k_blocks; ++kb) {
+    if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
+    const u32 s_a = s_base + ring.stage * kStageBytes;
+    if (!Tr::kRowProblem && (kb + 1) * kKBlock > tile.rows)
+      zero_tail_k(ss.stages[ring.stage], tile.rows - kb * kKBlock, half, wg_tid);
+    const u32 s_scale_a = smem_addr(ss.scale_a[ring.stage]) + 4 * row, s_scale_b = smem_addr(ss.scale_b[ring.stage]);
+    const float sa0 = ld_shared_f32(s_scale_a), sa1 = ld_shared_f32(s_scale_a + 32);
+    mma_half<0>(blk, s_a, half);
+    promote<kP, 0>(acc, blk, sa0, sa1, s_scale_b, lane);
+    mma_half<1>(blk, s_a, half);
+    promote<kP, 1>(acc, blk, sa0, sa1, s_scale_b, lane);
+    gemm::release_stage(ss, ring.stage, wg_tid);  // its codes and scales are read
+    ring.advance();
+  }
+  if constexpr (Tr::kAuxStages > 0) {
+    ok = gemm::store_down_bwd_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
+  } else if (tile.store && !unchanged) {
+    if constexpr (kP == kGateUp) {
+      store_gate_up(p, tile, acc, reinterpret_cast<char*>(staging), half, wg_tid);
+    } else {
+      gemm::store_tile<kP>(p, tile, acc, staging, half, wg_tid);
+    }
+  }
+  return ok;
+}
+
+// Both roles over the pair tiles `tiles` yields (each role walks its own copy in the same order).
+template <int kP, class Tiles>
+__device__ __forceinline__ void run_tiles(const Fp8GemmParams* p, SharedStorage& ss, Tiles tiles, int cta) {
+  // NOTE: the role is broadcast from lane 0 so the compiler sees it warp-uniform (gemm.cuh run_tiles).
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0), wg_tid = threadIdx.x & 127;
+  Ring ring;
+  bool ok = true;
+  int t;
+  if (wg == 0) {
+    warpgroup_reg_dealloc<kProducerRegs>();
+    while (tiles.next(t))
+      ok = produce_tile<kP>(p, ss, ring, gemm::tile_of<kP, kKBlock>(p, ss.pair_prefix, t, cta), cta, wg_tid, ok);
+    if (wg_tid < 32) cp_async_wait_all();  // warp 0's scale copies
+    if (wg_tid == 0) gemm::drain_loads(ss, ring);
+  } else {
+    warpgroup_reg_alloc<kConsumerRegs>();
+    float acc[128];
+    float* staging = ss.staging[threadIdx.x / 32 - 4];
+    while (tiles.next(t))
+      ok = consume_tile<kP>(p, ss, ring, gemm::tile_of<kP, kKBlock>(p, ss.pair_prefix, t, cta), acc, staging, wg - 1,
+                            wg_tid, ok);
+  }
+}
+
+// The standalone kernel's tile order, gemm::StridedTiles' (cluster c takes pair tiles c, c + C, ..),
+// its start and count read at the first and every call: nothing but a pointer is held in registers
+// across the warpgroups' register reallocation (setmaxnreg), where ptxas would spill.
+struct SharedCountTiles {
+  const int* count;  // shared memory
+  int t = -1;
+  __device__ __forceinline__ bool next(int& tile) {
+    t = t < 0 ? static_cast<int>(cluster_id_x()) : t + static_cast<int>(num_clusters_x());
+    tile = t;
+    return t < *count;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// grouped_gemm<kP>: one persistent grid of 2-CTA clusters over every tile of the problem.
+// ---------------------------------------------------------------------------------------------
+template <int kP>
+__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1) grouped_gemm(const Fp8GemmParams* p) {
+  extern __shared__ char smem_raw[];
+  // NOTE: aligned by pointer arithmetic on smem_raw (not through an integer), so that the compiler
+  // still knows every access through ss is to shared memory: 32-bit addresses, no generic loads.
+  SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+  const int cta = static_cast<int>(cluster_ctarank());
+  const int num_tiles = gemm::gemm_setup<kP, kFullArrivals>(p, ss, cta);
+  if (threadIdx.x == 0) ss.num_tiles = num_tiles;
+  __syncthreads();
+  run_tiles<kP>(p, ss, SharedCountTiles{&ss.num_tiles}, cta);
+  // No CTA may leave while its partner can still arrive on its barriers or multicast into it.
+  cluster_sync();
+}
+
+// Compile-time sizes Python reads once from the compiled module: out[0] = dynamic shared memory of
+// a grouped_gemm launch.  grid 1, block 1.
+__global__ void export_sizes(int* out) { out[0] = kSmemBytes; }
+
+}  // namespace gemm_fp8
+}  // namespace mok
