@@ -319,7 +319,7 @@ def main(argv=None, on_step=None) -> int:
             raise ValueError("--virtual R runs R ranks in one process: a positive count, started without mpiexec")
         backend = resolve_backend(args.backend, args.virtual)
         fp8 = args.precision == "fp8"
-        shape = get_shape(args.shape or (FP8_SHAPE if fp8 else DEFAULT_SHAPE[backend]))
+        shape = get_shape((FP8_SHAPE if fp8 else DEFAULT_SHAPE[backend]) if args.shape is None else args.shape)
         if fp8 and backend == "gpu":
             raise ValueError("--precision fp8 runs on the CPU backend (--backend cpu): the GPU layer has no FP8 "
                              "passes yet")
