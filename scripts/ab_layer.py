@@ -71,7 +71,9 @@ def run(args) -> int:
             print(f"{'shape':<16} {'pass':<4} {'A ms':>8} {'B ms':>8} {'B/A':>6} {'p20':>6} {'p80':>6}  bits  turns")
             for name in args.shapes:
                 print(f"# {name}: building both layers (compiles each tree's kernels the first time)", flush=True)
-                da, db = a.ask(cmd="setup", shape=name), b.ask(cmd="setup", shape=name)
+                a.send(cmd="setup", shape=name)  # both build (and compile) at once
+                b.send(cmd="setup", shape=name)
+                da, db = a.answer(), b.answer()
                 for pass_ in ("fwd", "bwd"):
                     res = interleaved(a, b, pass_, args.rounds, args.iters, args.warmup)
                     equal = da["digest"][pass_] == db["digest"][pass_]

@@ -34,19 +34,27 @@ class Worker:
         self.proc = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=env, cwd=root)
 
-    def ask(self, **request) -> dict:
+    def send(self, **request) -> None:
+        """Ask without waiting (answer() takes the answer): two workers can set up at once."""
+        self.pending = request["cmd"]
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
+
+    def answer(self) -> dict:
         ready, _, _ = select.select([self.proc.stdout], [], [], ANSWER_TIMEOUT_S)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
             self.proc.kill()
-            raise RuntimeError(f"the {self.label} worker gave no answer to {request['cmd']} "
+            raise RuntimeError(f"the {self.label} worker gave no answer to {self.pending} "
                                f"(exit {self.proc.poll()}; its stderr is above)")
         answer = json.loads(line)
         if "error" in answer:
             raise RuntimeError(f"the {self.label} worker failed: {answer['error']}")
         return answer
+
+    def ask(self, **request) -> dict:
+        self.send(**request)
+        return self.answer()
 
     def close(self) -> None:
         if self.proc.poll() is None:
