@@ -1,5 +1,5 @@
 """Ceilings measured in the same run as a benchmark: a device copy, a peer pull under NVSHMEM, an
-NCCL all-to-all, and a dense BF16 matrix multiply."""
+NCCL all-to-all, and a dense BF16 and FP8 (e4m3) matrix multiply."""
 
 from __future__ import annotations
 
@@ -61,4 +61,21 @@ def dense_matmul_tflops(n: int = DENSE_N, iters: int = 20, warmup: int = 5) -> f
 
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     samples = time_stages(lambda mark: (mark("mm"), torch.matmul(a, b), mark(None)), iters, warmup, api="torch")
+    return 2 * n ** 3 / (np.median(samples["mm"]) * 1e-3) / 1e12
+
+
+def dense_fp8_tflops(n: int = DENSE_N, iters: int = 20, warmup: int = 5) -> float | None:
+    """A dense n x n x n e4m3 torch._scaled_mm (cuBLASLt, one scale per tensor, bf16 out) in TFLOP/s:
+    the GPU's FP8 GEMM ceiling in this run; None where this torch or GPU offers none."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm takes it
+    one = torch.ones((), device="cuda")
+    try:
+        torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+    except (AttributeError, RuntimeError, ValueError, NotImplementedError):  # no FP8 GEMM in this torch or GPU
+        return None
+    samples = time_stages(lambda mark: (mark("mm"), torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16),
+                                        mark(None)), iters, warmup, api="torch")
     return 2 * n ** 3 / (np.median(samples["mm"]) * 1e-3) / 1e12

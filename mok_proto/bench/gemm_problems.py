@@ -15,14 +15,21 @@ ERR_TOL = 2.0 ** -6  # bf16 outputs (ours fuse in fp32, the reference rounds GEM
 PROBLEMS = ("gate_up", "down", "down_bwd", "gate_up_bwd", "down_wgrad", "gate_up_wgrad")
 
 
+def settle(flush):
+    """Before a timed call, untimed: an L2 flush (zero `flush`, a device buffer larger than L2) and a
+    GPU sleep that hides the host's launch cost."""
+    import torch
+
+    flush.zero_()
+    torch.cuda._sleep(2_000_000)  # ~1 ms: longer than any wrapper's host-side cost
+
+
 def timed(fn, iters, warmup, flush):
     """One event pair around fn per iteration, after an L2 flush and a GPU sleep that hides the
     host's launch cost (neither is timed)."""
-    import torch
 
     def iteration(mark):
-        flush.zero_()
-        torch.cuda._sleep(2_000_000)  # ~1 ms: longer than any wrapper's host-side cost
+        settle(flush)
         mark("run")
         fn()
         mark(None)

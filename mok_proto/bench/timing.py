@@ -62,11 +62,12 @@ def time_stages(enqueue, iters: int, warmup: int, api: str = "cupy"):
     return samples
 
 
-def rotating(runs: dict):
+def rotating(runs: dict, before=None):
     """enqueue(mark) for time_stages that runs every entry of `runs` (name -> enqueue one run)
     once per iteration, a stage each, starting one later every iteration (A B, B A, ...). Variants
     timed this way see the same clocks: under its power cap a GPU moves its SM clock within one
-    pass's time, so variants timed in blocks one after the other differ by the clock's moves."""
+    pass's time, so variants timed in blocks one after the other differ by the clock's moves.
+    before: called before each run, outside its stage (untimed: an L2 flush, say)."""
     names = list(runs)
     turn = [0]
 
@@ -74,6 +75,8 @@ def rotating(runs: dict):
         k = turn[0] % len(names)
         turn[0] += 1
         for name in names[k:] + names[:k]:
+            if before is not None:
+                before()
             mark(name)
             runs[name]()
         mark(None)

@@ -114,6 +114,14 @@ GEMM = View("bench_gemm", "python scripts/bench_gemm.py", (
     ("torch._grouped_mm", lambda r: _f(r["tflops"]["torch"], ".0f")), ("x torch", lambda r: _x(r.get("ratio"))),
     ("same-FLOP torch.mm TFLOP/s", lambda r: _f(r["tflops"].get("dense"), ".0f")),
     ("of dense", lambda r: _x(r.get("fraction_of_dense")))))
+GEMM_FP8 = View("bench_gemm_fp8", "python scripts/bench_gemm.py --precision fp8", (
+    ("shape", lambda r: r["shape"]), ("routing", lambda r: r["routing"]), ("problem", lambda r: r["problem"]),
+    ("rows", lambda r: str(r["rows"])), ("FP8 TFLOP/s", lambda r: _f(r["tflops"]["fp8"], ".0f")),
+    ("x our BF16", lambda r: _x(r.get("ratio_vs_bf16"))),
+    ("x torch._scaled_grouped_mm", lambda r: _x(r.get("ratio_vs_torch_fp8"))),
+    ("of dense", lambda r: _x(r.get("fraction_of_dense"))),
+    ("of dense FP8", lambda r: _x(r.get("fraction_of_dense_fp8"))),
+    ("max rel err", lambda r: _f(r.get("max_rel_err"), ".1e"))))
 COMM = View("bench_comm", "python scripts/bench_comm.py", (
     ("shape", lambda r: r["shape"]), ("EP", lambda r: str(r["ep"])), ("dispatch", lambda r: r["dispatch"]),
     ("combine", lambda r: r["combine"]), ("schedule ms", lambda r: _f(_median(r["stages"], "schedule"))),
@@ -152,7 +160,7 @@ LAYER_MPI = View("bench_layer_mpi", "mpirun -n R python scripts/bench_layer_mpi.
     ("bitwise", lambda r: _yes((r.get("bitwise") or r.get("bitwise_vs_mpi") or {}).get("equal")
                                if isinstance(r.get("bitwise") or r.get("bitwise_vs_mpi"), dict) else r.get("bitwise"))),
     ("skipped", lambda r: str(r.get("skipped") or ""))))
-VIEWS = (LAYER, LAYER_SKEWED, LAYER_LINK, GEMM, COMM, LINK_CHECK, NCCL, LAYER_MPI, POWER, SWEEP)
+VIEWS = (LAYER, LAYER_SKEWED, LAYER_LINK, GEMM, GEMM_FP8, COMM, LINK_CHECK, NCCL, LAYER_MPI, POWER, SWEEP)
 
 
 def runs(view: View, results_dir: Path) -> list[tuple[str, list[dict]]]:
