@@ -640,18 +640,22 @@ __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage&
 }
 
 // The accumulators a tile starts from: zeros, or (a weight gradient with GemmParams::accumulate) its
-// stored output. True where the tile must stay as it is: an accumulating weight gradient with no
-// rows here adds nothing.
-template <int kP, class Params>
-__device__ __forceinline__ bool start_accumulators(const Params* p, const Tile& tile, float (&acc)[128], int half,
-                                                   int wg_tid) {
+// stored output; then `k_loop()`, the tile's MMAs over them. True where the tile must stay as it
+// is: an accumulating weight gradient with no rows here adds nothing.
+// NOTE: each start has its own copy of the k-loop: accumulators defined on two paths that merge
+// before the first wgmma make ptxas serialize every wgmma of the kernel (C7515).
+template <int kP, class Params, class KLoop>
+__device__ __forceinline__ bool run_from_accumulators(const Params* p, const Tile& tile, float (&acc)[128], int half,
+                                                      int wg_tid, KLoop&& k_loop) {
   using Tr = Traits<kP>;
   const bool unchanged = !Tr::kRowProblem && p->accumulate && tile.rows == 0;
   if (!Tr::kRowProblem && p->accumulate && tile.store && !unchanged) {
     load_wgrad_accumulators<kP>(p, tile, acc, half, wg_tid);
+    k_loop();
   } else {
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    k_loop();
   }
   return unchanged;
 }
@@ -687,24 +691,26 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
                                              float (&acc)[128], float* staging, int half, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
   const u32 s_base = smem_addr(ss.stages);
-  const bool unchanged = start_accumulators<kP>(p, tile, acc, half, wg_tid);
-  int prev = -1;
-  for (int kb = 0; kb < tile.k_blocks; ++kb) {
-    if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
-    const u32 s_a = s_base + ring.stage * kStageBytes;
-    if (!Tr::kRowProblem && (kb + 1) * kBK > tile.rows) zero_tail_k_rows(s_a, tile.rows - kb * kBK, half, wg_tid);
-    wgmma_fence();
-    mma_stage<kP>(acc, s_a, s_a + kATileBytes, half);
-    wgmma_commit();
-    wgmma_wait<1>();  // the previous stage's MMAs are done: hand its buffers back
+  auto k_loop = [&]() {
+    int prev = -1;
+    for (int kb = 0; kb < tile.k_blocks; ++kb) {
+      if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
+      const u32 s_a = s_base + ring.stage * kStageBytes;
+      if (!Tr::kRowProblem && (kb + 1) * kBK > tile.rows) zero_tail_k_rows(s_a, tile.rows - kb * kBK, half, wg_tid);
+      wgmma_fence();
+      mma_stage<kP>(acc, s_a, s_a + kATileBytes, half);
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous stage's MMAs are done: hand its buffers back
+      fence_accumulators(acc);
+      if (prev >= 0) release_stage(ss, prev, wg_tid);
+      prev = ring.stage;
+      ring.advance();
+    }
+    wgmma_wait<0>();
     fence_accumulators(acc);
     if (prev >= 0) release_stage(ss, prev, wg_tid);
-    prev = ring.stage;
-    ring.advance();
-  }
-  wgmma_wait<0>();
-  fence_accumulators(acc);
-  if (prev >= 0) release_stage(ss, prev, wg_tid);
+  };
+  const bool unchanged = run_from_accumulators<kP>(p, tile, acc, half, wg_tid, k_loop);
   if constexpr (Tr::kAuxStages > 0) {
     ok = store_down_bwd_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
   } else if (tile.store && !unchanged) {

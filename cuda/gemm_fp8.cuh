@@ -368,7 +368,8 @@ __device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, SharedStora
   using Tr = Traits<kP>;
   const u32 s_base = smem_addr(ss.stages);
   const int lane = wg_tid & 31, row = half * 64 + (wg_tid >> 5) * 16 + (lane >> 2);  // this thread's rows: row, row + 8
-  const bool unchanged = gemm::start_accumulators<kP>(p, tile, acc, half, wg_tid);
+  // (acc is no wgmma accumulator here: the promotion adds into it, so one k-loop serves both starts)
+  const bool unchanged = gemm::run_from_accumulators<kP>(p, tile, acc, half, wg_tid, [] {});
   float blk[64] = {};  // one n128 half of one k-block (each k-block starts it with scale-d 0)
   for (int kb = 0; kb < tile.k_blocks; ++kb) {
     if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);

@@ -35,6 +35,8 @@ def test_every_kernel_compiles_with_nvcc(tmp_path, header, arch):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "out.o").stat().st_size > 0
     assert "Used" in proc.stderr  # ptxas reported registers for the kernels
+    # e.g. C7515: wgmma serialized because non-wgmma instructions define its accumulators mid-pipeline
+    assert "Potential Performance Loss" not in proc.stderr, [l for l in proc.stderr.splitlines() if "Loss" in l]
     if header in SPILL_FREE:  # their register budgets (setmaxnreg) are chosen so that nothing spills
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
         assert spills and all(s == ("0", "0") for s in spills), f"{header} spills registers: {spills}"
