@@ -4,9 +4,13 @@ to even, NVIDIA's own conversion (cuda_fp8.h's host path, where nvcc is found), 
 restated per case. GPU (marked gpu): the CUDA quantizers (cuda/fp8.cuh) equal to the rule bit for
 bit, codes and scales, on the same edge cases and on random data of the paper shapes' H and I."""
 
+import io
 import math
+import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +19,8 @@ from mok_proto import fp8
 from mok_proto.config import PAPER_SHAPES, PRESETS
 from mok_proto.reference import from_bf16, to_bf16
 from mok_proto.validate import InputError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 B = fp8.BLOCK
 NVCC = shutil.which("nvcc")
@@ -375,6 +381,37 @@ def _assert_bitwise(got, want, what):
     assert not len(diff[0]), f"{what}: {len(diff[0])} differ, first at {tuple(int(d[0]) for d in diff)}"
 
 
+def _flushes_subnormals() -> bool:
+    """Whether this process's CPU flushes float32 subnormals (MXCSR FTZ/DAZ, which a shared library
+    built with fast math sets for the whole process when it loads)."""
+    tiny = np.array([1e-40], np.float32)
+    return bool((tiny * np.float32(3.0))[0] == 0)
+
+
+def _reference(name: str, values: np.ndarray, **kwargs):
+    """fp8.<name>(values, **kwargs), computed in a fresh Python when this process flushes
+    subnormals (the rule keeps them: a flushed CPU would code them as zeros)."""
+    if not _flushes_subnormals():
+        return getattr(fp8, name)(values, **kwargs)
+    buf = io.BytesIO()
+    np.save(buf, values)
+    code = ("import io, sys, numpy as np; from mok_proto import fp8; "
+            f"out = fp8.{name}(np.load(io.BytesIO(sys.stdin.buffer.read())), **{kwargs!r}); "
+            "b = io.BytesIO(); np.savez(b, *out); sys.stdout.buffer.write(b.getvalue())")
+    proc = subprocess.run([sys.executable, "-c", code], input=buf.getvalue(), capture_output=True, timeout=300,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    with np.load(io.BytesIO(proc.stdout)) as z:
+        return tuple(z[f"arr_{i}"] for i in range(len(z.files)))
+
+
+def test_the_reference_keeps_subnormals():
+    # the GPU comparisons need a reference that keeps float32 subnormals (row 6 of the edge matrix)
+    x = _edge_matrix()
+    codes, _ = _reference("quantize_rows", x)
+    assert np.count_nonzero(codes[6] & 0x7F) > 256
+
+
 def _check_gpu(x: np.ndarray, kind: str, pow2: bool, what: str, rows: bool = True):
     """Both quantizers (rows: also the row quantizer, both orientations) on x [R, C]."""
     from mok_proto.kernels import fp8 as kfp8
@@ -382,12 +419,12 @@ def _check_gpu(x: np.ndarray, kind: str, pow2: bool, what: str, rows: bool = Tru
     dev, values = _inputs(x, kind)
     for transpose in (False, True) if rows else ():
         codes, scales = kfp8.quantize_rows(dev, pow2=pow2, transpose=transpose)
-        want = fp8.quantize_rows(values, pow2=pow2, transpose=transpose)
+        want = _reference("quantize_rows", values, pow2=pow2, transpose=transpose)
         _assert_bitwise(codes, want[0], f"{what} rows transpose={transpose} codes")
         _assert_bitwise(scales, want[1], f"{what} rows transpose={transpose} scales")
     w = dev.reshape(1, *dev.shape)
     codes, scales, codes_t, scales_t = kfp8.quantize_blocks(w, pow2=pow2, transposed=True)
-    want = fp8.quantize_blocks(values.reshape(1, *values.shape), pow2=pow2)
+    want = _reference("quantize_blocks", values.reshape(1, *values.shape), pow2=pow2)
     _assert_bitwise(codes, want[0], f"{what} blocks codes")
     _assert_bitwise(scales, want[1], f"{what} blocks scales")
     _assert_bitwise(codes_t, np.ascontiguousarray(np.swapaxes(want[0], -1, -2)), f"{what} blocks codes_t")
