@@ -187,9 +187,30 @@ def test_turns_after_the_first_run_the_plan_without_the_shared_expert(monkeypatc
     gpu_ring.backward_turns(layer, MOK_POLICY, lambda stage: None, (True, True))
     assert [c[:2] for c in calls if "bwd " in c[0]] == [("bwd full", "b0"), ("bwd rest", "b1"), ("bwd rest", "b2")]
     assert [c[1] for c in calls if c[0] == "fwd kSlotFirst"] == [1, 2]  # the replays' gate/up
+    calls.clear()  # a backward that may not follow its forward (a graph of it alone) replays turn 0 too
+    gpu_ring.backward_turns(layer, MOK_POLICY, lambda stage: None, (True, True), replay_first=True)
+    assert [c[1] for c in calls if c[0] == "fwd kSlotFirst"] == [0, 1, 2]
+    assert [c[:2] for c in calls if "bwd " in c[0]] == [("bwd full", "b0"), ("bwd rest", "b1"), ("bwd rest", "b2")]
     calls.clear()
     layer.fused = layer.fused_bwd = None  # sequential: the weight gradients accumulate after turn 0
     gpu_ring.backward_turns(layer, MOK_POLICY, lambda stage: None)
     wgrads = [(turn, acc) for name, turn, acc in calls if name == "bwd kSlotDownWgrad,kSlotGateUpWgrad"]
     assert wgrads == [(0, False), (1, True), (2, True)]
     assert [c[0] for c in calls][-2:] == ["slot_sum", "topk_weight_grad"]
+
+
+@pytest.mark.parametrize("turns", [1, 3])
+def test_a_graph_of_the_backward_alone_replays_every_turn(turns):
+    """capture(forward=False) of a ring of several turns: the backward replays turn 0 as well (its
+    replays need not follow a forward, after which the ring holds turn 0); with the forward in the
+    graph, or one turn, it does not."""
+    from types import SimpleNamespace
+
+    got = []
+    layer = SimpleNamespace(num_turns=turns, fused=None, fused_bwd=None, _captured={},
+                            capture_graph=lambda enqueue: enqueue(),
+                            enqueue_forward=lambda: got.append("fwd"),
+                            enqueue_backward=lambda replay_first=False: got.append(("bwd", replay_first)))
+    GpuMoELayer.capture(layer, forward=False)
+    GpuMoELayer.capture(layer)
+    assert got == [("bwd", turns > 1), "fwd", ("bwd", False)]

@@ -547,9 +547,10 @@ class GpuMoELayer(GpuRound):
         rows["start_ns"], rows["end_ns"] = start - t0, got["end_ns"] - t0
         return rows
 
-    def enqueue_backward(self, mark=None):
+    def enqueue_backward(self, mark=None, replay_first: bool = False):
         """Enqueue the backward of the last forward (its schedule and saved rows); `mark` as in
-        enqueue_forward."""
+        enqueue_forward. replay_first (a ring of several turns): replay turn 0's forward too, so
+        that the backward does not rely on the ring holding it (capture(forward=False) sets it)."""
         policy, p, launch = self._policy(), self.params_bwd, self.launch
         if not getattr(self, "_forward_pending", False):
             raise RuntimeError("enqueue_backward needs an enqueue_forward before it (passes alternate: see the NOTE "
@@ -562,7 +563,8 @@ class GpuMoELayer(GpuRound):
         mark("scale")
         kc.begin_round(p, launch)
         if self.num_turns > 1:
-            gpu_ring.backward_turns(self, policy, mark, self.fused_bwd and _directions(self.fused_bwd.plan, policy))
+            gpu_ring.backward_turns(self, policy, mark, self.fused_bwd and _directions(self.fused_bwd.plan, policy),
+                                    replay_first)
             return
         if self.fused_bwd is not None:
             self._enqueue_fused_backward(policy, mark)
@@ -588,12 +590,14 @@ class GpuMoELayer(GpuRound):
         """A CUDA graph of the forward and/or the backward; replay with graph.launch(stream). Run
         one forward/backward first: the first launches compile kernels and upload descriptors.
         The graph replays the fused plans set when it was captured; the layer keeps their device
-        tables alive after another plan is set (a replay would otherwise read freed memory)."""
+        tables alive after another plan is set (a replay would otherwise read freed memory).
+        A backward without the forward replays every turn of a ring (turn 0 too): its replays
+        need not follow a forward."""
         def enqueue():
             if forward:
                 self.enqueue_forward()
             if backward:
-                self.enqueue_backward()
+                self.enqueue_backward(replay_first=not forward and self.num_turns > 1)
 
         graph = self.capture_graph(enqueue)
         for fused in (self.fused if forward else None, self.fused_bwd if backward else None):

@@ -92,10 +92,12 @@ def forward_turns(layer, policy: dict, mark, inside=None):
     mark(None)
 
 
-def backward_turns(layer, policy: dict, mark, inside=None):
+def backward_turns(layer, policy: dict, mark, inside=None, replay_first: bool = False):
     """After the round's start: dy_slots, [the shared expert's gradients], then per turn (first
     first) [replay: dispatch, gate/up], reverse-combine, down_bwd, gate_up_bwd, reverse-dispatch,
-    the weight gradients (a fused plan: its kernel, `inside` as forward_turns'); the token gradients."""
+    the weight gradients (a fused plan: its kernel, `inside` as forward_turns'); the token gradients.
+    replay_first: turn 0 is replayed too, for a backward that may not directly follow its forward
+    (a graph of the backward alone: the last backward left the ring holding its last turn)."""
     launch, fwd, bwd = layer.launch, layer.turn_params["fwd"], layer.turn_params["bwd"]
     fused = layer.fused_bwd if inside else None
     comm_in, comm_out = inside or (False, False)
@@ -109,8 +111,8 @@ def backward_turns(layer, policy: dict, mark, inside=None):
         kc.wait_peers(layer.params_bwd, launch, "kFlagRouting", "kOpRevCombinePull")
     for t in range(layer.num_turns):
         p = bwd[t]
-        pushes = (t > 0 and policy["dispatch"] == "push") or policy["rev_combine"] == "push"
-        if t > 0:  # later turns overwrote this turn's activations in the forward: replay them
+        pushes = ((t > 0 or replay_first) and policy["dispatch"] == "push") or policy["rev_combine"] == "push"
+        if t > 0 or replay_first:  # later turns overwrote this turn's activations: replay them
             mark(f"replay.{t}")
             _free_ring(p, launch, pushes, "kOpDispatchPush")
             _into_ring(fwd[t], launch, policy["dispatch"], "kOpDispatchPush")
