@@ -401,10 +401,14 @@ struct QuantParams {
   i64 scales;  // fp32: rows [rows, cols / B] (transposed: [cols, rows / B]); blocks [batch, rows / B, cols / B]
   i64 codes_t;  // quantize_blocks: uint8 [batch, cols, rows], the transposed codes; 0: none
   i64 scales_t;  // quantize_blocks: fp32 [batch, cols / B, rows / B], the transposed scales; 0: none
+  i64 x_scales;  // segment quantizers with e4m3 input: fp32 [rows, cols / B], x's 1 x B scales; 0: none
+  i64 num_groups;  // segment quantizers: expert segments (El)
+  i64 row_offsets;  // segment quantizers: int32 [num_groups], each segment's first row (a multiple of B)
+  i64 row_counts;  // segment quantizers: int32 [num_groups], each segment's rows
 };
-static_assert(sizeof(QuantParams) == 72, "QuantParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(QuantParams) == 104, "QuantParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(QuantParams, batch) == 0 && __builtin_offsetof(QuantParams, rows) == 8 && __builtin_offsetof(QuantParams, cols) == 16 && __builtin_offsetof(QuantParams, pow2) == 24 && __builtin_offsetof(QuantParams, x) == 32 && __builtin_offsetof(QuantParams, codes) == 40 && __builtin_offsetof(QuantParams, scales) == 48 && __builtin_offsetof(QuantParams, codes_t) == 56 && __builtin_offsetof(QuantParams, scales_t) == 64, "QuantParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(QuantParams, batch) == 0 && __builtin_offsetof(QuantParams, rows) == 8 && __builtin_offsetof(QuantParams, cols) == 16 && __builtin_offsetof(QuantParams, pow2) == 24 && __builtin_offsetof(QuantParams, x) == 32 && __builtin_offsetof(QuantParams, codes) == 40 && __builtin_offsetof(QuantParams, scales) == 48 && __builtin_offsetof(QuantParams, codes_t) == 56 && __builtin_offsetof(QuantParams, scales_t) == 64 && __builtin_offsetof(QuantParams, x_scales) == 72 && __builtin_offsetof(QuantParams, num_groups) == 80 && __builtin_offsetof(QuantParams, row_offsets) == 88 && __builtin_offsetof(QuantParams, row_counts) == 96, "QuantParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 }  // namespace mok::fp8

@@ -7,10 +7,15 @@
 //   quantize_blocks<In>       x [batch, rows, cols] -> codes [batch, rows, cols], scales
 //                             [batch, rows / B, cols / B] (B x B blocks: weights), optionally also
 //                             the transposed codes [batch, cols, rows] and scales
+//   quantize_segment_rows<In>, quantize_segment_columns<In>: the two row quantizers on the rows
+//                             of expert segments only (the GPU layer's receive rows: offsets and
+//                             counts on the device); the columns' last block of a segment reads
+//                             the rows past its count as zero. In may also be unsigned char for
+//                             the columns: e4m3 codes with their 1 x B scales, dequantized first.
 // In: float (fp32) or unsigned short (bf16 bits). Each reads rows * cols * sizeof(In) bytes and
 // writes rows * cols (twice with the transposed codes) + 4 rows * cols / B; no FLOPs to speak of.
 // Shapes are the wrapper's business (mok_proto/kernels/fp8.py): rows, cols multiples of B (the
-// transposed row kernel: rows only), 16-byte aligned rows.
+// transposed row kernel: rows only), 16-byte aligned rows; segments start at multiples of B.
 //
 // Legend: B = kQuantBlock (128). Every division is IEEE (__fdiv_rn): no fast-math path may change
 // a code. amax reductions may run in any order (max is exact); fmaxf skips NaN as the rule does.
@@ -90,15 +95,51 @@ __device__ __forceinline__ void load4(const unsigned short* p, float (&v)[4]) {
 __device__ __forceinline__ float load1(const float* p) { return *p; }
 __device__ __forceinline__ float load1(const unsigned short* p) { return bf16_lo(*p); }
 
-// 1 x B blocks along rows: block i (of rows * cols / B, row-major) is x[i*B : (i+1)*B] of the flat
-// array, and its scale is scales[i]. One warp per block, 4 elements per lane, one 128-byte store.
+// The value of an e4m3 code, exact (mok_proto.fp8.decode_e4m3; both NaN codes give NaN).
+__device__ __forceinline__ float decode_e4m3(u32 code) {
+  const u32 sign = (code & 0x80u) << 24, exp = (code >> 3) & 0xFu, man = code & 0x7u;
+  if (exp == 0xFu && man == 0x7u) return __uint_as_float(0x7FC00000u);
+  const float mag = exp == 0u ? static_cast<float>(man) * 0x1p-9f  // subnormal: man * 2^-9
+                              : __uint_as_float(((exp + 120u) << 23) | (man << 20));  // (1 + man/8) 2^(exp-7)
+  return __uint_as_float(__float_as_uint(mag) | sign);
+}
+
+// Where the column quantizers read x [rows, cols]: fp32 or bf16 values, or (unsigned char) e4m3
+// codes with their 1 x B scales, dequantized as fp8.dequantize_rows does (decode * scale, rounded once).
 template <typename In>
-__device__ __forceinline__ void quantize_row_blocks(const QuantParams* p, Workers warps, int lane) {
+struct Source {
+  const In* x;
+  i64 cols;
+  __device__ __forceinline__ float at(i64 row, i64 col) const { return load1(x + row * cols + col); }
+};
+template <>
+struct Source<unsigned char> {
+  const unsigned char* x;
+  const float* scales;  // [rows, cols / B]
+  i64 cols;
+  __device__ __forceinline__ float at(i64 row, i64 col) const {
+    return __fmul_rn(decode_e4m3(x[row * cols + col]), scales[row * (cols / kQuantBlock) + col / kQuantBlock]);
+  }
+};
+template <typename In>
+__device__ __forceinline__ Source<In> source_of(const QuantParams* p) {
+  return {reinterpret_cast<const In*>(p->x), p->cols};
+}
+template <>
+__device__ __forceinline__ Source<unsigned char> source_of<unsigned char>(const QuantParams* p) {
+  return {reinterpret_cast<const unsigned char*>(p->x), reinterpret_cast<const float*>(p->x_scales), p->cols};
+}
+
+// 1 x B blocks along rows: block i (of rows * cols / B, row-major) is x[i*B : (i+1)*B] of the flat
+// array, and its scale is scales[i]. Blocks [begin, end); one warp per block, 4 elements per lane,
+// one 128-byte store.
+template <typename In>
+__device__ __forceinline__ void quantize_row_blocks(const QuantParams* p, i64 begin, i64 end, Workers warps,
+                                                    int lane) {
   const In* x = reinterpret_cast<const In*>(p->x);
   u32* codes = reinterpret_cast<u32*>(p->codes);
   float* scales = reinterpret_cast<float*>(p->scales);
-  const i64 num_blocks = p->rows * (p->cols / kQuantBlock);
-  for (i64 blk = warps.id; blk < num_blocks; blk += warps.count) {
+  for (i64 blk = begin + warps.id; blk < end; blk += warps.count) {
     float v[4];
     load4(x + blk * kQuantBlock + 4 * lane, v);
     const float scale = block_scale(warp_max(amax4(0.0f, v)), p->pow2 != 0);
@@ -107,20 +148,21 @@ __device__ __forceinline__ void quantize_row_blocks(const QuantParams* p, Worker
   }
 }
 
-// B x 1 blocks: the CTA takes rows [row0, row0 + B) of 32 columns and writes those columns as 32
-// rows of codes [cols, rows] (128 bytes each) and their scales [cols, rows / B].
+// B x 1 blocks: the CTA takes rows [row0, row0 + B) (row0 a multiple of B) of 32 columns from col0
+// and writes those columns as 32 rows of codes [cols, rows] (128 bytes each) and their scales
+// [cols, rows / B]. Rows from row0 + live_rows on read as zero (a segment's last block, zero-padded
+// as the reference pads it). A caller that runs it again syncs the CTA first (shared memory).
 template <typename In>
-__device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, int warp, int lane) {
+__device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, Source<In> src, i64 row0,
+                                                       i64 live_rows, i64 col0, int warp, int lane) {
   __shared__ float tile[32][kQuantBlock + 1];  // [column][row]
   __shared__ float partial[kWarps][32];
   __shared__ float col_scale[32];
-  const i64 rows = p->rows, cols = p->cols, col0 = static_cast<i64>(blockIdx.x) * 32;
-  const i64 row0 = static_cast<i64>(blockIdx.y) * kQuantBlock;
+  const i64 rows = p->rows, cols = p->cols;
   const bool live = col0 + lane < cols;
-  const In* x = reinterpret_cast<const In*>(p->x) + row0 * cols + col0 + lane;
   float m = 0.0f;
   for (int r = warp; r < kQuantBlock; r += kWarps) {
-    const float v = live ? load1(x + r * cols) : 0.0f;
+    const float v = live && r < live_rows ? src.at(row0 + r, col0 + lane) : 0.0f;
     tile[lane][r] = v;
     m = fmaxf(m, fabsf(v));
   }
@@ -131,7 +173,7 @@ __device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, int
     for (int w = 1; w < kWarps; ++w) m = fmaxf(m, partial[w][lane]);
     const float scale = block_scale(m, p->pow2 != 0);
     col_scale[lane] = scale;
-    if (live) reinterpret_cast<float*>(p->scales)[(col0 + lane) * (rows / kQuantBlock) + blockIdx.y] = scale;
+    if (live) reinterpret_cast<float*>(p->scales)[(col0 + lane) * (rows / kQuantBlock) + row0 / kQuantBlock] = scale;
   }
   __syncthreads();
   for (int c = warp; c < 32 && col0 + c < cols; c += kWarps) {
@@ -145,9 +187,43 @@ __device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, int
 template <typename In, bool kTransposed>
 __global__ void __launch_bounds__(kQuantThreads) quantize_rows(const QuantParams* p) {
   if constexpr (kTransposed) {
-    quantize_column_blocks<In>(p, threadIdx.x >> 5, threadIdx.x & 31);
+    quantize_column_blocks<In>(p, source_of<In>(p), static_cast<i64>(blockIdx.y) * kQuantBlock, kQuantBlock,
+                               static_cast<i64>(blockIdx.x) * 32, threadIdx.x >> 5, threadIdx.x & 31);
   } else {
-    quantize_row_blocks<In>(p, grid_warps(), threadIdx.x & 31);
+    quantize_row_blocks<In>(p, 0, p->rows * (p->cols / kQuantBlock), grid_warps(), threadIdx.x & 31);
+  }
+}
+
+// Segment e of the segment quantizers: rows [row_offsets[e], row_offsets[e] + row_counts[e]).
+struct Segment {
+  i64 first, count;
+};
+__device__ __forceinline__ Segment segment_of(const QuantParams* p, int e) {
+  return {reinterpret_cast<const int*>(p->row_offsets)[e], reinterpret_cast<const int*>(p->row_counts)[e]};
+}
+
+// quantize_rows<In, false> on the rows of every segment only; rows outside them are neither read
+// nor written. grid (any, num_groups): the CTAs of blockIdx.y share segment blockIdx.y's blocks.
+template <typename In>
+__global__ void __launch_bounds__(kQuantThreads) quantize_segment_rows(const QuantParams* p) {
+  const Segment seg = segment_of(p, blockIdx.y);
+  const i64 per_row = p->cols / kQuantBlock;
+  quantize_row_blocks<In>(p, seg.first * per_row, (seg.first + seg.count) * per_row, grid_warps(), threadIdx.x & 31);
+}
+
+// quantize_rows<In, true> on every segment's rows, in blocks of B rows from its first row (a
+// multiple of B), the rows past its count read as zero; blocks past a segment's last are not
+// written. grid (ceil(cols / 32), any, num_groups): blockIdx.z the segment, whose B-row blocks the
+// CTAs of one blockIdx.x take in turn (blockIdx.y, + gridDim.y, ...).
+template <typename In>
+__global__ void __launch_bounds__(kQuantThreads) quantize_segment_columns(const QuantParams* p) {
+  const Segment seg = segment_of(p, blockIdx.z);
+  const Source<In> src = source_of<In>(p);
+  const i64 col0 = static_cast<i64>(blockIdx.x) * 32;
+  const i64 step = static_cast<i64>(gridDim.y) * kQuantBlock;
+  for (i64 r = static_cast<i64>(blockIdx.y) * kQuantBlock; r < seg.count; r += step) {
+    quantize_column_blocks<In>(p, src, seg.first + r, seg.count - r, col0, threadIdx.x >> 5, threadIdx.x & 31);
+    __syncthreads();  // the next block reuses the tile
   }
 }
 

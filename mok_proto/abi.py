@@ -484,7 +484,8 @@ TRACE_RECORD = Struct("TraceRecord", (
 ), namespace="mok::fused")
 
 # The standalone quantizers (cuda/fp8.cuh; layouts: mok_proto/fp8.py). Row-major arrays; x is
-# [batch, rows, cols] (quantize_rows: batch 1).
+# [batch, rows, cols] (quantize_rows: batch 1). The segment quantizers read only the rows of expert
+# segments (the GPU layer's receive rows, offsets and counts on the device).
 QUANT_PARAMS = Struct("QuantParams", (
     ("i64", "batch", "matrices (quantize_blocks: experts); 1 for quantize_rows"),
     ("i64", "rows", "rows of each matrix"),
@@ -495,6 +496,10 @@ QUANT_PARAMS = Struct("QuantParams", (
     ("i64", "scales", "fp32: rows [rows, cols / B] (transposed: [cols, rows / B]); blocks [batch, rows / B, cols / B]"),
     ("i64", "codes_t", "quantize_blocks: uint8 [batch, cols, rows], the transposed codes; 0: none"),
     ("i64", "scales_t", "quantize_blocks: fp32 [batch, cols / B, rows / B], the transposed scales; 0: none"),
+    ("i64", "x_scales", "segment quantizers with e4m3 input: fp32 [rows, cols / B], x's 1 x B scales; 0: none"),
+    ("i64", "num_groups", "segment quantizers: expert segments (El)"),
+    ("i64", "row_offsets", "segment quantizers: int32 [num_groups], each segment's first row (a multiple of B)"),
+    ("i64", "row_counts", "segment quantizers: int32 [num_groups], each segment's rows"),
 ), namespace="mok::fp8")
 
 STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, FP8_GEMM_PARAMS, TOKEN_PARAMS, TASK, COUNTER, FUSED_PARAMS,

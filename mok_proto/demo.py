@@ -320,9 +320,6 @@ def main(argv=None, on_step=None) -> int:
         backend = resolve_backend(args.backend, args.virtual)
         fp8 = args.precision == "fp8"
         shape = get_shape((FP8_SHAPE if fp8 else DEFAULT_SHAPE[backend]) if args.shape is None else args.shape)
-        if fp8 and backend == "gpu":
-            raise ValueError("--precision fp8 runs on the CPU backend (--backend cpu): the GPU layer has no FP8 "
-                             "passes yet")
         if backend == "gpu":
             from mok_proto.layer.gpu import check_tiles
 

@@ -2,11 +2,13 @@
 mok_proto.layer.layout), its role, the totals, and the formula. No GPU needed.
 
     python -m mok_proto.memory --shape kimi-k2.7 --ep 64 [--macrobatch-rows M] [--capacity C] [--free-gb G]
+                               [--precision fp8 [--dispatch-dtype fp8]]
 
 Legend: N tokens/rank, H hidden, I expert FFN, Is shared FFN (0 without a shared expert), K top-k,
 R ranks, El = E/R local experts, C logical receive capacity (rows of the schedule's index space:
 4-byte indices), M ring rows (macrobatch_rows: the receive-row buffers, 4H + 5I bf16 values a
-row). GB = 1e9 bytes.
+row; precision fp8 adds 2H + 3I e4m3 codes a row and their fp32 scales, one per 128, and with fp8
+dispatch drops the bf16 x rows). GB = 1e9 bytes.
 
 Counted: every symmetric buffer of a rank (layout.layer_layout) and the layer's private error
 record. Left out: the CUDA context and NVSHMEM's own reserve (the free memory is what is left of
@@ -61,6 +63,8 @@ class LayerMemory:
     capacity: int
     macrobatch_rows: int
     buffers: tuple
+    precision: str = "bf16"  # RunConfig.precision: fp8 adds the routed experts' codes and scales
+    dispatch_dtype: str = "bf16"  # RunConfig.dispatch_dtype
 
     @property
     def total_bytes(self) -> int:
@@ -85,22 +89,29 @@ class LayerMemory:
                 "K": s.top_k, "R": self.num_ranks, "El": s.num_experts // self.num_ranks, "C": self.capacity,
                 "M": self.macrobatch_rows}
 
+    def terms(self) -> tuple:
+        """The formula's terms for this layer's precision (formula_terms)."""
+        return formula_terms(self.precision, self.dispatch_dtype)
+
     def formula_bytes(self) -> dict:
-        """{role: bytes} by the formula (FORMULA), evaluated for this layer."""
-        return {role: term(self.symbols()) for role, _, term in FORMULA}
+        """{role: bytes} by the formula (formula_terms), evaluated for this layer."""
+        return {role: term(self.symbols()) for role, _, term in self.terms()}
 
     def formula(self) -> str:
         """The bytes per rank as a formula in N, H, I, Is, K, R, El, C, M, one line a role with its
         value for this layer, and the total."""
-        values = self.formula_bytes()
-        width = max(len(text) for _, text, _ in FORMULA)
+        values, terms = self.formula_bytes(), self.terms()
+        width = max(len(text) for _, text, _ in terms)
         head = " ".join(f"{k}={v}" for k, v in self.symbols().items())
-        lines = [f"bytes per rank ({head}):"]
-        lines += [f"  {role:<9} {text:<{width}}  {values[role] / GB:9.3f} GB" for role, text, _ in FORMULA]
+        lines = [f"bytes per rank ({head}{'' if self.precision == 'bf16' else ', ' + self._precision_text()}):"]
+        lines += [f"  {role:<9} {text:<{width}}  {values[role] / GB:9.3f} GB" for role, text, _ in terms]
         lines.append(f"  {'total':<9} {'':<{width}}  {sum(values.values()) / GB:9.3f} GB")
         lines.append(f"  (control: F = {len(abi.FLAG_KIND)} flag kinds, W = {abi.CONST['kStateWords']} state words, "
                      f"{abi.ERROR_RECORD.nbytes} B of error record, private)")
         return "\n".join(lines)
+
+    def _precision_text(self) -> str:
+        return f"precision {self.precision}, dispatch {self.dispatch_dtype}"
 
     def table(self) -> str:
         """Every buffer (name, shape, dtype, MB, symmetric or private, role), by role, then the totals."""
@@ -119,7 +130,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # The formula, one term a role: (role, text, bytes as a function of the symbols). Tests hold it equal
-# to the sum over the layout's buffers.
+# to the sum over the layout's buffers. FORMULA is bf16's; formula_terms adds precision fp8's.
 FORMULA = (
     ("ring", "2 M (4H + 5I)", lambda s: 2 * s["M"] * (4 * s["H"] + 5 * s["I"])),
     ("index", "4 (2C + 2El + 1) + 8 T El (T = ceil(C/M) turns, when T > 1)",
@@ -134,14 +145,45 @@ FORMULA = (
 )
 
 
+# precision fp8 (layout.fp8_row_layout): codes and scales of x, h, dy, dg, du a ring row (33/32 bytes
+# a value: a 4-byte scale per 128), the weights' codes in both orientations (and a scale per 128 x 128),
+# with fp8 dispatch the token owner's x codes and scales, and no bf16 x rows in the ring.
+FP8_TERMS = {
+    "ring": ("33 M (2H + 3I) / 32", lambda s: 33 * s["M"] * (2 * s["H"] + 3 * s["I"]) // 32),
+    "weights": ("6 El H I (1 + 1/4096)", lambda s: 6 * s["El"] * s["H"] * s["I"] * 4097 // 4096),
+}
+FP8_DISPATCH_TERMS = {
+    "ring": ("- 2MH", lambda s: -2 * s["M"] * s["H"]),
+    "token": ("33 NH / 32", lambda s: 33 * s["N"] * s["H"] // 32),
+}
+
+
+def formula_terms(precision: str = "bf16", dispatch_dtype: str = "bf16") -> tuple:
+    """FORMULA with precision fp8's terms added to their roles (and fp8 dispatch's)."""
+    extra = [FP8_TERMS] + [FP8_DISPATCH_TERMS] * (dispatch_dtype == "fp8") if precision == "fp8" else []
+    terms = []
+    for role, text, term in FORMULA:
+        for more in extra:
+            if role in more:
+                text, term = _plus(text, term, *more[role])
+        terms.append((role, text, term))
+    return tuple(terms)
+
+
+def _plus(text, term, more_text, more_term):
+    joined = f"{text} {more_text}" if more_text.startswith("-") else f"{text} + {more_text}"
+    return joined, lambda s: term(s) + more_term(s)
+
+
 def worst_capacity(shape: MoEShape, num_ranks: int) -> int:
     """The worst-case logical capacity: every rank's N K slots on this rank, each of its El
     experts' segments padded to SEGMENT_ROWS (schedule.max_receive_slots)."""
     return max_receive_slots(shape.num_tokens, shape.top_k, num_ranks, shape.num_experts // num_ranks, SEGMENT_ROWS)
 
 
-def _buffers(shape: MoEShape, num_ranks: int, capacity: int, macrobatch_rows: int) -> tuple:
-    run = RunConfig(shape, num_ranks)
+def _buffers(shape: MoEShape, num_ranks: int, capacity: int, macrobatch_rows: int, precision: str = "bf16",
+             dispatch_dtype: str = "bf16") -> tuple:
+    run = RunConfig(shape, num_ranks, precision=precision, dispatch_dtype=dispatch_dtype)
     out = [Buffer(name, tuple(shp), np.dtype(dt).name, nbytes(shp, dt), True, role_of(name))
            for name, (shp, dt) in layer_layout(run, capacity, macrobatch_rows).items()]
     out += [Buffer(name, shp, np.dtype(dt).name, nbytes(shp, dt), False, "control")
@@ -149,8 +191,18 @@ def _buffers(shape: MoEShape, num_ranks: int, capacity: int, macrobatch_rows: in
     return tuple(out)
 
 
-def _bytes(shape: MoEShape, num_ranks: int, capacity: int, macrobatch_rows: int) -> int:
-    return sum(b.bytes for b in _buffers(shape, num_ranks, capacity, macrobatch_rows))
+def _bytes(shape: MoEShape, num_ranks: int, capacity: int, macrobatch_rows: int, **precision) -> int:
+    return sum(b.bytes for b in _buffers(shape, num_ranks, capacity, macrobatch_rows, **precision))
+
+
+def _kinds(shape: MoEShape, num_ranks: int, precision: str, dispatch_dtype: str) -> dict:
+    """{precision, dispatch_dtype} checked (RunConfig's rules; fp8: H, I multiples of 128)."""
+    RunConfig(shape, num_ranks, precision=precision, dispatch_dtype=dispatch_dtype)
+    if precision == "fp8":
+        from mok_proto.reference_fp8 import check_fp8_shape
+
+        check_fp8_shape(shape.hidden, shape.ffn, None)
+    return dict(precision=precision, dispatch_dtype=dispatch_dtype)
 
 
 def _capacity(shape: MoEShape, num_ranks: int, capacity) -> int:
@@ -165,11 +217,14 @@ def _capacity(shape: MoEShape, num_ranks: int, capacity) -> int:
 
 
 def default_macrobatch_rows(shape: MoEShape, num_ranks: int, free_bytes: int | None = None,
-                            fraction: float = DEFAULT_FRACTION, capacity: int | None = None) -> int:
+                            fraction: float = DEFAULT_FRACTION, capacity: int | None = None, precision: str = "bf16",
+                            dispatch_dtype: str = "bf16") -> int:
     """The default ring: the largest multiple of SEGMENT_ROWS, at most the capacity rounded up to
     one, for which the whole layer (weights, gradients, ring, indices, token buffers) fits in
     fraction x free_bytes (default H100_FREE_BYTES). capacity: the logical capacity (default the
-    worst case). ValueError, naming the shortfall, when even one segment does not fit."""
+    worst case); precision, dispatch_dtype: RunConfig's (fp8 has more bytes a row). ValueError,
+    naming the shortfall, when even one segment does not fit."""
+    kinds = _kinds(shape, num_ranks, precision, dispatch_dtype)
     capacity = _capacity(shape, num_ranks, capacity)
     free_bytes = H100_FREE_BYTES if free_bytes is None else free_bytes
     if not 0 < fraction <= 1:
@@ -178,8 +233,8 @@ def default_macrobatch_rows(shape: MoEShape, num_ranks: int, free_bytes: int | N
         raise ValueError(f"free_bytes must be > 0, got {free_bytes}")
     budget = fraction * free_bytes
     # The ring's bytes a row, and the rest with the most turn segments any ring of whole segments has.
-    per_row = sum(b.bytes for b in _buffers(shape, num_ranks, capacity, 1) if b.role == "ring")
-    fixed = (_bytes(shape, num_ranks, capacity, capacity) - per_row * capacity
+    per_row = sum(b.bytes for b in _buffers(shape, num_ranks, capacity, 1, **kinds) if b.role == "ring")
+    fixed = (_bytes(shape, num_ranks, capacity, capacity, **kinds) - per_row * capacity
              + 8 * _cdiv(capacity, SEGMENT_ROWS) * (shape.num_experts // num_ranks))
     fits = math.floor((budget - fixed) / per_row) // SEGMENT_ROWS * SEGMENT_ROWS
     if fits < SEGMENT_ROWS:
@@ -191,21 +246,23 @@ def default_macrobatch_rows(shape: MoEShape, num_ranks: int, free_bytes: int | N
 
 
 def layer_memory(shape: MoEShape, num_ranks: int, capacity: int | None = None,
-                 macrobatch_rows: int | None = None) -> LayerMemory:
+                 macrobatch_rows: int | None = None, precision: str = "bf16",
+                 dispatch_dtype: str = "bf16") -> LayerMemory:
     """One rank's memory (LayerMemory: its buffers, totals, formula()) for a layer of `shape` on
     `num_ranks` ranks. capacity: the logical capacity (default the worst case, worst_capacity);
     macrobatch_rows: the ring's rows, a multiple of SEGMENT_ROWS up to the capacity rounded up to
     one, or the capacity itself (a ring that holds exactly every row); default
-    default_macrobatch_rows on an 80 GB H100."""
+    default_macrobatch_rows on an 80 GB H100. precision, dispatch_dtype: RunConfig's."""
+    kinds = _kinds(shape, num_ranks, precision, dispatch_dtype)
     capacity = _capacity(shape, num_ranks, capacity)
     if macrobatch_rows is None:
-        macrobatch_rows = default_macrobatch_rows(shape, num_ranks, capacity=capacity)
+        macrobatch_rows = default_macrobatch_rows(shape, num_ranks, capacity=capacity, **kinds)
     top = whole_ring(capacity)
     m = check_int(macrobatch_rows, "macrobatch_rows", minimum=1)
     if m != capacity and (m % SEGMENT_ROWS or m > top):
         raise ValueError(f"macrobatch_rows must be a multiple of {SEGMENT_ROWS} (plan.SEGMENT_ROWS) up to {top} "
                          f"(the capacity {capacity} rounded up), or the capacity itself; got {m}")
-    return LayerMemory(shape, num_ranks, capacity, m, _buffers(shape, num_ranks, capacity, m))
+    return LayerMemory(shape, num_ranks, capacity, m, _buffers(shape, num_ranks, capacity, m, **kinds), **kinds)
 
 
 def _parser():
@@ -221,6 +278,8 @@ def _parser():
                         f"{DEFAULT_FRACTION:g} x --free-gb)")
     p.add_argument("--free-gb", type=float, default=H100_FREE_BYTES / GB,
                    help="free GPU memory, GB (an 80 GB H100's)")
+    p.add_argument("--precision", default="bf16", help="the routed experts': bf16 or fp8")
+    p.add_argument("--dispatch-dtype", default="bf16", help="with --precision fp8: what the dispatch moves, bf16 or fp8")
     return p
 
 
@@ -231,11 +290,12 @@ def main(argv=None) -> int:
         shape = get_shape(args.shape)
         if args.free_gb <= 0:
             raise ValueError(f"--free-gb must be > 0, got {args.free_gb}")
+        kinds = _kinds(shape, args.ep, args.precision, args.dispatch_dtype)
         capacity = _capacity(shape, args.ep, args.capacity)
         m = args.macrobatch_rows
         if m is None:
-            m = default_macrobatch_rows(shape, args.ep, args.free_gb * GB, capacity=capacity)
-        mem = layer_memory(shape, args.ep, capacity, m)
+            m = default_macrobatch_rows(shape, args.ep, args.free_gb * GB, capacity=capacity, **kinds)
+        mem = layer_memory(shape, args.ep, capacity, m, **kinds)
     except ValueError as e:
         p.error(str(e))
     worst = worst_capacity(shape, args.ep)

@@ -2,7 +2,8 @@
 apart from it: the 256 codes from the format's fields, a brute-force nearest-code search with ties
 to even, NVIDIA's own conversion (cuda_fp8.h's host path, where nvcc is found), and the block rule
 restated per case. GPU (marked gpu): the CUDA quantizers (cuda/fp8.cuh) equal to the rule bit for
-bit, codes and scales, on the same edge cases and on random data of the paper shapes' H and I."""
+bit, codes and scales, on the same edge cases and on random data of the paper shapes' H and I; the
+segment quantizers (the GPU layer's) on each expert segment's rows, nothing outside them."""
 
 import io
 import math
@@ -374,7 +375,11 @@ def _inputs(x: np.ndarray, kind: str):
 
 
 def _assert_bitwise(got, want, what):
-    got = got.get()
+    _assert_host_bitwise(got.get(), want, what)
+
+
+def _assert_host_bitwise(got, want, what):
+    got, want = np.ascontiguousarray(got), np.ascontiguousarray(want)
     assert got.shape == want.shape, what
     view = np.uint8 if want.dtype == np.uint8 else np.uint32
     diff = np.nonzero(got.view(view) != want.view(view))
@@ -472,3 +477,64 @@ def test_gpu_quantizers_batch_and_leading_dims():
     _assert_bitwise(scales, want[1], "leading dims scales")
     with pytest.raises(ValueError, match="multiple of 128"):
         kfp8.quantize_rows(cupy.zeros((2, 100), cupy.float32))
+
+
+def _segment_layout():
+    """(offsets, counts, rows): segments of 0, 1, 127, 128, 129 and 300 rows, each starting at a
+    multiple of 128 with at least one gap row after it (the GPU layer's receive rows)."""
+    offsets, pos = [], 0
+    counts = [0, 1, 127, 128, 129, 300]
+    for count in counts:
+        offsets.append(pos)
+        pos = -(-(pos + count + 1) // B) * B
+    return np.array(offsets, np.int32), np.array(counts, np.int32), pos
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["f32", "bf16", "e4m3"])
+def test_gpu_segment_quantizers_equal_the_rule_per_segment(kind):
+    """quantize_segment_rows / _columns: bitwise the rule on each segment's rows (the columns' last
+    block zero-padded: reference_fp8.quantize_columns; e4m3 input: on its dequantized values, the
+    layer's x^T); the rows and blocks outside every segment keep what they held."""
+    import cupy
+    from mok_proto import reference_fp8
+    from mok_proto.kernels import fp8 as kfp8
+
+    offsets, counts, rows = _segment_layout()
+    cols = 512
+    x = _random(np.random.default_rng(9), rows, cols)
+    x[offsets[5]:offsets[5] + 256] = _edge_matrix(1)  # the edge cases inside the longest segment
+    if kind == "e4m3":
+        codes_in, scales_in = fp8.quantize_rows(x)
+        dev, x_scales = cupy.asarray(codes_in), cupy.asarray(scales_in)
+        values = fp8.dequantize_rows(codes_in, scales_in)
+    else:
+        (dev, values), x_scales = _inputs(x, kind), None
+    d_off, d_cnt = cupy.asarray(offsets), cupy.asarray(counts)
+    segs = [slice(int(o), int(o + c)) for o, c in zip(offsets, counts)]
+    inside = np.zeros(rows, bool)
+    for seg in segs:
+        inside[seg] = True
+    if kind != "e4m3":
+        codes, scales = cupy.full((rows, cols), 0xAB, cupy.uint8), cupy.full((rows, cols // B), np.nan, cupy.float32)
+        kfp8.quantize_segment_rows(dev, d_off, d_cnt, codes, scales)
+        want = fp8.quantize_rows(values)
+        got = codes.get(), scales.get()
+        _assert_host_bitwise(got[0][inside], want[0][inside], f"{kind} segment rows codes")
+        _assert_host_bitwise(got[1][inside], want[1][inside], f"{kind} segment rows scales")
+        assert (got[0][~inside] == 0xAB).all() and np.isnan(got[1][~inside]).all(), "rows outside were written"
+    codes_t, scales_t = cupy.full((cols, rows), 0xAB, cupy.uint8), cupy.full((cols, rows // B), np.nan, cupy.float32)
+    kfp8.quantize_segment_columns(dev, d_off, d_cnt, codes_t, scales_t, x_scales=x_scales)
+    got = codes_t.get(), scales_t.get()
+    written = np.zeros(rows // B, bool)
+    for seg in segs:
+        if seg.stop == seg.start:
+            continue
+        want = reference_fp8.quantize_columns(values[seg])
+        blocks = slice(seg.start // B, seg.start // B + want[1].shape[1])
+        written[blocks] = True
+        _assert_host_bitwise(got[0][:, seg.start:seg.start + want[0].shape[1]], want[0],
+                             f"{kind} segment {seg} columns codes")
+        _assert_host_bitwise(got[1][:, blocks], want[1], f"{kind} segment {seg} columns scales")
+    assert (got[0].reshape(cols, rows // B, B)[:, ~written] == 0xAB).all() and np.isnan(got[1][:, ~written]).all(), \
+        "blocks outside every segment were written"

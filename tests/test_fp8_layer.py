@@ -11,7 +11,6 @@ from conftest import run_ranks
 from mok_proto import fp8
 from mok_proto.config import MoEShape, RunConfig
 from mok_proto.layer import cpu, transfer
-from mok_proto.layer.gpu_base import GpuRound
 from mok_proto.validate import InputError
 
 SHAPE = MoEShape("fp8", hidden=256, ffn=256, num_experts=4, top_k=2, num_tokens=8)
@@ -80,11 +79,6 @@ def test_cpu_layer_refuses_fp8_shapes_and_alignments():
     cpu.CpuMoELayer(_fake_heap(), RunConfig(odd_shared, 1, precision="fp8"), weights)  # a bf16 shared expert: any Is
     with pytest.raises(InputError, match="Is a multiple of 128"):
         cpu.CpuMoELayer(_fake_heap(), RunConfig(odd_shared, 1, precision="fp8", shared_precision="fp8"), weights)
-
-
-def test_gpu_layer_refuses_fp8_until_it_has_fp8_passes():
-    with pytest.raises(ValueError, match="bf16 passes only"):
-        GpuRound(SimpleNamespace(num_ranks=1), RunConfig(SHAPE, 1, precision="fp8"), None, 256, "layer")
 
 
 def test_fp8_dispatch_rows_round_trip():

@@ -3,13 +3,23 @@ mok_proto/fp8.py (its docstring is the rule and gives every layout).
 
 Inputs are CuPy arrays of fp32, or of bf16 bits (uint16/int16, the GEMMs' format:
 `kernels.gemm.to_bf16`). Outputs are allocated here unless given (`codes=`, `scales=`, ...: C-
-contiguous, of the right shape and dtype). Each call uploads its QuantParams (a few bytes); nothing
-is read back to the host.
+contiguous, of the right shape and dtype). A call's QuantParams (a few bytes) is uploaded the first
+time its values are seen and reused after (so the GPU layer's passes can be captured in a CUDA
+graph after one run); nothing is read back to the host.
 
     quantize_rows(x)                  x [..., K] -> codes [..., K] uint8, scales [..., K/128] fp32
     quantize_rows(x, transpose=True)  x [M, K] -> codes [K, M], scales [K, M/128] (the rule on x.T)
     quantize_blocks(w)                w [..., R, C] -> codes [..., R, C], scales [..., R/128, C/128]
                                       (transposed=True: also codes [..., C, R], scales [..., C/128, R/128])
+    quantize_segment_rows(x, offsets, counts, codes, scales)
+                                      quantize_rows(x) on the rows of expert segments only
+    quantize_segment_columns(x, offsets, counts, codes, scales[, x_scales])
+                                      quantize_rows(x, transpose=True) of each segment's rows, its last
+                                      block zero-padded; x may be e4m3 codes (with x_scales): dequantized first
+The segment quantizers serve the GPU layer's receive rows: segment e is rows [offsets[e],
+offsets[e] + counts[e]) (int32 [El] on the device, as the schedule wrote them), starting at a
+multiple of 128 rows (the wrapper cannot check device values); the rows outside every segment are
+neither read nor written, so they cost nothing and their outputs keep what they hold.
 """
 
 from __future__ import annotations
@@ -22,10 +32,22 @@ from mok_proto.kernels.build import CudaModule
 BLOCK = abi.CONST["kQuantBlock"]
 THREADS = abi.CONST["kQuantThreads"]
 IN_TYPES = {"f32": "float", "bf16": "unsigned short"}  # input kind -> the kernels' In
+E4M3 = "unsigned char"  # the column segment quantizer's In for e4m3 codes + their row scales
 MODULE = CudaModule("fp8.cuh", tuple(f"mok::fp8::quantize_rows<{t}, {tr}>" for t in IN_TYPES.values()
                                      for tr in ("false", "true"))
-                    + tuple(f"mok::fp8::quantize_blocks<{t}>" for t in IN_TYPES.values()))
+                    + tuple(f"mok::fp8::quantize_blocks<{t}>" for t in IN_TYPES.values())
+                    + tuple(f"mok::fp8::quantize_segment_rows<{t}>" for t in IN_TYPES.values())
+                    + tuple(f"mok::fp8::quantize_segment_columns<{t}>" for t in (*IN_TYPES.values(), E4M3)))
 MAX_ROW_CTAS = 65535  # grid.x cap of the row kernel (a grid-stride loop covers the rest)
+CTAS_PER_SM = 4  # the segment quantizers' grids: about this many CTAs per SM, split over the segments
+CACHE_ENTRIES = 4096  # uploaded QuantParams kept (by value)
+_PARAMS: dict = {}
+
+
+def _address(a) -> int:
+    """The first byte's address: a CuPy array's device pointer (a NumPy array's, for CPU tests)."""
+    ptr = getattr(a.data, "ptr", None)
+    return int(ptr) if ptr is not None else int(a.ctypes.data)
 
 
 def _kind(x, name: str) -> str:
@@ -39,7 +61,7 @@ def _kind(x, name: str) -> str:
 def _check_input(x, name: str):
     if not x.flags.c_contiguous:
         raise ValueError(f"{name}: must be C-contiguous")
-    if x.data.ptr % 16:
+    if _address(x) % 16:
         raise ValueError(f"{name}: must start at a 16-byte aligned address")
     return _kind(x, name)
 
@@ -66,11 +88,20 @@ def _out(given, shape, dtype, name: str):
 
 
 def _params(**fields):
+    """The device QuantParams of `fields` (the rest 0), uploaded once per distinct value."""
     import cupy
 
     values = dict.fromkeys(abi.QUANT_PARAMS.names, 0)
     values.update(fields)
-    return cupy.asarray(abi.QUANT_PARAMS.pack(values))
+    host = abi.QUANT_PARAMS.pack(values)
+    key = tuple(int(v) for v in host)
+    params = _PARAMS.pop(key, None)
+    if params is None:
+        params = cupy.asarray(host)
+        if len(_PARAMS) >= CACHE_ENTRIES:
+            _PARAMS.pop(next(iter(_PARAMS)))
+    _PARAMS[key] = params
+    return params
 
 
 def quantize_rows(x, *, pow2: bool = False, transpose: bool = False, codes=None, scales=None):
@@ -130,3 +161,87 @@ def quantize_blocks(w, *, pow2: bool = False, transposed: bool = False, codes=No
         MODULE.function(f"mok::fp8::quantize_blocks<{IN_TYPES[kind]}>")(
             (cols // BLOCK, rows // BLOCK, batch), (THREADS,), (params,))
     return (codes, scales, codes_t, scales_t) if transposed else (codes, scales)
+
+
+# ---------------------------------------------------------------------------------------------
+def _segments(row_offsets, row_counts) -> int:
+    """num_groups of int32 [El] offsets and counts (every check before any GPU call)."""
+    for name, a in (("row_offsets", row_offsets), ("row_counts", row_counts)):
+        if a.dtype != np.int32 or a.ndim != 1 or not a.flags.c_contiguous:
+            raise ValueError(f"{name}: expected a contiguous 1-D int32 array, got {a.dtype} {tuple(a.shape)}")
+    if row_counts.shape != row_offsets.shape or not 1 <= row_offsets.size <= 65535:
+        raise ValueError(f"row_offsets, row_counts: 1 to 65535 segments each, got {tuple(row_offsets.shape)} and "
+                         f"{tuple(row_counts.shape)}")
+    return row_offsets.size
+
+
+def _given(a, shape, dtype, name: str):
+    if a is None or tuple(a.shape) != tuple(shape) or a.dtype != dtype or not a.flags.c_contiguous:
+        got = "None" if a is None else f"{a.dtype} {tuple(a.shape)}"
+        raise ValueError(f"{name}: expected a C-contiguous {np.dtype(dtype).name} array of shape {tuple(shape)}, "
+                         f"got {got}")
+    return a
+
+
+def _launch_segments(kernel: str, grid, fields: dict):
+    """Launch `kernel` (a name in MODULE) on the grid `grid(num_sms)` with QuantParams `fields`."""
+    from mok_proto.kernels.build import num_sms
+
+    MODULE.function(kernel)(grid(num_sms()), (THREADS,), (_params(**fields),))
+
+
+def quantize_segment_rows(x, row_offsets, row_counts, codes, scales, *, pow2: bool = False):
+    """fp8.quantize_rows of the segments' rows of x [rows, K] (fp32 or bf16 bits) into the given
+    codes [rows, K] (uint8) and scales [rows, K/128] (fp32), bitwise; the other rows untouched."""
+    kind = _check_input(x, "x")
+    if x.ndim != 2:
+        raise ValueError(f"x: expected a 2-D [rows, K] array, got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    _multiple("K", cols)
+    _given(codes, (rows, cols), np.uint8, "codes")
+    _given(scales, (rows, cols // BLOCK), np.float32, "scales")
+    groups = _segments(row_offsets, row_counts)
+    fields = dict(batch=1, rows=rows, cols=cols, pow2=int(pow2), x=x, codes=codes, scales=scales,
+                  num_groups=groups, row_offsets=row_offsets, row_counts=row_counts)
+
+    def grid(sms):
+        return max(1, min(MAX_ROW_CTAS, -(-CTAS_PER_SM * sms // groups))), groups
+
+    _launch_segments(f"mok::fp8::quantize_segment_rows<{IN_TYPES[kind]}>", grid, fields)
+
+
+def quantize_segment_columns(x, row_offsets, row_counts, codes, scales, *, x_scales=None, pow2: bool = False):
+    """fp8.quantize_rows(transpose=True) of each segment's rows of x [rows, C], in 128-row blocks
+    from its first row, the rows past its count as zeros (what the reference's zero-padded last
+    block gives), into the given codes [C, rows] (uint8) and scales [C, rows/128] (fp32). x: fp32 or
+    bf16 bits, or e4m3 codes (uint8) with x_scales [rows, C/128] (fp32): then the values are
+    fp8.dequantize_rows(x, x_scales), as the FP8 layer's x^T (docs/design.md 5.7)."""
+    if x.dtype == np.uint8:
+        kind = "e4m3"
+        if not x.flags.c_contiguous:
+            raise ValueError("x: must be C-contiguous")
+    else:
+        kind = _check_input(x, "x")
+    if x.ndim != 2:
+        raise ValueError(f"x: expected a 2-D [rows, C] array, got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    _multiple("rows", rows)
+    if (kind == "e4m3") != (x_scales is not None):
+        raise ValueError("x_scales: given exactly when x holds e4m3 codes (uint8)")
+    if x_scales is not None:
+        _multiple("C", cols)
+        _given(x_scales, (rows, cols // BLOCK), np.float32, "x_scales")
+    _given(codes, (cols, rows), np.uint8, "codes")
+    _given(scales, (cols, rows // BLOCK), np.float32, "scales")
+    groups = _segments(row_offsets, row_counts)
+    fields = dict(batch=1, rows=rows, cols=cols, pow2=int(pow2), x=x, codes=codes, scales=scales,
+                  x_scales=x_scales if x_scales is not None else 0, num_groups=groups, row_offsets=row_offsets,
+                  row_counts=row_counts)
+    col_groups = -(-cols // 32)
+    _grid_limit("ceil(C / 32)", col_groups)
+
+    def grid(sms):
+        return col_groups, max(1, min(65535, -(-CTAS_PER_SM * sms // (col_groups * groups)))), groups
+
+    in_type = E4M3 if kind == "e4m3" else IN_TYPES[kind]
+    _launch_segments(f"mok::fp8::quantize_segment_columns<{in_type}>", grid, fields)

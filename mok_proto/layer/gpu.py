@@ -1,5 +1,6 @@
 """The MoE layer on the GPU, stage by stage (the "sequential" schedule): forward and backward in
-bf16 with fp32 accumulation and fp32 weight gradients, each of the four transfers push or pull.
+bf16 with fp32 accumulation and fp32 weight gradients, each of the four transfers push or pull
+(RunConfig.precision "fp8": the routed experts' GEMMs block-scaled e4m3, layer/gpu_fp8.py).
 
 Legend: N tokens/rank, H hidden, I expert FFN, Is shared FFN, E experts, El = E/R local experts,
 K top-k, R ranks, C receive capacity (rows), W launch ranks driven by this process. A *slot*
@@ -57,12 +58,12 @@ from mok_proto.config import DIRECTIONS, RunConfig
 from mok_proto.kernels import comm as kc
 from mok_proto.kernels import gemm
 from mok_proto.kernels import token as kt
-from mok_proto.layer import gpu_ring
+from mok_proto.layer import gpu_fp8, gpu_ring
 from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, to_experts, to_experts_before_fused, to_tokens,
                                       to_tokens_after_fused)
 # (round_layout, layer_row_layout: also imported from here, as the layer's own)
-from mok_proto.layer.layout import (BF16, F32, I32, layer_layout, layer_row_layout, nbytes,  # noqa: F401
-                                    round_layout, whole_ring)
+from mok_proto.layer.layout import (BF16, F32, FP8_WEIGHTS, I32, U8, layer_layout, layer_row_layout,  # noqa: F401
+                                    nbytes, round_layout, whole_ring)
 from mok_proto.memory import default_macrobatch_rows, layer_memory
 from mok_proto.plan import MOVER_KINDS, SEGMENT_ROWS, FusedKnobs, fused_backward, fused_forward
 
@@ -126,7 +127,8 @@ def default_ring_rows(heap, run: RunConfig, capacity: int | None) -> int | None:
     import cupy
 
     free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
-    return default_macrobatch_rows(run.shape, run.num_ranks, free_bytes=free // heap.num_ranks, capacity=capacity)
+    return default_macrobatch_rows(run.shape, run.num_ranks, free_bytes=free // heap.num_ranks, capacity=capacity,
+                                   precision=run.precision, dispatch_dtype=run.dispatch_dtype)
 
 
 def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, knobs: FusedKnobs, num_sms: int,
@@ -173,13 +175,18 @@ def _directions(plan, policy: dict) -> tuple[bool, bool]:
 
 class GpuMoELayer(GpuRound):
     """The layer for the launch ranks of one GPU heap (virtual: W ranks in this process; NVSHMEM:
-    this process's rank). Set weights and inputs per rank, enqueue, read results per rank."""
+    this process's rank). Set weights and inputs per rank, enqueue, read results per rank.
+    RunConfig.precision "fp8": the routed experts in FP8, sequential passes (layer/gpu_fp8.py)."""
+
+    RUNS_FP8 = True
 
     def __init__(self, heap, run: RunConfig, capacity: int | None = None, ranks=None, name: str = "layer",
                  blocks_per_rank: int | None = None, macrobatch_rows: int | None = None):
         shape = run.shape if isinstance(run, RunConfig) else None
         if shape is not None:
             check_tiles(shape)
+            if run.precision == "fp8":
+                gpu_fp8.check_run(run)
         self.has_shared = shape is not None and shape.num_shared == 1
         if macrobatch_rows is None and shape is not None:
             macrobatch_rows = default_ring_rows(heap, run, capacity)
@@ -188,6 +195,7 @@ class GpuMoELayer(GpuRound):
         super().__init__(heap, run, capacity, SEGMENT_ROWS, name, macrobatch_rows)
         import cupy
 
+        self.fp8 = gpu_fp8.Fp8Experts(self) if run.precision == "fp8" else None  # None: bf16 routed experts
         self._whole = (cupy.zeros(1, I32), cupy.full(1, self.shape.num_tokens, I32))  # shared expert: one group
         self._blocks_per_rank = blocks_per_rank
         self.fused = None  # kernels.fused.FusedPass of the plan set by set_forward_plan (None: sequential)
@@ -200,12 +208,13 @@ class GpuMoELayer(GpuRound):
     def memory(self):
         """This layer's memory per rank (mok_proto.memory.LayerMemory: bytes by buffer, symmetric and
         private, totals, formula()): its logical capacity and its ring."""
-        return layer_memory(self.shape, self.run.num_ranks, capacity=self.capacity, macrobatch_rows=self.ring_rows)
+        return layer_memory(self.shape, self.run.num_ranks, capacity=self.capacity, macrobatch_rows=self.ring_rows,
+                            precision=self.run.precision, dispatch_dtype=self.run.dispatch_dtype)
 
     def row_layout(self, rows):
         """The layer's own buffers: rows, saved activations, weights and gradients (`rows` receive
         rows: its ring holds all of them)."""
-        return layer_row_layout(self.shape, self.num_local, rows)
+        return layer_row_layout(self.shape, self.num_local, rows, self.run.precision, self.run.dispatch_dtype)
 
     def launch_only(self, ranks):
         """Drive only `ranks` (a contiguous subset of the heap's launch ranks) from now on: the
@@ -217,7 +226,9 @@ class GpuMoELayer(GpuRound):
         # The forward moves token rows x -> receive rows, results y -> slots; the backward moves
         # slot rows dy_slots -> receive rows, input-gradient rows dx_rows -> slots. One CommParams
         # per turn of the ring (a pass of one turn: one).
-        fwd = {"slot_rows": 0, "x": table["x"], "recv": table["recv"], "y": table["y"], "slots": table["y_slots"]}
+        # (fp8 dispatch has no bf16 receive rows: gpu_fp8 moves codes and scales with its own params)
+        fwd = {"slot_rows": 0, "x": table["x"], "recv": table.get("recv", 0), "y": table["y"],
+               "slots": table["y_slots"]}
         bwd = {"slot_rows": 1, "x": table["dy_slots"], "recv": table["recv_dy"], "y": table["dx_rows"],
                "slots": table["dx_slots"]}
         turns = [{**self.comm_fields(self.ranks, 2 * h, t), "base": 0, "out": 0, "scale": 0}
@@ -228,6 +239,8 @@ class GpuMoELayer(GpuRound):
         ranks = self.ranks
         self.params_tok = kt.pack_params(token_fields(self.shape, self.num_local, ranks[0], table, self.error.ptr))
         self.launch = self.launch_for(ranks, 2 * h, self._blocks_per_rank)
+        if self.fp8 is not None:
+            self.fp8.launch_only(ranks, self._blocks_per_rank)
         if getattr(self, "fused", None) is not None:  # its grid and GEMMs are per launch rank
             self.set_forward_plan(self.fused.plan)
         if getattr(self, "fused_bwd", None) is not None:
@@ -255,6 +268,8 @@ class GpuMoELayer(GpuRound):
 
         if plan is None:
             return None, None
+        if self.run.precision == "fp8":
+            raise ValueError(gpu_fp8.FUSED_REFUSAL)
         if self.num_turns > 1 and pass_ == "bwd" and (plan.scale or plan.token_grads):
             raise ValueError(f"this layer's ring takes {self.num_turns} turns: the fused backward runs once a turn, so "
                              "its scale and token gradients must run outside it (FusedKnobs(scale=False, "
@@ -356,6 +371,9 @@ class GpuMoELayer(GpuRound):
         on turn `turn`'s rows; accumulate: weight gradients add to what earlier turns stored."""
         for r in self.ranks:
             for slot in slots:
+                if self.fp8 is not None and not slot.startswith("kSlotShared"):  # FP8 routed experts
+                    self.fp8.launch(pass_, slot, r, turn, accumulate and slot in gpu_ring.ROUTED_WGRAD)
+                    continue
                 call = self._gemm(pass_, slot, r, turn)
                 if call is not None:
                     extra = {"accumulate": True} if accumulate and slot in gpu_ring.ROUTED_WGRAD else {}
@@ -398,6 +416,8 @@ class GpuMoELayer(GpuRound):
                 raise ValueError(f"set_weight_part: {key} must have shape {buf.shape[1:]}, got {tuple(values.shape)}")
             part = buf[0]
         part[...] = bf16(cupy.asarray(values, dtype=F32))
+        if self.fp8 is not None and key.startswith("w_"):  # quantized once, both orientations
+            self.fp8.quantize_weights(rank, key, first_expert, num)
 
     def set_inputs(self, rank: int, x, topk_idx, topk_weights):
         """One rank's x [N,H] (rounded to bf16), topk_idx [N,K], topk_weights [N,K] (fp32)."""
@@ -454,6 +474,8 @@ class GpuMoELayer(GpuRound):
         mark = mark or (lambda stage: None)
         mark("schedule")
         kc.begin_round(p, launch)
+        if self.fp8 is not None:
+            self.fp8.quantize_tokens()  # fp8 dispatch: the rows it moves (published by the routing flag)
         kc.allgather_routing(p, launch)
         kc.build_schedule(p, launch, self.run.num_ranks, self.num_local, self.shape.num_tokens, self.shape.top_k)
         if self.num_turns > 1:
@@ -466,7 +488,10 @@ class GpuMoELayer(GpuRound):
         mark("shared")
         self._launch_gemms("fwd", ("kSlotSharedFirst", "kSlotSharedSecond"))
         mark("dispatch")
-        to_experts(p, launch, policy["dispatch"], "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
+        if self.fp8 is not None and self.fp8.dispatch_fp8:
+            self.fp8.dispatch(policy["dispatch"], 0, wait_map=True)
+        else:
+            to_experts(p, launch, policy["dispatch"], "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
         mark("experts")
         self._launch_gemms("fwd", ("kSlotFirst", "kSlotSecond"))
         mark("combine")
@@ -634,15 +659,17 @@ class GpuMoELayer(GpuRound):
                 for key, v in views.items()}
 
     def poison(self):
-        """NaN (bf16 0x7FC0, fp32 NaN) into every row buffer and result of the ranks this process
-        drives, so a read before its producer wrote cannot pass a bitwise check."""
-        inputs = {"topk_w", "x", "dout", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down"}
+        """NaN (bf16 0x7FC0, fp32 NaN, the e4m3 NaN code 0xFF) into every row buffer and result of
+        the ranks this process drives, so a read before its producer wrote cannot pass a bitwise check."""
+        inputs = {"topk_w", "x", "dout", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down",
+                  *FP8_WEIGHTS}
+        nan = {np.dtype(BF16): 0x7FC0, np.dtype(F32): np.nan, np.dtype(U8): 0xFF}
         for rank in self.ranks:
             for key, buf in self.bufs.items():
                 a = buf.instance(rank)
                 if key in ("recv_row", "sched"):  # -1: "no row"; a read before the schedule wrote it moves nothing
                     a[...] = -1
-                elif key in inputs or a.dtype not in (BF16, F32):  # inputs, routing, scratch, flags, state
+                elif key in inputs or a.dtype not in nan:  # inputs, routing, scratch, flags, state
                     continue
                 else:
-                    a[...] = 0x7FC0 if a.dtype == BF16 else np.nan
+                    a[...] = nan[a.dtype]

@@ -21,15 +21,17 @@ class GpuRound:
     """Subclasses give `row_layout(rows)`: {name: (shape, dtype)} of their own buffers for a ring of
     `rows` receive rows."""
 
+    RUNS_FP8 = False  # a subclass with FP8 passes (GpuMoELayer) says so
+
     def __init__(self, heap, run: RunConfig, capacity: int | None, align: int, name: str,
                  macrobatch_rows: int | None = None):
         if not isinstance(run, RunConfig):
             raise TypeError(f"run must be a RunConfig, got {type(run).__name__}")
         if heap.num_ranks != run.num_ranks:
             raise ValueError(f"num_ranks: config says R={run.num_ranks} but the heap has {heap.num_ranks} ranks")
-        if run.precision != "bf16":
-            raise ValueError(f"precision {run.precision}: the GPU layer has bf16 passes only so far (the CPU layer "
-                             "and mok_proto/reference_fp8.py run fp8)")
+        if run.precision != "bf16" and not self.RUNS_FP8:
+            raise ValueError(f"precision {run.precision}: {type(self).__name__} has bf16 passes only (GpuMoELayer and "
+                             "the CPU layer run fp8 routed experts)")
         self.heap, self.run, self.shape, self.policy = heap, run, run.shape, dict(run.policy)
         self.num_local, self.align = run.num_local_experts, align
         worst = max_receive_slots(run.shape.num_tokens, run.shape.top_k, run.num_ranks, run.num_local_experts, align)

@@ -13,7 +13,8 @@ pulled the turn's rows out of every ring: owners wait for all before the next tu
 gradients of turns after the first accumulate (GemmParams.accumulate): the bits of one pass.
 A fused plan runs once a turn over the turn's rows (the shared expert's tiles in turn 0 only: the
 other turns run the same plan built without them, FusedPass.rest); the backward's dy_slots and
-token gradients then run outside it, once.
+token gradients then run outside it, once. FP8 routed experts (layer/gpu_fp8.py) run the same
+turns: their dispatch (and its replay) moves codes and scales with dispatch_dtype fp8.
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ def _into_ring(p, launch, direction: str, push_op: str):
     else:
         kc.move_rows("dispatch_push", p, launch)
         kc.wait_peers(p, launch, "kFlagDispatch", push_op)
+
+
+def _dispatch_into_ring(layer, turn: int, direction: str):
+    """Turn `turn`'s x rows into the owners' rings: bf16 rows, or with dispatch_dtype fp8 their
+    codes and scales (layer/gpu_fp8.py)."""
+    fp8 = getattr(layer, "fp8", None)
+    if fp8 is not None and fp8.dispatch_fp8:
+        fp8.dispatch(direction, turn, wait_map=False)
+    else:
+        _into_ring(layer.turn_params["fwd"][turn], layer.launch, direction, "kOpDispatchPush")
 
 
 def _out_of_ring(p, launch, direction: str, push_op: str, pull_op: str, pushed_inside: bool = False):
@@ -80,7 +91,7 @@ def forward_turns(layer, policy: dict, mark, inside=None):
         p = params[t]
         _free_ring(p, launch, push, "kOpDispatchPush")
         if not comm_in:
-            _into_ring(p, launch, policy["dispatch"], "kOpDispatchPush")
+            _dispatch_into_ring(layer, t, policy["dispatch"])
         if fused is None:
             layer._launch_gemms("fwd", ("kSlotFirst", "kSlotSecond"), turn=t)
         else:  # the shared expert's tiles in the last turn run (turn 0) only
@@ -98,7 +109,7 @@ def backward_turns(layer, policy: dict, mark, inside=None, replay_first: bool = 
     the weight gradients (a fused plan: its kernel, `inside` as forward_turns'); the token gradients.
     replay_first: turn 0 is replayed too, for a backward that may not directly follow its forward
     (a graph of the backward alone: the last backward left the ring holding its last turn)."""
-    launch, fwd, bwd = layer.launch, layer.turn_params["fwd"], layer.turn_params["bwd"]
+    launch, bwd = layer.launch, layer.turn_params["bwd"]
     fused = layer.fused_bwd if inside else None
     comm_in, comm_out = inside or (False, False)
     kt.scale_to_slots(layer.params_tok, launch)
@@ -115,7 +126,7 @@ def backward_turns(layer, policy: dict, mark, inside=None, replay_first: bool = 
         if t > 0 or replay_first:  # later turns overwrote this turn's activations: replay them
             mark(f"replay.{t}")
             _free_ring(p, launch, pushes, "kOpDispatchPush")
-            _into_ring(fwd[t], launch, policy["dispatch"], "kOpDispatchPush")
+            _dispatch_into_ring(layer, t, policy["dispatch"])
             layer._launch_gemms("fwd", ("kSlotFirst",), turn=t)  # gate/up + SwiGLU: g, u, h again
             kc.begin_round(p, launch)  # the reverse-combine's flags must not meet the replay's
             mark(f"turn.{t}")

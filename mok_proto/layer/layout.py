@@ -5,7 +5,7 @@ sizes the heap with them; mok_proto.memory states them.
 
 Legend: N tokens/rank, H hidden, I expert FFN, Is shared FFN, K top-k, R ranks, El = E/R local
 experts, C logical receive capacity (rows of the schedule's index space), M ring rows
-(macrobatch_rows: the receive-row buffers).
+(macrobatch_rows: the receive-row buffers), B = 128 (an FP8 scale block).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from mok_proto.config import RunConfig
 from mok_proto.kernels import comm as kc
 from mok_proto.plan.kinds import SEGMENT_ROWS
 
-BF16, F32, I32 = np.uint16, np.float32, np.int32
+BF16, F32, I32, U8 = np.uint16, np.float32, np.int32, np.uint8
+FP8_BLOCK = abi.CONST["kQuantBlock"]  # B
 
 # What each buffer's size follows (mok_proto.memory groups the bytes by it):
 #   index: the logical capacity C (4-byte indices per receive row);  ring: M receive rows;
@@ -32,9 +33,17 @@ BUFFER_ROLE = {
 }
 
 
+# precision fp8 (layer/gpu_fp8.py): e4m3 codes "<name>" (uint8) with their fp32 scales "<name>_s".
+# The ring's codes of h, dy, dg, du serve two quantizations each (1 x B for a data GEMM, then the
+# transposed B x 1 one for a weight gradient; dyq also x^T): fp8_row_layout says which.
+FP8_RING_BUFFERS = tuple(f"{q}{s}" for q in ("xq", "hq", "dyq", "dgq", "duq") for s in ("", "_s"))
+FP8_WEIGHTS = tuple(f"wq_{w}{t}{s}" for w in ("gate", "up", "down") for t in ("", "_t") for s in ("", "_s"))
+FP8_BUFFER_ROLE = {**{name: "ring" for name in FP8_RING_BUFFERS}, **{name: "weights" for name in FP8_WEIGHTS}}
+
+
 def role_of(name: str) -> str:
     """The role (ROLES) of buffer `name` of round_layout or layer_row_layout."""
-    return BUFFER_ROLE.get(name, "token")
+    return BUFFER_ROLE.get(name) or FP8_BUFFER_ROLE.get(name, "token")
 
 
 def round_layout(run: RunConfig, capacity: int, num_turns: int = 1) -> dict:
@@ -62,10 +71,12 @@ def num_turns(capacity: int, macrobatch_rows: int) -> int:
     return -(-capacity // macrobatch_rows)
 
 
-def layer_row_layout(shape, num_local: int, macrobatch_rows: int) -> dict:
+def layer_row_layout(shape, num_local: int, macrobatch_rows: int, precision: str = "bf16",
+                     dispatch_dtype: str = "bf16") -> dict:
     """{name: (shape, dtype)} of the layer's own buffers (rows, saved activations, weights and
     gradients) for `num_local` experts per rank; the receive-row buffers (RING_BUFFERS) hold
-    `macrobatch_rows` rows: GpuMoELayer.row_layout, callable without a GPU."""
+    `macrobatch_rows` rows: GpuMoELayer.row_layout, callable without a GPU. precision "fp8" adds
+    fp8_row_layout (and with dispatch_dtype "fp8" the bf16 receive rows `recv` go: x lands quantized)."""
     n, h, k, i_ffn, i_shared = shape.num_tokens, shape.hidden, shape.top_k, shape.ffn, shape.shared_ffn_size
     el, m = num_local, macrobatch_rows
     layout = {  # name: (shape, dtype); every buffer symmetric (peers reach the row buffers)
@@ -91,6 +102,34 @@ def layer_row_layout(shape, num_local: int, macrobatch_rows: int) -> dict:
             "dshared_gate": ((1, h, i_shared), F32), "dshared_up": ((1, h, i_shared), F32),
             "dshared_down": ((1, i_shared, h), F32),
         })
+    if precision == "fp8":
+        if dispatch_dtype == "fp8":
+            del layout["recv"]
+        layout.update(fp8_row_layout(shape, num_local, macrobatch_rows, dispatch_dtype))
+    return layout
+
+
+def fp8_row_layout(shape, num_local: int, macrobatch_rows: int, dispatch_dtype: str = "bf16") -> dict:
+    """The buffers the FP8 routed experts add (layer/gpu_fp8.py; docs/design.md 5.7): each a pair,
+    e4m3 codes `name` [rows, cols] (uint8) and their scales `name`_s [rows, cols / B] (fp32); a
+    transposed use views the same bytes as codes [cols, rows], scales [cols, rows / B]."""
+    n, h, i_ffn, el, m, b = shape.num_tokens, shape.hidden, shape.ffn, num_local, macrobatch_rows, FP8_BLOCK
+    layout = {}
+
+    def pair(name, rows, cols):
+        layout[name], layout[name + "_s"] = ((rows, cols), U8), ((rows, -(-cols // b)), F32)
+
+    pair("xq", m, h)  # x 1 x B: quantized where it lands, or landed so (fp8 dispatch); the backward's x^T reads it
+    pair("hq", m, i_ffn)  # h 1 x B (gate/up's epilogue, for down); backward: h^T [I, M]
+    pair("dyq", m, h)  # dy 1 x B (down_bwd); then dy^T [H, M] (down_wgrad), then x^T [H, M] (gate_up_wgrad)
+    pair("dgq", m, i_ffn)  # dg 1 x B (gate_up_bwd); then dg^T [I, M] (gate_up_wgrad)
+    pair("duq", m, i_ffn)  # du, as dg
+    if dispatch_dtype == "fp8":
+        pair("xq_tok", n, h)  # the token owner's x rows 1 x B: what the dispatch moves
+    for w, (r, c) in (("gate", (h, i_ffn)), ("up", (h, i_ffn)), ("down", (i_ffn, h))):
+        # B x B blocks, both orientations: W for the data gradients, W^T for the forward (K-major)
+        layout[f"wq_{w}"], layout[f"wq_{w}_s"] = ((el, r, c), U8), ((el, -(-r // b), -(-c // b)), F32)
+        layout[f"wq_{w}_t"], layout[f"wq_{w}_t_s"] = ((el, c, r), U8), ((el, -(-c // b), -(-r // b)), F32)
     return layout
 
 
@@ -98,7 +137,7 @@ def layer_layout(run: RunConfig, capacity: int, macrobatch_rows: int) -> dict:
     """Every symmetric buffer of one rank's GpuMoELayer, in allocation order: round_layout (the
     schedule sized for `capacity` rows) then layer_row_layout (a ring of `macrobatch_rows`)."""
     return {**round_layout(run, capacity, num_turns(capacity, macrobatch_rows)),
-            **layer_row_layout(run.shape, run.num_local_experts, macrobatch_rows)}
+            **layer_row_layout(run.shape, run.num_local_experts, macrobatch_rows, run.precision, run.dispatch_dtype)}
 
 
 def nbytes(shape, dtype) -> int:

@@ -1,0 +1,168 @@
+"""The GPU layer's FP8 routed experts (RunConfig(precision="fp8")): the sequential passes of
+docs/design.md 5.7 on the GPU, stage for stage the BF16 layer's (layer/gpu.py, gpu_ring.py), with
+the routed GEMMs of kernels/gemm_fp8.py and the quantizers of kernels/fp8.py where 5.7 puts them.
+
+Legend: H hidden, I expert FFN, El local experts, M ring rows, B = 128 (a scale block). "q(a)": a
+quantized 1 x B along its rows; "q^T(a)": B x 1 over each expert's rows (quantize_rows(transpose=
+True) from the expert's first row, its last block zero-padded), stored transposed. Buffers: the
+pairs of layout.fp8_row_layout (codes `name`, scales `name`_s).
+
+    set_weights    wq_w, wq_w_t = quantize_blocks(bf16 W): W for the data gradients, W^T for the forward
+    forward        [fp8 dispatch: xq_tok = q(x) by the token owner, before the routing flag publishes it]
+                   dispatch: bf16 rows into recv, then xq = q(recv) | xq_tok's codes and scales into xq
+                   gate_up(xq, Wg^T, Wu^T) -> g, u, h (bf16), hq = q(h) (its epilogue); down(hq, Wd^T) -> y
+    backward       dyq = q(dy); down_bwd(dyq, Wd, g, u) -> dg, du;  dgq, duq = q(dg), q(du);
+                   gate_up_bwd(dgq, duq, Wg, Wu) -> dx rows
+                   hq := q^T(h), dyq := q^T(dy); down_wgrad -> dWd
+                   dyq := q^T(deq(xq)), dgq := q^T(dg), duq := q^T(du); gate_up_wgrad -> dWg, dWu
+The backward's codes reuse the ring's: each 1 x B quantization is dead when its transposed
+successor is written (a later launch of the same stream), so FP8 adds 2H + 3I codes a ring row,
+not 3H + 6I. Every quantizer reads only the rows of the turn's expert segments (the schedule's
+offsets and counts, on the device). x^T comes from the dequantized xq, never from bf16 x, so both
+dispatch dtypes give the same bits. The shared expert stays BF16 (gpu.py's GEMMs).
+
+FP8 dispatch moves two rows a slot with the dispatch's own kernels: xq_tok's codes (H bytes) into
+xq, its scales (H/32 bytes) into xq_s. Pulled: two pulls. Pushed: each push raises kFlagDispatch
+at the round's epoch, so the codes' push is waited for, the epoch advanced (begin_round, on every
+rank alike), then the scales pushed and waited for: a wait can only be met by the push it waits for.
+"""
+
+from __future__ import annotations
+
+from mok_proto import abi
+from mok_proto.kernels import comm as kc
+from mok_proto.kernels import fp8 as kq
+from mok_proto.kernels import gemm_fp8 as kg
+
+B = abi.CONST["kQuantBlock"]
+FUSED_REFUSAL = ("precision fp8: the fused passes do not run FP8 routed experts yet (cuda/fused.cuh has no FP8 "
+                 "tiles); run the sequential passes (no plan)")
+
+
+def check_run(run) -> None:
+    """ValueError (one line) for an FP8 configuration the GPU layer does not run."""
+    if run.shared_precision != "bf16":
+        raise ValueError("shared_precision fp8: the GPU layer's shared expert is bf16 (an fp8 shared expert runs on "
+                         "the CPU layer: RunConfig(..., shared_precision='fp8') there)")
+
+
+class Fp8Experts:
+    """The FP8 part of one GpuMoELayer: its weights' codes, the dispatch of codes and scales
+    (dispatch_dtype fp8), and per GemmSlot of its routed experts the quantizers and the FP8 GEMM."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.dispatch_fp8 = layer.run.dispatch_dtype == "fp8"
+        self.turn_params = None  # fp8 dispatch: per turn {"codes": CommParams, "scales": CommParams}
+        self.launches = None  # ... and their kc.Launch
+
+    # -----------------------------------------------------------------------------------------
+    # Host-side setup
+    # -----------------------------------------------------------------------------------------
+    def quantize_weights(self, rank: int, key: str, first: int, num: int):
+        """Experts first .. first + num - 1 of routed weight `key` (w_gate, w_up, w_down: bf16 as the
+        layer holds them) into their codes, both orientations (one quantize_blocks launch)."""
+        b, part = self.layer._b, slice(first, first + num)
+        name = "wq_" + key[2:]
+        kq.quantize_blocks(b(key, rank)[part], transposed=True, codes=b(name, rank)[part],
+                           scales=b(name + "_s", rank)[part], codes_t=b(name + "_t", rank)[part],
+                           scales_t=b(name + "_t_s", rank)[part])
+
+    def launch_only(self, ranks, blocks_per_rank):
+        """The fp8 dispatch's CommParams per turn (the forward's, with xq_tok -> xq and xq_tok_s ->
+        xq_s as its rows) for the launch ranks `ranks`."""
+        if not self.dispatch_fp8:
+            return
+        layer, h = self.layer, self.layer.shape.hidden
+        table = layer.tables()
+        parts = {"codes": ("xq_tok", "xq", h), "scales": ("xq_tok_s", "xq_s", 4 * h // B)}
+        self.turn_params = [{part: kc.pack_params({**layer.comm_fields(ranks, row_bytes, t), "slot_rows": 0,
+                                                   "x": table[src], "recv": table[dst], "y": 0, "slots": 0,
+                                                   "base": 0, "out": 0, "scale": 0})
+                             for part, (src, dst, row_bytes) in parts.items()} for t in range(layer.num_turns)]
+        self.launches = {part: layer.launch_for(ranks, row_bytes, blocks_per_rank)
+                         for part, (_, _, row_bytes) in parts.items()}
+
+    # -----------------------------------------------------------------------------------------
+    # The passes' parts (enqueued on the current stream)
+    # -----------------------------------------------------------------------------------------
+    def quantize_tokens(self):
+        """fp8 dispatch: every launch rank's x rows into xq_tok (before the routing all-gather,
+        whose flag publishes them to pullers)."""
+        if not self.dispatch_fp8:
+            return
+        b = self.layer._b
+        for r in self.layer.ranks:
+            kq.quantize_rows(b("x", r), codes=b("xq_tok", r), scales=b("xq_tok_s", r))
+
+    def dispatch(self, direction: str, turn: int, wait_map: bool):
+        """fp8 dispatch of turn `turn`: xq_tok's codes, then its scales, into the owners' xq, xq_s
+        (wait_map: a push right after the schedule first waits until every owner placed its rows)."""
+        p, launch = self.turn_params[turn], self.launches
+        if direction == "pull":  # the sources were published before (the routing flag, or an earlier round)
+            for part in ("codes", "scales"):
+                kc.move_rows("dispatch_pull", p[part], launch[part])
+            return
+        if wait_map:
+            kc.wait_peers(p["codes"], launch["codes"], "kFlagMap", "kOpDispatchPush")
+        for i, part in enumerate(("codes", "scales")):
+            if i:  # NOTE: a new epoch, so that the scales' wait is met by the scales' flags only
+                kc.begin_round(p[part], launch[part])
+            kc.move_rows("dispatch_push", p[part], launch[part])
+            kc.wait_peers(p[part], launch[part], "kFlagDispatch", "kOpDispatchPush")
+
+    def launch(self, pass_: str, slot: str, r: int, turn: int = 0, accumulate: bool = False):
+        """Launch the routed GemmSlot `slot` of pass `pass_` for rank r on turn `turn`'s rows: its
+        quantizers, then its FP8 GEMM (accumulate: a weight gradient adds to what it holds)."""
+        for fn, args, kwargs in self.steps(pass_, slot, r, turn, accumulate):
+            fn(*args, **kwargs)
+
+    def steps(self, pass_: str, slot: str, r: int, turn: int = 0, accumulate: bool = False) -> list:
+        """[(function, args, kwargs)] of `launch`, in launch order."""
+        layer = self.layer
+        b, rows, err = layer._b, layer._rows(r, turn), {"error": layer.error}
+        h, i_ffn = layer.shape.hidden, layer.shape.ffn
+
+        def q(name):  # codes and scales, 1 x B along a row of the ring
+            return b(name, r), b(name + "_s", r)
+
+        def qt(name, cols):  # the same bytes as the transposed quantization [cols, M], [cols, M / B]
+            codes, scales = q(name)
+            return codes.reshape(cols, -1), scales.reshape(cols, -1)
+
+        def w(name):  # a weight's codes and scales, "" (W) or "_t" (W^T)
+            return q("wq_" + name)
+
+        def rows_q(src, dst):
+            return kq.quantize_segment_rows, (b(src, r), *rows, *q(dst)), {}
+
+        def cols_q(src, dst, cols):
+            return kq.quantize_segment_columns, (b(src, r), *rows, *qt(dst, cols)), {}
+
+        wgrad = {"accumulate": accumulate, **err}
+        table = {
+            ("fwd", "kSlotFirst"): [] if self.dispatch_fp8 else [rows_q("recv", "xq")],
+            ("fwd", "kSlotSecond"): [],
+            ("bwd", "kSlotFirst"): [rows_q("recv_dy", "dyq")],
+            ("bwd", "kSlotSecond"): [rows_q("dg", "dgq"), rows_q("du", "duq")],
+            ("bwd", "kSlotDownWgrad"): [cols_q("h", "hq", i_ffn), cols_q("recv_dy", "dyq", h)],
+            ("bwd", "kSlotGateUpWgrad"): [(kq.quantize_segment_columns, (b("xq", r), *rows, *qt("dyq", h)),
+                                           {"x_scales": b("xq_s", r)}),
+                                          cols_q("dg", "dgq", i_ffn), cols_q("du", "duq", i_ffn)],
+        }
+        gemms = {
+            ("fwd", "kSlotFirst"): (kg.gate_up, (q("xq"), w("gate_t"), w("up_t"), *rows, b("h", r), q("hq")),
+                                    {"g": b("g", r), "u": b("u", r), **err}),
+            ("fwd", "kSlotSecond"): (kg.down, (q("hq"), w("down_t"), *rows, b("y", r)), err),
+            ("bwd", "kSlotFirst"): (kg.down_bwd, (q("dyq"), w("down"), b("g", r), b("u", r), *rows, b("dg", r),
+                                                  b("du", r)), err),
+            ("bwd", "kSlotSecond"): (kg.gate_up_bwd, (q("dgq"), q("duq"), w("gate"), w("up"), *rows,
+                                                      b("dx_rows", r)), err),
+            ("bwd", "kSlotDownWgrad"): (kg.down_wgrad, (qt("hq", i_ffn), qt("dyq", h), *rows, b("dw_down", r)),
+                                        wgrad),
+            ("bwd", "kSlotGateUpWgrad"): (kg.gate_up_wgrad, (qt("dyq", h), qt("dgq", i_ffn), qt("duq", i_ffn), *rows,
+                                                             b("dw_gate", r), b("dw_up", r)), wgrad),
+        }
+        if (pass_, slot) not in gemms:
+            raise ValueError(f"no routed FP8 GEMM for {pass_} {slot}")
+        return table[pass_, slot] + [gemms[pass_, slot]]

@@ -1,0 +1,440 @@
+"""The GPU layer's FP8 routed experts on the CPU (layer/gpu_fp8.py; no GPU, nothing launches):
+which tensor each routed GEMM reads, traced through the quantizers and the ring's reused codes
+against docs/design.md 5.7's table; the FP8 dispatch's params and the order of its launches; the
+hooks in the passes; the refusals; poisoning; the layout and memory; the segment quantizers'
+checks and what they pack. The wrappers' own argument checks run on NumPy stand-ins."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mok_proto import memory
+from mok_proto.config import MOK_POLICY, MoEShape, RunConfig, get_shape
+from mok_proto.kernels import fp8 as kq
+from mok_proto.kernels import gemm
+from mok_proto.kernels import gemm_fp8 as kg
+from mok_proto.layer import gpu, gpu_base, gpu_fp8, gpu_ring, layout
+
+SHAPE = MoEShape("fp8gpu", hidden=512, ffn=256, num_experts=4, top_k=2, num_tokens=16)
+R, RING = 2, 512
+EL = SHAPE.num_experts // R
+H, I = SHAPE.hidden, SHAPE.ffn
+SLOTS = {"fwd": ("kSlotFirst", "kSlotSecond"),
+         "bwd": ("kSlotFirst", "kSlotSecond", "kSlotDownWgrad", "kSlotGateUpWgrad")}
+# What each routed GEMM reads (design.md 5.7): q = 1 x 128 rows, qT = 128 x 1 over an expert's rows
+# (transposed), deq = dequantized; wq_*: the weights' codes in the orientation named.
+READS = {
+    kg.gate_up: [("q", "x"), "wq_gate_t", "wq_up_t"],
+    kg.down: [("q", "h"), "wq_down_t"],
+    kg.down_bwd: [("q", "dy"), "wq_down", "g", "u"],
+    kg.gate_up_bwd: [("q", "dg"), ("q", "du"), "wq_gate", "wq_up"],
+    kg.down_wgrad: [("qT", "h"), ("qT", "dy")],
+    kg.gate_up_wgrad: [("qT", ("deq", ("q", "x"))), ("qT", "dg"), ("qT", "du")],
+}
+WRITES = {kg.gate_up: {5: "h", 6: ("q", "h"), "g": "g", "u": "u"}, kg.down: {4: "y"},
+          kg.down_bwd: {6: "dg", 7: "du"}, kg.gate_up_bwd: {6: "dx"}, kg.down_wgrad: {4: "dWd"},
+          kg.gate_up_wgrad: {5: "dWg", 6: "dWu"}}
+
+
+def _address(a) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _stand_in(dispatch="bf16"):
+    """What Fp8Experts reads of a layer, its buffers NumPy arrays of the layer's FP8 layout."""
+    bufs = {name: np.zeros(shp, dt)
+            for name, (shp, dt) in layout.layer_row_layout(SHAPE, EL, RING, "fp8", dispatch).items()}
+    rows = (np.zeros(EL, np.int32), np.zeros(EL, np.int32))
+    layer = SimpleNamespace(run=RunConfig(SHAPE, R, precision="fp8", dispatch_dtype=dispatch), shape=SHAPE,
+                            ring_rows=RING, error=None, ranks=[0], _b=lambda key, r: bufs[key],
+                            _rows=lambda r, turn=0: rows)
+    return layer, bufs, rows
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """The wrappers check their arguments, then launch nothing."""
+    monkeypatch.setattr(gemm, "launch_grouped", lambda *args: None)
+    monkeypatch.setattr(gemm, "tensor_map", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(kq, "_launch_segments", lambda kernel, grid, fields: None)
+
+
+class Trace:
+    """Runs a pass's steps on the stand-in and follows what each buffer holds."""
+
+    def __init__(self, bufs, rows):
+        self.names = {_address(a): name for name, a in bufs.items()}
+        self.rows = rows
+        self.holds = {name: name.removesuffix("_s") for name in layout.FP8_WEIGHTS}  # a weight's codes and scales
+        self.gemms = []
+
+    def name(self, a):
+        return self.names[_address(a)]
+
+    def pair(self, a):
+        codes, scales = a
+        assert self.name(scales) == self.name(codes) + "_s", (self.name(codes), self.name(scales))
+        assert self.holds[self.name(codes)] == self.holds[self.name(scales)]
+        return self.holds[self.name(codes)]
+
+    def read(self, a):
+        return self.pair(a) if isinstance(a, tuple) else self.holds[self.name(a)]
+
+    def write(self, a, what):
+        for one in a if isinstance(a, tuple) else (a,):
+            self.holds[self.name(one)] = what
+
+    def run(self, steps):
+        for fn, args, kwargs in steps:
+            fn(*args, **kwargs)  # the wrapper's own checks (shapes, dtypes, contiguity)
+            assert sum(a is self.rows[0] for a in args) == sum(a is self.rows[1] for a in args) == 1
+            if fn in (kq.quantize_segment_rows, kq.quantize_segment_columns):
+                x, _, _, codes, scales = args
+                src = self.read(x)
+                if kwargs.get("x_scales") is not None:  # e4m3 input: its codes and scales, dequantized
+                    src = ("deq", self.pair((x, kwargs["x_scales"])))
+                self.write((codes, scales), ("q" if fn is kq.quantize_segment_rows else "qT", src))
+                continue
+            reads = [self.read(a) for a in args[:len(READS[fn])]]
+            assert reads == READS[fn], (fn.__name__, reads)
+            for where, what in WRITES[fn].items():
+                self.write(args[where] if isinstance(where, int) else kwargs[where], what)
+            self.gemms.append((fn, kwargs.get("accumulate")))
+
+
+@pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
+def test_every_routed_gemm_reads_the_quantization_the_design_names(dispatch, no_launch):
+    """A forward and a backward turn, the backward's codes reusing the ring's (h^T in hq, dy^T then
+    x^T in dyq, dg^T, du^T in dgq, duq): every GEMM reads design.md 5.7's operands, each written by
+    an earlier launch and not yet overwritten; a later turn's weight gradients accumulate."""
+    layer, bufs, rows = _stand_in(dispatch)
+    experts = gpu_fp8.Fp8Experts(layer)
+    trace = Trace(bufs, rows)
+    for turn, accumulate in ((0, False), (1, True)):  # a ring's second turn replays the forward's gate/up
+        if dispatch == "bf16":
+            trace.write(bufs["recv"], "x")  # the dispatch's bf16 rows
+        else:
+            trace.write((bufs["xq"], bufs["xq_s"]), ("q", "x"))  # codes and scales, as the token owner made them
+        for slot in SLOTS["fwd"][:1 if turn else 2]:
+            trace.run(experts.steps("fwd", slot, 0, turn))
+        trace.write(bufs["recv_dy"], "dy")  # the reverse-combine's rows
+        for slot in SLOTS["bwd"]:
+            trace.run(experts.steps("bwd", slot, 0, turn, accumulate))
+    wgrads = (kg.down_wgrad, kg.gate_up_wgrad)
+    want = [kg.gate_up, kg.down, kg.down_bwd, kg.gate_up_bwd, *wgrads, kg.gate_up, kg.down_bwd, kg.gate_up_bwd, *wgrads]
+    assert [fn for fn, _ in trace.gemms] == want
+    assert [acc for fn, acc in trace.gemms if fn in wgrads] == [False, False, True, True]
+    with pytest.raises(ValueError, match="no routed FP8 GEMM"):
+        experts.steps("fwd", "kSlotDownWgrad", 0)
+
+
+def test_fp8_dispatch_moves_codes_then_scales_and_waits_for_each(monkeypatch):
+    calls = []
+    record = lambda name: lambda *a: calls.append((name, *a))  # noqa: E731
+    monkeypatch.setattr(gpu_fp8, "kc", SimpleNamespace(pack_params=lambda fields: fields, move_rows=record("move"),
+                                                       wait_peers=record("wait"), begin_round=record("begin")))
+    table = {name: f"&{name}" for name in ("x", "xq", "xq_s", "xq_tok", "xq_tok_s")}
+    layer = SimpleNamespace(run=RunConfig(SHAPE, R, precision="fp8", dispatch_dtype="fp8"), shape=SHAPE, num_turns=3,
+                            tables=lambda: table,
+                            comm_fields=lambda ranks, row_bytes, t: {"turn": t, "rows": row_bytes},
+                            launch_for=lambda ranks, row_bytes, bpr: f"launch{row_bytes}")
+    experts = gpu_fp8.Fp8Experts(layer)
+    experts.launch_only([0, 1], None)
+    assert len(experts.turn_params) == 3 and experts.launches == {"codes": f"launch{H}", "scales": f"launch{H // 32}"}
+    for t, p in enumerate(experts.turn_params):
+        assert (p["codes"]["x"], p["codes"]["recv"], p["codes"]["rows"], p["codes"]["turn"]) == ("&xq_tok", "&xq", H, t)
+        assert (p["scales"]["x"], p["scales"]["recv"], p["scales"]["rows"]) == ("&xq_tok_s", "&xq_s", H // 32)
+        assert p["codes"]["slot_rows"] == p["scales"]["slot_rows"] == 0
+    codes, scales = experts.turn_params[2]["codes"], experts.turn_params[2]["scales"]
+    experts.dispatch("pull", 2, wait_map=True)
+    assert calls == [("move", "dispatch_pull", codes, f"launch{H}"),
+                     ("move", "dispatch_pull", scales, f"launch{H // 32}")]
+    calls.clear()
+    experts.dispatch("push", 2, wait_map=True)
+    assert [c[:2] for c in calls] == [("wait", codes), ("move", "dispatch_push"), ("wait", codes), ("begin", scales),
+                                      ("move", "dispatch_push"), ("wait", scales)]
+    assert [c[-2:] for c in calls if c[0] == "wait"] == [("kFlagMap", "kOpDispatchPush"),
+                                                         ("kFlagDispatch", "kOpDispatchPush"),
+                                                         ("kFlagDispatch", "kOpDispatchPush")]
+    calls.clear()
+    experts.dispatch("push", 1, wait_map=False)  # a ring's turn, or its replay: the map was waited for
+    assert [c[0] for c in calls] == ["move", "wait", "begin", "move", "wait"]
+
+
+def test_the_passes_call_the_fp8_hooks(monkeypatch):
+    """enqueue_forward (one turn): x quantized for the dispatch before the routing flag publishes
+    it, the dispatch by Fp8Experts; the ring's turns and replays dispatch through it too."""
+    calls = []
+    record = lambda name: lambda *a, **k: calls.append(name)  # noqa: E731
+    stub = SimpleNamespace(**{n: record(n) for n in ("begin_round", "allgather_routing", "build_schedule",
+                                                     "move_rows", "wait_peers", "raise_flag", "turn_segments",
+                                                     "weighted_sum", "scale_to_slots", "slot_sum", "topk_weight_grad")})
+    for module in (gpu, gpu_base, gpu_ring):
+        monkeypatch.setattr(module, "kc", stub)
+    monkeypatch.setattr(gpu, "kt", stub)
+    monkeypatch.setattr(gpu_ring, "kt", stub)
+    fp8 = SimpleNamespace(dispatch_fp8=True, quantize_tokens=lambda: calls.append("quantize_tokens"),
+                          dispatch=lambda direction, turn, wait_map: calls.append(
+                              ("dispatch", direction, turn, wait_map)))
+    layer = SimpleNamespace(_policy=lambda: dict(MOK_POLICY), params_fwd=None, params_bwd=None, launch=None,
+                            run=RunConfig(SHAPE, R),
+                            num_local=EL, shape=SHAPE, num_turns=1, fused=None, fp8=fp8, params_tok=None,
+                            _launch_gemms=lambda pass_, slots, turn=0, accumulate=False: calls.append(slots[0]))
+    gpu.GpuMoELayer.enqueue_forward(layer)
+    assert calls.index("quantize_tokens") < calls.index("allgather_routing")
+    assert [c for c in calls if c[0] == "dispatch"] == [("dispatch", "pull", 0, True)]
+    assert "move_rows" not in calls[:calls.index(("dispatch", "pull", 0, True))]  # no bf16 dispatch
+    calls.clear()
+    layer.num_turns, layer.turn_params, layer.trace = 3, {"fwd": [0, 1, 2], "bwd": [0, 1, 2]}, False
+    gpu_ring.forward_turns(layer, dict(MOK_POLICY), lambda stage: None)
+    assert [c for c in calls if c[0] == "dispatch"] == [("dispatch", "pull", t, False) for t in (2, 1, 0)]
+    calls.clear()
+    gpu_ring.backward_turns(layer, {**MOK_POLICY, "dispatch": "push"}, lambda stage: None)
+    assert [c for c in calls if c[0] == "dispatch"] == [("dispatch", "push", t, False) for t in (1, 2)]
+
+
+def test_refusals():
+    fp8_run = RunConfig(SHAPE, 1, precision="fp8")
+    with pytest.raises(ValueError, match="GpuRound has bf16 passes only"):
+        gpu_base.GpuRound(SimpleNamespace(num_ranks=1), fp8_run, None, 256, "layer")
+    from mok_proto.layer.gpu_comm import GpuCommRound
+
+    with pytest.raises(ValueError, match="GpuCommRound has bf16 passes only"):
+        GpuCommRound(SimpleNamespace(num_ranks=1), fp8_run)
+    with pytest.raises(ValueError, match="shared expert is bf16"):
+        gpu.GpuMoELayer(SimpleNamespace(num_ranks=1), RunConfig(SHAPE, 1, precision="fp8", shared_precision="fp8"))
+    with pytest.raises(ValueError, match="fused passes do not run FP8"):
+        gpu.GpuMoELayer._fused_pass(SimpleNamespace(run=fp8_run), object(), "fwd")
+    assert gpu.GpuMoELayer._fused_pass(SimpleNamespace(run=fp8_run), None, "fwd") == (None, None)  # sequential
+
+
+def test_poison_fills_every_row_buffer_but_the_weights_codes():
+    bufs = {name: np.zeros(shp, dt) for name, (shp, dt) in
+            layout.layer_layout(RunConfig(SHAPE, R, precision="fp8"), 1024, RING).items()}
+    layer = SimpleNamespace(ranks=[0], bufs={k: SimpleNamespace(instance=lambda r, a=a: a) for k, a in bufs.items()})
+    gpu.GpuMoELayer.poison(layer)
+    for name in layout.FP8_WEIGHTS + ("x", "w_gate", "dout", "topk_w"):
+        assert not bufs[name].any(), name  # inputs: set once, never poisoned
+    for name in layout.FP8_RING_BUFFERS:
+        a = bufs[name]
+        assert (a == 0xFF).all() if a.dtype == np.uint8 else np.isnan(a).all(), name  # e4m3 NaN codes, NaN scales
+    assert (bufs["h"] == 0x7FC0).all() and (bufs["sched"] == -1).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout and memory
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
+def test_fp8_memory_is_the_layout_and_its_formula(dispatch):
+    for shape in (SHAPE, get_shape("tile"), get_shape("kimi-k2.7")):
+        for ranks in (1, 2):
+            worst = memory.worst_capacity(shape, ranks)
+            half = worst // 2 + 1
+            for capacity, ring in ((worst, 256), (half, layout.whole_ring(half)), (worst - 3, worst - 3)):
+                mem = memory.layer_memory(shape, ranks, capacity, ring, precision="fp8", dispatch_dtype=dispatch)
+                run = RunConfig(shape, ranks, precision="fp8", dispatch_dtype=dispatch)
+                assert [b.name for b in mem.buffers if b.symmetric] == list(layout.layer_layout(run, capacity, ring))
+                assert mem.formula_bytes() == mem.by_role(), (shape.name, ranks, capacity, ring)
+    mem = memory.layer_memory(SHAPE, R, 500, 512, precision="fp8", dispatch_dtype=dispatch)
+    names = {b.name for b in mem.buffers}
+    assert set(layout.FP8_BUFFER_ROLE) <= names and ("recv" in names) == (dispatch == "bf16")
+    assert ("xq_tok" in names) == (dispatch == "fp8") and memory.layer_memory(SHAPE, R, 500, 512).by_role()[
+        "ring"] < mem.by_role()["ring"]
+    role = {b.name: b.role for b in mem.buffers}
+    assert {n for n in names if role[n] == "weights"} == set(layout.WEIGHTS[:3]) | set(layout.FP8_WEIGHTS) | {
+        n for n in layout.WEIGHTS[3:] if n in names}
+    # a ring row: the bf16 layer's 4H + 5I bf16 values (3H + 5I with fp8 dispatch) and 2H + 3I codes, a scale per 128
+    one, two = (memory.layer_memory(SHAPE, R, 500, m, precision="fp8", dispatch_dtype=dispatch) for m in (256, 512))
+    bf16_values = 4 * H + 5 * I - (H if dispatch == "fp8" else 0)
+    assert two.by_role()["ring"] - one.by_role()["ring"] == 256 * (2 * bf16_values + (2 * H + 3 * I) * 33 // 32)
+    assert mem.symmetric_bytes == gpu.symmetric_bytes(RunConfig(SHAPE, R, precision="fp8", dispatch_dtype=dispatch),
+                                                      500, 512)
+    assert "precision fp8" in mem.formula() and "33 M (2H + 3I) / 32" in mem.formula()
+
+
+def test_fp8_default_ring_counts_the_codes_and_refuses_odd_shapes(capsys):
+    kimi = get_shape("kimi-k2.7")
+    plain, fp8 = (memory.default_macrobatch_rows(kimi, 64, precision=p) for p in ("bf16", "fp8"))
+    assert fp8 < plain and memory.layer_memory(kimi, 64, precision="fp8").total_bytes <= \
+        memory.DEFAULT_FRACTION * memory.H100_FREE_BYTES
+    with pytest.raises(ValueError, match="multiple of 128"):
+        memory.layer_memory(get_shape("tiny"), 2, precision="fp8")
+    with pytest.raises(ValueError, match="only with precision fp8"):
+        memory.layer_memory(kimi, 64, dispatch_dtype="fp8")
+    assert memory.main(["--shape", "glm-5.2", "--ep", "8", "--precision", "fp8", "--dispatch-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "xq_tok" in out and "precision fp8, dispatch fp8" in out
+    with pytest.raises(SystemExit) as e:
+        memory.main(["--precision", "fp16"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "precision must be one of" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# The segment quantizers' wrappers
+# ---------------------------------------------------------------------------------------------
+def _segment_args(rows=512, cols=384, dtype=np.uint16):
+    return (np.zeros((rows, cols), dtype), np.zeros(3, np.int32), np.zeros(3, np.int32))
+
+
+def test_segment_quantizers_refuse_bad_arguments_before_any_launch(no_launch):
+    x, off, cnt = _segment_args()
+    codes, scales = np.zeros((512, 384), np.uint8), np.zeros((512, 3), np.float32)
+    codes_t, scales_t = np.zeros((384, 512), np.uint8), np.zeros((384, 4), np.float32)
+    kq.quantize_segment_rows(x, off, cnt, codes, scales)  # valid: no error
+    kq.quantize_segment_columns(x, off, cnt, codes_t, scales_t)
+    kq.quantize_segment_columns(codes, off, cnt, codes_t, scales_t, x_scales=scales)
+    refused = [
+        (kq.quantize_segment_rows, (np.zeros((512, 200), np.uint16), off, cnt, codes, scales), {},
+         "K=200 must be a multiple of 128"),
+        (kq.quantize_segment_rows, (x.astype(np.int64), off, cnt, codes, scales), {}, "expected fp32 or bf16"),
+        (kq.quantize_segment_rows, (x, off, cnt, None, scales), {}, "codes: expected .* got None"),
+        (kq.quantize_segment_rows, (x, off, cnt, codes, scales[:, :2]), {}, r"scales: expected .* \(512, 3\)"),
+        (kq.quantize_segment_rows, (x, off.astype(np.int64), cnt, codes, scales), {}, "row_offsets: expected"),
+        (kq.quantize_segment_rows, (x, off, cnt[:2], codes, scales), {}, "1 to 65535 segments"),
+        (kq.quantize_segment_rows, (x[None], off, cnt, codes, scales), {}, "2-D"),
+        (kq.quantize_segment_columns, (x[:200], off, cnt, codes_t, scales_t), {}, "rows=200 must be a multiple"),
+        (kq.quantize_segment_columns, (x, off, cnt, codes, scales_t), {}, r"codes: expected .* \(384, 512\)"),
+        (kq.quantize_segment_columns, (codes, off, cnt, codes_t, scales_t), {}, "x_scales: given exactly when"),
+        (kq.quantize_segment_columns, (x, off, cnt, codes_t, scales_t), {"x_scales": scales}, "x_scales: given"),
+        (kq.quantize_segment_columns, (codes, off, cnt, codes_t, scales_t), {"x_scales": scales[:, :2]},
+         r"x_scales: expected .* \(512, 3\)"),
+    ]
+    for fn, args, kwargs, message in refused:
+        with pytest.raises(ValueError, match=message):
+            fn(*args, **kwargs)
+
+
+def test_segment_quantizers_pack_what_the_kernels_read(monkeypatch):
+    got = []
+    monkeypatch.setattr(kq, "_launch_segments", lambda kernel, grid, fields: got.append((kernel, grid(132), fields)))
+    x, off, cnt = _segment_args()
+    codes, scales = np.zeros((512, 384), np.uint8), np.zeros((512, 3), np.float32)
+    codes_t, scales_t = np.zeros((384, 512), np.uint8), np.zeros((384, 4), np.float32)
+    kq.quantize_segment_rows(x, off, cnt, codes, scales, pow2=True)
+    kq.quantize_segment_columns(np.zeros((512, 384), np.float32), off, cnt, codes_t, scales_t)
+    kq.quantize_segment_columns(codes, off, cnt, codes_t, scales_t, x_scales=scales)
+    kernels = [k for k, _, _ in got]
+    assert kernels == ["mok::fp8::quantize_segment_rows<unsigned short>",
+                       "mok::fp8::quantize_segment_columns<float>", "mok::fp8::quantize_segment_columns<unsigned char>"]
+    assert set(kernels) <= set(kq.MODULE.names)
+    assert got[0][1] == (-(-kq.CTAS_PER_SM * 132 // 3), 3)  # CTAs of one segment per grid row
+    # 32 columns a CTA (grid.x), the segment's 128-row blocks shared over grid.y, the segment grid.z
+    assert got[1][1] == (12, -(-kq.CTAS_PER_SM * 132 // (12 * 3)), 3)
+    for _, _, fields in got:
+        assert fields["num_groups"] == 3 and fields["row_offsets"] is off and fields["row_counts"] is cnt
+        assert (fields["rows"], fields["cols"]) == (512, 384)
+    assert got[0][2]["pow2"] == 1 and got[1][2]["pow2"] == 0
+    assert got[1][2]["x_scales"] == 0 and got[2][2]["x_scales"] is scales
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU check program's own checks (tests/mpi_programs/check_gpu_fp8_layer.py), on the CPU
+# ---------------------------------------------------------------------------------------------
+def _check_program(monkeypatch):
+    """check_gpu_fp8_layer as a module (its sibling imports resolved as when it runs)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "mpi_programs"
+    for name in ("gpu_program", "check_gpu_layer", "check_gpu_fp8_layer"):
+        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)
+        spec.loader.exec_module(module)
+    return module
+
+
+def _mirror_layer(x_order: str = "deq"):
+    """What a GPU layer of one rank holds after its backward, computed by the float32 mirror
+    (reference_fp8's per-expert functions) in the device's receive layout; x_order "pow2": the
+    weight gradients' x^T from another quantization of x than xq (a wrong quantization point)."""
+    from mok_proto import fp8, reference_fp8
+    from mok_proto.problem import make_problem
+    from mok_proto.reference import from_bf16, to_bf16
+    from mok_proto.schedule import build_pull_schedule
+
+    shape = MoEShape("mirror", hidden=256, ffn=256, num_experts=4, top_k=2, num_tokens=200, num_shared=0)
+    prob = make_problem(shape, 1, seed=3, routing="one-expert")  # expert 0: 200 rows, two 128-row blocks
+    sched = build_pull_schedule(prob.topk_idx, 4, 0, align=256)
+    el, rows, k = 4, sched.num_slots, shape.top_k
+    x = reference_fp8.round_bf16(prob.x[0])
+    w = {key: reference_fp8.round_bf16(prob.weights[key]) for key in ("w_gate", "w_up", "w_down")}
+    wq = reference_fp8.quantize_weights(w, ("w_gate", "w_up", "w_down"))
+    dy_all = reference_fp8.round_bf16(np.random.default_rng(4).standard_normal((rows, shape.hidden)))
+    b = {"sched": np.concatenate([sched.expert_offsets[:-1], [rows], sched.tokens_per_expert, sched.src_rank,
+                                  sched.src_slot]).astype(np.int32)}
+    for name, cols in (("xq", 256), ("hq", 256)):
+        b[name], b[name + "_s"] = np.zeros((rows, cols), np.uint8), np.zeros((rows, cols // 128), np.float32)
+    for name in ("g", "u", "h", "y", "dg", "du", "dx_rows", "recv_dy"):
+        b[name] = np.zeros((rows, 256), np.float32)
+    grads = {key: np.zeros_like(w[key]) for key in w}
+    for l in range(el):
+        lo, n = int(sched.expert_offsets[l]), int(sched.tokens_per_expert[l])
+        if not n:
+            continue
+        rs = slice(lo, lo + n)
+        b["xq"][rs], b["xq_s"][rs] = fp8.quantize_rows(x[sched.src_slot[rs] // k])
+        ew = reference_fp8.expert_weights(wq, l)
+        b["y"][rs], (b["g"][rs], b["u"][rs], b["h"][rs]) = reference_fp8.expert_forward((b["xq"][rs], b["xq_s"][rs]), ew)
+        b["hq"][rs], b["hq_s"][rs] = fp8.quantize_rows(b["h"][rs])
+        b["recv_dy"][rs] = dy_all[rs]
+        b["dx_rows"][rs], b["dg"][rs], b["du"][rs] = reference_fp8.expert_backward(dy_all[rs], b["g"][rs], b["u"][rs], ew)
+        xq = (b["xq"][rs], b["xq_s"][rs]) if x_order == "deq" else fp8.quantize_rows(x[sched.src_slot[rs] // k], pow2=True)
+        reference_fp8.add_weight_grads({key: grads[key][l] for key in grads}, xq, b["h"][rs], dy_all[rs], b["dg"][rs],
+                                       b["du"][rs])
+    for key in w:
+        b[key] = to_bf16(w[key])
+        b["d" + key] = grads[key]
+        codes, scales = wq[key]
+        name = "wq_" + key[2:]
+        b[name], b[name + "_s"] = codes, scales
+        b[name + "_t"], b[name + "_t_s"] = codes.swapaxes(1, 2).copy(), scales.swapaxes(1, 2).copy()
+    for name in ("g", "u", "h", "y", "dg", "du", "dx_rows", "recv_dy"):
+        b[name] = to_bf16(b[name])
+    layer = SimpleNamespace(num_local=el, capacity=rows, shape=shape,
+                            _b=lambda key, r: SimpleNamespace(get=lambda: b[key].copy()))
+    return layer, from_bf16(to_bf16(prob.x)), b
+
+
+def test_the_gpu_programs_stage_checks_pass_the_mirror_and_catch_a_wrong_point(monkeypatch):
+    """The GPU program's per-GEMM bounds hold for the float32 mirror in the device's layout (an
+    expert of 200 rows: two scale blocks); a weight gradient from the wrong x^T, a non-bitwise hq
+    and a y off by a bf16 step's worth of error beyond the bound fail them."""
+    program = _check_program(monkeypatch)
+    layer, x_bf16, b = _mirror_layer()
+    program.check_forward_stages(layer, 0, x_bf16)
+    program.check_backward_stages(layer, 0)
+    wrong, _, _ = _mirror_layer(x_order="pow2")  # x^T requantized from other codes of x
+    with pytest.raises(AssertionError, match="dw_gate"):
+        program.check_backward_stages(wrong, 0)
+    b["hq"][0, 0] ^= 1
+    with pytest.raises(AssertionError, match="hq != q"):
+        program.check_forward_stages(layer, 0, x_bf16)
+    b["hq"][0, 0] ^= 1
+    b["y"][0, :] ^= 0x40  # bf16 bits: a large change of every value in one row
+    with pytest.raises(AssertionError, match="expert 0 y"):
+        program.check_forward_stages(layer, 0, x_bf16)
+
+
+def test_the_gpu_programs_accuracy_check_passes_the_mirror_and_refuses_bf16(monkeypatch):
+    from mok_proto.problem import make_problem
+
+    program = _check_program(monkeypatch)
+    shape = MoEShape("acc", hidden=256, ffn=256, num_experts=8, top_k=2, num_tokens=64)
+    prob = make_problem(shape, 2, seed=1)
+    ref, mirror = prob.reference_results(bf16=True), program.mirror_results(prob)
+
+    def by_rank(results):  # each rank's share: its tokens, its experts, the shared gradient on rank 0
+        n, el = shape.num_tokens, shape.num_experts // 2
+        return {r: {key: (v[r * el:(r + 1) * el] if key.startswith("w_") else
+                          (v if r == 0 else np.zeros_like(v)) if key.startswith("shared_") else v[r * n:(r + 1) * n])
+                    for key, v in results.items()} for r in range(2)}
+
+    worst = program.check_accuracy(None, by_rank(mirror), ref, mirror, shape, 2)
+    assert program.MIN_FP8_ERR < worst <= 0.08
+    bf16 = {key: v.astype(np.float32) for key, v in ref.items()}  # a layer without FP8 quantization
+    with pytest.raises(AssertionError, match="no FP8 quantization"):
+        program.check_accuracy(None, by_rank(bf16), ref, bf16, shape, 2)
