@@ -1,6 +1,6 @@
 """Accuracy of a low-precision result against a float64 reference, per array.
 
-    err_rel_rms = ||got - ref||_2 / ||ref||_2        (the FP8 bar: at most 0.06 for every array)
+    err_rel_rms = ||got - ref||_2 / ||ref||_2
     err_max     = max |got - ref| / max |ref|
 
 A result with a non-finite value, or a nonzero result against an all-zero reference, has error
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-ERR_REL_RMS_BOUND = 0.06  # issue 35: three quantization steps of ~3% each, added in quadrature
-# What the block-scaled e4m3 recipe meets on every array (out and dx meet the bound above; the
-# weight gradients pass more quantizations: docs/design.md 5.7).
+# The aim for an FP8 layer: three quantization steps of ~3% each, added in quadrature. The output
+# and dx meet it; the weight gradients and d topk_weights pass more quantizations (design.md 5.7).
+ERR_REL_RMS_BOUND = 0.06
+# What the block-scaled e4m3 recipe meets on every array: what FP8 results are judged at.
 ERR_REL_RMS_RECIPE = 0.08
 
 

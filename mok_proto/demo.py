@@ -26,7 +26,7 @@ import traceback
 import numpy as np
 
 from mok_proto import accuracy
-from mok_proto.config import PRESETS, RunConfig, format_policy, get_shape, parse_policy
+from mok_proto.config import PRECISIONS, PRESETS, RunConfig, format_policy, get_shape, parse_policy
 from mok_proto.exitcodes import EXIT_BAD_ARGUMENT, EXIT_MISMATCH, EXIT_PASS, EXIT_PEER, EXIT_PROTOCOL
 from mok_proto.problem import make_problem
 from mok_proto.symm.base import CapacityError, SymmTimeoutError
@@ -39,7 +39,6 @@ BACKENDS = ("auto", "cpu", "gpu")
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "bf16": 2e-2, "fp8": accuracy.ERR_REL_RMS_RECIPE}
 DEFAULT_SHAPE = {"cpu": "small", "gpu": "tile"}
 FP8_SHAPE = "tile"  # the smallest preset whose H and I are multiples of 128 (fp8.BLOCK)
-PRECISIONS = ("bf16", "fp8")
 # The longest --timeout: every wait counts it (and multiples of it) in int64 nanoseconds.
 MAX_TIMEOUT_S = 1e6
 

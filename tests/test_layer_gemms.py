@@ -214,3 +214,37 @@ def test_a_graph_of_the_backward_alone_replays_every_turn(turns):
     GpuMoELayer.capture(layer, forward=False)
     GpuMoELayer.capture(layer)
     assert got == [("bwd", turns > 1), "fwd", ("bwd", False)]
+
+
+def test_capture_waits_for_the_eager_work_first(monkeypatch):
+    """Replays run on non-blocking streams: capture_graph synchronizes the device before it captures,
+    so no replay can overlap an eager pass still running (they would share the epoch and the rows)."""
+    import sys
+    from types import SimpleNamespace
+
+    from mok_proto.layer.gpu_base import GpuRound
+
+    calls = []
+
+    class Stream:
+        def __init__(self, non_blocking=False):
+            calls.append(("stream", non_blocking))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def begin_capture(self):
+            calls.append("begin_capture")
+
+        def end_capture(self):
+            calls.append("end_capture")
+            return "graph"
+
+    device = SimpleNamespace(synchronize=lambda: calls.append("synchronize"))
+    fake = SimpleNamespace(cuda=SimpleNamespace(Stream=Stream, Device=lambda: device))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert GpuRound.capture_graph(lambda: calls.append("enqueue")) == "graph"
+    assert calls == ["synchronize", ("stream", True), "begin_capture", "enqueue", "end_capture"]

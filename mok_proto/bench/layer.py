@@ -99,9 +99,9 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
             layer.set_backward_plan(layer.fused_backward_plan(knobs))
         layer.enqueue_forward()
         layer.enqueue_backward()
-        layer.check()
         if pass_ == "bwd":  # passes alternate: the captured backward is that of one more forward
             layer.enqueue_forward()
+        layer.check()  # (synchronizes: the eager passes end before any replay)
         return layer.capture(forward=pass_ == "fwd", backward=pass_ == "bwd")
 
     def timed(graph):

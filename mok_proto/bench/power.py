@@ -99,6 +99,7 @@ def probe_shape(name: str, knobs, secs: float) -> tuple[list, list]:
     layer.check()
     graphs["fused", "fwd"] = layer.capture(forward=True, backward=False)
     layer.enqueue_forward()
+    layer.check()  # (synchronizes: the eager forward ends before any replay)
     graphs["fused", "bwd"] = layer.capture(forward=False, backward=True)
     with stream:
         replay(graphs["sequential", "fwd"], stream, secs / 2)  # warm-up: to the power limit

@@ -11,7 +11,8 @@ Forward (one round, epoch e):
   routing all-gather -> device schedule -> shared expert (gate/up + SwiGLU, down)
   -> dispatch (pull | push) -> routed gate/up + SwiGLU, down -> combine (push | pull) into the
   token owner's slot buffer -> out = shared + sum_j w[t,j] * y_slots[t*K+j]   (fixed order)
-Backward (epoch e + 1, the forward's schedule):
+Backward (epoch e + 1, the forward's schedule; a ring of several turns and a pushed FP8 dispatch
+add epochs of their own, the same on every rank):
   dy_slots = w * dout -> shared expert backward -> reverse-combine (pull | push) of dy_slots
   -> down backward with the SwiGLU backward fused -> gate/up backward -> reverse-dispatch
   (push | pull) of the input-gradient rows into the owner's slots -> routed weight gradients
@@ -44,7 +45,9 @@ peer's routing flag of that forward; the backward's buffers (dy_slots, recv_dy, 
 dx_slots) are written by peers only after they finished this step's forward, and read again
 only in the next step, behind that schedule wait. So no peer can still be reading or writing
 them and no barrier is needed between steps. Two backwards in a row would break this (a push
-reverse-combine could overwrite receive rows a peer's weight gradients still read).
+reverse-combine could overwrite receive rows a peer's weight gradients still read): graphs of
+the backward alone, replayed back to back, are safe only where the peers do not run (the
+benchmarks' staged emulation) or with a barrier between replays (the tests).
 """
 
 from __future__ import annotations

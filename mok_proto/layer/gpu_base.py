@@ -102,6 +102,9 @@ class GpuRound:
         must be compiled and descriptors uploaded before (run once outside the capture)."""
         import cupy
 
+        # NOTE: replays run on non-blocking streams, unordered with eager work on the null stream:
+        # an eager pass still running when the first replay starts would share its epoch and rows.
+        cupy.cuda.Device().synchronize()
         stream = cupy.cuda.Stream(non_blocking=True)
         with stream:
             stream.begin_capture()

@@ -7,7 +7,8 @@ every choice of every token of every rank on rank 0's experts (the most rows one
 Rank 0 receives 2048 rows. Per direction policy: a ring of a quarter of them (512 rows) and of one
 segment (256 rows), forward and backward (the backward replaying every turn after the first),
 bitwise equal to a ring that holds every row (one turn), which is within TOL of the float64
-reference; a CUDA graph of the ring's passes replayed bitwise equal; the fused passes (once a
+reference; a CUDA graph of the ring's passes replayed bitwise equal, and one of the backward alone
+replayed twice in a row (turn 0 replayed too); the fused passes (once a
 turn) bitwise equal too; NaN-poisoned buffers before every run.
 """
 
@@ -16,7 +17,7 @@ import sys
 import numpy as np
 
 import gpu_program
-from check_gpu_layer import blob, check_against_reference, run_once
+from check_gpu_layer import blob, check_against_reference, results, run_once
 from mok_proto.config import MoEShape, RunConfig
 from mok_proto.layer.gpu import GpuMoELayer
 from mok_proto.plan import SEGMENT_ROWS, FusedKnobs
@@ -38,6 +39,19 @@ def worst_case_problem(num_ranks):
     prob.topk_idx[..., 0] = 0
     prob.topk_idx[..., 1] = np.where(t % 5 == 0, 1, 2).astype(np.int32)
     return shape, prob
+
+
+def replay_backward(layer, heap, graph):
+    """One replay of a backward-alone graph (no poison: it reads the forward's saved state)."""
+    import cupy
+
+    heap.barrier()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graph.launch(stream)
+    stream.synchronize()
+    layer.check()
+    heap.barrier()
+    return {rank: results(layer, rank) for rank in layer.ranks}
 
 
 def layer_for(heap, shape, prob, ring, name):
@@ -74,6 +88,12 @@ def main():
                 graph = layer.capture()
                 for replay in range(args.replays):
                     assert blob(run_once(layer, heap, graph)) == first, f"ring {ring}: graph replay {replay} differs"
+                # a graph of the backward alone: its second replay follows a backward, not a forward,
+                # so the ring holds the last turn, not turn 0 (the backward replays turn 0 too)
+                layer.enqueue_forward()
+                backward = layer.capture(forward=False)
+                for replay in range(2):
+                    assert blob(replay_backward(layer, heap, backward)) == first, f"ring {ring}: backward replay {replay}"
                 for policy in policies:  # the fused passes, once a turn: the same bits
                     layer.policy = dict(policy)
                     layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, SEGMENT_ROWS)))
