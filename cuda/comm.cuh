@@ -523,10 +523,20 @@ __global__ void turn_segments(const CommParams* p) {
   }
 }
 
+// The standalone movers' launch bounds. With the emulated link every virtual rank runs its movers
+// with the launch of a rank that has the GPU to itself (4 blocks per SM each, kernels/comm.py), so
+// two ranks' blocks must fit an SM together (at most 32 registers a thread): a second wave would
+// pay every round trip twice. Without the link, the bounds (and the instructions) are unchanged.
+#ifdef MOK_LINK
+#define MOK_MOVER_BOUNDS __launch_bounds__(kCommThreads, 8)
+#else
+#define MOK_MOVER_BOUNDS __launch_bounds__(kCommThreads)
+#endif
+
 // dispatch_pull: every receive row of the turn (turn_rows) pulled from its token owner. Moves
 // rows * H * elem bytes.
 template <int kVec>
-__global__ void __launch_bounds__(kCommThreads) dispatch_pull(const CommParams* p) {
+__global__ void MOK_MOVER_BOUNDS dispatch_pull(const CommParams* p) {
   const int rank = rank_of(p);
   const SchedView sv = sched_of(p, rank);
   const TurnRows t = turn_rows(p, sv);
@@ -538,7 +548,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_pull(const CommParams* 
 // (the consumer waits for all R). Forward: after a wait_peers(kFlagMap) launch (the owners'
 // receive rows are placed).
 template <int kVec>
-__global__ void __launch_bounds__(kCommThreads) dispatch_push(const CommParams* p) {
+__global__ void MOK_MOVER_BOUNDS dispatch_push(const CommParams* p) {
   const int rank = rank_of(p);
   push_token_rows<kVec>(p, rank, 0, p->num_tokens * p->top_k, grid_warps(), lane_id());
   signal_when_last(p, rank, kOpDispatchPush, kFlagDispatch);
@@ -553,7 +563,7 @@ __global__ void __launch_bounds__(kCommThreads) expert_scale(const CommParams* p
 
 // combine_push: every receive row of the turn pushed to its token owner, then kFlagCombine on every peer.
 template <int kVec>
-__global__ void __launch_bounds__(kCommThreads) combine_push(const CommParams* p) {
+__global__ void MOK_MOVER_BOUNDS combine_push(const CommParams* p) {
   const int rank = rank_of(p);
   const SchedView sv = sched_of(p, rank);
   const TurnRows t = turn_rows(p, sv);
@@ -564,7 +574,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_push(const CommParams* p
 // combine_pull: the token owner pulls every slot (of the turn), after a wait_peers(kFlagReady) launch (every
 // expert owner's result rows are written).
 template <int kVec>
-__global__ void __launch_bounds__(kCommThreads) combine_pull(const CommParams* p) {
+__global__ void MOK_MOVER_BOUNDS combine_pull(const CommParams* p) {
   const int rank = rank_of(p);
   pull_result_rows<kVec>(p, rank, 0, p->num_tokens * p->top_k, grid_warps(), lane_id());
 }

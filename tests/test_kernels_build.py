@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from mok_proto import abi
 from mok_proto.kernels import build, comm, fp8, fused, gemm, gemm_fp8, token  # noqa: F401 - registers the modules
 
 NVCC = shutil.which("nvcc")
@@ -113,3 +114,21 @@ def test_every_kernel_compiles_with_nvrtc(header, arch):
         err, lowered = nvrtc.nvrtcGetLoweredName(prog, name.encode())
         assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS and lowered, name
     nvrtc.nvrtcDestroyProgram(prog)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
+def test_linked_movers_of_two_ranks_fit_an_sm_together(tmp_path):
+    """With the emulated link (MOK_LINK) two virtual ranks each launch 4 mover blocks of kCommThreads
+    per SM: 8 blocks must be resident at once (at most 32 registers a thread), or the second rank's
+    blocks wait for a second wave and every round trip is paid twice."""
+    src = tmp_path / "comm.cu"
+    src.write_text(build.MODULES["comm.cuh"].instantiation_source())
+    proc = subprocess.run([NVCC, *build.CXX_OPTIONS, "-DMOK_LINK", "-gencode", "arch=compute_90a,code=sm_90a",
+                           f"-I{build.CUDA_DIR}", "-c", str(src), "-o", str(tmp_path / "out.o"), "-Xptxas", "-v"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    regs = {}
+    for name, used in re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", proc.stderr, re.S):
+        regs[name] = int(used)
+    movers = {n: r for n, r in regs.items() if re.search(r"(dispatch|combine)_(pull|push)", n)}
+    assert len(movers) == 8 and max(movers.values()) <= 65536 // (8 * abi.CONST["kCommThreads"]), movers
