@@ -56,11 +56,14 @@ def check_against_reference(got_by_rank, ref, num_ranks, n, num_local, shared_su
             assert err <= TOL, f"rank {rank}: {key} relative error {err:.2e} > {TOL}"
 
 
-def run_once(layer, heap, graph=None):
+def run_once(layer, heap, graph=None, poison=True):
+    """One forward + backward (or one replay of `graph`) after NaN-poisoning the layer's buffers
+    (poison=False: a graph of the backward alone reads the forward's saved state); the results."""
     import cupy
 
     heap.barrier()
-    layer.poison()
+    if poison:
+        layer.poison()
     cupy.cuda.Device().synchronize()
     heap.barrier()
     if graph is None:

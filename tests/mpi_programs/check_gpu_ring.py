@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 import gpu_program
-from check_gpu_layer import blob, check_against_reference, results, run_once
+from check_gpu_layer import blob, check_against_reference, run_once
 from mok_proto.config import MoEShape, RunConfig
 from mok_proto.layer.gpu import GpuMoELayer
 from mok_proto.plan import SEGMENT_ROWS, FusedKnobs
@@ -39,19 +39,6 @@ def worst_case_problem(num_ranks):
     prob.topk_idx[..., 0] = 0
     prob.topk_idx[..., 1] = np.where(t % 5 == 0, 1, 2).astype(np.int32)
     return shape, prob
-
-
-def replay_backward(layer, heap, graph):
-    """One replay of a backward-alone graph (no poison: it reads the forward's saved state)."""
-    import cupy
-
-    heap.barrier()
-    stream = cupy.cuda.Stream(non_blocking=True)
-    graph.launch(stream)
-    stream.synchronize()
-    layer.check()
-    heap.barrier()
-    return {rank: results(layer, rank) for rank in layer.ranks}
 
 
 def layer_for(heap, shape, prob, ring, name):
@@ -93,7 +80,7 @@ def main():
                 layer.enqueue_forward()
                 backward = layer.capture(forward=False)
                 for replay in range(2):
-                    assert blob(replay_backward(layer, heap, backward)) == first, f"ring {ring}: backward replay {replay}"
+                    assert blob(run_once(layer, heap, backward, poison=False)) == first, f"ring {ring}: backward {replay}"
                 for policy in policies:  # the fused passes, once a turn: the same bits
                     layer.policy = dict(policy)
                     layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, SEGMENT_ROWS)))
