@@ -1,4 +1,4 @@
-"""python scripts/bench_layer.py [--shapes kimi-k2.7,...] [--iters 20] [--warmup 5] [--sweep] [--link-gbps 368,900] [--routing hot:0.25]
+"""python scripts/bench_layer.py [--shapes kimi-k2.7,...] [--iters 20] [--warmup 5] [--sweep] [--link-gbps 368,900] [--routing hot:0.25] [--precision fp8 [--dispatch-dtype fp8]]
 
 One rank's share of an EP=64 MoE layer on one GPU: our GPU layer against the unfused PyTorch
 pipeline (../shared/anchors: index_select dispatch, torch._grouped_mm experts, autograd backward),
@@ -56,6 +56,16 @@ against the run without the link (`equal_to_no_link`), each fused row with its
 `overlap_efficiency` (mok_proto.bench.layer_rows), its timelines indexed as bench_layer_link,
 and a table per link speed after every shape.
 
+--precision fp8 [--dispatch-dtype bf16|fp8]: the routed experts in block-scaled e4m3 (RunConfig
+precision, dispatch_dtype), sequential passes only (the fused kernel has no FP8 tiles: its settings
+are skipped, one line says so; --directions is refused). Every row records `precision` and
+`dispatch_dtype` (the run's). The BF16 torch pipeline stays `speedup_vs_torch`'s baseline; the
+torch FP8 pipeline (mok_proto.bench.torch_fp8: torch._scaled_grouped_mm, row-wise scales) is a
+second, forward only (a `torch_fp8` row, `speedup_vs_torch_fp8`, `torch_fp8_note` says why). Each
+sequential row's `err_rel_rms`, `err_max` (the worst of the pass's arrays, `errors` per array) are
+against the BF16 layer on the same inputs (`err_reference`), and judged by err_rel_rms <= 0.08
+(mok_proto.accuracy.ERR_REL_RMS_RECIPE) instead of the max error against torch.
+
 Bars: --bar KEY=VALUE (--help lists them with their defaults); checks: bitwise repeat, fused equal
 to sequential, the error against torch, the schedule equal to schedule.py.
 Exit status: 0 all met, 1 a bar or a check failed (listed), 2 no GPU/torch or a bad argument.
@@ -73,7 +83,7 @@ from mok_proto.bench.layer import best_row, directions_rows
 from mok_proto.bench.layer_rows import BARS, HEADER, link_table
 from mok_proto.bench.layer_run import run_shape
 from mok_proto.bench.settings import DEFAULT_FUSED, SCALE, SWEEP, TOKEN_GRADS, direction_policies, parse_settings
-from mok_proto.config import PAPER_SHAPES
+from mok_proto.config import PAPER_SHAPES, PRECISIONS
 from mok_proto.link import DEFAULT_LATENCY_US, LinkModel
 from mok_proto.plan import ASSIGNMENTS, RASTERS, FusedKnobs
 
@@ -123,16 +133,27 @@ def parse_args(argv=None):
                         "With several turns the backward replays the forward of the turns it did not keep "
                         "(rows: replay_ms); the fused backward then runs its scale and token gradients outside "
                         "the kernel")
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS,
+                   help="the routed experts' GEMMs (fp8: sequential passes only; module doc)")
+    p.add_argument("--dispatch-dtype", default="bf16", choices=PRECISIONS,
+                   help="with --precision fp8, what the dispatch moves: bf16 rows, or e4m3 codes and scales")
     add_bar_option(p, BARS)
     args = p.parse_args(argv)
     try:
         args.others = direction_policies(args.directions)[1:]
+        if args.precision == "bf16" and args.dispatch_dtype != "bf16":
+            raise ValueError("--dispatch-dtype fp8 needs --precision fp8")
+        if args.precision == "fp8" and args.others:
+            raise ValueError("--directions: with --precision fp8 only 'mok' (the other policies' rows are BF16)")
         chosen = parse_settings(args.fused) if args.fused else None
         forward = [dataclasses.replace(k, assign=args.assign, raster=args.raster)
                    for k in (() if args.no_fused else SWEEP if args.sweep else chosen or DEFAULT_FUSED)]
         backward = [dataclasses.replace(k, token_grads=TOKEN_GRADS[args.token_grads], scale=SCALE[args.scale])
                     for k in forward]
         args.settings = {"fwd": forward, "bwd": backward}
+        args.fused_skipped = len(forward) if args.precision == "fp8" else 0  # fused settings not run
+        if args.fused_skipped:  # the fused kernel has no FP8 tiles (layer.gpu_fp8.FUSED_REFUSAL)
+            args.settings = {"fwd": [], "bwd": []}
         args.bars = parse_bars(args.bar, BARS)
         args.links = []
         for item in [] if args.link_gbps is None else args.link_gbps.split(","):
@@ -171,6 +192,9 @@ def main(argv=None) -> int:
         failed.extend(report.failed)
 
     print(f"# dense {DENSE_N}^3 BF16 torch.matmul: {dense:.0f} TFLOP/s (every row's fraction_of_dense)", flush=True)
+    if args.fused_skipped:
+        print(f"# precision fp8: the {args.fused_skipped} fused settings are skipped (the fused kernel has no "
+              "FP8 tiles yet): sequential passes only", flush=True)
     print(HEADER, flush=True)
     for name in args.shapes.split(","):
         measured, tables = run_shape(name, args, emit)

@@ -526,9 +526,11 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
     no_link, measured = _link_case()
     calls, reports = [], []
 
-    def fake_ours(shape, data, iters, warmup, settings, trace_to, index=None, link=None, macrobatch_rows=None):
+    def fake_ours(shape, data, iters, warmup, settings, trace_to, index=None, link=None, macrobatch_rows=None,
+                  precision=None, dispatch_dtype=None):
         calls.append(dict(shape=shape.name, data=data, iters=iters, warmup=warmup, settings=settings,
-                          trace_to=trace_to, index=index, link=link, ring=macrobatch_rows))
+                          trace_to=trace_to, index=index, link=link, ring=macrobatch_rows,
+                          run=(precision, dispatch_dtype)))
         return no_link if link is None else measured
 
     monkeypatch.setattr(layer_run, "ours", fake_ours)
@@ -543,14 +545,15 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
     settings = {"fwd": [FusedKnobs(0, 2048), FusedKnobs(8, 2048)], "bwd": [FusedKnobs(0, 2048)]}
     args = SimpleNamespace(iters=3, warmup=1, settings=settings, bars=BARS, links=links, routing=UNIFORM,
                            timeline="results/timelines/timeline_fused_{link}{pass_}_{shape}_{git}.jsonl",
-                           macrobatch_rows="0.25x")
+                           macrobatch_rows="0.25x", precision="bf16", dispatch_dtype="bf16")
+    monkeypatch.setattr(layer_run, "fp8_run", lambda *a: pytest.fail("an FP8 baseline in a BF16 run"))
     got, tables = layer_run.run_shape("kimi-k2.7", args, reports.append)
     assert got is no_link and list(tables) == links and all(len(t) == 2 for t in tables.values())
     ours_calls = [c for c in calls if isinstance(c, dict)]
     assert [c["link"] for c in ours_calls] == [None, *links] and calls[1:3] == ["torch", "schedule"]
     for c in ours_calls:  # the same call but for the link; the ring a quarter of rank 0's 16384 rows
-        assert (c["shape"], c["data"], c["iters"], c["warmup"], c["settings"], c["ring"]) == (
-            "kimi-k2.7@ep64", {"topk_idx": [0, 1], "routing": UNIFORM}, 3, 1, settings, 4096)
+        assert (c["shape"], c["data"], c["iters"], c["warmup"], c["settings"], c["ring"], c["run"]) == (
+            "kimi-k2.7@ep64", {"topk_idx": [0, 1], "routing": UNIFORM}, 3, 1, settings, 4096, ("bf16", "bf16"))
     assert fields["macrobatch_rows"] == 4096 and fields["memory_bytes"] > 70e9  # kimi's EP=64 rank, default ring
     assert [c["trace_to"] for c in ours_calls] == [
         "results/timelines/timeline_fused_{pass_}_kimi-k2.7_abc1234.jsonl",

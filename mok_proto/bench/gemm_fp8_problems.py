@@ -318,18 +318,18 @@ def torch_operands(ops, name: str):
 
         a, b = {"down_wgrad": (by_k("h"), by_k("dy")),
                 "gate_up_wgrad": (by_k("x"), torch.cat([by_k("dg"), by_k("du")], 0))}[name]
-        (qa, sa), (qb, sb) = _rowwise(a, spans), _rowwise(b, spans)
+        (qa, sa), (qb, sb) = rowwise(a, spans), rowwise(b, spans)
         return qa, qb.t(), sa.flatten(), sb.flatten(), torch.tensor(ends, dtype=torch.int32, device="cuda")
     gate_up_w = torch.cat([t(w["w_gate"]), t(w["w_up"])], 2)  # [El, H, 2I]
     a, b_nk = {"gate_up": (t(src["x"]), gate_up_w.transpose(1, 2)),
                "down": (t(src["h"]), t(w["w_down"]).transpose(1, 2)),
                "down_bwd": (t(src["dy"]), t(w["w_down"])),
                "gate_up_bwd": (torch.cat([t(src["dg"]), t(src["du"])], 1), gate_up_w)}[name]
-    (qa, sa), (qb, sb) = _rowwise(a), _rowwise(b_nk.contiguous())
+    (qa, sa), (qb, sb) = rowwise(a), rowwise(b_nk.contiguous())
     return qa, qb.transpose(-2, -1), sa, sb, torch.tensor(np.cumsum(ops.counts), dtype=torch.int32, device="cuda")
 
 
-def _rowwise(values, spans=None):
+def rowwise(values, spans=None):
     """values [..., K] float32 (torch) -> (e4m3 codes, fp32 scales): one scale per row, amax / 448
     (1 for a row of zeros), as torch's row-wise recipe; with spans [(start, end)] of K (2-D values):
     one per span and row, scales [spans, rows]."""

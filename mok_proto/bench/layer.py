@@ -30,17 +30,18 @@ class Measured(NamedTuple):
 
 
 def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, index=None, link=None,
-         macrobatch_rows=None) -> Measured:
+         macrobatch_rows=None, precision="bf16", dispatch_dtype="bf16") -> Measured:
     """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results, fused rows.
     settings: the fused plans' knobs (FusedKnobs) to time, for both passes or as {pass: settings};
     policy: the transfers' directions (default MoK's); trace_to, index: the best settings' timelines
     (fused); link: the emulated link every transfer pays (staged_layer; None: none). The same
     passes and settings with and without a link differ only in the layer's RunConfig.
     macrobatch_rows: the layer's ring (staged_layer); with several turns the fused settings run once
-    a turn, their backward's scale and token gradients outside the kernel."""
+    a turn, their backward's scale and token gradients outside the kernel. precision, dispatch_dtype:
+    the layer's (staged_layer; fp8 runs no fused plan, so `settings` must then be empty)."""
     import cupy
 
-    heap, layer = staged_layer(shape, data, policy, link, macrobatch_rows)
+    heap, layer = staged_layer(shape, data, policy, link, macrobatch_rows, precision, dispatch_dtype)
     per_pass = settings if isinstance(settings, dict) else {"fwd": settings, "bwd": settings}
     if layer.num_turns > 1:
         print(f"#   ring of {layer.ring_rows} rows: {layer.num_turns} turns a pass", flush=True)
@@ -76,6 +77,17 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, in
     layer.close()
     heap.close()
     return Measured(stats, stages, {name: b[0] == b[1] for name, b in blobs.items()}, results, fused_rows)
+
+
+def layer_results(shape, data, macrobatch_rows=None, **run) -> dict:
+    """Rank 0's output and gradients (NumPy) after staged_layer's passes (shape, data, the ring,
+    run: precision, dispatch_dtype, ...), untimed; the layer is closed."""
+    heap, layer = staged_layer(shape, data, macrobatch_rows=macrobatch_rows, **run)
+    try:
+        return {"out": layer.output(0).get(), **{k: v.get() for k, v in layer.grads(0).items()}}
+    finally:
+        layer.close()
+        heap.close()
 
 
 def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmup, stream, trace_to,

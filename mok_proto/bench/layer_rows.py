@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mok_proto.accuracy import ERR_REL_RMS_RECIPE, error_table
 from mok_proto.bench.cli import Bar
 from mok_proto.bench.emulation import EMULATION, EP
 from mok_proto.routing import UNIFORM
@@ -73,12 +74,14 @@ def replay_ms(stages: dict) -> float:
     return float(sum(ms for stage, ms in stages.items() if stage.startswith("replay.")))
 
 
-def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UNIFORM_FIELDS) -> Report:
+def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UNIFORM_FIELDS, fp8=None) -> Report:
     """The shape's rows without the link (results/bench_layer.jsonl): per pass torch's and the
     sequential layer's, then every fused row; judged against `bars` ({key: Bar}, BARS' keys).
     measured: layer.Measured; torch: (stats, reference results) of torch_pipeline; schedule: (stats,
     whether it equals schedule.py) of schedule_at_ep64; fields: what every row records of the
-    emulation (emulation.row_fields: its virtual ranks, routing, rank 0's received rows)."""
+    emulation (emulation.row_fields: its virtual ranks, routing, rank 0's received rows). fp8: an
+    Fp8Run where the layer ran FP8 routed experts (fp8_fields: its rows' further fields and the
+    torch_fp8 row; the error judged is err_rel_rms against its reference, not the max against torch)."""
     mine, stages, bitwise, got, fused_rows = measured
     base, ref = torch
     sched_ms, sched_exact = schedule[0]["median_ms"], schedule[1]
@@ -90,8 +93,10 @@ def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UN
         speedup = base[pass_]["median_ms"] / mine[pass_]["median_ms"]
         keys = ("out",) if pass_ == "fwd" else ("w_gate", "w_up", "w_down")
         err = max(float(np.abs(got[key] - ref[key]).max() / max(np.abs(ref[key]).max(), 1e-30)) for key in keys)
+        extra = {} if fp8 is None else fp8_fields(fp8, pass_, got, mine[pass_]["median_ms"])
+        accurate = err <= TORCH_REL_ERR if fp8 is None else extra["err_rel_rms"] <= ERR_REL_RMS_RECIPE
         if not (bar.met(speedup) and bitwise[pass_] and bars["schedule_ms"].met(sched_ms) and sched_exact
-                and err <= TORCH_REL_ERR):
+                and accurate):
             out.failed.append(f"{name} {pass_}")
         variant_ms = base[pass_].get("variant_2n_bwd_ms", base[pass_]["median_ms"])
         variant_speedup = variant_ms / mine[pass_]["median_ms"]
@@ -102,14 +107,22 @@ def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UN
         out.lines.append("#   stages (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in stages[pass_].items()))
         common = {"shape": name, "pass": pass_, "ep": EP, **fields, "flops": flops[pass_],
                   "schedule_ms": sched_ms, "schedule_exact": sched_exact, "link_gbps": None}
+        if fp8 is not None:
+            common.update(precision=fp8.precision, dispatch_dtype=fp8.dispatch_dtype)
+            out.lines.append(fp8_line(pass_, extra, fp8))
         out.rows.append(("bench_layer", {**common, "schedule": "torch", **base[pass_],
                                          "tflops": tflops(flops[pass_], base[pass_]["median_ms"]),
                                          "speedup_vs_torch": 1.0, "bitwise_repeat": None}))
+        if fp8 is not None and pass_ == "fwd" and fp8.torch_fp8 is not None:
+            out.rows.append(("bench_layer", {**common, "schedule": "torch_fp8", **fp8.torch_fp8,
+                                             "tflops": tflops(flops[pass_], fp8.torch_fp8["median_ms"]),
+                                             "speedup_vs_torch": base[pass_]["median_ms"] / fp8.torch_fp8["median_ms"],
+                                             "bitwise_repeat": None, "torch_fp8_note": fp8.note}))
         out.rows.append(("bench_layer", {**common, "schedule": "sequential", **mine[pass_], "tflops": ours_tflops,
                                          "speedup_vs_torch": speedup, "bitwise_repeat": bitwise[pass_],
                                          "max_rel_err_vs_torch": err, "stages_ms": stages[pass_],
                                          "replay_ms": replay_ms(stages[pass_]),
-                                         "speedup_vs_torch_variant_2n": variant_speedup}))
+                                         "speedup_vs_torch_variant_2n": variant_speedup, **extra}))
     for pass_, rows in fused_rows.items():
         if not rows:
             continue
@@ -135,6 +148,44 @@ def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UN
             f"{best['retimed_speedup_vs_sequential']:.2f} (bar {x_seq.value:g}; ceiling {ceiling:.2f}), equal to "
             f"sequential: {all(r['equal_to_sequential'] for r in rows)}")
     return out
+
+
+@dataclass
+class Fp8Run:
+    """What an FP8 run adds to its rows: the layer's precision and dispatch dtype, the torch FP8
+    pipeline's forward stats (None: torch has none or refused it) and why its backward (or all of
+    it) is not timed (`note`), and the results the layer's are measured against (`reference`:
+    {array: NumPy}, named by `reference_name`)."""
+
+    precision: str
+    dispatch_dtype: str
+    torch_fp8: dict | None
+    note: str
+    reference: dict
+    reference_name: str
+
+
+def fp8_fields(fp8: Fp8Run, pass_: str, got: dict, ours_ms: float) -> dict:
+    """An FP8 sequential row's further fields: speedup_vs_torch_fp8 (None where the torch FP8
+    pipeline did not time the pass) with torch_fp8_note; err_rel_rms and err_max, the largest over
+    the pass's arrays (fwd: the output; bwd: every gradient) against fp8.reference, `errors` per
+    array, err_reference naming it."""
+    keys = ["out"] if pass_ == "fwd" else sorted(k for k in fp8.reference if k != "out")
+    table = error_table({k: got[k] for k in keys}, {k: fp8.reference[k] for k in keys})
+    timed = fp8.torch_fp8 is not None and pass_ == "fwd"
+    return {"speedup_vs_torch_fp8": fp8.torch_fp8["median_ms"] / ours_ms if timed else None,
+            "torch_fp8_note": fp8.note, "err_rel_rms": max(e["err_rel_rms"] for e in table.values()),
+            "err_max": max(e["err_max"] for e in table.values()), "errors": table,
+            "err_reference": fp8.reference_name}
+
+
+def fp8_line(pass_: str, extra: dict, fp8: Fp8Run) -> str:
+    """The printed line of an FP8 sequential pass: its errors and its speedup over torch's FP8 pipeline."""
+    worst = max(extra["errors"], key=lambda k: extra["errors"][k]["err_rel_rms"])
+    x_fp8 = extra["speedup_vs_torch_fp8"]
+    return (f"#   fp8 {pass_} (dispatch {fp8.dispatch_dtype}): err_rel_rms {extra['err_rel_rms']:.4f} ({worst}; bar "
+            f"{ERR_REL_RMS_RECIPE:g}), err_max {extra['err_max']:.4f} against the {fp8.reference_name}; x torch fp8 "
+            + (f"{x_fp8:.2f} ({fp8.torch_fp8['median_ms']:.3f} ms)" if x_fp8 is not None else "n/a") + f": {fp8.note}")
 
 
 def overlap_efficiency(seq_ms: float, seq_link_ms: float, fused_ms: float, fused_link_ms: float) -> float | None:

@@ -2,21 +2,27 @@
 pipeline and the device schedule, then the same passes and fused settings at each emulated link
 speed, where only the layer's RunConfig differs (its `link`); each part's rows, lines and verdicts
 (mok_proto.bench.layer_rows) handed to `emit`. The emulation's inputs follow the routing spec
-(emulation.emulated_inputs), and every row records it (emulation.row_fields)."""
+(emulation.emulated_inputs), and every row records it (emulation.row_fields). With precision fp8
+the layer runs FP8 routed experts, and the run adds the torch FP8 pipeline (torch_fp8) and the
+BF16 layer's results on the same inputs, the reference of its errors (fp8_run)."""
 
 from __future__ import annotations
 
 from mok_proto.bench.emulation import EP, emulated_inputs, ring_rows, row_fields, schedule_at_ep64
-from mok_proto.bench.layer import ours
-from mok_proto.bench.layer_rows import link_report, shape_report
+from mok_proto.bench.layer import layer_results, ours
+from mok_proto.bench.layer_rows import Fp8Run, link_report, shape_report
 from mok_proto.bench.rows import git_sha
 from mok_proto.bench.timeline_plot import timeline_path
 from mok_proto.bench.torch_baselines import torch_pipeline
+from mok_proto.bench.torch_fp8 import backward_note, torch_fp8_pipeline
+
+REFERENCE_NAME = "bf16 layer, same inputs and run"  # what an FP8 run's err_rel_rms and err_max are against
 
 
 def run_shape(name: str, args, emit) -> tuple:
     """One shape, as bench_layer.py's arguments say (iters, warmup, settings: {pass: FusedKnobs},
-    timeline: the template, bars, links: LinkModels with every_row, routing: a RoutingSpec):
+    timeline: the template, bars, links: LinkModels with every_row, routing: a RoutingSpec, precision,
+    dispatch_dtype: the layer's RunConfig's):
     emit(report) for the part without the link, then for each link speed. Returns (the run without
     the link: layer.Measured, {link: its table rows})."""
     from mok_proto.config import get_shape
@@ -31,19 +37,32 @@ def run_shape(name: str, args, emit) -> tuple:
     print(f"# {name}: N={shape.num_tokens} H={shape.hidden} I={shape.ffn} El={shape.num_experts // num} "
           f"K={shape.top_k}, routing {fields['routing']}: {fields['emulation']}, rank 0 receives "
           f"{fields['received_rows']} rows ...", flush=True)
+    run = {"precision": args.precision, "dispatch_dtype": args.dispatch_dtype}
     measured = ours(shape, data, args.iters, args.warmup, args.settings, timeline_path(args.timeline, name, git_sha()),
-                    index={"bench": "bench_layer", "shape": name, "routing": fields["routing"]}, macrobatch_rows=ring)
+                    index={"bench": "bench_layer", "shape": name, "routing": fields["routing"]}, macrobatch_rows=ring,
+                    **run)
     baseline = torch_pipeline(shape, data, args.iters, args.warmup)
+    fp8 = fp8_run(shape, data, args, ring) if args.precision == "fp8" else None
     schedule = schedule_at_ep64(name, args.iters, args.warmup, args.routing)
-    emit(shape_report(name, shape, measured, baseline, schedule, args.bars, fields))
+    emit(shape_report(name, shape, measured, baseline, schedule, args.bars, fields, fp8))
     tables = {}
     for link in args.links:
         print(f"# {name}: with the emulated link, {link.gbps:g} GB/s ...", flush=True)
         got = ours(shape, data, args.iters, args.warmup, args.settings,
                    timeline_path(args.timeline, name, git_sha(), link),
                    index={"bench": "bench_layer_link", "shape": name, "routing": fields["routing"], **link.describe()},
-                   link=link, macrobatch_rows=ring)
+                   link=link, macrobatch_rows=ring, **run)
         report = link_report(name, shape, link, got, measured, args.bars, fields)
         emit(report)
         tables[link] = report.table
     return measured, tables
+
+
+def fp8_run(shape, data, args, ring) -> Fp8Run:
+    """An FP8 run's additions (layer_rows.Fp8Run): the torch FP8 pipeline's forward, and the BF16
+    layer's results on the same inputs and ring (its errors' reference: a float64 reference of rank
+    0's share would cost more than the run)."""
+    stats, why = torch_fp8_pipeline(shape, data, args.iters, args.warmup)
+    note = why if stats is None else backward_note()
+    reference = layer_results(shape, data, ring)
+    return Fp8Run(args.precision, args.dispatch_dtype, stats, note, reference, REFERENCE_NAME)

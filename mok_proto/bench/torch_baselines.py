@@ -27,6 +27,54 @@ def torch_pipeline(shape, data, iters, warmup):
     import torch
     import torch.nn.functional as F
 
+    a = anchor_inputs(shape, data)
+    w1, w2, s1, s2, x_own, x_srcs, x_all, topk = a.w1, a.w2, a.s1, a.s2, a.x_own, a.x_srcs, a.x_all, a.topk
+    offs, dout, d_others = a.offs, a.dout, a.d_others
+
+    def experts(xr):
+        g, u = torch._grouped_mm(xr, w1, offs=offs).chunk(2, -1)
+        return torch._grouped_mm(F.silu(g) * u, w2, offs=offs)
+
+    def fwd(x_src):
+        return anchor_forward(a, x_src, experts)
+
+    def fwd_bwd(x_src, mark):
+        mark("fwd")
+        result, others = fwd(x_src)
+        mark("bwd")
+        torch.autograd.backward([result, others], [dout, d_others])
+        mark(None)
+
+    stats = {}
+    with torch.no_grad():
+        stats["fwd"] = summarize(time_stages(lambda mark: (mark("run"), fwd(x_srcs["anchor"]), mark(None)), iters,
+                                             warmup, api="torch")["run"])
+        out = full_output(shape, data, topk, x_all, s1, s2).float().cpu().numpy()
+    variant = time_stages(lambda mark: fwd_bwd(x_srcs["variant_2n"], mark), iters, warmup, api="torch")
+    x_srcs["variant_2n"] = None
+    anchor = time_stages(lambda mark: fwd_bwd(x_srcs["anchor"], mark), iters, warmup, api="torch")
+    both = summarize(anchor["total"])
+    stats["bwd"] = {"median_ms": both["median_ms"] - stats["fwd"]["median_ms"], "iters": both["iters"],
+                    "fwd_bwd_median_ms": both["median_ms"], "definition": "anchor: t(fwd+bwd) - t(fwd, no_grad)",
+                    "bwd_event_median_ms": summarize(anchor["bwd"])["median_ms"],
+                    "variant_2n_bwd_ms": summarize(variant["bwd"])["median_ms"]}
+    for param in (w1, w2, s1, s2, x_own, x_srcs["anchor"]):  # autograd accumulated over the timed runs: one clean run
+        param.grad = None
+    fwd_bwd(x_srcs["anchor"], lambda stage: None)
+    i = shape.ffn
+    ref = {"out": out, "w_down": w2.grad.float().cpu().numpy(), "w_gate": w1.grad[..., :i].float().cpu().numpy(),
+           "w_up": w1.grad[..., i:].float().cpu().numpy()}
+    return stats, ref
+
+
+def anchor_inputs(shape, data):
+    """The anchor pipeline's tensors for rank 0 (torch_pipeline's doc), as a SimpleNamespace: the
+    routed (token, choice) pairs sorted by expert (tok, j, e, offs), the owned slots, the bf16
+    weights (leaves with requires_grad), the dispatch sources, routing weights and output gradients."""
+    from types import SimpleNamespace
+
+    import torch
+
     dev, bf = "cuda", torch.bfloat16
     n, h, k = shape.num_tokens, shape.hidden, shape.top_k
     num = len(data["topk_idx"])  # virtual ranks
@@ -61,43 +109,26 @@ def torch_pipeline(shape, data, iters, warmup):
     # of rank 0's experts are complete and comparable with ours)
     d_others = (w_all[tok, j, None] * dout_all[tok])[~own].to(bf)
 
-    def fwd(x_src):
-        xr = x_src.index_select(0, tok)  # dispatch: pull rows from their owners
-        g, u = torch._grouped_mm(xr, w1, offs=offs).chunk(2, -1)
-        y = torch._grouped_mm(F.silu(g) * u, w2, offs=offs)
-        mine = torch.zeros(n * k, h, device=dev, dtype=bf).index_copy(0, own_slot, y[own])
-        others = y[~own]
-        gs, us = (x_own @ s1).chunk(2, -1)
-        shared = (F.silu(gs) * us) @ s2
-        return shared + (mine.view(n, k, h) * w_own).sum(1), others
+    return SimpleNamespace(n=n, h=h, k=k, dev=dev, bf=bf, topk=topk, tok=tok, j=j, e=e, offs=offs, own=own,
+                           own_slot=own_slot, w1=w1, w2=w2, s1=s1, s2=s2, x_all=x_all, x_own=x_own, x_srcs=x_srcs,
+                           w_own=w_own, dout=dout, d_others=d_others)
 
-    def fwd_bwd(x_src, mark):
-        mark("fwd")
-        result, others = fwd(x_src)
-        mark("bwd")
-        torch.autograd.backward([result, others], [dout, d_others])
-        mark(None)
 
-    stats = {}
-    with torch.no_grad():
-        stats["fwd"] = summarize(time_stages(lambda mark: (mark("run"), fwd(x_srcs["anchor"]), mark(None)), iters,
-                                             warmup, api="torch")["run"])
-        out = full_output(shape, data, topk, x_all, s1, s2).float().cpu().numpy()
-    variant = time_stages(lambda mark: fwd_bwd(x_srcs["variant_2n"], mark), iters, warmup, api="torch")
-    x_srcs["variant_2n"] = None
-    anchor = time_stages(lambda mark: fwd_bwd(x_srcs["anchor"], mark), iters, warmup, api="torch")
-    both = summarize(anchor["total"])
-    stats["bwd"] = {"median_ms": both["median_ms"] - stats["fwd"]["median_ms"], "iters": both["iters"],
-                    "fwd_bwd_median_ms": both["median_ms"], "definition": "anchor: t(fwd+bwd) - t(fwd, no_grad)",
-                    "bwd_event_median_ms": summarize(anchor["bwd"])["median_ms"],
-                    "variant_2n_bwd_ms": summarize(variant["bwd"])["median_ms"]}
-    for param in (w1, w2, s1, s2, x_own, x_srcs["anchor"]):  # autograd accumulated over the timed runs: one clean run
-        param.grad = None
-    fwd_bwd(x_srcs["anchor"], lambda stage: None)
-    i = shape.ffn
-    ref = {"out": out, "w_down": w2.grad.float().cpu().numpy(), "w_gate": w1.grad[..., :i].float().cpu().numpy(),
-           "w_up": w1.grad[..., i:].float().cpu().numpy()}
-    return stats, ref
+def anchor_forward(a, x_src, experts):
+    """The anchor's forward on anchor_inputs `a`: dispatch (index_select from x_src), experts(rows in
+    expert order) -> result rows, combine into rank 0's slots (the others' rows returned apart), the
+    shared expert and the weighted sum. Returns (rank 0's output, the other owners' rows)."""
+    import torch
+    import torch.nn.functional as F
+
+    n, k, h = a.n, a.k, a.h
+    xr = x_src.index_select(0, a.tok)  # dispatch: pull rows from their owners
+    y = experts(xr)
+    mine = torch.zeros(n * k, h, device=a.dev, dtype=a.bf).index_copy(0, a.own_slot, y[a.own])
+    others = y[~a.own]
+    gs, us = (a.x_own @ a.s1).chunk(2, -1)
+    shared = (F.silu(gs) * us) @ a.s2
+    return shared + (mine.view(n, k, h) * a.w_own).sum(1), others
 
 
 def full_output(shape, data, topk, x_all, s1, s2):

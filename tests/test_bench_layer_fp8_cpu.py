@@ -1,0 +1,156 @@
+"""CPU checks of bench_layer.py --precision fp8 (scripts/bench_layer.py, mok_proto.bench.layer_run,
+layer_rows): its options, its rows' fields and verdicts, and that the default run is unchanged, on
+stand-ins for the GPU."""
+
+import importlib.util
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import ROOT, rank_env
+from test_bench_layer_cpu import _measured, _torch
+
+from mok_proto.bench import layer_run
+from mok_proto.bench.emulation import emulated_shape
+from mok_proto.bench.layer_rows import BARS, Fp8Run, shape_report
+from mok_proto.bench.settings import DEFAULT_FUSED
+from mok_proto.routing import UNIFORM
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_layer_script", ROOT / "scripts" / "bench_layer.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_precision_options():
+    script = load_script()
+    default = script.parse_args([])
+    assert (default.precision, default.dispatch_dtype, default.fused_skipped) == ("bf16", "bf16", 0)
+    assert [k.comm_blocks for k in default.settings["fwd"]] == [k.comm_blocks for k in DEFAULT_FUSED]
+    fp8 = script.parse_args(["--precision", "fp8", "--dispatch-dtype", "fp8", "--sweep"])
+    assert (fp8.precision, fp8.dispatch_dtype) == ("fp8", "fp8")
+    assert fp8.settings == {"fwd": [], "bwd": []} and fp8.fused_skipped == len(script.SWEEP)  # sequential only
+    assert script.parse_args(["--precision", "fp8", "--no-fused"]).fused_skipped == 0  # nothing skipped: no line
+    assert script.parse_args(["--precision", "fp8"]).dispatch_dtype == "bf16"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--dispatch-dtype", "fp8"], "--dispatch-dtype fp8 needs --precision fp8"),
+    (["--precision", "fp8", "--directions", "all"], "--directions: with --precision fp8 only 'mok'"),
+    (["--precision", "fp16"], "argument --precision: invalid choice: 'fp16'"),
+])
+def test_precision_options_refused_in_one_line(args, message):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_layer.py"), *args], capture_output=True,
+                          text=True, cwd=ROOT, env=rank_env(), timeout=60)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def _fp8_case(torch_fp8=(1.6,), scale=None):
+    """(measured, torch, Fp8Run): the layer's results a known relative error off the reference
+    (x `scale` per array, default 1.01), the torch FP8 forward at torch_fp8[0] ms (None: refused)."""
+    keys = ("out", "w_down", "w_gate", "w_up", "x")
+    reference = {k: np.arange(1, 9, dtype=np.float32) * (i + 1) for i, k in enumerate(keys)}
+    scale = {**dict.fromkeys(keys, 1.01), **(scale or {})}
+    results = {k: (v * np.float32(scale[k])).astype(np.float32) for k, v in reference.items()}
+    measured = _measured([], [], results=results)
+    base, ref = _torch()
+    ref["out"] = results["out"] * np.float32(1.2)  # 20% off torch: beyond TORCH_REL_ERR, not judged in fp8
+    ref.update({k: results[k] for k in ("w_down", "w_gate", "w_up")})
+    stats = None if torch_fp8 is None else {"median_ms": torch_fp8[0], "p20_ms": 1.5, "p80_ms": 1.7, "iters": 5}
+    note = "no call" if torch_fp8 is None else "forward only: no backward"
+    return measured, (base, ref), Fp8Run("fp8", "fp8", stats, note, reference, "bf16 layer, same inputs and run")
+
+
+def test_fp8_rows_record_precision_speedups_and_errors():
+    shape = emulated_shape("kimi-k2.7")
+    measured, torch, fp8 = _fp8_case(scale={"w_up": 1.03})
+    report = shape_report("kimi-k2.7", shape, measured, torch, ({"median_ms": 0.03}, True), BARS, fp8=fp8)
+    names = [(r["schedule"], r["pass"]) for _, r in report.rows]
+    assert names == [("torch", "fwd"), ("torch_fp8", "fwd"), ("sequential", "fwd"), ("torch", "bwd"),
+                     ("sequential", "bwd")]  # the torch FP8 pipeline: forward only
+    assert all((r["precision"], r["dispatch_dtype"]) == ("fp8", "fp8") for _, r in report.rows)
+    torch_fp8, fwd, bwd = report.rows[1][1], report.rows[2][1], report.rows[4][1]
+    assert torch_fp8["median_ms"] == 1.6 and torch_fp8["speedup_vs_torch"] == pytest.approx(2.5 / 1.6)
+    assert fwd["speedup_vs_torch"] == pytest.approx(2.5 / 2.0)  # the BF16 pipeline stays the baseline
+    assert fwd["speedup_vs_torch_fp8"] == pytest.approx(1.6 / 2.0) and bwd["speedup_vs_torch_fp8"] is None
+    assert bwd["torch_fp8_note"] == "forward only: no backward" and bwd["err_reference"] == fp8.reference_name
+    assert fwd["err_rel_rms"] == pytest.approx(0.01, rel=1e-5) and fwd["err_max"] == pytest.approx(0.01, rel=1e-5)
+    assert set(fwd["errors"]) == {"out"} and set(bwd["errors"]) == {"w_down", "w_gate", "w_up", "x"}
+    assert bwd["err_rel_rms"] == pytest.approx(0.03, rel=1e-5)  # the worst array: w_up
+    assert bwd["errors"]["x"]["err_rel_rms"] == pytest.approx(0.01, rel=1e-5)
+    # judged by err_rel_rms against the reference, not by the max error against torch (20% here)
+    assert fwd["max_rel_err_vs_torch"] > 0.05 and report.failed == []
+    lines = [line for line in report.lines if line.startswith("#   fp8 ")]
+    assert len(lines) == 2 and "err_rel_rms 0.0300 (w_up; bar 0.08)" in lines[1] and "x torch fp8 n/a" in lines[1]
+    assert "x torch fp8 0.80 (1.600 ms)" in lines[0]
+
+
+def test_fp8_rows_fail_beyond_the_recipe_bound_and_without_torch_fp8():
+    shape = emulated_shape("kimi-k2.7")
+    measured, torch, fp8 = _fp8_case(torch_fp8=None, scale={"x": 1.09})
+    report = shape_report("kimi-k2.7", shape, measured, torch, ({"median_ms": 0.03}, True), BARS, fp8=fp8)
+    assert report.failed == ["kimi-k2.7 bwd"]  # dx 9% off: over ERR_REL_RMS_RECIPE
+    assert [r["schedule"] for _, r in report.rows].count("torch_fp8") == 0
+    fwd = report.rows[1][1]
+    assert fwd["speedup_vs_torch_fp8"] is None and fwd["torch_fp8_note"] == "no call"
+
+
+def test_run_shape_adds_the_fp8_baselines_only_with_fp8(monkeypatch):
+    """The FP8 run: ours with the run's precision, then fp8_run on the same inputs and ring (its
+    reference the BF16 layer's results: layer_results with no precision), handed to shape_report."""
+    calls, reports = [], []
+    data = {"topk_idx": [0, 1], "routing": UNIFORM}
+    monkeypatch.setattr(layer_run, "emulated_inputs", lambda name, routing: (emulated_shape(name), data))
+    monkeypatch.setattr(layer_run, "row_fields", lambda d: {"emulation": "2 virtual ranks, rank 0 timed",
+                                                            "routing": "uniform", "received_rows": 16384})
+    monkeypatch.setattr(layer_run, "ours", lambda *a, **kw: calls.append(("ours", kw["precision"],
+                                                                          kw["dispatch_dtype"])) or "measured")
+    monkeypatch.setattr(layer_run, "torch_pipeline", lambda *a: "torch")
+    monkeypatch.setattr(layer_run, "schedule_at_ep64", lambda *a: "schedule")
+    monkeypatch.setattr(layer_run, "shape_report", lambda *a: reports.append(a) or "report")
+    monkeypatch.setattr(layer_run, "torch_fp8_pipeline", lambda *a: ({"median_ms": 1.0}, None))
+    monkeypatch.setattr(layer_run, "backward_note", lambda: "forward only")
+    monkeypatch.setattr(layer_run, "layer_results", lambda shape, d, ring, **run: calls.append(("ref", d, ring, run))
+                        or {"out": 0})
+    args = SimpleNamespace(iters=3, warmup=1, settings={"fwd": [], "bwd": []}, bars=BARS, links=[], routing=UNIFORM,
+                           timeline="", macrobatch_rows="4096", precision="fp8", dispatch_dtype="fp8")
+    layer_run.run_shape("kimi-k2.7", args, lambda report: None)
+    assert calls == [("ours", "fp8", "fp8"), ("ref", data, 4096, {})]
+    fp8 = reports[0][-1]
+    assert (fp8.precision, fp8.dispatch_dtype, fp8.torch_fp8, fp8.note, fp8.reference) == (
+        "fp8", "fp8", {"median_ms": 1.0}, "forward only", {"out": 0})
+    monkeypatch.setattr(layer_run, "torch_fp8_pipeline", lambda *a: (None, "refused"))
+    assert layer_run.fp8_run(emulated_shape("kimi-k2.7"), data, args, None).note == "refused"  # no probe then
+    args.precision = args.dispatch_dtype = "bf16"
+    calls.clear()
+    layer_run.run_shape("kimi-k2.7", args, lambda report: None)
+    assert calls == [("ours", "bf16", "bf16")] and reports[-1][-1] is None  # no FP8 baselines, rows as before
+
+
+@pytest.mark.parametrize("argv,skip_lines", [([], 0), (["--precision", "fp8"], 1)])
+def test_main_says_once_that_fp8_skips_the_fused_settings(monkeypatch, capsys, argv, skip_lines):
+    import mok_proto.bench as bench
+    from mok_proto.bench import ceilings
+    from mok_proto.bench.layer_rows import Report
+
+    script = load_script()
+    seen, recorded = [], []
+
+    def fake_run_shape(name, args, emit):
+        seen.append(args.settings)
+        emit(Report(rows=[("bench_layer", {"tflops": 1.0})]))
+        return SimpleNamespace(fused_rows={"fwd": [], "bwd": []}), {}
+
+    monkeypatch.setattr(script, "run_shape", fake_run_shape)
+    monkeypatch.setattr(bench, "require_gpu", lambda *a, **kw: None)
+    monkeypatch.setattr(bench, "append_result", lambda file, row: recorded.append((file, row)))
+    monkeypatch.setattr(ceilings, "dense_matmul_tflops", lambda: 100.0)
+    assert script.main(["--shapes", "kimi-k2.7", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.count("fused settings are skipped") == skip_lines
+    assert bool(seen[0]["fwd"]) == (skip_lines == 0) and recorded[0][0] == "bench_layer"
