@@ -24,12 +24,13 @@
 // GEMM tiles with the building blocks of gemm.cuh (its producer warpgroup and two consumer
 // warpgroups), in 2-CTA clusters: the plan gives both CTAs of a cluster the same tile at the same
 // position of their tables, CTA `cta` taking 128-row tile 2p + cta of row pair p, so the pair
-// shares B by multicast exactly as the standalone grouped GEMM does (and computes the same bits:
-// every output row is the same dot products in the same k order).
+// shares B by multicast as the standalone grouped GEMM does (where both tiles are one expert's),
+// and computes the same bits: every output row is the same dot products in the same k order.
 //
-// Rows: expert segments are padded to 2 B = 256 rows (the schedule's align), so a row pair never
-// straddles two experts; the pair's expert is found from the schedule's offsets on the device,
-// so the plan is independent of the routing. Tasks for pairs past the real rows do nothing but
+// Rows: expert segments are padded to B = 128 rows (the schedule's align), so a row tile is one
+// expert's; a row pair may straddle two experts (its CTAs then load their own B, no multicast).
+// Each tile's expert is found from the schedule's offsets on the device, so the plan is
+// independent of the routing. Tasks for pairs past the real rows do nothing but
 // signal. Receive row r lives in row r % ring_rows of the row buffers (the ring; ring_rows >=
 // every receive row: no reuse); the plan makes a dispatch into a ring slot wait for the release
 // of its previous occupant (its combine, which comes after its down tiles).
@@ -353,32 +354,41 @@ __device__ __forceinline__ i64 ring_rows_of(const Ctx& c, int kind) {
   return routed_rows ? c.fp->ring_rows : 0;
 }
 
+// The last group starting at or before receive row `row` (empty groups share their successor's offset).
+__device__ __forceinline__ int group_at(const int* offsets, int groups, int row) {
+  int lo = 0, hi = groups;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (offsets[mid] <= row) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
 // The tile of GEMM task t for cluster CTA `cta` (gemm::group_tile, as the standalone kernel
 // names it). Row problems: row pair p = row_tile / 2 starts at row 2 B p of the segment layout
-// (routed: receive rows, shared: tokens; one group from 0), its expert the last whose offset is
-// at or before it; false: the pair lies past the last real row (nothing to do). The tile's rows
-// are then shifted to the ring (row r in row r % ring_rows). Weight gradients: expert t.expert
-// (the shared expert: group 0), weight row tile 2 (row_tile / 2) + cta, K = the expert's rows
-// (gemm::zero_tail_k_rows clears its last k-block past the end): one CTA sums the tile's whole K in order
-// (deterministic, no atomics).
+// (routed: receive rows, shared: tokens; one group from 0); CTA cta's tile is the pair's 128 rows
+// 2 B p + B cta, its expert the last whose offset is at or before them (segments are padded to B
+// rows, so a tile is one expert's; the pair's two may differ: then neither multicasts B). A tile
+// past the last real row repeats its partner's (store false); false: the whole pair lies past it
+// (nothing to do). The tile's rows are then shifted to the ring (row r in row r % ring_rows).
+// Weight gradients: expert t.expert (the shared expert: group 0), weight row tile 2 (row_tile / 2)
+// + cta, K = the expert's rows (gemm::zero_tail_k_rows clears its last k-block past the end): one
+// CTA sums the tile's whole K in order (deterministic, no atomics).
 template <int kP>
 __device__ __forceinline__ bool tile_for(const Ctx& c, const GemmParams* p, const Task& t, int cta, Tile& tile) {
-  const int m_tile = (t.row_tile & ~1) + cta;
   if (!Traits<kP>::kRowProblem) {
-    tile = gemm::group_tile<kP>(p, t.expert < 0 ? 0 : t.expert, m_tile, t.col_tile);
+    tile = gemm::group_tile<kP>(p, t.expert < 0 ? 0 : t.expert, (t.row_tile & ~1) + cta, t.col_tile);
     return true;
   }
   const int* offsets = gemm::ptr<const int>(p->row_offsets);
   const int* counts = gemm::ptr<const int>(p->row_counts);
   const int groups = static_cast<int>(p->num_groups);
-  const int pair_row = (t.row_tile & ~1) * gemm::kBM;
-  if (pair_row >= offsets[groups - 1] + counts[groups - 1]) return false;
-  int lo = 0, hi = groups;  // the last group starting at or before the pair (empty groups share offsets)
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (offsets[mid] <= pair_row) lo = mid; else hi = mid;
-  }
-  tile = gemm::group_tile<kP>(p, lo, m_tile - offsets[lo] / gemm::kBM, t.col_tile);
+  const int pair_row = (t.row_tile & ~1) * gemm::kBM, end = offsets[groups - 1] + counts[groups - 1];
+  if (pair_row >= end) return false;
+  const int row = pair_row + cta * gemm::kBM, other = pair_row + (1 - cta) * gemm::kBM;
+  const int group = group_at(offsets, groups, row < end ? row : pair_row);
+  tile = gemm::group_tile<kP>(p, group, (row - offsets[group]) / gemm::kBM, t.col_tile);
+  tile.multicast = other >= end || row >= end || group_at(offsets, groups, other) == group;
   const i64 ring_rows = ring_rows_of(c, t.kind);
   if (ring_rows > 0) tile.row0 -= static_cast<int>(pair_row - pair_row % ring_rows);
   return true;

@@ -29,8 +29,9 @@
 // Clusters: tile t of the pair grid (tile pairs along M) is run by both CTAs of one cluster; the
 // CTA with cluster rank `cta` takes M tile 2i + cta. Where an expert has an odd number of M tiles
 // the last pair's cta 1 recomputes its partner's tile (its loads stay in bounds, its half of B is
-// still needed) and stores nothing. (`cta` is the CTA's rank in its cluster; this header has no
-// EP rank.)
+// still needed) and stores nothing. A fused plan's pair may hold two experts' tiles
+// (Tile.multicast false): each CTA then loads all of its B itself. (`cta` is the CTA's rank in its
+// cluster; this header has no EP rank.)
 //
 // Building blocks, so that a persistent kernel can run any sequence of tiles:
 //   SharedStorage   the shared-memory layout; sizeof + 1 KB of alignment slack is the launch's
@@ -109,7 +110,8 @@ template <int kP> struct Tag {
 
 struct Tile {
   int group, m0, n0, row0, rows, k_blocks;
-  bool store;  // false: a duplicate of the partner CTA's tile (odd M tile count), not written
+  bool store;      // false: a duplicate of the partner CTA's tile (odd M tile count), not written
+  bool multicast;  // false: the partner's tile is another expert's (fused.cuh): this CTA loads all of B
 };
 
 template <typename T>
@@ -134,6 +136,7 @@ __device__ __forceinline__ Tile group_tile(const Params* p, int group, int m_til
   tile.k_blocks = Tr::kRowProblem ? static_cast<int>(p->k) / kDepth : ceil_div(tile.rows, kDepth);
   tile.store = m_tile < m_tiles;
   tile.m0 = (tile.store ? m_tile : m_tile - 1) * kBM;
+  tile.multicast = true;
   return tile;
 }
 
@@ -179,16 +182,31 @@ __device__ __forceinline__ void load_stage_tma(const GemmParams* p, const Tile& 
   constexpr unsigned short kBoth = (1u << kCluster) - 1;
   if (Tr::kBMajorMN) {  // four atoms of 64 n x 64 k rows; this CTA loads atoms 2 cta, 2 cta + 1
     const int k_row = Tr::kRowProblem ? tile.group * static_cast<int>(p->k) + k0 : tile.row0 + k0;
+    if (tile.multicast) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int atom = 2 * cta + i;
-      const bool b2 = Tr::kDualB && atom >= 2;
-      const int col = tile.n0 + (Tr::kDualB ? (atom & 1) : atom) * 64;
-      tma_load_2d_multicast(s_b + atom * 8192, b2 ? p->tmap_b2 : p->tmap_b1, col, k_row, bar, kBoth);
+      for (int i = 0; i < 2; ++i) {
+        const int atom = 2 * cta + i;
+        const bool b2 = Tr::kDualB && atom >= 2;
+        const int col = tile.n0 + (Tr::kDualB ? (atom & 1) : atom) * 64;
+        tma_load_2d_multicast(s_b + atom * 8192, b2 ? p->tmap_b2 : p->tmap_b1, col, k_row, bar, kBoth);
+      }
+    } else {  // every atom, into this CTA only
+#pragma unroll
+      for (int atom = 0; atom < 4; ++atom) {
+        const bool b2 = Tr::kDualB && atom >= 2;
+        const int col = tile.n0 + (Tr::kDualB ? (atom & 1) : atom) * 64;
+        tma_load_2d(s_b + atom * 8192, b2 ? p->tmap_b2 : p->tmap_b1, col, k_row, bar);
+      }
     }
   } else {  // 256 n rows x 64 k; this CTA loads rows 128 cta .. 128 cta + 127
-    tma_load_2d_multicast(s_b + cta * 16384, second ? p->tmap_b2 : p->tmap_b1, k_in,
-                          tile.group * static_cast<int>(p->n) + tile.n0 + 128 * cta, bar, kBoth);
+    const i64 b_map = second ? p->tmap_b2 : p->tmap_b1;
+    const int n_row = tile.group * static_cast<int>(p->n) + tile.n0;
+    if (tile.multicast) {
+      tma_load_2d_multicast(s_b + cta * 16384, b_map, k_in, n_row + 128 * cta, bar, kBoth);
+    } else {  // both halves, into this CTA only
+      tma_load_2d(s_b, b_map, k_in, n_row, bar);
+      tma_load_2d(s_b + 16384, b_map, k_in, n_row + 128, bar);
+    }
   }
 }
 

@@ -34,7 +34,7 @@ def base():
 @pytest.fixture
 def ops(base):
     """The module's operands with fresh outputs (tests write into them)."""
-    fresh = P.make_operands(SHAPE, 1, 8, "uniform", np, P.REFERENCE)  # cheap: only its zeroed outputs are used
+    fresh = P.make_operands(SHAPE, 1, SHAPE.num_tokens, "skewed", np, P.REFERENCE)  # only its zeroed outputs are used
     assert fresh.rows == base.rows
     return types.SimpleNamespace(**{**vars(base), "out8": fresh.out8, "out16": fresh.out16, "check8": fresh.check8})
 
@@ -54,8 +54,9 @@ def test_layout_aligns_segments_and_scatter_places_rows():
 def test_operands_sit_in_the_layer_layout_and_are_the_reference_quantization(base):
     ops = base
     assert ops.counts.tolist() == [165, 81, 54] and ops.total == 300  # skewed: 1/(e+1), the rest to expert 0
-    assert ops.offsets.tolist() == [0, SEGMENT_ROWS, 2 * SEGMENT_ROWS] and ops.rows == 3 * SEGMENT_ROWS
-    assert ops.inside.sum() == 300 and ops.inside[:165].all() and not ops.inside[165:SEGMENT_ROWS].any()
+    padded = [-(-c // SEGMENT_ROWS) * SEGMENT_ROWS for c in (165, 81, 54)]  # each expert in whole segments
+    assert ops.offsets.tolist() == [0, padded[0], padded[0] + padded[1]] and ops.rows == sum(padded)
+    assert ops.inside.sum() == 300 and ops.inside[:165].all() and not ops.inside[165:padded[0]].any()
     for name in ("x", "dy", "h", "g", "u", "dg", "du"):  # each expert's rows, in order; zeros between
         assert np.array_equal(ops.bf[name][ops.inside], ops.src[name]), name
         assert not ops.bf[name][~ops.inside].any(), name

@@ -7,7 +7,7 @@ from mok_proto.bench import layer as bench_layer
 from mok_proto.bench import overlap, power
 from mok_proto.bench import settings as bench_settings
 from mok_proto.config import MOK_POLICY
-from mok_proto.plan import FusedKnobs
+from mok_proto.plan import SEGMENT_ROWS, FusedKnobs
 
 
 def test_overlap_ceiling_counts_gemm_and_outside_stages():
@@ -575,8 +575,8 @@ def test_macrobatch_rows_option_and_replay_ms():
     from mok_proto.bench.layer_rows import replay_ms
 
     assert ring_rows(None, 46452) is None
-    assert ring_rows("0.25x", 46452) == 11520 == 45 * 256  # 11613 rows, rounded down to segments
-    assert ring_rows("0.001x", 46452) == 256 and ring_rows("4096", 1) == 4096
+    assert ring_rows("0.25x", 46452) == 11520 == 90 * SEGMENT_ROWS  # 11613 rows, rounded down to segments
+    assert ring_rows("0.001x", 46452) == SEGMENT_ROWS and ring_rows("4096", 1) == 4096
     for good in ("0.25x", "1x", "512"):
         check_ring_option(good)
     for bad in ("300", "0x", "2x", "-256", "abc", "x"):

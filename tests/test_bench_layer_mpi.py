@@ -25,7 +25,7 @@ from mok_proto.bench.ranks import Ranks, gpu_sharing, implied_no_torch, run_shap
 from mok_proto.config import MOK_POLICY, MoEShape, RunConfig, get_shape
 from mok_proto.layer import gpu_base
 from mok_proto.layer.gpu import GpuMoELayer, fused_plan, receive_capacity, symmetric_bytes
-from mok_proto.plan import PAIR_ROWS, FusedKnobs
+from mok_proto.plan import PAIR_ROWS, SEGMENT_ROWS, FusedKnobs
 
 SCRIPT = ROOT / "scripts" / "bench_layer_mpi.py"
 
@@ -101,10 +101,10 @@ def test_crossing_bytes_counts_the_busiest_direction():
 
 def test_receive_capacity_is_the_device_schedules_padded_rows():
     # R=2, E=4 (El=2), K=1: expert 0 gets 300 rows, expert 1 one row, expert 3 the rest (211); each
-    # expert's rows padded to PAIR_ROWS: rank 0 needs 512 + 256, rank 1 0 + 256 rows
+    # expert's rows padded to SEGMENT_ROWS (128): rank 0 needs 384 + 128, rank 1 0 + 256 rows
     topk = np.array([0] * 300 + [1] + [3] * 211, np.int32).reshape(2, 256, 1)
-    assert receive_capacity(topk, 4) == 2 * PAIR_ROWS + PAIR_ROWS
-    assert receive_capacity(np.full((2, 4, 1), 3, np.int32), 4) == PAIR_ROWS  # rank 0 receives nothing
+    assert receive_capacity(topk, 4) == 3 * SEGMENT_ROWS + SEGMENT_ROWS
+    assert receive_capacity(np.full((2, 4, 1), 3, np.int32), 4) == SEGMENT_ROWS  # rank 0 receives nothing
 
 
 class _Recorder:

@@ -274,7 +274,7 @@ def test_sim_header_names_every_setting_and_its_defaults(capsys):
     assert header == ("# shape tile, ep 2, gpu h200, pass fwd (default), plan fused, policy dispatch=pull,"
                       "combine=push,rev_combine=pull,rev_dispatch=push (default), routing uniform (default), "
                       "comm-sms 0 (default), minibatch 256, assign round_robin (default), raster row (default), "
-                      "claim all (default)"), header
+                      "claim all (default), segment-rows 128 (default)"), header
     assert main(["--shape", "tile", "--ep", "2", "--gpu", "h200", "--pass", "bwd", "--comm-sms", "8",
                  "--policy", "dispatch=push"]) == 0
     header = capsys.readouterr().out.splitlines()[0]

@@ -236,20 +236,21 @@ def test_fp8_memory_is_the_layout_and_its_formula(dispatch):
                 run = RunConfig(shape, ranks, precision="fp8", dispatch_dtype=dispatch)
                 assert [b.name for b in mem.buffers if b.symmetric] == list(layout.layer_layout(run, capacity, ring))
                 assert mem.formula_bytes() == mem.by_role(), (shape.name, ranks, capacity, ring)
-    mem = memory.layer_memory(SHAPE, R, 500, 512, precision="fp8", dispatch_dtype=dispatch)
+    cap = memory.worst_capacity(SHAPE, R)  # (a ring of 256 rows: two segments of it)
+    mem = memory.layer_memory(SHAPE, R, cap, 256, precision="fp8", dispatch_dtype=dispatch)
     names = {b.name for b in mem.buffers}
     assert set(layout.FP8_BUFFER_ROLE) <= names and ("recv" in names) == (dispatch == "bf16")
-    assert ("xq_tok" in names) == (dispatch == "fp8") and memory.layer_memory(SHAPE, R, 500, 512).by_role()[
+    assert ("xq_tok" in names) == (dispatch == "fp8") and memory.layer_memory(SHAPE, R, cap, 256).by_role()[
         "ring"] < mem.by_role()["ring"]
     role = {b.name: b.role for b in mem.buffers}
     assert {n for n in names if role[n] == "weights"} == set(layout.WEIGHTS[:3]) | set(layout.FP8_WEIGHTS) | {
         n for n in layout.WEIGHTS[3:] if n in names}
     # a ring row: the bf16 layer's 4H + 5I bf16 values (3H + 5I with fp8 dispatch) and 2H + 3I codes, a scale per 128
-    one, two = (memory.layer_memory(SHAPE, R, 500, m, precision="fp8", dispatch_dtype=dispatch) for m in (256, 512))
+    one, two = (memory.layer_memory(SHAPE, R, cap, m, precision="fp8", dispatch_dtype=dispatch) for m in (128, 256))
     bf16_values = 4 * H + 5 * I - (H if dispatch == "fp8" else 0)
-    assert two.by_role()["ring"] - one.by_role()["ring"] == 256 * (2 * bf16_values + (2 * H + 3 * I) * 33 // 32)
+    assert two.by_role()["ring"] - one.by_role()["ring"] == 128 * (2 * bf16_values + (2 * H + 3 * I) * 33 // 32)
     assert mem.symmetric_bytes == gpu.symmetric_bytes(RunConfig(SHAPE, R, precision="fp8", dispatch_dtype=dispatch),
-                                                      500, 512)
+                                                      cap, 256)
     assert "precision fp8" in mem.formula() and "33 M (2H + 3I) / 32" in mem.formula()
 
 

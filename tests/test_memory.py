@@ -111,8 +111,8 @@ def test_default_ring_follows_the_free_memory_and_names_a_shortfall():
     full = memory.default_macrobatch_rows(KIMI, 64)
     half = memory.default_macrobatch_rows(KIMI, 64, free_bytes=memory.H100_FREE_BYTES // 2)
     assert S <= half < full and half % S == 0
-    assert memory.default_macrobatch_rows(KIMI, 64, capacity=1000) == 4 * S  # the capacity rounded up
-    with pytest.raises(ValueError, match=r"kimi-k2.7 at R=64: .* one segment \(256 rows\).* short by"):
+    assert memory.default_macrobatch_rows(KIMI, 64, capacity=1000) == -(-1000 // S) * S  # the capacity rounded up
+    with pytest.raises(ValueError, match=rf"kimi-k2.7 at R=64: .* one segment \({S} rows\).* short by"):
         memory.default_macrobatch_rows(KIMI, 64, free_bytes=2 * 10**9)
     for bad in ({"fraction": 0}, {"fraction": 1.5}, {"free_bytes": 0}, {"capacity": 0}, {"capacity": 1 << 40}):
         with pytest.raises(ValueError):

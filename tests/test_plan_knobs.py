@@ -97,10 +97,11 @@ def test_parse_the_command_line_form():
 def test_describe_gives_the_fields_of_a_results_row():
     # bench_layer.py's fused rows: the knobs as the plan ran them, the claim as given
     fwd = P.FusedKnobs(8, 2048).describe("fwd", MOK_POLICY)
-    assert fwd == {"comm_blocks": 8, "minibatch_tokens": 2048, "assign": "round_robin", "raster": "row", "claim": None}
+    assert fwd == {"comm_blocks": 8, "minibatch_tokens": 2048, "assign": "round_robin", "raster": "row", "claim": None,
+                   "segment_rows": P.SEGMENT_ROWS}
     bwd = P.FusedKnobs(0, 2048, claim="all", scale=False).describe("bwd", MOK_POLICY)
     assert bwd == {"comm_blocks": 0, "minibatch_tokens": 2048, "assign": "balanced", "raster": "row", "claim": "all",
-                   "token_grads": True, "scale": False}
+                   "segment_rows": P.SEGMENT_ROWS, "token_grads": True, "scale": False}
     # the optional knobs where set
     assert P.FusedKnobs(8, 256, spread_from=1, lookahead=0).describe("fwd", MOK_POLICY)["spread_from"] == 1
     plan = P.fused_backward(TILE, 2, P.FusedKnobs(0, 256, claim="all", scale=False), policy=MOK_POLICY, num_sms=8,

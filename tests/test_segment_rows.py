@@ -9,7 +9,7 @@ import pytest
 
 from mok_proto import memory
 from mok_proto import plan as P
-from mok_proto.config import MOK_POLICY, RunConfig, ep_share, get_shape
+from mok_proto.config import MOK_POLICY, MoEShape, RunConfig, ep_share, get_shape
 from mok_proto.layer import cpu, gpu, gpu_base
 from mok_proto.plan import cost, knobs
 from mok_proto.schedule import max_receive_slots
@@ -72,11 +72,12 @@ def _cpu_layer_align() -> int:
 # consumer: (the module whose SEGMENT_ROWS it reads, does its output follow a rule of s rows?)
 CONSUMERS = {
     "gpu layer": (gpu, lambda mp, s: _layer_align(mp) == s and _one_row_capacity() == s),
-    "fused knobs": (knobs, lambda mp, s: _knobs_take(s) and not _knobs_take(s // 2) and not _knobs_take(s + s // 2)),
     "plan cost": (cost, lambda mp, s: P.expected_rows(TILE, 1, 1 << 30) == 48 * s
                   and P.default_capacity(TILE, 1, s) == 48 * s  # a segment per expert
                   and P.default_capacity(KIMI, 64, s) == -(-(20480 + 6 * s // 2) // s) * s),  # 1.25 N K + El S / 2
-    "sim plan_align": (sim_model, lambda mp, s: sim_model.plan_align(_fused_plan()) == s),
+    # a fused plan's knobs resolve their segment rule (FusedKnobs.segment_rows), which the sim pads to
+    "fused knobs -> sim plan_align": (knobs, lambda mp, s: sim_model.plan_align(_fused_plan()) == s
+                                      and _fused_plan().knobs.describe("fwd", MOK_POLICY)["segment_rows"] == s),
     "sim fused load": (sim_fused, lambda mp, s: not np.any(sim_fused.emulated_load(ep_share("qwen3.5-397b"))
                                                            .expert_offsets % s)),
     "cpu layer": (cpu, lambda mp, s: _cpu_layer_align() == s),
@@ -86,10 +87,10 @@ CONSUMERS = {
 
 
 def test_every_consumer_uses_segment_rows(monkeypatch):
-    """Nothing changes: today's rule is a cluster's tile pair, and the GPU layer's schedule align,
-    the receive capacity, the knobs' check, the cost model's padding, the simulator's fused padding
-    and the memory's worst case all equal plan.SEGMENT_ROWS."""
-    assert S == P.PAIR_ROWS == 256
+    """The rule is one row tile (an FP8 scale block too), and the GPU layer's schedule align, the
+    receive capacity, the cost model's padding, the simulator's fused padding and the memory's
+    worst case all equal plan.SEGMENT_ROWS."""
+    assert S == P.BM == 128 and P.PAIR_ROWS == 2 * S
     for name, (_, follows) in CONSUMERS.items():
         assert follows(monkeypatch, S), name
     # the simulator's sequential model keeps one row tile (plan_align's docstring says why)
@@ -107,3 +108,75 @@ def test_a_consumer_follows_a_changed_segment_rows(monkeypatch, name):
     assert follows(monkeypatch, S) and not follows(monkeypatch, other)
     monkeypatch.setattr(module, "SEGMENT_ROWS", other)
     assert follows(monkeypatch, other)
+
+
+def test_minibatches_are_whole_tile_pairs(monkeypatch):
+    """A fused plan's minibatch holds whole tile pairs (plan.PAIR_ROWS), whatever the segment rule:
+    a pair split over two minibatches would wait for one and read the other's rows."""
+    assert _knobs_take(P.PAIR_ROWS) and _knobs_take(4 * P.PAIR_ROWS)
+    assert not _knobs_take(S) and not _knobs_take(P.PAIR_ROWS + S)
+    monkeypatch.setattr(knobs, "PAIR_ROWS", 2 * P.PAIR_ROWS)
+    assert not _knobs_take(P.PAIR_ROWS) and _knobs_take(2 * P.PAIR_ROWS)
+
+
+def test_a_plan_costed_for_another_segment_rule():
+    """FusedKnobs.segment_rows (the simulator's what-if, an older measurement's rule): the plan's cost
+    model and the simulator's padding follow it, the results row records it, and the GPU layer, whose
+    schedule pads to SEGMENT_ROWS, refuses it."""
+    other = P.FusedKnobs(2, 512, segment_rows=2 * S)
+    plan = P.fused_backward(TILE, 2, other, policy=MOK_POLICY, num_sms=8)
+    assert sim_model.plan_align(plan) == 2 * S
+    assert plan.capacity_rows == P.default_capacity(TILE, 2, 512, segment_rows=2 * S) > P.default_capacity(TILE, 2, 512)
+    row = other.describe("bwd", MOK_POLICY)
+    assert row["segment_rows"] == 2 * S and P.FusedKnobs.from_row(row).segment_rows == 2 * S
+    with pytest.raises(ValueError, match="segment_rows"):
+        gpu.fused_plan("bwd", RunConfig(TILE, 2), 1024, MOK_POLICY, other, 8)
+    assert gpu.fused_plan("bwd", RunConfig(TILE, 2), 1024, MOK_POLICY, P.FusedKnobs(2, 512), 8).knobs.segment_rows == S
+    for bad in (S // 2, S + 1, 0):
+        with pytest.raises(ValueError, match="segment_rows"):
+            P.FusedKnobs(2, 512, segment_rows=bad)
+
+
+def _pair_kinds(topk, num_experts: int) -> set:
+    """How the tile pairs of every rank's receive rows (schedule padded to SEGMENT_ROWS) fall: "one"
+    (both tiles one expert's), "two" (two experts': the fused kernel loads B per CTA, no multicast),
+    "tail" (the second tile past the last row: a duplicate)."""
+    from mok_proto.schedule import build_all_schedules
+
+    kinds = set()
+    for sched in build_all_schedules(topk, num_experts, align=S):
+        offsets = np.asarray(sched.expert_offsets)
+        end = max((o + t for o, t in zip(offsets[:-1], sched.tokens_per_expert) if t), default=0)
+        for pair_row in range(0, int(end), P.PAIR_ROWS):
+            if pair_row + S >= end:
+                kinds.add("tail")
+            else:
+                first, second = (np.searchsorted(offsets, r, side="right") - 1 for r in (pair_row, pair_row + S))
+                kinds.add("one" if first == second else "two")
+    return kinds
+
+
+def test_the_gpu_fused_cases_run_pairs_of_two_experts():
+    """The GPU checks of fused == sequential (tests/mpi_programs/check_fused_layer.py's CASES) route so
+    that some tile pair holds two experts' tiles and some pair's second tile lies past the rows: both
+    paths of cuda/fused.cuh tile_for are compared with the standalone kernels' bits."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from mok_proto.problem import make_problem
+
+    programs = Path(__file__).parent / "mpi_programs"
+    sys.path.insert(0, str(programs))
+    try:
+        spec = importlib.util.spec_from_file_location("check_fused_layer", programs / "check_fused_layer.py")
+        cases = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cases)
+    finally:
+        sys.path.remove(str(programs))
+    seen = set()
+    for num_ranks in (1, 2, 4, 8):
+        for case_id, (h, i, e, k, n, shared, routing) in enumerate(cases.CASES.values()):
+            shape = MoEShape("case", hidden=h, ffn=i, num_experts=e, top_k=k, num_tokens=n, num_shared=shared)
+            seen |= _pair_kinds(make_problem(shape, num_ranks, seed=11 + case_id, routing=routing).topk_idx, e)
+    assert {"one", "two", "tail"} <= seen, seen

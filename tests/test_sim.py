@@ -373,7 +373,7 @@ def _comm(rec):
 def test_fused_timeline_is_the_plan_it_ran(h200):
     measured = results.load_timeline(CALIBRATION_TIMELINE["path"])
     assert (CALIBRATION_TIMELINE["shape"], CALIBRATION_TIMELINE["comm_mover"]) == ("kimi-k2.7", "bulk")
-    plan, result = fused.simulate_timeline(measured, KIMI_SHARE, h200)
+    plan, result = fused.simulate_timeline(measured, KIMI_SHARE, h200, kernel=CALIBRATION_TIMELINE)
     assert (plan.comm_blocks, plan.minibatch_rows, plan.num_sms, plan.ring_minibatches) == (8, 2048, 132, 10)
     simulated = result.records(0)
     assert len(simulated) == len(measured) == len(plan.tasks)
@@ -532,8 +532,8 @@ def test_fused_calibration_recovers_the_warp_movers_rate(h200, tmp_path):
     # the warp movers' dispatch tasks rewritten as 2.5 us + bytes at 30 GB/s (each task's rows: those the
     # simulator gives it): the calibration gives back 30 GB/s and 2.5 us
     measured = results.load_timeline(WARPS_TIMELINE["path"])
-    plan = fused.timeline_plan(measured, KIMI_SHARE)
-    _, used = model.fused_chunk_rows(plan, fused.emulated_load(KIMI_SHARE))
+    plan = fused.timeline_plan(measured, KIMI_SHARE, prefer=WARPS_TIMELINE)
+    _, used = model.fused_chunk_rows(plan, fused.emulated_load(KIMI_SHARE, align=model.plan_align(plan)))
     row_bytes = KIMI_SHARE.hidden * model.ELEM_BYTES
 
     def at_30_gbs(rows):
@@ -590,7 +590,8 @@ def test_qwen_chunks_judge_the_mover(h200):
     path = entry["path"]
     measured = results.timeline_summary(results.load_timeline(path))["kinds"]
     for gpu, low, high in ((h200, 0.9, 1.1), (h200.recorded_at({"comm_mover": "bulk"}), 1.4, 2.0)):
-        plan, result = fused.simulate_timeline(results.load_timeline(path), QWEN_SHARE, gpu)
+        ran = {"comm_mover": gpu.comm_mover, "scale_traffic": gpu.scale_traffic, "segment_rows": entry["segment_rows"]}
+        plan, result = fused.simulate_timeline(results.load_timeline(path), QWEN_SHARE, gpu, kernel=ran)
         assert plan.comm_blocks == 12
         got = results.timeline_summary(result.records(0))["kinds"]
         for kind in ("rev_combine", "rev_dispatch"):
@@ -828,8 +829,9 @@ def test_fused_deadlock_is_rejected(h200, monkeypatch):
 
 
 def test_simulate_rejects_a_load_padded_for_another_plan(h200):
-    with pytest.raises(ValueError, match="padded to 256"):
-        sim.simulate(_fused_plan(8), layer.one_gpu(h200), layer.emulated_load(KIMI_SHARE))  # 128-row segments
+    pairs = _built(P.fused_forward, KIMI_SHARE, P.FusedKnobs(0, 2048, claim=0, segment_rows=P.PAIR_ROWS), num_sms=132)
+    with pytest.raises(ValueError, match=f"padded to {P.PAIR_ROWS}"):
+        sim.simulate(pairs, layer.one_gpu(h200), layer.emulated_load(KIMI_SHARE))  # SEGMENT_ROWS segments
 
 
 def test_ep64_kimi_fused_forward_is_fast(h200, monkeypatch):
@@ -1047,14 +1049,14 @@ def test_fused_backward_responds_to_what_it_models(h200):
 
 def test_fused_backward_against_the_sequential_backward(h200):
     # One EP=64 share on one H200 (bench_layer): the transfers are HBM copies, little to hide, and
-    # the fused kernel gives 8 CTAs to them and pads to 256 rows: about the sequential time
+    # the fused kernel gives 8 CTAs to them: about the sequential time
     # (measured, kimi C=8 MB=2048: 5.94 vs 5.87 ms at d689e07, 6.38 vs 6.01 at ec6738a).
     one = layer.one_gpu(h200)
     seq_plan = P.sequential(KIMI_SHARE, 2, pass_="bwd", policy=MOK_POLICY, num_sms=132)
     seq = sim.simulate(seq_plan, one,
                        layer.emulated_load(KIMI_SHARE))
     fused_bwd = _emulated_bwd(_bwd_plan(8), h200)
-    gemm = ~_comm(seq.records(0))
+    gemm = np.isin(seq.records(0)["kind"], [int(k) for k in P.PROBLEM_OF])  # (not the token tasks: movers' work)
     gemm_work = (seq.end_ns[gemm, 0] - seq.start_ns[gemm, 0]).sum() / 124  # the GEMMs on the compute CTAs
     assert gemm_work < fused_bwd.kernel_ns < fused_bwd.time_ns
     assert fused_bwd.time_ns == pytest.approx(seq.time_ns, rel=0.1)
@@ -1080,7 +1082,7 @@ def test_backward_timelines_are_kept_apart_and_simulated(h200, h200_validation):
     path = entry["path"]
     assert path in backward and (entry["shape"], entry["git"]) == ("kimi-k2.7", "d689e07")
     measured = results.load_timeline(path)
-    plan, result = fused.simulate_timeline(measured, KIMI_SHARE, h200)
+    plan, result = fused.simulate_timeline(measured, KIMI_SHARE, h200, kernel=entry)
     assert plan.strategy == "fused_backward" and plan.comm_blocks == 8
     predicted = result.records(0)
     for key in fused.KEY + ("role",):
@@ -1312,8 +1314,9 @@ def test_timeline_plan_finds_the_claimed_pool():
     # a traced backward whose tail (66 clusters, 4 pairs each) was claimed at run time: the plan is found
     # from the records, its pool rows (recorded with the CTA that claimed them) last
     claimed = [e for e in results.timeline_index(pass_="bwd", shape="kimi-k2.7") if e["claim_pairs"]]
-    rec = results.load_timeline(max(claimed, key=lambda e: e["time"])["path"])
-    plan = fused.timeline_plan(rec, ep_share("kimi-k2.7"))
+    entry = max(claimed, key=lambda e: e["time"])
+    rec = results.load_timeline(entry["path"])
+    plan = fused.timeline_plan(rec, ep_share("kimi-k2.7"), prefer=entry)
     assert plan.claim_pairs == 264 and plan.pass_ == "bwd"
     pool = np.flatnonzero(plan.tasks["block"] == plan.pool_block)
     assert len(pool) == 2 * 264 and pool[0] == len(plan.tasks) - 2 * 264

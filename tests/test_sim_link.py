@@ -82,8 +82,9 @@ def test_predictions_without_a_link_are_unchanged():
             make = P.fused_forward if pass_ == "fwd" else P.fused_backward
             plans = {"sequential": P.sequential(medium, 4, **kw), "fixed_split": P.fixed_split(medium, 4, 8, 256, **kw)}
             for c in (0, 8):
-                plans[f"fused C={c}"] = make(medium, 4, P.FusedKnobs(c, 256), policy=MOK_POLICY,
-                                             num_sms=gpu.num_sms - gpu.num_sms % 2)
+                # (the pinned plans' segment rule: a tile pair, as when the values were pinned)
+                plans[f"fused C={c}"] = make(medium, 4, P.FusedKnobs(c, 256, segment_rows=P.PAIR_ROWS),
+                                             policy=MOK_POLICY, num_sms=gpu.num_sms - gpu.num_sms % 2)
             for name, p in plans.items():
                 got[f"{gpu.name} {pass_} {name}"] = sim.simulate(p, gpu).time_ns
                 assert sim.simulate(p, gpu, link=None).time_ns == got[f"{gpu.name} {pass_} {name}"]

@@ -181,7 +181,7 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
                   f"{'n/a' if corr is None else f'{corr:.2f}'})", flush=True)
             stored = None if index is None else index_timeline(trace_to, pass_, {
                 **index, "comm_blocks": best["comm_blocks"], "minibatch_rows": best["minibatch_tokens"],
-                "claim_pairs": best["claim_pairs"]})
+                "segment_rows": best["segment_rows"], "claim_pairs": best["claim_pairs"]})
             if stored:
                 best["timeline_file"] = stored["file"]
                 print(f"#   timeline stored as results/timelines/{stored['file']} (index.jsonl)", flush=True)

@@ -143,6 +143,9 @@ def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, knobs: F
     builders = {"fwd": fused_forward, "bwd": fused_backward}
     if pass_ not in builders:
         raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")
+    if knobs.segment_rows not in (None, SEGMENT_ROWS):
+        raise ValueError(f"segment_rows {knobs.segment_rows}: the GPU layer pads expert segments to {SEGMENT_ROWS} "
+                         "(plan.SEGMENT_ROWS); another rule is the simulator's only")
     capacity_rows = -(-capacity // knobs.minibatch_rows) * knobs.minibatch_rows
     made = builders[pass_](run.shape, run.num_ranks, knobs, policy=policy, num_sms=num_sms, capacity_rows=capacity_rows)
     if check:
@@ -193,8 +196,8 @@ class GpuMoELayer(GpuRound):
         self.has_shared = shape is not None and shape.num_shared == 1
         if macrobatch_rows is None and shape is not None:
             macrobatch_rows = default_ring_rows(heap, run, capacity)
-        # Expert segments padded to SEGMENT_ROWS: the fused passes' tile pairs never straddle two
-        # experts, and both schedules keep the same receive layout (bitwise-equal caches).
+        # Expert segments padded to SEGMENT_ROWS: every row tile is one expert's, and both schedules
+        # keep the same receive layout (bitwise-equal caches).
         super().__init__(heap, run, capacity, SEGMENT_ROWS, name, macrobatch_rows)
         import cupy
 

@@ -11,8 +11,8 @@ raised by the tasks of every rank (a push's receiver waits for all peers' signal
 puller waits for the peers' data), so its target counts R signals per signalling task.
 
 The receive buffer holds ``capacity_rows`` rows, expert segments padded to SEGMENT_ROWS rows (the
-schedule's ``align``), so every row tile belongs to one expert, found on the device from the
-schedule's offsets: the plan is independent of routing. Tasks past the real row count (known on
+schedule's ``align``, one row tile), so every row tile belongs to one expert, found on the device
+from the schedule's offsets: the plan is independent of routing. Tasks past the real row count (known on
 the device only) exit at once. Rows are processed in minibatches of ``minibatch_rows``; the
 buffers of x/h/y (forward) or dy/dg,du/dx (backward) are a ring of ``ring_minibatches``
 minibatches: minibatch m lives in ring slot m % ring, and its slot is refilled only after the

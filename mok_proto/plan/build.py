@@ -9,8 +9,8 @@ import bisect
 from mok_proto.config import OPERATORS, MoEShape
 from mok_proto.plan.core import Builder, Plan
 from mok_proto.plan.cost import default_capacity, num_col_tiles, past_expected, tile_cost, wgrad_grid
-from mok_proto.plan.kinds import (BM, FUSED_STRATEGIES, PAIR_ROWS, PASS_KINDS, PASSES, CounterKind, PassKinds,
-                                  TaskKind, cdiv, inside_kernel, token_tiles)
+from mok_proto.plan.kinds import (BM, FUSED_STRATEGIES, PAIR_ROWS, PASS_KINDS, PASSES, SEGMENT_ROWS, CounterKind,
+                                  PassKinds, TaskKind, cdiv, inside_kernel, token_tiles)
 from mok_proto.plan.knobs import FusedKnobs
 
 
@@ -255,7 +255,8 @@ def fused_backward(shape: MoEShape, num_ranks: int, knobs: FusedKnobs, *, policy
 def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, policy: dict, num_sms: int,
            capacity_rows: int | None) -> Plan:
     comm_blocks, minibatch_rows = knobs.comm_blocks, knobs.minibatch_rows
-    capacity_rows = capacity_rows or default_capacity(shape, num_ranks, minibatch_rows)
+    segment_rows = knobs.segment_rows or SEGMENT_ROWS
+    capacity_rows = capacity_rows or default_capacity(shape, num_ranks, minibatch_rows, segment_rows=segment_rows)
     _check_common(shape, num_ranks, policy, num_sms, minibatch_rows, capacity_rows, pass_)
     if num_sms % 2 or comm_blocks % 2 or not 0 <= comm_blocks < num_sms:
         raise ValueError(f"num_sms ({num_sms}) and comm_blocks ({comm_blocks}) must be even (2-CTA clusters), "
@@ -348,8 +349,8 @@ def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, polic
         b.counter(CounterKind.CLAIMED, 0)
     static = len(pairs) - claim
     clusters = _assign_clusters(knobs.assign, pairs[:static], (num_sms - comm_blocks) // 2,
-                                lambda kind, p: tile_cost(kind, shape, num_ranks, capacity_rows, p),
-                                lambda kind, p: past_expected(kind, shape, num_ranks, capacity_rows, p))
+                                lambda kind, p: tile_cost(kind, shape, num_ranks, capacity_rows, p, segment_rows),
+                                lambda kind, p: past_expected(kind, shape, num_ranks, capacity_rows, p, segment_rows))
     clusters += [None] * claim
     for cluster, (kind, p, col, waits, signals, fields) in zip(clusters, pairs):
         for cta in (0, 1):

@@ -45,11 +45,11 @@ def wgrad_grid(kind: TaskKind, shape: MoEShape) -> tuple[int, int]:
     return cdiv(h, BM), cdiv(2 * ffn, BN)
 
 
-def expected_rows(shape: MoEShape, num_ranks: int, capacity_rows: int) -> int:
+def expected_rows(shape: MoEShape, num_ranks: int, capacity_rows: int, segment_rows: int | None = None) -> int:
     """Receive rows a rank fills on average (the balanced assignment's estimate of where the
     real rows end; the tiles past them exit at once), at most capacity_rows. The real rows are a
     prefix of the receive buffer: expert segments back to back, each padded to a multiple of
-    SEGMENT_ROWS. Under even routing a rank receives N K rows (each rank's N tokens choose K
+    segment_rows (None: the GPU layer's SEGMENT_ROWS). Under even routing a rank receives N K rows (each rank's N tokens choose K
     experts among every rank's), an expert's count being Binomial(R N, K / E).
     The larger of two estimates of the padded rows:
       N K + half a segment per local expert: right when an expert's rows spread over several
@@ -58,12 +58,12 @@ def expected_rows(shape: MoEShape, num_ranks: int, capacity_rows: int) -> int:
         counts sit within one or two segments, where every expert pads to the same whole segments
         (there, half a segment each would cost the last real tile pairs as free, and the balanced
         backward would pile them on a few clusters)."""
-    el = shape.num_experts // num_ranks
-    spread = shape.num_tokens * shape.top_k + el * SEGMENT_ROWS // 2
-    return min(capacity_rows, max(spread, _binomial_padded_rows(shape, num_ranks)))
+    el, segment_rows = shape.num_experts // num_ranks, segment_rows or SEGMENT_ROWS
+    spread = shape.num_tokens * shape.top_k + el * segment_rows // 2
+    return min(capacity_rows, max(spread, _binomial_padded_rows(shape, num_ranks, segment_rows)))
 
 
-def _binomial_padded_rows(shape: MoEShape, num_ranks: int) -> int:
+def _binomial_padded_rows(shape: MoEShape, num_ranks: int, segment_rows: int) -> int:
     """El x SEGMENT_ROWS x E[ceil(X / SEGMENT_ROWS)] for an expert's rows X ~ Binomial(R N, K / E):
     E[ceil(X / S)] = sum over j >= 0 of P(X > j S), each term by the normal approximation (with
     continuity correction); at least one segment per expert."""
@@ -71,20 +71,22 @@ def _binomial_padded_rows(shape: MoEShape, num_ranks: int) -> int:
     n, p = num_ranks * shape.num_tokens, shape.top_k / shape.num_experts
     mean, sd = n * p, math.sqrt(max(n * p * (1.0 - p), 1e-12))
     segments, j = 0.0, 0
-    while j * SEGMENT_ROWS <= mean + 12 * sd:
-        segments += 0.5 * math.erfc((j * SEGMENT_ROWS + 0.5 - mean) / (sd * math.sqrt(2.0)))
+    while j * segment_rows <= mean + 12 * sd:
+        segments += 0.5 * math.erfc((j * segment_rows + 0.5 - mean) / (sd * math.sqrt(2.0)))
         j += 1
-    return int(round(el * SEGMENT_ROWS * max(1.0, segments)))
+    return int(round(el * segment_rows * max(1.0, segments)))
 
 
-def past_expected(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: int, row_pair: int) -> bool:
+def past_expected(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: int, row_pair: int,
+                  segment_rows: int | None = None) -> bool:
     """Whether the routed row tile pair `row_pair` lies at or past expected_rows: under even routing
     its rows are probably past the real ones (it exits at once); under skewed routing it is real."""
     routed_rows = kind in (TaskKind.GATE_UP, TaskKind.DOWN, TaskKind.DOWN_BWD, TaskKind.GATE_UP_BWD)
-    return routed_rows and row_pair * PAIR_ROWS >= expected_rows(shape, num_ranks, capacity_rows)
+    return routed_rows and row_pair * PAIR_ROWS >= expected_rows(shape, num_ranks, capacity_rows, segment_rows)
 
 
-def tile_cost(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: int, row_pair: int | None = None) -> int:
+def tile_cost(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: int, row_pair: int | None = None,
+              segment_rows: int | None = None) -> int:
     """Estimated time of one GEMM tile of `kind` in a plan of R = num_ranks ranks and
     capacity_rows receive rows (the balanced assignment's cost model), in units of one
     BM x 1 x BK step of MMA work: the tile's pipeline stages x its columns (every tile has BM
@@ -100,10 +102,10 @@ def tile_cost(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: in
     row_pair (routed row problems): the tile pair's index in the receive rows; a pair at or past
     expected_rows costs 1 (a tile past the real rows only signals). Without it, a full tile."""
     _, cols, k = tile_grid(kind, shape)
-    if row_pair is not None and past_expected(kind, shape, num_ranks, capacity_rows, row_pair):
+    if row_pair is not None and past_expected(kind, shape, num_ranks, capacity_rows, row_pair, segment_rows):
         return 1
     if kind in PASS_KINDS["bwd"].wgrad:
-        k = cdiv(expected_rows(shape, num_ranks, capacity_rows), shape.num_experts // num_ranks)
+        k = cdiv(expected_rows(shape, num_ranks, capacity_rows, segment_rows), shape.num_experts // num_ranks)
     elif kind in PASS_KINDS["bwd"].shared_wgrad:
         k = shape.num_tokens
     aux = DOWN_BWD_AUX_STAGES if PROBLEM_OF[kind] == "down_bwd" else 0
@@ -111,11 +113,12 @@ def tile_cost(kind: TaskKind, shape: MoEShape, num_ranks: int, capacity_rows: in
 
 
 
-def default_capacity(shape: MoEShape, num_ranks: int, minibatch_rows: int = BM, slack: float = 1.25) -> int:
+def default_capacity(shape: MoEShape, num_ranks: int, minibatch_rows: int = BM, slack: float = 1.25,
+                     segment_rows: int | None = None) -> int:
     """Receive rows a plan is sized for: `slack` x the mean N*K rows plus half a segment of
     padding per local expert, and at least a segment per local expert (each expert's rows are
     padded to SEGMENT_ROWS), rounded up to whole minibatches (the true worst case, all R*N*K
     rows, would make the grid huge)."""
-    el = shape.num_experts // num_ranks
-    rows = max(int(slack * shape.num_tokens * shape.top_k) + el * SEGMENT_ROWS // 2, el * SEGMENT_ROWS)
+    el, segment_rows = shape.num_experts // num_ranks, segment_rows or SEGMENT_ROWS
+    rows = max(int(slack * shape.num_tokens * shape.top_k) + el * segment_rows // 2, el * segment_rows)
     return cdiv(rows, minibatch_rows) * minibatch_rows

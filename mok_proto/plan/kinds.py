@@ -18,13 +18,15 @@ EPILOGUE_ROWS = abi.CONST["kEpilogueRows"]  # token rows per weighted-sum / slot
 PASSES = ("fwd", "bwd")
 PAIR_ROWS = BM * abi.CONST["kCluster"]  # rows of one 2-CTA cluster's tile pair (a GEMM fact)
 # The one segment-alignment rule: every expert's receive rows are padded to a multiple of it (the
-# GPU layer's schedule, sequential and fused), the plans' minibatch_rows and the ring's
-# macrobatch_rows are multiples of it, the simulator pads the fused plans' loads with it. The fused
-# kernel runs whole tile pairs over a segment (cuda/fused.cuh), so it is a multiple of PAIR_ROWS.
-SEGMENT_ROWS = PAIR_ROWS
+# GPU layer's schedule, sequential and fused), the ring's macrobatch_rows are a multiple of it, the
+# simulator pads the fused plans' loads with it. One row tile: a tile pair may straddle two experts
+# (cuda/fused.cuh: each CTA then loads its own B). A fused plan's minibatch_rows are whole tile
+# pairs (PAIR_ROWS), so no pair waits for two minibatches.
+SEGMENT_ROWS = BM
 # A ring's turn ends a multiple of SEGMENT_ROWS after an expert's first row; weight gradients that
-# accumulate over turns keep the one-pass bits only if that is a whole number of k-blocks.
-assert SEGMENT_ROWS % BK == 0 and SEGMENT_ROWS % (BM * abi.CONST["kCluster"]) == 0
+# accumulate over turns keep the one-pass bits only if that is a whole number of k-blocks (BF16's
+# BK, FP8's scale block), and an FP8 weight-gradient scale block never straddles two experts.
+assert SEGMENT_ROWS % BK == 0 and SEGMENT_ROWS % abi.CONST["kQuantBlock"] == 0 and PAIR_ROWS % SEGMENT_ROWS == 0
 FUSED_STRATEGIES = {"fwd": "fused_forward", "bwd": "fused_backward"}
 
 # The kinds come from the ABI spec (mok_proto/abi.py: enum mok::plan::TaskKind / CounterKind of

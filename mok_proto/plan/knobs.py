@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import KW_ONLY, dataclass
 from typing import ClassVar
 
-from mok_proto.plan.kinds import PASS_KINDS, PASSES, SEGMENT_ROWS, inside_kernel
+from mok_proto.plan.kinds import BM, PAIR_ROWS, PASS_KINDS, PASSES, SEGMENT_ROWS, inside_kernel
 from mok_proto.validate import check_int
 
 # How tile pairs go to the 2-CTA clusters (build._assign_clusters): "balanced" prices the pairs on
@@ -44,7 +44,7 @@ class FusedKnobs:
     backward's only (the other pass's `resolved` drops them)."""
 
     comm_blocks: int = 0  # CTAs set aside to communicate; 0: every CTA computes, its spare warps move rows
-    minibatch_rows: int = 1024  # receive rows per minibatch, a multiple of SEGMENT_ROWS
+    minibatch_rows: int = 1024  # receive rows per minibatch, a multiple of PAIR_ROWS
     _: KW_ONLY
     ring_minibatches: int | None = None  # forward: minibatches the buffers hold (None: every one, no ring turns)
     lookahead: int | None = None  # minibatch m + lookahead's first GEMM before m's second (None: 1, 0 for a ring of 1)
@@ -54,6 +54,9 @@ class FusedKnobs:
     claim: int | str | None = None  # tile pairs claimed at run time: a count or a name of CLAIMS
     token_grads: bool | None = None  # backward: the token gradients inside the kernel (None: if its outgoing is)
     scale: bool | None = None  # backward: dy_slots = w * dout inside the kernel (None: if its incoming is)
+    # The expert segments' padding the plan's cost model assumes (None: SEGMENT_ROWS, the GPU layer's
+    # schedule; another multiple of BM only for the simulator's what-ifs and older measurements).
+    segment_rows: int | None = None
 
     # The defaults that differ by pass, chosen on measurements (docs/LOG.md): balanced clusters in
     # the backward (its weight-gradient tiles cost unlike its data-gradient tiles), round robin in
@@ -64,9 +67,11 @@ class FusedKnobs:
     def __post_init__(self):
         check_int(self.comm_blocks, "comm_blocks", minimum=0)
         minibatch_rows = check_int(self.minibatch_rows, "minibatch_rows")
-        if minibatch_rows < SEGMENT_ROWS or minibatch_rows % SEGMENT_ROWS:
-            raise ValueError(f"minibatch_rows must be a multiple of {SEGMENT_ROWS} (plan.SEGMENT_ROWS, an expert "
-                             f"segment's alignment), got {minibatch_rows}")
+        if minibatch_rows < PAIR_ROWS or minibatch_rows % PAIR_ROWS:
+            raise ValueError(f"minibatch_rows must be a multiple of {PAIR_ROWS} (plan.PAIR_ROWS, a cluster's tile "
+                             f"pair), got {minibatch_rows}")
+        if self.segment_rows is not None and check_int(self.segment_rows, "segment_rows", minimum=BM) % BM:
+            raise ValueError(f"segment_rows must be a multiple of {BM} (plan.BM, a row tile), got {self.segment_rows}")
         for name, minimum in (("ring_minibatches", 1), ("lookahead", None), ("spread_from", None)):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name, minimum=minimum)
@@ -119,6 +124,7 @@ class FusedKnobs:
         defaults = self.PASS_DEFAULTS[pass_]
         return dataclasses.replace(
             self, ring_minibatches=ring, lookahead=lookahead, token_grads=token_grads, scale=scale,
+            segment_rows=self.segment_rows or SEGMENT_ROWS,
             **{name: defaults[name] if getattr(self, name) is None else getattr(self, name) for name in defaults})
 
     def claim_pairs(self, num_pairs: int, num_clusters: int) -> int:
@@ -134,12 +140,12 @@ class FusedKnobs:
 
     def describe(self, pass_: str, policy: dict) -> dict:
         """The fields a results row records of a `pass_` plan built with these knobs (flat,
-        JSON-able): comm_blocks, minibatch_tokens, assign and raster as the plan ran them, claim as
-        given (None: the pass's default; the row adds the plan's claim_pairs), the backward's
+        JSON-able): comm_blocks, minibatch_tokens, assign, raster and segment_rows as the plan ran
+        them, claim as given (None: the pass's default; the row adds the plan's claim_pairs), the backward's
         token_grads and scale as it ran them, and ring_minibatches, lookahead, spread_from where set."""
         ran = self.resolved(pass_, policy)
         row = {"comm_blocks": self.comm_blocks, "minibatch_tokens": self.minibatch_rows, "assign": ran.assign,
-               "raster": ran.raster, "claim": self.claim}
+               "raster": ran.raster, "claim": self.claim, "segment_rows": ran.segment_rows}
         for name in ("ring_minibatches", "lookahead", "spread_from", "token_grads", "scale"):
             if getattr(ran, name) is not None:
                 row[name] = getattr(ran, name)
@@ -149,7 +155,8 @@ class FusedKnobs:
     def from_row(cls, row: dict) -> FusedKnobs:
         """The knobs of a results row's fused plan (the fields `describe` wrote): they build that plan
         again with the row's pass, policy and grid."""
-        names = ("assign", "raster", "claim", "ring_minibatches", "lookahead", "spread_from", "token_grads", "scale")
+        names = ("assign", "raster", "claim", "ring_minibatches", "lookahead", "spread_from", "token_grads", "scale",
+                 "segment_rows")
         return cls(row["comm_blocks"], row["minibatch_tokens"], **{k: row[k] for k in names if row.get(k) is not None})
 
     @classmethod

@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--claim", default=None,
                     help=f"with --fused: tile pairs claimed at run time, an int >= 0, {' or '.join(plans.CLAIMS)} "
                          f"(default {fused['fwd']['claim']} forward, {fused['bwd']['claim']} backward)")
+    ap.add_argument("--segment-rows", type=int, default=None,
+                    help=f"with --fused: the expert segments' padding, a multiple of {plans.BM} (default "
+                         f"{plans.SEGMENT_ROWS}: plan.SEGMENT_ROWS, the GPU layer's; another: a what-if)")
     ap.add_argument("--link-gbps", default=None, metavar="G[,G...]",
                     help="a link's rate per direction, GB/s. Without --sequential, --fused, --vs-sequential: "
                          "bench_layer.py --link-gbps's emulation (one GPU, default h200; one EP=--ep rank's share on 2 "
@@ -133,7 +136,8 @@ def _emulation(args, given: set) -> int:
     if "gpu" not in given:
         args.gpu = "h200"  # the GPU bench_layer runs on
     gpu, knobs = get_params(args.gpu), plans.FusedKnobs(args.comm_sms, args.minibatch, assign=args.assign,
-                                                         raster=args.raster, claim=args.claim)
+                                                         raster=args.raster, claim=args.claim,
+                                                         segment_rows=args.segment_rows)
     shape = ep_share(args.shape, args.ep)
     passes = [args.pass_] if "pass" in given else list(plans.PASSES)
     fused_knobs = {p: knobs.resolved(p, MOK_POLICY).describe(p, MOK_POLICY) for p in passes}  # (checks them)
@@ -177,8 +181,9 @@ def _settings(args, given: set, plan: str, policy: dict) -> str:
         out += [item("comm-sms", args.comm_sms), item("minibatch", args.minibatch)]
     if plan == "fused":
         resolved = plans.FusedKnobs(args.comm_sms, args.minibatch, assign=args.assign, raster=args.raster,
-                                    claim=args.claim).resolved(args.pass_, policy)
+                                    claim=args.claim, segment_rows=args.segment_rows).resolved(args.pass_, policy)
         out += [item(k, getattr(resolved, k)) for k in ("assign", "raster", "claim")]
+        out.append(item("segment-rows", resolved.segment_rows))
     return "# " + ", ".join(out)
 
 
@@ -209,8 +214,9 @@ def main(argv=None) -> int:
         emulation = args.link_gbps is not None and not (args.sequential or args.fused or args.vs_sequential)
         if args.sequential and args.fused:
             raise ValueError("--sequential and --fused name two plans: give one")
-        if args.claim is not None and not (args.fused or emulation):
-            raise ValueError("--claim applies to the megakernel's plan: add --fused")
+        for flag, value in (("--claim", args.claim), ("--segment-rows", args.segment_rows)):
+            if value is not None and not (args.fused or emulation):
+                raise ValueError(f"{flag} applies to the megakernel's plan: add --fused")
         if args.vs_sequential and args.sequential:
             raise ValueError("--vs-sequential compares another plan with the sequential one: drop --sequential")
         plan = "sequential" if args.sequential else "fused" if args.fused else "fixed_split"
@@ -241,7 +247,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         # Under a skewed routing the plans hold its largest rank's padded rows (not the uniform default).
         need = None if args.routing.is_uniform else int(
-            spec_load(shape, args.ep, args.routing, align=plans.SEGMENT_ROWS).expert_offsets[:, -1].max())
+            spec_load(shape, args.ep, args.routing, align=args.segment_rows or plans.SEGMENT_ROWS)
+            .expert_offsets[:, -1].max())
         capacity = lambda rows: None if need is None else -(-need // rows) * rows  # noqa: E731
 
         def sequential_plan():
@@ -257,7 +264,7 @@ def main(argv=None) -> int:
         elif args.fused:
             make = plans.fused_forward if args.pass_ == "fwd" else plans.fused_backward
             knobs = plans.FusedKnobs(args.comm_sms, args.minibatch, assign=args.assign, raster=args.raster,
-                                     claim=args.claim)
+                                     claim=args.claim, segment_rows=args.segment_rows)
             p = make(shape, args.ep, knobs, policy=policy, num_sms=gpu.num_sms - gpu.num_sms % 2,
                      capacity_rows=capacity(knobs.minibatch_rows))
         else:

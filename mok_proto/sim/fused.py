@@ -39,7 +39,8 @@ from mok_proto.link import LinkModel
 from mok_proto.plan import BM, SEGMENT_ROWS, TaskKind
 from mok_proto.routing import UNIFORM, RoutingSpec
 from mok_proto.sim import layer
-from mok_proto.sim.model import ELEM_BYTES, MOVER_KIND_IDS, SimResult, fused_chunk_rows, simulate, token_task_bytes
+from mok_proto.sim.model import (ELEM_BYTES, MOVER_KIND_IDS, SimResult, fused_chunk_rows, plan_align, simulate,
+                                 token_task_bytes)
 from mok_proto.sim.params import GpuParams, kernel_of, spare_warps_spun
 
 EP = layer.EP  # bench_layer emulates one rank of EP=64
@@ -54,9 +55,11 @@ FUSED_CALIBRATION = {
 }
 
 
-def emulated_load(shape: MoEShape, seed: int = 0, routing: RoutingSpec = UNIFORM, ep: int = EP):
-    """sim/layer.py's emulated load with the fused kernel's padding (SEGMENT_ROWS)."""
-    return layer.emulated_load(shape, seed, align=SEGMENT_ROWS, routing=routing, ep=ep)
+def emulated_load(shape: MoEShape, seed: int = 0, routing: RoutingSpec = UNIFORM, ep: int = EP,
+                  align: int | None = None):
+    """sim/layer.py's emulated load with a fused plan's padding (align: model.plan_align of the
+    plan; None: SEGMENT_ROWS, the GPU layer's)."""
+    return layer.emulated_load(shape, seed, align=align or SEGMENT_ROWS, routing=routing, ep=ep)
 
 
 def _fused_plan(pass_: str, shape: MoEShape, num_ranks: int, knobs: plans.FusedKnobs, policy: tuple, num_sms: int,
@@ -118,7 +121,8 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     gemm_blocks = records["block"][~comm & ~pooled] if (~comm & ~pooled).any() else records["block"][~comm]
     comm_blocks = int(gemm_blocks.min()) // 2 * 2
     fields = dict(policy=policy, num_sms=int(records["block"].max()) + 1, capacity_rows=num_mb * minibatch_rows)
-    knobs = dict(comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, claim=int(pooled.sum()) // 2)
+    knobs = dict(comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, claim=int(pooled.sum()) // 2,
+                 segment_rows=(prefer or {}).get("segment_rows"))
     spread = outgoing & (records["block"] >= comm_blocks) if comm_blocks else np.zeros_like(outgoing)
     if spread.any():  # outgoing chunks on compute CTAs: the spread minibatches (plan spread_from)
         knobs["spread_from"] = int(records["minibatch"][spread].min())
@@ -230,7 +234,7 @@ def _fit_dispatch(entry: dict, mover: str) -> tuple[tuple[float, float], int]:
     if mover == "spare" and spare_warps_spun(entry, plan.comm_blocks, plan.spread_from):
         raise ValueError(f"{path.name}: its kernel ran the {kernel['wait_spin']} spin, "
                          "but the spare warps' calibration needs one whose counter waits back off")
-    _, used = fused_chunk_rows(plan, emulated_load(shape))
+    _, used = fused_chunk_rows(plan, emulated_load(shape, align=plan_align(plan)))
     sel = records["kind"] == int(TaskKind.DISPATCH)
     rows = used[records["minibatch"][sel], records["row_tile"][sel], 0].astype(np.float64)
     dur = records["end_ns"][sel] - records["start_ns"][sel]
@@ -256,7 +260,7 @@ def simulate_timeline(records: np.ndarray, shape: MoEShape, gpu: GpuParams,
     (GpuParams.recorded_at); None: gpu's own."""
     plan = timeline_plan(records, shape, prefer=kernel)
     gpu = gpu if kernel is None else gpu.recorded_at(kernel)
-    return plan, simulate(plan, layer.one_gpu(gpu), emulated_load(shape))
+    return plan, simulate(plan, layer.one_gpu(gpu), emulated_load(shape, align=plan_align(plan)))
 
 
 def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: int, num_sms: int,
@@ -291,7 +295,8 @@ def fused_pass_ns(shape: MoEShape, gpu: GpuParams, pass_: str, knobs: plans.Fuse
                 outside += schedule.signals * link.latency_ns
         if len(_PASS_NS) >= 512:
             _PASS_NS.clear()
-        _PASS_NS[key] = outside + simulate(plan, one, emulated_load(shape, routing=routing, ep=ep), link=link).time_ns
+        load = emulated_load(shape, routing=routing, ep=ep, align=plan_align(plan))
+        _PASS_NS[key] = outside + simulate(plan, one, load, link=link).time_ns
     return _PASS_NS[key]
 
 

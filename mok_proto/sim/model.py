@@ -83,12 +83,12 @@ def is_fused(plan: Plan) -> bool:
 
 
 def plan_align(plan: Plan) -> int:
-    """Rows an expert segment is padded to for this plan: a fused plan's SEGMENT_ROWS (the GPU
-    layer's align), else one row tile (BM). The GPU layer pads its sequential pass to SEGMENT_ROWS
-    too (its standalone GEMMs run whole tile pairs), but the sequential model keeps BM: padding it
-    to SEGMENT_ROWS moves two shapes' predictions without fitting the measured stages better
-    (docs/LOG.md)."""
-    return SEGMENT_ROWS if is_fused(plan) else BM
+    """Rows an expert segment is padded to for this plan: a fused plan's segment rule (its knobs'
+    segment_rows: the GPU layer's SEGMENT_ROWS unless a what-if or an older measurement says
+    otherwise), else one row tile (BM). The sequential model keeps BM whatever the GPU layer pads
+    its sequential pass to (docs/LOG.md: padding it moved two shapes' predictions without fitting
+    the measured stages better)."""
+    return (plan.knobs.segment_rows or SEGMENT_ROWS) if is_fused(plan) else BM
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import gpu_program
 from check_gpu_layer import blob, check_against_reference, run_once
 from mok_proto.config import MoEShape, RunConfig
 from mok_proto.layer.gpu import GpuMoELayer
-from mok_proto.plan import SEGMENT_ROWS, FusedKnobs
+from mok_proto.plan import PAIR_ROWS, SEGMENT_ROWS, FusedKnobs
 from mok_proto.problem import make_problem
 
 RANK0_ROWS = 2048
@@ -83,8 +83,8 @@ def main():
                     assert blob(run_once(layer, heap, backward, poison=False)) == first, f"ring {ring}: backward {replay}"
                 for policy in policies:  # the fused passes, once a turn: the same bits
                     layer.policy = dict(policy)
-                    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, SEGMENT_ROWS)))
-                    layer.set_backward_plan(layer.fused_backward_plan(FusedKnobs(0, SEGMENT_ROWS)))
+                    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, PAIR_ROWS)))
+                    layer.set_backward_plan(layer.fused_backward_plan(FusedKnobs(0, PAIR_ROWS)))
                     assert not layer.fused_bwd.plan.scale and not layer.fused_bwd.plan.token_grads
                     assert blob(run_once(layer, heap)) == first, f"ring {ring}, fused, {policy}: differs from one turn"
                 layer.set_forward_plan(None)

@@ -87,18 +87,18 @@ OVERFLOW_SEED = 3
 
 def overflow_case(num_ranks: int, name: str = "overflow") -> dict:
     """The overflow check's setup (no GPU needed): small_problem with every token's first choice
-    on expert 0 (rank 0) and N R > 256 tokens, so expert 0 alone needs two 256-row pairs (the
-    layer pads each expert to PAIR_ROWS), and the capacity of the largest other rank: rank 0
+    on expert 0 (rank 0) and N R > SEGMENT_ROWS tokens, so expert 0 alone needs two segments (the
+    layer pads each expert to SEGMENT_ROWS), and the capacity of the largest other rank: rank 0
     overflows, no other rank does. {"tokens", "capacity", "need": receive rows per rank as the
     schedule places them, "unplaced": per rank, its slots routed to rank 0 (they get no row)}."""
     import numpy as np
 
-    from mok_proto.plan import PAIR_ROWS
+    from mok_proto.plan import SEGMENT_ROWS
     from mok_proto.schedule import build_pull_schedule
 
-    tokens = PAIR_ROWS // num_ranks + 8
+    tokens = SEGMENT_ROWS // num_ranks + 8
     shape, prob = small_problem(num_ranks, name, OVERFLOW_SEED, tokens, routing="one-expert")
-    need = [build_pull_schedule(prob.topk_idx, shape.num_experts, r, align=PAIR_ROWS).num_slots
+    need = [build_pull_schedule(prob.topk_idx, shape.num_experts, r, align=SEGMENT_ROWS).num_slots
             for r in range(num_ranks)]
     capacity = max(need[1:]) if num_ranks > 1 else need[0] - 1
     assert need[0] > capacity >= max(need[1:], default=0), (need, capacity)
