@@ -82,15 +82,15 @@ def test_layer_with_a_link_is_bitwise_the_plain_layer(cupy):
 
 
 def test_no_fused_chunk_ends_before_its_budget(cupy):
-    from mok_proto.plan import PAIR_ROWS, TaskKind
+    from mok_proto.plan import SEGMENT_ROWS, TaskKind
     from mok_proto.problem import make_problem
     from mok_proto.schedule import build_pull_schedule
 
     link = LinkModel(0.25, latency_us=1.0, every_row=True)  # slow, every row pays: budgets far above copy times
     _, (rows, plan) = _layer_results(link, fused=True, trace=True)
     prob = make_problem(plan.shape, 2, seed=5)
-    # rank 0's receive rows as the layer places them: each expert's segment padded to PAIR_ROWS
-    src_rank = build_pull_schedule(prob.topk_idx, plan.shape.num_experts, 0, align=PAIR_ROWS).src_rank
+    # rank 0's receive rows as the layer places them: each expert's segment padded to SEGMENT_ROWS
+    src_rank = build_pull_schedule(prob.topk_idx, plan.shape.num_experts, 0, align=SEGMENT_ROWS).src_rank
     row_bytes = 2 * plan.shape.hidden
     chunks = rows[rows["kind"] == int(TaskKind.DISPATCH)]
     assert len(chunks)

@@ -12,6 +12,7 @@ from mok_proto import plan as P
 from mok_proto.config import MOK_POLICY, MoEShape, RunConfig, ep_share, get_shape
 from mok_proto.layer import cpu, gpu, gpu_base
 from mok_proto.plan import cost, knobs
+from mok_proto.layer.layout import whole_ring
 from mok_proto.schedule import max_receive_slots
 from mok_proto.sim import fused as sim_fused
 from mok_proto.sim import layer as sim_layer
@@ -180,3 +181,37 @@ def test_the_gpu_fused_cases_run_pairs_of_two_experts():
             shape = MoEShape("case", hidden=h, ffn=i, num_experts=e, top_k=k, num_tokens=n, num_shared=shared)
             seen |= _pair_kinds(make_problem(shape, num_ranks, seed=11 + case_id, routing=routing).topk_idx, e)
     assert {"one", "two", "tail"} <= seen, seen
+
+
+def test_every_setting_of_the_fused_checks_builds_its_plan():
+    """Every forward and backward knob setting of tests/mpi_programs/check_fused_layer.py builds its
+    plan for every case on 1, 2, 4, 8 ranks under MoK's policy, with the capacity the layer gives
+    them (the worst case in whole segments): a setting the segment rule makes impossible (too few
+    minibatches for its lookahead, a claim past the pairs) fails here, not on the GPU."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    programs = Path(__file__).parent / "mpi_programs"
+    sys.path.insert(0, str(programs))
+    try:
+        spec = importlib.util.spec_from_file_location("check_fused_layer", programs / "check_fused_layer.py")
+        cases = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cases)
+    finally:
+        sys.path.remove(str(programs))
+    built = 0
+    for num_ranks in (1, 2, 4, 8):
+        num_sms = 2 * max(1, 66 // num_ranks)  # an H100's resident clusters, shared by the launch ranks
+        for h, i, e, k, n, shared, _ in cases.CASES.values():
+            run = RunConfig(MoEShape("case", hidden=h, ffn=i, num_experts=e, top_k=k, num_tokens=n, num_shared=shared),
+                            num_ranks)
+            rows = whole_ring(max_receive_slots(n, k, num_ranks, e // num_ranks, S))
+            for comm, minibatch, ring, lookahead, more in cases.knob_settings(num_sms):
+                knobs = P.FusedKnobs(comm, minibatch, ring_minibatches=ring, lookahead=lookahead, **more)
+                gpu.fused_plan("fwd", run, rows, MOK_POLICY, knobs, num_sms)
+                built += 1
+            for comm, minibatch, more in cases.BACKWARD_KNOBS:
+                gpu.fused_plan("bwd", run, rows, MOK_POLICY, P.FusedKnobs(comm, minibatch, **more), num_sms)
+                built += 1
+    assert built == 4 * len(cases.CASES) * (len(cases.knob_settings(8)) + len(cases.BACKWARD_KNOBS))

@@ -64,7 +64,7 @@ def knob_settings(max_ctas: int):
     (tile pairs claimed at run time))."""
     big = min(32, max_ctas - 2)
     return [(0, 256, None, 1, {"claim": 0}), (2, 256, None, 0, {}), (8, 768, None, 1, {"spread_from": 0}),
-            (big, 512, None, 2, {"raster": "col"}), (0, 512, None, 0, {"raster": "col"}), (2, 256, 2, 1, {}),
+            (big, 256, None, 2, {"raster": "col"}), (0, 512, None, 0, {"raster": "col"}), (2, 256, 2, 1, {}),
             (0, 256, 1, 0, {}), (2, 256, 2, 1, {"spread_from": 0}), (0, 256, None, 1, {"claim": 5}),
             (2, 256, 2, 1, {"claim": "all"})]
 
