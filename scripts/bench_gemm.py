@@ -19,7 +19,7 @@ listed), 2 on a machine without a GPU, CuPy or torch (one line says which).
 Results: JSON lines appended to results/bench_gemm.jsonl.
 
 --precision fp8 (mok_proto.bench.gemm_fp8_problems, gemm_fp8_rows): the same loads, each expert's
-rows at a multiple of 256 as in the layer. Per problem, in one run, interleaved (each iteration
+rows at a multiple of plan.SEGMENT_ROWS (128) as in the layer. Per problem, in one run, interleaved (each iteration
 runs all three, the first one moving along, each after the flush and the sleep): our FP8 GEMM
 (block-scaled e4m3), our BF16 GEMM on the same bf16 values, and torch._scaled_grouped_mm on
 row-wise e4m3 operands quantized from them (what torch offers on sm_90; bf16 out, no fast

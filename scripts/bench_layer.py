@@ -85,7 +85,7 @@ from mok_proto.bench.layer_run import run_shape
 from mok_proto.bench.settings import DEFAULT_FUSED, SCALE, SWEEP, TOKEN_GRADS, direction_policies, parse_settings
 from mok_proto.config import PAPER_SHAPES, PRECISIONS
 from mok_proto.link import DEFAULT_LATENCY_US, LinkModel
-from mok_proto.plan import ASSIGNMENTS, RASTERS, FusedKnobs
+from mok_proto.plan import ASSIGNMENTS, RASTERS, SEGMENT_ROWS, FusedKnobs
 
 
 def parse_args(argv=None):
@@ -128,8 +128,8 @@ def parse_args(argv=None):
                         "gzipped with its row in the index there")
     add_routing_option(p, "rank 0 the timed rank of EP=64")
     p.add_argument("--macrobatch-rows", default=None, metavar="M|Fx",
-                   help="the layer's ring: M receive rows (a multiple of 256), or F x rank 0's received rows "
-                        "(e.g. 0.25x, rounded down to whole 256-row segments); default: a ring that holds every row. "
+                   help=f"the layer's ring: M receive rows (a multiple of {SEGMENT_ROWS}), or F x rank 0's received rows "
+                        f"(e.g. 0.25x, rounded down to whole {SEGMENT_ROWS}-row segments); default: a ring that holds every row. "
                         "With several turns the backward replays the forward of the turns it did not keep "
                         "(rows: replay_ms); the fused backward then runs its scale and token gradients outside "
                         "the kernel")
