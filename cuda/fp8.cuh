@@ -17,14 +17,34 @@
 // Shapes are the wrapper's business (mok_proto/kernels/fp8.py): rows, cols multiples of B (the
 // transposed row kernel: rows only), 16-byte aligned rows; segments start at multiples of B.
 //
-// Legend: B = kQuantBlock (128). Every division is IEEE (__fdiv_rn): no fast-math path may change
-// a code. amax reductions may run in any order (max is exact); fmaxf skips NaN as the rule does.
+// Legend: B = kQuantBlock (128). Every operation on a value is IEEE with subnormals kept (keep_div,
+// keep_mul, keep_max, keep_abs: PTX without .ftz): CuPy compiles every module with -ftz=true after
+// our options, which would flush the subnormals the rule quantizes. amax reductions may run in any
+// order (max is exact); keep_max skips NaN as the rule does.
 #pragma once
 #include "common.cuh"
 
 namespace mok::fp8 {
 
 constexpr int kWarps = kQuantThreads / 32;
+
+__device__ __forceinline__ float keep_div(float a, float b) {
+  float r;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float keep_mul(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+// The larger of a and b; the other where one is NaN (as fmaxf).
+__device__ __forceinline__ float keep_max(float a, float b) {
+  float r;
+  asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float keep_abs(float a) { return __uint_as_float(__float_as_uint(a) & 0x7FFFFFFFu); }
 
 // Four e4m3 codes, a in the lowest byte. cvt.rn.satfinite (PTX ISA, cvt): round to nearest even,
 // |value| beyond 448 (infinities included) gives sign-preserved 448, subnormal inputs and results
@@ -65,21 +85,21 @@ __device__ __forceinline__ float pow2_scale(float amax) {
 // the power of two above.
 __device__ __forceinline__ float block_scale(float amax, bool pow2) {
   if (pow2) return pow2_scale(amax);
-  const float s = __fdiv_rn(amax, static_cast<float>(kE4m3Max));
-  return s == 0.0f ? 1.0f : s;
+  const float s = keep_div(amax, static_cast<float>(kE4m3Max));
+  return __float_as_uint(s) == 0u ? 1.0f : s;  // (by its bits: a flushing compare calls a subnormal 0)
 }
 
 __device__ __forceinline__ u32 quantize4(const float (&v)[4], float scale) {
-  return e4m3x4(__fdiv_rn(v[0], scale), __fdiv_rn(v[1], scale), __fdiv_rn(v[2], scale), __fdiv_rn(v[3], scale));
+  return e4m3x4(keep_div(v[0], scale), keep_div(v[1], scale), keep_div(v[2], scale), keep_div(v[3], scale));
 }
 
 __device__ __forceinline__ float amax4(float m, const float (&v)[4]) {
-  return fmaxf(fmaxf(m, fmaxf(fabsf(v[0]), fabsf(v[1]))), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  return keep_max(keep_max(m, keep_max(keep_abs(v[0]), keep_abs(v[1]))), keep_max(keep_abs(v[2]), keep_abs(v[3])));
 }
 
 __device__ __forceinline__ float warp_max(float m) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  for (int off = 16; off > 0; off >>= 1) m = keep_max(m, __shfl_xor_sync(0xffffffffu, m, off));
   return m;
 }
 
@@ -99,7 +119,7 @@ __device__ __forceinline__ float load1(const unsigned short* p) { return bf16_lo
 __device__ __forceinline__ float decode_e4m3(u32 code) {
   const u32 sign = (code & 0x80u) << 24, exp = (code >> 3) & 0xFu, man = code & 0x7u;
   if (exp == 0xFu && man == 0x7u) return __uint_as_float(0x7FC00000u);
-  const float mag = exp == 0u ? static_cast<float>(man) * 0x1p-9f  // subnormal: man * 2^-9
+  const float mag = exp == 0u ? keep_mul(static_cast<float>(man), 0x1p-9f)  // subnormal: man * 2^-9
                               : __uint_as_float(((exp + 120u) << 23) | (man << 20));  // (1 + man/8) 2^(exp-7)
   return __uint_as_float(__float_as_uint(mag) | sign);
 }
@@ -118,7 +138,7 @@ struct Source<unsigned char> {
   const float* scales;  // [rows, cols / B]
   i64 cols;
   __device__ __forceinline__ float at(i64 row, i64 col) const {
-    return __fmul_rn(decode_e4m3(x[row * cols + col]), scales[row * (cols / kQuantBlock) + col / kQuantBlock]);
+    return keep_mul(decode_e4m3(x[row * cols + col]), scales[row * (cols / kQuantBlock) + col / kQuantBlock]);
   }
 };
 template <typename In>
@@ -164,13 +184,13 @@ __device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, Sou
   for (int r = warp; r < kQuantBlock; r += kWarps) {
     const float v = live && r < live_rows ? src.at(row0 + r, col0 + lane) : 0.0f;
     tile[lane][r] = v;
-    m = fmaxf(m, fabsf(v));
+    m = keep_max(m, keep_abs(v));
   }
   partial[warp][lane] = m;
   __syncthreads();
   if (warp == 0) {
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) m = fmaxf(m, partial[w][lane]);
+    for (int w = 1; w < kWarps; ++w) m = keep_max(m, partial[w][lane]);
     const float scale = block_scale(m, p->pow2 != 0);
     col_scale[lane] = scale;
     if (live) reinterpret_cast<float*>(p->scales)[(col0 + lane) * (rows / kQuantBlock) + row0 / kQuantBlock] = scale;
@@ -251,7 +271,7 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_blocks(const QuantPara
   if (lane == 0) partial[warp] = m;
   __syncthreads();
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, partial[w]);
+  for (int w = 0; w < kWarps; ++w) m = keep_max(m, partial[w]);
   const float scale = block_scale(m, p->pow2 != 0);
   const i64 row_blocks = rows / kQuantBlock, col_blocks = cols / kQuantBlock;
   if (threadIdx.x == 0) {

@@ -311,9 +311,10 @@ __device__ __forceinline__ void store_h_codes(const Fp8GemmParams* p, const Tile
   for (int rh = 0; rh < 2; ++rh) {
     float amax = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fmaxf(fabsf(acc[4 * j + 2 * rh]), fabsf(acc[4 * j + 2 * rh + 1])));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    for (int j = 0; j < 16; ++j)
+      amax = fp8::keep_max(amax, fp8::keep_max(fp8::keep_abs(acc[4 * j + 2 * rh]), fp8::keep_abs(acc[4 * j + 2 * rh + 1])));
+    amax = fp8::keep_max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fp8::keep_max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     const float scale = fp8::block_scale(amax, p->pow2 != 0);
     const int r = (lane >> 2) + 8 * rh;
 #pragma unroll

@@ -28,6 +28,11 @@ def test_overlap_ceiling_counts_gemm_and_outside_stages():
     assert overlap.overlap_ceiling(fwd, "fwd") == pytest.approx(3.0 / 2.7)
     with pytest.raises(KeyError):  # a stage the layer no longer marks: the bench fails loudly, not silently
         overlap.overlap_ceiling({k: v for k, v in fwd.items() if k != "weighted_sum"}, "fwd")
+    # through a ring of turns each turn is one stage (transfers and GEMMs): no ceiling from them
+    ring = {"schedule": 0.1, "shared": 0.3, "turns": 2.5, "weighted_sum": 0.1, "total": 3.0}
+    assert overlap.overlap_ceiling(ring, "fwd") is None
+    assert overlap.overlap_ceiling({"shared": 1.0, "replay.1": 1.0, "turn.0": 3.0, "turn.1": 3.0,
+                                    "token_grads": 0.5, "total": 9.0}, "bwd") is None
 
 
 def test_direction_policies():

@@ -132,3 +132,20 @@ def test_linked_movers_of_two_ranks_fit_an_sm_together(tmp_path):
         regs[name] = int(used)
     movers = {n: r for n, r in regs.items() if re.search(r"(dispatch|combine)_(pull|push)", n)}
     assert len(movers) == 8 and max(movers.values()) <= 65536 // (8 * abi.CONST["kCommThreads"]), movers
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
+def test_the_quantizers_keep_subnormals_under_ftz(tmp_path):
+    """CuPy compiles every module with -ftz=true after our options (a later -ftz wins), which turns
+    C++ float operations into their flushing PTX forms; the quantization rule keeps float32
+    subnormals. Compiled so, no instruction of a quantizer kernel (cuda/fp8.cuh) flushes."""
+    src = tmp_path / "fp8.cu"
+    src.write_text(build.MODULES["fp8.cuh"].instantiation_source())
+    ptx = tmp_path / "fp8.ptx"
+    proc = subprocess.run([NVCC, *build.CXX_OPTIONS, "-ftz=true", "-arch=sm_90a", f"-I{build.CUDA_DIR}", "-ptx",
+                           str(src), "-o", str(ptx)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    kernels = ptx.read_text().split(".entry ")[1:]
+    assert len(kernels) >= 10  # the row, block and segment quantizers of each input type
+    flushing = {k.split("(")[0]: sorted(set(re.findall(r"\b\w+(?:\.\w+)*\.ftz\b(?:\.\w+)*", k))) for k in kernels}
+    assert not any(flushing.values()), {k: v for k, v in flushing.items() if v}

@@ -145,7 +145,8 @@ def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UN
             f"{tflops(flops[pass_], best['retimed_median_ms']):>9.0f}{speedup:>8.2f}{x_torch.value:>5.1f}"
             f"{str(best['bitwise_repeat']):>8}{sched_ms:>9.3f}{'':>9}{'':>7}  fused: comm={best['comm_blocks']} "
             f"minibatch={best['minibatch_tokens']} claim={best['claim_pairs']}, x sequential "
-            f"{best['retimed_speedup_vs_sequential']:.2f} (bar {x_seq.value:g}; ceiling {ceiling:.2f}), equal to "
+            f"{best['retimed_speedup_vs_sequential']:.2f} (bar {x_seq.value:g}; ceiling "
+            f"{'n/a: a ring of turns' if ceiling is None else f'{ceiling:.2f}'}), equal to "
             f"sequential: {all(r['equal_to_sequential'] for r in rows)}")
     return out
 

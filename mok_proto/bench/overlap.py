@@ -12,11 +12,14 @@ GEMM_STAGES = {"fwd": ("shared", "experts"), "bwd": ("shared", "experts", "wgrad
 OUTSIDE_STAGES = {"fwd": ("schedule", "weighted_sum"), "bwd": ("scale", "token_grads")}
 
 
-def overlap_ceiling(stages: dict, pass_: str, inside=()) -> float:
+def overlap_ceiling(stages: dict, pass_: str, inside=()) -> float | None:
     """Upper estimate of a fused pass's speed-up over sequential (see GEMM_STAGES); `inside`: the
     OUTSIDE_STAGES a backward plan runs inside its kernel (plan.scale: "scale", plan.token_grads:
-    "token_grads"), which it may hide too."""
+    "token_grads"), which it may hide too. None for a pass through a ring of several turns: its
+    stages are the turns (layer/gpu_ring.py), each transfers and GEMMs together."""
     outside = tuple(k for k in OUTSIDE_STAGES[pass_] if k not in inside)
+    if any(k not in stages for k in GEMM_STAGES[pass_]):
+        return None
     return stages["total"] / sum(stages[k] for k in GEMM_STAGES[pass_] + outside)
 
 
