@@ -98,19 +98,19 @@ LAYER_CALIBRATION = {
 
 
 def compared_rows(results_dir=results.RESULTS_DIR, bench: str = "bench_layer") -> list[dict]:
-    """bench_layer's rows (bench: its results file's name) the simulator compares with: those under
-    MoK's transfer directions (a row with another `policy` is not) and uniform routing (a row
-    without `routing` is), of runs not marked `sim_left_out` (a field that says why), by time."""
+    """bench_layer's rows (bench: its results file's name) the simulator compares with: those measured
+    on an H200 (the h200 parameters' GPU; a row without `gpu` counts as one), under MoK's transfer
+    directions (a row with another `policy` is not) and uniform routing (a row without `routing`
+    is), of runs not marked `sim_left_out` (a field that says why), by time."""
     return [r for r in results.load(bench, results_dir)
-            if "sim_left_out" not in r and r.get("policy", MOK_POLICY) == MOK_POLICY
-            and r.get("routing", str(UNIFORM)) == str(UNIFORM)]
+            if "sim_left_out" not in r and "H200" in r.get("gpu", "H200")
+            and r.get("policy", MOK_POLICY) == MOK_POLICY and r.get("routing", str(UNIFORM)) == str(UNIFORM)]
 
 
 def link_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
     """bench_layer.py --link-gbps's rows (results/<LINK_RESULTS>.jsonl) the simulator compares with:
-    `compared_rows` measured on an H200 (the h200 parameters' GPU; a row without `gpu` counts as
-    one), the newest run of each shape and link."""
-    rows = [r for r in compared_rows(results_dir, LINK_RESULTS) if "H200" in r.get("gpu", "H200")]
+    `compared_rows`, the newest run of each shape and link."""
+    rows = compared_rows(results_dir, LINK_RESULTS)
     return results.newest(rows, group_by=("shape", "link_gbps", "link_latency_us", "link_every_row"))
 
 
