@@ -115,7 +115,8 @@ static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block ma
 // Producer: one stage's codes (lane 0 of warp 0, TMA) and scales (every lane of warp 0)
 // ---------------------------------------------------------------------------------------------
 // A [128 rows x 128 k] into this CTA; B half `cta` [128 rows x 128 k] into both CTAs of the
-// cluster (the partner loads the other half). Row problems: B is expert `group`'s [N, K] matrix
+// cluster (the partner loads the other half). Always by multicast: the standalone scheduler's pairs
+// are one expert's (gemm::tile_of; Tile.multicast is a fused kernel's case). Row problems: B is expert `group`'s [N, K] matrix
 // (rows group * N + n), dual (kGateUp): half h is matrix h at the tile's 128 columns. Weight
 // gradients: A = X^T [M, rows], B = Y^T [N, rows] at k = the expert's rows row0 + k0 ..
 template <int kP>

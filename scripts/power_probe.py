@@ -37,7 +37,7 @@ import time
 
 from mok_proto.bench.cli import parser
 from mok_proto.config import PAPER_SHAPES
-from mok_proto.plan import FusedKnobs
+from mok_proto.plan import SEGMENT_ROWS, FusedKnobs
 
 
 def main():
@@ -94,7 +94,8 @@ def main():
         ph["energy_mj"] = ph["power_w"] * ph["median_ms"]
         append_result("power_probe", {"shape": ph["shape"], "pass": ph["pass_"], "schedule": ph["schedule"],
                                       "phase": ph["phase"], "comm_blocks": args.comm,
-                                      "minibatch_tokens": args.minibatch, "assign": ph["assign"],
+                                      "minibatch_tokens": args.minibatch, "segment_rows": SEGMENT_ROWS,
+                                      "assign": ph["assign"],
                                       "raster": ph["raster"], "claim_pairs": ph["claim_pairs"], "secs": args.secs,
                                       **{k: ph[k] for k in ("median_ms", "iters", "sm_mhz", "power_w", "energy_mj",
                                                             "power_capped", "samples")}})

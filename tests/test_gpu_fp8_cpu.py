@@ -355,11 +355,12 @@ def _mirror_layer(x_order: str = "deq"):
     from mok_proto import fp8, reference_fp8
     from mok_proto.problem import make_problem
     from mok_proto.reference import from_bf16, to_bf16
+    from mok_proto.plan import SEGMENT_ROWS
     from mok_proto.schedule import build_pull_schedule
 
     shape = MoEShape("mirror", hidden=256, ffn=256, num_experts=4, top_k=2, num_tokens=200, num_shared=0)
     prob = make_problem(shape, 1, seed=3, routing="one-expert")  # expert 0: 200 rows, two 128-row blocks
-    sched = build_pull_schedule(prob.topk_idx, 4, 0, align=256)
+    sched = build_pull_schedule(prob.topk_idx, 4, 0, align=SEGMENT_ROWS)  # the device's receive layout
     el, rows, k = 4, sched.num_slots, shape.top_k
     x = reference_fp8.round_bf16(prob.x[0])
     w = {key: reference_fp8.round_bf16(prob.weights[key]) for key in ("w_gate", "w_up", "w_down")}

@@ -215,3 +215,60 @@ def test_every_setting_of_the_fused_checks_builds_its_plan():
                 gpu.fused_plan("bwd", run, rows, MOK_POLICY, P.FusedKnobs(comm, minibatch, **more), num_sms)
                 built += 1
     assert built == 4 * len(cases.CASES) * (len(cases.knob_settings(8)) + len(cases.BACKWARD_KNOBS))
+
+
+def test_the_fused_launch_refuses_a_minibatch_of_part_of_a_pair():
+    """A plan whose minibatches are not whole tile pairs (built around FusedKnobs' check) is refused
+    before anything reaches the GPU: the kernel's ring shift and tile pairs assume whole pairs."""
+    import dataclasses
+
+    from mok_proto.kernels.fused import FusedPass
+
+    plan = _fused_plan()
+    with pytest.raises(ValueError, match="whole tile pairs"):
+        FusedPass(dataclasses.replace(plan, minibatch_rows=plan.minibatch_rows + S), 2)
+
+
+def _turn_pair_kinds(offsets, counts, ring_rows: int) -> set:
+    """_pair_kinds of each turn's segments as cuda/comm.cuh turn_segments gives them (receive rows
+    [t M, (t + 1) M), each expert's part of them from ring row 0), as the fused kernel's tile_for
+    names them: "two" where a pair's tiles hold two experts' real rows."""
+    offsets, counts = np.asarray(offsets[:-1]), np.asarray(counts)
+    kinds = set()
+    for lo in range(0, int(offsets[-1] + counts[-1]), ring_rows):
+        a = np.maximum(lo, offsets)
+        b = np.minimum(lo + ring_rows, offsets + counts)
+        t_off, t_cnt = np.minimum(a, lo + ring_rows) - lo, np.maximum(b - a, 0)
+        end = int(t_off[-1] + t_cnt[-1])
+        for pair_row in range(0, end, P.PAIR_ROWS):
+            tiles = [r for r in (pair_row, pair_row + S) if r < end]
+            groups = {int(np.searchsorted(t_off, r, side="right") - 1) for r in tiles}
+            kinds.add("two" if len(groups) == 2 else "one")
+    return kinds
+
+
+def test_the_gpu_ring_check_runs_pairs_of_two_experts():
+    """tests/mpi_programs/check_gpu_ring.py's worst-case routing puts two experts into one tile pair
+    on rank 0, with every row in one turn and inside a turn of its quarter ring: the fused passes
+    once a turn exercise the loads without multicast on turn-relative segments."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from mok_proto.schedule import build_pull_schedule
+
+    programs = Path(__file__).parent / "mpi_programs"
+    sys.path.insert(0, str(programs))
+    try:
+        spec = importlib.util.spec_from_file_location("check_gpu_ring", programs / "check_gpu_ring.py")
+        ring = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ring)
+    finally:
+        sys.path.remove(str(programs))
+    for num_ranks in (2, 4, 8):
+        shape, prob = ring.worst_case_problem(num_ranks)
+        sched = build_pull_schedule(prob.topk_idx, shape.num_experts, 0, align=S)
+        assert sched.num_slots <= ring.RANK0_ROWS + 3 * S
+        for ring_rows in (sched.num_slots, ring.RANK0_ROWS // 4):
+            assert "two" in _turn_pair_kinds(sched.expert_offsets, sched.tokens_per_expert, ring_rows), \
+                (num_ranks, ring_rows)

@@ -203,7 +203,8 @@ def run_fused(ranks, prob, layer, args, jobs, row: dict) -> None:
             continue
         st, digests[label] = ranks.slowest({"run": got[0]})["run"], got[1]
         same = all(ranks.comm.allgather(digests[label] == mok))
-        row["ours"]["fused"][pass_].append({"comm_blocks": comm_blocks, "minibatch_rows": minibatch, **st,
+        row["ours"]["fused"][pass_].append({"comm_blocks": comm_blocks, "minibatch_rows": minibatch,
+                                            "segment_rows": plan.knobs.segment_rows, **st,
                                             "plan_wait_s": waited, "plan_tasks": len(plan.tasks),
                                             "num_sms": plan.num_sms, "equal_to_sequential": same})
         say(f"#   ours {label}: {st['median_ms']:.3f} ms (sequential {row['ours']['sequential'][pass_]['median_ms']:.3f}),"

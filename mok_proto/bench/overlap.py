@@ -18,7 +18,7 @@ def overlap_ceiling(stages: dict, pass_: str, inside=()) -> float | None:
     "token_grads"), which it may hide too. None for a pass through a ring of several turns: its
     stages are the turns (layer/gpu_ring.py), each transfers and GEMMs together."""
     outside = tuple(k for k in OUTSIDE_STAGES[pass_] if k not in inside)
-    if any(k not in stages for k in GEMM_STAGES[pass_]):
+    if "turns" in stages or any(k.startswith("turn.") for k in stages):
         return None
     return stages["total"] / sum(stages[k] for k in GEMM_STAGES[pass_] + outside)
 

@@ -87,9 +87,12 @@ class FusedPass:
     """One plan's device tables, counters and timeline for W launch ranks."""
 
     def __init__(self, plan, num_launch_ranks: int, link: bool = False):
-        import cupy
+        from mok_proto.plan import FUSED_STRATEGIES, PAIR_ROWS
 
-        from mok_proto.plan import FUSED_STRATEGIES
+        if plan.minibatch_rows % PAIR_ROWS:  # the kernel's ring shift and tile pairs assume whole pairs
+            raise ValueError(f"minibatch_rows {plan.minibatch_rows}: the fused kernel runs whole tile pairs of a "
+                             f"minibatch (a multiple of plan.PAIR_ROWS, {PAIR_ROWS})")
+        import cupy
 
         plan.check()
         if plan.strategy != FUSED_STRATEGIES.get(plan.pass_):

@@ -55,7 +55,7 @@ class FusedKnobs:
     token_grads: bool | None = None  # backward: the token gradients inside the kernel (None: if its outgoing is)
     scale: bool | None = None  # backward: dy_slots = w * dout inside the kernel (None: if its incoming is)
     # The expert segments' padding the plan's cost model assumes (None: SEGMENT_ROWS, the GPU layer's
-    # schedule; another multiple of BM only for the simulator's what-ifs and older measurements).
+    # schedule; another multiple of BM only for the simulator: a what-if, or a rule a results row recorded).
     segment_rows: int | None = None
 
     # The defaults that differ by pass, chosen on measurements (docs/LOG.md): balanced clusters in

@@ -264,10 +264,11 @@ def simulate_timeline(records: np.ndarray, shape: MoEShape, gpu: GpuParams,
 
 
 def pass_ns(shape: MoEShape, gpu: GpuParams, comm_blocks: int, minibatch_rows: int, num_sms: int,
-            claim=0) -> float:
+            claim=0, segment_rows: int | None = None) -> float:
     """The fused forward pass as bench_layer times it (`fused_pass_ns`, no link) with these knobs;
-    claim: the plan's (plan.FusedKnobs; 0: no pool, static tables)."""
-    return fused_pass_ns(shape, gpu, "fwd", plans.FusedKnobs(comm_blocks, minibatch_rows, claim=claim), num_sms)
+    claim, segment_rows: the plan's (plan.FusedKnobs; claim 0: no pool, static tables)."""
+    knobs = plans.FusedKnobs(comm_blocks, minibatch_rows, claim=claim, segment_rows=segment_rows)
+    return fused_pass_ns(shape, gpu, "fwd", knobs, num_sms)
 
 
 def fused_pass_ns(shape: MoEShape, gpu: GpuParams, pass_: str, knobs: plans.FusedKnobs, num_sms: int,
@@ -282,7 +283,7 @@ def fused_pass_ns(shape: MoEShape, gpu: GpuParams, pass_: str, knobs: plans.Fuse
     key = (shape, repr(gpu), pass_, knobs, num_sms, link, routing, ep)
     if key not in _PASS_NS:
         rows = knobs.minibatch_rows
-        wide, num, need = layer.emulation(shape, routing, 0, ep)
+        wide, num, need = layer.emulation(shape, routing, 0, ep, knobs.segment_rows)
         need = need or int(BENCH_CAPACITY * shape.num_tokens * shape.top_k)
         capacity = -(-need // rows) * rows
         plan = _fused_plan(pass_, wide, num, knobs, tuple(MOK_POLICY.items()), num_sms, capacity)
@@ -312,10 +313,10 @@ def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 12, 16), m
     are dropped, and so are points with communicating CTAs measured on the retired bulk-copy ring
     (comm_mover "bulk": not the kernel `gpu` simulates), points whose spare warps ran the retired
     acquire spin (params.spare_warps_spun), and points of another tile-pair order than the default
-    raster (the simulator prices both orders alike)."""
+    raster (the simulator prices both orders alike). The grid is simulated with the segment rule
+    those points ran with (their `segment_rows`; none: SEGMENT_ROWS)."""
     shape = ep_share(shape_name, EP)
     raster = plans.FusedKnobs.PASS_DEFAULTS["fwd"]["raster"]
-    sim_ms = np.array([[pass_ns(shape, gpu, c, m, gpu.num_sms) / 1e6 for m in minibatches] for c in comm_blocks])
     rows = []
     for mb_key, found in (("minibatch_tokens", layer.compared_rows(results_dir)),
                           ("minibatch_rows", results.load("sweep_overlap", results_dir))):
@@ -324,9 +325,12 @@ def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 12, 16), m
                  and not (r.get("comm_blocks") and kernel_of(r)["comm_mover"] == "bulk")
                  and not spare_warps_spun(r, r.get("comm_blocks"), r.get("spread_from"))
                  and r.get("raster", raster) == raster]
-    measured = {}
-    for r in results.newest(rows):
+    measured, newest = {}, results.newest(rows)
+    for r in newest:
         key = (r["comm_blocks"], r["minibatch"])
         if key[0] in comm_blocks and key[1] in minibatches:
             measured[key] = r["median_ms"]
+    rule = newest[0].get("segment_rows") if newest else None
+    sim_ms = np.array([[pass_ns(shape, gpu, c, m, gpu.num_sms, segment_rows=rule) / 1e6 for m in minibatches]
+                       for c in comm_blocks])
     return sim_ms, measured

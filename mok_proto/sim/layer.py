@@ -132,16 +132,16 @@ def one_gpu(gpu: GpuParams) -> GpuParams:
 
 @functools.lru_cache(maxsize=16)
 def emulation(shape: MoEShape, routing: RoutingSpec = UNIFORM, seed: int = 0,
-              ep: int = EP) -> tuple[MoEShape, int, int | None]:
+              ep: int = EP, align: int | None = None) -> tuple[MoEShape, int, int | None]:
     """bench_layer's emulation of `shape` (one EP=ep rank's share, ep_share: E' = 2 El) under
     `routing`: (its shape, E' = W El; its W virtual ranks; the receive rows its layer and plans are
-    sized for: the routing's largest padded need (SEGMENT_ROWS), None under uniform routing: the
-    plans' defaults, today's 2 ranks)."""
+    sized for: the routing's largest need, segments padded to `align` (None: SEGMENT_ROWS), None
+    under uniform routing: the plans' defaults, today's 2 ranks)."""
     if routing.is_uniform:
         return shape, EMULATED_RANKS, None
     topk = _emulated_topk(shape, routing, seed, ep)
     wide = dataclasses.replace(shape, num_experts=len(topk) * (shape.num_experts // EMULATED_RANKS))
-    need = load_from_topk(topk, wide.num_experts, SEGMENT_ROWS).expert_offsets[:, -1].max()
+    need = load_from_topk(topk, wide.num_experts, align or SEGMENT_ROWS).expert_offsets[:, -1].max()
     return wide, len(topk), int(need)
 
 

@@ -84,10 +84,8 @@ def is_fused(plan: Plan) -> bool:
 
 def plan_align(plan: Plan) -> int:
     """Rows an expert segment is padded to for this plan: a fused plan's segment rule (its knobs'
-    segment_rows: the GPU layer's SEGMENT_ROWS unless a what-if or an older measurement says
-    otherwise), else one row tile (BM). The sequential model keeps BM whatever the GPU layer pads
-    its sequential pass to (docs/LOG.md: padding it moved two shapes' predictions without fitting
-    the measured stages better)."""
+    segment_rows: the GPU layer's SEGMENT_ROWS unless a what-if or a results row says otherwise),
+    else one row tile (BM: the sequential model's, docs/design.md 3.2)."""
     return (plan.knobs.segment_rows or SEGMENT_ROWS) if is_fused(plan) else BM
 
 

@@ -253,7 +253,7 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
     for run, found in runs.items():
         for r in found:
             ns = fused.pass_ns(ep_share(r["shape"], r["ep"]), gpu.recorded_at(r), r["comm_blocks"],
-                               r["minibatch_tokens"], r["num_sms"], r.get("claim_pairs", 0))
+                               r["minibatch_tokens"], r["num_sms"], r.get("claim_pairs", 0), r.get("segment_rows"))
             why = FUSED_BENCH_EXPLAINED.get((run, r["comm_blocks"])) or (
                 SPUN if spare_warps_spun(r, r["comm_blocks"], r.get("spread_from")) else "")
             rows.append(Row("h200 fused", f"fwd pass (graph) {r['shape']} C={r['comm_blocks']} MB={r['minibatch_tokens']}"

@@ -5,7 +5,7 @@ every choice of every token of every rank on rank 0's experts (the most rows one
     NVSHMEM_DISABLE_NVLS=1 mpirun -n 4 python tests/mpi_programs/check_gpu_ring.py --backend nvshmem
 
 Rank 0 receives 2048 rows. Per direction policy: a ring of a quarter of them (512 rows) and of one
-segment (256 rows), forward and backward (the backward replaying every turn after the first),
+segment (SEGMENT_ROWS), forward and backward (the backward replaying every turn after the first),
 bitwise equal to a ring that holds every row (one turn), which is within TOL of the float64
 reference; a CUDA graph of the ring's passes replayed bitwise equal, and one of the backward alone
 replayed twice in a row (turn 0 replayed too); the fused passes (once a
@@ -28,16 +28,17 @@ RANK0_ROWS = 2048
 
 def worst_case_problem(num_ranks):
     """(shape, problem): K = 2, El = 3, N = 2048 / (2 R) tokens a rank, every choice on rank 0's
-    experts: the first on expert 0, the second on expert 1 for every fifth token, else on expert 2.
-    Rank 0's segments (1024, 205 and 819 rows, padded to 256) put two experts in one turn, one of
-    them starting mid-ring and one ending mid-turn."""
+    experts: the first on expert 0, the second on expert 1 for every tenth token, else on expert 2.
+    Rank 0's segments (1024, ~103 and ~921 rows, padded to SEGMENT_ROWS) put two experts in one
+    turn, one of them starting mid-ring and one ending mid-turn, and expert 2 starts an odd number
+    of row tiles in: one tile pair holds two experts (the fused kernel's loads without multicast)."""
     k, el = 2, 3
     n = RANK0_ROWS // (k * num_ranks)
     shape = MoEShape("ring", hidden=256, ffn=256, num_experts=el * num_ranks, top_k=k, num_tokens=n)
     prob = make_problem(shape, num_ranks, seed=11)
     t = np.arange(num_ranks * n).reshape(num_ranks, n)
     prob.topk_idx[..., 0] = 0
-    prob.topk_idx[..., 1] = np.where(t % 5 == 0, 1, 2).astype(np.int32)
+    prob.topk_idx[..., 1] = np.where(t % 10 == 0, 1, 2).astype(np.int32)
     return shape, prob
 
 
