@@ -229,7 +229,33 @@ def test_rotating_runs_before_each_run_outside_its_stage():
     enqueue = rotating({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
                        before=lambda: calls.append("flush"))
     enqueue(lambda stage: calls.append(("mark", stage)))
-    assert calls == ["flush", ("mark", "a"), "a", "flush", ("mark", "b"), "b", ("mark", None)]
+    assert calls == ["flush", ("mark", "a"), "a", ("mark", None), "flush", ("mark", "b"), "b", ("mark", None)]
+
+
+def test_time_stages_times_each_run_and_not_what_runs_before_it(monkeypatch):
+    """On a fake clock (each run 1 ms, each flush 100 ms): every stage's sample is its run's 1 ms,
+    whatever the rotation; the flushes count in 'total' only."""
+    from mok_proto.bench import rotating, timing
+
+    now = [0.0]
+
+    class Event:
+        def record(self):
+            self.t = now[0]
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(timing, "_events", lambda api: (Event, lambda: None, lambda a, b: b.t - a.t))
+
+    def tick(ms):
+        now[0] += ms
+
+    runs = {"a": lambda: tick(1.0), "b": lambda: tick(1.0), "c": lambda: tick(1.0)}
+    samples = timing.time_stages(rotating(runs, before=lambda: tick(100.0)), iters=4, warmup=1)
+    assert set(samples) == {"a", "b", "c", "total"}
+    assert all(samples[k] == [1.0] * 4 for k in runs), samples
+    assert samples["total"] == [203.0] * 4  # three runs, the two flushes between them
 
 
 def _script(*args):

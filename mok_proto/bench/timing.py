@@ -39,8 +39,9 @@ def _events(api: str):
 
 def time_stages(enqueue, iters: int, warmup: int, api: str = "cupy"):
     """enqueue(mark) enqueues one iteration and calls mark(stage) before each stage and mark(None)
-    at the end (work outside the marks is not timed). Returns {stage: [ms per iteration]} plus
-    'total' (first mark to last)."""
+    at its end (a stage runs to the next mark; work after a mark(None) and before the next stage's
+    mark is not timed). Returns {stage: [ms per iteration]} plus 'total' (first mark to last, gaps
+    included)."""
     new_event, synchronize, elapsed = _events(api)
     for _ in range(warmup):
         enqueue(lambda stage: None)
@@ -57,7 +58,8 @@ def time_stages(enqueue, iters: int, warmup: int, api: str = "cupy"):
         enqueue(mark)
         events[-1][1].synchronize()
         for (stage, start), (_, stop) in zip(events, events[1:]):
-            samples.setdefault(stage, []).append(elapsed(start, stop))
+            if stage is not None:
+                samples.setdefault(stage, []).append(elapsed(start, stop))
         samples.setdefault("total", []).append(elapsed(events[0][1], events[-1][1]))
     return samples
 
@@ -67,15 +69,18 @@ def rotating(runs: dict, before=None):
     once per iteration, a stage each, starting one later every iteration (A B, B A, ...). Variants
     timed this way see the same clocks: under its power cap a GPU moves its SM clock within one
     pass's time, so variants timed in blocks one after the other differ by the clock's moves.
-    before: called before each run, outside its stage (untimed: an L2 flush, say)."""
+    before: called before each run, outside every stage (untimed: an L2 flush, say): the run
+    before it is closed first (mark(None))."""
     names = list(runs)
     turn = [0]
 
     def enqueue(mark):
         k = turn[0] % len(names)
         turn[0] += 1
-        for name in names[k:] + names[:k]:
+        for i, name in enumerate(names[k:] + names[:k]):
             if before is not None:
+                if i:
+                    mark(None)
                 before()
             mark(name)
             runs[name]()
