@@ -138,6 +138,23 @@ def test_a_plan_costed_for_another_segment_rule():
             P.FusedKnobs(2, 512, segment_rows=bad)
 
 
+def _program(name: str):
+    """tests/mpi_programs/<name>.py as a module (its sibling imports resolved), for its setup only."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    programs = Path(__file__).parent / "mpi_programs"
+    sys.path.insert(0, str(programs))
+    try:
+        spec = importlib.util.spec_from_file_location(name, programs / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(programs))
+    return module
+
+
 def _pair_kinds(topk, num_experts: int) -> set:
     """How the tile pairs of every rank's receive rows (schedule padded to SEGMENT_ROWS) fall: "one"
     (both tiles one expert's), "two" (two experts': the fused kernel loads B per CTA, no multicast),
@@ -161,20 +178,9 @@ def test_the_gpu_fused_cases_run_pairs_of_two_experts():
     """The GPU checks of fused == sequential (tests/mpi_programs/check_fused_layer.py's CASES) route so
     that some tile pair holds two experts' tiles and some pair's second tile lies past the rows: both
     paths of cuda/fused.cuh tile_for are compared with the standalone kernels' bits."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
     from mok_proto.problem import make_problem
 
-    programs = Path(__file__).parent / "mpi_programs"
-    sys.path.insert(0, str(programs))
-    try:
-        spec = importlib.util.spec_from_file_location("check_fused_layer", programs / "check_fused_layer.py")
-        cases = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(cases)
-    finally:
-        sys.path.remove(str(programs))
+    cases = _program("check_fused_layer")
     seen = set()
     for num_ranks in (1, 2, 4, 8):
         for case_id, (h, i, e, k, n, shared, routing) in enumerate(cases.CASES.values()):
@@ -188,18 +194,7 @@ def test_every_setting_of_the_fused_checks_builds_its_plan():
     plan for every case on 1, 2, 4, 8 ranks under MoK's policy, with the capacity the layer gives
     them (the worst case in whole segments): a setting the segment rule makes impossible (too few
     minibatches for its lookahead, a claim past the pairs) fails here, not on the GPU."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    programs = Path(__file__).parent / "mpi_programs"
-    sys.path.insert(0, str(programs))
-    try:
-        spec = importlib.util.spec_from_file_location("check_fused_layer", programs / "check_fused_layer.py")
-        cases = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(cases)
-    finally:
-        sys.path.remove(str(programs))
+    cases = _program("check_fused_layer")
     built = 0
     for num_ranks in (1, 2, 4, 8):
         num_sms = 2 * max(1, 66 // num_ranks)  # an H100's resident clusters, shared by the launch ranks
@@ -251,20 +246,9 @@ def test_the_gpu_ring_check_runs_pairs_of_two_experts():
     """tests/mpi_programs/check_gpu_ring.py's worst-case routing puts two experts into one tile pair
     on rank 0, with every row in one turn and inside a turn of its quarter ring: the fused passes
     once a turn exercise the loads without multicast on turn-relative segments."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
     from mok_proto.schedule import build_pull_schedule
 
-    programs = Path(__file__).parent / "mpi_programs"
-    sys.path.insert(0, str(programs))
-    try:
-        spec = importlib.util.spec_from_file_location("check_gpu_ring", programs / "check_gpu_ring.py")
-        ring = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(ring)
-    finally:
-        sys.path.remove(str(programs))
+    ring = _program("check_gpu_ring")
     for num_ranks in (2, 4, 8):
         shape, prob = ring.worst_case_problem(num_ranks)
         sched = build_pull_schedule(prob.topk_idx, shape.num_experts, 0, align=S)
