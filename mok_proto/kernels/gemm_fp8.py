@@ -75,6 +75,17 @@ def _blocks(name, pair, shape):
     return codes, scales
 
 
+def _row_operands(a_name, a, w_name, w, k_name, n_name, n_of):
+    """A row problem's A (1 x 128 blocks, codes [rows, K]) and weight (128 x 128 blocks, codes
+    [E, N, K]), checked (K a multiple of 128, N of n_of): (rows, K, E, N, A codes, A scales, W
+    codes, W scales)."""
+    ac, _ = _pair(a_name, a, 2)
+    wc, _ = _pair(w_name, w, 3)
+    (rows, k), (num_experts, n) = ac.shape, wc.shape[:2]
+    _multiple(k_name, k, BK), _multiple(n_name, n, n_of)
+    return (rows, k, num_experts, n, *_rows(a_name, a, (rows, k)), *_blocks(w_name, w, (num_experts, n, k)))
+
+
 def _multiple(name, value, of):
     if value % of:
         raise ValueError(f"{name}={value} must be a multiple of {of}")
@@ -101,12 +112,7 @@ def gate_up(x, w_gate_t, w_up_t, row_offsets, row_counts, h, hq, g=None, u=None,
     """x (codes [rows,H], scales), w_gate_t / w_up_t (Wg^T, Wu^T codes [E,I,H], scales [E,I/128,H/128])
     -> h bf16 [rows,I] and hq (codes [rows,I], scales [rows,I/128]) = quantize_rows(h) of the bf16 h
     (pow2: power-of-two scales); g, u bf16 [rows,I] too where given."""
-    xc, _ = _pair("x", x, 2)
-    wc, _ = _pair("w_gate_t", w_gate_t, 3)
-    (rows, hidden), (num_experts, ffn) = xc.shape, wc.shape[:2]
-    _multiple("H", hidden, BK), _multiple("I", ffn, BN // 2)
-    xc, xs = _rows("x", x, (rows, hidden))
-    wgc, wgs = _blocks("w_gate_t", w_gate_t, (num_experts, ffn, hidden))
+    rows, hidden, num_experts, ffn, xc, xs, wgc, wgs = _row_operands("x", x, "w_gate_t", w_gate_t, "H", "I", BN // 2)
     wuc, wus = _blocks("w_up_t", w_up_t, (num_experts, ffn, hidden))
     gemm._check("h", h, (rows, ffn), "bf16")
     hqc, hqs = _rows("hq", hq, (rows, ffn))
@@ -125,12 +131,7 @@ def gate_up(x, w_gate_t, w_up_t, row_offsets, row_counts, h, hq, g=None, u=None,
 def down(h, w_down_t, row_offsets, row_counts, y, row_scale=None, error=None, pack_only=False):
     """h (codes [rows,I], scales), w_down_t (Wd^T codes [E,H,I], scales [E,H/128,I/128]) -> y bf16
     [rows,H] = row_scale[:,None] * (h Wd)."""
-    hc, _ = _pair("h", h, 2)
-    wc, _ = _pair("w_down_t", w_down_t, 3)
-    (rows, ffn), (num_experts, hidden) = hc.shape, wc.shape[:2]
-    _multiple("I", ffn, BK), _multiple("H", hidden, BN)
-    hc, hs = _rows("h", h, (rows, ffn))
-    wdc, wds = _blocks("w_down_t", w_down_t, (num_experts, hidden, ffn))
+    rows, ffn, num_experts, hidden, hc, hs, wdc, wds = _row_operands("h", h, "w_down_t", w_down_t, "I", "H", BN)
     gemm._check("y", y, (rows, hidden), "bf16")
     if row_scale is not None:
         gemm._check("row_scale", row_scale, (rows,), "f32")
@@ -144,12 +145,7 @@ def down(h, w_down_t, row_offsets, row_counts, y, row_scale=None, error=None, pa
 def down_bwd(dy, w_down, g, u, row_offsets, row_counts, dg, du, error=None, pack_only=False):
     """dy (codes [rows,H], scales), w_down (Wd codes [E,I,H], scales [E,I/128,H/128]), g/u bf16
     [rows,I] -> dg, du bf16 [rows,I] (the SwiGLU backward of dh = dy Wd^T)."""
-    dyc, _ = _pair("dy", dy, 2)
-    wc, _ = _pair("w_down", w_down, 3)
-    (rows, hidden), (num_experts, ffn) = dyc.shape, wc.shape[:2]
-    _multiple("H", hidden, BK), _multiple("I", ffn, BN)
-    dyc, dys = _rows("dy", dy, (rows, hidden))
-    wdc, wds = _blocks("w_down", w_down, (num_experts, ffn, hidden))
+    rows, hidden, num_experts, ffn, dyc, dys, wdc, wds = _row_operands("dy", dy, "w_down", w_down, "H", "I", BN)
     for name, a in (("g", g), ("u", u), ("dg", dg), ("du", du)):
         gemm._check(name, a, (rows, ffn), "bf16")
     gemm._groups(row_offsets, row_counts, rows)
