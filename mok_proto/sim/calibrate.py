@@ -22,7 +22,7 @@ from mok_proto import results
 from mok_proto.config import get_shape
 from mok_proto.problem import rows_per_expert
 from mok_proto.sim import fused, layer
-from mok_proto.sim.params import PROBLEMS, GpuParams, calibration_file, grouped_gemm_ns, params_to_json
+from mok_proto.sim.params import PROBLEMS, GpuParams, calibration_file, grouped_gemm_ns, kernel_of, params_to_json
 
 # What h200 is fitted on; everything else in results/ is predicted.
 H200_CALIBRATION = {
@@ -104,7 +104,8 @@ def fit_h200(results_dir=results.RESULTS_DIR) -> GpuParams:
     rates = {}
     for r in gemm_rows:
         if (r["shape"], r["routing"]) == (shape_name, routing):
-            ns_at_one = grouped_gemm_ns(base, r["problem"], gemm_rows_per_expert(r), get_shape(r["shape"]))
+            ns_at_one = grouped_gemm_ns(base, r["problem"], gemm_rows_per_expert(r), get_shape(r["shape"]),
+                                        pairs=kernel_of(r)["gemm_pairs"])
             rates[r["problem"]] = ns_at_one / (r["ours"]["median_ms"] * 1e6)
     # HBM: a copy of B bytes reads and writes B: 1/copy = 1/read + 1/write; a push dispatch on
     # one GPU reads each token row once and writes K rows: t = tokens/read + pairs/write.
