@@ -1,6 +1,6 @@
 """Scale-up-domain simulator: one MoE layer pass on R GPUs, executing the same `Plan` objects
 as the megakernel (`mok_proto.plan`), with GPU parameter sets calibrated on our measurements
-(`h200`) or taken from public specifications (`gb300-nvl72`).
+(`h200`, `h100`) or taken from public specifications (`gb300-nvl72`).
 
     from mok_proto import plan, sim
     gpu = sim.get_params("gb300-nvl72")
@@ -10,7 +10,7 @@ as the megakernel (`mok_proto.plan`), with GPU parameter sets calibrated on our 
 """
 
 from mok_proto.sim.model import Load, SimResult, load_from_topk, route, routed_load, simulate
-from mok_proto.sim.params import GpuParams, gb300_nvl72, get_params, grouped_gemm_ns, h200, nccl_links
+from mok_proto.sim.params import GpuParams, gb300_nvl72, get_params, grouped_gemm_ns, h100, h200, nccl_links
 
-__all__ = ["GpuParams", "Load", "SimResult", "gb300_nvl72", "get_params", "grouped_gemm_ns", "h200",
+__all__ = ["GpuParams", "Load", "SimResult", "gb300_nvl72", "get_params", "grouped_gemm_ns", "h100", "h200",
            "load_from_topk", "nccl_links", "route", "routed_load", "simulate"]

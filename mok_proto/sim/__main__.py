@@ -1,6 +1,6 @@
 """Command line of the simulator.
 
-    python -m mok_proto.sim --validate [--h200-only]
+    python -m mok_proto.sim --validate [--measured-only]   # each calibrated set against its GPU's rows
     python -m mok_proto.sim --shape kimi-k2.7 --ep 64 --gpu gb300-nvl72 --pass fwd --comm-sms 40 --minibatch 2048
     python -m mok_proto.sim --fused --comm-sms 0 ...   # the megakernel's plan (plan.fused_forward, --pass bwd:
                                                        # plan.fused_backward)
@@ -9,10 +9,10 @@
                                                        # share, both passes, sequential and fused with the link
     python -m mok_proto.sim --fused --vs-sequential --ep 8 --link-gbps 450 ...  # a projection with link_gbs 450
     python -m mok_proto.sim --routing hot:0.25 ...     # skewed routing (mok_proto.routing), rank 0 the hot rank
-    python -m mok_proto.sim calibrate --gpu h200       # refit calibration/h200.json on results/
+    python -m mok_proto.sim calibrate --gpu h200       # refit calibration/h200.json on results/ (h100: the H100's)
 
 A simulation's first output line names every setting it ran with, "(default)" after those not given.
-Exit status: 0 ok; 1 an H200 row outside its bar (--validate); 2 bad argument (one line on stderr).
+Exit status: 0 ok; 1 a measured row outside its bar (--validate); 2 bad argument (one line on stderr).
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from mok_proto.link import DEFAULT_LATENCY_US, LinkModel
 from mok_proto.routing import UNIFORM, expected_rows
 from mok_proto.sim import calibrate, fused, layer
 from mok_proto.sim.model import plan_align, simulate, spec_load
-from mok_proto.sim.params import PARAMS, get_params, h200, params_from_json
-from mok_proto.sim.validate import H200_TOLERANCE, format_table, h200_rows, link_note, paper_rows, tolerance_of
+from mok_proto.sim.params import PARAMS, get_params, params_from_json
+from mok_proto.sim.validate import (MEASURED_TOLERANCE, calibrated_sets, format_table, link_note, measured_rows,
+                                    paper_rows, tolerance_of)
 
 PROG = "python -m mok_proto.sim"
 SPLIT_DEFAULTS = {"comm_sms": 40, "minibatch": 2048}  # MoK's fixed split on GB300 (the paper's forward setting)
@@ -48,10 +49,13 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     fused = plans.FusedKnobs.PASS_DEFAULTS  # the fused plans' per-pass knob defaults
     ap = _Parser(prog=PROG, description=__doc__.splitlines()[0],
-                 epilog=f"calibrate: {PROG} calibrate --help. Exit status: 0 ok; 1 an H200 row outside its bar "
+                 epilog=f"calibrate: {PROG} calibrate --help. Exit status: 0 ok; 1 a measured row outside its bar "
                         "(--validate); 2 bad argument.")
-    ap.add_argument("--validate", action="store_true", help="compare against our H200 results and the paper")
-    ap.add_argument("--h200-only", action="store_true", help="with --validate: only the H200 rows")
+    ap.add_argument("--validate", action="store_true",
+                    help="compare against our results (each calibrated set, h200 and h100, against its own GPU's rows) "
+                         "and the paper")
+    ap.add_argument("--measured-only", "--h200-only", dest="measured_only", action="store_true",
+                    help="with --validate: only the measured rows, not the paper's (--h200-only: its old name)")
     ap.add_argument("--shape", default="kimi-k2.7", choices=list(PRESETS), help="the layer's shape (default %(default)s)")
     ap.add_argument("--ep", type=int, default=64, help="ranks (GPUs), dividing the shape's experts (default %(default)s)")
     ap.add_argument("--gpu", default="gb300-nvl72", choices=list(PARAMS), help="parameter set (default %(default)s)")
@@ -168,6 +172,25 @@ def _emulation(args, given: set) -> int:
     return 0
 
 
+def _validate(measured_only: bool) -> int:
+    """--validate: each calibrated set whose file exists against its own GPU's rows (a line for each
+    other set), then the paper's rows unless measured_only; 1 when a measured row misses its bar."""
+    names, notes = calibrated_sets()
+    rows, described = [], []
+    for name in names:
+        calibrated = get_params(name)
+        rows += measured_rows(name, calibrated)
+        described.append(f"# {name} parameters: {calibrate.describe(calibrated)}")
+        notes += [note for note in (link_note(measured_on=name),) if note]
+    bad = [r for r in rows if not r.ok(MEASURED_TOLERANCE)]
+    if not measured_only:
+        rows += paper_rows()
+    print("\n".join(described + [format_table(rows, tolerance_of)] + notes))
+    per_set = ", ".join(f"{name} {sum(r.group.split(' ', 1)[0] == name for r in bad)}" for name in names)
+    print(f"# {len(bad)} measured rows outside {MEASURED_TOLERANCE * 100:.0f}% ({per_set})")
+    return 1 if bad else 0
+
+
 def _settings(args, given: set, plan: str, policy: dict) -> str:
     """The header line: every setting of the run, "(default)" after those not given."""
     def item(name, value, flag=None):
@@ -198,18 +221,7 @@ def main(argv=None) -> int:
         if args.validate:
             if "routing" in given:
                 raise ValueError("--validate compares the measured rows of uniform routing: drop --routing")
-            calibrated = h200()
-            rows = h200_rows(calibrated)
-            bad = [r for r in rows if not r.ok(H200_TOLERANCE)]
-            if not args.h200_only:
-                rows += paper_rows()
-            print(f"# h200 parameters: {calibrate.describe(calibrated)}")
-            print(format_table(rows, tolerance_of))
-            note = link_note()
-            if note:
-                print(note)
-            print(f"# {len(bad)} H200 rows outside {H200_TOLERANCE * 100:.0f}%")
-            return 1 if bad else 0
+            return _validate(args.measured_only)
         # bench_layer's one-GPU emulation with its link: --link-gbps without a plan option
         emulation = args.link_gbps is not None and not (args.sequential or args.fused or args.vs_sequential)
         if args.sequential and args.fused:

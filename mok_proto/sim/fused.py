@@ -38,7 +38,7 @@ from mok_proto.config import MOK_POLICY, MoEShape, ep_share
 from mok_proto.link import LinkModel
 from mok_proto.plan import BM, SEGMENT_ROWS, TaskKind
 from mok_proto.routing import UNIFORM, RoutingSpec
-from mok_proto.sim import layer
+from mok_proto.sim import gpus, layer
 from mok_proto.sim.model import (ELEM_BYTES, MOVER_KIND_IDS, SimResult, fused_chunk_rows, plan_align, simulate,
                                  token_task_bytes)
 from mok_proto.sim.params import GpuParams, kernel_of, spare_warps_spun
@@ -152,32 +152,53 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     raise ValueError(f"the timeline's tasks are not those of any {make.__name__} plan tried: " + "; ".join(tried))
 
 
-def calibration_timeline(key: str, results_dir=results.RESULTS_DIR) -> dict:
-    """The index row (mok_proto.results.timeline_index, with its `path`) of the one timeline that
-    says sim_calibrates=key (FUSED_CALIBRATION). Raises ValueError without exactly one."""
-    found = results.timeline_index(results_dir, sim_calibrates=key)
+def calibration_timelines(key: str, results_dir=results.RESULTS_DIR, measured_on: str = "h200") -> list[dict]:
+    """The index rows (mok_proto.results.timeline_index, with their `path`) of the timelines measured on
+    measured_on's GPU (gpus.SPECS) that say sim_calibrates=key (FUSED_CALIBRATION)."""
+    return gpus.rows_on(results.timeline_index(results_dir, sim_calibrates=key), measured_on)
+
+
+def calibration_timeline(key: str, results_dir=results.RESULTS_DIR, measured_on: str = "h200") -> dict:
+    """The index row of the one timeline of measured_on's GPU that says sim_calibrates=key
+    (`calibration_timelines`). Raises ValueError without exactly one."""
+    found = calibration_timelines(key, results_dir, measured_on)
     if len(found) != 1:
-        raise ValueError(f"{len(found)} timelines in {results.timelines_dir(results_dir)} say sim_calibrates={key!r}: "
-                         "the fused kernel's calibration needs one")
+        raise ValueError(f"{len(found)} {gpus.spec(measured_on).match} timelines in {results.timelines_dir(results_dir)} "
+                         f"say sim_calibrates={key!r}: the fused kernel's calibration needs one")
     return found[0]
 
 
-def calibrate(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> GpuParams:
+def calibrate(gpu: GpuParams, results_dir=results.RESULTS_DIR, measured_on: str = "h200",
+              carried_from: GpuParams | None = None) -> GpuParams:
     """`gpu` with the in-kernel copy costs fitted on dispatch tasks (`_fit_dispatch`): comm_task_ns
     + bytes / comm_cta_gbs on the communicating CTAs (warp movers) of the timeline that
     sim_calibrates "fused", bulk_task_ns + rows x bulk_row_ns on those (bulk ring) of "fused_bulk",
     and spare_task_ns + bytes / spare_cta_gbs on the spare warps of "fused_spare"; token_read_gbs and
-    token_write_gbs on the token-side tasks of "fused_token" (`_fit_token`)."""
-    entry = {key: calibration_timeline(key, results_dir) for key in FUSED_CALIBRATION}
-    fits = {what: _fit_dispatch(entry[what], mover)
-            for what, mover in (("fused", "warps"), ("fused_bulk", "bulk"), ("fused_spare", "spare"))}
-    (fixed, row_ns), row_bytes = fits["fused"]
-    (spare_fixed, spare_row_ns), spare_row_bytes = fits["fused_spare"]
-    read_gbs, write_gbs = _fit_token(entry["fused_token"])
-    return dataclasses.replace(gpu, comm_cta_gbs=row_bytes / row_ns, comm_task_ns=fixed,
-                               bulk_task_ns=fits["fused_bulk"][0][0], bulk_row_ns=fits["fused_bulk"][0][1],
-                               spare_task_ns=spare_fixed, spare_cta_gbs=spare_row_bytes / spare_row_ns,
-                               token_read_gbs=read_gbs, token_write_gbs=write_gbs)
+    token_write_gbs on the token-side tasks of "fused_token" (`_fit_token`). Each from the timeline
+    of measured_on's GPU (`calibration_timeline`); a key with no such timeline takes its fields from
+    carried_from (None: ValueError, `calibration_timeline`'s)."""
+    fields = {}
+    for key, (_, names) in FUSED_CALIBRATION.items():
+        if carried_from is not None and not calibration_timelines(key, results_dir, measured_on):
+            fields.update({name: getattr(carried_from, name) for name in names})
+        else:
+            fields.update(_FITS[key](calibration_timeline(key, results_dir, measured_on)))
+    return dataclasses.replace(gpu, **fields)
+
+
+def _fit_movers(entry: dict, mover: str, task: str, rate: str, per_byte: bool = True) -> dict:
+    """The fields `task` (fixed ns per task) and `rate` of a timeline's dispatch tasks (`_fit_dispatch`):
+    per byte (GB/s per CTA) or per row (ns)."""
+    (fixed, row_ns), row_bytes = _fit_dispatch(entry, mover)
+    return {task: fixed, rate: row_bytes / row_ns if per_byte else row_ns}
+
+
+_FITS = {  # sim_calibrates key -> its index row -> the fields it fits (FUSED_CALIBRATION)
+    "fused": lambda entry: _fit_movers(entry, "warps", "comm_task_ns", "comm_cta_gbs"),
+    "fused_bulk": lambda entry: _fit_movers(entry, "bulk", "bulk_task_ns", "bulk_row_ns", per_byte=False),
+    "fused_spare": lambda entry: _fit_movers(entry, "spare", "spare_task_ns", "spare_cta_gbs"),
+    "fused_token": lambda entry: dict(zip(("token_read_gbs", "token_write_gbs"), _fit_token(entry))),
+}
 
 
 def _fit_token(entry: dict) -> tuple[float, float]:
@@ -305,11 +326,11 @@ _PASS_NS: dict = {}  # fused_pass_ns's results: (its arguments, gpu by its repr)
 
 
 def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 12, 16), minibatches=(512, 1024, 2048, 4096),
-                  results_dir=results.RESULTS_DIR):
-    """The fused forward pass on the H200 over communication CTAs x minibatch rows for one shape:
-    (simulated ms [len(comm_blocks), len(minibatches)], {(comm, minibatch): measured ms}). The
-    measured points are the newest run's fused forward rows for that shape among bench_layer's compared
-    rows (layer.compared_rows) and sweep_overlap.jsonl (scripts/sweep_overlap.py); points off the grid
+                  results_dir=results.RESULTS_DIR, measured_on: str = "h200"):
+    """The fused forward pass on measured_on's GPU (gpus.SPECS) over communication CTAs x minibatch rows
+    for one shape: (simulated ms [len(comm_blocks), len(minibatches)], {(comm, minibatch): measured ms}).
+    The measured points are the newest run's fused forward rows for that shape among bench_layer's
+    compared rows (layer.compared_rows) and sweep_overlap.jsonl (scripts/sweep_overlap.py) of that GPU; points off the grid
     are dropped, and so are points with communicating CTAs measured on the retired bulk-copy ring
     (comm_mover "bulk": not the kernel `gpu` simulates), points whose spare warps ran the retired
     acquire spin (params.spare_warps_spun), and points of another tile-pair order than the default
@@ -318,8 +339,8 @@ def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 12, 16), m
     shape = ep_share(shape_name, EP)
     raster = plans.FusedKnobs.PASS_DEFAULTS["fwd"]["raster"]
     rows = []
-    for mb_key, found in (("minibatch_tokens", layer.compared_rows(results_dir)),
-                          ("minibatch_rows", results.load("sweep_overlap", results_dir))):
+    for mb_key, found in (("minibatch_tokens", layer.compared_rows(results_dir, measured_on=measured_on)),
+                          ("minibatch_rows", gpus.rows_on(results.load("sweep_overlap", results_dir), measured_on))):
         rows += [dict(r, minibatch=r[mb_key]) for r in found if r.get("shape") == shape_name
                  and r.get("schedule", "fused") == "fused" and r.get("pass", "fwd") == "fwd"
                  and not (r.get("comm_blocks") and kernel_of(r)["comm_mover"] == "bulk")

@@ -44,6 +44,7 @@ from mok_proto.config import MOK_POLICY, MoEShape, ep_share
 from mok_proto.link import LinkModel
 from mok_proto.plan import BM, SEGMENT_ROWS, CounterKind, TaskKind
 from mok_proto.routing import UNIFORM, RoutingSpec
+from mok_proto.sim import gpus
 from mok_proto.sim.model import (SCALE_TO_SLOTS, TOPK_WEIGHT_GRAD, Load, load_from_topk, routed_load, simulate,
                                  token_kernel_ns)
 from mok_proto.sim.params import GpuParams
@@ -97,27 +98,27 @@ LAYER_CALIBRATION = {
 }
 
 
-def compared_rows(results_dir=results.RESULTS_DIR, bench: str = "bench_layer") -> list[dict]:
-    """bench_layer's rows (bench: its results file's name) the simulator compares with: those measured
-    on an H200 (the h200 parameters' GPU; a row without `gpu` counts as one), under MoK's transfer
-    directions (a row with another `policy` is not) and uniform routing (a row without `routing`
-    is), of runs not marked `sim_left_out` (a field that says why), by time."""
-    return [r for r in results.load(bench, results_dir)
-            if "sim_left_out" not in r and "H200" in r.get("gpu", "H200")
+def compared_rows(results_dir=results.RESULTS_DIR, bench: str = "bench_layer", measured_on: str = "h200") -> list[dict]:
+    """bench_layer's rows (bench: its results file's name) the simulator compares with set
+    `measured_on`'s parameters: those measured on its GPU (gpus.SPECS; a row without `gpu` counts as
+    an H200), under MoK's transfer directions (a row with another `policy` is not) and uniform routing
+    (a row without `routing` is), of runs not marked `sim_left_out` (a field that says why), by time."""
+    return [r for r in gpus.rows_on(results.load(bench, results_dir), measured_on)
+            if "sim_left_out" not in r
             and r.get("policy", MOK_POLICY) == MOK_POLICY and r.get("routing", str(UNIFORM)) == str(UNIFORM)]
 
 
-def link_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
+def link_rows(results_dir=results.RESULTS_DIR, measured_on: str = "h200") -> list[dict]:
     """bench_layer.py --link-gbps's rows (results/<LINK_RESULTS>.jsonl) the simulator compares with:
-    `compared_rows`, the newest run of each shape and link."""
-    rows = compared_rows(results_dir, LINK_RESULTS)
+    `compared_rows` of measured_on's GPU, the newest run of each shape and link."""
+    rows = compared_rows(results_dir, LINK_RESULTS, measured_on)
     return results.newest(rows, group_by=("shape", "link_gbps", "link_latency_us", "link_every_row"))
 
 
-def measured_rows(results_dir=results.RESULTS_DIR) -> list[dict]:
-    """bench_layer's sequential rows: the newest run of each shape among `compared_rows` (runs told
-    apart by their git stamp and start time, `results.newest`)."""
-    rows = results.newest(compared_rows(results_dir), group_by=("shape", "schedule"))
+def measured_rows(results_dir=results.RESULTS_DIR, measured_on: str = "h200") -> list[dict]:
+    """bench_layer's sequential rows: the newest run of each shape among `compared_rows` of
+    measured_on's GPU (runs told apart by their git stamp and start time, `results.newest`)."""
+    rows = results.newest(compared_rows(results_dir, measured_on=measured_on), group_by=("shape", "schedule"))
     return [r for r in rows if r["schedule"] == "sequential"]
 
 
@@ -230,9 +231,9 @@ def sequential_stages_ns(shape: MoEShape, pass_: str, gpu: GpuParams, seed: int 
     return out
 
 
-def calibrate(gpu: GpuParams, shape_name: str, results_dir=results.RESULTS_DIR) -> GpuParams:
+def calibrate(gpu: GpuParams, shape_name: str, results_dir=results.RESULTS_DIR, measured_on: str = "h200") -> GpuParams:
     """`gpu` with the three parameters LAYER_CALIBRATION names, fitted on the newest compared
-    bench_layer rows of shape_name (both passes, `measured_rows`). Each stage is kernels x busy_kernel_ns + work
+    bench_layer rows of shape_name measured on measured_on's GPU (both passes, `measured_rows`). Each stage is kernels x busy_kernel_ns + work
     (sequential_stage_parts), in this order:
 
     * busy_kernel_ns = the forward schedule stage / its 5 kernels (the model gives them no work);
@@ -241,10 +242,10 @@ def calibrate(gpu: GpuParams, shape_name: str, results_dir=results.RESULTS_DIR) 
     * sustained_gemm = sum of the routed GEMM stages' isolated-rate work (bench_gemm's tile rates)
       / sum of (their stages - their boundaries): the same tiles under back-to-back load.
     """
-    measured = {r["pass"]: r for r in measured_rows(results_dir) if r["shape"] == shape_name}
+    measured = {r["pass"]: r for r in measured_rows(results_dir, measured_on) if r["shape"] == shape_name}
     if set(measured) != set(plans.PASSES):
-        raise ValueError(f"no bench_layer sequential rows of {shape_name} for both passes: the sustained-load "
-                         "calibration needs them")
+        raise ValueError(f"no bench_layer sequential rows of {shape_name} on an {gpus.spec(measured_on).match} for "
+                         "both passes: the sustained-load calibration needs them")
     one = one_gpu(dataclasses.replace(gpu, sustained_gemm=1.0, sum_slots_efficiency=1.0, busy_kernel_ns=0.0))
     parts = {p: sequential_stage_parts(ep_share(shape_name, r["ep"]), p, one) for p, r in measured.items()}
 

@@ -1,6 +1,7 @@
-"""GPU parameter sets of the simulator: `h200` from its calibration file (calibration/h200.json,
-fitted on this project's results/ by `python -m mok_proto.sim calibrate --gpu h200`, sim/calibrate.py),
-`gb300_nvl72` from public specifications and the H200's calibrated efficiencies.
+"""GPU parameter sets of the simulator: `h200` and `h100` from their calibration files
+(calibration/<name>.json, fitted on this project's results/ of that GPU by `python -m mok_proto.sim
+calibrate --gpu <name>`, sim/calibrate.py; sim/gpus.py says which rows), `gb300_nvl72` from public
+specifications and the H200's calibrated efficiencies.
 
 This module holds the parameters and what they price; it reads no results (sim/calibrate.py does).
 """
@@ -272,6 +273,12 @@ def h200() -> GpuParams:
     return calibrated("h200")
 
 
+def h100() -> GpuParams:
+    """H100 SXM (132 SMs) as calibrated on this project's H100 results (calibration/h100.json; its
+    link and what no H100 measurement fits come from the h200 set: the file's sources)."""
+    return calibrated("h100")
+
+
 H200_DENSE_BF16_TFLOPS = 989.0  # H200 SXM dense BF16 (NVIDIA H200 datasheet), to carry GEMM efficiency over
 
 
@@ -315,7 +322,7 @@ def nccl_links(gpu: GpuParams) -> GpuParams:
     return dataclasses.replace(gpu, name=gpu.name + "+nccl", link_efficiency={"push": eff["dispatch"], "pull": eff["combine"]})
 
 
-PARAMS = {"h200": h200, "gb300-nvl72": gb300_nvl72}
+PARAMS = {"h200": h200, "h100": h100, "gb300-nvl72": gb300_nvl72}  # (the calibrated ones: sim.gpus.SPECS)
 
 
 def get_params(name: str) -> GpuParams:

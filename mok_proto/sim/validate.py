@@ -1,12 +1,16 @@
-"""The simulator against our H200 measurements and the MoK paper's GB300 NVL72 numbers.
+"""The simulator against our measurements and the MoK paper's GB300 NVL72 numbers.
+
+Measured rows are judged per GPU: each calibrated set (sim.gpus.SPECS: h200, h100) against the rows
+measured on its GPU only (`measured_rows`; the functions below take `measured_on`, the set's name),
+their groups labelled with the set's name ("h200 gemm", "h100 link", ...).
 
 Rows: (group, quantity, reference value, predicted value, unit, check, note). What a row's
 `check` says about it:
 
-* "judged": a prediction; H200 rows must be within H200_TOLERANCE of the measurement, paper rows
-  are judged within PAPER_TOLERANCE (or explained in the note).
+* "judged": a prediction; measured rows must be within MEASURED_TOLERANCE of the measurement,
+  paper rows are judged within PAPER_TOLERANCE (or explained in the note).
 * "range": a prediction judged inside/outside a published range [lo, hi].
-* "calibration": agrees by construction, not judged: a measurement the h200 parameters are fitted
+* "calibration": agrees by construction, not judged: a measurement the set's parameters are fitted
   on, or a row whose prediction is a calibration row's (the same formula on the same bytes).
 * "assumed": the prediction is set by an assumed parameter (params.py), shown, not judged.
 * "explained": a prediction against a measurement that holds what the model leaves out, named in
@@ -33,14 +37,14 @@ from mok_proto import results
 from mok_proto.config import MOK_POLICY, ep_share, get_shape
 from mok_proto.link import LinkModel
 from mok_proto.plan import TaskKind
-from mok_proto.sim import fused, layer
-from mok_proto.sim.calibrate import (H200_CALIBRATION, ROW_MOVES, calibration_stages, comm_bytes, gemm_rows_per_expert,
-                                     newest_comm_rows, newest_gemm_rows, stage_ms)
+from mok_proto.sim import fused, gpus, layer
+from mok_proto.sim.calibrate import (ROW_MOVES, calibration_stages, comm_bytes, gemm_rows_per_expert, newest_comm_rows,
+                                     newest_gemm_rows, stage_ms)
 from mok_proto.sim.model import simulate
-from mok_proto.sim.params import (GpuParams, gb300_nvl72, grouped_gemm_ns, h200, kernel_of, nccl_links,
-                                  spare_warps_spun)
+from mok_proto.sim.params import (GpuParams, calibration_file, gb300_nvl72, get_params, grouped_gemm_ns, kernel_of,
+                                  nccl_links, spare_warps_spun)
 
-H200_TOLERANCE = 0.15
+MEASURED_TOLERANCE = 0.15  # every measured group of every calibrated set
 PAPER_TOLERANCE = 0.25
 PAPER = {  # MoK at GB300 NVL72, EP=64, 2048 tokens/GPU, BF16 (MOK_NOTES)
     "pull_signal_us": 18.0, "push_signal_us": 103.0, "fwd_speedup": 1.92, "bwd_speedup": 1.58,
@@ -112,35 +116,61 @@ def comm_stage_ns(gpu: GpuParams, row: dict, direction: str, dispatch: bool) -> 
     return fixed + moved
 
 
+def measured_rows(measured_on: str, gpu: GpuParams | None = None, results_dir=results.RESULTS_DIR) -> list[Row]:
+    """Every measured row of set measured_on's GPU (gpus.SPECS) against `gpu` (default: that set as
+    its calibration file holds it): the standalone kernels, the sequential layer, the fused passes and
+    their timelines, the emulated link."""
+    gpu = gpu or get_params(measured_on)
+    return (kernel_rows(gpu, results_dir, measured_on) + sequential_layer_rows(gpu, results_dir, measured_on)
+            + fused_rows(gpu, results_dir, measured_on) + fused_backward_rows(gpu, results_dir, measured_on)
+            + link_rows(gpu, results_dir, measured_on))
+
+
 def h200_rows(gpu: GpuParams | None = None, results_dir=results.RESULTS_DIR) -> list[Row]:
-    gpu = gpu or h200()
-    return (kernel_rows(gpu, results_dir) + sequential_layer_rows(gpu, results_dir) + fused_rows(gpu, results_dir)
-            + fused_backward_rows(gpu, results_dir) + link_rows(gpu, results_dir))
+    """The H200's measured rows (`measured_rows`)."""
+    return measured_rows("h200", gpu, results_dir)
 
 
-def kernel_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
-    """The standalone kernels' rows: bench_gemm's grouped GEMMs and bench_comm's transfers."""
+def calibrated_sets() -> tuple[list[str], list[str]]:
+    """(the calibrated sets whose calibration file exists, one line for each other set: its GPU's rows
+    are left out, and how to calibrate it)."""
+    have, notes = [], []
+    for name, spec in gpus.SPECS.items():
+        if calibration_file(name).exists():
+            have.append(name)
+        else:
+            notes.append(f"# {name}: no {calibration_file(name).name}: the {spec.match} rows are left out "
+                         f"(python -m mok_proto.sim calibrate --gpu {name} writes it)")
+    return have, notes
+
+
+def kernel_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR, measured_on: str = "h200") -> list[Row]:
+    """The standalone kernels' rows of measured_on's GPU: bench_gemm's grouped GEMMs and bench_comm's
+    transfers (the 2-GPU ones where that GPU ran them)."""
+    spec = gpus.spec(measured_on)
+    selectors = spec.selectors
     rows = []
-    for r in newest_gemm_rows(results_dir):
+    for r in newest_gemm_rows(results_dir, measured_on):
         s = get_shape(r["shape"])
         counts = gemm_rows_per_expert(r)
-        calib = (r["shape"], r["routing"]) == H200_CALIBRATION["gemm"]
-        rows.append(Row("h200 gemm", f"{r['problem']} {r['shape']} {r['routing']}", r["ours"]["median_ms"],
+        calib = (r["shape"], r["routing"]) == selectors["gemm"]
+        rows.append(Row(f"{measured_on} gemm", f"{r['problem']} {r['shape']} {r['routing']}", r["ours"]["median_ms"],
                         grouped_gemm_ns(gpu, r["problem"], counts, s, pairs=kernel_of(r)["gemm_pairs"]) / 1e6, "ms",
                         "calibration" if calib else "judged"))
     seen = set()
-    for r in newest_comm_rows(results_dir):
+    for r in newest_comm_rows(results_dir, measured_on):
         for op in ("dispatch", "combine"):
             key = (r["backend"], r["shape"], r["ep"], op, r[op])
             if key in seen:
                 continue
             seen.add(key)
-            where = "1 GPU" if r["backend"] == "virtual" else "2 x H200"
+            where = "1 GPU" if r["backend"] == "virtual" else f"2 x {spec.match}"
             one_gpu = r["backend"] == "virtual"
-            calib = ((one_gpu and (r["shape"], r["ep"], r[op]) == H200_CALIBRATION["hbm"] and op == "dispatch")
-                     or (one_gpu and (r["shape"], r["ep"]) == H200_CALIBRATION["row_move"] and (op, r[op]) in ROW_MOVES)
-                     or (not one_gpu and r["shape"] == H200_CALIBRATION["link"] and op == "dispatch"))
-            rows.append(Row(f"h200 comm {where}", f"{op} {r[op]} {r['shape']} EP={r['ep']}", stage_ms(r, op),
+            calib = ((one_gpu and (r["shape"], r["ep"], r[op]) == selectors["hbm"] and op == "dispatch")
+                     or (one_gpu and (r["shape"], r["ep"]) == selectors["row_move"] and (op, r[op]) in ROW_MOVES)
+                     or (not one_gpu and spec.link_from == measured_on and r["shape"] == selectors["link"]
+                         and op == "dispatch"))
+            rows.append(Row(f"{measured_on} comm {where}", f"{op} {r[op]} {r['shape']} EP={r['ep']}", stage_ms(r, op),
                             comm_stage_ns(gpu, r, r[op], op == "dispatch") / 1e6, "ms",
                             "calibration" if calib else "judged"))
     return _same_as_calibration(rows)
@@ -152,17 +182,17 @@ def kernel_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
 LAYER_EXPLAINED: dict = {}
 
 
-def sequential_layer_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
-    """bench_layer's sequential rows (one EP=64 rank's share on one GPU; the newest run of each
-    shape) against the sequential plan simulated on that load (sim/layer.py): the whole pass (graph
-    replays) and every stage (eager, one event per stage, the GPU kept busy). The stages the h200
-    parameters are fitted on (layer.LAYER_CALIBRATION, one shape) are calibration rows."""
+def sequential_layer_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR, measured_on: str = "h200") -> list[Row]:
+    """bench_layer's sequential rows of measured_on's GPU (one EP=64 rank's share on one GPU; the newest
+    run of each shape) against the sequential plan simulated on that load (sim/layer.py): the whole pass
+    (graph replays) and every stage (eager, one event per stage, the GPU kept busy). The stages the
+    set's parameters are fitted on (layer.LAYER_CALIBRATION, one shape) are calibration rows."""
     one = layer.one_gpu(gpu)
     fitted_by = {ps: name for name, stages in layer.LAYER_CALIBRATION.items() for ps in stages}
     rows = []
-    for r in layer.measured_rows(results_dir):
+    for r in layer.measured_rows(results_dir, measured_on):
         predicted = layer.sequential_stages_ns(ep_share(r["shape"], r["ep"]), r["pass"], one.recorded_at(r))
-        calib = calibration_stages(r["shape"])
+        calib = calibration_stages(r["shape"], measured_on)
         measured = {"total": r["median_ms"], **{k: v for k, v in r["stages_ms"].items() if k != "total"}}
         for stage, ms in measured.items():
             why = LAYER_EXPLAINED.get((r["shape"], r["pass"], stage)) or LAYER_EXPLAINED.get((None, r["pass"], stage))
@@ -171,7 +201,7 @@ def sequential_layer_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> li
                 check, note = "calibration", f"fits {fitted_by[r['pass'], stage]}"
             else:
                 check, note = ("explained", why) if why else ("judged", "")
-            rows.append(Row("h200 layer sequential", f"{r['pass']} {what} {r['shape']}", ms, predicted[stage] / 1e6,
+            rows.append(Row(f"{measured_on} layer sequential", f"{r['pass']} {what} {r['shape']}", ms, predicted[stage] / 1e6,
                             "ms", check, note=note))
     return rows
 
@@ -192,15 +222,15 @@ SPUN = ("its kernel spun on ld.acquire with 64 ns sleeps in the counter waits (w
 # {event: why}), named in the note.
 
 
-def compared_timelines(results_dir=results.RESULTS_DIR, pass_: str = "fwd") -> list[dict]:
-    """The index rows of bench_layer's timelines of pass_ that sim --validate compares (sim_compared):
-    the forward's by file name, the backward's by time (then name)."""
-    found = results.timeline_index(results_dir, pass_, bench="bench_layer", sim_compared=True)
+def compared_timelines(results_dir=results.RESULTS_DIR, pass_: str = "fwd", measured_on: str = "h200") -> list[dict]:
+    """The index rows of bench_layer's timelines of pass_ measured on measured_on's GPU that sim
+    --validate compares (sim_compared): the forward's by file name, the backward's by time (then name)."""
+    found = gpus.rows_on(results.timeline_index(results_dir, pass_, bench="bench_layer", sim_compared=True), measured_on)
     return sorted(found, key=lambda e: (e["file"],) if pass_ == "fwd" else (e["time"], e["file"]))
 
 
-def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
-    """The fused forward on the H200 (one EP=64 rank's share, sim/fused.py): each compared in-kernel
+def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR, measured_on: str = "h200") -> list[Row]:
+    """The fused forward on measured_on's GPU (one EP=64 rank's share, sim/fused.py): each compared in-kernel
     timeline (`compared_timelines`) against the simulated timeline of the same plan (dispatch end,
     compute end, kernel end from the first task's start; the median combine chunk and routed GEMM
     tiles, over the tasks that move rows or compute tiles in the simulation), and bench_layer's
@@ -213,7 +243,7 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
     No combine-chunk median for comm_blocks == 0 in files without the `comm_bars_from: ready` marker
     (see the NOTE below)."""
     rows = []
-    for entry in compared_timelines(results_dir):
+    for entry in compared_timelines(results_dir, "fwd", measured_on):
         path, shape_name, git = entry["path"], entry["shape"], entry.get("git", "")
         measured = results.load_timeline(path)
         plan, result = fused.simulate_timeline(measured, ep_share(shape_name, fused.EP), gpu, kernel=entry)
@@ -229,7 +259,7 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
             return dict(check="explained", note=why) if why else {}
         want, got = results.timeline_events(measured), results.timeline_events(predicted)
         for event in results.TIMELINE_EVENTS:
-            rows.append(Row("h200 fused", f"fwd {event} {label}", want[event] / 1e6, got[event] / 1e6, "ms",
+            rows.append(Row(f"{measured_on} fused", f"fwd {event} {label}", want[event] / 1e6, got[event] / 1e6, "ms",
                             **check(event == "dispatch end", event)))
         fixed = gpu.recorded_at(entry).fused_task_ns(plan.comm_blocks)
         busy = predicted["end_ns"] - predicted["start_ns"] > fixed  # tasks with work (rows or tiles)
@@ -243,12 +273,12 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
                 # the last combines) is judged above.
                 continue
             if sel.any():
-                rows.append(Row("h200 fused", f"fwd {what} median {label}",
+                rows.append(Row(f"{measured_on} fused", f"fwd {what} median {label}",
                                 float(np.median(measured["end_ns"][sel] - measured["start_ns"][sel])) / 1e3,
                                 float(np.median(predicted["end_ns"][sel] - predicted["start_ns"][sel])) / 1e3, "us",
                                 **check()))
     runs: dict = {}
-    for r in layer.compared_rows(results_dir):
+    for r in layer.compared_rows(results_dir, measured_on=measured_on):
         if r["schedule"] == "fused" and r.get("pass", "fwd") == "fwd":  # pass_ns: forward only
             runs.setdefault(r["run"], []).append(r)
     for run, found in runs.items():
@@ -257,19 +287,19 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
                                r["minibatch_tokens"], r["num_sms"], r.get("claim_pairs", 0), r.get("segment_rows"))
             why = FUSED_BENCH_EXPLAINED.get((run, r["comm_blocks"])) or (
                 SPUN if spare_warps_spun(r, r["comm_blocks"], r.get("spread_from")) else "")
-            rows.append(Row("h200 fused", f"fwd pass (graph) {r['shape']} C={r['comm_blocks']} MB={r['minibatch_tokens']}"
+            rows.append(Row(f"{measured_on} fused", f"fwd pass (graph) {r['shape']} C={r['comm_blocks']} MB={r['minibatch_tokens']}"
                             f" {r['git']}", r["median_ms"], ns / 1e6, "ms", *(("explained", why) if why else ())))
     return rows
 
 
-def link_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
-    """bench_layer.py --link-gbps's rows (layer.link_rows: one EP=64 rank's share on one H200, every
+def link_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR, measured_on: str = "h200") -> list[Row]:
+    """bench_layer.py --link-gbps's rows of measured_on's GPU (layer.link_rows: one EP=64 rank's share on one GPU, every
     row rank 0 moves paying the emulated link), each pass (graph replays) simulated with its link and
     the kernel that ran it (GpuParams.recorded_at): a sequential row as sim/layer.py's stages (their
     sum), a fused row as the plan its knobs build (plan.FusedKnobs.from_row, fused.fused_pass_ns).
     Every row is judged, but a fused pass of params.spare_warps_spun is explained (SPUN)."""
     rows = []
-    for r in layer.link_rows(results_dir):
+    for r in layer.link_rows(results_dir, measured_on):
         link = LinkModel(r["link_gbps"], r["link_latency_us"], r["link_every_row"])
         shape, pass_, ran = ep_share(r["shape"], r["ep"]), r["pass"], gpu.recorded_at(r)
         what = f"{pass_} {r['schedule']} {r['shape']} link {link.gbps:g} GB/s"
@@ -280,24 +310,25 @@ def link_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
             ns = fused.fused_pass_ns(shape, ran, pass_, plans.FusedKnobs.from_row(r), r["num_sms"], link)
             what += f" C={r['comm_blocks']} MB={r['minibatch_tokens']}"
             why = SPUN if spare_warps_spun(r, r["comm_blocks"], r.get("spread_from")) else ""
-        rows.append(Row("h200 link", what, r["median_ms"], ns / 1e6, "ms", *(("explained", why) if why else ())))
+        rows.append(Row(f"{measured_on} link", what, r["median_ms"], ns / 1e6, "ms", *(("explained", why) if why else ())))
     return rows
 
 
-def link_note(results_dir=results.RESULTS_DIR) -> str | None:
-    """A line for --validate when it judges no row of bench_layer.py --link-gbps: why (no file, or no
-    row of it compared)."""
+def link_note(results_dir=results.RESULTS_DIR, measured_on: str = "h200") -> str | None:
+    """A line for --validate when it judges no row of bench_layer.py --link-gbps of measured_on's GPU:
+    why (no file, or no row of it compared)."""
     path = Path(results_dir) / f"{layer.LINK_RESULTS}.jsonl"
     if not path.exists():
-        return f"# h200 link: no {path.name} in {results_dir} (scripts/bench_layer.py --link-gbps writes it): nothing judged"
-    if not layer.link_rows(results_dir):
-        return (f"# h200 link: no row of {path.name} is compared (none of an H200 under MoK's directions without "
-                "sim_left_out)")
+        return (f"# {measured_on} link: no {path.name} in {results_dir} (scripts/bench_layer.py --link-gbps writes "
+                "it): nothing judged")
+    if not layer.link_rows(results_dir, measured_on):
+        return (f"# {measured_on} link: no row of {path.name} is compared (none of an {gpus.spec(measured_on).match} "
+                "under MoK's directions without sim_left_out)")
     return None
 
 
-def fused_backward_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list[Row]:
-    """The fused backward on the H200 (one EP=64 rank's share; sim/fused.py rebuilds the
+def fused_backward_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR, measured_on: str = "h200") -> list[Row]:
+    """The fused backward on measured_on's GPU (one EP=64 rank's share; sim/fused.py rebuilds the
     fused_backward plan each compared timeline (`compared_timelines`) ran and simulates it, with the
     kernel it ran, GpuParams.recorded_at): the kernel end from the first task's start (judged;
     explained for a kernel of params.spare_warps_spun, SPUN), and per task kind the summed task time
@@ -305,7 +336,7 @@ def fused_backward_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list
     token-gradient tasks of the timeline the movers' token rates are fitted on, sim_calibrates
     "fused_token": calibration)."""
     rows = []
-    for entry in compared_timelines(results_dir, "bwd"):
+    for entry in compared_timelines(results_dir, "bwd", measured_on):
         shape_name, git = entry["shape"], entry.get("git", "")
         measured = results.load_timeline(entry["path"])
         plan, result = fused.simulate_timeline(measured, ep_share(shape_name, fused.EP), gpu, kernel=entry)
@@ -313,13 +344,13 @@ def fused_backward_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR) -> list
         label = f"{shape_name} C={plan.comm_blocks} MB={plan.minibatch_rows} {git}"
         want, got = results.timeline_events(measured), results.timeline_events(predicted)
         spun = spare_warps_spun(entry, plan.comm_blocks, plan.spread_from)
-        rows.append(Row("h200 fused", f"bwd kernel end {label}", want["kernel end"] / 1e6, got["kernel end"] / 1e6, "ms",
+        rows.append(Row(f"{measured_on} fused", f"bwd kernel end {label}", want["kernel end"] / 1e6, got["kernel end"] / 1e6, "ms",
                         *(("explained", SPUN) if spun else ())))
         want, got = results.timeline_summary(measured)["kinds"], results.timeline_summary(predicted)["kinds"]
         fitted = entry.get("sim_calibrates") == "fused_token"
         for kind in (k for k in want if k in got):
             token = fitted and kind in (TaskKind.SCALE.name.lower(), TaskKind.SLOT_SUM.name.lower())
-            rows.append(Row("h200 fused", f"bwd {kind} per SM {label}", want[kind]["per_lane_ns"] / 1e3,
+            rows.append(Row(f"{measured_on} fused", f"bwd {kind} per SM {label}", want[kind]["per_lane_ns"] / 1e3,
                             got[kind]["per_lane_ns"] / 1e3, "us",
                             *(("calibration", "fits token_read_gbs, token_write_gbs") if token else ("informational",))))
     return rows
@@ -389,4 +420,5 @@ def format_table(rows: list[Row], tolerance_of) -> str:
 
 
 def tolerance_of(group: str) -> float:
-    return H200_TOLERANCE if group.startswith("h200") else PAPER_TOLERANCE
+    """The bar of a group: MEASURED_TOLERANCE for a calibrated set's ("h100 link"), else the paper's."""
+    return MEASURED_TOLERANCE if group.split(" ", 1)[0] in gpus.SPECS else PAPER_TOLERANCE
