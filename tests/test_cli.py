@@ -224,7 +224,7 @@ def test_sim_help_shows_every_default_and_choice():
     text = "".join(proc.stdout.split())  # (argparse wraps long values anywhere)
     assert proc.returncode == 0, proc.stderr
     for want in ("--shape {kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro,", "(default kimi-k2.7)", "(default 64)",
-                 "--gpu {h200,gb300-nvl72}", "(default gb300-nvl72)", "--pass {fwd,bwd}", "(default fwd)",
+                 "--gpu {h200,h100,gb300-nvl72}", "(default gb300-nvl72)", "--pass {fwd,bwd}", "(default fwd)",
                  "communicating SMs (default 40; with --fused 0", "receive rows per minibatch (default 2048; with --fused 1024",
                  "--assign {round_robin,balanced,balanced_all}", "(default round_robin forward, balanced backward)",
                  "--raster {row,col}", "an int >= 0, all or tail (default all forward, tail backward)",
@@ -242,7 +242,7 @@ def test_sim_help_shows_every_default_and_choice():
     (["--sequential", "--comm-sms", "-8"], "--minibatch must be >= 1 and --comm-sms >= 0, got 2048 and -8"),
     (["--fused", "--minibatch", "100"], "minibatch_rows must be a multiple of 256"),
     (["--shape", "kimi"], "argument --shape: invalid choice: 'kimi'"),
-    (["--gpu", "h100"], "argument --gpu: invalid choice: 'h100'"),
+    (["--gpu", "a100"], "argument --gpu: invalid choice: 'a100'"),
     (["--pass", "both"], "argument --pass: invalid choice: 'both'"),
     (["--sequential", "--fused"], "--sequential and --fused name two plans: give one"),
     (["--claim", "3"], "--claim applies to the megakernel's plan: add --fused"),

@@ -10,7 +10,7 @@ import json
 import shutil
 
 import pytest
-from test_sim_link import GPU, SHARE
+from test_sim_link import GPU, SHARE, validate_links_only
 
 from mok_proto import plan as P
 from mok_proto import results, sim
@@ -70,10 +70,16 @@ def _results_without_h100(tmp_path):
 @pytest.fixture
 def h100_results(tmp_path):
     """results/ without its H100 rows, plus an H100 run of the rows the fit reads: the H200's, 1.2x
-    slower."""
+    slower; and a 2 x H100 run of the link and NCCL rows (which no set's fit takes: the 2 x H200's)."""
     folder = _results_without_h100(tmp_path / "results")
     for name, rows in _fitted_rows(folder, "h200").items():
         _append(folder, name, _copies(rows, H100, 1.2, LATER))
+    x2 = results.machine_dir(2, folder)
+    _append(x2, "bench_comm", _copies([r for r in calibrate.newest_comm_rows(folder) if r["backend"] == "nvshmem"],
+                                      H100, 1.2, LATER))
+    nccl = _copies(results.newest(results.load("bench_nccl_baseline", x2)), H100, 1.2, LATER)
+    _append(x2, "bench_nccl_baseline", [dict(r, pct_of_link={k: v / 2 for k, v in r["pct_of_link"].items()})
+                                        for r in nccl])
     return folder
 
 
@@ -118,14 +124,16 @@ def test_h100_takes_the_h200_fused_rates_without_its_own_timeline(h100_results):
         if r["kind"] == "dispatch":
             r["end_ns"] = r["start_ns"] + 1.25 * (r["end_ns"] - r["start_ns"])
     name = "timeline_fused_fwd_kimi-k2.7_h100test.jsonl.gz"
-    (h100_results / results.TIMELINES / name).write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (h100_results / results.TIMELINES / name).write_bytes(gzip.compress(text.encode()))
     index = {k: v for k, v in entry.items() if k != "path"}
     _append(h100_results / results.TIMELINES, "index", [dict(index, file=name, gpu=H100)])
     document = calibrate.calibration("h100", h100_results)
     fitted, sources = params.params_from_json(document["params"]), document["sources"]
     assert fitted.comm_task_ns == pytest.approx(1.25 * h200.comm_task_ns, rel=1e-6)
     assert fitted.comm_cta_gbs == pytest.approx(h200.comm_cta_gbs / 1.25, rel=1e-6)
-    assert all(getattr(fitted, f) == getattr(h200, f) for f in FUSED_FIELDS if f not in ("comm_task_ns", "comm_cta_gbs"))
+    assert all(getattr(fitted, f) == getattr(h200, f) for f in FUSED_FIELDS
+               if f not in ("comm_task_ns", "comm_cta_gbs"))
     assert "from" not in sources["fused"] and sources["fused_token"]["from"] == carried
     assert calibrate.fit("h200", h100_results) == h200
 
@@ -186,7 +194,8 @@ def _link_row(gpu_set, gpu, pass_, schedule, factor):
 
 
 def test_validate_judges_each_gpus_link_rows_with_its_own_set(tmp_path, monkeypatch, capsys):
-    rows = [_link_row(H200_SET, "NVIDIA H200", "fwd", "sequential", 1.0), _link_row(H200_SET, "NVIDIA H200", "bwd", "sequential", 1.05),
+    rows = [_link_row(H200_SET, "NVIDIA H200", "fwd", "sequential", 1.0),
+            _link_row(H200_SET, "NVIDIA H200", "bwd", "sequential", 1.05),
             _link_row(H100_SET, H100, "fwd", "sequential", 1.0), _link_row(H100_SET, H100, "bwd", "sequential", 1.3),
             _link_row(H100_SET, H100, "fwd", "fused", 0.9)]
     _append(tmp_path, layer.LINK_RESULTS, rows)
@@ -200,14 +209,7 @@ def test_validate_judges_each_gpus_link_rows_with_its_own_set(tmp_path, monkeypa
     assert all(a.predicted != b.predicted for a, b in zip(got, validate.link_rows(H200_SET, tmp_path, "h100")))
     assert [round(r.error, 6) for r in validate.link_rows(H200_SET, tmp_path, "h200")] == [0.0, round(1 / 1.05 - 1, 6)]
     # the command: each set its own rows, labelled, the bar 15% each; exit 1 for the H100 row outside it
-    sets = {"h200": H200_SET, "h100": H100_SET}
-    monkeypatch.setattr(cli, "calibrated_sets", lambda: (list(sets), []))
-    monkeypatch.setattr(cli, "get_params", lambda name: sets[name])
-    for name in ("kernel_rows", "sequential_layer_rows", "fused_rows", "fused_backward_rows"):
-        monkeypatch.setattr(validate, name, lambda gpu, results_dir, measured_on: [])
-    monkeypatch.setattr(cli, "measured_rows", lambda name, gpu: validate.measured_rows(name, gpu, tmp_path))
-    monkeypatch.setattr(cli, "link_note", lambda measured_on: validate.link_note(tmp_path, measured_on))
-    monkeypatch.setattr(cli.calibrate, "describe", lambda gpu: gpu.name)
+    validate_links_only(monkeypatch, tmp_path, {"h200": H200_SET, "h100": H100_SET})
     assert cli.main(["--validate", "--measured-only"]) == 1
     out = capsys.readouterr().out
     assert "# h200 parameters: pinned\n# h100 parameters: slower\n" in out

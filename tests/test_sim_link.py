@@ -274,15 +274,21 @@ def test_validate_judges_the_link_rows(tmp_path):
     assert "no row of bench_layer_link.jsonl" in validate.link_note(_write(tmp_path / "other", rows[5:]))
 
 
-def test_validate_command_fails_on_a_link_row_outside_the_bar(tmp_path, monkeypatch, capsys):
-    folder = _write(tmp_path, [_link_row("fwd", "sequential", 1.05)])
-    monkeypatch.setattr(cli, "calibrated_sets", lambda: (["h200"], []))
-    monkeypatch.setattr(cli, "get_params", lambda name: GPU)
+def validate_links_only(monkeypatch, folder, sets: dict) -> None:
+    """Make `sim --validate` judge only the link rows of results folder `folder`, with the parameter
+    sets `sets` ({calibrated set name: GpuParams}, each described by its GpuParams name)."""
+    monkeypatch.setattr(cli, "calibrated_sets", lambda: (list(sets), []))
+    monkeypatch.setattr(cli, "get_params", lambda name: sets[name])
     for name in ("kernel_rows", "sequential_layer_rows", "fused_rows", "fused_backward_rows"):
         monkeypatch.setattr(validate, name, lambda gpu, results_dir, measured_on: [])
     monkeypatch.setattr(cli, "measured_rows", lambda name, gpu: validate.measured_rows(name, gpu, folder))
     monkeypatch.setattr(cli, "link_note", lambda measured_on: validate.link_note(folder, measured_on))
     monkeypatch.setattr(cli.calibrate, "describe", lambda gpu: gpu.name)
+
+
+def test_validate_command_fails_on_a_link_row_outside_the_bar(tmp_path, monkeypatch, capsys):
+    folder = _write(tmp_path, [_link_row("fwd", "sequential", 1.05)])
+    validate_links_only(monkeypatch, folder, {"h200": GPU})
     assert cli.main(["--validate", "--measured-only"]) == 0
     assert "fwd sequential medium link 368 GB/s" in capsys.readouterr().out
     _write(tmp_path, [_link_row("fwd", "sequential", 1.25)])

@@ -138,7 +138,7 @@ def _emulation(args, given: set) -> int:
     if "policy" in given:
         raise ValueError("--policy: the emulation's sequential stages follow MoK's directions (sim/layer.py)")
     if "gpu" not in given:
-        args.gpu = "h200"  # the GPU bench_layer runs on
+        args.gpu = "h200"  # a GPU bench_layer runs on (--gpu h100 for the other)
     gpu, knobs = get_params(args.gpu), plans.FusedKnobs(args.comm_sms, args.minibatch, assign=args.assign,
                                                          raster=args.raster, claim=args.claim,
                                                          segment_rows=args.segment_rows)

@@ -101,7 +101,8 @@ def missing_rows(name: str, results_dir=results.RESULTS_DIR) -> list[tuple[str, 
     one, two = f"an {spec.match}", f"2 {link.match}s"
     out = []
     gemm_shape, routing = spec.selectors["gemm"]
-    have = {r["problem"] for r in newest_gemm_rows(results_dir, name) if (r["shape"], r["routing"]) == (gemm_shape, routing)}
+    have = {r["problem"] for r in newest_gemm_rows(results_dir, name)
+            if (r["shape"], r["routing"]) == (gemm_shape, routing)}
     if lacking := [p for p in PROBLEMS if p not in have]:
         out.append((one, f"bench_gemm {gemm_shape} {routing} ({', '.join(lacking)})",
                     MEASURES["bench_gemm"].format(shape=gemm_shape)))

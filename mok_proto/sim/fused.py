@@ -1,6 +1,6 @@
 """The fused passes (cuda/fused.cuh executing a `plan.fused_forward` / `plan.fused_backward` plan)
 against their measured in-kernel timelines (results/timelines/, found through its index:
-`results.timeline_index`), written by scripts/bench_layer.py for one EP=64 rank's share on one H200
+`results.timeline_index`), written by scripts/bench_layer.py for one EP=64 rank's share on one GPU
 (2 virtual ranks, rank 0 traced: the emulation of sim/layer.py), times in ns from the first task's
 start.
 
@@ -11,8 +11,8 @@ Shape legend: N tokens/rank, H hidden, K top-k, MB minibatch rows, C communicati
   spread_from) and checked task by task against them, so the simulated and the measured records of
   one plan correspond one to one;
 * `calibrate` (called by sim/calibrate.py): the in-kernel copy costs and the movers' token-task rates,
-  each from the tasks of the one timeline whose index row says sim_calibrates=<key>
-  (FUSED_CALIBRATION): a communicating CTA's copy rate per byte (the warp movers) and a task's fixed
+  each from the tasks of the one timeline of the set's GPU whose index row says sim_calibrates=<key>
+  (FUSED_CALIBRATION; a key without one for that GPU: another set's fields, sim.gpus): a communicating CTA's copy rate per byte (the warp movers) and a task's fixed
   cost, the same two of the retired bulk-copy ring (per row), the spare warps' (per byte, from a
   comm_blocks == 0 timeline of a kernel whose counter waits back off), and the read and write rates of
   the fused backward's token-side tasks. The combine tasks (the same copies the other way), the GEMM
@@ -163,8 +163,9 @@ def calibration_timeline(key: str, results_dir=results.RESULTS_DIR, measured_on:
     (`calibration_timelines`). Raises ValueError without exactly one."""
     found = calibration_timelines(key, results_dir, measured_on)
     if len(found) != 1:
-        raise ValueError(f"{len(found)} {gpus.spec(measured_on).match} timelines in {results.timelines_dir(results_dir)} "
-                         f"say sim_calibrates={key!r}: the fused kernel's calibration needs one")
+        raise ValueError(f"{len(found)} {gpus.spec(measured_on).match} timelines in "
+                         f"{results.timelines_dir(results_dir)} say sim_calibrates={key!r}: the fused kernel's "
+                         "calibration needs one")
     return found[0]
 
 

@@ -25,7 +25,7 @@ the same HBM, so the load is all local (a row transfer is an HBM row copy), and 
 are raised before the timed region, so a wait costs its kernel boundary only (`one_gpu`).
 
 Calibration (`calibrate`, called by sim/calibrate.py): the stages named in LAYER_CALIBRATION of ONE
-shape fit three parameters; every other stage, and every stage of the other shapes, stays a
+shape, measured on the set's GPU (`compared_rows`' measured_on, sim.gpus), fit three parameters; every other stage, and every stage of the other shapes, stays a
 prediction that --validate judges.
 """
 

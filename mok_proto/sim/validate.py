@@ -201,8 +201,8 @@ def sequential_layer_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR, measu
                 check, note = "calibration", f"fits {fitted_by[r['pass'], stage]}"
             else:
                 check, note = ("explained", why) if why else ("judged", "")
-            rows.append(Row(f"{measured_on} layer sequential", f"{r['pass']} {what} {r['shape']}", ms, predicted[stage] / 1e6,
-                            "ms", check, note=note))
+            rows.append(Row(f"{measured_on} layer sequential", f"{r['pass']} {what} {r['shape']}", ms,
+                            predicted[stage] / 1e6, "ms", check, note=note))
     return rows
 
 
@@ -225,7 +225,8 @@ SPUN = ("its kernel spun on ld.acquire with 64 ns sleeps in the counter waits (w
 def compared_timelines(results_dir=results.RESULTS_DIR, pass_: str = "fwd", measured_on: str = "h200") -> list[dict]:
     """The index rows of bench_layer's timelines of pass_ measured on measured_on's GPU that sim
     --validate compares (sim_compared): the forward's by file name, the backward's by time (then name)."""
-    found = gpus.rows_on(results.timeline_index(results_dir, pass_, bench="bench_layer", sim_compared=True), measured_on)
+    found = results.timeline_index(results_dir, pass_, bench="bench_layer", sim_compared=True)
+    found = gpus.rows_on(found, measured_on)
     return sorted(found, key=lambda e: (e["file"],) if pass_ == "fwd" else (e["time"], e["file"]))
 
 
@@ -310,7 +311,8 @@ def link_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR, measured_on: str 
             ns = fused.fused_pass_ns(shape, ran, pass_, plans.FusedKnobs.from_row(r), r["num_sms"], link)
             what += f" C={r['comm_blocks']} MB={r['minibatch_tokens']}"
             why = SPUN if spare_warps_spun(r, r["comm_blocks"], r.get("spread_from")) else ""
-        rows.append(Row(f"{measured_on} link", what, r["median_ms"], ns / 1e6, "ms", *(("explained", why) if why else ())))
+        rows.append(Row(f"{measured_on} link", what, r["median_ms"], ns / 1e6, "ms",
+                        *(("explained", why) if why else ())))
     return rows
 
 
