@@ -27,17 +27,16 @@
 // ragged sizes (0, 1, 129, ...) need no padding. Weight gradients: one CTA owns one output tile and sums K in
 // order: deterministic, no atomics.
 // Clusters: tile t of the pair grid (tile pairs along M) is run by both CTAs of one cluster; the
-// CTA with cluster rank `cta` takes the pair's tile `cta`. Row problems pair the experts' row tiles
-// in one list (tile_of), so a pair may hold two experts' tiles (Tile.multicast false: each CTA then
-// loads all of its B itself), as a fused plan's pair may; where the list has an odd number of
-// tiles the last pair's cta 1 recomputes its partner's tile (its loads stay in bounds, its half of
-// B is still needed) and stores nothing. (`cta` is the CTA's rank in its cluster; this header has
-// no EP rank.)
+// CTA with cluster rank `cta` takes M tile 2i + cta. Where an expert has an odd number of M tiles
+// the last pair's cta 1 recomputes its partner's tile (its loads stay in bounds, its half of B is
+// still needed) and stores nothing. A fused plan's pair may hold two experts' tiles
+// (Tile.multicast false): each CTA then loads all of its B itself. (`cta` is the CTA's rank in its
+// cluster; this header has no EP rank.)
 //
 // Building blocks, so that a persistent kernel can run any sequence of tiles:
 //   SharedStorage   the shared-memory layout; sizeof + 1 KB of alignment slack is the launch's
 //                   dynamic shared memory (kSmemBytes, read by Python through export_sizes)
-//   gemm_setup      barriers, the tile prefix, the cluster's abort decision; returns the tile count
+//   gemm_setup      barriers, the pair prefix, the cluster's abort decision; returns the tile count
 //   Ring            stage and phase of the mbarrier ring, advanced in the same order by the
 //                   producer and the consumers
 //   produce_tile    the producer warpgroup's loads of one tile into the ring
@@ -88,7 +87,7 @@ struct SharedStorage {
   int ticket[kTickets];                           // fused.cuh: claimed tile pairs, cta 0 -> both CTAs
   u64 ticket_full[kTickets];                      // fused.cuh: a ticket written (cta 0's arrive)
   u64 ticket_empty[kTickets];                     // fused.cuh (cta 0's only): every reader took it
-  int tile_prefix[kMaxGroups + 1];                // row problems: row tiles before expert g
+  int pair_prefix[kMaxGroups + 1];                // row problems: pair rows before expert g
 };
 constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
 static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block may have on sm_90");
@@ -141,32 +140,20 @@ __device__ __forceinline__ Tile group_tile(const Params* p, int group, int m_til
   return tile;
 }
 
-// The last of `groups` ascending entries (row offsets, or tile_prefix) at or below `value`: the
-// group it falls in (empty groups share their successor's entry, and the later one is taken).
-__device__ __forceinline__ int group_at(const int* entries, int groups, int value) {
-  int lo = 0, hi = groups;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (entries[mid] <= value) lo = mid; else hi = mid;
-  }
-  return lo;
-}
-
-// Pair tile t of this problem, as run by cluster CTA `cta`. Row problems: the experts' row tiles
-// (ceil(T_e / BM) each; tile_prefix holds their running count) in one list, paired in order, x n
-// tiles: pair mp is list tiles 2 mp (cta 0) and 2 mp + 1 (cta 1), which may be two experts' (then
-// neither multicasts B); an odd list's last pair repeats its first tile (store false). Weight
-// gradients: ceil((M / BM) / 2) pair rows x n tiles per expert.
+// Pair tile t of this problem, as run by cluster CTA `cta`. Row problems: per expert
+// ceil(ceil(T_e / BM) / 2) pair rows x n tiles; pair_prefix holds the running count of pair rows.
+// Weight gradients: ceil((M / BM) / 2) pair rows x n tiles per expert.
 template <int kP, int kDepth = kBK, class Params>
-__device__ __forceinline__ Tile tile_of(const Params* p, const int* tile_prefix, int t, int cta) {
+__device__ __forceinline__ Tile tile_of(const Params* p, const int* pair_prefix, int t, int cta) {
   const int n_tiles = static_cast<int>(p->n) / Traits<kP>::kTileN;
   if (Traits<kP>::kRowProblem) {
-    const int mp = t / n_tiles, groups = static_cast<int>(p->num_groups), total = tile_prefix[groups];
-    const int mine = 2 * mp + cta, other = 2 * mp + 1 - cta;
-    const int group = group_at(tile_prefix, groups, mine < total ? mine : total - 1);
-    Tile tile = group_tile<kP, kDepth>(p, group, mine - tile_prefix[group], t - mp * n_tiles);
-    tile.multicast = mine >= total || other >= total || group_at(tile_prefix, groups, other) == group;
-    return tile;
+    const int mp = t / n_tiles;
+    int lo = 0, hi = static_cast<int>(p->num_groups);  // last group with prefix <= mp
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (pair_prefix[mid] <= mp) lo = mid; else hi = mid;
+    }
+    return group_tile<kP, kDepth>(p, lo, 2 * (mp - pair_prefix[lo]) + cta, t - mp * n_tiles);
   }
   const int per_group = ceil_div(static_cast<int>(p->m) / kBM, 2) * n_tiles;
   const int group = t / per_group, r = t - group * per_group;
@@ -596,7 +583,7 @@ __device__ __forceinline__ void release_stage(Storage& ss, int s, int wg_tid) {
   if ((wg_tid & 31) < kCluster) mbar_arrive_cluster(&ss.empty[s], wg_tid & 31);
 }
 
-// Barriers, the tile prefix and the cluster's abort decision; every thread of both CTAs calls it.
+// Barriers, the pair prefix and the cluster's abort decision; every thread of both CTAs calls it.
 // Returns the number of pair tiles (0 if an error was already recorded: an earlier launch's, on a
 // shared record; decided once by cta 0 for both CTAs so that neither loads into a partner that
 // left).
@@ -612,10 +599,10 @@ __device__ __forceinline__ int gemm_setup(const Params* p, Storage& ss, int cta)
     fence_mbarrier_init_cluster();
     int total = 0;
     for (int g = 0; g < num_groups; ++g) {
-      ss.tile_prefix[g] = total;
-      if (Tr::kRowProblem) total += ceil_div(ptr<const int>(p->row_counts)[g], kBM);
+      ss.pair_prefix[g] = total;
+      if (Tr::kRowProblem) total += ceil_div(ceil_div(ptr<const int>(p->row_counts)[g], kBM), 2);
     }
-    ss.tile_prefix[num_groups] = total;
+    ss.pair_prefix[num_groups] = total;
   }
   cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
   if (threadIdx.x == 0 && cta == 0) {
@@ -625,7 +612,7 @@ __device__ __forceinline__ int gemm_setup(const Params* p, Storage& ss, int cta)
   cluster_sync();
   const int n_tiles = static_cast<int>(p->n) / Tr::kTileN;
   return ss.abort ? 0
-         : Tr::kRowProblem ? ceil_div(ss.tile_prefix[num_groups], 2) * n_tiles
+         : Tr::kRowProblem ? ss.pair_prefix[num_groups] * n_tiles
                            : num_groups * ceil_div(static_cast<int>(p->m) / kBM, 2) * n_tiles;
 }
 
@@ -764,14 +751,14 @@ __device__ __forceinline__ void run_tiles(const GemmParams* p, SharedStorage& ss
     warpgroup_reg_dealloc<kProducerRegs>();
     // NOTE: threads let run ahead to the final cluster barrier instead (warp 0 diverged around its
     // TMA lane) make the row GEMMs much slower: all 128 producer threads walk every tile.
-    while (tiles.next(t)) ok = produce_tile<kP>(p, ss, ring, tile_of<kP>(p, ss.tile_prefix, t, cta), cta, wg_tid, ok);
+    while (tiles.next(t)) ok = produce_tile<kP>(p, ss, ring, tile_of<kP>(p, ss.pair_prefix, t, cta), cta, wg_tid, ok);
     if (wg_tid == 0) drain_loads(ss, ring);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
     float acc[128];
     float* staging = ss.staging[threadIdx.x / 32 - 4];
     while (tiles.next(t))
-      ok = consume_tile<kP>(p, ss, ring, tile_of<kP>(p, ss.tile_prefix, t, cta), acc, staging, wg - 1, wg_tid, ok);
+      ok = consume_tile<kP>(p, ss, ring, tile_of<kP>(p, ss.pair_prefix, t, cta), acc, staging, wg - 1, wg_tid, ok);
   }
 }
 

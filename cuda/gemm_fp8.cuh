@@ -106,7 +106,7 @@ struct SharedStorage {
   u64 empty[kStages];                             // consumers (both CTAs) -> producers: stage free
   int abort;                                      // set in both CTAs by cta 0: skip every tile
   int num_tiles;                                  // the standalone kernel's pair tiles (SharedCountTiles)
-  int tile_prefix[kMaxGroups + 1];                // row problems: row tiles before expert g
+  int pair_prefix[kMaxGroups + 1];                // row problems: pair rows before expert g
 };
 constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
 static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block may have on sm_90");
@@ -115,10 +115,9 @@ static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block ma
 // Producer: one stage's codes (lane 0 of warp 0, TMA) and scales (every lane of warp 0)
 // ---------------------------------------------------------------------------------------------
 // A [128 rows x 128 k] into this CTA; B half `cta` [128 rows x 128 k] into both CTAs of the
-// cluster (the partner loads the other half); where the pair's tiles are two experts'
-// (Tile.multicast false: row problems only) both halves into this CTA only. Row problems: B is
-// expert `group`'s [N, K] matrix (rows group * N + n), dual (kGateUp): half h is matrix h at the
-// tile's 128 columns. Weight
+// cluster (the partner loads the other half). Always by multicast: the standalone scheduler's pairs
+// are one expert's (gemm::tile_of; Tile.multicast is a fused kernel's case). Row problems: B is expert `group`'s [N, K] matrix
+// (rows group * N + n), dual (kGateUp): half h is matrix h at the tile's 128 columns. Weight
 // gradients: A = X^T [M, rows], B = Y^T [N, rows] at k = the expert's rows row0 + k0 ..
 template <int kP>
 __device__ __forceinline__ void load_stage_tma(const Fp8GemmParams* p, const Tile& tile, int kb, u32 s_a, u64* bar,
@@ -132,18 +131,9 @@ __device__ __forceinline__ void load_stage_tma(const Fp8GemmParams* p, const Til
     const bool second = kP == kGateUpBwd && k0 >= p->k_split;  // dx: dg/Wg, then du/Wu
     const int k_in = second ? k0 - static_cast<int>(p->k_split) : k0;
     tma_load_2d(s_a, second ? p->tmap_a2 : p->tmap_a1, k_in, tile.row0 + tile.m0, bar);
-    if (tile.multicast) {
-      const i64 b_map = (Tr::kDualB ? cta : second) ? p->tmap_b2 : p->tmap_b1;
-      const int n_row = tile.group * static_cast<int>(p->n) + tile.n0 + (Tr::kDualB ? 0 : 128 * cta);
-      tma_load_2d_multicast(s_b, b_map, k_in, n_row, bar, kBoth);
-    } else {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const i64 b_map = (Tr::kDualB ? h : second) ? p->tmap_b2 : p->tmap_b1;
-        const int n_row = tile.group * static_cast<int>(p->n) + tile.n0 + (Tr::kDualB ? 0 : 128 * h);
-        tma_load_2d(s_a + kATileBytes + h * kHalfBytes, b_map, k_in, n_row, bar);
-      }
-    }
+    const i64 b_map = (Tr::kDualB ? cta : second) ? p->tmap_b2 : p->tmap_b1;
+    const int n_row = tile.group * static_cast<int>(p->n) + tile.n0 + (Tr::kDualB ? 0 : 128 * cta);
+    tma_load_2d_multicast(s_b, b_map, k_in, n_row, bar, kBoth);
   } else {
     const int k_row = tile.row0 + k0;
     tma_load_2d(s_a, p->tmap_a1, k_row, tile.m0, bar);
@@ -420,7 +410,7 @@ __device__ __forceinline__ void run_tiles(const Fp8GemmParams* p, SharedStorage&
   if (wg == 0) {
     warpgroup_reg_dealloc<kProducerRegs>();
     while (tiles.next(t))
-      ok = produce_tile<kP>(p, ss, ring, gemm::tile_of<kP, kKBlock>(p, ss.tile_prefix, t, cta), cta, wg_tid, ok);
+      ok = produce_tile<kP>(p, ss, ring, gemm::tile_of<kP, kKBlock>(p, ss.pair_prefix, t, cta), cta, wg_tid, ok);
     if (wg_tid < 32) cp_async_wait_all();  // warp 0's scale copies
     if (wg_tid == 0) gemm::drain_loads(ss, ring);
   } else {
@@ -428,7 +418,7 @@ __device__ __forceinline__ void run_tiles(const Fp8GemmParams* p, SharedStorage&
     float acc[128];
     float* staging = ss.staging[threadIdx.x / 32 - 4];
     while (tiles.next(t))
-      ok = consume_tile<kP>(p, ss, ring, gemm::tile_of<kP, kKBlock>(p, ss.tile_prefix, t, cta), acc, staging, wg - 1,
+      ok = consume_tile<kP>(p, ss, ring, gemm::tile_of<kP, kKBlock>(p, ss.pair_prefix, t, cta), acc, staging, wg - 1,
                             wg_tid, ok);
   }
 }

@@ -105,13 +105,13 @@ def test_rows_carry_their_stamp(tmp_path, monkeypatch):
     path = rows.append_result("bench_x", {"shape": "kimi-k2.7", "median_ms": 1.5}, tmp_path)
     rows.append_result("bench_x", {"shape": "glm-5.2", "wait_spin": "plain"}, tmp_path)
     first, second = (json.loads(line) for line in path.read_text().splitlines())
-    assert list(first)[:8] == ["time", "git", "gpu", "command", "comm_mover", "wait_spin", "scale_traffic", "gemm_pairs"]
+    assert list(first)[:7] == ["time", "git", "gpu", "command", "comm_mover", "wait_spin", "scale_traffic"]
     assert first["gpu"] == "NVIDIA H100 80GB HBM3" and first["git"] == rows.git_sha()
     assert first["command"] == "scripts/bench_layer.py --shapes kimi-k2.7 --bar fwd_x_torch=1.2"
     from mok_proto.kernels.features import CURRENT
     from mok_proto.sim.params import KERNEL  # what the simulator takes a row without them for: the same place
 
     assert {k: first[k] for k in CURRENT} == CURRENT == KERNEL == {
-        "comm_mover": "warps", "wait_spin": "backoff", "scale_traffic": "stream", "gemm_pairs": "tile_list"}
+        "comm_mover": "warps", "wait_spin": "backoff", "scale_traffic": "stream"}
     assert first["median_ms"] == 1.5 and second["wait_spin"] == "plain"  # a row's own field wins
     assert rows.command_line(["/elsewhere/x.py", "a b"]) == "/elsewhere/x.py 'a b'"  # quoted as a shell takes it

@@ -256,19 +256,3 @@ def test_the_gpu_ring_check_runs_pairs_of_two_experts():
         for ring_rows in (sched.num_slots, ring.RANK0_ROWS // 4):
             assert "two" in _turn_pair_kinds(sched.expert_offsets, sched.tokens_per_expert, ring_rows), \
                 (num_ranks, ring_rows)
-
-
-def test_the_gpu_gemm_checks_pair_tiles_of_two_experts():
-    """tests/test_gemm.py's ragged experts, their row tiles in one list as the standalone kernels pair
-    them (cuda/gemm.cuh tile_of): some pair holds two experts' tiles (the loads without multicast),
-    the list is odd (a last pair's duplicate), and an empty expert sits among them."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("test_gemm_counts", Path(__file__).parent / "test_gemm.py")
-    gemm_tests = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gemm_tests)
-    tiles = [-(-c // P.BM) for c in gemm_tests.COUNTS]
-    owner = [e for e, n in enumerate(tiles) for _ in range(n)]  # the list's tiles, expert by expert
-    pairs = [owner[i:i + 2] for i in range(0, len(owner), 2)]
-    assert any(len(p) == 2 and p[0] != p[1] for p in pairs) and len(owner) % 2 and 0 in tiles

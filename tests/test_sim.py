@@ -1338,18 +1338,3 @@ def test_cli_simulates_a_chosen_claim(capsys):
     assert got["3"] == 3 and got[None] > 3  # the forward's default: every pair
     assert cli.main(args + ["--claim", "most"]) == 2  # a bad claim: one line, exit 2
     assert "claim" in capsys.readouterr().err
-
-
-def test_grouped_gemm_pairs_follow_the_kernel_feature(h200):
-    # the standalone kernels pair row tiles per expert ("expert": an odd count's last pair computes a
-    # duplicate) or over the experts' tiles in one list ("tile_list"): with every expert at an odd
-    # number of tiles the list saves the duplicates, with even counts the two agree
-    shape = ep_share("deepseek-v4-pro", 64)
-    odd, even = np.array([3 * 128] * 6), np.array([4 * 128] * 6)
-    for problem in ("gate_up", "down"):
-        per_expert, listed = (sim.grouped_gemm_ns(h200, problem, odd, shape, pairs=p) for p in ("expert", "tile_list"))
-        assert listed < per_expert
-        assert sim.grouped_gemm_ns(h200, problem, even, shape, pairs="expert") == pytest.approx(
-            sim.grouped_gemm_ns(h200, problem, even, shape, pairs="tile_list"))
-    # measured rows say which their kernel ran (every row before the list: "expert")
-    assert {r.get("gemm_pairs") for r in results.load("bench_gemm")} == {"expert"}

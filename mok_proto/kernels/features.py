@@ -1,12 +1,10 @@
 """The kernel features a measurement depends on, as the fields its results row records: who moves
 the fused kernel's rows on a communicating CTA (`comm_mover`), how its counter waits spin
-(`wait_spin`), how the backward's scale reads its rows (`scale_traffic`), how the standalone
-grouped GEMMs pair row tiles into cluster tiles (`gemm_pairs`: "expert", each expert's own tiles,
-an odd count's last one repeated; "tile_list", the experts' tiles in one list). The benchmarks stamp
+(`wait_spin`), how the backward's scale reads its rows (`scale_traffic`). The benchmarks stamp
 every new row with the current kernels' values; the simulator tells older measurements apart by
 them (mok_proto.sim.params). Edit here when a kernel changes one."""
 
-CURRENT = {"comm_mover": "warps", "wait_spin": "backoff", "scale_traffic": "stream", "gemm_pairs": "tile_list"}
+CURRENT = {"comm_mover": "warps", "wait_spin": "backoff", "scale_traffic": "stream"}
 
 
 def kernel_features() -> dict:

@@ -26,8 +26,7 @@ from mok_proto import results
 from mok_proto.config import get_shape
 from mok_proto.problem import rows_per_expert
 from mok_proto.sim import fused, gpus, layer
-from mok_proto.sim.params import (PROBLEMS, GpuParams, calibrated, calibration_file, grouped_gemm_ns, kernel_of,
-                                  params_to_json)
+from mok_proto.sim.params import PROBLEMS, GpuParams, calibrated, calibration_file, grouped_gemm_ns, params_to_json
 
 H200_CALIBRATION = gpus.SPECS["h200"].selectors  # what h200 is fitted on; everything else in results/ is predicted
 ROW_MOVES = (("dispatch", "pull"), ("combine", "push"), ("combine", "pull"))  # row_move's bench_comm stages
@@ -168,8 +167,7 @@ def fit(name: str, results_dir=results.RESULTS_DIR) -> GpuParams:
     rates = {}
     for r in gemm_rows:
         if (r["shape"], r["routing"]) == (shape_name, routing):
-            ns_at_one = grouped_gemm_ns(base, r["problem"], gemm_rows_per_expert(r), get_shape(r["shape"]),
-                                        pairs=kernel_of(r)["gemm_pairs"])
+            ns_at_one = grouped_gemm_ns(base, r["problem"], gemm_rows_per_expert(r), get_shape(r["shape"]))
             rates[r["problem"]] = ns_at_one / (r["ours"]["median_ms"] * 1e6)
     # HBM: a copy of B bytes reads and writes B: 1/copy = 1/read + 1/write; a push dispatch on
     # one GPU reads each token row once and writes K rows: t = tokens/read + pairs/write.

@@ -219,24 +219,16 @@ def gemm_tiles(problem: str, rows: np.ndarray, shape: MoEShape) -> tuple[np.ndar
 
 
 def grouped_gemm_ns(gpu: GpuParams, problem: str, rows: np.ndarray, shape: MoEShape,
-                    num_ctas: int | None = None, pairs: str = KERNEL["gemm_pairs"]) -> float:
+                    num_ctas: int | None = None) -> float:
     """Makespan of a grouped GEMM as the standalone kernel runs it in bench_gemm (isolated tile
-    rates): CTAs in clusters of two take two row tiles at once, of one expert (pairs "expert": each
-    expert's tiles paired, an odd count's last pair half wasted) or the next two of the experts'
-    tiles in one list ("tile_list", the kernel feature `gemm_pairs`); cluster-tile t of the
-    expert-major list runs on cluster t % clusters. Weight gradients: one CTA per output tile, tile
-    t on CTA t % num_ctas."""
+    rates): CTAs in clusters of two share a weight tile, so a cluster takes two row tiles of one
+    expert (256 rows) at once; cluster-tile t of the expert-major list runs on cluster t %
+    clusters. Weight gradients: one CTA per output tile, tile t on CTA t % num_ctas."""
     num_ctas = num_ctas or gpu.num_sms
     rows = np.asarray(rows, np.int64)
     counts, k = gemm_tiles(problem, rows, shape)
     if not problem.endswith("wgrad"):
-        row_tiles = -(-rows // BM)
-        if pairs == "expert":
-            counts = counts // row_tiles.clip(1) * -(-row_tiles // 2)
-        else:  # every expert's k is the problem's: one list of ceil(tiles / 2) cluster tiles
-            cols = int(counts.sum() // max(int(row_tiles.sum()), 1))
-            counts = np.array([-(-int(row_tiles.sum()) // 2) * cols])
-            k = k[:1]
+        counts = counts // (-(-rows // BM)).clip(1) * -(-rows // (2 * BM))  # per 256-row pair
         num_ctas //= 2
     dur = np.repeat(gpu.tile_ns(problem, k, sustained=False), counts)  # ns, as bench_gemm times it
     return float(np.bincount(np.arange(len(dur)) % num_ctas, dur).max()) if len(dur) else 0.0

@@ -41,7 +41,7 @@ from mok_proto.sim import fused, gpus, layer
 from mok_proto.sim.calibrate import (ROW_MOVES, calibration_stages, comm_bytes, gemm_rows_per_expert, newest_comm_rows,
                                      newest_gemm_rows, stage_ms)
 from mok_proto.sim.model import simulate
-from mok_proto.sim.params import (GpuParams, calibration_file, gb300_nvl72, get_params, grouped_gemm_ns, kernel_of,
+from mok_proto.sim.params import (GpuParams, calibration_file, gb300_nvl72, get_params, grouped_gemm_ns,
                                   nccl_links, spare_warps_spun)
 
 MEASURED_TOLERANCE = 0.15  # every measured group of every calibrated set
@@ -155,7 +155,7 @@ def kernel_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR, measured_on: st
         counts = gemm_rows_per_expert(r)
         calib = (r["shape"], r["routing"]) == selectors["gemm"]
         rows.append(Row(f"{measured_on} gemm", f"{r['problem']} {r['shape']} {r['routing']}", r["ours"]["median_ms"],
-                        grouped_gemm_ns(gpu, r["problem"], counts, s, pairs=kernel_of(r)["gemm_pairs"]) / 1e6, "ms",
+                        grouped_gemm_ns(gpu, r["problem"], counts, s) / 1e6, "ms",
                         "calibration" if calib else "judged"))
     seen = set()
     for r in newest_comm_rows(results_dir, measured_on):
