@@ -418,7 +418,7 @@ def test_link_bars_and_checks_each_catch_their_miss():
     from mok_proto.link import LinkModel
 
     shape, link = emulated_shape("kimi-k2.7"), LinkModel(900, latency_us=2.0, every_row=True)
-    lenient = parse_bars(["link_overlap_fwd=0.7,link_overlap_bwd=0.7"], BARS)
+    lenient = parse_bars(["link_overlap_fwd=0.7,link_overlap_bwd=0.7,link_judged_gbps=900"], BARS)
     no_link, measured = _link_case()
     assert link_report("kimi-k2.7", shape, link, measured, no_link, lenient).failed == []
     # the forward's x sequential at the link speed: 2.42 / 2.15 = 1.13 < 1.15, and its efficiency
@@ -448,6 +448,30 @@ def test_link_bars_and_checks_each_catch_their_miss():
     assert len(failed) == 1 and failed[0].endswith("not equal to sequential, not equal to the run without the link")
     lines = link_table(link, report.table)
     assert "900 GB/s per direction, round trip 2 us" in lines[0] and lines[1].split()[:3] == ["shape", "pass", "seq_ms"]
+
+
+def test_link_speed_bars_are_judged_only_up_to_link_judged_gbps():
+    from mok_proto.bench.cli import parse_bars
+    from mok_proto.bench.emulation import emulated_shape
+    from mok_proto.bench.layer_rows import BARS, link_report
+    from mok_proto.link import LinkModel
+
+    # a forward 1.13x sequential with efficiency -0.07 and a backward that differs from the run without the link
+    slow = dict(link_fwd=[_fused_row(0, 1.80, 2.40, best=(2.15, 2.42))], equal=False)
+    shape = emulated_shape("kimi-k2.7")
+    for gbps, judged in ((368, True), (900, False)):
+        no_link, measured = _link_case(**slow)
+        report = link_report("kimi-k2.7", shape, LinkModel(gbps, latency_us=2.0, every_row=True), measured, no_link, BARS)
+        speed = [f for f in report.failed if "x sequential" in f or "overlap efficiency" in f]
+        assert bool(speed) == judged, (gbps, report.failed)
+        assert any("not equal to the run without the link" in f for f in report.failed)  # always judged
+        fwd = report.table[0].split()
+        assert (fwd[7], fwd[9]) == (("1.15", "0.8") if judged else ("-", "-"))
+    lowered = parse_bars(["link_judged_gbps=1000"], BARS)
+    no_link, measured = _link_case(**slow)
+    failed = link_report("kimi-k2.7", shape, LinkModel(900, latency_us=2.0, every_row=True), measured, no_link,
+                         lowered).failed
+    assert any("x sequential 1.13" in f for f in failed)
 
 
 def test_same_results_compares_the_pass_s_own_results_bit_for_bit():

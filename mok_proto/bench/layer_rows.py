@@ -34,6 +34,9 @@ BARS = {
     "link_fused_fwd_x_seq": Bar(1.15, "--link-gbps: the best fused forward x the sequential forward at the link speed"),
     "link_overlap_fwd": Bar(0.8, "--link-gbps: the best fused forward's overlap efficiency"),
     "link_overlap_bwd": Bar(0.8, "--link-gbps: the best fused backward's overlap efficiency"),
+    # Above this speed the link adds about the run-to-run spread to a pass: its figures are reported only.
+    "link_judged_gbps": Bar(368.0, "--link-gbps: the link speed bars are judged at speeds up to this, GB/s",
+                            at_most=True),
 }
 
 
@@ -253,8 +256,9 @@ def link_report(name, shape, link, measured, no_link, bars, fields: dict = UNIFO
             row.update(got, equal_to_no_link=equal and row["equal_to_sequential"])
             out.rows.append((LINK_FILE, {**common, "schedule": "fused", **row,
                                          "tflops": tflops(flops[pass_], row["median_ms"]), "best_of_run": row is best}))
-        out.failed += judge_link(f"{name} {speed}", pass_, rows, best, bars)
-        out.table.append(link_line(name, pass_, best, retimed_no_link(by_setting.get(setting(best))), bars))
+        judged = bars["link_judged_gbps"].met(link.gbps)
+        out.failed += judge_link(f"{name} {speed}", pass_, rows, best, bars, speed_bars=judged)
+        out.table.append(link_line(name, pass_, best, retimed_no_link(by_setting.get(setting(best))), bars, judged))
     return out
 
 
@@ -267,15 +271,18 @@ def retimed_no_link(base: dict | None) -> tuple:
             base.get("retimed_median_ms", base["median_ms"]))
 
 
-def judge_link(label: str, pass_: str, rows: list, best: dict, bars) -> list:
+def judge_link(label: str, pass_: str, rows: list, best: dict, bars, speed_bars: bool = True) -> list:
     """What a pass's fused rows at one link speed miss: a result unequal to the sequential pass or to
-    the run without the link, or the best setting under the bars (the forward's x sequential, each
-    pass's overlap efficiency, both from its timing again)."""
+    the run without the link, or (speed_bars: the link speed is judged, bar link_judged_gbps) the
+    best setting under the bars (the forward's x sequential, each pass's overlap efficiency, both from
+    its timing again)."""
     missed = [f"{label} fused {pass_} comm={r['comm_blocks']} minibatch={r['minibatch_tokens']}: " + ", ".join(
         what for what, ok in (("not equal to sequential", r["equal_to_sequential"]),
                               ("repeat differs", r["bitwise_repeat"]),
                               ("not equal to the run without the link", r["equal_to_no_link"])) if not ok)
         for r in rows if not (r["equal_to_sequential"] and r["bitwise_repeat"] and r["equal_to_no_link"])]
+    if not speed_bars:
+        return missed
     x_seq = bars.get(f"link_fused_{pass_}_x_seq")
     if x_seq is not None and not x_seq.met(best["retimed_speedup_vs_sequential"]):
         missed.append(f"{label} fused {pass_}: x sequential {best['retimed_speedup_vs_sequential']:.2f}, bar {x_seq}")
@@ -291,14 +298,17 @@ LINK_HEADER = (f"{'shape':<16}{'pass':<5}{'seq_ms':>9}{'seq_link':>9}{'fused_ms'
                f"{'bar':>6}{'overlap':>8}{'bar':>6}{'equal':>7}  setting")
 
 
-def link_line(name: str, pass_: str, best: dict, no_link: tuple, bars) -> str:
-    """One row of a link speed's table: the best fused setting's figures with and without the link."""
+def link_line(name: str, pass_: str, best: dict, no_link: tuple, bars, judged: bool = True) -> str:
+    """One row of a link speed's table: the best fused setting's figures with and without the link
+    (the bars' columns '-' where the speed is not judged)."""
     x_seq, overlap = bars.get(f"link_fused_{pass_}_x_seq"), bars[f"link_overlap_{pass_}"]
+    if not judged:
+        x_seq = overlap = None
     eff = best.get("retimed_overlap_efficiency")
     return (f"{name:<16}{pass_:<5}{no_link[0]:>9.3f}{best['retimed_sequential_median_ms']:>9.3f}{no_link[1]:>9.3f}"
             f"{best['retimed_median_ms']:>9.3f}{best['retimed_speedup_vs_sequential']:>7.2f}"
             f"{'-' if x_seq is None else f'{x_seq.value:g}':>6}{'-' if eff is None else f'{eff:.2f}':>8}"
-            f"{overlap.value:>6g}{str(best['equal_to_no_link'] and best['equal_to_sequential']):>7}  "
+            f"{'-' if overlap is None else f'{overlap.value:g}':>6}{str(best['equal_to_no_link'] and best['equal_to_sequential']):>7}  "
             f"comm={best['comm_blocks']} minibatch={best['minibatch_tokens']} claim={best['claim_pairs']}")
 
 
