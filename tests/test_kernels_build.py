@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from mok_proto import abi
-from mok_proto.kernels import build, comm, fp8, fused, gemm, gemm_fp8, token  # noqa: F401 - registers the modules
+from mok_proto.kernels import build, comm, features, fp8, fused, gemm, gemm_fp8, token  # noqa: F401 - registers the modules
 
 NVCC = shutil.which("nvcc")
 SPILL_FREE = ("gemm.cuh", "gemm_fp8.cuh")  # the standalone GEMM tiles: ptxas -v must show no spills
@@ -27,10 +27,22 @@ def _targets(variants: bool = True):
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
 @pytest.mark.parametrize("header,arch", _targets(variants=False))
 def test_every_kernel_compiles_with_nvcc(tmp_path, header, arch):
+    _compile_clean(tmp_path, header, arch)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
+@pytest.mark.parametrize("variant", [1, 2, 4, features.GEMM_VARIANTS - 1])
+def test_gemm_variants_compile_without_spills(tmp_path, variant):
+    """Each experimental standalone GEMM variant ($MOK_GEMM_VARIANT) alone, and all of them."""
+    _compile_clean(tmp_path, "gemm.cuh", "sm_90a", (f"MOK_GEMM_VARIANT={variant}",))
+
+
+def _compile_clean(tmp_path, header, arch, defines=()):
     src = tmp_path / "instantiate.cu"
     src.write_text(build.MODULES[header].instantiation_source())
     virtual = arch.replace("sm_", "compute_")  # sm_90a needs compute_90a PTX (wgmma, setmaxnreg)
-    proc = subprocess.run([NVCC, *build.CXX_OPTIONS, "-gencode", f"arch={virtual},code={arch}", f"-I{build.CUDA_DIR}",
+    proc = subprocess.run([NVCC, *build.CXX_OPTIONS, *(f"-D{d}" for d in defines), "-gencode",
+                           f"arch={virtual},code={arch}", f"-I{build.CUDA_DIR}",
                            "-c", str(src), "-o", str(tmp_path / "out.o"), "-Xptxas", "-v"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -149,3 +161,14 @@ def test_the_quantizers_keep_subnormals_under_ftz(tmp_path):
     assert len(kernels) >= 10  # the row, block and segment quantizers of each input type
     flushing = {k.split("(")[0]: sorted(set(re.findall(r"\b\w+(?:\.\w+)*\.ftz\b(?:\.\w+)*", k))) for k in kernels}
     assert not any(flushing.values()), {k: v for k, v in flushing.items() if v}
+
+
+def test_gemm_variant_is_read_from_the_environment_and_stamped_on_rows(monkeypatch):
+    monkeypatch.delenv(features.GEMM_VARIANT_ENV, raising=False)
+    assert features.gemm_variant() == 0 and "gemm_variant" not in features.kernel_features()
+    monkeypatch.setenv(features.GEMM_VARIANT_ENV, "5")
+    assert features.gemm_variant() == 5 and features.kernel_features()["gemm_variant"] == 5
+    for bad in ("8", "-1", "two"):
+        monkeypatch.setenv(features.GEMM_VARIANT_ENV, bad)
+        with pytest.raises(ValueError, match="MOK_GEMM_VARIANT"):
+            features.gemm_variant()
