@@ -155,6 +155,17 @@ __device__ __forceinline__ Tile group_tile(const Params* p, int group, int m_til
   return tile;
 }
 
+// Row problems: the expert of pair row mp (the last with pair_prefix <= mp).
+template <class Params>
+__device__ __forceinline__ int group_of_pair_row(const Params* p, const int* pair_prefix, int mp) {
+  int lo = 0, hi = static_cast<int>(p->num_groups);
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (pair_prefix[mid] <= mp) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
 // Pair tile t of this problem, as run by cluster CTA `cta`. Row problems: per expert
 // ceil(ceil(T_e / BM) / 2) pair rows x n tiles; pair_prefix holds the running count of pair rows.
 // Weight gradients: ceil((M / BM) / 2) pair rows x n tiles per expert.
@@ -162,12 +173,7 @@ template <int kP, int kDepth = kBK, class Params>
 __device__ __forceinline__ Tile tile_of(const Params* p, const int* pair_prefix, int t, int cta) {
   const int n_tiles = static_cast<int>(p->n) / Traits<kP>::kTileN;
   if (Traits<kP>::kRowProblem) {
-    const int mp = t / n_tiles;
-    int lo = 0, hi = static_cast<int>(p->num_groups);  // last group with prefix <= mp
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (pair_prefix[mid] <= mp) lo = mid; else hi = mid;
-    }
+    const int mp = t / n_tiles, lo = group_of_pair_row(p, pair_prefix, mp);
     return group_tile<kP, kDepth>(p, lo, 2 * (mp - pair_prefix[lo]) + cta, t - mp * n_tiles);
   }
   const int per_group = ceil_div(static_cast<int>(p->m) / kBM, 2) * n_tiles;
@@ -187,13 +193,8 @@ __device__ __forceinline__ Tile banded_tile(const Params* p, const int* pair_pre
   const int n_tiles = static_cast<int>(p->n) / Traits<kP>::kTileN;
   int group, first, pairs;  // the expert, its first pair row (in t / n_tiles units), its pair rows
   if (Traits<kP>::kRowProblem) {
-    const int mp = t / n_tiles;
-    int lo = 0, hi = static_cast<int>(p->num_groups);  // last group with prefix <= mp
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (pair_prefix[mid] <= mp) lo = mid; else hi = mid;
-    }
-    group = lo, first = pair_prefix[lo], pairs = pair_prefix[lo + 1] - first;
+    group = group_of_pair_row(p, pair_prefix, t / n_tiles);
+    first = pair_prefix[group], pairs = pair_prefix[group + 1] - first;
   } else {
     pairs = ceil_div(static_cast<int>(p->m) / kBM, 2);
     group = t / (pairs * n_tiles), first = group * pairs;

@@ -17,12 +17,12 @@ COUNTS = [0, 1, 129, 300, 64]
 GAP = 3  # rows between expert segments
 
 
-def _setup(hidden, ffn, seed=0):
+def _setup(hidden, ffn, seed=0, counts=COUNTS):
     import cupy
     from mok_proto.kernels.gemm import from_bf16, to_bf16
 
     rng = np.random.default_rng(seed)
-    counts = np.array(COUNTS, np.int32)
+    counts = np.array(counts, np.int32)
     offsets = (np.concatenate([[0], np.cumsum(counts[:-1])]) + GAP * np.arange(len(counts))).astype(np.int32)
     rows = int(offsets[-1] + counts[-1] + GAP)
     e = len(counts)
@@ -219,6 +219,41 @@ def test_weight_grads_accumulate_over_split_rows_bitwise(split):
     # the flag is what carries the first part: without it the second launch overwrites
     for a, b in zip(whole, grads([(o, c, False) for o, c, _ in parts])):
         assert a.tobytes() != b.tobytes()
+
+
+def test_gemm_variants_are_bitwise_the_default(monkeypatch):
+    """$MOK_GEMM_VARIANT's experiments (cuda/gemm.cuh) change the schedule, never the arithmetic:
+    every problem gives the default build's bits, on experts tall enough for several bands of
+    tile order (kBandPairs pair rows: 18 pair rows here, dWg's 9) and many tiles per cluster."""
+    import cupy
+    from mok_proto.kernels import build, features, gemm
+
+    default = variant = gemm.MODULE
+    if gemm.VARIANT:  # this process runs a variant: compare it with the plain build
+        default = build.MODULES["gemm.cuh"]
+    else:  # every variant bit at once
+        variant = gemm.MODULE.variant(f"MOK_GEMM_VARIANT={features.GEMM_VARIANTS - 1}")
+    d = _setup(4608, 512, counts=[0, 1, 129, 4500, 700])
+    e, ffn, hidden = d["w_down"].shape
+    rows, off, cnt = d["rows"], d["d_offsets"], d["d_counts"]
+
+    def outputs(module):
+        monkeypatch.setattr(gemm, "MODULE", module)
+        h, g, u, dg, du = (_nan_bf16(rows, ffn) for _ in range(5))
+        y, dx = _nan_bf16(rows, hidden), _nan_bf16(rows, hidden)
+        dwd = cupy.full((e, ffn, hidden), np.nan, np.float32)
+        dwg, dwu = (cupy.full((e, hidden, ffn), np.nan, np.float32) for _ in range(2))
+        _run(gemm.gate_up, d["x"], d["w_gate"], d["w_up"], off, cnt, h, g, u)
+        _run(gemm.down, d["h"], d["w_down"], off, cnt, y)
+        _run(gemm.down_bwd, d["dy"], d["w_down"], d["g"], d["u"], off, cnt, dg, du)
+        _run(gemm.gate_up_bwd, d["dg"], d["du"], d["w_gate"], d["w_up"], off, cnt, dx)
+        _run(gemm.down_wgrad, d["h"], d["dy"], off, cnt, dwd)
+        _run(gemm.gate_up_wgrad, d["x"], d["dg"], d["du"], off, cnt, dwg, dwu)
+        return {"h": h, "g": g, "u": u, "y": y, "dg": dg, "du": du, "dx": dx, "dWd": dwd, "dWg": dwg, "dWu": dwu}
+
+    want, got = outputs(default), outputs(variant)
+    for name, a in want.items():
+        assert a.tobytes() == got[name].tobytes(), f"{name}: {variant.key} differs from {default.key}"
 
 
 def test_launch_on_a_failed_error_record_does_nothing():

@@ -33,8 +33,8 @@ import numpy as np
 
 from mok_proto import abi
 from mok_proto.kernels.build import CudaModule, num_sms
-from mok_proto.kernels.features import gemm_variant
 from mok_proto.kernels.errors import ErrorRecord
+from mok_proto.kernels.features import gemm_variant
 from mok_proto.reference import from_bf16, to_bf16  # noqa: F401 - the kernels' bf16 format
 
 _C = abi.CONST
