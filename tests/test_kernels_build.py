@@ -55,6 +55,36 @@ def _compile_clean(tmp_path, header, arch, defines=()):
         assert spills and all(s == ("0", "0") for s in spills), f"{header} spills registers: {spills}"
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
+@pytest.mark.parametrize("mainloop", ("1", "2", "3"))
+def test_fp8_mainloop_variants_keep_their_mmas_asynchronous(tmp_path, mainloop):
+    """gemm_fp8.cuh's pipelined main loops (MOK_FP8_MAINLOOP, a bench knob) keep a quarter's MMAs
+    in flight while the previous quarter is promoted: a wgmma in flight across a branch makes ptxas
+    serialize every wgmma (C7514), which this catches. Loops 1 and 3 spill nothing; loop 2 holds a
+    few words of the tile across its k-loop in local memory (ptxas' choice at 232 registers), so
+    only its asynchrony is checked."""
+    module = gemm_fp8.mainloop_module(mainloop)
+    assert module.defines == (f"MOK_FP8_MAINLOOP={mainloop}",)
+    src = tmp_path / "instantiate.cu"
+    src.write_text(module.instantiation_source())
+    proc = subprocess.run([NVCC, *build.CXX_OPTIONS, *(f"-D{d}" for d in module.defines), "-gencode",
+                           "arch=compute_90a,code=sm_90a", f"-I{build.CUDA_DIR}", "-c", str(src), "-o",
+                           str(tmp_path / "out.o"), "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Potential Performance Loss" not in proc.stderr, [l for l in proc.stderr.splitlines() if "Loss" in l]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
+    assert spills
+    if mainloop != "2":
+        assert all(s == ("0", "0") for s in spills), f"MOK_FP8_MAINLOOP={mainloop} spills registers: {spills}"
+
+
+def test_fp8_mainloop_knob_picks_a_variant_or_refuses():
+    assert gemm_fp8.mainloop_module(None) is gemm_fp8.MODULE and gemm_fp8.mainloop_module("0") is gemm_fp8.MODULE
+    assert gemm_fp8.mainloop_module("2") is gemm_fp8.mainloop_module("2") is not gemm_fp8.MODULE
+    with pytest.raises(ValueError, match="MOK_FP8_MAINLOOP='4'"):
+        gemm_fp8.mainloop_module("4")
+
+
 def test_source_digest_covers_the_header_and_its_includes(tmp_path, monkeypatch):
     (tmp_path / "a.cuh").write_text('#include "b.cuh"\n// a\n')
     (tmp_path / "b.cuh").write_text('#include "c.cuh"\n#include <cstdint>\n')

@@ -27,6 +27,8 @@ do; pack_only returns the packed Fp8GemmParams instead of launching.
 
 from __future__ import annotations
 
+import os
+
 from mok_proto import abi
 from mok_proto.kernels import gemm
 from mok_proto.kernels.build import CudaModule
@@ -36,11 +38,33 @@ BM, BN = gemm.BM, gemm.BN
 NAMESPACE = "mok::gemm_fp8"
 MODULE = CudaModule("gemm_fp8.cuh", tuple(f"{NAMESPACE}::grouped_gemm<{i}>" for i in range(len(gemm.PROBLEMS)))
                     + (f"{NAMESPACE}::export_sizes",), archs=("sm_90a",))
+# A benchmark knob, read once at import: the consumers' main loop of cuda/gemm_fp8.cuh (its
+# MOK_FP8_MAINLOOP: 0 the default, 1 and 2 pipelined, 3 the default's order leaner), every
+# wrapper then launches that variant.
+MAINLOOP_ENV = "MOK_FP8_MAINLOOP"
+MAINLOOPS = ("0", "1", "2", "3")
+
+
+def mainloop_module(value: str | None) -> CudaModule:
+    """The module of main loop `value` (None or "0": MODULE itself)."""
+    if value in (None, "", "0"):
+        return MODULE
+    if value not in MAINLOOPS:
+        raise ValueError(f"{MAINLOOP_ENV}={value!r}: expected one of {', '.join(MAINLOOPS)}")
+    return MODULE.variant(f"MOK_FP8_MAINLOOP={value}")
+
+
+LAUNCH_MODULE = mainloop_module(os.environ.get(MAINLOOP_ENV))
+
+
+def mainloop() -> int:
+    """The main loop the wrappers launch (LAUNCH_MODULE's MOK_FP8_MAINLOOP; 0 the default)."""
+    return next((int(d.split("=")[1]) for d in LAUNCH_MODULE.defines if d.startswith("MOK_FP8_MAINLOOP=")), 0)
 
 
 def smem_bytes() -> int:
     """Dynamic shared memory of a launch (kSmemBytes of the compiled header)."""
-    return gemm.smem_bytes(MODULE, NAMESPACE)
+    return gemm.smem_bytes(LAUNCH_MODULE, NAMESPACE)
 
 
 def site_record(problem: str):
@@ -97,7 +121,7 @@ def _map(codes, inner: int, outer: int):
 
 
 def _launch(problem, error, pack_only, **fields):
-    return gemm.launch_grouped(MODULE, NAMESPACE, abi.FP8_GEMM_PARAMS, problem, f"fp8 {problem}", error, pack_only,
+    return gemm.launch_grouped(LAUNCH_MODULE, NAMESPACE, abi.FP8_GEMM_PARAMS, problem, f"fp8 {problem}", error, pack_only,
                                fields)
 
 
