@@ -37,6 +37,14 @@ def test_gemm_variants_compile_without_spills(tmp_path, variant):
     _compile_clean(tmp_path, "gemm.cuh", "sm_90a", (f"MOK_GEMM_VARIANT={variant}",))
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
+@pytest.mark.parametrize("variant", [3, features.FUSED_VARIANTS - 1])
+def test_fused_variants_compile_clean(tmp_path, variant):
+    """The experimental fused-kernel variants ($MOK_FUSED_VARIANT): 3 has the movers' L1-bypassing
+    loads and the shared-memory offsets, 7 the streamed loads instead (4 wins over 1)."""
+    _compile_clean(tmp_path, "fused.cuh", "sm_90a", (f"MOK_FUSED_VARIANT={variant}",))
+
+
 def _compile_clean(tmp_path, header, arch, defines=()):
     src = tmp_path / "instantiate.cu"
     src.write_text(build.MODULES[header].instantiation_source())
@@ -202,3 +210,19 @@ def test_gemm_variant_is_read_from_the_environment_and_stamped_on_rows(monkeypat
         monkeypatch.setenv(features.GEMM_VARIANT_ENV, bad)
         with pytest.raises(ValueError, match="MOK_GEMM_VARIANT"):
             features.gemm_variant()
+
+
+def test_fused_variant_is_read_from_the_environment_and_stamped_on_rows(monkeypatch):
+    monkeypatch.delenv(features.GEMM_VARIANT_ENV, raising=False)
+    monkeypatch.delenv(features.FUSED_VARIANT_ENV, raising=False)
+    assert features.fused_variant() == 0 and "fused_variant" not in features.kernel_features()
+    monkeypatch.setenv(features.FUSED_VARIANT_ENV, "6")
+    assert features.fused_variant() == 6 and features.kernel_features()["fused_variant"] == 6
+    assert "gemm_variant" not in features.kernel_features()
+    monkeypatch.setenv(features.GEMM_VARIANT_ENV, "1")
+    assert {k: features.kernel_features()[k] for k in ("gemm_variant", "fused_variant")} == {"gemm_variant": 1,
+                                                                                            "fused_variant": 6}
+    for bad in ("8", "-1", "two"):
+        monkeypatch.setenv(features.FUSED_VARIANT_ENV, bad)
+        with pytest.raises(ValueError, match="MOK_FUSED_VARIANT"):
+            features.fused_variant()

@@ -11,6 +11,12 @@ others), so the constructor refuses a plan whose W * num_sms / 2 clusters exceed
 driver says the GPU runs at once. The remote counters the kernel keeps (as peer flags:
 cuda/fused.cuh remote_flag) are SLOTS_ARRIVED and PUBLISHED (REMOTE_KINDS); a plan with another
 remote counter, or two of one kind, is refused (check_remote_counters).
+
+$MOK_FUSED_VARIANT (read at import; unset or 0: the default kernels) builds both fused kernels,
+with and without the emulated link, with a mask of the experimental variants cuda/fused.cuh lists
+(1 movers' loads skip L1, 2 routed offsets in shared memory, 4 movers' loads streamed), e.g.
+`MOK_FUSED_VARIANT=3 python scripts/bench_layer.py ...`. No variant changes an output bit;
+benchmark rows record the mask as `fused_variant` (kernels/features.py).
 """
 
 from __future__ import annotations
@@ -20,11 +26,15 @@ import numpy as np
 from mok_proto import abi
 from mok_proto.kernels import gemm
 from mok_proto.kernels.build import CudaModule
+from mok_proto.kernels.features import fused_variant
 from mok_proto.plan import CounterKind
 
 KERNELS = {"fwd": "mok::fused::fused_forward", "bwd": "mok::fused::fused_backward"}
 MODULE = CudaModule("fused.cuh", tuple(KERNELS.values()), archs=("sm_90a",))
 LINK_MODULE = MODULE.variant("MOK_LINK")  # its movers pay an emulated link (mok_proto/link.py)
+VARIANT = fused_variant()
+if VARIANT:
+    MODULE, LINK_MODULE = (MODULE.variant(*defines, f"MOK_FUSED_VARIANT={VARIANT}") for defines in ((), ("MOK_LINK",)))
 RECORD_DTYPE = abi.TRACE_RECORD.dtype  # one TraceRecord (struct mok::fused::TraceRecord)
 GEMMS_PER_RANK = len(abi.GEMM_SLOT)
 # The remote counters cuda/fused.cuh keeps as peer flags (remote_flag; abi.REMOTE_COUNTER_KINDS).
