@@ -381,7 +381,7 @@ def test_weight_grads_accumulate_over_split_rows_bitwise():
         assert a.tobytes() != b.tobytes()
 
 
-@pytest.mark.parametrize("mainloop", ["1", "2", "3"])
+@pytest.mark.parametrize("mainloop", [1, 2, 3])
 def test_mainloop_variants_give_the_default_bits(mainloop, monkeypatch):
     """The bench knob MOK_FP8_MAINLOOP (cuda/gemm_fp8.cuh): every main loop promotes the same block
     sums in the same order, so every output has the default loop's bits (down: K = 3 k-blocks, odd,

@@ -64,7 +64,7 @@ def _compile_clean(tmp_path, header, arch, defines=()):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
-@pytest.mark.parametrize("mainloop", ("1", "2", "3"))
+@pytest.mark.parametrize("mainloop", (1, 2, 3))
 def test_fp8_mainloop_variants_keep_their_mmas_asynchronous(tmp_path, mainloop):
     """gemm_fp8.cuh's pipelined main loops (MOK_FP8_MAINLOOP, a bench knob) keep a quarter's MMAs
     in flight while the previous quarter is promoted: a wgmma in flight across a branch makes ptxas
@@ -82,15 +82,24 @@ def test_fp8_mainloop_variants_keep_their_mmas_asynchronous(tmp_path, mainloop):
     assert "Potential Performance Loss" not in proc.stderr, [l for l in proc.stderr.splitlines() if "Loss" in l]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
     assert spills
-    if mainloop != "2":
+    if mainloop != 2:
         assert all(s == ("0", "0") for s in spills), f"MOK_FP8_MAINLOOP={mainloop} spills registers: {spills}"
 
 
-def test_fp8_mainloop_knob_picks_a_variant_or_refuses():
-    assert gemm_fp8.mainloop_module(None) is gemm_fp8.MODULE and gemm_fp8.mainloop_module("0") is gemm_fp8.MODULE
-    assert gemm_fp8.mainloop_module("2") is gemm_fp8.mainloop_module("2") is not gemm_fp8.MODULE
-    with pytest.raises(ValueError, match="MOK_FP8_MAINLOOP='4'"):
-        gemm_fp8.mainloop_module("4")
+def test_fp8_mainloop_knob_picks_a_variant_or_refuses(monkeypatch):
+    from mok_proto.kernels import features
+
+    assert gemm_fp8.mainloop_module(0) is gemm_fp8.MODULE
+    assert gemm_fp8.mainloop_module(2) is gemm_fp8.mainloop_module(2) is not gemm_fp8.MODULE
+    with pytest.raises(ValueError, match="MOK_FP8_MAINLOOP=4"):
+        gemm_fp8.mainloop_module(4)
+    for text, want in (("", 0), (" 3 ", 3)):
+        monkeypatch.setenv("MOK_FP8_MAINLOOP", text)
+        assert features.fp8_mainloop() == want
+    for bad in ("4", "-1", "x", "1.5"):
+        monkeypatch.setenv("MOK_FP8_MAINLOOP", bad)
+        with pytest.raises(ValueError, match="MOK_FP8_MAINLOOP"):
+            features.fp8_mainloop()
 
 
 def test_source_digest_covers_the_header_and_its_includes(tmp_path, monkeypatch):

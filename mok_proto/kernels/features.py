@@ -13,6 +13,8 @@ GEMM_VARIANT_ENV = "MOK_GEMM_VARIANT"
 GEMM_VARIANTS = 8  # masks 0 .. 7 of cuda/gemm.cuh's MOK_GEMM_VARIANT bits
 FUSED_VARIANT_ENV = "MOK_FUSED_VARIANT"
 FUSED_VARIANTS = 8  # masks 0 .. 7 of cuda/fused.cuh's MOK_FUSED_VARIANT bits
+FP8_MAINLOOP_ENV = "MOK_FP8_MAINLOOP"
+FP8_MAINLOOPS = 4  # main loops 0 .. 3 of cuda/gemm_fp8.cuh (bench_gemm's FP8 rows record `fp8_mainloop`)
 
 
 def _mask(env: str, count: int) -> int:
@@ -31,6 +33,11 @@ def gemm_variant() -> int:
 def fused_variant() -> int:
     """$MOK_FUSED_VARIANT as a mask (0 when unset or empty); ValueError when it is not one."""
     return _mask(FUSED_VARIANT_ENV, FUSED_VARIANTS)
+
+
+def fp8_mainloop() -> int:
+    """$MOK_FP8_MAINLOOP as a main loop number (0 when unset or empty); ValueError when it is not one."""
+    return _mask(FP8_MAINLOOP_ENV, FP8_MAINLOOPS)
 
 
 def kernel_features() -> dict:

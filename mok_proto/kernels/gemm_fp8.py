@@ -27,10 +27,8 @@ do; pack_only returns the packed Fp8GemmParams instead of launching.
 
 from __future__ import annotations
 
-import os
-
 from mok_proto import abi
-from mok_proto.kernels import gemm
+from mok_proto.kernels import features, gemm
 from mok_proto.kernels.build import CudaModule
 
 BK = abi.CONST["kQuantBlock"]  # k depth of a stage: one 1 x 128 scale block
@@ -41,20 +39,17 @@ MODULE = CudaModule("gemm_fp8.cuh", tuple(f"{NAMESPACE}::grouped_gemm<{i}>" for 
 # A benchmark knob, read once at import: the consumers' main loop of cuda/gemm_fp8.cuh (its
 # MOK_FP8_MAINLOOP: 0 the default, 1 and 2 pipelined, 3 the default's order leaner), every
 # wrapper then launches that variant.
-MAINLOOP_ENV = "MOK_FP8_MAINLOOP"
-MAINLOOPS = ("0", "1", "2", "3")
+MAINLOOP_ENV = features.FP8_MAINLOOP_ENV
 
 
-def mainloop_module(value: str | None) -> CudaModule:
-    """The module of main loop `value` (None or "0": MODULE itself)."""
-    if value in (None, "", "0"):
-        return MODULE
-    if value not in MAINLOOPS:
-        raise ValueError(f"{MAINLOOP_ENV}={value!r}: expected one of {', '.join(MAINLOOPS)}")
-    return MODULE.variant(f"MOK_FP8_MAINLOOP={value}")
+def mainloop_module(value: int) -> CudaModule:
+    """The module of main loop `value` (0: MODULE itself); ValueError for a loop that does not exist."""
+    if value not in range(features.FP8_MAINLOOPS):
+        raise ValueError(f"{MAINLOOP_ENV}={value!r}: expected an integer 0 to {features.FP8_MAINLOOPS - 1}")
+    return MODULE if value == 0 else MODULE.variant(f"MOK_FP8_MAINLOOP={value}")
 
 
-LAUNCH_MODULE = mainloop_module(os.environ.get(MAINLOOP_ENV))
+LAUNCH_MODULE = mainloop_module(features.fp8_mainloop())
 
 
 def mainloop() -> int:
