@@ -221,9 +221,9 @@ __device__ __forceinline__ void sum_checking_slots(const Params* p, int rank, Su
 // 16-byte accesses each lane has kUnroll loads in flight before it stores them (a warp alone on
 // a row is latency-bound: the fused kernel's spare warps take 16, its communicating CTAs 8; the
 // copy kernels, whose grids fill the GPU with warps, take 1).
-// kStream (the fused kernel's MOK_FUSED_VARIANT bits 1, 8): 1 the loads allocate no L1 line
-// (ld.global.cg: they would evict the GEMM roles' tasks, params and offsets beside them), 2 or 3
-// they are streamed (ld.global.cs: evict-first in L1 and L2, a row is read once). Same bytes.
+// kStream (the fused kernel's MOK_FUSED_VARIANT bits 1 and 4): 1 the loads allocate no L1 line
+// (ld.global.cg: they would evict the GEMM roles' tasks, params and offsets beside them), 2 they
+// are streamed (ld.global.cs: evict-first in L1 and L2, a row is read once). Same bytes.
 template <int kStream>
 __device__ __forceinline__ uint4 ld_row_chunk(const uint4* p) {
   if constexpr (kStream == 1) return __ldcg(p);

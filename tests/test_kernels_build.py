@@ -235,3 +235,48 @@ def test_fused_variant_is_read_from_the_environment_and_stamped_on_rows(monkeypa
         monkeypatch.setenv(features.FUSED_VARIANT_ENV, bad)
         with pytest.raises(ValueError, match="MOK_FUSED_VARIANT"):
             features.fused_variant()
+
+
+def test_fused_variant_2_refuses_routed_slots_with_different_rows():
+    import numpy as np
+
+    from mok_proto import abi
+    from mok_proto.kernels import fused
+
+    records = np.zeros(2 * fused.GEMMS_PER_RANK, abi.GEMM_PARAMS.dtype)  # two launch ranks
+    first, second = abi.GEMM_SLOT["kSlotFirst"], abi.GEMM_SLOT["kSlotSecond"]
+    for rank in range(2):
+        for slot in (first, second):
+            for field, value in (("row_offsets", 1000 + rank), ("row_counts", 2000 + rank), ("num_groups", 6)):
+                records[field][rank * fused.GEMMS_PER_RANK + slot] = value
+    words = records.view(np.uint64)
+    fused.check_shared_routed_rows(words)  # every rank's two routed slots alike: accepted
+    for field, value in (("row_offsets", 7), ("row_counts", 7), ("num_groups", 5)):
+        bad = records.copy()
+        bad[field][fused.GEMMS_PER_RANK + second] = value  # rank 1's second slot differs
+        with pytest.raises(ValueError, match=field):
+            fused.check_shared_routed_rows(bad.view(np.uint64))
+
+
+def test_a_bad_variant_knob_ends_the_process_in_one_line(monkeypatch, capsys):
+    monkeypatch.setenv(features.FUSED_VARIANT_ENV, "9")
+    with pytest.raises(SystemExit) as stop:
+        features.kernel_features()
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "MOK_FUSED_VARIANT='9'" in err
+
+
+def test_rows_of_experimental_variants_stay_out_of_what_results_load(tmp_path):
+    import json
+
+    from mok_proto import results
+
+    rows = [{"time": "2026-12-06T05:00:00+00:00", "git": "a", "problem": "down"},
+            {"time": "2026-12-06T05:01:00+00:00", "git": "a", "problem": "down", "gemm_variant": 0},
+            {"time": "2026-12-06T05:02:00+00:00", "git": "a", "problem": "down", "gemm_variant": 3},
+            {"time": "2026-12-06T05:03:00+00:00", "git": "a", "problem": "down", "fused_variant": 2},
+            {"time": "2026-12-06T05:04:00+00:00", "git": "a", "problem": "down", "fp8_mainloop": 1}]
+    (tmp_path / "bench_gemm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["time"][11:16] for r in results.load("bench_gemm", tmp_path)] == ["05:00", "05:01"]
+    assert len(results.load("bench_gemm", tmp_path, experimental=True)) == 5

@@ -7,6 +7,9 @@ standalone GEMM variant ($MOK_GEMM_VARIANT, kernels/gemm.py) also records `gemm_
 experimental fused-kernel variant ($MOK_FUSED_VARIANT, kernels/fused.py) `fused_variant`."""
 
 import os
+import sys
+
+from mok_proto.exitcodes import EXIT_BAD_ARGUMENT
 
 CURRENT = {"comm_mover": "warps", "wait_spin": "backoff", "scale_traffic": "stream"}
 GEMM_VARIANT_ENV = "MOK_GEMM_VARIANT"
@@ -15,6 +18,15 @@ FUSED_VARIANT_ENV = "MOK_FUSED_VARIANT"
 FUSED_VARIANTS = 8  # masks 0 .. 7 of cuda/fused.cuh's MOK_FUSED_VARIANT bits
 FP8_MAINLOOP_ENV = "MOK_FP8_MAINLOOP"
 FP8_MAINLOOPS = 4  # main loops 0 .. 3 of cuda/gemm_fp8.cuh (bench_gemm's FP8 rows record `fp8_mainloop`)
+# The row fields of the experimental variants: a row with one of them nonzero measured a kernel that
+# is not the default one (results.load leaves such rows out unless asked).
+VARIANT_FIELDS = ("gemm_variant", "fused_variant", "fp8_mainloop")
+
+
+def is_experimental(row: dict) -> bool:
+    """Whether a results row (or a timeline's index row) measured an experimental kernel variant (a
+    nonzero VARIANT_FIELDS field), not the default kernels."""
+    return any(row.get(f) for f in VARIANT_FIELDS)
 
 
 def _mask(env: str, count: int) -> int:
@@ -23,6 +35,16 @@ def _mask(env: str, count: int) -> int:
     if not text.isdigit() or int(text) >= count:
         raise ValueError(f"{env}={text!r}: expected an integer 0 to {count - 1}")
     return int(text)
+
+
+def at_import(read) -> int:
+    """read() (a knob reader below) for a kernels module's import: a bad value ends the process with
+    one line on stderr and exit 2 (a bad argument), not a traceback."""
+    try:
+        return read()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_ARGUMENT) from None
 
 
 def gemm_variant() -> int:
@@ -41,6 +63,8 @@ def fp8_mainloop() -> int:
 
 
 def kernel_features() -> dict:
-    """The current kernels' features (a copy: rows may be edited)."""
-    variants = {"gemm_variant": gemm_variant(), "fused_variant": fused_variant()}
+    """The current kernels' features (a copy: rows may be edited), with the experimental variants the
+    process runs (VARIANT_FIELDS, nonzero ones only)."""
+    variants = {"gemm_variant": at_import(gemm_variant), "fused_variant": at_import(fused_variant),
+                "fp8_mainloop": at_import(fp8_mainloop)}
     return {**CURRENT, **{name: mask for name, mask in variants.items() if mask}}

@@ -34,7 +34,7 @@ import numpy as np
 from mok_proto import abi
 from mok_proto.kernels.build import CudaModule, num_sms
 from mok_proto.kernels.errors import ErrorRecord
-from mok_proto.kernels.features import gemm_variant
+from mok_proto.kernels.features import at_import, gemm_variant
 from mok_proto.reference import from_bf16, to_bf16  # noqa: F401 - the kernels' bf16 format
 
 _C = abi.CONST
@@ -42,7 +42,7 @@ BM, BN, BK, THREADS, MAX_GROUPS, CLUSTER = (_C[k] for k in ("kBM", "kBN", "kBK",
 PROBLEMS = tuple(text for _, text in abi.GEMM_PROBLEM.members)  # enum Problem, by name
 MODULE = CudaModule("gemm.cuh", tuple(f"mok::gemm::grouped_gemm<{i}>" for i in range(len(PROBLEMS)))
                     + ("mok::gemm::export_sizes",), archs=("sm_90a",))
-VARIANT = gemm_variant()
+VARIANT = at_import(gemm_variant)
 if VARIANT:
     MODULE = MODULE.variant(f"MOK_GEMM_VARIANT={VARIANT}")
 TIMEOUT_NS = 10 * 10**9

@@ -49,7 +49,7 @@ def mainloop_module(value: int) -> CudaModule:
     return MODULE if value == 0 else MODULE.variant(f"MOK_FP8_MAINLOOP={value}")
 
 
-LAUNCH_MODULE = mainloop_module(features.fp8_mainloop())
+LAUNCH_MODULE = mainloop_module(features.at_import(features.fp8_mainloop))
 
 
 def mainloop() -> int:

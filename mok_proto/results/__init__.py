@@ -18,6 +18,7 @@ import json
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from mok_proto.kernels.features import is_experimental
 from mok_proto.results.files import JSONL_SUFFIXES, RESULTS_DIR, jsonl_files, open_text, plain_name, read_text
 from mok_proto.results.timelines import (
     INDEX, TIMELINE_EVENTS, TIMELINE_PREFIX, TIMELINE_PREFIXES, TIMELINES, add_timeline, comm_bars_from_ready,
@@ -27,12 +28,15 @@ from mok_proto.results.timelines import (
 RUN_GAP = timedelta(minutes=10)
 
 
-def load(name: str, results_dir: Path | str = RESULTS_DIR) -> list[dict]:
-    """Rows of <results_dir>/<name>.jsonl with a 'run' label ('<git> <start time>') added; [] if absent."""
+def load(name: str, results_dir: Path | str = RESULTS_DIR, experimental: bool = False) -> list[dict]:
+    """Rows of <results_dir>/<name>.jsonl with a 'run' label ('<git> <start time>') added; [] if absent.
+    Rows of experimental kernel variants (`is_experimental`) only with experimental=True, so that
+    the status table, the simulator's fits and its judgements see the default kernels only."""
     path = Path(results_dir) / f"{name}.jsonl"
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if experimental or not is_experimental(r)]
     rows.sort(key=lambda r: r["time"])
     run, last_time, last_git = None, None, None
     for row in rows:
@@ -67,6 +71,6 @@ def newest(rows: list[dict], group_by: tuple = ()) -> list[dict]:
 
 
 __all__ = ["INDEX", "JSONL_SUFFIXES", "RESULTS_DIR", "RUN_GAP", "TIMELINES", "TIMELINE_EVENTS", "TIMELINE_PREFIX",
-           "TIMELINE_PREFIXES", "add_timeline", "comm_bars_from_ready", "is_link_check", "jsonl_files", "load",
+           "TIMELINE_PREFIXES", "add_timeline", "comm_bars_from_ready", "is_experimental", "is_link_check", "jsonl_files", "load",
            "load_timeline", "machine_dir", "newest", "open_text", "plain_name", "read_text", "timeline_events",
            "timeline_file", "timeline_files", "timeline_index", "timeline_name", "timeline_summary", "timelines_dir"]

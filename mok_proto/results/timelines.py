@@ -22,6 +22,7 @@ import json
 import shutil
 from pathlib import Path
 
+from mok_proto.kernels.features import is_experimental
 from mok_proto.results.files import RESULTS_DIR, open_text, plain_name, read_text
 
 TIMELINES = "timelines"  # results/<TIMELINES>/: the timelines and their index
@@ -38,14 +39,16 @@ def timelines_dir(results_dir: Path | str = RESULTS_DIR) -> Path:
 
 def timeline_index(results_dir: Path | str = RESULTS_DIR, pass_: str | None = None, **where) -> list[dict]:
     """The index's rows ([] without an index), in its order, each with `path` (its file) added; only
-    those of pass_ (when given) whose fields equal `where` (e.g. sim_calibrates="fused")."""
+    those of pass_ (when given) whose fields equal `where` (e.g. sim_calibrates="fused"), and none of
+    an experimental kernel variant (features.is_experimental)."""
     path = timelines_dir(results_dir) / INDEX
     if not path.exists():
         return []
     if pass_ is not None:
         where["pass"] = pass_
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [dict(r, path=path.parent / r["file"]) for r in rows if all(r.get(k) == v for k, v in where.items())]
+    return [dict(r, path=path.parent / r["file"]) for r in rows
+            if not is_experimental(r) and all(r.get(k) == v for k, v in where.items())]
 
 
 def timeline_files(results_dir: Path | str = RESULTS_DIR, pass_: str = "fwd") -> list[Path]:

@@ -18,7 +18,7 @@ import numpy as np
 from mok_proto import plan as plans
 from mok_proto.abi import GEMM_PROBLEM
 from mok_proto.config import MoEShape
-from mok_proto.kernels.features import kernel_features
+from mok_proto.kernels.features import CURRENT
 from mok_proto.plan import BM, BN  # the kernels' tile (mok_proto/abi.py)
 
 PROBLEMS = tuple(text for _, text in GEMM_PROBLEM.members)  # the kernels' enum Problem, by name
@@ -32,7 +32,7 @@ CALIBRATION_DIR = Path(__file__).resolve().parent / "calibration"  # <gpu>.json:
 # them counts as the current kernel's (KERNEL).
 COMM_MOVERS = ("warps", "bulk")  # every warp copies rows through registers | one thread drives bulk copies
 WAIT_SPINS = ("acquire", "backoff")  # ld.acquire with short sleeps | relaxed loads, backoff, one fence
-KERNEL = kernel_features()  # the current kernel's (what every new benchmark row records)
+KERNEL = dict(CURRENT)  # the current default kernel's features (every new benchmark row records them)
 
 
 def kernel_of(measurement) -> dict:
