@@ -386,16 +386,6 @@ __device__ __forceinline__ void routed_offsets(const Ctx& c, SharedStorage& ss) 
   __syncthreads();
 }
 
-// The last group starting at or before receive row `row` (empty groups share their successor's offset).
-__device__ __forceinline__ int group_at(const int* offsets, int groups, int row) {
-  int lo = 0, hi = groups;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (offsets[mid] <= row) lo = mid; else hi = mid;
-  }
-  return lo;
-}
-
 // The tile of GEMM task t for cluster CTA `cta` (gemm::group_tile, as the standalone kernel
 // names it). Row problems: row pair p = row_tile / 2 starts at row 2 B p of the segment layout
 // (routed: receive rows, shared: tokens; one group from 0); CTA cta's tile is the pair's 128 rows
@@ -424,9 +414,9 @@ __device__ __forceinline__ bool tile_for(const Ctx& c, const SharedStorage& ss, 
             end = smem ? ss_offsets[gemm::kMaxGroups] : offsets[groups - 1] + counts[groups - 1];
   if (pair_row >= end) return false;
   const int row = pair_row + cta * gemm::kBM, other = pair_row + (1 - cta) * gemm::kBM;
-  const int group = group_at(search, groups, row < end ? row : pair_row);
+  const int group = gemm::group_at(search, groups, row < end ? row : pair_row);
   tile = gemm::group_tile<kP>(p, group, (row - search[group]) / gemm::kBM, t.col_tile);
-  tile.multicast = other >= end || row >= end || group_at(search, groups, other) == group;
+  tile.multicast = other >= end || row >= end || gemm::group_at(search, groups, other) == group;
   const i64 ring_rows = ring_rows_of(c, t.kind);
   if (ring_rows > 0) tile.row0 -= static_cast<int>(pair_row - pair_row % ring_rows);
   return true;

@@ -155,13 +155,13 @@ __device__ __forceinline__ Tile group_tile(const Params* p, int group, int m_til
   return tile;
 }
 
-// Row problems: the expert of pair row mp (the last with pair_prefix <= mp).
-template <class Params>
-__device__ __forceinline__ int group_of_pair_row(const Params* p, const int* pair_prefix, int mp) {
-  int lo = 0, hi = static_cast<int>(p->num_groups);
+// The last of `groups` ascending entries (receive-row offsets, or a pair prefix) at or below
+// `value`: the group it falls in (empty groups share their successor's entry; the later is taken).
+__device__ __forceinline__ int group_at(const int* entries, int groups, int value) {
+  int lo = 0, hi = groups;
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
-    if (pair_prefix[mid] <= mp) lo = mid; else hi = mid;
+    if (entries[mid] <= value) lo = mid; else hi = mid;
   }
   return lo;
 }
@@ -173,7 +173,7 @@ template <int kP, int kDepth = kBK, class Params>
 __device__ __forceinline__ Tile tile_of(const Params* p, const int* pair_prefix, int t, int cta) {
   const int n_tiles = static_cast<int>(p->n) / Traits<kP>::kTileN;
   if (Traits<kP>::kRowProblem) {
-    const int mp = t / n_tiles, lo = group_of_pair_row(p, pair_prefix, mp);
+    const int mp = t / n_tiles, lo = group_at(pair_prefix, static_cast<int>(p->num_groups), mp);
     return group_tile<kP, kDepth>(p, lo, 2 * (mp - pair_prefix[lo]) + cta, t - mp * n_tiles);
   }
   const int per_group = ceil_div(static_cast<int>(p->m) / kBM, 2) * n_tiles;
@@ -193,7 +193,7 @@ __device__ __forceinline__ Tile banded_tile(const Params* p, const int* pair_pre
   const int n_tiles = static_cast<int>(p->n) / Traits<kP>::kTileN;
   int group, first, pairs;  // the expert, its first pair row (in t / n_tiles units), its pair rows
   if (Traits<kP>::kRowProblem) {
-    group = group_of_pair_row(p, pair_prefix, t / n_tiles);
+    group = group_at(pair_prefix, static_cast<int>(p->num_groups), t / n_tiles);
     first = pair_prefix[group], pairs = pair_prefix[group + 1] - first;
   } else {
     pairs = ceil_div(static_cast<int>(p->m) / kBM, 2);
