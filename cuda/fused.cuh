@@ -75,7 +75,7 @@ using plan::Task;
 #define MOK_FUSED_VARIANT 0
 #endif
 constexpr int kFusedVariant = MOK_FUSED_VARIANT;
-static_assert(kFusedVariant >= 0 && kFusedVariant < 8, "MOK_FUSED_VARIANT: a mask of 1, 2, 4");
+static_assert(kFusedVariant >= 0 && kFusedVariant < kFusedVariants, "MOK_FUSED_VARIANT: a mask of 1, 2, 4");
 // warp_copy_row's kStream for the movers (bits 1 and 4)
 constexpr int kMoverStream = (kFusedVariant & 4) ? 2 : (kFusedVariant & 1);
 

@@ -68,7 +68,7 @@ namespace gemm {
 #define MOK_GEMM_VARIANT 0
 #endif
 constexpr int kVariant = MOK_GEMM_VARIANT;
-static_assert(kVariant >= 0 && kVariant < 8, "MOK_GEMM_VARIANT: a mask of 1, 2, 4");
+static_assert(kVariant >= 0 && kVariant < kGemmVariants, "MOK_GEMM_VARIANT: a mask of 1, 2, 4");
 
 // Tile sizes, the cluster, thread roles, kMaxGroups, the Problem enum and GemmParams: cuda/abi.cuh.
 constexpr int kATileBytes = kBM * kBK * 2;  // 16 KB

@@ -70,7 +70,7 @@ namespace mok {
 namespace gemm_fp8 {
 
 constexpr int kMainloop = MOK_FP8_MAINLOOP;
-static_assert(kMainloop >= 0 && kMainloop <= 3, "MOK_FP8_MAINLOOP: 0, 1, 2 or 3");
+static_assert(kMainloop >= 0 && kMainloop < gemm::kFp8Mainloops, "MOK_FP8_MAINLOOP: 0, 1, 2 or 3");
 
 using gemm::kBM;
 using gemm::kBN;

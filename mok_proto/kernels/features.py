@@ -9,15 +9,16 @@ experimental fused-kernel variant ($MOK_FUSED_VARIANT, kernels/fused.py) `fused_
 import os
 import sys
 
+from mok_proto.abi import CONST
 from mok_proto.exitcodes import EXIT_BAD_ARGUMENT
 
 CURRENT = {"comm_mover": "warps", "wait_spin": "backoff", "scale_traffic": "stream"}
 GEMM_VARIANT_ENV = "MOK_GEMM_VARIANT"
-GEMM_VARIANTS = 8  # masks 0 .. 7 of cuda/gemm.cuh's MOK_GEMM_VARIANT bits
+GEMM_VARIANTS = CONST["kGemmVariants"]  # masks of cuda/gemm.cuh's MOK_GEMM_VARIANT bits
 FUSED_VARIANT_ENV = "MOK_FUSED_VARIANT"
-FUSED_VARIANTS = 8  # masks 0 .. 7 of cuda/fused.cuh's MOK_FUSED_VARIANT bits
+FUSED_VARIANTS = CONST["kFusedVariants"]  # masks of cuda/fused.cuh's MOK_FUSED_VARIANT bits
 FP8_MAINLOOP_ENV = "MOK_FP8_MAINLOOP"
-FP8_MAINLOOPS = 4  # main loops 0 .. 3 of cuda/gemm_fp8.cuh (bench_gemm's FP8 rows record `fp8_mainloop`)
+FP8_MAINLOOPS = CONST["kFp8Mainloops"]  # main loops of cuda/gemm_fp8.cuh (bench_gemm's FP8 rows record `fp8_mainloop`)
 # The row fields of the experimental variants: a row with one of them nonzero measured a kernel that
 # is not the default one (results.load leaves such rows out unless asked).
 VARIANT_FIELDS = ("gemm_variant", "fused_variant", "fp8_mainloop")
