@@ -124,8 +124,6 @@ constexpr int kCluster = 2;  // CTAs per cluster (tile pairs along M sharing B b
 constexpr int kConsumerWarps = 8;  // warps of the two consumer warpgroups
 constexpr int kMaxGroups = 1024;  // experts one grouped GEMM launch may cover
 constexpr int kStagingFloats = 512;  // epilogue staging per consumer warp: 2 areas of 8 rows x 32 fp32
-constexpr int kGemmVariants = 8;  // MOK_GEMM_VARIANT masks of the standalone BF16 GEMMs: 0 .. this - 1
-constexpr int kFp8Mainloops = 4;  // MOK_FP8_MAINLOOP main loops of the FP8 GEMMs: 0 .. this - 1
 }  // namespace mok::gemm
 
 namespace mok::plan {
@@ -134,7 +132,6 @@ constexpr int kMoverKinds = 397473;  // bit k set: the fused kernel's movers (a 
 
 namespace mok::fused {
 constexpr int kRemoteCounterKinds = 2064;  // bit k set: the fused kernel keeps a remote counter of CounterKind k as peer flags (remote_flag)
-constexpr int kFusedVariants = 8;  // MOK_FUSED_VARIANT masks of the fused kernels: 0 .. this - 1
 constexpr int kFusedLocalTimeoutFactor = 2;  // the fused kernel's waits on its own counters give up after this x the timeout of a wait on a peer's flag (the peer's timeout is reported first)
 }  // namespace mok::fused
 

@@ -243,13 +243,13 @@ __device__ __forceinline__ RowMove combine_push_row(const CommParams* p, int ran
           dst < 0 ? nullptr : row_ptr(p->slots, dst, sv.src_slot[i], p->row_bytes)};
 }
 
-template <int kVec, int kUnroll = 1, int kStream = 0>
+template <int kVec, int kUnroll = 1>
 __device__ __forceinline__ void warp_move_row(RowMove m, i64 bytes, int lane) {
   if (m.dst == nullptr) return;
   if (m.src == nullptr)
     warp_zero_row<kVec>(m.dst, bytes, lane);
   else
-    warp_copy_row<kVec, kUnroll, kStream>(m.dst, m.src, bytes, lane);
+    warp_copy_row<kVec, kUnroll>(m.dst, m.src, bytes, lane);
 }
 
 template <int kVec>

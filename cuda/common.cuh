@@ -221,21 +221,10 @@ __device__ __forceinline__ void sum_checking_slots(const Params* p, int rank, Su
 // 16-byte accesses each lane has kUnroll loads in flight before it stores them (a warp alone on
 // a row is latency-bound: the fused kernel's spare warps take 16, its communicating CTAs 8; the
 // copy kernels, whose grids fill the GPU with warps, take 1).
-// kStream (the fused kernel's MOK_FUSED_VARIANT bits 1 and 4): 1 the loads allocate no L1 line
-// (ld.global.cg: they would evict the GEMM roles' tasks, params and offsets beside them), 2 they
-// are streamed (ld.global.cs: evict-first in L1 and L2, a row is read once). Same bytes.
-template <int kStream>
-__device__ __forceinline__ uint4 ld_row_chunk(const uint4* p) {
-  if constexpr (kStream == 1) return __ldcg(p);
-  else if constexpr (kStream >= 2) return __ldcs(p);
-  else return *p;
-}
-
-template <int kVec, int kUnroll = 1, int kStream = 0>
+template <int kVec, int kUnroll = 1>
 __device__ __forceinline__ void warp_copy_row(void* dst, const void* src, i64 bytes, int lane) {
   static_assert(kVec == 16 || kVec == 2, "rows move in 16-byte or 2-byte accesses");
   static_assert(kVec == 16 || kUnroll == 1, "2-byte copies are not unrolled");
-  static_assert(kStream == 0 || kVec == 16, "stream hints on 16-byte copies only");
   if constexpr (kVec == 16) {
     const uint4* s = reinterpret_cast<const uint4*>(src);
     uint4* d = reinterpret_cast<uint4*>(dst);
@@ -245,10 +234,7 @@ __device__ __forceinline__ void warp_copy_row(void* dst, const void* src, i64 by
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const i64 i = base + u * 32 + lane;
-        if constexpr (kStream == 0)
-          v[u] = i < n ? s[i] : make_uint4(0, 0, 0, 0);
-        else
-          v[u] = i < n ? ld_row_chunk<kStream>(s + i) : make_uint4(0, 0, 0, 0);
+        v[u] = i < n ? s[i] : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {

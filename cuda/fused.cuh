@@ -62,23 +62,6 @@ using gemm::Traits;
 using plan::Counter;
 using plan::Task;
 
-// Experimental variants of the fused kernels (mok_proto/kernels/fused.py: $MOK_FUSED_VARIANT), a
-// bit mask; 0, the default, is the code below without them. None changes what any output element
-// is computed from or in which order (fused == sequential stays bitwise).
-//   1  the movers' row loads skip L1 (ld.global.cg): their 24 KB in flight per CTA would evict
-//      the GEMM roles' tasks, params and offsets, read once per tile, beside them
-//   2  a routed tile's expert is searched in a shared-memory copy of the routed row offsets
-//      (tile_for, routed_offsets): fewer dependent global loads between two tiles
-//   4  the movers' row loads are streamed (ld.global.cs: evict-first in L1 and L2), so the GEMM
-//      operands stay in L2 (with 1: 4 wins)
-#ifndef MOK_FUSED_VARIANT
-#define MOK_FUSED_VARIANT 0
-#endif
-constexpr int kFusedVariant = MOK_FUSED_VARIANT;
-static_assert(kFusedVariant >= 0 && kFusedVariant < kFusedVariants, "MOK_FUSED_VARIANT: a mask of 1, 2, 4");
-// warp_copy_row's kStream for the movers (bits 1 and 4)
-constexpr int kMoverStream = (kFusedVariant & 4) ? 2 : (kFusedVariant & 1);
-
 // A compute CTA's register split (gemm.cuh's kProducerRegs / kConsumerRegs for the standalone
 // kernel): here the producer warpgroup also runs the spare warps' row copies (kSideUnroll 16-byte
 // values in flight per lane) and every problem of the pass is one kernel. Both fused kernels spill
@@ -373,19 +356,6 @@ __device__ __forceinline__ bool routed_rows(int kind) {
 
 __device__ __forceinline__ i64 ring_rows_of(const Ctx& c, int kind) { return routed_rows(kind) ? c.fp->ring_rows : 0; }
 
-// Variant 2: the routed row offsets (kSlotFirst's, which every routed slot shares: the schedule's
-// receive layout, fixed before the launch) in the shared memory the standalone kernel's pair
-// prefix takes (unused here), offsets[g] at g, the end of the real rows at kMaxGroups. Every
-// thread, after gemm_setup (which writes pair_prefix).
-__device__ __forceinline__ void routed_offsets(const Ctx& c, SharedStorage& ss) {
-  const GemmParams* p = c.gemm + kSlotFirst;
-  const int* offsets = gemm::ptr<const int>(p->row_offsets);
-  const int groups = static_cast<int>(p->num_groups);
-  for (int g = threadIdx.x; g < groups; g += blockDim.x) ss.pair_prefix[g] = offsets[g];
-  if (threadIdx.x == 0 && groups > 0) ss.pair_prefix[gemm::kMaxGroups] = offsets[groups - 1] + gemm::ptr<const int>(p->row_counts)[groups - 1];
-  __syncthreads();
-}
-
 // The tile of GEMM task t for cluster CTA `cta` (gemm::group_tile, as the standalone kernel
 // names it). Row problems: row pair p = row_tile / 2 starts at row 2 B p of the segment layout
 // (routed: receive rows, shared: tokens; one group from 0); CTA cta's tile is the pair's 128 rows
@@ -397,8 +367,7 @@ __device__ __forceinline__ void routed_offsets(const Ctx& c, SharedStorage& ss) 
 // + cta, K = the expert's rows (gemm::zero_tail_k_rows clears its last k-block past the end): one
 // CTA sums the tile's whole K in order (deterministic, no atomics).
 template <int kP>
-__device__ __forceinline__ bool tile_for(const Ctx& c, const SharedStorage& ss, const GemmParams* p, const Task& t, int cta,
-                                         Tile& tile) {
+__device__ __forceinline__ bool tile_for(const Ctx& c, const GemmParams* p, const Task& t, int cta, Tile& tile) {
   if (!Traits<kP>::kRowProblem) {
     tile = gemm::group_tile<kP>(p, t.expert < 0 ? 0 : t.expert, (t.row_tile & ~1) + cta, t.col_tile);
     return true;
@@ -406,17 +375,12 @@ __device__ __forceinline__ bool tile_for(const Ctx& c, const SharedStorage& ss, 
   const int* offsets = gemm::ptr<const int>(p->row_offsets);
   const int* counts = gemm::ptr<const int>(p->row_counts);
   const int groups = static_cast<int>(p->num_groups);
-  // variant 2: a routed problem's offsets and row end from shared memory (routed_offsets)
-  const bool smem = (kFusedVariant & 2) != 0 && routed_rows(t.kind);
-  const int* ss_offsets = ss.pair_prefix;
-  const int* search = smem ? ss_offsets : offsets;
-  const int pair_row = (t.row_tile & ~1) * gemm::kBM,
-            end = smem ? ss_offsets[gemm::kMaxGroups] : offsets[groups - 1] + counts[groups - 1];
+  const int pair_row = (t.row_tile & ~1) * gemm::kBM, end = offsets[groups - 1] + counts[groups - 1];
   if (pair_row >= end) return false;
   const int row = pair_row + cta * gemm::kBM, other = pair_row + (1 - cta) * gemm::kBM;
-  const int group = gemm::group_at(search, groups, row < end ? row : pair_row);
-  tile = gemm::group_tile<kP>(p, group, (row - search[group]) / gemm::kBM, t.col_tile);
-  tile.multicast = other >= end || row >= end || gemm::group_at(search, groups, other) == group;
+  const int group = gemm::group_at(offsets, groups, row < end ? row : pair_row);
+  tile = gemm::group_tile<kP>(p, group, (row - offsets[group]) / gemm::kBM, t.col_tile);
+  tile.multicast = other >= end || row >= end || gemm::group_at(offsets, groups, other) == group;
   const i64 ring_rows = ring_rows_of(c, t.kind);
   if (ring_rows > 0) tile.row0 -= static_cast<int>(pair_row - pair_row % ring_rows);
   return true;
@@ -430,7 +394,7 @@ __device__ __forceinline__ bool produce_task(const Ctx& c, SharedStorage& ss, Ri
                                              int cta, int wg_tid, bool ok) {
   const GemmParams* p = c.gemm + slot_of(t.kind);
   Tile tile;
-  if (!tile_for<kP>(c, ss, p, t, cta, tile)) return ok;
+  if (!tile_for<kP>(c, p, t, cta, tile)) return ok;
   bool ready = false;
   if (wg_tid == 0) {
     ready = ok && wait_task(c, t, index);
@@ -460,7 +424,7 @@ __device__ __forceinline__ bool consume_task(const Ctx& c, SharedStorage& ss, Ri
   const bool lead = threadIdx.x == 128;
   const i64 start = c.trace && lead ? static_cast<i64>(globaltimer_ns()) : 0;
   Tile tile;
-  if (tile_for<kP>(c, ss, p, t, cta, tile)) ok = gemm::consume_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
+  if (tile_for<kP>(c, p, t, cta, tile)) ok = gemm::consume_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
   if (t.signal_counter[0] >= 0 || t.signal_counter[1] >= 0) {
     if constexpr (kTmaReadsOutput<kP>) fence_proxy_async_global();
     gemm::consumers_sync();
@@ -553,7 +517,7 @@ __device__ __forceinline__ bool mover_task(const Ctx& c, volatile int* go, const
     linked_rows<32 * 16 * kUnroll>(
         c.cp, c.rank, rows.dispatch ? kLinkIn : kLinkOut, 0, rows.count, Workers{warp, kWarps}, lane,
         [&](i64 k) { return rows.peer(k); },
-        [&](i64 k) { warp_move_row<16, kUnroll, kMoverStream>(rows.move(k), c.cp->row_bytes, lane); });
+        [&](i64 k) { warp_move_row<16, kUnroll>(rows.move(k), c.cp->row_bytes, lane); });
     if (rows.dispatch)
       fence_proxy_async_global();  // the rows are read by the GEMMs' TMA loads
     else
@@ -617,7 +581,6 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
   // Barriers and the cluster's abort decision (an error recorded before this launch: run nothing).
   if (threadIdx.x == 0) init_tickets(ss);
   gemm::gemm_setup<gemm::kGateUp>(c.gemm + kSlotFirst, ss, cta);
-  if constexpr ((kFusedVariant & 2) != 0) routed_offsets(c, ss);
   const int* task_begin = reinterpret_cast<const int*>(fp->task_begin);
   const int first = task_begin[blockIdx.x], last = task_begin[blockIdx.x + 1];
   bool ok = true;

@@ -55,21 +55,6 @@
 namespace mok {
 namespace gemm {
 
-// Experimental variants of the standalone grouped_gemm (mok_proto/kernels/gemm.py: $MOK_GEMM_VARIANT),
-// a bit mask; 0, the default, is the code below without them. Every variant computes each output
-// element with the same operations in the same k order, so its outputs are bitwise the default's.
-//   1  tile order in bands (banded_tile): pair rows fastest within bands of at most kBandPairs pair
-//      rows of one expert, so the tiles running at once share fewer operand slices in L2
-//   2  the epilogue reads the launch's params from a register copy (consume_tile), not reloaded
-//      from global memory after every store (the stores may alias *p for the compiler)
-//   4  kDownBwd: the producer prefetches the tile's g, u and the next tile's first stages into L2
-//      (cp.async.bulk.prefetch) while the tile's last k-blocks load, to shorten the ring's refill
-#ifndef MOK_GEMM_VARIANT
-#define MOK_GEMM_VARIANT 0
-#endif
-constexpr int kVariant = MOK_GEMM_VARIANT;
-static_assert(kVariant >= 0 && kVariant < kGemmVariants, "MOK_GEMM_VARIANT: a mask of 1, 2, 4");
-
 // Tile sizes, the cluster, thread roles, kMaxGroups, the Problem enum and GemmParams: cuda/abi.cuh.
 constexpr int kATileBytes = kBM * kBK * 2;  // 16 KB
 constexpr int kBTileBytes = kBN * kBK * 2;  // 32 KB
@@ -181,8 +166,8 @@ __device__ __forceinline__ Tile tile_of(const Params* p, const int* pair_prefix,
   return group_tile<kP, kDepth>(p, group, 2 * (r / n_tiles) + cta, r % n_tiles);
 }
 
-// Variant 1: pair tile t in bands. An expert's tiles keep their range of t, but its P pair rows are
-// cut into ceil(P / kBandPairs) bands of near-equal height, and within a band the pair row moves
+// The standalone kernel's pair tile t, in bands. An expert's tiles keep tile_of's range of t, but
+// its P pair rows are cut into ceil(P / kBandPairs) bands of near-equal height, and within a band the pair row moves
 // fastest: the tiles of one wave (consecutive t) form a block about kBandPairs pair rows tall
 // instead of a strip along N, so they read fewer distinct A and B slices (one per pair row and
 // per n tile; sqrt(66 clusters) ~ 8 minimises their sum).
@@ -205,13 +190,6 @@ __device__ __forceinline__ Tile banded_tile(const Params* p, const int* pair_pre
   const int b = row < tall * (q + 1) ? row / (q + 1) : tall + (row - tall * (q + 1)) / q;
   const int s = b * q + min(b, tall), h = q + (b < tall ? 1 : 0), i = r - s * n_tiles;
   return group_tile<kP>(p, group, 2 * (s + i % h) + cta, i / h);
-}
-
-// The standalone kernel's tile t: tile_of's row-major order, or variant 1's bands.
-template <int kP, class Params>
-__device__ __forceinline__ Tile standalone_tile(const Params* p, const int* pair_prefix, int t, int cta) {
-  if constexpr (kVariant & 1) return banded_tile<kP>(p, pair_prefix, t, cta);
-  return tile_of<kP>(p, pair_prefix, t, cta);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -681,42 +659,12 @@ __device__ __forceinline__ int gemm_setup(const Params* p, Storage& ss, int cta)
 // it before this CTA's A load lands; previous_load_landed and drain_loads then pass early. It
 // needs a tight race on the error path only; the robust fix is a bounded drain of `full` by the
 // consumers before they free a stage after an error.
-// Variant 4 (kDownBwd): kPrefetchAhead k-blocks before a tile's last, the producer's thread 0 asks L2
-// for the tile's g, u boxes (its aux stages) and the first kStages k-blocks of `next` (this CTA's
-// A box and its half of B), which the ring loads only once the epilogue frees the aux stages.
-constexpr int kPrefetchAhead = 6;
-
-__device__ __forceinline__ void prefetch_l2_2d(i64 tensor_map, int c0, int c1) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(tensor_map), "r"(c0), "r"(c1)
-               : "memory");
-}
-
-template <int kP>
-__device__ __forceinline__ void prefetch_down_bwd(const GemmParams* p, const Tile& tile, const Tile& next, bool has_next,
-                                                  int cta) {
-  static_assert(kP == kDownBwd, "the K-major A and B boxes and the aux boxes of kDownBwd");
-  for (int c = 0; c < Traits<kP>::kAuxStages; ++c) {
-    prefetch_l2_2d(p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0);
-    prefetch_l2_2d(p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0);
-  }
-  if (!has_next) return;
-  const int n_row = next.group * static_cast<int>(p->n) + next.n0 + 128 * cta;
-  for (int kb = 0; kb < kStages && kb < next.k_blocks; ++kb) {
-    prefetch_l2_2d(p->tmap_a1, kb * kBK, next.row0 + next.m0);
-    prefetch_l2_2d(p->tmap_b1, kb * kBK, n_row);
-  }
-}
-
 template <int kP>
 __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
-                                             int cta, int wg_tid, bool ok, const Tile& next = Tile{},
-                                             bool has_next = false) {
+                                             int cta, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
   const u32 s_base = smem_addr(ss.stages);
   for (int kb = 0; kb < tile.k_blocks; ++kb) {
-    if constexpr ((kVariant & 4) != 0 && kP == kDownBwd) {
-      if (wg_tid == 0 && ok && kb == max(tile.k_blocks - kPrefetchAhead, 0)) prefetch_down_bwd<kP>(p, tile, next, has_next, cta);
-    }
     if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
     if (wg_tid == 0 && ok) ok = previous_load_landed(ss, ring);
     if (wg_tid == 0 && ok) {
@@ -813,13 +761,10 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
     if (prev >= 0) release_stage(ss, prev, wg_tid);
   };
   const bool unchanged = run_from_accumulators<kP>(p, tile, acc, half, wg_tid, k_loop);
-  GemmParams local;  // variant 2: the epilogue's fields in registers (the rest is never loaded)
-  if constexpr ((kVariant & 2) != 0) local = *p;
-  const GemmParams* ep = (kVariant & 2) != 0 ? &local : p;
   if constexpr (Tr::kAuxStages > 0) {
-    ok = store_down_bwd_tile<kP>(ep, ss, ring, tile, acc, staging, half, wg_tid, ok);
+    ok = store_down_bwd_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
   } else if (tile.store && !unchanged) {
-    store_tile<kP>(ep, tile, acc, staging, half, wg_tid);
+    store_tile<kP>(p, tile, acc, staging, half, wg_tid);
   }
   return ok;
 }
@@ -839,16 +784,7 @@ __device__ __forceinline__ void run_tiles(const GemmParams* p, SharedStorage& ss
     // NOTE: threads let run ahead to the final cluster barrier instead (warp 0 diverged around its
     // TMA lane) make the row GEMMs much slower: all 128 producer threads walk every tile.
     while (tiles.next(t)) {
-      const Tile tile = standalone_tile<kP>(p, ss.pair_prefix, t, cta);
-      if constexpr ((kVariant & 4) != 0 && kP == kDownBwd) {  // the tile after this one, for the prefetch
-        Tiles ahead = tiles;
-        int t_next;
-        const bool more = ahead.next(t_next);
-        const Tile next = standalone_tile<kP>(p, ss.pair_prefix, more ? t_next : t, cta);
-        ok = produce_tile<kP>(p, ss, ring, tile, cta, wg_tid, ok, next, more);
-      } else {
-        ok = produce_tile<kP>(p, ss, ring, tile, cta, wg_tid, ok);
-      }
+      ok = produce_tile<kP>(p, ss, ring, banded_tile<kP>(p, ss.pair_prefix, t, cta), cta, wg_tid, ok);
     }
     if (wg_tid == 0) drain_loads(ss, ring);
   } else {
@@ -856,7 +792,7 @@ __device__ __forceinline__ void run_tiles(const GemmParams* p, SharedStorage& ss
     float acc[128];
     float* staging = ss.staging[threadIdx.x / 32 - 4];
     while (tiles.next(t))
-      ok = consume_tile<kP>(p, ss, ring, standalone_tile<kP>(p, ss.pair_prefix, t, cta), acc, staging, wg - 1, wg_tid,
+      ok = consume_tile<kP>(p, ss, ring, banded_tile<kP>(p, ss.pair_prefix, t, cta), acc, staging, wg - 1, wg_tid,
                             ok);
   }
 }

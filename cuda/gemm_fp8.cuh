@@ -57,20 +57,8 @@
 #include "fp8.cuh"
 #include "gemm.cuh"
 
-// The consumers' main loop, a benchmark knob (MOK_FP8_MAINLOOP in the environment of
-// mok_proto/kernels/gemm_fp8.py): 0 (default) as described above; in consume_kblocks, 1, 2
-// pipelined (n64 quarters into two 32-register temporaries, a quarter's MMAs in flight while the
-// previous quarter is promoted) and 3, the default's order with less overhead. Every one does the
-// same arithmetic per output element.
-#ifndef MOK_FP8_MAINLOOP
-#define MOK_FP8_MAINLOOP 0
-#endif
-
 namespace mok {
 namespace gemm_fp8 {
-
-constexpr int kMainloop = MOK_FP8_MAINLOOP;
-static_assert(kMainloop >= 0 && kMainloop < gemm::kFp8Mainloops, "MOK_FP8_MAINLOOP: 0, 1, 2 or 3");
 
 using gemm::kBM;
 using gemm::kBN;
@@ -104,8 +92,8 @@ static_assert(kStagingFloats * 4 >= 16 * kKBlock, "a staging area holds a warp's
 // Registers per thread after setmaxnreg (gemm.cuh): a consumer holds 128 accumulators and a
 // 64-register temporary. Chosen so that nothing spills (tests/test_kernels_build.py checks it);
 // ptxas is not monotonic in these numbers, so recheck after any change.
-constexpr int kProducerRegs = kMainloop == 1 ? 56 : kMainloop == 2 ? 40 : 64;
-constexpr int kConsumerRegs = kMainloop == 1 ? 224 : kMainloop == 2 ? 232 : 216;  // 1, 2: two temporaries' state
+constexpr int kProducerRegs = 64;
+constexpr int kConsumerRegs = 216;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * gemm::kLaunchRegs, "over the CTA's registers");
 
 // Shared memory of one CTA (the kernel aligns the base up to 1024 bytes: a launch asks sizeof + 1024).
@@ -270,62 +258,10 @@ __device__ __forceinline__ void zero_tail_k(char* stage, int valid, int half, in
   gemm::consumers_sync();
 }
 
-// One n128 half of one k-block into `blk`: 4 x m64n128k32 over this warpgroup's 64 A rows and B
-// rows 128 kHalfN .. +127. K-major 128B-swizzle descriptors: rows of 128 bytes, 8-row groups 1024
-// bytes apart (SBO; LBO unused), a k32 step is +32 bytes. Waits for them (the promotion reads blk).
-template <int kHalfN>
-__device__ __forceinline__ void mma_half(float (&blk)[64], u32 s_a, int half) {
-  wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < kKBlock / 32; ++ks) {
-    const u64 da = wgmma_desc(s_a + half * 64 * kKBlock + ks * 32, 16, 1024);
-    const u64 db = wgmma_desc(s_a + kATileBytes + kHalfN * kHalfBytes + ks * 32, 16, 1024);
-    wgmma_m64n128k32_e4m3(blk, da, db, ks);  // the first of a k-block starts the sum (scale-d 0)
-  }
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_accumulators(blk);
-}
-
-// acc's n128 half kHalfN += blk * (sa * sb). Fragment layout (gemm.cuh): blk[4j + 2 rh + c] is row
-// 16 w + l/4 + 8 rh, column 8j + 2 (l%4) + c of the half; acc[64 kHalfN + ..] the same element of C.
-// sa0, sa1: the scales of this thread's rows rh = 0, 1; s_b: the stage's B scales (shared address).
-template <int kP, int kHalfN>
-__device__ __forceinline__ void promote(float (&acc)[128], const float (&blk)[64], float sa0, float sa1, u32 s_b,
-                                        int lane) {
-  constexpr int kAt = 64 * kHalfN;
-  if constexpr (Traits<kP>::kRowProblem) {  // one block scale for the whole half
-    const float sb = ld_shared_f32(s_b + 4 * kHalfN);
-    const float s0 = __fmul_rn(sa0, sb), s1 = __fmul_rn(sa1, sb);
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[kAt + i] = __fmaf_rn(blk[i], (i & 2) ? s1 : s0, acc[kAt + i]);
-  } else {  // a scale per column
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float2 b = ld_shared_f32x2(s_b + 4 * (128 * kHalfN + 8 * j + 2 * (lane & 3)));
-      const float s[4] = {__fmul_rn(sa0, b.x), __fmul_rn(sa0, b.y), __fmul_rn(sa1, b.x), __fmul_rn(sa1, b.y)};
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[kAt + 4 * j + c] = __fmaf_rn(blk[4 * j + c], s[c], acc[kAt + 4 * j + c]);
-    }
-  }
-}
-
 // desc + add in the 14-bit address field (a 32-bit add: the field cannot carry, shared addresses
 // stay below 2^18).
 __device__ __forceinline__ u64 desc_plus(u64 desc, u32 add) {
   return (desc & 0xFFFFFFFF00000000ull) | static_cast<u32>(static_cast<u32>(desc) + add);
-}
-
-// MOK_FP8_MAINLOOP=1. Quarter kQ (columns 64 kQ .. +63 of the tile) of one k-block into t: 4 x
-// m64n64k32, committed as one group, not waited for. da, db: descriptors of this warpgroup's A rows
-// and of the stage's B at k 0 (+32 bytes a k32 step = +2, +64 B rows = 8 KB = +512 in the address
-// field; a 64-bit add here, not desc_plus: ptxas then keeps fewer registers live in loop 2).
-template <int kQ>
-__device__ __forceinline__ void mma_quarter(float (&t)[32], u64 da, u64 db) {
-  wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < kKBlock / 32; ++ks) wgmma_m64n64k32_e4m3(t, da + 2 * ks, db + 512 * kQ + 2 * ks, ks);
-  wgmma_commit();
 }
 
 // acc's quarter kQ += t * (sa * sb): the elements of acc[32 kQ + i] (promote's layout, columns
@@ -348,7 +284,7 @@ __device__ __forceinline__ void promote_quarter(float (&acc)[128], const float (
   }
 }
 
-// Loops 1-3: a loaded stage's start (`row`: this thread's first row of the tile): the weight
+// A loaded stage's start (`row`: this thread's first row of the tile): the weight
 // gradients' tail zeroed (their last k-block), the descriptors' offset (add to the stage-0 ones
 // with desc_plus), the row scales sa0, sa1 (rows row, row + 8), the B scales' address and, row
 // problems, sa * sb of (n128 half, row rh): s00, s01, s10, s11.
@@ -372,24 +308,11 @@ __device__ __forceinline__ KBlockIn kblock_in(SharedStorage& ss, int stage, cons
   return in;
 }
 
-template <bool kPendingIn, bool kDrain, bool kWaitIn = true> struct KBlockMode {
-  static constexpr bool kPending = kPendingIn;  // the previous k-block's quarter 3 is in flight
-  static constexpr bool kDrainAfter = kDrain;   // wait for and promote this k-block's quarter 3
-  static constexpr bool kWait = kWaitIn;        // wait for the stage's `full` barrier (else: done before)
-};
-
-// The k-blocks of one tile in loops 1-3. 3: the default loop's order (two n128 halves, each waited
-// for and promoted) with its per-k-block overhead cut: descriptors by a 32-bit add, every scale
-// read before the MMAs, the row problems' stage released as soon as its last MMA is done.
-// 1, 2: per k-block the quarters q = 0..3 go to t0, t1, t0, t1; after issuing quarter q the
-// warpgroup waits for quarter q - 1 (wait_group 1) and promotes it while q runs. 1: quarter 0
-// waits for nothing and quarter 3 is promoted after a full wait at the k-block's end (one drain per
-// k-block, of one quarter's promotion). 2: k-blocks in pairs, the first's quarter 3 in flight into
-// the second (promoted after the second's quarter 0 is issued): one drain per two k-blocks (an odd
-// count's first k-block runs alone). NOTE: ptxas serializes every wgmma of the kernel (C7514) if a
-// wgmma is in flight across a conditional branch or the loop's back edge, hence the pairs,
-// unconditional inside. A stage is released once its quarter 3 is promoted (its column scales are
-// read then). Per element the k-blocks are promoted in increasing order, as in the default loop.
+// The k-blocks of one tile: per k-block, the two n128 halves into one 64-register temporary (4 x
+// m64n128k32, waited for), each promoted into acc; descriptors by a 32-bit add, every scale read
+// before the MMAs, the row problems' stage released as soon as its last MMA is done (the weight
+// gradients' once promoted: their column scales are read then). Per element the k-blocks are
+// promoted in increasing order.
 template <int kP>
 __device__ __forceinline__ bool consume_kblocks(const Fp8GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
                                                 float (&acc)[128], int half, int wg_tid, bool ok) {
@@ -397,91 +320,31 @@ __device__ __forceinline__ bool consume_kblocks(const Fp8GemmParams* p, SharedSt
   const u32 s_base = smem_addr(ss.stages);
   const int lane = wg_tid & 31, row = half * 64 + (wg_tid >> 5) * 16 + (lane >> 2);
   const u64 da0 = wgmma_desc(s_base + half * 64 * kKBlock, 16, 1024), db0 = wgmma_desc(s_base + kATileBytes, 16, 1024);
-  if constexpr (kMainloop == 3) {
-    float blk[64];
-    auto mma = [&](u64 da, u64 db) {
-      wgmma_fence();
-  #pragma unroll
-      for (int ks = 0; ks < kKBlock / 32; ++ks)
-        wgmma_m64n128k32_e4m3(blk, desc_plus(da, 2 * ks), desc_plus(db, 2 * ks), ks);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_accumulators(blk);
-    };
-    for (int kb = 0; kb < tile.k_blocks; ++kb) {
-      if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
-      const KBlockIn in = kblock_in<kP>(ss, ring.stage, tile, kb, row, half, wg_tid);
-      const u64 da = desc_plus(da0, in.desc_add), db = desc_plus(db0, in.desc_add);
-      const u32 s_b = in.s_b;
-      const float sa0 = in.sa0, sa1 = in.sa1, s00 = in.s00, s01 = in.s01, s10 = in.s10, s11 = in.s11;
-      mma(da, db);
-      promote_quarter<kP, 0>(acc, reinterpret_cast<const float(&)[32]>(blk[0]), s00, s01, sa0, sa1, s_b, lane);
-      promote_quarter<kP, 1>(acc, reinterpret_cast<const float(&)[32]>(blk[32]), s00, s01, sa0, sa1, s_b, lane);
-      mma(da, desc_plus(db, kHalfBytes >> 4));
-      if constexpr (Tr::kRowProblem) gemm::release_stage(ss, ring.stage, wg_tid);
-      promote_quarter<kP, 2>(acc, reinterpret_cast<const float(&)[32]>(blk[0]), s10, s11, sa0, sa1, s_b, lane);
-      promote_quarter<kP, 3>(acc, reinterpret_cast<const float(&)[32]>(blk[32]), s10, s11, sa0, sa1, s_b, lane);
-      if constexpr (!Tr::kRowProblem) gemm::release_stage(ss, ring.stage, wg_tid);
-      ring.advance();
-    }
-    return ok;
-  }
-  float t0[32], t1[32];
-  float p_s0 = 0.0f, p_s1 = 0.0f, p_sa0 = 0.0f, p_sa1 = 0.0f;  // kMainloop 2: the previous k-block's quarter 3
-  u32 p_sb = 0;
-  int prev = 0;
-  auto kblock = [&](int kb, auto mode) {
-    using Mode = decltype(mode);
-    if (Mode::kWait && ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
+  float blk[64];
+  auto mma = [&](u64 da, u64 db) {
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kKBlock / 32; ++ks)
+      wgmma_m64n128k32_e4m3(blk, desc_plus(da, 2 * ks), desc_plus(db, 2 * ks), ks);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulators(blk);
+  };
+  for (int kb = 0; kb < tile.k_blocks; ++kb) {
+    if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
     const KBlockIn in = kblock_in<kP>(ss, ring.stage, tile, kb, row, half, wg_tid);
     const u64 da = desc_plus(da0, in.desc_add), db = desc_plus(db0, in.desc_add);
     const u32 s_b = in.s_b;
     const float sa0 = in.sa0, sa1 = in.sa1, s00 = in.s00, s01 = in.s01, s10 = in.s10, s11 = in.s11;
-    mma_quarter<0>(t0, da, db);
-    if constexpr (Mode::kPending) {
-      wgmma_wait<1>();
-      fence_accumulators(t1);
-      promote_quarter<kP, 3>(acc, t1, p_s0, p_s1, p_sa0, p_sa1, p_sb, lane);
-      gemm::release_stage(ss, prev, wg_tid);
-    }
-    mma_quarter<1>(t1, da, db);
-    wgmma_wait<1>();
-    fence_accumulators(t0);
-    promote_quarter<kP, 0>(acc, t0, s00, s01, sa0, sa1, s_b, lane);
-    mma_quarter<2>(t0, da, db);
-    wgmma_wait<1>();
-    fence_accumulators(t1);
-    promote_quarter<kP, 1>(acc, t1, s00, s01, sa0, sa1, s_b, lane);
-    mma_quarter<3>(t1, da, db);
-    wgmma_wait<1>();
-    fence_accumulators(t0);
-    promote_quarter<kP, 2>(acc, t0, s10, s11, sa0, sa1, s_b, lane);
-    if constexpr (Mode::kDrainAfter) {
-      wgmma_wait<0>();
-      fence_accumulators(t1);
-      promote_quarter<kP, 3>(acc, t1, s10, s11, sa0, sa1, s_b, lane);
-      gemm::release_stage(ss, ring.stage, wg_tid);
-    } else {
-      p_s0 = s10, p_s1 = s11, p_sa0 = sa0, p_sa1 = sa1, p_sb = s_b, prev = ring.stage;
-    }
+    mma(da, db);
+    promote_quarter<kP, 0>(acc, reinterpret_cast<const float(&)[32]>(blk[0]), s00, s01, sa0, sa1, s_b, lane);
+    promote_quarter<kP, 1>(acc, reinterpret_cast<const float(&)[32]>(blk[32]), s00, s01, sa0, sa1, s_b, lane);
+    mma(da, desc_plus(db, kHalfBytes >> 4));
+    if constexpr (Tr::kRowProblem) gemm::release_stage(ss, ring.stage, wg_tid);
+    promote_quarter<kP, 2>(acc, reinterpret_cast<const float(&)[32]>(blk[0]), s10, s11, sa0, sa1, s_b, lane);
+    promote_quarter<kP, 3>(acc, reinterpret_cast<const float(&)[32]>(blk[32]), s10, s11, sa0, sa1, s_b, lane);
+    if constexpr (!Tr::kRowProblem) gemm::release_stage(ss, ring.stage, wg_tid);
     ring.advance();
-  };
-  // 2 spills inside the k-loop of the weight gradients (their column scales are read in the
-  // promotion) and of kDownBwd (its aux stages' state): they run 1.
-  constexpr int kMode = kMainloop == 2 && Tr::kRowProblem && Tr::kAuxStages == 0 ? 2 : 1;
-  int kb = 0;
-  if (kMode == 2 && (tile.k_blocks & 1)) kblock(kb++, KBlockMode<false, true>{});
-  for (; kb < tile.k_blocks; kb += kMode) {
-    if constexpr (kMode == 1) {
-      kblock(kb, KBlockMode<false, true>{});
-    } else {
-      Ring next = ring;  // both stages' waits first: none while a quarter is in flight (fewer live registers)
-      next.advance();
-      if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
-      if (ok) ok = mbar_wait(&ss.full[next.stage], next.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
-      kblock(kb, KBlockMode<false, false, false>{});
-      kblock(kb + 1, KBlockMode<true, true, false>{});
-    }
   }
   return ok;
 }
@@ -556,26 +419,9 @@ template <int kP>
 __device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
                                              float (&acc)[128], float* staging, int half, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
-  const u32 s_base = smem_addr(ss.stages);
-  const int lane = wg_tid & 31, row = half * 64 + (wg_tid >> 5) * 16 + (lane >> 2);  // this thread's rows: row, row + 8
   // (acc is no wgmma accumulator here: the promotion adds into it, so one k-loop serves both starts)
   const bool unchanged = gemm::run_from_accumulators<kP>(p, tile, acc, half, wg_tid, [] {});
-  float blk[64] = {};  // one n128 half of one k-block (each k-block starts it with scale-d 0)
-  if constexpr (kMainloop != 0) ok = consume_kblocks<kP>(p, ss, ring, tile, acc, half, wg_tid, ok);
-  for (int kb = 0; kb < (kMainloop == 0 ? tile.k_blocks : 0); ++kb) {
-    if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
-    const u32 s_a = s_base + ring.stage * kStageBytes;
-    if (!Tr::kRowProblem && (kb + 1) * kKBlock > tile.rows)
-      zero_tail_k(ss.stages[ring.stage], tile.rows - kb * kKBlock, half, wg_tid);
-    const u32 s_scale_a = smem_addr(ss.scale_a[ring.stage]) + 4 * row, s_scale_b = smem_addr(ss.scale_b[ring.stage]);
-    const float sa0 = ld_shared_f32(s_scale_a), sa1 = ld_shared_f32(s_scale_a + 32);
-    mma_half<0>(blk, s_a, half);
-    promote<kP, 0>(acc, blk, sa0, sa1, s_scale_b, lane);
-    mma_half<1>(blk, s_a, half);
-    promote<kP, 1>(acc, blk, sa0, sa1, s_scale_b, lane);
-    gemm::release_stage(ss, ring.stage, wg_tid);  // its codes and scales are read
-    ring.advance();
-  }
+  ok = consume_kblocks<kP>(p, ss, ring, tile, acc, half, wg_tid, ok);
   if constexpr (Tr::kAuxStages > 0) {
     ok = gemm::store_down_bwd_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
   } else if (tile.store && !unchanged) {

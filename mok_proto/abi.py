@@ -256,16 +256,12 @@ CONSTS = (
     Const("kMaxGroups", 1024, "experts one grouped GEMM launch may cover", "mok::gemm"),
     Const("kStagingFloats", 2 * 8 * 32, "epilogue staging per consumer warp: 2 areas of 8 rows x 32 fp32",
           "mok::gemm"),
-    # Experimental compile-time variants (benchmark knobs, kernels/features.py reads them from the environment)
-    Const("kGemmVariants", 8, "MOK_GEMM_VARIANT masks of the standalone BF16 GEMMs: 0 .. this - 1", "mok::gemm"),
-    Const("kFp8Mainloops", 4, "MOK_FP8_MAINLOOP main loops of the FP8 GEMMs: 0 .. this - 1", "mok::gemm"),
     # Plans
     Const("kMoverKinds", sum(1 << TASK_KIND[k] for k in MOVER_KINDS), "bit k set: the fused kernel's movers (a "
           "communicating CTA's warps, a compute CTA's spare warps) run TaskKind k, its GEMM warps the others",
           "mok::plan"),
     Const("kRemoteCounterKinds", sum(1 << COUNTER_KIND[k] for k in REMOTE_COUNTER_KINDS), "bit k set: the fused "
           "kernel keeps a remote counter of CounterKind k as peer flags (remote_flag)", "mok::fused"),
-    Const("kFusedVariants", 8, "MOK_FUSED_VARIANT masks of the fused kernels: 0 .. this - 1", "mok::fused"),
     Const("kFusedLocalTimeoutFactor", 2, "the fused kernel's waits on its own counters give up after this x the "
           "timeout of a wait on a peer's flag (the peer's timeout is reported first)", "mok::fused"),
     Const("kEpilogueRows", 16, "tokens of one weighted-sum / slot-sum task (row_tile: tokens kEpilogueRows "

@@ -63,8 +63,7 @@ def run_fp8(args, wanted, bars) -> int:
           f"TFLOP/s median over {args.iters}; x bf16, x torch8 = our FP8 GEMM's per-iteration time ratio over our "
           f"BF16 GEMM and torch._scaled_grouped_mm (row-wise); of dense, of fp8 = over a dense {DENSE_N}^3 BF16 "
           f"matmul ({dense:.0f} TFLOP/s) and FP8 torch._scaled_mm "
-          f"({'none' if dense_fp8 is None else f'{dense_fp8:.0f} TFLOP/s'}); FP8 main loop "
-          f"{gemm_fp8.mainloop()} (${gemm_fp8.MAINLOOP_ENV})")
+          f"({'none' if dense_fp8 is None else f'{dense_fp8:.0f} TFLOP/s'})")
     print(rows_fp8.HEADER)
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device="cuda")
     failed = []  # rows that miss a bar or whose output is wrong
@@ -84,7 +83,7 @@ def run_fp8(args, wanted, bars) -> int:
                 error, mismatched = problems_fp8.fp8_error(name, ops, quantizer)
                 row = rows_fp8.fp8_row(name, samples, problems_fp8.flops(name, ops), error, mismatched, torch_note,
                                        dense, dense_fp8, bars, shape=shape_name, ep=args.ep, routing=routing,
-                                       fp8_mainloop=gemm_fp8.mainloop(), **problems_fp8.row_fields(ops))
+                                       **problems_fp8.row_fields(ops))
                 why = rows_fp8.failures(row, bars)
                 print(rows_fp8.line(row, bars, why), flush=True)
                 append_result(rows_fp8.BENCH, row)
@@ -93,7 +92,7 @@ def run_fp8(args, wanted, bars) -> int:
             ops = None
             cupy.get_default_memory_pool().free_all_blocks()
             torch.cuda.empty_cache()
-    return finish(gemm_fp8.LAUNCH_MODULE, gemm_fp8.NAMESPACE, gemm_fp8.smem_bytes(), failed,
+    return finish(gemm_fp8.MODULE, gemm_fp8.NAMESPACE, gemm_fp8.smem_bytes(), failed,
                   "bars missed or outputs wrong", "all bars met, all FP8 outputs match")
 
 

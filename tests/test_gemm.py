@@ -221,24 +221,24 @@ def test_weight_grads_accumulate_over_split_rows_bitwise(split):
         assert a.tobytes() != b.tobytes()
 
 
-def test_gemm_variants_are_bitwise_the_default(monkeypatch):
-    """$MOK_GEMM_VARIANT's experiments (cuda/gemm.cuh) change the schedule, never the arithmetic:
-    every problem gives the default build's bits, on experts tall enough for several bands of
-    tile order (kBandPairs pair rows: 18 pair rows here, dWg's 9) and many tiles per cluster."""
+def test_tall_experts_run_every_tile_of_their_bands(monkeypatch, cluster_cap):
+    """The standalone kernels walk an expert's tiles in bands of kBandPairs pair rows (cuda/gemm.cuh
+    banded_tile): on experts tall enough for several bands (18 pair rows here, the weight
+    gradients' 9), every tile is computed once. A tile named twice leaves another unnamed, whose
+    rows stay NaN; and the outputs are the same bits whether one cluster runs every tile in turn
+    or the whole GPU shares them."""
     import cupy
-    from mok_proto.kernels import build, features, gemm
+    from mok_proto.kernels import gemm
 
-    default = variant = gemm.MODULE
-    if gemm.VARIANT:  # this process runs a variant: compare it with the plain build
-        default = build.MODULES["gemm.cuh"]
-    else:  # every variant bit at once
-        variant = gemm.MODULE.variant(f"MOK_GEMM_VARIANT={features.GEMM_VARIANTS - 1}")
     d = _setup(4608, 512, counts=[0, 1, 129, 4500, 700])
     e, ffn, hidden = d["w_down"].shape
     rows, off, cnt = d["rows"], d["d_offsets"], d["d_counts"]
+    inside = np.zeros(rows, bool)
+    for _, seg in _segments(d):
+        inside[seg] = True
 
-    def outputs(module):
-        monkeypatch.setattr(gemm, "MODULE", module)
+    def outputs(clusters):
+        monkeypatch.setattr(gemm, "MAX_CLUSTERS", clusters)
         h, g, u, dg, du = (_nan_bf16(rows, ffn) for _ in range(5))
         y, dx = _nan_bf16(rows, hidden), _nan_bf16(rows, hidden)
         dwd = cupy.full((e, ffn, hidden), np.nan, np.float32)
@@ -251,9 +251,12 @@ def test_gemm_variants_are_bitwise_the_default(monkeypatch):
         _run(gemm.gate_up_wgrad, d["x"], d["dg"], d["du"], off, cnt, dwg, dwu)
         return {"h": h, "g": g, "u": u, "y": y, "dg": dg, "du": du, "dx": dx, "dWd": dwd, "dWg": dwg, "dWu": dwu}
 
-    want, got = outputs(default), outputs(variant)
-    for name, a in want.items():
-        assert a.tobytes() == got[name].tobytes(), f"{name}: {variant.key} differs from {default.key}"
+    whole, one = outputs(None), outputs(1)
+    for name, a in whole.items():
+        values = gemm.from_bf16(a).get() if a.dtype == np.uint16 else a.get()
+        covered = values[inside] if a.dtype == np.uint16 else values
+        assert not np.isnan(covered).any(), f"{name}: a tile was never computed"
+        assert a.tobytes() == one[name].tobytes(), f"{name}: one cluster and the whole GPU differ"
 
 
 def test_launch_on_a_failed_error_record_does_nothing():

@@ -59,7 +59,7 @@ def recorded(monkeypatch):
         return f"map{len(maps) - 1}"
 
     def launch(module, namespace, struct, problem, site, error, pack_only, fields):
-        assert module is gemm_fp8.LAUNCH_MODULE and namespace == "mok::gemm_fp8" and struct is abi.FP8_GEMM_PARAMS
+        assert module is gemm_fp8.MODULE and namespace == "mok::gemm_fp8" and struct is abi.FP8_GEMM_PARAMS
         assert site == f"fp8 {problem}" and not set(fields) - set(struct.names)
         return problem, fields, list(maps)
 

@@ -30,21 +30,6 @@ def test_every_kernel_compiles_with_nvcc(tmp_path, header, arch):
     _compile_clean(tmp_path, header, arch)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
-@pytest.mark.parametrize("variant", [1, 2, 4, features.GEMM_VARIANTS - 1])
-def test_gemm_variants_compile_without_spills(tmp_path, variant):
-    """Each experimental standalone GEMM variant ($MOK_GEMM_VARIANT) alone, and all of them."""
-    _compile_clean(tmp_path, "gemm.cuh", "sm_90a", (f"MOK_GEMM_VARIANT={variant}",))
-
-
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
-@pytest.mark.parametrize("variant", [3, features.FUSED_VARIANTS - 1])
-def test_fused_variants_compile_clean(tmp_path, variant):
-    """The experimental fused-kernel variants ($MOK_FUSED_VARIANT): 3 has the movers' L1-bypassing
-    loads and the shared-memory offsets, 7 the streamed loads instead (4 wins over 1)."""
-    _compile_clean(tmp_path, "fused.cuh", "sm_90a", (f"MOK_FUSED_VARIANT={variant}",))
-
-
 def _compile_clean(tmp_path, header, arch, defines=()):
     src = tmp_path / "instantiate.cu"
     src.write_text(build.MODULES[header].instantiation_source())
@@ -61,45 +46,6 @@ def _compile_clean(tmp_path, header, arch, defines=()):
     if header in SPILL_FREE:  # their register budgets (setmaxnreg) are chosen so that nothing spills
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
         assert spills and all(s == ("0", "0") for s in spills), f"{header} spills registers: {spills}"
-
-
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
-@pytest.mark.parametrize("mainloop", (1, 2, 3))
-def test_fp8_mainloop_variants_keep_their_mmas_asynchronous(tmp_path, mainloop):
-    """gemm_fp8.cuh's pipelined main loops (MOK_FP8_MAINLOOP, a bench knob) keep a quarter's MMAs
-    in flight while the previous quarter is promoted: a wgmma in flight across a branch makes ptxas
-    serialize every wgmma (C7514), which this catches. Loops 1 and 3 spill nothing; loop 2 holds a
-    few words of the tile across its k-loop in local memory (ptxas' choice at 232 registers), so
-    only its asynchrony is checked."""
-    module = gemm_fp8.mainloop_module(mainloop)
-    assert module.defines == (f"MOK_FP8_MAINLOOP={mainloop}",)
-    src = tmp_path / "instantiate.cu"
-    src.write_text(module.instantiation_source())
-    proc = subprocess.run([NVCC, *build.CXX_OPTIONS, *(f"-D{d}" for d in module.defines), "-gencode",
-                           "arch=compute_90a,code=sm_90a", f"-I{build.CUDA_DIR}", "-c", str(src), "-o",
-                           str(tmp_path / "out.o"), "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "Potential Performance Loss" not in proc.stderr, [l for l in proc.stderr.splitlines() if "Loss" in l]
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
-    assert spills
-    if mainloop != 2:
-        assert all(s == ("0", "0") for s in spills), f"MOK_FP8_MAINLOOP={mainloop} spills registers: {spills}"
-
-
-def test_fp8_mainloop_knob_picks_a_variant_or_refuses(monkeypatch):
-    from mok_proto.kernels import features
-
-    assert gemm_fp8.mainloop_module(0) is gemm_fp8.MODULE
-    assert gemm_fp8.mainloop_module(2) is gemm_fp8.mainloop_module(2) is not gemm_fp8.MODULE
-    with pytest.raises(ValueError, match="MOK_FP8_MAINLOOP=4"):
-        gemm_fp8.mainloop_module(4)
-    for text, want in (("", 0), (" 3 ", 3)):
-        monkeypatch.setenv("MOK_FP8_MAINLOOP", text)
-        assert features.fp8_mainloop() == want
-    for bad in ("4", "-1", "x", "1.5"):
-        monkeypatch.setenv("MOK_FP8_MAINLOOP", bad)
-        with pytest.raises(ValueError, match="MOK_FP8_MAINLOOP"):
-            features.fp8_mainloop()
 
 
 def test_source_digest_covers_the_header_and_its_includes(tmp_path, monkeypatch):
@@ -210,63 +156,6 @@ def test_the_quantizers_keep_subnormals_under_ftz(tmp_path):
     assert not any(flushing.values()), {k: v for k, v in flushing.items() if v}
 
 
-def test_gemm_variant_is_read_from_the_environment_and_stamped_on_rows(monkeypatch):
-    monkeypatch.delenv(features.GEMM_VARIANT_ENV, raising=False)
-    assert features.gemm_variant() == 0 and "gemm_variant" not in features.kernel_features()
-    monkeypatch.setenv(features.GEMM_VARIANT_ENV, "5")
-    assert features.gemm_variant() == 5 and features.kernel_features()["gemm_variant"] == 5
-    for bad in ("8", "-1", "two"):
-        monkeypatch.setenv(features.GEMM_VARIANT_ENV, bad)
-        with pytest.raises(ValueError, match="MOK_GEMM_VARIANT"):
-            features.gemm_variant()
-
-
-def test_fused_variant_is_read_from_the_environment_and_stamped_on_rows(monkeypatch):
-    monkeypatch.delenv(features.GEMM_VARIANT_ENV, raising=False)
-    monkeypatch.delenv(features.FUSED_VARIANT_ENV, raising=False)
-    assert features.fused_variant() == 0 and "fused_variant" not in features.kernel_features()
-    monkeypatch.setenv(features.FUSED_VARIANT_ENV, "6")
-    assert features.fused_variant() == 6 and features.kernel_features()["fused_variant"] == 6
-    assert "gemm_variant" not in features.kernel_features()
-    monkeypatch.setenv(features.GEMM_VARIANT_ENV, "1")
-    assert {k: features.kernel_features()[k] for k in ("gemm_variant", "fused_variant")} == {"gemm_variant": 1,
-                                                                                            "fused_variant": 6}
-    for bad in ("8", "-1", "two"):
-        monkeypatch.setenv(features.FUSED_VARIANT_ENV, bad)
-        with pytest.raises(ValueError, match="MOK_FUSED_VARIANT"):
-            features.fused_variant()
-
-
-def test_fused_variant_2_refuses_routed_slots_with_different_rows():
-    import numpy as np
-
-    from mok_proto import abi
-    from mok_proto.kernels import fused
-
-    records = np.zeros(2 * fused.GEMMS_PER_RANK, abi.GEMM_PARAMS.dtype)  # two launch ranks
-    first, second = abi.GEMM_SLOT["kSlotFirst"], abi.GEMM_SLOT["kSlotSecond"]
-    for rank in range(2):
-        for slot in (first, second):
-            for field, value in (("row_offsets", 1000 + rank), ("row_counts", 2000 + rank), ("num_groups", 6)):
-                records[field][rank * fused.GEMMS_PER_RANK + slot] = value
-    words = records.view(np.uint64)
-    fused.check_shared_routed_rows(words)  # every rank's two routed slots alike: accepted
-    for field, value in (("row_offsets", 7), ("row_counts", 7), ("num_groups", 5)):
-        bad = records.copy()
-        bad[field][fused.GEMMS_PER_RANK + second] = value  # rank 1's second slot differs
-        with pytest.raises(ValueError, match=field):
-            fused.check_shared_routed_rows(bad.view(np.uint64))
-
-
-def test_a_bad_variant_knob_ends_the_process_in_one_line(monkeypatch, capsys):
-    monkeypatch.setenv(features.FUSED_VARIANT_ENV, "9")
-    with pytest.raises(SystemExit) as stop:
-        features.kernel_features()
-    assert stop.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "MOK_FUSED_VARIANT='9'" in err
-
-
 def test_rows_of_experimental_variants_stay_out_of_what_results_load(tmp_path):
     import json
 
@@ -276,7 +165,12 @@ def test_rows_of_experimental_variants_stay_out_of_what_results_load(tmp_path):
             {"time": "2026-12-06T05:01:00+00:00", "git": "a", "problem": "down", "gemm_variant": 0},
             {"time": "2026-12-06T05:02:00+00:00", "git": "a", "problem": "down", "gemm_variant": 3},
             {"time": "2026-12-06T05:03:00+00:00", "git": "a", "problem": "down", "fused_variant": 2},
-            {"time": "2026-12-06T05:04:00+00:00", "git": "a", "problem": "down", "fp8_mainloop": 1}]
+            {"time": "2026-12-06T05:04:00+00:00", "git": "a", "problem": "down", "fp8_mainloop": 1},
+            # the variants the default kernels adopted (features.ADOPTED) measured today's kernels
+            {"time": "2026-12-06T05:05:00+00:00", "git": "a", "problem": "down", "gemm_variant": 1},
+            {"time": "2026-12-06T05:06:00+00:00", "git": "a", "problem": "down", "gemm_variant": 1, "fp8_mainloop": 3},
+            {"time": "2026-12-06T05:07:00+00:00", "git": "a", "problem": "down", "gemm_variant": 1, "fused_variant": 4}]
     (tmp_path / "bench_gemm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert [r["time"][11:16] for r in results.load("bench_gemm", tmp_path)] == ["05:00", "05:01"]
-    assert len(results.load("bench_gemm", tmp_path, experimental=True)) == 5
+    assert [r["time"][11:16] for r in results.load("bench_gemm", tmp_path)] == ["05:00", "05:01", "05:05", "05:06"]
+    assert len(results.load("bench_gemm", tmp_path, experimental=True)) == 8
+    assert features.kernel_features() == features.CURRENT and not set(features.VARIANT_FIELDS) & set(features.CURRENT)

@@ -11,12 +11,6 @@ others), so the constructor refuses a plan whose W * num_sms / 2 clusters exceed
 driver says the GPU runs at once. The remote counters the kernel keeps (as peer flags:
 cuda/fused.cuh remote_flag) are SLOTS_ARRIVED and PUBLISHED (REMOTE_KINDS); a plan with another
 remote counter, or two of one kind, is refused (check_remote_counters).
-
-$MOK_FUSED_VARIANT (read at import; unset or 0: the default kernels) builds both fused kernels,
-with and without the emulated link, with a mask of the experimental variants cuda/fused.cuh lists
-(1 movers' loads skip L1, 2 routed offsets in shared memory, 4 movers' loads streamed), e.g.
-`MOK_FUSED_VARIANT=3 python scripts/bench_layer.py ...`. No variant changes an output bit;
-benchmark rows record the mask as `fused_variant` (kernels/features.py).
 """
 
 from __future__ import annotations
@@ -26,15 +20,11 @@ import numpy as np
 from mok_proto import abi
 from mok_proto.kernels import gemm
 from mok_proto.kernels.build import CudaModule
-from mok_proto.kernels.features import at_import, fused_variant
 from mok_proto.plan import CounterKind
 
 KERNELS = {"fwd": "mok::fused::fused_forward", "bwd": "mok::fused::fused_backward"}
 MODULE = CudaModule("fused.cuh", tuple(KERNELS.values()), archs=("sm_90a",))
 LINK_MODULE = MODULE.variant("MOK_LINK")  # its movers pay an emulated link (mok_proto/link.py)
-VARIANT = at_import(fused_variant)
-if VARIANT:
-    MODULE, LINK_MODULE = (MODULE.variant(*defines, f"MOK_FUSED_VARIANT={VARIANT}") for defines in ((), ("MOK_LINK",)))
 RECORD_DTYPE = abi.TRACE_RECORD.dtype  # one TraceRecord (struct mok::fused::TraceRecord)
 GEMMS_PER_RANK = len(abi.GEMM_SLOT)
 # The remote counters cuda/fused.cuh keeps as peer flags (remote_flag; abi.REMOTE_COUNTER_KINDS).
@@ -57,18 +47,6 @@ def check_remote_counters(plan) -> None:
     if np.any(counters["target"] % plan.num_ranks):
         raise ValueError(f"a remote counter's target counts R = {plan.num_ranks} signals per task, got "
                          f"{counters['target'].tolist()}")
-
-
-def check_shared_routed_rows(gemm_words: np.ndarray) -> None:
-    """ValueError unless every launch rank's routed GEMM slots (kSlotFirst, kSlotSecond) name the same
-    rows (row_offsets, row_counts, num_groups): MOK_FUSED_VARIANT bit 2 keeps kSlotFirst's offsets in
-    shared memory for both."""
-    slots = np.ascontiguousarray(gemm_words, np.uint64).view(abi.GEMM_PARAMS.dtype).reshape(-1, GEMMS_PER_RANK)
-    first, second = (slots[:, abi.GEMM_SLOT[name]] for name in ("kSlotFirst", "kSlotSecond"))
-    for field in ("row_offsets", "row_counts", "num_groups"):
-        if not np.array_equal(first[field], second[field]):
-            raise ValueError(f"MOK_FUSED_VARIANT bit 2 needs the routed slots' {field} equal (kSlotFirst's are kept "
-                             f"in shared memory for both)")
 
 
 def gemm_timeout_ns(timeout_ns: int) -> int:
@@ -148,8 +126,6 @@ class FusedPass:
             raise ValueError("this plan runs token-side work (token_grads, scale) inside the kernel: pass token_params")
         token_ptr = 0 if token_params is None else int(token_params.data.ptr)
         gemm_words = np.ascontiguousarray(gemm_params, np.uint64)
-        if VARIANT & 2:
-            check_shared_routed_rows(gemm_words)
         key = (int(comm_params.data.ptr), gemm_words.tobytes(), int(error.ptr), int(timeout_ns), bool(trace),
                token_ptr)
         if key not in self._params:  # uploaded once per distinct launch (a captured graph never uploads)

@@ -12,13 +12,6 @@ launch given a record that holds an error runs no tile (fail-stop: check before 
 The first launch of a problem reads the kernel's shared-memory size back from the device: do it
 once outside any graph capture.
 
-$MOK_GEMM_VARIANT (read at import; unset or 0: the default kernels) builds the standalone
-grouped_gemm kernels with a mask of the experimental variants cuda/gemm.cuh lists (1 tile order
-in bands, 2 epilogue params in registers, 4 L2 prefetch in down_bwd), e.g.
-`MOK_GEMM_VARIANT=3 python scripts/bench_gemm.py`. Every variant's outputs are bitwise the
-default's; benchmark rows record the mask as `gemm_variant` (kernels/features.py). The fused
-kernels and the FP8 GEMMs are never affected.
-
     gate_up        h = silu(x Wg) * (x Wu)          (optionally also g = x Wg, u = x Wu)
     down           y = row_scale * (h Wd)
     down_bwd       dh = dy Wd^T; dg = dh * u * silu'(g), du = dh * silu(g)
@@ -34,7 +27,6 @@ import numpy as np
 from mok_proto import abi
 from mok_proto.kernels.build import CudaModule, num_sms
 from mok_proto.kernels.errors import ErrorRecord
-from mok_proto.kernels.features import at_import, gemm_variant
 from mok_proto.reference import from_bf16, to_bf16  # noqa: F401 - the kernels' bf16 format
 
 _C = abi.CONST
@@ -42,9 +34,6 @@ BM, BN, BK, THREADS, MAX_GROUPS, CLUSTER = (_C[k] for k in ("kBM", "kBN", "kBK",
 PROBLEMS = tuple(text for _, text in abi.GEMM_PROBLEM.members)  # enum Problem, by name
 MODULE = CudaModule("gemm.cuh", tuple(f"mok::gemm::grouped_gemm<{i}>" for i in range(len(PROBLEMS)))
                     + ("mok::gemm::export_sizes",), archs=("sm_90a",))
-VARIANT = at_import(gemm_variant)
-if VARIANT:
-    MODULE = MODULE.variant(f"MOK_GEMM_VARIANT={VARIANT}")
 TIMEOUT_NS = 10 * 10**9
 MAX_CLUSTERS = None  # cap on a launch's clusters (None: as many as run at once); 1 runs every tile on 2 SMs
 _CLUSTERS: dict = {}  # co-resident clusters by kernel handle

@@ -28,7 +28,7 @@ do; pack_only returns the packed Fp8GemmParams instead of launching.
 from __future__ import annotations
 
 from mok_proto import abi
-from mok_proto.kernels import features, gemm
+from mok_proto.kernels import gemm
 from mok_proto.kernels.build import CudaModule
 
 BK = abi.CONST["kQuantBlock"]  # k depth of a stage: one 1 x 128 scale block
@@ -36,30 +36,10 @@ BM, BN = gemm.BM, gemm.BN
 NAMESPACE = "mok::gemm_fp8"
 MODULE = CudaModule("gemm_fp8.cuh", tuple(f"{NAMESPACE}::grouped_gemm<{i}>" for i in range(len(gemm.PROBLEMS)))
                     + (f"{NAMESPACE}::export_sizes",), archs=("sm_90a",))
-# A benchmark knob, read once at import: the consumers' main loop of cuda/gemm_fp8.cuh (its
-# MOK_FP8_MAINLOOP: 0 the default, 1 and 2 pipelined, 3 the default's order leaner), every
-# wrapper then launches that variant.
-MAINLOOP_ENV = features.FP8_MAINLOOP_ENV
-
-
-def mainloop_module(value: int) -> CudaModule:
-    """The module of main loop `value` (0: MODULE itself); ValueError for a loop that does not exist."""
-    if value not in range(features.FP8_MAINLOOPS):
-        raise ValueError(f"{MAINLOOP_ENV}={value!r}: expected an integer 0 to {features.FP8_MAINLOOPS - 1}")
-    return MODULE if value == 0 else MODULE.variant(f"MOK_FP8_MAINLOOP={value}")
-
-
-LAUNCH_MODULE = mainloop_module(features.at_import(features.fp8_mainloop))
-
-
-def mainloop() -> int:
-    """The main loop the wrappers launch (LAUNCH_MODULE's MOK_FP8_MAINLOOP; 0 the default)."""
-    return next((int(d.split("=")[1]) for d in LAUNCH_MODULE.defines if d.startswith("MOK_FP8_MAINLOOP=")), 0)
-
 
 def smem_bytes() -> int:
     """Dynamic shared memory of a launch (kSmemBytes of the compiled header)."""
-    return gemm.smem_bytes(LAUNCH_MODULE, NAMESPACE)
+    return gemm.smem_bytes(MODULE, NAMESPACE)
 
 
 def site_record(problem: str):
@@ -116,7 +96,7 @@ def _map(codes, inner: int, outer: int):
 
 
 def _launch(problem, error, pack_only, **fields):
-    return gemm.launch_grouped(LAUNCH_MODULE, NAMESPACE, abi.FP8_GEMM_PARAMS, problem, f"fp8 {problem}", error, pack_only,
+    return gemm.launch_grouped(MODULE, NAMESPACE, abi.FP8_GEMM_PARAMS, problem, f"fp8 {problem}", error, pack_only,
                                fields)
 
 
