@@ -14,7 +14,7 @@ from test_sim_link import GPU, SHARE, validate_links_only
 
 from mok_proto import plan as P
 from mok_proto import results, sim
-from mok_proto.config import MOK_POLICY
+from mok_proto.config import MOK_POLICY, ep_share
 from mok_proto.link import LinkModel
 from mok_proto.sim import __main__ as cli
 from mok_proto.sim import calibrate, fused, gpus, layer, params, validate
@@ -45,11 +45,13 @@ def _copies(rows, gpu, factor, time):
 
 
 def _fitted_rows(folder, measured_on):
-    """The rows of kimi-k2.7 a set's fit reads from bench_gemm, bench_comm (one GPU) and bench_layer."""
+    """The rows of kimi-k2.7 a set's fit reads from bench_gemm, bench_comm (one GPU) and bench_layer
+    (sequential stages; the fused passes a fused_gemm fit reads)."""
     return {"bench_gemm": [r for r in calibrate.newest_gemm_rows(folder, measured_on) if r["shape"] == "kimi-k2.7"],
             "bench_comm": [r for r in calibrate.newest_comm_rows(folder, measured_on)
                            if r["backend"] == "virtual" and r["shape"] == "kimi-k2.7"],
-            "bench_layer": [r for r in layer.measured_rows(folder, measured_on) if r["shape"] == "kimi-k2.7"]}
+            "bench_layer": [r for r in layer.measured_rows(folder, measured_on) if r["shape"] == "kimi-k2.7"]
+            + fused.fused_gemm_rows("kimi-k2.7", folder, measured_on)}
 
 
 def _results_without_h100(tmp_path):
@@ -244,3 +246,34 @@ def test_a_set_without_its_calibration_file_is_left_out(tmp_path, monkeypatch, c
     assert sim.h100().busy_kernel_ns == 4321.0 and sim.get_params("h100").name == "h100"
     assert cli.main(["--validate", "--measured-only"]) == 0
     assert judged == ["h200", "h200", "h100"] and "(h200 0, h100 0)" in capsys.readouterr().out
+
+
+def _fused_sum(gpu, rows):
+    """The simulated fused passes of `rows` (bench_layer fused rows), summed, in ms."""
+    return sum(fused.fused_pass_ns(ep_share(r["shape"], r["ep"]), gpu.recorded_at(r), r["pass"],
+                                   P.FusedKnobs.from_row(r), r["num_sms"]) for r in rows) / 1e6
+
+
+def test_h100_fits_its_fused_tiles_rate_on_one_shapes_fused_passes(h100_results):
+    """Without H100 timelines, the h100 set's fused GEMM tiles' rate (fused_gemm) is fitted so that the
+    newest kimi-k2.7 fused passes of an H100 take their measured time in sum; the h200 set fits none
+    (1.0); --validate calls the rows of the fit calibration rows."""
+    rows = fused.fused_gemm_rows("kimi-k2.7", h100_results, "h100")
+    assert rows and {r["pass"] for r in rows} == {"fwd", "bwd"} and all(r["gpu"] == H100 for r in rows)
+    h100 = calibrate.fit("h100", h100_results)
+    assert _fused_sum(h100, rows) == pytest.approx(sum(r["median_ms"] for r in rows), rel=2e-3)
+    assert sim.h200().fused_gemm == 1.0 and "fused_gemm" not in calibrate.sources("h200", h100_results)
+    assert calibrate.sources("h100", h100_results)["fused_gemm"]["fits"] == ["fused_gemm"]
+    # a newer H100 run whose fused passes are 1.15x slower (its sequential ones unchanged): slower tiles
+    _append(h100_results, "bench_layer", _copies(rows, H100, 1.15, LATEST))
+    slower = calibrate.fit("h100", h100_results)
+    assert slower.fused_gemm < h100.fused_gemm / 1.1
+    newest = fused.fused_gemm_rows("kimi-k2.7", h100_results, "h100")
+    assert {r["time"] for r in newest} == {LATEST}
+    assert _fused_sum(slower, newest) == pytest.approx(sum(r["median_ms"] for r in newest), rel=2e-3)
+    # --validate: the forward rows of the fit are calibration rows; the older run's are judged
+    kimi = [r for r in validate.fused_rows(slower, h100_results, "h100") if "kimi-k2.7 " in r.quantity
+            and r.quantity.endswith("synthetic")]
+    fitted = [r for r in kimi if r.check == "calibration"]
+    assert len(fitted) == sum(r["pass"] == "fwd" for r in newest) and {r.note for r in fitted} == {"fits fused_gemm"}
+    assert len(kimi) == 2 * len(fitted) and all(r.check == "judged" for r in kimi if r not in fitted)

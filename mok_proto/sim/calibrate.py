@@ -209,6 +209,8 @@ def fit(name: str, results_dir=results.RESULTS_DIR) -> GpuParams:
     carried = _carried_keys(name, results_dir)
     fitted = fused.calibrate(layer.calibrate(micro, spec.selectors["layer"], results_dir, name), results_dir, name,
                              calibrated(spec.fused_from) if carried else None)
+    if "fused_gemm" in spec.selectors:
+        fitted = fused.fit_fused_gemm(fitted, spec.selectors["fused_gemm"], results_dir, name)
     return dataclasses.replace(fitted, note=_note(spec, carried))
 
 
@@ -272,6 +274,11 @@ def sources(name: str, results_dir=results.RESULTS_DIR) -> dict:
                   "stages": {f: [list(ps) for ps in stages] for f, stages in layer.LAYER_CALIBRATION.items()}},
         "assumed": sorted(spec.assumed),
     }
+    if "fused_gemm" in spec.selectors:
+        out["fused_gemm"] = {"results": "bench_layer.jsonl", "rows": "the newest run of the shape among the compared "
+                             "rows, its fused passes (sim.fused.fused_gemm_rows)",
+                             "where": {"shape": spec.selectors["fused_gemm"], "schedule": "fused"},
+                             "fits": ["fused_gemm"]}
     if spec.link_from != name:
         out["link"]["from"] = out["nccl"]["from"] = _link_note(spec)
     carried = _carried_keys(name, results_dir)

@@ -356,3 +356,32 @@ def measured_grid(shape_name: str, gpu: GpuParams, comm_blocks=(0, 8, 12, 16), m
     sim_ms = np.array([[pass_ns(shape, gpu, c, m, gpu.num_sms, segment_rows=rule) / 1e6 for m in minibatches]
                        for c in comm_blocks])
     return sim_ms, measured
+
+
+def fused_gemm_rows(shape_name: str, results_dir=results.RESULTS_DIR, measured_on: str = "h200") -> list[dict]:
+    """The rows `fit_fused_gemm` fits on: the fused rows (both passes, every setting) of the newest
+    run of shape_name among bench_layer's compared rows of measured_on's GPU (no link: those are
+    bench_layer_link's), less the rows of params.spare_warps_spun."""
+    rows = [r for r in layer.compared_rows(results_dir, measured_on=measured_on) if r["shape"] == shape_name]
+    newest = results.newest(rows)
+    return [r for r in newest if r["schedule"] == "fused"
+            and not spare_warps_spun(r, r["comm_blocks"], r.get("spread_from"))]
+
+
+def fit_fused_gemm(gpu: GpuParams, shape_name: str, results_dir=results.RESULTS_DIR,
+                   measured_on: str = "h200") -> GpuParams:
+    """`gpu` with fused_gemm such that the simulated fused passes of `fused_gemm_rows` take, in sum,
+    their measured time: a fixed point of f <- f x simulated(f) / measured (the passes are mostly
+    GEMM tiles, so a few steps settle it). ValueError without rows."""
+    rows = fused_gemm_rows(shape_name, results_dir, measured_on)
+    if not rows:
+        raise ValueError(f"no fused bench_layer rows of {shape_name} on an {gpus.spec(measured_on).match}: the "
+                         f"fused_gemm fit needs them (python scripts/bench_layer.py --shapes {shape_name})")
+    measured = sum(r["median_ms"] for r in rows) * 1e6
+    factor = 1.0
+    for _ in range(4):
+        trial = dataclasses.replace(gpu, fused_gemm=factor)
+        simulated = sum(fused_pass_ns(ep_share(r["shape"], r["ep"]), trial.recorded_at(r), r["pass"],
+                                      plans.FusedKnobs.from_row(r), r["num_sms"]) for r in rows)
+        factor *= simulated / measured
+    return dataclasses.replace(gpu, fused_gemm=factor)

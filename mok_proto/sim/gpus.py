@@ -30,6 +30,7 @@ SELECTORS = {
     "link": "kimi-k2.7",  # x2/bench_comm, 2 GPUs: push and pull dispatch, and their 4-byte-row signal stages
     "layer": "kimi-k2.7",  # bench_layer's sequential stages of this shape (sim.layer.LAYER_CALIBRATION)
 }
+# A set may add "fused_gemm": a shape whose fused passes (bench_layer, no link) fit GpuParams.fused_gemm.
 # Not measurable from our results, public or assumed (the calibration file's sources say so): an
 # NVLink 4 load round trip, the bulk loads one SM keeps in flight, the stores one SM posts, one
 # peer's signal. H100 SXM and H200 both have NVLink 4.
@@ -53,7 +54,10 @@ class GpuSpec:
 
 SPECS = {
     "h200": GpuSpec("h200", "H200", num_sms=132, link_from="h200"),
-    "h100": GpuSpec("h100", "H100", num_sms=132, link_from="h200", fused_from="h200"),  # H100 SXM: 132 SMs
+    # H100 SXM: 132 SMs. Its fused copy rates come from the h200's timelines; its fused tiles' rate
+    # (GpuParams.fused_gemm) is fitted on one shape's fused passes, since no H100 timeline times them.
+    "h100": GpuSpec("h100", "H100", num_sms=132, link_from="h200", fused_from="h200",
+                    selectors=dict(SELECTORS, fused_gemm="kimi-k2.7")),
 }
 
 

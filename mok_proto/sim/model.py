@@ -20,9 +20,9 @@ of dy_slots before, the slot sum and topk_weight_grad after). Durations:
 
 * GEMM tile: 2*BM*BN*k / (the problem's tile rate per SM under sustained load, GpuParams.tile_ns);
   tiles past the rank's padded rows take no time; a weight-gradient tile's k is its expert's rows
-  (per macrobatch; a fused backward has one), the shared expert's N tokens. The same rate beside a
-  fused plan's copies: no cost for the spare warps' copies on the tiles beside them, nor for a
-  counter wait's spin (sim.validate: NOT MODELED, and the acquire-spin rule, params.WAIT_SPINS).
+  (per macrobatch; a fused backward has one), the shared expert's N tokens. A fused plan's tiles
+  at GpuParams.fused_gemm of that rate (one factor for the copies and the counter waits beside
+  them; 1.0 unless the set fits it: sim.validate NOT MODELED, the acquire-spin rule, params.WAIT_SPINS).
 * communication chunk (1/comm_blocks of a minibatch's rows): remote bytes at the link's rate
   (push or pull efficiency) shared by the communicating CTAs, capped per SM (a pull keeps one
   window in flight per round trip), local bytes at a row-movement kernel's copy rate
@@ -256,6 +256,8 @@ def _durations(plan: Plan, gpu: GpuParams, load: Load, movers: linked.LinkedMove
             dur[sel] = gpu.tile_ns(PROBLEM_OF[k], shape.num_tokens)
         else:  # shared expert row tiles
             dur[sel] = tile_ns
+    if is_fused(plan) and gpu.fused_gemm != 1.0:
+        dur[np.isin(kind, [int(k) for k in PROBLEM_OF])] /= gpu.fused_gemm
     # Communication chunks.
     row_bytes = shape.hidden * ELEM_BYTES
     real_in_mb = _real_rows_per_minibatch(plan, load)  # [num_mb, R]

@@ -71,6 +71,10 @@ class GpuParams:
     # Below 1 where the board's power limit lowers the SM clock under tensor-core load; memory-bound
     # kernels do not slow (bench_comm times them back to back already).
     sustained_gemm: float = 1.0
+    # The fused kernel's GEMM tiles' rate as a fraction of sustained_gemm's (the same tiles beside
+    # the movers and the counter waits): 1.0 unless the set fits it (gpus.GpuSpec.selectors
+    # "fused_gemm": one shape's fused passes without a link, sim.fused.fit_fused_gemm).
+    fused_gemm: float = 1.0
     row_move_efficiency: float = 1.0  # a row-movement kernel's rate on local rows / copy_gbs
     sum_slots_efficiency: float = 1.0  # weighted_sum / slot_sum HBM traffic rate / a copy's traffic rate
     busy_kernel_ns: float = 0.0  # a kernel boundary on a busy stream (launches queued ahead of the GPU)

@@ -282,15 +282,27 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR, measured_on: str
     for r in layer.compared_rows(results_dir, measured_on=measured_on):
         if r["schedule"] == "fused" and r.get("pass", "fwd") == "fwd":  # pass_ns: forward only
             runs.setdefault(r["run"], []).append(r)
+    fitted = _fused_gemm_fitted(results_dir, measured_on)
     for run, found in runs.items():
         for r in found:
             ns = fused.pass_ns(ep_share(r["shape"], r["ep"]), gpu.recorded_at(r), r["comm_blocks"],
                                r["minibatch_tokens"], r["num_sms"], r.get("claim_pairs", 0), r.get("segment_rows"))
             why = FUSED_BENCH_EXPLAINED.get((run, r["comm_blocks"])) or (
                 SPUN if spare_warps_spun(r, r["comm_blocks"], r.get("spread_from")) else "")
+            check = ("calibration", "fits fused_gemm") if _row_key(r) in fitted else ("explained", why) if why else ()
             rows.append(Row(f"{measured_on} fused", f"fwd pass (graph) {r['shape']} C={r['comm_blocks']} MB={r['minibatch_tokens']}"
-                            f" {r['git']}", r["median_ms"], ns / 1e6, "ms", *(("explained", why) if why else ())))
+                            f" {r['git']}", r["median_ms"], ns / 1e6, "ms", *check))
     return rows
+
+
+def _row_key(row: dict) -> tuple:
+    return tuple(row.get(k) for k in ("time", "git", "shape", "schedule", "pass", "comm_blocks", "minibatch_tokens"))
+
+
+def _fused_gemm_fitted(results_dir, measured_on: str) -> set:
+    """The keys (`_row_key`) of the rows set measured_on's fused_gemm is fitted on (none when it is not fitted)."""
+    shape = gpus.spec(measured_on).selectors.get("fused_gemm")
+    return {_row_key(r) for r in fused.fused_gemm_rows(shape, results_dir, measured_on)} if shape else set()
 
 
 def link_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR, measured_on: str = "h200") -> list[Row]:
