@@ -173,7 +173,7 @@ __device__ __forceinline__ Tile tile_of(const Params* p, const int* pair_prefix,
 // per n tile; sqrt(66 clusters) ~ 8 minimises their sum).
 constexpr int kBandPairs = 8;
 
-template <int kP, class Params>
+template <int kP, int kDepth = kBK, class Params>
 __device__ __forceinline__ Tile banded_tile(const Params* p, const int* pair_prefix, int t, int cta) {
   const int n_tiles = static_cast<int>(p->n) / Traits<kP>::kTileN;
   int group, first, pairs;  // the expert, its first pair row (in t / n_tiles units), its pair rows
@@ -189,7 +189,7 @@ __device__ __forceinline__ Tile banded_tile(const Params* p, const int* pair_pre
   const int row = r / n_tiles;  // band b holds rows s_b .. s_b + h_b - 1 of the row-major order
   const int b = row < tall * (q + 1) ? row / (q + 1) : tall + (row - tall * (q + 1)) / q;
   const int s = b * q + min(b, tall), h = q + (b < tall ? 1 : 0), i = r - s * n_tiles;
-  return group_tile<kP>(p, group, 2 * (s + i % h) + cta, i / h);
+  return group_tile<kP, kDepth>(p, group, 2 * (s + i % h) + cta, i / h);
 }
 
 // ---------------------------------------------------------------------------------------------

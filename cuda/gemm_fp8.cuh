@@ -57,8 +57,23 @@
 #include "fp8.cuh"
 #include "gemm.cuh"
 
+// Experimental variants (mok_proto/kernels/gemm_fp8.py: $MOK_FP8_VARIANT), a bit mask; 0, the
+// default, is the code without them. Neither changes an output bit (only the order in which the
+// tiles run and the two consumer warpgroups issue their MMAs).
+//   1  the consumer warpgroups take turns issuing each n128 half's MMAs (named barriers
+//      kTurnBarrier + half), so one promotes while the other's MMAs run, not both at once
+//   2  the tiles in gemm::banded_tile's bands of pair rows (the standalone BF16 order), not tile_of's
+#ifndef MOK_FP8_VARIANT
+#define MOK_FP8_VARIANT 0
+#endif
+
 namespace mok {
 namespace gemm_fp8 {
+
+constexpr int kVariant = MOK_FP8_VARIANT;
+static_assert(kVariant >= 0 && kVariant < gemm::kFp8Variants, "MOK_FP8_VARIANT: a mask of 1, 2");
+constexpr bool kTurns = (kVariant & 1) != 0;
+constexpr int kTurnBarrier = 4;  // bar.sync ids 4, 5 (gemm.cuh: 2, fused.cuh: 3): warpgroup `half`'s turn
 
 using gemm::kBM;
 using gemm::kBN;
@@ -308,6 +323,23 @@ __device__ __forceinline__ KBlockIn kblock_in(SharedStorage& ss, int stage, cons
   return in;
 }
 
+// Variant 1's turns: warpgroup `half` waits for its turn (barrier kTurnBarrier + half: its own
+// threads and the other warpgroup's arrival), issues its MMAs, then passes the turn. Warpgroup 1
+// gives warpgroup 0 the first turn (turns_begin) and warpgroup 0 takes the last one passed to it
+// (turns_end), so every barrier completes as often as it is used.
+__device__ __forceinline__ void turn_wait(int half) {
+  asm volatile("bar.sync %0, 256;" ::"r"(kTurnBarrier + half) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int half) {
+  asm volatile("bar.arrive %0, 256;" ::"r"(kTurnBarrier + 1 - half) : "memory");
+}
+__device__ __forceinline__ void turns_begin(int half) {
+  if (half == 1) turn_pass(1);
+}
+__device__ __forceinline__ void turns_end(int half) {
+  if (half == 0) turn_wait(0);
+}
+
 // The k-blocks of one tile: per k-block, the two n128 halves into one 64-register temporary (4 x
 // m64n128k32, waited for), each promoted into acc; descriptors by a 32-bit add, every scale read
 // before the MMAs, the row problems' stage released as soon as its last MMA is done (the weight
@@ -322,11 +354,13 @@ __device__ __forceinline__ bool consume_kblocks(const Fp8GemmParams* p, SharedSt
   const u64 da0 = wgmma_desc(s_base + half * 64 * kKBlock, 16, 1024), db0 = wgmma_desc(s_base + kATileBytes, 16, 1024);
   float blk[64];
   auto mma = [&](u64 da, u64 db) {
+    if constexpr (kTurns) turn_wait(half);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kKBlock / 32; ++ks)
       wgmma_m64n128k32_e4m3(blk, desc_plus(da, 2 * ks), desc_plus(db, 2 * ks), ks);
     wgmma_commit();
+    if constexpr (kTurns) turn_pass(half);
     wgmma_wait<0>();
     fence_accumulators(blk);
   };
@@ -434,6 +468,13 @@ __device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, SharedStora
   return ok;
 }
 
+// Pair tile t: gemm::tile_of's order, or variant 2's bands.
+template <int kP>
+__device__ __forceinline__ Tile tile_at(const Fp8GemmParams* p, const SharedStorage& ss, int t, int cta) {
+  if constexpr ((kVariant & 2) != 0) return gemm::banded_tile<kP, kKBlock>(p, ss.pair_prefix, t, cta);
+  return gemm::tile_of<kP, kKBlock>(p, ss.pair_prefix, t, cta);
+}
+
 // Both roles over the pair tiles `tiles` yields (each role walks its own copy in the same order).
 template <int kP, class Tiles>
 __device__ __forceinline__ void run_tiles(const Fp8GemmParams* p, SharedStorage& ss, Tiles tiles, int cta) {
@@ -444,17 +485,17 @@ __device__ __forceinline__ void run_tiles(const Fp8GemmParams* p, SharedStorage&
   int t;
   if (wg == 0) {
     warpgroup_reg_dealloc<kProducerRegs>();
-    while (tiles.next(t))
-      ok = produce_tile<kP>(p, ss, ring, gemm::tile_of<kP, kKBlock>(p, ss.pair_prefix, t, cta), cta, wg_tid, ok);
+    while (tiles.next(t)) ok = produce_tile<kP>(p, ss, ring, tile_at<kP>(p, ss, t, cta), cta, wg_tid, ok);
     if (wg_tid < 32) cp_async_wait_all();  // warp 0's scale copies
     if (wg_tid == 0) gemm::drain_loads(ss, ring);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
     float acc[128];
     float* staging = ss.staging[threadIdx.x / 32 - 4];
+    if constexpr (kTurns) turns_begin(wg - 1);
     while (tiles.next(t))
-      ok = consume_tile<kP>(p, ss, ring, gemm::tile_of<kP, kKBlock>(p, ss.pair_prefix, t, cta), acc, staging, wg - 1,
-                            wg_tid, ok);
+      ok = consume_tile<kP>(p, ss, ring, tile_at<kP>(p, ss, t, cta), acc, staging, wg - 1, wg_tid, ok);
+    if constexpr (kTurns) turns_end(wg - 1);
   }
 }
 

@@ -30,6 +30,14 @@ def test_every_kernel_compiles_with_nvcc(tmp_path, header, arch):
     _compile_clean(tmp_path, header, arch)
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
+@pytest.mark.parametrize("variant", range(1, features.FP8_VARIANTS))
+def test_fp8_variants_compile_without_spills_or_serialized_mmas(tmp_path, variant):
+    """The experimental FP8 GEMM variants ($MOK_FP8_VARIANT): 1's turn barriers sit between a
+    warpgroup's MMAs and its wait for them, which must not make ptxas serialize the wgmma (C7514)."""
+    _compile_clean(tmp_path, "gemm_fp8.cuh", "sm_90a", (f"MOK_FP8_VARIANT={variant}",))
+
+
 def _compile_clean(tmp_path, header, arch, defines=()):
     src = tmp_path / "instantiate.cu"
     src.write_text(build.MODULES[header].instantiation_source())
@@ -156,6 +164,21 @@ def test_the_quantizers_keep_subnormals_under_ftz(tmp_path):
     assert not any(flushing.values()), {k: v for k, v in flushing.items() if v}
 
 
+def test_fp8_variant_is_read_from_the_environment_and_stamped_on_rows(monkeypatch, capsys):
+    monkeypatch.delenv(features.FP8_VARIANT_ENV, raising=False)
+    assert features.fp8_variant() == 0 and features.kernel_features() == features.CURRENT
+    monkeypatch.setenv(features.FP8_VARIANT_ENV, " 3 ")
+    assert features.fp8_variant() == 3 and features.kernel_features() == {**features.CURRENT, "fp8_variant": 3}
+    for bad in (str(features.FP8_VARIANTS), "-1", "two", "1.5"):
+        monkeypatch.setenv(features.FP8_VARIANT_ENV, bad)
+        with pytest.raises(ValueError, match="MOK_FP8_VARIANT"):
+            features.fp8_variant()
+    with pytest.raises(SystemExit) as stop:  # as a kernels module's import or a benchmark row reads it
+        features.kernel_features()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "MOK_FP8_VARIANT='1.5'" in err
+
+
 def test_rows_of_experimental_variants_stay_out_of_what_results_load(tmp_path):
     import json
 
@@ -169,8 +192,9 @@ def test_rows_of_experimental_variants_stay_out_of_what_results_load(tmp_path):
             # the variants the default kernels adopted (features.ADOPTED) measured today's kernels
             {"time": "2026-12-06T05:05:00+00:00", "git": "a", "problem": "down", "gemm_variant": 1},
             {"time": "2026-12-06T05:06:00+00:00", "git": "a", "problem": "down", "gemm_variant": 1, "fp8_mainloop": 3},
-            {"time": "2026-12-06T05:07:00+00:00", "git": "a", "problem": "down", "gemm_variant": 1, "fused_variant": 4}]
+            {"time": "2026-12-06T05:07:00+00:00", "git": "a", "problem": "down", "gemm_variant": 1, "fused_variant": 4},
+            {"time": "2026-12-06T05:08:00+00:00", "git": "a", "problem": "down", "fp8_variant": 1}]
     (tmp_path / "bench_gemm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [r["time"][11:16] for r in results.load("bench_gemm", tmp_path)] == ["05:00", "05:01", "05:05", "05:06"]
-    assert len(results.load("bench_gemm", tmp_path, experimental=True)) == 8
-    assert features.kernel_features() == features.CURRENT and not set(features.VARIANT_FIELDS) & set(features.CURRENT)
+    assert len(results.load("bench_gemm", tmp_path, experimental=True)) == 9
+    assert not set(features.VARIANT_FIELDS) & set(features.CURRENT)
