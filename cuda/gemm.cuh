@@ -43,7 +43,8 @@
 //   consume_tile    one consumer warpgroup's wgmma over one tile, then its epilogue
 //   run_tiles       both roles over the tiles a scheduler yields (`bool Tiles::next(int& t)`)
 //   StridedTiles    the standalone kernel's scheduler: cluster c takes t = c, c + clusters, ...
-// The tile naming (group_tile, tile_of), the ring helpers, gemm_setup and the epilogues are
+// The tile naming (group_tile, tile_of, banded_tile: the standalone kernel's order), the ring
+// helpers, gemm_setup and the epilogues are
 // templates over the params and shared-storage types, so gemm_fp8.cuh's FP8 tiles reuse them
 // (a type with the fields they read: GemmParams, mok::gemm_fp8::Fp8GemmParams).
 //

@@ -29,7 +29,8 @@
 // matrix) x 128 k a stage (one scale block; 128 bytes of e4m3 = one 128B-swizzle row). A
 // consumer warpgroup holds the 128 result accumulators of gemm.cuh's m64n256 layout and a 64-register
 // temporary: per k-block it runs the 4 m64n128k32 MMAs of one n128 half, waits, promotes, then the
-// other half; the other warpgroup's MMAs keep the tensor cores busy meanwhile.
+// other half. Both warpgroups work on the same stage, so they tend to wait and promote at the same
+// time, the tensor cores idle (MOK_FP8_VARIANT bit 1 makes them take turns).
 // Scales: the scale arrays' layouts allow no TMA box (a tile's scales are strided), so the lanes of
 // the producer's warp 0 copy the stage's scales with cp.async (sa of the tile's 128 rows; sb: the
 // two n128 halves' block scales, or the weight gradients' 256 column scales) into shared memory
@@ -279,9 +280,10 @@ __device__ __forceinline__ u64 desc_plus(u64 desc, u32 add) {
   return (desc & 0xFFFFFFFF00000000ull) | static_cast<u32>(static_cast<u32>(desc) + add);
 }
 
-// acc's quarter kQ += t * (sa * sb): the elements of acc[32 kQ + i] (promote's layout, columns
-// 64 kQ + 8j + 2(l%4) + c for t[4j + 2rh + c]). s0, s1: the row problems' sa * sb of rows rh = 0, 1;
-// sa0, sa1, s_b: the weight gradients' row scales and the stage's column scales.
+// acc's quarter kQ += t * (sa * sb): t[4j + 2rh + c] is row 16 w + l/4 + 8 rh of the warpgroup's
+// 64, column 64 kQ + 8j + 2 (l%4) + c of the tile (gemm.cuh's accumulator layout), and
+// acc[32 kQ + 4j + 2rh + c] the same element. s0, s1: the row problems' sa * sb of rows rh = 0, 1; sa0, sa1, s_b: the weight
+// gradients' row scales and the stage's column scales.
 template <int kP, int kQ>
 __device__ __forceinline__ void promote_quarter(float (&acc)[128], const float (&t)[32], float s0, float s1,
                                                 float sa0, float sa1, u32 s_b, int lane) {

@@ -221,16 +221,18 @@ def test_weight_grads_accumulate_over_split_rows_bitwise(split):
         assert a.tobytes() != b.tobytes()
 
 
+@pytest.mark.parametrize("cluster_cap", [None], indirect=True)  # the test sets the cap itself
 def test_tall_experts_run_every_tile_of_their_bands(monkeypatch, cluster_cap):
-    """The standalone kernels walk an expert's tiles in bands of kBandPairs pair rows (cuda/gemm.cuh
-    banded_tile): on experts tall enough for several bands (18 pair rows here, the weight
-    gradients' 9), every tile is computed once. A tile named twice leaves another unnamed, whose
-    rows stay NaN; and the outputs are the same bits whether one cluster runs every tile in turn
-    or the whole GPU shares them."""
+    """The standalone kernels walk an expert's tiles in bands of at most kBandPairs pair rows (cuda/
+    gemm.cuh banded_tile): experts of 18 pair rows (three bands of 6) and 11 (bands of 6 and 5), and
+    weight gradients of 11 pair rows (H = 2816), every tile computed once: a tile named twice leaves
+    another unnamed, whose rows stay NaN. The outputs are the same bits whether one cluster runs
+    every tile in turn or the whole GPU shares them, and two of them (down's y, gate_up_wgrad's dWg:
+    wide and tall) match the float64 reference."""
     import cupy
     from mok_proto.kernels import gemm
 
-    d = _setup(4608, 512, counts=[0, 1, 129, 4500, 700])
+    d = _setup(2816, 512, counts=[0, 1, 129, 4500, 700, 2600])
     e, ffn, hidden = d["w_down"].shape
     rows, off, cnt = d["rows"], d["d_offsets"], d["d_counts"]
     inside = np.zeros(rows, bool)
@@ -257,6 +259,15 @@ def test_tall_experts_run_every_tile_of_their_bands(monkeypatch, cluster_cap):
         covered = values[inside] if a.dtype == np.uint16 else values
         assert not np.isnan(covered).any(), f"{name}: a tile was never computed"
         assert a.tobytes() == one[name].tobytes(), f"{name}: one cluster and the whole GPU differ"
+    want = np.full((rows, hidden), np.nan)
+    for ex, seg in _segments(d):
+        want[seg] = d["h_ref"][seg] @ d["w_down_ref"][ex]
+    _assert_rows("y", whole["y"], want, d)
+    dwg = whole["dWg"].get()
+    for ex, seg in _segments(d):
+        ref = d["x_ref"][seg].T @ d["dg_ref"][seg]
+        err = np.abs(dwg[ex] - ref).max() / max(np.abs(ref).max(), 1e-30)
+        assert err <= FP32_TOL, f"dWg[{ex}]: relative error {err:.2e}"
 
 
 def test_launch_on_a_failed_error_record_does_nothing():

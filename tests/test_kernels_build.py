@@ -193,8 +193,11 @@ def test_rows_of_experimental_variants_stay_out_of_what_results_load(tmp_path):
             {"time": "2026-12-06T05:05:00+00:00", "git": "a", "problem": "down", "gemm_variant": 1},
             {"time": "2026-12-06T05:06:00+00:00", "git": "a", "problem": "down", "gemm_variant": 1, "fp8_mainloop": 3},
             {"time": "2026-12-06T05:07:00+00:00", "git": "a", "problem": "down", "gemm_variant": 1, "fused_variant": 4},
-            {"time": "2026-12-06T05:08:00+00:00", "git": "a", "problem": "down", "fp8_variant": 1}]
+            {"time": "2026-12-06T05:08:00+00:00", "git": "a", "problem": "down", "fp8_variant": 1},
+            # an adopted field recorded with the value it replaced: the old code, not today's
+            {"time": "2026-12-06T05:09:00+00:00", "git": "a", "problem": "down", "fp8_mainloop": 0},
+            {"time": "2026-12-06T05:10:00+00:00", "git": "a", "problem": "down", "fp8_mainloop": 3}]
     (tmp_path / "bench_gemm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert [r["time"][11:16] for r in results.load("bench_gemm", tmp_path)] == ["05:00", "05:01", "05:05", "05:06"]
-    assert len(results.load("bench_gemm", tmp_path, experimental=True)) == 9
+    assert [r["time"][11:16] for r in results.load("bench_gemm", tmp_path)] == ["05:00", "05:05", "05:06", "05:10"]
+    assert len(results.load("bench_gemm", tmp_path, experimental=True)) == 11
     assert not set(features.VARIANT_FIELDS) & set(features.CURRENT)

@@ -136,3 +136,21 @@ def test_skewed_routing_rows_have_their_own_table_and_leave_the_status_table(tmp
     assert "| kimi-k2.7 | hot:0.25 | 5 virtual ranks, rank 0 timed | 46000 | 11520 | - | 75.4 | fwd | fused |" in text
     assert "| 46000 | 11520 | 1.250 | 75.4 | fwd | sequential |" in text  # the replay, the EP=64 rank's memory
     assert text.count("| kimi-k2.7 | fwd |") == 3  # the uniform run's three rows, in the layer's table
+
+
+def test_the_layer_line_compares_the_fused_row_with_the_torch_and_sequential_rows_timed_beside_it(tmp_path):
+    """One run (one tree, minutes apart) may hold two commands' rows of a shape; the status line takes
+    torch and sequential from the chosen fused row's own command (its `time`), not the other's."""
+    def layer(time, schedule, ms, **extra):
+        return {"time": time, "git": "abc", "gpu": "NVIDIA H100 80GB HBM3", "shape": "kimi-k2.7", "pass": "fwd",
+                "schedule": schedule, "median_ms": ms, "link_gbps": None, **extra}
+
+    first = [layer("2026-12-06T07:02:00+00:00", "torch", 3.5), layer("2026-12-06T07:02:00+00:00", "sequential", 3.0),
+             layer("2026-12-06T07:02:00+00:00", "fused", 3.2, speedup_vs_sequential=0.94, comm_blocks=0,
+                   minibatch_tokens=2048)]
+    second = [layer("2026-12-06T07:06:00+00:00", "torch", 3.9), layer("2026-12-06T07:06:00+00:00", "sequential", 2.9),
+              layer("2026-12-06T07:06:00+00:00", "fused", 2.8, speedup_vs_sequential=1.04, comm_blocks=0,
+                    minibatch_tokens=2048)]
+    _write(tmp_path, "bench_layer", first + second)
+    table = report.status_table(tmp_path)
+    assert "| kimi-k2.7 | 2.800 ms (sequential 2.900) | 1.39 x torch (3.900 ms) | 1.04 |" in table

@@ -64,6 +64,12 @@ def test_calibrate_command_reproduces_the_frozen_calibration(tmp_path, capsys):
     assert not re.search(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", frozen_text)
     assert frozen["sources"]["fused_spare"]["timeline"] == {"sim_calibrates": "fused_spare"}
     assert frozen["sources"]["layer"]["where"] == {"shape": H200_CALIBRATION["layer"], "schedule": "sequential"}
+    # the h100 file too: what its fit on results/ gives today (its fused_gemm on the H100 fused rows)
+    out = tmp_path / "h100.json"
+    assert cli.main(["calibrate", "--gpu", "h100", "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == json.loads(params.calibration_file("h100").read_text())
+    assert json.loads(out.read_text())["params"]["fused_gemm"] < 1.0
+    capsys.readouterr()
     with pytest.raises(SystemExit) as refused:  # spec-derived: nothing to calibrate
         cli.main(["calibrate", "--gpu", "gb300-nvl72"])
     err = capsys.readouterr().err.strip().splitlines()

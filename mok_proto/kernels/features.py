@@ -26,9 +26,10 @@ ADOPTED = {"gemm_variant": 1, "fp8_mainloop": 3}
 
 
 def is_experimental(row: dict) -> bool:
-    """Whether a results row (or a timeline's index row) measured an experimental kernel variant (a
-    nonzero VARIANT_FIELDS field other than the ADOPTED value), not the default kernels."""
-    return any(row.get(f) and row.get(f) != ADOPTED.get(f) for f in VARIANT_FIELDS)
+    """Whether a results row (or a timeline's index row) measured a kernel that is not today's
+    default: a nonzero VARIANT_FIELDS field, or for an ADOPTED field any recorded value but the
+    adopted one (0 there was the code the adopted variant replaced)."""
+    return any(row[f] != ADOPTED[f] if f in ADOPTED and f in row else bool(row.get(f)) for f in VARIANT_FIELDS)
 
 
 def fp8_variant() -> int:

@@ -44,6 +44,7 @@ VARIANT = features.at_import(features.fp8_variant)
 if VARIANT:
     MODULE = MODULE.variant(f"MOK_FP8_VARIANT={VARIANT}")
 
+
 def smem_bytes() -> int:
     """Dynamic shared memory of a launch (kSmemBytes of the compiled header)."""
     return gemm.smem_bytes(MODULE, NAMESPACE)

@@ -249,12 +249,23 @@ def _layer_lines(gpu: str, rows: list[dict]) -> list[str]:
             if not (of["torch"] and of["sequential"] and of["fused"]):
                 continue
             best = max(of["fused"], key=lambda r: (bool(r.get("best_of_run")), _layer_x_seq(r)))
-            torch_ms, seq_ms, ms = of["torch"][0]["median_ms"], of["sequential"][0]["median_ms"], _layer_ms(best)
+            torch, seq = (_beside(best, of[s]) for s in ("torch", "sequential"))
+            torch_ms, seq_ms, ms = torch["median_ms"], seq["median_ms"], _layer_ms(best)
             lines.append(f"| {label} | {shape} | {ms:.3f} ms (sequential {seq_ms:.3f}) | {torch_ms / ms:.2f} x torch "
                          f"({torch_ms:.3f} ms) | {_layer_x_seq(best):.2f} | {_x(best.get('fraction_of_dense'))} | "
                          f"{_memory_cells(shape)} |")
             label = ""
     return lines
+
+
+def _beside(row: dict, others: list[dict]) -> dict:
+    """The row of `others` timed with `row` (the same stamp, else the same command line; a run may
+    join two commands of one tree), else the first."""
+    for same in ("time", "command"):
+        found = [r for r in others if r.get(same) == row.get(same)]
+        if found:
+            return found[0]
+    return others[0]
 
 
 def _gemm_lines(gpu: str, rows: list[dict]) -> list[str]:

@@ -384,4 +384,7 @@ def fit_fused_gemm(gpu: GpuParams, shape_name: str, results_dir=results.RESULTS_
         simulated = sum(fused_pass_ns(ep_share(r["shape"], r["ep"]), trial.recorded_at(r), r["pass"],
                                       plans.FusedKnobs.from_row(r), r["num_sms"]) for r in rows)
         factor *= simulated / measured
+    if abs(simulated / measured - 1.0) > 1e-3:
+        raise ValueError(f"the fused_gemm fit on {shape_name} did not settle: simulated / measured "
+                         f"{simulated / measured:.4f} after the last step")
     return dataclasses.replace(gpu, fused_gemm=factor)

@@ -27,6 +27,7 @@ Rows: (group, quantity, reference value, predicted value, unit, check, note). Wh
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -295,8 +296,9 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR, measured_on: str
     return rows
 
 
-def _row_key(row: dict) -> tuple:
-    return tuple(row.get(k) for k in ("time", "git", "shape", "schedule", "pass", "comm_blocks", "minibatch_tokens"))
+def _row_key(row: dict) -> str:
+    """A results row as a key: every field it recorded (the loader's `run` aside)."""
+    return json.dumps({k: v for k, v in row.items() if k != "run"}, sort_keys=True)
 
 
 def _fused_gemm_fitted(results_dir, measured_on: str) -> set:
