@@ -224,7 +224,7 @@ def test_weight_grads_accumulate_over_split_rows_bitwise(split):
 @pytest.mark.parametrize("cluster_cap", [None], indirect=True)  # the test sets the cap itself
 def test_tall_experts_run_every_tile_of_their_bands(monkeypatch, cluster_cap):
     """The standalone kernels walk an expert's tiles in bands of at most kBandPairs pair rows (cuda/
-    gemm.cuh banded_tile): experts of 18 pair rows (three bands of 6) and 11 (bands of 6 and 5), and
+    gemm_tiles.cuh banded_tile): experts of 18 pair rows (three bands of 6) and 11 (bands of 6 and 5), and
     weight gradients of 11 pair rows (H = 2816), every tile computed once: a tile named twice leaves
     another unnamed, whose rows stay NaN. The outputs are the same bits whether one cluster runs
     every tile in turn or the whole GPU shares them, and two of them (down's y, gate_up_wgrad's dWg:

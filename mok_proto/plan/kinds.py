@@ -13,7 +13,7 @@ from mok_proto.config import MoEShape
 BM = abi.CONST["kBM"]  # GEMM tile rows (receive rows per row tile)
 BN = abi.CONST["kBN"]  # GEMM tile columns; a gate/up tile holds 128 gate + 128 up columns -> 128 columns of h
 BK = abi.CONST["kBK"]  # k depth of one GEMM pipeline stage (a k-block)
-DOWN_BWD_AUX_STAGES = BN // 64  # Traits<kDownBwd>::kAuxStages (cuda/gemm.cuh): a tile's g, u, 64 columns a stage
+DOWN_BWD_AUX_STAGES = BN // 64  # Traits<kDownBwd>::kAuxStages (cuda/gemm_tiles.cuh): a tile's g, u, 64 columns a stage
 EPILOGUE_ROWS = abi.CONST["kEpilogueRows"]  # token rows per weighted-sum / slot-sum task (memory bound: fine grained)
 PASSES = ("fwd", "bwd")
 PAIR_ROWS = BM * abi.CONST["kCluster"]  # rows of one 2-CTA cluster's tile pair (a GEMM fact)
