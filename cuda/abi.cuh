@@ -124,7 +124,6 @@ constexpr int kCluster = 2;  // CTAs per cluster (tile pairs along M sharing B b
 constexpr int kConsumerWarps = 8;  // warps of the two consumer warpgroups
 constexpr int kMaxGroups = 1024;  // experts one grouped GEMM launch may cover
 constexpr int kStagingFloats = 512;  // epilogue staging per consumer warp: 2 areas of 8 rows x 32 fp32
-constexpr int kFp8Variants = 4;  // MOK_FP8_VARIANT masks of the FP8 GEMMs (an experiment, off by default): 0 .. this - 1
 }  // namespace mok::gemm
 
 namespace mok::plan {

@@ -30,12 +30,13 @@
 // consumer warpgroup holds the 128 result accumulators of gemm.cuh's m64n256 layout and a 64-register
 // temporary: per k-block it runs the 4 m64n128k32 MMAs of one n128 half, waits, promotes, then the
 // other half. Both warpgroups work on the same stage, so they tend to wait and promote at the same
-// time, the tensor cores idle (MOK_FP8_VARIANT bit 1 makes them take turns).
+// time, the tensor cores idle (docs/design.md: why neither turns nor a pipeline of quarters).
 // Scales: the scale arrays' layouts allow no TMA box (a tile's scales are strided), so the lanes of
-// the producer's warp 0 copy the stage's scales with cp.async (sa of the tile's 128 rows; sb: the
+// the producer's warp 1 copy the stage's scales with cp.async (sa of the tile's 128 rows; sb: the
 // two n128 halves' block scales, or the weight gradients' 256 column scales) into shared memory
-// beside the ring; the stage's `full` barrier counts lane 0's arrive with the TMA byte count and
-// one arrival per lane once its copies have landed (cp.async.mbarrier.arrive.noinc). Rows past an
+// beside the ring, while warp 0 issues the TMA copies of the codes; the stage's `full` barrier
+// counts warp 0's lane 0 arrive with the TMA byte count and one arrival per lane of warp 1 once
+// its copies have landed (cp.async.mbarrier.arrive.noinc). Rows past an
 // expert's end get scale 0 in the row problems (their codes may be NaN: those rows are never stored).
 // Weight gradients: K = the expert's rows; expert segments start at multiples of 128 rows (the
 // caller's layout), so k-block kb of expert e is scale block row0 / 128 + kb of [*, rows / 128]
@@ -58,23 +59,8 @@
 #include "fp8.cuh"
 #include "gemm.cuh"
 
-// Experimental variants (mok_proto/kernels/gemm_fp8.py: $MOK_FP8_VARIANT), a bit mask; 0, the
-// default, is the code without them. Neither changes an output bit (only the order in which the
-// tiles run and the two consumer warpgroups issue their MMAs).
-//   1  the consumer warpgroups take turns issuing each n128 half's MMAs (named barriers
-//      kTurnBarrier + half), so one promotes while the other's MMAs run, not both at once
-//   2  the tiles in gemm::banded_tile's bands of pair rows (the standalone BF16 order), not tile_of's
-#ifndef MOK_FP8_VARIANT
-#define MOK_FP8_VARIANT 0
-#endif
-
 namespace mok {
 namespace gemm_fp8 {
-
-constexpr int kVariant = MOK_FP8_VARIANT;
-static_assert(kVariant >= 0 && kVariant < gemm::kFp8Variants, "MOK_FP8_VARIANT: a mask of 1, 2");
-constexpr bool kTurns = (kVariant & 1) != 0;
-constexpr int kTurnBarrier = 4;  // bar.sync ids 4, 5 (gemm.cuh: 2, fused.cuh: 3): warpgroup `half`'s turn
 
 using gemm::kBM;
 using gemm::kBN;
@@ -100,7 +86,7 @@ constexpr int kATileBytes = kBM * kKBlock;      // 16 KB
 constexpr int kHalfBytes = 128 * kKBlock;       // one n128 half of the B tile: 16 KB
 constexpr int kBTileBytes = 2 * kHalfBytes;     // 32 KB
 constexpr int kStageBytes = kATileBytes + kBTileBytes;
-constexpr int kFullArrivals = 33;  // producer warp 0: lane 0's arrive with the TMA bytes, then one per lane
+constexpr int kFullArrivals = 33;  // producer warp 0's lane 0 with the TMA bytes, then one per lane of warp 1
 static_assert(kBN == 256 && kBM == 128, "the tile is two n128 halves of B over two 64-row consumer halves");
 static_assert(kKBlock == 128, "a k-block is one 128-byte swizzle row of e4m3 codes");
 static_assert(kStagingFloats * 4 >= 16 * kKBlock, "a staging area holds a warp's 16 rows of 128 codes");
@@ -118,7 +104,7 @@ struct SharedStorage {
   float staging[kConsumerWarps][kStagingFloats];  // epilogue staging, 2 KB per warp
   float scale_a[kStages][kBM];                    // each stage's A scales, one per tile row
   float scale_b[kStages][kBN];                    // B's: [0], [1] per n128 half (row problems); per column
-  u64 full[kStages];                              // producer warp 0 -> consumers: stage loaded
+  u64 full[kStages];                              // producer warps 0, 1 -> consumers: stage loaded
   u64 empty[kStages];                             // consumers (both CTAs) -> producers: stage free
   int abort;                                      // set in both CTAs by cta 0: skip every tile
   int num_tiles;                                  // the standalone kernel's pair tiles (SharedCountTiles)
@@ -128,7 +114,7 @@ constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
 static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block may have on sm_90");
 
 // ---------------------------------------------------------------------------------------------
-// Producer: one stage's codes (lane 0 of warp 0, TMA) and scales (every lane of warp 0)
+// Producer: one stage's codes (lane 0 of warp 0, TMA) and scales (every lane of warp 1)
 // ---------------------------------------------------------------------------------------------
 // A [128 rows x 128 k] into this CTA; B half `cta` [128 rows x 128 k] into both CTAs of the
 // cluster (the partner loads the other half). Always by multicast: the standalone scheduler's pairs
@@ -158,85 +144,124 @@ __device__ __forceinline__ void load_stage_tma(const Fp8GemmParams* p, const Til
   }
 }
 
-// Lane `lane` of the producer's warp 0: its share of k-block kb's scales, copied (cp.async) into
-// the stage's arrays s_a [kBM], s_b [kBN] (shared addresses); then its arrival on the stage's
-// `full` barrier once they have landed.
+// Where lane `lane` of the producer's warp 1 copies a tile's scales from: element offsets into
+// the scale arrays, computed once a tile; k-block kb adds its block index (load_stage_scales).
+// Row i of the lane's four (tile row lane + 32 i) is at a0 + i * a_step (row problems: 0 past the
+// expert's end, a_in's bit i clear); B: row problems, lanes 0, 1: the 128 x 128 block row of n128
+// half `lane` at b0; weight gradients: column lane + 32 j at b0 + (j % 4) * b_step (dual: j >= 4
+// in the second matrix), else b0 + j * b_step.
+// NOTE: 32-bit offsets: a scale array of 2^32 floats would belong to 2 TB of codes.
+struct ScaleSrc {
+  u32 a0, a_step, b0, b_step, a_in;
+  __device__ __forceinline__ u32 a(int i) const { return (a_in >> i & 1) ? a0 + i * a_step : 0u; }
+};
 template <int kP>
-__device__ __forceinline__ void load_stage_scales(const Fp8GemmParams* p, const Tile& tile, int kb, u32 s_a, u32 s_b,
-                                                  u64* bar, int lane) {
+__device__ __forceinline__ ScaleSrc scale_src(const Fp8GemmParams* p, const Tile& tile, int lane) {
+  using Tr = Traits<kP>;
+  const u32 a_stride = static_cast<u32>(p->a_scale_stride), b_stride = static_cast<u32>(p->b_scale_stride);
+  ScaleSrc src{0u, 32 * a_stride, 0u, 32 * b_stride, 0xFu};
+  const int m = tile.m0 + lane;
+  if (Tr::kRowProblem) {
+    src.a0 = static_cast<u32>(tile.row0 + m) * a_stride;
+    src.a_in = 0u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) src.a_in |= static_cast<u32>(m + 32 * i < tile.rows) << i;
+    const int n_block = (tile.n0 + (Tr::kDualB ? 0 : 128 * (lane & 1))) / 128;
+    src.b0 = static_cast<u32>(tile.group) * static_cast<u32>(p->b_scale_group_stride) + n_block * b_stride;
+  } else {
+    src.a0 = static_cast<u32>(m) * a_stride;
+    src.b0 = static_cast<u32>(tile.n0 + lane) * b_stride;
+  }
+  return src;
+}
+
+// The scale arrays (read once a launch by warp 1).
+struct ScaleBases {
+  const float *a1, *a2, *b1, *b2;
+  int split_blocks;  // kGateUpBwd: k-blocks of the first operand pair
+};
+__device__ __forceinline__ ScaleBases scale_bases(const Fp8GemmParams* p) {
+  return {ptr<const float>(p->scale_a1), ptr<const float>(p->scale_a2), ptr<const float>(p->scale_b1),
+          ptr<const float>(p->scale_b2), static_cast<int>(p->k_split / kKBlock)};
+}
+
+// Lane `lane` of the producer's warp 1: its share of k-block kb's scales, copied (cp.async) into
+// the stage's arrays s_a [kBM], s_b [kBN] (shared addresses).
+template <int kP>
+__device__ __forceinline__ void load_stage_scales(const ScaleBases& base, const ScaleSrc& src, const Tile& tile,
+                                                  int kb, u32 s_a, u32 s_b, int lane) {
   using Tr = Traits<kP>;
   if (Tr::kRowProblem) {
-    const bool second = kP == kGateUpBwd && kb * kKBlock >= p->k_split;
-    const int kb_in = second ? kb - static_cast<int>(p->k_split) / kKBlock : kb;
-    const float* sa = ptr<const float>(second ? p->scale_a2 : p->scale_a1) + kb_in;
-#pragma unroll 1
-    for (int r = lane; r < kBM; r += 32) {  // rows past the expert's end: 0 (never stored)
-      const int m = tile.m0 + r;
-      const bool in = m < tile.rows;
-      cp_async_4(s_a + 4 * r, sa + (in ? static_cast<i64>(tile.row0 + m) * p->a_scale_stride : 0), in ? 4 : 0);
-    }
-    if (lane < 2) {  // the 128 x 128 block scale of each n128 half
-      const float* sb = ptr<const float>((Tr::kDualB ? lane : second) ? p->scale_b2 : p->scale_b1);
-      const int n_block = (tile.n0 + (Tr::kDualB ? 0 : 128 * lane)) / 128;
-      cp_async_4(s_b + 4 * lane, sb + tile.group * p->b_scale_group_stride + n_block * p->b_scale_stride + kb_in, 4);
+    const bool second = kP == kGateUpBwd && kb >= base.split_blocks;  // dx: dg/Wg, then du/Wu
+    const int kb_in = second ? kb - base.split_blocks : kb;
+    const float* sa = (second ? base.a2 : base.a1) + kb_in;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)  // rows past the expert's end: 0 (never stored)
+      cp_async_4(s_a + 4 * (lane + 32 * i), sa + src.a(i), (src.a_in >> i & 1) ? 4 : 0);
+    if (lane < 2) {
+      const float* sb = ((Tr::kDualB ? lane : second) ? base.b2 : base.b1) + kb_in;
+      cp_async_4(s_b + 4 * lane, sb + src.b0, 4);
     }
   } else {
     const int kb_rows = tile.row0 / kKBlock + kb;  // segments start at multiples of 128 rows
-    const float* sa = ptr<const float>(p->scale_a1) + kb_rows;
-#pragma unroll 1
-    for (int r = lane; r < kBM; r += 32) cp_async_4(s_a + 4 * r, sa + (tile.m0 + r) * p->a_scale_stride, 4);
-#pragma unroll 1
-    for (int c = lane; c < kBN; c += 32) {
-      const bool b2 = Tr::kDualB && c >= 128;
-      const float* sb = ptr<const float>(b2 ? p->scale_b2 : p->scale_b1) + kb_rows;
-      cp_async_4(s_b + 4 * c, sb + (tile.n0 + (b2 ? c - 128 : c)) * p->b_scale_stride, 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cp_async_4(s_a + 4 * (lane + 32 * i), base.a1 + kb_rows + src.a(i), 4);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const bool b2 = Tr::kDualB && j >= 4;
+      cp_async_4(s_b + 4 * (lane + 32 * j), (b2 ? base.b2 : base.b1) + kb_rows + src.b0 + (b2 ? j - 4 : j) * src.b_step, 4);
     }
   }
-  cp_async_arrive_noinc(bar);
 }
 
-// One stage of the ring: every producer thread waits for it to be free (as in gemm.cuh), then
-// warp 0 loads it, `load(bar, s_stage)` in every lane of it, unless lane 0 finds the stage's last
-// load not landed (gemm::previous_load_landed: only after an error; it then loads nothing more).
+// One stage of the ring, by one producer warp: it waits for the stage to be free (as in
+// gemm.cuh), then `load(bar, s_stage)` in every lane, unless its lane 0 finds the stage's last load
+// not landed (gemm::previous_load_landed: only after an error; the warp then loads nothing more).
 template <class Load>
 __device__ __forceinline__ bool produce_stage(const Fp8GemmParams* p, SharedStorage& ss, Ring& ring, int problem,
-                                              int wg_tid, bool ok, Load load) {
+                                              int lane, bool ok, Load load) {
   if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, problem);
-  if (wg_tid < 32) {
-    if (wg_tid == 0 && ok) ok = gemm::previous_load_landed(ss, ring);
-    ok = __shfl_sync(0xffffffffu, ok, 0);
-    if (ok) {
-      load(&ss.full[ring.stage], smem_addr(ss.stages[ring.stage]));
-      if (wg_tid == 0) ring.loaded();
-    }
+  if (lane == 0 && ok) ok = gemm::previous_load_landed(ss, ring);
+  ok = __shfl_sync(0xffffffffu, ok, 0);
+  if (ok) {
+    load(&ss.full[ring.stage], smem_addr(ss.stages[ring.stage]));
+    if (lane == 0) ring.loaded();
   }
   ring.advance();
   return ok;
 }
 
 // The producer warpgroup, one tile: its k-blocks (kDownBwd: then g and u of the tile, 64 columns a
-// stage, for the epilogue). After a failed wait warp 0 loads nothing more and the consumers' waits
-// fail too.
+// stage, for the epilogue). Two warps split each stage's work, so that neither paces the ring:
+// warp 0's lane 0 arms `full` with the TMA byte count and issues the copies of the codes; warp
+// 1's 32 lanes copy the scales and arrive once they have landed (aux stages: arrive). After a
+// failed wait a warp loads nothing more and the consumers' waits fail too.
 template <int kP>
 __device__ __forceinline__ bool produce_tile(const Fp8GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
-                                             int cta, int wg_tid, bool ok) {
-  const int lane = wg_tid & 31;
-  for (int kb = 0; kb < tile.k_blocks; ++kb) {
-    ok = produce_stage(p, ss, ring, kP, wg_tid, ok, [&](u64* bar, u32 s_stage) {
-      if (lane == 0) load_stage_tma<kP>(p, tile, kb, s_stage, bar, cta);
-      load_stage_scales<kP>(p, tile, kb, smem_addr(ss.scale_a[ring.stage]), smem_addr(ss.scale_b[ring.stage]), bar,
-                            lane);
-    });
-  }
-  for (int c = 0; c < Traits<kP>::kAuxStages; ++c) {
-    ok = produce_stage(p, ss, ring, kP, wg_tid, ok, [&](u64* bar, u32 s_stage) {
-      if (lane == 0) {
-        mbar_arrive_expect_tx(bar, 2 * gemm::kAuxU);
-        tma_load_2d(s_stage, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, bar);
-        tma_load_2d(s_stage + gemm::kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, bar);
-      }
-      mbar_arrive(bar);  // no scales: the lanes' arrivals alone
-    });
+                                             int cta, int warp, int lane, const ScaleBases& base, bool ok) {
+  if (warp == 0) {
+    for (int kb = 0; kb < tile.k_blocks; ++kb)
+      ok = produce_stage(p, ss, ring, kP, lane, ok, [&](u64* bar, u32 s_stage) {
+        if (lane == 0) load_stage_tma<kP>(p, tile, kb, s_stage, bar, cta);
+      });
+    for (int c = 0; c < Traits<kP>::kAuxStages; ++c)
+      ok = produce_stage(p, ss, ring, kP, lane, ok, [&](u64* bar, u32 s_stage) {
+        if (lane == 0) {
+          mbar_arrive_expect_tx(bar, 2 * gemm::kAuxU);
+          tma_load_2d(s_stage, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, bar);
+          tma_load_2d(s_stage + gemm::kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, bar);
+        }
+      });
+  } else {
+    const ScaleSrc src = scale_src<kP>(p, tile, lane);
+    for (int kb = 0; kb < tile.k_blocks; ++kb)
+      ok = produce_stage(p, ss, ring, kP, lane, ok, [&](u64* bar, u32) {
+        load_stage_scales<kP>(base, src, tile, kb, smem_addr(ss.scale_a[ring.stage]), smem_addr(ss.scale_b[ring.stage]),
+                              lane);
+        cp_async_arrive_noinc(bar);
+      });
+    for (int c = 0; c < Traits<kP>::kAuxStages; ++c)
+      ok = produce_stage(p, ss, ring, kP, lane, ok, [&](u64* bar, u32) { mbar_arrive(bar); });
   }
   return ok;
 }
@@ -325,23 +350,6 @@ __device__ __forceinline__ KBlockIn kblock_in(SharedStorage& ss, int stage, cons
   return in;
 }
 
-// Variant 1's turns: warpgroup `half` waits for its turn (barrier kTurnBarrier + half: its own
-// threads and the other warpgroup's arrival), issues its MMAs, then passes the turn. Warpgroup 1
-// gives warpgroup 0 the first turn (turns_begin) and warpgroup 0 takes the last one passed to it
-// (turns_end), so every barrier completes as often as it is used.
-__device__ __forceinline__ void turn_wait(int half) {
-  asm volatile("bar.sync %0, 256;" ::"r"(kTurnBarrier + half) : "memory");
-}
-__device__ __forceinline__ void turn_pass(int half) {
-  asm volatile("bar.arrive %0, 256;" ::"r"(kTurnBarrier + 1 - half) : "memory");
-}
-__device__ __forceinline__ void turns_begin(int half) {
-  if (half == 1) turn_pass(1);
-}
-__device__ __forceinline__ void turns_end(int half) {
-  if (half == 0) turn_wait(0);
-}
-
 // The k-blocks of one tile: per k-block, the two n128 halves into one 64-register temporary (4 x
 // m64n128k32, waited for), each promoted into acc; descriptors by a 32-bit add, every scale read
 // before the MMAs, the row problems' stage released as soon as its last MMA is done (the weight
@@ -356,13 +364,11 @@ __device__ __forceinline__ bool consume_kblocks(const Fp8GemmParams* p, SharedSt
   const u64 da0 = wgmma_desc(s_base + half * 64 * kKBlock, 16, 1024), db0 = wgmma_desc(s_base + kATileBytes, 16, 1024);
   float blk[64];
   auto mma = [&](u64 da, u64 db) {
-    if constexpr (kTurns) turn_wait(half);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kKBlock / 32; ++ks)
       wgmma_m64n128k32_e4m3(blk, desc_plus(da, 2 * ks), desc_plus(db, 2 * ks), ks);
     wgmma_commit();
-    if constexpr (kTurns) turn_pass(half);
     wgmma_wait<0>();
     fence_accumulators(blk);
   };
@@ -470,13 +476,6 @@ __device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, SharedStora
   return ok;
 }
 
-// Pair tile t: gemm::tile_of's order, or variant 2's bands.
-template <int kP>
-__device__ __forceinline__ Tile tile_at(const Fp8GemmParams* p, const SharedStorage& ss, int t, int cta) {
-  if constexpr ((kVariant & 2) != 0) return gemm::banded_tile<kP, kKBlock>(p, ss.pair_prefix, t, cta);
-  return gemm::tile_of<kP, kKBlock>(p, ss.pair_prefix, t, cta);
-}
-
 // Both roles over the pair tiles `tiles` yields (each role walks its own copy in the same order).
 template <int kP, class Tiles>
 __device__ __forceinline__ void run_tiles(const Fp8GemmParams* p, SharedStorage& ss, Tiles tiles, int cta) {
@@ -487,17 +486,18 @@ __device__ __forceinline__ void run_tiles(const Fp8GemmParams* p, SharedStorage&
   int t;
   if (wg == 0) {
     warpgroup_reg_dealloc<kProducerRegs>();
-    while (tiles.next(t)) ok = produce_tile<kP>(p, ss, ring, tile_at<kP>(p, ss, t, cta), cta, wg_tid, ok);
-    if (wg_tid < 32) cp_async_wait_all();  // warp 0's scale copies
+    const int warp = __shfl_sync(0xffffffffu, wg_tid >> 5, 0), lane = wg_tid & 31;
+    const ScaleBases base = scale_bases(p);
+    while (tiles.next(t))  // warps 2, 3 have nothing to load
+      if (warp < 2) ok = produce_tile<kP>(p, ss, ring, gemm::tile_of<kP, kKBlock>(p, ss.pair_prefix, t, cta), cta, warp, lane, base, ok);
+    if (warp == 1) cp_async_wait_all();  // the scale copies
     if (wg_tid == 0) gemm::drain_loads(ss, ring);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
     float acc[128];
     float* staging = ss.staging[threadIdx.x / 32 - 4];
-    if constexpr (kTurns) turns_begin(wg - 1);
     while (tiles.next(t))
-      ok = consume_tile<kP>(p, ss, ring, tile_at<kP>(p, ss, t, cta), acc, staging, wg - 1, wg_tid, ok);
-    if constexpr (kTurns) turns_end(wg - 1);
+      ok = consume_tile<kP>(p, ss, ring, gemm::tile_of<kP, kKBlock>(p, ss.pair_prefix, t, cta), acc, staging, wg - 1, wg_tid, ok);
   }
 }
 

@@ -256,8 +256,6 @@ CONSTS = (
     Const("kMaxGroups", 1024, "experts one grouped GEMM launch may cover", "mok::gemm"),
     Const("kStagingFloats", 2 * 8 * 32, "epilogue staging per consumer warp: 2 areas of 8 rows x 32 fp32",
           "mok::gemm"),
-    Const("kFp8Variants", 4, "MOK_FP8_VARIANT masks of the FP8 GEMMs (an experiment, off by default): 0 .. this - 1",
-          "mok::gemm"),
     # Plans
     Const("kMoverKinds", sum(1 << TASK_KIND[k] for k in MOVER_KINDS), "bit k set: the fused kernel's movers (a "
           "communicating CTA's warps, a compute CTA's spare warps) run TaskKind k, its GEMM warps the others",

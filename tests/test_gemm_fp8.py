@@ -381,35 +381,6 @@ def test_weight_grads_accumulate_over_split_rows_bitwise():
         assert a.tobytes() != b.tobytes()
 
 
-@pytest.mark.parametrize("variant", [1, 2, 3])
-def test_variants_give_the_default_bits(variant, monkeypatch):
-    """$MOK_FP8_VARIANT (cuda/gemm_fp8.cuh) changes the order of the tiles and of the two consumer
-    warpgroups' MMAs, never the arithmetic: every output has the default build's bits (down: K = 3
-    k-blocks; gate_up, gate_up_bwd: 6; the weight gradients 0 to 3), on the whole GPU and on one cluster."""
-    from mok_proto.kernels import build, gemm_fp8
-
-    d = _setup(768, 384)
-    ops = _wgrad_operands(d)
-
-    def outputs(module):
-        monkeypatch.setattr(gemm_fp8, "MODULE", module)
-        out = _gate_up(d)
-        y = _nan((d["rows"], d["hidden"]), np.uint16)
-        _run(gemm_fp8.down, _dev(d["h_q"]), _dev(d["w_down_t"]), d["d_offsets"], d["d_counts"], y)
-        dx = _nan((d["rows"], d["hidden"]), np.uint16)
-        _run(gemm_fp8.gate_up_bwd, _dev(d["dg_q"]), _dev(d["du_q"]), _dev(d["w_gate"]), _dev(d["w_up"]),
-             d["d_offsets"], d["d_counts"], dx)
-        grads = _wgrad_outputs(d, True)
-        _wgrads(d, ops, d["d_offsets"], d["d_counts"], grads)
-        named = dict(h=out["h"], hq=out["hq"][0], hs=out["hq"][1], g=out["g"], u=out["u"], y=y, dx=dx,
-                     dWd=grads[0], dWg=grads[1], dWu=grads[2])
-        return {name: a.get().tobytes() for name, a in named.items()}
-
-    want = outputs(build.MODULES["gemm_fp8.cuh"])
-    got = outputs(build.MODULES["gemm_fp8.cuh"].variant(f"MOK_FP8_VARIANT={variant}"))
-    assert [name for name in want if got[name] != want[name]] == [], f"MOK_FP8_VARIANT={variant}"
-
-
 # ---------------------------------------------------------------------------------------------
 def test_launch_on_a_failed_error_record_does_nothing():
     import cupy

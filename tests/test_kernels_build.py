@@ -30,14 +30,6 @@ def test_every_kernel_compiles_with_nvcc(tmp_path, header, arch):
     _compile_clean(tmp_path, header, arch)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
-@pytest.mark.parametrize("variant", range(1, features.FP8_VARIANTS))
-def test_fp8_variants_compile_without_spills_or_serialized_mmas(tmp_path, variant):
-    """The experimental FP8 GEMM variants ($MOK_FP8_VARIANT): 1's turn barriers sit between a
-    warpgroup's MMAs and its wait for them, which must not make ptxas serialize the wgmma (C7514)."""
-    _compile_clean(tmp_path, "gemm_fp8.cuh", "sm_90a", (f"MOK_FP8_VARIANT={variant}",))
-
-
 def _compile_clean(tmp_path, header, arch, defines=()):
     src = tmp_path / "instantiate.cu"
     src.write_text(build.MODULES[header].instantiation_source())
@@ -162,21 +154,6 @@ def test_the_quantizers_keep_subnormals_under_ftz(tmp_path):
     assert len(kernels) >= 10  # the row, block and segment quantizers of each input type
     flushing = {k.split("(")[0]: sorted(set(re.findall(r"\b\w+(?:\.\w+)*\.ftz\b(?:\.\w+)*", k))) for k in kernels}
     assert not any(flushing.values()), {k: v for k, v in flushing.items() if v}
-
-
-def test_fp8_variant_is_read_from_the_environment_and_stamped_on_rows(monkeypatch, capsys):
-    monkeypatch.delenv(features.FP8_VARIANT_ENV, raising=False)
-    assert features.fp8_variant() == 0 and features.kernel_features() == features.CURRENT
-    monkeypatch.setenv(features.FP8_VARIANT_ENV, " 3 ")
-    assert features.fp8_variant() == 3 and features.kernel_features() == {**features.CURRENT, "fp8_variant": 3}
-    for bad in (str(features.FP8_VARIANTS), "-1", "two", "1.5"):
-        monkeypatch.setenv(features.FP8_VARIANT_ENV, bad)
-        with pytest.raises(ValueError, match="MOK_FP8_VARIANT"):
-            features.fp8_variant()
-    with pytest.raises(SystemExit) as stop:  # as a kernels module's import or a benchmark row reads it
-        features.kernel_features()
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.count("\n") == 1 and "MOK_FP8_VARIANT='1.5'" in err
 
 
 def test_rows_of_experimental_variants_stay_out_of_what_results_load(tmp_path):

@@ -28,7 +28,7 @@ do; pack_only returns the packed Fp8GemmParams instead of launching.
 from __future__ import annotations
 
 from mok_proto import abi
-from mok_proto.kernels import features, gemm
+from mok_proto.kernels import gemm
 from mok_proto.kernels.build import CudaModule
 
 BK = abi.CONST["kQuantBlock"]  # k depth of a stage: one 1 x 128 scale block
@@ -36,13 +36,6 @@ BM, BN = gemm.BM, gemm.BN
 NAMESPACE = "mok::gemm_fp8"
 MODULE = CudaModule("gemm_fp8.cuh", tuple(f"{NAMESPACE}::grouped_gemm<{i}>" for i in range(len(gemm.PROBLEMS)))
                     + (f"{NAMESPACE}::export_sizes",), archs=("sm_90a",))
-# $MOK_FP8_VARIANT (read at import; unset or 0: the default kernels) builds the kernels with a mask
-# of cuda/gemm_fp8.cuh's experimental variants (1 the consumer warpgroups take turns issuing MMAs,
-# 2 the tiles in bands), e.g. `MOK_FP8_VARIANT=3 python scripts/bench_gemm.py --precision fp8`.
-# Outputs are bitwise the default's; benchmark rows record the mask (kernels/features.py).
-VARIANT = features.at_import(features.fp8_variant)
-if VARIANT:
-    MODULE = MODULE.variant(f"MOK_FP8_VARIANT={VARIANT}")
 
 
 def smem_bytes() -> int:
