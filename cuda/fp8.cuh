@@ -125,29 +125,44 @@ __device__ __forceinline__ float decode_e4m3(u32 code) {
 }
 
 // Where the column quantizers read x [rows, cols]: fp32 or bf16 values, or (unsigned char) e4m3
-// codes with their 1 x B scales, dequantized as fp8.dequantize_rows does (decode * scale, rounded once).
+// codes with their 1 x B scales, dequantized as fp8.dequantize_rows does (decode * scale, rounded
+// once). load4: the 4 values from (row, col), col a multiple of 4; `vector` (cols a multiple of 4:
+// 16-byte aligned) loads them at once, else one by one; columns from cols on read as zero.
 template <typename In>
 struct Source {
   const In* x;
   i64 cols;
-  __device__ __forceinline__ float at(i64 row, i64 col) const { return load1(x + row * cols + col); }
+  bool vector;
+  __device__ __forceinline__ void load4(i64 row, i64 col, float (&v)[4]) const {
+    const In* at = x + row * cols + col;
+    if (vector && col + 4 <= cols) {
+      fp8::load4(at, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = col + j < cols ? load1(at + j) : 0.0f;
+    }
+  }
 };
 template <>
 struct Source<unsigned char> {
   const unsigned char* x;
-  const float* scales;  // [rows, cols / B]
+  const float* scales;  // [rows, cols / B]; cols a multiple of B
   i64 cols;
-  __device__ __forceinline__ float at(i64 row, i64 col) const {
-    return keep_mul(decode_e4m3(x[row * cols + col]), scales[row * (cols / kQuantBlock) + col / kQuantBlock]);
+  bool vector;
+  __device__ __forceinline__ void load4(i64 row, i64 col, float (&v)[4]) const {
+    const u32 codes = *reinterpret_cast<const u32*>(x + row * cols + col);
+    const float scale = scales[row * (cols / kQuantBlock) + col / kQuantBlock];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = keep_mul(decode_e4m3((codes >> (8 * j)) & 0xFFu), scale);
   }
 };
 template <typename In>
 __device__ __forceinline__ Source<In> source_of(const QuantParams* p) {
-  return {reinterpret_cast<const In*>(p->x), p->cols};
+  return {reinterpret_cast<const In*>(p->x), p->cols, p->cols % 4 == 0};
 }
 template <>
 __device__ __forceinline__ Source<unsigned char> source_of<unsigned char>(const QuantParams* p) {
-  return {reinterpret_cast<const unsigned char*>(p->x), reinterpret_cast<const float*>(p->x_scales), p->cols};
+  return {reinterpret_cast<const unsigned char*>(p->x), reinterpret_cast<const float*>(p->x_scales), p->cols, true};
 }
 
 // 1 x B blocks along rows: block i (of rows * cols / B, row-major) is x[i*B : (i+1)*B] of the flat
@@ -168,47 +183,64 @@ __device__ __forceinline__ void quantize_row_blocks(const QuantParams* p, i64 be
   }
 }
 
-// B x 1 blocks: the CTA takes rows [row0, row0 + B) (row0 a multiple of B) of 32 columns from col0
-// and writes those columns as 32 rows of codes [cols, rows] (128 bytes each) and their scales
-// [cols, rows / B]. Rows from row0 + live_rows on read as zero (a segment's last block, zero-padded
-// as the reference pads it). A caller that runs it again syncs the CTA first (shared memory).
+// B x 1 blocks: the CTA takes rows [row0, row0 + B) (row0 a multiple of B) of C = kQuantColumns
+// columns from col0 and writes those columns as C rows of codes [cols, rows] (128 bytes each) and
+// their scales [cols, rows / B]. Rows from row0 + live_rows on read as zero (a segment's last
+// block, zero-padded as the reference pads it). Thread t reads 4 columns 4 (t % 16) .. of rows
+// t / 16 + 16 i (a warp: two rows of C columns, coalesced), keeps their running amax and stages
+// the values column-major; then warp w quantizes columns w, w + 8, .. (lane l: rows 4l .. 4l + 3,
+// one 128-byte store a column). A caller that runs it again syncs the CTA first (shared memory).
 template <typename In>
 __device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, Source<In> src, i64 row0,
                                                        i64 live_rows, i64 col0, int warp, int lane) {
-  __shared__ float tile[32][kQuantBlock + 1];  // [column][row]
-  __shared__ float partial[kWarps][32];
-  __shared__ float col_scale[32];
+  constexpr int kC = kQuantColumns, kGroups = kC / 4, kRowsAPass = kQuantThreads / kGroups;
+  static_assert(kC % 4 == 0 && kQuantThreads % kGroups == 0 && kQuantBlock % kRowsAPass == 0 &&
+                kRowsAPass == 2 * kWarps, "a warp: two rows of kC columns");
+  __shared__ float tile[kC][kQuantBlock + 1];  // [column][row]; + 1: conflict-free column writes
+  __shared__ float partial[kWarps][kC];
+  __shared__ float col_scale[kC];
   const i64 rows = p->rows, cols = p->cols;
-  const bool live = col0 + lane < cols;
-  float m = 0.0f;
-  for (int r = warp; r < kQuantBlock; r += kWarps) {
-    const float v = live && r < live_rows ? src.at(row0 + r, col0 + lane) : 0.0f;
-    tile[lane][r] = v;
-    m = keep_max(m, keep_abs(v));
-  }
-  partial[warp][lane] = m;
-  __syncthreads();
-  if (warp == 0) {
+  const int tid = warp * 32 + lane, group = tid % kGroups, r0 = tid / kGroups;
+  const i64 col = col0 + 4 * group;
+  float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+  for (int r = r0; r < kQuantBlock; r += kRowsAPass) {
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (r < live_rows && col < cols) src.load4(row0 + r, col, v);
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) m = keep_max(m, partial[w][lane]);
-    const float scale = block_scale(m, p->pow2 != 0);
-    col_scale[lane] = scale;
-    if (live) reinterpret_cast<float*>(p->scales)[(col0 + lane) * (rows / kQuantBlock) + row0 / kQuantBlock] = scale;
+    for (int j = 0; j < 4; ++j) {
+      tile[4 * group + j][r] = v[j];
+      m[j] = keep_max(m[j], keep_abs(v[j]));
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {  // the warp's other row of these columns: lane ^ 16
+    m[j] = keep_max(m[j], __shfl_xor_sync(0xffffffffu, m[j], 16));
+    if (lane < 16) partial[warp][4 * group + j] = m[j];
   }
   __syncthreads();
-  for (int c = warp; c < 32 && col0 + c < cols; c += kWarps) {
+  if (tid < kC) {
+    float mc = partial[0][tid];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) mc = keep_max(mc, partial[w][tid]);
+    const float scale = block_scale(mc, p->pow2 != 0);
+    col_scale[tid] = scale;
+    if (col0 + tid < cols) reinterpret_cast<float*>(p->scales)[(col0 + tid) * (rows / kQuantBlock) + row0 / kQuantBlock] = scale;
+  }
+  __syncthreads();
+  for (int c = warp; c < kC && col0 + c < cols; c += kWarps) {
     const float v[4] = {tile[c][4 * lane], tile[c][4 * lane + 1], tile[c][4 * lane + 2], tile[c][4 * lane + 3]};
     reinterpret_cast<u32*>(p->codes + (col0 + c) * rows + row0)[lane] = quantize4(v, col_scale[c]);
   }
 }
 
 // x [rows, cols] quantized in 1 x B blocks (kTransposed: B x 1 blocks, written transposed).
-// grid: any x (a grid-stride loop over blocks); kTransposed: (ceil(cols / 32), rows / B).
+// grid: any x (a grid-stride loop over blocks); kTransposed: (ceil(cols / kQuantColumns), rows / B).
 template <typename In, bool kTransposed>
 __global__ void __launch_bounds__(kQuantThreads) quantize_rows(const QuantParams* p) {
   if constexpr (kTransposed) {
     quantize_column_blocks<In>(p, source_of<In>(p), static_cast<i64>(blockIdx.y) * kQuantBlock, kQuantBlock,
-                               static_cast<i64>(blockIdx.x) * 32, threadIdx.x >> 5, threadIdx.x & 31);
+                               static_cast<i64>(blockIdx.x) * kQuantColumns, threadIdx.x >> 5, threadIdx.x & 31);
   } else {
     quantize_row_blocks<In>(p, 0, p->rows * (p->cols / kQuantBlock), grid_warps(), threadIdx.x & 31);
   }
@@ -233,13 +265,13 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_segment_rows(const Qua
 
 // quantize_rows<In, true> on every segment's rows, in blocks of B rows from its first row (a
 // multiple of B), the rows past its count read as zero; blocks past a segment's last are not
-// written. grid (ceil(cols / 32), any, num_groups): blockIdx.z the segment, whose B-row blocks the
+// written. grid (ceil(cols / kQuantColumns), any, num_groups): blockIdx.z the segment, whose B-row blocks the
 // CTAs of one blockIdx.x take in turn (blockIdx.y, + gridDim.y, ...).
 template <typename In>
 __global__ void __launch_bounds__(kQuantThreads) quantize_segment_columns(const QuantParams* p) {
   const Segment seg = segment_of(p, blockIdx.z);
   const Source<In> src = source_of<In>(p);
-  const i64 col0 = static_cast<i64>(blockIdx.x) * 32;
+  const i64 col0 = static_cast<i64>(blockIdx.x) * kQuantColumns;
   const i64 step = static_cast<i64>(gridDim.y) * kQuantBlock;
   for (i64 r = static_cast<i64>(blockIdx.y) * kQuantBlock; r < seg.count; r += step) {
     quantize_column_blocks<In>(p, src, seg.first + r, seg.count - r, col0, threadIdx.x >> 5, threadIdx.x & 31);

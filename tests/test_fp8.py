@@ -451,6 +451,23 @@ def test_gpu_quantizers_equal_the_rule_on_edge_cases(kind, pow2):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["f32", "bf16"])
+@pytest.mark.parametrize("cols", [37, 130, 200])
+def test_gpu_column_quantizer_on_ragged_columns(kind, cols):
+    """quantize_rows(transpose=True) where a block of the column quantizer (kQuantColumns columns)
+    is partly past the last column, with cols no multiple of 4 (the one-by-one loads: 37, 130) or
+    of the block (200): every code and scale equals the rule's, NaN and zero rows included."""
+    from mok_proto.kernels import fp8 as kfp8
+
+    x = _edge_matrix(3)[:, :cols].copy()
+    dev, values = _inputs(x, kind)
+    codes, scales = kfp8.quantize_rows(dev, transpose=True)
+    want = _reference("quantize_rows", values, transpose=True)
+    _assert_bitwise(codes, want[0], f"[256, {cols}] transposed codes")
+    _assert_bitwise(scales, want[1], f"[256, {cols}] transposed scales")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
 @pytest.mark.parametrize("pow2", [False, True])
 def test_gpu_quantizers_equal_the_rule_at_paper_sizes(kind, pow2):
     """Activations x [256, H], h [256, I] (every quantizer); a weight [H, I] (blocks, both

@@ -31,6 +31,7 @@ from mok_proto.kernels.build import CudaModule
 
 BLOCK = abi.CONST["kQuantBlock"]
 THREADS = abi.CONST["kQuantThreads"]
+COLUMNS = abi.CONST["kQuantColumns"]  # columns of x per block of the column quantizers
 IN_TYPES = {"f32": "float", "bf16": "unsigned short"}  # input kind -> the kernels' In
 E4M3 = "unsigned char"  # the column segment quantizer's In for e4m3 codes + their row scales
 MODULE = CudaModule("fp8.cuh", tuple(f"mok::fp8::quantize_rows<{t}, {tr}>" for t in IN_TYPES.values()
@@ -116,7 +117,7 @@ def quantize_rows(x, *, pow2: bool = False, transpose: bool = False, codes=None,
         _multiple("M", rows)
         codes = _out(codes, (cols, rows), np.uint8, "codes")
         scales = _out(scales, (cols, rows // BLOCK), np.float32, "scales")
-        grid = (-(-cols // 32), rows // BLOCK)
+        grid = (-(-cols // COLUMNS), rows // BLOCK)
         _grid_limit("M / 128", grid[1])
     else:
         if x.ndim < 1:
@@ -237,8 +238,8 @@ def quantize_segment_columns(x, row_offsets, row_counts, codes, scales, *, x_sca
     fields = dict(batch=1, rows=rows, cols=cols, pow2=int(pow2), x=x, codes=codes, scales=scales,
                   x_scales=x_scales if x_scales is not None else 0, num_groups=groups, row_offsets=row_offsets,
                   row_counts=row_counts)
-    col_groups = -(-cols // 32)
-    _grid_limit("ceil(C / 32)", col_groups)
+    col_groups = -(-cols // COLUMNS)
+    _grid_limit(f"ceil(C / {COLUMNS})", col_groups)
 
     def grid(sms):
         return col_groups, max(1, min(65535, -(-CTAS_PER_SM * sms // (col_groups * groups)))), groups
