@@ -52,10 +52,10 @@ def test_newest_run_per_gpu(tmp_path):
     assert "command not recorded (the benchmark's usual one: `python scripts/bench_gemm.py`)" in text
     assert "| 0.90 |" in text and "| 0.85 |" in text and "| 0.80 |" not in text
     table = report.status_table(tmp_path)
-    assert "| GEMMs (H100 80GB HBM3, `h100`, 2026-12-01) | down | 700 TFLOP/s | 0.85 x `torch._grouped_mm` | | - |" \
-        in table
-    # a row with fraction_of_dense (the dense 8192^3 matmul of its run) shows it
+    # the status table: the newest run of all (a row with fraction_of_dense, the dense 8192^3 matmul
+    # of its run, shows it)
     assert "| GEMMs (H200, `new`, 2026-12-02) | down | 700 TFLOP/s | 0.90 x `torch._grouped_mm` | | 0.88 |" in table
+    assert "`h100`" not in table and "`old`" not in table
 
 
 def test_machines_and_their_baselines(tmp_path):
@@ -154,3 +154,35 @@ def test_the_layer_line_compares_the_fused_row_with_the_torch_and_sequential_row
     _write(tmp_path, "bench_layer", first + second)
     table = report.status_table(tmp_path)
     assert "| kimi-k2.7 | 2.800 ms (sequential 2.900) | 1.39 x torch (3.900 ms) | 1.04 |" in table
+
+
+def test_fp8_rows_have_their_own_tables_and_status_lines(tmp_path):
+    """bench_layer rows of FP8 routed experts (`precision`) leave the BF16 layer's table and line for
+    their own; bench_gemm --precision fp8 rows give one status line per problem."""
+    def layer(schedule, ms, **extra):
+        return {"time": "2026-12-06T08:00:00+00:00", "git": "f8", "gpu": "NVIDIA H200", "shape": "kimi-k2.7",
+                "pass": "fwd", "schedule": schedule, "median_ms": ms, "link_gbps": None, "precision": "fp8",
+                "dispatch_dtype": "bf16", "speedup_vs_torch": 3.0 / ms, **extra}
+
+    bf16 = [{"time": "2026-12-05T08:00:00+00:00", "git": "b16", "gpu": "NVIDIA H200", "shape": "kimi-k2.7",
+             "pass": "fwd", "schedule": s, "median_ms": ms, "link_gbps": None, "speedup_vs_torch": 3.0 / ms,
+             **({"best_of_run": True, "speedup_vs_sequential": 1.1} if s == "fused" else {})}
+            for s, ms in (("torch", 3.0), ("sequential", 2.2), ("fused", 2.0))]
+    fp8 = [layer("torch", 3.0), layer("sequential", 2.0, speedup_vs_torch_fp8=2.25, err_rel_rms=0.0241,
+                                      err_max=0.0248, bitwise_repeat=True, fraction_of_dense=0.7)]
+    _write(tmp_path, "bench_layer", bf16 + fp8)
+    _write(tmp_path, "bench_gemm_fp8", [
+        {"time": "2026-12-06T09:00:00+00:00", "git": "f8", "gpu": "NVIDIA H200", "shape": s, "routing": "uniform",
+         "problem": "gate_up", "rows": 16384, "tflops": {"fp8": t, "bf16": 760.0, "torch_fp8": 1100.0},
+         "ratio_vs_bf16": t / 760.0, "ratio_vs_torch_fp8": t / 1100.0, "fraction_of_dense": t / 764.0}
+        for s, t in (("kimi-k2.7", 1087.0), ("glm-5.2", 1000.0))])
+    table = report.status_table(tmp_path)
+    assert "| layer fwd (H200, `b16`, 2025" not in table and "| layer fwd (H200, `b16`, 2026-12-05) | kimi-k2.7 | 2.000 ms" in table
+    assert ("| layer fwd, FP8 experts, sequential (H200, `f8`, 2026-12-06) | 1 shape | 2.000 ms | 1.50 x torch, "
+            "2.25 x torch FP8 | | 0.70 |") in table
+    assert ("| FP8 GEMMs (H200, `f8`, 2026-12-06) | gate_up | 1000-1087 TFLOP/s | 1.32-1.43 x our BF16, "
+            "0.91-0.99 x `torch._scaled_grouped_mm` | | 1.31-1.42 |") in table
+    text = report.markdown(tmp_path)
+    assert "## bench_layer, FP8 routed experts (one GPU, NVIDIA H200)" in text
+    assert "| kimi-k2.7 | fwd | sequential | bf16 | 2.000 | 1.50 | 2.25 | 0.0241 | 0.0248 | 0.70 | yes |" in text
+    assert text.count("| kimi-k2.7 | fwd |") == 5  # BF16: torch, sequential, fused; FP8: torch, sequential

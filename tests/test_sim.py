@@ -192,8 +192,8 @@ def test_layer_rows_use_the_newest_run_of_each_shape(h200, tmp_path):
 
 def test_every_bench_layer_run_is_compared_or_says_why_not():
     # a run's rows are all compared or all left out with a reason (sim_left_out), or ran other transfer
-    # directions than MoK's (their `policy`), skewed routing or on another GPU than the h200
-    # parameters' (the H100 runs); compared_rows keeps exactly the others
+    # directions than MoK's (their `policy`), skewed routing, FP8 routed experts (`precision`) or on
+    # another GPU than the h200 parameters' (the H100 runs); compared_rows keeps exactly the others
     rows = results.load("bench_layer")
     why = {}
     for r in rows:
@@ -205,8 +205,9 @@ def test_every_bench_layer_run_is_compared_or_says_why_not():
     assert other_policy and not other_policy & left_out
     skewed = {r["run"] for r in rows if r.get("routing", "uniform") != "uniform"}  # the simulator's routing is uniform
     other_gpu = {r["run"] for r in rows if "H200" not in r.get("gpu", "H200")}
-    assert other_gpu and not other_gpu & left_out
-    assert {r["run"] for r in layer.compared_rows()} == set(why) - left_out - other_policy - skewed - other_gpu
+    fp8 = {r["run"] for r in rows if r.get("precision", "bf16") != "bf16"}  # the model's GEMMs are BF16
+    assert other_gpu and fp8 and not other_gpu & left_out
+    assert {r["run"] for r in layer.compared_rows()} == set(why) - left_out - other_policy - skewed - other_gpu - fp8
     assert not any("sim_left_out" in r or r.get("policy", MOK_POLICY) != MOK_POLICY for r in layer.compared_rows())
 
 

@@ -80,6 +80,11 @@ def _uniform(r: dict) -> bool:
     return r.get("routing", "uniform") == "uniform"
 
 
+def _fp8(r: dict) -> bool:
+    """A row of FP8 routed experts (rows from before they recorded `precision` were BF16)."""
+    return r.get("precision", "bf16") == "fp8"
+
+
 LAYER = View("bench_layer", "python scripts/bench_layer.py", (
     ("shape", lambda r: r["shape"]), ("pass", lambda r: r["pass"]), ("layer", lambda r: r.get("schedule", "")),
     ("knobs", _knobs), ("link GB/s", lambda r: _f(r.get("link_gbps"), "g")),
@@ -90,7 +95,15 @@ LAYER = View("bench_layer", "python scripts/bench_layer.py", (
     ("overlap eff.", lambda r: _x(r.get("overlap_efficiency"))),
     ("TFLOP/s", lambda r: _f(r.get("tflops"), ".0f")), ("of dense", lambda r: _x(r.get("fraction_of_dense"))),
     ("bitwise", lambda r: _yes(r.get("equal_to_sequential", r.get("bitwise_repeat"))))),
-    section=lambda r: "other direction policies" if r.get("policy") else None, keep=_uniform)
+    section=lambda r: "other direction policies" if r.get("policy") else None, keep=lambda r: _uniform(r) and not _fp8(r))
+LAYER_FP8 = View("bench_layer", "python scripts/bench_layer.py --precision fp8", (
+    ("shape", lambda r: r["shape"]), ("pass", lambda r: r["pass"]), ("layer", lambda r: r.get("schedule", "")),
+    ("dispatch", lambda r: r.get("dispatch_dtype", "")), ("ms", lambda r: _f(r.get("median_ms"))),
+    ("x torch (BF16)", lambda r: _x(r.get("speedup_vs_torch"))),
+    ("x torch FP8", lambda r: _x(r.get("speedup_vs_torch_fp8"))),
+    ("err_rel_rms", lambda r: _f(r.get("err_rel_rms"), ".4f")), ("err_max", lambda r: _f(r.get("err_max"), ".4f")),
+    ("of dense", lambda r: _x(r.get("fraction_of_dense"))), ("bitwise", lambda r: _yes(r.get("bitwise_repeat")))),
+    keep=lambda r: _uniform(r) and _fp8(r), title="bench_layer, FP8 routed experts")
 LAYER_SKEWED = View("bench_layer", "python scripts/bench_layer.py --routing hot:0.25 --macrobatch-rows 0.25x", (
     ("shape", lambda r: r["shape"]), ("routing", lambda r: r["routing"]), ("ranks", lambda r: r.get("emulation", "")),
     ("received rows", lambda r: str(r.get("received_rows", "-"))),
@@ -98,7 +111,7 @@ LAYER_SKEWED = View("bench_layer", "python scripts/bench_layer.py --routing hot:
     ("replay ms", lambda r: _f(r.get("replay_ms"))),
     ("EP=64 GB/rank", lambda r: _f(r["memory_bytes"] / 1e9, ".1f") if r.get("memory_bytes") else "-"),
     *LAYER.columns[1:]),
-    section=LAYER.section, keep=lambda r: not _uniform(r), title="bench_layer, skewed routing")
+    section=LAYER.section, keep=lambda r: not _uniform(r) and not _fp8(r), title="bench_layer, skewed routing")
 LAYER_LINK = View("bench_layer_link", "python scripts/bench_layer.py --link-gbps 368,900", (
     ("shape", lambda r: r["shape"]), ("pass", lambda r: r["pass"]), ("layer", lambda r: r.get("schedule", "")),
     ("knobs", _knobs), ("link GB/s", lambda r: _f(r.get("link_gbps"), "g")),
@@ -160,7 +173,7 @@ LAYER_MPI = View("bench_layer_mpi", "mpirun -n R python scripts/bench_layer_mpi.
     ("bitwise", lambda r: _yes((r.get("bitwise") or r.get("bitwise_vs_mpi") or {}).get("equal")
                                if isinstance(r.get("bitwise") or r.get("bitwise_vs_mpi"), dict) else r.get("bitwise"))),
     ("skipped", lambda r: str(r.get("skipped") or ""))))
-VIEWS = (LAYER, LAYER_SKEWED, LAYER_LINK, GEMM, GEMM_FP8, COMM, LINK_CHECK, NCCL, LAYER_MPI, POWER, SWEEP)
+VIEWS = (LAYER, LAYER_FP8, LAYER_SKEWED, LAYER_LINK, GEMM, GEMM_FP8, COMM, LINK_CHECK, NCCL, LAYER_MPI, POWER, SWEEP)
 
 
 def runs(view: View, results_dir: Path) -> list[tuple[str, list[dict]]]:
@@ -171,6 +184,12 @@ def runs(view: View, results_dir: Path) -> list[tuple[str, list[dict]]]:
     for r in newest:
         by_gpu.setdefault(r.get("gpu") or "unknown GPU", []).append(r)
     return sorted(by_gpu.items())
+
+
+def newest_run(view: View, results_dir: Path) -> list[tuple[str, list[dict]]]:
+    """[(gpu, rows)] of the newest of `runs` (by the latest row time), or []."""
+    found = runs(view, results_dir)
+    return [max(found, key=lambda item: max(r["time"] for r in item[1]))] if found else []
 
 
 def _table(view: View, rows: list[dict]) -> list[str]:
@@ -280,6 +299,38 @@ def _gemm_lines(gpu: str, rows: list[dict]) -> list[str]:
     return lines
 
 
+def _layer_fp8_lines(gpu: str, rows: list[dict]) -> list[str]:
+    """Per pass: our sequential layer with FP8 routed experts over the run's shapes, against the
+    BF16 torch pipeline (and the torch FP8 one, forward only) of the same run."""
+    lines = []
+    for pass_ in ("fwd", "bwd"):
+        mine = [r for r in rows if r["pass"] == pass_ and r.get("schedule") == "sequential"]
+        if not mine:
+            continue
+        x_fp8 = [r["speedup_vs_torch_fp8"] for r in mine if r.get("speedup_vs_torch_fp8")]
+        fractions = [r["fraction_of_dense"] for r in mine if r.get("fraction_of_dense") is not None]
+        shapes = f"{len(mine)} shape" + ("s" if len(mine) > 1 else "")
+        lines.append(f"| layer {pass_}, FP8 experts, sequential ({_run_label(gpu, rows)}) | {shapes} | "
+                     f"{_range([r['median_ms'] for r in mine], '.3f')} ms | "
+                     f"{_range([r['speedup_vs_torch'] for r in mine], '.2f')} x torch"
+                     + (f", {_range(x_fp8, '.2f')} x torch FP8" if x_fp8 else "") + " | | "
+                     f"{_range(fractions, '.2f') if fractions else '-'} |{' |' * len(MEMORY_EPS)}")
+    return lines
+
+
+def _gemm_fp8_lines(gpu: str, rows: list[dict]) -> list[str]:
+    lines, label = [], f"FP8 GEMMs ({_run_label(gpu, rows)})"
+    for problem in dict.fromkeys(r["problem"] for r in rows):
+        mine = [r for r in rows if r["problem"] == problem]
+        vs_torch = [r["ratio_vs_torch_fp8"] for r in mine if r.get("ratio_vs_torch_fp8")]
+        lines.append(f"| {label} | {problem} | {_range([r['tflops']['fp8'] for r in mine], '.0f')} TFLOP/s | "
+                     f"{_range([r['ratio_vs_bf16'] for r in mine], '.2f')} x our BF16"
+                     + (f", {_range(vs_torch, '.2f')} x `torch._scaled_grouped_mm`" if vs_torch else "") + " | | "
+                     f"{_range([r['fraction_of_dense'] for r in mine], '.2f')} |{' |' * len(MEMORY_EPS)}")
+        label = ""
+    return lines
+
+
 def _comm_lines(gpu: str, rows: list[dict], nccl: list[dict], machine: str) -> list[str]:
     lines, label = [], f"comm, EP = {rows[0]['ep']} ({machine}, {_run_label(gpu, rows)})"
     for op in ("dispatch", "combine"):
@@ -298,18 +349,19 @@ def _comm_lines(gpu: str, rows: list[dict], nccl: list[dict], machine: str) -> l
 
 
 def status_table(results_dir: Path | str = results.RESULTS_DIR) -> str:
-    """The README's status table, from the newest run of each benchmark (on each GPU): the layer
+    """The README's status table, from the newest run of each benchmark (whichever GPU it ran on;
+    docs/results.md has the newest of each GPU): the layer
     (fused against torch and our sequential pass; its memory per rank at EP = 64 and 8, from
-    mok_proto.memory), the grouped GEMMs, and the transfers on the machines with several GPUs
+    mok_proto.memory), the grouped GEMMs, the same with FP8 routed experts, and the transfers on the machines with several GPUs
     (against NCCL in the same folder)."""
     results_dir = Path(results_dir)
     headers = ["benchmark", "case", "ours", "x baseline", "x sequential", "of dense"]
     headers += [f"GB/rank EP={ep}" for ep in MEMORY_EPS]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    for gpu, rows in runs(LAYER, results_dir):
-        lines += _layer_lines(gpu, rows)
-    for gpu, rows in runs(GEMM, results_dir):
-        lines += _gemm_lines(gpu, rows)
+    for view, lines_of in ((LAYER, _layer_lines), (GEMM, _gemm_lines), (LAYER_FP8, _layer_fp8_lines),
+                           (GEMM_FP8, _gemm_fp8_lines)):
+        for gpu, rows in newest_run(view, results_dir):
+            lines += lines_of(gpu, rows)
     for folder, machine in machines(results_dir):
         if folder:
             nccl = [r for _, rows in runs(NCCL, results_dir / folder) for r in rows]

@@ -101,10 +101,11 @@ LAYER_CALIBRATION = {
 def compared_rows(results_dir=results.RESULTS_DIR, bench: str = "bench_layer", measured_on: str = "h200") -> list[dict]:
     """bench_layer's rows (bench: its results file's name) the simulator compares with set
     `measured_on`'s parameters: those measured on its GPU (gpus.SPECS; a row without `gpu` counts as
-    an H200), under MoK's transfer directions (a row with another `policy` is not) and uniform routing
-    (a row without `routing` is), of runs not marked `sim_left_out` (a field that says why), by time."""
+    an H200), under MoK's transfer directions (a row with another `policy` is not), uniform routing
+    (a row without `routing` is) and BF16 routed experts (the model's GEMM rates; a row without
+    `precision` is), of runs not marked `sim_left_out` (a field that says why), by time."""
     return [r for r in gpus.rows_on(results.load(bench, results_dir), measured_on)
-            if "sim_left_out" not in r
+            if "sim_left_out" not in r and r.get("precision", "bf16") == "bf16"
             and r.get("policy", MOK_POLICY) == MOK_POLICY and r.get("routing", str(UNIFORM)) == str(UNIFORM)]
 
 
