@@ -301,6 +301,8 @@ def test_segment_quantizers_refuse_bad_arguments_before_any_launch(no_launch):
         (kq.quantize_segment_columns, (x, off, cnt, codes_t, scales_t), {"x_scales": scales}, "x_scales: given"),
         (kq.quantize_segment_columns, (codes, off, cnt, codes_t, scales_t), {"x_scales": scales[:, :2]},
          r"x_scales: expected .* \(512, 3\)"),
+        (kq.quantize_segment_columns, (np.zeros(512 * 384 + 16, np.uint8)[1:1 + 512 * 384].reshape(512, 384), off,
+                                       cnt, codes_t, scales_t), {"x_scales": scales}, "16-byte aligned"),
     ]
     for fn, args, kwargs, message in refused:
         with pytest.raises(ValueError, match=message):

@@ -221,6 +221,8 @@ def quantize_segment_columns(x, row_offsets, row_counts, codes, scales, *, x_sca
         kind = "e4m3"
         if not x.flags.c_contiguous:
             raise ValueError("x: must be C-contiguous")
+        if _address(x) % 16:  # the kernel reads 4 codes at once
+            raise ValueError("x: must start at a 16-byte aligned address")
     else:
         kind = _check_input(x, "x")
     if x.ndim != 2:
