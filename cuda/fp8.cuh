@@ -126,8 +126,9 @@ __device__ __forceinline__ float decode_e4m3(u32 code) {
 
 // Where the column quantizers read x [rows, cols]: fp32 or bf16 values, or (unsigned char) e4m3
 // codes with their 1 x B scales, dequantized as fp8.dequantize_rows does (decode * scale, rounded
-// once). load4: the 4 values from (row, col), col a multiple of 4; `vector` (cols a multiple of 4:
-// 16-byte aligned) loads them at once, else one by one; columns from cols on read as zero.
+// once). load4: the 4 values from (row, col), col a multiple of 4; `vector` (cols a multiple of 4,
+// so every row is aligned for one 4-value load: 16 bytes fp32, 8 bf16) loads them at once, else one
+// by one; columns from cols on read as zero.
 template <typename In>
 struct Source {
   const In* x;

@@ -336,11 +336,12 @@ __device__ __forceinline__ void store_tile(const Params* p, const Tile& tile, co
 // and advance it once per stage in the same tile order, so they agree on every stage.
 struct Ring {
   int stage = 0, phase = 0;
-  u32 armed = 0, armed_phase = 0;  // the producer's thread 0: stages it loaded, each one's last parity
+  u32 armed = 0, armed_phase = 0;  // a loading warp's lane 0: stages it loaded, each one's last parity
   __device__ __forceinline__ void advance() {
     if (++stage == kStages) { stage = 0; phase ^= 1; }
   }
-  // The producer's thread 0, after it armed this stage's `full` barrier and issued the loads.
+  // A loading warp's lane 0 (the BF16 producer's thread 0; FP8: that of warps 0 and 1), after its
+  // warp issued this stage's loads.
   __device__ __forceinline__ void loaded() {
     armed |= 1u << stage;
     armed_phase = (armed_phase & ~(1u << stage)) | (static_cast<u32>(phase) << stage);
@@ -361,7 +362,7 @@ __device__ __forceinline__ void drain_loads(Storage& ss, const Ring& ring) {
     if (ring.armed >> s & 1) mbar_drain(&ss.full[s], ring.armed_phase >> s & 1, kDrainNs);
 }
 
-// The producer's thread 0, before it arms the current stage's `full` barrier again: has the last
+// A loading warp's lane 0 (as Ring::loaded), before its warp loads the current stage again: has the last
 // load it issued there landed? Always, in a sound run (the consumers waited for it before they
 // freed the stage). After an error the consumers stop waiting and free stages at once, and arming
 // a barrier whose phase is still open (its arrival already made) is undefined: seen as a

@@ -150,7 +150,7 @@ __device__ __forceinline__ void load_stage_tma(const Fp8GemmParams* p, const Til
 // expert's end, a_in's bit i clear); B: row problems, lanes 0, 1: the 128 x 128 block row of n128
 // half `lane` at b0; weight gradients: column lane + 32 j at b0 + (j % 4) * b_step (dual: j >= 4
 // in the second matrix), else b0 + j * b_step.
-// NOTE: 32-bit offsets: a scale array of 2^32 floats would belong to 2 TB of codes.
+// NOTE: 32-bit offsets: a scale array of 2^32 floats would belong to 0.5 TiB of codes.
 struct ScaleSrc {
   u32 a0, a_step, b0, b_step, a_in;
   __device__ __forceinline__ u32 a(int i) const { return (a_in >> i & 1) ? a0 + i * a_step : 0u; }
@@ -175,7 +175,7 @@ __device__ __forceinline__ ScaleSrc scale_src(const Fp8GemmParams* p, const Tile
   return src;
 }
 
-// The scale arrays (read once a launch by warp 1).
+// The scale arrays (read once a launch by the producer).
 struct ScaleBases {
   const float *a1, *a2, *b1, *b2;
   int split_blocks;  // kGateUpBwd: k-blocks of the first operand pair

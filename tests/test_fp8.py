@@ -514,6 +514,32 @@ def _segment_layout():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+def test_gpu_segment_column_quantizer_on_ragged_columns(kind):
+    """quantize_segment_columns with C = 200 (a partial block of the column kernel's 64 columns,
+    vector loads): each segment's transposed codes and scales are the rule's bit for bit, its
+    last 128-row block zero-padded."""
+    import cupy
+    from mok_proto.kernels import fp8 as kfp8
+
+    offsets, counts, rows = _segment_layout()
+    cols = 200
+    x = _random(np.random.default_rng(11), rows, cols)
+    x[offsets[5]:offsets[5] + 256] = _edge_matrix(1)[:, :cols]
+    dev, values = _inputs(x, kind)
+    codes_t, scales_t = cupy.full((cols, rows), 0xAB, cupy.uint8), cupy.full((cols, rows // B), np.nan, cupy.float32)
+    kfp8.quantize_segment_columns(dev, cupy.asarray(offsets), cupy.asarray(counts), codes_t, scales_t)
+    got = codes_t.get(), scales_t.get()
+    for o, c in zip(offsets, counts):
+        if c == 0:
+            continue
+        want = _reference("reference_fp8.quantize_columns", values[int(o):int(o + c)])
+        blocks = slice(int(o) // B, int(o) // B + want[1].shape[1])
+        _assert_host_bitwise(got[0][:, int(o):int(o) + want[0].shape[1]], want[0], f"{kind} segment at {o} codes")
+        _assert_host_bitwise(got[1][:, blocks], want[1], f"{kind} segment at {o} scales")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["f32", "bf16", "e4m3"])
 def test_gpu_segment_quantizers_equal_the_rule_per_segment(kind):
     """quantize_segment_rows / _columns: bitwise the rule on each segment's rows (the columns' last

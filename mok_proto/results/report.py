@@ -103,7 +103,8 @@ LAYER_FP8 = View("bench_layer", "python scripts/bench_layer.py --precision fp8",
     ("x torch FP8", lambda r: _x(r.get("speedup_vs_torch_fp8"))),
     ("err_rel_rms", lambda r: _f(r.get("err_rel_rms"), ".4f")), ("err_max", lambda r: _f(r.get("err_max"), ".4f")),
     ("of dense", lambda r: _x(r.get("fraction_of_dense"))), ("bitwise", lambda r: _yes(r.get("bitwise_repeat")))),
-    keep=lambda r: _uniform(r) and _fp8(r), title="bench_layer, FP8 routed experts")
+    section=lambda r: None if _uniform(r) else f"routing {r['routing']}", keep=_fp8,
+    title="bench_layer, FP8 routed experts")
 LAYER_SKEWED = View("bench_layer", "python scripts/bench_layer.py --routing hot:0.25 --macrobatch-rows 0.25x", (
     ("shape", lambda r: r["shape"]), ("routing", lambda r: r["routing"]), ("ranks", lambda r: r.get("emulation", "")),
     ("received rows", lambda r: str(r.get("received_rows", "-"))),
@@ -304,7 +305,7 @@ def _layer_fp8_lines(gpu: str, rows: list[dict]) -> list[str]:
     BF16 torch pipeline (and the torch FP8 one, forward only) of the same run."""
     lines = []
     for pass_ in ("fwd", "bwd"):
-        mine = [r for r in rows if r["pass"] == pass_ and r.get("schedule") == "sequential"]
+        mine = [r for r in rows if r["pass"] == pass_ and r.get("schedule") == "sequential" and _uniform(r)]
         if not mine:
             continue
         x_fp8 = [r["speedup_vs_torch_fp8"] for r in mine if r.get("speedup_vs_torch_fp8")]
