@@ -149,7 +149,6 @@ struct Source<unsigned char> {
   const unsigned char* x;
   const float* scales;  // [rows, cols / B]; cols a multiple of B
   i64 cols;
-  bool vector;
   __device__ __forceinline__ void load4(i64 row, i64 col, float (&v)[4]) const {
     const u32 codes = *reinterpret_cast<const u32*>(x + row * cols + col);
     const float scale = scales[row * (cols / kQuantBlock) + col / kQuantBlock];
@@ -163,7 +162,7 @@ __device__ __forceinline__ Source<In> source_of(const QuantParams* p) {
 }
 template <>
 __device__ __forceinline__ Source<unsigned char> source_of<unsigned char>(const QuantParams* p) {
-  return {reinterpret_cast<const unsigned char*>(p->x), reinterpret_cast<const float*>(p->x_scales), p->cols, true};
+  return {reinterpret_cast<const unsigned char*>(p->x), reinterpret_cast<const float*>(p->x_scales), p->cols};
 }
 
 // 1 x B blocks along rows: block i (of rows * cols / B, row-major) is x[i*B : (i+1)*B] of the flat
