@@ -225,7 +225,8 @@ __device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, Sou
     for (int w = 1; w < kWarps; ++w) mc = keep_max(mc, partial[w][tid]);
     const float scale = block_scale(mc, p->pow2 != 0);
     col_scale[tid] = scale;
-    if (col0 + tid < cols) reinterpret_cast<float*>(p->scales)[(col0 + tid) * (rows / kQuantBlock) + row0 / kQuantBlock] = scale;
+    if (col0 + tid < cols)
+      reinterpret_cast<float*>(p->scales)[(col0 + tid) * (rows / kQuantBlock) + row0 / kQuantBlock] = scale;
   }
   __syncthreads();
   for (int c = warp; c < kC && col0 + c < cols; c += kWarps) {

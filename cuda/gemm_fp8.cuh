@@ -489,7 +489,9 @@ __device__ __forceinline__ void run_tiles(const Fp8GemmParams* p, SharedStorage&
     const int warp = __shfl_sync(0xffffffffu, wg_tid >> 5, 0), lane = wg_tid & 31;
     const ScaleBases base = scale_bases(p);
     while (tiles.next(t))  // warps 2, 3 have nothing to load
-      if (warp < 2) ok = produce_tile<kP>(p, ss, ring, gemm::tile_of<kP, kKBlock>(p, ss.pair_prefix, t, cta), cta, warp, lane, base, ok);
+      if (warp < 2)
+        ok = produce_tile<kP>(p, ss, ring, gemm::tile_of<kP, kKBlock>(p, ss.pair_prefix, t, cta), cta, warp, lane,
+                              base, ok);
     if (warp == 1) cp_async_wait_all();  // the scale copies
     if (wg_tid == 0) gemm::drain_loads(ss, ring);
   } else {
@@ -497,7 +499,8 @@ __device__ __forceinline__ void run_tiles(const Fp8GemmParams* p, SharedStorage&
     float acc[128];
     float* staging = ss.staging[threadIdx.x / 32 - 4];
     while (tiles.next(t))
-      ok = consume_tile<kP>(p, ss, ring, gemm::tile_of<kP, kKBlock>(p, ss.pair_prefix, t, cta), acc, staging, wg - 1, wg_tid, ok);
+      ok = consume_tile<kP>(p, ss, ring, gemm::tile_of<kP, kKBlock>(p, ss.pair_prefix, t, cta), acc, staging, wg - 1,
+                            wg_tid, ok);
   }
 }
 
