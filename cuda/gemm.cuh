@@ -435,18 +435,21 @@ __device__ __forceinline__ bool produce_tile(const GemmParams* p, SharedStorage&
                                              int cta, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
   const u32 s_base = smem_addr(ss.stages);
+  const TmaSource src = tma_source(p);
+  const u64 timeout_ns = p->timeout_ns;
+  ErrorRecord* const error = p->error;
   for (int kb = 0; kb < tile.k_blocks; ++kb) {
-    if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
+    if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, timeout_ns, error, kOpGemmLoad, kP);
     if (wg_tid == 0 && ok) ok = previous_load_landed(ss, ring);
     if (wg_tid == 0 && ok) {
       const u32 s_a = s_base + ring.stage * kStageBytes;
-      load_stage_tma<kP>(p, tile, kb, s_a, s_a + kATileBytes, &ss.full[ring.stage], cta);
+      load_stage_tma<kP>(src, tile, kb, s_a, s_a + kATileBytes, &ss.full[ring.stage], cta);
       ring.loaded();
     }
     ring.advance();
   }
   for (int c = 0; c < Tr::kAuxStages; ++c) {  // kDownBwd: g and u of this tile, 64 columns a stage
-    if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, kP);
+    if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, timeout_ns, error, kOpGemmLoad, kP);
     if (wg_tid == 0 && ok) ok = previous_load_landed(ss, ring);
     if (wg_tid == 0 && ok) {
       const u32 s_a = s_base + ring.stage * kStageBytes;
@@ -514,8 +517,10 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
   const u32 s_base = smem_addr(ss.stages);
   auto k_loop = [&]() {
     int prev = -1;
+    const u64 timeout_ns = p->timeout_ns;  // in registers: not reloaded after every barrier
+    ErrorRecord* const error = p->error;
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
-      if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
+      if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, timeout_ns, error, kOpGemmMma, kP);
       const u32 s_a = s_base + ring.stage * kStageBytes;
       if (!Tr::kRowProblem && (kb + 1) * kBK > tile.rows) zero_tail_k_rows(s_a, tile.rows - kb * kBK, half, wg_tid);
       wgmma_fence();

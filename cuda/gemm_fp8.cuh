@@ -122,7 +122,7 @@ static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block ma
 // (rows group * N + n), dual (kGateUp): half h is matrix h at the tile's 128 columns. Weight
 // gradients: A = X^T [M, rows], B = Y^T [N, rows] at k = the expert's rows row0 + k0 ..
 template <int kP>
-__device__ __forceinline__ void load_stage_tma(const Fp8GemmParams* p, const Tile& tile, int kb, u32 s_a, u64* bar,
+__device__ __forceinline__ void load_stage_tma(const gemm::TmaSource& p, const Tile& tile, int kb, u32 s_a, u64* bar,
                                                int cta) {
   using Tr = Traits<kP>;
   constexpr unsigned short kBoth = (1u << kCluster) - 1;
@@ -130,16 +130,16 @@ __device__ __forceinline__ void load_stage_tma(const Fp8GemmParams* p, const Til
   const u32 s_b = s_a + kATileBytes + cta * kHalfBytes;
   mbar_arrive_expect_tx(bar, kStageBytes);
   if (Tr::kRowProblem) {
-    const bool second = kP == kGateUpBwd && k0 >= p->k_split;  // dx: dg/Wg, then du/Wu
-    const int k_in = second ? k0 - static_cast<int>(p->k_split) : k0;
-    tma_load_2d(s_a, second ? p->tmap_a2 : p->tmap_a1, k_in, tile.row0 + tile.m0, bar);
-    const i64 b_map = (Tr::kDualB ? cta : second) ? p->tmap_b2 : p->tmap_b1;
-    const int n_row = tile.group * static_cast<int>(p->n) + tile.n0 + (Tr::kDualB ? 0 : 128 * cta);
+    const bool second = kP == kGateUpBwd && k0 >= p.k_split;  // dx: dg/Wg, then du/Wu
+    const int k_in = second ? k0 - p.k_split : k0;
+    tma_load_2d(s_a, second ? p.a2 : p.a1, k_in, tile.row0 + tile.m0, bar);
+    const i64 b_map = (Tr::kDualB ? cta : second) ? p.b2 : p.b1;
+    const int n_row = tile.group * p.n + tile.n0 + (Tr::kDualB ? 0 : 128 * cta);
     tma_load_2d_multicast(s_b, b_map, k_in, n_row, bar, kBoth);
   } else {
     const int k_row = tile.row0 + k0;
-    tma_load_2d(s_a, p->tmap_a1, k_row, tile.m0, bar);
-    const i64 b_map = Tr::kDualB && cta ? p->tmap_b2 : p->tmap_b1;
+    tma_load_2d(s_a, p.a1, k_row, tile.m0, bar);
+    const i64 b_map = Tr::kDualB && cta ? p.b2 : p.b1;
     tma_load_2d_multicast(s_b, b_map, k_row, tile.n0 + (Tr::kDualB ? 0 : 128 * cta), bar, kBoth);
   }
 }
@@ -240,9 +240,10 @@ template <int kP>
 __device__ __forceinline__ bool produce_tile(const Fp8GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
                                              int cta, int warp, int lane, const ScaleBases& base, bool ok) {
   if (warp == 0) {
+    const gemm::TmaSource src = gemm::tma_source(p);
     for (int kb = 0; kb < tile.k_blocks; ++kb)
       ok = produce_stage(p, ss, ring, kP, lane, ok, [&](u64* bar, u32 s_stage) {
-        if (lane == 0) load_stage_tma<kP>(p, tile, kb, s_stage, bar, cta);
+        if (lane == 0) load_stage_tma<kP>(src, tile, kb, s_stage, bar, cta);
       });
     for (int c = 0; c < Traits<kP>::kAuxStages; ++c)
       ok = produce_stage(p, ss, ring, kP, lane, ok, [&](u64* bar, u32 s_stage) {

@@ -150,42 +150,55 @@ __device__ __forceinline__ Tile banded_tile(const Params* p, const int* pair_pre
 // (multicast to both CTAs of the cluster; the partner loads the other half), as 64-element-wide
 // boxes (MN-major) or 128-row boxes (K-major). The stage's barrier counts all of its bytes.
 // ---------------------------------------------------------------------------------------------
+// What load_stage_tma reads of the launch, held in the producer's registers: the launch
+// parameters live in global memory and every barrier's memory clobber would reload them per stage
+// (dependent loads before each copy, on the producer's critical path).
+struct TmaSource {
+  i64 a1, a2, b1, b2;  // the tensor maps' addresses
+  int k_split, k, n;
+};
+template <class Params>
+__device__ __forceinline__ TmaSource tma_source(const Params* p) {
+  return {p->tmap_a1, p->tmap_a2, p->tmap_b1, p->tmap_b2, static_cast<int>(p->k_split), static_cast<int>(p->k),
+          static_cast<int>(p->n)};
+}
+
 template <int kP>
-__device__ __forceinline__ void load_stage_tma(const GemmParams* p, const Tile& tile, int kb, u32 s_a, u32 s_b, u64* bar,
+__device__ __forceinline__ void load_stage_tma(const TmaSource& p, const Tile& tile, int kb, u32 s_a, u32 s_b, u64* bar,
                                                int cta) {
   using Tr = Traits<kP>;
   const int k0 = kb * kBK;
-  const bool second = kP == kGateUpBwd && k0 >= p->k_split;  // dx: dg/Wg, then du/Wu
-  const int k_in = second ? k0 - static_cast<int>(p->k_split) : k0;
+  const bool second = kP == kGateUpBwd && k0 >= p.k_split;  // dx: dg/Wg, then du/Wu
+  const int k_in = second ? k0 - p.k_split : k0;
   mbar_arrive_expect_tx(bar, kStageBytes);
   if (Tr::kAMajorMN) {  // x^T / h^T: two atoms of 64 m x 64 k rows
-    tma_load_2d(s_a, p->tmap_a1, tile.m0, tile.row0 + k0, bar);
-    tma_load_2d(s_a + 8192, p->tmap_a1, tile.m0 + 64, tile.row0 + k0, bar);
+    tma_load_2d(s_a, p.a1, tile.m0, tile.row0 + k0, bar);
+    tma_load_2d(s_a + 8192, p.a1, tile.m0 + 64, tile.row0 + k0, bar);
   } else {  // 128 rows x 64 k
-    tma_load_2d(s_a, second ? p->tmap_a2 : p->tmap_a1, k_in, tile.row0 + tile.m0, bar);
+    tma_load_2d(s_a, second ? p.a2 : p.a1, k_in, tile.row0 + tile.m0, bar);
   }
   constexpr unsigned short kBoth = (1u << kCluster) - 1;
   if (Tr::kBMajorMN) {  // four atoms of 64 n x 64 k rows; this CTA loads atoms 2 cta, 2 cta + 1
-    const int k_row = Tr::kRowProblem ? tile.group * static_cast<int>(p->k) + k0 : tile.row0 + k0;
+    const int k_row = Tr::kRowProblem ? tile.group * p.k + k0 : tile.row0 + k0;
     if (tile.multicast) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int atom = 2 * cta + i;
         const bool b2 = Tr::kDualB && atom >= 2;
         const int col = tile.n0 + (Tr::kDualB ? (atom & 1) : atom) * 64;
-        tma_load_2d_multicast(s_b + atom * 8192, b2 ? p->tmap_b2 : p->tmap_b1, col, k_row, bar, kBoth);
+        tma_load_2d_multicast(s_b + atom * 8192, b2 ? p.b2 : p.b1, col, k_row, bar, kBoth);
       }
     } else {  // every atom, into this CTA only
 #pragma unroll
       for (int atom = 0; atom < 4; ++atom) {
         const bool b2 = Tr::kDualB && atom >= 2;
         const int col = tile.n0 + (Tr::kDualB ? (atom & 1) : atom) * 64;
-        tma_load_2d(s_b + atom * 8192, b2 ? p->tmap_b2 : p->tmap_b1, col, k_row, bar);
+        tma_load_2d(s_b + atom * 8192, b2 ? p.b2 : p.b1, col, k_row, bar);
       }
     }
   } else {  // 256 n rows x 64 k; this CTA loads rows 128 cta .. 128 cta + 127
-    const i64 b_map = second ? p->tmap_b2 : p->tmap_b1;
-    const int n_row = tile.group * static_cast<int>(p->n) + tile.n0;
+    const i64 b_map = second ? p.b2 : p.b1;
+    const int n_row = tile.group * p.n + tile.n0;
     if (tile.multicast) {
       tma_load_2d_multicast(s_b + cta * 16384, b_map, k_in, n_row + 128 * cta, bar, kBoth);
     } else {  // both halves, into this CTA only
