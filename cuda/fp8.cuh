@@ -167,19 +167,30 @@ __device__ __forceinline__ Source<unsigned char> source_of<unsigned char>(const 
 
 // 1 x B blocks along rows: block i (of rows * cols / B, row-major) is x[i*B : (i+1)*B] of the flat
 // array, and its scale is scales[i]. Blocks [begin, end); one warp per block, 4 elements per lane,
-// one 128-byte store.
+// one 128-byte store; a warp loads kRowBlocksInFlight blocks before it reduces the first (one block
+// a warp at a time leaves the loads latency-bound).
+constexpr int kRowBlocksInFlight = 8;
 template <typename In>
 __device__ __forceinline__ void quantize_row_blocks(const QuantParams* p, i64 begin, i64 end, Workers warps,
                                                     int lane) {
   const In* x = reinterpret_cast<const In*>(p->x);
   u32* codes = reinterpret_cast<u32*>(p->codes);
   float* scales = reinterpret_cast<float*>(p->scales);
-  for (i64 blk = begin + warps.id; blk < end; blk += warps.count) {
-    float v[4];
-    load4(x + blk * kQuantBlock + 4 * lane, v);
-    const float scale = block_scale(warp_max(amax4(0.0f, v)), p->pow2 != 0);
-    codes[blk * (kQuantBlock / 4) + lane] = quantize4(v, scale);
-    if (lane == 0) scales[blk] = scale;
+  for (i64 first = begin + warps.id; first < end; first += kRowBlocksInFlight * warps.count) {
+    float v[kRowBlocksInFlight][4];
+#pragma unroll
+    for (int u = 0; u < kRowBlocksInFlight; ++u) {
+      const i64 blk = first + u * warps.count;
+      if (blk < end) load4(x + blk * kQuantBlock + 4 * lane, v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kRowBlocksInFlight; ++u) {
+      const i64 blk = first + u * warps.count;  // warp-uniform: the shuffles see every lane
+      if (blk >= end) break;
+      const float scale = block_scale(warp_max(amax4(0.0f, v[u])), p->pow2 != 0);
+      codes[blk * (kQuantBlock / 4) + lane] = quantize4(v[u], scale);
+      if (lane == 0) scales[blk] = scale;
+    }
   }
 }
 
@@ -187,32 +198,52 @@ __device__ __forceinline__ void quantize_row_blocks(const QuantParams* p, i64 be
 // columns from col0 and writes those columns as C rows of codes [cols, rows] (128 bytes each) and
 // their scales [cols, rows / B]. Rows from row0 + live_rows on read as zero (a segment's last
 // block, zero-padded as the reference pads it). Thread t reads 4 columns 4 (t % 16) .. of rows
-// t / 16 + 16 i (a warp: two rows of C columns, coalesced), keeps their running amax and stages
-// the values column-major; then warp w quantizes columns w, w + 8, .. (lane l: rows 4l .. 4l + 3,
+// t / 16 + 16 i (a warp: two rows of C columns, coalesced), all kColumnPasses loads at once
+// (load_column_block, into registers), then quantize_column_blocks keeps their running amax and
+// stages the values column-major; warp w quantizes columns w, w + 8, .. (lane l: rows 4l .. 4l + 3,
 // one 128-byte store a column). A caller that runs it again syncs the CTA first (shared memory).
+constexpr int kColumnGroups = kQuantColumns / 4;                   // threads across a row of C columns
+constexpr int kColumnRowsAPass = kQuantThreads / kColumnGroups;    // rows one load of every thread covers
+constexpr int kColumnPasses = kQuantBlock / kColumnRowsAPass;      // loads a thread issues for a block
+static_assert(kQuantColumns % 4 == 0 && kQuantThreads % kColumnGroups == 0 && kQuantBlock % kColumnRowsAPass == 0 &&
+              kColumnRowsAPass == 2 * kWarps, "a warp: two rows of kQuantColumns columns");
+using ColumnValues = float[kColumnPasses][4];
+
 template <typename In>
-__device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, Source<In> src, i64 row0,
-                                                       i64 live_rows, i64 col0, int warp, int lane) {
-  constexpr int kC = kQuantColumns, kGroups = kC / 4, kRowsAPass = kQuantThreads / kGroups;
-  static_assert(kC % 4 == 0 && kQuantThreads % kGroups == 0 && kQuantBlock % kRowsAPass == 0 &&
-                kRowsAPass == 2 * kWarps, "a warp: two rows of kC columns");
+__device__ __forceinline__ void load_column_block(const Source<In>& src, i64 row0, i64 live_rows, i64 col0, int tid,
+                                                  ColumnValues& v) {
+  const int r0 = tid / kColumnGroups;
+  const i64 col = col0 + 4 * (tid % kColumnGroups);
+#pragma unroll
+  for (int i = 0; i < kColumnPasses; ++i) {
+    const int r = r0 + i * kColumnRowsAPass;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[i][j] = 0.0f;
+    if (r < live_rows && col < src.cols) src.load4(row0 + r, col, v[i]);
+  }
+}
+
+// The block of load_column_block's values v. `after_staging()` runs once v is in shared memory (v
+// is then free: a caller loads its next block there while this one's stores go out).
+template <typename AfterStaging>
+__device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, const ColumnValues& v, i64 row0, i64 col0,
+                                                       int warp, int lane, AfterStaging after_staging) {
+  constexpr int kC = kQuantColumns;
   __shared__ float tile[kC][kQuantBlock + 1];  // [column][row]; + 1: conflict-free column writes
   __shared__ float partial[kWarps][kC];
   __shared__ float col_scale[kC];
   const i64 rows = p->rows, cols = p->cols;
-  const int tid = warp * 32 + lane, group = tid % kGroups, r0 = tid / kGroups;
-  const i64 col = col0 + 4 * group;
+  const int tid = warp * 32 + lane, group = tid % kColumnGroups, r0 = tid / kColumnGroups;
   float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 4
-  for (int r = r0; r < kQuantBlock; r += kRowsAPass) {
-    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (r < live_rows && col < cols) src.load4(row0 + r, col, v);
+#pragma unroll
+  for (int i = 0; i < kColumnPasses; ++i) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      tile[4 * group + j][r] = v[j];
-      m[j] = keep_max(m[j], keep_abs(v[j]));
+      tile[4 * group + j][r0 + i * kColumnRowsAPass] = v[i][j];
+      m[j] = keep_max(m[j], keep_abs(v[i][j]));
     }
   }
+  after_staging();
 #pragma unroll
   for (int j = 0; j < 4; ++j) {  // the warp's other row of these columns: lane ^ 16
     m[j] = keep_max(m[j], __shfl_xor_sync(0xffffffffu, m[j], 16));
@@ -230,8 +261,8 @@ __device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, Sou
   }
   __syncthreads();
   for (int c = warp; c < kC && col0 + c < cols; c += kWarps) {
-    const float v[4] = {tile[c][4 * lane], tile[c][4 * lane + 1], tile[c][4 * lane + 2], tile[c][4 * lane + 3]};
-    reinterpret_cast<u32*>(p->codes + (col0 + c) * rows + row0)[lane] = quantize4(v, col_scale[c]);
+    const float q[4] = {tile[c][4 * lane], tile[c][4 * lane + 1], tile[c][4 * lane + 2], tile[c][4 * lane + 3]};
+    reinterpret_cast<u32*>(p->codes + (col0 + c) * rows + row0)[lane] = quantize4(q, col_scale[c]);
   }
 }
 
@@ -240,8 +271,10 @@ __device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, Sou
 template <typename In, bool kTransposed>
 __global__ void __launch_bounds__(kQuantThreads) quantize_rows(const QuantParams* p) {
   if constexpr (kTransposed) {
-    quantize_column_blocks<In>(p, source_of<In>(p), static_cast<i64>(blockIdx.y) * kQuantBlock, kQuantBlock,
-                               static_cast<i64>(blockIdx.x) * kQuantColumns, threadIdx.x >> 5, threadIdx.x & 31);
+    const i64 row0 = static_cast<i64>(blockIdx.y) * kQuantBlock, col0 = static_cast<i64>(blockIdx.x) * kQuantColumns;
+    ColumnValues v;
+    load_column_block(source_of<In>(p), row0, kQuantBlock, col0, threadIdx.x, v);
+    quantize_column_blocks(p, v, row0, col0, threadIdx.x >> 5, threadIdx.x & 31, [] {});
   } else {
     quantize_row_blocks<In>(p, 0, p->rows * (p->cols / kQuantBlock), grid_warps(), threadIdx.x & 31);
   }
@@ -258,7 +291,7 @@ __device__ __forceinline__ Segment segment_of(const QuantParams* p, int e) {
 // quantize_rows<In, false> on the rows of every segment only; rows outside them are neither read
 // nor written. grid (any, num_groups): the CTAs of blockIdx.y share segment blockIdx.y's blocks.
 template <typename In>
-__global__ void __launch_bounds__(kQuantThreads) quantize_segment_rows(const QuantParams* p) {
+__global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_segment_rows(const QuantParams* p) {
   const Segment seg = segment_of(p, blockIdx.y);
   const i64 per_row = p->cols / kQuantBlock;
   quantize_row_blocks<In>(p, seg.first * per_row, (seg.first + seg.count) * per_row, grid_warps(), threadIdx.x & 31);
@@ -266,17 +299,47 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_segment_rows(const Qua
 
 // quantize_rows<In, true> on every segment's rows, in blocks of B rows from its first row (a
 // multiple of B), the rows past its count read as zero; blocks past a segment's last are not
-// written. grid (ceil(cols / kQuantColumns), any, num_groups): blockIdx.z the segment, whose B-row blocks the
-// CTAs of one blockIdx.x take in turn (blockIdx.y, + gridDim.y, ...).
+// written. The work items (segment by segment, B-row block by block, kQuantColumns columns each)
+// are spread over a flat grid (any size): CTA b takes items b, b + gridDim.x, ..., so uneven
+// segments cost no tail; it loads each next item while the current one's codes go out.
+struct ColumnItem {
+  i64 row0;
+  int live_rows, col0;
+};
 template <typename In>
-__global__ void __launch_bounds__(kQuantThreads) quantize_segment_columns(const QuantParams* p) {
-  const Segment seg = segment_of(p, blockIdx.z);
+__global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_segment_columns(const QuantParams* p) {
   const Source<In> src = source_of<In>(p);
-  const i64 col0 = static_cast<i64>(blockIdx.x) * kQuantColumns;
-  const i64 step = static_cast<i64>(gridDim.y) * kQuantBlock;
-  for (i64 r = static_cast<i64>(blockIdx.y) * kQuantBlock; r < seg.count; r += step) {
-    quantize_column_blocks<In>(p, src, seg.first + r, seg.count - r, col0, threadIdx.x >> 5, threadIdx.x & 31);
-    __syncthreads();  // the next block reuses the tile
+  const i64 col_groups = (p->cols + kQuantColumns - 1) / kQuantColumns;
+  int e = 0;     // the segment of the items from `base` on (items come in increasing order)
+  i64 base = 0;
+  const auto find = [&](i64 item, ColumnItem& it) {
+    for (; e < p->num_groups; ++e) {
+      const Segment seg = segment_of(p, e);
+      const i64 n = (seg.count + kQuantBlock - 1) / kQuantBlock * col_groups;
+      if (item < base + n) {
+        const i64 k = item - base, r = k / col_groups * kQuantBlock;
+        it = {seg.first + r, static_cast<int>(seg.count - r), static_cast<int>(k % col_groups * kQuantColumns)};
+        return true;
+      }
+      base += n;
+    }
+    return false;
+  };
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  ColumnItem cur, next;
+  ColumnValues v;
+  i64 item = blockIdx.x;
+  bool have = find(item, cur);
+  if (have) load_column_block(src, cur.row0, cur.live_rows, cur.col0, threadIdx.x, v);
+  while (have) {
+    const bool more = find(item + gridDim.x, next);
+    quantize_column_blocks(p, v, cur.row0, cur.col0, warp, lane, [&] {
+      if (more) load_column_block(src, next.row0, next.live_rows, next.col0, threadIdx.x, v);
+    });
+    __syncthreads();  // the next item reuses the tile
+    item += gridDim.x;
+    cur = next;
+    have = more;
   }
 }
 

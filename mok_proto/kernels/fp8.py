@@ -40,7 +40,7 @@ MODULE = CudaModule("fp8.cuh", tuple(f"mok::fp8::quantize_rows<{t}, {tr}>" for t
                     + tuple(f"mok::fp8::quantize_segment_rows<{t}>" for t in IN_TYPES.values())
                     + tuple(f"mok::fp8::quantize_segment_columns<{t}>" for t in (*IN_TYPES.values(), E4M3)))
 MAX_ROW_CTAS = 65535  # grid.x cap of the row kernel (a grid-stride loop covers the rest)
-CTAS_PER_SM = 4  # the segment quantizers' grids: about this many CTAs per SM, split over the segments
+CTAS_PER_SM = abi.CONST["kQuantCtasPerSm"]  # the segment quantizers' grids, split over the segments
 CACHE_ENTRIES = 4096  # uploaded QuantParams kept (by value)
 _PARAMS: dict = {}
 
@@ -240,11 +240,9 @@ def quantize_segment_columns(x, row_offsets, row_counts, codes, scales, *, x_sca
     fields = dict(batch=1, rows=rows, cols=cols, pow2=int(pow2), x=x, codes=codes, scales=scales,
                   x_scales=x_scales if x_scales is not None else 0, num_groups=groups, row_offsets=row_offsets,
                   row_counts=row_counts)
-    col_groups = -(-cols // COLUMNS)
-    _grid_limit(f"ceil(C / {COLUMNS})", col_groups)
 
-    def grid(sms):
-        return col_groups, max(1, min(65535, -(-CTAS_PER_SM * sms // (col_groups * groups)))), groups
+    def grid(sms):  # a flat grid over every segment's (128-row block, COLUMNS columns) items
+        return (CTAS_PER_SM * sms,)
 
     in_type = E4M3 if kind == "e4m3" else IN_TYPES[kind]
     _launch_segments(f"mok::fp8::quantize_segment_columns<{in_type}>", grid, fields)
