@@ -143,7 +143,7 @@ namespace mok::fp8 {
 constexpr int kQuantBlock = 128;  // edge of a quantization block: 1 x 128 (activations), 128 x 128 (weights)
 constexpr int kE4m3Max = 448;  // the largest finite e4m3 value (scale = amax / kE4m3Max)
 constexpr int kQuantThreads = 256;  // threads of a quantizer block (8 warps)
-constexpr int kQuantCtasPerSm = 3;  // the segment quantizers' grids: about this many CTAs per SM (and their register bound: that many fit)
+constexpr int kQuantCtasPerSm = 6;  // the segment quantizers' grids: this many CTAs per SM (the column kernel's register bound: that many fit)
 constexpr int kQuantColumns = 64;  // columns of x one block of the column quantizers takes (a grid's x: ceil(cols / this))
 }  // namespace mok::fp8
 

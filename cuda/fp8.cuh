@@ -198,52 +198,34 @@ __device__ __forceinline__ void quantize_row_blocks(const QuantParams* p, i64 be
 // columns from col0 and writes those columns as C rows of codes [cols, rows] (128 bytes each) and
 // their scales [cols, rows / B]. Rows from row0 + live_rows on read as zero (a segment's last
 // block, zero-padded as the reference pads it). Thread t reads 4 columns 4 (t % 16) .. of rows
-// t / 16 + 16 i (a warp: two rows of C columns, coalesced), all kColumnPasses loads at once
-// (load_column_block, into registers), then quantize_column_blocks keeps their running amax and
-// stages the values column-major; warp w quantizes columns w, w + 8, .. (lane l: rows 4l .. 4l + 3,
+// t / 16 + 16 i (a warp: two rows of C columns, coalesced), keeps their running amax and stages
+// the values column-major; then warp w quantizes columns w, w + 8, .. (lane l: rows 4l .. 4l + 3,
 // one 128-byte store a column). A caller that runs it again syncs the CTA first (shared memory).
 constexpr int kColumnGroups = kQuantColumns / 4;                   // threads across a row of C columns
 constexpr int kColumnRowsAPass = kQuantThreads / kColumnGroups;    // rows one load of every thread covers
-constexpr int kColumnPasses = kQuantBlock / kColumnRowsAPass;      // loads a thread issues for a block
 static_assert(kQuantColumns % 4 == 0 && kQuantThreads % kColumnGroups == 0 && kQuantBlock % kColumnRowsAPass == 0 &&
               kColumnRowsAPass == 2 * kWarps, "a warp: two rows of kQuantColumns columns");
-using ColumnValues = float[kColumnPasses][4];
-
 template <typename In>
-__device__ __forceinline__ void load_column_block(const Source<In>& src, i64 row0, i64 live_rows, i64 col0, int tid,
-                                                  ColumnValues& v) {
-  const int r0 = tid / kColumnGroups;
-  const i64 col = col0 + 4 * (tid % kColumnGroups);
-#pragma unroll
-  for (int i = 0; i < kColumnPasses; ++i) {
-    const int r = r0 + i * kColumnRowsAPass;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[i][j] = 0.0f;
-    if (r < live_rows && col < src.cols) src.load4(row0 + r, col, v[i]);
-  }
-}
-
-// The block of load_column_block's values v. `after_staging()` runs once v is in shared memory (v
-// is then free: a caller loads its next block there while this one's stores go out).
-template <typename AfterStaging>
-__device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, const ColumnValues& v, i64 row0, i64 col0,
-                                                       int warp, int lane, AfterStaging after_staging) {
+__device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, const Source<In>& src, i64 row0,
+                                                       i64 live_rows, i64 col0, int warp, int lane) {
   constexpr int kC = kQuantColumns;
   __shared__ float tile[kC][kQuantBlock + 1];  // [column][row]; + 1: conflict-free column writes
   __shared__ float partial[kWarps][kC];
   __shared__ float col_scale[kC];
   const i64 rows = p->rows, cols = p->cols;
   const int tid = warp * 32 + lane, group = tid % kColumnGroups, r0 = tid / kColumnGroups;
+  const i64 col = col0 + 4 * group;
   float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int i = 0; i < kColumnPasses; ++i) {
+#pragma unroll 4
+  for (int r = r0; r < kQuantBlock; r += kColumnRowsAPass) {
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (r < live_rows && col < cols) src.load4(row0 + r, col, v);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      tile[4 * group + j][r0 + i * kColumnRowsAPass] = v[i][j];
-      m[j] = keep_max(m[j], keep_abs(v[i][j]));
+      tile[4 * group + j][r] = v[j];
+      m[j] = keep_max(m[j], keep_abs(v[j]));
     }
   }
-  after_staging();
 #pragma unroll
   for (int j = 0; j < 4; ++j) {  // the warp's other row of these columns: lane ^ 16
     m[j] = keep_max(m[j], __shfl_xor_sync(0xffffffffu, m[j], 16));
@@ -272,9 +254,7 @@ template <typename In, bool kTransposed>
 __global__ void __launch_bounds__(kQuantThreads) quantize_rows(const QuantParams* p) {
   if constexpr (kTransposed) {
     const i64 row0 = static_cast<i64>(blockIdx.y) * kQuantBlock, col0 = static_cast<i64>(blockIdx.x) * kQuantColumns;
-    ColumnValues v;
-    load_column_block(source_of<In>(p), row0, kQuantBlock, col0, threadIdx.x, v);
-    quantize_column_blocks(p, v, row0, col0, threadIdx.x >> 5, threadIdx.x & 31, [] {});
+    quantize_column_blocks<In>(p, source_of<In>(p), row0, kQuantBlock, col0, threadIdx.x >> 5, threadIdx.x & 31);
   } else {
     quantize_row_blocks<In>(p, 0, p->rows * (p->cols / kQuantBlock), grid_warps(), threadIdx.x & 31);
   }
@@ -291,7 +271,7 @@ __device__ __forceinline__ Segment segment_of(const QuantParams* p, int e) {
 // quantize_rows<In, false> on the rows of every segment only; rows outside them are neither read
 // nor written. grid (any, num_groups): the CTAs of blockIdx.y share segment blockIdx.y's blocks.
 template <typename In>
-__global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_segment_rows(const QuantParams* p) {
+__global__ void __launch_bounds__(kQuantThreads) quantize_segment_rows(const QuantParams* p) {
   const Segment seg = segment_of(p, blockIdx.y);
   const i64 per_row = p->cols / kQuantBlock;
   quantize_row_blocks<In>(p, seg.first * per_row, (seg.first + seg.count) * per_row, grid_warps(), threadIdx.x & 31);
@@ -301,7 +281,8 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_segme
 // multiple of B), the rows past its count read as zero; blocks past a segment's last are not
 // written. The work items (segment by segment, B-row block by block, kQuantColumns columns each)
 // are spread over a flat grid (any size): CTA b takes items b, b + gridDim.x, ..., so uneven
-// segments cost no tail; it loads each next item while the current one's codes go out.
+// segments cost no tail. At kQuantCtasPerSm CTAs an SM, their phases (loads, reduction, stores)
+// overlap across CTAs.
 struct ColumnItem {
   i64 row0;
   int live_rows, col0;
@@ -325,21 +306,10 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_segme
     }
     return false;
   };
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  ColumnItem cur, next;
-  ColumnValues v;
-  i64 item = blockIdx.x;
-  bool have = find(item, cur);
-  if (have) load_column_block(src, cur.row0, cur.live_rows, cur.col0, threadIdx.x, v);
-  while (have) {
-    const bool more = find(item + gridDim.x, next);
-    quantize_column_blocks(p, v, cur.row0, cur.col0, warp, lane, [&] {
-      if (more) load_column_block(src, next.row0, next.live_rows, next.col0, threadIdx.x, v);
-    });
-    __syncthreads();  // the next item reuses the tile
-    item += gridDim.x;
-    cur = next;
-    have = more;
+  ColumnItem cur;
+  for (i64 item = blockIdx.x; find(item, cur); item += gridDim.x) {
+    quantize_column_blocks(p, src, cur.row0, cur.live_rows, cur.col0, threadIdx.x >> 5, threadIdx.x & 31);
+    __syncthreads();
   }
 }
 

@@ -270,7 +270,7 @@ CONSTS = (
     Const("kQuantBlock", 128, "edge of a quantization block: 1 x 128 (activations), 128 x 128 (weights)", "mok::fp8"),
     Const("kE4m3Max", 448, "the largest finite e4m3 value (scale = amax / kE4m3Max)", "mok::fp8"),
     Const("kQuantThreads", 256, "threads of a quantizer block (8 warps)", "mok::fp8"),
-    Const("kQuantCtasPerSm", 3, "the segment quantizers' grids: about this many CTAs per SM (and their "
+    Const("kQuantCtasPerSm", 6, "the segment quantizers' grids: this many CTAs per SM (the column kernel's "
           "register bound: that many fit)", "mok::fp8"),
     Const("kQuantColumns", 64, "columns of x one block of the column quantizers takes (a grid's x: ceil(cols / this))",
           "mok::fp8"),
