@@ -167,24 +167,23 @@ __device__ __forceinline__ Source<unsigned char> source_of<unsigned char>(const 
 
 // 1 x B blocks along rows: block i (of rows * cols / B, row-major) is x[i*B : (i+1)*B] of the flat
 // array, and its scale is scales[i]. Blocks [begin, end); one warp per block, 4 elements per lane,
-// one 128-byte store; a warp loads kRowBlocksInFlight blocks before it reduces the first (one block
-// a warp at a time leaves the loads latency-bound).
-constexpr int kRowBlocksInFlight = 8;
-template <typename In>
+// one 128-byte store; a warp loads kInFlight blocks before it reduces the first (the segment kernel:
+// one block a warp at a time leaves its loads latency-bound).
+template <typename In, int kInFlight>
 __device__ __forceinline__ void quantize_row_blocks(const QuantParams* p, i64 begin, i64 end, Workers warps,
                                                     int lane) {
   const In* x = reinterpret_cast<const In*>(p->x);
   u32* codes = reinterpret_cast<u32*>(p->codes);
   float* scales = reinterpret_cast<float*>(p->scales);
-  for (i64 first = begin + warps.id; first < end; first += kRowBlocksInFlight * warps.count) {
-    float v[kRowBlocksInFlight][4];
+  for (i64 first = begin + warps.id; first < end; first += kInFlight * warps.count) {
+    float v[kInFlight][4];
 #pragma unroll
-    for (int u = 0; u < kRowBlocksInFlight; ++u) {
+    for (int u = 0; u < kInFlight; ++u) {
       const i64 blk = first + u * warps.count;
       if (blk < end) load4(x + blk * kQuantBlock + 4 * lane, v[u]);
     }
 #pragma unroll
-    for (int u = 0; u < kRowBlocksInFlight; ++u) {
+    for (int u = 0; u < kInFlight; ++u) {
       const i64 blk = first + u * warps.count;  // warp-uniform: the shuffles see every lane
       if (blk >= end) break;
       const float scale = block_scale(warp_max(amax4(0.0f, v[u])), p->pow2 != 0);
@@ -256,7 +255,7 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_rows(const QuantParams
     const i64 row0 = static_cast<i64>(blockIdx.y) * kQuantBlock, col0 = static_cast<i64>(blockIdx.x) * kQuantColumns;
     quantize_column_blocks<In>(p, source_of<In>(p), row0, kQuantBlock, col0, threadIdx.x >> 5, threadIdx.x & 31);
   } else {
-    quantize_row_blocks<In>(p, 0, p->rows * (p->cols / kQuantBlock), grid_warps(), threadIdx.x & 31);
+    quantize_row_blocks<In, 1>(p, 0, p->rows * (p->cols / kQuantBlock), grid_warps(), threadIdx.x & 31);
   }
 }
 
@@ -269,12 +268,15 @@ __device__ __forceinline__ Segment segment_of(const QuantParams* p, int e) {
 }
 
 // quantize_rows<In, false> on the rows of every segment only; rows outside them are neither read
-// nor written. grid (any, num_groups): the CTAs of blockIdx.y share segment blockIdx.y's blocks.
+// nor written. grid (any, num_groups): the CTAs of blockIdx.y share segment blockIdx.y's blocks;
+// each warp keeps kSegmentRowBlocksInFlight blocks in flight (80 registers: 3 CTAs an SM).
+constexpr int kSegmentRowBlocksInFlight = 8;
 template <typename In>
 __global__ void __launch_bounds__(kQuantThreads) quantize_segment_rows(const QuantParams* p) {
   const Segment seg = segment_of(p, blockIdx.y);
   const i64 per_row = p->cols / kQuantBlock;
-  quantize_row_blocks<In>(p, seg.first * per_row, (seg.first + seg.count) * per_row, grid_warps(), threadIdx.x & 31);
+  quantize_row_blocks<In, kSegmentRowBlocksInFlight>(p, seg.first * per_row, (seg.first + seg.count) * per_row,
+                                                     grid_warps(), threadIdx.x & 31);
 }
 
 // quantize_rows<In, true> on every segment's rows, in blocks of B rows from its first row (a

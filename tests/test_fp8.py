@@ -513,15 +513,26 @@ def _segment_layout():
     return np.array(offsets, np.int32), np.array(counts, np.int32), pos
 
 
+def _one_sm_grids(monkeypatch, one_sm: bool):
+    """With one_sm, the segment quantizers size their grids for a GPU of one SM: a few CTAs, each
+    walking many items across segments (on the real grid most CTAs take one item or none)."""
+    if one_sm:
+        from mok_proto.kernels import build
+
+        monkeypatch.setattr(build, "num_sms", lambda: 1)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("one_sm", [False, True])
 @pytest.mark.parametrize("kind", ["f32", "bf16"])
-def test_gpu_segment_column_quantizer_on_ragged_columns(kind):
+def test_gpu_segment_column_quantizer_on_ragged_columns(kind, one_sm, monkeypatch):
     """quantize_segment_columns with C = 200 (a partial block of the column kernel's 64 columns,
     vector loads): each segment's transposed codes and scales are the rule's bit for bit, its
     last 128-row block zero-padded."""
     import cupy
     from mok_proto.kernels import fp8 as kfp8
 
+    _one_sm_grids(monkeypatch, one_sm)
     offsets, counts, rows = _segment_layout()
     cols = 200
     x = _random(np.random.default_rng(11), rows, cols)
@@ -540,14 +551,16 @@ def test_gpu_segment_column_quantizer_on_ragged_columns(kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("one_sm", [False, True])
 @pytest.mark.parametrize("kind", ["f32", "bf16", "e4m3"])
-def test_gpu_segment_quantizers_equal_the_rule_per_segment(kind):
+def test_gpu_segment_quantizers_equal_the_rule_per_segment(kind, one_sm, monkeypatch):
     """quantize_segment_rows / _columns: bitwise the rule on each segment's rows (the columns' last
     block zero-padded: reference_fp8.quantize_columns; e4m3 input: on its dequantized values, the
     layer's x^T); the rows and blocks outside every segment keep what they held."""
     import cupy
     from mok_proto.kernels import fp8 as kfp8
 
+    _one_sm_grids(monkeypatch, one_sm)
     offsets, counts, rows = _segment_layout()
     cols = 512
     x = _random(np.random.default_rng(9), rows, cols)
