@@ -269,7 +269,8 @@ __device__ __forceinline__ Segment segment_of(const QuantParams* p, int e) {
 
 // quantize_rows<In, false> on the rows of every segment only; rows outside them are neither read
 // nor written. grid (any, num_groups): the CTAs of blockIdx.y share segment blockIdx.y's blocks;
-// each warp keeps kSegmentRowBlocksInFlight blocks in flight (80 registers: 3 CTAs an SM).
+// each warp keeps kSegmentRowBlocksInFlight blocks in flight (so fewer of the grid's CTAs fit an
+// SM at once than kQuantCtasPerSm: the rest start as those finish).
 constexpr int kSegmentRowBlocksInFlight = 8;
 template <typename In>
 __global__ void __launch_bounds__(kQuantThreads) quantize_segment_rows(const QuantParams* p) {

@@ -40,7 +40,7 @@ MODULE = CudaModule("fp8.cuh", tuple(f"mok::fp8::quantize_rows<{t}, {tr}>" for t
                     + tuple(f"mok::fp8::quantize_segment_rows<{t}>" for t in IN_TYPES.values())
                     + tuple(f"mok::fp8::quantize_segment_columns<{t}>" for t in (*IN_TYPES.values(), E4M3)))
 MAX_ROW_CTAS = 65535  # grid.x cap of the row kernel (a grid-stride loop covers the rest)
-CTAS_PER_SM = abi.CONST["kQuantCtasPerSm"]  # the segment quantizers' grids, split over the segments
+CTAS_PER_SM = abi.CONST["kQuantCtasPerSm"]  # the segment quantizers' grids (rows: split over the segments)
 CACHE_ENTRIES = 4096  # uploaded QuantParams kept (by value)
 _PARAMS: dict = {}
 
