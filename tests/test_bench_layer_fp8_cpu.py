@@ -33,7 +33,10 @@ def test_precision_options():
     assert [k.comm_blocks for k in default.settings["fwd"]] == [k.comm_blocks for k in DEFAULT_FUSED]
     fp8 = script.parse_args(["--precision", "fp8", "--dispatch-dtype", "fp8", "--sweep"])
     assert (fp8.precision, fp8.dispatch_dtype) == ("fp8", "fp8")
-    assert fp8.settings == {"fwd": [], "bwd": []} and fp8.fused_skipped == len(script.SWEEP)  # sequential only
+    assert fp8.settings == {"fwd": [], "bwd": []} and fp8.fused_skipped == 2 * len(script.SWEEP)  # sequential only
+    bf16_dispatch = script.parse_args(["--precision", "fp8", "--sweep"])  # the fused forward runs FP8; no backward
+    assert [k.comm_blocks for k in bf16_dispatch.settings["fwd"]] == [k.comm_blocks for k in script.SWEEP]
+    assert bf16_dispatch.settings["bwd"] == [] and bf16_dispatch.fused_skipped == len(script.SWEEP)
     assert script.parse_args(["--precision", "fp8", "--no-fused"]).fused_skipped == 0  # nothing skipped: no line
     assert script.parse_args(["--precision", "fp8"]).dispatch_dtype == "bf16"
 
@@ -152,5 +155,5 @@ def test_main_says_once_that_fp8_skips_the_fused_settings(monkeypatch, capsys, a
     monkeypatch.setattr(ceilings, "dense_matmul_tflops", lambda: 100.0)
     assert script.main(["--shapes", "kimi-k2.7", *argv]) == 0
     out = capsys.readouterr().out
-    assert out.count("fused settings are skipped") == skip_lines
-    assert bool(seen[0]["fwd"]) == (skip_lines == 0) and recorded[0][0] == "bench_layer"
+    assert out.count("fused settings skipped") == skip_lines
+    assert bool(seen[0]["fwd"]) and bool(seen[0]["bwd"]) == (skip_lines == 0) and recorded[0][0] == "bench_layer"
