@@ -415,6 +415,7 @@ __device__ __forceinline__ bool produce_fp8_task(const Ctx& c, Storage& ss, Ring
   Tile tile;
   if (!tile_for<kP, gemm_fp8::kKBlock>(c, p, t, cta, tile)) return ok;
   ok = task_ready(c, t, index, wg_tid, ok);
+  __syncwarp();  // lane 0's acquire, before every lane's copies of the scales the task waited for
   return gemm_fp8::produce_tile_warp<kP>(p, ss, ring, tile, cta, wg_tid, ok);
 }
 

@@ -182,7 +182,8 @@ def _directions(plan, policy: dict) -> tuple[bool, bool]:
 class GpuMoELayer(GpuRound):
     """The layer for the launch ranks of one GPU heap (virtual: W ranks in this process; NVSHMEM:
     this process's rank). Set weights and inputs per rank, enqueue, read results per rank.
-    RunConfig.precision "fp8": the routed experts in FP8, sequential passes (layer/gpu_fp8.py)."""
+    RunConfig.precision "fp8": the routed experts in FP8 (layer/gpu_fp8.py): the sequential passes and
+    the fused forward."""
 
     RUNS_FP8 = True
 

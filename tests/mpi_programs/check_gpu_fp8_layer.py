@@ -204,18 +204,39 @@ def staged_run(layer, heap, x_bf16):
     return {rank: results(layer, rank) for rank in layer.ranks}
 
 
+def forward_only(layer, heap) -> bytes:
+    """One forward after NaN-poisoning (a ring forward keeps no activations for a backward): the outputs."""
+    import cupy
+
+    heap.barrier()
+    layer.poison()
+    cupy.cuda.Device().synchronize()
+    heap.barrier()
+    layer.enqueue_forward()
+    layer.check()
+    heap.barrier()
+    return b"".join(layer.output(rank).get().tobytes() for rank in layer.ranks)
+
+
 def check_fused_forward(layer, heap, policies, want, name):
     """The fused FP8 forward (its movers quantize the rows they pull; a push dispatch runs and is
     quantized before it) then the sequential backward: the bits of the sequential passes, under
-    every policy, with the spare warps or two communicating CTAs moving rows. Leaves MoK's policy
-    and its fused forward set."""
+    every policy, with the spare warps or two communicating CTAs moving rows, and with every pair
+    claimed at run time; a ring of one minibatch (both transfers inside: the rows and their codes
+    rewritten within the launch) gives the sequential forward's outputs. Leaves MoK's policy and
+    its fused forward set."""
     for policy in policies:
         layer.policy = dict(policy)
-        for knobs in (FusedKnobs(0, 256), FusedKnobs(2, 256)):
+        for knobs in (FusedKnobs(0, 256), FusedKnobs(2, 256), FusedKnobs(0, 256, claim="all")):
             if knobs.comm_blocks and not any(inside_kernel("fwd", policy)):
                 continue  # nothing to move inside the kernel: no communicating CTAs (plan.fused_forward)
             layer.set_forward_plan(layer.fused_forward_plan(knobs))
             assert blob(run_once(layer, heap)) == want, f"{name}: fused fp8 forward, {policy}, {knobs}"
+    layer.policy = {**MOK_POLICY, "dispatch": "pull", "combine": "push"}
+    layer.set_forward_plan(None)
+    sequential = forward_only(layer, heap)
+    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256, ring_minibatches=1)))
+    assert forward_only(layer, heap) == sequential, f"{name}: fused fp8 forward on a ring of one minibatch"
     layer.policy = dict(MOK_POLICY)
     layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
 
