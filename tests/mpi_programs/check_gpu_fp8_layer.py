@@ -183,14 +183,19 @@ def mirror_results(prob) -> dict:
     return {"out": out, **reference_fp8.backward(prob.flat("dout"), cache)}
 
 
-def staged_run(layer, heap, x_bf16):
-    """One forward and backward, poisoned first, checking the stages in between."""
+def poisoned(layer, heap):
+    """Every rank's buffers NaN-poisoned, before a run."""
     import cupy
 
     heap.barrier()
     layer.poison()
     cupy.cuda.Device().synchronize()
     heap.barrier()
+
+
+def staged_run(layer, heap, x_bf16):
+    """One forward and backward, poisoned first, checking the stages in between."""
+    poisoned(layer, heap)
     layer.enqueue_forward()
     layer.check()
     for rank in layer.ranks:
@@ -206,12 +211,7 @@ def staged_run(layer, heap, x_bf16):
 
 def forward_only(layer, heap) -> bytes:
     """One forward after NaN-poisoning (a ring forward keeps no activations for a backward): the outputs."""
-    import cupy
-
-    heap.barrier()
-    layer.poison()
-    cupy.cuda.Device().synchronize()
-    heap.barrier()
+    poisoned(layer, heap)
     layer.enqueue_forward()
     layer.check()
     heap.barrier()
