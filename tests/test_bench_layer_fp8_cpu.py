@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from conftest import ROOT, rank_env
-from test_bench_layer_cpu import _measured, _torch
+from test_bench_layer_cpu import _fused_row, _measured, _torch
 
 from mok_proto.bench import layer_run
 from mok_proto.bench.emulation import emulated_shape
@@ -91,6 +91,19 @@ def test_fp8_rows_record_precision_speedups_and_errors():
     lines = [line for line in report.lines if line.startswith("#   fp8 ")]
     assert len(lines) == 2 and "err_rel_rms 0.0300 (w_up; bar 0.08)" in lines[1] and "x torch fp8 n/a" in lines[1]
     assert "x torch fp8 0.80 (1.600 ms)" in lines[0]
+
+
+def test_fused_fp8_forward_rows_record_their_precision():
+    # fused_forward_fp8's rows carry the run's precision (the results' FP8 views keep them apart from
+    # the BF16 fused rows) and their speedup over torch's FP8 pipeline
+    shape = emulated_shape("kimi-k2.7")
+    measured, torch, fp8 = _fp8_case()
+    measured = measured._replace(fused_rows={"fwd": [_fused_row(0, 1.25, 2.0, best=(1.25, 2.0))], "bwd": []})
+    report = shape_report("kimi-k2.7", shape, measured, torch, ({"median_ms": 0.03}, True), BARS, fp8=fp8)
+    fused = [r for _, r in report.rows if r["schedule"] == "fused"]
+    assert len(fused) == 1 and (fused[0]["precision"], fused[0]["dispatch_dtype"]) == ("fp8", "fp8")
+    assert fused[0]["speedup_vs_torch_fp8"] == pytest.approx(1.6 / 1.25)
+    assert fused[0]["speedup_vs_torch"] == pytest.approx(2.5 / 1.25)
 
 
 def test_fp8_rows_fail_beyond_the_recipe_bound_and_without_torch_fp8():
