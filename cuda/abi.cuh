@@ -371,10 +371,12 @@ struct FusedParams {
   i64          token;  // const TokenParams* of the launch ranks (the token-gradient tasks; 0 when the plan has none)
   i64          trace;  // TraceRecord [W][num_tasks] (record_trace)
   ErrorRecord* error;  // this process's error record
+  i64          fp8_gemm;  // Fp8GemmParams [W][kFusedGemms] (fused_forward_fp8: its routed slots; 0 in a bf16 pass)
+  i64          quant;  // QuantParams [W] (fused_forward_fp8: each launch rank's receive rows -> xq, xq_s, quantized by the dispatch's movers; 0: the dispatch runs outside the kernel or the pass is bf16)
 };
-static_assert(sizeof(FusedParams) == 144, "FusedParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(FusedParams) == 160, "FusedParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(FusedParams, comm_ctas) == 0 && __builtin_offsetof(FusedParams, num_tasks) == 8 && __builtin_offsetof(FusedParams, num_counters) == 16 && __builtin_offsetof(FusedParams, first_remote) == 24 && __builtin_offsetof(FusedParams, claim_counter) == 32 && __builtin_offsetof(FusedParams, minibatch_rows) == 40 && __builtin_offsetof(FusedParams, ring_rows) == 48 && __builtin_offsetof(FusedParams, record_trace) == 56 && __builtin_offsetof(FusedParams, timeout_ns) == 64 && __builtin_offsetof(FusedParams, tasks) == 72 && __builtin_offsetof(FusedParams, task_begin) == 80 && __builtin_offsetof(FusedParams, comm) == 88 && __builtin_offsetof(FusedParams, gemm) == 96 && __builtin_offsetof(FusedParams, counters) == 104 && __builtin_offsetof(FusedParams, counter_info) == 112 && __builtin_offsetof(FusedParams, token) == 120 && __builtin_offsetof(FusedParams, trace) == 128 && __builtin_offsetof(FusedParams, error) == 136, "FusedParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(FusedParams, comm_ctas) == 0 && __builtin_offsetof(FusedParams, num_tasks) == 8 && __builtin_offsetof(FusedParams, num_counters) == 16 && __builtin_offsetof(FusedParams, first_remote) == 24 && __builtin_offsetof(FusedParams, claim_counter) == 32 && __builtin_offsetof(FusedParams, minibatch_rows) == 40 && __builtin_offsetof(FusedParams, ring_rows) == 48 && __builtin_offsetof(FusedParams, record_trace) == 56 && __builtin_offsetof(FusedParams, timeout_ns) == 64 && __builtin_offsetof(FusedParams, tasks) == 72 && __builtin_offsetof(FusedParams, task_begin) == 80 && __builtin_offsetof(FusedParams, comm) == 88 && __builtin_offsetof(FusedParams, gemm) == 96 && __builtin_offsetof(FusedParams, counters) == 104 && __builtin_offsetof(FusedParams, counter_info) == 112 && __builtin_offsetof(FusedParams, token) == 120 && __builtin_offsetof(FusedParams, trace) == 128 && __builtin_offsetof(FusedParams, error) == 136 && __builtin_offsetof(FusedParams, fp8_gemm) == 144 && __builtin_offsetof(FusedParams, quant) == 152, "FusedParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 struct TraceRecord {

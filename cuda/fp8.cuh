@@ -165,6 +165,28 @@ __device__ __forceinline__ Source<unsigned char> source_of<unsigned char>(const 
   return {reinterpret_cast<const unsigned char*>(p->x), reinterpret_cast<const float*>(p->x_scales), p->cols};
 }
 
+// One 1 x B block by one warp, from its 4 values a lane (lane l: elements 4l .. 4l + 3): the lane's
+// 4 codes into codes[l], the block's scale (lane 0) into *scale.
+__device__ __forceinline__ void quantize_block(const float (&v)[4], bool pow2, u32* codes, float* scale, int lane) {
+  const float s = block_scale(warp_max(amax4(0.0f, v)), pow2);
+  codes[lane] = quantize4(v, s);
+  if (lane == 0) *scale = s;
+}
+
+// The B-blocks of row `row` of x [rows, cols] (bf16 bits) by one warp, into the row's codes and scales
+// (QuantParams x, codes, scales, cols, pow2): the fused kernel's movers on a row they just received.
+__device__ __forceinline__ void quantize_row_bf16(const QuantParams* p, i64 row, int lane) {
+  const i64 blocks = p->cols / kQuantBlock;
+  const unsigned short* x = reinterpret_cast<const unsigned short*>(p->x) + row * p->cols;
+  u32* codes = reinterpret_cast<u32*>(p->codes + row * p->cols);
+  float* scales = reinterpret_cast<float*>(p->scales) + row * blocks;
+  for (i64 b = 0; b < blocks; ++b) {
+    float v[4];
+    load4(x + b * kQuantBlock + 4 * lane, v);
+    quantize_block(v, p->pow2 != 0, codes + b * (kQuantBlock / 4), scales + b, lane);
+  }
+}
+
 // 1 x B blocks along rows: block i (of rows * cols / B, row-major) is x[i*B : (i+1)*B] of the flat
 // array, and its scale is scales[i]. Blocks [begin, end); one warp per block, 4 elements per lane,
 // one 128-byte store; a warp loads kInFlight blocks before it reduces the first (the segment kernel:
@@ -186,9 +208,7 @@ __device__ __forceinline__ void quantize_row_blocks(const QuantParams* p, i64 be
     for (int u = 0; u < kInFlight; ++u) {
       const i64 blk = first + u * warps.count;  // warp-uniform: the shuffles see every lane
       if (blk >= end) break;
-      const float scale = block_scale(warp_max(amax4(0.0f, v[u])), p->pow2 != 0);
-      codes[blk * (kQuantBlock / 4) + lane] = quantize4(v[u], scale);
-      if (lane == 0) scales[blk] = scale;
+      quantize_block(v[u], p->pow2 != 0, codes + blk * (kQuantBlock / 4), scales + blk, lane);
     }
   }
 }

@@ -1,6 +1,7 @@
 // The fused passes of the MoE layer: one persistent launch that runs a plan's task tables
 // (mok_proto/plan/, `fused_forward` / `fused_backward`; kernels fused_forward, fused_backward:
-// one task loop, run_fused<kPass>, over the pass's GEMM problems). Forward: the dispatched rows
+// one task loop, run_fused<kPass>, over the pass's GEMM problems; fused_forward_fp8: the forward
+// with FP8 routed experts, gemm_fp8.cuh's tiles, docs/design.md 5.10). Forward: the dispatched rows
 // are pulled and the combined rows pushed minibatch by minibatch while the shared and routed
 // expert GEMM tiles run as soon as their rows are in; before it (separate launches, as MoK does)
 // the routing all-gather and the schedule, after it the flag that publishes the combine, the
@@ -48,7 +49,7 @@
 // pair's is known only there).
 #pragma once
 #include "comm.cuh"
-#include "gemm.cuh"
+#include "gemm_fp8.cuh"
 #include "token.cuh"
 
 namespace mok {
@@ -68,6 +69,12 @@ using plan::Task;
 // a little at this split (ptxas -v), far less than with the same count for every thread.
 constexpr int kFusedProducerRegs = 120;
 constexpr int kFusedConsumerRegs = 192;
+// fused_forward_fp8: its FP8 consumers hold a 64-register temporary beside the accumulators
+// (gemm_fp8.cuh's 216), so its movers keep fewer values in flight (kSideUnrollFp8).
+constexpr int kFusedFp8ProducerRegs = 72;
+constexpr int kFusedFp8ConsumerRegs = 216;
+static_assert(128 * kFusedFp8ProducerRegs + 256 * kFusedFp8ConsumerRegs <= gemm::kThreads * gemm::kLaunchRegs,
+              "over the CTA's registers");
 static_assert(128 * kFusedProducerRegs + 256 * kFusedConsumerRegs <= gemm::kThreads * gemm::kLaunchRegs,
               "over the CTA's registers");
 
@@ -106,6 +113,8 @@ struct Ctx {
   const CommParams* cp;
   const TokenParams* tp;   // the token-side tasks' buffers (scale, slot sum; nullptr: the plan has none)
   const GemmParams* gemm;  // this launch rank's kFusedGemms
+  const gemm_fp8::Fp8GemmParams* fp8;  // fused_forward_fp8: ... and its routed slots' FP8 GEMMs (else nullptr)
+  const fp8::QuantParams* quant;  // fused_forward_fp8 with the dispatch inside: recv -> xq, xq_s (else nullptr)
   const Task* tasks;
   const Counter* info;  // the plan's counters (kind, target, remote): read for remote counters only
   int first_remote;     // counters first_remote .. are the remote ones (plan/core.py numbers them last)
@@ -366,10 +375,10 @@ __device__ __forceinline__ i64 ring_rows_of(const Ctx& c, int kind) { return rou
 // Weight gradients: expert t.expert (the shared expert: group 0), weight row tile 2 (row_tile / 2)
 // + cta, K = the expert's rows (gemm::zero_tail_k_rows clears its last k-block past the end): one
 // CTA sums the tile's whole K in order (deterministic, no atomics).
-template <int kP>
-__device__ __forceinline__ bool tile_for(const Ctx& c, const GemmParams* p, const Task& t, int cta, Tile& tile) {
+template <int kP, int kDepth, class Params>
+__device__ __forceinline__ bool tile_for(const Ctx& c, const Params* p, const Task& t, int cta, Tile& tile) {
   if (!Traits<kP>::kRowProblem) {
-    tile = gemm::group_tile<kP>(p, t.expert < 0 ? 0 : t.expert, (t.row_tile & ~1) + cta, t.col_tile);
+    tile = gemm::group_tile<kP, kDepth>(p, t.expert < 0 ? 0 : t.expert, (t.row_tile & ~1) + cta, t.col_tile);
     return true;
   }
   const int* offsets = gemm::ptr<const int>(p->row_offsets);
@@ -379,29 +388,51 @@ __device__ __forceinline__ bool tile_for(const Ctx& c, const GemmParams* p, cons
   if (pair_row >= end) return false;
   const int row = pair_row + cta * gemm::kBM, other = pair_row + (1 - cta) * gemm::kBM;
   const int group = gemm::group_at(offsets, groups, row < end ? row : pair_row);
-  tile = gemm::group_tile<kP>(p, group, (row - offsets[group]) / gemm::kBM, t.col_tile);
+  tile = gemm::group_tile<kP, kDepth>(p, group, (row - offsets[group]) / gemm::kBM, t.col_tile);
   tile.multicast = other >= end || row >= end || gemm::group_at(offsets, groups, other) == group;
   const i64 ring_rows = ring_rows_of(c, t.kind);
   if (ring_rows > 0) tile.row0 -= static_cast<int>(pair_row - pair_row % ring_rows);
   return true;
 }
 
-// Producer warp (warp 0 of warpgroup 0), one task: lane 0 waits for the task's counters (then
-// fences, as the TMA reader of rows stored by generic stores), the warp loads the tile into the
-// ring (lane 0 issues the TMA).
-template <int kP>
-__device__ __forceinline__ bool produce_task(const Ctx& c, SharedStorage& ss, Ring& ring, const Task& t, int index,
-                                             int cta, int wg_tid, bool ok) {
-  const GemmParams* p = c.gemm + slot_of(t.kind);
-  Tile tile;
-  if (!tile_for<kP>(c, p, t, cta, tile)) return ok;
+// The producer warp's lane 0 waits for task t's counters (then fences, as the TMA reader of rows
+// stored by generic stores); every lane gets the outcome.
+__device__ __forceinline__ bool task_ready(const Ctx& c, const Task& t, int index, int wg_tid, bool ok) {
   bool ready = false;
   if (wg_tid == 0) {
     ready = ok && wait_task(c, t, index);
     if (ready) fence_proxy_async_global();
     if (c.trace) c.trace[index].ready_ns = static_cast<i64>(globaltimer_ns());
   }
-  ok = __shfl_sync(0xffffffffu, ready, 0) != 0;
+  return __shfl_sync(0xffffffffu, ready, 0) != 0;
+}
+
+// An FP8 tile of fused_forward_fp8 (the routed experts'): gemm_fp8's one-warp producer.
+template <int kP, class Storage>
+__device__ __forceinline__ bool produce_fp8_task(const Ctx& c, Storage& ss, Ring& ring, const Task& t, int index,
+                                                 int cta, int wg_tid, bool ok) {
+  const gemm_fp8::Fp8GemmParams* p = c.fp8 + slot_of(t.kind);
+  Tile tile;
+  if (!tile_for<kP, gemm_fp8::kKBlock>(c, p, t, cta, tile)) return ok;
+  ok = task_ready(c, t, index, wg_tid, ok);
+  __syncwarp();  // lane 0's acquire, before every lane's copies of the scales the task waited for
+  return gemm_fp8::produce_tile_warp<kP>(p, ss, ring, tile, cta, wg_tid, ok);
+}
+
+// Producer warp (warp 0 of warpgroup 0), one task: lane 0 waits for the task's counters (then
+// fences, as the TMA reader of rows stored by generic stores), the warp loads the tile into the
+// ring (lane 0 issues the TMA; an FP8 tile's lanes copy its scales too: gemm_fp8's
+// produce_tile_warp). kFp8: the routed experts' tiles are FP8 (fused_forward_fp8).
+template <int kP, bool kFp8, class Storage>
+__device__ __forceinline__ bool produce_task(const Ctx& c, Storage& ss, Ring& ring, const Task& t, int index,
+                                             int cta, int wg_tid, bool ok) {
+  if constexpr (kFp8) {
+    if (routed_rows(t.kind)) return produce_fp8_task<kP>(c, ss, ring, t, index, cta, wg_tid, ok);
+  }
+  const GemmParams* p = c.gemm + slot_of(t.kind);
+  Tile tile;
+  if (!tile_for<kP, gemm::kBK>(c, p, t, cta, tile)) return ok;
+  ok = task_ready(c, t, index, wg_tid, ok);
   return gemm::produce_tile<kP>(p, ss, ring, tile, cta, wg_tid, ok);
 }
 
@@ -416,15 +447,27 @@ constexpr bool kTmaReadsOutput = kP == gemm::kGateUp || kP == gemm::kDownBwd;
 // both warpgroups stored their rows (and fenced them for TMA readers), the first consumer thread
 // signals. A task that signals nothing goes straight on to its next tile: no fence, no barrier, no
 // release, none of which anyone needs.
-template <int kP>
-__device__ __forceinline__ bool consume_task(const Ctx& c, SharedStorage& ss, Ring& ring, const Task& t, int index,
+template <int kP, bool kFp8, class Storage>
+__device__ __forceinline__ bool consume_task(const Ctx& c, Storage& ss, Ring& ring, const Task& t, int index,
                                              int cta, float (&acc)[128], float* staging, int half, int wg_tid,
                                              bool ok) {
-  const GemmParams* p = c.gemm + slot_of(t.kind);
   const bool lead = threadIdx.x == 128;
   const i64 start = c.trace && lead ? static_cast<i64>(globaltimer_ns()) : 0;
   Tile tile;
-  if (tile_for<kP>(c, p, t, cta, tile)) ok = gemm::consume_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
+  bool fp8_tile = false;
+  if constexpr (kFp8) {
+    if (routed_rows(t.kind)) {
+      fp8_tile = true;
+      const gemm_fp8::Fp8GemmParams* p = c.fp8 + slot_of(t.kind);
+      if (tile_for<kP, gemm_fp8::kKBlock>(c, p, t, cta, tile))
+        ok = gemm_fp8::consume_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
+    }
+  }
+  if (!fp8_tile) {
+    const GemmParams* p = c.gemm + slot_of(t.kind);
+    if (tile_for<kP, gemm::kBK>(c, p, t, cta, tile))
+      ok = gemm::consume_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
+  }
   if (t.signal_counter[0] >= 0 || t.signal_counter[1] >= 0) {
     if constexpr (kTmaReadsOutput<kP>) fence_proxy_async_global();
     gemm::consumers_sync();
@@ -483,6 +526,7 @@ constexpr int kCommWarps = gemm::kThreads / 32;  // a communicating CTA: every w
 constexpr int kCommUnroll = 8;                   // (8: faster than 16 when every warp of the CTA copies)
 constexpr int kSideWarps = 3;                    // a compute CTA: warps 1 .. 3 of the producer warpgroup
 constexpr int kSideUnroll = 16;
+constexpr int kSideUnrollFp8 = 8;
 constexpr int kMoverBarrier = 3;  // bar.sync id of a task's movers (0: __syncthreads; gemm.cuh: kConsumersBarrier)
 static_assert(kMoverBarrier != gemm::kConsumersBarrier, "one named barrier per group of threads");
 
@@ -493,7 +537,7 @@ static_assert(kMoverBarrier != gemm::kConsumersBarrier, "one named barrier per g
 // standalone token kernels' device functions (token.cuh): kTaskScale writes their dy_slots rows
 // (scale_part; fenced for the peers that pull them), kTaskSlotSum their dx and d topk_weights
 // (token_grads; read after the kernel).
-template <int kWarps, int kUnroll>
+template <int kWarps, int kUnroll, bool kQuantize = false>
 __device__ __forceinline__ bool mover_task(const Ctx& c, volatile int* go, const Task& t, int index, int warp,
                                            int lane, bool ok) {
   const bool lead = warp == 0 && lane == 0;
@@ -517,7 +561,17 @@ __device__ __forceinline__ bool mover_task(const Ctx& c, volatile int* go, const
     linked_rows<32 * 16 * kUnroll>(
         c.cp, c.rank, rows.dispatch ? kLinkIn : kLinkOut, 0, rows.count, Workers{warp, kWarps}, lane,
         [&](i64 k) { return rows.peer(k); },
-        [&](i64 k) { warp_move_row<16, kUnroll>(rows.move(k), c.cp->row_bytes, lane); });
+        [&](i64 k) {
+          warp_move_row<16, kUnroll>(rows.move(k), c.cp->row_bytes, lane);
+          // kQuantize (fused_forward_fp8): a received row's codes and scales, as q(recv) gives them
+          // (padding rows, which no segment holds, are not quantized there either)
+          if constexpr (kQuantize) {
+            if (c.quant != nullptr && t.kind == plan::kTaskDispatch && rows.peer(k) >= 0) {
+              __syncwarp();  // the warp's stores of the row, before its loads of it
+              fp8::quantize_row_bf16(c.quant, rows.first + k * rows.stride - rows.shift, lane);
+            }
+          }
+        });
     if (rows.dispatch)
       fence_proxy_async_global();  // the rows are read by the GEMMs' TMA loads
     else
@@ -558,11 +612,22 @@ __device__ __forceinline__ bool with_problem(int kind, F f) {
 // dynamic shared memory; every CTA of every launch rank resident at once (the host sizes the grid
 // from the driver's occupancy answer).
 // ---------------------------------------------------------------------------------------------
-template <int kPass>
+template <bool kFp8>
+struct StorageOf {
+  using Type = SharedStorage;
+};
+template <>
+struct StorageOf<true> {
+  using Type = gemm_fp8::FusedStorage;  // gemm.cuh's and the FP8 stages' scales
+};
+
+// kFp8 (fused_forward_fp8): the routed experts' tiles are FP8 (gemm_fp8.cuh), the shared expert's
+// BF16; the dispatch's movers quantize the rows they receive (Ctx::quant).
+template <int kPass, bool kFp8 = false>
 __device__ __forceinline__ void run_fused(const FusedParams* fp) {
+  using Storage = typename StorageOf<kFp8>::Type;
   extern __shared__ char smem_raw[];
-  SharedStorage& ss =
-      *reinterpret_cast<SharedStorage*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~static_cast<u64>(1023));
+  Storage& ss = *reinterpret_cast<Storage*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~static_cast<u64>(1023));
   const int cta = static_cast<int>(cluster_ctarank());
   const CommParams* cp = reinterpret_cast<const CommParams*>(fp->comm);
   const int w = blockIdx.y;
@@ -574,6 +639,8 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
   c.first_remote = static_cast<int>(fp->first_remote);
   c.pass = kPass;
   c.gemm = reinterpret_cast<const GemmParams*>(fp->gemm) + w * kFusedGemms;
+  c.fp8 = kFp8 ? reinterpret_cast<const gemm_fp8::Fp8GemmParams*>(fp->fp8_gemm) + w * kFusedGemms : nullptr;
+  c.quant = kFp8 && fp->quant ? reinterpret_cast<const fp8::QuantParams*>(fp->quant) + w : nullptr;
   c.tasks = reinterpret_cast<const Task*>(fp->tasks);
   c.counters = reinterpret_cast<u32*>(fp->counters) + w * fp->num_counters;
   c.trace = fp->record_trace ? reinterpret_cast<TraceRecord*>(fp->trace) + w * fp->num_tasks : nullptr;
@@ -587,13 +654,14 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
   if (!ss.abort) {
     if (blockIdx.x < fp->comm_ctas) {
       for (int i = first; i < last; ++i)
-        ok = mover_task<kCommWarps, kCommUnroll>(c, &ss.go, c.tasks[i], i, threadIdx.x >> 5, threadIdx.x & 31, ok);
+        ok = mover_task<kCommWarps, kCommUnroll, kFp8>(c, &ss.go, c.tasks[i], i, threadIdx.x >> 5, threadIdx.x & 31,
+                                                       ok);
     } else {
       // NOTE: the role is broadcast from lane 0 so the compiler sees it warp-uniform (wgmma).
       const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0), wg_tid = threadIdx.x & 127;
       Ring ring;
       if (wg == 0) {
-        warpgroup_reg_dealloc<kFusedProducerRegs>();
+        warpgroup_reg_dealloc<kFp8 ? kFusedFp8ProducerRegs : kFusedProducerRegs>();
         if (wg_tid < 32) {  // the producer warp: GEMM tasks
           // its table's GEMM tasks, then the pool's pairs as claimed (one call site of produce_task:
           // a second one made ptxas spill more in the consumers)
@@ -615,19 +683,22 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
             const Task t = c.tasks[i];
             if (is_mover(t.kind)) continue;
             ok = with_problem<kPass>(t.kind, [&](auto tag) {
-              return produce_task<decltype(tag)::kProblem>(c, ss, ring, t, i, cta, wg_tid, ok);
+              return produce_task<decltype(tag)::kProblem, kFp8>(c, ss, ring, t, i, cta, wg_tid, ok);
             });
           }
+          if constexpr (kFp8) cp_async_wait_all();  // the FP8 tiles' scale copies
           if (wg_tid == 0) gemm::drain_loads(ss, ring);
         } else {  // the spare warps: communication tasks
           const int side = wg_tid / 32 - 1;
           for (int i = first; i < last; ++i) {
             const Task t = c.tasks[i];
-            if (is_mover(t.kind)) ok = mover_task<kSideWarps, kSideUnroll>(c, &ss.go, t, i, side, wg_tid & 31, ok);
+            if (is_mover(t.kind))
+              ok = mover_task<kSideWarps, kFp8 ? kSideUnrollFp8 : kSideUnroll, kFp8>(c, &ss.go, t, i, side, wg_tid & 31,
+                                                                                    ok);
           }
         }
       } else {
-        warpgroup_reg_alloc<kFusedConsumerRegs>();
+        warpgroup_reg_alloc<kFp8 ? kFusedFp8ConsumerRegs : kFusedConsumerRegs>();
         float acc[128];
         float* staging = ss.staging[threadIdx.x / 32 - 4];
         for (int n = first;; ++n) {  // as the producer: the table, then the pool's claimed pairs
@@ -644,7 +715,8 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
           const Task t = c.tasks[i];
           if (is_mover(t.kind)) continue;
           ok = with_problem<kPass>(t.kind, [&](auto tag) {
-            return consume_task<decltype(tag)::kProblem>(c, ss, ring, t, i, cta, acc, staging, wg - 1, wg_tid, ok);
+            return consume_task<decltype(tag)::kProblem, kFp8>(c, ss, ring, t, i, cta, acc, staging, wg - 1, wg_tid,
+                                                                ok);
           });
         }
       }
@@ -663,6 +735,16 @@ __global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::k
     fused_backward(const FusedParams* fp) {
   run_fused<1>(fp);
 }
+
+// The forward with FP8 routed experts (RunConfig precision "fp8", bf16 dispatch).
+__global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::kThreads, 1)
+    fused_forward_fp8(const FusedParams* fp) {
+  run_fused<0, true>(fp);
+}
+
+// Compile-time sizes Python reads once from the compiled module: out[0] = dynamic shared memory of
+// fused_forward_fp8 (the BF16 kernels take gemm.cuh's).  grid 1, block 1.
+__global__ void export_sizes(int* out) { out[0] = gemm_fp8::kFusedSmemBytes; }
 
 }  // namespace fused
 }  // namespace mok

@@ -117,8 +117,8 @@ static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block ma
 // Producer: one stage's codes (lane 0 of warp 0, TMA) and scales (every lane of warp 1)
 // ---------------------------------------------------------------------------------------------
 // A [128 rows x 128 k] into this CTA; B half `cta` [128 rows x 128 k] into both CTAs of the
-// cluster (the partner loads the other half). Always by multicast: the standalone scheduler's pairs
-// are one expert's (gemm::tile_of; Tile.multicast is a fused kernel's case). Row problems: B is expert `group`'s [N, K] matrix
+// cluster (the partner loads the other half); a row problem's tile that does not multicast (the
+// fused kernel's pair of two experts) loads both halves itself. Row problems: B is expert `group`'s [N, K] matrix
 // (rows group * N + n), dual (kGateUp): half h is matrix h at the tile's 128 columns. Weight
 // gradients: A = X^T [M, rows], B = Y^T [N, rows] at k = the expert's rows row0 + k0 ..
 template <int kP>
@@ -133,9 +133,18 @@ __device__ __forceinline__ void load_stage_tma(const gemm::TmaSource& p, const T
     const bool second = kP == kGateUpBwd && k0 >= p.k_split;  // dx: dg/Wg, then du/Wu
     const int k_in = second ? k0 - p.k_split : k0;
     tma_load_2d(s_a, second ? p.a2 : p.a1, k_in, tile.row0 + tile.m0, bar);
-    const i64 b_map = (Tr::kDualB ? cta : second) ? p.b2 : p.b1;
-    const int n_row = tile.group * p.n + tile.n0 + (Tr::kDualB ? 0 : 128 * cta);
-    tma_load_2d_multicast(s_b, b_map, k_in, n_row, bar, kBoth);
+    if (tile.multicast) {
+      const i64 b_map = (Tr::kDualB ? cta : second) ? p.b2 : p.b1;
+      const int n_row = tile.group * p.n + tile.n0 + (Tr::kDualB ? 0 : 128 * cta);
+      tma_load_2d_multicast(s_b, b_map, k_in, n_row, bar, kBoth);
+    } else {  // (fused.cuh: the partner's tile is another expert's) both halves, into this CTA only
+#pragma unroll
+      for (int h = 0; h < kCluster; ++h) {
+        const i64 b_map = (Tr::kDualB ? h : second) ? p.b2 : p.b1;
+        const int n_row = tile.group * p.n + tile.n0 + (Tr::kDualB ? 0 : 128 * h);
+        tma_load_2d(s_a + kATileBytes + h * kHalfBytes, b_map, k_in, n_row, bar);
+      }
+    }
   } else {
     const int k_row = tile.row0 + k0;
     tma_load_2d(s_a, p.a1, k_row, tile.m0, bar);
@@ -217,8 +226,8 @@ __device__ __forceinline__ void load_stage_scales(const ScaleBases& base, const 
 // One stage of the ring, by one producer warp: it waits for the stage to be free (as in
 // gemm.cuh), then `load(bar, s_stage)` in every lane, unless its lane 0 finds the stage's last load
 // not landed (gemm::previous_load_landed: only after an error; the warp then loads nothing more).
-template <class Load>
-__device__ __forceinline__ bool produce_stage(const Fp8GemmParams* p, SharedStorage& ss, Ring& ring, int problem,
+template <class Storage, class Load>
+__device__ __forceinline__ bool produce_stage(const Fp8GemmParams* p, Storage& ss, Ring& ring, int problem,
                                               int lane, bool ok, Load load) {
   if (ok) ok = mbar_wait(&ss.empty[ring.stage], ring.phase ^ 1, p->timeout_ns, p->error, kOpGemmLoad, problem);
   if (lane == 0 && ok) ok = gemm::previous_load_landed(ss, ring);
@@ -231,13 +240,20 @@ __device__ __forceinline__ bool produce_stage(const Fp8GemmParams* p, SharedStor
   return ok;
 }
 
+// kDownBwd's aux stage c: g and u of the tile's columns 64 c .. 64 c + 63 (one lane).
+__device__ __forceinline__ void load_aux_stage(const Fp8GemmParams* p, const Tile& tile, int c, u32 s_stage, u64* bar) {
+  mbar_arrive_expect_tx(bar, 2 * gemm::kAuxU);
+  tma_load_2d(s_stage, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, bar);
+  tma_load_2d(s_stage + gemm::kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, bar);
+}
+
 // The producer warpgroup, one tile: its k-blocks (kDownBwd: then g and u of the tile, 64 columns a
 // stage, for the epilogue). Two warps split each stage's work, so that neither paces the ring:
 // warp 0's lane 0 arms `full` with the TMA byte count and issues the copies of the codes; warp
 // 1's 32 lanes copy the scales and arrive once they have landed (aux stages: arrive). After a
 // failed wait a warp loads nothing more and the consumers' waits fail too.
-template <int kP>
-__device__ __forceinline__ bool produce_tile(const Fp8GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
+template <int kP, class Storage>
+__device__ __forceinline__ bool produce_tile(const Fp8GemmParams* p, Storage& ss, Ring& ring, const Tile& tile,
                                              int cta, int warp, int lane, const ScaleBases& base, bool ok) {
   if (warp == 0) {
     const gemm::TmaSource src = gemm::tma_source(p);
@@ -247,11 +263,7 @@ __device__ __forceinline__ bool produce_tile(const Fp8GemmParams* p, SharedStora
       });
     for (int c = 0; c < Traits<kP>::kAuxStages; ++c)
       ok = produce_stage(p, ss, ring, kP, lane, ok, [&](u64* bar, u32 s_stage) {
-        if (lane == 0) {
-          mbar_arrive_expect_tx(bar, 2 * gemm::kAuxU);
-          tma_load_2d(s_stage, p->tmap_aux1, tile.n0 + 64 * c, tile.row0 + tile.m0, bar);
-          tma_load_2d(s_stage + gemm::kAuxU, p->tmap_aux2, tile.n0 + 64 * c, tile.row0 + tile.m0, bar);
-        }
+        if (lane == 0) load_aux_stage(p, tile, c, s_stage, bar);
       });
   } else {
     const ScaleSrc src = scale_src<kP>(p, tile, lane);
@@ -266,6 +278,41 @@ __device__ __forceinline__ bool produce_tile(const Fp8GemmParams* p, SharedStora
   }
   return ok;
 }
+
+// The fused kernel's FP8 tiles (cuda/fused.cuh), by one producer warp (the others of its warpgroup
+// move rows): per k-block every lane copies its share of the scales and raises the stage's pending
+// count (cp_async_arrive: lowered again once its copies landed), then lane 0 arms `full` with the
+// TMA byte count and issues the copies of the codes. So `full` keeps the expected count of one
+// that the BF16 tiles of the same kernel (the shared expert's) arrive with.
+template <int kP, class Storage>
+__device__ __forceinline__ bool produce_tile_warp(const Fp8GemmParams* p, Storage& ss, Ring& ring, const Tile& tile,
+                                                  int cta, int lane, bool ok) {
+  const gemm::TmaSource tma = gemm::tma_source(p);
+  const ScaleBases base = scale_bases(p);
+  const ScaleSrc src = scale_src<kP>(p, tile, lane);
+  for (int kb = 0; kb < tile.k_blocks; ++kb)
+    ok = produce_stage(p, ss, ring, kP, lane, ok, [&](u64* bar, u32 s_stage) {
+      load_stage_scales<kP>(base, src, tile, kb, smem_addr(ss.scale_a[ring.stage]), smem_addr(ss.scale_b[ring.stage]),
+                            lane);
+      cp_async_arrive(bar);
+      __syncwarp();  // every lane's raise before the arrival that could complete the phase
+      if (lane == 0) load_stage_tma<kP>(tma, tile, kb, s_stage, bar, cta);
+    });
+  for (int c = 0; c < Traits<kP>::kAuxStages; ++c)
+    ok = produce_stage(p, ss, ring, kP, lane, ok, [&](u64* bar, u32 s_stage) {
+      if (lane == 0) load_aux_stage(p, tile, c, s_stage, bar);
+    });
+  return ok;
+}
+
+// The fused kernel's shared memory where it runs FP8 tiles: gemm.cuh's (the BF16 tiles, the
+// tickets, the movers' flag) and each stage's scales.
+struct FusedStorage : gemm::SharedStorage {
+  float scale_a[kStages][kBM];
+  float scale_b[kStages][kBN];
+};
+constexpr int kFusedSmemBytes = static_cast<int>(sizeof(FusedStorage)) + 1024;
+static_assert(kFusedSmemBytes <= 232448, "over the 227 KB of shared memory a block may have on sm_90");
 
 // ---------------------------------------------------------------------------------------------
 // Consumer
@@ -335,8 +382,8 @@ struct KBlockIn {
   u32 desc_add, s_b;
   float sa0, sa1, s00, s01, s10, s11;
 };
-template <int kP>
-__device__ __forceinline__ KBlockIn kblock_in(SharedStorage& ss, int stage, const Tile& tile, int kb, int row,
+template <int kP, class Storage>
+__device__ __forceinline__ KBlockIn kblock_in(Storage& ss, int stage, const Tile& tile, int kb, int row,
                                               int half, int wg_tid) {
   if (!Traits<kP>::kRowProblem && (kb + 1) * kKBlock > tile.rows)
     zero_tail_k(ss.stages[stage], tile.rows - kb * kKBlock, half, wg_tid);
@@ -356,8 +403,8 @@ __device__ __forceinline__ KBlockIn kblock_in(SharedStorage& ss, int stage, cons
 // before the MMAs, the row problems' stage released as soon as its last MMA is done (the weight
 // gradients' once promoted: their column scales are read then). Per element the k-blocks are
 // promoted in increasing order.
-template <int kP>
-__device__ __forceinline__ bool consume_kblocks(const Fp8GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
+template <int kP, class Storage>
+__device__ __forceinline__ bool consume_kblocks(const Fp8GemmParams* p, Storage& ss, Ring& ring, const Tile& tile,
                                                 float (&acc)[128], int half, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
   const u32 s_base = smem_addr(ss.stages);
@@ -458,8 +505,8 @@ __device__ __forceinline__ void store_gate_up(const Fp8GemmParams* p, const Tile
 // reads its scales, runs and promotes the two n128 halves, hands the stage back to the producers
 // of both CTAs; then the epilogue. After a failed wait the loops run on over garbage (wgmma must
 // stay warpgroup-uniform) and the kernel ends with the error set.
-template <int kP>
-__device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, SharedStorage& ss, Ring& ring, const Tile& tile,
+template <int kP, class Storage>
+__device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, Storage& ss, Ring& ring, const Tile& tile,
                                              float (&acc)[128], float* staging, int half, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
   // (acc is no wgmma accumulator here: the promotion adds into it, so one k-loop serves both starts)

@@ -200,6 +200,13 @@ __device__ __forceinline__ void cp_async_arrive_noinc(u64* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
+// The same without noinc: the pending count of `bar`'s phase is raised by one now and lowered by
+// the arrival once the copies landed, so the barrier's expected count need not include it; the
+// raise must come before the arrival that would otherwise complete the phase.
+__device__ __forceinline__ void cp_async_arrive(u64* bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
 // Every cp.async this thread issued has landed (before its CTA may leave).
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 

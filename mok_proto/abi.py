@@ -476,6 +476,9 @@ FUSED_PARAMS = Struct("FusedParams", (
     ("i64", "token", "const TokenParams* of the launch ranks (the token-gradient tasks; 0 when the plan has none)"),
     ("i64", "trace", "TraceRecord [W][num_tasks] (record_trace)"),
     ("ErrorRecord*", "error", "this process's error record"),
+    ("i64", "fp8_gemm", "Fp8GemmParams [W][kFusedGemms] (fused_forward_fp8: its routed slots; 0 in a bf16 pass)"),
+    ("i64", "quant", "QuantParams [W] (fused_forward_fp8: each launch rank's receive rows -> xq, xq_s, quantized by "
+                     "the dispatch's movers; 0: the dispatch runs outside the kernel or the pass is bf16)"),
 ), namespace="mok::fused")
 
 TRACE_RECORD = Struct("TraceRecord", (

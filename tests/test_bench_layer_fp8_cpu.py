@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from conftest import ROOT, rank_env
-from test_bench_layer_cpu import _measured, _torch
+from test_bench_layer_cpu import _fused_row, _measured, _torch
 
 from mok_proto.bench import layer_run
 from mok_proto.bench.emulation import emulated_shape
@@ -33,7 +33,10 @@ def test_precision_options():
     assert [k.comm_blocks for k in default.settings["fwd"]] == [k.comm_blocks for k in DEFAULT_FUSED]
     fp8 = script.parse_args(["--precision", "fp8", "--dispatch-dtype", "fp8", "--sweep"])
     assert (fp8.precision, fp8.dispatch_dtype) == ("fp8", "fp8")
-    assert fp8.settings == {"fwd": [], "bwd": []} and fp8.fused_skipped == len(script.SWEEP)  # sequential only
+    assert fp8.settings == {"fwd": [], "bwd": []} and fp8.fused_skipped == 2 * len(script.SWEEP)  # sequential only
+    bf16_dispatch = script.parse_args(["--precision", "fp8", "--sweep"])  # the fused forward runs FP8; no backward
+    assert [k.comm_blocks for k in bf16_dispatch.settings["fwd"]] == [k.comm_blocks for k in script.SWEEP]
+    assert bf16_dispatch.settings["bwd"] == [] and bf16_dispatch.fused_skipped == len(script.SWEEP)
     assert script.parse_args(["--precision", "fp8", "--no-fused"]).fused_skipped == 0  # nothing skipped: no line
     assert script.parse_args(["--precision", "fp8"]).dispatch_dtype == "bf16"
 
@@ -88,6 +91,19 @@ def test_fp8_rows_record_precision_speedups_and_errors():
     lines = [line for line in report.lines if line.startswith("#   fp8 ")]
     assert len(lines) == 2 and "err_rel_rms 0.0300 (w_up; bar 0.08)" in lines[1] and "x torch fp8 n/a" in lines[1]
     assert "x torch fp8 0.80 (1.600 ms)" in lines[0]
+
+
+def test_fused_fp8_forward_rows_record_their_precision():
+    # fused_forward_fp8's rows carry the run's precision (the results' FP8 views keep them apart from
+    # the BF16 fused rows) and their speedup over torch's FP8 pipeline
+    shape = emulated_shape("kimi-k2.7")
+    measured, torch, fp8 = _fp8_case()
+    measured = measured._replace(fused_rows={"fwd": [_fused_row(0, 1.25, 2.0, best=(1.25, 2.0))], "bwd": []})
+    report = shape_report("kimi-k2.7", shape, measured, torch, ({"median_ms": 0.03}, True), BARS, fp8=fp8)
+    fused = [r for _, r in report.rows if r["schedule"] == "fused"]
+    assert len(fused) == 1 and (fused[0]["precision"], fused[0]["dispatch_dtype"]) == ("fp8", "fp8")
+    assert fused[0]["speedup_vs_torch_fp8"] == pytest.approx(1.6 / 1.25)
+    assert fused[0]["speedup_vs_torch"] == pytest.approx(2.5 / 1.25)
 
 
 def test_fp8_rows_fail_beyond_the_recipe_bound_and_without_torch_fp8():
@@ -152,5 +168,5 @@ def test_main_says_once_that_fp8_skips_the_fused_settings(monkeypatch, capsys, a
     monkeypatch.setattr(ceilings, "dense_matmul_tflops", lambda: 100.0)
     assert script.main(["--shapes", "kimi-k2.7", *argv]) == 0
     out = capsys.readouterr().out
-    assert out.count("fused settings are skipped") == skip_lines
-    assert bool(seen[0]["fwd"]) == (skip_lines == 0) and recorded[0][0] == "bench_layer"
+    assert out.count("fused settings skipped") == skip_lines
+    assert bool(seen[0]["fwd"]) and bool(seen[0]["bwd"]) == (skip_lines == 0) and recorded[0][0] == "bench_layer"

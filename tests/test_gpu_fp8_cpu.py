@@ -204,9 +204,15 @@ def test_refusals():
         GpuCommRound(SimpleNamespace(num_ranks=1), fp8_run)
     with pytest.raises(ValueError, match="shared expert is bf16"):
         gpu.GpuMoELayer(SimpleNamespace(num_ranks=1), RunConfig(SHAPE, 1, precision="fp8", shared_precision="fp8"))
-    with pytest.raises(ValueError, match="fused passes do not run FP8"):
-        gpu.GpuMoELayer._fused_pass(SimpleNamespace(run=fp8_run), object(), "fwd")
-    assert gpu.GpuMoELayer._fused_pass(SimpleNamespace(run=fp8_run), None, "fwd") == (None, None)  # sequential
+    fp8_layer = SimpleNamespace(run=fp8_run, fp8=object(), num_turns=1)
+    with pytest.raises(ValueError, match="fused backward does not run FP8"):
+        gpu.GpuMoELayer._fused_pass(fp8_layer, object(), "bwd")
+    with pytest.raises(ValueError, match="fused forward dispatches bf16 rows"):
+        gpu.GpuMoELayer._fused_pass(SimpleNamespace(run=RunConfig(SHAPE, 1, precision="fp8", dispatch_dtype="fp8"),
+                                                    fp8=object(), num_turns=1), object(), "fwd")
+    with pytest.raises(ValueError, match="ring of one turn, this layer's takes 3"):
+        gpu.GpuMoELayer._fused_pass(SimpleNamespace(run=fp8_run, fp8=object(), num_turns=3), object(), "fwd")
+    assert gpu.GpuMoELayer._fused_pass(fp8_layer, None, "fwd") == (None, None)  # sequential
 
 
 def test_poison_fills_every_row_buffer_but_the_weights_codes():

@@ -1,5 +1,5 @@
-"""The GPU layer with FP8 routed experts (sequential passes): virtual ranks W = 1, 2, 4 in one
-process and NVSHMEM with 2 processes on one GPU; the checks are in
+"""The GPU layer with FP8 routed experts (sequential passes, the fused forward): virtual ranks W =
+1, 2, 4 in one process and NVSHMEM with 2 processes on one GPU; the checks are in
 tests/mpi_programs/check_gpu_fp8_layer.py (every quantization point bitwise, every routed GEMM
 within the FP8 GEMM bound, err_rel_rms against the float64 reference, both dispatch dtypes and
 rings of several turns bitwise equal). The same global problem gives the same bits on both backends."""

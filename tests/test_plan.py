@@ -452,13 +452,13 @@ def test_layer_packs_the_fused_gemms_with_the_longer_timeout(monkeypatch):
     from mok_proto.kernels import fused, gemm
     from mok_proto.layer import gpu
 
-    monkeypatch.setattr(fused, "FusedPass", lambda plan, w, link=False: SimpleNamespace(plan=plan, w=w))
+    monkeypatch.setattr(fused, "FusedPass", lambda plan, w, link=False, fp8=False: SimpleNamespace(plan=plan, w=w))
     fields = {**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "n": 64, "timeout_ns": gemm.TIMEOUT_NS}
     pack = (lambda *args, error=None, pack_only=False, accumulate=False:
             abi.GEMM_PARAMS.pack({**fields, "accumulate": int(accumulate)}), ())
     run = RunConfig(TILE, 2, timeout_s=30)
     layer = SimpleNamespace(run=run, shape=TILE, capacity=1024, num_turns=1, ring_rows=1024, ranks=[0, 1], error=None,
-                            has_shared=True,
+                            has_shared=True, fp8=None,
                             _gemm=lambda pass_, slot, r, t=0: None if slot == "kSlotSharedDownWgrad" else pack)
     layer._plan_rows = lambda: gpu.GpuMoELayer._plan_rows(layer)
     plan = P.fused_backward(TILE, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=1024)

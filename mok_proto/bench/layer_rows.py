@@ -132,12 +132,17 @@ def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UN
         best = best_row(rows)
         ceiling = overlap_ceiling(stages[pass_], pass_, stages_inside(best))
         for row in rows:
+            precision = {} if fp8 is None else {  # the fused FP8 forward (fused_forward_fp8)
+                "precision": fp8.precision, "dispatch_dtype": fp8.dispatch_dtype,
+                "speedup_vs_torch_fp8": (fp8.torch_fp8["median_ms"] / row["median_ms"]
+                                         if fp8.torch_fp8 is not None and pass_ == "fwd" else None)}
             out.rows.append(("bench_layer", {"shape": name, "pass": pass_, "ep": EP, "schedule": "fused",
                                              **fields, "flops": flops[pass_], "schedule_ms": sched_ms,
                                              "schedule_exact": sched_exact, "link_gbps": None, **row,
                                              "tflops": tflops(flops[pass_], row["median_ms"]),
                                              "speedup_vs_torch": base[pass_]["median_ms"] / row["median_ms"],
-                                             "best_of_run": row is best, "overlap_ceiling_vs_sequential": ceiling}))
+                                             "best_of_run": row is best, "overlap_ceiling_vs_sequential": ceiling,
+                                             **precision}))
         x_torch, x_seq = bars[f"fused_{pass_}_x_torch"], bars[f"fused_{pass_}_x_seq"]
         speedup = base[pass_]["median_ms"] / best["retimed_median_ms"]
         if not (x_torch.met(speedup) and x_seq.met(best["retimed_speedup_vs_sequential"])

@@ -22,8 +22,10 @@ from mok_proto.kernels import gemm
 from mok_proto.kernels.build import CudaModule
 from mok_proto.plan import CounterKind
 
-KERNELS = {"fwd": "mok::fused::fused_forward", "bwd": "mok::fused::fused_backward"}
-MODULE = CudaModule("fused.cuh", tuple(KERNELS.values()), archs=("sm_90a",))
+KERNELS = {"fwd": "mok::fused::fused_forward", "bwd": "mok::fused::fused_backward",
+           "fwd_fp8": "mok::fused::fused_forward_fp8"}  # fwd_fp8: FP8 routed experts, bf16 dispatch
+SIZES = "mok::fused::export_sizes"
+MODULE = CudaModule("fused.cuh", (*KERNELS.values(), SIZES), archs=("sm_90a",))
 LINK_MODULE = MODULE.variant("MOK_LINK")  # its movers pay an emulated link (mok_proto/link.py)
 RECORD_DTYPE = abi.TRACE_RECORD.dtype  # one TraceRecord (struct mok::fused::TraceRecord)
 GEMMS_PER_RANK = len(abi.GEMM_SLOT)
@@ -57,37 +59,49 @@ def gemm_timeout_ns(timeout_ns: int) -> int:
     return max(gemm.TIMEOUT_NS, (abi.CONST["kFusedLocalTimeoutFactor"] + 1) * int(timeout_ns))
 
 
-def with_gemm_timeout(words: np.ndarray, timeout_ns: int) -> np.ndarray:
-    """Packed GemmParams (host uint64 words, one struct after another) with every timeout_ns set."""
-    records = np.ascontiguousarray(words, np.uint64).copy().view(abi.GEMM_PARAMS.dtype)
+def with_gemm_timeout(words: np.ndarray, timeout_ns: int, struct=abi.GEMM_PARAMS) -> np.ndarray:
+    """Packed GemmParams (or `struct`'s: Fp8GemmParams; host uint64 words, one struct after another)
+    with every timeout_ns set."""
+    records = np.ascontiguousarray(words, np.uint64).copy().view(struct.dtype)
     records["timeout_ns"] = timeout_ns
     return records.view(np.uint64)
 
 
-def _kernel(pass_: str = "fwd", link: bool = False):
-    """The compiled kernel of a pass (link: the MOK_LINK build), allowed the GEMMs' dynamic shared memory."""
-    kernel = (LINK_MODULE if link else MODULE).function(KERNELS[pass_])
-    smem = gemm.smem_bytes()
-    if kernel.max_dynamic_shared_size_bytes < smem:
-        kernel.max_dynamic_shared_size_bytes = smem
-    return kernel
+def smem_bytes(kernel: str = "fwd", link: bool = False) -> int:
+    """Dynamic shared memory of a launch of KERNELS[kernel]: gemm.cuh's for the BF16 passes, the
+    FP8 forward's (its stages' scales too) from the compiled header."""
+    if kernel != "fwd_fp8":
+        return gemm.smem_bytes()
+    return (LINK_MODULE if link else MODULE).read_sizes(SIZES, 1)[0]
 
 
-def resident_clusters(pass_: str = "fwd", link: bool = False) -> int:
-    """Clusters of a pass's fused kernel the GPU runs at once (the driver's occupancy answer)."""
-    return gemm.resident_clusters(_kernel(pass_, link), strict=True)
+def _kernel(kernel: str = "fwd", link: bool = False):
+    """The compiled KERNELS[kernel] (link: the MOK_LINK build), allowed its dynamic shared memory."""
+    function = (LINK_MODULE if link else MODULE).function(KERNELS[kernel])
+    smem = smem_bytes(kernel, link)
+    if function.max_dynamic_shared_size_bytes < smem:
+        function.max_dynamic_shared_size_bytes = smem
+    return function
 
 
-def default_num_sms(num_launch_ranks: int, pass_: str = "fwd") -> int:
+def resident_clusters(kernel: str = "fwd", link: bool = False) -> int:
+    """Clusters of a fused kernel (KERNELS key) the GPU runs at once (the driver's occupancy answer)."""
+    return gemm.resident_clusters(_kernel(kernel, link), strict=True, smem=smem_bytes(kernel, link))
+
+
+def default_num_sms(num_launch_ranks: int, kernel: str = "fwd") -> int:
     """CTAs per launch rank so that every launch rank's clusters are resident together."""
-    return 2 * max(1, resident_clusters(pass_) // num_launch_ranks)
+    return 2 * max(1, resident_clusters(kernel) // num_launch_ranks)
 
 
 class FusedPass:
     """One plan's device tables, counters and timeline for W launch ranks."""
 
-    def __init__(self, plan, num_launch_ranks: int, link: bool = False):
+    def __init__(self, plan, num_launch_ranks: int, link: bool = False, fp8: bool = False):
         from mok_proto.plan import FUSED_STRATEGIES, PAIR_ROWS
+
+        if fp8 and plan.pass_ != "fwd":
+            raise ValueError("the fused kernel runs FP8 routed experts in the forward only (fused_forward_fp8)")
 
         if plan.minibatch_rows % PAIR_ROWS:  # the kernel's ring shift and tile pairs assume whole pairs
             raise ValueError(f"minibatch_rows {plan.minibatch_rows}: the fused kernel runs whole tile pairs of a "
@@ -98,7 +112,8 @@ class FusedPass:
         if plan.strategy != FUSED_STRATEGIES.get(plan.pass_):
             raise ValueError(f"FusedPass runs fused_forward / fused_backward plans, got strategy {plan.strategy!r}")
         self.plan, self.num_launch_ranks, self.link = plan, int(num_launch_ranks), bool(link)
-        clusters, resident = plan.num_sms // 2 * self.num_launch_ranks, resident_clusters(plan.pass_, self.link)
+        self.kernel = plan.pass_ + ("_fp8" if fp8 else "")  # a KERNELS key
+        clusters, resident = plan.num_sms // 2 * self.num_launch_ranks, resident_clusters(self.kernel, self.link)
         if clusters > resident:
             raise ValueError(f"plan needs {plan.num_sms} CTAs x {self.num_launch_ranks} launch ranks = {clusters} "
                              f"clusters resident at once, the GPU runs {resident}: use num_sms <= "
@@ -111,25 +126,36 @@ class FusedPass:
         self.task_begin = cupy.asarray(begin)
         self.counters = cupy.zeros((self.num_launch_ranks, max(1, len(plan.counters))), np.uint32)
         self.rest = self  # a layer's ring of several turns: what its turns after the first run (gpu_ring)
+        self.fp8_words = None  # fp8: the layer's (Fp8GemmParams words, QuantParams words) for launch
         self.records = cupy.zeros((self.num_launch_ranks, max(1, len(plan.tasks)) * RECORD_DTYPE.itemsize), np.uint8)
         self._params: dict = {}
 
     def launch(self, comm_params, gemm_params: np.ndarray, error, timeout_ns: int, trace: bool = False,
-               token_params=None):
+               token_params=None, fp8_gemm_params: np.ndarray | None = None, quant_params: np.ndarray | None = None):
         """Enqueue one fused pass. comm_params: the round's device CommParams; gemm_params: host
         uint64 words of W x kFusedGemms packed GemmParams (GemmSlot order per launch rank);
-        token_params: the launch ranks' device TokenParams (needed by a plan with token_grads or scale)."""
+        token_params: the launch ranks' device TokenParams (needed by a plan with token_grads or scale).
+        The FP8 forward (fp8=True): fp8_gemm_params, W x kFusedGemms packed Fp8GemmParams (its routed
+        slots'), and quant_params, W packed QuantParams (each launch rank's recv -> xq, xq_s) when
+        the dispatch runs inside the kernel (else None: the rows were quantized before it)."""
         import cupy
 
         plan = self.plan
         if (plan.token_grads or plan.scale) and token_params is None:
             raise ValueError("this plan runs token-side work (token_grads, scale) inside the kernel: pass token_params")
+        fp8 = self.kernel == "fwd_fp8"
+        if fp8 != (fp8_gemm_params is not None) or (quant_params is not None and not fp8):
+            raise ValueError("fp8_gemm_params: given exactly for the FP8 forward (FusedPass(..., fp8=True)); "
+                             "quant_params only with it")
         token_ptr = 0 if token_params is None else int(token_params.data.ptr)
         gemm_words = np.ascontiguousarray(gemm_params, np.uint64)
+        extra = [np.ascontiguousarray(w, np.uint64) for w in (fp8_gemm_params, quant_params) if w is not None]
         key = (int(comm_params.data.ptr), gemm_words.tobytes(), int(error.ptr), int(timeout_ns), bool(trace),
-               token_ptr)
+               token_ptr, quant_params is not None, *(w.tobytes() for w in extra))
         if key not in self._params:  # uploaded once per distinct launch (a captured graph never uploads)
             gemms = cupy.asarray(gemm_words)
+            fp8_gemms = None if fp8_gemm_params is None else cupy.asarray(extra[0])
+            quants = None if quant_params is None else cupy.asarray(extra[-1])
             fields = dict(comm_ctas=plan.comm_blocks, num_tasks=len(plan.tasks),
                           num_counters=self.counters.shape[1], first_remote=plan.first_remote_counter,
                           claim_counter=plan.claim_counter,
@@ -137,14 +163,15 @@ class FusedPass:
                           ring_rows=plan.ring_minibatches * plan.minibatch_rows, record_trace=int(bool(trace)),
                           timeout_ns=timeout_ns, tasks=self.tasks, task_begin=self.task_begin, comm=comm_params,
                           gemm=gemms, counters=self.counters, counter_info=self.counter_info, token=token_ptr,
-                          trace=self.records, error=error.ptr)
-            self._params[key] = (cupy.asarray(abi.FUSED_PARAMS.pack(fields)), gemms)
+                          trace=self.records, error=error.ptr, fp8_gemm=0 if fp8_gemms is None else fp8_gemms,
+                          quant=0 if quants is None else quants)
+            self._params[key] = (cupy.asarray(abi.FUSED_PARAMS.pack(fields)), gemms, fp8_gemms, quants)
         params = self._params[key][0]
         self.counters.fill(0)
         if trace:
             self.records.fill(255)  # task = -1 until the task ran: a stale timeline cannot pass as this one
-        _kernel(plan.pass_, self.link)((plan.num_sms, self.num_launch_ranks), (abi.CONST["kThreads"],), (params,),
-                            shared_mem=gemm.smem_bytes())
+        _kernel(self.kernel, self.link)((plan.num_sms, self.num_launch_ranks), (abi.CONST["kThreads"],), (params,),
+                                        shared_mem=smem_bytes(self.kernel, self.link))
 
     def timeline(self, launch_rank: int) -> np.ndarray:
         """The last traced launch's TraceRecord per task of one launch rank (host readback)."""

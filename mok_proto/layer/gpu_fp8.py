@@ -29,14 +29,28 @@ rank alike), then the scales pushed and waited for: a wait can only be met by th
 
 from __future__ import annotations
 
+import numpy as np
+
 from mok_proto import abi
 from mok_proto.kernels import comm as kc
 from mok_proto.kernels import fp8 as kq
 from mok_proto.kernels import gemm_fp8 as kg
 
 B = abi.CONST["kQuantBlock"]
-FUSED_REFUSAL = ("precision fp8: the fused passes do not run FP8 routed experts yet (cuda/fused.cuh has no FP8 "
-                 "tiles); run the sequential passes (no plan)")
+
+
+def check_fused(run, pass_: str, num_turns: int) -> None:
+    """ValueError (one line) for a fused pass the FP8 layer does not run: the fused kernel runs FP8
+    routed experts in the forward (fused_forward_fp8), with bf16 dispatch, on a ring of one turn."""
+    if pass_ != "fwd":
+        raise ValueError("precision fp8: the fused backward does not run FP8 routed experts yet (cuda/fused.cuh "
+                         "has fused_forward_fp8 only); run the backward's sequential passes (set_backward_plan(None))")
+    if run.dispatch_dtype != "bf16":
+        raise ValueError("precision fp8: the fused forward dispatches bf16 rows (its movers quantize what they "
+                         "receive); dispatch_dtype='fp8' runs the sequential passes")
+    if num_turns > 1:
+        raise ValueError(f"precision fp8: the fused forward runs a ring of one turn, this layer's takes {num_turns} "
+                         "(a larger macrobatch_rows, or the sequential passes)")
 
 
 def check_run(run) -> None:
@@ -110,6 +124,25 @@ class Fp8Experts:
                 kc.begin_round(p[part], launch[part])
             kc.move_rows("dispatch_push", p[part], launch[part])
             kc.wait_peers(p[part], launch[part], "kFlagDispatch", "kOpDispatchPush")
+
+    def fused_words(self, ranks) -> tuple:
+        """The fused FP8 forward's params (fused_forward_fp8): (W x kFusedGemms packed Fp8GemmParams,
+        the routed slots' gate_up and down, the other slots zero; W packed QuantParams, each launch
+        rank's receive rows -> xq, xq_s, for the dispatch's movers)."""
+        layer, b = self.layer, self.layer._b
+        gemms, quants = [], []
+        for r in ranks:
+            for slot, _ in abi.GEMM_SLOT.members:
+                if slot in ("kSlotFirst", "kSlotSecond"):
+                    fn, args, kwargs = self.steps("fwd", slot, r)[-1]
+                    gemms.append(fn(*args, **{**kwargs, "pack_only": True}))
+                else:
+                    gemms.append(np.zeros(abi.FP8_GEMM_PARAMS.nbytes // 8, np.uint64))
+            recv = b("recv", r)
+            quants.append(abi.QUANT_PARAMS.pack({**dict.fromkeys(abi.QUANT_PARAMS.names, 0), "batch": 1,
+                                                 "rows": recv.shape[0], "cols": layer.shape.hidden, "x": recv,
+                                                 "codes": b("xq", r), "scales": b("xq_s", r)}))
+        return np.concatenate(gemms), np.concatenate(quants)
 
     def launch(self, pass_: str, slot: str, r: int, turn: int = 0, accumulate: bool = False):
         """Launch the routed GemmSlot `slot` of pass `pass_` for rank r on turn `turn`'s rows: its

@@ -1,4 +1,5 @@
-"""The GPU layer with FP8 routed experts (RunConfig(precision="fp8"), sequential passes).
+"""The GPU layer with FP8 routed experts (RunConfig(precision="fp8"): the sequential passes and the
+fused forward).
 
     python tests/mpi_programs/check_gpu_fp8_layer.py --backend virtual --ranks 4
     NVSHMEM_DISABLE_NVLS=1 mpirun -n 2 python tests/mpi_programs/check_gpu_fp8_layer.py --backend nvshmem
@@ -14,8 +15,10 @@ Per case (the shared expert bf16), for every rank this process drives:
   plus MIRROR_SLACK; the routed arrays' at least MIN_FP8_ERR (an FP8 layer, not a bf16 one); the
   layer within MIRROR_RMS of the mirror itself;
 - bf16 and fp8 dispatch, a ring of every row and of one segment (several turns, the backward
-  replaying), every direction policy asked for: bitwise equal; `--replays` CUDA graph replays
-  bitwise equal; NaN-poisoned buffers (e4m3 NaN codes too) before every run.
+  replaying), every direction policy asked for, and (bf16 dispatch, one turn) the fused forward
+  (fused_forward_fp8) under every policy: bitwise equal; `--replays` CUDA graph replays (of the
+  fused forward where it runs) bitwise equal; NaN-poisoned buffers (e4m3 NaN codes too) before
+  every run.
 Prints `SHA <case> <digest>` per case (rank 0), as check_gpu_layer.py.
 """
 
@@ -29,7 +32,7 @@ from check_gpu_layer import blob, run_once
 from mok_proto import accuracy, fp8, reference_fp8
 from mok_proto.config import MOK_POLICY, OPERATORS, MoEShape, RunConfig
 from mok_proto.layer.gpu import GpuMoELayer
-from mok_proto.plan import SEGMENT_ROWS
+from mok_proto.plan import SEGMENT_ROWS, FusedKnobs, inside_kernel
 from mok_proto.problem import make_problem
 from mok_proto.reference import from_bf16, sigmoid, to_bf16
 from mok_proto.schedule import expert_slot_order
@@ -180,14 +183,19 @@ def mirror_results(prob) -> dict:
     return {"out": out, **reference_fp8.backward(prob.flat("dout"), cache)}
 
 
-def staged_run(layer, heap, x_bf16):
-    """One forward and backward, poisoned first, checking the stages in between."""
+def poisoned(layer, heap):
+    """Every rank's buffers NaN-poisoned, before a run."""
     import cupy
 
     heap.barrier()
     layer.poison()
     cupy.cuda.Device().synchronize()
     heap.barrier()
+
+
+def staged_run(layer, heap, x_bf16):
+    """One forward and backward, poisoned first, checking the stages in between."""
+    poisoned(layer, heap)
     layer.enqueue_forward()
     layer.check()
     for rank in layer.ranks:
@@ -199,6 +207,38 @@ def staged_run(layer, heap, x_bf16):
         check_backward_stages(layer, rank)
     heap.barrier()
     return {rank: results(layer, rank) for rank in layer.ranks}
+
+
+def forward_only(layer, heap) -> bytes:
+    """One forward after NaN-poisoning (a ring forward keeps no activations for a backward): the outputs."""
+    poisoned(layer, heap)
+    layer.enqueue_forward()
+    layer.check()
+    heap.barrier()
+    return b"".join(layer.output(rank).get().tobytes() for rank in layer.ranks)
+
+
+def check_fused_forward(layer, heap, policies, want, name):
+    """The fused FP8 forward (its movers quantize the rows they pull; a push dispatch runs and is
+    quantized before it) then the sequential backward: the bits of the sequential passes, under
+    every policy, with the spare warps or two communicating CTAs moving rows, and with every pair
+    claimed at run time; a ring of one minibatch (both transfers inside: the rows and their codes
+    rewritten within the launch) gives the sequential forward's outputs. Leaves MoK's policy and
+    its fused forward set."""
+    for policy in policies:
+        layer.policy = dict(policy)
+        for knobs in (FusedKnobs(0, 256), FusedKnobs(2, 256), FusedKnobs(0, 256, claim="all")):
+            if knobs.comm_blocks and not any(inside_kernel("fwd", policy)):
+                continue  # nothing to move inside the kernel: no communicating CTAs (plan.fused_forward)
+            layer.set_forward_plan(layer.fused_forward_plan(knobs))
+            assert blob(run_once(layer, heap)) == want, f"{name}: fused fp8 forward, {policy}, {knobs}"
+    layer.policy = {**MOK_POLICY, "dispatch": "pull", "combine": "push"}
+    layer.set_forward_plan(None)
+    sequential = forward_only(layer, heap)
+    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256, ring_minibatches=1)))
+    assert forward_only(layer, heap) == sequential, f"{name}: fused fp8 forward on a ring of one minibatch"
+    layer.policy = dict(MOK_POLICY)
+    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
 
 
 def check_case(heap, comm, name, case_id, replays, policies):
@@ -228,6 +268,8 @@ def check_case(heap, comm, name, case_id, replays, policies):
             for policy in policies if ring is None else few:
                 layer.policy = dict(policy)
                 assert blob(run_once(layer, heap)) == first, f"{name}: {dispatch} dispatch, ring {ring}, {policy}"
+            if dispatch == "bf16" and ring is None:  # the fused forward (fused_forward_fp8), its graph replays below
+                check_fused_forward(layer, heap, policies, first, name)
             graph = layer.capture()
             for replay in range(replays):
                 assert blob(run_once(layer, heap, graph)) == first, f"{name}: graph replay {replay} differs"
@@ -249,7 +291,8 @@ def main():
         heap.close()
     if heap.launch_ranks[0] == 0:
         print(f"OK gpu fp8 layer backend={args.backend} R={heap.num_ranks}: bf16 and fp8 dispatch x rings x "
-              f"{len(policies)} policies bitwise equal, {args.replays} graph replays, stages within the GEMM bound")
+              f"{len(policies)} policies and the fused forward bitwise equal, {args.replays} graph replays, stages "
+              "within the GEMM bound")
         print("\n".join(lines))
     return 0
 
