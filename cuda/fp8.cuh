@@ -173,17 +173,45 @@ __device__ __forceinline__ void quantize_block(const float (&v)[4], bool pow2, u
   if (lane == 0) *scale = s;
 }
 
-// The B-blocks of row `row` of x [rows, cols] (bf16 bits) by one warp, into the row's codes and scales
-// (QuantParams x, codes, scales, cols, pow2): the fused kernel's movers on a row they just received.
-__device__ __forceinline__ void quantize_row_bf16(const QuantParams* p, i64 row, int lane) {
-  const i64 blocks = p->cols / kQuantBlock;
-  const unsigned short* x = reinterpret_cast<const unsigned short*>(p->x) + row * p->cols;
-  u32* codes = reinterpret_cast<u32*>(p->codes + row * p->cols);
-  float* scales = reinterpret_cast<float*>(p->scales) + row * blocks;
-  for (i64 b = 0; b < blocks; ++b) {
-    float v[4];
-    load4(x + b * kQuantBlock + 4 * lane, v);
-    quantize_block(v, p->pow2 != 0, codes + b * (kQuantBlock / 4), scales + b, lane);
+// One warp copies bf16 row `row` of x [rows, cols] (QuantParams x, codes, scales, cols, pow2; cols
+// a multiple of B) from `src` and quantizes the values it holds (quantize_block's bits): the fused
+// kernel's movers on a row they pull. A lane holds 16 bytes (8 values) a step, so a B-block is a
+// half warp's; kUnroll steps a lane in flight.
+template <int kUnroll>
+__device__ __forceinline__ void copy_quantize_row_bf16(const QuantParams* p, i64 row, const void* src, int lane) {
+  static_assert(kQuantBlock == 16 * 8, "a block is the 16 bytes of 16 lanes");
+  const i64 n = p->cols / 8;  // 16-byte steps of the row
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(reinterpret_cast<unsigned short*>(p->x) + row * p->cols);
+  uint2* codes = reinterpret_cast<uint2*>(p->codes + row * p->cols);
+  float* scales = reinterpret_cast<float*>(p->scales) + row * (p->cols / kQuantBlock);
+  for (i64 base = 0; base < n; base += 32 * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const i64 i = base + u * 32 + lane;
+      v[u] = i < n ? s[i] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const i64 i = base + u * 32 + lane;
+      if (i < n) d[i] = v[u];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * 32 >= n) break;  // warp-uniform; n is a multiple of 16: a half warp is all in or out
+      const i64 i = base + u * 32 + lane;
+      const float lo[4] = {bf16_lo(v[u].x), bf16_hi(v[u].x), bf16_lo(v[u].y), bf16_hi(v[u].y)};
+      const float hi[4] = {bf16_lo(v[u].z), bf16_hi(v[u].z), bf16_lo(v[u].w), bf16_hi(v[u].w)};
+      float m = amax4(amax4(0.0f, lo), hi);
+#pragma unroll
+      for (int off = 8; off > 0; off >>= 1) m = keep_max(m, __shfl_xor_sync(0xffffffffu, m, off));
+      const float scale = block_scale(m, p->pow2 != 0);
+      if (i < n) {
+        codes[i] = make_uint2(quantize4(lo, scale), quantize4(hi, scale));
+        if ((lane & 15) == 0) scales[i / 16] = scale;
+      }
+    }
   }
 }
 

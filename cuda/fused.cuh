@@ -562,15 +562,16 @@ __device__ __forceinline__ bool mover_task(const Ctx& c, volatile int* go, const
         c.cp, c.rank, rows.dispatch ? kLinkIn : kLinkOut, 0, rows.count, Workers{warp, kWarps}, lane,
         [&](i64 k) { return rows.peer(k); },
         [&](i64 k) {
-          warp_move_row<16, kUnroll>(rows.move(k), c.cp->row_bytes, lane);
-          // kQuantize (fused_forward_fp8): a received row's codes and scales, as q(recv) gives them
-          // (padding rows, which no segment holds, are not quantized there either)
+          // kQuantize (fused_forward_fp8): a pulled row is stored and quantized from the same
+          // registers, as q(recv) gives it (padding rows, which no segment holds, are only moved)
           if constexpr (kQuantize) {
             if (c.quant != nullptr && t.kind == plan::kTaskDispatch && rows.peer(k) >= 0) {
-              __syncwarp();  // the warp's stores of the row, before its loads of it
-              fp8::quantize_row_bf16(c.quant, rows.first + k * rows.stride - rows.shift, lane);
+              fp8::copy_quantize_row_bf16<kUnroll>(c.quant, rows.first + k * rows.stride - rows.shift, rows.move(k).src,
+                                                   lane);
+              return;
             }
           }
+          warp_move_row<16, kUnroll>(rows.move(k), c.cp->row_bytes, lane);
         });
     if (rows.dispatch)
       fence_proxy_async_global();  // the rows are read by the GEMMs' TMA loads
