@@ -229,7 +229,7 @@ GEMM_SLOT = Enum("GemmSlot", (
 MOVER_KINDS = ("kTaskDispatch", "kTaskCombine", "kTaskRevCombine", "kTaskRevDispatch", "kTaskSlotSum", "kTaskScale")
 
 # The remote counters (raised by every rank's tasks) the fused kernel executes, as the round's peer
-# flags (kRemoteCounterKinds below; cuda/fused.cuh remote_flag: SLOTS_ARRIVED as kFlagCombine,
+# flags (kRemoteCounterKinds below; cuda/fused_sync.cuh remote_flag: SLOTS_ARRIVED as kFlagCombine,
 # PUBLISHED as kFlagRouting).
 REMOTE_COUNTER_KINDS = ("kCounterSlotsArrived", "kCounterPublished")
 

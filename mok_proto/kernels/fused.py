@@ -9,7 +9,7 @@ first launch of a set of arguments uploads its params: do it once outside a grap
 W) in 2-CTA clusters; every CTA must be resident at once (a CTA spins on counters raised by
 others), so the constructor refuses a plan whose W * num_sms / 2 clusters exceed what the
 driver says the GPU runs at once. The remote counters the kernel keeps (as peer flags:
-cuda/fused.cuh remote_flag) are SLOTS_ARRIVED and PUBLISHED (REMOTE_KINDS); a plan with another
+cuda/fused_sync.cuh remote_flag) are SLOTS_ARRIVED and PUBLISHED (REMOTE_KINDS); a plan with another
 remote counter, or two of one kind, is refused (check_remote_counters).
 """
 
@@ -29,7 +29,7 @@ MODULE = CudaModule("fused.cuh", (*KERNELS.values(), SIZES), archs=("sm_90a",))
 LINK_MODULE = MODULE.variant("MOK_LINK")  # its movers pay an emulated link (mok_proto/link.py)
 RECORD_DTYPE = abi.TRACE_RECORD.dtype  # one TraceRecord (struct mok::fused::TraceRecord)
 GEMMS_PER_RANK = len(abi.GEMM_SLOT)
-# The remote counters cuda/fused.cuh keeps as peer flags (remote_flag; abi.REMOTE_COUNTER_KINDS).
+# The remote counters cuda/fused_sync.cuh keeps as peer flags (remote_flag; abi.REMOTE_COUNTER_KINDS).
 REMOTE_KINDS = frozenset(CounterKind(abi.COUNTER_KIND[name]) for name in abi.REMOTE_COUNTER_KINDS)
 
 
