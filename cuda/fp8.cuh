@@ -176,27 +176,14 @@ __device__ __forceinline__ void quantize_block(const float (&v)[4], bool pow2, u
 // One warp copies bf16 row `row` of x [rows, cols] (QuantParams x, codes, scales, cols, pow2; cols
 // a multiple of B) from `src` and quantizes the values it holds (quantize_block's bits): the fused
 // kernel's movers on a row they pull. A lane holds 16 bytes (8 values) a step, so a B-block is a
-// half warp's; kUnroll steps a lane in flight.
+// half warp's; kUnroll steps a lane in flight (warp_copy_row, which shows each group to `quantize`).
 template <int kUnroll>
 __device__ __forceinline__ void copy_quantize_row_bf16(const QuantParams* p, i64 row, const void* src, int lane) {
   static_assert(kQuantBlock == 16 * 8, "a block is the 16 bytes of 16 lanes");
   const i64 n = p->cols / 8;  // 16-byte steps of the row
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  uint4* d = reinterpret_cast<uint4*>(reinterpret_cast<unsigned short*>(p->x) + row * p->cols);
   uint2* codes = reinterpret_cast<uint2*>(p->codes + row * p->cols);
   float* scales = reinterpret_cast<float*>(p->scales) + row * (p->cols / kQuantBlock);
-  for (i64 base = 0; base < n; base += 32 * kUnroll) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const i64 i = base + u * 32 + lane;
-      v[u] = i < n ? s[i] : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const i64 i = base + u * 32 + lane;
-      if (i < n) d[i] = v[u];
-    }
+  const auto quantize = [&](i64 base, const uint4 (&v)[kUnroll]) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (base + u * 32 >= n) break;  // warp-uniform; n is a multiple of 16: a half warp is all in or out
@@ -212,7 +199,8 @@ __device__ __forceinline__ void copy_quantize_row_bf16(const QuantParams* p, i64
         if ((lane & 15) == 0) scales[i / 16] = scale;
       }
     }
-  }
+  };
+  warp_copy_row<16, kUnroll>(reinterpret_cast<unsigned short*>(p->x) + row * p->cols, src, 2 * p->cols, lane, quantize);
 }
 
 // 1 x B blocks along rows: block i (of rows * cols / B, row-major) is x[i*B : (i+1)*B] of the flat
