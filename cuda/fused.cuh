@@ -17,10 +17,11 @@
 // Legend: R ranks, El local experts, MB minibatch rows, W launch ranks (grid.y), B = kBM rows.
 //
 // Roles: CTA b of a launch rank runs tasks[task_begin[b] .. task_begin[b + 1]) in order, then (a
-// cluster's GEMM roles, when the plan has a pool) the pool's tile pairs it claims (see claim_pair). CTAs
-// below comm_ctas only communicate (every warp moves rows through registers); the spare warps of
-// a compute CTA move the chunks in its table (every chunk with comm_ctas = 0; with comm_ctas > 0
-// those of a transfer the plan spreads over every CTA) while the CTA's GEMMs run. These *movers*
+// cluster's GEMM roles, when the plan has a pool) the pool's tile pairs it claims (see claim_pair
+// in fused_sync.cuh). CTAs below comm_ctas only communicate (every warp moves rows through
+// registers); the spare warps of a compute CTA move the chunks in its table (every chunk with
+// comm_ctas = 0; with comm_ctas > 0 those of a transfer the plan spreads over every CTA) while the
+// CTA's GEMMs run. These *movers*
 // also run the token-side tasks (scale, slot sum) of their table: kMoverKinds. The others run
 // GEMM tiles with the building blocks of gemm.cuh (its producer warpgroup and two consumer
 // warpgroups), in 2-CTA clusters: the plan gives both CTAs of a cluster the same tile at the same
@@ -39,7 +40,8 @@
 // Ready counters (u32, this launch rank's, zeroed before the launch): a task waits (one thread,
 // acquire, bounded: kOpFusedWait names the counter and the task) until each of its counters
 // reaches its target, and adds one to each of its signal counters (release) when its rows are
-// stored. A remote counter (every rank's tasks raise it) is kept as peer flags: see remote_flag.
+// stored. A remote counter (every rank's tasks raise it) is kept as peer flags: see remote_flag
+// (fused_sync.cuh, with the waits, signals and the pool's tickets).
 // Rows stored by plain stores and read by TMA cross proxies: the writer fences
 // (fence.proxy.async.global) before its release, the TMA-issuing reader after its acquire.
 //
