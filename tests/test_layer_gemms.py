@@ -248,3 +248,51 @@ def test_capture_waits_for_the_eager_work_first(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     assert GpuRound.capture_graph(lambda: calls.append("enqueue")) == "graph"
     assert calls == ["synchronize", ("stream", True), "begin_capture", "enqueue", "end_capture"]
+
+
+def test_a_fused_launch_uploads_its_params_once_and_never_inside_a_capture(monkeypatch):
+    """FusedPass.launch: the first launch of a distinct argument set uploads its params; inside a
+    graph capture (which cannot copy host data) a launch never seen before is refused in one line,
+    and a seen one launches with the params it uploaded."""
+    import sys
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from mok_proto.kernels import fused
+
+    uploads, launches, capturing = [], [], [False]
+
+    class Device:
+        def __init__(self, host):
+            self.data = SimpleNamespace(ptr=4096 * (len(uploads) + 1))
+            uploads.append(host)
+
+        def fill(self, value):
+            pass
+
+    stream = SimpleNamespace(is_capturing=lambda: capturing[0])
+    fake = SimpleNamespace(asarray=Device, cuda=SimpleNamespace(get_current_stream=lambda: stream))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(fused, "_kernel", lambda kernel, link: lambda grid, block, args, shared_mem: launches.append(
+        args[0]))
+    monkeypatch.setattr(fused, "smem_bytes", lambda kernel, link: 0)
+    table = lambda: SimpleNamespace(data=SimpleNamespace(ptr=64), fill=lambda v: None, shape=(1, 3))  # noqa: E731
+    plan = SimpleNamespace(token_grads=False, scale=False, comm_blocks=0, tasks=[0] * 5, first_remote_counter=3,
+                           claim_counter=-1, minibatch_rows=256, ring_minibatches=1, num_sms=8)
+    p = fused.FusedPass.__new__(fused.FusedPass)
+    p.plan, p.kernel, p.link, p.num_launch_ranks, p._params = plan, "fwd", False, 1, {}
+    p.tasks = p.task_begin = p.counters = p.counter_info = p.records = table()
+    comm, error, words = SimpleNamespace(data=SimpleNamespace(ptr=128)), SimpleNamespace(ptr=256), np.zeros(4, np.uint64)
+    capturing[0] = True
+    with pytest.raises(RuntimeError, match="never uploaded: run the pass once before capturing"):
+        p.launch(comm, words, error, 10**9)
+    assert not uploads and not launches
+    capturing[0] = False
+    p.launch(comm, words, error, 10**9)  # eager: the GEMM words, then the FusedParams
+    assert len(uploads) == 2 and len(launches) == 1
+    capturing[0] = True
+    p.launch(comm, words, error, 10**9)  # captured: the same device params, no upload
+    assert len(uploads) == 2 and launches == [launches[0], launches[0]]
+    with pytest.raises(RuntimeError, match="never uploaded"):
+        p.launch(comm, words, error, 2 * 10**9)  # another timeout: other params
