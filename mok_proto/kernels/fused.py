@@ -152,10 +152,10 @@ class FusedPass:
         extra = [np.ascontiguousarray(w, np.uint64) for w in (fp8_gemm_params, quant_params) if w is not None]
         key = (int(comm_params.data.ptr), gemm_words.tobytes(), int(error.ptr), int(timeout_ns), bool(trace),
                token_ptr, quant_params is not None, *(w.tobytes() for w in extra))
-        if key not in self._params and cupy.cuda.get_current_stream().is_capturing():
-            raise RuntimeError("this fused launch's params were never uploaded: run the pass once before capturing a "
-                               "graph of it (a capture cannot copy host data to the GPU)")
         if key not in self._params:  # uploaded once per distinct launch (a captured graph never uploads)
+            if cupy.cuda.get_current_stream().is_capturing():
+                raise RuntimeError("this fused launch's params were never uploaded: run the pass once before "
+                                   "capturing a graph of it (a capture cannot copy host data to the GPU)")
             gemms = cupy.asarray(gemm_words)
             fp8_gemms = None if fp8_gemm_params is None else cupy.asarray(extra[0])
             quants = None if quant_params is None else cupy.asarray(extra[-1])
