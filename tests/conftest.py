@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,39 @@ def rank_env() -> dict:
                 PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
+def remove_stale_mpich_segments(shm_dir: Path = Path("/dev/shm"), min_age_s: float = 60.0) -> list[Path]:
+    """Remove MPICH's shared-memory segments (mpich_shm_*) that no live process maps and that are
+    older than min_age_s; return them. A rank killed by a signal (the tests that stop or kill one)
+    never unlinks its job's segments, so they pile up run after run (4 MB each); with hundreds of
+    them, two 4-rank jobs at once (pytest's workers) saw a rank SIGKILLed after the demo's PASS
+    about one job in eight, and none once they were gone. A segment a job still maps, or one
+    created in the last min_age_s (a job starting), is left alone."""
+    now = time.time()
+    old = []
+    for path in shm_dir.glob("mpich_shm_*"):
+        try:
+            if now - path.stat().st_mtime > min_age_s:
+                old.append(path)
+        except OSError:
+            continue
+    if not old:
+        return []
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split(maxsplit=5)[-1] for line in maps.read_text().splitlines()
+                          if "mpich_shm_" in line)
+        except OSError:  # a process that ended, or one of another user
+            continue
+    removed = [path for path in old if str(path) not in mapped]
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
+
+
 def run_ranks(num_ranks: int, *args: str, timeout: float = 180, expect_rc: int | None = 0):
     """Run `python args...` on num_ranks ranks; return the CompletedProcess (checked against expect_rc)."""
+    remove_stale_mpich_segments()
     proc = subprocess.run(mpiexec_cmd(num_ranks, *args), capture_output=True, text=True, timeout=timeout,
                           env=rank_env(), cwd=ROOT)
     if expect_rc is not None and proc.returncode != expect_rc:
