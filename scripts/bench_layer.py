@@ -58,7 +58,7 @@ and a table per link speed after every shape.
 
 --precision fp8 [--dispatch-dtype bf16|fp8]: the routed experts in block-scaled e4m3 (RunConfig
 precision, dispatch_dtype); the fused settings run the forward only (fused_forward_fp8, with bf16
-dispatch and a ring of one turn: the others are skipped, one line says so; --directions is refused). Every row records `precision` and
+dispatch: the others are skipped, one line says so; --directions is refused). Every row records `precision` and
 `dispatch_dtype` (the run's). The BF16 torch pipeline stays `speedup_vs_torch`'s baseline; the
 torch FP8 pipeline (mok_proto.bench.torch_fp8: torch._scaled_grouped_mm, row-wise scales) is a
 second, forward only (a `torch_fp8` row, `speedup_vs_torch_fp8`, `torch_fp8_note` says why). Each

@@ -194,6 +194,49 @@ def test_the_passes_call_the_fp8_hooks(monkeypatch):
     assert [c for c in calls if c[0] == "dispatch"] == [("dispatch", "push", t, False) for t in (1, 2)]
 
 
+def test_the_fused_fp8_forward_runs_every_turn_of_a_ring_with_that_turns_words(monkeypatch):
+    """A ring of 3 turns (last first): each launch gets its turn's Fp8GemmParams words; the movers
+    quantize (QuantParams words) when the dispatch runs inside the kernel, else the turn's sequential
+    quantizer runs before the launch (its steps but the GEMM) and the kernel gets no QuantParams."""
+    calls = []
+    stub = SimpleNamespace(**{n: (lambda name: lambda *a, **k: calls.append(name))(n)
+                              for n in ("move_rows", "wait_peers", "raise_flag", "turn_segments", "weighted_sum",
+                                        "begin_round")})
+    monkeypatch.setattr(gpu_ring, "kc", stub)
+    monkeypatch.setattr(gpu_ring, "kt", stub)
+    experts = gpu_fp8.Fp8Experts.__new__(gpu_fp8.Fp8Experts)
+    experts.layer = SimpleNamespace(ranks=[0, 1])
+    experts.steps = lambda pass_, slot, r, turn=0, accumulate=False: [
+        (lambda *a: calls.append(("quantize", *a)), (pass_, slot, r, turn), {}), (None, (), {})]
+    launches = []
+
+    def launch_of(part):
+        return lambda p, words, error, timeout_ns, trace=False, **fp8: (launches.append((part, p, words, fp8)),
+                                                                        calls.append(("launch", part)))
+
+    words = [(f"gemms{t}", f"quants{t}") for t in range(3)]
+    fused = SimpleNamespace(plan=SimpleNamespace(ring_minibatches=1, num_minibatches=1), fp8_words=words,
+                            launch=launch_of("first"), rest=SimpleNamespace(launch=launch_of("rest")))
+    layer = SimpleNamespace(launch=None, turn_params={"fwd": ["p0", "p1", "p2"]}, params_fwd=None, params_tok=None,
+                            num_turns=3, fused=fused, fp8=experts, _fused_words=["w0", "w1", "w2"], error=None,
+                            run=RunConfig(SHAPE, R, precision="fp8"), trace=False)
+    monkeypatch.setattr(gpu_ring, "_dispatch_into_ring", lambda layer, t, direction: calls.append(("dispatch", t)))
+    gpu_ring.forward_turns(layer, dict(MOK_POLICY), lambda stage: None, inside=(True, True))
+    assert launches == [("rest", "p2", "w2", {"fp8_gemm_params": "gemms2", "quant_params": "quants2"}),
+                        ("rest", "p1", "w1", {"fp8_gemm_params": "gemms1", "quant_params": "quants1"}),
+                        ("first", "p0", "w0", {"fp8_gemm_params": "gemms0", "quant_params": "quants0"})]
+    assert not [c for c in calls if c[0] in ("quantize", "dispatch")]  # the movers pull and quantize
+    launches.clear()
+    calls.clear()
+    gpu_ring.forward_turns(layer, {**MOK_POLICY, "dispatch": "push"}, lambda stage: None, inside=(False, True))
+    assert [(part, fp8) for part, _, _, fp8 in launches] == [
+        (part, {"fp8_gemm_params": f"gemms{t}", "quant_params": None}) for part, t in (("rest", 2), ("rest", 1),
+                                                                                       ("first", 0))]
+    turns = [c for c in calls if c[0] in ("quantize", "dispatch", "launch")]
+    assert turns == [c for t, part in ((2, "rest"), (1, "rest"), (0, "first"))
+                     for c in [("dispatch", t), *[("quantize", "fwd", "kSlotFirst", r, t) for r in (0, 1)], ("launch", part)]]
+
+
 def test_refusals():
     fp8_run = RunConfig(SHAPE, 1, precision="fp8")
     with pytest.raises(ValueError, match="GpuRound has bf16 passes only"):
@@ -210,8 +253,6 @@ def test_refusals():
     with pytest.raises(ValueError, match="fused forward dispatches bf16 rows"):
         gpu.GpuMoELayer._fused_pass(SimpleNamespace(run=RunConfig(SHAPE, 1, precision="fp8", dispatch_dtype="fp8"),
                                                     fp8=object(), num_turns=1), object(), "fwd")
-    with pytest.raises(ValueError, match="ring of one turn, this layer's takes 3"):
-        gpu.GpuMoELayer._fused_pass(SimpleNamespace(run=fp8_run, fp8=object(), num_turns=3), object(), "fwd")
     assert gpu.GpuMoELayer._fused_pass(fp8_layer, None, "fwd") == (None, None)  # sequential
 
 

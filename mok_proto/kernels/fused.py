@@ -126,7 +126,7 @@ class FusedPass:
         self.task_begin = cupy.asarray(begin)
         self.counters = cupy.zeros((self.num_launch_ranks, max(1, len(plan.counters))), np.uint32)
         self.rest = self  # a layer's ring of several turns: what its turns after the first run (gpu_ring)
-        self.fp8_words = None  # fp8: the layer's (Fp8GemmParams words, QuantParams words) for launch
+        self.fp8_words = None  # fp8: per turn of the layer's ring, its (Fp8GemmParams, QuantParams) words
         self.records = cupy.zeros((self.num_launch_ranks, max(1, len(plan.tasks)) * RECORD_DTYPE.itemsize), np.uint8)
         self._params: dict = {}
 
