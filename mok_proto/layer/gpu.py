@@ -297,7 +297,8 @@ class GpuMoELayer(GpuRound):
                                for gemms, quants in (self.fp8.fused_words(self.ranks, t) for t in range(self.num_turns))]
         if self.num_turns > 1 and self.has_shared:  # turns after the first: the same plan without the shared expert
             fused.rest = FusedPass(without_shared(plan), len(self.ranks), link=self.run.link is not None, fp8=fp8)
-            fused.rest.fp8_words = fused.fp8_words
+            if fp8:
+                fused.rest.fp8_words = fused.fp8_words
         slots = [name for name, _ in abi.GEMM_SLOT.members]
         per_turn = []  # the buffers never move: packed (and their tensor maps made) once
         for t in range(self.num_turns):
