@@ -100,7 +100,8 @@ class Struct:
 
     def pack(self, values: dict) -> np.ndarray:
         """values (every field, by name) -> the struct's bytes as a uint64 host array. A value may
-        be an int, or anything with `.data.ptr` (a CuPy array: its device address)."""
+        be an int, anything with `.data.ptr` (a CuPy array: its device address), or a NumPy array
+        (its host address: CPU tests' stand-ins)."""
         missing, extra = set(self.names) - set(values), set(values) - set(self.names)
         if missing or extra:
             raise ValueError(f"{self.name}: missing fields {sorted(missing)}, unknown fields {sorted(extra)}")
@@ -109,6 +110,8 @@ class Struct:
             value = values[name]
             if hasattr(value, "data") and hasattr(value.data, "ptr"):
                 value = value.data.ptr
+            elif isinstance(value, np.ndarray):
+                value = value.ctypes.data
             value = int(value)
             if FIELD_TYPES[ctype] == "<u8":
                 value &= 0xFFFFFFFFFFFFFFFF

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mok_proto import memory
+from mok_proto import abi, memory
 from mok_proto.config import MOK_POLICY, MoEShape, RunConfig, get_shape
 from mok_proto.kernels import fp8 as kq
 from mok_proto.kernels import gemm
@@ -192,6 +192,56 @@ def test_the_passes_call_the_fp8_hooks(monkeypatch):
     calls.clear()
     gpu_ring.backward_turns(layer, {**MOK_POLICY, "dispatch": "push"}, lambda stage: None)
     assert [c for c in calls if c[0] == "dispatch"] == [("dispatch", "push", t, False) for t in (1, 2)]
+
+
+@pytest.mark.parametrize("dispatch", ["bf16"])
+def test_fused_words_pack_each_turns_rows(dispatch, monkeypatch):
+    """Fp8Experts.fused_words(ranks, turn): the routed slots' Fp8GemmParams on turn `turn`'s segments
+    (its row offsets and counts), the other slots zero; QuantParams recv -> xq, xq_s (bf16 dispatch)."""
+    monkeypatch.setattr(gemm, "tensor_map", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(gemm, "launch_grouped", lambda module, namespace, struct, problem, site, error, pack_only,
+                        fields: struct.pack({**dict.fromkeys(struct.names, 0), **fields, "error": 0}))
+    layer, bufs, _ = _stand_in(dispatch)
+    turns = [(np.zeros(EL, np.int32), np.zeros(EL, np.int32)) for _ in range(3)]
+    layer._rows = lambda r, turn=0: turns[turn]
+    experts = gpu_fp8.Fp8Experts(layer)
+    slots = [name for name, _ in abi.GEMM_SLOT.members]
+    for t in (2, 0, 1):
+        gemms, quants = experts.fused_words(layer.ranks, t)
+        got = gemms.view(abi.FP8_GEMM_PARAMS.dtype)
+        for slot, params in zip(slots, got):
+            routed = slot in ("kSlotFirst", "kSlotSecond")
+            assert (params["row_offsets"], params["row_counts"]) == (
+                (_address(turns[t][0]), _address(turns[t][1])) if routed else (0, 0)), (t, slot)
+        if dispatch == "bf16":
+            q = quants.view(abi.QUANT_PARAMS.dtype)[0]
+            assert (q["x"], q["codes"], q["scales"]) == (_address(bufs["recv"]), _address(bufs["xq"]),
+                                                        _address(bufs["xq_s"]))
+
+
+def test_the_fused_fp8_pass_holds_every_turns_words(monkeypatch):
+    """GpuMoELayer._fused_pass of an FP8 layer on a ring of 3 turns: fp8_words[t] is
+    fused_words(ranks, t) with the GEMMs' longer timeout, shared with the turns' pass without the
+    shared expert (fused.rest)."""
+    from mok_proto import plan as P
+    from mok_proto.kernels import fused
+
+    tile = get_shape("tile")
+    monkeypatch.setattr(fused, "FusedPass", lambda plan, w, link=False, fp8=False: SimpleNamespace(plan=plan, fp8=fp8))
+    blank = np.zeros(abi.FP8_GEMM_PARAMS.nbytes // 8 * len(abi.GEMM_SLOT), np.uint64)
+    experts = SimpleNamespace(fused_words=lambda ranks, t: (blank.copy(), f"quants of turn {t}"))
+    pack = (lambda *a, error=None, pack_only=False, accumulate=False: abi.GEMM_PARAMS.pack(
+        dict.fromkeys(abi.GEMM_PARAMS.names, 0)), ())
+    layer = SimpleNamespace(run=RunConfig(tile, 2, precision="fp8", timeout_s=30), shape=tile, capacity=1024,
+                            num_turns=3, ring_rows=512, ranks=[0, 1], error=None, has_shared=True, fp8=experts,
+                            _gemm=lambda pass_, slot, r, t=0: pack)
+    layer._plan_rows = lambda: gpu.GpuMoELayer._plan_rows(layer)
+    plan = P.fused_forward(tile, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=512)
+    made, _ = gpu.GpuMoELayer._fused_pass(layer, plan, "fwd")
+    assert made.fp8 and made.rest.fp8 and made.rest.fp8_words is made.fp8_words
+    assert [q for _, q in made.fp8_words] == [f"quants of turn {t}" for t in range(3)]
+    timeouts = {int(v) for g, _ in made.fp8_words for v in g.view(abi.FP8_GEMM_PARAMS.dtype)["timeout_ns"]}
+    assert timeouts == {fused.gemm_timeout_ns(30 * 10**9)}
 
 
 def test_the_fused_fp8_forward_runs_every_turn_of_a_ring_with_that_turns_words(monkeypatch):
