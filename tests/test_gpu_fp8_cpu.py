@@ -255,7 +255,7 @@ def test_the_fused_fp8_forward_runs_every_turn_of_a_ring_with_that_turns_words(m
     monkeypatch.setattr(gpu_ring, "kc", stub)
     monkeypatch.setattr(gpu_ring, "kt", stub)
     experts = gpu_fp8.Fp8Experts.__new__(gpu_fp8.Fp8Experts)
-    experts.layer = SimpleNamespace(ranks=[0, 1])
+    experts.layer, experts.dispatch_fp8 = SimpleNamespace(ranks=[0, 1]), False
     experts.steps = lambda pass_, slot, r, turn=0, accumulate=False: [
         (lambda *a: calls.append(("quantize", *a)), (pass_, slot, r, turn), {}), (None, (), {})]
     launches = []
@@ -287,6 +287,41 @@ def test_the_fused_fp8_forward_runs_every_turn_of_a_ring_with_that_turns_words(m
                      for c in [("dispatch", t), *[("quantize", "fwd", "kSlotFirst", r, t) for r in (0, 1)], ("launch", part)]]
 
 
+def test_the_fused_fp8_forward_with_fp8_dispatch_moves_the_token_owners_codes_and_scales(monkeypatch):
+    """fp8 dispatch: pulled inside, the kernel gets the turn's codes and scales CommParams and no
+    QuantParams (nothing to quantize); pushed before it, Fp8Experts.dispatch moves them (not the bf16
+    push) and the kernel gets neither."""
+    experts = gpu_fp8.Fp8Experts.__new__(gpu_fp8.Fp8Experts)
+    experts.dispatch_fp8 = True
+    experts.turn_params = [{"codes": "c0", "scales": "s0"}, {"codes": "c1", "scales": "s1"}]
+    experts.steps = lambda *a, **k: pytest.fail("no quantizer runs: the token owners quantized their rows")
+    calls = []
+    experts.dispatch = lambda direction, turn, wait_map: calls.append(("fp8 dispatch", direction, turn, wait_map))
+    fused = SimpleNamespace(fp8_words=[("g0", "q0"), ("g1", "q1")])
+    assert experts.fused_args(fused, 1, comm_in=True) == {"fp8_gemm_params": "g1", "quant_params": None,
+                                                          "dispatch_params": ("c1", "s1")}
+    assert experts.fused_args(fused, 0, comm_in=False) == {"fp8_gemm_params": "g0", "quant_params": None,
+                                                           "dispatch_params": None}
+    monkeypatch.setattr(gpu, "to_experts_before_fused", lambda *a, **k: calls.append("bf16 dispatch"))
+    for name in ("to_tokens_after_fused", "kt"):
+        monkeypatch.setattr(gpu, name, SimpleNamespace(weighted_sum=lambda *a: None) if name == "kt" else
+                            (lambda *a, **k: None))
+    fused.plan = SimpleNamespace(pass_="fwd", policy={**MOK_POLICY, "dispatch": "push"}, ring_minibatches=1,
+                                 num_minibatches=1)
+    fused.launch = lambda *a, **fp8: calls.append(("launch", fp8))
+    layer = SimpleNamespace(fused=fused, params_fwd=None, launch=None, fp8=experts, _fused_words=["w0"], error=None,
+                            run=RunConfig(SHAPE, R, precision="fp8", dispatch_dtype="fp8"), trace=False, params_tok=None)
+    gpu.GpuMoELayer._enqueue_fused_forward(layer, {**MOK_POLICY, "dispatch": "push"}, lambda stage: None)
+    assert calls == [("fp8 dispatch", "push", 0, True),
+                     ("launch", {"trace": False, "fp8_gemm_params": "g0", "quant_params": None, "dispatch_params": None})]
+    calls.clear()
+    fused.plan.policy = dict(MOK_POLICY)  # pull: inside the kernel
+    gpu.GpuMoELayer._enqueue_fused_forward(layer, dict(MOK_POLICY), lambda stage: None)
+    assert calls == ["bf16 dispatch",  # (to_experts_before_fused: a pull inside publishes nothing after the schedule)
+                     ("launch", {"trace": False, "fp8_gemm_params": "g0", "quant_params": None,
+                                 "dispatch_params": ("c0", "s0")})]
+
+
 def test_refusals():
     fp8_run = RunConfig(SHAPE, 1, precision="fp8")
     with pytest.raises(ValueError, match="GpuRound has bf16 passes only"):
@@ -300,9 +335,6 @@ def test_refusals():
     fp8_layer = SimpleNamespace(run=fp8_run, fp8=object(), num_turns=1)
     with pytest.raises(ValueError, match="fused backward does not run FP8"):
         gpu.GpuMoELayer._fused_pass(fp8_layer, object(), "bwd")
-    with pytest.raises(ValueError, match="fused forward dispatches bf16 rows"):
-        gpu.GpuMoELayer._fused_pass(SimpleNamespace(run=RunConfig(SHAPE, 1, precision="fp8", dispatch_dtype="fp8"),
-                                                    fp8=object(), num_turns=1), object(), "fwd")
     assert gpu.GpuMoELayer._fused_pass(fp8_layer, None, "fwd") == (None, None)  # sequential
 
 

@@ -521,7 +521,10 @@ class GpuMoELayer(GpuRound):
         comm_in, comm_out = _directions(plan, policy)
         if not comm_in:
             mark("dispatch")
-        to_experts_before_fused(p, launch, comm_in, "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
+        if self.fp8 is not None and self.fp8.dispatch_fp8 and not comm_in:  # the codes and scales pushed now
+            self.fp8.dispatch("push", 0, wait_map=True)
+        else:
+            to_experts_before_fused(p, launch, comm_in, "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
         fp8 = {} if self.fp8 is None else self.fp8.fused_args(fused, 0, comm_in)
         mark("fused")
         fused.launch(p, self._fused_words[0], self.error, int(self.run.timeout_s * 1e9), trace=self.trace, **fp8)

@@ -41,13 +41,10 @@ B = abi.CONST["kQuantBlock"]
 
 def check_fused(run, pass_: str) -> None:
     """ValueError (one line) for a fused pass the FP8 layer does not run: the fused kernel runs FP8
-    routed experts in the forward (fused_forward_fp8), with bf16 dispatch."""
+    routed experts in the forward only (fused_forward_fp8)."""
     if pass_ != "fwd":
         raise ValueError("precision fp8: the fused backward does not run FP8 routed experts yet (cuda/fused.cuh "
                          "has fused_forward_fp8 only); run the backward's sequential passes (set_backward_plan(None))")
-    if run.dispatch_dtype != "bf16":
-        raise ValueError("precision fp8: the fused forward dispatches bf16 rows (its movers quantize what they "
-                         "receive); dispatch_dtype='fp8' runs the sequential passes")
 
 
 def check_run(run) -> None:
@@ -143,10 +140,15 @@ class Fp8Experts:
         return np.concatenate(gemms), np.concatenate(quants)
 
     def fused_args(self, fused, turn: int, comm_in: bool) -> dict:
-        """The fused forward's FP8 launch arguments for turn `turn` (fused.fp8_words). The movers
-        quantize the rows they pull (xq = q(recv)); rows a dispatch outside the kernel (comm_in
-        False) moved are quantized first, here, by the sequential quantizer (enqueued now)."""
+        """The fused forward's FP8 launch arguments for turn `turn` (fused.fp8_words). bf16 dispatch:
+        the movers quantize the rows they pull (xq = q(recv)); rows a dispatch outside the kernel
+        (comm_in False) moved are quantized first, here, by the sequential quantizer (enqueued now).
+        fp8 dispatch: the movers pull the token owners' codes and scales rows (dispatch_params);
+        outside the kernel, the caller moved them (dispatch)."""
         gemms, quants = fused.fp8_words[turn]
+        if self.dispatch_fp8:
+            rows = (self.turn_params[turn]["codes"], self.turn_params[turn]["scales"]) if comm_in else None
+            return {"fp8_gemm_params": gemms, "quant_params": None, "dispatch_params": rows}
         for r in ([] if comm_in else self.layer.ranks):
             for fn, args, kwargs in self.steps("fwd", "kSlotFirst", r, turn)[:-1]:
                 fn(*args, **kwargs)
