@@ -194,7 +194,7 @@ def test_the_passes_call_the_fp8_hooks(monkeypatch):
     assert [c for c in calls if c[0] == "dispatch"] == [("dispatch", "push", t, False) for t in (1, 2)]
 
 
-@pytest.mark.parametrize("dispatch", ["bf16"])
+@pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
 def test_fused_words_pack_each_turns_rows(dispatch, monkeypatch):
     """Fp8Experts.fused_words(ranks, turn): the routed slots' Fp8GemmParams on turn `turn`'s segments
     (its row offsets and counts), the other slots zero; QuantParams recv -> xq, xq_s (bf16 dispatch)."""
@@ -213,10 +213,12 @@ def test_fused_words_pack_each_turns_rows(dispatch, monkeypatch):
             routed = slot in ("kSlotFirst", "kSlotSecond")
             assert (params["row_offsets"], params["row_counts"]) == (
                 (_address(turns[t][0]), _address(turns[t][1])) if routed else (0, 0)), (t, slot)
+        q = quants.view(abi.QUANT_PARAMS.dtype)[0]
         if dispatch == "bf16":
-            q = quants.view(abi.QUANT_PARAMS.dtype)[0]
             assert (q["x"], q["codes"], q["scales"]) == (_address(bufs["recv"]), _address(bufs["xq"]),
                                                         _address(bufs["xq_s"]))
+        else:  # (the layout has no recv: fp8 dispatch moves codes and scales)
+            assert "recv" not in bufs and not any(q[name] for name in abi.QUANT_PARAMS.names)
 
 
 def test_the_fused_fp8_pass_holds_every_turns_words(monkeypatch):
@@ -231,14 +233,26 @@ def test_the_fused_fp8_pass_holds_every_turns_words(monkeypatch):
     blank = np.zeros(abi.FP8_GEMM_PARAMS.nbytes // 8 * len(abi.GEMM_SLOT), np.uint64)
     experts = SimpleNamespace(fused_words=lambda ranks, t: (blank.copy(), f"quants of turn {t}"))
     pack = (lambda *a, error=None, pack_only=False, accumulate=False: abi.GEMM_PARAMS.pack(
-        dict.fromkeys(abi.GEMM_PARAMS.names, 0)), ())
+        {**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "num_groups": 3}), ())
+
+    def bf16_gemm(pass_, slot, r, t=0):  # an fp8-dispatch layer has no recv: no routed BF16 GEMM to pack
+        assert slot not in ("kSlotFirst", "kSlotSecond"), slot
+        return pack if slot.startswith("kSlotShared") else None  # (the forward has no weight gradients)
+
     layer = SimpleNamespace(run=RunConfig(tile, 2, precision="fp8", timeout_s=30), shape=tile, capacity=1024,
-                            num_turns=3, ring_rows=512, ranks=[0, 1], error=None, has_shared=True, fp8=experts,
-                            _gemm=lambda pass_, slot, r, t=0: pack)
+                            num_turns=3, ring_rows=512, ranks=[0, 1], error=SimpleNamespace(ptr=4096),
+                            has_shared=True, fp8=experts, _gemm=bf16_gemm)
     layer._plan_rows = lambda: gpu.GpuMoELayer._plan_rows(layer)
     plan = P.fused_forward(tile, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=512)
-    made, _ = gpu.GpuMoELayer._fused_pass(layer, plan, "fwd")
+    made, words = gpu.GpuMoELayer._fused_pass(layer, plan, "fwd")
     assert made.fp8 and made.rest.fp8 and made.rest.fp8_words is made.fp8_words
+    for turn in words:  # the routed slots' BF16 records: the error record and the timeout only
+        got = turn.view(abi.GEMM_PARAMS.dtype)
+        slots = [name for name, _ in abi.GEMM_SLOT.members] * 2
+        routed = np.isin(slots, ["kSlotFirst", "kSlotSecond"])
+        assert (got["error"][routed] == 4096).all() and (got["num_groups"][routed] == 0).all()
+        shared = np.char.startswith(slots, "kSlotShared")
+        assert (got["num_groups"][shared] == 3).all() and (got["timeout_ns"] > 0).all()
     assert [q for _, q in made.fp8_words] == [f"quants of turn {t}" for t in range(3)]
     timeouts = {int(v) for g, _ in made.fp8_words for v in g.view(abi.FP8_GEMM_PARAMS.dtype)["timeout_ns"]}
     assert timeouts == {fused.gemm_timeout_ns(30 * 10**9)}

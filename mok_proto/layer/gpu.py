@@ -305,6 +305,11 @@ class GpuMoELayer(GpuRound):
             words = []
             for r in self.ranks:
                 for slot in slots:
+                    if fp8 and slot in ("kSlotFirst", "kSlotSecond"):  # routed: FP8 tiles (fp8_words); the kernel
+                        # reads only error and timeout_ns here (gemm_setup's abort check, the pool's tickets)
+                        words.append(abi.GEMM_PARAMS.pack({**dict.fromkeys(abi.GEMM_PARAMS.names, 0),
+                                                           "error": self.error.ptr}))
+                        continue
                     call = self._gemm(pass_, slot, r, t)
                     extra = {"accumulate": True} if t > 0 and slot in gpu_ring.ROUTED_WGRAD else {}
                     words.append(np.zeros(abi.GEMM_PARAMS.nbytes // 8, np.uint64) if call is None

@@ -133,6 +133,9 @@ class Fp8Experts:
                     gemms.append(fn(*args, **{**kwargs, "pack_only": True}))
                 else:
                     gemms.append(np.zeros(abi.FP8_GEMM_PARAMS.nbytes // 8, np.uint64))
+            if self.dispatch_fp8:  # the movers copy codes and scales: nothing to quantize (no recv)
+                quants.append(abi.QUANT_PARAMS.pack(dict.fromkeys(abi.QUANT_PARAMS.names, 0)))
+                continue
             recv = b("recv", r)
             quants.append(abi.QUANT_PARAMS.pack({**dict.fromkeys(abi.QUANT_PARAMS.names, 0), "batch": 1,
                                                  "rows": recv.shape[0], "cols": layer.shape.hidden, "x": recv,
