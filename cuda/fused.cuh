@@ -292,13 +292,27 @@ __device__ __forceinline__ bool mover_task(const Ctx& c, volatile int* go, const
     if (t.kind == plan::kTaskScale) __threadfence_system();  // the peers' pulls, after the flag
   } else {
     const ChunkRows rows = chunk_rows(c, t, ok);
+    // fp8 dispatch: a row is its codes and its scales, moved as the sequential pulls move them (the
+    // emulated link charges the codes' bytes)
+    const bool fp8_rows = kQuantize && c.codes != nullptr && t.kind == plan::kTaskDispatch;
     linked_rows<32 * 16 * kUnroll>(
-        c.cp, c.rank, rows.dispatch ? kLinkIn : kLinkOut, 0, rows.count, Workers{warp, kWarps}, lane,
-        [&](i64 k) { return rows.peer(k); },
+        fp8_rows ? c.codes : c.cp, c.rank, rows.dispatch ? kLinkIn : kLinkOut, 0, rows.count, Workers{warp, kWarps},
+        lane, [&](i64 k) { return rows.peer(k); },
         [&](i64 k) {
           // kQuantize (fused_forward_fp8): a pulled row is stored and quantized from the same
           // registers, as q(recv) gives it (padding rows, which no segment holds, are only moved)
           if constexpr (kQuantize) {
+            if (fp8_rows) {
+              const i64 i = rows.first + k * rows.stride;
+              warp_move_row<16, kUnroll>(dispatch_pull_row(c.codes, c.rank, rows.sv, i, rows.shift), c.codes->row_bytes,
+                                         lane);
+              const RowMove s = dispatch_pull_row(c.scales, c.rank, rows.sv, i, rows.shift);
+              if (c.scales->row_bytes % 16 == 0)
+                warp_move_row<16>(s, c.scales->row_bytes, lane);
+              else
+                warp_move_row<2>(s, c.scales->row_bytes, lane);
+              return;
+            }
             if (c.quant != nullptr && t.kind == plan::kTaskDispatch && rows.peer(k) >= 0) {
               fp8::copy_quantize_row_bf16<kUnroll>(c.quant, rows.first + k * rows.stride - rows.shift, rows.move(k).src,
                                                    lane);
@@ -376,6 +390,8 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
   c.gemm = reinterpret_cast<const GemmParams*>(fp->gemm) + w * kFusedGemms;
   c.fp8 = kFp8 ? reinterpret_cast<const gemm_fp8::Fp8GemmParams*>(fp->fp8_gemm) + w * kFusedGemms : nullptr;
   c.quant = kFp8 && fp->quant ? reinterpret_cast<const fp8::QuantParams*>(fp->quant) + w : nullptr;
+  c.codes = kFp8 ? reinterpret_cast<const CommParams*>(fp->dispatch_codes) : nullptr;
+  c.scales = kFp8 ? reinterpret_cast<const CommParams*>(fp->dispatch_scales) : nullptr;
   c.tasks = reinterpret_cast<const Task*>(fp->tasks);
   c.counters = reinterpret_cast<u32*>(fp->counters) + w * fp->num_counters;
   c.trace = fp->record_trace ? reinterpret_cast<TraceRecord*>(fp->trace) + w * fp->num_tasks : nullptr;

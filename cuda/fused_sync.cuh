@@ -50,6 +50,8 @@ struct Ctx {
   const GemmParams* gemm;  // this launch rank's kFusedGemms
   const gemm_fp8::Fp8GemmParams* fp8;  // fused_forward_fp8: ... and its routed slots' FP8 GEMMs (else nullptr)
   const fp8::QuantParams* quant;  // fused_forward_fp8 with the dispatch inside: recv -> xq, xq_s (else nullptr)
+  const CommParams* codes;        // ... with fp8 dispatch inside: the codes' and the scales' rows (else nullptr)
+  const CommParams* scales;
   const Task* tasks;
   const Counter* info;  // the plan's counters (kind, target, remote): read for remote counters only
   int first_remote;     // counters first_remote .. are the remote ones (plan/core.py numbers them last)

@@ -100,7 +100,8 @@ class Struct:
 
     def pack(self, values: dict) -> np.ndarray:
         """values (every field, by name) -> the struct's bytes as a uint64 host array. A value may
-        be an int, or anything with `.data.ptr` (a CuPy array: its device address)."""
+        be an int, anything with `.data.ptr` (a CuPy array: its device address), or a NumPy array
+        (its host address: CPU tests' stand-ins)."""
         missing, extra = set(self.names) - set(values), set(values) - set(self.names)
         if missing or extra:
             raise ValueError(f"{self.name}: missing fields {sorted(missing)}, unknown fields {sorted(extra)}")
@@ -109,6 +110,8 @@ class Struct:
             value = values[name]
             if hasattr(value, "data") and hasattr(value.data, "ptr"):
                 value = value.data.ptr
+            elif isinstance(value, np.ndarray):
+                value = value.ctypes.data
             value = int(value)
             if FIELD_TYPES[ctype] == "<u8":
                 value &= 0xFFFFFFFFFFFFFFFF
@@ -478,7 +481,10 @@ FUSED_PARAMS = Struct("FusedParams", (
     ("ErrorRecord*", "error", "this process's error record"),
     ("i64", "fp8_gemm", "Fp8GemmParams [W][kFusedGemms] (fused_forward_fp8: its routed slots; 0 in a bf16 pass)"),
     ("i64", "quant", "QuantParams [W] (fused_forward_fp8: each launch rank's receive rows -> xq, xq_s, quantized by "
-                     "the dispatch's movers; 0: the dispatch runs outside the kernel or the pass is bf16)"),
+                     "the dispatch's movers; 0: the dispatch runs outside the kernel, moves fp8 rows, or the pass is bf16)"),
+    ("i64", "dispatch_codes", "const CommParams* (fused_forward_fp8 with fp8 dispatch pulled inside: the token owners' "
+                              "codes rows xq_tok -> xq; 0: none)"),
+    ("i64", "dispatch_scales", "const CommParams* (with dispatch_codes: their scales rows xq_tok_s -> xq_s)"),
 ), namespace="mok::fused")
 
 TRACE_RECORD = Struct("TraceRecord", (

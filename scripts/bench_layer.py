@@ -57,15 +57,14 @@ against the run without the link (`equal_to_no_link`), each fused row with its
 and a table per link speed after every shape.
 
 --precision fp8 [--dispatch-dtype bf16|fp8]: the routed experts in block-scaled e4m3 (RunConfig
-precision, dispatch_dtype); the fused settings run the forward only (fused_forward_fp8, with bf16
-dispatch and a ring of one turn: the others are skipped, one line says so; --directions is
-refused). Every row records `precision` and `dispatch_dtype` (the run's). The BF16 torch pipeline
-stays `speedup_vs_torch`'s baseline; the torch FP8 pipeline (mok_proto.bench.torch_fp8:
-torch._scaled_grouped_mm, row-wise scales) is a second, forward only (a `torch_fp8` row,
-`speedup_vs_torch_fp8`, `torch_fp8_note` says why). Each sequential row's `err_rel_rms`, `err_max`
-(the worst of the pass's arrays, `errors` per array) are against the BF16 layer on the same inputs
-(`err_reference`), and judged by err_rel_rms <= 0.08 (mok_proto.accuracy.ERR_REL_RMS_RECIPE)
-instead of the max error against torch.
+precision, dispatch_dtype); the fused settings run the forward only (fused_forward_fp8: the
+backward's are skipped, one line says so; --directions is refused). Every row records `precision` and
+`dispatch_dtype` (the run's). The BF16 torch pipeline stays `speedup_vs_torch`'s baseline; the
+torch FP8 pipeline (mok_proto.bench.torch_fp8: torch._scaled_grouped_mm, row-wise scales) is a
+second, forward only (a `torch_fp8` row, `speedup_vs_torch_fp8`, `torch_fp8_note` says why). Each
+sequential row's `err_rel_rms`, `err_max` (the worst of the pass's arrays, `errors` per array) are
+against the BF16 layer on the same inputs (`err_reference`), and judged by err_rel_rms <= 0.08
+(mok_proto.accuracy.ERR_REL_RMS_RECIPE) instead of the max error against torch.
 
 Bars: --bar KEY=VALUE (--help lists them with their defaults); checks: bitwise repeat, fused equal
 to sequential, the error against torch, the schedule equal to schedule.py.
@@ -152,10 +151,9 @@ def parse_args(argv=None):
         backward = [dataclasses.replace(k, token_grads=TOKEN_GRADS[args.token_grads], scale=SCALE[args.scale])
                     for k in forward]
         args.settings = {"fwd": forward, "bwd": backward}
-        if args.precision == "fp8":  # the fused kernel runs FP8 in the forward, bf16 dispatch (gpu_fp8.check_fused)
-            fused_fwd = forward if args.dispatch_dtype == "bf16" else []
-            args.fused_skipped = len(backward) + len(forward) - len(fused_fwd)  # fused settings not run
-            args.settings = {"fwd": fused_fwd, "bwd": []}
+        if args.precision == "fp8":  # the fused kernel runs FP8 in the forward only (gpu_fp8.check_fused)
+            args.fused_skipped = len(backward)  # fused settings not run
+            args.settings = {"fwd": forward, "bwd": []}
         else:
             args.fused_skipped = 0
         args.bars = parse_bars(args.bar, BARS)
@@ -198,7 +196,7 @@ def main(argv=None) -> int:
     print(f"# dense {DENSE_N}^3 BF16 torch.matmul: {dense:.0f} TFLOP/s (every row's fraction_of_dense)", flush=True)
     if args.fused_skipped:
         print(f"# precision fp8: {args.fused_skipped} fused settings skipped (the fused kernel runs FP8 routed experts "
-              "in the forward with bf16 dispatch only)", flush=True)
+              "in the forward only)", flush=True)
     print(HEADER, flush=True)
     for name in args.shapes.split(","):
         measured, tables = run_shape(name, args, emit)

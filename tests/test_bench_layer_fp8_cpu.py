@@ -33,10 +33,9 @@ def test_precision_options():
     assert [k.comm_blocks for k in default.settings["fwd"]] == [k.comm_blocks for k in DEFAULT_FUSED]
     fp8 = script.parse_args(["--precision", "fp8", "--dispatch-dtype", "fp8", "--sweep"])
     assert (fp8.precision, fp8.dispatch_dtype) == ("fp8", "fp8")
-    assert fp8.settings == {"fwd": [], "bwd": []} and fp8.fused_skipped == 2 * len(script.SWEEP)  # sequential only
-    bf16_dispatch = script.parse_args(["--precision", "fp8", "--sweep"])  # the fused forward runs FP8; no backward
-    assert [k.comm_blocks for k in bf16_dispatch.settings["fwd"]] == [k.comm_blocks for k in script.SWEEP]
-    assert bf16_dispatch.settings["bwd"] == [] and bf16_dispatch.fused_skipped == len(script.SWEEP)
+    for run in (fp8, script.parse_args(["--precision", "fp8", "--sweep"])):  # the fused forward runs FP8; no backward
+        assert [k.comm_blocks for k in run.settings["fwd"]] == [k.comm_blocks for k in script.SWEEP]
+        assert run.settings["bwd"] == [] and run.fused_skipped == len(script.SWEEP)
     assert script.parse_args(["--precision", "fp8", "--no-fused"]).fused_skipped == 0  # nothing skipped: no line
     assert script.parse_args(["--precision", "fp8"]).dispatch_dtype == "bf16"
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mok_proto import memory
+from mok_proto import abi, memory
 from mok_proto.config import MOK_POLICY, MoEShape, RunConfig, get_shape
 from mok_proto.kernels import fp8 as kq
 from mok_proto.kernels import gemm
@@ -194,6 +194,148 @@ def test_the_passes_call_the_fp8_hooks(monkeypatch):
     assert [c for c in calls if c[0] == "dispatch"] == [("dispatch", "push", t, False) for t in (1, 2)]
 
 
+@pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
+def test_fused_words_pack_each_turns_rows(dispatch, monkeypatch):
+    """Fp8Experts.fused_words(ranks, turn): the routed slots' Fp8GemmParams on turn `turn`'s segments
+    (its row offsets and counts), the other slots zero; QuantParams recv -> xq, xq_s (bf16 dispatch)."""
+    monkeypatch.setattr(gemm, "tensor_map", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(gemm, "launch_grouped", lambda module, namespace, struct, problem, site, error, pack_only,
+                        fields: struct.pack({**dict.fromkeys(struct.names, 0), **fields, "error": 0}))
+    layer, bufs, _ = _stand_in(dispatch)
+    turns = [(np.zeros(EL, np.int32), np.zeros(EL, np.int32)) for _ in range(3)]
+    layer._rows = lambda r, turn=0: turns[turn]
+    experts = gpu_fp8.Fp8Experts(layer)
+    slots = [name for name, _ in abi.GEMM_SLOT.members]
+    for t in (2, 0, 1):
+        gemms, quants = experts.fused_words(layer.ranks, t)
+        got = gemms.view(abi.FP8_GEMM_PARAMS.dtype)
+        for slot, params in zip(slots, got):
+            routed = slot in ("kSlotFirst", "kSlotSecond")
+            assert (params["row_offsets"], params["row_counts"]) == (
+                (_address(turns[t][0]), _address(turns[t][1])) if routed else (0, 0)), (t, slot)
+        q = quants.view(abi.QUANT_PARAMS.dtype)[0]
+        if dispatch == "bf16":
+            assert (q["x"], q["codes"], q["scales"]) == (_address(bufs["recv"]), _address(bufs["xq"]),
+                                                        _address(bufs["xq_s"]))
+        else:  # (the layout has no recv: fp8 dispatch moves codes and scales)
+            assert "recv" not in bufs and not any(q[name] for name in abi.QUANT_PARAMS.names)
+
+
+def test_the_fused_fp8_pass_holds_every_turns_words(monkeypatch):
+    """GpuMoELayer._fused_pass of an FP8 layer on a ring of 3 turns: fp8_words[t] is
+    fused_words(ranks, t) with the GEMMs' longer timeout, shared with the turns' pass without the
+    shared expert (fused.rest)."""
+    from mok_proto import plan as P
+    from mok_proto.kernels import fused
+
+    tile = get_shape("tile")
+    monkeypatch.setattr(fused, "FusedPass", lambda plan, w, link=False, fp8=False: SimpleNamespace(plan=plan, fp8=fp8))
+    blank = np.zeros(abi.FP8_GEMM_PARAMS.nbytes // 8 * len(abi.GEMM_SLOT), np.uint64)
+    experts = SimpleNamespace(fused_words=lambda ranks, t: (blank.copy(), f"quants of turn {t}"))
+    pack = (lambda *a, error=None, pack_only=False, accumulate=False: abi.GEMM_PARAMS.pack(
+        {**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "num_groups": 3}), ())
+
+    def bf16_gemm(pass_, slot, r, t=0):  # an fp8-dispatch layer has no recv: no routed BF16 GEMM to pack
+        assert slot not in ("kSlotFirst", "kSlotSecond"), slot
+        return pack if slot.startswith("kSlotShared") else None  # (the forward has no weight gradients)
+
+    layer = SimpleNamespace(run=RunConfig(tile, 2, precision="fp8", timeout_s=30), shape=tile, capacity=1024,
+                            num_turns=3, ring_rows=512, ranks=[0, 1], error=SimpleNamespace(ptr=4096),
+                            has_shared=True, fp8=experts, _gemm=bf16_gemm)
+    layer._plan_rows = lambda: gpu.GpuMoELayer._plan_rows(layer)
+    plan = P.fused_forward(tile, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=512)
+    made, words = gpu.GpuMoELayer._fused_pass(layer, plan, "fwd")
+    assert made.fp8 and made.rest.fp8 and made.rest.fp8_words is made.fp8_words
+    for turn in words:  # the routed slots' BF16 records: the error record and the timeout only
+        got = turn.view(abi.GEMM_PARAMS.dtype)
+        slots = [name for name, _ in abi.GEMM_SLOT.members] * 2
+        routed = np.isin(slots, ["kSlotFirst", "kSlotSecond"])
+        assert (got["error"][routed] == 4096).all() and (got["num_groups"][routed] == 0).all()
+        shared = np.char.startswith(slots, "kSlotShared")
+        assert (got["num_groups"][shared] == 3).all() and (got["timeout_ns"] > 0).all()
+    assert [q for _, q in made.fp8_words] == [f"quants of turn {t}" for t in range(3)]
+    timeouts = {int(v) for g, _ in made.fp8_words for v in g.view(abi.FP8_GEMM_PARAMS.dtype)["timeout_ns"]}
+    assert timeouts == {fused.gemm_timeout_ns(30 * 10**9)}
+
+
+def test_the_fused_fp8_forward_runs_every_turn_of_a_ring_with_that_turns_words(monkeypatch):
+    """A ring of 3 turns (last first): each launch gets its turn's Fp8GemmParams words; the movers
+    quantize (QuantParams words) when the dispatch runs inside the kernel, else the turn's sequential
+    quantizer runs before the launch (its steps but the GEMM) and the kernel gets no QuantParams."""
+    calls = []
+    stub = SimpleNamespace(**{n: (lambda name: lambda *a, **k: calls.append(name))(n)
+                              for n in ("move_rows", "wait_peers", "raise_flag", "turn_segments", "weighted_sum",
+                                        "begin_round")})
+    monkeypatch.setattr(gpu_ring, "kc", stub)
+    monkeypatch.setattr(gpu_ring, "kt", stub)
+    experts = gpu_fp8.Fp8Experts.__new__(gpu_fp8.Fp8Experts)
+    experts.layer, experts.dispatch_fp8 = SimpleNamespace(ranks=[0, 1]), False
+    experts.steps = lambda pass_, slot, r, turn=0, accumulate=False: [
+        (lambda *a: calls.append(("quantize", *a)), (pass_, slot, r, turn), {}), (None, (), {})]
+    launches = []
+
+    def launch_of(part):
+        return lambda p, words, error, timeout_ns, trace=False, **fp8: (launches.append((part, p, words, fp8)),
+                                                                        calls.append(("launch", part)))
+
+    words = [(f"gemms{t}", f"quants{t}") for t in range(3)]
+    fused = SimpleNamespace(plan=SimpleNamespace(ring_minibatches=1, num_minibatches=1), fp8_words=words,
+                            launch=launch_of("first"), rest=SimpleNamespace(launch=launch_of("rest")))
+    layer = SimpleNamespace(launch=None, turn_params={"fwd": ["p0", "p1", "p2"]}, params_fwd=None, params_tok=None,
+                            num_turns=3, fused=fused, fp8=experts, _fused_words=["w0", "w1", "w2"], error=None,
+                            run=RunConfig(SHAPE, R, precision="fp8"), trace=False)
+    monkeypatch.setattr(gpu_ring, "_dispatch_into_ring", lambda layer, t, direction: calls.append(("dispatch", t)))
+    gpu_ring.forward_turns(layer, dict(MOK_POLICY), lambda stage: None, inside=(True, True))
+    assert launches == [("rest", "p2", "w2", {"fp8_gemm_params": "gemms2", "quant_params": "quants2"}),
+                        ("rest", "p1", "w1", {"fp8_gemm_params": "gemms1", "quant_params": "quants1"}),
+                        ("first", "p0", "w0", {"fp8_gemm_params": "gemms0", "quant_params": "quants0"})]
+    assert not [c for c in calls if c[0] in ("quantize", "dispatch")]  # the movers pull and quantize
+    launches.clear()
+    calls.clear()
+    gpu_ring.forward_turns(layer, {**MOK_POLICY, "dispatch": "push"}, lambda stage: None, inside=(False, True))
+    assert [(part, fp8) for part, _, _, fp8 in launches] == [
+        (part, {"fp8_gemm_params": f"gemms{t}", "quant_params": None}) for part, t in (("rest", 2), ("rest", 1),
+                                                                                       ("first", 0))]
+    turns = [c for c in calls if c[0] in ("quantize", "dispatch", "launch")]
+    assert turns == [c for t, part in ((2, "rest"), (1, "rest"), (0, "first"))
+                     for c in [("dispatch", t), *[("quantize", "fwd", "kSlotFirst", r, t) for r in (0, 1)], ("launch", part)]]
+
+
+def test_the_fused_fp8_forward_with_fp8_dispatch_moves_the_token_owners_codes_and_scales(monkeypatch):
+    """fp8 dispatch: pulled inside, the kernel gets the turn's codes and scales CommParams and no
+    QuantParams (nothing to quantize); pushed before it, Fp8Experts.dispatch moves them (not the bf16
+    push) and the kernel gets neither."""
+    experts = gpu_fp8.Fp8Experts.__new__(gpu_fp8.Fp8Experts)
+    experts.dispatch_fp8 = True
+    experts.turn_params = [{"codes": "c0", "scales": "s0"}, {"codes": "c1", "scales": "s1"}]
+    experts.steps = lambda *a, **k: pytest.fail("no quantizer runs: the token owners quantized their rows")
+    calls = []
+    experts.dispatch = lambda direction, turn, wait_map: calls.append(("fp8 dispatch", direction, turn, wait_map))
+    fused = SimpleNamespace(fp8_words=[("g0", "q0"), ("g1", "q1")])
+    assert experts.fused_args(fused, 1, comm_in=True) == {"fp8_gemm_params": "g1", "quant_params": None,
+                                                          "dispatch_params": ("c1", "s1")}
+    assert experts.fused_args(fused, 0, comm_in=False) == {"fp8_gemm_params": "g0", "quant_params": None,
+                                                           "dispatch_params": None}
+    monkeypatch.setattr(gpu, "to_experts_before_fused", lambda *a, **k: calls.append("bf16 dispatch"))
+    for name in ("to_tokens_after_fused", "kt"):
+        monkeypatch.setattr(gpu, name, SimpleNamespace(weighted_sum=lambda *a: None) if name == "kt" else
+                            (lambda *a, **k: None))
+    fused.plan = SimpleNamespace(pass_="fwd", policy={**MOK_POLICY, "dispatch": "push"}, ring_minibatches=1,
+                                 num_minibatches=1)
+    fused.launch = lambda *a, **fp8: calls.append(("launch", fp8))
+    layer = SimpleNamespace(fused=fused, params_fwd=None, launch=None, fp8=experts, _fused_words=["w0"], error=None,
+                            run=RunConfig(SHAPE, R, precision="fp8", dispatch_dtype="fp8"), trace=False, params_tok=None)
+    gpu.GpuMoELayer._enqueue_fused_forward(layer, {**MOK_POLICY, "dispatch": "push"}, lambda stage: None)
+    assert calls == [("fp8 dispatch", "push", 0, True),
+                     ("launch", {"trace": False, "fp8_gemm_params": "g0", "quant_params": None, "dispatch_params": None})]
+    calls.clear()
+    fused.plan.policy = dict(MOK_POLICY)  # pull: inside the kernel
+    gpu.GpuMoELayer._enqueue_fused_forward(layer, dict(MOK_POLICY), lambda stage: None)
+    assert calls == ["bf16 dispatch",  # (to_experts_before_fused: a pull inside publishes nothing after the schedule)
+                     ("launch", {"trace": False, "fp8_gemm_params": "g0", "quant_params": None,
+                                 "dispatch_params": ("c0", "s0")})]
+
+
 def test_refusals():
     fp8_run = RunConfig(SHAPE, 1, precision="fp8")
     with pytest.raises(ValueError, match="GpuRound has bf16 passes only"):
@@ -207,11 +349,6 @@ def test_refusals():
     fp8_layer = SimpleNamespace(run=fp8_run, fp8=object(), num_turns=1)
     with pytest.raises(ValueError, match="fused backward does not run FP8"):
         gpu.GpuMoELayer._fused_pass(fp8_layer, object(), "bwd")
-    with pytest.raises(ValueError, match="fused forward dispatches bf16 rows"):
-        gpu.GpuMoELayer._fused_pass(SimpleNamespace(run=RunConfig(SHAPE, 1, precision="fp8", dispatch_dtype="fp8"),
-                                                    fp8=object(), num_turns=1), object(), "fwd")
-    with pytest.raises(ValueError, match="ring of one turn, this layer's takes 3"):
-        gpu.GpuMoELayer._fused_pass(SimpleNamespace(run=fp8_run, fp8=object(), num_turns=3), object(), "fwd")
     assert gpu.GpuMoELayer._fused_pass(fp8_layer, None, "fwd") == (None, None)  # sequential
 
 

@@ -175,7 +175,7 @@ def test_turns_after_the_first_run_the_plan_without_the_shared_expert(monkeypatc
     fwd.rest, bwd.rest = fused_pass("fwd rest"), fused_pass("bwd rest")
     layer = SimpleNamespace(num_turns=3, turn_params={"fwd": [0, 1, 2], "bwd": [0, 1, 2]}, params_fwd=0,
                             params_bwd=0, params_tok=None, launch=None, error=None, trace=False,
-                            run=SimpleNamespace(timeout_s=1), fused=fwd, fused_bwd=bwd,
+                            run=SimpleNamespace(timeout_s=1), fused=fwd, fused_bwd=bwd, fp8=None,
                             _fused_words=["w0", "w1", "w2"], _fused_bwd_words=["b0", "b1", "b2"],
                             _launch_gemms=lambda pass_, slots, turn=0, accumulate=False:
                             calls.append((f"{pass_} {','.join(slots)}", turn, accumulate)))

@@ -44,9 +44,6 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, in
 
     heap, layer = staged_layer(shape, data, policy, link, macrobatch_rows, precision, dispatch_dtype)
     per_pass = settings if isinstance(settings, dict) else {"fwd": settings, "bwd": settings}
-    if precision == "fp8" and layer.num_turns > 1 and per_pass["fwd"]:  # (gpu_fp8.check_fused: one turn)
-        print(f"#   precision fp8, a ring of {layer.num_turns} turns: the fused forward settings are skipped", flush=True)
-        per_pass = {"fwd": [], "bwd": per_pass["bwd"]}
     if layer.num_turns > 1:
         print(f"#   ring of {layer.ring_rows} rows: {layer.num_turns} turns a pass", flush=True)
         per_pass = {"fwd": per_pass["fwd"], "bwd": [dataclasses.replace(k, scale=False, token_grads=False)

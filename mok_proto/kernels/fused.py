@@ -126,32 +126,38 @@ class FusedPass:
         self.task_begin = cupy.asarray(begin)
         self.counters = cupy.zeros((self.num_launch_ranks, max(1, len(plan.counters))), np.uint32)
         self.rest = self  # a layer's ring of several turns: what its turns after the first run (gpu_ring)
-        self.fp8_words = None  # fp8: the layer's (Fp8GemmParams words, QuantParams words) for launch
+        self.fp8_words = None  # fp8: per turn of the layer's ring, its (Fp8GemmParams, QuantParams) words
         self.records = cupy.zeros((self.num_launch_ranks, max(1, len(plan.tasks)) * RECORD_DTYPE.itemsize), np.uint8)
         self._params: dict = {}
 
     def launch(self, comm_params, gemm_params: np.ndarray, error, timeout_ns: int, trace: bool = False,
-               token_params=None, fp8_gemm_params: np.ndarray | None = None, quant_params: np.ndarray | None = None):
+               token_params=None, fp8_gemm_params: np.ndarray | None = None, quant_params: np.ndarray | None = None,
+               dispatch_params: tuple | None = None):
         """Enqueue one fused pass. comm_params: the round's device CommParams; gemm_params: host
         uint64 words of W x kFusedGemms packed GemmParams (GemmSlot order per launch rank);
         token_params: the launch ranks' device TokenParams (needed by a plan with token_grads or scale).
         The FP8 forward (fp8=True): fp8_gemm_params, W x kFusedGemms packed Fp8GemmParams (its routed
         slots'), and quant_params, W packed QuantParams (each launch rank's recv -> xq, xq_s) when
-        the dispatch runs inside the kernel (else None: the rows were quantized before it)."""
+        the dispatch runs inside the kernel (else None: the rows were quantized before it);
+        dispatch_params: with fp8 dispatch pulled inside, the device CommParams of its codes rows and
+        of its scales rows (the movers copy both; quant_params None)."""
         import cupy
 
         plan = self.plan
         if (plan.token_grads or plan.scale) and token_params is None:
             raise ValueError("this plan runs token-side work (token_grads, scale) inside the kernel: pass token_params")
         fp8 = self.kernel == "fwd_fp8"
-        if fp8 != (fp8_gemm_params is not None) or (quant_params is not None and not fp8):
+        if fp8 != (fp8_gemm_params is not None) or ((quant_params is not None or dispatch_params) and not fp8):
             raise ValueError("fp8_gemm_params: given exactly for the FP8 forward (FusedPass(..., fp8=True)); "
-                             "quant_params only with it")
+                             "quant_params and dispatch_params only with it")
+        if quant_params is not None and dispatch_params:
+            raise ValueError("quant_params (bf16 rows quantized by the movers) or dispatch_params (fp8 rows), not both")
+        codes, scales = (0, 0) if not dispatch_params else (int(d.data.ptr) for d in dispatch_params)
         token_ptr = 0 if token_params is None else int(token_params.data.ptr)
         gemm_words = np.ascontiguousarray(gemm_params, np.uint64)
         extra = [np.ascontiguousarray(w, np.uint64) for w in (fp8_gemm_params, quant_params) if w is not None]
         key = (int(comm_params.data.ptr), gemm_words.tobytes(), int(error.ptr), int(timeout_ns), bool(trace),
-               token_ptr, quant_params is not None, *(w.tobytes() for w in extra))
+               token_ptr, quant_params is not None, codes, scales, *(w.tobytes() for w in extra))
         if key not in self._params:  # uploaded once per distinct launch (a captured graph never uploads)
             if cupy.cuda.get_current_stream().is_capturing():
                 raise RuntimeError("this fused launch's params were never uploaded: run the pass once before "
@@ -167,7 +173,7 @@ class FusedPass:
                           timeout_ns=timeout_ns, tasks=self.tasks, task_begin=self.task_begin, comm=comm_params,
                           gemm=gemms, counters=self.counters, counter_info=self.counter_info, token=token_ptr,
                           trace=self.records, error=error.ptr, fp8_gemm=0 if fp8_gemms is None else fp8_gemms,
-                          quant=0 if quants is None else quants)
+                          quant=0 if quants is None else quants, dispatch_codes=codes, dispatch_scales=scales)
             self._params[key] = (cupy.asarray(abi.FUSED_PARAMS.pack(fields)), gemms, fp8_gemms, quants)
         params = self._params[key][0]
         self.counters.fill(0)

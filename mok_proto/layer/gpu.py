@@ -276,7 +276,7 @@ class GpuMoELayer(GpuRound):
         if plan is None:
             return None, None
         if self.fp8 is not None:
-            gpu_fp8.check_fused(self.run, pass_, self.num_turns)
+            gpu_fp8.check_fused(self.run, pass_)
         if self.num_turns > 1 and pass_ == "bwd" and (plan.scale or plan.token_grads):
             raise ValueError(f"this layer's ring takes {self.num_turns} turns: the fused backward runs once a turn, so "
                              "its scale and token gradients must run outside it (FusedKnobs(scale=False, "
@@ -289,19 +289,27 @@ class GpuMoELayer(GpuRound):
         if plan.capacity_rows < self._plan_rows():
             raise ValueError(f"plan covers {plan.capacity_rows} receive rows, the layer's pass runs {self._plan_rows()} "
                              "at a time")
-        fused = FusedPass(plan, len(self.ranks), link=self.run.link is not None, fp8=self.fp8 is not None)
+        fp8 = self.fp8 is not None
+        fused = FusedPass(plan, len(self.ranks), link=self.run.link is not None, fp8=fp8)
         timeout = gemm_timeout_ns(int(self.run.timeout_s * 1e9))
-        if self.fp8 is not None:  # the FP8 tiles' pipeline waits as long as the BF16 tiles'
-            gemms, quants = self.fp8.fused_words(self.ranks)
-            fused.fp8_words = with_gemm_timeout(gemms, timeout, abi.FP8_GEMM_PARAMS), quants
+        if fp8:  # per turn; the FP8 tiles' pipeline waits as long as the BF16 tiles'
+            fused.fp8_words = [(with_gemm_timeout(gemms, timeout, abi.FP8_GEMM_PARAMS), quants)
+                               for gemms, quants in (self.fp8.fused_words(self.ranks, t) for t in range(self.num_turns))]
         if self.num_turns > 1 and self.has_shared:  # turns after the first: the same plan without the shared expert
-            fused.rest = FusedPass(without_shared(plan), len(self.ranks), link=self.run.link is not None)
+            fused.rest = FusedPass(without_shared(plan), len(self.ranks), link=self.run.link is not None, fp8=fp8)
+            if fp8:
+                fused.rest.fp8_words = fused.fp8_words
         slots = [name for name, _ in abi.GEMM_SLOT.members]
         per_turn = []  # the buffers never move: packed (and their tensor maps made) once
         for t in range(self.num_turns):
             words = []
             for r in self.ranks:
                 for slot in slots:
+                    if fp8 and slot in ("kSlotFirst", "kSlotSecond"):  # routed: FP8 tiles (fp8_words); the kernel
+                        # reads only error and timeout_ns here (gemm_setup's abort check, the pool's tickets)
+                        words.append(abi.GEMM_PARAMS.pack({**dict.fromkeys(abi.GEMM_PARAMS.names, 0),
+                                                           "error": self.error.ptr}))
+                        continue
                     call = self._gemm(pass_, slot, r, t)
                     extra = {"accumulate": True} if t > 0 and slot in gpu_ring.ROUTED_WGRAD else {}
                     words.append(np.zeros(abi.GEMM_PARAMS.nbytes // 8, np.uint64) if call is None
@@ -518,14 +526,11 @@ class GpuMoELayer(GpuRound):
         comm_in, comm_out = _directions(plan, policy)
         if not comm_in:
             mark("dispatch")
-        to_experts_before_fused(p, launch, comm_in, "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
-        fp8 = {}
-        if fused.fp8_words is not None:  # FP8 routed experts: xq = q(recv) by the movers, or here after a push
-            gemms, quants = fused.fp8_words
-            fp8 = {"fp8_gemm_params": gemms, "quant_params": quants if comm_in else None}
-            for r in ([] if comm_in else self.ranks):
-                for fn, args, kwargs in self.fp8.steps("fwd", "kSlotFirst", r)[:-1]:
-                    fn(*args, **kwargs)
+        if self.fp8 is not None and self.fp8.dispatch_fp8 and not comm_in:  # the codes and scales pushed now
+            self.fp8.dispatch("push", 0, wait_map=True)
+        else:
+            to_experts_before_fused(p, launch, comm_in, "kOpDispatchPush", "kOpDispatchPull", after_schedule=True)
+        fp8 = {} if self.fp8 is None else self.fp8.fused_args(fused, 0, comm_in)
         mark("fused")
         fused.launch(p, self._fused_words[0], self.error, int(self.run.timeout_s * 1e9), trace=self.trace, **fp8)
         self._cache_valid = plan.ring_minibatches >= plan.num_minibatches

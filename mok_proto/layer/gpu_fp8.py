@@ -39,18 +39,12 @@ from mok_proto.kernels import gemm_fp8 as kg
 B = abi.CONST["kQuantBlock"]
 
 
-def check_fused(run, pass_: str, num_turns: int) -> None:
+def check_fused(run, pass_: str) -> None:
     """ValueError (one line) for a fused pass the FP8 layer does not run: the fused kernel runs FP8
-    routed experts in the forward (fused_forward_fp8), with bf16 dispatch, on a ring of one turn."""
+    routed experts in the forward only (fused_forward_fp8)."""
     if pass_ != "fwd":
         raise ValueError("precision fp8: the fused backward does not run FP8 routed experts yet (cuda/fused.cuh "
                          "has fused_forward_fp8 only); run the backward's sequential passes (set_backward_plan(None))")
-    if run.dispatch_dtype != "bf16":
-        raise ValueError("precision fp8: the fused forward dispatches bf16 rows (its movers quantize what they "
-                         "receive); dispatch_dtype='fp8' runs the sequential passes")
-    if num_turns > 1:
-        raise ValueError(f"precision fp8: the fused forward runs a ring of one turn, this layer's takes {num_turns} "
-                         "(a larger macrobatch_rows, or the sequential passes)")
 
 
 def check_run(run) -> None:
@@ -125,24 +119,43 @@ class Fp8Experts:
             kc.move_rows("dispatch_push", p[part], launch[part])
             kc.wait_peers(p[part], launch[part], "kFlagDispatch", "kOpDispatchPush")
 
-    def fused_words(self, ranks) -> tuple:
-        """The fused FP8 forward's params (fused_forward_fp8): (W x kFusedGemms packed Fp8GemmParams,
-        the routed slots' gate_up and down, the other slots zero; W packed QuantParams, each launch
-        rank's receive rows -> xq, xq_s, for the dispatch's movers)."""
+    def fused_words(self, ranks, turn: int = 0) -> tuple:
+        """The fused FP8 forward's params (fused_forward_fp8) for turn `turn` of the ring: (W x
+        kFusedGemms packed Fp8GemmParams, the routed slots' gate_up and down on the turn's rows, the
+        other slots zero; W packed QuantParams, each launch rank's receive rows -> xq, xq_s, for the
+        dispatch's movers: the ring's rows, the same every turn)."""
         layer, b = self.layer, self.layer._b
         gemms, quants = [], []
         for r in ranks:
             for slot, _ in abi.GEMM_SLOT.members:
                 if slot in ("kSlotFirst", "kSlotSecond"):
-                    fn, args, kwargs = self.steps("fwd", slot, r)[-1]
+                    fn, args, kwargs = self.steps("fwd", slot, r, turn)[-1]
                     gemms.append(fn(*args, **{**kwargs, "pack_only": True}))
                 else:
                     gemms.append(np.zeros(abi.FP8_GEMM_PARAMS.nbytes // 8, np.uint64))
+            if self.dispatch_fp8:  # the movers copy codes and scales: nothing to quantize (no recv)
+                quants.append(abi.QUANT_PARAMS.pack(dict.fromkeys(abi.QUANT_PARAMS.names, 0)))
+                continue
             recv = b("recv", r)
             quants.append(abi.QUANT_PARAMS.pack({**dict.fromkeys(abi.QUANT_PARAMS.names, 0), "batch": 1,
                                                  "rows": recv.shape[0], "cols": layer.shape.hidden, "x": recv,
                                                  "codes": b("xq", r), "scales": b("xq_s", r)}))
         return np.concatenate(gemms), np.concatenate(quants)
+
+    def fused_args(self, fused, turn: int, comm_in: bool) -> dict:
+        """The fused forward's FP8 launch arguments for turn `turn` (fused.fp8_words). bf16 dispatch:
+        the movers quantize the rows they pull (xq = q(recv)); rows a dispatch outside the kernel
+        (comm_in False) moved are quantized first, here, by the sequential quantizer (enqueued now).
+        fp8 dispatch: the movers pull the token owners' codes and scales rows (dispatch_params);
+        outside the kernel, the caller moved them (dispatch)."""
+        gemms, quants = fused.fp8_words[turn]
+        if self.dispatch_fp8:
+            rows = (self.turn_params[turn]["codes"], self.turn_params[turn]["scales"]) if comm_in else None
+            return {"fp8_gemm_params": gemms, "quant_params": None, "dispatch_params": rows}
+        for r in ([] if comm_in else self.layer.ranks):
+            for fn, args, kwargs in self.steps("fwd", "kSlotFirst", r, turn)[:-1]:
+                fn(*args, **kwargs)
+        return {"fp8_gemm_params": gemms, "quant_params": quants if comm_in else None}
 
     def launch(self, pass_: str, slot: str, r: int, turn: int = 0, accumulate: bool = False):
         """Launch the routed GemmSlot `slot` of pass `pass_` for rank r on turn `turn`'s rows: its

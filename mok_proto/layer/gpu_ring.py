@@ -95,8 +95,9 @@ def forward_turns(layer, policy: dict, mark, inside=None):
         if fused is None:
             layer._launch_gemms("fwd", ("kSlotFirst", "kSlotSecond"), turn=t)
         else:  # the shared expert's tiles in the last turn run (turn 0) only
+            fp8 = {} if layer.fp8 is None else layer.fp8.fused_args(fused, t, comm_in)
             (fused if t == 0 else fused.rest).launch(p, layer._fused_words[t], layer.error,
-                                                     int(layer.run.timeout_s * 1e9), trace=layer.trace)
+                                                     int(layer.run.timeout_s * 1e9), trace=layer.trace, **fp8)
         _out_of_ring(p, launch, policy["combine"], "kOpCombinePush", "kOpCombinePull", pushed_inside=comm_out)
     mark("weighted_sum")
     kt.weighted_sum(layer.params_tok, launch)

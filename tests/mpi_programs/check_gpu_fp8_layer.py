@@ -15,10 +15,11 @@ Per case (the shared expert bf16), for every rank this process drives:
   plus MIRROR_SLACK; the routed arrays' at least MIN_FP8_ERR (an FP8 layer, not a bf16 one); the
   layer within MIRROR_RMS of the mirror itself;
 - bf16 and fp8 dispatch, a ring of every row and of one segment (several turns, the backward
-  replaying), every direction policy asked for, and (bf16 dispatch, one turn) the fused forward
-  (fused_forward_fp8) under every policy: bitwise equal; `--replays` CUDA graph replays (of the
-  fused forward where it runs) bitwise equal; NaN-poisoned buffers (e4m3 NaN codes too) before
-  every run.
+  replaying), every direction policy asked for, and the fused forward (fused_forward_fp8: bf16 rows
+  quantized by its movers, or fp8 rows moved) under every policy (the ring of one segment: once a
+  turn, three policies):
+  bitwise equal; `--replays` CUDA graph replays (of the fused forward where it runs) bitwise equal;
+  NaN-poisoned buffers (e4m3 NaN codes too) before every run.
 Prints `SHA <case> <digest>` per case (rank 0), as check_gpu_layer.py.
 """
 
@@ -219,12 +220,12 @@ def forward_only(layer, heap) -> bytes:
 
 
 def check_fused_forward(layer, heap, policies, want, name):
-    """The fused FP8 forward (its movers quantize the rows they pull; a push dispatch runs and is
-    quantized before it) then the sequential backward: the bits of the sequential passes, under
-    every policy, with the spare warps or two communicating CTAs moving rows, and with every pair
-    claimed at run time; a ring of one minibatch (both transfers inside: the rows and their codes
-    rewritten within the launch) gives the sequential forward's outputs. Leaves MoK's policy and
-    its fused forward set."""
+    """The fused FP8 forward (its movers quantize the bf16 rows they pull, or pull the fp8 rows; a
+    push dispatch runs before it) then the sequential backward: the bits of the sequential passes,
+    under every policy, with the spare warps or two communicating CTAs moving rows, and with every
+    pair claimed at run time; a ring of one minibatch (both transfers inside: the rows and their
+    codes rewritten within the launch) gives the sequential forward's outputs. Leaves MoK's policy
+    and its fused forward set."""
     for policy in policies:
         layer.policy = dict(policy)
         for knobs in (FusedKnobs(0, 256), FusedKnobs(2, 256), FusedKnobs(0, 256, claim="all")):
@@ -270,8 +271,13 @@ def check_case(heap, comm, name, case_id, replays, policies):
             for policy in policies if ring is None else few:
                 layer.policy = dict(policy)
                 assert blob(run_once(layer, heap)) == first, f"{name}: {dispatch} dispatch, ring {ring}, {policy}"
-            if dispatch == "bf16" and ring is None:  # the fused forward (fused_forward_fp8), its graph replays below
+            if ring is None:  # the fused forward (fused_forward_fp8), its graph replays below
                 check_fused_forward(layer, heap, policies, first, name)
+            else:  # ... once a turn of the ring (MoK's policy last: replayed)
+                for policy in few[1:] + few[:1]:
+                    layer.policy = dict(policy)
+                    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
+                    assert blob(run_once(layer, heap)) == first, f"{name}: fused fp8 forward, ring {ring}, {policy}"
             graph = layer.capture()
             for replay in range(replays):
                 assert blob(run_once(layer, heap, graph)) == first, f"{name}: graph replay {replay} differs"
