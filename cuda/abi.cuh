@@ -269,8 +269,8 @@ struct Fp8GemmParams {
   i64          out1;  // output addresses (bf16 rows, fp32 weight gradients)
   i64          out2;
   i64          out3;
-  i64          out_codes;  // kGateUp: hq, e4m3 [rows, I] (h quantized 1 x 128)
-  i64          out_scales;  // kGateUp: hs, fp32 [rows, I / 128]
+  i64          out_codes;  // kGateUp: hq, e4m3 [rows, I] (h quantized 1 x 128); kDownBwd: dgq (0: none)
+  i64          out_scales;  // kGateUp: hs, fp32 [rows, I / 128]; kDownBwd: dgs
   i64          row_scale;  // kDown: optional fp32 [rows] (0 = none)
   i64          row_offsets;  // int32 [El]; weight gradients: multiples of 128 (no scale block straddles two experts)
   i64          row_counts;  // int32 [El]
@@ -282,10 +282,12 @@ struct Fp8GemmParams {
   i64          tmap_aux1;  // kDownBwd: g, u (bf16) in boxes of 128 rows x 64 columns
   i64          tmap_aux2;
   i64          accumulate;  // weight gradients: 1 starts each tile from the stored output (a later turn's rows), 0 from 0
+  i64          out_codes2;  // kDownBwd: duq, e4m3 [rows, I] (du quantized 1 x 128; out_codes: dgq; 0: neither)
+  i64          out_scales2;  // kDownBwd: dus, fp32 [rows, I / 128] (out_scales: dgs)
 };
-static_assert(sizeof(Fp8GemmParams) == 256, "Fp8GemmParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(Fp8GemmParams) == 272, "Fp8GemmParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(Fp8GemmParams, num_groups) == 0 && __builtin_offsetof(Fp8GemmParams, m) == 8 && __builtin_offsetof(Fp8GemmParams, n) == 16 && __builtin_offsetof(Fp8GemmParams, k) == 24 && __builtin_offsetof(Fp8GemmParams, ldo) == 32 && __builtin_offsetof(Fp8GemmParams, o_group_stride) == 40 && __builtin_offsetof(Fp8GemmParams, k_split) == 48 && __builtin_offsetof(Fp8GemmParams, a_scale_stride) == 56 && __builtin_offsetof(Fp8GemmParams, b_scale_stride) == 64 && __builtin_offsetof(Fp8GemmParams, b_scale_group_stride) == 72 && __builtin_offsetof(Fp8GemmParams, pow2) == 80 && __builtin_offsetof(Fp8GemmParams, timeout_ns) == 88 && __builtin_offsetof(Fp8GemmParams, scale_a1) == 96 && __builtin_offsetof(Fp8GemmParams, scale_a2) == 104 && __builtin_offsetof(Fp8GemmParams, scale_b1) == 112 && __builtin_offsetof(Fp8GemmParams, scale_b2) == 120 && __builtin_offsetof(Fp8GemmParams, out1) == 128 && __builtin_offsetof(Fp8GemmParams, out2) == 136 && __builtin_offsetof(Fp8GemmParams, out3) == 144 && __builtin_offsetof(Fp8GemmParams, out_codes) == 152 && __builtin_offsetof(Fp8GemmParams, out_scales) == 160 && __builtin_offsetof(Fp8GemmParams, row_scale) == 168 && __builtin_offsetof(Fp8GemmParams, row_offsets) == 176 && __builtin_offsetof(Fp8GemmParams, row_counts) == 184 && __builtin_offsetof(Fp8GemmParams, error) == 192 && __builtin_offsetof(Fp8GemmParams, tmap_a1) == 200 && __builtin_offsetof(Fp8GemmParams, tmap_a2) == 208 && __builtin_offsetof(Fp8GemmParams, tmap_b1) == 216 && __builtin_offsetof(Fp8GemmParams, tmap_b2) == 224 && __builtin_offsetof(Fp8GemmParams, tmap_aux1) == 232 && __builtin_offsetof(Fp8GemmParams, tmap_aux2) == 240 && __builtin_offsetof(Fp8GemmParams, accumulate) == 248, "Fp8GemmParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(Fp8GemmParams, num_groups) == 0 && __builtin_offsetof(Fp8GemmParams, m) == 8 && __builtin_offsetof(Fp8GemmParams, n) == 16 && __builtin_offsetof(Fp8GemmParams, k) == 24 && __builtin_offsetof(Fp8GemmParams, ldo) == 32 && __builtin_offsetof(Fp8GemmParams, o_group_stride) == 40 && __builtin_offsetof(Fp8GemmParams, k_split) == 48 && __builtin_offsetof(Fp8GemmParams, a_scale_stride) == 56 && __builtin_offsetof(Fp8GemmParams, b_scale_stride) == 64 && __builtin_offsetof(Fp8GemmParams, b_scale_group_stride) == 72 && __builtin_offsetof(Fp8GemmParams, pow2) == 80 && __builtin_offsetof(Fp8GemmParams, timeout_ns) == 88 && __builtin_offsetof(Fp8GemmParams, scale_a1) == 96 && __builtin_offsetof(Fp8GemmParams, scale_a2) == 104 && __builtin_offsetof(Fp8GemmParams, scale_b1) == 112 && __builtin_offsetof(Fp8GemmParams, scale_b2) == 120 && __builtin_offsetof(Fp8GemmParams, out1) == 128 && __builtin_offsetof(Fp8GemmParams, out2) == 136 && __builtin_offsetof(Fp8GemmParams, out3) == 144 && __builtin_offsetof(Fp8GemmParams, out_codes) == 152 && __builtin_offsetof(Fp8GemmParams, out_scales) == 160 && __builtin_offsetof(Fp8GemmParams, row_scale) == 168 && __builtin_offsetof(Fp8GemmParams, row_offsets) == 176 && __builtin_offsetof(Fp8GemmParams, row_counts) == 184 && __builtin_offsetof(Fp8GemmParams, error) == 192 && __builtin_offsetof(Fp8GemmParams, tmap_a1) == 200 && __builtin_offsetof(Fp8GemmParams, tmap_a2) == 208 && __builtin_offsetof(Fp8GemmParams, tmap_b1) == 216 && __builtin_offsetof(Fp8GemmParams, tmap_b2) == 224 && __builtin_offsetof(Fp8GemmParams, tmap_aux1) == 232 && __builtin_offsetof(Fp8GemmParams, tmap_aux2) == 240 && __builtin_offsetof(Fp8GemmParams, accumulate) == 248 && __builtin_offsetof(Fp8GemmParams, out_codes2) == 256 && __builtin_offsetof(Fp8GemmParams, out_scales2) == 264, "Fp8GemmParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 }  // namespace mok::gemm_fp8

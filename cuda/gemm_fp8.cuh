@@ -13,7 +13,7 @@
 //   problem       C per tile        A [M,K] (1x128 scales)   B [N,K] (scales)                     K     epilogue
 //   kGateUp       [T_e, I] g|u      xq [rows,H]              Wg^T|Wu^T [E,I,H] (128x128)          H     h, g, u bf16; hq, hs
 //   kDown         [T_e, H]          hq [rows,I]              Wd^T [E,H,I] (128x128)               I     y = s_row acc, bf16
-//   kDownBwd      [T_e, I]          dyq [rows,H]             Wd [E,I,H] (128x128)                 H     dg, du bf16
+//   kDownBwd      [T_e, I]          dyq [rows,H]             Wd [E,I,H] (128x128)                 H     dg, du bf16; dgq, duq
 //   kGateUpBwd    [T_e, H]          dgq|duq [rows,I]         Wg|Wu [E,H,I] (128x128)              2I    dx bf16
 //   kDownWgrad    [I, H]            h^T [I,rows]             dy^T [H,rows] (1x128)                T_e   dWd fp32
 //   kGateUpWgrad  [H, I] x 2        x^T [H,rows]             dg^T|du^T [I,rows] (1x128)           T_e   dWg, dWu fp32
@@ -481,6 +481,58 @@ __device__ __forceinline__ void store_h_codes(const Fp8GemmParams* p, const Tile
   }
 }
 
+// kDownBwd with out_codes (dgq, dgs) and out_codes2 (duq, dus): dg and du quantized 1 x 128 for
+// gate_up_bwd, after the tile stored them. Each lane reads back the 16-byte chunks it stored itself
+// (gemm::row_out's columns 32 j + 8 (l%4) .. +7 of its row; its own stores, so no fence), the
+// block's amax over the quad that holds its row, then the row quantizer's scale and codes: equal
+// bit for bit to fp8.quantize_rows of the stored dg, du. A row half's 16 loads go out at once.
+__device__ __forceinline__ void store_down_bwd_codes(const Fp8GemmParams* p, const Tile& tile, int half, int wg_tid) {
+  constexpr int kBlocks = kBN / kKBlock;  // 1 x 128 blocks of a tile row
+  const int lane = wg_tid & 31;
+  const bool pow2 = p->pow2 != 0;
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const gemm::RowOut r = gemm::row_out(p, tile, rh, half, wg_tid);
+    const i64 row = tile.row0 + tile.m0 + r.row;  // == (r.base - tile.n0 - 8 (l%4)) / ldo
+    uint4 raw[2][kBlocks][4];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          raw[a][b][j] = r.valid ? *ptr<const uint4>((a ? p->out2 : p->out1) + 2 * (r.base + kKBlock * b + 32 * j))
+                                 : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int a = 0; a < 2; ++a) {
+      unsigned char* codes = ptr<unsigned char>(a ? p->out_codes2 : p->out_codes);
+      float* scales = ptr<float>(a ? p->out_scales2 : p->out_scales);
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b) {
+        float v[4][8];
+        float amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          unpack8(raw[a][b][j], v[j]);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) amax = fp8::keep_max(amax, fp8::keep_abs(v[j][i]));
+        }
+        amax = fp8::keep_max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the quad: one row's block
+        amax = fp8::keep_max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        const float scale = fp8::block_scale(amax, pow2);
+        if (!r.valid) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float lo[4] = {v[j][0], v[j][1], v[j][2], v[j][3]}, hi[4] = {v[j][4], v[j][5], v[j][6], v[j][7]};
+          *reinterpret_cast<uint2*>(codes + r.base + kKBlock * b + 32 * j) =
+              make_uint2(fp8::quantize4(lo, scale), fp8::quantize4(hi, scale));
+        }
+        if ((lane & 3) == 0) scales[row * (p->n / kKBlock) + tile.n0 / kKBlock + b] = scale;
+      }
+    }
+  }
+}
+
 // kGateUp's epilogue: g, u where asked (bf16), then h = silu(g) * u (as gemm.cuh computes it) into
 // g's registers, rounded to bf16: stored as h, and quantized into hq, hs.
 __device__ __forceinline__ void store_gate_up(const Fp8GemmParams* p, const Tile& tile, float (&acc)[128], char* stg,
@@ -514,6 +566,7 @@ __device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, Storage& ss
   ok = consume_kblocks<kP>(p, ss, ring, tile, acc, half, wg_tid, ok);
   if constexpr (Tr::kAuxStages > 0) {
     ok = gemm::store_down_bwd_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
+    if (p->out_codes && tile.store) store_down_bwd_codes(p, tile, half, wg_tid);
   } else if (tile.store && !unchanged) {
     if constexpr (kP == kGateUp) {
       store_gate_up(p, tile, acc, reinterpret_cast<char*>(staging), half, wg_tid);

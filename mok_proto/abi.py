@@ -396,8 +396,8 @@ FP8_GEMM_PARAMS = Struct("Fp8GemmParams", (
     ("i64", "out1", "output addresses (bf16 rows, fp32 weight gradients)"),
     ("i64", "out2", ""),
     ("i64", "out3", ""),
-    ("i64", "out_codes", "kGateUp: hq, e4m3 [rows, I] (h quantized 1 x 128)"),
-    ("i64", "out_scales", "kGateUp: hs, fp32 [rows, I / 128]"),
+    ("i64", "out_codes", "kGateUp: hq, e4m3 [rows, I] (h quantized 1 x 128); kDownBwd: dgq (0: none)"),
+    ("i64", "out_scales", "kGateUp: hs, fp32 [rows, I / 128]; kDownBwd: dgs"),
     ("i64", "row_scale", "kDown: optional fp32 [rows] (0 = none)"),
     ("i64", "row_offsets", "int32 [El]; weight gradients: multiples of 128 (no scale block straddles two experts)"),
     ("i64", "row_counts", "int32 [El]"),
@@ -409,6 +409,8 @@ FP8_GEMM_PARAMS = Struct("Fp8GemmParams", (
     ("i64", "tmap_aux1", "kDownBwd: g, u (bf16) in boxes of 128 rows x 64 columns"),
     ("i64", "tmap_aux2", ""),
     ("i64", "accumulate", "weight gradients: 1 starts each tile from the stored output (a later turn's rows), 0 from 0"),
+    ("i64", "out_codes2", "kDownBwd: duq, e4m3 [rows, I] (du quantized 1 x 128; out_codes: dgq; 0: neither)"),
+    ("i64", "out_scales2", "kDownBwd: dus, fp32 [rows, I / 128] (out_scales: dgs)"),
 ), namespace="mok::gemm_fp8")
 
 TOKEN_PARAMS = Struct("TokenParams", (

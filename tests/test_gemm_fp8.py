@@ -279,6 +279,33 @@ def test_down_bwd_fuses_swiglu_backward(data):
         _same_bits(name, outs[0][name], outs[1][name])
 
 
+def test_down_bwd_quantizes_dg_du_as_the_row_quantizer(data):
+    """dgq, duq (down_bwd's epilogue, the FP8 backward's gate_up_bwd operands): bit for bit
+    fp8.quantize_rows of the dg, du the same launch stored; the gap rows untouched; dg, du the
+    same bits as a launch without them."""
+    import cupy
+    from mok_proto.kernels import gemm_fp8
+
+    d = data
+    rows, ffn, inside = d["rows"], d["ffn"], d["inside"]
+    outs = {}
+    for with_codes in (True, False):
+        dg, du = _nan((rows, ffn), np.uint16), _nan((rows, ffn), np.uint16)
+        codes = {name: (cupy.full((rows, ffn), SENTINEL, np.uint8), _nan((rows, ffn // B), np.float32))
+                 for name in ("dgq", "duq")} if with_codes else {}
+        _run(gemm_fp8.down_bwd, _dev(d["dy_q"]), _dev(d["w_down"]), d["g"], d["u"], d["d_offsets"], d["d_counts"],
+             dg, du, **codes)
+        outs[with_codes] = dict(dg=dg, du=du, **codes)
+    for name in ("dg", "du"):
+        _same_bits(name, outs[True][name], outs[False][name])
+        stored = from_bf16(outs[True][name].get())
+        want_codes, want_scales = fp8.quantize_rows(np.where(inside[:, None], stored, 0).astype(np.float32))
+        codes, scales = (a.get() for a in outs[True][name + "q"])
+        assert np.array_equal(codes[inside], want_codes[inside]), f"{name}q codes"
+        assert np.array_equal(scales[inside].view(np.uint32), want_scales[inside].view(np.uint32)), f"{name}q scales"
+        assert np.all(codes[~inside] == SENTINEL) and np.isnan(scales[~inside]).all(), f"{name}q outside the experts"
+
+
 def test_gate_up_bwd(data):
     from mok_proto.kernels import gemm_fp8
 

@@ -33,7 +33,7 @@ READS = {
     kg.gate_up_wgrad: [("qT", ("deq", ("q", "x"))), ("qT", "dg"), ("qT", "du")],
 }
 WRITES = {kg.gate_up: {5: "h", 6: ("q", "h"), "g": "g", "u": "u"}, kg.down: {4: "y"},
-          kg.down_bwd: {6: "dg", 7: "du"}, kg.gate_up_bwd: {6: "dx"}, kg.down_wgrad: {4: "dWd"},
+          kg.down_bwd: {6: "dg", 7: "du", "dgq": ("q", "dg"), "duq": ("q", "du")}, kg.gate_up_bwd: {6: "dx"}, kg.down_wgrad: {4: "dWd"},
           kg.gate_up_wgrad: {5: "dWg", 6: "dWu"}}
 
 

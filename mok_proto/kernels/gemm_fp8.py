@@ -16,7 +16,8 @@ on the device and cannot check them; a misaligned segment reads the wrong scale 
 
     gate_up        g = x Wg, u = x Wu; h = silu(g) * u in bf16, hq = quantize_rows(h) of that bf16 h
     down           y = row_scale * (h Wd)
-    down_bwd       dh = dy Wd^T; dg = dh * u * silu'(g), du = dh * silu(g)   (g, u bf16 as gate_up wrote them)
+    down_bwd       dh = dy Wd^T; dg = dh * u * silu'(g), du = dh * silu(g)   (g, u bf16 as gate_up wrote them);
+                   dgq, duq = quantize_rows of the stored dg, du where asked
     gate_up_bwd    dx = dg Wg^T + du Wu^T
     down_wgrad     dWd[e] = h_e^T dy_e                 (fp32, deterministic: no atomics)
     gate_up_wgrad  dWg[e] = x_e^T dg_e, dWu[e] = x_e^T du_e
@@ -142,15 +143,22 @@ def down(h, w_down_t, row_offsets, row_counts, y, row_scale=None, error=None, pa
                    row_counts=row_counts, tmap_a1=_map(hc, ffn, rows), tmap_b1=_map(wdc, ffn, num_experts * hidden))
 
 
-def down_bwd(dy, w_down, g, u, row_offsets, row_counts, dg, du, error=None, pack_only=False):
+def down_bwd(dy, w_down, g, u, row_offsets, row_counts, dg, du, dgq=None, duq=None, error=None, pack_only=False):
     """dy (codes [rows,H], scales), w_down (Wd codes [E,I,H], scales [E,I/128,H/128]), g/u bf16
-    [rows,I] -> dg, du bf16 [rows,I] (the SwiGLU backward of dh = dy Wd^T)."""
+    [rows,I] -> dg, du bf16 [rows,I] (the SwiGLU backward of dh = dy Wd^T); with dgq, duq (codes
+    [rows,I], scales [rows,I/128], both or neither) also quantize_rows of the stored dg, du."""
     rows, hidden, num_experts, ffn, dyc, dys, wdc, wds = _row_operands("dy", dy, "w_down", w_down, "H", "I", BN)
     for name, a in (("g", g), ("u", u), ("dg", dg), ("du", du)):
         gemm._check(name, a, (rows, ffn), "bf16")
+    if (dgq is None) != (duq is None):
+        raise ValueError("dgq, duq: give both (dg and du quantized in the epilogue) or neither")
+    codes = {}
+    if dgq is not None:
+        (dgc, dgs), (duc, dus) = _rows("dgq", dgq, (rows, ffn)), _rows("duq", duq, (rows, ffn))
+        codes = dict(out_codes=dgc, out_scales=dgs, out_codes2=duc, out_scales2=dus)
     gemm._groups(row_offsets, row_counts, rows)
     return _launch("down_bwd", error, pack_only, num_groups=num_experts, n=ffn, k=hidden, ldo=ffn,
-                   **_row_problem_fields(hidden, ffn, hidden), scale_a1=dys, scale_b1=wds, out1=dg, out2=du,
+                   **_row_problem_fields(hidden, ffn, hidden), scale_a1=dys, scale_b1=wds, out1=dg, out2=du, **codes,
                    row_offsets=row_offsets, row_counts=row_counts, tmap_a1=_map(dyc, hidden, rows),
                    tmap_b1=_map(wdc, hidden, num_experts * ffn), tmap_aux1=gemm.tensor_map(g, ffn, rows, 64, BM),
                    tmap_aux2=gemm.tensor_map(u, ffn, rows, 64, BM))

@@ -11,7 +11,7 @@ pairs of layout.fp8_row_layout (codes `name`, scales `name`_s).
     forward        [fp8 dispatch: xq_tok = q(x) by the token owner, before the routing flag publishes it]
                    dispatch: bf16 rows into recv, then xq = q(recv) | xq_tok's codes and scales into xq
                    gate_up(xq, Wg^T, Wu^T) -> g, u, h (bf16), hq = q(h) (its epilogue); down(hq, Wd^T) -> y
-    backward       dyq = q(dy); down_bwd(dyq, Wd, g, u) -> dg, du;  dgq, duq = q(dg), q(du);
+    backward       dyq = q(dy); down_bwd(dyq, Wd, g, u) -> dg, du and dgq, duq = q(dg), q(du) (its epilogue);
                    gate_up_bwd(dgq, duq, Wg, Wu) -> dx rows
                    hq := q^T(h), dyq := q^T(dy); down_wgrad -> dWd
                    dyq := q^T(deq(xq)), dgq := q^T(dg), duq := q^T(du); gate_up_wgrad -> dWg, dWu
@@ -190,7 +190,7 @@ class Fp8Experts:
             ("fwd", "kSlotFirst"): [] if self.dispatch_fp8 else [rows_q("recv", "xq")],
             ("fwd", "kSlotSecond"): [],
             ("bwd", "kSlotFirst"): [rows_q("recv_dy", "dyq")],
-            ("bwd", "kSlotSecond"): [rows_q("dg", "dgq"), rows_q("du", "duq")],
+            ("bwd", "kSlotSecond"): [],  # dgq, duq: down_bwd's epilogue
             ("bwd", "kSlotDownWgrad"): [cols_q("h", "hq", i_ffn), cols_q("recv_dy", "dyq", h)],
             ("bwd", "kSlotGateUpWgrad"): [(kq.quantize_segment_columns, (b("xq", r), *rows, *qt("dyq", h)),
                                            {"x_scales": b("xq_s", r)}),
@@ -201,7 +201,7 @@ class Fp8Experts:
                                     {"g": b("g", r), "u": b("u", r), **err}),
             ("fwd", "kSlotSecond"): (kg.down, (q("hq"), w("down_t"), *rows, b("y", r)), err),
             ("bwd", "kSlotFirst"): (kg.down_bwd, (q("dyq"), w("down"), b("g", r), b("u", r), *rows, b("dg", r),
-                                                  b("du", r)), err),
+                                                  b("du", r)), {"dgq": q("dgq"), "duq": q("duq"), **err}),
             ("bwd", "kSlotSecond"): (kg.gate_up_bwd, (q("dgq"), q("duq"), w("gate"), w("up"), *rows,
                                                       b("dx_rows", r)), err),
             ("bwd", "kSlotDownWgrad"): (kg.down_wgrad, (qt("hq", i_ffn), qt("dyq", h), *rows, b("dw_down", r)),
