@@ -1,7 +1,7 @@
 // The fused passes of the MoE layer: one persistent launch that runs a plan's task tables
 // (mok_proto/plan/, `fused_forward` / `fused_backward`; kernels fused_forward, fused_backward:
-// one task loop, run_fused<kPass>, over the pass's GEMM problems; fused_forward_fp8: the forward
-// with FP8 routed experts, gemm_fp8.cuh's tiles, docs/design.md 5.10). Forward: the dispatched rows
+// one task loop, run_fused<kPass>, over the pass's GEMM problems; fused_forward_fp8 and
+// fused_backward_fp8: FP8 routed experts, gemm_fp8.cuh's tiles, docs/design.md 5.10). Forward: the dispatched rows
 // are pulled and the combined rows pushed minibatch by minibatch while the shared and routed
 // expert GEMM tiles run as soon as their rows are in; before it (separate launches, as MoK does)
 // the routing all-gather and the schedule, after it the flag that publishes the combine, the
@@ -66,7 +66,7 @@ using gemm::Traits;
 // a little at this split (ptxas -v), far less than with the same count for every thread.
 constexpr int kFusedProducerRegs = 120;
 constexpr int kFusedConsumerRegs = 192;
-// fused_forward_fp8: its FP8 consumers hold a 64-register temporary beside the accumulators
+// The FP8 kernels: their FP8 consumers hold a 64-register temporary beside the accumulators
 // (gemm_fp8.cuh's 216), so its movers keep fewer values in flight (kSideUnrollFp8).
 constexpr int kFusedFp8ProducerRegs = 72;
 constexpr int kFusedFp8ConsumerRegs = 216;
@@ -141,7 +141,7 @@ __device__ __forceinline__ bool task_ready(const Ctx& c, const Task& t, int inde
   return __shfl_sync(0xffffffffu, ready, 0) != 0;
 }
 
-// An FP8 tile of fused_forward_fp8 (the routed experts'): gemm_fp8's one-warp producer.
+// An FP8 tile of the FP8 kernels (a routed row problem's): gemm_fp8's one-warp producer.
 template <int kP, class Storage>
 __device__ __forceinline__ bool produce_fp8_task(const Ctx& c, Storage& ss, Ring& ring, const Task& t, int index,
                                                  int cta, int wg_tid, bool ok) {
@@ -156,11 +156,11 @@ __device__ __forceinline__ bool produce_fp8_task(const Ctx& c, Storage& ss, Ring
 // Producer warp (warp 0 of warpgroup 0), one task: lane 0 waits for the task's counters (then
 // fences, as the TMA reader of rows stored by generic stores), the warp loads the tile into the
 // ring (lane 0 issues the TMA; an FP8 tile's lanes copy its scales too: gemm_fp8's
-// produce_tile_warp). kFp8: the routed experts' tiles are FP8 (fused_forward_fp8).
+// produce_tile_warp). kFp8: the routed experts' row tiles are FP8 (fused_forward_fp8, fused_backward_fp8).
 template <int kP, bool kFp8, class Storage>
 __device__ __forceinline__ bool produce_task(const Ctx& c, Storage& ss, Ring& ring, const Task& t, int index,
                                              int cta, int wg_tid, bool ok) {
-  if constexpr (kFp8) {
+  if constexpr (kFp8 && Traits<kP>::kRowProblem) {  // (no routed weight-gradient tile in an FP8 plan)
     if (routed_rows(t.kind)) return produce_fp8_task<kP>(c, ss, ring, t, index, cta, wg_tid, ok);
   }
   const GemmParams* p = c.gemm + slot_of(t.kind);
@@ -189,7 +189,7 @@ __device__ __forceinline__ bool consume_task(const Ctx& c, Storage& ss, Ring& ri
   const i64 start = c.trace && lead ? static_cast<i64>(globaltimer_ns()) : 0;
   Tile tile;
   bool fp8_tile = false;
-  if constexpr (kFp8) {
+  if constexpr (kFp8 && Traits<kP>::kRowProblem) {
     if (routed_rows(t.kind)) {
       fp8_tile = true;
       const gemm_fp8::Fp8GemmParams* p = c.fp8 + slot_of(t.kind);
@@ -299,8 +299,9 @@ __device__ __forceinline__ bool mover_task(const Ctx& c, volatile int* go, const
         fp8_rows ? c.codes : c.cp, c.rank, rows.dispatch ? kLinkIn : kLinkOut, 0, rows.count, Workers{warp, kWarps},
         lane, [&](i64 k) { return rows.peer(k); },
         [&](i64 k) {
-          // kQuantize (fused_forward_fp8): a pulled row is stored and quantized from the same
-          // registers, as q(recv) gives it (padding rows, which no segment holds, are only moved)
+          // kQuantize (the FP8 kernels): a pulled row (dispatch: x, reverse-combine: dy) is stored
+          // and quantized from the same registers, as q(recv), q(recv_dy) give it (padding rows,
+          // which no segment holds, are only moved)
           if constexpr (kQuantize) {
             if (fp8_rows) {
               const i64 i = rows.first + k * rows.stride;
@@ -313,7 +314,7 @@ __device__ __forceinline__ bool mover_task(const Ctx& c, volatile int* go, const
                 warp_move_row<2>(s, c.scales->row_bytes, lane);
               return;
             }
-            if (c.quant != nullptr && t.kind == plan::kTaskDispatch && rows.peer(k) >= 0) {
+            if (c.quant != nullptr && rows.dispatch && rows.peer(k) >= 0) {
               fp8::copy_quantize_row_bf16<kUnroll>(c.quant, rows.first + k * rows.stride - rows.shift, rows.move(k).src,
                                                    lane);
               return;
@@ -370,8 +371,9 @@ struct StorageOf<true> {
   using Type = gemm_fp8::FusedStorage;  // gemm.cuh's and the FP8 stages' scales
 };
 
-// kFp8 (fused_forward_fp8): the routed experts' tiles are FP8 (gemm_fp8.cuh), the shared expert's
-// BF16; the dispatch's movers quantize the rows they receive (Ctx::quant).
+// kFp8 (fused_forward_fp8, fused_backward_fp8): the routed experts' row tiles are FP8 (gemm_fp8.cuh),
+// the shared expert's BF16; the movers of the incoming transfer (dispatch, reverse-combine) quantize
+// the rows they receive (Ctx::quant).
 template <int kPass, bool kFp8 = false>
 __device__ __forceinline__ void run_fused(const FusedParams* fp) {
   using Storage = typename StorageOf<kFp8>::Type;
@@ -487,14 +489,21 @@ __global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::k
   run_fused<1>(fp);
 }
 
-// The forward with FP8 routed experts (RunConfig precision "fp8", bf16 dispatch).
+// The forward with FP8 routed experts (RunConfig precision "fp8").
 __global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::kThreads, 1)
     fused_forward_fp8(const FusedParams* fp) {
   run_fused<0, true>(fp);
 }
 
+// The backward's data gradients with FP8 routed experts: the plan holds no routed weight-gradient
+// tile (their operands' transposed quantizations run after the kernel, with those GEMMs).
+__global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::kThreads, 1)
+    fused_backward_fp8(const FusedParams* fp) {
+  run_fused<1, true>(fp);
+}
+
 // Compile-time sizes Python reads once from the compiled module: out[0] = dynamic shared memory of
-// fused_forward_fp8 (the BF16 kernels take gemm.cuh's).  grid 1, block 1.
+// the FP8 kernels (the BF16 kernels take gemm.cuh's).  grid 1, block 1.
 __global__ void export_sizes(int* out) { out[0] = gemm_fp8::kFusedSmemBytes; }
 
 }  // namespace fused

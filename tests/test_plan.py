@@ -1,5 +1,6 @@
 """Plans: both strategies pass check() on every pass and policy; check() rejects broken plans."""
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -343,6 +344,28 @@ def test_fused_backward_runs_the_token_gradients_last_on_every_cta(comm):
     with pytest.raises(ValueError, match="token_grads"):
         P.fused_backward(TILE, 2, P.FusedKnobs(0, 256, token_grads=True), policy={**MOK_POLICY, "rev_dispatch": "pull"},
                          num_sms=8, capacity_rows=1024)
+
+
+@pytest.mark.parametrize("comm", [0, 2])
+def test_fused_backward_without_routed_weight_gradients(comm):
+    """routed_wgrads=False (the FP8 layer: those run after the kernel): every other task as the
+    default plan has it, no routed weight-gradient tile and no DATA_GRAD_DONE; the shared expert's
+    weight gradients stay; the checker's coverage holds either way, and refuses the one plan
+    passed off as the other."""
+    knobs = P.FusedKnobs(comm, 256)
+    full = P.fused_backward(TILE, 2, knobs, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    part = P.fused_backward(TILE, 2, dataclasses.replace(knobs, routed_wgrads=False), policy=MOK_POLICY, num_sms=8,
+                            capacity_rows=1024)
+    part.check()
+    assert full.routed_wgrads and not part.routed_wgrads
+    routed = [int(k) for k in full.kinds.wgrad]
+    kinds = collections.Counter(full.tasks["kind"].tolist())
+    assert all(kinds[k] > 0 for k in routed)
+    assert collections.Counter(part.tasks["kind"].tolist()) == {k: n for k, n in kinds.items() if k not in routed}
+    assert (part.tasks["kind"] == int(P.TaskKind.SHARED_DOWN_WGRAD)).any()
+    assert not (part.counters["kind"] == int(P.CounterKind.DATA_GRAD_DONE)).any()
+    with pytest.raises(P.PlanError, match="coverage"):
+        dataclasses.replace(part, routed_wgrads=True).check()
 
 
 def test_fused_backward_runs_the_scale_first_on_every_cta():

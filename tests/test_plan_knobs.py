@@ -18,8 +18,10 @@ def test_defaults_resolve_per_pass_and_policy():
     fwd, bwd = knobs.resolved("fwd", MOK_POLICY), knobs.resolved("bwd", MOK_POLICY)
     assert (fwd.assign, fwd.raster, fwd.claim) == ("round_robin", "row", "all")
     assert (bwd.assign, bwd.raster, bwd.claim) == ("balanced", "row", "tail")
-    # the backward runs the token gradients and the scale inside when its transfers are inside
-    assert (bwd.token_grads, bwd.scale) == (True, True) and (fwd.token_grads, fwd.scale) == (None, None)
+    # the backward runs the token gradients and the scale inside when its transfers are inside, the
+    # routed weight gradients inside; the forward has none of these
+    assert (bwd.token_grads, bwd.scale, bwd.routed_wgrads) == (True, True, True)
+    assert (fwd.token_grads, fwd.scale, fwd.routed_wgrads) == (None, None, None)
     outside = knobs.resolved("bwd", OUTSIDE)
     assert (outside.token_grads, outside.scale) == (False, False)
     # the given knobs win over the defaults; a resolved object resolves to itself
@@ -54,6 +56,7 @@ def test_one_object_serves_both_passes():
     ({"claim": "most"}, "claim .* must be an integer"),
     ({"spread_from": "1"}, "spread_from must be an integer"),
     ({"token_grads": 1}, "token_grads must be None, True or False"),
+    ({"routed_wgrads": "no"}, "routed_wgrads must be None, True or False"),
 ])
 def test_bad_knobs_are_refused_where_they_are_made(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -114,7 +117,8 @@ def test_describe_gives_the_fields_of_a_results_row():
 @pytest.mark.parametrize("pass_,knobs", [
     ("fwd", P.FusedKnobs(8, 2048)), ("fwd", P.FusedKnobs(8, 256, spread_from=1, lookahead=0, claim=3, raster="col")),
     ("fwd", P.FusedKnobs(0, 512, ring_minibatches=2)), ("bwd", P.FusedKnobs(0, 2048, claim="all", scale=False)),
-    ("bwd", P.FusedKnobs(12, 1024, assign="round_robin", token_grads=False))])
+    ("bwd", P.FusedKnobs(12, 1024, assign="round_robin", token_grads=False)),
+    ("bwd", P.FusedKnobs(0, 1024, routed_wgrads=False))])
 def test_from_row_builds_the_plan_a_row_ran(pass_, knobs):
     # sim --validate rebuilds a fused row's plan from its fields: the same knobs as the pass ran them
     row = knobs.describe(pass_, MOK_POLICY)

@@ -248,7 +248,10 @@ def fused_backward(shape: MoEShape, num_ranks: int, knobs: FusedKnobs, *, policy
     reverse-combine chunk waits for. False: the scale kernel and the publish (a flag, a wait for
     every peer's) run before the kernel.
     claim: the last `claim` tile pairs (the tail of the deferred weight gradients) are claimed at
-    run time, as fused_forward's."""
+    run time, as fused_forward's.
+    routed_wgrads (default True): False leaves the routed experts' weight gradients out of the
+    plan, to run after the kernel (the FP8 layer: their operands' transposed quantizations go
+    with them); the shared expert's stay."""
     return _fused("bwd", shape, num_ranks, knobs, policy, num_sms, capacity_rows)
 
 
@@ -265,6 +268,7 @@ def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, polic
     knobs = knobs.resolved(pass_, policy, num_mb)
     ring, lookahead, spread_from = knobs.ring_minibatches, knobs.lookahead, knobs.spread_from
     token_grads, scale = bool(knobs.token_grads), bool(knobs.scale)
+    routed_wgrads = pass_ == "bwd" and bool(knobs.routed_wgrads)
     comm_in, comm_out = inside_kernel(pass_, policy)
     k = PASS_KINDS[pass_]
 
@@ -284,7 +288,7 @@ def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, polic
     released = [b.counter(CounterKind.RELEASED, m) for m in range(num_mb)] if ring < num_mb else None
     wgrad = bool(k.wgrad)
     shared_done = [b.counter(CounterKind.SHARED_DONE, 0)] if wgrad and shared_pairs else []
-    data_grad_done = [b.counter(CounterKind.DATA_GRAD_DONE, 0)] if wgrad else []
+    data_grad_done = [b.counter(CounterKind.DATA_GRAD_DONE, 0)] if routed_wgrads else []
     slots_arrived = [b.counter(CounterKind.SLOTS_ARRIVED, 0, remote=True)] if token_grads else []
     shared_second_done = [b.counter(CounterKind.SHARED_SECOND_DONE, 0)] if token_grads and shared_pairs else []
     published = [b.counter(CounterKind.PUBLISHED, 0, remote=True)] if scale else []
@@ -336,7 +340,7 @@ def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, polic
             pairs += [(k.second, p, col, lambda rt: [first_done[rt]],
                        lambda rt, m=m: [second_done[m]] if comm_out else [], {"minibatch": m})
                       for p, col in grid(range(m * tpm // 2, (m + 1) * tpm // 2), n_second)]
-    for kind in k.wgrad:  # deferred: after every data-gradient tile of every minibatch
+    for kind in (k.wgrad if routed_wgrads else ()):  # deferred: after every data-gradient tile of every minibatch
         rows, cols = wgrad_grid(kind, shape)
         pairs += [(kind, p, col, lambda rt: data_grad_done, lambda rt: [], {"expert": e, "macrobatch": 0})
                   for e in range(shape.num_experts // num_ranks) for p in range(cdiv(rows, 2)) for col in range(cols)]
@@ -364,7 +368,7 @@ def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, polic
                    comm_blocks=comm_blocks, minibatch_rows=minibatch_rows, ring_minibatches=ring,
                    capacity_rows=capacity_rows, strategy=FUSED_STRATEGIES[pass_], assign=knobs.assign,
                    raster=knobs.raster, spread_from=spread_from, token_grads=token_grads, scale=scale,
-                   claim_pairs=claim, knobs=knobs)
+                   routed_wgrads=routed_wgrads or pass_ != "bwd", claim_pairs=claim, knobs=knobs)
 
 
 def _assign_clusters(assign: str, pairs: list, clusters: int, cost, past=lambda kind, p: False) -> list[int]:

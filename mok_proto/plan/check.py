@@ -179,7 +179,8 @@ def _expected_fused_keys(plan, key) -> np.ndarray:
     for kind in (k.shared_first, k.shared_second):
         keys += [key(kind, row_tile=r, col_tile=c) for r in range(shared_tiles) for c in range(num_col_tiles(kind, shape))]
     # weight gradients (backward): every tile of every expert's weights, row tiles in pairs
-    for kinds, experts, macro in ((k.wgrad, range(shape.num_experts // plan.num_ranks), 0),
+    routed = k.wgrad if plan.routed_wgrads else ()  # (else they run after the kernel)
+    for kinds, experts, macro in ((routed, range(shape.num_experts // plan.num_ranks), 0),
                                   (k.shared_wgrad if shared_tiles else (), (-1,), -1)):
         for kind in kinds:
             rows, cols = wgrad_grid(kind, shape)

@@ -36,6 +36,7 @@ class Plan:
     spread_from: int | None = None  # fused plans: outgoing transfers of minibatches >= this one on every CTA
     token_grads: bool = False  # fused backward: the token gradients (SLOT_SUM tasks) run inside the kernel
     scale: bool = False  # fused backward: dy_slots = w * dout (SCALE tasks) runs inside the kernel
+    routed_wgrads: bool = True  # fused backward: the routed weight-gradient tiles run inside the kernel
     claim_pairs: int = 0  # fused plans: the last claim_pairs tile pairs of the global order, claimed at run time
     knobs: object = None  # fused plans: the FusedKnobs they were built with (resolved for the pass)
 
@@ -123,7 +124,8 @@ class Plan:
                 f"comm={self.comm_blocks} minibatch={self.minibatch_rows} ring={self.ring_minibatches} "
                 f"capacity={self.capacity_rows} assign={self.assign} raster={self.raster} "
                 f"spread_from={self.spread_from} token_grads={self.token_grads} scale={self.scale} "
-                f"claim_pairs={self.claim_pairs} tasks={len(self.tasks)} counters={len(self.counters)}")
+                f"routed_wgrads={self.routed_wgrads} claim_pairs={self.claim_pairs} tasks={len(self.tasks)} "
+                f"counters={len(self.counters)}")
 
     def block_tables(self) -> list[np.ndarray]:
         """Per-CTA ordered task tables (views of `tasks`)."""

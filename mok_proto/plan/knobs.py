@@ -40,8 +40,8 @@ def parse_claim(text: str):
 class FusedKnobs:
     """The knobs of a fused plan (what each does: build.fused_forward / fused_backward). None
     means the default: `resolved` fills in the pass's (PASS_DEFAULTS) and the policy's. One
-    object serves both passes: ring_minibatches is the forward's only, token_grads and scale the
-    backward's only (the other pass's `resolved` drops them)."""
+    object serves both passes: ring_minibatches is the forward's only, token_grads, scale and
+    routed_wgrads the backward's only (the other pass's `resolved` drops them)."""
 
     comm_blocks: int = 0  # CTAs set aside to communicate; 0: every CTA computes, its spare warps move rows
     minibatch_rows: int = 1024  # receive rows per minibatch, a multiple of PAIR_ROWS
@@ -54,6 +54,9 @@ class FusedKnobs:
     claim: int | str | None = None  # tile pairs claimed at run time: a count or a name of CLAIMS
     token_grads: bool | None = None  # backward: the token gradients inside the kernel (None: if its outgoing is)
     scale: bool | None = None  # backward: dy_slots = w * dout inside the kernel (None: if its incoming is)
+    # backward: the routed experts' weight-gradient tiles inside the kernel (None: True); False: after
+    # it (the FP8 layer runs them there, with their operands' transposed quantizations)
+    routed_wgrads: bool | None = None
     # The expert segments' padding the plan's cost model assumes (None: SEGMENT_ROWS, the GPU layer's
     # schedule; another multiple of BM only for the simulator: a what-if, or a rule a results row recorded).
     segment_rows: int | None = None
@@ -80,7 +83,7 @@ class FusedKnobs:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.claim is not None and not (isinstance(self.claim, str) and self.claim in CLAIMS):
             check_int(self.claim, "claim (an int, 'all' or 'tail')", minimum=0)
-        for name in ("token_grads", "scale"):
+        for name in ("token_grads", "scale", "routed_wgrads"):
             if not (getattr(self, name) is None or isinstance(getattr(self, name), bool)):
                 raise ValueError(f"{name} must be None, True or False, got {getattr(self, name)!r}")
 
@@ -95,8 +98,9 @@ class FusedKnobs:
         comm_in, comm_out = inside_kernel(pass_, policy)
         if self.comm_blocks and not (comm_in or comm_out):
             raise ValueError(f"policy {policy} moves no rows inside the kernel: comm_blocks must be 0")
-        token_grads = scale = ring = None
+        token_grads = scale = ring = routed_wgrads = None
         if pass_ == "bwd":
+            routed_wgrads = True if self.routed_wgrads is None else self.routed_wgrads
             token_grads = comm_out if self.token_grads is None else self.token_grads
             if token_grads and not comm_out:
                 raise ValueError(f"token_grads runs the backward's slot sum inside the kernel: it needs the backward "
@@ -124,7 +128,7 @@ class FusedKnobs:
         defaults = self.PASS_DEFAULTS[pass_]
         return dataclasses.replace(
             self, ring_minibatches=ring, lookahead=lookahead, token_grads=token_grads, scale=scale,
-            segment_rows=self.segment_rows or SEGMENT_ROWS,
+            routed_wgrads=routed_wgrads, segment_rows=self.segment_rows or SEGMENT_ROWS,
             **{name: defaults[name] if getattr(self, name) is None else getattr(self, name) for name in defaults})
 
     def claim_pairs(self, num_pairs: int, num_clusters: int) -> int:
@@ -142,13 +146,16 @@ class FusedKnobs:
         """The fields a results row records of a `pass_` plan built with these knobs (flat,
         JSON-able): comm_blocks, minibatch_tokens, assign, raster and segment_rows as the plan ran
         them, claim as given (None: the pass's default; the row adds the plan's claim_pairs), the backward's
-        token_grads and scale as it ran them, and ring_minibatches, lookahead, spread_from where set."""
+        token_grads and scale as it ran them, routed_wgrads where False, and ring_minibatches, lookahead,
+        spread_from where set."""
         ran = self.resolved(pass_, policy)
         row = {"comm_blocks": self.comm_blocks, "minibatch_tokens": self.minibatch_rows, "assign": ran.assign,
                "raster": ran.raster, "claim": self.claim, "segment_rows": ran.segment_rows}
         for name in ("ring_minibatches", "lookahead", "spread_from", "token_grads", "scale"):
             if getattr(ran, name) is not None:
                 row[name] = getattr(ran, name)
+        if ran.routed_wgrads is False:
+            row["routed_wgrads"] = False
         return row
 
     @classmethod
@@ -156,7 +163,7 @@ class FusedKnobs:
         """The knobs of a results row's fused plan (the fields `describe` wrote): they build that plan
         again with the row's pass, policy and grid."""
         names = ("assign", "raster", "claim", "ring_minibatches", "lookahead", "spread_from", "token_grads", "scale",
-                 "segment_rows")
+                 "segment_rows", "routed_wgrads")
         return cls(row["comm_blocks"], row["minibatch_tokens"], **{k: row[k] for k in names if row.get(k) is not None})
 
     @classmethod

@@ -68,6 +68,9 @@ def _fused_plan(pass_: str, shape: MoEShape, num_ranks: int, knobs: plans.FusedK
     the pass resolves them, so a default given or left out is one plan) for the timelines and passes
     simulated here: the same plans recur across runs, and a plan's proof is kept per object
     (Plan.check). The plans are shared: read them, never change them."""
+    if knobs.routed_wgrads is False:
+        raise ValueError("the simulator prices a fused backward with its routed weight gradients inside the kernel "
+                         "(routed_wgrads=False: the FP8 layer's, which it does not model)")
     return _built_plan(pass_, shape, num_ranks, knobs.resolved(pass_, dict(policy)), policy, num_sms, capacity_rows)
 
 
