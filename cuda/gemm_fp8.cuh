@@ -485,7 +485,7 @@ __device__ __forceinline__ void store_h_codes(const Fp8GemmParams* p, const Tile
 // gate_up_bwd, after the tile stored them. Each lane reads back the 16-byte chunks it stored itself
 // (gemm::row_out's columns 32 j + 8 (l%4) .. +7 of its row; its own stores, so no fence), the
 // block's amax over the quad that holds its row, then the row quantizer's scale and codes: equal
-// bit for bit to fp8.quantize_rows of the stored dg, du. A row half's 16 loads go out at once.
+// bit for bit to fp8.quantize_rows of the stored dg, du. A row half's 8 loads of one array go out at once.
 __device__ __forceinline__ void store_down_bwd_codes(const Fp8GemmParams* p, const Tile& tile, int half, int wg_tid) {
   constexpr int kBlocks = kBN / kKBlock;  // 1 x 128 blocks of a tile row
   const int lane = wg_tid & 31;
@@ -494,17 +494,15 @@ __device__ __forceinline__ void store_down_bwd_codes(const Fp8GemmParams* p, con
   for (int rh = 0; rh < 2; ++rh) {
     const gemm::RowOut r = gemm::row_out(p, tile, rh, half, wg_tid);
     const i64 row = tile.row0 + tile.m0 + r.row;  // == (r.base - tile.n0 - 8 (l%4)) / ldo
-    uint4 raw[2][kBlocks][4];
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int a = 0; a < 2; ++a) {
+      uint4 raw[kBlocks][4];
 #pragma unroll
       for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-          raw[a][b][j] = r.valid ? *ptr<const uint4>((a ? p->out2 : p->out1) + 2 * (r.base + kKBlock * b + 32 * j))
-                                 : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-    for (int a = 0; a < 2; ++a) {
+          raw[b][j] = r.valid ? *ptr<const uint4>((a ? p->out2 : p->out1) + 2 * (r.base + kKBlock * b + 32 * j))
+                              : make_uint4(0u, 0u, 0u, 0u);
       unsigned char* codes = ptr<unsigned char>(a ? p->out_codes2 : p->out_codes);
       float* scales = ptr<float>(a ? p->out_scales2 : p->out_scales);
 #pragma unroll
@@ -513,7 +511,7 @@ __device__ __forceinline__ void store_down_bwd_codes(const Fp8GemmParams* p, con
         float amax = 0.0f;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          unpack8(raw[a][b][j], v[j]);
+          unpack8(raw[b][j], v[j]);
 #pragma unroll
           for (int i = 0; i < 8; ++i) amax = fp8::keep_max(amax, fp8::keep_abs(v[j][i]));
         }

@@ -196,8 +196,9 @@ def test_the_passes_call_the_fp8_hooks(monkeypatch):
 
 @pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
 def test_fused_words_pack_each_turns_rows(dispatch, monkeypatch):
-    """Fp8Experts.fused_words(ranks, turn): the routed slots' Fp8GemmParams on turn `turn`'s segments
-    (its row offsets and counts), the other slots zero; QuantParams recv -> xq, xq_s (bf16 dispatch)."""
+    """Fp8Experts.fused_words(ranks, turn, pass_): the routed slots' Fp8GemmParams on turn `turn`'s
+    segments (its row offsets and counts), the other slots zero; QuantParams recv -> xq, xq_s (bf16
+    dispatch); the backward's: down_bwd quantizing dg, du into dgq, duq, and recv_dy -> dyq, dyq_s."""
     monkeypatch.setattr(gemm, "tensor_map", lambda *args, **kwargs: 0)
     monkeypatch.setattr(gemm, "launch_grouped", lambda module, namespace, struct, problem, site, error, pack_only,
                         fields: struct.pack({**dict.fromkeys(struct.names, 0), **fields, "error": 0}))
@@ -219,6 +220,17 @@ def test_fused_words_pack_each_turns_rows(dispatch, monkeypatch):
                                                         _address(bufs["xq_s"]))
         else:  # (the layout has no recv: fp8 dispatch moves codes and scales)
             assert "recv" not in bufs and not any(q[name] for name in abi.QUANT_PARAMS.names)
+        gemms, quants = experts.fused_words(layer.ranks, t, "bwd")
+        got = dict(zip(slots, gemms.view(abi.FP8_GEMM_PARAMS.dtype)))
+        first, second = got["kSlotFirst"], got["kSlotSecond"]
+        assert (first["row_offsets"], second["row_counts"]) == (_address(turns[t][0]), _address(turns[t][1]))
+        assert [first[k] for k in ("out1", "out2", "out_codes", "out_scales", "out_codes2", "out_scales2")] == [
+            _address(bufs[k]) for k in ("dg", "du", "dgq", "dgq_s", "duq", "duq_s")]
+        assert second["out1"] == _address(bufs["dx_rows"]) and second["out_codes"] == 0
+        assert not any(got["kSlotDownWgrad"][k] for k in ("out1", "row_offsets"))  # (after the kernel)
+        q = quants.view(abi.QUANT_PARAMS.dtype)[0]
+        assert (q["x"], q["codes"], q["scales"], q["cols"]) == (_address(bufs["recv_dy"]), _address(bufs["dyq"]),
+                                                                _address(bufs["dyq_s"]), H)
 
 
 def test_the_fused_fp8_pass_holds_every_turns_words(monkeypatch):
@@ -231,7 +243,7 @@ def test_the_fused_fp8_pass_holds_every_turns_words(monkeypatch):
     tile = get_shape("tile")
     monkeypatch.setattr(fused, "FusedPass", lambda plan, w, link=False, fp8=False: SimpleNamespace(plan=plan, fp8=fp8))
     blank = np.zeros(abi.FP8_GEMM_PARAMS.nbytes // 8 * len(abi.GEMM_SLOT), np.uint64)
-    experts = SimpleNamespace(fused_words=lambda ranks, t: (blank.copy(), f"quants of turn {t}"))
+    experts = SimpleNamespace(fused_words=lambda ranks, t, pass_: (blank.copy(), f"quants of turn {t}"))
     pack = (lambda *a, error=None, pack_only=False, accumulate=False: abi.GEMM_PARAMS.pack(
         {**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "num_groups": 3}), ())
 
@@ -336,6 +348,35 @@ def test_the_fused_fp8_forward_with_fp8_dispatch_moves_the_token_owners_codes_an
                                  "dispatch_params": ("c0", "s0")})]
 
 
+def test_the_fused_fp8_backward_quantizes_dy_then_runs_the_routed_weight_gradients_after_it(monkeypatch):
+    """_enqueue_fused_backward of an FP8 layer: the reverse-combine pulled inside, the kernel gets the
+    backward's words and QuantParams (its movers quantize dy); pushed before it, the sequential dy
+    quantizer runs first and the kernel gets none; after the kernel the routed weight gradients
+    (their quantizers and GEMMs: _launch_gemms), then what the plan leaves outside."""
+    calls = []
+    experts = gpu_fp8.Fp8Experts.__new__(gpu_fp8.Fp8Experts)
+    experts.layer, experts.dispatch_fp8 = SimpleNamespace(ranks=[0, 1]), True  # (fp8 dispatch: the forward's only)
+    experts.steps = lambda pass_, slot, r, turn=0, accumulate=False: [
+        (lambda *a: calls.append(("quantize", *a)), (pass_, slot, r, turn), {}), (None, (), {})]
+    for name in ("to_experts_before_fused", "to_tokens_after_fused"):
+        monkeypatch.setattr(gpu, name, lambda *a, name=name, **k: calls.append(name))
+    monkeypatch.setattr(gpu, "kt", SimpleNamespace(**{n: (lambda n: lambda *a: calls.append(n))(n) for n in (
+        "scale_to_slots", "slot_sum", "topk_weight_grad")}))
+    fused = SimpleNamespace(fp8_words=[("g0", "q0")], launch=lambda *a, **k: calls.append(("launch", k)))
+    layer = SimpleNamespace(fused_bwd=fused, params_bwd=None, params_tok="tok", launch=None, fp8=experts,
+                            _fused_bwd_words=["w0"], error=None, run=RunConfig(SHAPE, R, precision="fp8"),
+                            trace=False, _launch_gemms=lambda pass_, slots: calls.append((pass_, *slots)))
+    for policy, inside in ((dict(MOK_POLICY), True), ({**MOK_POLICY, "rev_combine": "push"}, False)):
+        fused.plan = SimpleNamespace(pass_="bwd", policy=policy, scale=inside, token_grads=True, routed_wgrads=False)
+        calls.clear()
+        gpu.GpuMoELayer._enqueue_fused_backward(layer, policy, lambda stage: None)
+        launch = ("launch", {"trace": False, "token_params": "tok", "fp8_gemm_params": "g0",
+                             "quant_params": "q0" if inside else None})
+        before = [] if inside else ["scale_to_slots", "to_experts_before_fused"] + [
+            ("quantize", "bwd", "kSlotFirst", r, 0) for r in (0, 1)]
+        assert calls == before + [launch, ("bwd", "kSlotDownWgrad", "kSlotGateUpWgrad")], policy
+
+
 def test_refusals():
     fp8_run = RunConfig(SHAPE, 1, precision="fp8")
     with pytest.raises(ValueError, match="GpuRound has bf16 passes only"):
@@ -347,9 +388,17 @@ def test_refusals():
     with pytest.raises(ValueError, match="shared expert is bf16"):
         gpu.GpuMoELayer(SimpleNamespace(num_ranks=1), RunConfig(SHAPE, 1, precision="fp8", shared_precision="fp8"))
     fp8_layer = SimpleNamespace(run=fp8_run, fp8=object(), num_turns=1)
-    with pytest.raises(ValueError, match="fused backward does not run FP8"):
-        gpu.GpuMoELayer._fused_pass(fp8_layer, object(), "bwd")
+    from mok_proto import plan as P
+
+    inside = P.fused_backward(get_shape("tile"), 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=8,
+                              capacity_rows=512)
+    with pytest.raises(ValueError, match="routed weight gradients after the kernel"):
+        gpu.GpuMoELayer._fused_pass(fp8_layer, inside, "bwd")
     assert gpu.GpuMoELayer._fused_pass(fp8_layer, None, "fwd") == (None, None)  # sequential
+    from mok_proto.kernels import fused
+
+    with pytest.raises(ValueError, match="routed_wgrads=False"):  # (before it touches the GPU)
+        fused.FusedPass(inside, 1, fp8=True)
 
 
 def test_poison_fills_every_row_buffer_but_the_weights_codes():

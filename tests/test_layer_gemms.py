@@ -79,7 +79,8 @@ def test_fused_plans_of_a_ring_cover_one_turn():
     from mok_proto.config import MOK_POLICY, RunConfig, get_shape
 
     run = RunConfig(get_shape("tile"), 2)
-    layer = SimpleNamespace(run=run, capacity=1536, policy=dict(MOK_POLICY), ranks=[0], num_turns=3, ring_rows=512)
+    layer = SimpleNamespace(run=run, capacity=1536, policy=dict(MOK_POLICY), ranks=[0], num_turns=3, ring_rows=512,
+                            fp8=None)
     layer._plan_rows = lambda: GpuMoELayer._plan_rows(layer)
     fwd = GpuMoELayer.fused_forward_plan(layer, P.FusedKnobs(0, 256), num_sms=8)
     bwd = GpuMoELayer.fused_backward_plan(layer, P.FusedKnobs(0, 256), num_sms=8)
@@ -88,6 +89,11 @@ def test_fused_plans_of_a_ring_cover_one_turn():
     one._plan_rows = lambda: GpuMoELayer._plan_rows(one)
     whole = GpuMoELayer.fused_backward_plan(one, P.FusedKnobs(0, 256), num_sms=8)
     assert whole.capacity_rows == 1536 and (whole.scale, whole.token_grads) == (True, True)  # MoK's defaults
+    assert whole.routed_wgrads and bwd.routed_wgrads
+    # an FP8 layer's: the routed weight gradients after the kernel, unless the knobs say otherwise
+    fp8 = SimpleNamespace(**{**vars(one), "fp8": object()})
+    assert not GpuMoELayer.fused_backward_plan(fp8, P.FusedKnobs(0, 256), num_sms=8).routed_wgrads
+    assert GpuMoELayer.fused_backward_plan(fp8, P.FusedKnobs(0, 256, routed_wgrads=True), num_sms=8).routed_wgrads
 
 
 def test_a_fused_plan_refuses_a_changed_policy():
@@ -117,7 +123,8 @@ def test_fused_plans_take_the_knobs():
     from mok_proto.layer.gpu import fused_plan
 
     run = RunConfig(get_shape("tile"), 2)
-    layer = SimpleNamespace(run=run, capacity=1024, policy=dict(MOK_POLICY), ranks=[0], num_turns=1, ring_rows=1024)
+    layer = SimpleNamespace(run=run, capacity=1024, policy=dict(MOK_POLICY), ranks=[0], num_turns=1, ring_rows=1024,
+                            fp8=None)
     layer._plan_rows = lambda: GpuMoELayer._plan_rows(layer)
     for pass_, method in (("fwd", GpuMoELayer.fused_forward_plan), ("bwd", GpuMoELayer.fused_backward_plan)):
         default = fused_plan(pass_, run, 1024, MOK_POLICY, P.FusedKnobs(), 8)
@@ -168,7 +175,7 @@ def test_turns_after_the_first_run_the_plan_without_the_shared_expert(monkeypatc
                                                         "topk_weight_grad")})
 
     def fused_pass(name):
-        return SimpleNamespace(plan=SimpleNamespace(ring_minibatches=2, num_minibatches=2),
+        return SimpleNamespace(plan=SimpleNamespace(ring_minibatches=2, num_minibatches=2, routed_wgrads=True),
                                launch=lambda p, words, *a, **k: calls.append((name, words, None)))
 
     fwd, bwd = fused_pass("fwd full"), fused_pass("bwd full")
@@ -191,6 +198,12 @@ def test_turns_after_the_first_run_the_plan_without_the_shared_expert(monkeypatc
     gpu_ring.backward_turns(layer, MOK_POLICY, lambda stage: None, (True, True), replay_first=True)
     assert [c[1] for c in calls if c[0] == "fwd kSlotFirst"] == [0, 1, 2]
     assert [c[:2] for c in calls if "bwd " in c[0]] == [("bwd full", "b0"), ("bwd rest", "b1"), ("bwd rest", "b2")]
+    calls.clear()  # a plan without the routed weight gradients (FP8): they run after each turn's kernel
+    bwd.plan.routed_wgrads = False
+    gpu_ring.backward_turns(layer, MOK_POLICY, lambda stage: None, (True, True))
+    assert [c[:3] for c in calls if "bwd " in c[0]] == [
+        c for t, part in ((0, "full"), (1, "rest"), (2, "rest"))
+        for c in [(f"bwd {part}", f"b{t}", None), ("bwd kSlotDownWgrad,kSlotGateUpWgrad", t, t > 0)]]
     calls.clear()
     layer.fused = layer.fused_bwd = None  # sequential: the weight gradients accumulate after turn 0
     gpu_ring.backward_turns(layer, MOK_POLICY, lambda stage: None)

@@ -22,8 +22,8 @@ from mok_proto.kernels import gemm
 from mok_proto.kernels.build import CudaModule
 from mok_proto.plan import CounterKind
 
-KERNELS = {"fwd": "mok::fused::fused_forward", "bwd": "mok::fused::fused_backward",
-           "fwd_fp8": "mok::fused::fused_forward_fp8"}  # fwd_fp8: FP8 routed experts, bf16 dispatch
+KERNELS = {"fwd": "mok::fused::fused_forward", "bwd": "mok::fused::fused_backward",  # *_fp8: FP8 routed experts
+           "fwd_fp8": "mok::fused::fused_forward_fp8", "bwd_fp8": "mok::fused::fused_backward_fp8"}
 SIZES = "mok::fused::export_sizes"
 MODULE = CudaModule("fused.cuh", (*KERNELS.values(), SIZES), archs=("sm_90a",))
 LINK_MODULE = MODULE.variant("MOK_LINK")  # its movers pay an emulated link (mok_proto/link.py)
@@ -69,8 +69,8 @@ def with_gemm_timeout(words: np.ndarray, timeout_ns: int, struct=abi.GEMM_PARAMS
 
 def smem_bytes(kernel: str = "fwd", link: bool = False) -> int:
     """Dynamic shared memory of a launch of KERNELS[kernel]: gemm.cuh's for the BF16 passes, the
-    FP8 forward's (its stages' scales too) from the compiled header."""
-    if kernel != "fwd_fp8":
+    FP8 passes' (their stages' scales too) from the compiled header."""
+    if not kernel.endswith("_fp8"):
         return gemm.smem_bytes()
     return (LINK_MODULE if link else MODULE).read_sizes(SIZES, 1)[0]
 
@@ -100,8 +100,9 @@ class FusedPass:
     def __init__(self, plan, num_launch_ranks: int, link: bool = False, fp8: bool = False):
         from mok_proto.plan import FUSED_STRATEGIES, PAIR_ROWS
 
-        if fp8 and plan.pass_ != "fwd":
-            raise ValueError("the fused kernel runs FP8 routed experts in the forward only (fused_forward_fp8)")
+        if fp8 and plan.pass_ == "bwd" and plan.routed_wgrads:
+            raise ValueError("fused_backward_fp8 runs no routed weight-gradient tile: build the plan with "
+                             "FusedKnobs(routed_wgrads=False) (they run after the kernel)")
 
         if plan.minibatch_rows % PAIR_ROWS:  # the kernel's ring shift and tile pairs assume whole pairs
             raise ValueError(f"minibatch_rows {plan.minibatch_rows}: the fused kernel runs whole tile pairs of a "
@@ -136,20 +137,23 @@ class FusedPass:
         """Enqueue one fused pass. comm_params: the round's device CommParams; gemm_params: host
         uint64 words of W x kFusedGemms packed GemmParams (GemmSlot order per launch rank);
         token_params: the launch ranks' device TokenParams (needed by a plan with token_grads or scale).
-        The FP8 forward (fp8=True): fp8_gemm_params, W x kFusedGemms packed Fp8GemmParams (its routed
-        slots'), and quant_params, W packed QuantParams (each launch rank's recv -> xq, xq_s) when
-        the dispatch runs inside the kernel (else None: the rows were quantized before it);
-        dispatch_params: with fp8 dispatch pulled inside, the device CommParams of its codes rows and
-        of its scales rows (the movers copy both; quant_params None)."""
+        The FP8 passes (fp8=True): fp8_gemm_params, W x kFusedGemms packed Fp8GemmParams (their routed
+        slots'), and quant_params, W packed QuantParams (each launch rank's rows the incoming transfer
+        brings: forward recv -> xq, xq_s, backward recv_dy -> dyq, dyq_s) when that transfer runs
+        inside the kernel (else None: the rows were quantized before it); dispatch_params (forward):
+        with fp8 dispatch pulled inside, the device CommParams of its codes rows and of its scales rows
+        (the movers copy both; quant_params None)."""
         import cupy
 
         plan = self.plan
         if (plan.token_grads or plan.scale) and token_params is None:
             raise ValueError("this plan runs token-side work (token_grads, scale) inside the kernel: pass token_params")
-        fp8 = self.kernel == "fwd_fp8"
+        fp8 = self.kernel.endswith("_fp8")
         if fp8 != (fp8_gemm_params is not None) or ((quant_params is not None or dispatch_params) and not fp8):
-            raise ValueError("fp8_gemm_params: given exactly for the FP8 forward (FusedPass(..., fp8=True)); "
-                             "quant_params and dispatch_params only with it")
+            raise ValueError("fp8_gemm_params: given exactly for the FP8 passes (FusedPass(..., fp8=True)); "
+                             "quant_params and dispatch_params only with them")
+        if dispatch_params and plan.pass_ != "fwd":
+            raise ValueError("dispatch_params: the FP8 forward's (fp8 dispatch), not the backward's")
         if quant_params is not None and dispatch_params:
             raise ValueError("quant_params (bf16 rows quantized by the movers) or dispatch_params (fp8 rows), not both")
         codes, scales = (0, 0) if not dispatch_params else (int(d.data.ptr) for d in dispatch_params)

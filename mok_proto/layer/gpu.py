@@ -22,11 +22,10 @@ persistent launch of cuda/fused.cuh runs the shared and routed GEMMs with the pu
 the push combine inside (a push dispatch / pull combine runs as above, before / after it), then
 the combine flag and the weighted sum; its output and cache are bitwise the sequential ones.
 The fused backward (`set_backward_plan(plan)`, plan.fused_backward): one launch runs the shared
-expert's gradients, per minibatch down_bwd and gate_up_bwd, the deferred weight
-gradients, with the pull reverse-combine and the push reverse-dispatch inside, and (by default,
-plan.token_grads) the slot sum and d topk_weights beside the weight gradients once every peer's
-reverse-dispatch into this rank's slots is complete (its kFlagCombine, raised inside the kernel);
-by default (plan.scale) dy_slots = w * dout runs first inside it too, published by kFlagRouting.
+expert's gradients, per minibatch down_bwd and gate_up_bwd, the deferred weight gradients (FP8:
+after the kernel, plan.routed_wgrads), with the pull reverse-combine and the push reverse-dispatch
+inside, and (plan.token_grads, plan.scale: the defaults) the slot sum and d topk_weights once every
+peer's reverse-dispatch is in (kFlagCombine), and first dy_slots = w * dout (published: kFlagRouting).
 Every launch covers the launch ranks (all W virtual ranks, or this process's rank under
 NVSHMEM); GEMMs launch once per rank. Nothing is read back to the host: the pair of passes can
 be captured in one CUDA graph (`capture()`). Every wait is bounded; `check()` raises
@@ -182,8 +181,7 @@ def _directions(plan, policy: dict) -> tuple[bool, bool]:
 class GpuMoELayer(GpuRound):
     """The layer for the launch ranks of one GPU heap (virtual: W ranks in this process; NVSHMEM:
     this process's rank). Set weights and inputs per rank, enqueue, read results per rank.
-    RunConfig.precision "fp8": the routed experts in FP8 (layer/gpu_fp8.py): the sequential passes and
-    the fused forward."""
+    RunConfig.precision "fp8": the routed experts in FP8 (layer/gpu_fp8.py), sequential and fused."""
 
     RUNS_FP8 = True
 
@@ -276,7 +274,7 @@ class GpuMoELayer(GpuRound):
         if plan is None:
             return None, None
         if self.fp8 is not None:
-            gpu_fp8.check_fused(self.run, pass_)
+            gpu_fp8.check_fused(plan)
         if self.num_turns > 1 and pass_ == "bwd" and (plan.scale or plan.token_grads):
             raise ValueError(f"this layer's ring takes {self.num_turns} turns: the fused backward runs once a turn, so "
                              "its scale and token gradients must run outside it (FusedKnobs(scale=False, "
@@ -294,7 +292,8 @@ class GpuMoELayer(GpuRound):
         timeout = gemm_timeout_ns(int(self.run.timeout_s * 1e9))
         if fp8:  # per turn; the FP8 tiles' pipeline waits as long as the BF16 tiles'
             fused.fp8_words = [(with_gemm_timeout(gemms, timeout, abi.FP8_GEMM_PARAMS), quants)
-                               for gemms, quants in (self.fp8.fused_words(self.ranks, t) for t in range(self.num_turns))]
+                               for gemms, quants in (self.fp8.fused_words(self.ranks, t, pass_)
+                                                     for t in range(self.num_turns))]
         if self.num_turns > 1 and self.has_shared:  # turns after the first: the same plan without the shared expert
             fused.rest = FusedPass(without_shared(plan), len(self.ranks), link=self.run.link is not None, fp8=fp8)
             if fp8:
@@ -335,11 +334,13 @@ class GpuMoELayer(GpuRound):
         from mok_proto.kernels.fused import default_num_sms
 
         knobs = knobs or FusedKnobs()
+        if self.fp8 is not None and knobs.routed_wgrads is None:  # FP8: those after the kernel (gpu_fp8.check_fused)
+            knobs = dataclasses.replace(knobs, routed_wgrads=False)
         if self.num_turns > 1:  # once a turn: the token-side work runs outside the kernel
             knobs = dataclasses.replace(knobs, scale=False if knobs.scale is None else knobs.scale,
                                         token_grads=False if knobs.token_grads is None else knobs.token_grads)
         return fused_plan("bwd", self.run, self._plan_rows(), self.policy, knobs,
-                          num_sms or default_num_sms(len(self.ranks), "bwd"))
+                          num_sms or default_num_sms(len(self.ranks), "bwd_fp8" if self.fp8 is not None else "bwd"))
 
     def _gemm(self, pass_: str, slot: str, r: int, turn: int = 0):
         """(wrapper, args) of one GEMM of rank r: the GemmSlot `slot` of pass `pass_` (None: there
@@ -554,8 +555,12 @@ class GpuMoELayer(GpuRound):
             to_experts_before_fused(p, launch, comm_in, "kOpRevCombinePush", "kOpRevCombinePull",
                                     after_schedule=False)
         mark("fused")
+        fp8 = {} if self.fp8 is None else self.fp8.fused_args(fused, 0, comm_in, "bwd")
         fused.launch(p, self._fused_bwd_words[0], self.error, int(self.run.timeout_s * 1e9), trace=self.trace,
-                     token_params=self.params_tok)
+                     token_params=self.params_tok, **fp8)
+        if not fused.plan.routed_wgrads:  # (the FP8 layer's: after the kernel, with their operands' quantizers)
+            mark("wgrad")
+            self._launch_gemms("bwd", gpu_ring.ROUTED_WGRAD)
         if fused.plan.token_grads:
             mark(None)
             return

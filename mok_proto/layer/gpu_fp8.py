@@ -39,12 +39,13 @@ from mok_proto.kernels import gemm_fp8 as kg
 B = abi.CONST["kQuantBlock"]
 
 
-def check_fused(run, pass_: str) -> None:
-    """ValueError (one line) for a fused pass the FP8 layer does not run: the fused kernel runs FP8
-    routed experts in the forward only (fused_forward_fp8)."""
-    if pass_ != "fwd":
-        raise ValueError("precision fp8: the fused backward does not run FP8 routed experts yet (cuda/fused.cuh "
-                         "has fused_forward_fp8 only); run the backward's sequential passes (set_backward_plan(None))")
+def check_fused(plan) -> None:
+    """ValueError (one line) for a fused plan the FP8 layer does not run: a backward whose routed
+    weight gradients are inside the kernel (fused_backward_fp8 runs the data gradients; those
+    run after it, with their operands' transposed quantizations)."""
+    if plan.pass_ == "bwd" and plan.routed_wgrads:
+        raise ValueError("precision fp8: the fused backward runs the routed weight gradients after the kernel: build "
+                         "its plan with FusedKnobs(routed_wgrads=False) (fused_backward_plan() does so by default)")
 
 
 def check_run(run) -> None:
@@ -119,41 +120,44 @@ class Fp8Experts:
             kc.move_rows("dispatch_push", p[part], launch[part])
             kc.wait_peers(p[part], launch[part], "kFlagDispatch", "kOpDispatchPush")
 
-    def fused_words(self, ranks, turn: int = 0) -> tuple:
-        """The fused FP8 forward's params (fused_forward_fp8) for turn `turn` of the ring: (W x
-        kFusedGemms packed Fp8GemmParams, the routed slots' gate_up and down on the turn's rows, the
-        other slots zero; W packed QuantParams, each launch rank's receive rows -> xq, xq_s, for the
-        dispatch's movers: the ring's rows, the same every turn)."""
+    def fused_words(self, ranks, turn: int = 0, pass_: str = "fwd") -> tuple:
+        """A fused FP8 pass's params (fused_forward_fp8, fused_backward_fp8) for turn `turn` of the
+        ring: (W x kFusedGemms packed Fp8GemmParams, the routed slots' first and second GEMM on the
+        turn's rows (forward: gate_up, down; backward: down_bwd with dgq, duq, gate_up_bwd), the
+        other slots zero; W packed QuantParams, each launch rank's rows the incoming transfer's
+        movers quantize: forward recv -> xq, xq_s (none with fp8 dispatch), backward recv_dy -> dyq,
+        dyq_s: the ring's rows, the same every turn)."""
         layer, b = self.layer, self.layer._b
+        src, dst = {"fwd": ("recv", "xq"), "bwd": ("recv_dy", "dyq")}[pass_]
         gemms, quants = [], []
         for r in ranks:
             for slot, _ in abi.GEMM_SLOT.members:
                 if slot in ("kSlotFirst", "kSlotSecond"):
-                    fn, args, kwargs = self.steps("fwd", slot, r, turn)[-1]
+                    fn, args, kwargs = self.steps(pass_, slot, r, turn)[-1]
                     gemms.append(fn(*args, **{**kwargs, "pack_only": True}))
                 else:
                     gemms.append(np.zeros(abi.FP8_GEMM_PARAMS.nbytes // 8, np.uint64))
-            if self.dispatch_fp8:  # the movers copy codes and scales: nothing to quantize (no recv)
+            if pass_ == "fwd" and self.dispatch_fp8:  # the movers copy codes and scales: nothing to quantize
                 quants.append(abi.QUANT_PARAMS.pack(dict.fromkeys(abi.QUANT_PARAMS.names, 0)))
                 continue
-            recv = b("recv", r)
+            rows = b(src, r)
             quants.append(abi.QUANT_PARAMS.pack({**dict.fromkeys(abi.QUANT_PARAMS.names, 0), "batch": 1,
-                                                 "rows": recv.shape[0], "cols": layer.shape.hidden, "x": recv,
-                                                 "codes": b("xq", r), "scales": b("xq_s", r)}))
+                                                 "rows": rows.shape[0], "cols": layer.shape.hidden, "x": rows,
+                                                 "codes": b(dst, r), "scales": b(dst + "_s", r)}))
         return np.concatenate(gemms), np.concatenate(quants)
 
-    def fused_args(self, fused, turn: int, comm_in: bool) -> dict:
-        """The fused forward's FP8 launch arguments for turn `turn` (fused.fp8_words). bf16 dispatch:
-        the movers quantize the rows they pull (xq = q(recv)); rows a dispatch outside the kernel
-        (comm_in False) moved are quantized first, here, by the sequential quantizer (enqueued now).
-        fp8 dispatch: the movers pull the token owners' codes and scales rows (dispatch_params);
-        outside the kernel, the caller moved them (dispatch)."""
+    def fused_args(self, fused, turn: int, comm_in: bool, pass_: str = "fwd") -> dict:
+        """A fused FP8 pass's launch arguments for turn `turn` (fused.fp8_words). The movers quantize
+        the rows they pull (forward xq = q(recv), backward dyq = q(recv_dy)); rows a transfer outside
+        the kernel (comm_in False) moved are quantized first, here, by the sequential quantizer
+        (enqueued now). fp8 dispatch (forward): the movers pull the token owners' codes and scales
+        rows (dispatch_params); outside the kernel, the caller moved them (dispatch)."""
         gemms, quants = fused.fp8_words[turn]
-        if self.dispatch_fp8:
+        if pass_ == "fwd" and self.dispatch_fp8:
             rows = (self.turn_params[turn]["codes"], self.turn_params[turn]["scales"]) if comm_in else None
             return {"fp8_gemm_params": gemms, "quant_params": None, "dispatch_params": rows}
         for r in ([] if comm_in else self.layer.ranks):
-            for fn, args, kwargs in self.steps("fwd", "kSlotFirst", r, turn)[:-1]:
+            for fn, args, kwargs in self.steps(pass_, "kSlotFirst", r, turn)[:-1]:
                 fn(*args, **kwargs)
         return {"fp8_gemm_params": gemms, "quant_params": quants if comm_in else None}
 

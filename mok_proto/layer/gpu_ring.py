@@ -139,12 +139,13 @@ def backward_turns(layer, policy: dict, mark, inside=None, replay_first: bool = 
         if fused is None:
             layer._launch_gemms("bwd", ("kSlotFirst", "kSlotSecond"), turn=t)
         else:  # the shared expert's gradients in the first turn only
+            fp8 = {} if layer.fp8 is None else layer.fp8.fused_args(fused, t, comm_in, "bwd")
             (fused if t == 0 else fused.rest).launch(p, layer._fused_bwd_words[t], layer.error,
                                                      int(layer.run.timeout_s * 1e9), trace=layer.trace,
-                                                     token_params=layer.params_tok)
+                                                     token_params=layer.params_tok, **fp8)
         _out_of_ring(p, launch, policy["rev_dispatch"], "kOpRevDispatchPush", "kOpRevDispatchPull",
                      pushed_inside=comm_out)
-        if fused is None:
+        if fused is None or not fused.plan.routed_wgrads:  # (an FP8 fused plan's run after its kernel)
             layer._launch_gemms("bwd", ROUTED_WGRAD, turn=t, accumulate=t > 0)
     mark("token_grads")
     kt.slot_sum(layer.params_tok, launch)

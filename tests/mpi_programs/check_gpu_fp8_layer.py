@@ -1,5 +1,5 @@
-"""The GPU layer with FP8 routed experts (RunConfig(precision="fp8"): the sequential passes and the
-fused forward).
+"""The GPU layer with FP8 routed experts (RunConfig(precision="fp8"): the sequential and the fused
+passes).
 
     python tests/mpi_programs/check_gpu_fp8_layer.py --backend virtual --ranks 4
     NVSHMEM_DISABLE_NVLS=1 mpirun -n 2 python tests/mpi_programs/check_gpu_fp8_layer.py --backend nvshmem
@@ -15,10 +15,11 @@ Per case (the shared expert bf16), for every rank this process drives:
   plus MIRROR_SLACK; the routed arrays' at least MIN_FP8_ERR (an FP8 layer, not a bf16 one); the
   layer within MIRROR_RMS of the mirror itself;
 - bf16 and fp8 dispatch, a ring of every row and of one segment (several turns, the backward
-  replaying), every direction policy asked for, and the fused forward (fused_forward_fp8: bf16 rows
-  quantized by its movers, or fp8 rows moved) under every policy (the ring of one segment: once a
-  turn, three policies):
-  bitwise equal; `--replays` CUDA graph replays (of the fused forward where it runs) bitwise equal;
+  replaying), every direction policy asked for, the fused forward (fused_forward_fp8: bf16 rows
+  quantized by its movers, or fp8 rows moved) and the fused backward (fused_backward_fp8: dy rows
+  quantized by its movers, the routed weight gradients after it) under every policy (the ring of
+  one segment: once a turn, three policies):
+  bitwise equal; `--replays` CUDA graph replays (of the fused passes where they run) bitwise equal;
   NaN-poisoned buffers (e4m3 NaN codes too) before every run.
 Prints `SHA <case> <digest>` per case (rank 0), as check_gpu_layer.py.
 """
@@ -244,6 +245,27 @@ def check_fused_forward(layer, heap, policies, want, name):
     assert blob(run_once(layer, heap)) == want, f"{name}: fused fp8 forward, MoK's policy"
 
 
+def check_fused_backward(layer, heap, policies, want, name):
+    """The fused FP8 backward (its movers quantize the dy rows they pull; a push reverse-combine runs
+    before it; the routed weight gradients after it) behind the fused forward: the bits of the
+    sequential passes, under every policy, with the spare warps or two communicating CTAs moving
+    rows, and with every pair claimed at run time. Leaves MoK's policy and its fused passes set."""
+    for policy in policies:
+        layer.policy = dict(policy)
+        layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
+        for knobs in (FusedKnobs(0, 256), FusedKnobs(2, 256), FusedKnobs(0, 256, claim="all")):
+            if knobs.comm_blocks and not any(inside_kernel("bwd", policy)):
+                continue  # nothing to move inside the kernel: no communicating CTAs (plan.fused_backward)
+            layer.set_backward_plan(layer.fused_backward_plan(knobs))
+            assert not layer.fused_bwd.plan.routed_wgrads
+            assert blob(run_once(layer, heap)) == want, f"{name}: fused fp8 backward, {policy}, {knobs}"
+    layer.policy = dict(MOK_POLICY)
+    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
+    layer.set_backward_plan(layer.fused_backward_plan(FusedKnobs(0, 256)))
+    # run once before the graph capture (its first launch uploads the passes' params)
+    assert blob(run_once(layer, heap)) == want, f"{name}: fused fp8 passes, MoK's policy"
+
+
 def check_case(heap, comm, name, case_id, replays, policies):
     h, i, e, k, n, shared, routing = CASES[name]
     num_ranks = heap.num_ranks
@@ -271,13 +293,17 @@ def check_case(heap, comm, name, case_id, replays, policies):
             for policy in policies if ring is None else few:
                 layer.policy = dict(policy)
                 assert blob(run_once(layer, heap)) == first, f"{name}: {dispatch} dispatch, ring {ring}, {policy}"
-            if ring is None:  # the fused forward (fused_forward_fp8), its graph replays below
+            if ring is None:  # the fused passes (fused_forward_fp8, fused_backward_fp8), their graph replays below
                 check_fused_forward(layer, heap, policies, first, name)
+                check_fused_backward(layer, heap, policies, first, name)
             else:  # ... once a turn of the ring (MoK's policy last: replayed)
                 for policy in few[1:] + few[:1]:
                     layer.policy = dict(policy)
                     layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
+                    layer.set_backward_plan(None)
                     assert blob(run_once(layer, heap)) == first, f"{name}: fused fp8 forward, ring {ring}, {policy}"
+                    layer.set_backward_plan(layer.fused_backward_plan(FusedKnobs(0, 256)))
+                    assert blob(run_once(layer, heap)) == first, f"{name}: fused fp8 passes, ring {ring}, {policy}"
             graph = layer.capture()
             for replay in range(replays):
                 assert blob(run_once(layer, heap, graph)) == first, f"{name}: graph replay {replay} differs"
@@ -299,7 +325,7 @@ def main():
         heap.close()
     if heap.launch_ranks[0] == 0:
         print(f"OK gpu fp8 layer backend={args.backend} R={heap.num_ranks}: bf16 and fp8 dispatch x rings x "
-              f"{len(policies)} policies and the fused forward bitwise equal, {args.replays} graph replays, stages "
+              f"{len(policies)} policies and the fused passes bitwise equal, {args.replays} graph replays, stages "
               "within the GEMM bound")
         print("\n".join(lines))
     return 0
