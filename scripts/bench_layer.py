@@ -57,8 +57,9 @@ against the run without the link (`equal_to_no_link`), each fused row with its
 and a table per link speed after every shape.
 
 --precision fp8 [--dispatch-dtype bf16|fp8]: the routed experts in block-scaled e4m3 (RunConfig
-precision, dispatch_dtype); the fused settings run the forward only (fused_forward_fp8: the
-backward's are skipped, one line says so; --directions is refused). Every row records `precision` and
+precision, dispatch_dtype); the fused settings run fused_forward_fp8 and fused_backward_fp8 (its
+routed weight gradients after the kernel: rows record routed_wgrads false; --directions is
+refused). Every row records `precision` and
 `dispatch_dtype` (the run's). The BF16 torch pipeline stays `speedup_vs_torch`'s baseline; the
 torch FP8 pipeline (mok_proto.bench.torch_fp8: torch._scaled_grouped_mm, row-wise scales) is a
 second, forward only (a `torch_fp8` row, `speedup_vs_torch_fp8`, `torch_fp8_note` says why). Each
@@ -134,7 +135,7 @@ def parse_args(argv=None):
                         "(rows: replay_ms); the fused backward then runs its scale and token gradients outside "
                         "the kernel")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS,
-                   help="the routed experts' GEMMs (fp8: sequential passes only; module doc)")
+                   help="the routed experts' GEMMs (module doc)")
     p.add_argument("--dispatch-dtype", default="bf16", choices=PRECISIONS,
                    help="with --precision fp8, what the dispatch moves: bf16 rows, or e4m3 codes and scales")
     add_bar_option(p, BARS)
@@ -151,11 +152,6 @@ def parse_args(argv=None):
         backward = [dataclasses.replace(k, token_grads=TOKEN_GRADS[args.token_grads], scale=SCALE[args.scale])
                     for k in forward]
         args.settings = {"fwd": forward, "bwd": backward}
-        if args.precision == "fp8":  # the fused kernel runs FP8 in the forward only (gpu_fp8.check_fused)
-            args.fused_skipped = len(backward)  # fused settings not run
-            args.settings = {"fwd": forward, "bwd": []}
-        else:
-            args.fused_skipped = 0
         args.bars = parse_bars(args.bar, BARS)
         args.links = []
         for item in [] if args.link_gbps is None else args.link_gbps.split(","):
@@ -194,9 +190,6 @@ def main(argv=None) -> int:
         failed.extend(report.failed)
 
     print(f"# dense {DENSE_N}^3 BF16 torch.matmul: {dense:.0f} TFLOP/s (every row's fraction_of_dense)", flush=True)
-    if args.fused_skipped:
-        print(f"# precision fp8: {args.fused_skipped} fused settings skipped (the fused kernel runs FP8 routed experts "
-              "in the forward only)", flush=True)
     print(HEADER, flush=True)
     for name in args.shapes.split(","):
         measured, tables = run_shape(name, args, emit)

@@ -29,14 +29,15 @@ def load_script():
 def test_precision_options():
     script = load_script()
     default = script.parse_args([])
-    assert (default.precision, default.dispatch_dtype, default.fused_skipped) == ("bf16", "bf16", 0)
+    assert (default.precision, default.dispatch_dtype) == ("bf16", "bf16")
     assert [k.comm_blocks for k in default.settings["fwd"]] == [k.comm_blocks for k in DEFAULT_FUSED]
     fp8 = script.parse_args(["--precision", "fp8", "--dispatch-dtype", "fp8", "--sweep"])
     assert (fp8.precision, fp8.dispatch_dtype) == ("fp8", "fp8")
-    for run in (fp8, script.parse_args(["--precision", "fp8", "--sweep"])):  # the fused forward runs FP8; no backward
-        assert [k.comm_blocks for k in run.settings["fwd"]] == [k.comm_blocks for k in script.SWEEP]
-        assert run.settings["bwd"] == [] and run.fused_skipped == len(script.SWEEP)
-    assert script.parse_args(["--precision", "fp8", "--no-fused"]).fused_skipped == 0  # nothing skipped: no line
+    for run in (fp8, script.parse_args(["--precision", "fp8", "--sweep"])):  # both fused passes run FP8
+        for pass_ in ("fwd", "bwd"):
+            assert [k.comm_blocks for k in run.settings[pass_]] == [k.comm_blocks for k in script.SWEEP]
+        assert all(k.routed_wgrads is None for k in run.settings["bwd"])  # (the FP8 layer's plan: after the kernel)
+    assert script.parse_args(["--precision", "fp8", "--no-fused"]).settings == {"fwd": [], "bwd": []}
     assert script.parse_args(["--precision", "fp8"]).dispatch_dtype == "bf16"
 
 
@@ -147,8 +148,8 @@ def test_run_shape_adds_the_fp8_baselines_only_with_fp8(monkeypatch):
     assert calls == [("ours", "bf16", "bf16")] and reports[-1][-1] is None  # no FP8 baselines, rows as before
 
 
-@pytest.mark.parametrize("argv,skip_lines", [([], 0), (["--precision", "fp8"], 1)])
-def test_main_says_once_that_fp8_skips_the_fused_settings(monkeypatch, capsys, argv, skip_lines):
+@pytest.mark.parametrize("argv", [[], ["--precision", "fp8"]])
+def test_main_runs_both_fused_passes_in_either_precision(monkeypatch, capsys, argv):
     import mok_proto.bench as bench
     from mok_proto.bench import ceilings
     from mok_proto.bench.layer_rows import Report
@@ -167,5 +168,5 @@ def test_main_says_once_that_fp8_skips_the_fused_settings(monkeypatch, capsys, a
     monkeypatch.setattr(ceilings, "dense_matmul_tflops", lambda: 100.0)
     assert script.main(["--shapes", "kimi-k2.7", *argv]) == 0
     out = capsys.readouterr().out
-    assert out.count("fused settings skipped") == skip_lines
-    assert bool(seen[0]["fwd"]) and bool(seen[0]["bwd"]) == (skip_lines == 0) and recorded[0][0] == "bench_layer"
+    assert "skipped" not in out
+    assert bool(seen[0]["fwd"]) and bool(seen[0]["bwd"]) and recorded[0][0] == "bench_layer"

@@ -140,7 +140,8 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
         st = timed(graph)
         out = [fused_bytes(graph), fused_bytes(graph)]
         plan = (layer.fused if pass_ == "fwd" else layer.fused_bwd).plan
-        rows.append({**knobs.describe(pass_, plan.policy), "num_sms": plan.num_sms, "claim_pairs": plan.claim_pairs,
+        ran = dataclasses.replace(knobs, routed_wgrads=plan.routed_wgrads) if pass_ == "bwd" else knobs  # (FP8: False)
+        rows.append({**ran.describe(pass_, plan.policy), "num_sms": plan.num_sms, "claim_pairs": plan.claim_pairs,
                      **st, "equal_to_sequential": out[0] == sequential_out, "bitwise_repeat": out[0] == out[1]})
         print(f"#   fused {pass_} [{i + 1}/{len(settings)}] comm={knobs.comm_blocks:>2} "
               f"minibatch={knobs.minibatch_rows:>4} "
