@@ -542,11 +542,9 @@ class GpuMoELayer(GpuRound):
         mark(None)
 
     def _enqueue_fused_backward(self, policy, mark):
-        """After the round's start: unless the plan runs them inside the kernel (scale: the default
-        with the reverse-combine pulled inside), dy_slots = w * dout and [reverse-combine: publish
-        and wait | push]; the fused kernel; then, unless the plan runs them inside it (token_grads:
-        the default with the reverse-dispatch pushed inside), [reverse-dispatch: flag and wait |
-        pull], the slot sum and d topk_weights."""
+        """After the round's start: dy_slots = w * dout and [reverse-combine: publish and wait | push]
+        unless the plan runs them inside (plan.scale); the kernel; the routed weight gradients unless
+        inside (FP8); [reverse-dispatch: flag, wait | pull], slot sum, d topk_weights unless inside."""
         fused, p, launch = self.fused_bwd, self.params_bwd, self.launch
         comm_in, comm_out = _directions(fused.plan, policy)
         if not fused.plan.scale:
@@ -558,7 +556,7 @@ class GpuMoELayer(GpuRound):
         fp8 = {} if self.fp8 is None else self.fp8.fused_args(fused, 0, comm_in, "bwd")
         fused.launch(p, self._fused_bwd_words[0], self.error, int(self.run.timeout_s * 1e9), trace=self.trace,
                      token_params=self.params_tok, **fp8)
-        if not fused.plan.routed_wgrads:  # (the FP8 layer's: after the kernel, with their operands' quantizers)
+        if not fused.plan.routed_wgrads:  # (FP8: with their operands' transposed quantizations)
             mark("wgrad")
             self._launch_gemms("bwd", gpu_ring.ROUTED_WGRAD)
         if fused.plan.token_grads:
