@@ -304,7 +304,7 @@ class GpuMoELayer(GpuRound):
             words = []
             for r in self.ranks:
                 for slot in slots:
-                    if fp8 and slot in ("kSlotFirst", "kSlotSecond"):  # routed: FP8 tiles (fp8_words); the kernel
+                    if fp8 and not slot.startswith("kSlotShared"):  # routed: FP8 tiles (fp8_words) or none; the kernel
                         # reads only error and timeout_ns here (gemm_setup's abort check, the pool's tickets)
                         words.append(abi.GEMM_PARAMS.pack({**dict.fromkeys(abi.GEMM_PARAMS.names, 0),
                                                            "error": self.error.ptr}))
