@@ -260,7 +260,7 @@ struct Fp8GemmParams {
   i64          a_scale_stride;  // floats between rows of A's scales: row problems K_a / 128, weight gradients rows / 128
   i64          b_scale_stride;  // floats between rows of B's scales: row problems K_b / 128 (128 x 128 blocks), weight gradients rows / 128
   i64          b_scale_group_stride;  // row problems: floats between experts' B scales
-  i64          pow2;  // kGateUp: 1 quantizes h with power-of-two scales
+  i64          pow2;  // kGateUp, kDownBwd: 1 quantizes h (dg, du) with power-of-two scales
   i64          timeout_ns;  // every pipeline wait is bounded
   i64          scale_a1;  // fp32 scales of the operands (row problems' A: [rows, K/128]; B: [E, N/128, K/128]; weight gradients': [M or N, rows/128])
   i64          scale_a2;

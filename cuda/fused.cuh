@@ -171,7 +171,8 @@ __device__ __forceinline__ bool produce_task(const Ctx& c, Storage& ss, Ring& ri
 }
 
 // Whose outputs a later task of the same launch reads through TMA (so the writers fence them for
-// the async proxy): gate_up's h (down's A), down_bwd's dg, du (gate_up_bwd's A, gate_up_wgrad's B).
+// the async proxy): gate_up's h (down's A), down_bwd's dg, du (gate_up_bwd's A, gate_up_wgrad's B;
+// FP8: its dgq, duq, gate_up_bwd's A).
 // down's y and gate_up_bwd's dx are read by the movers' plain loads (or after the kernel), the
 // weight gradients after the kernel.
 template <int kP>

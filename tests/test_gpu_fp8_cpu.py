@@ -33,8 +33,8 @@ READS = {
     kg.gate_up_wgrad: [("qT", ("deq", ("q", "x"))), ("qT", "dg"), ("qT", "du")],
 }
 WRITES = {kg.gate_up: {5: "h", 6: ("q", "h"), "g": "g", "u": "u"}, kg.down: {4: "y"},
-          kg.down_bwd: {6: "dg", 7: "du", "dgq": ("q", "dg"), "duq": ("q", "du")}, kg.gate_up_bwd: {6: "dx"}, kg.down_wgrad: {4: "dWd"},
-          kg.gate_up_wgrad: {5: "dWg", 6: "dWu"}}
+          kg.down_bwd: {6: "dg", 7: "du", "dgq": ("q", "dg"), "duq": ("q", "du")}, kg.gate_up_bwd: {6: "dx"},
+          kg.down_wgrad: {4: "dWd"}, kg.gate_up_wgrad: {5: "dWg", 6: "dWu"}}
 
 
 def _address(a) -> int:
@@ -127,6 +127,19 @@ def test_every_routed_gemm_reads_the_quantization_the_design_names(dispatch, no_
     assert [acc for fn, acc in trace.gemms if fn in wgrads] == [False, False, True, True]
     with pytest.raises(ValueError, match="no routed FP8 GEMM"):
         experts.steps("fwd", "kSlotDownWgrad", 0)
+
+
+def test_down_bwd_quantizes_both_or_neither(no_launch):
+    layer, bufs, (offsets, counts) = _stand_in()
+    pair = lambda name: (bufs[name], bufs[name + "_s"])  # noqa: E731
+    args = (pair("dyq"), pair("wq_down"), bufs["g"], bufs["u"], offsets, counts, bufs["dg"], bufs["du"])
+    kg.down_bwd(*args)
+    kg.down_bwd(*args, dgq=pair("dgq"), duq=pair("duq"))
+    for one in ({"dgq": pair("dgq")}, {"duq": pair("duq")}):
+        with pytest.raises(ValueError, match="dgq, duq: give both"):
+            kg.down_bwd(*args, **one)
+    with pytest.raises(ValueError, match="duq codes"):  # checked as an operand: [rows, I] e4m3
+        kg.down_bwd(*args, dgq=pair("dgq"), duq=(bufs["dgq"][:-1], bufs["dgq_s"][:-1]))
 
 
 def test_fp8_dispatch_moves_codes_then_scales_and_waits_for_each(monkeypatch):
@@ -227,7 +240,6 @@ def test_fused_words_pack_each_turns_rows(dispatch, monkeypatch):
         assert [first[k] for k in ("out1", "out2", "out_codes", "out_scales", "out_codes2", "out_scales2")] == [
             _address(bufs[k]) for k in ("dg", "du", "dgq", "dgq_s", "duq", "duq_s")]
         assert second["out1"] == _address(bufs["dx_rows"]) and second["out_codes"] == 0
-        assert not any(got["kSlotDownWgrad"][k] for k in ("out1", "row_offsets"))  # (after the kernel)
         q = quants.view(abi.QUANT_PARAMS.dtype)[0]
         assert (q["x"], q["codes"], q["scales"], q["cols"]) == (_address(bufs["recv_dy"]), _address(bufs["dyq"]),
                                                                 _address(bufs["dyq_s"]), H)
@@ -352,7 +364,8 @@ def test_the_fused_fp8_backward_quantizes_dy_then_runs_the_routed_weight_gradien
     """_enqueue_fused_backward of an FP8 layer: the reverse-combine pulled inside, the kernel gets the
     backward's words and QuantParams (its movers quantize dy); pushed before it, the sequential dy
     quantizer runs first and the kernel gets none; after the kernel the routed weight gradients
-    (their quantizers and GEMMs: _launch_gemms), then what the plan leaves outside."""
+    (their quantizers and GEMMs: _launch_gemms), after the reverse-dispatch's flag and wait and
+    before the token gradients where the plan leaves those outside."""
     calls = []
     experts = gpu_fp8.Fp8Experts.__new__(gpu_fp8.Fp8Experts)
     experts.layer, experts.dispatch_fp8 = SimpleNamespace(ranks=[0, 1]), True  # (fp8 dispatch: the forward's only)
@@ -366,15 +379,20 @@ def test_the_fused_fp8_backward_quantizes_dy_then_runs_the_routed_weight_gradien
     layer = SimpleNamespace(fused_bwd=fused, params_bwd=None, params_tok="tok", launch=None, fp8=experts,
                             _fused_bwd_words=["w0"], error=None, run=RunConfig(SHAPE, R, precision="fp8"),
                             trace=False, _launch_gemms=lambda pass_, slots: calls.append((pass_, *slots)))
+    wgrads = ("bwd", "kSlotDownWgrad", "kSlotGateUpWgrad")
     for policy, inside in ((dict(MOK_POLICY), True), ({**MOK_POLICY, "rev_combine": "push"}, False)):
-        fused.plan = SimpleNamespace(pass_="bwd", policy=policy, scale=inside, token_grads=True, routed_wgrads=False)
-        calls.clear()
-        gpu.GpuMoELayer._enqueue_fused_backward(layer, policy, lambda stage: None)
-        launch = ("launch", {"trace": False, "token_params": "tok", "fp8_gemm_params": "g0",
-                             "quant_params": "q0" if inside else None})
-        before = [] if inside else ["scale_to_slots", "to_experts_before_fused"] + [
-            ("quantize", "bwd", "kSlotFirst", r, 0) for r in (0, 1)]
-        assert calls == before + [launch, ("bwd", "kSlotDownWgrad", "kSlotGateUpWgrad")], policy
+        for token_grads in (True, False):
+            fused.plan = SimpleNamespace(pass_="bwd", policy=policy, scale=inside, token_grads=token_grads,
+                                         routed_wgrads=False)
+            calls.clear()
+            gpu.GpuMoELayer._enqueue_fused_backward(layer, policy, lambda stage: None)
+            launch = ("launch", {"trace": False, "token_params": "tok", "fp8_gemm_params": "g0",
+                                 "quant_params": "q0" if inside else None})
+            before = [] if inside else ["scale_to_slots", "to_experts_before_fused"] + [
+                ("quantize", "bwd", "kSlotFirst", r, 0) for r in (0, 1)]
+            after = [wgrads] if token_grads else [  # as the sequential pass: the reverse-dispatch first
+                "to_tokens_after_fused", wgrads, "slot_sum", "topk_weight_grad"]
+            assert calls == before + [launch] + after, (policy, token_grads)
 
 
 def test_refusals():

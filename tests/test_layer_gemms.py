@@ -90,10 +90,13 @@ def test_fused_plans_of_a_ring_cover_one_turn():
     whole = GpuMoELayer.fused_backward_plan(one, P.FusedKnobs(0, 256), num_sms=8)
     assert whole.capacity_rows == 1536 and (whole.scale, whole.token_grads) == (True, True)  # MoK's defaults
     assert whole.routed_wgrads and bwd.routed_wgrads
-    # an FP8 layer's: the routed weight gradients after the kernel, unless the knobs say otherwise
+    # an FP8 layer's: the routed weight gradients and the token gradients after the kernel, unless the
+    # knobs say otherwise
     fp8 = SimpleNamespace(**{**vars(one), "fp8": object()})
-    assert not GpuMoELayer.fused_backward_plan(fp8, P.FusedKnobs(0, 256), num_sms=8).routed_wgrads
-    assert GpuMoELayer.fused_backward_plan(fp8, P.FusedKnobs(0, 256, routed_wgrads=True), num_sms=8).routed_wgrads
+    made = GpuMoELayer.fused_backward_plan(fp8, P.FusedKnobs(0, 256), num_sms=8)
+    assert (made.routed_wgrads, made.token_grads, made.scale) == (False, False, True)
+    made = GpuMoELayer.fused_backward_plan(fp8, P.FusedKnobs(0, 256, routed_wgrads=True, token_grads=True), num_sms=8)
+    assert made.routed_wgrads and made.token_grads
 
 
 def test_a_fused_plan_refuses_a_changed_policy():

@@ -117,7 +117,7 @@ def make_operands(shape, ep: int, tokens: int, routing: str, xp, quantizer, seed
     return SimpleNamespace(xp=xp, num_experts=num_experts, hidden=hidden, ffn=ffn, total=total, rows=rows,
                            counts=counts, offsets=offsets, inside=inside, d_offsets=xp.asarray(offsets),
                            d_counts=xp.asarray(counts.astype(np.int32)), src=src, bf=bf, q=q,
-                           out8={**outputs(), "hq": hq()}, out16=outputs(),
+                           out8={**outputs(), "hq": hq(), "dgq": hq(), "duq": hq()}, out16=outputs(),
                            check8={"h": act(ffn), "hq": hq(), "g": act(ffn), "u": act(ffn)})
 
 
@@ -136,7 +136,7 @@ def flops(name: str, ops) -> int:
 def ours(ops, name: str, error=None) -> dict:
     """{"fp8": run, "bf16": run}: our FP8 and our BF16 grouped GEMM of problem `name` on ops' operands,
     into ops.out8 and ops.out16. gate_up writes h (and FP8 its quantization hq), not g and u: as
-    bench_gemm's BF16 rows time it."""
+    bench_gemm's BF16 rows time it; FP8 down_bwd also quantizes dg, du (dgq, duq), as the layer runs it."""
     from mok_proto.kernels import gemm, gemm_fp8
 
     q, b, o8, o16, off, cnt = ops.q, ops.bf, ops.out8, ops.out16, ops.d_offsets, ops.d_counts
@@ -147,7 +147,7 @@ def ours(ops, name: str, error=None) -> dict:
         "down": (lambda: gemm_fp8.down(q["h"], q["w_down_t"], off, cnt, o8["y"], error=error),
                  lambda: gemm.down(b["h"], b["w_down"], off, cnt, o16["y"], error=error)),
         "down_bwd": (lambda: gemm_fp8.down_bwd(q["dy"], q["w_down"], b["g"], b["u"], off, cnt, o8["dg"], o8["du"],
-                                               error=error),
+                                               dgq=o8["dgq"], duq=o8["duq"], error=error),
                      lambda: gemm.down_bwd(b["dy"], b["w_down"], b["g"], b["u"], off, cnt, o16["dg"], o16["du"],
                                            error=error)),
         "gate_up_bwd": (lambda: gemm_fp8.gate_up_bwd(q["dg"], q["du"], q["w_gate"], q["w_up"], off, cnt, o8["dx"],

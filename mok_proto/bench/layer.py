@@ -38,8 +38,7 @@ def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, in
     passes and settings with and without a link differ only in the layer's RunConfig.
     macrobatch_rows: the layer's ring (staged_layer); with several turns the fused settings run once
     a turn, their backward's scale and token gradients outside the kernel. precision, dispatch_dtype:
-    the layer's (staged_layer; fp8 runs fused forward plans only, with bf16 dispatch: `settings`
-    must then have no backward ones)."""
+    the layer's (staged_layer)."""
     import cupy
 
     heap, layer = staged_layer(shape, data, policy, link, macrobatch_rows, precision, dispatch_dtype)

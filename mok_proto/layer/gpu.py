@@ -334,8 +334,9 @@ class GpuMoELayer(GpuRound):
         from mok_proto.kernels.fused import default_num_sms
 
         knobs = knobs or FusedKnobs()
-        if self.fp8 is not None and knobs.routed_wgrads is None:  # FP8: those after the kernel (gpu_fp8.check_fused)
-            knobs = dataclasses.replace(knobs, routed_wgrads=False)
+        if self.fp8 is not None:  # routed weight gradients after the kernel (check_fused), so the token gradients too
+            knobs = dataclasses.replace(knobs, **{name: False for name in ("routed_wgrads", "token_grads")
+                                                  if getattr(knobs, name) is None})
         if self.num_turns > 1:  # once a turn: the token-side work runs outside the kernel
             knobs = dataclasses.replace(knobs, scale=False if knobs.scale is None else knobs.scale,
                                         token_grads=False if knobs.token_grads is None else knobs.token_grads)
@@ -543,8 +544,8 @@ class GpuMoELayer(GpuRound):
 
     def _enqueue_fused_backward(self, policy, mark):
         """After the round's start: dy_slots = w * dout and [reverse-combine: publish and wait | push]
-        unless the plan runs them inside (plan.scale); the kernel; the routed weight gradients unless
-        inside (FP8); [reverse-dispatch: flag, wait | pull], slot sum, d topk_weights unless inside."""
+        unless the plan runs them inside (plan.scale); the kernel; [reverse-dispatch: flag, wait | pull]
+        unless inside (token_grads); the routed weight gradients unless inside (FP8); slot sum, d topk_weights."""
         fused, p, launch = self.fused_bwd, self.params_bwd, self.launch
         comm_in, comm_out = _directions(fused.plan, policy)
         if not fused.plan.scale:
@@ -552,21 +553,20 @@ class GpuMoELayer(GpuRound):
             mark("rev_combine")
             to_experts_before_fused(p, launch, comm_in, "kOpRevCombinePush", "kOpRevCombinePull",
                                     after_schedule=False)
-        mark("fused")
         fp8 = {} if self.fp8 is None else self.fp8.fused_args(fused, 0, comm_in, "bwd")
+        mark("fused")
         fused.launch(p, self._fused_bwd_words[0], self.error, int(self.run.timeout_s * 1e9), trace=self.trace,
                      token_params=self.params_tok, **fp8)
+        if not fused.plan.token_grads:
+            mark("rev_dispatch")
+            to_tokens_after_fused(p, launch, comm_out, "kOpRevDispatchPush", "kOpRevDispatchPull")
         if not fused.plan.routed_wgrads:  # (FP8: with their operands' transposed quantizations)
             mark("wgrad")
             self._launch_gemms("bwd", gpu_ring.ROUTED_WGRAD)
-        if fused.plan.token_grads:
-            mark(None)
-            return
-        mark("rev_dispatch")
-        to_tokens_after_fused(p, launch, comm_out, "kOpRevDispatchPush", "kOpRevDispatchPull")
-        mark("token_grads")
-        kt.slot_sum(self.params_tok, launch)
-        kt.topk_weight_grad(self.params_tok, launch)
+        if not fused.plan.token_grads:
+            mark("token_grads")
+            kt.slot_sum(self.params_tok, launch)
+            kt.topk_weight_grad(self.params_tok, launch)
         mark(None)
 
     def forward_timeline(self, rank: int, pass_: str = "fwd"):
