@@ -108,8 +108,9 @@ def test_every_problem_launches_both_precisions_on_its_operands(name, ops, launc
         assert f8["out2"] == 0 and f16["out2"] == 0 and f8["out_codes"] is ops.out8["hq"][0]
     if name in ("down_wgrad", "gate_up_wgrad"):  # K = the rows, in blocks of 128 of the padded layout
         assert f8["a_scale_stride"] == ops.rows // fp8.BLOCK
-    if name == "down_bwd":  # both read the same bf16 g, u
+    if name == "down_bwd":  # both read the same bf16 g, u; FP8 quantizes dg, du as the layer's does
         assert f8["tmap_aux1"] == f16["tmap_aux1"]
+        assert f8["out_codes"] is ops.out8["dgq"][0] and f8["out_scales2"] is ops.out8["duq"][1]
 
 
 def test_the_check_launch_writes_g_and_u(ops, launches):

@@ -6,7 +6,7 @@ import pytest
 from mok_proto.bench import layer as bench_layer
 from mok_proto.bench import overlap, power
 from mok_proto.bench import settings as bench_settings
-from mok_proto.config import MOK_POLICY
+from mok_proto.config import MOK_POLICY, get_shape
 from mok_proto.plan import SEGMENT_ROWS, FusedKnobs
 
 
@@ -190,6 +190,22 @@ def test_fused_times_each_setting_against_the_sequential_pass(monkeypatch):
     assert "token_grads" not in by_comm[2] and "scale" not in by_comm[2]
     assert "retimed_median_ms" in by_comm[2] and "retimed_median_ms" not in by_comm[0]  # the larger ratio
     assert bench_layer.best_row(rows) is by_comm[2]
+
+
+def test_fused_rows_record_the_backward_knobs_the_plan_ran():
+    # an FP8 layer's plan runs its token gradients and routed weight gradients after the kernel
+    # though the knobs leave them to the default (None): the row says what ran
+    from mok_proto import plan as P
+
+    knobs = FusedKnobs(0, 256)
+    ran = P.fused_backward(get_shape("tile"), 2, FusedKnobs(0, 256, token_grads=False, routed_wgrads=False),
+                           policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    row = bench_layer.knobs_as_run(knobs, ran, "bwd").describe("bwd", MOK_POLICY)
+    assert (row["token_grads"], row["scale"], row["routed_wgrads"]) == (False, True, False)
+    assert knobs.describe("bwd", MOK_POLICY)["token_grads"]  # (what the knobs alone would have said)
+    bf16 = P.fused_backward(get_shape("tile"), 2, knobs, policy=MOK_POLICY, num_sms=8, capacity_rows=1024)
+    assert bench_layer.knobs_as_run(knobs, bf16, "bwd").describe("bwd", MOK_POLICY) == knobs.describe("bwd", MOK_POLICY)
+    assert bench_layer.knobs_as_run(knobs, None, "fwd") is knobs
 
 
 # nvidia-smi samples of power_probe.py (mok_proto.bench.power)

@@ -260,8 +260,8 @@ def test_the_fused_fp8_pass_holds_every_turns_words(monkeypatch):
         {**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "num_groups": 3}), ())
 
     def bf16_gemm(pass_, slot, r, t=0):  # an fp8-dispatch layer has no recv: no routed BF16 GEMM to pack
-        assert slot not in ("kSlotFirst", "kSlotSecond"), slot
-        return pack if slot.startswith("kSlotShared") else None  # (the forward has no weight gradients)
+        assert slot.startswith("kSlotShared"), slot
+        return pack
 
     layer = SimpleNamespace(run=RunConfig(tile, 2, precision="fp8", timeout_s=30), shape=tile, capacity=1024,
                             num_turns=3, ring_rows=512, ranks=[0, 1], error=SimpleNamespace(ptr=4096),
@@ -280,6 +280,15 @@ def test_the_fused_fp8_pass_holds_every_turns_words(monkeypatch):
     assert [q for _, q in made.fp8_words] == [f"quants of turn {t}" for t in range(3)]
     timeouts = {int(v) for g, _ in made.fp8_words for v in g.view(abi.FP8_GEMM_PARAMS.dtype)["timeout_ns"]}
     assert timeouts == {fused.gemm_timeout_ns(30 * 10**9)}
+    # the backward (its routed weight gradients after the kernel): every routed slot's record too
+    plan = P.fused_backward(tile, 2, P.FusedKnobs(0, 256, scale=False, token_grads=False, routed_wgrads=False),
+                            policy=MOK_POLICY, num_sms=8, capacity_rows=512)
+    made, words = gpu.GpuMoELayer._fused_pass(layer, plan, "bwd")
+    for turn in words:
+        got = turn.view(abi.GEMM_PARAMS.dtype)
+        routed = ~np.char.startswith([name for name, _ in abi.GEMM_SLOT.members] * 2, "kSlotShared")
+        assert (got["error"][routed] == 4096).all() and (got["num_groups"][routed] == 0).all()
+        assert (got["num_groups"][~routed] == 3).all()
 
 
 def test_the_fused_fp8_forward_runs_every_turn_of_a_ring_with_that_turns_words(monkeypatch):

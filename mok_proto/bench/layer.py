@@ -90,6 +90,14 @@ def layer_results(shape, data, macrobatch_rows=None, **run) -> dict:
         heap.close()
 
 
+def knobs_as_run(knobs, plan, pass_: str):
+    """`knobs` with the backward's token_grads, scale and routed_wgrads as `plan` ran them: the
+    layer's plan builder may fill them in otherwise than FusedKnobs.resolved (an FP8 layer's)."""
+    if pass_ != "bwd":
+        return knobs
+    return dataclasses.replace(knobs, token_grads=plan.token_grads, scale=plan.scale, routed_wgrads=plan.routed_wgrads)
+
+
 def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmup, stream, trace_to,
           pass_: str = "fwd", index: dict | None = None):
     """The fused forward (pass_="bwd": backward) of rank 0 for each of `settings` (FusedKnobs:
@@ -139,8 +147,7 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
         st = timed(graph)
         out = [fused_bytes(graph), fused_bytes(graph)]
         plan = (layer.fused if pass_ == "fwd" else layer.fused_bwd).plan
-        ran = dataclasses.replace(knobs, routed_wgrads=plan.routed_wgrads) if pass_ == "bwd" else knobs  # (FP8: False)
-        rows.append({**ran.describe(pass_, plan.policy), "num_sms": plan.num_sms, "claim_pairs": plan.claim_pairs,
+        rows.append({**knobs_as_run(knobs, plan, pass_).describe(pass_, plan.policy), "num_sms": plan.num_sms, "claim_pairs": plan.claim_pairs,
                      **st, "equal_to_sequential": out[0] == sequential_out, "bitwise_repeat": out[0] == out[1]})
         print(f"#   fused {pass_} [{i + 1}/{len(settings)}] comm={knobs.comm_blocks:>2} "
               f"minibatch={knobs.minibatch_rows:>4} "

@@ -261,8 +261,7 @@ class GpuMoELayer(GpuRound):
         self.fused, self._fused_words = self._fused_pass(forward_plan, "fwd")
 
     def set_backward_plan(self, backward_plan=None):
-        """Run the backward as one fused launch of `backward_plan` (plan.fused_backward), or stage
-        by stage (None). Build it with `self.fused_backward_plan(...)`."""
+        """The backward as one fused launch of `backward_plan` (build it: fused_backward_plan), or None."""
         self.fused_bwd, self._fused_bwd_words = self._fused_pass(backward_plan, "bwd")
 
     def _fused_pass(self, plan, pass_):
@@ -334,7 +333,8 @@ class GpuMoELayer(GpuRound):
         from mok_proto.kernels.fused import default_num_sms
 
         knobs = knobs or FusedKnobs()
-        if self.fp8 is not None:  # routed weight gradients after the kernel (check_fused), so the token gradients too
+        if self.fp8 is not None:  # weight gradients after the kernel (check_fused); inside, nothing would hide the
+            # token gradients (the movers' slot sums ran alone after the last tile)
             knobs = dataclasses.replace(knobs, **{name: False for name in ("routed_wgrads", "token_grads")
                                                   if getattr(knobs, name) is None})
         if self.num_turns > 1:  # once a turn: the token-side work runs outside the kernel
