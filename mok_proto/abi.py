@@ -481,9 +481,10 @@ FUSED_PARAMS = Struct("FusedParams", (
     ("i64", "token", "const TokenParams* of the launch ranks (the token-gradient tasks; 0 when the plan has none)"),
     ("i64", "trace", "TraceRecord [W][num_tasks] (record_trace)"),
     ("ErrorRecord*", "error", "this process's error record"),
-    ("i64", "fp8_gemm", "Fp8GemmParams [W][kFusedGemms] (fused_forward_fp8: its routed slots; 0 in a bf16 pass)"),
-    ("i64", "quant", "QuantParams [W] (fused_forward_fp8: each launch rank's receive rows -> xq, xq_s, quantized by "
-                     "the dispatch's movers; 0: the dispatch runs outside the kernel, moves fp8 rows, or the pass is bf16)"),
+    ("i64", "fp8_gemm", "Fp8GemmParams [W][kFusedGemms] (the FP8 kernels: their routed slots; 0 in a bf16 pass)"),
+    ("i64", "quant", "QuantParams [W] (the FP8 kernels: each launch rank's rows the incoming transfer's movers "
+                     "quantize, recv -> xq or recv_dy -> dyq; 0: that transfer runs outside the kernel, moves fp8 "
+                     "rows, or the pass is bf16)"),
     ("i64", "dispatch_codes", "const CommParams* (fused_forward_fp8 with fp8 dispatch pulled inside: the token owners' "
                               "codes rows xq_tok -> xq; 0: none)"),
     ("i64", "dispatch_scales", "const CommParams* (with dispatch_codes: their scales rows xq_tok_s -> xq_s)"),
