@@ -132,7 +132,7 @@ def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UN
         best = best_row(rows)
         ceiling = overlap_ceiling(stages[pass_], pass_, stages_inside(best))
         for row in rows:
-            precision = {} if fp8 is None else {  # the fused FP8 forward (fused_forward_fp8)
+            precision = {} if fp8 is None else {  # the fused FP8 passes (fused_forward_fp8, fused_backward_fp8)
                 "precision": fp8.precision, "dispatch_dtype": fp8.dispatch_dtype,
                 "speedup_vs_torch_fp8": (fp8.torch_fp8["median_ms"] / row["median_ms"]
                                          if fp8.torch_fp8 is not None and pass_ == "fwd" else None)}
