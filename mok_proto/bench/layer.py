@@ -147,7 +147,8 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
         st = timed(graph)
         out = [fused_bytes(graph), fused_bytes(graph)]
         plan = (layer.fused if pass_ == "fwd" else layer.fused_bwd).plan
-        rows.append({**knobs_as_run(knobs, plan, pass_).describe(pass_, plan.policy), "num_sms": plan.num_sms, "claim_pairs": plan.claim_pairs,
+        ran = knobs_as_run(knobs, plan, pass_)
+        rows.append({**ran.describe(pass_, plan.policy), "num_sms": plan.num_sms, "claim_pairs": plan.claim_pairs,
                      **st, "equal_to_sequential": out[0] == sequential_out, "bitwise_repeat": out[0] == out[1]})
         print(f"#   fused {pass_} [{i + 1}/{len(settings)}] comm={knobs.comm_blocks:>2} "
               f"minibatch={knobs.minibatch_rows:>4} "
