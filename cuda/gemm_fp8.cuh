@@ -381,13 +381,13 @@ __device__ __forceinline__ void promote_quarter(float (&acc)[128], const float (
 }
 
 // The weight gradients' column scales of quarter kQ this thread promotes (columns 64 kQ + 8j +
-// 2 (l%4), + 1), from the stage's array at s_b: loaded ahead of the math that uses them (the
-// promotion otherwise waits on each load).
-template <int kP, int kQ>
+// 2 (l%4), + 1; j in [kFirst, kLast)), from the stage's array at s_b: loaded ahead of the math
+// that uses them (the promotion otherwise waits on each load).
+template <int kP, int kQ, int kFirst = 0, int kLast = 8>
 __device__ __forceinline__ void column_scales(u32 s_b, int lane, float2 (&b)[8]) {
   if constexpr (!Traits<kP>::kRowProblem) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) b[j] = ld_shared_f32x2(s_b + 4 * (64 * kQ + 8 * j + 2 * (lane & 3)));
+    for (int j = kFirst; j < kLast; ++j) b[j] = ld_shared_f32x2(s_b + 4 * (64 * kQ + 8 * j + 2 * (lane & 3)));
   }
 }
 
@@ -417,10 +417,10 @@ __device__ __forceinline__ KBlockIn kblock_in(Storage& ss, int stage, const Tile
 
 // The k-blocks of one tile: per k-block, the two n128 halves into one 64-register temporary (4 x
 // m64n128k32, waited for), each promoted into acc; descriptors by a 32-bit add, every row scale
-// read before the MMAs, the weight gradients' first quarter's column scales while its MMAs run;
-// the row problems' stage released as soon as its last MMA is done (the weight gradients' once
-// promoted: their column scales are read until then). Per element the k-blocks are promoted in
-// increasing order.
+// read before the MMAs, half of the weight gradients' first quarter's column scales while its MMAs
+// run (all of them: spills); the row problems' stage released as soon as its last MMA is done (the
+// weight gradients' once promoted: their column scales are read until then). Per element the
+// k-blocks are promoted in increasing order.
 template <int kP, class Storage>
 __device__ __forceinline__ bool consume_kblocks(const Fp8GemmParams* p, Storage& ss, Ring& ring, const Tile& tile,
                                                 float (&acc)[128], int half, int wg_tid, bool ok) {
@@ -446,11 +446,13 @@ __device__ __forceinline__ bool consume_kblocks(const Fp8GemmParams* p, Storage&
     const u64 da = desc_plus(da0, in.desc_add), db = desc_plus(db0, in.desc_add);
     const u32 s_b = in.s_b;
     const float sa0 = in.sa0, sa1 = in.sa1, s00 = in.s00, s01 = in.s01, s10 = in.s10, s11 = in.s11;
-    mma(da, db, [&] { column_scales<kP, 0>(s_b, lane, b0); });
+    mma(da, db, [&] { column_scales<kP, 0, 0, 4>(s_b, lane, b0); });
+    column_scales<kP, 0, 4, 8>(s_b, lane, b0);
     promote_quarter<kP, 0>(acc, reinterpret_cast<const float(&)[32]>(blk[0]), s00, s01, sa0, sa1, b0);
     column_scales<kP, 1>(s_b, lane, b1);
     promote_quarter<kP, 1>(acc, reinterpret_cast<const float(&)[32]>(blk[32]), s00, s01, sa0, sa1, b1);
-    mma(da, desc_plus(db, kHalfBytes >> 4), [&] { column_scales<kP, 2>(s_b, lane, b0); });
+    mma(da, desc_plus(db, kHalfBytes >> 4), [&] { column_scales<kP, 2, 0, 4>(s_b, lane, b0); });
+    column_scales<kP, 2, 4, 8>(s_b, lane, b0);
     if constexpr (Tr::kRowProblem) gemm::release_stage(ss, ring.stage, wg_tid);
     promote_quarter<kP, 2>(acc, reinterpret_cast<const float(&)[32]>(blk[0]), s10, s11, sa0, sa1, b0);
     column_scales<kP, 3>(s_b, lane, b1);
