@@ -97,6 +97,11 @@ static_assert(kStagingFloats * 4 >= 16 * kKBlock, "a staging area holds a warp's
 constexpr int kProducerRegs = 64;
 constexpr int kConsumerRegs = 216;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * gemm::kLaunchRegs, "over the CTA's registers");
+// The weight gradients' consumers also hold column scales loaded ahead (column_scales).
+constexpr int kWgradProducerRegs = 56;
+constexpr int kWgradConsumerRegs = 224;
+static_assert(128 * kWgradProducerRegs + 256 * kWgradConsumerRegs <= kThreads * gemm::kLaunchRegs,
+              "over the CTA's registers");
 
 // Shared memory of one CTA (the kernel aligns the base up to 1024 bytes: a launch asks sizeof + 1024).
 struct SharedStorage {
@@ -355,22 +360,34 @@ __device__ __forceinline__ u64 desc_plus(u64 desc, u32 add) {
 
 // acc's quarter kQ += t * (sa * sb): t[4j + 2rh + c] is row 16 w + l/4 + 8 rh of the warpgroup's
 // 64, column 64 kQ + 8j + 2 (l%4) + c of the tile (gemm.cuh's accumulator layout), and
-// acc[32 kQ + 4j + 2rh + c] the same element. s0, s1: the row problems' sa * sb of rows rh = 0, 1; sa0, sa1, s_b: the weight
-// gradients' row scales and the stage's column scales.
+// acc[32 kQ + 4j + 2rh + c] the same element. s0, s1: the row problems' sa * sb of rows rh = 0, 1;
+// sa0, sa1, b: the weight gradients' row scales and this thread's column scales of the quarter
+// (column_scales).
 template <int kP, int kQ>
 __device__ __forceinline__ void promote_quarter(float (&acc)[128], const float (&t)[32], float s0, float s1,
-                                                float sa0, float sa1, u32 s_b, int lane) {
+                                                float sa0, float sa1, const float2 (&b)[8]) {
   if constexpr (Traits<kP>::kRowProblem) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc[32 * kQ + i] = __fmaf_rn(t[i], (i & 2) ? s1 : s0, acc[32 * kQ + i]);
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float2 b = ld_shared_f32x2(s_b + 4 * (64 * kQ + 8 * j + 2 * (lane & 3)));
-      const float s[4] = {__fmul_rn(sa0, b.x), __fmul_rn(sa0, b.y), __fmul_rn(sa1, b.x), __fmul_rn(sa1, b.y)};
+      const float s[4] = {__fmul_rn(sa0, b[j].x), __fmul_rn(sa0, b[j].y), __fmul_rn(sa1, b[j].x),
+                          __fmul_rn(sa1, b[j].y)};
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[32 * kQ + 4 * j + c] = __fmaf_rn(t[4 * j + c], s[c], acc[32 * kQ + 4 * j + c]);
     }
+  }
+}
+
+// The weight gradients' column scales of quarter kQ this thread promotes (columns 64 kQ + 8j +
+// 2 (l%4), + 1; j in [kFirst, kLast)), from the stage's array at s_b: loaded ahead of the math
+// that uses them (the promotion otherwise waits on each load).
+template <int kP, int kQ, int kFirst = 0, int kLast = 8>
+__device__ __forceinline__ void column_scales(u32 s_b, int lane, float2 (&b)[8]) {
+  if constexpr (!Traits<kP>::kRowProblem) {
+#pragma unroll
+    for (int j = kFirst; j < kLast; ++j) b[j] = ld_shared_f32x2(s_b + 4 * (64 * kQ + 8 * j + 2 * (lane & 3)));
   }
 }
 
@@ -399,10 +416,11 @@ __device__ __forceinline__ KBlockIn kblock_in(Storage& ss, int stage, const Tile
 }
 
 // The k-blocks of one tile: per k-block, the two n128 halves into one 64-register temporary (4 x
-// m64n128k32, waited for), each promoted into acc; descriptors by a 32-bit add, every scale read
-// before the MMAs, the row problems' stage released as soon as its last MMA is done (the weight
-// gradients' once promoted: their column scales are read then). Per element the k-blocks are
-// promoted in increasing order.
+// m64n128k32, waited for), each promoted into acc; descriptors by a 32-bit add, every row scale
+// read before the MMAs, half of the weight gradients' first quarter's column scales while its MMAs
+// run (all of them: spills); the row problems' stage released as soon as its last MMA is done (the
+// weight gradients' once promoted: their column scales are read until then). Per element the
+// k-blocks are promoted in increasing order.
 template <int kP, class Storage>
 __device__ __forceinline__ bool consume_kblocks(const Fp8GemmParams* p, Storage& ss, Ring& ring, const Tile& tile,
                                                 float (&acc)[128], int half, int wg_tid, bool ok) {
@@ -411,12 +429,14 @@ __device__ __forceinline__ bool consume_kblocks(const Fp8GemmParams* p, Storage&
   const int lane = wg_tid & 31, row = half * 64 + (wg_tid >> 5) * 16 + (lane >> 2);
   const u64 da0 = wgmma_desc(s_base + half * 64 * kKBlock, 16, 1024), db0 = wgmma_desc(s_base + kATileBytes, 16, 1024);
   float blk[64];
-  auto mma = [&](u64 da, u64 db) {
+  float2 b0[8], b1[8];  // the weight gradients' column scales of a half's two quarters (column_scales)
+  auto mma = [&](u64 da, u64 db, auto&& meanwhile) {
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kKBlock / 32; ++ks)
       wgmma_m64n128k32_e4m3(blk, desc_plus(da, 2 * ks), desc_plus(db, 2 * ks), ks);
     wgmma_commit();
+    meanwhile();  // loads the MMAs do not need, their latency under the MMAs'
     wgmma_wait<0>();
     fence_accumulators(blk);
   };
@@ -426,13 +446,17 @@ __device__ __forceinline__ bool consume_kblocks(const Fp8GemmParams* p, Storage&
     const u64 da = desc_plus(da0, in.desc_add), db = desc_plus(db0, in.desc_add);
     const u32 s_b = in.s_b;
     const float sa0 = in.sa0, sa1 = in.sa1, s00 = in.s00, s01 = in.s01, s10 = in.s10, s11 = in.s11;
-    mma(da, db);
-    promote_quarter<kP, 0>(acc, reinterpret_cast<const float(&)[32]>(blk[0]), s00, s01, sa0, sa1, s_b, lane);
-    promote_quarter<kP, 1>(acc, reinterpret_cast<const float(&)[32]>(blk[32]), s00, s01, sa0, sa1, s_b, lane);
-    mma(da, desc_plus(db, kHalfBytes >> 4));
+    mma(da, db, [&] { column_scales<kP, 0, 0, 4>(s_b, lane, b0); });
+    column_scales<kP, 0, 4, 8>(s_b, lane, b0);
+    promote_quarter<kP, 0>(acc, reinterpret_cast<const float(&)[32]>(blk[0]), s00, s01, sa0, sa1, b0);
+    column_scales<kP, 1>(s_b, lane, b1);
+    promote_quarter<kP, 1>(acc, reinterpret_cast<const float(&)[32]>(blk[32]), s00, s01, sa0, sa1, b1);
+    mma(da, desc_plus(db, kHalfBytes >> 4), [&] { column_scales<kP, 2, 0, 4>(s_b, lane, b0); });
+    column_scales<kP, 2, 4, 8>(s_b, lane, b0);
     if constexpr (Tr::kRowProblem) gemm::release_stage(ss, ring.stage, wg_tid);
-    promote_quarter<kP, 2>(acc, reinterpret_cast<const float(&)[32]>(blk[0]), s10, s11, sa0, sa1, s_b, lane);
-    promote_quarter<kP, 3>(acc, reinterpret_cast<const float(&)[32]>(blk[32]), s10, s11, sa0, sa1, s_b, lane);
+    promote_quarter<kP, 2>(acc, reinterpret_cast<const float(&)[32]>(blk[0]), s10, s11, sa0, sa1, b0);
+    column_scales<kP, 3>(s_b, lane, b1);
+    promote_quarter<kP, 3>(acc, reinterpret_cast<const float(&)[32]>(blk[32]), s10, s11, sa0, sa1, b1);
     if constexpr (!Tr::kRowProblem) gemm::release_stage(ss, ring.stage, wg_tid);
     ring.advance();
   }
@@ -584,7 +608,7 @@ __device__ __forceinline__ void run_tiles(const Fp8GemmParams* p, SharedStorage&
   bool ok = true;
   int t;
   if (wg == 0) {
-    warpgroup_reg_dealloc<kProducerRegs>();
+    warpgroup_reg_dealloc<Traits<kP>::kRowProblem ? kProducerRegs : kWgradProducerRegs>();
     const int warp = __shfl_sync(0xffffffffu, wg_tid >> 5, 0), lane = wg_tid & 31;
     const ScaleBases base = scale_bases(p);
     while (tiles.next(t))  // warps 2, 3 have nothing to load
@@ -594,7 +618,7 @@ __device__ __forceinline__ void run_tiles(const Fp8GemmParams* p, SharedStorage&
     if (warp == 1) cp_async_wait_all();  // the scale copies
     if (wg_tid == 0) gemm::drain_loads(ss, ring);
   } else {
-    warpgroup_reg_alloc<kConsumerRegs>();
+    warpgroup_reg_alloc<Traits<kP>::kRowProblem ? kConsumerRegs : kWgradConsumerRegs>();
     float acc[128];
     float* staging = ss.staging[threadIdx.x / 32 - 4];
     while (tiles.next(t))
