@@ -1,5 +1,5 @@
-"""The GPU layer with FP8 routed experts (sequential passes, the fused forward): virtual ranks W =
-1, 2, 4 in one process and NVSHMEM with 2 processes on one GPU; the checks are in
+"""The GPU layer with FP8 routed experts (sequential and fused passes): virtual ranks W = 1, 2, 4, 8
+in one process and NVSHMEM with 2 and 4 processes on one GPU; the checks are in
 tests/mpi_programs/check_gpu_fp8_layer.py (every quantization point bitwise, every routed GEMM
 within the FP8 GEMM bound, err_rel_rms against the float64 reference, both dispatch dtypes and
 rings of several turns bitwise equal). The same global problem gives the same bits on both backends."""
@@ -16,18 +16,19 @@ def _virtual(num_ranks, *extra):
     return run_virtual(PROGRAM, num_ranks, f"OK gpu fp8 layer backend=virtual R={num_ranks}", *extra)
 
 
-@pytest.mark.parametrize("num_ranks", [1, 2, 4])
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
 def test_virtual_ranks_fp8_layer(num_ranks):
     extra = () if num_ranks == 2 else ("--policies", "mok", "--replays", "3")  # every policy once (W = 2)
     assert len(sha_digests(_virtual(num_ranks, *extra))) == 3
 
 
-def test_nvshmem_fp8_layer_matches_virtual():
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_nvshmem_fp8_layer_matches_virtual(num_ranks):
     pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
-    proc = run_ranks(2, PROGRAM, "--backend", "nvshmem", "--replays", "2", "--policies", "mok", timeout=900)
-    assert "OK gpu fp8 layer backend=nvshmem R=2" in proc.stdout
+    proc = run_ranks(num_ranks, PROGRAM, "--backend", "nvshmem", "--replays", "2", "--policies", "mok", timeout=900)
+    assert f"OK gpu fp8 layer backend=nvshmem R={num_ranks}" in proc.stdout
     nvshmem = sha_digests(proc.stdout)
-    virtual = sha_digests(_virtual(2, "--replays", "1", "--policies", "mok"))
+    virtual = sha_digests(_virtual(num_ranks, "--replays", "1", "--policies", "mok"))
     assert nvshmem and nvshmem == virtual, (nvshmem, virtual)
 
 
