@@ -417,8 +417,8 @@ __device__ __forceinline__ KBlockIn kblock_in(Storage& ss, int stage, const Tile
 
 // The k-blocks of one tile: per k-block, the two n128 halves into one 64-register temporary (4 x
 // m64n128k32, waited for), each promoted into acc; descriptors by a 32-bit add, every row scale
-// read before the MMAs, half of the weight gradients' first quarter's column scales while its MMAs
-// run (all of them: spills); the row problems' stage released as soon as its last MMA is done (the
+// read before the MMAs, half of the weight gradients' column scales of each n128 half's first
+// quarter while that half's MMAs run (all of them: spills); the row problems' stage released as soon as its last MMA is done (the
 // weight gradients' once promoted: their column scales are read until then). Per element the
 // k-blocks are promoted in increasing order.
 template <int kP, class Storage>

@@ -171,7 +171,7 @@ class Fp8Experts:
               fused: bool = False) -> list:
         """[(function, args, kwargs)] of `launch`, in launch order. dgq, duq = q(dg), q(du): the row
         quantizer's launches before gate_up_bwd, or (fused: the fused kernel, which launches nothing)
-        down_bwd's epilogue; the same bits (docs/design.md 5.9)."""
+        down_bwd's epilogue; the same bits (docs/design.md 5.10)."""
         layer = self.layer
         b, rows, err = layer._b, layer._rows(r, turn), {"error": layer.error}
         h, i_ffn = layer.shape.hidden, layer.shape.ffn
