@@ -99,15 +99,18 @@ class Trace:
             reads = [self.read(a) for a in args[:len(READS[fn])]]
             assert reads == READS[fn], (fn.__name__, reads)
             for where, what in WRITES[fn].items():
-                self.write(args[where] if isinstance(where, int) else kwargs[where], what)
+                if isinstance(where, int) or where in kwargs:  # dgq, duq: only where down_bwd writes them
+                    self.write(args[where] if isinstance(where, int) else kwargs[where], what)
             self.gemms.append((fn, kwargs.get("accumulate")))
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
-def test_every_routed_gemm_reads_the_quantization_the_design_names(dispatch, no_launch):
+def test_every_routed_gemm_reads_the_quantization_the_design_names(dispatch, fused, no_launch):
     """A forward and a backward turn, the backward's codes reusing the ring's (h^T in hq, dy^T then
     x^T in dyq, dg^T, du^T in dgq, duq): every GEMM reads design.md 5.7's operands, each written by
-    an earlier launch and not yet overwritten; a later turn's weight gradients accumulate."""
+    an earlier launch and not yet overwritten; a later turn's weight gradients accumulate. dgq, duq
+    come from the row quantizer (sequential) or down_bwd's epilogue (fused)."""
     layer, bufs, rows = _stand_in(dispatch)
     experts = gpu_fp8.Fp8Experts(layer)
     trace = Trace(bufs, rows)
@@ -120,7 +123,9 @@ def test_every_routed_gemm_reads_the_quantization_the_design_names(dispatch, no_
             trace.run(experts.steps("fwd", slot, 0, turn))
         trace.write(bufs["recv_dy"], "dy")  # the reverse-combine's rows
         for slot in SLOTS["bwd"]:
-            trace.run(experts.steps("bwd", slot, 0, turn, accumulate))
+            steps = experts.steps("bwd", slot, 0, turn, accumulate, fused=fused)
+            assert fused or all("dgq" not in kwargs for _, _, kwargs in steps), "sequential: dgq by the quantizer"
+            trace.run(steps)
     wgrads = (kg.down_wgrad, kg.gate_up_wgrad)
     want = [kg.gate_up, kg.down, kg.down_bwd, kg.gate_up_bwd, *wgrads, kg.gate_up, kg.down_bwd, kg.gate_up_bwd, *wgrads]
     assert [fn for fn, _ in trace.gemms] == want

@@ -136,7 +136,8 @@ def flops(name: str, ops) -> int:
 def ours(ops, name: str, error=None) -> dict:
     """{"fp8": run, "bf16": run}: our FP8 and our BF16 grouped GEMM of problem `name` on ops' operands,
     into ops.out8 and ops.out16. gate_up writes h (and FP8 its quantization hq), not g and u: as
-    bench_gemm's BF16 rows time it; FP8 down_bwd also quantizes dg, du (dgq, duq), as the layer runs it."""
+    bench_gemm's BF16 rows time it; FP8 down_bwd also quantizes dg, du (dgq, duq), as the fused backward runs it (the
+    sequential one launches the row quantizer instead)."""
     from mok_proto.kernels import gemm, gemm_fp8
 
     q, b, o8, o16, off, cnt = ops.q, ops.bf, ops.out8, ops.out16, ops.d_offsets, ops.d_counts

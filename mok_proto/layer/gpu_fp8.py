@@ -11,7 +11,7 @@ pairs of layout.fp8_row_layout (codes `name`, scales `name`_s).
     forward        [fp8 dispatch: xq_tok = q(x) by the token owner, before the routing flag publishes it]
                    dispatch: bf16 rows into recv, then xq = q(recv) | xq_tok's codes and scales into xq
                    gate_up(xq, Wg^T, Wu^T) -> g, u, h (bf16), hq = q(h) (its epilogue); down(hq, Wd^T) -> y
-    backward       dyq = q(dy); down_bwd(dyq, Wd, g, u) -> dg, du and dgq, duq = q(dg), q(du) (its epilogue);
+    backward       dyq = q(dy); down_bwd(dyq, Wd, g, u) -> dg, du; dgq, duq = q(dg), q(du) (fused: its epilogue);
                    gate_up_bwd(dgq, duq, Wg, Wu) -> dx rows
                    hq := q^T(h), dyq := q^T(dy); down_wgrad -> dWd
                    dyq := q^T(deq(xq)), dgq := q^T(dg), duq := q^T(du); gate_up_wgrad -> dWg, dWu
@@ -133,7 +133,7 @@ class Fp8Experts:
         for r in ranks:
             for slot, _ in abi.GEMM_SLOT.members:
                 if slot in ("kSlotFirst", "kSlotSecond"):
-                    fn, args, kwargs = self.steps(pass_, slot, r, turn)[-1]
+                    fn, args, kwargs = self.steps(pass_, slot, r, turn, fused=True)[-1]
                     gemms.append(fn(*args, **{**kwargs, "pack_only": True}))
                 else:
                     gemms.append(np.zeros(abi.FP8_GEMM_PARAMS.nbytes // 8, np.uint64))
@@ -167,8 +167,11 @@ class Fp8Experts:
         for fn, args, kwargs in self.steps(pass_, slot, r, turn, accumulate):
             fn(*args, **kwargs)
 
-    def steps(self, pass_: str, slot: str, r: int, turn: int = 0, accumulate: bool = False) -> list:
-        """[(function, args, kwargs)] of `launch`, in launch order."""
+    def steps(self, pass_: str, slot: str, r: int, turn: int = 0, accumulate: bool = False,
+              fused: bool = False) -> list:
+        """[(function, args, kwargs)] of `launch`, in launch order. dgq, duq = q(dg), q(du): the row
+        quantizer's launches before gate_up_bwd, or (fused: the fused kernel, which launches nothing)
+        down_bwd's epilogue; the same bits (docs/design.md 5.10)."""
         layer = self.layer
         b, rows, err = layer._b, layer._rows(r, turn), {"error": layer.error}
         h, i_ffn = layer.shape.hidden, layer.shape.ffn
@@ -194,7 +197,7 @@ class Fp8Experts:
             ("fwd", "kSlotFirst"): [] if self.dispatch_fp8 else [rows_q("recv", "xq")],
             ("fwd", "kSlotSecond"): [],
             ("bwd", "kSlotFirst"): [rows_q("recv_dy", "dyq")],
-            ("bwd", "kSlotSecond"): [],  # dgq, duq: down_bwd's epilogue
+            ("bwd", "kSlotSecond"): [] if fused else [rows_q("dg", "dgq"), rows_q("du", "duq")],
             ("bwd", "kSlotDownWgrad"): [cols_q("h", "hq", i_ffn), cols_q("recv_dy", "dyq", h)],
             ("bwd", "kSlotGateUpWgrad"): [(kq.quantize_segment_columns, (b("xq", r), *rows, *qt("dyq", h)),
                                            {"x_scales": b("xq_s", r)}),
@@ -205,7 +208,7 @@ class Fp8Experts:
                                     {"g": b("g", r), "u": b("u", r), **err}),
             ("fwd", "kSlotSecond"): (kg.down, (q("hq"), w("down_t"), *rows, b("y", r)), err),
             ("bwd", "kSlotFirst"): (kg.down_bwd, (q("dyq"), w("down"), b("g", r), b("u", r), *rows, b("dg", r),
-                                                  b("du", r)), {"dgq": q("dgq"), "duq": q("duq"), **err}),
+                                                  b("du", r)), {**({"dgq": q("dgq"), "duq": q("duq")} if fused else {}), **err}),
             ("bwd", "kSlotSecond"): (kg.gate_up_bwd, (q("dgq"), q("duq"), w("gate"), w("up"), *rows,
                                                       b("dx_rows", r)), err),
             ("bwd", "kSlotDownWgrad"): (kg.down_wgrad, (qt("hq", i_ffn), qt("dyq", h), *rows, b("dw_down", r)),
