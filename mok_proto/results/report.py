@@ -13,6 +13,7 @@ file differs from what this prints.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -305,10 +306,11 @@ def _layer_fp8_lines(gpu: str, rows: list[dict]) -> list[str]:
     one where it ran (each shape's best setting, as timed again), against the BF16 torch pipeline
     (and the torch FP8 one, forward only) of the same run."""
     lines = []
-    for pass_ in ("fwd", "bwd"):
+    for pass_, dispatch in itertools.product(("fwd", "bwd"), dict.fromkeys(r.get("dispatch_dtype", "bf16") for r in rows)):
         for layer, keep in (("sequential", lambda r: r.get("schedule") == "sequential"),
                             ("fused", lambda r: r.get("schedule") == "fused" and r.get("best_of_run"))):
-            mine = [r for r in rows if r["pass"] == pass_ and keep(r) and _uniform(r)]
+            mine = [r for r in rows if r["pass"] == pass_ and keep(r) and _uniform(r)
+                    and r.get("dispatch_dtype", "bf16") == dispatch]
             if not mine:
                 continue
             ms = [_layer_ms(r) for r in mine]
@@ -317,7 +319,7 @@ def _layer_fp8_lines(gpu: str, rows: list[dict]) -> list[str]:
                      if r.get("speedup_vs_torch_fp8")]
             fractions = [r["fraction_of_dense"] for r in mine if r.get("fraction_of_dense") is not None]
             shapes = f"{len(mine)} shape" + ("s" if len(mine) > 1 else "")
-            lines.append(f"| layer {pass_}, FP8 experts, {layer} ({_run_label(gpu, rows)}) | {shapes} | "
+            lines.append(f"| layer {pass_}, FP8 experts, {dispatch} dispatch, {layer} ({_run_label(gpu, rows)}) | {shapes} | "
                          f"{_range(ms, '.3f')} ms | {_range(x_torch, '.2f')} x torch"
                          + (f", {_range(x_fp8, '.2f')} x torch FP8" if x_fp8 else "") + " | | "
                          f"{_range(fractions, '.2f') if fractions else '-'} |{' |' * len(MEMORY_EPS)}")
