@@ -2,14 +2,13 @@
 (a fake `mok_proto.bench.emulation` and a fake `cupy` whose replays "take" a set time), so the
 protocol, the alternation, the ratio and the checks run for real without a GPU."""
 
-import importlib.util
 import json
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from mok_proto.bench import ab
+from mok_proto.bench import ab, ab_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,13 +116,6 @@ def test_tree_of_exports_a_revision_and_refuses_nonsense(tmp_path):
         ab.tree_of("no-such-revision-anywhere", tmp_path / "y")
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("ab_layer_script", ROOT / "scripts" / "ab_layer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("ms_b, bits_b, turns, failed", [
     (2.0, "same", 1, []),
     (2.1, "same", 1, ["B/A 1.050 > 1.03"]),
@@ -131,13 +123,12 @@ def load_script():
     (2.0, "same", 2, ["runs 2 turns"]),
 ])
 def test_script_checks(tmp_path, log, monkeypatch, capsys, ms_b, bits_b, turns, failed):
-    script = load_script()
     base = fake_tree(tmp_path / "a", 2.0, "same")
-    monkeypatch.setattr(script, "ROOT", fake_tree(tmp_path / "b", ms_b, bits_b, turns))
-    monkeypatch.setattr(script, "append_result", lambda name, row: rows.append((name, row)))
+    monkeypatch.setattr(ab_cli, "ROOT", fake_tree(tmp_path / "b", ms_b, bits_b, turns))
+    monkeypatch.setattr(ab_cli, "append_result", lambda name, row: rows.append((name, row)))
     rows = []
-    args = script.parse_args(["--base", str(base), "--shapes", "kimi-k2.7", "--rounds", "2", "--iters", "2"])
-    code = script.run(args)
+    args = ab_cli.parse_args(["--base", str(base), "--shapes", "kimi-k2.7", "--rounds", "2", "--iters", "2"])
+    code = ab_cli.run(args)
     err = capsys.readouterr().err
     assert code == (1 if failed else 0)
     for text in failed:
@@ -148,11 +139,10 @@ def test_script_checks(tmp_path, log, monkeypatch, capsys, ms_b, bits_b, turns, 
 
 
 def test_script_refuses_bad_arguments(capsys):
-    script = load_script()
-    assert load_script().run(script.parse_args(["--shapes", "kimi-k2.7"])) == 2  # no --base
+    assert ab_cli.run(ab_cli.parse_args(["--shapes", "kimi-k2.7"])) == 2  # no --base
     for argv in (["--base", "HEAD", "--shapes", "nope"], ["--base", "HEAD", "--rounds", "0"]):
         with pytest.raises(SystemExit) as e:
-            script.parse_args(argv)
+            ab_cli.parse_args(argv)
         assert e.value.code == 2
     assert "Traceback" not in capsys.readouterr().err
 

@@ -2,7 +2,6 @@
 layer_rows): its options, its rows' fields and verdicts, and that the default run is unchanged, on
 stand-ins for the GPU."""
 
-import importlib.util
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -12,33 +11,25 @@ import pytest
 from conftest import ROOT, rank_env
 from test_bench_layer_cpu import _fused_row, _measured, _torch
 
-from mok_proto.bench import layer_run
+from mok_proto.bench import layer_cli, layer_run
 from mok_proto.bench.emulation import emulated_shape
 from mok_proto.bench.layer_rows import BARS, Fp8Run, shape_report
 from mok_proto.bench.settings import DEFAULT_FUSED
 from mok_proto.routing import UNIFORM
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_layer_script", ROOT / "scripts" / "bench_layer.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
 def test_precision_options():
-    script = load_script()
-    default = script.parse_args([])
+    default = layer_cli.parse_args([])
     assert (default.precision, default.dispatch_dtype) == ("bf16", "bf16")
     assert [k.comm_blocks for k in default.settings["fwd"]] == [k.comm_blocks for k in DEFAULT_FUSED]
-    fp8 = script.parse_args(["--precision", "fp8", "--dispatch-dtype", "fp8", "--sweep"])
+    fp8 = layer_cli.parse_args(["--precision", "fp8", "--dispatch-dtype", "fp8", "--sweep"])
     assert (fp8.precision, fp8.dispatch_dtype) == ("fp8", "fp8")
-    for run in (fp8, script.parse_args(["--precision", "fp8", "--sweep"])):  # both fused passes run FP8
+    for run in (fp8, layer_cli.parse_args(["--precision", "fp8", "--sweep"])):  # both fused passes run FP8
         for pass_ in ("fwd", "bwd"):
-            assert [k.comm_blocks for k in run.settings[pass_]] == [k.comm_blocks for k in script.SWEEP]
+            assert [k.comm_blocks for k in run.settings[pass_]] == [k.comm_blocks for k in layer_cli.SWEEP]
         assert all(k.routed_wgrads is None for k in run.settings["bwd"])  # (the FP8 layer's plan: after the kernel)
-    assert script.parse_args(["--precision", "fp8", "--no-fused"]).settings == {"fwd": [], "bwd": []}
-    assert script.parse_args(["--precision", "fp8"]).dispatch_dtype == "bf16"
+    assert layer_cli.parse_args(["--precision", "fp8", "--no-fused"]).settings == {"fwd": [], "bwd": []}
+    assert layer_cli.parse_args(["--precision", "fp8"]).dispatch_dtype == "bf16"
 
 
 @pytest.mark.parametrize("args,message", [
@@ -154,7 +145,6 @@ def test_main_runs_both_fused_passes_in_either_precision(monkeypatch, capsys, ar
     from mok_proto.bench import ceilings
     from mok_proto.bench.layer_rows import Report
 
-    script = load_script()
     seen, recorded = [], []
 
     def fake_run_shape(name, args, emit):
@@ -162,11 +152,11 @@ def test_main_runs_both_fused_passes_in_either_precision(monkeypatch, capsys, ar
         emit(Report(rows=[("bench_layer", {"tflops": 1.0})]))
         return SimpleNamespace(fused_rows={"fwd": [], "bwd": []}), {}
 
-    monkeypatch.setattr(script, "run_shape", fake_run_shape)
+    monkeypatch.setattr(layer_cli, "run_shape", fake_run_shape)
     monkeypatch.setattr(bench, "require_gpu", lambda *a, **kw: None)
     monkeypatch.setattr(bench, "append_result", lambda file, row: recorded.append((file, row)))
     monkeypatch.setattr(ceilings, "dense_matmul_tflops", lambda: 100.0)
-    assert script.main(["--shapes", "kimi-k2.7", *argv]) == 0
+    assert layer_cli.main(["--shapes", "kimi-k2.7", *argv]) == 0
     out = capsys.readouterr().out
     assert "skipped" not in out
     assert bool(seen[0]["fwd"]) and bool(seen[0]["bwd"]) and recorded[0][0] == "bench_layer"

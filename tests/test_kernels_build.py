@@ -1,5 +1,6 @@
-"""CPU checks of the kernel layer: every registered kernel compiles with the local nvcc for each
-architecture its module is written for (the ABI itself: tests/test_abi.py)."""
+"""CPU checks of the kernel layer: every registered kernel compiles with NVRTC (as on the GPU path)
+for each architecture its module is written for, and ptxas assembles it (the ABI itself:
+tests/test_abi.py)."""
 
 import re
 import shutil
@@ -9,6 +10,7 @@ import pytest
 
 from mok_proto import abi
 from mok_proto.kernels import build, comm, features, fp8, fused, gemm, gemm_fp8, token  # noqa: F401 - registers the modules
+from kernel_ptx import GROUP, compile_module, ptxas_report
 
 NVCC = shutil.which("nvcc")
 SPILL_FREE = ("gemm.cuh", "gemm_fp8.cuh")  # the standalone GEMM tiles: ptxas -v must show no spills
@@ -24,27 +26,17 @@ def _targets(variants: bool = True):
             if variants or not build.MODULES[key].defines]
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.parametrize("header,arch", _targets(variants=False))
-def test_every_kernel_compiles_with_nvcc(tmp_path, header, arch):
-    _compile_clean(tmp_path, header, arch)
-
-
-def _compile_clean(tmp_path, header, arch):
-    src = tmp_path / "instantiate.cu"
-    src.write_text(build.MODULES[header].instantiation_source())
-    virtual = arch.replace("sm_", "compute_")  # sm_90a needs compute_90a PTX (wgmma, setmaxnreg)
-    proc = subprocess.run([NVCC, *build.CXX_OPTIONS, "-gencode",
-                           f"arch={virtual},code={arch}", f"-I{build.CUDA_DIR}",
-                           "-c", str(src), "-o", str(tmp_path / "out.o"), "-Xptxas", "-v"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert (tmp_path / "out.o").stat().st_size > 0
-    assert "Used" in proc.stderr  # ptxas reported registers for the kernels
+def test_every_kernel_assembles_without_loss(header, arch):
+    """NVRTC's ptxas assembles each plain module without a warning of lost performance, and the
+    standalone GEMM tiles without spills."""
+    out = ptxas_report(header, arch)
+    assert "Used" in out  # ptxas reported registers for the kernels
     # e.g. C7515: wgmma serialized because non-wgmma instructions define its accumulators mid-pipeline
-    assert "Potential Performance Loss" not in proc.stderr, [l for l in proc.stderr.splitlines() if "Loss" in l]
+    assert "Potential Performance Loss" not in out, [l for l in out.splitlines() if "Loss" in l]
     if header in SPILL_FREE:  # their register budgets (setmaxnreg) are chosen so that nothing spills
-        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
         assert spills and all(s == ("0", "0") for s in spills), f"{header} spills registers: {spills}"
 
 
@@ -83,57 +75,27 @@ def test_unregistered_name_is_refused():
         comm.MODULE.function("mok::no_such_kernel")
 
 
-def _nvrtc():
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError:
-        return None
-    try:
-        nvrtc.nvrtcVersion()
-    except Exception:  # noqa: BLE001 - the bindings import, but no libnvrtc is found
-        return None
-    return nvrtc
-
-
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.parametrize("header,arch", _targets())
 def test_every_kernel_compiles_with_nvrtc(header, arch):
     """The GPU path compiles with NVRTC (CuPy RawModule), not nvcc: no standard headers, no
     offsetof builtin, name expressions. Same options and name expressions as build._compile, to
-    PTX (compute_XX): the assembler's half, ptxas, runs in the nvcc test above."""
-    nvrtc = _nvrtc()
-    if nvrtc is None:
-        pytest.skip("NVRTC not available (pip install cuda-bindings nvidia-cuda-nvrtc: the test extra does)")
-    module = build.MODULES[header]
-    err, prog = nvrtc.nvrtcCreateProgram(f'#include "{module.header}"\n'.encode(), b"module.cu", 0, [], [])
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
-    for name in module.names:
-        assert nvrtc.nvrtcAddNameExpression(prog, name.encode())[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
-    options = [o.encode() for o in (*build.CXX_OPTIONS, *(f"-D{d}" for d in module.defines),
-                                     f"--gpu-architecture={arch.replace('sm_', 'compute_')}", f"-I{build.CUDA_DIR}")]
-    (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
-    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = b" " * size
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    assert result == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")[-4000:]
-    for name in module.names:
-        err, lowered = nvrtc.nvrtcGetLoweredName(prog, name.encode())
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS and lowered, name
-    nvrtc.nvrtcDestroyProgram(prog)
+    to SASS (sm_XX, what the test above reads), a variant to PTX (compute_XX): it differs by a macro."""
+    compiled = compile_module(header, arch if not build.MODULES[header].defines else arch.replace("sm_", "compute_"))
+    assert compiled.ok, compiled.log[-4000:]
+    assert ".entry" in compiled.ptx
+    missing = [name for name in build.MODULES[header].names if not compiled.lowered[name]]
+    assert not missing, missing
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit needed to compile kernels)")
-def test_linked_movers_of_two_ranks_fit_an_sm_together(tmp_path):
+@pytest.mark.xdist_group(GROUP)
+def test_linked_movers_of_two_ranks_fit_an_sm_together():
     """With the emulated link (MOK_LINK) two virtual ranks each launch 4 mover blocks of kCommThreads
     per SM: 8 blocks must be resident at once (at most 32 registers a thread), or the second rank's
     blocks wait for a second wave and every round trip is paid twice."""
-    src = tmp_path / "comm.cu"
-    src.write_text(build.MODULES["comm.cuh"].instantiation_source())
-    proc = subprocess.run([NVCC, *build.CXX_OPTIONS, "-DMOK_LINK", "-gencode", "arch=compute_90a,code=sm_90a",
-                           f"-I{build.CUDA_DIR}", "-c", str(src), "-o", str(tmp_path / "out.o"), "-Xptxas", "-v"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = ptxas_report("comm.cuh -DMOK_LINK", "sm_90a")
     regs = {}
-    for name, used in re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", proc.stderr, re.S):
+    for name, used in re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", out, re.S):
         regs[name] = int(used)
     movers = {n: r for n, r in regs.items() if re.search(r"(dispatch|combine)_(pull|push)", n)}
     assert len(movers) == 8 and max(movers.values()) <= 65536 // (8 * abi.CONST["kCommThreads"]), movers

@@ -2,6 +2,7 @@
 CommParams fields, and that only the MOK_LINK build of the kernels holds link code."""
 
 import pytest
+from kernel_ptx import GROUP, compile_module
 
 from mok_proto import abi
 from mok_proto.config import RunConfig, get_shape
@@ -96,28 +97,13 @@ def test_run_config_takes_a_link():
 
 
 def _ptx(header: str, defines=()):
-    from test_kernels_build import _nvrtc
-
-    from mok_proto.kernels import build
-
-    nvrtc = _nvrtc()
-    if nvrtc is None:
-        pytest.skip("NVRTC not available (pip install cuda-bindings nvidia-cuda-nvrtc: the test extra does)")
-    module = build.MODULES[" ".join((header, *(f"-D{d}" for d in defines)))]
-    err, prog = nvrtc.nvrtcCreateProgram(f'#include "{header}"\n'.encode(), b"module.cu", 0, [], [])
-    for name in module.names:
-        nvrtc.nvrtcAddNameExpression(prog, name.encode())
-    options = [o.encode() for o in (*build.CXX_OPTIONS, *(f"-D{d}" for d in defines), "--gpu-architecture=compute_90a",
-                                     f"-I{build.CUDA_DIR}")]
-    (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
-    assert result == nvrtc.nvrtcResult.NVRTC_SUCCESS
-    _, size = nvrtc.nvrtcGetPTXSize(prog)
-    ptx = b" " * size
-    nvrtc.nvrtcGetPTX(prog, ptx)
-    nvrtc.nvrtcDestroyProgram(prog)
-    return ptx.decode(errors="replace")
+    # the plain build as test_kernels_build compiles it (to SASS), the variant as PTX
+    compiled = compile_module(" ".join((header, *(f"-D{d}" for d in defines))), "compute_90a" if defines else "sm_90a")
+    assert compiled.ok, compiled.log[-4000:]
+    return compiled.ptx
 
 
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.parametrize("header,movers", [("comm.cuh", 8), ("fused.cuh", 8)])  # fused: 4 kernels x 2 kinds of movers
 def test_only_the_link_build_holds_link_code(header, movers):
     from mok_proto.kernels import comm, fused
