@@ -84,6 +84,14 @@ def decode_e4m3(codes) -> np.ndarray:
 def encode_e4m3(x) -> np.ndarray:
     """float32 values -> uint8 e4m3 codes: round to nearest even, saturate to +-448, NaN -> 0x7F."""
     bits = _as_f32(x, "x").view(np.uint32)
+    # the rule's code by table: the upper 16 bits, and whether any of the lower 16 is set
+    index = (bits >> 15) & np.uint32(0x1FFFE)
+    index |= (bits & np.uint32(0xFFFF)) != 0
+    return np.asarray(_ENCODE[index])
+
+
+def _encode_rule(bits: np.ndarray) -> np.ndarray:
+    """uint32 float32 bits -> their e4m3 codes, the rule in integer arithmetic."""
     sign = ((bits >> 31) << 7).astype(np.uint32)
     mag = bits & np.uint32(0x7FFFFFFF)
     # value = m * 2^(e - 23): a float32 subnormal (biased exponent 0) has no implicit bit
@@ -101,6 +109,18 @@ def encode_e4m3(x) -> np.ndarray:
     code = np.where(mag > _F32_448, MAX_CODE, code)
     code = (code.astype(np.uint32) | sign).astype(np.uint8)
     return np.where(mag > _F32_INF, np.uint8(NAN_CODE), code)
+
+
+def _encode_table() -> np.ndarray:
+    """The code of each float32 by its upper 16 bits t and s = (lower 16 bits != 0), at 2 t + s:
+    the rule rounds at bit 16 or above (shift >= 20), and its 448, infinity and NaN tests read the
+    lower bits only as zero or not, so the bits t * 2^16 + s stand for all of them."""
+    index = np.arange(1 << 17, dtype=np.uint32)
+    return _encode_rule(((index >> 1) << 16) | (index & 1))
+
+
+_ENCODE = _encode_table()
+_ENCODE.setflags(write=False)
 
 
 def block_scale(amax, pow2: bool = False) -> np.ndarray:

@@ -67,31 +67,48 @@ def scaled_matmul(a, b, acc=None) -> np.ndarray:
         raise InputError(f"scaled_matmul: A {ca.shape} / {sa.shape}, B {cb.shape} / {sb.shape}: want codes [M,K], "
                          f"[N,K] and scales [M,K/{B}], [N,K/{B}], K a multiple of {B}")
     nb = k // B
-    da = fp8.decode_e4m3(ca).astype(np.float64).reshape(m, nb, B).transpose(1, 0, 2)  # [nb, M, B]
-    db = fp8.decode_e4m3(cb).astype(np.float64).reshape(n, nb, B).transpose(1, 2, 0)  # [nb, B, N]
+    da = _decode64(ca).reshape(m, nb, B).transpose(1, 0, 2)  # [nb, M, B]
+    db = _decode64(cb).reshape(n, nb, B).transpose(1, 2, 0)  # [nb, B, N]
     sums = np.matmul(da, db).astype(np.float32)  # [nb, M, N]
-    out = np.zeros((m, n), np.float32) if acc is None else np.array(acc, np.float32)
+    out = None if acc is None else np.array(acc, np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         for kb in range(nb):
-            out = fma32(sums[kb], sa[:, kb, None] * sb[None, :, kb], out)
-    return out
+            scale = np.asarray(sa[:, kb, None] * sb[None, :, kb], np.float32)
+            if out is None:  # fma32(S, scale, +0): the exact float64 product plus +0 (-0 + +0 is +0), rounded once
+                out = (sums[kb].astype(np.float64) * scale + 0.0).astype(np.float32)
+            else:
+                out = fma32(sums[kb], scale, out)
+    return np.zeros((m, n), np.float32) if out is None else out
+
+
+_DECODE64 = fp8.DECODE.astype(np.float64)
+
+
+def _decode64(codes) -> np.ndarray:
+    """fp8.decode_e4m3(codes) as float64 (exact), in one pass."""
+    codes = np.asarray(codes)
+    return _DECODE64[codes] if codes.dtype == np.uint8 else fp8.decode_e4m3(codes)
 
 
 def fma32(a, b, c) -> np.ndarray:
     """fl32(a * b + c) with one rounding (IEEE fmaf, CUDA __fmaf_rn) of float32 arrays: the
     product is exact in float64, the sum is rounded to odd in float64 (its exact remainder from
     TwoSum), and a value rounded to odd with 29 bits to spare rounds to float32 as the exact one."""
-    p = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32).astype(np.float64)
-    c = np.asarray(c, np.float32).astype(np.float64)
+    a, b, c = (np.asarray(v, np.float32) for v in (a, b, c))
+    shape = np.broadcast_shapes(a.shape, b.shape, c.shape)  # every step writes arrays of it (no 0-d scalars)
+    p, s, back, rest = (np.empty(shape) for _ in range(4))
     with np.errstate(invalid="ignore", over="ignore"):
-        s = p + c
-        back = s - p
-        rest = (p - (s - back)) + (c - back)  # p + c - s, exactly
+        np.multiply(a, b, out=p, dtype=np.float64)
+        np.add(p, c, out=s, dtype=np.float64)
+        np.subtract(s, p, out=back)
+        np.subtract(p, np.subtract(s, back, out=rest), out=rest)
+        rest += np.subtract(c, back, out=back, dtype=np.float64)  # p + c - s, exactly (NaN where s is not finite)
         bits = s.view(np.int64)
-        even = (rest != 0) & ((bits & 1) == 0) & np.isfinite(s)
-        step = np.where(np.signbit(rest) == np.signbit(s), 1, -1)  # one ulp toward p + c
-        odd = np.where(even, bits + step, bits).view(np.float64)
-        return odd.astype(np.float32)
+        nudge = (np.abs(rest) > 0) & ((bits & 1) == 0)  # inexact and even: round to odd
+        up = np.signbit(rest) == np.signbit(s)  # one ulp toward p + c: up in magnitude, else down
+        np.add(bits, 1, out=bits, where=nudge & up)
+        np.subtract(bits, 1, out=bits, where=nudge & ~up)
+        return s.astype(np.float32)
 
 
 def quantize_weights(weights: dict, keys) -> dict:

@@ -10,7 +10,13 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+# OpenBLAS threads: the cores shared among the test workers (PYTEST_XDIST_WORKER_COUNT), set before
+# anything loads numpy; more threads than cores spin waiting for each other. No result bit depends
+# on the count (the tests' checksums are the same either way).
+os.environ.setdefault("OPENBLAS_NUM_THREADS",
+                      str(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+
+import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,8 +41,10 @@ def mpiexec_cmd(num_ranks: int, *args: str) -> list[str]:
 
 
 def rank_env() -> dict:
-    """The environment ranks run in: this checkout importable, no NVLink multicast, quiet UCX."""
+    """The environment ranks run in: this checkout importable, no NVLink multicast, quiet UCX, one
+    OpenBLAS thread (several ranks share the cores)."""
     return dict(os.environ, UCX_LOG_LEVEL="error", NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
+                OPENBLAS_NUM_THREADS="1",
                 PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
