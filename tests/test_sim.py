@@ -2,6 +2,7 @@
 load matches the schedule, the model responds to what it models, and it is fast."""
 
 import dataclasses
+import functools
 import gzip
 import json
 import shutil
@@ -345,15 +346,14 @@ OLD_SPARE_TIMELINE, = results.timeline_index(pass_="fwd", bench="bench_layer", s
                                               wait_spin="acquire")
 
 
-_PLANS: dict = {}  # the plans these tests build, once each (a plan is never changed: a test edits a copy)
-_RESULTS: dict = {}  # their emulated simulations, once per (plan, parameters)
+_RESULTS: dict = {}  # the emulated simulations of the plans these tests build, once per (plan, parameters)
 
 
-def _built(make, shape, knobs, policy=MOK_POLICY, **fields):
-    key = (make.__name__, shape, knobs, tuple(policy.items()), tuple(sorted(fields.items())))
-    if key not in _PLANS:
-        _PLANS[key] = make(shape, 2, knobs, policy=policy, **fields)
-    return _PLANS[key]
+def _built(make, shape, knobs, policy=MOK_POLICY, num_sms=132, capacity_rows=None):
+    """make's plan on 2 ranks, built once: fused._fused_plan's, which the simulator's own callers
+    share (a plan is never changed: a test edits a copy)."""
+    pass_ = "fwd" if make is P.fused_forward else "bwd"
+    return fused._fused_plan(pass_, shape, 2, knobs, tuple(policy.items()), num_sms, capacity_rows)
 
 
 def _fused_plan(comm_blocks, minibatch_rows=2048, num_sms=132, policy=MOK_POLICY):
@@ -483,6 +483,12 @@ def test_validate_fused_rows(h200, h200_validation):
     assert len(others) == 6 and all(r.check == "judged" and r.ok(validate.MEASURED_TOLERANCE) for r in others.values())
 
 
+@functools.cache
+def _timeline_rows(path) -> list[dict]:
+    """A stored timeline's JSON rows, read once (shared: copy a row before changing it)."""
+    return [json.loads(line) for line in results.read_text(path).splitlines()]
+
+
 def _timeline_copy(tmp_path, edit, timeline=CALIBRATION_TIMELINE, alone=False):
     """results/ (its JSON lines and timelines, `_results_copy`) in tmp_path (made here); edit(rows) may
     change the JSON rows of `timeline` (an index row: a calibration timeline), written there under its
@@ -490,9 +496,10 @@ def _timeline_copy(tmp_path, edit, timeline=CALIBRATION_TIMELINE, alone=False):
     tmp_path.mkdir()
     name = f"{results.TIMELINES}/{timeline['file']}"
     _results_copy(tmp_path, only={name, f"{results.TIMELINES}/{results.INDEX}"} if alone else None)
-    rows = [json.loads(line) for line in results.read_text(timeline["path"]).splitlines()]
+    rows = [dict(r) for r in _timeline_rows(timeline["path"])]
     edit(rows)
-    (tmp_path / name).write_bytes(gzip.compress(("\n".join(json.dumps(r) for r in rows) + "\n").encode()))
+    text = "\n".join(json.dumps(r) for r in rows) + "\n"
+    (tmp_path / name).write_bytes(gzip.compress(text.encode(), compresslevel=1))  # (the same rows, sooner)
     if alone:
         index = tmp_path / results.TIMELINES / results.INDEX
         index.write_text("".join(line + "\n" for line in index.read_text().splitlines()
@@ -609,9 +616,10 @@ def test_qwen_chunks_judge_the_mover(h200):
             assert low < ratio < high, (gpu.comm_mover, kind, ratio)
 
 
+@functools.cache
 def _kernel_fields_by_stamp() -> dict:
     """{git stamp: {kernel feature field: value}} over results/'s rows (every machine folder) and the
-    timelines' index; fails if one stamp carries two values of a field."""
+    timelines' index, read once (shared: read it only); fails if one stamp carries two values of a field."""
     measured = [r for src in results.jsonl_files(results.RESULTS_DIR, "**/*") if src.suffix == ".jsonl"
                 for r in results.load(src.stem, src.parent)] + results.timeline_index()
     fields = {}
@@ -1062,7 +1070,7 @@ def test_fused_backward_against_the_sequential_backward(h200):
     # the fused kernel gives 8 CTAs to them: about the sequential time
     # (measured, kimi C=8 MB=2048: 5.94 vs 5.87 ms at d689e07, 6.38 vs 6.01 at ec6738a).
     one = layer.one_gpu(h200)
-    seq_plan = P.sequential(KIMI_SHARE, 2, pass_="bwd", policy=MOK_POLICY, num_sms=132)
+    seq_plan = layer._sequential_plan(KIMI_SHARE, "bwd", 132)  # (its 2 ranks, MoK's policy: built once)
     seq = sim.simulate(seq_plan, one,
                        layer.emulated_load(KIMI_SHARE))
     fused_bwd = _emulated_bwd(_bwd_plan(8), h200)
@@ -1171,20 +1179,21 @@ def test_balanced_assignment_is_not_slower(h200, name, pass_):
     capacity the rows fill), takes at most 0.5% longer than round robin's (simulated: glm's
     comm-0 forward +0.3% at bench capacity, the others 0 to -3%), and less over the cases.
     Costing the tiles past the expected rows as full ones (tile_cost without row_pair) fails
-    it: +1.5% (glm) and +1.9% (kimi) for the comm-0 forward."""
+    it: +1.5% (glm) and +1.9% (kimi) for the comm-0 forward. (Only these two assignments are
+    simulated, the claim's; the plans are fused._fused_plan's, built once for every test.)"""
     shape = ep_share(name, 64)
     load = fused.emulated_load(shape)
     filled = -(-int(load.expert_offsets[:, -1].max()) // 2048) * 2048
     bench = -(-int(1.15 * shape.num_tokens * shape.top_k) // 2048) * 2048
-    make = P.fused_forward if pass_ == "fwd" else P.fused_backward
-    total = dict.fromkeys(P.ASSIGNMENTS, 0)
+    assigns = ("round_robin", "balanced")
+    total = dict.fromkeys(assigns, 0)
     for capacity in (filled, bench):
         for comm in (0, 8):
-            knobs = {assign: P.FusedKnobs(comm, 2048, assign=assign, claim=0) for assign in P.ASSIGNMENTS}
-            ns = {assign: sim.simulate(make(shape, 2, k, policy=MOK_POLICY, num_sms=132, capacity_rows=capacity),
-                                       layer.one_gpu(h200), load).time_ns for assign, k in knobs.items()}
+            plans = {assign: fused._fused_plan(pass_, shape, 2, P.FusedKnobs(comm, 2048, assign=assign, claim=0),
+                                               tuple(MOK_POLICY.items()), 132, capacity) for assign in assigns}
+            ns = {assign: sim.simulate(p, layer.one_gpu(h200), load).time_ns for assign, p in plans.items()}
             assert ns["balanced"] <= 1.005 * ns["round_robin"], (capacity, comm, ns)
-            for assign in P.ASSIGNMENTS:
+            for assign in assigns:
                 total[assign] += ns[assign]
     assert total["balanced"] < total["round_robin"], total
 

@@ -348,3 +348,22 @@ def test_cli_refuses_bad_link_settings(args, message, capsys):
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+@pytest.mark.parametrize("link", [None, LinkModel(368, 2.0, every_row=True)])
+@pytest.mark.parametrize("make", ["sequential", "fused_forward", "fused_backward"])
+def test_ranks_alike_take_the_general_paths_times(monkeypatch, make, link):
+    """simulate computes rank 0 alone where every rank runs the plan alike (the emulation); the
+    general paths (every rank: a level at a time without a link, the per-step loop with one) give
+    the same bits, claimed pool included."""
+    gpu, load = layer.one_gpu(GPU), layer.emulated_load(SHARE)
+    if make == "sequential":
+        plan = P.sequential(SHARE, 2, pass_="fwd", policy=MOK_POLICY, num_sms=132)
+    else:
+        plan = getattr(P, make)(SHARE, 2, P.FusedKnobs(0, 512, claim="all"), policy=MOK_POLICY, num_sms=132)
+    fast = sim.simulate(plan, gpu, load, link=link)
+    monkeypatch.setattr(model, "_alike", lambda *args: False)
+    general = sim.simulate(plan, gpu, load, link=link)
+    for name in ("start_ns", "end_ns", "pass_end_ns", "block"):
+        assert np.array_equal(getattr(fast, name), getattr(general, name)), name
+    assert fast.time_ns == general.time_ns

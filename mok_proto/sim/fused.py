@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import itertools
 
 import numpy as np
@@ -71,7 +72,11 @@ def _fused_plan(pass_: str, shape: MoEShape, num_ranks: int, knobs: plans.FusedK
     if knobs.routed_wgrads is False:
         raise ValueError("the simulator prices a fused backward with its routed weight gradients inside the kernel "
                          "(routed_wgrads=False: the FP8 layer's, which it does not model)")
-    return _built_plan(pass_, shape, num_ranks, knobs.resolved(pass_, dict(policy)), policy, num_sms, capacity_rows)
+    try:  # with its capacity: the ring and lookahead too, as the build resolves them (a default is one plan)
+        resolved = knobs.resolved(pass_, dict(policy), capacity_rows // knobs.minibatch_rows if capacity_rows else None)
+    except ValueError:  # (the build raises it, after its own checks)
+        resolved = knobs.resolved(pass_, dict(policy))
+    return _built_plan(pass_, shape, num_ranks, resolved, policy, num_sms, capacity_rows)
 
 
 @functools.lru_cache(maxsize=128)
@@ -98,7 +103,8 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     GEMM task (with none, below the first that ran a claimed one: wrong if that cluster claimed
     nothing, and then no plan matches). prefer: the timeline's index row (or any mapping), whose
     `assign` and `raster` are tried first (they do not change what the simulator predicts of the
-    plan). Raises ValueError if no plan matches task by task."""
+    plan). Raises ValueError if no plan matches task by task. The knobs found are kept: the same
+    tasks searched again with the same arguments build (or take) that plan at once."""
     pass_ = timeline_pass(records)
     k = plans.PASS_KINDS[pass_]
     kind = records["kind"]
@@ -138,21 +144,35 @@ def timeline_plan(records: np.ndarray, shape: MoEShape, num_ranks: int = layer.E
     tried = []
     preferred = dict(prefer or {})
     first = lambda choices, name: sorted(choices, key=lambda c: c != preferred.get(name))  # noqa: E731
+
+    def plan_of(order, assign, raster):
+        return _fused_plan(pass_, shape, num_ranks, plans.FusedKnobs(**knobs, **order, assign=assign, raster=raster),
+                           tuple(fields["policy"].items()), fields["num_sms"], fields["capacity_rows"])
+
+    def matches(plan):
+        return (len(plan.tasks) == len(records) and np.array_equal(plan.tasks["block"] == plan.pool_block, pooled)
+                and all(np.array_equal(plan.tasks[k][~pooled], records[k][~pooled]) if k == "block" else
+                        np.array_equal(plan.tasks[k], records[k]) for k in KEY))
+    # the same tasks searched again (another copy of a timeline, or its times edited): the knobs found
+    searched = (hashlib.sha1(b"".join(np.ascontiguousarray(records[k]).tobytes() for k in KEY + ("claimed",))).digest(),
+                len(records), shape, num_ranks, *(preferred.get(k) for k in ("assign", "raster", "segment_rows")))
+    if searched in _FOUND and matches(plan := plan_of(*_FOUND[searched])):
+        return plan
     for order in ({},) + tuple({"lookahead": a} for a in range(ring)):
         for assign, raster in itertools.product(first(plans.ASSIGNMENTS, "assign"), first(plans.RASTERS, "raster")):
             try:
-                plan = _fused_plan(pass_, shape, num_ranks,
-                                   plans.FusedKnobs(**knobs, **order, assign=assign, raster=raster),
-                                   tuple(fields["policy"].items()), fields["num_sms"], fields["capacity_rows"])
+                plan = plan_of(order, assign, raster)
             except ValueError as e:
                 tried.append(f"{order or 'defaults'}, {assign}, {raster}: {e}")
                 continue
-            if len(plan.tasks) == len(records) and np.array_equal(plan.tasks["block"] == plan.pool_block, pooled) and all(
-                    np.array_equal(plan.tasks[k][~pooled], records[k][~pooled]) if k == "block" else
-                    np.array_equal(plan.tasks[k], records[k]) for k in KEY):
+            if matches(plan):
+                _FOUND[searched] = (order, assign, raster)
                 return plan
             tried.append(f"{order or 'defaults'}: {plan.describe()}")
     raise ValueError(f"the timeline's tasks are not those of any {make.__name__} plan tried: " + "; ".join(tried))
+
+
+_FOUND: dict = {}  # timeline_plan's searches that matched: (the records' tasks, the arguments) -> the knobs
 
 
 def calibration_timelines(key: str, results_dir=results.RESULTS_DIR, measured_on: str = "h200") -> list[dict]:

@@ -96,3 +96,20 @@ class LinkedMovers:
         clock[paying] = busy[paying]
         link = np.where(paying, np.maximum(busy - start, self.round_trips[i]), 0.0)
         return np.maximum(self.floor[i], self.fixed[i] + link) + self.signal[i]
+
+    def one_rank(self):
+        """`duration` of rank 0 alone, with Python floats (the same operations on the same values:
+        for a simulation whose ranks all run alike); its clock is its own."""
+        pays, trips, floor, fixed = (a[:, 0].tolist() for a in (self.pays, self.round_trips, self.floor, self.fixed))
+        signal, clock_of, clock = self.signal.tolist(), self.clock_of.tolist(), self.clock[:, 0].tolist()
+        fs_per_byte = self.link.fs_per_byte
+
+        def duration(i: int, start: float) -> float:
+            c = clock_of[i]
+            busy = max(clock[c], start) + pays[i] * fs_per_byte / FS_PER_NS
+            link = 0.0
+            if pays[i] > 0:
+                clock[c] = busy
+                link = max(busy - start, trips[i])
+            return max(floor[i], fixed[i] + link) + signal[i]
+        return duration

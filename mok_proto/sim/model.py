@@ -7,7 +7,7 @@ Tasks run on in-order *streams*: a CTA's table (`_streams`; in a fused plan with
 communicating CTAs, comm_blocks == 0, a CTA's communication tasks are a second stream, run by
 spare warps beside its GEMM tasks). A *step* is what starts together: one task, or in a fused
 plan one tile pair of a 2-CTA cluster (both CTAs start it together and share B). Steps are
-visited once, in a topological order (`_steps`), each a vector over the R ranks: a step starts
+visited once, in a topological order (sim/steps.py), each a vector over the R ranks: a step starts
 when its streams are free and its counters are complete, and ends after its duration. A local
 counter completes at its last signal; a remote counter (raised by every rank) at the slowest
 rank's last signal plus the receiver's signal wait (a fence and one signal per peer). Every CTA
@@ -555,37 +555,76 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
     r = load.num_ranks
     movers = None if link is None else linked.LinkedMovers(link, len(t), r)
     dur = _durations(plan, gpu, load, movers)
-    num_c = len(plan.counters)
-    remote = plan.counters["remote"].tolist()
     delay = _counter_delays(plan, gpu)
     if link is not None and fused:  # a remote counter's flags: its last signaller's round trip first (its own
         # CTA goes on after it too: not modelled; a fused plan's remote counters have waiters in the kernel)
         delay = delay + np.where(plan.counters["remote"], _signal_ns(link), 0.0)
-    last = np.zeros((num_c, r))
-    ready: list = [None] * num_c
     # Every CTA starts after one kernel launch: the persistent kernel's (fixed_split, fused) or the
     # first stage's (sequential); each later sequential stage pays one more launch through its
     # STAGE_DONE counter (_counter_delays). So both strategies pay the launches they would issue.
     kernel_start = (_fused_before_ns(plan, gpu, load, link) if fused else np.zeros(r)) + gpu.launch_ns
     stream = streams(plan, fused)
+    if "_sim_steps" not in plan.__dict__:  # a plan's steps depend on it alone: kept with it, as its proof is
+        plan.__dict__["_sim_steps"] = StepGraph(plan, stream, fused)
+    graph = plan.__dict__["_sim_steps"]
+    block = np.repeat(t["block"][:, None], r, axis=1).astype(np.int32)
+    # Ranks that run alike (bench_layer's emulation: every rank moves rank 0's rows) are simulated
+    # as rank 0 alone: every rank's times are its times.
+    alike = r == 1 or _alike(dur, kernel_start, movers)
+    if movers is None and not (alike and graph.chained):  # any order that respects the dependencies
+        # gives the same times: level by level
+        start, end, cluster = graph.times(dur[:, :1] if alike else dur, kernel_start[:1] if alike else kernel_start,
+                                          delay, plan.counters["remote"])
+    elif alike:
+        start, end, cluster = graph.one_rank_times(dur[:, 0], kernel_start[0], delay, movers and movers.one_rank(),
+                                                   movers and movers.moves[graph.first].tolist())
+        start, end = start[:, None], end[:, None]
+    else:
+        start, end = _linked_times(plan, graph, stream, dur, kernel_start, delay, movers, block)
+        cluster = {}
+    for j, k in cluster.items():  # a claimed pair's CTAs: the cluster it ran on, per rank
+        block[graph.first[j]], block[graph.second[j]] = graph.even_ctas[k], graph.even_ctas[k] + 1
+    if start.shape[1] < r:
+        start, end = np.repeat(start, r, axis=1), np.repeat(end, r, axis=1)
+    kernel_end = end.max(axis=0) if len(t) else kernel_start
+    pass_end = _fused_pass_end_ns(plan, gpu, load, kernel_end, link) if fused else kernel_end
+    return SimResult(plan, gpu, start, end, load, pass_end, block)
+
+
+def _alike(dur: np.ndarray, kernel_start: np.ndarray, movers: linked.LinkedMovers | None) -> bool:
+    """Whether every rank runs the plan alike: the same durations, kernel start and transfers."""
+    same = lambda a: bool((a == a[:, :1]).all())  # noqa: E731
+    return bool((kernel_start == kernel_start[0]).all()) and same(dur) and (
+        movers is None or all(same(a) for a in (movers.pays, movers.floor, movers.round_trips, movers.fixed)))
+
+
+def _linked_times(plan: Plan, graph: StepGraph, stream: np.ndarray, dur: np.ndarray, kernel_start: np.ndarray,
+                  delay: np.ndarray, movers: linked.LinkedMovers, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) [num_tasks, R] of every task under a link (`simulate`): the steps visited in the
+    order of their start on rank 0 (StepGraph.by_start), as the link's clocks are reserved in the
+    order the movers start; block [num_tasks, R]: a claimed pair's CTAs set per rank."""
+    t = plan.tasks
+    r = len(kernel_start)
+    num_c = len(plan.counters)
+    remote = plan.counters["remote"].tolist()
+    last = np.zeros((num_c, r))
+    ready: list = [None] * num_c
     free = np.repeat(kernel_start[None, :], 2 * plan.num_sms, axis=0)  # [streams, R]
     start, end = np.empty((len(t), r)), np.empty((len(t), r))
     waits = [[w for w in ws if w >= 0] for ws in t["wait_counter"].tolist()]
     sigs = [[s for s in ss if s >= 0] for ss in t["signal_counter"].tolist()]
-    if "_sim_steps" not in plan.__dict__:  # a plan's steps depend on it alone: kept with it, as its proof is
-        plan.__dict__["_sim_steps"] = StepGraph(plan, stream, fused)
-    graph = plan.__dict__["_sim_steps"]
     steps = graph.steps
     stream = stream.tolist()
     # A claimed pair (the pool, stream 2 num_sms) runs on the cluster free first, per rank: the
     # kernel's clusters claim the next pair as each finishes (cuda/fused.cuh), the pool in order.
-    block = np.repeat(t["block"][:, None], r, axis=1).astype(np.int32)
-    even_ctas = np.arange(plan.comm_blocks, plan.num_sms, 2)
+    even_ctas = graph.even_ctas
     # per step (one task or a tile pair): its duration, the longer task's, and whether it is claimed
-    first, second = (np.array([st[k if len(st) > k else 0] for st in steps], np.int64) for k in (0, 1))
-    step_dur = np.maximum(dur[first], dur[second]) if len(steps) else dur[:0]
-    pooled_steps = ((t["block"][first] == plan.pool_block) if fused else np.zeros(len(steps), bool)).tolist()
-    linked_steps = (movers.moves[first] if movers is not None else np.zeros(len(steps), bool)).tolist()
+    first, second = graph.first, graph.second
+    step_dur = np.maximum(dur[first], dur[second])
+    pooled_steps = np.zeros(len(steps), bool)
+    pooled_steps[graph.pool] = True
+    pooled_steps = pooled_steps.tolist()
+    linked_steps = movers.moves[first].tolist()
     maximum = np.maximum
 
     def start_of(j):
@@ -605,10 +644,7 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
                 s = maximum(s, ready[w])
         return s, cta
 
-    # without a link any order that respects the dependencies gives the same times; a link's clocks
-    # are reserved in the order the movers start
-    visit = ((j, *start_of(j)) for j in graph.order) if movers is None else graph.by_start(start_of)
-    for j, s, cta in visit:
+    for j, s, cta in graph.by_start(start_of):
         step = steps[j]
         e = s + (movers.duration(step[0], s) if linked_steps[j] else step_dur[j])
         for half, i in enumerate(step):  # a tile pair: both CTAs in lockstep
@@ -621,6 +657,4 @@ def simulate(plan: Plan, gpu: GpuParams, load: Load | None = None, seed: int = 0
             for c in sigs[i]:
                 row = last[c]
                 maximum(row, e, out=row)
-    kernel_end = end.max(axis=0) if len(t) else kernel_start
-    pass_end = _fused_pass_end_ns(plan, gpu, load, kernel_end, link) if fused else kernel_end
-    return SimResult(plan, gpu, start, end, load, pass_end, block)
+    return start, end
