@@ -113,8 +113,8 @@ def _encode_rule(bits: np.ndarray) -> np.ndarray:
 
 def _encode_table() -> np.ndarray:
     """The code of each float32 by its upper 16 bits t and s = (lower 16 bits != 0), at 2 t + s:
-    the rule rounds at bit 16 or above (shift >= 20), and its 448, infinity and NaN tests read the
-    lower bits only as zero or not, so the bits t * 2^16 + s stand for all of them."""
+    the rule's half bit is bit 19 or above (shift >= 20), so the lower 16 bits count only as a
+    sticky bit (its 448, infinity and NaN thresholds have them zero): t * 2^16 + s stands for all."""
     index = np.arange(1 << 17, dtype=np.uint32)
     return _encode_rule(((index >> 1) << 16) | (index & 1))
 

@@ -10,13 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-# OpenBLAS threads: the cores shared among the test workers (PYTEST_XDIST_WORKER_COUNT), set before
-# anything loads numpy; more threads than cores spin waiting for each other. No result bit depends
-# on the count (the tests' checksums are the same either way).
-os.environ.setdefault("OPENBLAS_NUM_THREADS",
-                      str(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
-
-import pytest  # noqa: E402
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +97,14 @@ def gpu_reason() -> str | None:
     return None
 
 
+SHARED_FIXTURES = ("h200_validation",)  # module-scoped and slow: the tests reading one run on one worker
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's loadgroup reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name in set(SHARED_FIXTURES) & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group(name))
     gpu_items = [item for item in items if "gpu" in item.keywords]
     reason = gpu_reason() if gpu_items else None
     if reason:

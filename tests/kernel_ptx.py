@@ -1,5 +1,5 @@
-"""The registered kernel modules compiled as the GPU path compiles them (NVRTC: same options and name
-expressions as mok_proto.kernels.build), each at most once per test process: test_kernels_build
+"""The registered kernel modules compiled by NVRTC with the GPU path's options and name expressions
+(mok_proto.kernels.build; CuPy also appends -ftz=true, which these compiles leave out), each at most once per test process: test_kernels_build
 checks the compile and what ptxas reports, test_link reads the PTX of both builds. Their tests
 share the xdist group GROUP, so one worker compiles each."""
 

@@ -1,4 +1,4 @@
-"""scripts/ab_layer.py and mok_proto.bench.ab on the CPU: worker processes over two stand-in trees
+"""ab_layer.py's command line (mok_proto.bench.ab_cli) and mok_proto.bench.ab on the CPU: worker processes over two stand-in trees
 (a fake `mok_proto.bench.emulation` and a fake `cupy` whose replays "take" a set time), so the
 protocol, the alternation, the ratio and the checks run for real without a GPU."""
 

@@ -99,7 +99,7 @@ def test_run_config_takes_a_link():
 def _ptx(header: str, defines=()):
     # the plain build as test_kernels_build compiles it (to SASS), the variant as PTX
     compiled = compile_module(" ".join((header, *(f"-D{d}" for d in defines))), "compute_90a" if defines else "sm_90a")
-    assert compiled.ok, compiled.log[-4000:]
+    assert compiled.ok and ".entry" in compiled.ptx, compiled.log[-4000:]
     return compiled.ptx
 
 

@@ -352,7 +352,7 @@ _RESULTS: dict = {}  # the emulated simulations of the plans these tests build, 
 def _built(make, shape, knobs, policy=MOK_POLICY, num_sms=132, capacity_rows=None):
     """make's plan on 2 ranks, built once: fused._fused_plan's, which the simulator's own callers
     share (a plan is never changed: a test edits a copy)."""
-    pass_ = "fwd" if make is P.fused_forward else "bwd"
+    pass_ = {P.fused_forward: "fwd", P.fused_backward: "bwd"}[make]
     return fused._fused_plan(pass_, shape, 2, knobs, tuple(policy.items()), num_sms, capacity_rows)
 
 

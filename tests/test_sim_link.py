@@ -351,16 +351,18 @@ def test_cli_refuses_bad_link_settings(args, message, capsys):
 
 
 @pytest.mark.parametrize("link", [None, LinkModel(368, 2.0, every_row=True)])
-@pytest.mark.parametrize("make", ["sequential", "fused_forward", "fused_backward"])
-def test_ranks_alike_take_the_general_paths_times(monkeypatch, make, link):
+@pytest.mark.parametrize("make,comm_blocks", [("sequential", None), ("fused_forward", 0), ("fused_backward", 0),
+                                              ("fused_forward", 8), ("fused_backward", 8)])
+def test_ranks_alike_take_the_general_paths_times(monkeypatch, make, comm_blocks, link):
     """simulate computes rank 0 alone where every rank runs the plan alike (the emulation); the
     general paths (every rank: a level at a time without a link, the per-step loop with one) give
-    the same bits, claimed pool included."""
+    the same bits, claimed pool included (8 communicating CTAs: a chained step graph, which rank 0
+    alone runs one step at a time without a link too)."""
     gpu, load = layer.one_gpu(GPU), layer.emulated_load(SHARE)
     if make == "sequential":
         plan = P.sequential(SHARE, 2, pass_="fwd", policy=MOK_POLICY, num_sms=132)
     else:
-        plan = getattr(P, make)(SHARE, 2, P.FusedKnobs(0, 512, claim="all"), policy=MOK_POLICY, num_sms=132)
+        plan = getattr(P, make)(SHARE, 2, P.FusedKnobs(comm_blocks, 256, claim="all"), policy=MOK_POLICY, num_sms=132)
     fast = sim.simulate(plan, gpu, load, link=link)
     monkeypatch.setattr(model, "_alike", lambda *args: False)
     general = sim.simulate(plan, gpu, load, link=link)

@@ -5,8 +5,9 @@ wrappers launch. It compiles on first use for the current GPU's architecture (sm
 so wgmma is available) and is cached in memory by (source digest, options); the digest covers
 the header and every header it includes (`#include "..."`, followed through cuda/), and it is
 written into the compiled code, so CuPy's on-disk cache can never serve a binary built from an
-older header, and an edit recompiles only the modules that include the edited file. Every module registers itself in MODULES, which
-the CPU test compiles with the local nvcc for each architecture the module is written for.
+older header, and an edit recompiles only the modules that include the edited file. Every
+module registers itself in MODULES, which the CPU tests compile with NVRTC for each architecture
+the module is written for (tests/kernel_ptx.py).
 """
 
 from __future__ import annotations
