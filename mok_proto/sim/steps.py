@@ -129,8 +129,7 @@ class StepGraph:
         if self.gate_from:
             self.deps[self.gate_to] += len(self.gate_from)
         self.waiter_ptr, self.waiters = _csr(self.wait_counter[dep], self.wait_step[dep], num_c)
-        # a long pool is a chain of as many levels: visited a step at a time, else a level at a time
-        level, done_at = (self._levels_by_step if len(self.pool) > 64 else self._levels_by_level)(signals)
+        level, done_at = self._levels(signals)
         if np.any(level < 0):
             stuck = np.flatnonzero(level < 0)[:3].tolist()
             raise PlanError("deadlock: steps cannot start: " + "; ".join(
@@ -138,39 +137,10 @@ class StepGraph:
                 for j in stuck))
         self.level, self.counter_level = level, done_at
 
-    def _levels_by_level(self, signals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _levels(self, signals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(every step's level, -1 where it never becomes ready; the level of every counter's last
-        signal, -1 for none): Kahn's algorithm, a level of steps at a time."""
-        num, num_c = len(self.first), len(self.pending)
-        level, done_at = np.full(num, -1, np.int64), np.full(num_c, -1, np.int64)
-        pending, deps = self.pending.copy(), self.deps.copy()
-        gate_from = np.zeros(num, bool)
-        gate_from[self.gate_from] = True
-        frontier, lv = np.flatnonzero(deps == 0), 0
-        while len(frontier):
-            level[frontier] = lv
-            released = []
-            raised = signals[frontier].ravel()
-            raised = raised[raised >= 0]
-            if len(raised):
-                counters, times = np.unique(raised, return_counts=True)
-                pending[counters] -= times
-                complete = counters[pending[counters] == 0]
-                done_at[complete] = lv
-                start = self.waiter_ptr[complete]
-                released.append(self.waiters[_ranges(start, self.waiter_ptr[complete + 1] - start)])
-            after = frontier + 1
-            after = after[after < num]
-            released.append(after[self.follows[after]])
-            released.append(np.full(np.count_nonzero(gate_from[frontier]), self.gate_to))
-            steps, times = np.unique(np.concatenate(released), return_counts=True)
-            deps[steps] -= times
-            frontier, lv = steps[deps[steps] == 0], lv + 1
-        return level, done_at
-
-    def _levels_by_step(self, signals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`_levels_by_level`'s levels, a step at a time (a step's level: one past the latest of the
-        steps it depends on, known once the last of them ran)."""
+        signal, -1 for none): Kahn's algorithm, a step at a time (a step's level: one past the
+        latest of the steps it depends on, known once the last of them ran)."""
         num, num_c = len(self.first), len(self.pending)
         sig = [[c for c in row if c >= 0] for row in signals.tolist()]
         ptr, waiters, follows = self.waiter_ptr.tolist(), self.waiters.tolist(), self.follows.tolist()
