@@ -6,7 +6,8 @@ gives the bytes of the first (bf16 dispatch, one turn, MoK's policy), which equa
 reference_fp8 on every rank's tokens with the receive buffers' row order: bitwise for the routed
 results (with an fp8 or no shared expert: for out and x too), within a bf16 rounding step for out
 and x with a bf16 shared expert (fp32 GEMMs of R N rows against N), within fp32 rounding for the
-shared expert's gradient (the sum of the ranks' partial sums). Exits non-zero on any failure.
+shared expert's gradient (the sum of the ranks' partial sums; with a bf16 shared expert, within a
+few bf16 steps of its dg and du, whose fp32 GEMMs round otherwise with another BLAS kernel). Exits non-zero on any failure.
 """
 
 import argparse
@@ -108,9 +109,9 @@ def against_reference(comm, got, ref, tokens, experts, shared_precision, shape) 
     for key, value in got.items():
         if value.dtype != np.float32:
             failures.append(f"{key} dtype {value.dtype}")
-        if key in shared:  # per-rank partial sums (fp32 adds in another order)
-            err = accuracy.errors(shared[key], ref[key])
-            bad = err["err_max"] > 1e-5
+        if key in shared:  # per-rank partial sums (fp32 adds in another order); a bf16 shared expert's
+            err = accuracy.errors(shared[key], ref[key])  # dg, du may also move by a bf16 step (as out, x)
+            bad = err["err_max"] > (1e-5 if exact_tokens else 1e-3)
         elif key.startswith("w_") or key == "topk_weights" or exact_tokens:
             want = ref[key][experts] if key.startswith("w_") else ref[key][tokens]
             err = accuracy.errors(value, want)
