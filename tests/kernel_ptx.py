@@ -45,8 +45,10 @@ class Compiled:
 
 @functools.cache
 def compile_module(key: str, target: str) -> Compiled:
-    """build.MODULES[key] compiled by NVRTC for `target`: compute_XX (PTX only) or sm_XX (PTX and
-    SASS, NVRTC's ptxas run with -v, as when the GPU path compiles to a cubin)."""
+    """build.MODULES[key] compiled by NVRTC for `target`: compute_XX (PTX only, with NVRTC's
+    --Ofast-compile=mid: what a variant's macro adds is checked there, code quality on the sm_XX
+    builds) or sm_XX (PTX and SASS, full optimization, NVRTC's ptxas run with -v, as when the GPU
+    path compiles to a cubin)."""
     lib = need_nvrtc()
     module = build.MODULES[key]
     err, prog = lib.nvrtcCreateProgram(f'#include "{module.header}"\n'.encode(), b"module.cu", 0, [], [])
@@ -55,7 +57,8 @@ def compile_module(key: str, target: str) -> Compiled:
         assert lib.nvrtcAddNameExpression(prog, name.encode())[0] == lib.nvrtcResult.NVRTC_SUCCESS
     options = [o.encode() for o in (*build.CXX_OPTIONS, *(f"-D{d}" for d in module.defines),
                                      f"--gpu-architecture={target}", f"-I{build.CUDA_DIR}",
-                                     *(["--ptxas-options=-v"] if target.startswith("sm_") else []))]
+                                     *(["--ptxas-options=-v"] if target.startswith("sm_") else
+                                       ["--Ofast-compile=mid"]))]
     (result,) = lib.nvrtcCompileProgram(prog, len(options), options)
     _, size = lib.nvrtcGetProgramLogSize(prog)
     log = b" " * size

@@ -80,8 +80,8 @@ def test_unregistered_name_is_refused():
 def test_every_kernel_compiles_with_nvrtc(header, arch):
     """The GPU path compiles with NVRTC (CuPy RawModule), not nvcc: no standard headers, no
     offsetof builtin, name expressions. Same options and name expressions as build._compile; a plain
-    module to SASS (sm_XX: the build the test above reads), a variant to PTX (compute_XX): it
-    differs by a macro."""
+    module to SASS (sm_XX: the build the test above reads), a variant to PTX (compute_XX, a faster
+    compile): it differs by a macro."""
     compiled = compile_module(header, arch if not build.MODULES[header].defines else arch.replace("sm_", "compute_"))
     assert compiled.ok, compiled.log[-4000:]
     assert ".entry" in compiled.ptx
