@@ -119,9 +119,10 @@ def sha_digests(stdout: str) -> dict:
 
 def run_virtual(program: str, num_ranks: int, ok_line: str, *extra: str, timeout: float = 900) -> str:
     """Run a GPU check program on `num_ranks` virtual ranks in one process; its stdout (checked:
-    exit 0 and `ok_line` printed)."""
+    exit 0 and `ok_line` printed). The ranks' environment: make_problem's router logits are a BLAS
+    matmul whose bits follow OpenBLAS's thread count, so the digests compare with run_ranks'."""
     proc = subprocess.run([sys.executable, program, "--backend", "virtual", "--ranks", str(num_ranks), *extra],
-                          capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=rank_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ok_line in proc.stdout, proc.stdout[-3000:]
     return proc.stdout
