@@ -158,8 +158,7 @@ class Builder:
         self.num_ranks = num_ranks
         self.counters: dict[tuple, list] = {}  # (kind, index) -> [id, remote]
         self.by_id: list[list] = []
-        self.tasks: list[tuple] = []  # (block, seq, kind, *FIELDS, waits..., signals...) per task
-        self.seq: dict[int, int] = {}
+        self.tasks: list[tuple] = []  # (block, kind, *FIELDS, waits..., signals...) per task, in call order
 
     def counter(self, kind: CounterKind, index: int, remote: bool = False) -> int:
         key = (int(kind), int(index))
@@ -172,9 +171,7 @@ class Builder:
             col_tile=-1, expert=-1):
         if len(waits) > MAX_WAITS or len(signals) > MAX_SIGNALS:
             raise PlanError(f"a task has more than {MAX_WAITS} waits or {MAX_SIGNALS} signals")
-        seq = self.seq.get(block, 0)
-        self.seq[block] = seq + 1
-        self.tasks.append((block, seq, int(kind), minibatch, macrobatch, row_tile, col_tile, expert,
+        self.tasks.append((block, int(kind), minibatch, macrobatch, row_tile, col_tile, expert,
                            *waits, *_NONE[:MAX_WAITS - len(waits)], *signals, *_NONE[:MAX_SIGNALS - len(signals)]))
 
     def build(self, **fields) -> Plan:
@@ -189,12 +186,15 @@ class Builder:
         ids = new_id[np.array([cid for cid, _ in self.counters.values()], np.int64)]
         counters["kind"][ids], counters["index"][ids] = keys[:, 0], keys[:, 1]
         counters["remote"][ids] = [remote for _, remote in self.counters.values()]
-        rows = np.array(self.tasks, np.int64).reshape(len(self.tasks), 8 + MAX_WAITS + MAX_SIGNALS)
+        rows = np.array(self.tasks, np.int64).reshape(len(self.tasks), 7 + MAX_WAITS + MAX_SIGNALS)
         tasks = np.zeros(len(self.tasks), TASK_DTYPE)
-        for j, name in enumerate(("block", "seq", "kind") + self.FIELDS):
+        for j, name in enumerate(("block", "kind") + self.FIELDS):
             tasks[name] = rows[:, j]
-        tasks["wait_counter"] = new_id[rows[:, 8:8 + MAX_WAITS]]
-        tasks["signal_counter"] = new_id[rows[:, 8 + MAX_WAITS:]]
+        tasks["wait_counter"] = new_id[rows[:, 7:7 + MAX_WAITS]]
+        tasks["signal_counter"] = new_id[rows[:, 7 + MAX_WAITS:]]
+        by_block = np.argsort(rows[:, 0], kind="stable")  # a CTA's tasks in call order: seq 0, 1, ...
+        first = np.searchsorted(rows[by_block, 0], rows[by_block, 0])
+        tasks["seq"][by_block] = np.arange(len(rows)) - first
         # a counter's target: the signals it gets, R per signalling task for a remote one
         sig = tasks["signal_counter"][tasks["signal_counter"] >= 0]
         counters["target"] = np.bincount(sig, minlength=len(counters)) * np.where(counters["remote"], self.num_ranks, 1)
