@@ -5,6 +5,7 @@ megakernels of cuda/fused.cuh execute)."""
 from __future__ import annotations
 
 import bisect
+import functools
 
 from mok_proto.config import OPERATORS, MoEShape
 from mok_proto.plan.core import Builder, Plan
@@ -352,9 +353,10 @@ def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, polic
     if claim:
         b.counter(CounterKind.CLAIMED, 0)
     static = len(pairs) - claim
-    clusters = _assign_clusters(knobs.assign, pairs[:static], (num_sms - comm_blocks) // 2,
-                                lambda kind, p: tile_cost(kind, shape, num_ranks, capacity_rows, p, segment_rows),
-                                lambda kind, p: past_expected(kind, shape, num_ranks, capacity_rows, p, segment_rows))
+    clusters = _assign_clusters(
+        knobs.assign, pairs[:static], (num_sms - comm_blocks) // 2,
+        functools.cache(lambda kind, p: tile_cost(kind, shape, num_ranks, capacity_rows, p, segment_rows)),
+        functools.cache(lambda kind, p: past_expected(kind, shape, num_ranks, capacity_rows, p, segment_rows)))
     clusters += [None] * claim
     for cluster, (kind, p, col, waits, signals, fields) in zip(clusters, pairs):
         for cta in (0, 1):

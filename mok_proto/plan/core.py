@@ -152,32 +152,27 @@ class Plan:
 class Builder:
     """Collects counters and tasks; tasks are added to a CTA's table in call order."""
 
+    FIELDS = ("minibatch", "macrobatch", "row_tile", "col_tile", "expert")  # add's fields, in TASK_DTYPE order
+
     def __init__(self, num_ranks: int):
         self.num_ranks = num_ranks
-        self.counters: dict[tuple, list] = {}  # (kind, index) -> [id, remote, signals]
+        self.counters: dict[tuple, list] = {}  # (kind, index) -> [id, remote]
         self.by_id: list[list] = []
-        self.tasks: list[tuple] = []
-        self.seq: dict[int, int] = {}
+        self.tasks: list[tuple] = []  # (block, kind, *FIELDS, waits..., signals...) per task, in call order
 
     def counter(self, kind: CounterKind, index: int, remote: bool = False) -> int:
         key = (int(kind), int(index))
         if key not in self.counters:
-            self.counters[key] = [len(self.counters), bool(remote), 0]
+            self.counters[key] = [len(self.counters), bool(remote)]
             self.by_id.append(self.counters[key])
         return self.counters[key][0]
 
-    def add(self, block: int, kind: TaskKind, waits=(), signals=(), **fields):
-        """fields: minibatch, macrobatch, row_tile, col_tile, expert (default -1)."""
+    def add(self, block: int, kind: TaskKind, waits=(), signals=(), minibatch=-1, macrobatch=-1, row_tile=-1,
+            col_tile=-1, expert=-1):
         if len(waits) > MAX_WAITS or len(signals) > MAX_SIGNALS:
             raise PlanError(f"a task has more than {MAX_WAITS} waits or {MAX_SIGNALS} signals")
-        seq = self.seq.get(block, 0)
-        self.seq[block] = seq + 1
-        for c in signals:
-            entry = self.by_id[c]
-            entry[2] += self.num_ranks if entry[1] else 1
-        self.tasks.append(dict(block=block, seq=seq, kind=int(kind), **fields,
-                               wait_counter=(list(waits) + [-1] * MAX_WAITS)[:MAX_WAITS],
-                               signal_counter=(list(signals) + [-1] * MAX_SIGNALS)[:MAX_SIGNALS]))
+        self.tasks.append((block, int(kind), minibatch, macrobatch, row_tile, col_tile, expert,
+                           *waits, *_NONE[:MAX_WAITS - len(waits)], *signals, *_NONE[:MAX_SIGNALS - len(signals)]))
 
     def build(self, **fields) -> Plan:
         # Remote counters get the last ids (Plan.first_remote_counter): the fused kernel tells one by its
@@ -187,20 +182,29 @@ class Builder:
         new_id[order] = np.arange(len(order))
         new_id[-1] = -1  # "no counter" stays -1
         counters = np.zeros(len(self.counters), COUNTER_DTYPE)
-        for (kind, index), (cid, remote, signals) in self.counters.items():
-            i = new_id[cid]
-            counters["kind"][i], counters["index"][i] = kind, index
-            counters["remote"][i], counters["target"][i] = remote, signals
+        keys = np.array(list(self.counters), np.int64).reshape(-1, 2)
+        ids = new_id[np.array([cid for cid, _ in self.counters.values()], np.int64)]
+        counters["kind"][ids], counters["index"][ids] = keys[:, 0], keys[:, 1]
+        counters["remote"][ids] = [remote for _, remote in self.counters.values()]
+        rows = np.array(self.tasks, np.int64).reshape(len(self.tasks), 7 + MAX_WAITS + MAX_SIGNALS)
         tasks = np.zeros(len(self.tasks), TASK_DTYPE)
-        for name in TASK_DTYPE.names:
-            if name != "wait_target":
-                tasks[name] = [t.get(name, -1) for t in self.tasks]
-        for name in ("wait_counter", "signal_counter"):
-            tasks[name] = new_id[tasks[name]]
+        for j, name in enumerate(("block", "kind") + self.FIELDS):
+            tasks[name] = rows[:, j]
+        tasks["wait_counter"] = new_id[rows[:, 7:7 + MAX_WAITS]]
+        tasks["signal_counter"] = new_id[rows[:, 7 + MAX_WAITS:]]
+        by_block = np.argsort(rows[:, 0], kind="stable")  # a CTA's tasks in call order: seq 0, 1, ...
+        first = np.searchsorted(rows[by_block, 0], rows[by_block, 0])
+        tasks["seq"][by_block] = np.arange(len(rows)) - first
+        # a counter's target: the signals it gets, R per signalling task for a remote one
+        sig = tasks["signal_counter"][tasks["signal_counter"] >= 0]
+        counters["target"] = np.bincount(sig, minlength=len(counters)) * np.where(counters["remote"], self.num_ranks, 1)
         wc = tasks["wait_counter"]
         tasks["wait_target"] = np.where(wc >= 0, counters["target"][np.maximum(wc, 0)], 0)
         tasks = tasks[np.lexsort((tasks["seq"], tasks["block"]))]
         return Plan(tasks=tasks, counters=counters, **fields)
+
+
+_NONE = (-1,) * max(MAX_WAITS, MAX_SIGNALS)  # the unused wait and signal slots of a task
 
 
 def with_tasks(plan: Plan, tasks: np.ndarray, counters: np.ndarray | None = None) -> Plan:

@@ -3,6 +3,7 @@ and their estimated work, the receive rows a rank expects, and the capacity a pl
 
 from __future__ import annotations
 
+import functools
 import math
 
 from mok_proto.config import MoEShape
@@ -63,6 +64,7 @@ def expected_rows(shape: MoEShape, num_ranks: int, capacity_rows: int, segment_r
     return min(capacity_rows, max(spread, _binomial_padded_rows(shape, num_ranks, segment_rows)))
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function of its arguments, asked for every tile of a plan
 def _binomial_padded_rows(shape: MoEShape, num_ranks: int, segment_rows: int) -> int:
     """El x SEGMENT_ROWS x E[ceil(X / SEGMENT_ROWS)] for an expert's rows X ~ Binomial(R N, K / E):
     E[ceil(X / S)] = sum over j >= 0 of P(X > j S), each term by the normal approximation (with
