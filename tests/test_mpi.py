@@ -1,6 +1,7 @@
 """Protocol tests under real mpiexec ranks: symmetric-memory conformance, the distributed layer
 against the reference for every direction policy, and the demo's CLI contract."""
 
+import functools
 import re
 
 import pytest
@@ -26,11 +27,22 @@ def test_symm_conformance_cpu(num_ranks):
     assert f"OK symm conformance backend=cpu R={num_ranks}" in proc.stdout
 
 
+@functools.cache
+def layer_job(num_ranks):
+    """check_layer.py on every LAYER_CASES case of num_ranks ranks, in one job (each case prints its
+    OK line); its tests run on one worker (an xdist group), the first of them starts it."""
+    cases = [arg for s, r, ranks in LAYER_CASES if num_ranks in ranks for arg in ("--case", f"{s}:{r}")]
+    return run_ranks(num_ranks, "tests/mpi_programs/check_layer.py", *cases, expect_rc=None)
+
+
 @pytest.mark.parametrize("shape,routing,num_ranks",
-                         [(s, r, n) for s, r, ranks in LAYER_CASES for n in ranks])
+                         [pytest.param(s, r, n, marks=pytest.mark.xdist_group(f"check_layer_R{n}"))
+                          for s, r, ranks in LAYER_CASES for n in ranks])
 def test_layer_matches_reference_all_policies(shape, routing, num_ranks):
-    proc = run_ranks(num_ranks, "tests/mpi_programs/check_layer.py", "--shape", shape, "--routing", routing)
-    assert f"OK R={num_ranks} {shape} routing={routing}: 16 policies x 2 runs bitwise equal" in proc.stdout
+    proc = layer_job(num_ranks)
+    assert f"OK R={num_ranks} {shape} routing={routing}: 16 policies x 2 runs bitwise equal" in proc.stdout, (
+        f"case {shape} routing={routing} on {num_ranks} ranks not OK (job exit {proc.returncode})\n"
+        f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
 
 
 def _demo_rows(stdout):
