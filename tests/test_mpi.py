@@ -1,12 +1,11 @@
 """Protocol tests under real mpiexec ranks: symmetric-memory conformance, the distributed layer
 against the reference for every direction policy, and the demo's CLI contract."""
 
-import functools
 import re
 
 import pytest
 
-from conftest import run_ranks
+from conftest import check_case, run_cases, run_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -27,22 +26,15 @@ def test_symm_conformance_cpu(num_ranks):
     assert f"OK symm conformance backend=cpu R={num_ranks}" in proc.stdout
 
 
-@functools.cache
-def layer_job(num_ranks):
-    """check_layer.py on every LAYER_CASES case of num_ranks ranks, in one job (each case prints its
-    OK line); its tests run on one worker (an xdist group), the first of them starts it."""
-    cases = [arg for s, r, ranks in LAYER_CASES if num_ranks in ranks for arg in ("--case", f"{s}:{r}")]
-    return run_ranks(num_ranks, "tests/mpi_programs/check_layer.py", *cases, expect_rc=None)
-
-
 @pytest.mark.parametrize("shape,routing,num_ranks",
                          [pytest.param(s, r, n, marks=pytest.mark.xdist_group(f"check_layer_R{n}"))
                           for s, r, ranks in LAYER_CASES for n in ranks])
 def test_layer_matches_reference_all_policies(shape, routing, num_ranks):
-    proc = layer_job(num_ranks)
-    assert f"OK R={num_ranks} {shape} routing={routing}: 16 policies x 2 runs bitwise equal" in proc.stdout, (
-        f"case {shape} routing={routing} on {num_ranks} ranks not OK (job exit {proc.returncode})\n"
-        f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+    """Every case of one rank count in one job (the first of its tests starts it)."""
+    proc = run_cases(num_ranks, "tests/mpi_programs/check_layer.py",
+                     *[f"{s}:{r}" for s, r, ranks in LAYER_CASES if num_ranks in ranks])
+    check_case(proc, f"OK R={num_ranks} {shape} routing={routing}: 16 policies x 2 runs bitwise equal",
+               f"case {shape} routing={routing} on {num_ranks} ranks")
 
 
 def _demo_rows(stdout):
