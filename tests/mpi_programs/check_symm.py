@@ -75,7 +75,7 @@ def check_timeout(heap):
     flags = heap.signals("t", 1)
     if heap.rank == 0 and heap.num_ranks > 1:
         try:
-            flags.wait(0, 1, 1, timeout_s=0.5, op="injected missing peer")
+            flags.wait(0, 1, 1, timeout_s=0.1, op="injected missing peer")
         except SymmTimeoutError as e:
             assert (e.op, e.rank, e.peer) == ("injected missing peer", 0, 1), str(e)
             assert "rank 0" in str(e) and "peer 1" in str(e)
