@@ -14,7 +14,7 @@ import argparse
 
 import numpy as np
 
-from check_layer import world
+from check_layer import each_case, world
 from mok_proto import accuracy, reference_fp8
 from mok_proto.config import MOK_POLICY, OPERATORS, RunConfig
 from mok_proto.layer.cpu import CpuMoELayer
@@ -30,12 +30,7 @@ def main():
     p.add_argument("--case", required=True, action="append", metavar="H,I,E,K,N,num_shared:ROUTING:SHARED",
                    help="a shape, its routing (random | one-expert | skewed) and the shared expert's precision "
                         "(bf16 | fp8); repeat for more cases, run one after the other")
-    for case in p.parse_args().case:
-        shape_text, routing, shared_precision = case.split(":")
-        try:
-            check_case(shape_text, routing, shared_precision)
-        except AssertionError as e:
-            raise AssertionError(f"case {case}: {e}") from e
+    each_case(p.parse_args().case, check_case)
 
 
 def check_case(shape_text, routing, shared_precision):

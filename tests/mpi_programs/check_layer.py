@@ -28,12 +28,16 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default="all", help="all | mok")
     args = p.parse_args()
-    for case in args.case:
-        shape_text, routing = case.split(":")
+    each_case(args.case, lambda shape_text, routing: check_case(shape_text, routing, args.seed, args.policies))
+
+
+def each_case(cases, check):
+    """check(*fields) for each case "FIELD:FIELD:...", in order; a failure names its case."""
+    for case in cases:
         try:
-            check_case(shape_text, routing, args.seed, args.policies)
+            check(*case.split(":"))
         except AssertionError as e:
-            raise AssertionError(f"case {shape_text} routing={routing}: {e}") from e
+            raise AssertionError(f"case {case}: {e}") from e
 
 
 def check_case(shape_text, routing, seed, which_policies):
