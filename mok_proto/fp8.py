@@ -44,6 +44,8 @@ partial block quantized as if zero-padded is what padding gives).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from mok_proto.abi import CONST
@@ -87,7 +89,7 @@ def encode_e4m3(x) -> np.ndarray:
     # the rule's code by table: the upper 16 bits, and whether any of the lower 16 is set
     index = (bits >> 15) & np.uint32(0x1FFFE)
     index |= (bits & np.uint32(0xFFFF)) != 0
-    return np.asarray(_ENCODE[index])
+    return np.asarray(_encode_table()[index])
 
 
 def _encode_rule(bits: np.ndarray) -> np.ndarray:
@@ -111,16 +113,16 @@ def _encode_rule(bits: np.ndarray) -> np.ndarray:
     return np.where(mag > _F32_INF, np.uint8(NAN_CODE), code)
 
 
+@functools.cache
 def _encode_table() -> np.ndarray:
     """The code of each float32 by its upper 16 bits t and s = (lower 16 bits != 0), at 2 t + s:
     the rule's half bit is bit 19 or above (shift >= 20), so the lower 16 bits count only as a
-    sticky bit (its 448, infinity and NaN thresholds have them zero): t * 2^16 + s stands for all."""
+    sticky bit (its 448, infinity and NaN thresholds have them zero): t * 2^16 + s stands for all.
+    Built on first use (a process that never encodes does not pay for it)."""
     index = np.arange(1 << 17, dtype=np.uint32)
-    return _encode_rule(((index >> 1) << 16) | (index & 1))
-
-
-_ENCODE = _encode_table()
-_ENCODE.setflags(write=False)
+    table = _encode_rule(((index >> 1) << 16) | (index & 1))
+    table.setflags(write=False)
+    return table
 
 
 def block_scale(amax, pow2: bool = False) -> np.ndarray:

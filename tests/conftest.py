@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -81,6 +82,20 @@ def run_ranks(num_ranks: int, *args: str, timeout: float = 180, expect_rc: int |
         raise AssertionError(f"exit {proc.returncode} (expected {expect_rc}) from {' '.join(args)} on "
                              f"{num_ranks} ranks\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
     return proc
+
+
+@functools.cache
+def run_cases(num_ranks: int, program: str, *cases: str):
+    """`program --case C ...` on num_ranks ranks: every case in one job, each printing its OK line;
+    the CompletedProcess whatever its exit (check_case reads it). Cached: the tests of those cases
+    share the job (put them in one xdist group)."""
+    return run_ranks(num_ranks, program, *[arg for case in cases for arg in ("--case", case)], expect_rc=None)
+
+
+def check_case(proc, ok_line: str, case: str):
+    """The case's OK line is in run_cases' output; else the job's output (its failure names the case)."""
+    assert ok_line in proc.stdout, (f"{case} not OK (job exit {proc.returncode})\n--- stdout\n{proc.stdout[-4000:]}"
+                                    f"\n--- stderr\n{proc.stderr[-4000:]}")
 
 
 def gpu_reason() -> str | None:

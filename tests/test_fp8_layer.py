@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import run_ranks
+from conftest import check_case, run_cases
 from mok_proto import fp8
 from mok_proto.config import MoEShape, RunConfig
 from mok_proto.layer import cpu, transfer
@@ -23,12 +23,15 @@ CASES = [("256,256,4,2,128,1", "one-expert", "fp8", 2),  # N a whole block: the 
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("shape,routing,shared,num_ranks", CASES)
+@pytest.mark.parametrize("shape,routing,shared,num_ranks",
+                         [pytest.param(*case, marks=pytest.mark.xdist_group(f"check_fp8_layer_R{case[-1]}"))
+                          for case in CASES])
 def test_fp8_layer_dispatch_dtypes_bitwise_equal_and_match_reference(shape, routing, shared, num_ranks):
-    proc = run_ranks(num_ranks, "tests/mpi_programs/check_fp8_layer.py", "--shape", shape, "--routing", routing,
-                     "--shared-precision", shared)
-    assert f"OK R={num_ranks} {shape} routing={routing} shared={shared}: bf16 and fp8 dispatch" in proc.stdout, \
-        proc.stdout
+    """Every case of one rank count in one job (the first of its tests starts it)."""
+    proc = run_cases(num_ranks, "tests/mpi_programs/check_fp8_layer.py",
+                     *[f"{s}:{r}:{sh}" for s, r, sh, n in CASES if n == num_ranks])
+    check_case(proc, f"OK R={num_ranks} {shape} routing={routing} shared={shared}: bf16 and fp8 dispatch",
+               f"case {shape} routing={routing} shared={shared} on {num_ranks} ranks")
 
 
 @pytest.mark.parametrize("fields,message", [

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from conftest import run_ranks
+from conftest import check_case, run_cases, run_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -27,10 +27,14 @@ def test_symm_conformance_cpu(num_ranks):
 
 
 @pytest.mark.parametrize("shape,routing,num_ranks",
-                         [(s, r, n) for s, r, ranks in LAYER_CASES for n in ranks])
+                         [pytest.param(s, r, n, marks=pytest.mark.xdist_group(f"check_layer_R{n}"))
+                          for s, r, ranks in LAYER_CASES for n in ranks])
 def test_layer_matches_reference_all_policies(shape, routing, num_ranks):
-    proc = run_ranks(num_ranks, "tests/mpi_programs/check_layer.py", "--shape", shape, "--routing", routing)
-    assert f"OK R={num_ranks} {shape} routing={routing}: 16 policies x 2 runs bitwise equal" in proc.stdout
+    """Every case of one rank count in one job (the first of its tests starts it)."""
+    proc = run_cases(num_ranks, "tests/mpi_programs/check_layer.py",
+                     *[f"{s}:{r}" for s, r, ranks in LAYER_CASES if num_ranks in ranks])
+    check_case(proc, f"OK R={num_ranks} {shape} routing={routing}: 16 policies x 2 runs bitwise equal",
+               f"case {shape} routing={routing} on {num_ranks} ranks")
 
 
 def _demo_rows(stdout):
@@ -100,15 +104,26 @@ def test_demo_error_never_hides_a_nan():
 RING_CASES = [("16,8,8,2,12,1", 2), ("16,8,16,3,9,1", 4), ("8,4,24,3,5,0", 8)]
 
 
-@pytest.mark.parametrize("shape,num_ranks", RING_CASES)
+SKEWED_RING = "16,8,8,2,12,1:skewed:all"  # on 2 ranks, in one job with the worst case of 2 ranks
+
+
+def ring_job(num_ranks):
+    """check_ring.py's cases of num_ranks ranks in one job."""
+    cases = [f"{s}:worst-case:some" for s, n in RING_CASES if n == num_ranks]
+    return run_cases(num_ranks, "tests/mpi_programs/check_ring.py", *cases, *[SKEWED_RING] * (num_ranks == 2))
+
+
+@pytest.mark.parametrize("shape,num_ranks", [pytest.param(s, n, marks=pytest.mark.xdist_group(f"check_ring_R{n}"))
+                                             for s, n in RING_CASES])
 def test_ring_worst_case_routing_bitwise_equal(shape, num_ranks):
     """Every token's every choice on rank 0: rings of a quarter of its rows and of one segment run
     forward and backward (replaying) and give the bits of a ring that holds everything."""
-    proc = run_ranks(num_ranks, "tests/mpi_programs/check_ring.py", "--shape", shape, "--routing", "worst-case")
-    assert f"OK R={num_ranks} {shape} routing=worst-case" in proc.stdout, proc.stdout
+    check_case(ring_job(num_ranks), f"OK R={num_ranks} {shape} routing=worst-case",
+               f"case {shape} routing=worst-case on {num_ranks} ranks")
 
 
+@pytest.mark.xdist_group("check_ring_R2")
 def test_ring_skewed_routing_all_policies():
-    proc = run_ranks(2, "tests/mpi_programs/check_ring.py", "--shape", "16,8,8,2,12,1", "--routing", "skewed",
-                     "--policies", "all")
+    proc = ring_job(2)
+    check_case(proc, "OK R=2 16,8,8,2,12,1 routing=skewed: ", "case 16,8,8,2,12,1 routing=skewed on 2 ranks")
     assert "16 policies bitwise equal to one turn" in proc.stdout, proc.stdout

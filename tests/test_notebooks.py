@@ -18,6 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ("overlap_explorer", "measured")
 MAX_WIDTH, MAX_HEIGHT = 2000, 1400  # pixels of one inline figure: fits a screen (not a stack of timelines)
 MIN_PNG_BYTES = 10_000  # a drawn figure, not an empty one
+# Run after a notebook's cell tagged "parameters": smaller simulated grids than a user's (every figure
+# still drawn, from a few simulations instead of dozens).
+TEST_PARAMETERS = {
+    "overlap_explorer": "SWEEP_COMM_BLOCKS = (0, 16)\nSWEEP_MINIBATCH_ROWS = (2048,)\nPUSH_PULL_EPS = (8, 64)\n"
+                        "MEASURED_GRID = ((0, 8), (2048,))",
+}
 
 # The figures each notebook shows, by the name it prints before each (a name may go on with ", <GPU>").
 EXPECTED = {
@@ -87,6 +93,9 @@ def test_notebook_runs(name, cwd, monkeypatch):
     monkeypatch.delenv(trace.FIGURES_ENV, raising=False)  # the default: no figure files
     before = git_status()
     nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    if name in TEST_PARAMETERS:
+        (at,) = [k for k, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+        nb.cells.insert(at + 1, nbformat.v4.new_code_cell(TEST_PARAMETERS[name]))
     nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(ROOT / cwd)}}).execute()
     outputs = coalesced([o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])])

@@ -14,7 +14,7 @@ import argparse
 
 import numpy as np
 
-from check_layer import world
+from check_layer import each_case, world
 from mok_proto import accuracy, reference_fp8
 from mok_proto.config import MOK_POLICY, OPERATORS, RunConfig
 from mok_proto.layer.cpu import CpuMoELayer
@@ -27,22 +27,25 @@ ALIGN = 128  # the smallest segment alignment FP8 takes: rings of 128 rows
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", required=True, help="H,I,E,K,N,num_shared")
-    p.add_argument("--routing", default="random", help="random | one-expert | skewed")
-    p.add_argument("--shared-precision", default="bf16")
-    args = p.parse_args()
-    shape, comm, rank, num_ranks = world(args.shape)
+    p.add_argument("--case", required=True, action="append", metavar="H,I,E,K,N,num_shared:ROUTING:SHARED",
+                   help="a shape, its routing (random | one-expert | skewed) and the shared expert's precision "
+                        "(bf16 | fp8); repeat for more cases, run one after the other")
+    each_case(p.parse_args().case, check_case)
+
+
+def check_case(shape_text, routing, shared_precision):
+    shape, comm, rank, num_ranks = world(shape_text)
     e, n, h = shape.num_experts, shape.num_tokens, shape.hidden
     num_local = e // num_ranks
-    prob = make_problem(shape, num_ranks, seed=5, routing=args.routing)
-    ref = reference_results(prob, args.shared_precision)
+    prob = make_problem(shape, num_ranks, seed=5, routing=routing)
+    ref = reference_results(prob, shared_precision)
     tokens, experts = slice(rank * n, (rank + 1) * n), slice(rank * num_local, (rank + 1) * num_local)
     policies = [dict(MOK_POLICY), dict.fromkeys(OPERATORS, "push"), dict.fromkeys(OPERATORS, "pull")]
 
     first, turns = None, []
     for dispatch in ("bf16", "fp8"):
         run = RunConfig(shape, num_ranks=num_ranks, timeout_s=60, precision="fp8",
-                        shared_precision=args.shared_precision, dispatch_dtype=dispatch)
+                        shared_precision=shared_precision, dispatch_dtype=dispatch)
         want_bytes = {"bf16": 2 * h, "fp8": h + 4 * h // 128}[dispatch]
         for ring in (None, ALIGN):
             with MpiHeap(comm) as heap:
@@ -55,13 +58,14 @@ def main():
                     got, blob = step(layer, heap, prob, rank)
                     if first is None:
                         first = blob
-                        verdict(comm, against_reference(comm, got, ref, tokens, experts, args.shared_precision, shape))
+                        verdict(comm, against_reference(comm, got, ref, tokens, experts, shared_precision, shape))
                     verdict(comm, [f"rank {rank}: {key} differs with {dispatch} dispatch, ring {ring}, policy {policy}"
                                    for key in first if blob[key] != first[key]])
     assert turns[1] > 1, f"the ring of {ALIGN} rows must take several turns on some rank, got {turns}"
     if rank == 0:
-        print(f"OK R={num_ranks} {args.shape} routing={args.routing} shared={args.shared_precision}: bf16 and fp8 "
-              f"dispatch x rings (1 turn x {len(policies)} policies, {turns[1]} turns) bitwise equal; matches reference_fp8")
+        print(f"OK R={num_ranks} {shape_text} routing={routing} shared={shared_precision}: bf16 and fp8 "
+              f"dispatch x rings (1 turn x {len(policies)} policies, {turns[1]} turns) bitwise equal; matches reference_fp8",
+              flush=True)
 
 
 def max_op():

@@ -1,8 +1,9 @@
 """Run under mpiexec -n R: the CPU distributed layer against the reference, for every policy.
 
 Each rank checks its own slice (float32 vs a float64 reference: max |err| <= TOL * max |ref| per
-array) and that all 16 direction choices, run twice each, give bitwise-identical bytes.
-Exits non-zero (assertion) on any failure.
+array) and that all 16 direction choices, run twice each, give bitwise-identical bytes. Several
+cases (--case, repeated) run one after the other in one job, each on a heap of its own, each printing
+its OK line. Exits non-zero (assertion, naming the case) on any failure.
 """
 
 import argparse
@@ -22,21 +23,34 @@ TOL = 1e-4  # float32 layer vs float64 reference, relative to the array's larges
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", required=True, help="H,I,E,K,N,num_shared")
-    p.add_argument("--routing", default="random")
+    p.add_argument("--case", required=True, action="append", metavar="H,I,E,K,N,num_shared:ROUTING",
+                   help="a shape and its routing (random | one-expert | skewed); repeat for more cases")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default="all", help="all | mok")
     args = p.parse_args()
-    shape, comm, rank, num_ranks = world(args.shape)
+    each_case(args.case, lambda shape_text, routing: check_case(shape_text, routing, args.seed, args.policies))
+
+
+def each_case(cases, check):
+    """check(*fields) for each case "FIELD:FIELD:...", in order; a failure names its case."""
+    for case in cases:
+        try:
+            check(*case.split(":"))
+        except AssertionError as e:
+            raise AssertionError(f"case {case}: {e}") from e
+
+
+def check_case(shape_text, routing, seed, which_policies):
+    shape, comm, rank, num_ranks = world(shape_text)
     e, n = shape.num_experts, shape.num_tokens
-    prob = make_problem(shape, num_ranks, seed=args.seed, routing=args.routing)
+    prob = make_problem(shape, num_ranks, seed=seed, routing=routing)
     ref = reference_of(prob)
     num_local = e // num_ranks
     tokens, experts = slice(rank * n, (rank + 1) * n), slice(rank * num_local, (rank + 1) * num_local)
 
     policies = [dict(zip(OPERATORS, combo)) for combo in itertools.product(DIRECTIONS, repeat=4)]
     run = RunConfig(shape, num_ranks=num_ranks, timeout_s=60)
-    if args.policies == "mok":
+    if which_policies == "mok":
         policies = [run.policy]
     first = None
     with MpiHeap(comm) as heap:
@@ -51,7 +65,8 @@ def main():
                 for key in first:
                     assert blob[key] == first[key], f"rank {rank}: {key} differs under {policy} (repeat {repeat})"
     if rank == 0:
-        print(f"OK R={num_ranks} {args.shape} routing={args.routing}: {len(policies)} policies x 2 runs bitwise equal")
+        print(f"OK R={num_ranks} {shape_text} routing={routing}: {len(policies)} policies x 2 runs bitwise equal",
+              flush=True)
 
 
 def world(shape_text):

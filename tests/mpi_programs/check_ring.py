@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 
-from check_layer import check_against_reference, reference_of, step, world
+from check_layer import check_against_reference, each_case, reference_of, step, world
 from mok_proto.config import DIRECTIONS, MOK_POLICY, OPERATORS, RunConfig
 from mok_proto.layer.cpu import CpuMoELayer
 from mok_proto.problem import make_problem
@@ -27,24 +27,29 @@ def worst_case(prob, num_local):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", required=True, help="H,I,E,K,N,num_shared")
-    p.add_argument("--routing", default="worst-case", help="worst-case | random | skewed")
+    p.add_argument("--case", required=True, action="append", metavar="H,I,E,K,N,num_shared:ROUTING:POLICIES",
+                   help="a shape, its routing (worst-case | random | skewed) and the policies (all: 16 | some: "
+                        "MoK's, all push, all pull); repeat for more cases, run one after the other")
     p.add_argument("--align", type=int, default=4, help="segment rows (the ring is a multiple of it)")
-    p.add_argument("--policies", default="some", help="all (16) | some (MoK's, all push, all pull)")
     args = p.parse_args()
-    shape, comm, rank, num_ranks = world(args.shape)
+    each_case(args.case, lambda shape_text, routing, which_policies: check_case(shape_text, routing, which_policies,
+                                                                                args.align))
+
+
+def check_case(shape_text, routing, which_policies, align):
+    shape, comm, rank, num_ranks = world(shape_text)
     e, n = shape.num_experts, shape.num_tokens
     num_local = e // num_ranks
-    prob = make_problem(shape, num_ranks, seed=3, routing="random" if args.routing == "worst-case" else args.routing)
-    if args.routing == "worst-case":
+    prob = make_problem(shape, num_ranks, seed=3, routing="random" if routing == "worst-case" else routing)
+    if routing == "worst-case":
         worst_case(prob, num_local)
     # Rank 0's rows (the most of any rank here): rings of about a quarter of them, and of one segment.
     counts = np.bincount(prob.topk_idx.reshape(-1), minlength=e)[:num_local]
-    need = int((-(-counts // args.align) * args.align).sum())
-    quarter = max(args.align, need // 4 // args.align * args.align)
-    rings = [None, quarter, args.align]
+    need = int((-(-counts // align) * align).sum())
+    quarter = max(align, need // 4 // align * align)
+    rings = [None, quarter, align]
 
-    if args.policies == "all":
+    if which_policies == "all":
         policies = [dict(zip(OPERATORS, combo)) for combo in itertools.product(DIRECTIONS, repeat=4)]
     else:
         policies = [dict(MOK_POLICY), dict.fromkeys(OPERATORS, "push"), dict.fromkeys(OPERATORS, "pull")]
@@ -52,7 +57,7 @@ def main():
     first, turns = None, []
     for ring in rings:
         with MpiHeap(comm) as heap:
-            layer = CpuMoELayer(heap, run, prob.local_weights(rank), macrobatch_rows=ring, align=args.align)
+            layer = CpuMoELayer(heap, run, prob.local_weights(rank), macrobatch_rows=ring, align=align)
             turns.append(layer.num_turns)
             for policy in policies:
                 layer.policy = policy
@@ -68,8 +73,8 @@ def main():
                     f"ring {ring}: {replayed} rows replayed in {layer.num_turns} turns"
     assert turns[0] == 1 and 1 < turns[1] <= turns[2], turns
     if rank == 0:
-        print(f"OK R={num_ranks} {args.shape} routing={args.routing}: rings {rings[1:]} ({turns[1:]} turns) x "
-              f"{len(policies)} policies bitwise equal to one turn")
+        print(f"OK R={num_ranks} {shape_text} routing={routing}: rings {rings[1:]} ({turns[1:]} turns) x "
+              f"{len(policies)} policies bitwise equal to one turn", flush=True)
 
 
 if __name__ == "__main__":
