@@ -7,11 +7,14 @@ from __future__ import annotations
 import bisect
 import functools
 
+import numpy as np
+
 from mok_proto.config import OPERATORS, MoEShape
-from mok_proto.plan.core import Builder, Plan
+from mok_proto.plan.core import ROW_WIDTH, Builder, Plan
 from mok_proto.plan.cost import default_capacity, num_col_tiles, past_expected, tile_cost, wgrad_grid
-from mok_proto.plan.kinds import (BM, FUSED_STRATEGIES, PAIR_ROWS, PASS_KINDS, PASSES, SEGMENT_ROWS, CounterKind,
-                                  PassKinds, TaskKind, cdiv, inside_kernel, token_tiles)
+from mok_proto.plan.kinds import (BM, FUSED_STRATEGIES, MAX_SIGNALS, MAX_WAITS, PAIR_ROWS, PASS_KINDS, PASSES,
+                                  SEGMENT_ROWS, CounterKind, PassKinds, PlanError, TaskKind, cdiv, inside_kernel,
+                                  token_tiles)
 from mok_proto.plan.knobs import FusedKnobs
 
 
@@ -273,11 +276,6 @@ def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, polic
     comm_in, comm_out = inside_kernel(pass_, policy)
     k = PASS_KINDS[pass_]
 
-    def grid(row_pairs, cols):  # (row pair, column tile) of a minibatch's pairs of one kind, in order
-        if knobs.raster == "row":
-            return [(p, col) for p in row_pairs for col in range(cols)]
-        return [(p, col) for col in range(cols) for p in row_pairs]
-
     b = Builder(num_ranks)
     tpm = minibatch_rows // BM
     shared_pairs = cdiv(shape.num_tokens, PAIR_ROWS) if shape.num_shared else 0
@@ -319,50 +317,55 @@ def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, polic
         for m in spread:
             comm_out_task(c, m)
 
-    # Tile pairs in one global order: (kind, row pair, col tile, waits(rt), signals(rt), task fields)
-    pairs = []
-    pairs += [(k.shared_first, p, col, lambda rt: [], lambda rt: [shared_first[rt]] + shared_done, {})
-              for p, col in grid(range(shared_pairs), num_col_tiles(k.shared_first, shape))]
-    pairs += [(k.shared_second, p, col, lambda rt: [shared_first[rt]], lambda rt: shared_second_done, {})
-              for p, col in grid(range(shared_pairs), num_col_tiles(k.shared_second, shape))]
+    # Tile pairs in one global order, as runs of pairs (_pair_run)
+    run = _pair_run
+    first_done_of, shared_first_of = np.array(first_done, np.int64), np.array(shared_first, np.int64)
+    runs = [run(k.shared_first, range(shared_pairs), num_col_tiles(k.shared_first, shape), knobs.raster,
+                signal_rt=shared_first_of, signals=shared_done),
+            run(k.shared_second, range(shared_pairs), num_col_tiles(k.shared_second, shape), knobs.raster,
+                wait_rt=shared_first_of, signals=shared_second_done)]
     for kind in (k.shared_wgrad if shared_pairs else ()):  # shared weight gradients: its data gradients' rows
         rows, cols = wgrad_grid(kind, shape)
-        waits = shared_done if kind == TaskKind.SHARED_GATE_UP_WGRAD else []
-        pairs += [(kind, p, col, lambda rt, w=waits: w, lambda rt: [], {}) for p in range(cdiv(rows, 2))
-                  for col in range(cols)]
+        runs.append(run(kind, range(cdiv(rows, 2)), cols,
+                        waits=shared_done if kind == TaskKind.SHARED_GATE_UP_WGRAD else []))
     for step in range(num_mb + lookahead):
         m = step  # the first GEMM of minibatch step, then the second of minibatch step - lookahead
         if m < num_mb:
-            pairs += [(k.first, p, col, lambda rt, m=m: [arrived[m]] if comm_in else [],
-                       lambda rt: [first_done[rt]] + data_grad_done, {"minibatch": m})
-                      for p, col in grid(range(m * tpm // 2, (m + 1) * tpm // 2), n_first)]
+            runs.append(run(k.first, range(m * tpm // 2, (m + 1) * tpm // 2), n_first, knobs.raster,
+                            waits=[arrived[m]] if comm_in else [], signal_rt=first_done_of,
+                            signals=data_grad_done, minibatch=m))
         m = step - lookahead
         if m >= 0:
-            pairs += [(k.second, p, col, lambda rt: [first_done[rt]],
-                       lambda rt, m=m: [second_done[m]] if comm_out else [], {"minibatch": m})
-                      for p, col in grid(range(m * tpm // 2, (m + 1) * tpm // 2), n_second)]
+            runs.append(run(k.second, range(m * tpm // 2, (m + 1) * tpm // 2), n_second, knobs.raster,
+                            wait_rt=first_done_of, signals=[second_done[m]] if comm_out else [], minibatch=m))
+    el = shape.num_experts // num_ranks
     for kind in (k.wgrad if routed_wgrads else ()):  # deferred: after every data-gradient tile of every minibatch
-        rows, cols = wgrad_grid(kind, shape)
-        pairs += [(kind, p, col, lambda rt: data_grad_done, lambda rt: [], {"expert": e, "macrobatch": 0})
-                  for e in range(shape.num_experts // num_ranks) for p in range(cdiv(rows, 2)) for col in range(cols)]
+        rows, cols = wgrad_grid(kind, shape)  # (expert, row pair, column tile), each expert's pairs row by row
+        row_pairs = cdiv(rows, 2)
+        runs.append(run(kind, np.tile(np.arange(row_pairs), el), cols, waits=data_grad_done, macrobatch=0,
+                        expert=np.repeat(np.arange(el), row_pairs * cols)))
+    pairs = {name: np.concatenate([r[name] for r in runs]) for name in runs[0]}
     # Each pair goes to one cluster, appended to both its CTAs' tables: every table is a
     # subsequence of the global order (what keeps the plan deadlock free: every counter a pair
     # waits on is raised by pairs earlier in it), both halves of a pair at the same position.
     # The last `claim` pairs go to the pool instead (block num_sms, claimed at run time).
-    claim = knobs.claim_pairs(len(pairs), (num_sms - comm_blocks) // 2)
+    num_pairs = len(pairs["kind"])
+    claim = knobs.claim_pairs(num_pairs, (num_sms - comm_blocks) // 2)
     if claim:
         b.counter(CounterKind.CLAIMED, 0)
-    static = len(pairs) - claim
+    static = num_pairs - claim
     clusters = _assign_clusters(
-        knobs.assign, pairs[:static], (num_sms - comm_blocks) // 2,
-        functools.cache(lambda kind, p: tile_cost(kind, shape, num_ranks, capacity_rows, p, segment_rows)),
-        functools.cache(lambda kind, p: past_expected(kind, shape, num_ranks, capacity_rows, p, segment_rows)))
-    clusters += [None] * claim
-    for cluster, (kind, p, col, waits, signals, fields) in zip(clusters, pairs):
-        for cta in (0, 1):
-            rt = 2 * p + cta
-            blk = num_sms if cluster is None else comm_blocks + 2 * cluster + cta
-            b.add(blk, kind, waits(rt), signals(rt), row_tile=rt, col_tile=col, **fields)
+        knobs.assign, {name: col[:static] for name, col in pairs.items()}, (num_sms - comm_blocks) // 2,
+        functools.cache(lambda kind, p: tile_cost(TaskKind(kind), shape, num_ranks, capacity_rows, p, segment_rows)),
+        functools.cache(lambda kind, p: past_expected(TaskKind(kind), shape, num_ranks, capacity_rows, p,
+                                                      segment_rows)))
+    block = np.concatenate([comm_blocks + 2 * np.asarray(clusters, np.int64), np.full(claim, num_sms, np.int64)])
+    rows = np.empty((num_pairs, 2, ROW_WIDTH), np.int64)  # both halves of each pair, the even CTA's first
+    for cta in (0, 1):
+        rows[:, cta, :7] = np.stack([block + (block < num_sms) * cta, pairs["kind"], pairs["minibatch"],
+                                     pairs["macrobatch"], 2 * pairs["p"] + cta, pairs["col"], pairs["expert"]], axis=1)
+    rows[:, :, 7:7 + MAX_WAITS], rows[:, :, 7 + MAX_WAITS:] = pairs["waits"], pairs["signals"]
+    b.add_rows(rows)
     if token_grads:  # last in every CTA's table: its movers run them after their transfers
         for r in token_tiles(shape):
             b.add(r % num_sms, k.epilogue, slots_arrived + shared_second_done, [], row_tile=r)
@@ -373,8 +376,9 @@ def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, polic
                    routed_wgrads=routed_wgrads or pass_ != "bwd", claim_pairs=claim, knobs=knobs)
 
 
-def _assign_clusters(assign: str, pairs: list, clusters: int, cost, past=lambda kind, p: False) -> list[int]:
-    """The cluster (0 .. clusters - 1) of every tile pair of `_fused`'s global order `pairs`.
+def _assign_clusters(assign: str, pairs: dict, clusters: int, cost, past=lambda kind, p: False) -> list[int]:
+    """The cluster (0 .. clusters - 1) of every tile pair of `_fused`'s global order `pairs` (the
+    columns of `_pair_run`: kind, p, waits, signals).
 
     round_robin: pair j on cluster j % clusters (equal pair counts, whatever their work).
     balanced: a greedy list schedule over the same order, on estimated times (`cost(kind, row
@@ -395,16 +399,18 @@ def _assign_clusters(assign: str, pairs: list, clusters: int, cost, past=lambda 
     gets more than its share of them. balanced_all: they too go where the estimate says, i.e.
     onto the clusters free earliest (what skewed routing punishes)."""
     if assign == "round_robin":
-        return [turn % clusters for turn in range(len(pairs))]
+        return np.arange(len(pairs["kind"])) % clusters
     finish_of: dict[int, int] = {}  # counter -> latest estimated finish of the pairs signalling it so far
     by_free = sorted((0, -cluster) for cluster in range(clusters))  # (free time, -cluster), ascending
     out = []
     spilled = 0
-    for kind, p, _, waits, signals, _ in pairs:
-        tiles = (2 * p, 2 * p + 1)
-        ready = max((finish_of.get(c, 0) for rt in tiles for c in waits(rt)), default=0)
+    num = len(pairs["kind"])
+    waits, signals = (pairs[name].reshape(num, 2 * pairs[name].shape[2]).tolist() for name in ("waits", "signals"))
+    for kind, p, wait, signal in zip(pairs["kind"].tolist(), pairs["p"].tolist(), waits, signals):
+        ready = max((finish_of.get(c, 0) for c in wait if c >= 0), default=0)
+        signal = {c for c in signal if c >= 0}
         if assign == "balanced" and past(kind, p):
-            for c in {c for rt in tiles for c in signals(rt)}:
+            for c in signal:
                 finish_of[c] = max(finish_of.get(c, 0), ready + 1)
             out.append(spilled % clusters)
             spilled += 1
@@ -414,10 +420,39 @@ def _assign_clusters(assign: str, pairs: list, clusters: int, cost, past=lambda 
         free, neg_cluster = by_free.pop(j)
         finish = max(free, ready) + cost(kind, p)
         bisect.insort(by_free, (finish, neg_cluster))
-        for c in {c for rt in tiles for c in signals(rt)}:
+        for c in signal:
             finish_of[c] = max(finish_of.get(c, 0), finish)
         out.append(-neg_cluster)
     return out
+
+
+def _pair_run(kind: TaskKind, ps, cols: int, raster: str = "row", wait_rt=None, waits=(), signal_rt=None,
+              signals=(), minibatch=-1, macrobatch=-1, expert=-1) -> dict:
+    """A run of `_fused`'s global order: the tile pairs of `kind` over row pairs ps and cols column
+    tiles, row pair by row pair (raster "row") or column tile by column tile, as columns: kind, p,
+    col, minibatch, macrobatch, expert [n], and each half's (row tile 2p + cta) waits [n, 2, MAX_WAITS]
+    and signals [n, 2, MAX_SIGNALS] (-1: none): wait_rt[row tile] if given, then `waits`; the same
+    for signals."""
+    ps = np.asarray(ps, np.int64)
+    if raster == "row":
+        p, col = np.repeat(ps, cols), np.tile(np.arange(cols), len(ps))
+    else:
+        p, col = np.tile(ps, cols), np.repeat(np.arange(cols), len(ps))
+    n = len(p)
+    rt = 2 * p[:, None] + np.arange(2)
+
+    def slots(per_rt, listed, width):
+        columns = ([per_rt[rt]] if per_rt is not None else []) + [np.full((n, 2), c, np.int64) for c in listed]
+        if n and len(columns) > width:
+            raise PlanError(f"a task has more than {MAX_WAITS} waits or {MAX_SIGNALS} signals")
+        columns += [np.full((n, 2), -1, np.int64)] * (width - len(columns))
+        return np.stack(columns, axis=2) if width else np.zeros((n, 2, 0), np.int64)
+
+    return {"kind": np.full(n, int(kind), np.int64), "p": p, "col": col,
+            "minibatch": np.broadcast_to(np.asarray(minibatch, np.int64), (n,)),
+            "macrobatch": np.broadcast_to(np.asarray(macrobatch, np.int64), (n,)),
+            "expert": np.broadcast_to(np.asarray(expert, np.int64), (n,)),
+            "waits": slots(wait_rt, waits, MAX_WAITS), "signals": slots(signal_rt, signals, MAX_SIGNALS)}
 
 
 def _epilogue_tasks(k: PassKinds, shape: MoEShape, num_sms: int, ctr) -> list:

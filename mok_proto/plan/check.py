@@ -300,13 +300,15 @@ def _check_cross_rank(plan) -> None:
 
 def execution_order(plan) -> np.ndarray:
     t, c = plan.tasks, plan.counters
-    weight = np.where(c["remote"], plan.num_ranks, 1).tolist()
-    target = c["target"].tolist()
+    none = len(c)  # "no counter" (-1) as an extra counter, always complete, signalled by weight 0
+    weight = np.where(c["remote"], plan.num_ranks, 1).tolist() + [0]
+    target = c["target"].tolist() + [0]
+    wait0, wait1 = np.where(t["wait_counter"] >= 0, t["wait_counter"], none).T.tolist()
+    sig0, sig1 = np.where(t["signal_counter"] >= 0, t["signal_counter"], none).T.tolist()
     wait = t["wait_counter"].tolist()
-    sig = t["signal_counter"].tolist()
     streams = [x.tolist() for x in plan.streams()]
     ptr = [0] * len(streams)
-    value = [0] * len(c)
+    value = [0] * (len(c) + 1)
     order = []
     # The pool (the last stream) is modelled as claimed only after every cluster's own GEMM tasks
     # are done, in claim order: a static task that needs a pool pair could leave no cluster free to
@@ -322,16 +324,20 @@ def execution_order(plan) -> np.ndarray:
         for blk, stream in enumerate(streams):
             if blk == pool and any(ptr[g] < len(streams[g]) for g in static_gemm):
                 continue
-            j, end = ptr[blk], len(stream)
-            while j < end and all(w < 0 or value[w] >= target[w] for w in wait[stream[j]]):
+            start = j = ptr[blk]
+            end = len(stream)
+            while j < end:
                 i = stream[j]
-                for s in sig[i]:
-                    if s >= 0:
-                        value[s] += weight[s]
-                order.append(i)
+                a, b = wait0[i], wait1[i]
+                if value[a] < target[a] or value[b] < target[b]:
+                    break
+                value[sig0[i]] += weight[sig0[i]]
+                value[sig1[i]] += weight[sig1[i]]
                 j += 1
+            if j > start:
+                order += stream[start:j]
+                ptr[blk] = j
                 progress = True
-            ptr[blk] = j
     stuck = [blk for blk, stream in enumerate(streams) if ptr[blk] < len(stream)]
     if stuck:
         lines = []
@@ -372,27 +378,30 @@ def ancestors(plan, order: np.ndarray, tracked: np.ndarray | None = None) -> lis
     bit = np.full(len(t), -1, np.int64)
     sel = np.arange(len(t)) if tracked is None else np.flatnonzero(tracked)
     bit[sel] = np.arange(len(sel))
-    signalers: dict[int, int] = {}
     anc = [0] * len(t)
     prev_in_stream = np.full(len(t), -1, np.int64)
     for stream in plan.streams():
         prev_in_stream[stream[1:]] = stream[:-1]
     # claimed pairs run on whichever cluster claims them, concurrently: nothing precedes one by order
     prev_in_stream[t["block"] == plan.pool_block] = -1
-    wait, sig = t["wait_counter"].tolist(), t["signal_counter"].tolist()
+    # "no counter" (-1): waits read counter none, which nothing signals; signals go to none + 1
+    none = len(plan.counters)
+    wait0, wait1 = np.where(t["wait_counter"] >= 0, t["wait_counter"], none).T.tolist()
+    sig0, sig1 = np.where(t["signal_counter"] >= 0, t["signal_counter"], none + 1).T.tolist()
+    signalers = [0] * (none + 2)
     prev, bit = prev_in_stream.tolist(), bit.tolist()
     for i in order.tolist():
-        base = anc[prev[i]] if prev[i] >= 0 else 0
-        extra = 1 << bit[i] if bit[i] >= 0 else 0
-        for w in wait[i]:
-            if w >= 0:
-                extra |= signalers.get(w, 0)
+        p, b = prev[i], bit[i]
+        base = anc[p] if p >= 0 else 0
+        extra = signalers[wait0[i]] | signalers[wait1[i]]
+        if b >= 0:
+            extra |= 1 << b
         a = base | extra if extra & ~base else base
         anc[i] = a
-        for s in sig[i]:
-            if s >= 0:
-                got = signalers.get(s, 0)
-                signalers[s] = got | a if a & ~got else got
+        for s in (sig0[i], sig1[i]):
+            got = signalers[s]
+            if a & ~got:
+                signalers[s] = got | a
     return anc
 
 
@@ -463,7 +472,9 @@ def _check_needs(plan, needs: list, anc: list, index: np.ndarray) -> None:
     for what, i, need in needs:
         m = masks.get(id(need))
         if m is None:
-            m = masks[id(need)] = sum(1 << b for b in bit[need].tolist())
+            member = np.zeros(len(index), bool)
+            member[bit[need]] = True
+            m = masks[id(need)] = int.from_bytes(np.packbits(member, bitorder="little").tobytes(), "little")
         if anc[i] & m != m:
             missing = m & ~anc[i]
             j = int(index[(missing & -missing).bit_length() - 1])

@@ -159,6 +159,7 @@ class Builder:
         self.counters: dict[tuple, list] = {}  # (kind, index) -> [id, remote]
         self.by_id: list[list] = []
         self.tasks: list[tuple] = []  # (block, kind, *FIELDS, waits..., signals...) per task, in call order
+        self.parts: list[np.ndarray] = []  # the rows of the tasks before `tasks`, in call order (add_rows)
 
     def counter(self, kind: CounterKind, index: int, remote: bool = False) -> int:
         key = (int(kind), int(index))
@@ -174,6 +175,13 @@ class Builder:
         self.tasks.append((block, int(kind), minibatch, macrobatch, row_tile, col_tile, expert,
                            *waits, *_NONE[:MAX_WAITS - len(waits)], *signals, *_NONE[:MAX_SIGNALS - len(signals)]))
 
+    def add_rows(self, rows: np.ndarray) -> None:
+        """Add tasks as int64 rows in the layout of `tasks`' tuples (-1: no wait or signal), in row order."""
+        if self.tasks:
+            self.parts.append(np.array(self.tasks, np.int64).reshape(len(self.tasks), ROW_WIDTH))
+            self.tasks = []
+        self.parts.append(np.asarray(rows, np.int64).reshape(-1, ROW_WIDTH))
+
     def build(self, **fields) -> Plan:
         # Remote counters get the last ids (Plan.first_remote_counter): the fused kernel tells one by its
         # id, without loading its Counter in every task's wait and signal.
@@ -186,8 +194,8 @@ class Builder:
         ids = new_id[np.array([cid for cid, _ in self.counters.values()], np.int64)]
         counters["kind"][ids], counters["index"][ids] = keys[:, 0], keys[:, 1]
         counters["remote"][ids] = [remote for _, remote in self.counters.values()]
-        rows = np.array(self.tasks, np.int64).reshape(len(self.tasks), 7 + MAX_WAITS + MAX_SIGNALS)
-        tasks = np.zeros(len(self.tasks), TASK_DTYPE)
+        rows = np.concatenate(self.parts + [np.array(self.tasks, np.int64).reshape(len(self.tasks), ROW_WIDTH)])
+        tasks = np.zeros(len(rows), TASK_DTYPE)
         for j, name in enumerate(("block", "kind") + self.FIELDS):
             tasks[name] = rows[:, j]
         tasks["wait_counter"] = new_id[rows[:, 7:7 + MAX_WAITS]]
@@ -205,6 +213,7 @@ class Builder:
 
 
 _NONE = (-1,) * max(MAX_WAITS, MAX_SIGNALS)  # the unused wait and signal slots of a task
+ROW_WIDTH = 7 + MAX_WAITS + MAX_SIGNALS  # a Builder row: block, kind, FIELDS, waits, signals
 
 
 def with_tasks(plan: Plan, tasks: np.ndarray, counters: np.ndarray | None = None) -> Plan:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import operator
 import shutil
 from pathlib import Path
 
@@ -121,8 +122,14 @@ def _load_timeline(path: str, size: int, mtime_ns: int):
     rows = json.loads("[" + ",".join(line for line in read_text(path).splitlines() if line.strip()) + "]")
     rec = np.zeros(len(rows), TRACE_DTYPE)
     for name in TRACE_DTYPE.names:
-        values = [r.get(name, False) if name == "claimed" else r[name] for r in rows]
-        rec[name] = [int(TaskKind[v.upper()]) for v in values] if name == "kind" else values
+        if name == "claimed":
+            rec[name] = [r.get(name, False) for r in rows]
+            continue
+        values = list(map(operator.itemgetter(name), rows))
+        if name == "kind":
+            ids = {v: int(TaskKind[v.upper()]) for v in set(values)}
+            values = list(map(ids.__getitem__, values))
+        rec[name] = values
     comm = np.isin(rec["kind"], [int(k) for k in COMM_KINDS])
     rec["role"] = np.where(np.isin(rec["kind"], [int(k) for k in MOVER_KINDS]), ROLES.index("comm"),
                            ROLES.index("compute"))

@@ -149,14 +149,7 @@ class StepGraph:
         level, done_at, ran = [0] * num, [-1] * num_c, [False] * num
         stack = [j for j, d in enumerate(deps) if not d]
 
-        def release(w, lv):  # one of step w's dependencies is met, at level lv
-            if level[w] < lv:
-                level[w] = lv
-            deps[w] -= 1
-            if not deps[w]:
-                stack.append(w)
-
-        while stack:
+        while stack:  # (a step w's dependency met at level lv: level[w] >= lv, deps[w] - 1; inlined)
             j = stack.pop()
             ran[j], lv = True, level[j]
             for c in sig[j]:
@@ -164,12 +157,27 @@ class StepGraph:
                     done_at[c] = lv
                 pending[c] -= 1
                 if not pending[c]:
+                    wl = done_at[c] + 1
                     for w in waiters[ptr[c]:ptr[c + 1]]:
-                        release(w, done_at[c] + 1)
-            if j + 1 < num and follows[j + 1]:
-                release(j + 1, lv + 1)
+                        if level[w] < wl:
+                            level[w] = wl
+                        deps[w] -= 1
+                        if not deps[w]:
+                            stack.append(w)
+            w = j + 1
+            if w < num and follows[w]:
+                if level[w] <= lv:
+                    level[w] = lv + 1
+                deps[w] -= 1
+                if not deps[w]:
+                    stack.append(w)
             if j in gate:
-                release(gate[j], lv + 1)
+                w = gate[j]
+                if level[w] <= lv:
+                    level[w] = lv + 1
+                deps[w] -= 1
+                if not deps[w]:
+                    stack.append(w)
         done_at = [lv if not left else -1 for lv, left in zip(done_at, pending)]
         return np.where(ran, level, -1), np.array(done_at, np.int64)
 
