@@ -38,14 +38,7 @@ class Problem:
         def exact(a):
             if not bf16:
                 return np.asarray(a, np.float64)
-            # to_bf16 then from_bf16 in one buffer: the rounded bits with the low 16 cleared
-            bits = np.ascontiguousarray(a, np.float32).view(np.uint32)
-            rounded = bits >> 16
-            rounded &= 1
-            rounded += np.uint32(0x7FFF)
-            rounded += bits
-            rounded &= np.uint32(0xFFFF0000)
-            return rounded.view(np.float32).astype(np.float64)
+            return reference.round_bf16(a).astype(np.float64)
 
         out, cache = reference.forward(exact(self.flat("x")), self.flat("topk_idx"),
                                        self.flat("topk_weights").astype(np.float64),

@@ -257,4 +257,16 @@ def from_bf16(a):
     return (xp.ascontiguousarray(a).view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
 
 
+def round_bf16(a):
+    """float array -> float32 array of its bf16-rounded values: from_bf16(to_bf16(a)) in one buffer."""
+    xp = array_module(a)
+    bits = xp.ascontiguousarray(a, dtype=xp.float32).view(xp.uint32)
+    rounded = bits >> 16
+    rounded &= xp.uint32(1)
+    rounded += xp.uint32(0x7FFF)
+    rounded += bits
+    rounded &= xp.uint32(0xFFFF0000)  # the low 16 bits cleared: to_bf16's bits back in a float32
+    return rounded.view(xp.float32)
+
+
 #

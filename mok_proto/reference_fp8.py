@@ -42,7 +42,7 @@ PRECISIONS = config.PRECISIONS
 
 def round_bf16(a) -> np.ndarray:
     """float array -> float32 array of its bf16-rounded values (round to nearest even)."""
-    return reference.from_bf16(reference.to_bf16(np.asarray(a, np.float32)))
+    return reference.round_bf16(np.asarray(a, np.float32))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -92,10 +92,14 @@ def run_cases(num_ranks: int, program: str, *cases: str):
     return run_ranks(num_ranks, program, *[arg for case in cases for arg in ("--case", case)], expect_rc=None)
 
 
-def check_case(proc, ok_line: str, case: str):
-    """The case's OK line is in run_cases' output; else the job's output (its failure names the case)."""
-    assert ok_line in proc.stdout, (f"{case} not OK (job exit {proc.returncode})\n--- stdout\n{proc.stdout[-4000:]}"
-                                    f"\n--- stderr\n{proc.stderr[-4000:]}")
+def check_case(proc, ok_line: str, case: str, token: str):
+    """The case (`token`, as run_cases passed it) passed in run_cases' job: its OK line printed, and
+    a job that failed names another case (`FAILED CASE`: a later one; a rank may fail after rank 0's
+    OK line, and a failure naming no case, e.g. at exit, fails every case of the job)."""
+    failed = set(re.findall(r"^FAILED CASE (\S+)$", proc.stderr, re.M))
+    ok = ok_line in proc.stdout and (proc.returncode == 0 or (failed and token not in failed))
+    assert ok, (f"{case} not OK (job exit {proc.returncode}, failed cases {sorted(failed)})\n--- stdout\n"
+                f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
 
 
 def gpu_reason() -> str | None:

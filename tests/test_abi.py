@@ -105,7 +105,7 @@ def test_pack_places_each_field_at_its_offset():
 def test_no_kernel_source_redefines_a_shared_name():
     names = [c.name for c in abi.CONSTS] + [e.name for e in abi.ENUMS] + [s.name for s in abi.STRUCTS]
     names += [m for e in abi.ENUMS for m, _ in e.members]
-    alt = "|".join(names)  # one pass over each file for every name (a search per name was most of the time)
+    alt = "|".join(names)  # one regex over each file for all names
     pattern = re.compile(rf"constexpr\s+\w+\s+({alt})\b|enum\s+({alt})\b|struct\s+({alt})\s*\{{|\b({alt})\s*=\s*\d")
     for path in sorted(build.CUDA_DIR.glob("*.cuh")):
         if path.name == abi.HEADER:

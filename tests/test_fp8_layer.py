@@ -31,7 +31,7 @@ def test_fp8_layer_dispatch_dtypes_bitwise_equal_and_match_reference(shape, rout
     proc = run_cases(num_ranks, "tests/mpi_programs/check_fp8_layer.py",
                      *[f"{s}:{r}:{sh}" for s, r, sh, n in CASES if n == num_ranks])
     check_case(proc, f"OK R={num_ranks} {shape} routing={routing} shared={shared}: bf16 and fp8 dispatch",
-               f"case {shape} routing={routing} shared={shared} on {num_ranks} ranks")
+               f"case {shape} routing={routing} shared={shared} on {num_ranks} ranks", f"{shape}:{routing}:{shared}")
 
 
 @pytest.mark.parametrize("fields,message", [

@@ -34,7 +34,7 @@ def test_layer_matches_reference_all_policies(shape, routing, num_ranks):
     proc = run_cases(num_ranks, "tests/mpi_programs/check_layer.py",
                      *[f"{s}:{r}" for s, r, ranks in LAYER_CASES if num_ranks in ranks])
     check_case(proc, f"OK R={num_ranks} {shape} routing={routing}: 16 policies x 2 runs bitwise equal",
-               f"case {shape} routing={routing} on {num_ranks} ranks")
+               f"case {shape} routing={routing} on {num_ranks} ranks", f"{shape}:{routing}")
 
 
 def _demo_rows(stdout):
@@ -119,11 +119,12 @@ def test_ring_worst_case_routing_bitwise_equal(shape, num_ranks):
     """Every token's every choice on rank 0: rings of a quarter of its rows and of one segment run
     forward and backward (replaying) and give the bits of a ring that holds everything."""
     check_case(ring_job(num_ranks), f"OK R={num_ranks} {shape} routing=worst-case",
-               f"case {shape} routing=worst-case on {num_ranks} ranks")
+               f"case {shape} routing=worst-case on {num_ranks} ranks", f"{shape}:worst-case:some")
 
 
 @pytest.mark.xdist_group("check_ring_R2")
 def test_ring_skewed_routing_all_policies():
     proc = ring_job(2)
-    check_case(proc, "OK R=2 16,8,8,2,12,1 routing=skewed: ", "case 16,8,8,2,12,1 routing=skewed on 2 ranks")
+    check_case(proc, "OK R=2 16,8,8,2,12,1 routing=skewed: ", "case 16,8,8,2,12,1 routing=skewed on 2 ranks",
+               SKEWED_RING)
     assert "16 policies bitwise equal to one turn" in proc.stdout, proc.stdout

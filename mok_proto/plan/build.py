@@ -10,7 +10,7 @@ import functools
 import numpy as np
 
 from mok_proto.config import OPERATORS, MoEShape
-from mok_proto.plan.core import ROW_WIDTH, Builder, Plan
+from mok_proto.plan.core import ROW_WIDTH, WAITS_AT, Builder, Plan
 from mok_proto.plan.cost import default_capacity, num_col_tiles, past_expected, tile_cost, wgrad_grid
 from mok_proto.plan.kinds import (BM, FUSED_STRATEGIES, MAX_SIGNALS, MAX_WAITS, PAIR_ROWS, PASS_KINDS, PASSES,
                                   SEGMENT_ROWS, CounterKind, PassKinds, PlanError, TaskKind, cdiv, inside_kernel,
@@ -362,9 +362,9 @@ def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, polic
     block = np.concatenate([comm_blocks + 2 * np.asarray(clusters, np.int64), np.full(claim, num_sms, np.int64)])
     rows = np.empty((num_pairs, 2, ROW_WIDTH), np.int64)  # both halves of each pair, the even CTA's first
     for cta in (0, 1):
-        rows[:, cta, :7] = np.stack([block + (block < num_sms) * cta, pairs["kind"], pairs["minibatch"],
+        rows[:, cta, :WAITS_AT] = np.stack([block + (block < num_sms) * cta, pairs["kind"], pairs["minibatch"],
                                      pairs["macrobatch"], 2 * pairs["p"] + cta, pairs["col"], pairs["expert"]], axis=1)
-    rows[:, :, 7:7 + MAX_WAITS], rows[:, :, 7 + MAX_WAITS:] = pairs["waits"], pairs["signals"]
+    rows[:, :, WAITS_AT:WAITS_AT + MAX_WAITS], rows[:, :, WAITS_AT + MAX_WAITS:] = pairs["waits"], pairs["signals"]
     b.add_rows(rows)
     if token_grads:  # last in every CTA's table: its movers run them after their transfers
         for r in token_tiles(shape):

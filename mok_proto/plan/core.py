@@ -198,8 +198,8 @@ class Builder:
         tasks = np.zeros(len(rows), TASK_DTYPE)
         for j, name in enumerate(("block", "kind") + self.FIELDS):
             tasks[name] = rows[:, j]
-        tasks["wait_counter"] = new_id[rows[:, 7:7 + MAX_WAITS]]
-        tasks["signal_counter"] = new_id[rows[:, 7 + MAX_WAITS:]]
+        tasks["wait_counter"] = new_id[rows[:, WAITS_AT:WAITS_AT + MAX_WAITS]]
+        tasks["signal_counter"] = new_id[rows[:, WAITS_AT + MAX_WAITS:]]
         by_block = np.argsort(rows[:, 0], kind="stable")  # a CTA's tasks in call order: seq 0, 1, ...
         first = np.searchsorted(rows[by_block, 0], rows[by_block, 0])
         tasks["seq"][by_block] = np.arange(len(rows)) - first
@@ -213,7 +213,8 @@ class Builder:
 
 
 _NONE = (-1,) * max(MAX_WAITS, MAX_SIGNALS)  # the unused wait and signal slots of a task
-ROW_WIDTH = 7 + MAX_WAITS + MAX_SIGNALS  # a Builder row: block, kind, FIELDS, waits, signals
+WAITS_AT = 2 + len(Builder.FIELDS)  # a Builder row: block, kind, FIELDS, then the waits, then the signals
+ROW_WIDTH = WAITS_AT + MAX_WAITS + MAX_SIGNALS
 
 
 def with_tasks(plan: Plan, tasks: np.ndarray, counters: np.ndarray | None = None) -> Plan:

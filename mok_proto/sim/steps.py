@@ -149,7 +149,7 @@ class StepGraph:
         level, done_at, ran = [0] * num, [-1] * num_c, [False] * num
         stack = [j for j, d in enumerate(deps) if not d]
 
-        while stack:  # (a step w's dependency met at level lv: level[w] >= lv, deps[w] - 1; inlined)
+        while stack:  # releasing step w at level lv: level[w] >= lv, deps[w] - 1
             j = stack.pop()
             ran[j], lv = True, level[j]
             for c in sig[j]:

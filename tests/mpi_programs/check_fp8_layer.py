@@ -7,7 +7,8 @@ reference_fp8 on every rank's tokens with the receive buffers' row order: bitwis
 results (with an fp8 or no shared expert: for out and x too), within a bf16 rounding step for out
 and x with a bf16 shared expert (fp32 GEMMs of R N rows against N), within fp32 rounding for the
 shared expert's gradient (the sum of the ranks' partial sums; with a bf16 shared expert, within a
-few bf16 steps of its dg and du, whose fp32 GEMMs round otherwise with another BLAS kernel). Exits non-zero on any failure.
+few bf16 steps of its dg and du, whose fp32 GEMMs round otherwise with another BLAS kernel).
+Exits non-zero on any failure.
 """
 
 import argparse
@@ -113,9 +114,9 @@ def against_reference(comm, got, ref, tokens, experts, shared_precision, shape) 
     for key, value in got.items():
         if value.dtype != np.float32:
             failures.append(f"{key} dtype {value.dtype}")
-        if key in shared:  # per-rank partial sums (fp32 adds in another order); a bf16 shared expert's
-            err = accuracy.errors(shared[key], ref[key])  # dg, du may also move by a bf16 step (as out, x)
-            bad = err["err_max"] > (1e-5 if exact_tokens else 1e-3)
+        if key in shared:  # per-rank partial sums: fp32 adds in another order (and, with a bf16 shared
+            err = accuracy.errors(shared[key], ref[key])  # expert, dg, du a bf16 step off where out, x may be)
+            bad = err["err_max"] > 1e-5 if exact_tokens else err["err_max"] > 1e-3 or err["err_rel_rms"] > 1e-4
         elif key.startswith("w_") or key == "topk_weights" or exact_tokens:
             want = ref[key][experts] if key.startswith("w_") else ref[key][tokens]
             err = accuracy.errors(value, want)

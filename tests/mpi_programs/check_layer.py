@@ -8,6 +8,7 @@ its OK line. Exits non-zero (assertion, naming the case) on any failure.
 
 import argparse
 import itertools
+import sys
 
 import numpy as np
 from mpi4py import MPI
@@ -32,12 +33,15 @@ def main():
 
 
 def each_case(cases, check):
-    """check(*fields) for each case "FIELD:FIELD:...", in order; a failure names its case."""
+    """check(*fields) for each case "FIELD:FIELD:...", in order. A failure on any rank prints
+    `FAILED CASE <case>` to stderr (conftest.check_case reads it) and ends the job, naming the case."""
     for case in cases:
         try:
             check(*case.split(":"))
-        except AssertionError as e:
-            raise AssertionError(f"case {case}: {e}") from e
+        except Exception as e:
+            print(f"FAILED CASE {case}", file=sys.stderr, flush=True)
+            e.add_note(f"case {case}")
+            raise
 
 
 def check_case(shape_text, routing, seed, which_policies):
