@@ -363,7 +363,8 @@ def _fused(pass_: str, shape: MoEShape, num_ranks: int, knobs: FusedKnobs, polic
     rows = np.empty((num_pairs, 2, ROW_WIDTH), np.int64)  # both halves of each pair, the even CTA's first
     for cta in (0, 1):
         rows[:, cta, :WAITS_AT] = np.stack([block + (block < num_sms) * cta, pairs["kind"], pairs["minibatch"],
-                                     pairs["macrobatch"], 2 * pairs["p"] + cta, pairs["col"], pairs["expert"]], axis=1)
+                                            pairs["macrobatch"], 2 * pairs["p"] + cta, pairs["col"], pairs["expert"]],
+                                           axis=1)
     rows[:, :, WAITS_AT:WAITS_AT + MAX_WAITS], rows[:, :, WAITS_AT + MAX_WAITS:] = pairs["waits"], pairs["signals"]
     b.add_rows(rows)
     if token_grads:  # last in every CTA's table: its movers run them after their transfers
