@@ -5,7 +5,8 @@
 #
 # Run from the repo root on the GPU machine (no ./run there: it would try to download packages).
 # Installs the carried wheels (nvshmem4py, pytest-xdist) from .whl/ (or $MOK_WHEELS) if there are
-# any (../shared/DEVICE.md), runs `pytest -m gpu` (4 workers with pytest-xdist when installed), then
+# any (../shared/DEVICE.md), runs `pytest -m gpu` (4 workers with pytest-xdist when installed; then
+# the `gpu_alone` tests, which need the GPU to themselves, in one), then
 # scripts/bench_layer.py over the four paper shapes. Logs go to $OUT (the device
 # tool's folder) or results/gpu_check/, and every results/ file this run wrote goes into one
 # archive there, results_new.tgz (the device tool brings back a few files, not a folder's worth).
@@ -13,7 +14,7 @@
 # `nvidia-smi -L` lists no GPU (nothing runs) or no GPU test passed (every one skipped).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+case "${1:-}" in -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 bench=1
 if [ "${1:-}" = "--no-bench" ]; then bench=0; shift; fi
 if [ "${1:-}" = "--" ]; then shift; fi
@@ -44,6 +45,12 @@ summary=$(tail -1 "$out/gpu_tests.txt")
 if [ "$status" = 0 ] && ! [[ "$summary" =~ [1-9][0-9]*\ passed ]]; then  # e.g. CuPy missing: every test skips
   echo "[gpu_check] no GPU test passed (pytest: ${summary//=/}): see the skip reasons in $out/gpu_tests.txt" >&2
   status=1
+fi
+if [ "$status" = 0 ] && [ -n "$workers" ]; then  # the tests timed against the clock skipped there: the GPU alone
+  echo "[gpu_check] pytest -m gpu_alone -> $out/gpu_alone_tests.txt" >&2
+  python3 -m pytest -m gpu_alone -q -rs > "$out/gpu_alone_tests.txt" 2>&1
+  status=$?
+  tail -1 "$out/gpu_alone_tests.txt" >&2
 fi
 if [ "$bench" = 1 ] && [ "$status" = 0 ]; then
   echo "[gpu_check] scripts/bench_layer.py $* -> $out/bench_layer.txt" >&2

@@ -1,18 +1,30 @@
 """The registered kernel modules compiled by NVRTC with the GPU path's options and name expressions
-(mok_proto.kernels.build; CuPy also appends -ftz=true, which these compiles leave out), each at most once per test process: test_kernels_build
-checks the compile and what ptxas reports, test_link reads the PTX of both builds. Their tests
-share the xdist group GROUP, so one worker compiles each."""
+(mok_proto.kernels.build; CuPy also appends -ftz=true, which these compiles leave out), each at most
+once per test process: test_kernels_build checks the compile and what ptxas reports, test_link reads
+the PTX of both builds. Their tests share the xdist group GROUP, so one worker compiles each.
+
+A compile's result is kept on disk by what it is made of (CACHE_ENV; like CuPy's kernel cache on the
+GPU path): the sources, options, name expressions and compiler versions. Unchanged kernels are not
+recompiled by the next test run; an edited header recompiles the modules that include it."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import gzip
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
 
 import pytest
 
 from mok_proto.kernels import build
 
 GROUP = "kernel_ptx"  # pytest.mark.xdist_group of every test that compiles through compile_module
+CACHE_ENV = "MOK_NVRTC_CACHE"  # the folder of kept compiles (default ~/.cache/mok_proto/nvrtc); "0": keep none
+CACHE_KEEP = 200  # compiles kept, the least recently used dropped first
 
 
 def nvrtc():
@@ -51,14 +63,30 @@ def compile_module(key: str, target: str) -> Compiled:
     path compiles to a cubin)."""
     lib = need_nvrtc()
     module = build.MODULES[key]
-    err, prog = lib.nvrtcCreateProgram(f'#include "{module.header}"\n'.encode(), b"module.cu", 0, [], [])
-    assert err == lib.nvrtcResult.NVRTC_SUCCESS
-    for name in module.names:
-        assert lib.nvrtcAddNameExpression(prog, name.encode())[0] == lib.nvrtcResult.NVRTC_SUCCESS
     options = [o.encode() for o in (*build.CXX_OPTIONS, *(f"-D{d}" for d in module.defines),
                                      f"--gpu-architecture={target}", f"-I{build.CUDA_DIR}",
                                      *(["--ptxas-options=-v"] if target.startswith("sm_") else
                                        ["--Ofast-compile=mid"]))]
+    kept = _cache_file(lib, module, options)
+    if kept is not None and kept.is_file():
+        try:
+            with gzip.open(kept, "rt") as f:
+                compiled = Compiled(**json.load(f))
+            kept.touch()
+            return compiled
+        except (OSError, EOFError, ValueError, TypeError):  # unreadable: compiled again, and replaced
+            pass
+    compiled = _compile(lib, module, options)
+    if kept is not None and compiled.ok:
+        _keep(kept, compiled)
+    return compiled
+
+
+def _compile(lib, module, options: list) -> Compiled:
+    err, prog = lib.nvrtcCreateProgram(f'#include "{module.header}"\n'.encode(), b"module.cu", 0, [], [])
+    assert err == lib.nvrtcResult.NVRTC_SUCCESS
+    for name in module.names:
+        assert lib.nvrtcAddNameExpression(prog, name.encode())[0] == lib.nvrtcResult.NVRTC_SUCCESS
     (result,) = lib.nvrtcCompileProgram(prog, len(options), options)
     _, size = lib.nvrtcGetProgramLogSize(prog)
     log = b" " * size
@@ -75,6 +103,41 @@ def compile_module(key: str, target: str) -> Compiled:
     lib.nvrtcDestroyProgram(prog)
     return Compiled(ok, log.decode(errors="replace").rstrip("\x00 "), ptx.decode(errors="replace").rstrip("\x00"),
                     lowered)
+
+
+def _cache_file(lib, module, options: list) -> Path | None:
+    """Where the compile of `module` with `options` is kept (None: CACHE_ENV is "0"), named by a
+    digest of everything it depends on: the header and what it includes (build.source_digest), the
+    options (-I names the cuda/ folder: another checkout keeps its own), the name expressions, and
+    NVRTC's version and package."""
+    where = os.environ.get(CACHE_ENV)
+    if where == "0":
+        return None
+    root = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mok_proto" / "nvrtc"
+    versions = [list(lib.nvrtcVersion()[1:])]
+    for package in ("nvidia-cuda-nvrtc", "cuda-bindings"):
+        try:
+            versions.append(metadata.version(package))
+        except metadata.PackageNotFoundError:
+            versions.append(None)
+    what = [build.source_digest(module.header), module.header, list(module.names), [o.decode() for o in options], versions]
+    return root / (hashlib.sha256(json.dumps(what).encode()).hexdigest() + ".json.gz")
+
+
+def _keep(path: Path, compiled: Compiled) -> None:
+    """Write the compile (atomically: a test run beside this one may read it) and drop the least
+    recently used beyond CACHE_KEEP; a folder that cannot be written keeps nothing."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        with gzip.open(partial, "wt", compresslevel=1) as f:
+            json.dump(asdict(compiled), f)
+        os.replace(partial, path)
+        kept = sorted(path.parent.glob("*.json.gz"), key=lambda p: p.stat().st_mtime)
+        for old in kept[:-CACHE_KEEP]:
+            old.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def ptxas_report(key: str, arch: str) -> str:

@@ -10,6 +10,7 @@ import pytest
 
 from mok_proto import abi
 from mok_proto.kernels import build, comm, features, fp8, fused, gemm, gemm_fp8, token  # noqa: F401 - registers the modules
+import kernel_ptx
 from kernel_ptx import GROUP, compile_module, ptxas_report
 
 NVCC = shutil.which("nvcc")
@@ -141,3 +142,35 @@ def test_rows_of_experimental_variants_stay_out_of_what_results_load(tmp_path):
     assert [r["time"][11:16] for r in results.load("bench_gemm", tmp_path)] == ["05:00", "05:05", "05:06", "05:10"]
     assert len(results.load("bench_gemm", tmp_path, experimental=True)) == 11
     assert not set(features.VARIANT_FIELDS) & set(features.CURRENT)
+
+
+def test_a_kept_compile_is_named_by_everything_it_depends_on(tmp_path, monkeypatch):
+    """kernel_ptx keeps compiles on disk: the same header, includes, options and compiler give the
+    same file; an edited include, another option or another checkout's cuda/ give another."""
+    lib = kernel_ptx.need_nvrtc()
+    copy = tmp_path / "cuda"
+    shutil.copytree(build.CUDA_DIR, copy)
+    monkeypatch.setattr(build, "CUDA_DIR", copy)
+    monkeypatch.setenv(kernel_ptx.CACHE_ENV, str(tmp_path / "kept"))
+    module = build.MODULES["token.cuh"]
+    options = [b"-std=c++17", b"--gpu-architecture=sm_90a", f"-I{copy}".encode()]
+    first = kernel_ptx._cache_file(lib, module, options)
+    assert first.parent == tmp_path / "kept" and first == kernel_ptx._cache_file(lib, module, list(options))
+    assert kernel_ptx._cache_file(lib, module, options[:1] + [b"--gpu-architecture=sm_100a"] + options[2:]) != first
+    assert kernel_ptx._cache_file(lib, module, options + [b"-DMOK_LINK"]) != first
+    with (copy / "common.cuh").open("a") as f:  # token.cuh includes common.cuh
+        f.write("// a comment\n")
+    assert kernel_ptx._cache_file(lib, module, options) != first
+    monkeypatch.setenv(kernel_ptx.CACHE_ENV, "0")
+    assert kernel_ptx._cache_file(lib, module, options) is None
+
+
+def test_a_kept_compile_is_the_compilers_answer(tmp_path, monkeypatch):
+    """A compile read back from disk equals the compile; an unreadable kept file is compiled again."""
+    monkeypatch.setenv(kernel_ptx.CACHE_ENV, str(tmp_path))
+    compile_once = kernel_ptx.compile_module.__wrapped__  # past the per-process cache
+    fresh = compile_once("token.cuh", "compute_90a")
+    (kept,) = tmp_path.glob("*.json.gz")
+    assert fresh.ok and compile_once("token.cuh", "compute_90a") == fresh
+    kept.write_bytes(b"not gzip")
+    assert compile_once("token.cuh", "compute_90a") == fresh and kept.read_bytes()[:2] == b"\x1f\x8b"

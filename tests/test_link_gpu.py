@@ -105,6 +105,7 @@ def test_no_fused_chunk_ends_before_its_budget(cupy):
     assert span >= link.transfer_ns(int((src_rank >= 0).sum()) * row_bytes) - granularity_ns
 
 
+@pytest.mark.gpu_alone
 def test_long_transfer_runs_at_the_link_rate(cupy):
     from mok_proto.bench import summarize, time_stages
     from mok_proto.layer.gpu_comm import GpuCommRound

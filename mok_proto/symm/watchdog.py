@@ -42,6 +42,9 @@ from mok_proto.exitcodes import EXIT_PEER
 ARRIVAL_TAG = 32001  # point-to-point tags reserved on the heap's communicator
 HEARTBEAT_TAG = 32002
 _GOODBYE = -1  # heartbeat payload that says "I finished; stop expecting heartbeats from me"
+# Between printing the one line and ending the job: a line written just before the job ends may never
+# be forwarded by the launcher (a loaded machine needs more than a scheduler tick)
+FORWARD_S = 0.5
 
 
 class PeerTimeoutError(RuntimeError):
@@ -57,7 +60,7 @@ class PeerTimeoutError(RuntimeError):
 def abort(comm, line: str, code: int) -> None:
     """Print one line and end the whole job with MPI_Abort(code) (every process, stopped ones too)."""
     print(line, file=sys.stderr, flush=True)
-    time.sleep(0.2)  # NOTE: lets the launcher forward the line before MPI_Abort tears the job down
+    time.sleep(FORWARD_S)
     comm.Abort(code)
 
 
@@ -286,13 +289,14 @@ class LastResort:
 
     def __init__(self, rank: int):
         read_fd, self._write_fd = os.pipe()
+        parent = os.getpid()
         self.pid = os.fork()
         if self.pid == 0:  # helper: no MPI, no threads
             # NOTE: hold none of the rank's files (output pipes, the launcher's PMI socket): a
             # stopped helper must not keep the launcher waiting for them to close.
             os.closerange(0, read_fd)
             os.closerange(read_fd + 1, 1 << 16)
-            os._exit(_last_resort_loop(read_fd, rank))
+            os._exit(_last_resort_loop(read_fd, rank, parent))
         os.close(read_fd)
 
     def arm(self, op: str, timeout_s: float) -> None:
@@ -302,19 +306,23 @@ class LastResort:
         os.write(self._write_fd, b"0 -\n")
 
 
-def _last_resort_loop(read_fd: int, rank: int) -> int:
+def _last_resort_loop(read_fd: int, rank: int, parent: int) -> int:
     """The helper's life: follow arm/disarm lines; past a deadline report and kill the parent."""
     deadline, op, timeout_s, pending = None, "", 0.0, b""
     while True:
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, _, _ = select.select([read_fd], [], [], wait)
         if not ready:
-            stopped = ", ".join(f"{r} (pid {p})" for r, p in stopped_ranks_here(os.getppid())) or "none found here"
+            if os.getppid() != parent:  # the rank is gone (its job ended meanwhile): nothing to end
+                return 0
+            stopped = ", ".join(f"{r} (pid {p})" for r, p in stopped_ranks_here(parent)) or "none found here"
             line = (f"mok_proto: {op}: rank {rank} waited {timeout_s:g} s for every rank; stopped ranks on "
                     f"this host: {stopped}; ending the job\n")
-            with contextlib.suppress(OSError), open(f"/proc/{os.getppid()}/fd/2", "w") as err:  # the rank's stderr
+            with contextlib.suppress(OSError), open(f"/proc/{parent}/fd/2", "w") as err:  # the rank's stderr
                 err.write(line)
-            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(FORWARD_S)
+            if os.getppid() == parent:
+                os.kill(parent, signal.SIGKILL)
             return 0
         data = os.read(read_fd, 4096)
         if not data:  # the rank exited
