@@ -129,12 +129,20 @@ def pytest_collection_modifyitems(config, items):
     if reason:
         for item in gpu_items:
             item.add_marker(pytest.mark.skip(reason=reason))
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1 and not reason:  # other workers' kernels time-slice with the timed one
+    alone = None if reason else alone_reason(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    if alone:
         for item in items:
             if "gpu_alone" in item.keywords:
-                item.add_marker(pytest.mark.skip(reason=f"timed against the clock: needs the GPU alone, and {workers} "
-                                                        "pytest workers share it; run `python3 -m pytest -m gpu_alone`"))
+                item.add_marker(pytest.mark.skip(reason=alone))
+
+
+def alone_reason(workers: int) -> str | None:
+    """Why a `gpu_alone` test skips on one of `workers` pytest workers (None: it runs): the other
+    workers' kernels time-slice with the one it times."""
+    if workers <= 1:
+        return None
+    return (f"timed against the clock: needs the GPU alone, and {workers} pytest workers share it; "
+            "run `python3 -m pytest -m gpu_alone`")
 
 
 def sha_digests(stdout: str) -> dict:

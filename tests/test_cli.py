@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, gpu_reason, rank_env, run_ranks
+from conftest import ROOT, alone_reason, gpu_reason, rank_env, run_ranks
 from mok_proto import demo
 from mok_proto.config import PRESETS, RunConfig
 from mok_proto.demo import estimate_bytes
@@ -182,6 +182,15 @@ def test_gpu_check_fails_when_every_gpu_test_skipped(tmp_path):
     reason = [line for line in proc.stderr.splitlines() if "no GPU test passed" in line]
     assert len(reason) == 1 and "skipped" in reason[0], proc.stderr
     assert "passed" not in (tmp_path / "out" / "gpu_tests.txt").read_text().splitlines()[-1]
+
+
+def test_gpu_alone_tests_run_only_on_a_gpu_of_their_own():
+    """Under several pytest-xdist workers a `gpu_alone` test skips (another worker's kernels would
+    time-slice with what it times); gpu_check.sh runs those after the parallel pass, on one."""
+    assert alone_reason(1) is None
+    assert "6 pytest workers" in alone_reason(6) and "-m gpu_alone" in alone_reason(2)
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    assert "python3 -m pytest -m gpu_alone" in script
 
 
 def test_bench_gemm_unknown_problem_refused_before_any_gpu_work():
