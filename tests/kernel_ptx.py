@@ -113,7 +113,10 @@ def _cache_file(lib, module, options: list) -> Path | None:
     where = os.environ.get(CACHE_ENV)
     if where == "0":
         return None
-    root = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mok_proto" / "nvrtc"
+    try:
+        root = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mok_proto" / "nvrtc"
+    except RuntimeError:  # no home folder: nothing kept
+        return None
     versions = [list(lib.nvrtcVersion()[1:])]
     for package in ("nvidia-cuda-nvrtc", "cuda-bindings"):
         try:
