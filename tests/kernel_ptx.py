@@ -108,8 +108,8 @@ def _compile(lib, module, options: list) -> Compiled:
 def _cache_file(lib, module, options: list) -> Path | None:
     """Where the compile of `module` with `options` is kept (None: CACHE_ENV is "0"), named by a
     digest of everything it depends on: the header and what it includes (build.source_digest), the
-    options (-I names the cuda/ folder: another checkout keeps its own), the name expressions, and
-    NVRTC's version and package."""
+    options, the name expressions, and NVRTC's version and package (not where the checkout is: a
+    clone elsewhere of the same sources reads the same file)."""
     where = os.environ.get(CACHE_ENV)
     if where == "0":
         return None
@@ -123,7 +123,9 @@ def _cache_file(lib, module, options: list) -> Path | None:
             versions.append(metadata.version(package))
         except metadata.PackageNotFoundError:
             versions.append(None)
-    what = [build.source_digest(module.header), module.header, list(module.names), [o.decode() for o in options], versions]
+    include = f"-I{build.CUDA_DIR}".encode()  # the folder's contents are in the digest, not its place
+    flags = ["-I<cuda>" if o == include else o.decode() for o in options]
+    what = [build.source_digest(module.header), module.header, list(module.names), flags, versions]
     return root / (hashlib.sha256(json.dumps(what).encode()).hexdigest() + ".json.gz")
 
 

@@ -146,16 +146,17 @@ def test_rows_of_experimental_variants_stay_out_of_what_results_load(tmp_path):
 
 def test_a_kept_compile_is_named_by_everything_it_depends_on(tmp_path, monkeypatch):
     """kernel_ptx keeps compiles on disk: the same header, includes, options and compiler give the
-    same file; an edited include, another option or another checkout's cuda/ give another."""
+    same file, wherever the checkout is; an edited include or another option give another."""
     lib = kernel_ptx.need_nvrtc()
+    monkeypatch.setenv(kernel_ptx.CACHE_ENV, str(tmp_path / "kept"))
+    module = build.MODULES["token.cuh"]
+    here = kernel_ptx._cache_file(lib, module, [b"-std=c++17", b"--gpu-architecture=sm_90a", f"-I{build.CUDA_DIR}".encode()])
     copy = tmp_path / "cuda"
     shutil.copytree(build.CUDA_DIR, copy)
     monkeypatch.setattr(build, "CUDA_DIR", copy)
-    monkeypatch.setenv(kernel_ptx.CACHE_ENV, str(tmp_path / "kept"))
-    module = build.MODULES["token.cuh"]
     options = [b"-std=c++17", b"--gpu-architecture=sm_90a", f"-I{copy}".encode()]
     first = kernel_ptx._cache_file(lib, module, options)
-    assert first.parent == tmp_path / "kept" and first == kernel_ptx._cache_file(lib, module, list(options))
+    assert first == here and first.parent == tmp_path / "kept"
     assert kernel_ptx._cache_file(lib, module, options[:1] + [b"--gpu-architecture=sm_100a"] + options[2:]) != first
     assert kernel_ptx._cache_file(lib, module, options + [b"-DMOK_LINK"]) != first
     with (copy / "common.cuh").open("a") as f:  # token.cuh includes common.cuh
