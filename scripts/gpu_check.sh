@@ -31,6 +31,18 @@ if ls "$wheels"/*.whl >/dev/null 2>&1; then  # a carried wheel that does not ins
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+# pytest's status ($1), or 1 (with one line saying why) when it passed with nothing run: every test of
+# its log ($2) skipped, e.g. CuPy missing
+passed_something() {
+  local summary
+  summary=$(tail -1 "$2")
+  if [ "$1" = 0 ] && ! [[ "$summary" =~ [1-9][0-9]*\ passed ]]; then
+    echo "[gpu_check] no $3 passed (pytest: ${summary//=/}): see the skip reasons in $2" >&2
+    echo 1
+  else
+    echo "$1"
+  fi
+}
 # NOTE: the commit stamped on results is mok_proto.bench.git_sha()'s: set MOK_GIT_SHA to the source
 # checkout's `git describe --always --dirty` when this tree is a copy (its .git may be stale).
 stamp=$(mktemp) && touch "$stamp"
@@ -39,17 +51,12 @@ if python3 -c "import xdist" 2>/dev/null; then workers="-n 4"; fi
 echo "[gpu_check] pytest -m gpu $workers -> $out/gpu_tests.txt" >&2
 # shellcheck disable=SC2086  # $workers: zero or two words
 python3 -m pytest -m gpu -q -rs $workers --durations=20 > "$out/gpu_tests.txt" 2>&1
-status=$?
+status=$(passed_something $? "$out/gpu_tests.txt" "GPU test")
 tail -3 "$out/gpu_tests.txt" >&2
-summary=$(tail -1 "$out/gpu_tests.txt")
-if [ "$status" = 0 ] && ! [[ "$summary" =~ [1-9][0-9]*\ passed ]]; then  # e.g. CuPy missing: every test skips
-  echo "[gpu_check] no GPU test passed (pytest: ${summary//=/}): see the skip reasons in $out/gpu_tests.txt" >&2
-  status=1
-fi
 if [ "$status" = 0 ] && [ -n "$workers" ]; then  # the tests timed against the clock skipped there: the GPU alone
   echo "[gpu_check] pytest -m gpu_alone -> $out/gpu_alone_tests.txt" >&2
   python3 -m pytest -m gpu_alone -q -rs > "$out/gpu_alone_tests.txt" 2>&1
-  status=$?
+  status=$(passed_something $? "$out/gpu_alone_tests.txt" "gpu_alone test")
   tail -1 "$out/gpu_alone_tests.txt" >&2
 fi
 if [ "$bench" = 1 ] && [ "$status" = 0 ]; then

@@ -129,7 +129,8 @@ def pytest_collection_modifyitems(config, items):
     if reason:
         for item in gpu_items:
             item.add_marker(pytest.mark.skip(reason=reason))
-    alone = None if reason else alone_reason(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    # (xdist's own worker count: the environment variable it sets is inherited by any pytest a worker starts)
+    alone = None if reason else alone_reason(int(getattr(config, "workerinput", {}).get("workercount", 1)))
     if alone:
         for item in items:
             if "gpu_alone" in item.keywords:

@@ -9,13 +9,15 @@ recompiled by the next test run; an edited header recompiles the modules that in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import hashlib
 import json
 import os
+import tempfile
+import zlib
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,8 @@ import pytest
 from mok_proto.kernels import build
 
 GROUP = "kernel_ptx"  # pytest.mark.xdist_group of every test that compiles through compile_module
-CACHE_ENV = "MOK_NVRTC_CACHE"  # the folder of kept compiles (default ~/.cache/mok_proto/nvrtc); "0": keep none
+# the folder of kept compiles (default $XDG_CACHE_HOME or ~/.cache, then mok_proto/nvrtc); "0": keep none
+CACHE_ENV = "MOK_NVRTC_CACHE"
 CACHE_KEEP = 200  # compiles kept, the least recently used dropped first
 
 
@@ -72,10 +75,12 @@ def compile_module(key: str, target: str) -> Compiled:
         try:
             with gzip.open(kept, "rt") as f:
                 compiled = Compiled(**json.load(f))
-            kept.touch()
+        except (OSError, EOFError, ValueError, TypeError, zlib.error):  # unreadable: compiled again, and replaced
+            compiled = None
+        if compiled is not None:
+            with contextlib.suppress(OSError):  # recently used (a folder this run may not write: read only)
+                os.utime(kept)
             return compiled
-        except (OSError, EOFError, ValueError, TypeError):  # unreadable: compiled again, and replaced
-            pass
     compiled = _compile(lib, module, options)
     if kept is not None and compiled.ok:
         _keep(kept, compiled)
@@ -108,8 +113,8 @@ def _compile(lib, module, options: list) -> Compiled:
 def _cache_file(lib, module, options: list) -> Path | None:
     """Where the compile of `module` with `options` is kept (None: CACHE_ENV is "0"), named by a
     digest of everything it depends on: the header and what it includes (build.source_digest), the
-    options, the name expressions, and NVRTC's version and package (not where the checkout is: a
-    clone elsewhere of the same sources reads the same file)."""
+    options, the name expressions, NVRTC's version and the library loaded (not where the checkout
+    is: a clone elsewhere of the same sources reads the same file)."""
     where = os.environ.get(CACHE_ENV)
     if where == "0":
         return None
@@ -117,32 +122,53 @@ def _cache_file(lib, module, options: list) -> Path | None:
         root = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mok_proto" / "nvrtc"
     except RuntimeError:  # no home folder: nothing kept
         return None
-    versions = [list(lib.nvrtcVersion()[1:])]
-    for package in ("nvidia-cuda-nvrtc", "cuda-bindings"):
-        try:
-            versions.append(metadata.version(package))
-        except metadata.PackageNotFoundError:
-            versions.append(None)
     include = f"-I{build.CUDA_DIR}".encode()  # the folder's contents are in the digest, not its place
     flags = ["-I<cuda>" if o == include else o.decode() for o in options]
-    what = [build.source_digest(module.header), module.header, list(module.names), flags, versions]
+    what = [build.source_digest(module.header), module.header, list(module.names), flags,
+            list(lib.nvrtcVersion()[1:]), _nvrtc_library()]
     return root / (hashlib.sha256(json.dumps(what).encode()).hexdigest() + ".json.gz")
+
+
+@functools.cache
+def _nvrtc_library() -> str:
+    """SHA-256 of the NVRTC library loaded and its builtins library beside it ("" where it cannot be
+    located): the version names only major.minor."""
+    try:
+        from cuda import pathfinder
+
+        path = pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path
+    except Exception:  # noqa: BLE001 - no pathfinder, or a library it cannot name
+        return ""
+    if not path:
+        return ""
+    h = hashlib.sha256()
+    for lib in (Path(path), *sorted(Path(path).parent.glob("libnvrtc-builtins*"))):
+        with open(lib, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def _keep(path: Path, compiled: Compiled) -> None:
     """Write the compile (atomically: a test run beside this one may read it) and drop the least
     recently used beyond CACHE_KEEP; a folder that cannot be written keeps nothing."""
+    partial = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        with gzip.open(partial, "wt", compresslevel=1) as f:
+        fd, partial = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as raw, gzip.open(raw, "wt", compresslevel=1) as f:
             json.dump(asdict(compiled), f)
         os.replace(partial, path)
+        partial = None
         kept = sorted(path.parent.glob("*.json.gz"), key=lambda p: p.stat().st_mtime)
         for old in kept[:-CACHE_KEEP]:
             old.unlink(missing_ok=True)
     except OSError:
         pass
+    finally:
+        if partial is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
 
 
 def ptxas_report(key: str, arch: str) -> str:

@@ -5,6 +5,7 @@ tests/test_abi.py)."""
 import re
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 
@@ -146,7 +147,8 @@ def test_rows_of_experimental_variants_stay_out_of_what_results_load(tmp_path):
 
 def test_a_kept_compile_is_named_by_everything_it_depends_on(tmp_path, monkeypatch):
     """kernel_ptx keeps compiles on disk: the same header, includes, options and compiler give the
-    same file, wherever the checkout is; an edited include or another option give another."""
+    same file, wherever the checkout is; an edited include, another option, other name expressions
+    or another NVRTC give another."""
     lib = kernel_ptx.need_nvrtc()
     monkeypatch.setenv(kernel_ptx.CACHE_ENV, str(tmp_path / "kept"))
     module = build.MODULES["token.cuh"]
@@ -159,6 +161,15 @@ def test_a_kept_compile_is_named_by_everything_it_depends_on(tmp_path, monkeypat
     assert first == here and first.parent == tmp_path / "kept"
     assert kernel_ptx._cache_file(lib, module, options[:1] + [b"--gpu-architecture=sm_100a"] + options[2:]) != first
     assert kernel_ptx._cache_file(lib, module, options + [b"-DMOK_LINK"]) != first
+
+    class OtherNvrtc:  # another minor version of NVRTC
+        @staticmethod
+        def nvrtcVersion():
+            return lib.nvrtcVersion()[0], 99, 0
+
+    assert kernel_ptx._cache_file(OtherNvrtc, module, options) != first
+    other_names = SimpleNamespace(header=module.header, names=module.names + ("mok::an_added_instantiation",))
+    assert kernel_ptx._cache_file(lib, other_names, options) != first
     with (copy / "common.cuh").open("a") as f:  # token.cuh includes common.cuh
         f.write("// a comment\n")
     assert kernel_ptx._cache_file(lib, module, options) != first
@@ -167,11 +178,22 @@ def test_a_kept_compile_is_named_by_everything_it_depends_on(tmp_path, monkeypat
 
 
 def test_a_kept_compile_is_the_compilers_answer(tmp_path, monkeypatch):
-    """A compile read back from disk equals the compile; an unreadable kept file is compiled again."""
+    """A compile read back from disk, without compiling, equals the compile; a damaged kept file is
+    compiled again and replaced."""
     monkeypatch.setenv(kernel_ptx.CACHE_ENV, str(tmp_path))
     compile_once = kernel_ptx.compile_module.__wrapped__  # past the per-process cache
     fresh = compile_once("token.cuh", "compute_90a")
     (kept,) = tmp_path.glob("*.json.gz")
+    compiler = kernel_ptx._compile
+
+    def no_compile(*args):
+        raise AssertionError("compiled although the compile is kept")
+
+    monkeypatch.setattr(kernel_ptx, "_compile", no_compile)
     assert fresh.ok and compile_once("token.cuh", "compute_90a") == fresh
-    kept.write_bytes(b"not gzip")
-    assert compile_once("token.cuh", "compute_90a") == fresh and kept.read_bytes()[:2] == b"\x1f\x8b"
+    monkeypatch.setattr(kernel_ptx, "_compile", compiler)
+    data = bytearray(kept.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the deflate stream
+    kept.write_bytes(bytes(data))
+    assert compile_once("token.cuh", "compute_90a") == fresh
+    assert kept.read_bytes() != bytes(data) and list(tmp_path.iterdir()) == [kept]  # replaced, no leftovers

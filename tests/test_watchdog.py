@@ -1,6 +1,9 @@
 """The watchdog's verdicts, on a fake communicator (the real thing runs in tests/test_faults.py)."""
 
 import itertools
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -38,6 +41,21 @@ def dog():
     yield d
     d._stop.set()
     d._thread.join()
+
+
+def test_last_resort_appends_its_line_and_kills_its_rank(tmp_path):
+    """Past its deadline the helper adds one line to its rank's stderr (a log file keeps what it held)
+    and ends the rank with SIGKILL."""
+    log = tmp_path / "rank.err"
+    log.write_text("earlier output\n")
+    code = ("import time\nfrom mok_proto.symm import watchdog\nhelper = watchdog.LastResort(3)\n"
+            "helper.arm('MPI finalize', 0.2)\ntime.sleep(30)\n")
+    with log.open("a") as err:
+        proc = subprocess.run([sys.executable, "-c", code], stderr=err, timeout=25)
+    assert proc.returncode == -signal.SIGKILL
+    lines = log.read_text().splitlines()
+    assert lines[0] == "earlier output" and len(lines) == 2, lines
+    assert lines[1].startswith("mok_proto: MPI finalize: rank 3 waited 0.2 s for every rank; stopped ranks"), lines
 
 
 def test_silent_peer_is_named(dog):

@@ -318,8 +318,12 @@ def _last_resort_loop(read_fd: int, rank: int, parent: int) -> int:
             stopped = ", ".join(f"{r} (pid {p})" for r, p in stopped_ranks_here(parent)) or "none found here"
             line = (f"mok_proto: {op}: rank {rank} waited {timeout_s:g} s for every rank; stopped ranks on "
                     f"this host: {stopped}; ending the job\n")
-            with contextlib.suppress(OSError), open(f"/proc/{parent}/fd/2", "w") as err:  # the rank's stderr
-                err.write(line)
+            with contextlib.suppress(OSError):  # the rank's stderr: appended to (a file), never waited on (a full pipe)
+                err = os.open(f"/proc/{parent}/fd/2", os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+                try:
+                    os.write(err, line.encode())
+                finally:
+                    os.close(err)
             time.sleep(FORWARD_S)
             if os.getppid() == parent:
                 os.kill(parent, signal.SIGKILL)
