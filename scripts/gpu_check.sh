@@ -49,8 +49,10 @@ stamp=$(mktemp) && touch "$stamp"
 workers=""
 if python3 -c "import xdist" 2>/dev/null; then workers="-n 4"; fi
 echo "[gpu_check] pytest -m gpu $workers -> $out/gpu_tests.txt" >&2
+# the longest GPU tests' files named first: the workers start them at once rather than end on them
 # shellcheck disable=SC2086  # $workers: zero or two words
-python3 -m pytest -m gpu -q -rs $workers --durations=20 > "$out/gpu_tests.txt" 2>&1
+python3 -m pytest -m gpu -q -rs $workers --durations=20 tests/test_gpu_fp8_layer.py tests/test_fused_layer.py \
+  tests/test_link_gpu.py tests > "$out/gpu_tests.txt" 2>&1
 status=$(passed_something $? "$out/gpu_tests.txt" "GPU test")
 tail -3 "$out/gpu_tests.txt" >&2
 if [ "$status" = 0 ] && [ -n "$workers" ]; then  # the tests timed against the clock skipped there: the GPU alone
