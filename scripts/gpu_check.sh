@@ -11,7 +11,7 @@
 # tool's folder) or results/gpu_check/, and every results/ file this run wrote goes into one
 # archive there, results_new.tgz (the device tool brings back a few files, not a folder's worth).
 # Exit status: the tests' or, if they passed, the benchmark's; 1, with one line saying why, when
-# `nvidia-smi -L` lists no GPU (nothing runs) or no GPU test passed (every one skipped).
+# `nvidia-smi -L` lists no GPU (nothing runs) or no GPU (or gpu_alone) test passed (every one skipped).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
