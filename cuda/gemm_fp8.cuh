@@ -391,10 +391,10 @@ __device__ __forceinline__ void column_scales(u32 s_b, int lane, float2 (&b)[8])
   }
 }
 
-// A loaded stage's start (`row`: this thread's first row of the tile): the weight
-// gradients' tail zeroed (their last k-block), the descriptors' offset (add to the stage-0 ones
-// with desc_plus), the row scales sa0, sa1 (rows row, row + 8), the B scales' address and, row
-// problems, sa * sb of (n128 half, row rh): s00, s01, s10, s11.
+// A loaded stage's start (`row`: this thread's first row of the tile; `tail`: the stage's valid k,
+// kKBlock but in a weight gradient's last k-block, whose bytes tail .. 127 are zeroed): the
+// descriptors' offset (add to the stage-0 ones with desc_plus), the row scales sa0, sa1 (rows row,
+// row + 8), the B scales' address and, row problems, sa * sb of (n128 half, row rh): s00 .. s11.
 struct KBlockIn {
   u32 desc_add, s_b;
   float sa0, sa1, s00, s01, s10, s11;
@@ -438,8 +438,7 @@ __device__ __forceinline__ bool consume_kblocks(const Fp8GemmParams* p, Storage&
     wgmma_wait<0>();
     fence_accumulators(blk);
   };
-  // Counted down (one register: the bound is not kept); `tail`: the weight gradients' rows in the
-  // last k-block (kKBlock on every other k-block).
+  // Counted down; last_rows: the valid k of a weight gradient's last k-block (its expert's rows).
   const int last_rows = Tr::kRowProblem ? kKBlock : tile.rows - (tile.k_blocks - 1) * kKBlock;
   for (int left = tile.k_blocks; left > 0; --left) {
     if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
