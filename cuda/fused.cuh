@@ -379,7 +379,7 @@ template <int kPass, bool kFp8 = false>
 __device__ __forceinline__ void run_fused(const FusedParams* fp) {
   using Storage = typename StorageOf<kFp8>::Type;
   extern __shared__ char smem_raw[];
-  Storage& ss = *reinterpret_cast<Storage*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~static_cast<u64>(1023));
+  Storage& ss = aligned_shared<Storage>(smem_raw);
   const int cta = static_cast<int>(cluster_ctarank());
   const CommParams* cp = reinterpret_cast<const CommParams*>(fp->comm);
   const int w = blockIdx.y;

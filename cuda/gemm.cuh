@@ -590,8 +590,7 @@ struct StridedTiles {
 template <int kP>
 __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1) grouped_gemm(const GemmParams* p) {
   extern __shared__ char smem_raw[];
-  SharedStorage& ss =
-      *reinterpret_cast<SharedStorage*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~static_cast<u64>(1023));
+  SharedStorage& ss = aligned_shared<SharedStorage>(smem_raw);
   const int cta = static_cast<int>(cluster_ctarank());
   const int num_tiles = gemm_setup<kP>(p, ss, cta);
   run_tiles<kP>(p, ss, StridedTiles{static_cast<int>(cluster_id_x()), static_cast<int>(num_clusters_x()), num_tiles},

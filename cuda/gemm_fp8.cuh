@@ -391,19 +391,17 @@ __device__ __forceinline__ void column_scales(u32 s_b, int lane, float2 (&b)[8])
   }
 }
 
-// A loaded stage's start (`row`: this thread's first row of the tile): the weight
-// gradients' tail zeroed (their last k-block), the descriptors' offset (add to the stage-0 ones
-// with desc_plus), the row scales sa0, sa1 (rows row, row + 8), the B scales' address and, row
-// problems, sa * sb of (n128 half, row rh): s00, s01, s10, s11.
+// A loaded stage's start (`row`: this thread's first row of the tile; `tail`: the stage's valid k,
+// kKBlock but in a weight gradient's last k-block, whose bytes tail .. 127 are zeroed): the
+// descriptors' offset (add to the stage-0 ones with desc_plus), the row scales sa0, sa1 (rows row,
+// row + 8), the B scales' address and, row problems, sa * sb of (n128 half, row rh): s00 .. s11.
 struct KBlockIn {
   u32 desc_add, s_b;
   float sa0, sa1, s00, s01, s10, s11;
 };
 template <int kP, class Storage>
-__device__ __forceinline__ KBlockIn kblock_in(Storage& ss, int stage, const Tile& tile, int kb, int row,
-                                              int half, int wg_tid) {
-  if (!Traits<kP>::kRowProblem && (kb + 1) * kKBlock > tile.rows)
-    zero_tail_k(ss.stages[stage], tile.rows - kb * kKBlock, half, wg_tid);
+__device__ __forceinline__ KBlockIn kblock_in(Storage& ss, int stage, int tail, int row, int half, int wg_tid) {
+  if (!Traits<kP>::kRowProblem && tail < kKBlock) zero_tail_k(ss.stages[stage], tail, half, wg_tid);
   const u32 s_scale_a = smem_addr(ss.scale_a[stage]) + 4 * row;
   KBlockIn in{static_cast<u32>(stage * kStageBytes) >> 4, smem_addr(ss.scale_b[stage]), ld_shared_f32(s_scale_a),
               ld_shared_f32(s_scale_a + 32), 0.0f, 0.0f, 0.0f, 0.0f};
@@ -440,9 +438,11 @@ __device__ __forceinline__ bool consume_kblocks(const Fp8GemmParams* p, Storage&
     wgmma_wait<0>();
     fence_accumulators(blk);
   };
-  for (int kb = 0; kb < tile.k_blocks; ++kb) {
+  // Counted down; last_rows: the valid k of a weight gradient's last k-block (its expert's rows).
+  const int last_rows = Tr::kRowProblem ? kKBlock : tile.rows - (tile.k_blocks - 1) * kKBlock;
+  for (int left = tile.k_blocks; left > 0; --left) {
     if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmMma, kP);
-    const KBlockIn in = kblock_in<kP>(ss, ring.stage, tile, kb, row, half, wg_tid);
+    const KBlockIn in = kblock_in<kP>(ss, ring.stage, left == 1 ? last_rows : kKBlock, row, half, wg_tid);
     const u64 da = desc_plus(da0, in.desc_add), db = desc_plus(db0, in.desc_add);
     const u32 s_b = in.s_b;
     const float sa0 = in.sa0, sa1 = in.sa1, s00 = in.s00, s01 = in.s01, s10 = in.s10, s11 = in.s11;
@@ -646,9 +646,7 @@ struct SharedCountTiles {
 template <int kP>
 __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1) grouped_gemm(const Fp8GemmParams* p) {
   extern __shared__ char smem_raw[];
-  // NOTE: aligned by pointer arithmetic on smem_raw (not through an integer), so that the compiler
-  // still knows every access through ss is to shared memory: 32-bit addresses, no generic loads.
-  SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+  SharedStorage& ss = aligned_shared<SharedStorage>(smem_raw);
   const int cta = static_cast<int>(cluster_ctarank());
   const int num_tiles = gemm::gemm_setup<kP, kFullArrivals>(p, ss, cta);
   if (threadIdx.x == 0) ss.num_tiles = num_tiles;
