@@ -261,8 +261,9 @@ constexpr int kCommWarps = gemm::kThreads / 32;  // a communicating CTA: every w
 constexpr int kCommUnroll = 8;                   // (8: faster than 16 when every warp of the CTA copies)
 constexpr int kSideWarps = 3;                    // a compute CTA: warps 1 .. 3 of the producer warpgroup
 constexpr int kSideUnroll = 16;
-// (FP8: fewer rows in flight per lane than BF16, so the producer warpgroup's registers hold them)
-constexpr int kSideUnrollFp8 = 4;
+// FP8: fewer rows in flight per lane than BF16, so the producer warpgroup's registers hold them
+// (the backward, with more live state, spills less at 4; the forward is as fast at 8)
+constexpr int kSideUnrollFp8[2] = {8, 4};  // [kPass]
 constexpr int kMoverBarrier = 3;  // bar.sync id of a task's movers (0: __syncthreads; gemm.cuh: kConsumersBarrier)
 static_assert(kMoverBarrier != gemm::kConsumersBarrier, "one named barrier per group of threads");
 
@@ -448,8 +449,8 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
           for (int i = first; i < last; ++i) {
             const Task t = c.tasks[i];
             if (is_mover(t.kind))
-              ok = mover_task<kSideWarps, kFp8 ? kSideUnrollFp8 : kSideUnroll, kFp8>(c, &ss.go, t, i, side, wg_tid & 31,
-                                                                                    ok);
+              ok = mover_task<kSideWarps, kFp8 ? kSideUnrollFp8[kPass] : kSideUnroll, kFp8>(c, &ss.go, t, i, side,
+                                                                                           wg_tid & 31, ok);
           }
         }
       } else {
