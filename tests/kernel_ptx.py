@@ -1,7 +1,7 @@
 """The registered kernel modules compiled by NVRTC with the GPU path's options and name expressions
 (mok_proto.kernels.build; CuPy also appends -ftz=true, which these compiles leave out), each at most
-once per test process: test_kernels_build checks the compile and what ptxas reports, test_link reads
-the PTX of both builds. Their tests share the xdist group GROUP, so one worker compiles each.
+once per test process: test_kernels_build checks the compile, what ptxas reports and the SASS
+(kernel_sass), test_link reads the PTX of both builds. Their tests share the xdist group GROUP, so one worker compiles each.
 
 A compile's result is kept on disk by what it is made of (CACHE_ENV; like CuPy's kernel cache on the
 GPU path): the sources, options, name expressions and compiler versions. Unchanged kernels are not
@@ -9,6 +9,7 @@ recompiled by the next test run; an edited header recompiles the modules that in
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import gzip
@@ -56,6 +57,7 @@ class Compiled:
     log: str  # NVRTC's log; compiled for a real architecture, what ptxas -v prints too
     ptx: str
     lowered: dict  # name expression -> lowered (mangled) name, "" where NVRTC gave none
+    cubin: str = ""  # base64 of the cubin (sm_XX targets; "" in a kept compile from before it was kept)
 
 
 @functools.cache
@@ -77,6 +79,8 @@ def compile_module(key: str, target: str) -> Compiled:
                 compiled = Compiled(**json.load(f))
         except (OSError, EOFError, ValueError, TypeError, zlib.error):  # unreadable: compiled again, and replaced
             compiled = None
+        if compiled is not None and target.startswith("sm_") and not compiled.cubin:
+            compiled = None  # kept without its cubin: compiled again, and replaced
         if compiled is not None:
             with contextlib.suppress(OSError):  # recently used (a folder this run may not write: read only)
                 os.utime(kept)
@@ -97,17 +101,21 @@ def _compile(lib, module, options: list) -> Compiled:
     log = b" " * size
     lib.nvrtcGetProgramLog(prog, log)
     ok = result == lib.nvrtcResult.NVRTC_SUCCESS
-    ptx, lowered = b"", {}
+    ptx, lowered, cubin = b"", {}, b""
     if ok:
         _, size = lib.nvrtcGetPTXSize(prog)
         ptx = b" " * size
         lib.nvrtcGetPTX(prog, ptx)
+        if any(o.startswith(b"--gpu-architecture=sm_") for o in options):
+            _, size = lib.nvrtcGetCUBINSize(prog)
+            cubin = b" " * size
+            lib.nvrtcGetCUBIN(prog, cubin)
         for name in module.names:
             err, low = lib.nvrtcGetLoweredName(prog, name.encode())
             lowered[name] = low.decode() if err == lib.nvrtcResult.NVRTC_SUCCESS and low else ""
     lib.nvrtcDestroyProgram(prog)
     return Compiled(ok, log.decode(errors="replace").rstrip("\x00 "), ptx.decode(errors="replace").rstrip("\x00"),
-                    lowered)
+                    lowered, base64.b64encode(cubin).decode())
 
 
 def _cache_file(lib, module, options: list) -> Path | None:

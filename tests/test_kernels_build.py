@@ -12,6 +12,7 @@ import pytest
 from mok_proto import abi
 from mok_proto.kernels import build, comm, features, fp8, fused, gemm, gemm_fp8, token  # noqa: F401 - registers the modules
 import kernel_ptx
+import kernel_sass
 from kernel_ptx import GROUP, compile_module, ptxas_report
 
 NVCC = shutil.which("nvcc")
@@ -19,6 +20,9 @@ SPILL_FREE = ("gemm.cuh", "gemm_fp8.cuh")  # the standalone GEMM tiles: ptxas -v
 # Bytes of spill loads a fused kernel may have (its shared storage addressed in 32 bits: hopper.cuh
 # aligned_shared; a 64-bit storage base is spilled, and reloaded in the GEMM k-loops).
 FUSED_SPILL_LOADS = 2048
+# Local-memory accesses a GEMM k-loop may hold, by kernel (default 0): fused_forward reloads a
+# spilled word on the path that fills the fault record after a timed-out wait, never taken otherwise.
+KLOOP_LOCAL = {"fused_forward": 1}
 
 
 def _modules():
@@ -48,6 +52,51 @@ def test_every_kernel_assembles_without_loss(header, arch):
                  if "fused_" in name}
         assert len(loads) == 4 and max(loads.values()) <= FUSED_SPILL_LOADS, loads
 
+
+
+@pytest.mark.xdist_group(GROUP)
+@pytest.mark.parametrize("header", ("gemm.cuh", "gemm_fp8.cuh", "fused.cuh"))
+def test_no_gemm_k_loop_touches_local_memory(header):
+    """No k-loop of a GEMM tile, standalone or fused, loads or stores local memory (within
+    KLOOP_LOCAL): a spilled register reloaded every k-block slows every tile, and ptxas -v counts a
+    kernel's spills, not where they are."""
+    sass = kernel_sass.functions(kernel_sass.module_sass(header, "sm_90a"))
+    checked = 0
+    for name, (instructions, labels) in sass.items():
+        kernel = next((k for k in ("fused_forward_fp8", "fused_backward_fp8", "fused_forward", "fused_backward",
+                                   "grouped_gemm") if k in name), None)
+        if kernel is None:
+            continue
+        loops = kernel_sass.gemm_loops(instructions, labels)
+        assert loops, f"{name}: no k-loop found (the listing's format changed?)"
+        checked += 1
+        worst = max(len(loop.local) for loop in loops)
+        assert worst <= KLOOP_LOCAL.get(kernel, 0), (name, [(hex(l.start), l.local) for l in loops if l.local])
+    assert checked == {"gemm.cuh": 6, "gemm_fp8.cuh": 6, "fused.cuh": 4}[header]
+
+
+def test_gemm_loops_are_the_innermost_loops_with_a_wgmma():
+    # a listing of nvdisasm's shape: an outer loop holding a k-loop (wgmma, one spill reload) and a
+    # loop without wgmma (a spill store): only the k-loop counts, with its reload
+    listing = """//--------------------- .text.kernel --------------------------
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+.L_x_2:
+        /*0020*/                   LDL.64 R4, [R1] ;
+        /*0030*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0040*/              @P0 BRA `(.L_x_2) ;
+.L_x_3:
+        /*0050*/                   STL [R1+0x8], R6 ;
+        /*0060*/              @P1 BRA `(.L_x_3) ;
+        /*0070*/              @P2 BRA `(.L_x_1) ;
+        /*0080*/                   EXIT ;
+"""
+    instructions, labels = kernel_sass.functions(listing)["kernel"]
+    assert labels == {".L_x_1": 0x10, ".L_x_2": 0x20, ".L_x_3": 0x50}
+    loops = kernel_sass.gemm_loops(instructions, labels)
+    assert [(loop.start, loop.end, len(loop.local)) for loop in loops] == [(0x20, 0x40, 1)]
+    assert "LDL.64 R4, [R1]" in loops[0].local[0]
 
 def test_source_digest_covers_the_header_and_its_includes(tmp_path, monkeypatch):
     (tmp_path / "a.cuh").write_text('#include "b.cuh"\n// a\n')
