@@ -95,6 +95,14 @@ __device__ __forceinline__ void unstage8(const float* stg, int lane, float (&f)[
 
 constexpr int kAuxU = kBM * 128;  // bytes from g to u in an aux stage
 
+// A diagnostic build (MOK_GEMM_NO_EPILOGUE, bench_gemm.py --epilogue-share): the standalone tiles
+// compute and store nothing, so a launch times their main loops alone.
+#ifdef MOK_GEMM_NO_EPILOGUE
+enum : bool { kEpilogue = false };  // (an enum: no device variable)
+#else
+enum : bool { kEpilogue = true };
+#endif
+
 // 1 / (1 + e^-x) with the fast reciprocal (2 SFU operations; relative error ~1e-6, far below bf16's).
 __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
@@ -505,6 +513,17 @@ __device__ __forceinline__ bool store_down_bwd_tile(const Params* p, Storage& ss
   return ok;
 }
 
+// kDownBwd without its epilogue (kEpilogue false): the tile's aux stages waited for and handed back.
+template <int kP, class Params, class Storage>
+__device__ __forceinline__ bool skip_aux_stages(const Params* p, Storage& ss, Ring& ring, int wg_tid, bool ok) {
+  for (int c = 0; c < Traits<kP>::kAuxStages; ++c) {
+    if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmAux, kP);
+    release_stage(ss, ring.stage, wg_tid);
+    ring.advance();
+  }
+  return ok;
+}
+
 // Consumer warpgroup `half` (rows 64 half .. 64 half + 63), one tile: waits for loaded stages,
 // issues wgmma into `acc`, hands each stage back to the producers of both CTAs, runs the epilogue
 // through this warp's `staging` areas. After a failed wait (timeout, or an error recorded
@@ -537,7 +556,9 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
     if (prev >= 0) release_stage(ss, prev, wg_tid);
   };
   const bool unchanged = run_from_accumulators<kP>(p, tile, acc, half, wg_tid, k_loop);
-  if constexpr (Tr::kAuxStages > 0) {
+  if constexpr (!kEpilogue) {
+    ok = skip_aux_stages<kP>(p, ss, ring, wg_tid, ok);
+  } else if constexpr (Tr::kAuxStages > 0) {
     ok = store_down_bwd_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
   } else if (tile.store && !unchanged) {
     store_tile<kP>(p, tile, acc, staging, half, wg_tid);

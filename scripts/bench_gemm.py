@@ -17,6 +17,9 @@ torch._grouped_mm's.
 Exit status: 0 when every row meets its bar and its output check, 1 otherwise (the failed rows are
 listed), 2 on a machine without a GPU, CuPy or torch (one line says which).
 Results: JSON lines appended to results/bench_gemm.jsonl.
+--epilogue-share (bf16): our GEMM timed a second time, built without its epilogue (cuda/gemm.cuh
+kEpilogue: the tiles compute and store nothing); column `epi` and row field `epilogue_share`: the
+share of our time the epilogue adds, 1 - bare / ours (what overlapping it with the MMAs could win).
 
 --precision fp8 (mok_proto.bench.gemm_fp8_problems, gemm_fp8_rows): the same loads, each expert's
 rows at a multiple of plan.SEGMENT_ROWS (128) as in the layer. Per problem, in one run, interleaved (each iteration
@@ -122,6 +125,8 @@ def main():
     p.add_argument("--problems", default=",".join(PROBLEMS), help="a subset of " + ",".join(PROBLEMS))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--epilogue-share", action="store_true",
+                   help="bf16: also time our GEMMs without their epilogue (row field epilogue_share)")
     add_bar_option(p, {**BARS, **rows_fp8.BARS})
     args = p.parse_args()
     wanted = list(dict.fromkeys(name for name in args.problems.split(",") if name))  # in order, once each
@@ -133,6 +138,8 @@ def main():
         bars = parse_bars(args.bar, rows_fp8.BARS if args.precision == "fp8" else BARS)
     except ValueError as e:
         p.error(str(e))
+    if args.epilogue_share and args.precision != "bf16":
+        p.error("--epilogue-share: bf16 only")
     require_gpu("bench_gemm.py", need_torch=True)
     if args.precision == "fp8":
         return run_fp8(args, wanted, bars)
@@ -147,7 +154,7 @@ def main():
           f"TFLOP/s median over {args.iters} (ratio = ours / torch._grouped_mm); of dense = ours / a dense "
           f"{DENSE_N}^3 torch.matmul ({dense_ceiling:.0f} TFLOP/s)")
     print(f"{'shape':<16}{'routing':<8}{'problem':<14}{'ours':>8}{'grouped':>9}{'dense':>8}{'ratio':>7}{'bar':>6}"
-          f"{'of dense':>9}{'err':>9}  ok")
+          f"{'of dense':>9}{'err':>9}  ok" + ("    epi" if args.epilogue_share else ""))
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device="cuda")
     failed = []  # rows that miss their bar or whose output is wrong
     for shape_name in args.shapes.split(","):
@@ -160,6 +167,12 @@ def main():
                 t_ours = timed(ours, args.iters, args.warmup, flush)
                 t_torch = timed(make_torch(), args.iters, args.warmup, flush)
                 t_dense = timed(lambda: torch.mm(da, db), args.iters, args.warmup, flush)
+                bare = {}
+                if args.epilogue_share:  # (its launches leave the outputs checked below as they are)
+                    with gemm.without_epilogue():
+                        t_bare = timed(ours, args.iters, args.warmup, flush)
+                    bare = {"ours_no_epilogue": t_bare,
+                            "epilogue_share": 1.0 - t_bare["median_ms"] / t_ours["median_ms"]}
                 err.check()
                 error = reference_errors(name, ops, offs)
                 tf = {k: flops / (t["median_ms"] * 1e-3) / 1e12 for k, t in
@@ -172,12 +185,13 @@ def main():
                                   if correct else f"max rel err {error:.1e} > {ERR_TOL:.1e}"))
                 print(f"{shape_name:<16}{routing:<8}{name:<14}{tf['ours']:>8.0f}{tf['torch']:>9.0f}{tf['dense']:>8.0f}"
                       f"{ratio:>7.2f}{bar:>6.2f}{tf['ours'] / dense_ceiling:>9.2f}{error:>9.1e}  "
-                      f"{'yes' if ok else ('NO' if correct else 'WRONG')}", flush=True)
+                      f"{'yes' if ok else ('NO' if correct else 'WRONG')}"
+                      + (f"{bare['epilogue_share']:>7.1%}" if bare else ""), flush=True)
                 append_result("bench_gemm", of_dense({
                     "shape": shape_name, "ep": args.ep, "routing": routing, "problem": name,
                     "experts": int(num_experts), "rows": int(rows), "flops": int(flops), "ours": t_ours,
                     "torch_grouped_mm": t_torch, "dense": t_dense, "tflops": tf, "ratio": ratio, "bar": bar,
-                    "max_rel_err": error}, tf["ours"], dense_ceiling))
+                    "max_rel_err": error, **bare}, tf["ours"], dense_ceiling))
     return finish(gemm.MODULE, "mok::gemm", None, failed, "rows miss their bar or are wrong",
                   "all bars met, all outputs match")
 

@@ -155,6 +155,33 @@ def test_gate_up_bwd(data):
     _assert_rows("dx", dx, want, d)
 
 
+def test_the_build_without_epilogue_stores_nothing(data):
+    """Inside gemm.without_epilogue() (bench_gemm.py --epilogue-share) every problem runs to the
+    end (down_bwd's aux stages still pass through the ring) and leaves its outputs as they were;
+    after it the wrappers launch the real kernels again."""
+    import cupy
+    from mok_proto.kernels import gemm
+
+    d = data
+    e, hidden, ffn = d["w_gate"].shape
+    rows, offs, cnts = d["rows"], d["d_offsets"], d["d_counts"]
+    out = {name: _nan_bf16(rows, cols) for name, cols in
+           (("h", ffn), ("g", ffn), ("u", ffn), ("y", hidden), ("dg", ffn), ("du", ffn), ("dx", hidden))}
+    out.update(dwd=cupy.full((e, ffn, hidden), np.nan, np.float32),
+               dwg=cupy.full((e, hidden, ffn), np.nan, np.float32), dwu=cupy.full((e, hidden, ffn), np.nan, np.float32))
+    before = {name: a.copy() for name, a in out.items()}
+    with gemm.without_epilogue():
+        _run(gemm.gate_up, d["x"], d["w_gate"], d["w_up"], offs, cnts, out["h"], out["g"], out["u"])
+        _run(gemm.down, d["h"], d["w_down"], offs, cnts, out["y"])
+        _run(gemm.down_bwd, d["dy"], d["w_down"], d["g"], d["u"], offs, cnts, out["dg"], out["du"])
+        _run(gemm.gate_up_bwd, d["dg"], d["du"], d["w_gate"], d["w_up"], offs, cnts, out["dx"])
+        _run(gemm.down_wgrad, d["h"], d["dy"], offs, cnts, out["dwd"])
+        _run(gemm.gate_up_wgrad, d["x"], d["dg"], d["du"], offs, cnts, out["dwg"], out["dwu"])
+    for name, a in out.items():
+        assert a.tobytes() == before[name].tobytes(), f"{name}: written by the build without epilogue"
+    _run(gemm.down, d["h"], d["w_down"], offs, cnts, out["y"])
+    assert out["y"].tobytes() != before["y"].tobytes(), "after without_epilogue(): y not written"
+
 # (H, I): the fixture's two shapes, plus odd M tile counts (the cluster's last pair has one real
 # tile): dWd with I = 128 (1 tile), dWg/dWu with H = 384 (3 tiles; dWd is skipped there, H must be a
 # multiple of 256 for it).

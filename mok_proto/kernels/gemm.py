@@ -22,6 +22,8 @@ once outside any graph capture.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from mok_proto import abi
@@ -36,6 +38,10 @@ MODULE = CudaModule("gemm.cuh", tuple(f"mok::gemm::grouped_gemm<{i}>" for i in r
                     + ("mok::gemm::export_sizes",), archs=("sm_90a",))
 TIMEOUT_NS = 10 * 10**9
 MAX_CLUSTERS = None  # cap on a launch's clusters (None: as many as run at once); 1 runs every tile on 2 SMs
+# The diagnostic build whose tiles compute and store nothing (cuda/gemm.cuh kEpilogue), which the
+# BF16 wrappers launch inside `without_epilogue()`.
+NO_EPILOGUE_MODULE = MODULE.variant("MOK_GEMM_NO_EPILOGUE")
+_BARE = [False]  # inside without_epilogue()
 _CLUSTERS: dict = {}  # co-resident clusters by kernel handle
 # A layer on W virtual ranks launches ~20 GEMMs per rank per step, each with its params and up to
 # four tensor maps: every one must stay cached, so that a captured graph never uploads.
@@ -93,7 +99,19 @@ def _launch(problem, error: ErrorRecord | None, pack_only: bool = False, **field
     """Pack GemmParams, launch one persistent grid, return the error record it reports into.
     pack_only: launch nothing, return the packed host struct (uint64 words) instead: the fused
     layer runs the same problem's tiles inside its own kernel (kernels/fused.py)."""
-    return launch_grouped(MODULE, "mok::gemm", abi.GEMM_PARAMS, problem, problem, error, pack_only, fields)
+    module = NO_EPILOGUE_MODULE if _BARE[0] and not pack_only else MODULE
+    return launch_grouped(module, "mok::gemm", abi.GEMM_PARAMS, problem, problem, error, pack_only, fields)
+
+
+@contextlib.contextmanager
+def without_epilogue():
+    """Inside, the wrappers launch the build whose tiles store nothing (their outputs keep what
+    they held): a launch times its main loops alone (bench_gemm.py --epilogue-share)."""
+    _BARE[0] = True
+    try:
+        yield
+    finally:
+        _BARE[0] = False
 
 
 def launch_grouped(module, namespace: str, struct, problem: str, site: str, error: ErrorRecord | None,
