@@ -17,9 +17,10 @@ torch._grouped_mm's.
 Exit status: 0 when every row meets its bar and its output check, 1 otherwise (the failed rows are
 listed), 2 on a machine without a GPU, CuPy or torch (one line says which).
 Results: JSON lines appended to results/bench_gemm.jsonl.
---epilogue-share (bf16): our GEMM timed a second time, built without its epilogue (cuda/gemm.cuh
-kEpilogue: the tiles compute and store nothing); column `epi` and row field `epilogue_share`: the
-share of our time the epilogue adds, 1 - bare / ours (what overlapping it with the MMAs could win).
+--epilogue-share: our GEMM (FP8: our FP8 GEMM, in the interleaved runs) timed again, built without
+its epilogue (cuda/gemm.cuh kEpilogue: the tiles compute and store nothing); column `epi` and row
+field `epilogue_share`: the share of our time the epilogue adds, 1 - bare / ours (what overlapping
+it with the MMAs could win at most).
 
 --precision fp8 (mok_proto.bench.gemm_fp8_problems, gemm_fp8_rows): the same loads, each expert's
 rows at a multiple of plan.SEGMENT_ROWS (128) as in the layer. Per problem, in one run, interleaved (each iteration
@@ -67,7 +68,7 @@ def run_fp8(args, wanted, bars) -> int:
           f"BF16 GEMM and torch._scaled_grouped_mm (row-wise); of dense, of fp8 = over a dense {DENSE_N}^3 BF16 "
           f"matmul ({dense:.0f} TFLOP/s) and FP8 torch._scaled_mm "
           f"({'none' if dense_fp8 is None else f'{dense_fp8:.0f} TFLOP/s'})")
-    print(rows_fp8.HEADER)
+    print(rows_fp8.HEADER + ("    epi" if args.epilogue_share else ""))
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device="cuda")
     failed = []  # rows that miss a bar or whose output is wrong
     for shape_name in args.shapes.split(","):
@@ -76,6 +77,8 @@ def run_fp8(args, wanted, bars) -> int:
             err = ErrorRecord(gemm.TIMEOUT_NS / 1e9)
             for name in wanted:
                 runs = problems_fp8.ours(ops, name, err)
+                if args.epilogue_share:
+                    runs["fp8_no_epilogue"] = without_epilogue(runs["fp8"])
                 torch_run, torch_note = problems_fp8.torch_fp8(ops, name)
                 if torch_run is not None:
                     runs["torch_fp8"] = torch_run
@@ -97,6 +100,16 @@ def run_fp8(args, wanted, bars) -> int:
             torch.cuda.empty_cache()
     return finish(gemm_fp8.MODULE, gemm_fp8.NAMESPACE, gemm_fp8.smem_bytes(), failed,
                   "bars missed or outputs wrong", "all bars met, all FP8 outputs match")
+
+
+def without_epilogue(run):
+    """`run` launching the build of its kernel without epilogue (gemm.without_epilogue)."""
+    from mok_proto.kernels import gemm
+
+    def bare():
+        with gemm.without_epilogue():
+            run()
+    return bare
 
 
 def finish(module, namespace, smem, failed, failure: str, success: str) -> int:
@@ -126,7 +139,7 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--epilogue-share", action="store_true",
-                   help="bf16: also time our GEMMs without their epilogue (row field epilogue_share)")
+                   help="also time our GEMMs built without their epilogue (row field epilogue_share)")
     add_bar_option(p, {**BARS, **rows_fp8.BARS})
     args = p.parse_args()
     wanted = list(dict.fromkeys(name for name in args.problems.split(",") if name))  # in order, once each
@@ -138,8 +151,6 @@ def main():
         bars = parse_bars(args.bar, rows_fp8.BARS if args.precision == "fp8" else BARS)
     except ValueError as e:
         p.error(str(e))
-    if args.epilogue_share and args.precision != "bf16":
-        p.error("--epilogue-share: bf16 only")
     require_gpu("bench_gemm.py", need_torch=True)
     if args.precision == "fp8":
         return run_fp8(args, wanted, bars)
@@ -169,8 +180,7 @@ def main():
                 t_dense = timed(lambda: torch.mm(da, db), args.iters, args.warmup, flush)
                 bare = {}
                 if args.epilogue_share:  # (its launches leave the outputs checked below as they are)
-                    with gemm.without_epilogue():
-                        t_bare = timed(ours, args.iters, args.warmup, flush)
+                    t_bare = timed(without_epilogue(ours), args.iters, args.warmup, flush)
                     bare = {"ours_no_epilogue": t_bare,
                             "epilogue_share": 1.0 - t_bare["median_ms"] / t_ours["median_ms"]}
                 err.check()

@@ -223,6 +223,16 @@ def test_rows_record_ratios_and_bars_judge_them():
         assert R.line(bad, R.BARS, ["x"]).split()[-1] == "WRONG"
 
 
+def test_epilogue_share_is_what_the_bare_build_saves():
+    # --epilogue-share: the FP8 GEMM built without epilogue, timed in the same interleaved runs
+    samples = {"fp8": [1.0, 1.0, 1.2], "bf16": [1.5, 1.5, 1.5], "fp8_no_epilogue": [0.8, 0.75, 0.9]}
+    row = R.fp8_row("down_bwd", samples, 10**12, 1e-4, [], "no torch", 800.0, None, R.BARS, shape="s", routing="uniform")
+    assert row["fp8_no_epilogue"]["median_ms"] == 0.8 and row["epilogue_share"] == pytest.approx(0.2)
+    assert R.line(row, R.BARS, []).split()[-2:] == ["yes", "20.0%"]
+    plain = R.fp8_row("down_bwd", {k: v for k, v in samples.items() if k != "fp8_no_epilogue"}, 10**12, 1e-4, [],
+                      "no torch", 800.0, None, R.BARS, shape="s", routing="uniform")
+    assert "epilogue_share" not in plain and R.line(plain, R.BARS, []).endswith("yes")
+
 def test_rotating_runs_before_each_run_outside_its_stage():
     from mok_proto.bench import rotating
 

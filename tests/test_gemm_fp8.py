@@ -306,6 +306,26 @@ def test_down_bwd_quantizes_dg_du_as_the_row_quantizer(data):
         assert np.all(codes[~inside] == SENTINEL) and np.isnan(scales[~inside]).all(), f"{name}q outside the experts"
 
 
+def test_the_build_without_epilogue_stores_nothing(data):
+    """Inside gemm.without_epilogue() (bench_gemm.py --epilogue-share) gate_up and down_bwd, the
+    FP8 problems with the largest epilogues (their codes too), run to the end and write nothing."""
+    import cupy
+    from mok_proto.kernels import gemm, gemm_fp8
+
+    d = data
+    rows, ffn = d["rows"], d["ffn"]
+    with gemm.without_epilogue():
+        out = _gate_up(d)
+        dg, du = _nan((rows, ffn), np.uint16), _nan((rows, ffn), np.uint16)
+        codes = {name: (cupy.full((rows, ffn), SENTINEL, np.uint8), _nan((rows, ffn // B), np.float32))
+                 for name in ("dgq", "duq")}
+        _run(gemm_fp8.down_bwd, _dev(d["dy_q"]), _dev(d["w_down"]), d["g"], d["u"], d["d_offsets"], d["d_counts"],
+             dg, du, **codes)
+    for name, a in (("h", out["h"]), ("g", out["g"]), ("u", out["u"]), ("dg", dg), ("du", du)):
+        assert (a == 0x7FC0).all(), f"{name}: written by the build without epilogue"
+    for name, (c, sc) in (("hq", out["hq"]), *codes.items()):
+        assert (c == SENTINEL).all() and cupy.isnan(sc).all(), f"{name}: written by the build without epilogue"
+
 def test_gate_up_bwd(data):
     from mok_proto.kernels import gemm_fp8
 

@@ -37,7 +37,11 @@ def fp8_row(problem: str, samples: dict, flops: int, max_rel_err: float, mismatc
     stats = {name: summarize(samples[name]) if name in samples else None for name in VARIANTS}
     tflops = {name: None if s is None else flops / (s["median_ms"] * 1e-3) / 1e12 for name, s in stats.items()}
     ratios = {base: paired_ratio(samples[base], samples["fp8"]) if base in samples else None for base in BASELINES}
-    row = {"precision": "fp8", **fields, "problem": problem, "flops": int(flops), **stats, "tflops": tflops,
+    bare = {}
+    if "fp8_no_epilogue" in samples:  # --epilogue-share
+        bare = {"fp8_no_epilogue": summarize(samples["fp8_no_epilogue"])}
+        bare["epilogue_share"] = 1.0 - bare["fp8_no_epilogue"]["median_ms"] / stats["fp8"]["median_ms"]
+    row = {"precision": "fp8", **fields, "problem": problem, "flops": int(flops), **stats, **bare, "tflops": tflops,
            "ratio_vs_bf16": ratios["bf16"], "ratio_vs_torch_fp8": ratios["torch_fp8"], "torch_fp8_note": torch_note,
            "torch_fp8_recipe": "row-wise e4m3, bf16 out, use_fast_accum=False",
            "bars": {key: bar.value for key, bar in bars.items() if key.startswith(f"{problem}_fp8_x_")},
@@ -81,4 +85,5 @@ def line(row: dict, bars: dict, failed: list) -> str:
             f"{num(tf['bf16'], '.0f', 7)}{num(tf['torch_fp8'], '.0f', 7)}{num(row['ratio_vs_bf16'], '.2f', 8)}"
             f"{bar('bf16')}{num(row['ratio_vs_torch_fp8'], '.2f', 9)}{bar('torch_fp8')}"
             f"{num(row['fraction_of_dense'], '.2f', 9)}{num(row['fraction_of_dense_fp8'], '.2f', 7)}"
-            f"{num(row['max_rel_err'], '.1e', 9)}  {ok}")
+            f"{num(row['max_rel_err'], '.1e', 9)}  {ok:<5}"
+            + (f"{row['epilogue_share']:>7.1%}" if "epilogue_share" in row else "")).rstrip()

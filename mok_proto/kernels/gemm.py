@@ -39,7 +39,7 @@ MODULE = CudaModule("gemm.cuh", tuple(f"mok::gemm::grouped_gemm<{i}>" for i in r
 TIMEOUT_NS = 10 * 10**9
 MAX_CLUSTERS = None  # cap on a launch's clusters (None: as many as run at once); 1 runs every tile on 2 SMs
 # The diagnostic build whose tiles compute and store nothing (cuda/gemm.cuh kEpilogue), which the
-# BF16 wrappers launch inside `without_epilogue()`.
+# wrappers launch inside `without_epilogue()`.
 NO_EPILOGUE_MODULE = MODULE.variant("MOK_GEMM_NO_EPILOGUE")
 _BARE = [False]  # inside without_epilogue()
 _CLUSTERS: dict = {}  # co-resident clusters by kernel handle
@@ -105,8 +105,9 @@ def _launch(problem, error: ErrorRecord | None, pack_only: bool = False, **field
 
 @contextlib.contextmanager
 def without_epilogue():
-    """Inside, the wrappers launch the build whose tiles store nothing (their outputs keep what
-    they held): a launch times its main loops alone (bench_gemm.py --epilogue-share)."""
+    """Inside, the wrappers (and gemm_fp8's) launch the build whose tiles store nothing (their
+    outputs keep what they held): a launch times its main loops alone (bench_gemm.py
+    --epilogue-share)."""
     _BARE[0] = True
     try:
         yield
