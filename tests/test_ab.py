@@ -18,6 +18,20 @@ MS, BITS, TURNS = {ms}, {bits!r}, {turns}
 
 class Layer:
     num_turns, ring_rows = TURNS, 4096
+    def __init__(self, precision="bf16"):
+        self.precision, self.plans = precision, []
+    def fused_forward_plan(self, knobs):
+        return "fwd " + knobs.text
+    def fused_backward_plan(self, knobs):
+        return "bwd " + knobs.text
+    def set_forward_plan(self, plan):
+        self.plans.append(plan)
+    def set_backward_plan(self, plan):
+        self.plans.append(plan)
+    def enqueue_forward(self):
+        pass
+    def enqueue_backward(self):
+        pass
     def capture(self, forward=True, backward=True):
         return Graph()
     def check(self):
@@ -41,11 +55,20 @@ def emulated_shape(name):
 def make_inputs(shape, seed=0):
     return {{"seed": seed}}
 
-def staged_layer(shape, data):
-    return Heap(), Layer()
+def staged_layer(shape, data, precision="bf16"):
+    return Heap(), Layer(precision)
 
 def result_bytes(layer, name):
-    return (BITS + name).encode()
+    return (BITS + name + layer.precision + ",".join(layer.plans)).encode()
+"""
+
+FAKE_PLAN = """
+class FusedKnobs:
+    def __init__(self, text):
+        self.text = text
+    @classmethod
+    def parse(cls, text):
+        return cls(text)
 """
 
 FAKE_CUPY = """
@@ -73,6 +96,7 @@ def fake_tree(root: Path, ms: float, bits: str, turns: int = 1) -> Path:
     (root / "mok_proto" / "__init__.py").write_text("")
     (root / "mok_proto" / "bench" / "__init__.py").write_text("")
     (root / "mok_proto" / "bench" / "emulation.py").write_text(FAKE_EMULATION.format(ms=ms, bits=bits, turns=turns))
+    (root / "mok_proto" / "plan.py").write_text(FAKE_PLAN)
     (root / "cupy.py").write_text(textwrap.dedent(FAKE_CUPY))
     return root
 
@@ -98,6 +122,18 @@ def test_workers_alternate_and_the_ratio_is_b_over_a(tmp_path, log):
     assert res["ratio"] == pytest.approx(1.25) and res["a"]["median_ms"] == pytest.approx(2.0)
     assert log.read_text() == "ABBAABBA"  # one synchronization per timed block, the order flipping each round
 
+
+def test_setup_builds_the_precision_and_fused_plans_asked_for(tmp_path, log):
+    import hashlib
+
+    w = ab.Worker(fake_tree(tmp_path / "a", 1.0, "A"), "A")
+    try:
+        plain = w.ask(cmd="setup", shape="kimi-k2.7")["digest"]
+        fused = w.ask(cmd="setup", shape="kimi-k2.7", precision="fp8", fused="0:2048")["digest"]
+    finally:
+        w.close()
+    assert plain["fwd"] == hashlib.sha256(b"Afwdbf16").hexdigest()
+    assert fused["fwd"] == hashlib.sha256(b"Afwdfp8fwd 0:2048,bwd 0:2048").hexdigest()
 
 def test_a_worker_error_is_one_line_naming_the_worker(tmp_path, log):
     w = ab.Worker(fake_tree(tmp_path / "a", 1.0, "A"), "base (A)")
@@ -134,13 +170,15 @@ def test_script_checks(tmp_path, log, monkeypatch, capsys, ms_b, bits_b, turns, 
     for text in failed:
         assert text in err
     assert [r["pass"] for _, r in rows] == ["fwd", "bwd"] and all(name == "ab_layer" for name, _ in rows)
+    assert rows[0][1]["precision"] == "bf16" and rows[0][1]["schedule"] == "sequential" and rows[0][1]["fused"] is None
     assert rows[0][1]["equal_to_base"] == (bits_b == "same") and rows[0][1]["num_turns"] == turns
     json.dumps(rows)  # rows are JSON
 
 
 def test_script_refuses_bad_arguments(capsys):
     assert ab_cli.run(ab_cli.parse_args(["--shapes", "kimi-k2.7"])) == 2  # no --base
-    for argv in (["--base", "HEAD", "--shapes", "nope"], ["--base", "HEAD", "--rounds", "0"]):
+    for argv in (["--base", "HEAD", "--shapes", "nope"], ["--base", "HEAD", "--rounds", "0"],
+                 ["--base", "HEAD", "--fused", "0"], ["--base", "HEAD", "--precision", "fp4"]):
         with pytest.raises(SystemExit) as e:
             ab_cli.parse_args(argv)
         assert e.value.code == 2

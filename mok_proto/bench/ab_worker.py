@@ -1,16 +1,19 @@
 """One side of an A/B run (mok_proto.bench.ab): a process that imports `mok_proto` from the tree
 under test (its PYTHONPATH, not this file's tree), builds the staged EP=64 share of one shape
-(bench.emulation.staged_layer, uniform routing, seed 0), captures the sequential forward and
-backward as CUDA graphs, and times their replays on request.
+(bench.emulation.staged_layer, uniform routing, seed 0), captures its forward and backward as CUDA
+graphs (the sequential passes, or the fused ones with the knobs asked for), and times their
+replays on request.
 
 Protocol: one JSON object a line on stdin, one answer a line on the process's original stdout
 (everything the library prints goes to stderr):
-    {"cmd": "setup", "shape": NAME}  -> {"num_turns", "ring_rows", "digest": {"fwd", "bwd"}}
+    {"cmd": "setup", "shape": NAME[, "precision": "fp8"][, "fused": "COMM:MINIBATCH[:CLAIM]"]}
+                                     -> {"num_turns", "ring_rows", "digest": {"fwd", "bwd"}}
     {"cmd": "time", "pass": "fwd"|"bwd", "iters": K, "warmup": W} -> {"ms": [K replay times]}
     {"cmd": "close"}                 -> {} and the process ends
 An error answers {"error": "..."} and ends the process. Only API that every tree the A/B compares
-has is used here: emulated_shape, make_inputs(shape, seed), staged_layer(shape, data),
-result_bytes, layer.capture / check / close.
+has is used here: emulated_shape, make_inputs(shape, seed), staged_layer(shape, data[, precision=]),
+result_bytes, layer.capture / check / close, and with "fused" plan.FusedKnobs.parse and the
+layer's fused_forward_plan / fused_backward_plan / set_forward_plan / set_backward_plan.
 """
 
 import hashlib
@@ -25,13 +28,23 @@ if __name__ == "__main__":
 class Side:
     """The staged layer of one shape and its two graphs."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, precision: str = "bf16", fused: str | None = None):
         import cupy
 
         from mok_proto.bench.emulation import emulated_shape, make_inputs, result_bytes, staged_layer
 
         shape = emulated_shape(name)
-        self.heap, self.layer = staged_layer(shape, make_inputs(shape, 0))
+        run = {} if precision == "bf16" else {"precision": precision}  # (a tree without FP8 takes no such field)
+        self.heap, self.layer = staged_layer(shape, make_inputs(shape, 0), **run)
+        if fused is not None:
+            from mok_proto.plan import FusedKnobs
+
+            knobs = FusedKnobs.parse(fused)
+            self.layer.set_forward_plan(self.layer.fused_forward_plan(knobs))
+            self.layer.set_backward_plan(self.layer.fused_backward_plan(knobs))
+            self.layer.enqueue_forward()  # compiles and uploads before the captures
+            self.layer.enqueue_backward()
+            self.layer.check()
         self.graphs = {"fwd": self.layer.capture(backward=False), "bwd": self.layer.capture(forward=False)}
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.digest = {}
@@ -73,7 +86,7 @@ def serve(requests, answer) -> None:
             if req["cmd"] == "setup":
                 if side is not None:
                     side.close()
-                side = Side(req["shape"])
+                side = Side(req["shape"], req.get("precision", "bf16"), req.get("fused"))
                 answer(side.describe())
             elif req["cmd"] == "time":
                 answer({"ms": side.time(req["pass"], int(req["iters"]), int(req.get("warmup", 1)))})
