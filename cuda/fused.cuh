@@ -262,7 +262,7 @@ constexpr int kCommUnroll = 8;                   // (8: faster than 16 when ever
 constexpr int kSideWarps = 3;                    // a compute CTA: warps 1 .. 3 of the producer warpgroup
 constexpr int kSideUnroll = 16;
 // FP8: fewer 16-byte values in flight per mover lane than kSideUnroll (the producer warpgroup has
-// 72 registers), per pass (docs/design.md: why 4 in the backward and 8 in the forward)
+// kFusedFp8ProducerRegs), per pass (docs/design.md: why 4 in the backward and 8 in the forward)
 constexpr int kSideUnrollFp8[2] = {8, 4};  // [kPass]
 constexpr int kMoverBarrier = 3;  // bar.sync id of a task's movers (0: __syncthreads; gemm.cuh: kConsumersBarrier)
 static_assert(kMoverBarrier != gemm::kConsumersBarrier, "one named barrier per group of threads");

@@ -95,8 +95,8 @@ __device__ __forceinline__ void unstage8(const float* stg, int lane, float (&f)[
 
 constexpr int kAuxU = kBM * 128;  // bytes from g to u in an aux stage
 
-// A diagnostic build (MOK_GEMM_NO_EPILOGUE, bench_gemm.py --epilogue-share): the standalone tiles
-// compute and store nothing, so a launch times their main loops alone.
+// A diagnostic build (MOK_GEMM_NO_EPILOGUE, bench_gemm.py --epilogue-share): each tile runs its
+// k-loop (and a weight gradient's accumulator load) and stores nothing (skip_epilogue).
 #ifdef MOK_GEMM_NO_EPILOGUE
 enum : bool { kEpilogue = false };  // (an enum: no device variable)
 #else
@@ -513,14 +513,21 @@ __device__ __forceinline__ bool store_down_bwd_tile(const Params* p, Storage& ss
   return ok;
 }
 
-// kDownBwd without its epilogue (kEpilogue false): the tile's aux stages waited for and handed back.
+// A tile's end in the build without epilogue (kEpilogue false): kDownBwd's aux stages waited for
+// and handed back; the accumulators' sum stored where no launch reaches (ldo is never negative),
+// since ptxas removes the MMAs of accumulators nobody reads.
 template <int kP, class Params, class Storage>
-__device__ __forceinline__ bool skip_aux_stages(const Params* p, Storage& ss, Ring& ring, int wg_tid, bool ok) {
+__device__ __forceinline__ bool skip_epilogue(const Params* p, Storage& ss, Ring& ring, const float (&acc)[128],
+                                              int wg_tid, bool ok) {
   for (int c = 0; c < Traits<kP>::kAuxStages; ++c) {
     if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmAux, kP);
     release_stage(ss, ring.stage, wg_tid);
     ring.advance();
   }
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 128; ++i) sum += acc[i];
+  if (p->ldo < 0) *ptr<float>(p->out1) = sum;
   return ok;
 }
 
@@ -557,7 +564,7 @@ __device__ __forceinline__ bool consume_tile(const GemmParams* p, SharedStorage&
   };
   const bool unchanged = run_from_accumulators<kP>(p, tile, acc, half, wg_tid, k_loop);
   if constexpr (!kEpilogue) {
-    ok = skip_aux_stages<kP>(p, ss, ring, wg_tid, ok);
+    ok = skip_epilogue<kP>(p, ss, ring, acc, wg_tid, ok);
   } else if constexpr (Tr::kAuxStages > 0) {
     ok = store_down_bwd_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
   } else if (tile.store && !unchanged) {

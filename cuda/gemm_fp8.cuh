@@ -587,7 +587,7 @@ __device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, Storage& ss
   const bool unchanged = gemm::run_from_accumulators<kP>(p, tile, acc, half, wg_tid, [] {});
   ok = consume_kblocks<kP>(p, ss, ring, tile, acc, half, wg_tid, ok);
   if constexpr (!gemm::kEpilogue) {
-    ok = gemm::skip_aux_stages<kP>(p, ss, ring, wg_tid, ok);
+    ok = gemm::skip_epilogue<kP>(p, ss, ring, acc, wg_tid, ok);
   } else if constexpr (Tr::kAuxStages > 0) {
     ok = gemm::store_down_bwd_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
     if (p->out_codes && tile.store) store_down_bwd_codes(p, tile, half, wg_tid);

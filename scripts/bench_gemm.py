@@ -112,6 +112,17 @@ def without_epilogue(run):
     return bare
 
 
+def epilogue_share(ours, args, flush) -> dict:
+    """--epilogue-share of a BF16 problem: our GEMM and its build without epilogue interleaved
+    (each after the flush and the sleep), as the FP8 runs are: their row fields."""
+    from mok_proto.bench.timing import rotating, summarize, time_stages
+
+    runs = {"with": ours, "bare": without_epilogue(ours)}
+    samples = time_stages(rotating(runs, lambda: settle(flush)), args.iters, args.warmup, api="torch")
+    t_with, t_bare = summarize(samples["with"]), summarize(samples["bare"])
+    return {"ours_no_epilogue": t_bare, "epilogue_share": 1.0 - t_bare["median_ms"] / t_with["median_ms"]}
+
+
 def finish(module, namespace, smem, failed, failure: str, success: str) -> int:
     """The run's last lines: the GEMMs' grid (down's kernel of `module`), then the failed rows (on
     stderr) or `success`; the exit status."""
@@ -180,9 +191,7 @@ def main():
                 t_dense = timed(lambda: torch.mm(da, db), args.iters, args.warmup, flush)
                 bare = {}
                 if args.epilogue_share:  # (its launches leave the outputs checked below as they are)
-                    t_bare = timed(without_epilogue(ours), args.iters, args.warmup, flush)
-                    bare = {"ours_no_epilogue": t_bare,
-                            "epilogue_share": 1.0 - t_bare["median_ms"] / t_ours["median_ms"]}
+                    bare = epilogue_share(ours, args, flush)
                 err.check()
                 error = reference_errors(name, ops, offs)
                 tf = {k: flops / (t["median_ms"] * 1e-3) / 1e12 for k, t in
@@ -193,10 +202,11 @@ def main():
                 if not ok:
                     failed.append(f"{shape_name} {routing} {name}: " + (f"ratio {ratio:.2f} < bar {bar}"
                                   if correct else f"max rel err {error:.1e} > {ERR_TOL:.1e}"))
-                print(f"{shape_name:<16}{routing:<8}{name:<14}{tf['ours']:>8.0f}{tf['torch']:>9.0f}{tf['dense']:>8.0f}"
-                      f"{ratio:>7.2f}{bar:>6.2f}{tf['ours'] / dense_ceiling:>9.2f}{error:>9.1e}  "
-                      f"{'yes' if ok else ('NO' if correct else 'WRONG')}"
-                      + (f"{bare['epilogue_share']:>7.1%}" if bare else ""), flush=True)
+                line = (f"{shape_name:<16}{routing:<8}{name:<14}{tf['ours']:>8.0f}{tf['torch']:>9.0f}"
+                        f"{tf['dense']:>8.0f}{ratio:>7.2f}{bar:>6.2f}{tf['ours'] / dense_ceiling:>9.2f}{error:>9.1e}  "
+                        f"{'yes' if ok else ('NO' if correct else 'WRONG'):<5}"
+                        + (f"{bare['epilogue_share']:>7.1%}" if bare else ""))
+                print(line.rstrip(), flush=True)
                 append_result("bench_gemm", of_dense({
                     "shape": shape_name, "ep": args.ep, "routing": routing, "problem": name,
                     "experts": int(num_experts), "rows": int(rows), "flops": int(flops), "ours": t_ours,

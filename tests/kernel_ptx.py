@@ -1,7 +1,8 @@
 """The registered kernel modules compiled by NVRTC with the GPU path's options and name expressions
 (mok_proto.kernels.build; CuPy also appends -ftz=true, which these compiles leave out), each at most
 once per test process: test_kernels_build checks the compile, what ptxas reports and the SASS
-(kernel_sass), test_link reads the PTX of both builds. Their tests share the xdist group GROUP, so one worker compiles each.
+(kernel_sass), test_link reads the PTX of both builds. Their tests share the xdist group GROUP, so
+one worker compiles each.
 
 A compile's result is kept on disk by what it is made of (CACHE_ENV; like CuPy's kernel cache on the
 GPU path): the sources, options, name expressions and compiler versions. Unchanged kernels are not
@@ -29,6 +30,7 @@ GROUP = "kernel_ptx"  # pytest.mark.xdist_group of every test that compiles thro
 # the folder of kept compiles (default $XDG_CACHE_HOME or ~/.cache, then mok_proto/nvrtc); "0": keep none
 CACHE_ENV = "MOK_NVRTC_CACHE"
 CACHE_KEEP = 200  # compiles kept, the least recently used dropped first
+KEPT_FORMAT = 2  # of a kept compile's fields (Compiled): older checkouts keep theirs under other names
 
 
 def nvrtc():
@@ -57,7 +59,7 @@ class Compiled:
     log: str  # NVRTC's log; compiled for a real architecture, what ptxas -v prints too
     ptx: str
     lowered: dict  # name expression -> lowered (mangled) name, "" where NVRTC gave none
-    cubin: str = ""  # base64 of the cubin (sm_XX targets; "" in a kept compile from before it was kept)
+    cubin: str = ""  # base64 of the cubin (sm_XX targets; "" for compute_XX)
 
 
 @functools.cache
@@ -79,19 +81,17 @@ def compile_module(key: str, target: str) -> Compiled:
                 compiled = Compiled(**json.load(f))
         except (OSError, EOFError, ValueError, TypeError, zlib.error):  # unreadable: compiled again, and replaced
             compiled = None
-        if compiled is not None and target.startswith("sm_") and not compiled.cubin:
-            compiled = None  # kept without its cubin: compiled again, and replaced
         if compiled is not None:
             with contextlib.suppress(OSError):  # recently used (a folder this run may not write: read only)
                 os.utime(kept)
             return compiled
-    compiled = _compile(lib, module, options)
+    compiled = _compile(lib, module, options, target.startswith("sm_"))
     if kept is not None and compiled.ok:
         _keep(kept, compiled)
     return compiled
 
 
-def _compile(lib, module, options: list) -> Compiled:
+def _compile(lib, module, options: list, with_cubin: bool) -> Compiled:
     err, prog = lib.nvrtcCreateProgram(f'#include "{module.header}"\n'.encode(), b"module.cu", 0, [], [])
     assert err == lib.nvrtcResult.NVRTC_SUCCESS
     for name in module.names:
@@ -106,7 +106,7 @@ def _compile(lib, module, options: list) -> Compiled:
         _, size = lib.nvrtcGetPTXSize(prog)
         ptx = b" " * size
         lib.nvrtcGetPTX(prog, ptx)
-        if any(o.startswith(b"--gpu-architecture=sm_") for o in options):
+        if with_cubin:
             _, size = lib.nvrtcGetCUBINSize(prog)
             cubin = b" " * size
             lib.nvrtcGetCUBIN(prog, cubin)
@@ -133,7 +133,7 @@ def _cache_file(lib, module, options: list) -> Path | None:
     include = f"-I{build.CUDA_DIR}".encode()  # the folder's contents are in the digest, not its place
     flags = ["-I<cuda>" if o == include else o.decode() for o in options]
     what = [build.source_digest(module.header), module.header, list(module.names), flags,
-            list(lib.nvrtcVersion()[1:]), _nvrtc_library()]
+            list(lib.nvrtcVersion()[1:]), _nvrtc_library(), KEPT_FORMAT]
     return root / (hashlib.sha256(json.dumps(what).encode()).hexdigest() + ".json.gz")
 
 

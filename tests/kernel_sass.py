@@ -5,13 +5,11 @@ nvidia-cuda-nvdisasm package of the test extra) and the GEMM k-loops in it: the 
 from __future__ import annotations
 
 import base64
-import importlib.util
 import re
 import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -22,22 +20,28 @@ _LABEL = re.compile(r"\s*(\.L_x_\d+):")
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _BRANCH = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
 _LOCAL = re.compile(r"\b(LDL|STL)\b")
+_CALL = re.compile(r"\bCALL\b")
 
 
 @dataclass(frozen=True)
 class Loop:
-    start: int  # the address the backward branch goes to
-    end: int  # the branch's address
+    start: int  # the address its backward branches go to
+    end: int  # the last such branch's address
     local: tuple  # the local-memory instructions (LDL, STL) between them
+    mmas: tuple  # the wgmma instructions' opcodes (HGMMA.64x256x16.F32.BF16, ...), in order
+    calls: tuple  # subroutine calls between them (their code lies elsewhere: not scanned)
 
 
 def nvdisasm() -> str | None:
-    """The nvdisasm of the installed nvidia-cuda-nvdisasm package, else one on PATH, else None."""
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for found in sorted(Path(root).glob("cu*/bin/nvdisasm")):
-            return str(found)
-    return shutil.which("nvdisasm")
+    """The nvdisasm of the installed nvidia-cuda-nvdisasm package (cuda.pathfinder finds it), else
+    one on PATH, else None."""
+    try:
+        from cuda import pathfinder
+
+        found = pathfinder.find_nvidia_binary_utility("nvdisasm")
+    except Exception:  # noqa: BLE001 - no pathfinder, or one that cannot look
+        found = None
+    return found or shutil.which("nvdisasm")
 
 
 def module_sass(key: str, arch: str) -> str:
@@ -71,16 +75,25 @@ def functions(listing: str) -> dict:
 
 
 def gemm_loops(instructions: list, labels: dict) -> list:
-    """The innermost loops of one function that issue a wgmma, each with its local-memory accesses."""
+    """The innermost loops of one function that issue a wgmma: from a backward branch's target to
+    the last branch back to it (a loop's `continue`s are one loop)."""
     at = {address: i for i, (address, _) in enumerate(instructions)}
-    loops = []
-    for i, (address, op) in enumerate(instructions):
+    ends = {}  # target -> its last backward branch
+    for address, op in instructions:
         m = _BRANCH.search(op)
         target = labels.get(m.group(1)) if m else None
-        if target is None or target >= address:
-            continue
-        body = [o for _, o in instructions[at[target]:i + 1]]
-        if any("GMMA" in o for o in body):
-            loops.append(Loop(target, address, tuple(o for o in body if _LOCAL.search(o))))
+        if target is not None and target < address:
+            ends[target] = max(ends.get(target, address), address)
+    loops = []
+    for start, end in sorted(ends.items()):
+        body = [o for _, o in instructions[at[start]:at[end] + 1]]
+        mmas = tuple(_opcode(o) for o in body if "GMMA" in o)
+        if mmas:
+            loops.append(Loop(start, end, tuple(o for o in body if _LOCAL.search(o)), mmas,
+                              tuple(o for o in body if _CALL.search(o))))
     return [loop for loop in loops
             if not any(o is not loop and loop.start <= o.start and o.end <= loop.end for o in loops)]
+
+
+def _opcode(op: str) -> str:
+    return op.split()[1] if op.startswith("@") else op.split()[0]

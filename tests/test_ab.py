@@ -91,12 +91,18 @@ class cuda:
 """
 
 
-def fake_tree(root: Path, ms: float, bits: str, turns: int = 1) -> Path:
+def fake_tree(root: Path, ms: float, bits: str, turns: int = 1, old: bool = False) -> Path:
+    """A stand-in tree; old: one from before FP8 and fused A/Bs (staged_layer(shape, data), no plan)."""
+    emulation = FAKE_EMULATION.format(ms=ms, bits=bits, turns=turns)
     (root / "mok_proto" / "bench").mkdir(parents=True)
     (root / "mok_proto" / "__init__.py").write_text("")
     (root / "mok_proto" / "bench" / "__init__.py").write_text("")
-    (root / "mok_proto" / "bench" / "emulation.py").write_text(FAKE_EMULATION.format(ms=ms, bits=bits, turns=turns))
-    (root / "mok_proto" / "plan.py").write_text(FAKE_PLAN)
+    if old:
+        emulation = emulation.replace('def staged_layer(shape, data, precision="bf16"):', "def staged_layer(shape, data):")
+        emulation = emulation.replace("Heap(), Layer(precision)", "Heap(), Layer()")
+    else:
+        (root / "mok_proto" / "plan.py").write_text(FAKE_PLAN)
+    (root / "mok_proto" / "bench" / "emulation.py").write_text(emulation)
     (root / "cupy.py").write_text(textwrap.dedent(FAKE_CUPY))
     return root
 
@@ -134,6 +140,15 @@ def test_setup_builds_the_precision_and_fused_plans_asked_for(tmp_path, log):
         w.close()
     assert plain["fwd"] == hashlib.sha256(b"Afwdbf16").hexdigest()
     assert fused["fwd"] == hashlib.sha256(b"Afwdfp8fwd 0:2048,bwd 0:2048").hexdigest()
+
+def test_an_older_tree_serves_the_plain_setup_and_refuses_what_it_lacks(tmp_path, log):
+    w = ab.Worker(fake_tree(tmp_path / "a", 1.0, "A", old=True), "base (A)")
+    try:
+        assert w.ask(cmd="setup", shape="kimi-k2.7")["num_turns"] == 1
+        with pytest.raises(RuntimeError, match=r"base \(A\) worker failed: TypeError"):
+            w.ask(cmd="setup", shape="kimi-k2.7", precision="fp8")
+    finally:
+        w.close()
 
 def test_a_worker_error_is_one_line_naming_the_worker(tmp_path, log):
     w = ab.Worker(fake_tree(tmp_path / "a", 1.0, "A"), "base (A)")

@@ -325,6 +325,8 @@ def test_the_build_without_epilogue_stores_nothing(data):
         assert (a == 0x7FC0).all(), f"{name}: written by the build without epilogue"
     for name, (c, sc) in (("hq", out["hq"]), *codes.items()):
         assert (c == SENTINEL).all() and cupy.isnan(sc).all(), f"{name}: written by the build without epilogue"
+    again = _gate_up(d, with_gu=False)  # after it, the real kernels
+    assert not (again["h"] == 0x7FC0).all(), "after without_epilogue(): h not written"
 
 def test_gate_up_bwd(data):
     from mok_proto.kernels import gemm_fp8

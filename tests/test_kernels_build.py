@@ -53,7 +53,6 @@ def test_every_kernel_assembles_without_loss(header, arch):
         assert len(loads) == 4 and max(loads.values()) <= FUSED_SPILL_LOADS, loads
 
 
-
 @pytest.mark.xdist_group(GROUP)
 @pytest.mark.parametrize("header", ("gemm.cuh", "gemm_fp8.cuh", "fused.cuh"))
 def test_no_gemm_k_loop_touches_local_memory(header):
@@ -72,31 +71,51 @@ def test_no_gemm_k_loop_touches_local_memory(header):
         checked += 1
         worst = max(len(loop.local) for loop in loops)
         assert worst <= KLOOP_LOCAL.get(kernel, 0), (name, [(hex(l.start), l.local) for l in loops if l.local])
+        assert not any(loop.calls for loop in loops), f"{name}: a k-loop calls code this check does not read"
     assert checked == {"gemm.cuh": 6, "gemm_fp8.cuh": 6, "fused.cuh": 4}[header]
 
 
+@pytest.mark.xdist_group(GROUP)
+@pytest.mark.parametrize("header", ("gemm.cuh", "gemm_fp8.cuh"))
+def test_the_build_without_epilogue_keeps_every_mma(header):
+    """bench_gemm.py --epilogue-share times the build without epilogue as the same main loops: each
+    GEMM kernel's k-loops issue the default build's wgmma instructions (ptxas drops the MMAs of
+    accumulators that nothing reads)."""
+    def mmas(key):
+        return {name: [loop.mmas for loop in kernel_sass.gemm_loops(*listing)]
+                for name, listing in kernel_sass.functions(kernel_sass.module_sass(key, "sm_90a")).items()
+                if "grouped_gemm" in name}
+
+    default, bare = mmas(header), mmas(f"{header} -DMOK_GEMM_NO_EPILOGUE")
+    assert len(default) == 6 and all(default.values()) and bare == default
+
+
 def test_gemm_loops_are_the_innermost_loops_with_a_wgmma():
-    # a listing of nvdisasm's shape: an outer loop holding a k-loop (wgmma, one spill reload) and a
-    # loop without wgmma (a spill store): only the k-loop counts, with its reload
+    # a listing of nvdisasm's shape: an outer loop holding a k-loop (wgmma, a `continue` back to its
+    # start, one spill reload after it) and a loop without wgmma (a spill store): only the k-loop
+    # counts, up to its last branch back, with its reload
     listing = """//--------------------- .text.kernel --------------------------
         /*0000*/                   MOV R1, c[0x0][0x28] ;
 .L_x_1:
         /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
 .L_x_2:
-        /*0020*/                   LDL.64 R4, [R1] ;
-        /*0030*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR4], R24 ;
-        /*0040*/              @P0 BRA `(.L_x_2) ;
+        /*0020*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0030*/              @P3 BRA `(.L_x_2) ;
+        /*0040*/                   LDL.64 R4, [R1] ;
+        /*0050*/              @P0 BRA `(.L_x_2) ;
 .L_x_3:
-        /*0050*/                   STL [R1+0x8], R6 ;
-        /*0060*/              @P1 BRA `(.L_x_3) ;
-        /*0070*/              @P2 BRA `(.L_x_1) ;
-        /*0080*/                   EXIT ;
+        /*0060*/                   STL [R1+0x8], R6 ;
+        /*0070*/              @P1 BRA `(.L_x_3) ;
+        /*0080*/              @P2 BRA `(.L_x_1) ;
+        /*0090*/                   EXIT ;
 """
     instructions, labels = kernel_sass.functions(listing)["kernel"]
-    assert labels == {".L_x_1": 0x10, ".L_x_2": 0x20, ".L_x_3": 0x50}
+    assert labels == {".L_x_1": 0x10, ".L_x_2": 0x20, ".L_x_3": 0x60}
     loops = kernel_sass.gemm_loops(instructions, labels)
-    assert [(loop.start, loop.end, len(loop.local)) for loop in loops] == [(0x20, 0x40, 1)]
-    assert "LDL.64 R4, [R1]" in loops[0].local[0]
+    assert [(loop.start, loop.end, len(loop.local)) for loop in loops] == [(0x20, 0x50, 1)]
+    assert "LDL.64 R4, [R1]" in loops[0].local[0] and loops[0].mmas == ("HGMMA.64x256x16.F32.BF16",)
+    assert loops[0].calls == ()
+
 
 def test_source_digest_covers_the_header_and_its_includes(tmp_path, monkeypatch):
     (tmp_path / "a.cuh").write_text('#include "b.cuh"\n// a\n')

@@ -7,9 +7,10 @@ interleaved run on one GPU (mok_proto.bench.ab): a worker process per tree build
 share of each shape (bench.emulation.staged_layer: uniform routing, seed 0, the tree's own
 defaults; --precision fp8: its routed experts in FP8), captures the sequential forward and backward
 as CUDA graphs (--fused: the fused passes, both plans built with those knobs, as bench_layer.py's
---fused), and the two are timed in alternation, --rounds rounds of --iters replays each (after --warmup). Per shape and pass: A's and
-B's median of the per-round medians, and `ratio` = B / A, the median of the per-round ratios
-(p20, p80); whether the two trees' results are bitwise equal (`equal_to_base`); B's ring turns.
+--fused), and the two are timed in alternation, --rounds rounds of --iters replays each (after
+--warmup). Per shape and pass: A's and B's median of the per-round medians, and `ratio` = B / A,
+the median of the per-round ratios (p20, p80); whether the two trees' results are bitwise equal
+(`equal_to_base`); B's ring turns.
 
 Checks (exit 1 when one fails, listed): every ratio at most --max-ratio (default 1.03: B within 3%
 of A); the results bitwise equal (--allow-different-bits: report only, for a change that moves

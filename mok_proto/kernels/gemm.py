@@ -38,9 +38,9 @@ MODULE = CudaModule("gemm.cuh", tuple(f"mok::gemm::grouped_gemm<{i}>" for i in r
                     + ("mok::gemm::export_sizes",), archs=("sm_90a",))
 TIMEOUT_NS = 10 * 10**9
 MAX_CLUSTERS = None  # cap on a launch's clusters (None: as many as run at once); 1 runs every tile on 2 SMs
-# The diagnostic build whose tiles compute and store nothing (cuda/gemm.cuh kEpilogue), which the
-# wrappers launch inside `without_epilogue()`.
-NO_EPILOGUE_MODULE = MODULE.variant("MOK_GEMM_NO_EPILOGUE")
+# The diagnostic builds without epilogue (cuda/gemm.cuh kEpilogue), launched inside without_epilogue().
+NO_EPILOGUE = "MOK_GEMM_NO_EPILOGUE"
+MODULE.variant(NO_EPILOGUE)  # (registered: the CPU tests compile it)
 _BARE = [False]  # inside without_epilogue()
 _CLUSTERS: dict = {}  # co-resident clusters by kernel handle
 # A layer on W virtual ranks launches ~20 GEMMs per rank per step, each with its params and up to
@@ -99,27 +99,27 @@ def _launch(problem, error: ErrorRecord | None, pack_only: bool = False, **field
     """Pack GemmParams, launch one persistent grid, return the error record it reports into.
     pack_only: launch nothing, return the packed host struct (uint64 words) instead: the fused
     layer runs the same problem's tiles inside its own kernel (kernels/fused.py)."""
-    module = NO_EPILOGUE_MODULE if _BARE[0] and not pack_only else MODULE
-    return launch_grouped(module, "mok::gemm", abi.GEMM_PARAMS, problem, problem, error, pack_only, fields)
+    return launch_grouped(MODULE, "mok::gemm", abi.GEMM_PARAMS, problem, problem, error, pack_only, fields)
 
 
 @contextlib.contextmanager
 def without_epilogue():
-    """Inside, the wrappers (and gemm_fp8's) launch the build whose tiles store nothing (their
-    outputs keep what they held): a launch times its main loops alone (bench_gemm.py
+    """Inside, the grouped GEMMs (BF16 and FP8) launch their build without epilogue: its tiles run
+    their k-loops and store nothing, so their outputs keep what they held (bench_gemm.py
     --epilogue-share)."""
-    _BARE[0] = True
+    before, _BARE[0] = _BARE[0], True
     try:
         yield
     finally:
-        _BARE[0] = False
+        _BARE[0] = before
 
 
 def launch_grouped(module, namespace: str, struct, problem: str, site: str, error: ErrorRecord | None,
                    pack_only: bool, fields: dict):
     """One persistent grid of `namespace`::grouped_gemm<problem> (a grouped-GEMM family: this
     module's, or gemm_fp8's) with its params `struct` packed from `fields`; `site`: the wrapper's
-    own error record's name. Returns the error record, or with pack_only the packed host struct."""
+    own error record's name; inside without_epilogue(), the module's build without epilogue.
+    Returns the error record, or with pack_only the packed host struct."""
     import cupy
 
     error = error if error is not None else site_record(site)
@@ -127,6 +127,8 @@ def launch_grouped(module, namespace: str, struct, problem: str, site: str, erro
     host = struct.pack(fields)
     if pack_only:
         return host
+    if _BARE[0]:
+        module = module.variant(NO_EPILOGUE)
     key = (namespace, problem) + tuple(int(v) for v in host)
     params = _PARAMS.pop(key, None)
     if params is None:  # a host -> device copy only the first time these arguments are seen
