@@ -18,7 +18,7 @@ Exit status: 0 when every row meets its bar and its output check, 1 otherwise (t
 listed), 2 on a machine without a GPU, CuPy or torch (one line says which).
 Results: JSON lines appended to results/bench_gemm.jsonl.
 --epilogue-share: our GEMM (FP8: our FP8 GEMM, in the interleaved runs) timed again, built without
-its epilogue (cuda/gemm.cuh kEpilogue: the tiles compute and store nothing); column `epi` and row
+its epilogue (cuda/gemm.cuh kEpilogue: the tiles run their k-loops, store nothing); column `epi` and row
 field `epilogue_share`: the share of our time the epilogue adds, 1 - bare / ours (what overlapping
 it with the MMAs could win at most).
 
