@@ -5,7 +5,7 @@
 #
 # Run from the repo root on the GPU machine (no ./run there: it would try to download packages).
 # Installs the carried wheels (nvshmem4py, pytest-xdist) from .whl/ (or $MOK_WHEELS) if there are
-# any (../shared/DEVICE.md), runs `pytest -m gpu` (4 workers with pytest-xdist when installed; then
+# any (../shared/DEVICE.md), runs `pytest -m gpu` (6 workers with pytest-xdist when installed; then
 # the `gpu_alone` tests, which need the GPU to themselves, in one), then
 # scripts/bench_layer.py over the four paper shapes. Logs go to $OUT (the device
 # tool's folder) or results/gpu_check/, and every results/ file this run wrote goes into one
@@ -47,7 +47,8 @@ passed_something() {
 # checkout's `git describe --always --dirty` when this tree is a copy (its .git may be stale).
 stamp=$(mktemp) && touch "$stamp"
 workers=""
-if python3 -c "import xdist" 2>/dev/null; then workers="-n 4"; fi
+# (MOK_TEST_WORKERS: how many; on an H100, 6 finish sooner than 4: docs/LOG.md)
+if python3 -c "import xdist" 2>/dev/null; then workers="-n ${MOK_TEST_WORKERS:-6}"; fi
 echo "[gpu_check] pytest -m gpu $workers -> $out/gpu_tests.txt" >&2
 # the longest GPU tests' files named first: the workers start them at once rather than end on them
 # shellcheck disable=SC2086  # $workers: zero or two words
