@@ -106,10 +106,15 @@ enum : bool { kEpilogue = true };
 // 1 / (1 + e^-x) with the fast reciprocal (2 SFU operations; relative error ~1e-6, far below bf16's).
 __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
+// Eight columns of one row of dg and du, as stored (bf16).
+struct DgDu8 {
+  uint4 dg, du;
+};
+
 // kDownBwd's epilogue of 8 consecutive columns of one row, at element offset `at` of dg and du:
-// f = dh there; g and u of those columns are read from the aux stage at `aux`.
+// f = dh there; g and u of those columns are read from the aux stage at `aux`. Returns what it stored.
 template <class Params>
-__device__ __forceinline__ void emit8_down_bwd(const Params* p, i64 at, const float (&f)[8], const char* aux) {
+__device__ __forceinline__ DgDu8 emit8_down_bwd(const Params* p, i64 at, const float (&f)[8], const char* aux) {
   float g[8], u[8], dg[8], du[8];
   unpack8(*reinterpret_cast<const uint4*>(aux), g);
   unpack8(*reinterpret_cast<const uint4*>(aux + kAuxU), u);
@@ -119,9 +124,26 @@ __device__ __forceinline__ void emit8_down_bwd(const Params* p, i64 at, const fl
     du[i] = f[i] * g[i] * sig;
     dg[i] = f[i] * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
   }
-  *ptr<uint4>(p->out1 + 2 * at) = pack8(dg);
-  *ptr<uint4>(p->out2 + 2 * at) = pack8(du);
+  const DgDu8 v{pack8(dg), pack8(du)};
+  *ptr<uint4>(p->out1 + 2 * at) = v.dg;
+  *ptr<uint4>(p->out2 + 2 * at) = v.du;
+  return v;
 }
+
+// What kDownBwd's epilogue hands on besides its stores: keep(row half, group, v) gets each stored
+// group of 8 columns of this lane's row (valid rows only), block(b) follows the last group of
+// columns 128 b .. 128 b + 127 (FP8: the 1 x 128 blocks quantized from registers). Both take
+// Int<> tags so that the calls unroll into registers.
+template <int kV>
+struct Int {
+  static constexpr int kValue = kV;
+};
+struct NoKeep {
+  template <class RowHalf, class Group>
+  __device__ __forceinline__ void operator()(RowHalf, Group, const DgDu8&) const {}
+  template <class Block>
+  __device__ __forceinline__ void block(Block) const {}
+};
 
 // kDownBwd: where this lane's row of one row half goes.
 struct RowOut {
@@ -161,9 +183,10 @@ __device__ __forceinline__ void stage_round(float* staging, const float (&acc)[1
 
 // kDownBwd, one round: row half kRowHalf of groups kGroup, kGroup + 1 (64 columns: one aux stage)
 // through the warp's two staging areas.
-template <int kRowHalf, int kGroup, class Params>
+template <int kRowHalf, int kGroup, class Params, class Keep>
 __device__ __forceinline__ void store_down_bwd_round(const Params* p, const Tile& tile, const float (&acc)[128],
-                                                     float* staging, int half, int wg_tid, const char* aux) {
+                                                     float* staging, int half, int wg_tid, const char* aux,
+                                                     Keep& keep) {
   const int lane = wg_tid & 31;
   stage_round<kRowHalf, kGroup, kGroup + 1>(staging, acc, lane);
   float f[8], f2[8];
@@ -171,17 +194,19 @@ __device__ __forceinline__ void store_down_bwd_round(const Params* p, const Tile
   unstage8(staging + 256, lane, f2);
   const RowOut r = row_out(p, tile, kRowHalf, half, wg_tid);
   if (!r.valid) return;
-  emit8_down_bwd(p, r.base + 32 * kGroup, f, aux_at<kGroup>(aux, r.row, lane));
-  emit8_down_bwd(p, r.base + 32 * (kGroup + 1), f2, aux_at<kGroup + 1>(aux, r.row, lane));
+  keep(Int<kRowHalf>{}, Int<kGroup>{}, emit8_down_bwd(p, r.base + 32 * kGroup, f, aux_at<kGroup>(aux, r.row, lane)));
+  keep(Int<kRowHalf>{}, Int<kGroup + 1>{},
+       emit8_down_bwd(p, r.base + 32 * (kGroup + 1), f2, aux_at<kGroup + 1>(aux, r.row, lane)));
 }
 
 // kDownBwd, both row halves of groups kGroup, kGroup + 1. (Whole 128-byte lines per store, as the
 // weight gradients do, are no faster here.)
-template <int kGroup, class Params>
+template <int kGroup, class Params, class Keep>
 __device__ __forceinline__ void store_down_bwd_columns(const Params* p, const Tile& tile, const float (&acc)[128],
-                                                       float* staging, int half, int wg_tid, const char* aux) {
-  store_down_bwd_round<0, kGroup>(p, tile, acc, staging, half, wg_tid, aux);
-  store_down_bwd_round<1, kGroup>(p, tile, acc, staging, half, wg_tid, aux);
+                                                       float* staging, int half, int wg_tid, const char* aux,
+                                                       Keep& keep) {
+  store_down_bwd_round<0, kGroup>(p, tile, acc, staging, half, wg_tid, aux, keep);
+  store_down_bwd_round<1, kGroup>(p, tile, acc, staging, half, wg_tid, aux, keep);
 }
 
 // Weight gradients (fp32 [M, N] per expert; only stored tiles get here), one round: row half
@@ -493,11 +518,11 @@ __device__ __forceinline__ bool run_from_accumulators(const Params* p, const Til
 }
 
 // kDownBwd's epilogue after a tile's k-blocks: one ring stage of g, u per 64 columns (every tile,
-// stored or not, so that the ring stays in step with the producer's aux stages).
-template <int kP, class Params, class Storage>
+// stored or not, so that the ring stays in step with the producer's aux stages); `keep`: NoKeep.
+template <int kP, class Params, class Storage, class Keep = NoKeep>
 __device__ __forceinline__ bool store_down_bwd_tile(const Params* p, Storage& ss, Ring& ring, const Tile& tile,
                                                     const float (&acc)[128], float* staging, int half, int wg_tid,
-                                                    bool ok) {
+                                                    bool ok, Keep keep = {}) {
   auto aux_stage = [&]() {
     if (ok) ok = mbar_wait(&ss.full[ring.stage], ring.phase, p->timeout_ns, p->error, kOpGemmAux, kP);
     return ss.stages[ring.stage];
@@ -506,10 +531,12 @@ __device__ __forceinline__ bool store_down_bwd_tile(const Params* p, Storage& ss
     release_stage(ss, ring.stage, wg_tid);
     ring.advance();
   };
-  store_down_bwd_columns<0>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
-  store_down_bwd_columns<2>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
-  store_down_bwd_columns<4>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
-  store_down_bwd_columns<6>(p, tile, acc, staging, half, wg_tid, aux_stage()), next();
+  store_down_bwd_columns<0>(p, tile, acc, staging, half, wg_tid, aux_stage(), keep), next();
+  store_down_bwd_columns<2>(p, tile, acc, staging, half, wg_tid, aux_stage(), keep), next();
+  keep.block(Int<0>{});
+  store_down_bwd_columns<4>(p, tile, acc, staging, half, wg_tid, aux_stage(), keep), next();
+  store_down_bwd_columns<6>(p, tile, acc, staging, half, wg_tid, aux_stage(), keep), next();
+  keep.block(Int<1>{});
   return ok;
 }
 

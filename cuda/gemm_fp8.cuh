@@ -506,54 +506,59 @@ __device__ __forceinline__ void store_h_codes(const Fp8GemmParams* p, const Tile
 }
 
 // kDownBwd with out_codes (dgq, dgs) and out_codes2 (duq, dus): dg and du quantized 1 x 128 for
-// gate_up_bwd, after the tile stored them. Each lane reads back the 16-byte chunks it stored itself
-// (gemm::row_out's columns 32 j + 8 (l%4) .. +7 of its row; its own stores, so no fence), the
-// block's amax over the quad that holds its row, then the row quantizer's scale and codes: equal
-// bit for bit to fp8.quantize_rows of the stored dg, du. A row half's 8 loads of one array go out at once.
-__device__ __forceinline__ void store_down_bwd_codes(const Fp8GemmParams* p, const Tile& tile, int half, int wg_tid) {
-  constexpr int kBlocks = kBN / kKBlock;  // 1 x 128 blocks of a tile row
-  const int lane = wg_tid & 31;
-  const bool pow2 = p->pow2 != 0;
+// gate_up_bwd from the bf16 values the epilogue stored, which gemm::store_down_bwd_tile hands on
+// (kept in registers: the groups of 8 columns 32 j + 8 (l%4) of the lane's row, j < 4 per block).
+// Per block and row half, the block's amax over the quad that holds the row, then the row
+// quantizer's scale and codes: equal bit for bit to fp8.quantize_rows of the stored dg, du.
+struct DgDuCodes {
+  const Fp8GemmParams* p;
+  const Tile* tile;
+  int half, wg_tid;
+  gemm::DgDu8 kept[2][4] = {};  // [row half][group within the block]
+
+  template <class RowHalf, class Group>
+  __device__ __forceinline__ void operator()(RowHalf, Group, const gemm::DgDu8& v) {
+    kept[RowHalf::kValue][Group::kValue % 4] = v;
+  }
+
+  template <class Block>
+  __device__ __forceinline__ void block(Block) const {
+    constexpr int b = Block::kValue;
+    if (!p->out_codes || !tile->store) return;  // (uniform over the CTA: the shuffles below need the warp)
+    const int lane = wg_tid & 31;
+    const bool pow2 = p->pow2 != 0;
 #pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    const gemm::RowOut r = gemm::row_out(p, tile, rh, half, wg_tid);
-    const i64 row = tile.row0 + tile.m0 + r.row;  // == (r.base - tile.n0 - 8 (l%4)) / ldo
+    for (int rh = 0; rh < 2; ++rh) {
+      const gemm::RowOut r = gemm::row_out(p, *tile, rh, half, wg_tid);
+      const i64 row = tile->row0 + tile->m0 + r.row;  // == (r.base - tile.n0 - 8 (l%4)) / ldo
 #pragma unroll
-    for (int a = 0; a < 2; ++a) {
-      uint4 raw[kBlocks][4];
-#pragma unroll
-      for (int b = 0; b < kBlocks; ++b)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          raw[b][j] = r.valid ? *ptr<const uint4>((a ? p->out2 : p->out1) + 2 * (r.base + kKBlock * b + 32 * j))
-                              : make_uint4(0u, 0u, 0u, 0u);
-      unsigned char* codes = ptr<unsigned char>(a ? p->out_codes2 : p->out_codes);
-      float* scales = ptr<float>(a ? p->out_scales2 : p->out_scales);
-#pragma unroll
-      for (int b = 0; b < kBlocks; ++b) {
+      for (int a = 0; a < 2; ++a) {
         float v[4][8];
         float amax = 0.0f;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          unpack8(raw[b][j], v[j]);
+          unpack8(a ? kept[rh][j].du : kept[rh][j].dg, v[j]);
 #pragma unroll
           for (int i = 0; i < 8; ++i) amax = fp8::keep_max(amax, fp8::keep_abs(v[j][i]));
         }
         amax = fp8::keep_max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the quad: one row's block
         amax = fp8::keep_max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
         const float scale = fp8::block_scale(amax, pow2);
-        if (!r.valid) continue;
+        if (!r.valid) continue;  // (a quad's lanes share their row: an invalid one's values reach no valid lane)
+        unsigned char* codes = ptr<unsigned char>(a ? p->out_codes2 : p->out_codes);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const float lo[4] = {v[j][0], v[j][1], v[j][2], v[j][3]}, hi[4] = {v[j][4], v[j][5], v[j][6], v[j][7]};
           *reinterpret_cast<uint2*>(codes + r.base + kKBlock * b + 32 * j) =
               make_uint2(fp8::quantize4(lo, scale), fp8::quantize4(hi, scale));
         }
-        if ((lane & 3) == 0) scales[row * (p->n / kKBlock) + tile.n0 / kKBlock + b] = scale;
+        float* scales = ptr<float>(a ? p->out_scales2 : p->out_scales);
+        if ((lane & 3) == 0) scales[row * (p->n / kKBlock) + tile->n0 / kKBlock + b] = scale;
       }
     }
   }
-}
+};
+static_assert(kBN == 2 * kKBlock, "a down_bwd tile row is two 1 x 128 blocks (store_down_bwd_tile's block calls)");
 
 // kGateUp's epilogue: g, u where asked (bf16), then h = silu(g) * u (as gemm.cuh computes it) into
 // g's registers, rounded to bf16: stored as h, and quantized into hq, hs.
@@ -589,8 +594,8 @@ __device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, Storage& ss
   if constexpr (!gemm::kEpilogue) {
     ok = gemm::skip_epilogue<kP>(p, ss, ring, acc, wg_tid, ok);
   } else if constexpr (Tr::kAuxStages > 0) {
-    ok = gemm::store_down_bwd_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
-    if (p->out_codes && tile.store) store_down_bwd_codes(p, tile, half, wg_tid);
+    ok = gemm::store_down_bwd_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok,
+                                       DgDuCodes{p, &tile, half, wg_tid});
   } else if (tile.store && !unchanged) {
     if constexpr (kP == kGateUp) {
       store_gate_up(p, tile, acc, reinterpret_cast<char*>(staging), half, wg_tid);
