@@ -136,7 +136,7 @@ __device__ __forceinline__ DgDu8 emit8_down_bwd(const Params* p, i64 at, const f
 // Int<> tags so that the calls unroll into registers.
 template <int kV>
 struct Int {
-  static constexpr int kValue = kV;
+  enum : int { kValue = kV };  // (an enum: no device variable per tag)
 };
 struct NoKeep {
   template <class RowHalf, class Group>
