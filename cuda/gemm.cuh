@@ -130,14 +130,14 @@ __device__ __forceinline__ DgDu8 emit8_down_bwd(const Params* p, i64 at, const f
   return v;
 }
 
-// What kDownBwd's epilogue hands on besides its stores: keep(row half, group, v) gets each stored
-// group of 8 columns of this lane's row (valid rows only), block(b) follows the last group of
-// columns 128 b .. 128 b + 127 (FP8: the 1 x 128 blocks quantized from registers). Both take
-// Int<> tags so that the calls unroll into registers.
+// A constant as a type, so that calls taking it unroll into registers (an enum: no device variable).
 template <int kV>
 struct Int {
-  enum : int { kValue = kV };  // (an enum: no device variable per tag)
+  enum : int { kValue = kV };
 };
+// What kDownBwd's epilogue hands on besides its stores (FP8: the 1 x 128 blocks quantized from
+// registers): keep(Int<row half>, Int<group>, v) gets each stored group of 8 columns of a valid row;
+// block(Int<b>) follows columns 128 b .. +127 in every thread, after a __syncwarp, so it may shuffle.
 struct NoKeep {
   template <class RowHalf, class Group>
   __device__ __forceinline__ void operator()(RowHalf, Group, const DgDu8&) const {}
@@ -518,7 +518,7 @@ __device__ __forceinline__ bool run_from_accumulators(const Params* p, const Til
 }
 
 // kDownBwd's epilogue after a tile's k-blocks: one ring stage of g, u per 64 columns (every tile,
-// stored or not, so that the ring stays in step with the producer's aux stages); `keep`: NoKeep.
+// stored or not, so that the ring stays in step with the producer's aux stages); `keep` as NoKeep's.
 template <int kP, class Params, class Storage, class Keep = NoKeep>
 __device__ __forceinline__ bool store_down_bwd_tile(const Params* p, Storage& ss, Ring& ring, const Tile& tile,
                                                     const float (&acc)[128], float* staging, int half, int wg_tid,

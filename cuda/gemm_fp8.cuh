@@ -530,7 +530,7 @@ struct DgDuCodes {
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) {
       const gemm::RowOut r = gemm::row_out(p, *tile, rh, half, wg_tid);
-      const i64 row = tile->row0 + tile->m0 + r.row;  // == (r.base - tile.n0 - 8 (l%4)) / ldo
+      const i64 row = tile->row0 + tile->m0 + r.row;  // == (r.base - tile->n0 - 8 (l%4)) / ldo
 #pragma unroll
       for (int a = 0; a < 2; ++a) {
         float v[4][8];
