@@ -18,9 +18,11 @@
 // transposed row kernel: rows only), 16-byte aligned rows; segments start at multiples of B.
 //
 // Legend: B = kQuantBlock (128). Every operation on a value is IEEE with subnormals kept (keep_div,
-// keep_mul, keep_max, keep_abs: PTX without .ftz): CuPy compiles every module with -ftz=true after
-// our options, which would flush the subnormals the rule quantizes. amax reductions may run in any
-// order (max is exact); keep_max skips NaN as the rule does.
+// keep_mul, keep_fma, keep_rcp, keep_max, keep_abs, keep_neg: PTX without .ftz; C++'s `-x` would
+// be neg.ftz): CuPy compiles every module with -ftz=true after our options, which would flush the
+// subnormals the rule quantizes. amax reductions may run in any order (max is exact); keep_max
+// skips NaN as the rule does. The rule's division x / scale is Divisor's (exact, with the block's
+// reciprocal: docs/design.md).
 #pragma once
 #include "common.cuh"
 
@@ -38,6 +40,16 @@ __device__ __forceinline__ float keep_mul(float a, float b) {
   asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
+__device__ __forceinline__ float keep_fma(float a, float b, float c) {
+  float r;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+  return r;
+}
+__device__ __forceinline__ float keep_rcp(float a) {
+  float r;
+  asm("rcp.rn.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
 // The larger of a and b; the other where one is NaN (as fmaxf).
 __device__ __forceinline__ float keep_max(float a, float b) {
   float r;
@@ -45,6 +57,7 @@ __device__ __forceinline__ float keep_max(float a, float b) {
   return r;
 }
 __device__ __forceinline__ float keep_abs(float a) { return __uint_as_float(__float_as_uint(a) & 0x7FFFFFFFu); }
+__device__ __forceinline__ float keep_neg(float a) { return __uint_as_float(__float_as_uint(a) ^ 0x80000000u); }
 
 // Four e4m3 codes, a in the lowest byte. cvt.rn.satfinite (PTX ISA, cvt): round to nearest even,
 // |value| beyond 448 (infinities included) gives sign-preserved 448, subnormal inputs and results
@@ -89,8 +102,31 @@ __device__ __forceinline__ float block_scale(float amax, bool pow2) {
   return __float_as_uint(s) == 0u ? 1.0f : s;  // (by its bits: a flushing compare calls a subnormal 0)
 }
 
-__device__ __forceinline__ u32 quantize4(const float (&v)[4], float scale) {
-  return e4m3x4(keep_div(v[0], scale), keep_div(v[1], scale), keep_div(v[2], scale), keep_div(v[3], scale));
+// fl32(x / scale) for the values x of one block (|x| <= its amax, or NaN), equal bit for bit to
+// the IEEE division where it decides a code, in four operations a value: the reciprocal once a
+// block, then Markstein's correction, q = q0 - (b q0 - x) y with q0 = x y, y = fl32(1 / b). That
+// is exact while b, x and the remainder stay normal, so a scale outside [2^-90, 2^100] is first
+// moved into it by a power of two k (x k, b k: exact, or |x / scale| far below e4m3's smallest
+// code); an infinite scale divides as b = y = 0, which gives q0 = x * 0 as IEEE x / inf does.
+// tests/test_fp8_divisor.py mirrors it in NumPy and checks it against the division.
+struct Divisor {
+  float b, y, k;
+};
+__device__ __forceinline__ Divisor divisor(float scale) {
+  const u32 biased = __float_as_uint(scale) >> 23;  // scale > 0: its biased exponent (0: subnormal)
+  if (biased == 0xFFu) return {0.0f, 0.0f, 1.0f};
+  const float k = biased < 127u - 90u ? 0x1p100f : biased > 127u + 100u ? 0x1p-64f : 1.0f;
+  const float b = keep_mul(scale, k);
+  return {b, keep_rcp(b), k};
+}
+__device__ __forceinline__ float quotient(float x, const Divisor& d) {
+  const float xk = keep_mul(x, d.k);
+  const float q0 = keep_mul(xk, d.y);
+  return keep_fma(keep_neg(keep_fma(d.b, q0, keep_neg(xk))), d.y, q0);
+}
+
+__device__ __forceinline__ u32 quantize4(const float (&v)[4], const Divisor& d) {
+  return e4m3x4(quotient(v[0], d), quotient(v[1], d), quotient(v[2], d), quotient(v[3], d));
 }
 
 __device__ __forceinline__ float amax4(float m, const float (&v)[4]) {
@@ -169,7 +205,7 @@ __device__ __forceinline__ Source<unsigned char> source_of<unsigned char>(const 
 // 4 codes into codes[l], the block's scale (lane 0) into *scale.
 __device__ __forceinline__ void quantize_block(const float (&v)[4], bool pow2, u32* codes, float* scale, int lane) {
   const float s = block_scale(warp_max(amax4(0.0f, v)), pow2);
-  codes[lane] = quantize4(v, s);
+  codes[lane] = quantize4(v, divisor(s));
   if (lane == 0) *scale = s;
 }
 
@@ -195,7 +231,8 @@ __device__ __forceinline__ void copy_quantize_row_bf16(const QuantParams* p, i64
       for (int off = 8; off > 0; off >>= 1) m = keep_max(m, __shfl_xor_sync(0xffffffffu, m, off));
       const float scale = block_scale(m, p->pow2 != 0);
       if (i < n) {
-        codes[i] = make_uint2(quantize4(lo, scale), quantize4(hi, scale));
+        const Divisor d = divisor(scale);
+        codes[i] = make_uint2(quantize4(lo, d), quantize4(hi, d));
         if ((lane & 15) == 0) scales[i / 16] = scale;
       }
     }
@@ -279,7 +316,7 @@ __device__ __forceinline__ void quantize_column_blocks(const QuantParams* p, con
   __syncthreads();
   for (int c = warp; c < kC && col0 + c < cols; c += kWarps) {
     const float q[4] = {tile[c][4 * lane], tile[c][4 * lane + 1], tile[c][4 * lane + 2], tile[c][4 * lane + 3]};
-    reinterpret_cast<u32*>(p->codes + (col0 + c) * rows + row0)[lane] = quantize4(q, col_scale[c]);
+    reinterpret_cast<u32*>(p->codes + (col0 + c) * rows + row0)[lane] = quantize4(q, divisor(col_scale[c]));
   }
 }
 
@@ -378,6 +415,7 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_blocks(const QuantPara
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) m = keep_max(m, partial[w]);
   const float scale = block_scale(m, p->pow2 != 0);
+  const Divisor d = divisor(scale);
   const i64 row_blocks = rows / kQuantBlock, col_blocks = cols / kQuantBlock;
   if (threadIdx.x == 0) {
     reinterpret_cast<float*>(p->scales)[(blockIdx.z * row_blocks + blockIdx.y) * col_blocks + blockIdx.x] = scale;
@@ -389,7 +427,7 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_blocks(const QuantPara
 #pragma unroll
   for (int j = 0; j < kRowsPerWarp; ++j) {
     const int r = warp + kWarps * j;
-    const u32 q = quantize4(v[j], scale);
+    const u32 q = quantize4(v[j], d);
     *reinterpret_cast<u32*>(codes + r * cols) = q;
     if (p->codes_t) {
 #pragma unroll

@@ -482,12 +482,13 @@ __device__ __forceinline__ void store_h_codes(const Fp8GemmParams* p, const Tile
     amax = fp8::keep_max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     amax = fp8::keep_max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     const float scale = fp8::block_scale(amax, p->pow2 != 0);
+    const fp8::Divisor d = fp8::divisor(scale);
     const int r = (lane >> 2) + 8 * rh;
 #pragma unroll
     for (int j = 0; j < 16; j += 2) {  // columns 8j + 2(l%4), +1 and 8(j+1) + 2(l%4), +1: chunk j/2 of row r
       const float v[4] = {acc[4 * j + 2 * rh], acc[4 * j + 2 * rh + 1], acc[4 * j + 4 + 2 * rh],
                           acc[4 * j + 5 + 2 * rh]};
-      const u32 q = fp8::quantize4(v, scale);
+      const u32 q = fp8::quantize4(v, d);
       char* chunk = stg + r * 128 + (((j >> 1) ^ (r & 7)) << 4) + 2 * (lane & 3);
       *reinterpret_cast<unsigned short*>(chunk) = static_cast<unsigned short>(q);
       *reinterpret_cast<unsigned short*>(chunk + 8) = static_cast<unsigned short>(q >> 16);
@@ -510,6 +511,7 @@ __device__ __forceinline__ void store_h_codes(const Fp8GemmParams* p, const Tile
 // (kept in registers: the groups of 8 columns 32 j + 8 (l%4) of the lane's row, j < 4 per block).
 // Per block and row half, the block's amax over the quad that holds the row, then the row
 // quantizer's scale and codes: equal bit for bit to fp8.quantize_rows of the stored dg, du.
+template <int kUnroll>
 struct DgDuCodes {
   const Fp8GemmParams* p;
   const Tile* tile;
@@ -527,34 +529,38 @@ struct DgDuCodes {
     if (!p->out_codes || !tile->store) return;  // (uniform over the CTA: the shuffles below need the warp)
     const int lane = wg_tid & 31;
     const bool pow2 = p->pow2 != 0;
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
+    // One pass per (row half, matrix), kUnroll of them unrolled: one (the standalone kernel) keeps
+    // the epilogue's code in the instruction cache (four copies stalled the warps on instruction
+    // fetch); the fused backward unrolls all four, where one makes ptxas reload a spill in its k-loops.
+#pragma unroll(kUnroll)
+    for (int pass = 0; pass < 4; ++pass) {
+      const int rh = pass >> 1;
+      const bool du = pass & 1;
       const gemm::RowOut r = gemm::row_out(p, *tile, rh, half, wg_tid);
       const i64 row = tile->row0 + tile->m0 + r.row;  // == (r.base - tile->n0 - 8 (l%4)) / ldo
+      float v[4][8];
+      float amax = 0.0f;
 #pragma unroll
-      for (int a = 0; a < 2; ++a) {
-        float v[4][8];
-        float amax = 0.0f;
+      for (int j = 0; j < 4; ++j) {
+        const gemm::DgDu8& k = rh ? kept[1][j] : kept[0][j];
+        unpack8(du ? k.du : k.dg, v[j]);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          unpack8(a ? kept[rh][j].du : kept[rh][j].dg, v[j]);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) amax = fp8::keep_max(amax, fp8::keep_abs(v[j][i]));
-        }
-        amax = fp8::keep_max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the quad: one row's block
-        amax = fp8::keep_max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        const float scale = fp8::block_scale(amax, pow2);
-        if (!r.valid) continue;  // (a quad's lanes share their row: an invalid one's values reach no valid lane)
-        unsigned char* codes = ptr<unsigned char>(a ? p->out_codes2 : p->out_codes);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float lo[4] = {v[j][0], v[j][1], v[j][2], v[j][3]}, hi[4] = {v[j][4], v[j][5], v[j][6], v[j][7]};
-          *reinterpret_cast<uint2*>(codes + r.base + kKBlock * b + 32 * j) =
-              make_uint2(fp8::quantize4(lo, scale), fp8::quantize4(hi, scale));
-        }
-        float* scales = ptr<float>(a ? p->out_scales2 : p->out_scales);
-        if ((lane & 3) == 0) scales[row * (p->n / kKBlock) + tile->n0 / kKBlock + b] = scale;
+        for (int i = 0; i < 8; ++i) amax = fp8::keep_max(amax, fp8::keep_abs(v[j][i]));
       }
+      amax = fp8::keep_max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the quad: one row's block
+      amax = fp8::keep_max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      const float scale = fp8::block_scale(amax, pow2);
+      if (!r.valid) continue;  // (a quad's lanes share their row: an invalid one's values reach no valid lane)
+      const fp8::Divisor d = fp8::divisor(scale);
+      unsigned char* codes = ptr<unsigned char>(du ? p->out_codes2 : p->out_codes);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float lo[4] = {v[j][0], v[j][1], v[j][2], v[j][3]}, hi[4] = {v[j][4], v[j][5], v[j][6], v[j][7]};
+        *reinterpret_cast<uint2*>(codes + r.base + kKBlock * b + 32 * j) =
+            make_uint2(fp8::quantize4(lo, d), fp8::quantize4(hi, d));
+      }
+      float* scales = ptr<float>(du ? p->out_scales2 : p->out_scales);
+      if ((lane & 3) == 0) scales[row * (p->n / kKBlock) + tile->n0 / kKBlock + b] = scale;
     }
   }
 };
@@ -582,9 +588,10 @@ __device__ __forceinline__ void store_gate_up(const Fp8GemmParams* p, const Tile
 
 // Consumer warpgroup `half` (rows 64 half .. +63), one tile: per k-block, waits for the stage,
 // reads its scales, runs and promotes the two n128 halves, hands the stage back to the producers
-// of both CTAs; then the epilogue. After a failed wait the loops run on over garbage (wgmma must
-// stay warpgroup-uniform) and the kernel ends with the error set.
-template <int kP, class Storage>
+// of both CTAs; then the epilogue (kDownBwd's codes: DgDuCodes<kCodesUnroll>). After a failed
+// wait the loops run on over garbage (wgmma must stay warpgroup-uniform) and the kernel ends with
+// the error set.
+template <int kP, int kCodesUnroll = 1, class Storage>
 __device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, Storage& ss, Ring& ring, const Tile& tile,
                                              float (&acc)[128], float* staging, int half, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
@@ -595,7 +602,7 @@ __device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, Storage& ss
     ok = gemm::skip_epilogue<kP>(p, ss, ring, acc, wg_tid, ok);
   } else if constexpr (Tr::kAuxStages > 0) {
     ok = gemm::store_down_bwd_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok,
-                                       DgDuCodes{p, &tile, half, wg_tid});
+                                       DgDuCodes<kCodesUnroll>{p, &tile, half, wg_tid});
   } else if (tile.store && !unchanged) {
     if constexpr (kP == kGateUp) {
       store_gate_up(p, tile, acc, reinterpret_cast<char*>(staging), half, wg_tid);

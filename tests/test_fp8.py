@@ -236,6 +236,8 @@ def _edge_matrix(seed: int = 0) -> np.ndarray:
     x[9, :128] = np.concatenate([[448.0], mid, [0.0]])  # amax 448: scale 1, every tie
     x[10, :128] = np.float32(2.0 ** -9) * rng.integers(-7, 8, 128)  # e4m3 subnormals at scale 1 ...
     x[10, 0] = 448.0
+    x[11, :128] = x[9, :128] * np.float32(2.0**110)  # every tie again at scales the quantizers first move
+    x[12, :128] = x[9, :128] * np.float32(2.0**-100)  # into range by a power of two (cuda/fp8.cuh divisor)
     x[128:256, 384:512] = 0.0  # a 128 x 128 block of zeros
     x[200:210, :128] = np.nan
     return x
