@@ -156,6 +156,23 @@ def test_the_layer_line_compares_the_fused_row_with_the_torch_and_sequential_row
     assert "| kimi-k2.7 | 2.800 ms (sequential 2.900) | 1.39 x torch (3.900 ms) | 1.04 |" in table
 
 
+def test_the_layer_line_shows_the_sequential_time_its_ratio_is_against(tmp_path):
+    """The fused row's x sequential is against the sequential pass timed interleaved with it (and
+    again with the retimed best setting): that time is the one shown, not the sequential row's."""
+    def layer(schedule, ms, **extra):
+        return {"time": "2026-12-07T09:40:00+00:00", "git": "abc", "gpu": "NVIDIA H100 80GB HBM3", "shape": "kimi-k2.7",
+                "pass": "fwd", "schedule": schedule, "median_ms": ms, "link_gbps": None, **extra}
+
+    fused = dict(speedup_vs_sequential=0.97, sequential_median_ms=2.96, comm_blocks=0, minibatch_tokens=2048)
+    rows = [layer("torch", 3.5), layer("sequential", 2.98), layer("fused", 3.04, **fused)]
+    _write(tmp_path, "bench_layer", rows)
+    assert "| kimi-k2.7 | 3.040 ms (sequential 2.960) | 1.15 x torch (3.500 ms) | 0.97 |" in report.status_table(tmp_path)
+    rows[-1].update(best_of_run=True, retimed_median_ms=2.79, retimed_sequential_median_ms=2.84,
+                    retimed_speedup_vs_sequential=1.02)
+    _write(tmp_path, "bench_layer", rows)
+    assert "| kimi-k2.7 | 2.790 ms (sequential 2.840) | 1.25 x torch (3.500 ms) | 1.02 |" in report.status_table(tmp_path)
+
+
 def test_fp8_rows_have_their_own_tables_and_status_lines(tmp_path):
     """bench_layer rows of FP8 routed experts (`precision`) leave the BF16 layer's table and line for
     their own; bench_gemm --precision fp8 rows give one status line per problem."""
