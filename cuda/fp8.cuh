@@ -105,17 +105,17 @@ __device__ __forceinline__ float block_scale(float amax, bool pow2) {
 // fl32(x / scale) for the values x of one block (|x| <= its amax, or NaN), equal bit for bit to
 // the IEEE division where it decides a code, in four operations a value: the reciprocal once a
 // block, then Markstein's correction, q = q0 - (b q0 - x) y with q0 = x y, y = fl32(1 / b). That
-// is exact while b, x and the remainder stay normal, so a scale outside [2^-90, 2^100] is first
-// moved into it by a power of two k (x k, b k: exact, or |x / scale| far below e4m3's smallest
-// code); an infinite scale divides as b = y = 0, which gives q0 = x * 0 as IEEE x / inf does.
-// tests/test_fp8_divisor.py mirrors it in NumPy and checks it against the division.
+// is exact while b, y, x and the remainder stay normal (below that, |x / scale| is far under
+// e4m3's smallest code and only its sign counts), so a scale under 2^-90 is first moved up by
+// k = 2^100 (x k, b k: exact); an infinite scale divides as b = y = 0, which gives q0 = x * 0 as
+// IEEE x / inf does. tests/test_fp8_divisor.py mirrors it in NumPy and checks it against the division.
 struct Divisor {
   float b, y, k;
 };
 __device__ __forceinline__ Divisor divisor(float scale) {
   const u32 biased = __float_as_uint(scale) >> 23;  // scale > 0: its biased exponent (0: subnormal)
   if (biased == 0xFFu) return {0.0f, 0.0f, 1.0f};
-  const float k = biased < 127u - 90u ? 0x1p100f : biased > 127u + 100u ? 0x1p-64f : 1.0f;
+  const float k = biased < 127u - 90u ? 0x1p100f : 1.0f;
   const float b = keep_mul(scale, k);
   return {b, keep_rcp(b), k};
 }

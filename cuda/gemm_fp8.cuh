@@ -542,8 +542,9 @@ struct DgDuCodes {
       float amax = 0.0f;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const gemm::DgDu8& k = rh ? kept[1][j] : kept[0][j];
-        unpack8(du ? k.du : k.dg, v[j]);
+        // (selected by value, word by word: a reference chosen at run time would put `kept` in local memory)
+        const uint4 w0 = du ? kept[0][j].du : kept[0][j].dg, w1 = du ? kept[1][j].du : kept[1][j].dg;
+        unpack8(make_uint4(rh ? w1.x : w0.x, rh ? w1.y : w0.y, rh ? w1.z : w0.z, rh ? w1.w : w0.w), v[j]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) amax = fp8::keep_max(amax, fp8::keep_abs(v[j][i]));
       }
