@@ -14,7 +14,7 @@ Rows: (group, quantity, reference value, predicted value, unit, check, note). Wh
   on, or a row whose prediction is a calibration row's (the same formula on the same bytes).
 * "assumed": the prediction is set by an assumed parameter (params.py), shown, not judged.
 * "explained": a prediction against a measurement that holds what the model leaves out, named in
-  the note (LAYER_EXPLAINED: fixed per stage, FUSED_BENCH_EXPLAINED per run, comm setting and shape,
+  the note (LAYER_EXPLAINED: fixed per stage, a fused bench_layer row by its own sim_explained field,
   TIMELINE_EXPLAINED per timeline and event, and the fused measurements whose kernel's counter
   waits spun on ld.acquire beside spare warps that move rows, params.spare_warps_spun: a rule on
   the git stamp and the plan, not chosen by the error); its error is shown and MISS printed
@@ -211,13 +211,6 @@ FUSED_MEDIANS = ((TaskKind.COMBINE, "combine chunk"), (TaskKind.GATE_UP, "gate_u
 # The calibration timelines (index rows with sim_calibrates, fused.FUSED_CALIBRATION) whose dispatch
 # tasks fit in-kernel copy parameters: key -> those parameters.
 FUSED_FITS = {key: ", ".join(fits) for key, (tasks, fits) in fused.FUSED_CALIBRATION.items() if tasks == "dispatch"}
-# Fused forward passes of bench_layer whose measurement holds what the model leaves out: (run label,
-# comm_blocks, shape) -> why (fixed here, like LAYER_EXPLAINED).
-_GLM_SWEEP = ("in this sweep glm's forward with 8 and 16 communicating CTAs (2.47, 2.53 ms) ran faster than with "
-              "12 (2.74 ms) and than ec6738a's with 8 (2.81 ms): the model's time grows with the CTAs taken from "
-              "the GEMMs, and is judged on the sweep's C=12 row")
-FUSED_BENCH_EXPLAINED: dict = {("47fa750 2026-12-06T07:02", 8, "glm-5.2"): _GLM_SWEEP,
-                               ("47fa750 2026-12-06T07:02", 16, "glm-5.2"): _GLM_SWEEP}
 # Why a fused measurement of params.spare_warps_spun (wait_spin "acquire", spare warps moving rows) is
 # explained, not judged.
 SPUN = ("its kernel spun on ld.acquire with 64 ns sleeps in the counter waits (wait_spin acquire) while the "
@@ -292,7 +285,7 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR, measured_on: str
         for r in found:
             ns = fused.pass_ns(ep_share(r["shape"], r["ep"]), gpu.recorded_at(r), r["comm_blocks"],
                                r["minibatch_tokens"], r["num_sms"], r.get("claim_pairs", 0), r.get("segment_rows"))
-            why = FUSED_BENCH_EXPLAINED.get((run, r["comm_blocks"], r["shape"])) or (
+            why = r.get("sim_explained") or (
                 SPUN if spare_warps_spun(r, r["comm_blocks"], r.get("spread_from")) else "")
             check = ("calibration", "fits fused_gemm") if _row_key(r) in fitted else ("explained", why) if why else ()
             rows.append(Row(f"{measured_on} fused", f"fwd pass (graph) {r['shape']} C={r['comm_blocks']} MB={r['minibatch_tokens']}"
