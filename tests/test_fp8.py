@@ -463,27 +463,32 @@ def test_gpu_quantizers_equal_the_rule_on_edge_cases(kind, pow2):
 
 
 def _division_matrix() -> np.ndarray:
-    """[R, 128] fp32, one 1 x 128 block a row led by its amax: under block maxima from float32
-    subnormals to its largest value (and infinity), every bf16 value within the block and
-    quotients on and 1-3 ulp around every e4m3 code and rounding boundary: what the quantizers'
-    division by the block's reciprocal (cuda/fp8.cuh Divisor) must code as the IEEE division."""
+    """[R, 128] fp32, one 1 x 128 block a row led by its amax (each amax's rows a whole number of
+    128-row tiles, so the block and column quantizers see the same maxima): under block maxima from
+    float32 subnormals to its largest value (and infinity; one scale just above 2^-90, where the
+    quantizers stop moving it), every bf16 value within the block and quotients on and 1-3 ulp
+    around every e4m3 code and rounding boundary: what the quantizers' division by the block's
+    reciprocal (cuda/fp8.cuh Divisor) must code as the IEEE division."""
     bf16 = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
     bf16 = bf16[np.isfinite(bf16)]
     codes = np.unique(FINITE[FINITE > 0].astype(np.float64))
     targets = np.concatenate([codes, (codes[:-1] + codes[1:]) / 2])
     blocks = []
-    for amax in np.array([3e-39, 2.9e-30, 1.7e-25, 0.37, 5.1e3, 2.9e33, 3.3e38, np.inf], np.float32):
+    for amax in np.array([3e-39, 2.9e-30, 4e-25, 0.37, 5.1e3, 2.9e33, 3.3e38, np.inf], np.float32):
         scale = fp8.block_scale(amax)
         with np.errstate(over="ignore", invalid="ignore"):
-            near = (targets * np.float64(scale)).astype(np.float32)
-        near = np.concatenate([near] + [np.nextafter(near, np.float32(d * np.inf)) for d in (-1, 1)])
-        near = np.concatenate([near, np.nextafter(near[-near.size // 3:], np.float32(np.inf))])
+            near = [(targets * np.float64(scale)).astype(np.float32)]
+            for direction in (-1, 1):
+                step = near[0]
+                for _ in range(3):
+                    step = np.nextafter(step, np.float32(direction * np.inf))
+                    near.append(step)
+        near = np.concatenate(near)
         values = np.concatenate([bf16, near, -near])
         values = values[~(np.abs(values) > amax) & np.isfinite(values)]
-        values = np.resize(values, -(-values.size // 127) * 127).reshape(-1, 127)
+        values = np.resize(values, -(-values.size // (127 * 128)) * 127 * 128).reshape(-1, 127)
         blocks.append(np.concatenate([np.full((values.shape[0], 1), amax, np.float32), values], axis=1))
-    x = np.concatenate(blocks)
-    return np.concatenate([x, np.zeros((-x.shape[0] % 128, 128), np.float32)])
+    return np.concatenate(blocks)
 
 
 @pytest.mark.gpu

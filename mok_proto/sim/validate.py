@@ -276,12 +276,12 @@ def fused_rows(gpu: GpuParams, results_dir=results.RESULTS_DIR, measured_on: str
                                 float(np.median(measured["end_ns"][sel] - measured["start_ns"][sel])) / 1e3,
                                 float(np.median(predicted["end_ns"][sel] - predicted["start_ns"][sel])) / 1e3, "us",
                                 **check()))
-    runs: dict = {}
+    runs: dict = {}  # printed run by run
     for r in layer.compared_rows(results_dir, measured_on=measured_on):
         if r["schedule"] == "fused" and r.get("pass", "fwd") == "fwd":  # pass_ns: forward only
             runs.setdefault(r["run"], []).append(r)
     fitted = _fused_gemm_fitted(results_dir, measured_on)
-    for run, found in runs.items():
+    for found in runs.values():
         for r in found:
             ns = fused.pass_ns(ep_share(r["shape"], r["ep"]), gpu.recorded_at(r), r["comm_blocks"],
                                r["minibatch_tokens"], r["num_sms"], r.get("claim_pairs", 0), r.get("segment_rows"))
