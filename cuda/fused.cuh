@@ -195,7 +195,7 @@ __device__ __forceinline__ bool consume_task(const Ctx& c, Storage& ss, Ring& ri
       fp8_tile = true;
       const gemm_fp8::Fp8GemmParams* p = c.fp8 + slot_of(t.kind);
       if (tile_for<kP, gemm_fp8::kKBlock>(c, p, t, cta, tile))
-        ok = gemm_fp8::consume_tile<kP, 4>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
+        ok = gemm_fp8::consume_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok);
     }
   }
   if (!fp8_tile) {

@@ -511,7 +511,6 @@ __device__ __forceinline__ void store_h_codes(const Fp8GemmParams* p, const Tile
 // (kept in registers: the groups of 8 columns 32 j + 8 (l%4) of the lane's row, j < 4 per block).
 // Per block and row half, the block's amax over the quad that holds the row, then the row
 // quantizer's scale and codes: equal bit for bit to fp8.quantize_rows of the stored dg, du.
-template <int kUnroll>
 struct DgDuCodes {
   const Fp8GemmParams* p;
   const Tile* tile;
@@ -529,10 +528,9 @@ struct DgDuCodes {
     if (!p->out_codes || !tile->store) return;  // (uniform over the CTA: the shuffles below need the warp)
     const int lane = wg_tid & 31;
     const bool pow2 = p->pow2 != 0;
-    // One pass per (row half, matrix), kUnroll of them unrolled: one (the standalone kernel) keeps
-    // the epilogue's code in the instruction cache (four copies stalled the warps on instruction
-    // fetch); the fused backward unrolls all four, where one makes ptxas reload a spill in its k-loops.
-#pragma unroll(kUnroll)
+    // One pass per (row half, matrix), not unrolled: the epilogue's code stays in the instruction
+    // cache (four unrolled copies stalled the warps on instruction fetch).
+#pragma unroll 1
     for (int pass = 0; pass < 4; ++pass) {
       const int rh = pass >> 1;
       const bool du = pass & 1;
@@ -589,10 +587,9 @@ __device__ __forceinline__ void store_gate_up(const Fp8GemmParams* p, const Tile
 
 // Consumer warpgroup `half` (rows 64 half .. +63), one tile: per k-block, waits for the stage,
 // reads its scales, runs and promotes the two n128 halves, hands the stage back to the producers
-// of both CTAs; then the epilogue (kDownBwd's codes: DgDuCodes<kCodesUnroll>). After a failed
-// wait the loops run on over garbage (wgmma must stay warpgroup-uniform) and the kernel ends with
-// the error set.
-template <int kP, int kCodesUnroll = 1, class Storage>
+// of both CTAs; then the epilogue. After a failed wait the loops run on over garbage (wgmma must
+// stay warpgroup-uniform) and the kernel ends with the error set.
+template <int kP, class Storage>
 __device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, Storage& ss, Ring& ring, const Tile& tile,
                                              float (&acc)[128], float* staging, int half, int wg_tid, bool ok) {
   using Tr = Traits<kP>;
@@ -603,7 +600,7 @@ __device__ __forceinline__ bool consume_tile(const Fp8GemmParams* p, Storage& ss
     ok = gemm::skip_epilogue<kP>(p, ss, ring, acc, wg_tid, ok);
   } else if constexpr (Tr::kAuxStages > 0) {
     ok = gemm::store_down_bwd_tile<kP>(p, ss, ring, tile, acc, staging, half, wg_tid, ok,
-                                       DgDuCodes<kCodesUnroll>{p, &tile, half, wg_tid});
+                                       DgDuCodes{p, &tile, half, wg_tid});
   } else if (tile.store && !unchanged) {
     if constexpr (kP == kGateUp) {
       store_gate_up(p, tile, acc, reinterpret_cast<char*>(staging), half, wg_tid);
