@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import re
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from kernel_ptx import compile_module
+from mok_proto.kernels.sass_size import nvdisasm
 
 _FUNCTION = re.compile(r"//-+ \.text\.(\S+) -+")
 _LABEL = re.compile(r"\s*(\.L_x_\d+):")
@@ -30,18 +30,6 @@ class Loop:
     local: tuple  # the local-memory instructions (LDL, STL) between them
     mmas: tuple  # the wgmma instructions' opcodes (HGMMA.64x256x16.F32.BF16, ...), in order
     calls: tuple  # subroutine calls between them (their code lies elsewhere: not scanned)
-
-
-def nvdisasm() -> str | None:
-    """The nvdisasm of the installed nvidia-cuda-nvdisasm package (cuda.pathfinder finds it), else
-    one on PATH, else None."""
-    try:
-        from cuda import pathfinder
-
-        found = pathfinder.find_nvidia_binary_utility("nvdisasm")
-    except Exception:  # noqa: BLE001 - no pathfinder, or one that cannot look
-        found = None
-    return found or shutil.which("nvdisasm")
 
 
 def module_sass(key: str, arch: str) -> str:
