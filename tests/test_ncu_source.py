@@ -19,7 +19,9 @@ LOOPS = [("0x10", "LDG", 1, 4, 0, 1, 0), ("0x20", "HGMMA", 30, 100, 0, 20, 0), (
 
 @pytest.fixture
 def export(tmp_path):
-    lines = _kernel("gemm<2>", LOOPS) + _kernel("gemm<2>", LOOPS) + _kernel("other", LOOPS[:2])  # ncu prints twice
+    again = [r[:2] + (r[2] + 1,) + r[3:] for r in LOOPS]  # a second launch of the same kernel
+    lines = (_kernel("gemm<2>", LOOPS) + _kernel("gemm<2>", LOOPS)  # ncu prints a listing twice
+             + _kernel("gemm<2>", again) + _kernel("other", LOOPS[:2]))
     path = tmp_path / "source.csv"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -27,7 +29,7 @@ def export(tmp_path):
 
 def test_load_keeps_each_listing_once(export):
     kernels = ncu_source.load(export)
-    assert [k.name for k in kernels] == ["gemm<2>", "other"]
+    assert [k.name for k in kernels] == ["gemm<2>", "gemm<2>", "other"]
     assert [r["Address"] for r in kernels[0].rows] == ["0x10", "0x20", "0x30", "0x40", "0x50", "0x60"]
 
 
@@ -45,14 +47,20 @@ def test_report_ranks_regions_and_names_their_stalls(export):
     text = ncu_source.report(ncu_source.load(export)[0], by_count=True, top=2)
     lines = text.splitlines()
     assert lines[0].startswith("gemm<2>: 6 instructions, 100 samples; stalls no_inst 45%, wait 34%")
-    assert "55.0%  no_inst 82%, wait 7%" in lines[2] and lines[2].split()[:3] == ["0x10", "3", "4"]
+    assert "55.0%  no_inst 82%, no reason 11%, wait 7%" in lines[2] and lines[2].split()[:3] == ["0x10", "3", "4"]
     assert "40.0%" in lines[3] and len(lines) == 4
 
 
 def test_main_filters_kernels_and_refuses_an_unknown_one(export, capsys):
     assert ncu_source.main([str(export), "--kernel", "other"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("[2] other:") and "gemm<2>" not in out
+    assert out.startswith("[3] other:") and "gemm<2>" not in out
     with pytest.raises(SystemExit):
         ncu_source.main([str(export), "--kernel", "nothing"])
     assert "no kernel in" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ncu_source.main([str(export) + ".missing"])
+    (export.parent / "bare.csv").write_text('"Kernel Name","k",\n"Address","Source"\n"0x10","NOP"\n')
+    with pytest.raises(SystemExit):
+        ncu_source.main([str(export.parent / "bare.csv")])
+    assert "SourceCounters" in capsys.readouterr().err

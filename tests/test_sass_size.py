@@ -39,6 +39,10 @@ def test_instructions_count_under_the_functions_they_came_from(tmp_path):
     # an instruction without its own line info keeps the last chain (nvdisasm writes a chain once)
     assert found["kern"][2] == found["kern"][3] == ((str(src), 6), (str(src), 3))
     assert sass_size.breakdown(found["kern"], depth=1) == {"(no line info)": 1, "k.cuh:other": 1, "k.cuh:helper": 2}
+    # the kernel's own lines, and a call back into a function already on the chain (a lambda's body)
+    chains = [((str(src), 3),), ((str(src), 7), (str(src), 10), (str(src), 7), (str(src), 3))]
+    assert sass_size.breakdown(chains, depth=3) == {"k.cuh:kern (its own lines)": 1,
+                                                    "k.cuh:helper < k.cuh:other < (lambda in k.cuh:helper)": 1}
     assert sass_size.owner(str(src), 3) == "k.cuh:kern"  # __launch_bounds__(...) is no function name
 
 

@@ -39,7 +39,7 @@ class Region:
 
 def load(path) -> list[Kernel]:
     """The kernels of a `--page source --csv --print-source sass` export, each once (ncu may print
-    a kernel's listing twice in a row)."""
+    a kernel's listing twice in a row). ValueError where a listing lacks a column the report needs."""
     kernels, header, current = [], None, None
     with open(path, newline="") as f:
         for row in csv.reader(f):
@@ -50,6 +50,10 @@ def load(path) -> list[Kernel]:
                 kernels.append(current)
             elif row[0] == "Address":
                 header = row
+                missing = [c for c in ("Source", SAMPLES, EXECUTED) if c not in header]
+                if missing:
+                    raise ValueError(f"{path}: no {', '.join(missing)} column (profile with --section SourceCounters; "
+                                     "export with --page source --csv --print-source sass)")
             elif current is not None and header is not None:
                 current.rows.append(dict(zip(header, row)))
     unique = []
@@ -60,7 +64,11 @@ def load(path) -> list[Kernel]:
 
 
 def _int(text: str) -> int:
-    return int(float(text.replace(",", ""))) if text and text.strip() else 0
+    """A count as ncu prints it ("1,234"); 0 for an empty or non-numeric cell ("n/a")."""
+    try:
+        return int(float(text.replace(",", "")))
+    except (AttributeError, ValueError):
+        return 0
 
 
 def regions(kernel: Kernel, by_count: bool = False) -> list[Region]:
@@ -89,7 +97,9 @@ def report(kernel: Kernel, by_count: bool = False, top: int = 12, label: str = "
              + ", ".join(f"{k} {v / total:.0%}" for k, v in stalls.most_common(5))]
     lines.append(f"{'first':>16} {'instr':>6} {'executed':>10} {'samples':>8} {'share':>6}  leading stalls")
     for r in sorted(found, key=lambda r: -r.samples)[:top]:
-        lead = ", ".join(f"{k} {v / max(r.samples, 1):.0%}" for k, v in r.stalls.most_common(3) if v)
+        # (samples may carry no stall reason: their rest is shown as such)
+        shares = r.stalls + Counter({"no reason": r.samples - sum(r.stalls.values())})
+        lead = ", ".join(f"{k} {v / max(r.samples, 1):.0%}" for k, v in shares.most_common(3) if v > 0)
         lines.append(f"{r.first:>16} {r.instructions:>6} {r.executed:>10} {r.samples:>8} {r.samples / total:>6.1%}  {lead}")
     return "\n".join(lines)
 
@@ -101,7 +111,10 @@ def main(argv=None) -> int:
     p.add_argument("--by-count", action="store_true", help="group instructions by how often they ran")
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args(argv)
-    kernels = [(i, k) for i, k in enumerate(load(args.csv), 1) if args.kernel in k.name]
+    try:
+        kernels = [(i, k) for i, k in enumerate(load(args.csv), 1) if args.kernel in k.name]
+    except (OSError, ValueError) as e:
+        p.error(str(e))
     if not kernels:
         p.error(f"no kernel in {args.csv}" + (f" whose name contains {args.kernel!r}" if args.kernel else ""))
     print("\n\n".join(report(k, args.by_count, args.top, f"[{i}] ") for i, k in kernels))

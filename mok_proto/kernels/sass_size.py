@@ -6,7 +6,9 @@ mok_proto.bench.ncu_source); this says which functions the code is.
     python -m mok_proto.kernels.sass_size fused.cuh --kernel fused_forward_fp8 --depth 3
 
 Needs nvcc and nvdisasm (the test extra's nvidia-cuda-nvdisasm) on this machine, no GPU. The
-module is compiled as CuPy compiles it (build.CXX_OPTIONS, then -ftz=true), for sm_90a.
+module is compiled with CuPy's options (build.CXX_OPTIONS, then -ftz=true) for sm_90a, but by this
+machine's nvcc, not the NVRTC CuPy runs: counts may differ a little from the kernels launched.
+A frame labelled `(lambda in f)` is a lambda's body (or another inlined call back into f).
 """
 
 from __future__ import annotations
@@ -52,10 +54,13 @@ def listing(key: str, arch: str = "sm_90a") -> str:
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = Path(tmp) / "module.cu", Path(tmp) / "module.cubin"
         src.write_text(module.instantiation_source())
-        subprocess.run([nvcc, *build.CXX_OPTIONS, *(f"-D{d}" for d in module.defines), "-ftz=true", f"-arch={arch}",
-                        f"-I{build.CUDA_DIR}", "-lineinfo", "-cubin", str(src), "-o", str(cubin)],
-                       check=True, capture_output=True, text=True)
-        return subprocess.run([tool, "-c", "-gi", str(cubin)], check=True, capture_output=True, text=True).stdout
+        for command in ([nvcc, *build.CXX_OPTIONS, *(f"-D{d}" for d in module.defines), "-ftz=true", f"-arch={arch}",
+                         f"-I{build.CUDA_DIR}", "-lineinfo", "-cubin", str(src), "-o", str(cubin)],
+                        [tool, "-c", "-gi", str(cubin)]):
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{Path(command[0]).name} failed: {done.stderr.strip()[-2000:]}")
+        return done.stdout
 
 
 def chains(text: str) -> dict:
@@ -81,7 +86,7 @@ def chains(text: str) -> dict:
 def _definitions(path: str) -> tuple:
     """(first lines, names) of the functions defined in a source file, in line order."""
     found = [(i, m.group(1)) for i, text in enumerate(Path(path).read_text().splitlines(), 1)
-             if (m := _DEFINITION.match(_ATTRIBUTES.sub("", text)))]
+             if (m := _DEFINITION.match(_ATTRIBUTES.sub("", text))) and not text.rstrip().endswith(";")]
     return tuple(i for i, _ in found), tuple(n for _, n in found)
 
 
@@ -97,11 +102,17 @@ def owner(path: str, line: int) -> str:
 
 def breakdown(function_chains: list, depth: int) -> Counter:
     """Instructions per call path: the `depth` frames below the kernel's own body, outermost first
-    ('a < b'); instructions of the body itself, or without line info, under their own label."""
+    ('a < b'); instructions of the body itself, or without line info, under their own labels."""
     counts = Counter()
     for chain in function_chains:
-        frames = [owner(*frame) for frame in reversed(chain)]  # outermost first: the kernel's body
-        counts[" < ".join(frames[1:1 + depth]) or (frames[0] if frames else "(no line info)")] += 1
+        frames = []  # outermost first: the kernel's body (its name may sit where owner() cannot see it)
+        for frame in reversed(chain):
+            name = owner(*frame)
+            frames.append(f"(lambda in {name})" if name in frames[1:] else name)
+        if not frames:
+            counts["(no line info)"] += 1
+        else:
+            counts[" < ".join(frames[1:1 + depth]) or f"{frames[0]} (its own lines)"] += 1
     return counts
 
 
