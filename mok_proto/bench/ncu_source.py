@@ -74,12 +74,12 @@ def _int(text: str) -> int:
 def regions(kernel: Kernel, by_count: bool = False) -> list[Region]:
     """The kernel's regions (module docstring), in address order (by_count: by first address)."""
     out: dict = {}
-    previous = None
+    run, previous = -1, None
     for row in kernel.rows:
         executed = _int(row.get(EXECUTED, ""))
-        key = executed if by_count else (len(out) if executed != previous or not out else len(out) - 1)
-        previous = executed
-        region = out.setdefault(key, Region(row["Address"], executed))
+        if executed != previous:
+            run, previous = run + 1, executed
+        region = out.setdefault(executed if by_count else run, Region(row["Address"], executed))
         region.instructions += 1
         region.samples += _int(row.get(SAMPLES, ""))
         for column, text in row.items():
