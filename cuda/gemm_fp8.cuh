@@ -473,12 +473,19 @@ __device__ __forceinline__ void store_h_codes(const Fp8GemmParams* p, const Tile
   const int warp = wg_tid >> 5, lane = wg_tid & 31;
   const int m_warp = tile.m0 + half * 64 + warp * 16;  // the warp's first row in the expert
   __syncwarp();  // the previous use of the staging area is done
-#pragma unroll
+  // One pass per row half, not unrolled (the code stays in the instruction cache); its 32 values
+  // are chosen by value (an index into acc chosen at run time would put acc in local memory).
+#pragma unroll 1
   for (int rh = 0; rh < 2; ++rh) {
+    float h[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {  // h[2J + c] = acc[4J + 2 rh + c]
+      const int k = 4 * (i >> 1) + (i & 1);
+      h[i] = rh ? acc[k + 2] : acc[k];
+    }
     float amax = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
-      amax = fp8::keep_max(amax, fp8::keep_max(fp8::keep_abs(acc[4 * j + 2 * rh]), fp8::keep_abs(acc[4 * j + 2 * rh + 1])));
+    for (int i = 0; i < 32; ++i) amax = fp8::keep_max(amax, fp8::keep_abs(h[i]));
     amax = fp8::keep_max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     amax = fp8::keep_max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     const float scale = fp8::block_scale(amax, p->pow2 != 0);
@@ -486,8 +493,7 @@ __device__ __forceinline__ void store_h_codes(const Fp8GemmParams* p, const Tile
     const int r = (lane >> 2) + 8 * rh;
 #pragma unroll
     for (int j = 0; j < 16; j += 2) {  // columns 8j + 2(l%4), +1 and 8(j+1) + 2(l%4), +1: chunk j/2 of row r
-      const float v[4] = {acc[4 * j + 2 * rh], acc[4 * j + 2 * rh + 1], acc[4 * j + 4 + 2 * rh],
-                          acc[4 * j + 5 + 2 * rh]};
+      const float v[4] = {h[2 * j], h[2 * j + 1], h[2 * j + 2], h[2 * j + 3]};
       const u32 q = fp8::quantize4(v, d);
       char* chunk = stg + r * 128 + (((j >> 1) ^ (r & 7)) << 4) + 2 * (lane & 3);
       *reinterpret_cast<unsigned short*>(chunk) = static_cast<unsigned short>(q);
