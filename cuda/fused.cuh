@@ -273,8 +273,9 @@ static_assert(kMoverBarrier != gemm::kConsumersBarrier, "one named barrier per g
 // TMA loads, or the peers). The token-side tasks of tokens kEpilogueRows row_tile .. run the
 // standalone token kernels' device functions (token.cuh): kTaskScale writes their dy_slots rows
 // (scale_part; fenced for the peers that pull them), kTaskSlotSum their dx and d topk_weights
-// (token_grads; read after the kernel).
-template <int kWarps, int kUnroll, bool kQuantize = false>
+// (token_grads; read after the kernel). Both are backward tasks: the forward (kPass 0) compiles
+// them out, as with_problem trusts the plan (Plan.check) for the pass's kinds.
+template <int kPass, int kWarps, int kUnroll, bool kQuantize = false>
 __device__ __forceinline__ bool mover_task(const Ctx& c, volatile int* go, const Task& t, int index, int warp,
                                            int lane, bool ok) {
   const bool lead = warp == 0 && lane == 0;
@@ -285,7 +286,7 @@ __device__ __forceinline__ bool mover_task(const Ctx& c, volatile int* go, const
   }
   asm volatile("bar.sync %0, %1;" ::"n"(kMoverBarrier), "n"(kWarps * 32) : "memory");
   ok = *go != 0;
-  if (t.kind == plan::kTaskSlotSum || t.kind == plan::kTaskScale) {
+  if (kPass == 1 && (t.kind == plan::kTaskSlotSum || t.kind == plan::kTaskScale)) {
     const i64 t0 = static_cast<i64>(t.row_tile) * plan::kEpilogueRows, n = c.tp->num_tokens;
     const i64 t1 = t0 + plan::kEpilogueRows < n ? t0 + plan::kEpilogueRows : n, h8 = c.tp->hidden / 8;
     const Workers threads{warp * 32 + lane, kWarps * 32};
@@ -410,8 +411,8 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
   if (!ss.abort) {
     if (blockIdx.x < fp->comm_ctas) {
       for (int i = first; i < last; ++i)
-        ok = mover_task<kCommWarps, kCommUnroll, kFp8>(c, &ss.go, c.tasks[i], i, threadIdx.x >> 5, threadIdx.x & 31,
-                                                       ok);
+        ok = mover_task<kPass, kCommWarps, kCommUnroll, kFp8>(c, &ss.go, c.tasks[i], i, threadIdx.x >> 5,
+                                                              threadIdx.x & 31, ok);
     } else {
       // NOTE: the role is broadcast from lane 0 so the compiler sees it warp-uniform (wgmma).
       const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0), wg_tid = threadIdx.x & 127;
@@ -449,8 +450,8 @@ __device__ __forceinline__ void run_fused(const FusedParams* fp) {
           for (int i = first; i < last; ++i) {
             const Task t = c.tasks[i];
             if (is_mover(t.kind))
-              ok = mover_task<kSideWarps, kFp8 ? kSideUnrollFp8[kPass] : kSideUnroll, kFp8>(c, &ss.go, t, i, side,
-                                                                                           wg_tid & 31, ok);
+              ok = mover_task<kPass, kSideWarps, kFp8 ? kSideUnrollFp8[kPass] : kSideUnroll, kFp8>(
+                  c, &ss.go, t, i, side, wg_tid & 31, ok);
           }
         }
       } else {

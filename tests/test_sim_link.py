@@ -219,7 +219,7 @@ def test_movers_match_the_kernels():
     assert consts == {"kCommWarps": "gemm::kThreads / 32", "kCommUnroll": "8", "kSideWarps": "3", "kSideUnroll": "16"}
     assert "linked_rows<32 * 16 * kUnroll>" in src
     # (the FP8 passes' spare warps keep kSideUnrollFp8[kPass] in flight: the simulator prices BF16 passes only)
-    assert "mover_task<kCommWarps, kCommUnroll, kFp8>" in src and "kFp8 ? kSideUnrollFp8[kPass] : kSideUnroll" in src
+    assert "mover_task<kPass, kCommWarps, kCommUnroll, kFp8>" in src and "kFp8 ? kSideUnrollFp8[kPass] : kSideUnroll" in src
     assert linked.COMM_CTA_MOVERS == (384 // 32, 32 * 16 * 8) and linked.SPARE_MOVERS == (3, 32 * 16 * 16)
     comm = (ROOT / "cuda" / "comm.cuh").read_text()
     batches = re.findall(r"(?:linked_rows|for_my_slots)<(32 \* \w+)>\(", comm)
