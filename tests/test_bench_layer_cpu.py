@@ -555,11 +555,13 @@ def test_a_timeline_in_results_timelines_is_stored_and_indexed(tmp_path):
     assert index_timeline(elsewhere, "fwd", plan, results_dir=tmp_path) is None and elsewhere.exists()
 
 
-def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypatch):
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypatch, precision):
     """bench_layer.py's run of a shape (layer_run.run_shape) on stand-ins for the GPU: the run without
     the link, then per link speed the same `ours` call (shape, data, iters, settings) with the link
     and its own timeline; torch and the schedule once; the rows without the link to bench_layer,
-    with `link_gbps` null, those with the link to bench_layer_link, judged against the same run."""
+    with `link_gbps` null, those with the link to bench_layer_link, judged against the same run. An
+    FP8 layer's timelines are indexed with its precision and dispatch dtype (a BF16 one's without)."""
     from types import SimpleNamespace
 
     from mok_proto.bench import layer_run
@@ -590,22 +592,28 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
     settings = {"fwd": [FusedKnobs(0, 2048), FusedKnobs(8, 2048)], "bwd": [FusedKnobs(0, 2048)]}
     args = SimpleNamespace(iters=3, warmup=1, settings=settings, bars=BARS, links=links, routing=UNIFORM,
                            timeline="results/timelines/timeline_fused_{link}{pass_}_{shape}_{git}.jsonl",
-                           macrobatch_rows="0.25x", precision="bf16", dispatch_dtype="bf16")
-    monkeypatch.setattr(layer_run, "fp8_run", lambda *a: pytest.fail("an FP8 baseline in a BF16 run"))
+                           macrobatch_rows="0.25x", precision=precision, dispatch_dtype=precision)
+    if precision == "bf16":
+        monkeypatch.setattr(layer_run, "fp8_run", lambda *a: pytest.fail("an FP8 baseline in a BF16 run"))
+    else:
+        monkeypatch.setattr(layer_run, "fp8_run", lambda *a: calls.append("fp8 baselines"))
     got, tables = layer_run.run_shape("kimi-k2.7", args, reports.append)
     assert got is no_link and list(tables) == links and all(len(t) == 2 for t in tables.values())
     ours_calls = [c for c in calls if isinstance(c, dict)]
-    assert [c["link"] for c in ours_calls] == [None, *links] and calls[1:3] == ["torch", "schedule"]
+    assert [c["link"] for c in ours_calls] == [None, *links]
+    assert calls[1:3] == ["torch", "schedule"] if precision == "bf16" else calls[1:4] == ["torch", "fp8 baselines", "schedule"]
     for c in ours_calls:  # the same call but for the link; the ring a quarter of rank 0's 16384 rows
         assert (c["shape"], c["data"], c["iters"], c["warmup"], c["settings"], c["ring"], c["run"]) == (
-            "kimi-k2.7@ep64", {"topk_idx": [0, 1], "routing": UNIFORM}, 3, 1, settings, 4096, ("bf16", "bf16"))
+            "kimi-k2.7@ep64", {"topk_idx": [0, 1], "routing": UNIFORM}, 3, 1, settings, 4096, (precision, precision))
     assert fields["macrobatch_rows"] == 4096 and fields["memory_bytes"] > 70e9  # kimi's EP=64 rank, default ring
     assert [c["trace_to"] for c in ours_calls] == [
         "results/timelines/timeline_fused_{pass_}_kimi-k2.7_abc1234.jsonl",
         "results/timelines/timeline_fused_link368_{pass_}_kimi-k2.7_abc1234.jsonl",
         "results/timelines/timeline_fused_link900_{pass_}_kimi-k2.7_abc1234.jsonl"]
-    assert ours_calls[0]["index"] == {"bench": "bench_layer", "shape": "kimi-k2.7", "routing": "uniform"}
+    fp8_fields = {} if precision == "bf16" else {"precision": "fp8", "dispatch_dtype": "fp8"}
+    assert ours_calls[0]["index"] == {"bench": "bench_layer", "shape": "kimi-k2.7", "routing": "uniform", **fp8_fields}
     assert ours_calls[2]["index"]["bench"] == "bench_layer_link" and ours_calls[2]["index"]["link_gbps"] == 900
+    assert {k: ours_calls[2]["index"].get(k) for k in fp8_fields} == fp8_fields
     assert len(reports) == 3
     assert {f for f, _ in reports[0].rows} == {"bench_layer"} and all(r["link_gbps"] is None for _, r in reports[0].rows)
     assert all(f == LINK_FILE and r["link_gbps"] == g for rep, g in zip(reports[1:], (368, 900)) for f, r in rep.rows)

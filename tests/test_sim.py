@@ -925,6 +925,7 @@ def test_timeline_summary_counts_overlapping_tiles_once():
     assert got["kinds"]["gate_up"] == {"per_lane_ns": pytest.approx(700 / 3), "first_ns": 0.0, "last_ns": 600.0}
     assert got["kinds"]["down"]["per_lane_ns"] == pytest.approx(900 / 3)
     assert got["kinds"]["dispatch"]["last_ns"] == 1000.0
+    assert (got["mover_lanes"], got["mover_busy_mean_ns"]) == (1, 1000.0)  # lane 1's dispatch
     # the tail: lane 0's last GEMM ends at 1000, lane 1's at 500 (lane 2 has no GEMM time: left out),
     # so 250 ns idle on average after them; the later end has the more GEMM time (corr 1)
     assert (got["lane_end_min_ns"], got["lane_end_max_ns"], got["tail_idle_mean_ns"]) == (500.0, 1000.0, 250.0)
@@ -935,6 +936,23 @@ def test_timeline_summary_counts_overlapping_tiles_once():
     got = results.timeline_summary(rec)
     assert (got["lane_end_max_ns"], got["makespan_ns"], got["tail_idle_mean_ns"]) == (1100.0, 1100.0, 50.0)
     assert got["end_busy_corr"] == pytest.approx(-1.0)
+
+
+def test_timeline_summary_mover_lanes():
+    """The movers' busy time per CTA that moved rows: lane 0's dispatch and combine overlap (700 ns
+    covered, not 800), lane 1 moves 200 ns, lane 2 moves nothing (not a mover lane); beside them
+    the lanes' GEMM time, which is the shorter here (the pass waits on its movers)."""
+    rows = [  # block, kind, start, end
+        (0, P.TaskKind.DISPATCH, 0, 400), (0, P.TaskKind.COMBINE, 300, 700), (1, P.TaskKind.DISPATCH, 0, 200),
+        (0, P.TaskKind.GATE_UP, 0, 300), (1, P.TaskKind.DOWN, 100, 500), (2, P.TaskKind.DOWN, 200, 550)]
+    rec = trace.empty(len(rows))
+    for r, (block, kind, start, end) in zip(rec, rows):
+        r["block"], r["kind"], r["start_ns"], r["end_ns"] = block, int(kind), start, end
+    got = results.timeline_summary(rec)
+    assert (got["mover_lanes"], got["mover_busy_mean_ns"], got["mover_busy_max_ns"]) == (2, 450.0, 700.0)
+    assert got["busy_mean"] * got["makespan_ns"] == pytest.approx((300 + 400 + 350) / 3)
+    gemm_only = results.timeline_summary(rec[3:])
+    assert (gemm_only["mover_lanes"], gemm_only["mover_busy_mean_ns"], gemm_only["mover_busy_max_ns"]) == (0, 0.0, 0.0)
 
 
 def test_timeline_summary_tail_correlation():
@@ -1331,8 +1349,10 @@ def test_claimed_pairs_run_on_the_cluster_free_first(h200, pass_):
 
 def test_timeline_plan_finds_the_claimed_pool():
     # a traced backward whose tail (66 clusters, 4 pairs each) was claimed at run time: the plan is found
-    # from the records, its pool rows (recorded with the CTA that claimed them) last
-    claimed = [e for e in results.timeline_index(pass_="bwd", shape="kimi-k2.7") if e["claim_pairs"]]
+    # from the records, its pool rows (recorded with the CTA that claimed them) last (a BF16 layer's: the
+    # plans timeline_plan tries are)
+    claimed = [e for e in results.timeline_index(pass_="bwd", shape="kimi-k2.7")
+               if e["claim_pairs"] and e.get("precision", "bf16") == "bf16"]
     entry = max(claimed, key=lambda e: e["time"])
     rec = results.load_timeline(entry["path"])
     plan = fused.timeline_plan(rec, ep_share("kimi-k2.7"), prefer=entry)

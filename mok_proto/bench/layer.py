@@ -180,6 +180,9 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
             corr = summary["end_busy_corr"]
             best["timeline_tail_idle_mean_ns"], best["timeline_end_busy_corr"] = summary["tail_idle_mean_ns"], corr
             best["timeline_lane_end_spread_ns"] = summary["lane_end_max_ns"] - summary["lane_end_min_ns"]
+            gemm_lane_ns = summary["busy_mean"] * summary["makespan_ns"]
+            best["timeline_gemm_lane_mean_ns"], best["timeline_mover_lane_mean_ns"] = (
+                gemm_lane_ns, summary["mover_busy_mean_ns"])
             print(f"#   timeline: {summary['makespan_ns'] / 1e6:.3f} ms, compute lanes GEMM-busy "
                   f"{summary['busy_mean']:.1%} (least {summary['busy_min']:.1%}); GEMM ms per lane: " + ", ".join(
                       f"{k} {v['per_lane_ns'] / 1e6:.3f}" for k, v in summary["kinds"].items()
@@ -187,7 +190,10 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
                   + f"; the lanes' last GEMM ends {summary['lane_end_min_ns'] / 1e6:.3f}-"
                   f"{summary['lane_end_max_ns'] / 1e6:.3f} ms, then idle {summary['tail_idle_mean_ns'] / 1e3:.0f} us "
                   f"on average (correlation of a lane's end with its GEMM time: "
-                  f"{'n/a' if corr is None else f'{corr:.2f}'})", flush=True)
+                  f"{'n/a' if corr is None else f'{corr:.2f}'}); movers busy {summary['mover_busy_mean_ns'] / 1e6:.3f} ms "
+                  f"a CTA (most {summary['mover_busy_max_ns'] / 1e6:.3f}) against GEMMs {gemm_lane_ns / 1e6:.3f} ms a lane"
+                  + (": the movers are the longer lane" if summary["mover_busy_mean_ns"] > gemm_lane_ns else ""),
+                  flush=True)
             stored = None if index is None else index_timeline(trace_to, pass_, {
                 **index, "comm_blocks": best["comm_blocks"], "minibatch_rows": best["minibatch_tokens"],
                 "segment_rows": best["segment_rows"], "claim_pairs": best["claim_pairs"]})

@@ -38,9 +38,10 @@ def run_shape(name: str, args, emit) -> tuple:
           f"K={shape.top_k}, routing {fields['routing']}: {fields['emulation']}, rank 0 receives "
           f"{fields['received_rows']} rows ...", flush=True)
     run = {"precision": args.precision, "dispatch_dtype": args.dispatch_dtype}
+    fp8_index = run if args.precision == "fp8" else {}  # a timeline's index row names an FP8 layer's
     measured = ours(shape, data, args.iters, args.warmup, args.settings, timeline_path(args.timeline, name, git_sha()),
-                    index={"bench": "bench_layer", "shape": name, "routing": fields["routing"]}, macrobatch_rows=ring,
-                    **run)
+                    index={"bench": "bench_layer", "shape": name, "routing": fields["routing"], **fp8_index},
+                    macrobatch_rows=ring, **run)
     baseline = torch_pipeline(shape, data, args.iters, args.warmup)
     fp8 = fp8_run(shape, data, args, ring) if args.precision == "fp8" else None
     schedule = schedule_at_ep64(name, args.iters, args.warmup, args.routing)
@@ -50,7 +51,8 @@ def run_shape(name: str, args, emit) -> tuple:
         print(f"# {name}: with the emulated link, {link.gbps:g} GB/s ...", flush=True)
         got = ours(shape, data, args.iters, args.warmup, args.settings,
                    timeline_path(args.timeline, name, git_sha(), link),
-                   index={"bench": "bench_layer_link", "shape": name, "routing": fields["routing"], **link.describe()},
+                   index={"bench": "bench_layer_link", "shape": name, "routing": fields["routing"], **fp8_index,
+                          **link.describe()},
                    link=link, macrobatch_rows=ring, **run)
         report = link_report(name, shape, link, got, measured, args.bars, fields)
         emit(report)

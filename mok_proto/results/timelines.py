@@ -174,6 +174,9 @@ def timeline_summary(records) -> dict:
     `makespan_ns` (first start to last end); `busy_mean` / `busy_min`: per compute lane (SM), the
     time covered by its GEMM tasks (the union of their intervals: a tile's loads overlap the
     previous tile's epilogue) as a fraction of the makespan, averaged / the least busy lane;
+    `mover_lanes`, the CTAs that moved rows, and `mover_busy_mean_ns` / `mover_busy_max_ns`, the
+    time their mover tasks covered, averaged / the busiest (beside `busy_mean` * makespan, the GEMM
+    time of a lane: where the movers' is the longer, the pass waits on its movers, not its GEMMs);
     `kinds`: per task kind (name) the summed task time per compute lane (`per_lane_ns`) and its
     span (`first_ns`, `last_ns`). Tasks that took no time (past the real rows) are left out.
     The tail, over the lanes with GEMM time: `lane_end_min_ns` / `lane_end_max_ns`, the earliest
@@ -194,18 +197,25 @@ def timeline_summary(records) -> dict:
     is_gemm = ~np.isin(records["kind"], [int(k) for k in MOVER_KINDS])
     lanes = np.unique(records["block"][is_gemm])  # a lane whose tiles all took no time counts, idle
     gemm = records[took & is_gemm]
+
+    def covered(tasks) -> tuple[float, float]:  # the union of the tasks' intervals, and its end
+        tasks = tasks[np.argsort(tasks["start_ns"], kind="stable")]
+        total, end = 0.0, -np.inf
+        for s, e in zip(tasks["start_ns"].tolist(), tasks["end_ns"].tolist()):
+            total += max(0.0, e - max(s, end))  # the part of [s, e) after everything before it
+            end = max(end, e)
+        return total, end
+
     busy, ends, covers = [], [], []
     for lane in lanes:
         mine = gemm[gemm["block"] == lane]
-        mine = mine[np.argsort(mine["start_ns"], kind="stable")]
-        covered, end = 0.0, -np.inf
-        for s, e in zip(mine["start_ns"].tolist(), mine["end_ns"].tolist()):
-            covered += max(0.0, e - max(s, end))  # the part of [s, e) after everything before it
-            end = max(end, e)
-        busy.append(covered / makespan)
+        total, end = covered(mine)
+        busy.append(total / makespan)
         if len(mine):
             ends.append(float(end - t0))
-            covers.append(covered)
+            covers.append(total)
+    moves = records[took & ~is_gemm]
+    mover = [covered(moves[moves["block"] == lane])[0] for lane in np.unique(moves["block"])]
     kinds = {}
     for kind in np.unique(rec["kind"]):
         sel = rec[rec["kind"] == kind]
@@ -217,5 +227,7 @@ def timeline_summary(records) -> dict:
         corr = float(np.corrcoef(ends, covers)[0, 1])
     return {"makespan_ns": makespan, "compute_lanes": int(len(lanes)),
             "busy_mean": float(np.mean(busy)) if busy else 0.0, "busy_min": float(np.min(busy)) if busy else 0.0,
-            "kinds": kinds, "lane_end_min_ns": min(ends, default=0.0), "lane_end_max_ns": max(ends, default=0.0),
+            "kinds": kinds, "mover_lanes": len(mover),
+            "mover_busy_mean_ns": float(np.mean(mover)) if mover else 0.0, "mover_busy_max_ns": max(mover, default=0.0),
+            "lane_end_min_ns": min(ends, default=0.0), "lane_end_max_ns": max(ends, default=0.0),
             "tail_idle_mean_ns": float(makespan - np.mean(ends)) if ends else 0.0, "end_busy_corr": corr}
