@@ -36,8 +36,11 @@ EXPECTED = {
 
 
 def newest_timeline_figures() -> list[str]:
-    """measured.ipynb's timeline figures: one per shape and pass of bench_layer's timelines in the index."""
-    return sorted({f"timeline {e['shape']} {e['pass']}" for e in results.timeline_index(bench="bench_layer")})
+    """measured.ipynb's timeline figures: one per shape, pass and precision of bench_layer's timelines in
+    the index (a BF16 layer's named without its precision)."""
+    return sorted({f"timeline {e['shape']} {e['pass']}" + ("" if e.get("precision", "bf16") == "bf16" else
+                                                            f" {e['precision']}")
+                   for e in results.timeline_index(bench="bench_layer")})
 
 
 def figures(outputs: list) -> tuple[dict, list]:

@@ -940,10 +940,11 @@ def test_timeline_summary_counts_overlapping_tiles_once():
 
 def test_timeline_summary_mover_lanes():
     """The movers' busy time per CTA that moved rows: lane 0's dispatch and combine overlap (700 ns
-    covered, not 800), lane 1 moves 200 ns, lane 2 moves nothing (not a mover lane); beside them
+    covered, not 800), lane 1 moves 200 ns, lane 2's one move took no time (not a mover lane); beside them
     the lanes' GEMM time, which is the shorter here (the pass waits on its movers)."""
     rows = [  # block, kind, start, end
         (0, P.TaskKind.DISPATCH, 0, 400), (0, P.TaskKind.COMBINE, 300, 700), (1, P.TaskKind.DISPATCH, 0, 200),
+        (2, P.TaskKind.DISPATCH, 300, 300),
         (0, P.TaskKind.GATE_UP, 0, 300), (1, P.TaskKind.DOWN, 100, 500), (2, P.TaskKind.DOWN, 200, 550)]
     rec = trace.empty(len(rows))
     for r, (block, kind, start, end) in zip(rec, rows):
@@ -951,7 +952,7 @@ def test_timeline_summary_mover_lanes():
     got = results.timeline_summary(rec)
     assert (got["mover_lanes"], got["mover_busy_mean_ns"], got["mover_busy_max_ns"]) == (2, 450.0, 700.0)
     assert got["busy_mean"] * got["makespan_ns"] == pytest.approx((300 + 400 + 350) / 3)
-    gemm_only = results.timeline_summary(rec[3:])
+    gemm_only = results.timeline_summary(rec[4:])
     assert (gemm_only["mover_lanes"], gemm_only["mover_busy_mean_ns"], gemm_only["mover_busy_max_ns"]) == (0, 0.0, 0.0)
 
 

@@ -5,6 +5,7 @@ results/timelines/index.jsonl, one row per file:
     file, bench, pass, shape, git, time, gpu: the file and the run that traced it;
     comm_mover, wait_spin, scale_traffic: the kernel features of that run (as its benchmark rows);
     comm_blocks, minibatch_rows, segment_rows, claim_pairs: the plan it ran;
+    precision, dispatch_dtype: an FP8 layer's ("fp8" experts); absent for a BF16 layer;
     png: its picture beside it, where kept;
     sim_compared: true when `python -m mok_proto.sim --validate` compares it with its simulated plan;
     sim_calibrates: the h200 parameters fitted on it (a key of mok_proto.sim.calibrate.SOURCES);
