@@ -56,8 +56,18 @@ __device__ __forceinline__ float keep_max(float a, float b) {
   asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
-__device__ __forceinline__ float keep_abs(float a) { return __uint_as_float(__float_as_uint(a) & 0x7FFFFFFFu); }
-__device__ __forceinline__ float keep_neg(float a) { return __uint_as_float(__float_as_uint(a) ^ 0x80000000u); }
+// The sign bit cleared / flipped (NaN included). As PTX, not bit operations, so that ptxas folds
+// them into the using instruction's |x| and -x operand modifiers.
+__device__ __forceinline__ float keep_abs(float a) {
+  float r;
+  asm("abs.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
+__device__ __forceinline__ float keep_neg(float a) {
+  float r;
+  asm("neg.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
 
 // Four e4m3 codes, a in the lowest byte. cvt.rn.satfinite (PTX ISA, cvt): round to nearest even,
 // |value| beyond 448 (infinities included) gives sign-preserved 448, subnormal inputs and results
@@ -211,33 +221,62 @@ __device__ __forceinline__ void quantize_block(const float (&v)[4], bool pow2, u
 
 // One warp copies bf16 row `row` of x [rows, cols] (QuantParams x, codes, scales, cols, pow2; cols
 // a multiple of B) from `src` and quantizes the values it holds (quantize_block's bits): the fused
-// kernel's movers on a row they pull. A lane holds 16 bytes (8 values) a step, so a B-block is a
-// half warp's; kUnroll steps a lane in flight (warp_copy_row, which shows each group to `quantize`).
+// kernel's movers on a row they pull. The warp takes the row 4 blocks (1 KB) at a time: a block is 8
+// lanes', each holding 16 of its values, so the block's amax takes three shuffles and its scale and
+// reciprocal are computed once per 16 values. Lane l of a group of 64 16-byte chunks holds chunks
+// c and c + 8, c = 16 (l / 8) + l % 8 (each load instruction reads whole sectors). kUnroll
+// (even) chunks a lane in flight.
 template <int kUnroll>
 __device__ __forceinline__ void copy_quantize_row_bf16(const QuantParams* p, i64 row, const void* src, int lane) {
-  static_assert(kQuantBlock == 16 * 8, "a block is the 16 bytes of 16 lanes");
-  const i64 n = p->cols / 8;  // 16-byte steps of the row
+  static_assert(kQuantBlock == 8 * 16, "a block is 8 lanes' 16 values");
+  static_assert(kUnroll % 2 == 0, "a lane moves two chunks of a block");
+  constexpr int kGroups = kUnroll / 2;  // groups of 4 blocks in flight
+  const int n = static_cast<int>(p->cols / 8);  // the row's 16-byte chunks, a multiple of 16
+  const uint4* s = static_cast<const uint4*>(src);
+  uint4* x = reinterpret_cast<uint4*>(reinterpret_cast<unsigned short*>(p->x) + row * p->cols);
   uint2* codes = reinterpret_cast<uint2*>(p->codes + row * p->cols);
   float* scales = reinterpret_cast<float*>(p->scales) + row * (p->cols / kQuantBlock);
-  const auto quantize = [&](i64 base, const uint4 (&v)[kUnroll]) {
+  const int first = 16 * (lane >> 3) + (lane & 7);
+  for (int base = 0; base < n; base += 64 * kGroups) {
+    uint4 v[kGroups][2];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * 32 >= n) break;  // warp-uniform; n is a multiple of 16: a half warp is all in or out
-      const i64 i = base + u * 32 + lane;
-      const float lo[4] = {bf16_lo(v[u].x), bf16_hi(v[u].x), bf16_lo(v[u].y), bf16_hi(v[u].y)};
-      const float hi[4] = {bf16_lo(v[u].z), bf16_hi(v[u].z), bf16_lo(v[u].w), bf16_hi(v[u].w)};
-      float m = amax4(amax4(0.0f, lo), hi);
+    for (int g = 0; g < kGroups; ++g) {
+      const int i = base + 64 * g + first;  // a block is all in or all out (i < n iff i + 8 < n)
+      v[g][0] = i < n ? s[i] : make_uint4(0, 0, 0, 0);
+      v[g][1] = i < n ? s[i + 8] : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
-      for (int off = 8; off > 0; off >>= 1) m = keep_max(m, __shfl_xor_sync(0xffffffffu, m, off));
+    for (int g = 0; g < kGroups; ++g) {
+      const int i = base + 64 * g + first;
+      if (i < n) {
+        x[i] = v[g][0];
+        x[i + 8] = v[g][1];
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      if (base + 64 * g >= n) break;  // warp-uniform: the shuffles see every lane
+      const int i = base + 64 * g + first;
+      float f[4][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 w = v[g][h];
+        f[2 * h][0] = bf16_lo(w.x), f[2 * h][1] = bf16_hi(w.x), f[2 * h][2] = bf16_lo(w.y), f[2 * h][3] = bf16_hi(w.y);
+        f[2 * h + 1][0] = bf16_lo(w.z), f[2 * h + 1][1] = bf16_hi(w.z);
+        f[2 * h + 1][2] = bf16_lo(w.w), f[2 * h + 1][3] = bf16_hi(w.w);
+      }
+      float m = amax4(amax4(amax4(amax4(0.0f, f[0]), f[1]), f[2]), f[3]);
+#pragma unroll
+      for (int off = 4; off > 0; off >>= 1) m = keep_max(m, __shfl_xor_sync(0xffffffffu, m, off));
       const float scale = block_scale(m, p->pow2 != 0);
       if (i < n) {
         const Divisor d = divisor(scale);
-        codes[i] = make_uint2(quantize4(lo, d), quantize4(hi, d));
-        if ((lane & 15) == 0) scales[i / 16] = scale;
+        codes[i] = make_uint2(quantize4(f[0], d), quantize4(f[1], d));
+        codes[i + 8] = make_uint2(quantize4(f[2], d), quantize4(f[3], d));
+        if ((lane & 7) == 0) scales[i / 16] = scale;
       }
     }
-  };
-  warp_copy_row<16, kUnroll>(reinterpret_cast<unsigned short*>(p->x) + row * p->cols, src, 2 * p->cols, lane, quantize);
+  }
 }
 
 // 1 x B blocks along rows: block i (of rows * cols / B, row-major) is x[i*B : (i+1)*B] of the flat
