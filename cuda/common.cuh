@@ -220,14 +220,9 @@ __device__ __forceinline__ void sum_checking_slots(const Params* p, int rank, Su
 // 16-byte aligned: bytes % 16 == 0) or kVec = 2 (any even row size: bf16 rows of odd H). With
 // 16-byte accesses each lane has kUnroll loads in flight before it stores them (a warp alone on
 // a row is latency-bound: the fused kernel's spare warps take 16, its communicating CTAs 8; the
-// copy kernels, whose grids fill the GPU with warps, take 1). `visit(base, v)` sees each group of
-// 16-byte values after its stores (v[u]: value base + 32 u + lane; zero past the row's end).
-struct NoVisit {
-  template <int kUnroll>
-  __device__ __forceinline__ void operator()(i64, const uint4 (&)[kUnroll]) const {}
-};
-template <int kVec, int kUnroll = 1, class Visit = NoVisit>
-__device__ __forceinline__ void warp_copy_row(void* dst, const void* src, i64 bytes, int lane, Visit visit = {}) {
+// copy kernels, whose grids fill the GPU with warps, take 1).
+template <int kVec, int kUnroll = 1>
+__device__ __forceinline__ void warp_copy_row(void* dst, const void* src, i64 bytes, int lane) {
   static_assert(kVec == 16 || kVec == 2, "rows move in 16-byte or 2-byte accesses");
   static_assert(kVec == 16 || kUnroll == 1, "2-byte copies are not unrolled");
   if constexpr (kVec == 16) {
@@ -246,7 +241,6 @@ __device__ __forceinline__ void warp_copy_row(void* dst, const void* src, i64 by
         const i64 i = base + u * 32 + lane;
         if (i < n) d[i] = v[u];
       }
-      visit(base, v);
     }
   } else {
     const unsigned short* s = reinterpret_cast<const unsigned short*>(src);

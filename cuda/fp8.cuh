@@ -56,8 +56,8 @@ __device__ __forceinline__ float keep_max(float a, float b) {
   asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
-// The sign bit cleared / flipped (NaN included). As PTX, not bit operations, so that ptxas folds
-// them into the using instruction's |x| and -x operand modifiers.
+// The sign bit cleared / flipped (a NaN stays some NaN: keep_max skips it, e4m3x4 codes it 0x7F).
+// As PTX, not bit operations, so that ptxas folds them into the user's |x| and -x modifiers.
 __device__ __forceinline__ float keep_abs(float a) {
   float r;
   asm("abs.f32 %0, %1;" : "=f"(r) : "f"(a));
