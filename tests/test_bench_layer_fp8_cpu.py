@@ -13,7 +13,7 @@ from test_bench_layer_cpu import _fused_row, _measured, _torch
 
 from mok_proto.bench import layer_cli, layer_run
 from mok_proto.bench.emulation import emulated_shape
-from mok_proto.bench.layer_rows import BARS, Fp8Run, shape_report
+from mok_proto.bench.layer_rows import BARS, FP8_BARS, Fp8Run, shape_report
 from mok_proto.bench.settings import DEFAULT_FUSED
 from mok_proto.routing import UNIFORM
 
@@ -95,6 +95,34 @@ def test_fused_fp8_forward_rows_record_their_precision():
     assert len(fused) == 1 and (fused[0]["precision"], fused[0]["dispatch_dtype"]) == ("fp8", "fp8")
     assert fused[0]["speedup_vs_torch_fp8"] == pytest.approx(1.6 / 1.25)
     assert fused[0]["speedup_vs_torch"] == pytest.approx(2.5 / 1.25)
+
+
+def test_fp8_runs_are_judged_by_the_fp8_bars():
+    assert layer_cli.parse_args([]).bars == BARS
+    fp8 = layer_cli.parse_args(["--precision", "fp8", "--bar", "fused_fwd_x_torch_fp8=1.4"]).bars
+    assert (fp8["fused_fwd_x_torch"].value, fp8["fused_bwd_x_torch"].value) == (1.5, 2.0)
+    assert fp8["fused_fwd_x_torch_fp8"].value == 1.4 and "fused_fwd_x_seq" not in fp8
+    with pytest.raises(SystemExit):  # a BF16 run has no torch FP8 bar
+        layer_cli.parse_args(["--bar", "fused_fwd_x_torch_fp8=1.4"])
+    shape = emulated_shape("kimi-k2.7")
+
+    def failed(fwd_ms, bwd_ms, torch_fp8=(2.4,), bars=FP8_BARS):
+        # torch: forward 2.5 ms, backward 8.0; the sequential passes 2.0 and 5.0 ms (fused x sequential < 1)
+        measured, torch, run = _fp8_case(torch_fp8=torch_fp8)
+        measured = measured._replace(fused_rows={"fwd": [_fused_row(0, fwd_ms, 2.0, best=(fwd_ms, 1.5))],
+                                                 "bwd": [_fused_row(0, bwd_ms, 5.0, best=(bwd_ms, 3.7))]})
+        report = shape_report("kimi-k2.7", shape, measured, torch, ({"median_ms": 0.03}, True), bars, fp8=run)
+        return report.failed, [line for line in report.lines if "fused:" in line]
+
+    got, lines = failed(1.6, 3.9)  # 1.56x torch, 1.50x torch FP8; backward 2.05x
+    assert got == [] and "x torch fp8 1.50 (bar 1.3)" in lines[0] and "(not judged;" in lines[0]
+    assert "x torch fp8" not in lines[1]
+    assert failed(1.6, 3.9, bars=BARS)[0] == ["kimi-k2.7 fused fwd", "kimi-k2.7 fused bwd"]  # x sequential < 1.1
+    assert failed(1.7, 3.9)[0] == ["kimi-k2.7 fused fwd"]  # 1.47x torch
+    assert failed(1.6, 3.9, torch_fp8=(2.0,))[0] == ["kimi-k2.7 fused fwd"]  # 1.25x torch FP8
+    got, lines = failed(1.6, 3.9, torch_fp8=None)  # no torch FP8 pipeline: its bar is not met
+    assert got == ["kimi-k2.7 fused fwd"] and "x torch fp8 n/a (bar 1.3)" in lines[0]
+    assert failed(1.6, 4.1)[0] == ["kimi-k2.7 fused bwd"]  # 1.95x torch
 
 
 def test_fp8_rows_fail_beyond_the_recipe_bound_and_without_torch_fp8():

@@ -65,7 +65,9 @@ torch FP8 pipeline (mok_proto.bench.torch_fp8: torch._scaled_grouped_mm, row-wis
 second, forward only (a `torch_fp8` row, `speedup_vs_torch_fp8`, `torch_fp8_note` says why). Each
 sequential row's `err_rel_rms`, `err_max` (the worst of the pass's arrays, `errors` per array) are
 against the BF16 layer on the same inputs (`err_reference`), and judged by err_rel_rms <= 0.08
-(mok_proto.accuracy.ERR_REL_RMS_RECIPE) instead of the max error against torch.
+(mok_proto.accuracy.ERR_REL_RMS_RECIPE) instead of the max error against torch. Its fused passes
+are judged by layer_rows.FP8_BARS (the FP8 layer's: x the BF16 torch pipeline, the forward x the
+torch FP8 one too; x sequential printed, not judged).
 
 Bars: --bar KEY=VALUE (--help lists them with their defaults); checks: bitwise repeat, fused equal
 to sequential, the error against torch, the schedule equal to schedule.py.
@@ -81,7 +83,7 @@ import sys
 from mok_proto.bench.cli import add_bar_option, add_routing_option, parse_bars, parser
 from mok_proto.bench.emulation import check_ring_option, emulated_inputs
 from mok_proto.bench.layer import best_row, directions_rows
-from mok_proto.bench.layer_rows import BARS, HEADER, link_table
+from mok_proto.bench.layer_rows import BARS, FP8_BARS, HEADER, link_table
 from mok_proto.bench.layer_run import run_shape
 from mok_proto.bench.settings import DEFAULT_FUSED, SCALE, SWEEP, TOKEN_GRADS, direction_policies, parse_settings
 from mok_proto.config import PAPER_SHAPES, PRECISIONS
@@ -138,7 +140,9 @@ def parse_args(argv=None):
                    help="the routed experts' GEMMs (module doc)")
     p.add_argument("--dispatch-dtype", default="bf16", choices=PRECISIONS,
                    help="with --precision fp8, what the dispatch moves: bf16 rows, or e4m3 codes and scales")
-    add_bar_option(p, BARS)
+    # the help lists both sets: a bar of FP8_BARS that differs from BARS' as "KEY (with --precision fp8)"
+    add_bar_option(p, {**BARS, **{f"{key} (with --precision fp8)": bar for key, bar in FP8_BARS.items()
+                                  if BARS.get(key) is not bar}})
     args = p.parse_args(argv)
     try:
         args.others = direction_policies(args.directions)[1:]
@@ -152,7 +156,7 @@ def parse_args(argv=None):
         backward = [dataclasses.replace(k, token_grads=TOKEN_GRADS[args.token_grads], scale=SCALE[args.scale])
                     for k in forward]
         args.settings = {"fwd": forward, "bwd": backward}
-        args.bars = parse_bars(args.bar, BARS)
+        args.bars = parse_bars(args.bar, FP8_BARS if args.precision == "fp8" else BARS)
         args.links = []
         for item in [] if args.link_gbps is None else args.link_gbps.split(","):
             try:
