@@ -97,20 +97,32 @@ def test_fused_fp8_forward_rows_record_their_precision():
     assert fused[0]["speedup_vs_torch"] == pytest.approx(2.5 / 1.25)
 
 
-def test_fp8_runs_are_judged_by_the_fp8_bars():
+def test_fp8_runs_are_judged_by_the_fp8_bars(capsys):
     assert layer_cli.parse_args([]).bars == BARS
     fp8 = layer_cli.parse_args(["--precision", "fp8", "--bar", "fused_fwd_x_torch_fp8=1.4"]).bars
     assert (fp8["fused_fwd_x_torch"].value, fp8["fused_bwd_x_torch"].value) == (1.5, 2.0)
     assert fp8["fused_fwd_x_torch_fp8"].value == 1.4 and "fused_fwd_x_seq" not in fp8
-    with pytest.raises(SystemExit):  # a BF16 run has no torch FP8 bar
-        layer_cli.parse_args(["--bar", "fused_fwd_x_torch_fp8=1.4"])
+    # the emulated link's bars stay (link_report reads them), only fused x sequential is not judged
+    assert set(FP8_BARS) == set(BARS) - {"fused_fwd_x_seq", "fused_bwd_x_seq"} | {"fused_fwd_x_torch_fp8"}
+    assert layer_cli.parse_args(["--precision", "fp8", "--bar", "link_fused_fwd_x_seq=1.2"]).bars[
+        "link_fused_fwd_x_seq"].value == 1.2
+    for refused in (["--bar", "fused_fwd_x_torch_fp8=1.4"],  # a BF16 run has no torch FP8 bar
+                    ["--precision", "fp8", "--bar", "link_overlap_fwd=0.7,fused_bwd_x_seq=1.2"]):
+        with pytest.raises(SystemExit):
+            layer_cli.parse_args(refused)
+    with pytest.raises(SystemExit):
+        layer_cli.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "With --precision fp8 (the FP8 layer's bars): fused_fwd_x_torch=1.5" in help_text
+    assert "fused_fwd_x_torch_fp8=1.3" in help_text
     shape = emulated_shape("kimi-k2.7")
 
     def failed(fwd_ms, bwd_ms, torch_fp8=(2.4,), bars=FP8_BARS):
-        # torch: forward 2.5 ms, backward 8.0; the sequential passes 2.0 and 5.0 ms (fused x sequential < 1)
+        # torch: forward 2.5 ms, backward 8.0; the sequential passes 2.0 and 5.0 ms (fused x sequential < 1);
+        # the first timings (9 ms) would miss every bar: the verdicts read the timing again
         measured, torch, run = _fp8_case(torch_fp8=torch_fp8)
-        measured = measured._replace(fused_rows={"fwd": [_fused_row(0, fwd_ms, 2.0, best=(fwd_ms, 1.5))],
-                                                 "bwd": [_fused_row(0, bwd_ms, 5.0, best=(bwd_ms, 3.7))]})
+        measured = measured._replace(fused_rows={"fwd": [_fused_row(0, 9.0, 2.0, best=(fwd_ms, 1.5))],
+                                                 "bwd": [_fused_row(0, 9.0, 5.0, best=(bwd_ms, 3.7))]})
         report = shape_report("kimi-k2.7", shape, measured, torch, ({"median_ms": 0.03}, True), bars, fp8=run)
         return report.failed, [line for line in report.lines if "fused:" in line]
 

@@ -58,14 +58,14 @@ class Bar:
         return f"{'<=' if self.at_most else '>='} {self.value:g}"
 
 
-def add_bar_option(p: argparse.ArgumentParser, bars: dict) -> None:
+def add_bar_option(p: argparse.ArgumentParser, bars: dict, note: str = "") -> None:
     """--bar KEY=VALUE (repeatable, or comma-separated) over `bars` {key: Bar}, every bar and its
-    default in the help."""
+    default in the help, then `note` (e.g. another bar set's defaults)."""
     listed = "; ".join(f"{key}={bar.value:g} ({'at most' if bar.at_most else 'at least'}: {bar.what})"
                        for key, bar in bars.items())
     p.add_argument("--bar", action="append", default=[], metavar="KEY=VALUE",
                    help="set a bar of this benchmark (repeatable, or KEY=VALUE,KEY=VALUE). Bars and defaults: "
-                        + listed)
+                        + listed + (f". {note}" if note else ""))
 
 
 def parse_bars(items, bars: dict) -> dict:

@@ -67,7 +67,7 @@ sequential row's `err_rel_rms`, `err_max` (the worst of the pass's arrays, `erro
 against the BF16 layer on the same inputs (`err_reference`), and judged by err_rel_rms <= 0.08
 (mok_proto.accuracy.ERR_REL_RMS_RECIPE) instead of the max error against torch. Its fused passes
 are judged by layer_rows.FP8_BARS (the FP8 layer's: x the BF16 torch pipeline, the forward x the
-torch FP8 one too; x sequential printed, not judged).
+torch FP8 one too; x sequential printed, not judged; with --link-gbps the link's bars as in a BF16 run).
 
 Bars: --bar KEY=VALUE (--help lists them with their defaults); checks: bitwise repeat, fused equal
 to sequential, the error against torch, the schedule equal to schedule.py.
@@ -140,9 +140,10 @@ def parse_args(argv=None):
                    help="the routed experts' GEMMs (module doc)")
     p.add_argument("--dispatch-dtype", default="bf16", choices=PRECISIONS,
                    help="with --precision fp8, what the dispatch moves: bf16 rows, or e4m3 codes and scales")
-    # the help lists both sets: a bar of FP8_BARS that differs from BARS' as "KEY (with --precision fp8)"
-    add_bar_option(p, {**BARS, **{f"{key} (with --precision fp8)": bar for key, bar in FP8_BARS.items()
-                                  if BARS.get(key) is not bar}})
+    fp8_only = {key: bar for key, bar in FP8_BARS.items() if BARS.get(key) is not bar}
+    add_bar_option(p, BARS, "With --precision fp8 (the FP8 layer's bars): " + "; ".join(
+        f"{key}={bar.value:g} ({bar.what})" for key, bar in fp8_only.items()) + "; " + " and ".join(
+        sorted(set(BARS) - set(FP8_BARS))) + " are not judged; the other bars as above")
     args = p.parse_args(argv)
     try:
         args.others = direction_policies(args.directions)[1:]
@@ -156,6 +157,11 @@ def parse_args(argv=None):
         backward = [dataclasses.replace(k, token_grads=TOKEN_GRADS[args.token_grads], scale=SCALE[args.scale])
                     for k in forward]
         args.settings = {"fwd": forward, "bwd": backward}
+        if args.precision == "fp8":
+            keys = {part.partition("=")[0].strip() for text in args.bar for part in text.split(",")}
+            unjudged = sorted(keys & (set(BARS) - set(FP8_BARS)))
+            if unjudged:
+                raise ValueError(f"--bar {unjudged[0]}: with --precision fp8 fused x sequential is printed, not judged")
         args.bars = parse_bars(args.bar, FP8_BARS if args.precision == "fp8" else BARS)
         args.links = []
         for item in [] if args.link_gbps is None else args.link_gbps.split(","):

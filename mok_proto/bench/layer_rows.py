@@ -40,7 +40,7 @@ BARS = {
 }
 # A run with FP8 routed experts (--precision fp8) is judged by the FP8 layer's bars (issue 35): its
 # fused passes against the BF16 torch pipeline, the forward against the torch FP8 one too. Fused x
-# sequential is printed, not judged (no FP8 bar sets it).
+# sequential is printed, not judged (no FP8 bar sets it); the emulated link's bars stay (overlap).
 FP8_BARS = {**{key: bar for key, bar in BARS.items() if key not in ("fused_fwd_x_seq", "fused_bwd_x_seq")},
             "fused_fwd_x_torch": Bar(1.5, "FP8: the best fused forward x the BF16 torch pipeline"),
             "fused_fwd_x_torch_fp8": Bar(1.3, "FP8: the best fused forward x the torch FP8 pipeline"),
@@ -86,7 +86,7 @@ def replay_ms(stages: dict) -> float:
 
 def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UNIFORM_FIELDS, fp8=None) -> Report:
     """The shape's rows without the link (results/bench_layer.jsonl): per pass torch's and the
-    sequential layer's, then every fused row; judged against `bars` ({key: Bar}, BARS' keys).
+    sequential layer's, then every fused row; judged against `bars` ({key: Bar}: BARS', or FP8_BARS' for an FP8 run).
     measured: layer.Measured; torch: (stats, reference results) of torch_pipeline; schedule: (stats,
     whether it equals schedule.py) of schedule_at_ep64; fields: what every row records of the
     emulation (emulation.row_fields: its virtual ranks, routing, rank 0's received rows). fp8: an
