@@ -29,13 +29,17 @@ def test_precision_options():
             assert [k.comm_blocks for k in run.settings[pass_]] == [k.comm_blocks for k in layer_cli.SWEEP]
         assert all(k.routed_wgrads is None for k in run.settings["bwd"])  # (the FP8 layer's plan: after the kernel)
     assert layer_cli.parse_args(["--precision", "fp8", "--no-fused"]).settings == {"fwd": [], "bwd": []}
-    assert layer_cli.parse_args(["--precision", "fp8"]).dispatch_dtype == "bf16"
+    assert layer_cli.parse_args(["--precision", "fp8"]).dispatch_dtypes == ["bf16"]
+    both = layer_cli.parse_args(["--precision", "fp8", "--dispatch-dtype", "fp8, bf16,fp8"])
+    assert both.dispatch_dtypes == ["fp8", "bf16"]  # in the order given, each once
 
 
 @pytest.mark.parametrize("args,message", [
     (["--dispatch-dtype", "fp8"], "--dispatch-dtype fp8 needs --precision fp8"),
     (["--precision", "fp8", "--directions", "all"], "--directions: with --precision fp8 only 'mok'"),
     (["--precision", "fp16"], "argument --precision: invalid choice: 'fp16'"),
+    (["--precision", "fp8", "--dispatch-dtype", "bf16,e5m2"], "--dispatch-dtype: 'e5m2' is not one of bf16, fp8"),
+    (["--dispatch-dtype", "bf16,fp8"], "--dispatch-dtype fp8 needs --precision fp8"),
 ])
 def test_precision_options_refused_in_one_line(args, message):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_layer.py"), *args], capture_output=True,
@@ -173,10 +177,19 @@ def test_run_shape_adds_the_fp8_baselines_only_with_fp8(monkeypatch):
         "fp8", "fp8", {"median_ms": 1.0}, "forward only", {"out": 0})
     monkeypatch.setattr(layer_run, "torch_fp8_pipeline", lambda *a: (None, "refused"))
     assert layer_run.fp8_run(emulated_shape("kimi-k2.7"), data, args, None).note == "refused"  # no probe then
+    # both dispatch dtypes in one run: a layer each, in the order given; the baselines and the
+    # reference once, each report naming its dtype
+    calls.clear(), reports.clear()
+    monkeypatch.setattr(layer_run, "torch_pipeline", lambda *a: calls.append(("torch",)) or "torch")
+    args.dispatch_dtypes = ["fp8", "bf16"]
+    layer_run.run_shape("kimi-k2.7", args, lambda report: None)
+    assert calls == [("ours", "fp8", "fp8"), ("torch",), ("ref", data, 4096, {}), ("ours", "fp8", "bf16")]
+    assert [r[-1].dispatch_dtype for r in reports] == ["fp8", "bf16"] and reports[0][3] == reports[1][3] == "torch"
+    del args.dispatch_dtypes
     args.precision = args.dispatch_dtype = "bf16"
     calls.clear()
     layer_run.run_shape("kimi-k2.7", args, lambda report: None)
-    assert calls == [("ours", "bf16", "bf16")] and reports[-1][-1] is None  # no FP8 baselines, rows as before
+    assert calls == [("ours", "bf16", "bf16"), ("torch",)] and reports[-1][-1] is None  # no FP8 baselines
 
 
 @pytest.mark.parametrize("argv", [[], ["--precision", "fp8"]])

@@ -57,7 +57,8 @@ against the run without the link (`equal_to_no_link`), each fused row with its
 and a table per link speed after every shape.
 
 --precision fp8 [--dispatch-dtype bf16|fp8]: the routed experts in block-scaled e4m3 (RunConfig
-precision, dispatch_dtype); the fused settings run fused_forward_fp8 and fused_backward_fp8 (its
+precision, dispatch_dtype; `--dispatch-dtype bf16,fp8`: one layer each, timed one after the other
+against the same torch pipelines); the fused settings run fused_forward_fp8 and fused_backward_fp8 (its
 routed weight gradients after the kernel: rows record routed_wgrads false; --directions is
 refused). Every row records `precision` and
 `dispatch_dtype` (the run's). The BF16 torch pipeline stays `speedup_vs_torch`'s baseline; the
@@ -138,8 +139,9 @@ def parse_args(argv=None):
                         "the kernel")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS,
                    help="the routed experts' GEMMs (module doc)")
-    p.add_argument("--dispatch-dtype", default="bf16", choices=PRECISIONS,
-                   help="with --precision fp8, what the dispatch moves: bf16 rows, or e4m3 codes and scales")
+    p.add_argument("--dispatch-dtype", default="bf16",
+                   help="with --precision fp8, what the dispatch moves: bf16 rows, or e4m3 codes and scales; "
+                        "bf16,fp8 times both layers in one run, against the same torch pipelines")
     fp8_only = {key: bar for key, bar in FP8_BARS.items() if BARS.get(key) is not bar}
     add_bar_option(p, BARS, "With --precision fp8 (the FP8 layer's bars): " + "; ".join(
         f"{key}={bar.value:g} ({bar.what})" for key, bar in fp8_only.items()) + "; " + " and ".join(
@@ -147,7 +149,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     try:
         args.others = direction_policies(args.directions)[1:]
-        if args.precision == "bf16" and args.dispatch_dtype != "bf16":
+        args.dispatch_dtypes = list(dict.fromkeys(d.strip() for d in args.dispatch_dtype.split(",")))
+        for dtype in args.dispatch_dtypes:
+            if dtype not in PRECISIONS:
+                raise ValueError(f"--dispatch-dtype: {dtype!r} is not one of {', '.join(PRECISIONS)}")
+        if args.precision == "bf16" and args.dispatch_dtypes != ["bf16"]:
             raise ValueError("--dispatch-dtype fp8 needs --precision fp8")
         if args.precision == "fp8" and args.others:
             raise ValueError("--directions: with --precision fp8 only 'mok' (the other policies' rows are BF16)")

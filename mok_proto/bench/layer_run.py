@@ -8,6 +8,8 @@ BF16 layer's results on the same inputs, the reference of its errors (fp8_run)."
 
 from __future__ import annotations
 
+import dataclasses
+
 from mok_proto.bench.emulation import EP, emulated_inputs, ring_rows, row_fields, schedule_at_ep64
 from mok_proto.bench.layer import layer_results, ours
 from mok_proto.bench.layer_rows import Fp8Run, link_report, shape_report
@@ -22,9 +24,9 @@ REFERENCE_NAME = "bf16 layer, same inputs and run"  # what an FP8 run's err_rel_
 def run_shape(name: str, args, emit) -> tuple:
     """One shape, as bench_layer.py's arguments say (iters, warmup, settings: {pass: FusedKnobs},
     timeline: the template, bars, links: LinkModels with every_row, routing: a RoutingSpec, precision,
-    dispatch_dtype: the layer's RunConfig's):
-    emit(report) for the part without the link, then for each link speed. Returns (the run without
-    the link: layer.Measured, {link: its table rows})."""
+    dispatch_dtype: the layer's RunConfig's; dispatch_dtypes: several, each its layer in turn):
+    emit(report) for the part without the link, then for each link speed, per dispatch dtype. Returns
+    (the last dtype's run without the link: layer.Measured, {link: its table rows, every dtype's})."""
     from mok_proto.config import get_shape
     from mok_proto.memory import layer_memory
 
@@ -37,26 +39,35 @@ def run_shape(name: str, args, emit) -> tuple:
     print(f"# {name}: N={shape.num_tokens} H={shape.hidden} I={shape.ffn} El={shape.num_experts // num} "
           f"K={shape.top_k}, routing {fields['routing']}: {fields['emulation']}, rank 0 receives "
           f"{fields['received_rows']} rows ...", flush=True)
-    run = {"precision": args.precision, "dispatch_dtype": args.dispatch_dtype}
-    fp8_index = run if args.precision == "fp8" else {}  # a timeline's index row names an FP8 layer's
-    measured = ours(shape, data, args.iters, args.warmup, args.settings, timeline_path(args.timeline, name, git_sha()),
-                    index={"bench": "bench_layer", "shape": name, "routing": fields["routing"], **fp8_index},
-                    macrobatch_rows=ring, **run)
-    baseline = torch_pipeline(shape, data, args.iters, args.warmup)
-    fp8 = fp8_run(shape, data, args, ring) if args.precision == "fp8" else None
-    schedule = schedule_at_ep64(name, args.iters, args.warmup, args.routing)
-    emit(shape_report(name, shape, measured, baseline, schedule, args.bars, fields, fp8))
-    tables = {}
-    for link in args.links:
-        print(f"# {name}: with the emulated link, {link.gbps:g} GB/s ...", flush=True)
-        got = ours(shape, data, args.iters, args.warmup, args.settings,
-                   timeline_path(args.timeline, name, git_sha(), link),
-                   index={"bench": "bench_layer_link", "shape": name, "routing": fields["routing"], **fp8_index,
-                          **link.describe()},
-                   link=link, macrobatch_rows=ring, **run)
-        report = link_report(name, shape, link, got, measured, args.bars, fields)
-        emit(report)
-        tables[link] = report.table
+    baseline = fp8 = schedule = None
+    tables = {link: [] for link in args.links}
+    # each dispatch dtype's layer in turn (an FP8 run may time both), the baselines once, after the first
+    dtypes = getattr(args, "dispatch_dtypes", None) or [args.dispatch_dtype]
+    for dtype in dtypes:
+        if len(dtypes) > 1:
+            print(f"# {name}: the layer with {dtype} dispatch ...", flush=True)
+        run = {"precision": args.precision, "dispatch_dtype": dtype}
+        fp8_index = run if args.precision == "fp8" else {}  # a timeline's index row names an FP8 layer's
+        measured = ours(shape, data, args.iters, args.warmup, args.settings,
+                        timeline_path(args.timeline, name, git_sha()),
+                        index={"bench": "bench_layer", "shape": name, "routing": fields["routing"], **fp8_index},
+                        macrobatch_rows=ring, **run)
+        if baseline is None:
+            baseline = torch_pipeline(shape, data, args.iters, args.warmup)
+            fp8 = fp8_run(shape, data, args, ring) if args.precision == "fp8" else None
+            schedule = schedule_at_ep64(name, args.iters, args.warmup, args.routing)
+        fp8 = fp8 and dataclasses.replace(fp8, dispatch_dtype=dtype)
+        emit(shape_report(name, shape, measured, baseline, schedule, args.bars, fields, fp8))
+        for link in args.links:
+            print(f"# {name}: with the emulated link, {link.gbps:g} GB/s ...", flush=True)
+            got = ours(shape, data, args.iters, args.warmup, args.settings,
+                       timeline_path(args.timeline, name, git_sha(), link),
+                       index={"bench": "bench_layer_link", "shape": name, "routing": fields["routing"], **fp8_index,
+                              **link.describe()},
+                       link=link, macrobatch_rows=ring, **run)
+            report = link_report(name, shape, link, got, measured, args.bars, fields)
+            emit(report)
+            tables[link] += report.table
     return measured, tables
 
 
