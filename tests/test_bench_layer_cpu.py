@@ -527,16 +527,16 @@ def test_a_timeline_in_results_timelines_is_stored_and_indexed(tmp_path):
 
     from mok_proto import results
     from mok_proto.bench import rows
-    from mok_proto.bench.timeline_plot import index_timeline, write_timeline
+    from mok_proto.bench.timeline_plot import free_timeline_path, index_timeline, write_timeline
     from mok_proto.trace import TRACE_DTYPE
 
     records = np.zeros(3, TRACE_DTYPE)
     records["end_ns"] = [100, 200, 300]
     plan = {"bench": "bench_layer", "shape": "kimi-k2.7", "comm_blocks": 0, "minibatch_rows": 2048, "claim_pairs": 9}
-    stored = []
-    for _ in range(2):  # the same name twice (a second run at the same commit)
-        path = tmp_path / "timelines" / "timeline_fused_fwd_kimi-k2.7_abc1234.jsonl"
-        write_timeline(records, path, "a title")
+    stored, name = [], "timeline_fused_fwd_kimi-k2.7_abc1234.jsonl"
+    for n in range(2):  # the same name twice (a second run at the same commit, or the other dispatch dtype)
+        path = free_timeline_path(tmp_path / "timelines" / name, tmp_path)  # as bench/layer.py writes it
+        write_timeline(records[:3 - n], path, "a title")
         stored.append(index_timeline(path, "fwd", plan, results_dir=tmp_path))
         assert not path.exists()  # the plain file is stored gzipped
     assert [r["file"] for r in stored] == ["timeline_fused_fwd_kimi-k2.7_abc1234.jsonl.gz",
@@ -546,7 +546,13 @@ def test_a_timeline_in_results_timelines_is_stored_and_indexed(tmp_path):
         "pass": "fwd", "git": rows.git_sha(), "comm_blocks": 0, "minibatch_rows": 2048, "claim_pairs": 9,
         "png": "timeline_fused_fwd_kimi-k2.7_abc1234.png"}
     assert all(first[k] == v for k, v in rows.kernel_features().items()) and "gpu" in first and "time" in first
-    assert (tmp_path / "timelines" / stored[1]["png"]).exists()
+    assert stored[1]["png"] == "timeline_fused_fwd_kimi-k2.7_abc1234_2.png"
+    assert all((tmp_path / "timelines" / r["png"]).exists() for r in stored)  # each keeps its own picture
+    # written at a taken name all the same, a timeline is still stored under a free one
+    write_timeline(records, tmp_path / "timelines" / name, "a title")
+    assert index_timeline(tmp_path / "timelines" / name, "fwd", plan, results_dir=tmp_path)["file"] == (
+        "timeline_fused_fwd_kimi-k2.7_abc1234_3.jsonl.gz")
+    assert free_timeline_path(tmp_path / "x.jsonl", tmp_path) == tmp_path / "x.jsonl"  # elsewhere: as given
     with gzip.open(first["path"], "rt") as f:
         assert [json.loads(line)["end_ns"] for line in f] == [100, 200, 300]
     assert len(results.load_timeline(first["path"])) == 3
@@ -592,7 +598,7 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
     settings = {"fwd": [FusedKnobs(0, 2048), FusedKnobs(8, 2048)], "bwd": [FusedKnobs(0, 2048)]}
     args = SimpleNamespace(iters=3, warmup=1, settings=settings, bars=BARS, links=links, routing=UNIFORM,
                            timeline="results/timelines/timeline_fused_{link}{pass_}_{shape}_{git}.jsonl",
-                           macrobatch_rows="0.25x", precision=precision, dispatch_dtype=precision)
+                           macrobatch_rows="0.25x", precision=precision, dispatch_dtypes=[precision])
     if precision == "bf16":
         monkeypatch.setattr(layer_run, "fp8_run", lambda *a: pytest.fail("an FP8 baseline in a BF16 run"))
     else:
@@ -619,6 +625,19 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
     assert all(f == LINK_FILE and r["link_gbps"] == g for rep, g in zip(reports[1:], (368, 900)) for f, r in rep.rows)
     assert all("speedup_vs_torch" not in r for rep in reports[1:] for _, r in rep.rows)
     assert all({**r, **fields} == r for rep in reports for _, r in rep.rows)  # every row records the routing
+    assert all({k: r.get(k) for k in fp8_fields} == fp8_fields for rep in reports[1:] for _, r in rep.rows)
+    if precision == "fp8":  # both dispatch dtypes: each layer with its links, the tables of both
+        calls.clear()
+        reports.clear()
+        args.dispatch_dtypes = ["fp8", "bf16"]
+        got, tables = layer_run.run_shape("kimi-k2.7", args, reports.append)
+        ours_calls = [c for c in calls if isinstance(c, dict)]
+        assert [(c["link"], c["run"][1]) for c in ours_calls] == [(None, "fp8"), *((g, "fp8") for g in links),
+                                                                  (None, "bf16"), *((g, "bf16") for g in links)]
+        assert [c for c in calls if not isinstance(c, dict)] == ["torch", "fp8 baselines", "schedule"]
+        assert all(t[0] == "# fp8 dispatch" and t[3] == "# bf16 dispatch" and len(t) == 6 for t in tables.values())
+        assert [r["dispatch_dtype"] for rep in reports[4:] for _, r in rep.rows][-1] == "bf16"
+        assert {r["dispatch_dtype"] for rep in reports[1:3] for _, r in rep.rows} == {"fp8"}
 
 
 def test_macrobatch_rows_option_and_replay_ms():

@@ -13,7 +13,7 @@ from test_bench_layer_cpu import _fused_row, _measured, _torch
 
 from mok_proto.bench import layer_cli, layer_run
 from mok_proto.bench.emulation import emulated_shape
-from mok_proto.bench.layer_rows import BARS, FP8_BARS, Fp8Run, shape_report
+from mok_proto.bench.layer_rows import BARS, FP8_BARS, Fp8Run, Report, shape_report
 from mok_proto.bench.settings import DEFAULT_FUSED
 from mok_proto.routing import UNIFORM
 
@@ -163,30 +163,36 @@ def test_run_shape_adds_the_fp8_baselines_only_with_fp8(monkeypatch):
                                                                           kw["dispatch_dtype"])) or "measured")
     monkeypatch.setattr(layer_run, "torch_pipeline", lambda *a: "torch")
     monkeypatch.setattr(layer_run, "schedule_at_ep64", lambda *a: "schedule")
-    monkeypatch.setattr(layer_run, "shape_report", lambda *a: reports.append(a) or "report")
+    monkeypatch.setattr(layer_run, "shape_report", lambda *a: reports.append(a) or Report(
+        rows=[("bench_layer", {"schedule": s}) for s in ("torch", "torch_fp8", "sequential")], failed=["kimi-k2.7 fwd"]))
     monkeypatch.setattr(layer_run, "torch_fp8_pipeline", lambda *a: ({"median_ms": 1.0}, None))
     monkeypatch.setattr(layer_run, "backward_note", lambda: "forward only")
     monkeypatch.setattr(layer_run, "layer_results", lambda shape, d, ring, **run: calls.append(("ref", d, ring, run))
                         or {"out": 0})
     args = SimpleNamespace(iters=3, warmup=1, settings={"fwd": [], "bwd": []}, bars=BARS, links=[], routing=UNIFORM,
-                           timeline="", macrobatch_rows="4096", precision="fp8", dispatch_dtype="fp8")
+                           timeline="", macrobatch_rows="4096", precision="fp8", dispatch_dtypes=["fp8"])
     layer_run.run_shape("kimi-k2.7", args, lambda report: None)
     assert calls == [("ours", "fp8", "fp8"), ("ref", data, 4096, {})]
     fp8 = reports[0][-1]
     assert (fp8.precision, fp8.dispatch_dtype, fp8.torch_fp8, fp8.note, fp8.reference) == (
         "fp8", "fp8", {"median_ms": 1.0}, "forward only", {"out": 0})
     monkeypatch.setattr(layer_run, "torch_fp8_pipeline", lambda *a: (None, "refused"))
-    assert layer_run.fp8_run(emulated_shape("kimi-k2.7"), data, args, None).note == "refused"  # no probe then
+    assert layer_run.fp8_run(emulated_shape("kimi-k2.7"), data, args, None, "fp8").note == "refused"  # no probe
     # both dispatch dtypes in one run: a layer each, in the order given; the baselines and the
     # reference once, each report naming its dtype
-    calls.clear(), reports.clear()
+    calls.clear()
+    reports.clear()
     monkeypatch.setattr(layer_run, "torch_pipeline", lambda *a: calls.append(("torch",)) or "torch")
     args.dispatch_dtypes = ["fp8", "bf16"]
-    layer_run.run_shape("kimi-k2.7", args, lambda report: None)
+    emitted = []
+    layer_run.run_shape("kimi-k2.7", args, emitted.append)
     assert calls == [("ours", "fp8", "fp8"), ("torch",), ("ref", data, 4096, {}), ("ours", "fp8", "bf16")]
     assert [r[-1].dispatch_dtype for r in reports] == ["fp8", "bf16"] and reports[0][3] == reports[1][3] == "torch"
-    del args.dispatch_dtypes
-    args.precision = args.dispatch_dtype = "bf16"
+    # the torch rows once (the first layer's report), each verdict naming its dispatch dtype
+    assert [[r["schedule"] for _, r in e.rows] for e in emitted] == [["torch", "torch_fp8", "sequential"],
+                                                                     ["sequential"]]
+    assert [e.failed for e in emitted] == [["kimi-k2.7 fwd (fp8 dispatch)"], ["kimi-k2.7 fwd (bf16 dispatch)"]]
+    args.precision, args.dispatch_dtypes = "bf16", ["bf16"]
     calls.clear()
     layer_run.run_shape("kimi-k2.7", args, lambda report: None)
     assert calls == [("ours", "bf16", "bf16"), ("torch",)] and reports[-1][-1] is None  # no FP8 baselines

@@ -11,7 +11,7 @@ from typing import NamedTuple
 from mok_proto.bench.emulation import EP, result_bytes, row_fields, staged_layer
 from mok_proto.bench.rows import append_result
 from mok_proto.bench.settings import fused_settings_for
-from mok_proto.bench.timeline_plot import index_timeline, write_timeline
+from mok_proto.bench.timeline_plot import free_timeline_path, index_timeline, write_timeline
 from mok_proto.bench.timing import paired_ratio, rotating, summarize, time_stages
 from mok_proto.plan import MOVER_KINDS, TaskKind
 from mok_proto.results import timeline_summary
@@ -172,6 +172,7 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
               flush=True)
         if trace_to:  # the last eager step above was traced
             records = layer.forward_timeline(0, pass_)
+            trace_to = free_timeline_path(trace_to)
             write_timeline(records, trace_to, f"{layer.shape.name}: fused {pass_}, rank 0, "
                            f"comm={best['comm_blocks']} minibatch={best['minibatch_tokens']} "
                            f"claim={best['claim_pairs']}")

@@ -61,7 +61,7 @@ precision, dispatch_dtype; `--dispatch-dtype bf16,fp8`: one layer each, timed on
 against the same torch pipelines); the fused settings run fused_forward_fp8 and fused_backward_fp8 (its
 routed weight gradients after the kernel: rows record routed_wgrads false; --directions is
 refused). Every row records `precision` and
-`dispatch_dtype` (the run's). The BF16 torch pipeline stays `speedup_vs_torch`'s baseline; the
+`dispatch_dtype` (its layer's; the torch rows, recorded once, the first layer's). The BF16 torch pipeline stays `speedup_vs_torch`'s baseline; the
 torch FP8 pipeline (mok_proto.bench.torch_fp8: torch._scaled_grouped_mm, row-wise scales) is a
 second, forward only (a `torch_fp8` row, `speedup_vs_torch_fp8`, `torch_fp8_note` says why). Each
 sequential row's `err_rel_rms`, `err_max` (the worst of the pass's arrays, `errors` per array) are
@@ -139,7 +139,7 @@ def parse_args(argv=None):
                         "the kernel")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS,
                    help="the routed experts' GEMMs (module doc)")
-    p.add_argument("--dispatch-dtype", default="bf16",
+    p.add_argument("--dispatch-dtype", default="bf16", metavar="bf16|fp8[,...]",
                    help="with --precision fp8, what the dispatch moves: bf16 rows, or e4m3 codes and scales; "
                         "bf16,fp8 times both layers in one run, against the same torch pipelines")
     fp8_only = {key: bar for key, bar in FP8_BARS.items() if BARS.get(key) is not bar}

@@ -24,7 +24,7 @@ REFERENCE_NAME = "bf16 layer, same inputs and run"  # what an FP8 run's err_rel_
 def run_shape(name: str, args, emit) -> tuple:
     """One shape, as bench_layer.py's arguments say (iters, warmup, settings: {pass: FusedKnobs},
     timeline: the template, bars, links: LinkModels with every_row, routing: a RoutingSpec, precision,
-    dispatch_dtype: the layer's RunConfig's; dispatch_dtypes: several, each its layer in turn):
+    dispatch_dtypes: the RunConfig's, each dtype's layer in turn):
     emit(report) for the part without the link, then for each link speed, per dispatch dtype. Returns
     (the last dtype's run without the link: layer.Measured, {link: its table rows, every dtype's})."""
     from mok_proto.config import get_shape
@@ -41,41 +41,49 @@ def run_shape(name: str, args, emit) -> tuple:
           f"{fields['received_rows']} rows ...", flush=True)
     baseline = fp8 = schedule = None
     tables = {link: [] for link in args.links}
-    # each dispatch dtype's layer in turn (an FP8 run may time both), the baselines once, after the first
-    dtypes = getattr(args, "dispatch_dtypes", None) or [args.dispatch_dtype]
+    # each dispatch dtype's layer in turn (an FP8 run may time both); the baselines once, after the
+    # first, and their rows recorded once
+    dtypes = args.dispatch_dtypes
     for dtype in dtypes:
-        if len(dtypes) > 1:
+        tag = f" ({dtype} dispatch)" if len(dtypes) > 1 else ""
+        if tag:
             print(f"# {name}: the layer with {dtype} dispatch ...", flush=True)
         run = {"precision": args.precision, "dispatch_dtype": dtype}
-        fp8_index = run if args.precision == "fp8" else {}  # a timeline's index row names an FP8 layer's
+        fp8_index = run if args.precision == "fp8" else {}  # the rows and timelines of an FP8 layer name it
         measured = ours(shape, data, args.iters, args.warmup, args.settings,
                         timeline_path(args.timeline, name, git_sha()),
                         index={"bench": "bench_layer", "shape": name, "routing": fields["routing"], **fp8_index},
                         macrobatch_rows=ring, **run)
-        if baseline is None:
+        first = baseline is None
+        if first:
             baseline = torch_pipeline(shape, data, args.iters, args.warmup)
-            fp8 = fp8_run(shape, data, args, ring) if args.precision == "fp8" else None
+            fp8 = fp8_run(shape, data, args, ring, dtype) if args.precision == "fp8" else None
             schedule = schedule_at_ep64(name, args.iters, args.warmup, args.routing)
         fp8 = fp8 and dataclasses.replace(fp8, dispatch_dtype=dtype)
-        emit(shape_report(name, shape, measured, baseline, schedule, args.bars, fields, fp8))
+        report = shape_report(name, shape, measured, baseline, schedule, args.bars, fields, fp8)
+        if not first:
+            report.rows = [(f, r) for f, r in report.rows if r["schedule"] not in ("torch", "torch_fp8")]
+        report.failed = [f + tag for f in report.failed]
+        emit(report)
         for link in args.links:
-            print(f"# {name}: with the emulated link, {link.gbps:g} GB/s ...", flush=True)
+            print(f"# {name}: with the emulated link, {link.gbps:g} GB/s{tag} ...", flush=True)
             got = ours(shape, data, args.iters, args.warmup, args.settings,
                        timeline_path(args.timeline, name, git_sha(), link),
                        index={"bench": "bench_layer_link", "shape": name, "routing": fields["routing"], **fp8_index,
                               **link.describe()},
                        link=link, macrobatch_rows=ring, **run)
-            report = link_report(name, shape, link, got, measured, args.bars, fields)
+            report = link_report(name, shape, link, got, measured, args.bars, {**fields, **fp8_index})
+            report.failed = [f + tag for f in report.failed]
             emit(report)
-            tables[link] += report.table
+            tables[link] += [f"# {dtype} dispatch"] * bool(tag) + report.table
     return measured, tables
 
 
-def fp8_run(shape, data, args, ring) -> Fp8Run:
+def fp8_run(shape, data, args, ring, dispatch_dtype: str) -> Fp8Run:
     """An FP8 run's additions (layer_rows.Fp8Run): the torch FP8 pipeline's forward, and the BF16
     layer's results on the same inputs and ring (its errors' reference: a float64 reference of rank
     0's share would cost more than the run)."""
     stats, why = torch_fp8_pipeline(shape, data, args.iters, args.warmup)
     note = why if stats is None else backward_note()
     reference = layer_results(shape, data, ring)
-    return Fp8Run(args.precision, args.dispatch_dtype, stats, note, reference, REFERENCE_NAME)
+    return Fp8Run(args.precision, dispatch_dtype, stats, note, reference, REFERENCE_NAME)

@@ -39,6 +39,26 @@ def write_timeline(records, path, title):
 
 
 
+def _free_stem(stem: str, results_dir) -> str:
+    """`stem`, or the first `<stem>_N` (N = 2, 3, ...) whose .jsonl.gz the index does not name."""
+    taken = {r["file"] for r in results.timeline_index(results_dir)}
+    name, n = stem, 1
+    while f"{name}.jsonl.gz" in taken:
+        n += 1
+        name = f"{stem}_{n}"
+    return name
+
+
+def free_timeline_path(path, results_dir=RESULTS_DIR) -> Path:
+    """Where to write a timeline meant for `path`: itself, or in results_dir's timelines folder, where
+    the index names it already (a run at the same commit, the other dispatch dtype), `<stem>_N.jsonl`:
+    written there, its picture does not overwrite the stored timeline's."""
+    path, folder = Path(path), results.timelines_dir(results_dir)
+    if path.resolve().parent != folder.resolve():
+        return path
+    return path.with_name(_free_stem(results.plain_name(path).removesuffix(".jsonl"), results_dir) + ".jsonl")
+
+
 def index_timeline(path, pass_: str, fields: dict, results_dir=RESULTS_DIR) -> dict | None:
     """A timeline write_timeline wrote into results_dir's timelines folder, stored there gzipped with
     its index row (results.add_timeline): the run's time, git, gpu and kernel features, then `fields`
@@ -49,11 +69,7 @@ def index_timeline(path, pass_: str, fields: dict, results_dir=RESULTS_DIR) -> d
     if path.resolve().parent != folder.resolve():
         return None
     stem = results.plain_name(path).removesuffix(".jsonl")
-    taken = {r["file"] for r in results.timeline_index(results_dir)}
-    name, n = stem, 1
-    while f"{name}.jsonl.gz" in taken:
-        n += 1
-        name = f"{stem}_{n}"
+    name = _free_stem(stem, results_dir)
     png = path.with_name(f"{stem}.png")
     if name != stem:
         path = path.rename(path.with_name(f"{name}.jsonl"))
