@@ -552,7 +552,7 @@ def test_a_timeline_in_results_timelines_is_stored_and_indexed(tmp_path):
     write_timeline(records, tmp_path / "timelines" / name, "a title")
     assert index_timeline(tmp_path / "timelines" / name, "fwd", plan, results_dir=tmp_path)["file"] == (
         "timeline_fused_fwd_kimi-k2.7_abc1234_3.jsonl.gz")
-    assert free_timeline_path(tmp_path / "x.jsonl", tmp_path) == tmp_path / "x.jsonl"  # elsewhere: as given
+    assert free_timeline_path(tmp_path / name, tmp_path) == tmp_path / name  # elsewhere: as given, held or not
     with gzip.open(first["path"], "rt") as f:
         assert [json.loads(line)["end_ns"] for line in f] == [100, 200, 300]
     assert len(results.load_timeline(first["path"])) == 3
@@ -572,7 +572,7 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
 
     from mok_proto.bench import layer_run
     from mok_proto.bench.emulation import emulated_shape
-    from mok_proto.bench.layer_rows import BARS, LINK_FILE
+    from mok_proto.bench.layer_rows import BARS, LINK_FILE, Report
     from mok_proto.link import LinkModel
     from mok_proto.routing import UNIFORM
 
@@ -636,8 +636,15 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
                                                                   (None, "bf16"), *((g, "bf16") for g in links)]
         assert [c for c in calls if not isinstance(c, dict)] == ["torch", "fp8 baselines", "schedule"]
         assert all(t[0] == "# fp8 dispatch" and t[3] == "# bf16 dispatch" and len(t) == 6 for t in tables.values())
-        assert [r["dispatch_dtype"] for rep in reports[4:] for _, r in rep.rows][-1] == "bf16"
+        assert {r["dispatch_dtype"] for rep in reports[4:] for _, r in rep.rows} == {"bf16"}
         assert {r["dispatch_dtype"] for rep in reports[1:3] for _, r in rep.rows} == {"fp8"}
+        assert [c["trace_to"] for c in ours_calls][::3] == [  # each layer's timelines under their own names
+            f"results/timelines/timeline_fused_{{pass_}}_kimi-k2.7_abc1234_{d}-dispatch.jsonl" for d in ("fp8", "bf16")]
+        # a link run's verdicts name the dtype too
+        monkeypatch.setattr(layer_run, "link_report", lambda *a: Report(table=["row"], failed=["kimi-k2.7 link"]))
+        reports.clear()
+        layer_run.run_shape("kimi-k2.7", args, reports.append)
+        assert [rep.failed for rep in reports][-1] == ["kimi-k2.7 link (bf16 dispatch)"]
 
 
 def test_macrobatch_rows_option_and_replay_ms():

@@ -177,7 +177,8 @@ def test_run_shape_adds_the_fp8_baselines_only_with_fp8(monkeypatch):
     assert (fp8.precision, fp8.dispatch_dtype, fp8.torch_fp8, fp8.note, fp8.reference) == (
         "fp8", "fp8", {"median_ms": 1.0}, "forward only", {"out": 0})
     monkeypatch.setattr(layer_run, "torch_fp8_pipeline", lambda *a: (None, "refused"))
-    assert layer_run.fp8_run(emulated_shape("kimi-k2.7"), data, args, None, "fp8").note == "refused"  # no probe
+    refused = layer_run.fp8_run(emulated_shape("kimi-k2.7"), data, args, None, "bf16")
+    assert (refused.note, refused.dispatch_dtype) == ("refused", "bf16")  # no probe then
     # both dispatch dtypes in one run: a layer each, in the order given; the baselines and the
     # reference once, each report naming its dtype
     calls.clear()

@@ -107,7 +107,8 @@ def fused(layer, settings, sequential_out: bytes, sequential_graph, iters, warmu
     median of the per-iteration ratios), its results compared bitwise with the sequential pass of
     this run, and with a second run. The best setting (best_row: the largest x sequential) is
     timed again (the figure judged), and once with the timeline recorded; its timeline (one traced
-    eager run) is written to `trace_to` (JSON lines + PNG) when given, and with `index` (fields of its
+    eager run) is written to `trace_to` (JSON lines + PNG; at a free name there:
+    timeline_plot.free_timeline_path) when given, and with `index` (fields of its
     index row: bench, shape, ...) stored in results/timelines/ with its index row when trace_to is in
     that folder (timeline_plot.index_timeline; the best row records its `timeline_file`)."""
 

@@ -1,4 +1,4 @@
-"""python scripts/bench_layer.py [--shapes kimi-k2.7,...] [--iters 20] [--warmup 5] [--sweep] [--link-gbps 368,900] [--routing hot:0.25] [--precision fp8 [--dispatch-dtype fp8]]
+"""python scripts/bench_layer.py [--shapes kimi-k2.7,...] [--iters 20] [--warmup 5] [--sweep] [--link-gbps 368,900] [--routing hot:0.25] [--precision fp8 [--dispatch-dtype bf16,fp8]]
 
 One rank's share of an EP=64 MoE layer on one GPU: our GPU layer against the unfused PyTorch
 pipeline (../shared/anchors: index_select dispatch, torch._grouped_mm experts, autograd backward),
@@ -57,11 +57,11 @@ against the run without the link (`equal_to_no_link`), each fused row with its
 and a table per link speed after every shape.
 
 --precision fp8 [--dispatch-dtype bf16|fp8]: the routed experts in block-scaled e4m3 (RunConfig
-precision, dispatch_dtype; `--dispatch-dtype bf16,fp8`: one layer each, timed one after the other
-against the same torch pipelines); the fused settings run fused_forward_fp8 and fused_backward_fp8 (its
-routed weight gradients after the kernel: rows record routed_wgrads false; --directions is
-refused). Every row records `precision` and
-`dispatch_dtype` (its layer's; the torch rows, recorded once, the first layer's). The BF16 torch pipeline stays `speedup_vs_torch`'s baseline; the
+precision, dispatch_dtype; `--dispatch-dtype bf16,fp8`: one layer each, timed one after the
+other against the same torch pipelines); the fused settings run fused_forward_fp8 and
+fused_backward_fp8 (its routed weight gradients after the kernel: rows record routed_wgrads false;
+--directions is refused). Every row records `precision` and `dispatch_dtype` (its layer's; the torch
+rows, recorded once, the first layer's). The BF16 torch pipeline stays `speedup_vs_torch`'s baseline; the
 torch FP8 pipeline (mok_proto.bench.torch_fp8: torch._scaled_grouped_mm, row-wise scales) is a
 second, forward only (a `torch_fp8` row, `speedup_vs_torch_fp8`, `torch_fp8_note` says why). Each
 sequential row's `err_rel_rms`, `err_max` (the worst of the pass's arrays, `errors` per array) are

@@ -50,8 +50,11 @@ def run_shape(name: str, args, emit) -> tuple:
             print(f"# {name}: the layer with {dtype} dispatch ...", flush=True)
         run = {"precision": args.precision, "dispatch_dtype": dtype}
         fp8_index = run if args.precision == "fp8" else {}  # the rows and timelines of an FP8 layer name it
+        # with several dtypes each layer's timelines get their own names (also outside results/timelines)
+        stem, jsonl = (args.timeline[:-6], ".jsonl") if args.timeline.endswith(".jsonl") else (args.timeline, "")
+        template = f"{stem}_{dtype}-dispatch{jsonl}" if tag and args.timeline else args.timeline
         measured = ours(shape, data, args.iters, args.warmup, args.settings,
-                        timeline_path(args.timeline, name, git_sha()),
+                        timeline_path(template, name, git_sha()),
                         index={"bench": "bench_layer", "shape": name, "routing": fields["routing"], **fp8_index},
                         macrobatch_rows=ring, **run)
         first = baseline is None
@@ -59,7 +62,8 @@ def run_shape(name: str, args, emit) -> tuple:
             baseline = torch_pipeline(shape, data, args.iters, args.warmup)
             fp8 = fp8_run(shape, data, args, ring, dtype) if args.precision == "fp8" else None
             schedule = schedule_at_ep64(name, args.iters, args.warmup, args.routing)
-        fp8 = fp8 and dataclasses.replace(fp8, dispatch_dtype=dtype)
+        elif fp8 is not None:
+            fp8 = dataclasses.replace(fp8, dispatch_dtype=dtype)
         report = shape_report(name, shape, measured, baseline, schedule, args.bars, fields, fp8)
         if not first:
             report.rows = [(f, r) for f, r in report.rows if r["schedule"] not in ("torch", "torch_fp8")]
@@ -68,7 +72,7 @@ def run_shape(name: str, args, emit) -> tuple:
         for link in args.links:
             print(f"# {name}: with the emulated link, {link.gbps:g} GB/s{tag} ...", flush=True)
             got = ours(shape, data, args.iters, args.warmup, args.settings,
-                       timeline_path(args.timeline, name, git_sha(), link),
+                       timeline_path(template, name, git_sha(), link),
                        index={"bench": "bench_layer_link", "shape": name, "routing": fields["routing"], **fp8_index,
                               **link.describe()},
                        link=link, macrobatch_rows=ring, **run)

@@ -128,7 +128,7 @@ LAYER_LINK = View("bench_layer_link", "python scripts/bench_layer.py --link-gbps
     ("overlap eff.", lambda r: _x(r.get("overlap_efficiency"))),
     ("timed again: ms, x sequential, overlap eff.", lambda r: f"{_f(r['retimed_median_ms'])}, {_x(_layer_x_seq(r))}, "
      f"{_x(r.get('retimed_overlap_efficiency'))}" if "retimed_median_ms" in r else ""),
-    ("bitwise", lambda r: _yes(r.get("equal_to_no_link")))), keep=_uniform)
+    ("bitwise", lambda r: _yes(r.get("equal_to_no_link")))), keep=lambda r: _uniform(r) and not _fp8(r))
 GEMM = View("bench_gemm", "python scripts/bench_gemm.py", (
     ("shape", lambda r: r["shape"]), ("routing", lambda r: r["routing"]), ("problem", lambda r: r["problem"]),
     ("rows", lambda r: str(r["rows"])), ("ours TFLOP/s", lambda r: _f(r["tflops"]["ours"], ".0f")),
