@@ -68,14 +68,17 @@ def add_bar_option(p: argparse.ArgumentParser, bars: dict, note: str = "") -> No
                         + listed + (f". {note}" if note else ""))
 
 
-def parse_bars(items, bars: dict) -> dict:
+def parse_bars(items, bars: dict, unjudged: dict | None = None) -> dict:
     """`bars` with the values of --bar's KEY=VALUE items in place of the defaults. ValueError (one
-    line) for an unknown key or a value that is not a finite number."""
+    line) for an unknown key, a key of `unjudged` ({key: why this run does not judge it}) or a value
+    that is not a finite number."""
     out = dict(bars)
     for item in (part.strip() for text in items for part in text.split(",")):
         if not item:
             continue
         key, sep, value = (s.strip() for s in item.partition("="))
+        if key in (unjudged or {}):
+            raise ValueError(f"--bar {key}: {unjudged[key]}")
         if not sep or key not in bars:
             raise ValueError(f"--bar: {item!r} is not KEY=VALUE with KEY one of {', '.join(bars)}")
         try:

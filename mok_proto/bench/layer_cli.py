@@ -164,11 +164,10 @@ def parse_args(argv=None):
                     for k in forward]
         args.settings = {"fwd": forward, "bwd": backward}
         if args.precision == "fp8":
-            keys = {part.partition("=")[0].strip() for text in args.bar for part in text.split(",")}
-            unjudged = sorted(keys & (set(BARS) - set(FP8_BARS)))
-            if unjudged:
-                raise ValueError(f"--bar {unjudged[0]}: with --precision fp8 fused x sequential is printed, not judged")
-        args.bars = parse_bars(args.bar, FP8_BARS if args.precision == "fp8" else BARS)
+            args.bars = parse_bars(args.bar, FP8_BARS, dict.fromkeys(
+                set(BARS) - set(FP8_BARS), "with --precision fp8 fused x sequential is printed, not judged"))
+        else:
+            args.bars = parse_bars(args.bar, BARS)
         args.links = []
         for item in [] if args.link_gbps is None else args.link_gbps.split(","):
             try:

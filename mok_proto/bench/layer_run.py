@@ -44,6 +44,7 @@ def run_shape(name: str, args, emit) -> tuple:
     # each dispatch dtype's layer in turn (an FP8 run may time both); the baselines once, after the
     # first, and their rows recorded once
     dtypes = args.dispatch_dtypes
+    stem, jsonl = (args.timeline.removesuffix(".jsonl"), ".jsonl" if args.timeline.endswith(".jsonl") else "")
     for dtype in dtypes:
         tag = f" ({dtype} dispatch)" if len(dtypes) > 1 else ""
         if tag:
@@ -51,7 +52,6 @@ def run_shape(name: str, args, emit) -> tuple:
         run = {"precision": args.precision, "dispatch_dtype": dtype}
         fp8_index = run if args.precision == "fp8" else {}  # the rows and timelines of an FP8 layer name it
         # with several dtypes each layer's timelines get their own names (also outside results/timelines)
-        stem, jsonl = (args.timeline[:-6], ".jsonl") if args.timeline.endswith(".jsonl") else (args.timeline, "")
         template = f"{stem}_{dtype}-dispatch{jsonl}" if tag and args.timeline else args.timeline
         measured = ours(shape, data, args.iters, args.warmup, args.settings,
                         timeline_path(template, name, git_sha()),
