@@ -143,7 +143,9 @@ namespace mok::fp8 {
 constexpr int kQuantBlock = 128;  // edge of a quantization block: 1 x 128 (activations), 128 x 128 (weights)
 constexpr int kE4m3Max = 448;  // the largest finite e4m3 value (scale = amax / kE4m3Max)
 constexpr int kQuantThreads = 256;  // threads of a quantizer block (8 warps)
-constexpr int kQuantCtasPerSm = 6;  // the segment quantizers' grids: this many CTAs per SM (the column kernel's register bound: that many fit)
+constexpr int kQuantCtasPerSm = 6;  // the segment row quantizer's grid: this many CTAs per SM
+constexpr int kQuantColumnCtasPerSm = 2;  // the segment column quantizer's grid and register bound: this many CTAs per SM, each with kQuantColumnStages items in flight
+constexpr int kQuantColumnStages = 2;  // the segment column quantizer's staged items a CTA (bulk copies in flight)
 constexpr int kQuantColumns = 64;  // columns of x one block of the column quantizers takes (a grid's x: ceil(cols / this))
 }  // namespace mok::fp8
 
@@ -413,10 +415,11 @@ struct QuantParams {
   i64 num_groups;  // segment quantizers: expert segments (El)
   i64 row_offsets;  // segment quantizers: int32 [num_groups], each segment's first row (a multiple of B)
   i64 row_counts;  // segment quantizers: int32 [num_groups], each segment's rows
+  i64 x_map;  // the segment column quantizer: x's CUtensorMap (global memory) as [rows, cols], boxes of B rows x 128 bytes, 128B swizzle; 0: none
 };
-static_assert(sizeof(QuantParams) == 104, "QuantParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(QuantParams) == 112, "QuantParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(QuantParams, batch) == 0 && __builtin_offsetof(QuantParams, rows) == 8 && __builtin_offsetof(QuantParams, cols) == 16 && __builtin_offsetof(QuantParams, pow2) == 24 && __builtin_offsetof(QuantParams, x) == 32 && __builtin_offsetof(QuantParams, codes) == 40 && __builtin_offsetof(QuantParams, scales) == 48 && __builtin_offsetof(QuantParams, codes_t) == 56 && __builtin_offsetof(QuantParams, scales_t) == 64 && __builtin_offsetof(QuantParams, x_scales) == 72 && __builtin_offsetof(QuantParams, num_groups) == 80 && __builtin_offsetof(QuantParams, row_offsets) == 88 && __builtin_offsetof(QuantParams, row_counts) == 96, "QuantParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(QuantParams, batch) == 0 && __builtin_offsetof(QuantParams, rows) == 8 && __builtin_offsetof(QuantParams, cols) == 16 && __builtin_offsetof(QuantParams, pow2) == 24 && __builtin_offsetof(QuantParams, x) == 32 && __builtin_offsetof(QuantParams, codes) == 40 && __builtin_offsetof(QuantParams, scales) == 48 && __builtin_offsetof(QuantParams, codes_t) == 56 && __builtin_offsetof(QuantParams, scales_t) == 64 && __builtin_offsetof(QuantParams, x_scales) == 72 && __builtin_offsetof(QuantParams, num_groups) == 80 && __builtin_offsetof(QuantParams, row_offsets) == 88 && __builtin_offsetof(QuantParams, row_counts) == 96 && __builtin_offsetof(QuantParams, x_map) == 104, "QuantParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 }  // namespace mok::fp8

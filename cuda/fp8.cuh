@@ -24,7 +24,7 @@
 // skips NaN as the rule does. The rule's division x / scale is Divisor's (exact, with the block's
 // reciprocal: docs/design.md).
 #pragma once
-#include "common.cuh"
+#include "hopper.cuh"
 
 namespace mok::fp8 {
 
@@ -394,37 +394,217 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_segment_rows(const Qua
 
 // quantize_rows<In, true> on every segment's rows, in blocks of B rows from its first row (a
 // multiple of B), the rows past its count read as zero; blocks past a segment's last are not
-// written. The work items (segment by segment, B-row block by block, kQuantColumns columns each)
-// are spread over a flat grid (any size): CTA b takes items b, b + gridDim.x, ..., so uneven
-// segments cost no tail. At kQuantCtasPerSm CTAs an SM, their phases (loads, reduction, stores)
-// overlap across CTAs.
+// written. The work items (segment by segment, B-row block by block, then slices of
+// kColumnItemBytes bytes of each row: 128 / sizeof(In) columns) are spread over a flat grid: CTA b
+// takes items b, b + gridDim.x, ..., so uneven segments cost no tail. One lane stages an item into
+// shared memory by one TMA box (x_map; e4m3 input: warp 0's lanes copy each row's scale by
+// cp.async) one item ahead of the math, so no thread waits for global memory while it computes;
+// then every warp takes one 16-byte chunk of the item's columns (lane l: rows 4l .. 4l + 3, read
+// in the rotated order of rotated_row), reduces each column's amax across the warp and stores 4
+// codes a lane and column (128 bytes a warp).
+constexpr int kColumnItemBytes = 128;
+template <typename In>
+constexpr int kItemCols = kColumnItemBytes / static_cast<int>(sizeof(In));
+constexpr int kStagedItemBytes = kQuantBlock * kColumnItemBytes;  // one TMA box: B rows x 128 bytes
+// Where 16-byte chunk c of row r of a staged item lies (TMA's 128-byte swizzle).
+__device__ __forceinline__ u32 staged_chunk(int r, int c) { return r * kColumnItemBytes + 16 * (c ^ (r & 7)); }
+// The row a lane's k-th read takes: 4 lane + (k + lane / 2) % 4, so that the 8 lanes of a
+// quarter-warp read 8 different swizzled chunk positions (with k for all, 2: a 4-way conflict);
+// its 4 codes of a column come out in this order and are rotated back before the store.
+__device__ __forceinline__ int rotated_row(int k, int lane) { return 4 * lane + ((k + (lane >> 1)) & 3); }
+constexpr int kColumnArrivals = 1 + 32;  // warp 0's lane 0 with the byte count, then each of its lanes
+static_assert(kQuantColumnStages == 2, "the item loop keeps one item staged ahead of the one it quantizes");
+struct ColumnStorage {  // 1024-byte aligned (the swizzle's period)
+  unsigned char rows[kQuantColumnStages][kStagedItemBytes];
+  alignas(16) float row_scales[kQuantColumnStages][kQuantBlock];  // e4m3 input: each staged row's 1 x B scale
+  float4 divisors[kWarps][8];                                       // a warp's pass's columns' Divisor (b, y, k)
+  u64 full[kQuantColumnStages];
+};
+
 struct ColumnItem {
   i64 row0;
-  int live_rows, col0;
+  int live_rows, col0;  // live_rows: at most B
 };
-template <typename In>
-__global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_segment_columns(const QuantParams* p) {
-  const Source<In> src = source_of<In>(p);
-  const i64 col_groups = (p->cols + kQuantColumns - 1) / kQuantColumns;
-  int e = 0;     // the segment of the items from `base` on (items come in increasing order)
+// The items in increasing order (each call asks for a later item than the one before).
+struct ColumnItems {
+  int e = 0;     // the segment of the items from `base` on
   i64 base = 0;
-  const auto find = [&](i64 item, ColumnItem& it) {
+  __device__ __forceinline__ bool find(const QuantParams* p, i64 item, int item_cols, ColumnItem& it) {
+    const i64 slices = (p->cols + item_cols - 1) / item_cols;
     for (; e < p->num_groups; ++e) {
       const Segment seg = segment_of(p, e);
-      const i64 n = (seg.count + kQuantBlock - 1) / kQuantBlock * col_groups;
+      const i64 n = (seg.count + kQuantBlock - 1) / kQuantBlock * slices;
       if (item < base + n) {
-        const i64 k = item - base, r = k / col_groups * kQuantBlock;
-        it = {seg.first + r, static_cast<int>(seg.count - r), static_cast<int>(k % col_groups * kQuantColumns)};
+        const i64 k = item - base, r = k / slices * kQuantBlock;
+        it = {seg.first + r, static_cast<int>(min(seg.count - r, static_cast<i64>(kQuantBlock))),
+              static_cast<int>(k % slices * item_cols)};
         return true;
       }
       base += n;
     }
     return false;
-  };
-  ColumnItem cur;
-  for (i64 item = blockIdx.x; find(item, cur); item += gridDim.x) {
-    quantize_column_blocks(p, src, cur.row0, cur.live_rows, cur.col0, threadIdx.x >> 5, threadIdx.x & 31);
-    __syncthreads();
+  }
+};
+
+// Warp 0: item `it` into stage s (B rows x 128 bytes from (it.row0, it.col0): rows past x's end
+// and columns past its last read as zero), and with e4m3 input its live rows' scales.
+template <typename In>
+__device__ __forceinline__ void stage_column_item(const QuantParams* p, ColumnStorage& ss, int s, const ColumnItem& it,
+                                                  int lane) {
+  if (lane == 0) {
+    mbar_arrive_expect_tx(&ss.full[s], kStagedItemBytes);
+    tma_load_2d(smem_addr(ss.rows[s]), p->x_map, it.col0, static_cast<int>(it.row0), &ss.full[s]);
+  }
+  if constexpr (sizeof(In) == 1) {
+    const i64 per_row = p->cols / kQuantBlock;
+    const float* scales = reinterpret_cast<const float*>(p->x_scales) + it.row0 * per_row + it.col0 / kQuantBlock;
+    for (int r = lane; r < it.live_rows; r += 32) cp_async_4(smem_addr(&ss.row_scales[s][r]), scales + r * per_row, 4);
+    cp_async_arrive_noinc(&ss.full[s]);
+  } else {
+    mbar_arrive(&ss.full[s]);
+  }
+}
+
+// Two e4m3 codes (the low 16 bits of `pair`, the first in the low byte) as floats, exact (as
+// decode_e4m3: every e4m3 value is an f16 value).
+__device__ __forceinline__ float2 decode_e4m3x2(u32 pair) {
+  float2 f;
+  asm("{\n.reg .b16 c, lo, hi;\n.reg .b32 h;\ncvt.u16.u32 c, %2;\ncvt.rn.f16x2.e4m3x2 h, c;\n"
+      "mov.b32 {lo, hi}, h;\ncvt.f32.f16 %0, lo;\ncvt.f32.f16 %1, hi;\n}"
+      : "=f"(f.x), "=f"(f.y)
+      : "r"(pair));
+  return f;
+}
+// A warp's 16-byte chunk of an item's columns is quantized in kPasses passes of kN columns (e4m3
+// input: two passes, so that a pass's values fit the registers).
+template <typename In>
+struct ChunkPasses {
+  static constexpr int kN = sizeof(In) == 4 ? 4 : 8, kPasses = 16 / static_cast<int>(sizeof(In)) / kN;
+};
+// Pass kPass's values of one staged row's chunk w: fp32, bf16, or e4m3 codes times the row's scale.
+template <typename In, int kPass, int kN>
+__device__ __forceinline__ void pass_values(const u32 (&w)[4], float scale, float (&v)[kN]) {
+  if constexpr (sizeof(In) == 4) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) v[i] = __uint_as_float(w[i]);
+  } else if constexpr (sizeof(In) == 2) {
+#pragma unroll
+    for (int i = 0; i < kN / 2; ++i) v[2 * i] = bf16_lo(w[i]), v[2 * i + 1] = bf16_hi(w[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kN / 2; ++i) {
+      const float2 f = decode_e4m3x2(w[2 * kPass + i / 2] >> (16 * (i % 2)));
+      v[2 * i] = keep_mul(f.x, scale), v[2 * i + 1] = keep_mul(f.y, scale);
+    }
+  }
+}
+
+// The amax of column lane / (32 / kN) of a warp's kN columns (m[j]: this lane's part of column j):
+// halving exchanges (the lanes with `bit` set keep the upper half of the columns left), then a
+// butterfly over the lanes that share a column.
+template <int kN>
+__device__ __forceinline__ float column_amax(float (&m)[kN], int lane) {
+#pragma unroll
+  for (int half = kN / 2, bit = 16; half >= 1; half >>= 1, bit >>= 1) {
+    const bool upper = (lane & bit) != 0;
+#pragma unroll
+    for (int j = 0; j < half; ++j) {
+      const float give = upper ? m[j] : m[j + half];
+      m[j] = keep_max(upper ? m[j + half] : m[j], __shfl_xor_sync(0xffffffffu, give, bit));
+    }
+  }
+  float r = m[0];
+#pragma unroll
+  for (int bit = 16 / kN; bit >= 1; bit >>= 1) r = keep_max(r, __shfl_xor_sync(0xffffffffu, r, bit));
+  return r;
+}
+
+// Pass kPass over one warp's chunk of a staged item (raw[k]: row rotated_row(k, lane); rs: their
+// e4m3 row scales): each of its columns' scale, and the column's codes of this lane's 4 rows.
+template <typename In, int kPass>
+__device__ __forceinline__ void quantize_column_pass(const QuantParams* p, ColumnStorage& ss, const ColumnItem& it,
+                                                     const u32 (&raw)[4][4], const float (&rs)[4], int warp, int lane) {
+  constexpr int kN = ChunkPasses<In>::kN;
+  const i64 rows = p->rows, cols = p->cols;
+  const i64 col = it.col0 + (warp * ChunkPasses<In>::kPasses + kPass) * kN;  // the pass's first column
+  float v[4][kN], m[kN];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) m[j] = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    pass_values<In, kPass>(raw[k], rs[k], v[k]);
+    const bool live = rotated_row(k, lane) < it.live_rows;  // stale bytes past the live rows and columns read as 0
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      v[k][j] = live && col + j < cols ? v[k][j] : 0.0f;
+      m[j] = keep_max(m[j], keep_abs(v[k][j]));
+    }
+  }
+  const int c = lane / (32 / kN);
+  const float scale = block_scale(column_amax<kN>(m, lane), p->pow2 != 0);
+  const Divisor d = divisor(scale);
+  if (lane % (32 / kN) == 0) {
+    ss.divisors[warp][c] = make_float4(d.b, d.y, d.k, 0.0f);
+    if (col + c < cols)
+      reinterpret_cast<float*>(p->scales)[(col + c) * (rows / kQuantBlock) + it.row0 / kQuantBlock] = scale;
+  }
+  __syncwarp();
+  u32* out = reinterpret_cast<u32*>(p->codes + col * rows + it.row0) + lane;
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    const float4 f = ss.divisors[warp][j];
+    const Divisor dj{f.x, f.y, f.z};
+    if (col + j < cols) {  // byte k: rotated_row(k, lane)'s code; rotated so that byte i is row 4 lane + i
+      const u32 w = e4m3x4(quotient(v[0][j], dj), quotient(v[1][j], dj), quotient(v[2][j], dj), quotient(v[3][j], dj));
+      out[j * rows / 4] = __funnelshift_l(w, w, 8 * ((lane >> 1) & 3));
+    }
+  }
+  __syncwarp();  // every lane has read the divisors before the next pass writes its own
+}
+
+template <typename In>
+__global__ void __launch_bounds__(kQuantThreads, kQuantColumnCtasPerSm) quantize_segment_columns(const QuantParams* p) {
+  __shared__ char raw_smem[sizeof(ColumnStorage) + 1024];
+  ColumnStorage& ss = aligned_shared<ColumnStorage>(raw_smem);
+  constexpr int kCols = kItemCols<In>;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kQuantColumnStages; ++s) mbar_init(&ss.full[s], kColumnArrivals);
+    fence_mbarrier_init_cluster();
+  }
+  __syncthreads();
+  ColumnItems items;
+  ColumnItem cur, next, later;  // cur in stage s, next in stage s ^ 1
+  bool have_cur = items.find(p, blockIdx.x, kCols, cur);
+  bool have_next = have_cur && items.find(p, blockIdx.x + gridDim.x, kCols, next);
+  if (warp == 0) {
+    if (have_cur) stage_column_item<In>(p, ss, 0, cur, lane);
+    if (have_next) stage_column_item<In>(p, ss, 1, next, lane);
+  }
+  u32 phases = 0;  // bit s: the parity stage s's next fill completes
+  for (i64 item = blockIdx.x + 2 * static_cast<i64>(gridDim.x), s = 0; have_cur; item += gridDim.x, s ^= 1) {
+    while (!mbar_try_wait(&ss.full[s], (phases >> s) & 1u)) {
+    }
+    phases ^= 1u << s;
+    const u32 at = smem_addr(ss.rows[s]);
+    u32 raw[4][4];
+    float rs[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = rotated_row(k, lane);
+      const uint4 q = ld_shared_u32x4(at + staged_chunk(r, warp));
+      raw[k][0] = q.x, raw[k][1] = q.y, raw[k][2] = q.z, raw[k][3] = q.w;
+      rs[k] = sizeof(In) == 1 ? ss.row_scales[s][r] : 0.0f;
+    }
+    __syncthreads();  // every warp holds its values: the stage may be refilled
+    const bool have_later = have_next && items.find(p, item, kCols, later);
+    if (warp == 0 && have_later) {
+      fence_proxy_async();
+      stage_column_item<In>(p, ss, static_cast<int>(s), later, lane);
+    }
+    quantize_column_pass<In, 0>(p, ss, cur, raw, rs, warp, lane);
+    if constexpr (ChunkPasses<In>::kPasses == 2) quantize_column_pass<In, 1>(p, ss, cur, raw, rs, warp, lane);
+    cur = next, have_cur = have_next, next = later, have_next = have_later;
   }
 }
 

@@ -158,6 +158,13 @@ __device__ __forceinline__ float2 ld_shared_f32x2(u32 addr) {
   return v;
 }
 
+__device__ __forceinline__ uint4 ld_shared_u32x4(u32 addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+
 // 16 zero bytes at a shared-memory address (16-byte aligned).
 __device__ __forceinline__ void st_shared_zero16(u32 addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0) : "memory");
@@ -182,6 +189,14 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, i64 tensor_map, int c0, int
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
       "l"(tensor_map), "r"(c0), "r"(c1), "r"(smem_addr(bar))
       : "memory");
+}
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory into this CTA's
+// shared memory by one bulk copy, no tensor map, its bytes counted on `bar`.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u64* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
 }
 
 // The same box into the same shared-memory offset of every CTA in cta_mask; each CTA's mbarrier at

@@ -273,8 +273,11 @@ CONSTS = (
     Const("kQuantBlock", 128, "edge of a quantization block: 1 x 128 (activations), 128 x 128 (weights)", "mok::fp8"),
     Const("kE4m3Max", 448, "the largest finite e4m3 value (scale = amax / kE4m3Max)", "mok::fp8"),
     Const("kQuantThreads", 256, "threads of a quantizer block (8 warps)", "mok::fp8"),
-    Const("kQuantCtasPerSm", 6, "the segment quantizers' grids: this many CTAs per SM (the column kernel's "
-          "register bound: that many fit)", "mok::fp8"),
+    Const("kQuantCtasPerSm", 6, "the segment row quantizer's grid: this many CTAs per SM", "mok::fp8"),
+    Const("kQuantColumnCtasPerSm", 2, "the segment column quantizer's grid and register bound: this many CTAs "
+          "per SM, each with kQuantColumnStages items in flight", "mok::fp8"),
+    Const("kQuantColumnStages", 2, "the segment column quantizer's staged items a CTA (bulk copies in flight)",
+          "mok::fp8"),
     Const("kQuantColumns", 64, "columns of x one block of the column quantizers takes (a grid's x: ceil(cols / this))",
           "mok::fp8"),
 )
@@ -516,6 +519,8 @@ QUANT_PARAMS = Struct("QuantParams", (
     ("i64", "num_groups", "segment quantizers: expert segments (El)"),
     ("i64", "row_offsets", "segment quantizers: int32 [num_groups], each segment's first row (a multiple of B)"),
     ("i64", "row_counts", "segment quantizers: int32 [num_groups], each segment's rows"),
+    ("i64", "x_map", "the segment column quantizer: x's CUtensorMap (global memory) as [rows, cols], boxes of "
+                     "B rows x 128 bytes, 128B swizzle; 0: none"),
 ), namespace="mok::fp8")
 
 STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, FP8_GEMM_PARAMS, TOKEN_PARAMS, TASK, COUNTER, FUSED_PARAMS,

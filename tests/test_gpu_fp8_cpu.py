@@ -527,6 +527,10 @@ def test_segment_quantizers_refuse_bad_arguments_before_any_launch(no_launch):
          r"x_scales: expected .* \(512, 3\)"),
         (kq.quantize_segment_columns, (np.zeros(512 * 384 + 16, np.uint8)[1:1 + 512 * 384].reshape(512, 384), off,
                                        cnt, codes_t, scales_t), {"x_scales": scales}, "16-byte aligned"),
+        (kq.quantize_segment_columns, (np.zeros((512, 300), np.uint16), off, cnt, np.zeros((300, 512), np.uint8),
+                                       np.zeros((300, 4), np.float32)), {}, "C=300 at address"),  # 600-byte rows
+        (kq.quantize_segment_columns, (np.zeros(512 * 384 + 8, np.uint16)[1:1 + 512 * 384].reshape(512, 384), off,
+                                       cnt, codes_t, scales_t), {}, "16-byte aligned"),
     ]
     for fn, args, kwargs, message in refused:
         with pytest.raises(ValueError, match=message):
@@ -534,8 +538,9 @@ def test_segment_quantizers_refuse_bad_arguments_before_any_launch(no_launch):
 
 
 def test_segment_quantizers_pack_what_the_kernels_read(monkeypatch):
-    got = []
+    got, maps = [], []
     monkeypatch.setattr(kq, "_launch_segments", lambda kernel, grid, fields: got.append((kernel, grid(132), fields)))
+    monkeypatch.setattr(kq, "_column_map", lambda x, kind: maps.append((x.shape, x.dtype, kind)) or len(maps))
     x, off, cnt = _segment_args()
     codes, scales = np.zeros((512, 384), np.uint8), np.zeros((512, 3), np.float32)
     codes_t, scales_t = np.zeros((384, 512), np.uint8), np.zeros((384, 4), np.float32)
@@ -547,12 +552,14 @@ def test_segment_quantizers_pack_what_the_kernels_read(monkeypatch):
                        "mok::fp8::quantize_segment_columns<float>", "mok::fp8::quantize_segment_columns<unsigned char>"]
     assert set(kernels) <= set(kq.MODULE.names)
     assert got[0][1] == (-(-kq.CTAS_PER_SM * 132 // 3), 3)  # CTAs of one segment per grid row
-    assert got[1][1] == (kq.CTAS_PER_SM * 132,)  # a flat grid: the segments' items spread over the CTAs
+    assert got[1][1] == got[2][1] == (kq.COLUMN_CTAS_PER_SM * 132,)  # flat: the segments' items spread over the CTAs
     for _, _, fields in got:
         assert fields["num_groups"] == 3 and fields["row_offsets"] is off and fields["row_counts"] is cnt
         assert (fields["rows"], fields["cols"]) == (512, 384)
     assert got[0][2]["pow2"] == 1 and got[1][2]["pow2"] == 0
     assert got[1][2]["x_scales"] == 0 and got[2][2]["x_scales"] is scales
+    assert maps == [((512, 384), np.float32, "f32"), ((512, 384), np.uint8, "e4m3")]  # the columns' TMA maps
+    assert (got[1][2]["x_map"], got[2][2]["x_map"]) == (1, 2) and "x_map" not in got[0][2]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,7 +40,9 @@ MODULE = CudaModule("fp8.cuh", tuple(f"mok::fp8::quantize_rows<{t}, {tr}>" for t
                     + tuple(f"mok::fp8::quantize_segment_rows<{t}>" for t in IN_TYPES.values())
                     + tuple(f"mok::fp8::quantize_segment_columns<{t}>" for t in (*IN_TYPES.values(), E4M3)))
 MAX_ROW_CTAS = 65535  # grid.x cap of the row kernel (a grid-stride loop covers the rest)
-CTAS_PER_SM = abi.CONST["kQuantCtasPerSm"]  # the segment quantizers' grids (rows: split over the segments)
+CTAS_PER_SM = abi.CONST["kQuantCtasPerSm"]  # the segment row quantizer's grid (split over the segments)
+COLUMN_CTAS_PER_SM = abi.CONST["kQuantColumnCtasPerSm"]  # the segment column quantizer's flat grid
+ITEM_BYTES = 128  # the segment column quantizer's items: 128 rows x 128 bytes of x (cuda/fp8.cuh kColumnItemBytes)
 CACHE_ENTRIES = 4096  # uploaded QuantParams kept (by value)
 _PARAMS: dict = {}
 
@@ -221,14 +223,15 @@ def quantize_segment_columns(x, row_offsets, row_counts, codes, scales, *, x_sca
         kind = "e4m3"
         if not x.flags.c_contiguous:
             raise ValueError("x: must be C-contiguous")
-        if _address(x) % 16:  # the kernel reads 4 codes at once
-            raise ValueError("x: must start at a 16-byte aligned address")
     else:
         kind = _check_input(x, "x")
     if x.ndim != 2:
         raise ValueError(f"x: expected a 2-D [rows, C] array, got shape {tuple(x.shape)}")
     rows, cols = x.shape
     _multiple("rows", rows)
+    if _address(x) % 16 or cols * x.itemsize % 16:  # the kernel copies rows to shared memory in 16-byte units
+        raise ValueError(f"x: its rows must start at 16-byte aligned addresses (C * {x.itemsize} bytes a multiple "
+                         f"of 16, the array 16-byte aligned); got C={cols} at address {_address(x):#x}")
     if (kind == "e4m3") != (x_scales is not None):
         raise ValueError("x_scales: given exactly when x holds e4m3 codes (uint8)")
     if x_scales is not None:
@@ -241,8 +244,17 @@ def quantize_segment_columns(x, row_offsets, row_counts, codes, scales, *, x_sca
                   x_scales=x_scales if x_scales is not None else 0, num_groups=groups, row_offsets=row_offsets,
                   row_counts=row_counts)
 
-    def grid(sms):  # a flat grid over every segment's (128-row block, COLUMNS columns) items
-        return (CTAS_PER_SM * sms,)
+    def grid(sms):  # a flat grid over every segment's (128-row block, 128-byte column slice) items
+        return (COLUMN_CTAS_PER_SM * sms,)
 
     in_type = E4M3 if kind == "e4m3" else IN_TYPES[kind]
+    fields["x_map"] = _column_map(x, kind)
     _launch_segments(f"mok::fp8::quantize_segment_columns<{in_type}>", grid, fields)
+
+
+def _column_map(x, kind: str):
+    """The column quantizer's TMA map of x [rows, C]: boxes of 128 rows x 128 bytes."""
+    from mok_proto.kernels import gemm
+
+    rows, cols = x.shape
+    return gemm.tensor_map(x, cols, rows, ITEM_BYTES // x.itemsize, BLOCK, {"e4m3": "u8"}.get(kind, kind))

@@ -180,7 +180,7 @@ def resident_clusters(kernel, strict: bool = False, smem: int | None = None) -> 
 def tensor_map(array, inner: int, outer: int, box_inner: int, box_outer: int, dtype: str = "bf16"):
     """A TMA descriptor (CUtensorMap, 128 bytes in device memory) for the row-major 2-D view
     [outer, inner] of `array` (elements: "bf16", or "u8" for e4m3 codes), boxes of
-    [box_outer, box_inner], 128-byte swizzle. Cached by (address, dims, box, dtype): encoding and
+    [box_outer, box_inner], 128-byte swizzle (elements may also be "f32"). Cached by (address, dims, box, dtype): encoding and
     uploading happen once per buffer."""
     import cupy
     from cuda.bindings import driver as cu
@@ -188,7 +188,7 @@ def tensor_map(array, inner: int, outer: int, box_inner: int, box_outer: int, dt
     key = (array.data.ptr, inner, outer, box_inner, box_outer, dtype)
     dev = _TMAPS.pop(key, None)
     if dev is None:
-        kind, size = {"bf16": ("BFLOAT16", 2), "u8": ("UINT8", 1)}[dtype]
+        kind, size = {"bf16": ("BFLOAT16", 2), "u8": ("UINT8", 1), "f32": ("FLOAT32", 4)}[dtype]
         err, tmap = cu.cuTensorMapEncodeTiled(
             getattr(cu.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{kind}"), 2, array.data.ptr,
             [cu.cuuint64_t(inner), cu.cuuint64_t(outer)], [cu.cuuint64_t(inner * size)],
