@@ -161,20 +161,10 @@ __device__ __forceinline__ void load4(const unsigned short* p, float (&v)[4]) {
 __device__ __forceinline__ float load1(const float* p) { return *p; }
 __device__ __forceinline__ float load1(const unsigned short* p) { return bf16_lo(*p); }
 
-// The value of an e4m3 code, exact (mok_proto.fp8.decode_e4m3; both NaN codes give NaN).
-__device__ __forceinline__ float decode_e4m3(u32 code) {
-  const u32 sign = (code & 0x80u) << 24, exp = (code >> 3) & 0xFu, man = code & 0x7u;
-  if (exp == 0xFu && man == 0x7u) return __uint_as_float(0x7FC00000u);
-  const float mag = exp == 0u ? keep_mul(static_cast<float>(man), 0x1p-9f)  // subnormal: man * 2^-9
-                              : __uint_as_float(((exp + 120u) << 23) | (man << 20));  // (1 + man/8) 2^(exp-7)
-  return __uint_as_float(__float_as_uint(mag) | sign);
-}
-
-// Where the column quantizers read x [rows, cols]: fp32 or bf16 values, or (unsigned char) e4m3
-// codes with their 1 x B scales, dequantized as fp8.dequantize_rows does (decode * scale, rounded
-// once). load4: the 4 values from (row, col), col a multiple of 4; `vector` (cols a multiple of 4,
-// so every row is aligned for one 4-value load: 16 bytes fp32, 8 bf16) loads them at once, else one
-// by one; columns from cols on read as zero.
+// Where the whole-array column quantizer reads x [rows, cols] (fp32 or bf16 values). load4: the 4
+// values from (row, col), col a multiple of 4; `vector` (cols a multiple of 4, so every row is
+// aligned for one 4-value load: 16 bytes fp32, 8 bf16) loads them at once, else one by one;
+// columns from cols on read as zero.
 template <typename In>
 struct Source {
   const In* x;
@@ -190,25 +180,9 @@ struct Source {
     }
   }
 };
-template <>
-struct Source<unsigned char> {
-  const unsigned char* x;
-  const float* scales;  // [rows, cols / B]; cols a multiple of B
-  i64 cols;
-  __device__ __forceinline__ void load4(i64 row, i64 col, float (&v)[4]) const {
-    const u32 codes = *reinterpret_cast<const u32*>(x + row * cols + col);
-    const float scale = scales[row * (cols / kQuantBlock) + col / kQuantBlock];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = keep_mul(decode_e4m3((codes >> (8 * j)) & 0xFFu), scale);
-  }
-};
 template <typename In>
 __device__ __forceinline__ Source<In> source_of(const QuantParams* p) {
   return {reinterpret_cast<const In*>(p->x), p->cols, p->cols % 4 == 0};
-}
-template <>
-__device__ __forceinline__ Source<unsigned char> source_of<unsigned char>(const QuantParams* p) {
-  return {reinterpret_cast<const unsigned char*>(p->x), reinterpret_cast<const float*>(p->x_scales), p->cols};
 }
 
 // One 1 x B block by one warp, from its 4 values a lane (lane l: elements 4l .. 4l + 3): the lane's
@@ -465,8 +439,8 @@ __device__ __forceinline__ void stage_column_item(const QuantParams* p, ColumnSt
   }
 }
 
-// Two e4m3 codes (the low 16 bits of `pair`, the first in the low byte) as floats, exact (as
-// decode_e4m3: every e4m3 value is an f16 value).
+// Two e4m3 codes (the low 16 bits of `pair`, the first in the low byte) as floats, exact (every
+// e4m3 value is an f16 value; both NaN codes give NaN, as mok_proto.fp8.decode_e4m3).
 __device__ __forceinline__ float2 decode_e4m3x2(u32 pair) {
   float2 f;
   asm("{\n.reg .b16 c, lo, hi;\n.reg .b32 h;\ncvt.u16.u32 c, %2;\ncvt.rn.f16x2.e4m3x2 h, c;\n"
