@@ -146,7 +146,7 @@ constexpr int kQuantThreads = 256;  // threads of a quantizer block (8 warps)
 constexpr int kQuantCtasPerSm = 6;  // the segment row quantizer's grid: this many CTAs per SM
 constexpr int kQuantColumnCtasPerSm = 2;  // the segment column quantizer's grid and register bound: this many CTAs per SM, each with kQuantColumnStages items in flight
 constexpr int kQuantColumnStages = 2;  // the segment column quantizer's staged items a CTA (bulk copies in flight)
-constexpr int kQuantColumns = 64;  // columns of x one block of the column quantizers takes (a grid's x: ceil(cols / this))
+constexpr int kQuantColumns = 64;  // columns of x one block of the whole-array column quantizer takes (a grid's x: ceil(cols / this))
 }  // namespace mok::fp8
 
 namespace mok {

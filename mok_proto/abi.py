@@ -278,8 +278,8 @@ CONSTS = (
           "per SM, each with kQuantColumnStages items in flight", "mok::fp8"),
     Const("kQuantColumnStages", 2, "the segment column quantizer's staged items a CTA (bulk copies in flight)",
           "mok::fp8"),
-    Const("kQuantColumns", 64, "columns of x one block of the column quantizers takes (a grid's x: ceil(cols / this))",
-          "mok::fp8"),
+    Const("kQuantColumns", 64, "columns of x one block of the whole-array column quantizer takes (a grid's x: "
+          "ceil(cols / this))", "mok::fp8"),
 )
 CONST = {c.name: c.value for c in CONSTS}
 

@@ -31,7 +31,7 @@ from mok_proto.kernels.build import CudaModule
 
 BLOCK = abi.CONST["kQuantBlock"]
 THREADS = abi.CONST["kQuantThreads"]
-COLUMNS = abi.CONST["kQuantColumns"]  # columns of x per block of the column quantizers
+COLUMNS = abi.CONST["kQuantColumns"]  # columns of x per block of the whole-array column quantizer
 IN_TYPES = {"f32": "float", "bf16": "unsigned short"}  # input kind -> the kernels' In
 E4M3 = "unsigned char"  # the column segment quantizer's In for e4m3 codes + their row scales
 MODULE = CudaModule("fp8.cuh", tuple(f"mok::fp8::quantize_rows<{t}, {tr}>" for t in IN_TYPES.values()
