@@ -145,7 +145,8 @@ constexpr int kE4m3Max = 448;  // the largest finite e4m3 value (scale = amax / 
 constexpr int kQuantThreads = 256;  // threads of a quantizer block (8 warps)
 constexpr int kQuantCtasPerSm = 6;  // the segment row quantizer's grid: this many CTAs per SM
 constexpr int kQuantColumnCtasPerSm = 2;  // the segment column quantizer's grid and register bound: this many CTAs per SM, each with kQuantColumnStages items in flight
-constexpr int kQuantColumnStages = 2;  // the segment column quantizer's staged items a CTA (bulk copies in flight)
+constexpr int kQuantColumnStages = 2;  // the segment column quantizer's staged items a CTA (TMA boxes in flight)
+constexpr int kQuantColumnItemBytes = 128;  // the segment column quantizer's items: B rows x this many bytes of each row (one TMA box of x_map, 128-byte swizzle)
 constexpr int kQuantColumns = 64;  // columns of x one block of the whole-array column quantizer takes (a grid's x: ceil(cols / this))
 }  // namespace mok::fp8
 
@@ -415,7 +416,7 @@ struct QuantParams {
   i64 num_groups;  // segment quantizers: expert segments (El)
   i64 row_offsets;  // segment quantizers: int32 [num_groups], each segment's first row (a multiple of B)
   i64 row_counts;  // segment quantizers: int32 [num_groups], each segment's rows
-  i64 x_map;  // the segment column quantizer: x's CUtensorMap (global memory) as [rows, cols], boxes of B rows x 128 bytes, 128B swizzle; 0: none
+  i64 x_map;  // the segment column quantizer: x's CUtensorMap (global memory) as [rows, cols], boxes of B rows x kQuantColumnItemBytes bytes, 128B swizzle (the other quantizers: unused)
 };
 static_assert(sizeof(QuantParams) == 112, "QuantParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__

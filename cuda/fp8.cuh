@@ -376,7 +376,8 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_segment_rows(const Qua
 // then every warp takes one 16-byte chunk of the item's columns (lane l: rows 4l .. 4l + 3, read
 // in the rotated order of rotated_row), reduces each column's amax across the warp and stores 4
 // codes a lane and column (128 bytes a warp).
-constexpr int kColumnItemBytes = 128;
+constexpr int kColumnItemBytes = kQuantColumnItemBytes;
+static_assert(kColumnItemBytes == 128, "one item row is one 128-byte swizzle row: 8 warps of 16-byte chunks");
 template <typename In>
 constexpr int kItemCols = kColumnItemBytes / static_cast<int>(sizeof(In));
 constexpr int kStagedItemBytes = kQuantBlock * kColumnItemBytes;  // one TMA box: B rows x 128 bytes
@@ -454,6 +455,7 @@ __device__ __forceinline__ float2 decode_e4m3x2(u32 pair) {
 template <typename In>
 struct ChunkPasses {
   static constexpr int kN = sizeof(In) == 4 ? 4 : 8, kPasses = 16 / static_cast<int>(sizeof(In)) / kN;
+  static_assert(kN <= 8 && kPasses * kN * static_cast<int>(sizeof(In)) == 16, "a pass's divisors: 8 a warp at most");
 };
 // Pass kPass's values of one staged row's chunk w: fp32, bf16, or e4m3 codes times the row's scale.
 template <typename In, int kPass, int kN>
@@ -557,8 +559,8 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantColumnCtasPerSm) quantize
   }
   u32 phases = 0;  // bit s: the parity stage s's next fill completes
   for (i64 item = blockIdx.x + 2 * static_cast<i64>(gridDim.x), s = 0; have_cur; item += gridDim.x, s ^= 1) {
-    while (!mbar_try_wait(&ss.full[s], (phases >> s) & 1u)) {
-    }
+    while (!mbar_try_wait(&ss.full[s], (phases >> s) & 1u)) {  // the box's bytes: the host's x_map and kStagedItemBytes
+    }                                                          // agree by kQuantColumnItemBytes (tests/test_gpu_fp8_cpu.py)
     phases ^= 1u << s;
     const u32 at = smem_addr(ss.rows[s]);
     u32 raw[4][4];

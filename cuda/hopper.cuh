@@ -8,8 +8,8 @@ namespace mok {
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
-// A kernel's shared storage: the dynamic shared memory `raw` rounded up to 1024 bytes (TMA's 128B
-// swizzle), by pointer arithmetic on `raw` (not through an integer), so that the compiler still
+// A kernel's shared storage: the shared memory `raw` (dynamic, or a static array 1024 bytes larger
+// than Storage) rounded up to 1024 bytes (TMA's 128B swizzle), by pointer arithmetic on `raw` (not through an integer), so that the compiler still
 // knows every access through it is to shared memory: 32-bit addresses, none kept in 64 bits.
 template <class Storage>
 __device__ __forceinline__ Storage& aligned_shared(char* raw) {
@@ -189,14 +189,6 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, i64 tensor_map, int c0, int
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
       "l"(tensor_map), "r"(c0), "r"(c1), "r"(smem_addr(bar))
       : "memory");
-}
-
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory into this CTA's
-// shared memory by one bulk copy, no tensor map, its bytes counted on `bar`.
-__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u64* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
 }
 
 // The same box into the same shared-memory offset of every CTA in cta_mask; each CTA's mbarrier at

@@ -276,8 +276,10 @@ CONSTS = (
     Const("kQuantCtasPerSm", 6, "the segment row quantizer's grid: this many CTAs per SM", "mok::fp8"),
     Const("kQuantColumnCtasPerSm", 2, "the segment column quantizer's grid and register bound: this many CTAs "
           "per SM, each with kQuantColumnStages items in flight", "mok::fp8"),
-    Const("kQuantColumnStages", 2, "the segment column quantizer's staged items a CTA (bulk copies in flight)",
+    Const("kQuantColumnStages", 2, "the segment column quantizer's staged items a CTA (TMA boxes in flight)",
           "mok::fp8"),
+    Const("kQuantColumnItemBytes", 128, "the segment column quantizer's items: B rows x this many bytes of each "
+          "row (one TMA box of x_map, 128-byte swizzle)", "mok::fp8"),
     Const("kQuantColumns", 64, "columns of x one block of the whole-array column quantizer takes (a grid's x: "
           "ceil(cols / this))", "mok::fp8"),
 )
@@ -520,7 +522,7 @@ QUANT_PARAMS = Struct("QuantParams", (
     ("i64", "row_offsets", "segment quantizers: int32 [num_groups], each segment's first row (a multiple of B)"),
     ("i64", "row_counts", "segment quantizers: int32 [num_groups], each segment's rows"),
     ("i64", "x_map", "the segment column quantizer: x's CUtensorMap (global memory) as [rows, cols], boxes of "
-                     "B rows x 128 bytes, 128B swizzle; 0: none"),
+                     "B rows x kQuantColumnItemBytes bytes, 128B swizzle (the other quantizers: unused)"),
 ), namespace="mok::fp8")
 
 STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, FP8_GEMM_PARAMS, TOKEN_PARAMS, TASK, COUNTER, FUSED_PARAMS,

@@ -574,9 +574,9 @@ def _one_sm_grids(monkeypatch, one_sm: bool):
 @pytest.mark.parametrize("one_sm", [False, True])
 @pytest.mark.parametrize("kind", ["f32", "bf16"])
 def test_gpu_segment_column_quantizer_on_ragged_columns(kind, one_sm, monkeypatch):
-    """quantize_segment_columns with C = 200 (a partial block of the column kernel's 64 columns,
-    vector loads): each segment's transposed codes and scales are the rule's bit for bit, its
-    last 128-row block zero-padded."""
+    """quantize_segment_columns with C = 200 (the last item a partial 128-byte slice of each row: 8
+    of 32 fp32 or of 64 bf16 columns, the TMA box zero-filled past C): each segment's transposed
+    codes and scales are the rule's bit for bit, its last 128-row block zero-padded."""
     import cupy
     from mok_proto.kernels import fp8 as kfp8
 

@@ -529,12 +529,34 @@ def test_segment_quantizers_refuse_bad_arguments_before_any_launch(no_launch):
                                        cnt, codes_t, scales_t), {"x_scales": scales}, "16-byte aligned"),
         (kq.quantize_segment_columns, (np.zeros((512, 300), np.uint16), off, cnt, np.zeros((300, 512), np.uint8),
                                        np.zeros((300, 4), np.float32)), {}, "C=300 at address"),  # 600-byte rows
-        (kq.quantize_segment_columns, (np.zeros(512 * 384 + 8, np.uint16)[1:1 + 512 * 384].reshape(512, 384), off,
-                                       cnt, codes_t, scales_t), {}, "16-byte aligned"),
+        (kq.quantize_segment_columns, (np.zeros((512, 130), np.float32), off, cnt, np.zeros((130, 512), np.uint8),
+                                       np.zeros((130, 4), np.float32)), {}, "C=130 at address"),  # 520-byte rows
     ]
     for fn, args, kwargs, message in refused:
         with pytest.raises(ValueError, match=message):
             fn(*args, **kwargs)
+
+
+def test_column_quantizer_maps_x_as_the_kernel_stages_it(monkeypatch):
+    """x_map: x as [rows, C] (inner C), boxes of 128 rows x kQuantColumnItemBytes bytes in x's
+    element type (the kernel waits for exactly that many bytes a box); an empty x maps nothing."""
+    got, fields = [], []
+    monkeypatch.setattr(gemm, "tensor_map", lambda *args: got.append(args) or 7)
+    monkeypatch.setattr(kq, "_launch_segments", lambda kernel, grid, f: fields.append(f))
+    _, off, cnt = _segment_args()
+    scales = np.zeros((512, 3), np.float32)
+    codes_t, scales_t = np.zeros((384, 512), np.uint8), np.zeros((384, 4), np.float32)
+    for x, kw in ((np.zeros((512, 384), np.float32), {}), (np.zeros((512, 384), np.uint16), {}),
+                  (np.zeros((512, 384), np.uint8), {"x_scales": scales})):
+        kq.quantize_segment_columns(x, off, cnt, codes_t, scales_t, **kw)
+    item = abi.CONST["kQuantColumnItemBytes"]
+    assert [args[1:] for args in got] == [(384, 512, item // 4, 128, "f32"), (384, 512, item // 2, 128, "bf16"),
+                                          (384, 512, item, 128, "u8")]
+    assert [f["x_map"] for f in fields] == [7, 7, 7]
+    got.clear(), fields.clear()
+    kq.quantize_segment_columns(np.zeros((0, 384), np.uint16), off, cnt, np.zeros((384, 0), np.uint8),
+                                np.zeros((384, 0), np.float32))
+    assert got == [] and fields == []
 
 
 def test_segment_quantizers_pack_what_the_kernels_read(monkeypatch):

@@ -42,7 +42,7 @@ MODULE = CudaModule("fp8.cuh", tuple(f"mok::fp8::quantize_rows<{t}, {tr}>" for t
 MAX_ROW_CTAS = 65535  # grid.x cap of the row kernel (a grid-stride loop covers the rest)
 CTAS_PER_SM = abi.CONST["kQuantCtasPerSm"]  # the segment row quantizer's grid (split over the segments)
 COLUMN_CTAS_PER_SM = abi.CONST["kQuantColumnCtasPerSm"]  # the segment column quantizer's flat grid
-ITEM_BYTES = 128  # the segment column quantizer's items: 128 rows x 128 bytes of x (cuda/fp8.cuh kColumnItemBytes)
+ITEM_BYTES = abi.CONST["kQuantColumnItemBytes"]  # the segment column quantizer's items: 128 rows x this many bytes
 CACHE_ENTRIES = 4096  # uploaded QuantParams kept (by value)
 _PARAMS: dict = {}
 
@@ -218,7 +218,8 @@ def quantize_segment_columns(x, row_offsets, row_counts, codes, scales, *, x_sca
     from its first row, the rows past its count as zeros (what the reference's zero-padded last
     block gives), into the given codes [C, rows] (uint8) and scales [C, rows/128] (fp32). x: fp32 or
     bf16 bits, or e4m3 codes (uint8) with x_scales [rows, C/128] (fp32): then the values are
-    fp8.dequantize_rows(x, x_scales), as the FP8 layer's x^T (docs/design.md 5.7)."""
+    fp8.dequantize_rows(x, x_scales), as the FP8 layer's x^T (docs/design.md 5.7). x's rows must be
+    16-byte aligned (C times the element size a multiple of 16): the kernel reads them by TMA."""
     if x.dtype == np.uint8:
         kind = "e4m3"
         if not x.flags.c_contiguous:
@@ -247,6 +248,8 @@ def quantize_segment_columns(x, row_offsets, row_counts, codes, scales, *, x_sca
     def grid(sms):  # a flat grid over every segment's (128-row block, 128-byte column slice) items
         return (COLUMN_CTAS_PER_SM * sms,)
 
+    if x.size == 0:  # nothing to quantize (and no tensor map of an empty array)
+        return
     in_type = E4M3 if kind == "e4m3" else IN_TYPES[kind]
     fields["x_map"] = _column_map(x, kind)
     _launch_segments(f"mok::fp8::quantize_segment_columns<{in_type}>", grid, fields)

@@ -179,8 +179,8 @@ def resident_clusters(kernel, strict: bool = False, smem: int | None = None) -> 
 
 def tensor_map(array, inner: int, outer: int, box_inner: int, box_outer: int, dtype: str = "bf16"):
     """A TMA descriptor (CUtensorMap, 128 bytes in device memory) for the row-major 2-D view
-    [outer, inner] of `array` (elements: "bf16", or "u8" for e4m3 codes), boxes of
-    [box_outer, box_inner], 128-byte swizzle (elements may also be "f32"). Cached by (address, dims, box, dtype): encoding and
+    [outer, inner] of `array` (elements: "bf16", "u8" for e4m3 codes, or "f32"), boxes of
+    [box_outer, box_inner], 128-byte swizzle. Cached by (address, dims, box, dtype): encoding and
     uploading happen once per buffer."""
     import cupy
     from cuda.bindings import driver as cu
