@@ -9,8 +9,9 @@ namespace mok {
 __device__ __forceinline__ u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
 // A kernel's shared storage: the shared memory `raw` (dynamic, or a static array 1024 bytes larger
-// than Storage) rounded up to 1024 bytes (TMA's 128B swizzle), by pointer arithmetic on `raw` (not through an integer), so that the compiler still
-// knows every access through it is to shared memory: 32-bit addresses, none kept in 64 bits.
+// than Storage) rounded up to 1024 bytes (TMA's 128B swizzle), by pointer arithmetic on `raw` (not
+// through an integer), so that the compiler still knows every access through it is to shared
+// memory: 32-bit addresses, none kept in 64 bits.
 template <class Storage>
 __device__ __forceinline__ Storage& aligned_shared(char* raw) {
   return *reinterpret_cast<Storage*>(raw + ((1024u - (smem_addr(raw) & 1023u)) & 1023u));

@@ -531,6 +531,8 @@ def test_segment_quantizers_refuse_bad_arguments_before_any_launch(no_launch):
                                        np.zeros((300, 4), np.float32)), {}, "C=300 at address"),  # 600-byte rows
         (kq.quantize_segment_columns, (np.zeros((512, 130), np.float32), off, cnt, np.zeros((130, 512), np.uint8),
                                        np.zeros((130, 4), np.float32)), {}, "C=130 at address"),  # 520-byte rows
+        (kq.quantize_segment_columns, (np.zeros((0, 300), np.uint16), off, cnt, np.zeros((300, 0), np.uint8),
+                                       np.zeros((300, 0), np.float32)), {}, "C=300 at address"),  # empty: checked too
     ]
     for fn, args, kwargs, message in refused:
         with pytest.raises(ValueError, match=message):
@@ -556,6 +558,8 @@ def test_column_quantizer_maps_x_as_the_kernel_stages_it(monkeypatch):
     got.clear(), fields.clear()
     kq.quantize_segment_columns(np.zeros((0, 384), np.uint16), off, cnt, np.zeros((384, 0), np.uint8),
                                 np.zeros((384, 0), np.float32))
+    kq.quantize_segment_columns(np.zeros((512, 0), np.float32), off, cnt, np.zeros((0, 512), np.uint8),
+                                np.zeros((0, 4), np.float32))
     assert got == [] and fields == []
 
 

@@ -256,7 +256,7 @@ def quantize_segment_columns(x, row_offsets, row_counts, codes, scales, *, x_sca
 
 
 def _column_map(x, kind: str):
-    """The column quantizer's TMA map of x [rows, C]: boxes of 128 rows x 128 bytes."""
+    """The column quantizer's TMA map of x [rows, C]: boxes of 128 rows x ITEM_BYTES bytes."""
     from mok_proto.kernels import gemm
 
     rows, cols = x.shape
