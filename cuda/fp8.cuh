@@ -464,8 +464,7 @@ __device__ __forceinline__ void pass_values(const u32 (&w)[4], float scale, floa
 #pragma unroll
     for (int i = 0; i < kN; ++i) v[i] = __uint_as_float(w[i]);
   } else if constexpr (sizeof(In) == 2) {
-#pragma unroll
-    for (int i = 0; i < kN / 2; ++i) v[2 * i] = bf16_lo(w[i]), v[2 * i + 1] = bf16_hi(w[i]);
+    unpack8(make_uint4(w[0], w[1], w[2], w[3]), v);
   } else {
 #pragma unroll
     for (int i = 0; i < kN / 2; ++i) {
