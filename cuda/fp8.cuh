@@ -143,9 +143,11 @@ __device__ __forceinline__ float amax4(float m, const float (&v)[4]) {
   return keep_max(keep_max(m, keep_max(keep_abs(v[0]), keep_abs(v[1]))), keep_max(keep_abs(v[2]), keep_abs(v[3])));
 }
 
+// The max of m over the lanes that differ from this one in lane bits kFirst .. 1 only (16: the warp).
+template <int kFirst = 16>
 __device__ __forceinline__ float warp_max(float m) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = keep_max(m, __shfl_xor_sync(0xffffffffu, m, off));
+  for (int off = kFirst; off > 0; off >>= 1) m = keep_max(m, __shfl_xor_sync(0xffffffffu, m, off));
   return m;
 }
 
@@ -239,9 +241,7 @@ __device__ __forceinline__ void copy_quantize_row_bf16(const QuantParams* p, i64
         f[2 * h + 1][0] = bf16_lo(w.z), f[2 * h + 1][1] = bf16_hi(w.z);
         f[2 * h + 1][2] = bf16_lo(w.w), f[2 * h + 1][3] = bf16_hi(w.w);
       }
-      float m = amax4(amax4(amax4(amax4(0.0f, f[0]), f[1]), f[2]), f[3]);
-#pragma unroll
-      for (int off = 4; off > 0; off >>= 1) m = keep_max(m, __shfl_xor_sync(0xffffffffu, m, off));
+      const float m = warp_max<4>(amax4(amax4(amax4(amax4(0.0f, f[0]), f[1]), f[2]), f[3]));
       const float scale = block_scale(m, p->pow2 != 0);
       if (i < n) {
         const Divisor d = divisor(scale);
@@ -488,10 +488,7 @@ __device__ __forceinline__ float column_amax(float (&m)[kN], int lane) {
       m[j] = keep_max(upper ? m[j + half] : m[j], __shfl_xor_sync(0xffffffffu, give, bit));
     }
   }
-  float r = m[0];
-#pragma unroll
-  for (int bit = 16 / kN; bit >= 1; bit >>= 1) r = keep_max(r, __shfl_xor_sync(0xffffffffu, r, bit));
-  return r;
+  return warp_max<16 / kN>(m[0]);
 }
 
 // Pass kPass over one warp's chunk of a staged item (raw[k]: row rotated_row(k, lane); rs: their
