@@ -31,8 +31,9 @@ enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2 };
 //   kOpGemmAux: GEMM consumer (waiting for an epilogue operand stage)
 //   kOpFusedWait: fused layer task (waiting for a ready counter)
 //   kOpFusedClaim: fused layer cluster (handing a claimed tile pair to its CTAs)
+//   kOpQuantColumns: segment column quantizer (waiting for a staged item)
 //   kOpWeightedSum: weighted sum
-enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpCombinePush = 4, kOpCombinePull = 5, kOpRevCombinePull = 6, kOpRevCombinePush = 7, kOpRevDispatchPush = 8, kOpRevDispatchPull = 9, kOpGemmLoad = 10, kOpGemmMma = 11, kOpGemmAux = 12, kOpFusedWait = 13, kOpFusedClaim = 14, kOpWeightedSum = 15, kNumOps = 16 };
+enum Op : int { kOpRouting = 0, kOpSchedule = 1, kOpDispatchPull = 2, kOpDispatchPush = 3, kOpCombinePush = 4, kOpCombinePull = 5, kOpRevCombinePull = 6, kOpRevCombinePush = 7, kOpRevDispatchPush = 8, kOpRevDispatchPull = 9, kOpGemmLoad = 10, kOpGemmMma = 11, kOpGemmAux = 12, kOpFusedWait = 13, kOpFusedClaim = 14, kOpQuantColumns = 15, kOpWeightedSum = 16, kNumOps = 17 };
 // FlagKind, as errors print it:
 //   kFlagRouting: routing
 //   kFlagMap: map
@@ -111,7 +112,7 @@ namespace mok {
 constexpr int kCommThreads = 256;  // threads of a row-copy block: 8 warps, one row per warp
 constexpr int kScheduleThreads = 1024;  // threads of the schedule's scan block
 constexpr int kScheduleSegment = 1024;  // slots of one source rank per block of the schedule's count and place steps
-constexpr int kStateWords = 17;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
+constexpr int kStateWords = 18;  // a round's state: the epoch, then one last-block counter per Op (the comm kernels use theirs)
 }  // namespace mok
 
 namespace mok::gemm {
@@ -417,10 +418,12 @@ struct QuantParams {
   i64 row_offsets;  // segment quantizers: int32 [num_groups], each segment's first row (a multiple of B)
   i64 row_counts;  // segment quantizers: int32 [num_groups], each segment's rows
   i64 x_map;  // the segment column quantizer: x's CUtensorMap (global memory) as [rows, cols], boxes of B rows x kQuantColumnItemBytes bytes, 128B swizzle (the other quantizers: unused)
+  i64 error;  // the segment column quantizer: ErrorRecord* its bounded waits report into; a launch given a record that holds an error quantizes nothing (the other quantizers: unused)
+  i64 timeout_ns;  // the segment column quantizer: the bound of each wait for a staged item
 };
-static_assert(sizeof(QuantParams) == 112, "QuantParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(QuantParams) == 128, "QuantParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(QuantParams, batch) == 0 && __builtin_offsetof(QuantParams, rows) == 8 && __builtin_offsetof(QuantParams, cols) == 16 && __builtin_offsetof(QuantParams, pow2) == 24 && __builtin_offsetof(QuantParams, x) == 32 && __builtin_offsetof(QuantParams, codes) == 40 && __builtin_offsetof(QuantParams, scales) == 48 && __builtin_offsetof(QuantParams, codes_t) == 56 && __builtin_offsetof(QuantParams, scales_t) == 64 && __builtin_offsetof(QuantParams, x_scales) == 72 && __builtin_offsetof(QuantParams, num_groups) == 80 && __builtin_offsetof(QuantParams, row_offsets) == 88 && __builtin_offsetof(QuantParams, row_counts) == 96 && __builtin_offsetof(QuantParams, x_map) == 104, "QuantParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(QuantParams, batch) == 0 && __builtin_offsetof(QuantParams, rows) == 8 && __builtin_offsetof(QuantParams, cols) == 16 && __builtin_offsetof(QuantParams, pow2) == 24 && __builtin_offsetof(QuantParams, x) == 32 && __builtin_offsetof(QuantParams, codes) == 40 && __builtin_offsetof(QuantParams, scales) == 48 && __builtin_offsetof(QuantParams, codes_t) == 56 && __builtin_offsetof(QuantParams, scales_t) == 64 && __builtin_offsetof(QuantParams, x_scales) == 72 && __builtin_offsetof(QuantParams, num_groups) == 80 && __builtin_offsetof(QuantParams, row_offsets) == 88 && __builtin_offsetof(QuantParams, row_counts) == 96 && __builtin_offsetof(QuantParams, x_map) == 104 && __builtin_offsetof(QuantParams, error) == 112 && __builtin_offsetof(QuantParams, timeout_ns) == 120, "QuantParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 }  // namespace mok::fp8

@@ -534,17 +534,21 @@ __device__ __forceinline__ void quantize_column_pass(const QuantParams* p, Colum
   __syncwarp();  // every lane has read the divisors before the next pass writes its own
 }
 
+// A flat grid over the items; warp 0 stages the next two by TMA. Each wait for a staged item is
+// bounded (p->timeout_ns, reported into p->error); a launch given a record that holds an error
+// quantizes nothing.
 template <typename In>
 __global__ void __launch_bounds__(kQuantThreads, kQuantColumnCtasPerSm) quantize_segment_columns(const QuantParams* p) {
   __shared__ char raw_smem[sizeof(ColumnStorage) + 1024];
   ColumnStorage& ss = aligned_shared<ColumnStorage>(raw_smem);
   constexpr int kCols = kItemCols<In>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  ErrorRecord* err = reinterpret_cast<ErrorRecord*>(p->error);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kQuantColumnStages; ++s) mbar_init(&ss.full[s], kColumnArrivals);
     fence_mbarrier_init_cluster();
   }
-  __syncthreads();
+  if (__syncthreads_or(threadIdx.x == 0 && has_error(err))) return;  // reported already: quantize nothing
   ColumnItems items;
   ColumnItem cur, next, later;  // cur in stage s, next in stage s ^ 1
   bool have_cur = items.find(p, blockIdx.x, kCols, cur);
@@ -555,9 +559,9 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantColumnCtasPerSm) quantize
   }
   u32 phases = 0;  // bit s: the parity stage s's next fill completes
   for (i64 item = blockIdx.x + 2 * static_cast<i64>(gridDim.x), s = 0; have_cur; item += gridDim.x, s ^= 1) {
-    while (!mbar_try_wait(&ss.full[s], (phases >> s) & 1u)) {  // the box's bytes: the host's x_map and kStagedItemBytes
-    }                                                          // agree by kQuantColumnItemBytes (tests/test_gpu_fp8_cpu.py)
-    phases ^= 1u << s;
+    // (the box's bytes: the host's x_map and kStagedItemBytes agree by kQuantColumnItemBytes)
+    const u32 parity = (phases >> s) & 1u;
+    const bool landed = mbar_wait(&ss.full[s], static_cast<int>(parity), p->timeout_ns, err, kOpQuantColumns, -1);
     const u32 at = smem_addr(ss.rows[s]);
     u32 raw[4][4];
     float rs[4];
@@ -568,7 +572,14 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantColumnCtasPerSm) quantize
       raw[k][0] = q.x, raw[k][1] = q.y, raw[k][2] = q.z, raw[k][3] = q.w;
       rs[k] = sizeof(In) == 1 ? ss.row_scales[s][r] : 0.0f;
     }
-    __syncthreads();  // every warp holds its values: the stage may be refilled
+    if (!__syncthreads_and(landed)) {  // a wait gave up (reported): stop once the copies in flight have landed
+      if (threadIdx.x == 0) {
+        mbar_drain(&ss.full[s], static_cast<int>(parity), p->timeout_ns);
+        if (have_next) mbar_drain(&ss.full[s ^ 1], static_cast<int>((phases >> (s ^ 1)) & 1u), p->timeout_ns);
+      }
+      return;
+    }
+    phases ^= 1u << s;  // every warp holds its values: the stage may be refilled
     const bool have_later = have_next && items.find(p, item, kCols, later);
     if (warp == 0 && have_later) {
       fence_proxy_async();

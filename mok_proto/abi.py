@@ -147,6 +147,7 @@ OP = Enum("Op", (
     ("kOpGemmAux", "GEMM consumer (waiting for an epilogue operand stage)"),
     ("kOpFusedWait", "fused layer task (waiting for a ready counter)"),
     ("kOpFusedClaim", "fused layer cluster (handing a claimed tile pair to its CTAs)"),
+    ("kOpQuantColumns", "segment column quantizer (waiting for a staged item)"),
     # Token side, after the combine: slots whose expert owner placed no receive row (its buffer
     # overflowed), found by the weighted sum (cuda/common.cuh report_unplaced_slots).
     ("kOpWeightedSum", "weighted sum"),
@@ -523,6 +524,9 @@ QUANT_PARAMS = Struct("QuantParams", (
     ("i64", "row_counts", "segment quantizers: int32 [num_groups], each segment's rows"),
     ("i64", "x_map", "the segment column quantizer: x's CUtensorMap (global memory) as [rows, cols], boxes of "
                      "B rows x kQuantColumnItemBytes bytes, 128B swizzle (the other quantizers: unused)"),
+    ("i64", "error", "the segment column quantizer: ErrorRecord* its bounded waits report into; a launch given a "
+                     "record that holds an error quantizes nothing (the other quantizers: unused)"),
+    ("i64", "timeout_ns", "the segment column quantizer: the bound of each wait for a staged item"),
 ), namespace="mok::fp8")
 
 STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, FP8_GEMM_PARAMS, TOKEN_PARAMS, TASK, COUNTER, FUSED_PARAMS,

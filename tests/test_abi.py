@@ -150,3 +150,15 @@ def test_a_claim_hand_off_timeout_names_the_ticket():
     assert isinstance(claim, KernelTimeoutError) and str(claim) == (
         "fused layer cluster (handing a claimed tile pair to its CTAs) timed out: ticket 3 of the cluster of block "
         "20 (thread 128, barrier parity 1) was not handed over in time")
+
+
+def test_a_column_quantizer_timeout_names_the_quantizer():
+    from mok_proto.errors import KernelTimeoutError
+    from mok_proto.kernels.errors import describe
+
+    base = dict.fromkeys(abi.ERROR_RECORD.names, 0)
+    stuck = describe({**base, "code": abi.ERROR_CODE["kErrTimeout"], "op": abi.OP["kOpQuantColumns"], "rank": -1,
+                      "peer": -1, "expected": 1, "detail": -1, "block": 7, "thread": 33}, timeout_s=2.0)
+    assert isinstance(stuck, KernelTimeoutError) and str(stuck) == (
+        "segment column quantizer (waiting for a staged item) timed out after 2 s: its rows never landed in shared "
+        "memory (block 7, thread 33, barrier parity 1)")

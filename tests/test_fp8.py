@@ -587,7 +587,7 @@ def test_gpu_segment_column_quantizer_on_ragged_columns(kind, one_sm, monkeypatc
     x[offsets[5]:offsets[5] + 256] = _edge_matrix(1)[:, :cols]
     dev, values = _inputs(x, kind)
     codes_t, scales_t = cupy.full((cols, rows), 0xAB, cupy.uint8), cupy.full((cols, rows // B), np.nan, cupy.float32)
-    kfp8.quantize_segment_columns(dev, cupy.asarray(offsets), cupy.asarray(counts), codes_t, scales_t)
+    kfp8.quantize_segment_columns(dev, cupy.asarray(offsets), cupy.asarray(counts), codes_t, scales_t).check()
     got = codes_t.get(), scales_t.get()
     for o, c in zip(offsets, counts):
         if c == 0:
@@ -633,7 +633,7 @@ def test_gpu_segment_quantizers_equal_the_rule_per_segment(kind, one_sm, monkeyp
         _assert_host_bitwise(got[1][inside], want[1][inside], f"{kind} segment rows scales")
         assert (got[0][~inside] == 0xAB).all() and np.isnan(got[1][~inside]).all(), "rows outside were written"
     codes_t, scales_t = cupy.full((cols, rows), 0xAB, cupy.uint8), cupy.full((cols, rows // B), np.nan, cupy.float32)
-    kfp8.quantize_segment_columns(dev, d_off, d_cnt, codes_t, scales_t, x_scales=x_scales)
+    kfp8.quantize_segment_columns(dev, d_off, d_cnt, codes_t, scales_t, x_scales=x_scales).check()
     got = codes_t.get(), scales_t.get()
     written = np.zeros(rows // B, bool)
     for seg in segs:
@@ -647,3 +647,44 @@ def test_gpu_segment_quantizers_equal_the_rule_per_segment(kind, one_sm, monkeyp
         _assert_host_bitwise(got[1][:, blocks], want[1], f"{kind} segment {seg} columns scales")
     assert (got[0].reshape(cols, rows // B, B)[:, ~written] == 0xAB).all() and np.isnan(got[1][:, ~written]).all(), \
         "blocks outside every segment were written"
+
+
+@pytest.mark.gpu
+def test_gpu_segment_column_quantizer_gives_up_on_rows_that_never_land(monkeypatch):
+    """A staged item whose bytes never all arrive (here a tensor map of half-height boxes, so each
+    stage's barrier waits for bytes no copy brings): the launch ends after the bounded wait with
+    the timeout in its record, naming the column quantizer; given a record that holds an error, a
+    launch quantizes nothing."""
+    import time
+
+    import cupy
+    from mok_proto.errors import KernelTimeoutError
+    from mok_proto.kernels import fp8 as kfp8
+    from mok_proto.kernels import gemm
+    from mok_proto.kernels.errors import ErrorRecord
+
+    offsets, counts, rows = _segment_layout()
+    cols = 256
+    dev = cupy.asarray(_random(np.random.default_rng(3), rows, cols))
+    d_off, d_cnt = cupy.asarray(offsets), cupy.asarray(counts)
+
+    def fresh():
+        return cupy.full((cols, rows), 0xAB, cupy.uint8), cupy.full((cols, rows // B), np.nan, cupy.float32)
+
+    good = ErrorRecord()
+    kfp8.quantize_segment_columns(dev, d_off, d_cnt, *fresh(), error=good).check()  # the real map: no error
+    with monkeypatch.context() as m:
+        m.setattr(gemm, "TIMEOUT_NS", 20_000_000)
+        m.setattr(kfp8, "_column_map", lambda x, kind: gemm.tensor_map(x, cols, rows, kfp8.ITEM_BYTES // 4, B // 2,
+                                                                        "f32"))
+        record = ErrorRecord(0.02)
+        start = time.perf_counter()
+        codes_t, _ = fresh()
+        assert kfp8.quantize_segment_columns(dev, d_off, d_cnt, codes_t, fresh()[1], error=record) is record
+        with pytest.raises(KernelTimeoutError, match=r"segment column quantizer .* timed out after 0.02 s"):
+            record.check()
+        assert time.perf_counter() - start < 30, "the bounded waits took too long"
+    codes_t, scales_t = fresh()
+    kfp8.quantize_segment_columns(dev, d_off, d_cnt, codes_t, scales_t, error=record)  # holds the timeout
+    cupy.cuda.Device().synchronize()
+    assert (codes_t == 0xAB).all() and cupy.isnan(scales_t).all(), "a launch on a failed record quantized"

@@ -52,12 +52,20 @@ def _stand_in(dispatch="bf16"):
     return layer, bufs, rows
 
 
+class SiteRecord(SimpleNamespace):
+    """Stands in for a wrapper's own ErrorRecord (kernels.gemm.site_record needs CuPy)."""
+
+    def __init__(self, site):
+        super().__init__(site=site, ptr=0x5170 + len(site))
+
+
 @pytest.fixture
 def no_launch(monkeypatch):
     """The wrappers check their arguments, then launch nothing."""
     monkeypatch.setattr(gemm, "launch_grouped", lambda *args: None)
     monkeypatch.setattr(gemm, "tensor_map", lambda *args, **kwargs: 0)
     monkeypatch.setattr(kq, "_launch_segments", lambda kernel, grid, fields: None)
+    monkeypatch.setattr(gemm, "site_record", lambda site: SiteRecord(site))
 
 
 class Trace:
@@ -543,6 +551,7 @@ def test_column_quantizer_maps_x_as_the_kernel_stages_it(monkeypatch):
     """x_map: x as [rows, C] (inner C), boxes of 128 rows x kQuantColumnItemBytes bytes in x's
     element type (the kernel waits for exactly that many bytes a box); an empty x maps nothing."""
     got, fields = [], []
+    monkeypatch.setattr(gemm, "site_record", lambda site: SiteRecord(site))
     monkeypatch.setattr(gemm, "tensor_map", lambda *args: got.append(args) or 7)
     monkeypatch.setattr(kq, "_launch_segments", lambda kernel, grid, f: fields.append(f))
     _, off, cnt = _segment_args()
@@ -567,12 +576,19 @@ def test_segment_quantizers_pack_what_the_kernels_read(monkeypatch):
     got, maps = [], []
     monkeypatch.setattr(kq, "_launch_segments", lambda kernel, grid, fields: got.append((kernel, grid(132), fields)))
     monkeypatch.setattr(kq, "_column_map", lambda x, kind: maps.append((x.shape, x.dtype, kind)) or len(maps))
+    monkeypatch.setattr(gemm, "site_record", lambda site: SiteRecord(site))
     x, off, cnt = _segment_args()
     codes, scales = np.zeros((512, 384), np.uint8), np.zeros((512, 3), np.float32)
     codes_t, scales_t = np.zeros((384, 512), np.uint8), np.zeros((384, 4), np.float32)
-    kq.quantize_segment_rows(x, off, cnt, codes, scales, pow2=True)
-    kq.quantize_segment_columns(np.zeros((512, 384), np.float32), off, cnt, codes_t, scales_t)
-    kq.quantize_segment_columns(codes, off, cnt, codes_t, scales_t, x_scales=scales)
+    given = SiteRecord("the caller's")
+    assert kq.quantize_segment_rows(x, off, cnt, codes, scales, pow2=True) is None  # no wait: no record
+    own = kq.quantize_segment_columns(np.zeros((512, 384), np.float32), off, cnt, codes_t, scales_t)
+    assert kq.quantize_segment_columns(codes, off, cnt, codes_t, scales_t, x_scales=scales, error=given) is given
+    assert own.site == "quantize_segment_columns"  # the wrapper's own record, returned to be checked
+    # the column quantizer's waits are bounded and report into the record; the row quantizer has none
+    assert [(f["error"], f["timeout_ns"]) for _, _, f in got[1:]] == [(own.ptr, gemm.TIMEOUT_NS),
+                                                                        (given.ptr, gemm.TIMEOUT_NS)]
+    assert "error" not in got[0][2] and gemm.TIMEOUT_NS > 0
     kernels = [k for k, _, _ in got]
     assert kernels == ["mok::fp8::quantize_segment_rows<unsigned short>",
                        "mok::fp8::quantize_segment_columns<float>", "mok::fp8::quantize_segment_columns<unsigned char>"]

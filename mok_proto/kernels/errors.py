@@ -28,6 +28,10 @@ def describe(fields: dict, timeout_s: float | None = None) -> Exception | None:
         return KernelTimeoutError(
             f"{what} of grouped GEMM {abi.GEMM_PROBLEM.text(fields['detail'])} timed out{after} (block "
             f"{fields['block']}, thread {fields['thread']}, barrier parity {fields['expected']})")
+    if code == abi.ERROR_CODE["kErrTimeout"] and op == abi.OP["kOpQuantColumns"]:
+        after = f" after {timeout_s:g} s" if timeout_s is not None else ""
+        return KernelTimeoutError(f"{what} timed out{after}: its rows never landed in shared memory (block "
+                                  f"{fields['block']}, thread {fields['thread']}, barrier parity {fields['expected']})")
     if code == abi.ERROR_CODE["kErrTimeout"] and op == abi.OP["kOpFusedWait"]:
         # the fused kernel's waits on its own counters run kFusedLocalTimeoutFactor x the timeout
         factor = abi.CONST["kFusedLocalTimeoutFactor"]

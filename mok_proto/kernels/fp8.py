@@ -213,13 +213,19 @@ def quantize_segment_rows(x, row_offsets, row_counts, codes, scales, *, pow2: bo
     _launch_segments(f"mok::fp8::quantize_segment_rows<{IN_TYPES[kind]}>", grid, fields)
 
 
-def quantize_segment_columns(x, row_offsets, row_counts, codes, scales, *, x_scales=None, pow2: bool = False):
+def quantize_segment_columns(x, row_offsets, row_counts, codes, scales, *, x_scales=None, pow2: bool = False,
+                             error=None):
     """fp8.quantize_rows(transpose=True) of each segment's rows of x [rows, C], in 128-row blocks
     from its first row, the rows past its count as zeros (what the reference's zero-padded last
     block gives), into the given codes [C, rows] (uint8) and scales [C, rows/128] (fp32). x: fp32 or
     bf16 bits, or e4m3 codes (uint8) with x_scales [rows, C/128] (fp32): then the values are
     fp8.dequantize_rows(x, x_scales), as the FP8 layer's x^T (docs/design.md 5.7). x's rows must be
-    16-byte aligned (C times the element size a multiple of 16): the kernel reads them by TMA."""
+    16-byte aligned (C times the element size a multiple of 16): the kernel reads them by TMA.
+    Its waits for the staged rows are bounded (kernels.gemm.TIMEOUT_NS) and report into `error`
+    (an ErrorRecord; default: this wrapper's own), which it returns: `.check()` it. A record that
+    holds an error makes the launch quantize nothing."""
+    from mok_proto.kernels import gemm
+
     if x.dtype == np.uint8:
         kind = "e4m3"
         if not x.flags.c_contiguous:
@@ -241,18 +247,20 @@ def quantize_segment_columns(x, row_offsets, row_counts, codes, scales, *, x_sca
     _given(codes, (cols, rows), np.uint8, "codes")
     _given(scales, (cols, rows // BLOCK), np.float32, "scales")
     groups = _segments(row_offsets, row_counts)
+    error = error if error is not None else gemm.site_record("quantize_segment_columns")
     fields = dict(batch=1, rows=rows, cols=cols, pow2=int(pow2), x=x, codes=codes, scales=scales,
                   x_scales=x_scales if x_scales is not None else 0, num_groups=groups, row_offsets=row_offsets,
-                  row_counts=row_counts)
+                  row_counts=row_counts, error=error.ptr, timeout_ns=gemm.TIMEOUT_NS)
 
     def grid(sms):  # a flat grid over every segment's (128-row block, 128-byte column slice) items
         return (COLUMN_CTAS_PER_SM * sms,)
 
     if x.size == 0:  # nothing to quantize (and no tensor map of an empty array)
-        return
+        return error
     in_type = E4M3 if kind == "e4m3" else IN_TYPES[kind]
     fields["x_map"] = _column_map(x, kind)
     _launch_segments(f"mok::fp8::quantize_segment_columns<{in_type}>", grid, fields)
+    return error
 
 
 def _column_map(x, kind: str):

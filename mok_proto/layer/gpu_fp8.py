@@ -190,7 +190,7 @@ class Fp8Experts:
             return kq.quantize_segment_rows, (b(src, r), *rows, *q(dst)), {}
 
         def cols_q(src, dst, cols):
-            return kq.quantize_segment_columns, (b(src, r), *rows, *qt(dst, cols)), {}
+            return kq.quantize_segment_columns, (b(src, r), *rows, *qt(dst, cols)), err
 
         wgrad = {"accumulate": accumulate, **err}
         table = {
@@ -200,7 +200,7 @@ class Fp8Experts:
             ("bwd", "kSlotSecond"): [] if fused else [rows_q("dg", "dgq"), rows_q("du", "duq")],
             ("bwd", "kSlotDownWgrad"): [cols_q("h", "hq", i_ffn), cols_q("recv_dy", "dyq", h)],
             ("bwd", "kSlotGateUpWgrad"): [(kq.quantize_segment_columns, (b("xq", r), *rows, *qt("dyq", h)),
-                                           {"x_scales": b("xq_s", r)}),
+                                           {"x_scales": b("xq_s", r), **err}),
                                           cols_q("dg", "dgq", i_ffn), cols_q("du", "duq", i_ffn)],
         }
         gemms = {
