@@ -559,7 +559,8 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantColumnCtasPerSm) quantize
   }
   u32 phases = 0;  // bit s: the parity stage s's next fill completes
   for (i64 item = blockIdx.x + 2 * static_cast<i64>(gridDim.x), s = 0; have_cur; item += gridDim.x, s ^= 1) {
-    // (the box's bytes: the host's x_map and kStagedItemBytes agree by kQuantColumnItemBytes)
+    // (the box's bytes: the host's x_map and kStagedItemBytes agree by kQuantColumnItemBytes,
+    // tests/test_gpu_fp8_cpu.py)
     const u32 parity = (phases >> s) & 1u;
     const bool landed = mbar_wait(&ss.full[s], static_cast<int>(parity), p->timeout_ns, err, kOpQuantColumns, -1);
     const u32 at = smem_addr(ss.rows[s]);
@@ -574,8 +575,8 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantColumnCtasPerSm) quantize
     }
     if (!__syncthreads_and(landed)) {  // a wait gave up (reported): stop once the copies in flight have landed
       if (threadIdx.x == 0) {
-        mbar_drain(&ss.full[s], static_cast<int>(parity), p->timeout_ns);
-        if (have_next) mbar_drain(&ss.full[s ^ 1], static_cast<int>((phases >> (s ^ 1)) & 1u), p->timeout_ns);
+        mbar_drain(&ss.full[s], static_cast<int>(parity), kDrainNs);
+        if (have_next) mbar_drain(&ss.full[s ^ 1], static_cast<int>((phases >> (s ^ 1)) & 1u), kDrainNs);
       }
       return;
     }

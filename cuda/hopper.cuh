@@ -73,7 +73,9 @@ __device__ __forceinline__ bool mbar_wait(u64* bar, int parity, u64 timeout_ns, 
 }
 
 // After an error: wait at most `ns` for a phase, reporting nothing (a copy issued before the error
-// must land before its CTA leaves; see gemm::drain_loads).
+// must land before its CTA leaves; see gemm::drain_loads). kDrainNs: the bound the kernels use (a
+// copy in flight lands within microseconds; one that never will must not hold the kernel).
+constexpr u64 kDrainNs = 1000000;
 __device__ __forceinline__ void mbar_drain(u64* bar, int parity, u64 ns) {
   const u64 start = globaltimer_ns();
   while (!mbar_try_wait(bar, parity) && globaltimer_ns() - start < ns) {

@@ -160,3 +160,28 @@ def run_virtual(program: str, num_ranks: int, ok_line: str, *extra: str, timeout
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ok_line in proc.stdout, proc.stdout[-3000:]
     return proc.stdout
+
+
+class SiteRecord:
+    """Stands in for a wrapper's own ErrorRecord on the CPU (kernels.gemm.site_record needs CuPy)."""
+
+    def __init__(self, site: str):
+        self.site, self.ptr = site, 0x5170 + len(site)
+
+
+@pytest.fixture
+def own_records(monkeypatch):
+    """The wrappers' own error records are SiteRecords."""
+    from mok_proto.kernels import gemm
+
+    monkeypatch.setattr(gemm, "site_record", SiteRecord)
+
+
+@pytest.fixture
+def no_launch(monkeypatch, own_records):
+    """The GEMM and quantizer wrappers check their arguments, then launch nothing."""
+    from mok_proto.kernels import fp8, gemm
+
+    monkeypatch.setattr(gemm, "launch_grouped", lambda *args: None)
+    monkeypatch.setattr(gemm, "tensor_map", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(fp8, "_launch_segments", lambda kernel, grid, fields: None)

@@ -650,11 +650,14 @@ def test_gpu_segment_quantizers_equal_the_rule_per_segment(kind, one_sm, monkeyp
 
 
 @pytest.mark.gpu
-def test_gpu_segment_column_quantizer_gives_up_on_rows_that_never_land(monkeypatch):
+@pytest.mark.parametrize("one_sm", [False, True])
+@pytest.mark.parametrize("kind", ["f32", "e4m3"])
+def test_gpu_segment_column_quantizer_gives_up_on_rows_that_never_land(kind, one_sm, monkeypatch):
     """A staged item whose bytes never all arrive (here a tensor map of half-height boxes, so each
     stage's barrier waits for bytes no copy brings): the launch ends after the bounded wait with
-    the timeout in its record, naming the column quantizer; given a record that holds an error, a
-    launch quantizes nothing."""
+    the timeout in its record, naming the column quantizer (one_sm: CTAs that staged a second item
+    drain it too; e4m3: the row scales' copies arrive on the same barrier); given a record that
+    holds an error, a launch quantizes nothing."""
     import time
 
     import cupy
@@ -663,28 +666,33 @@ def test_gpu_segment_column_quantizer_gives_up_on_rows_that_never_land(monkeypat
     from mok_proto.kernels import gemm
     from mok_proto.kernels.errors import ErrorRecord
 
+    _one_sm_grids(monkeypatch, one_sm)
     offsets, counts, rows = _segment_layout()
     cols = 256
-    dev = cupy.asarray(_random(np.random.default_rng(3), rows, cols))
+    x = _random(np.random.default_rng(3), rows, cols)
+    if kind == "e4m3":
+        codes_in, scales_in = _reference("quantize_rows", x)
+        dev, extra = cupy.asarray(codes_in), {"x_scales": cupy.asarray(scales_in)}
+    else:
+        dev, extra = cupy.asarray(x), {}
     d_off, d_cnt = cupy.asarray(offsets), cupy.asarray(counts)
 
     def fresh():
         return cupy.full((cols, rows), 0xAB, cupy.uint8), cupy.full((cols, rows // B), np.nan, cupy.float32)
 
     good = ErrorRecord()
-    kfp8.quantize_segment_columns(dev, d_off, d_cnt, *fresh(), error=good).check()  # the real map: no error
+    kfp8.quantize_segment_columns(dev, d_off, d_cnt, *fresh(), error=good, **extra).check()  # the real map
     with monkeypatch.context() as m:
         m.setattr(gemm, "TIMEOUT_NS", 20_000_000)
-        m.setattr(kfp8, "_column_map", lambda x, kind: gemm.tensor_map(x, cols, rows, kfp8.ITEM_BYTES // 4, B // 2,
-                                                                        "f32"))
+        m.setattr(kfp8, "_column_map", lambda a, k: gemm.tensor_map(a, cols, rows, kfp8.ITEM_BYTES // a.itemsize,
+                                                                     B // 2, {"e4m3": "u8"}.get(k, k)))
         record = ErrorRecord(0.02)
         start = time.perf_counter()
-        codes_t, _ = fresh()
-        assert kfp8.quantize_segment_columns(dev, d_off, d_cnt, codes_t, fresh()[1], error=record) is record
+        assert kfp8.quantize_segment_columns(dev, d_off, d_cnt, *fresh(), error=record, **extra) is record
         with pytest.raises(KernelTimeoutError, match=r"segment column quantizer .* timed out after 0.02 s"):
             record.check()
-        assert time.perf_counter() - start < 30, "the bounded waits took too long"
+        assert time.perf_counter() - start < 5, "the wait or the drains were not bounded by their 20 ms and 1 ms"
     codes_t, scales_t = fresh()
-    kfp8.quantize_segment_columns(dev, d_off, d_cnt, codes_t, scales_t, error=record)  # holds the timeout
+    kfp8.quantize_segment_columns(dev, d_off, d_cnt, codes_t, scales_t, error=record, **extra)  # holds the timeout
     cupy.cuda.Device().synchronize()
     assert (codes_t == 0xAB).all() and cupy.isnan(scales_t).all(), "a launch on a failed record quantized"
