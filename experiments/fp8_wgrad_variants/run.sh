@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Variants of the FP8 weight gradients' k-loop (cuda/gemm_fp8.cuh), timed against the tree as it is.
+#
+#   bash experiments/fp8_wgrad_variants/run.sh [--rounds N] [--tests] [-- bench_gemm.py options]
+#
+# On the GPU machine, from the repo root (PYTHONPATH holding nvshmem4py's install, as
+# scripts/gpu_check.sh sets it). Each variant is this tree with patches applied, in a scratch copy:
+#   base           the tree as it is
+#   lean-tail      zero_tail_k clears each row's chunks past the expert's end unrolled, 2 rows a thread
+#   wide-scales    lean-tail, and the column scales stored so that a thread's 16 of a quarter are
+#                  four 16-byte chunks (4 wide loads a quarter instead of 8 two-word ones)
+#   strict-turns   the consumer warpgroups alternate at the tensor cores, each waiting for the other's
+#                  MMAs to be done (named barriers 4 and 5)
+# Rounds run the variants in turn (bench_gemm.py --precision fp8, the weight gradients of kimi-k2.7
+# and deepseek-v4-pro by default) and print each one's rows; --tests also runs
+# tests/test_gemm_fp8.py's GPU tests in every variant. Exit status: 1 if any run or test failed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+here=experiments/fp8_wgrad_variants
+rounds=2 tests=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --rounds) rounds=$2; shift 2 ;;
+    --tests) tests=1; shift ;;
+    --) shift; break ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+bench=(scripts/bench_gemm.py --precision fp8 --shapes kimi-k2.7,deepseek-v4-pro --problems down_wgrad,gate_up_wgrad
+       --routing uniform --iters 20 "$@")
+declare -A patches=([base]="" [lean-tail]="lean-tail" [wide-scales]="lean-tail wide-column-scales"
+                    [strict-turns]="strict-turns")
+variants=(base lean-tail wide-scales strict-turns)
+scratch=$(mktemp -d)
+status=0
+for v in "${variants[@]}"; do
+  mkdir -p "$scratch/$v"
+  cp -r cuda mok_proto scripts tests pyproject.toml "$scratch/$v/"
+  for p in ${patches[$v]}; do
+    (cd "$scratch/$v" && { patch -p1 -s < "$OLDPWD/$here/$p.patch" || git apply "$OLDPWD/$here/$p.patch"; }) ||
+      { echo "[$v] $p.patch does not apply" >&2; exit 1; }
+  done
+done
+for r in $(seq 1 "$rounds"); do
+  for v in "${variants[@]}"; do
+    echo "== $v, round $r"
+    (cd "$scratch/$v" && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" python3 "${bench[@]}" > bench.txt 2>&1) || status=1
+    grep -E "wgrad|error|Error" "$scratch/$v/bench.txt"
+  done
+done
+if [ "$tests" = 1 ]; then
+  for v in "${variants[@]}"; do
+    echo "== $v: tests/test_gemm_fp8.py -m gpu"
+    (cd "$scratch/$v" && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" python3 -m pytest -m gpu -q tests/test_gemm_fp8.py 2>&1 | tail -1)
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+fi
+rm -rf "$scratch"
+exit "$status"
