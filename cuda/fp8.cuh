@@ -560,7 +560,7 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantColumnCtasPerSm) quantize
   u32 phases = 0;  // bit s: the parity stage s's next fill completes
   for (i64 item = blockIdx.x + 2 * static_cast<i64>(gridDim.x), s = 0; have_cur; item += gridDim.x, s ^= 1) {
     // (the box's bytes: the host's x_map and kStagedItemBytes agree by kQuantColumnItemBytes,
-    // tests/test_gpu_fp8_cpu.py)
+    // tests/test_fp8_segment_wrappers.py)
     const u32 parity = (phases >> s) & 1u;
     const bool landed = mbar_wait(&ss.full[s], static_cast<int>(parity), p->timeout_ns, err, kOpQuantColumns, -1);
     const u32 at = smem_addr(ss.rows[s]);

@@ -387,7 +387,6 @@ static_assert(kStages <= 32, "Ring keeps a bit per stage");
 // each stage have landed, its own and the partner's multicast half. Normally the consumers have
 // waited for every one already; after an error they stop waiting, and a CTA must not leave while
 // a TMA copy is still writing into its shared memory (a launch failure).
-
 template <class Storage>
 __device__ __forceinline__ void drain_loads(Storage& ss, const Ring& ring) {
   for (int s = 0; s < kStages; ++s)

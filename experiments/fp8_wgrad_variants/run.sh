@@ -13,17 +13,20 @@
 #                  MMAs to be done (named barriers 4 and 5)
 # Rounds run the variants in turn (bench_gemm.py --precision fp8, the weight gradients of kimi-k2.7
 # and deepseek-v4-pro by default) and print each one's rows; --tests also runs
-# tests/test_gemm_fp8.py's GPU tests in every variant. Exit status: 1 if any run or test failed.
+# tests/test_gemm_fp8.py's GPU tests in every variant. Exit status: 1 if any run or test failed (or
+# every test skipped), 2 on a bad option.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 here=experiments/fp8_wgrad_variants
 rounds=2 tests=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    --rounds) rounds=$2; shift 2 ;;
+    --rounds)
+      if ! [[ "${2:-}" =~ ^[1-9][0-9]*$ ]]; then echo "run.sh: --rounds needs a positive integer" >&2; exit 2; fi
+      rounds=$2; shift 2 ;;
     --tests) tests=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -33,28 +36,35 @@ declare -A patches=([base]="" [lean-tail]="lean-tail" [wide-scales]="lean-tail w
                     [strict-turns]="strict-turns")
 variants=(base lean-tail wide-scales strict-turns)
 scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+root=$PWD
 status=0
 for v in "${variants[@]}"; do
   mkdir -p "$scratch/$v"
   cp -r cuda mok_proto scripts tests pyproject.toml "$scratch/$v/"
   for p in ${patches[$v]}; do
-    (cd "$scratch/$v" && { patch -p1 -s < "$OLDPWD/$here/$p.patch" || git apply "$OLDPWD/$here/$p.patch"; }) ||
-      { echo "[$v] $p.patch does not apply" >&2; exit 1; }
+    if command -v patch > /dev/null; then apply=(patch --forward --batch -s -p1 -i); else apply=(git apply); fi
+    (cd "$scratch/$v" && "${apply[@]}" "$root/$here/$p.patch") || { echo "[$v] $p.patch does not apply" >&2; exit 1; }
   done
+  # each variant's own copy first on the path: its mok_proto, so its cuda/
+  (cd "$scratch/$v" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+    "import sys; from mok_proto.kernels import build; sys.exit(build.CUDA_DIR.resolve() != __import__('pathlib').Path('cuda').resolve())") ||
+    { echo "[$v] its copy does not build from its own cuda/ (PYTHONPATH?)" >&2; exit 1; }
 done
 for r in $(seq 1 "$rounds"); do
   for v in "${variants[@]}"; do
     echo "== $v, round $r"
-    (cd "$scratch/$v" && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" python3 "${bench[@]}" > bench.txt 2>&1) || status=1
+    (cd "$scratch/$v" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 "${bench[@]}" > bench.txt 2>&1) || status=1
     grep -E "wgrad|error|Error" "$scratch/$v/bench.txt"
   done
 done
 if [ "$tests" = 1 ]; then
   for v in "${variants[@]}"; do
     echo "== $v: tests/test_gemm_fp8.py -m gpu"
-    (cd "$scratch/$v" && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" python3 -m pytest -m gpu -q tests/test_gemm_fp8.py 2>&1 | tail -1)
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    (cd "$scratch/$v" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -m gpu -q tests/test_gemm_fp8.py > tests.txt 2>&1) ||
+      status=1
+    tail -1 "$scratch/$v/tests.txt"
+    grep -qE "[1-9][0-9]* passed" <(tail -1 "$scratch/$v/tests.txt") || status=1  # every test skipped: not a pass
   done
 fi
-rm -rf "$scratch"
 exit "$status"
