@@ -11,6 +11,9 @@
 #                  four 16-byte chunks (4 wide loads a quarter instead of 8 two-word ones)
 #   strict-turns   the consumer warpgroups alternate at the tensor cores, each waiting for the other's
 #                  MMAs to be done (named barriers 4 and 5)
+#   column-split   wide-scales, and each consumer warpgroup takes an n128 half of the tile over all
+#                  128 rows (four m64n64 MMA groups a k-block), its 32 column scales read once a
+#                  k-block before the MMAs (docs/design.md 5.8; ptxas spills 8 bytes outside the k-loop)
 # Rounds run the variants in turn (bench_gemm.py --precision fp8, the weight gradients of kimi-k2.7
 # and deepseek-v4-pro by default) and print each one's rows; --tests also runs
 # tests/test_gemm_fp8.py's GPU tests in every variant. Exit status: 1 if any run or test failed (or
@@ -26,15 +29,15 @@ while [ $# -gt 0 ]; do
       rounds=$2; shift 2 ;;
     --tests) tests=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 bench=(scripts/bench_gemm.py --precision fp8 --shapes kimi-k2.7,deepseek-v4-pro --problems down_wgrad,gate_up_wgrad
        --routing uniform --iters 20 "$@")
 declare -A patches=([base]="" [lean-tail]="lean-tail" [wide-scales]="lean-tail wide-column-scales"
-                    [strict-turns]="strict-turns")
-variants=(base lean-tail wide-scales strict-turns)
+                    [strict-turns]="strict-turns" [column-split]="lean-tail wide-column-scales column-split")
+variants=(base lean-tail wide-scales strict-turns column-split)
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 root=$PWD
