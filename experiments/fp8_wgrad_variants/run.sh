@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Variants of the FP8 weight gradients' k-loop (cuda/gemm_fp8.cuh), timed against the tree as it is.
 #
-#   bash experiments/fp8_wgrad_variants/run.sh [--rounds N] [--tests] [-- bench_gemm.py options]
+#   bash experiments/fp8_wgrad_variants/run.sh [--rounds N] [--tests] [--only V,V..] [-- bench_gemm.py options]
 #
 # On the GPU machine, from the repo root (PYTHONPATH holding nvshmem4py's install, as
 # scripts/gpu_check.sh sets it). Each variant is this tree with patches applied, in a scratch copy:
@@ -16,18 +16,19 @@
 #                  k-block before the MMAs (docs/design.md 5.8; ptxas spills 8 bytes outside the k-loop)
 # Rounds run the variants in turn (bench_gemm.py --precision fp8, the weight gradients of kimi-k2.7
 # and deepseek-v4-pro by default) and print each one's rows; --tests also runs
-# tests/test_gemm_fp8.py's GPU tests in every variant. Exit status: 1 if any run or test failed (or
-# every test skipped), 2 on a bad option.
+# tests/test_gemm_fp8.py's GPU tests in every variant; --only: these variants (base always runs,
+# first). Exit status: 1 if any run or test failed (or every test skipped), 2 on a bad option.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 here=experiments/fp8_wgrad_variants
-rounds=2 tests=0
+rounds=2 tests=0 only=
 while [ $# -gt 0 ]; do
   case "$1" in
     --rounds)
       if ! [[ "${2:-}" =~ ^[1-9][0-9]*$ ]]; then echo "run.sh: --rounds needs a positive integer" >&2; exit 2; fi
       rounds=$2; shift 2 ;;
     --tests) tests=1; shift ;;
+    --only) only=${2:-}; shift 2 ;;
     --) shift; break ;;
     -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
@@ -38,6 +39,14 @@ bench=(scripts/bench_gemm.py --precision fp8 --shapes kimi-k2.7,deepseek-v4-pro 
 declare -A patches=([base]="" [lean-tail]="lean-tail" [wide-scales]="lean-tail wide-column-scales"
                     [strict-turns]="strict-turns" [column-split]="lean-tail wide-column-scales column-split")
 variants=(base lean-tail wide-scales strict-turns column-split)
+if [ -n "$only" ]; then
+  chosen=(base)
+  for v in ${only//,/ }; do
+    if [ -z "${patches[$v]+x}" ]; then echo "run.sh: no variant $v (${variants[*]})" >&2; exit 2; fi
+    [ "$v" = base ] || chosen+=("$v")
+  done
+  variants=("${chosen[@]}")
+fi
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 root=$PWD
