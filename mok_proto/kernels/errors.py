@@ -23,15 +23,14 @@ def describe(fields: dict, timeout_s: float | None = None) -> Exception | None:
     what = abi.OP.text(op)
     if code == abi.ERROR_CODE["kErrNone"]:
         return None
-    if code == abi.ERROR_CODE["kErrTimeout"] and op in GEMM_OPS:
+    if code == abi.ERROR_CODE["kErrTimeout"] and (op in GEMM_OPS or op == abi.OP["kOpQuantColumns"]):
+        # a wait on a kernel's own barrier, timed out after timeout_s
         after = f" after {timeout_s:g} s" if timeout_s is not None else ""
-        return KernelTimeoutError(
-            f"{what} of grouped GEMM {abi.GEMM_PROBLEM.text(fields['detail'])} timed out{after} (block "
-            f"{fields['block']}, thread {fields['thread']}, barrier parity {fields['expected']})")
-    if code == abi.ERROR_CODE["kErrTimeout"] and op == abi.OP["kOpQuantColumns"]:
-        after = f" after {timeout_s:g} s" if timeout_s is not None else ""
-        return KernelTimeoutError(f"{what} timed out{after}: its rows never landed in shared memory (block "
-                                  f"{fields['block']}, thread {fields['thread']}, barrier parity {fields['expected']})")
+        where = f"(block {fields['block']}, thread {fields['thread']}, barrier parity {fields['expected']})"
+        if op in GEMM_OPS:
+            return KernelTimeoutError(
+                f"{what} of grouped GEMM {abi.GEMM_PROBLEM.text(fields['detail'])} timed out{after} {where}")
+        return KernelTimeoutError(f"{what} timed out{after}: its rows never landed in shared memory {where}")
     if code == abi.ERROR_CODE["kErrTimeout"] and op == abi.OP["kOpFusedWait"]:
         # the fused kernel's waits on its own counters run kFusedLocalTimeoutFactor x the timeout
         factor = abi.CONST["kFusedLocalTimeoutFactor"]
