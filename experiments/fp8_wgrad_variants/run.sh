@@ -14,6 +14,9 @@
 #   column-split   wide-scales, and each consumer warpgroup takes an n128 half of the tile over all
 #                  128 rows (four m64n64 MMA groups a k-block), its 32 column scales read once a
 #                  k-block before the MMAs (docs/design.md 5.8; ptxas spills 8 bytes outside the k-loop)
+#   pipelined      the tile in two passes (n128 half 0, then 1), a warpgroup's k-block MMAs into one of
+#                  two temporaries while the previous k-block's are promoted (measured slower:
+#                  docs/LOG.md 2026-12-07)
 # Rounds run the variants in turn (bench_gemm.py --precision fp8, the weight gradients of kimi-k2.7
 # and deepseek-v4-pro by default) and print each one's rows; --tests also runs
 # tests/test_gemm_fp8.py's GPU tests in every variant; --only: these variants (base always runs,
@@ -30,15 +33,15 @@ while [ $# -gt 0 ]; do
     --tests) tests=1; shift ;;
     --only) only=${2:-}; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 bench=(scripts/bench_gemm.py --precision fp8 --shapes kimi-k2.7,deepseek-v4-pro --problems down_wgrad,gate_up_wgrad
        --routing uniform --iters 20 "$@")
 declare -A patches=([base]="" [lean-tail]="lean-tail" [wide-scales]="lean-tail wide-column-scales"
-                    [strict-turns]="strict-turns" [column-split]="lean-tail wide-column-scales column-split")
-variants=(base lean-tail wide-scales strict-turns column-split)
+                    [strict-turns]="strict-turns" [column-split]="lean-tail wide-column-scales column-split" [pipelined]="pipelined")
+variants=(base lean-tail wide-scales strict-turns column-split pipelined)
 if [ -n "$only" ]; then
   chosen=(base)
   for v in ${only//,/ }; do
