@@ -74,9 +74,11 @@ for r in $(seq 1 "$rounds"); do
   done
 done
 if [ "$tests" = 1 ]; then
+  workers=()
+  python3 -c "import xdist" 2> /dev/null && workers=(-n 4)  # pytest-xdist, where it is installed
   for v in "${variants[@]}"; do
     echo "== $v: tests/test_gemm_fp8.py -m gpu"
-    (cd "$scratch/$v" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -m gpu -q tests/test_gemm_fp8.py > tests.txt 2>&1) ||
+    (cd "$scratch/$v" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -m gpu -q ${workers[@]+"${workers[@]}"} tests/test_gemm_fp8.py > tests.txt 2>&1) ||
       status=1
     tail -1 "$scratch/$v/tests.txt"
     grep -qE "[1-9][0-9]* passed" <(tail -1 "$scratch/$v/tests.txt") || status=1  # every test skipped: not a pass
