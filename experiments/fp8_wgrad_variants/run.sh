@@ -15,11 +15,11 @@
 #                  128 rows (four m64n64 MMA groups a k-block), its 32 column scales read once a
 #                  k-block before the MMAs (docs/design.md 5.8; ptxas spills 8 bytes outside the k-loop)
 #   pipelined      the tile in two passes (n128 half 0, then 1), a warpgroup's k-block MMAs into one of
-#                  two temporaries while the previous k-block's are promoted (measured slower:
-#                  docs/LOG.md 2026-12-07)
+#                  two temporaries while the previous k-block's are promoted (docs/design.md 5.8)
 # Rounds run the variants in turn (bench_gemm.py --precision fp8, the weight gradients of kimi-k2.7
 # and deepseek-v4-pro by default) and print each one's rows; --tests also runs
-# tests/test_gemm_fp8.py's GPU tests in every variant; --only: these variants (base always runs,
+# tests/test_gemm_fp8.py's GPU tests in every variant (4 pytest-xdist workers where xdist is
+# installed); --only: these variants (base always runs,
 # first). Exit status: 1 if any run or test failed (or every test skipped), 2 on a bad option.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
