@@ -199,6 +199,14 @@ __device__ __forceinline__ ScaleBases scale_bases(const Fp8GemmParams* p) {
           ptr<const float>(p->scale_b2), static_cast<int>(p->k_split / kKBlock)};
 }
 
+// Where the weight gradients' column scale of tile column 32 j + l lies in a stage's scale_b: at 32 j
+// + column_slot(l), so that the 16 columns a consumer thread promotes in a quarter (64 kQ + 8 j' +
+// 2 t + c, t = its lane % 4) are four 16-byte chunks, 64 kQ + 16 m + 4 t + 2 (j' % 2) + c (m = j' / 2),
+// the four threads of a quad side by side (column_scales: 4 wide loads a quarter).
+__device__ __forceinline__ int column_slot(int l) {
+  return 16 * (l >> 4) + 4 * ((l >> 1) & 3) + 2 * ((l >> 3) & 1) + (l & 1);
+}
+
 // Lane `lane` of the producer's warp 1: its share of k-block kb's scales, copied (cp.async) into
 // the stage's arrays s_a [kBM], s_b [kBN] (shared addresses).
 template <int kP>
@@ -220,10 +228,11 @@ __device__ __forceinline__ void load_stage_scales(const ScaleBases& base, const 
     const int kb_rows = tile.row0 / kKBlock + kb;  // segments start at multiples of 128 rows
 #pragma unroll
     for (int i = 0; i < 4; ++i) cp_async_4(s_a + 4 * (lane + 32 * i), base.a1 + kb_rows + src.a(i), 4);
+    const int at = column_slot(lane);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const bool b2 = Tr::kDualB && j >= 4;
-      cp_async_4(s_b + 4 * (lane + 32 * j), (b2 ? base.b2 : base.b1) + kb_rows + src.b0 + (b2 ? j - 4 : j) * src.b_step, 4);
+      cp_async_4(s_b + 4 * (at + 32 * j), (b2 ? base.b2 : base.b1) + kb_rows + src.b0 + (b2 ? j - 4 : j) * src.b_step, 4);
     }
   }
 }
@@ -330,23 +339,29 @@ static_assert(kFusedSmemBytes <= 232448, "over the 227 KB of shared memory a blo
 // (stage rows 128 + ..); then both consumer warpgroups meet, so each sees all of B cleared.
 __device__ __forceinline__ void zero_tail_k(char* stage, int valid, int half, int wg_tid) {
   const int first = valid >> 4, keep = valid & 15;  // the first chunk to clear; its bytes 0 .. keep - 1 stay
-#pragma unroll 1
-  for (int i = wg_tid; i < 192 * 8; i += 128) {  // (row r of this warpgroup's 192, logical chunk c)
-    const int r = i >> 3, c = i & 7;
-    if (c < first) continue;
-    const int row = r < 64 ? half * 64 + r : 128 + half * 128 + (r - 64);  // stage row (B's start at 128)
-    uint4* chunk = reinterpret_cast<uint4*>(stage + row * 128 + ((c ^ (row & 7)) << 4));
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (c == first && keep) {  // little-endian words: byte b of the chunk is byte b % 4 of word b / 4
-      v = *chunk;
-      u32* w = reinterpret_cast<u32*>(&v);
+  u32 mask[4];  // of that chunk's words (little-endian: byte b of the chunk is byte b % 4 of word b / 4)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int n = keep - 4 * j;
-        w[j] &= n >= 4 ? 0xFFFFFFFFu : n <= 0 ? 0u : (1u << (8 * n)) - 1u;
+  for (int j = 0; j < 4; ++j) {
+    const int n = keep - 4 * j;
+    mask[j] = n >= 4 ? 0xFFFFFFFFu : n <= 0 ? 0u : (1u << (8 * n)) - 1u;
+  }
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {  // this thread's rows wg_tid, wg_tid + 128 of the warpgroup's 192
+    const int r = wg_tid + 128 * k;
+    if (r >= 192) break;  // (warp-uniform)
+    const int row = r < 64 ? half * 64 + r : 128 + half * 128 + (r - 64);  // stage row (B's start at 128)
+    char* line = stage + row * 128;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {  // logical chunk c of the row
+      if (c < first) continue;  // (uniform)
+      uint4* chunk = reinterpret_cast<uint4*>(line + ((c ^ (row & 7)) << 4));
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (c == first && keep) {
+        v = *chunk;
+        v.x &= mask[0], v.y &= mask[1], v.z &= mask[2], v.w &= mask[3];
       }
+      *chunk = v;
     }
-    *chunk = v;
   }
   fence_proxy_async();  // generic writes, read next by wgmma (the async proxy)
   gemm::consumers_sync();
@@ -385,9 +400,14 @@ __device__ __forceinline__ void promote_quarter(float (&acc)[128], const float (
 // that uses them (the promotion otherwise waits on each load).
 template <int kP, int kQ, int kFirst = 0, int kLast = 8>
 __device__ __forceinline__ void column_scales(u32 s_b, int lane, float2 (&b)[8]) {
+  static_assert(kFirst % 2 == 0 && kLast % 2 == 0, "one wide load holds two j");
   if constexpr (!Traits<kP>::kRowProblem) {
 #pragma unroll
-    for (int j = kFirst; j < kLast; ++j) b[j] = ld_shared_f32x2(s_b + 4 * (64 * kQ + 8 * j + 2 * (lane & 3)));
+    for (int j = kFirst; j < kLast; j += 2) {  // (column_slot's layout)
+      const uint4 w = ld_shared_u32x4(s_b + 4 * (64 * kQ + 8 * j + 4 * (lane & 3)));
+      b[j] = make_float2(__uint_as_float(w.x), __uint_as_float(w.y));
+      b[j + 1] = make_float2(__uint_as_float(w.z), __uint_as_float(w.w));
+    }
   }
 }
 

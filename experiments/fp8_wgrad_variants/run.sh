@@ -4,23 +4,18 @@
 #   bash experiments/fp8_wgrad_variants/run.sh [--rounds N] [--tests] [--only V,V..] [-- bench_gemm.py options]
 #
 # On the GPU machine, from the repo root (PYTHONPATH holding nvshmem4py's install, as
-# scripts/gpu_check.sh sets it). Each variant is this tree with patches applied, in a scratch copy:
+# scripts/gpu_check.sh sets it). Each variant is this tree with a patch applied, in a scratch copy:
 #   base           the tree as it is
-#   lean-tail      zero_tail_k clears each row's chunks past the expert's end unrolled, 2 rows a thread
-#   wide-scales    lean-tail, and the column scales stored so that a thread's 16 of a quarter are
-#                  four 16-byte chunks (4 wide loads a quarter instead of 8 two-word ones)
 #   strict-turns   the consumer warpgroups alternate at the tensor cores, each waiting for the other's
 #                  MMAs to be done (named barriers 4 and 5)
-#   column-split   wide-scales, and each consumer warpgroup takes an n128 half of the tile over all
-#                  128 rows (four m64n64 MMA groups a k-block), its 32 column scales read once a
-#                  k-block before the MMAs (docs/design.md 5.8; ptxas spills 8 bytes outside the k-loop)
-#   pipelined      the tile in two passes (n128 half 0, then 1), a warpgroup's k-block MMAs into one of
-#                  two temporaries while the previous k-block's are promoted (docs/design.md 5.8)
+#   column-split   each consumer warpgroup takes an n128 half of the tile over all 128 rows (four
+#                  m64n64 MMA groups a k-block), its 32 column scales read once a k-block before the
+#                  MMAs (docs/design.md 5.8; ptxas spills 8 bytes outside the k-loop)
 # Rounds run the variants in turn (bench_gemm.py --precision fp8, the weight gradients of kimi-k2.7
 # and deepseek-v4-pro by default) and print each one's rows; --tests also runs
 # tests/test_gemm_fp8.py's GPU tests in every variant (4 pytest-xdist workers where xdist is
-# installed); --only: these variants (base always runs,
-# first). Exit status: 1 if any run or test failed (or every test skipped), 2 on a bad option.
+# installed); --only: these variants (base always runs, first). Exit status: 1 if any run or test
+# failed (or every test skipped), 2 on a bad option.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 here=experiments/fp8_wgrad_variants
@@ -33,15 +28,14 @@ while [ $# -gt 0 ]; do
     --tests) tests=1; shift ;;
     --only) only=${2:-}; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 bench=(scripts/bench_gemm.py --precision fp8 --shapes kimi-k2.7,deepseek-v4-pro --problems down_wgrad,gate_up_wgrad
        --routing uniform --iters 20 "$@")
-declare -A patches=([base]="" [lean-tail]="lean-tail" [wide-scales]="lean-tail wide-column-scales"
-                    [strict-turns]="strict-turns" [column-split]="lean-tail wide-column-scales column-split" [pipelined]="pipelined")
-variants=(base lean-tail wide-scales strict-turns column-split pipelined)
+declare -A patches=([base]="" [strict-turns]="strict-turns" [column-split]="column-split")
+variants=(base strict-turns column-split)
 if [ -n "$only" ]; then
   chosen=(base)
   for v in ${only//,/ }; do
