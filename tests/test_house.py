@@ -55,3 +55,21 @@ def test_the_commit_pattern():
     assert not COMMIT.search("deadbeef") and not COMMIT.search("1234567")  # letters only, digits only
     assert not COMMIT.search("0x6D6F6B and 0x7fffffff")  # hex literals are not words of hex digits alone
     assert not COMMIT.search("abc1234x") and not COMMIT.search("abc123")  # not a whole word; too short
+
+
+def test_experiment_patches_apply_to_the_tree():
+    """Every patch under experiments/ still applies to the tree it is timed against (the scripts
+    there apply them to a copy of this tree): a kernel edit that breaks one says so here."""
+    patches = [p for p in _tracked("experiments") if p.suffix == ".patch"]
+    if not patches:
+        pytest.skip("no patches under experiments/")
+    try:
+        subprocess.run(["git", "--version"], capture_output=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("git is not installed")
+    stale = []
+    for patch in patches:
+        check = subprocess.run(["git", "apply", "--check", str(patch)], cwd=ROOT, capture_output=True, text=True)
+        if check.returncode:
+            stale.append(f"{patch.relative_to(ROOT)}: {check.stderr.strip()}")
+    assert not stale, "experiment patches that no longer apply:\n" + "\n".join(stale)
