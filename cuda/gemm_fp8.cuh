@@ -6,9 +6,8 @@
 // multicast; its tile naming, ring helpers, gemm_setup and epilogues are reused as they are.
 // Layouts of codes and scales: mok_proto/fp8.py (quantize_rows, quantize_blocks).
 //
-// Legend: as gemm.cuh. Hopper's FP8 wgmma takes only K-major operands: every A is [M, K] and every
-// B is [N, K], K contiguous (the weights' codes in the orientation each problem needs, the weight
-// gradients' operands quantized transposed).
+// Legend: as gemm.cuh. Hopper's FP8 wgmma takes only K-major operands: every A is [M, K] and every B is
+// [N, K], K contiguous (the weights' codes as each problem needs, the weight gradients' quantized transposed).
 //
 //   problem       C per tile        A [M,K] (1x128 scales)   B [N,K] (scales)                     K     epilogue
 //   kGateUp       [T_e, I] g|u      xq [rows,H]              Wg^T|Wu^T [E,I,H] (128x128)          H     h, g, u bf16; hq, hs
@@ -47,14 +46,12 @@
 // 1 x 128 quantization of that bf16 h (this tile's 128 columns of a row are one block), equal bit
 // for bit to fp8.quantize_rows of the stored h (cuda/fp8.cuh's block_scale and quantize4).
 //
-// Building blocks (as gemm.cuh): SharedStorage, load_stage_tma / load_stage_scales, produce_tile,
-// consume_tile, run_tiles<kP, Tiles>; tile naming gemm::tile_of<kP, kKBlock>, ring gemm::Ring;
-// SharedCountTiles, the standalone kernel's scheduler. The kernel: grouped_gemm<kP>, kP a
-// gemm::Problem (the fp8 module's problems are the bf16 module's, with FP8 operands).
+// Building blocks (as gemm.cuh): SharedStorage, load_stage_tma / load_stage_scales, produce_tile, consume_tile,
+// run_tiles<kP, Tiles>; tile naming gemm::tile_of<kP, kKBlock>, ring gemm::Ring; SharedCountTiles, the
+// standalone kernel's scheduler. The kernel: grouped_gemm<kP>, kP a gemm::Problem (the bf16 module's).
 //
-// Per tile (BM x BN x K): 2 * BM * BN * K FLOPs; each CTA loads (BM + BN / 2) * K code bytes and
-// (BM + BN) * 4 (row problems: BM * 4 + 8) scale bytes per 128 k, and receives BN / 2 * K from its
-// partner.
+// Per tile (BM x BN x K): 2 BM BN K FLOPs; each CTA loads (BM + BN / 2) K code bytes and (BM + BN) 4
+// (row problems: BM 4 + 8) scale bytes per 128 k, and receives BN / 2 K from its partner.
 #pragma once
 #include "fp8.cuh"
 #include "gemm.cuh"
@@ -108,13 +105,14 @@ struct SharedStorage {
   char stages[kStages][kStageBytes];              // the ring: A codes, then B codes (or aux g, u)
   float staging[kConsumerWarps][kStagingFloats];  // epilogue staging, 2 KB per warp
   float scale_a[kStages][kBM];                    // each stage's A scales, one per tile row
-  float scale_b[kStages][kBN];                    // B's: [0], [1] per n128 half (row problems); per column
+  float scale_b[kStages][kBN];                    // B's: [0], [1] per n128 half (row problems); per column (column_slot)
   u64 full[kStages];                              // producer warps 0, 1 -> consumers: stage loaded
   u64 empty[kStages];                             // consumers (both CTAs) -> producers: stage free
   int abort;                                      // set in both CTAs by cta 0: skip every tile
   int num_tiles;                                  // the standalone kernel's pair tiles (SharedCountTiles)
   int pair_prefix[kMaxGroups + 1];                // row problems: pair rows before expert g
 };
+static_assert(__builtin_offsetof(SharedStorage, scale_b) % 16 == 0, "column_scales reads scale_b 16 bytes at a time");
 constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
 static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block may have on sm_90");
 
@@ -199,13 +197,16 @@ __device__ __forceinline__ ScaleBases scale_bases(const Fp8GemmParams* p) {
           ptr<const float>(p->scale_b2), static_cast<int>(p->k_split / kKBlock)};
 }
 
-// Where the weight gradients' column scale of tile column 32 j + l lies in a stage's scale_b: at 32 j
-// + column_slot(l), so that the 16 columns a consumer thread promotes in a quarter (64 kQ + 8 j' +
-// 2 t + c, t = its lane % 4) are four 16-byte chunks, 64 kQ + 16 m + 4 t + 2 (j' % 2) + c (m = j' / 2),
-// the four threads of a quad side by side (column_scales: 4 wide loads a quarter).
-__device__ __forceinline__ int column_slot(int l) {
+// Where the weight gradients' column scale of tile column 32 j + l lies in a stage's scale_b: 32 j +
+// column_slot(l), so that a consumer thread's 16 columns of a quarter (64 kQ + 8 j' + 2 t + c, t =
+// lane % 4) are four 16-byte chunks, 64 kQ + 16 (j' / 2) + 4 t + 2 (j' % 2) + c (column_scales).
+__host__ __device__ constexpr int column_slot(int l) {
   return 16 * (l >> 4) + 4 * ((l >> 1) & 3) + 2 * ((l >> 3) & 1) + (l & 1);
 }
+__host__ __device__ constexpr u32 column_slots_taken(int l = 0) {  // bit s: some column l.. 31 has slot s
+  return l == 32 ? 0u : (1u << column_slot(l)) | column_slots_taken(l + 1);
+}
+static_assert(column_slots_taken() == 0xFFFFFFFFu, "column_slot must give each of 32 columns its own slot");
 
 // Lane `lane` of the producer's warp 1: its share of k-block kb's scales, copied (cp.async) into
 // the stage's arrays s_a [kBM], s_b [kBN] (shared addresses).
@@ -341,10 +342,7 @@ __device__ __forceinline__ void zero_tail_k(char* stage, int valid, int half, in
   const int first = valid >> 4, keep = valid & 15;  // the first chunk to clear; its bytes 0 .. keep - 1 stay
   u32 mask[4];  // of that chunk's words (little-endian: byte b of the chunk is byte b % 4 of word b / 4)
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int n = keep - 4 * j;
-    mask[j] = n >= 4 ? 0xFFFFFFFFu : n <= 0 ? 0u : (1u << (8 * n)) - 1u;
-  }
+  for (int j = 0, n = keep; j < 4; ++j, n -= 4) mask[j] = n >= 4 ? 0xFFFFFFFFu : n <= 0 ? 0u : (1u << (8 * n)) - 1u;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {  // this thread's rows wg_tid, wg_tid + 128 of the warpgroup's 192
     const int r = wg_tid + 128 * k;

@@ -26,7 +26,9 @@ while [ $# -gt 0 ]; do
       if ! [[ "${2:-}" =~ ^[1-9][0-9]*$ ]]; then echo "run.sh: --rounds needs a positive integer" >&2; exit 2; fi
       rounds=$2; shift 2 ;;
     --tests) tests=1; shift ;;
-    --only) only=${2:-}; shift 2 ;;
+    --only)
+      if [ $# -lt 2 ] || [ -z "$2" ]; then echo "run.sh: --only needs a list of variants" >&2; exit 2; fi
+      only=$2; shift 2 ;;
     --) shift; break ;;
     -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
