@@ -3,7 +3,7 @@
     python experiments/wgmma_ffma_overlap/probe.py [--iters 4096]          (on the GPU machine)
 
 One CTA an SM, two warpgroups, operands in shared memory (zeros), nothing read from global memory,
-224 registers a thread at most (the FP8 GEMM consumers' budget). A "group" is the FP8 GEMMs' MMA
+232 registers a thread at most (an FP8 GEMM consumer's budget beside a 40-register producer). A "group" is the FP8 GEMMs' MMA
 unit, four m64n128k32 e4m3 wgmma (an n128 half of a 128-deep k-block, cuda/gemm_fp8.cuh),
 committed and waited for; a "promotion" adds such a half's 64 values a thread into fp32
 accumulators, as gemm_fp8's promote_quarter does, in one of three kinds:
@@ -22,6 +22,10 @@ Modes:
                 done (does one slow the other?)
   chain         each warpgroup: group, wait, promotion, repeated (the FP8 GEMMs' k-loop)
   chain-one     the chain on warpgroup 0 alone
+  pair          each warpgroup: two groups into two temporaries, the first promoted while the second
+                runs, then the second (64 accumulators only: a 128 x 128 tile's warpgroup, over two
+                k-blocks); what a second temporary would buy
+  pair-one      the pair on warpgroup 0 alone
 Each runs with 64 accumulators a thread (one group an iteration) and with the FP8 GEMMs' 128 (two
 groups an iteration, each promoted into its half: their register pressure). Prints cycles a group
 or promotion (median over the SMs; clock64 and the iteration count of thread 0 of each warpgroup)
@@ -36,10 +40,11 @@ import sys
 from pathlib import Path
 
 CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
-MODES = ("mma", "mma-two", "promote", "both", "chain", "chain-one")
+MODES = ("mma", "mma-two", "promote", "both", "chain", "chain-one", "pair", "pair-one")
 KINDS = ("wgrad", "wgrad-regs", "row")
-MMA_WARPGROUPS = {"mma": (0,), "mma-two": (0, 1), "both": (0,), "chain": (0, 1), "chain-one": (0,)}
-MAX_REGISTERS = 224
+MMA_WARPGROUPS = {"mma": (0,), "mma-two": (0, 1), "both": (0,), "chain": (0, 1), "chain-one": (0,), "pair": (0, 1),
+                  "pair-one": (0,)}
+MAX_REGISTERS = 232  # the FP8 GEMM consumers' with a 40-register producer
 
 SOURCE = r"""
 #include "hopper.cuh"
@@ -57,10 +62,61 @@ __device__ __forceinline__ float4 as_float4(uint4 w) {
   return make_float4(__uint_as_float(w.x), __uint_as_float(w.y), __uint_as_float(w.z), __uint_as_float(w.w));
 }
 
-// kMode: MODES' index (0 mma, 1 mma-two, 2 promote, 3 both, 4 chain, 5 chain-one); kKind: KINDS'
-// index; kAcc / 64 groups an iteration, group g promoted into accumulators 64 g .. 64 g + 63.
+// Four m64n128k32 into t (the first with scale-d 0), committed as one group.
+__device__ __forceinline__ void issue_group(float (&t)[64], u64 da, u64 db) {
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) wgmma_m64n128k32_e4m3(t, desc_add(da, 2 * ks), desc_add(db, 2 * ks), ks);
+  wgmma_commit();
+}
+
+// A promotion's row scales and (kind wgrad) its first two column-scale chunks, read from the stage's
+// scales at `at` where the caller places this (under the MMAs), or taken from registers.
+struct FirstScales {
+  float sa0, sa1;
+  float4 early[2];
+};
+template <int kKind>
+__device__ __forceinline__ FirstScales first_scales(u32 at, int lane, float reg_a0, float reg_a1) {
+  FirstScales f{opaque(reg_a0), opaque(reg_a1), {}};
+  if (kKind == 0) {
+    f.sa0 = ld_shared_f32(at + 4 * (lane >> 2)), f.sa1 = ld_shared_f32(at + 4 * (8 + (lane >> 2)));
+#pragma unroll
+    for (int m = 0; m < 2; ++m) f.early[m] = as_float4(ld_shared_u32x4(at + 4 * (16 * m + 4 * (lane & 3))));
+  }
+  return f;
+}
+
+// acc[0 .. 63] += t * scale, as KINDS[kKind] (acc: 64 accumulators of the caller's array).
+template <int kKind>
+__device__ __forceinline__ void promote(float* acc, const float (&t)[64], const FirstScales& f, u32 at, int lane,
+                                        const float* reg_b) {
+  if constexpr (kKind == 2) {
+#pragma unroll
+    for (int e = 0; e < 64; ++e) acc[e] = __fmaf_rn(t[e], (e & 2) ? f.sa1 : f.sa0, acc[e]);
+  } else {
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    float4 b;
+    if (kKind == 0) b = m < 2 ? f.early[m] : as_float4(ld_shared_u32x4(at + 4 * (16 * m + 4 * (lane & 3))));
+    else b = make_float4(opaque(reg_b[4 * m]), opaque(reg_b[4 * m + 1]), opaque(reg_b[4 * m + 2]), opaque(reg_b[4 * m + 3]));
+    const float bs[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const int e = 8 * m + c;
+      acc[e] = __fmaf_rn(t[e], __fmul_rn((c & 2) ? f.sa1 : f.sa0, bs[(c >> 2) * 2 + (c & 1)]), acc[e]);
+    }
+  }
+  }
+}
+
+// kMode: MODES' index (0 mma, 1 mma-two, 2 promote, 3 both, 4 chain, 5 chain-one, 6 pair, 7
+// pair-one); kKind: KINDS' index; kAcc / 64 groups an iteration (pair modes: 2 and kAcc 64), group
+// g promoted into accumulators 64 g .. 64 g + 63.
 template <int kAcc, int kKind, int kMode>
 __device__ __forceinline__ void probe(int iters, long long* cycles, int* counts, float* sink) {
+  constexpr bool kPair = kMode == 6 || kMode == 7;
+  static_assert(!kPair || kAcc == 64, "two temporaries and 128 accumulators do not fit 224 registers");
   extern __shared__ char smem_raw[];
   char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127, lane = tid & 31;
@@ -75,62 +131,71 @@ __device__ __forceinline__ void probe(int iters, long long* cycles, int* counts,
   __syncthreads();
   const u32 base = smem_addr(smem), s_b = base + 24 * 1024;
   const u64 da = wgmma_desc(base, 16, 1024), db = wgmma_desc(base + 8192, 16, 1024);
-  float blk[64], acc[kAcc], reg_b[kKind == 1 ? 32 : 1];
+  float blk[64], blk2[kPair ? 64 : 1], acc[kAcc], reg_b[kKind == 1 ? 32 : 1];
 #pragma unroll
   for (int i = 0; i < 64; ++i) blk[i] = 1e-3f * i;
+#pragma unroll
+  for (int i = 0; i < (kPair ? 64 : 1); ++i) blk2[i] = 0.0f;
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 1e-3f * tid;
 #pragma unroll
   for (int i = 0; i < (kKind == 1 ? 32 : 1); ++i) reg_b[i] = 1.0f + 1e-3f * (i + lane);
   const float reg_a0 = 1.0f + 1e-4f * tid, reg_a1 = 1.0f - 1e-4f * tid;
-  const bool mma = kMode == 1 || kMode == 4 || (wg == 0 && (kMode == 0 || kMode == 3 || kMode == 5));
-  const bool promote = kMode == 4 || (wg == 0 && kMode == 5) || (wg == 1 && (kMode == 2 || kMode == 3));
+  const bool mma = kMode == 1 || kMode == 4 || kMode == 6 || (wg == 0 && (kMode == 0 || kMode == 3 || kMode == 5 || kMode == 7));
+  const bool promote_here = kMode == 4 || kMode == 6 || (wg == 0 && (kMode == 5 || kMode == 7)) ||
+                            (wg == 1 && (kMode == 2 || kMode == 3));
   const bool until_done = kMode == 3 && wg == 1;  // runs until warpgroup 0 is done
   int it = 0;
   __syncthreads();
   const long long t0 = clock64();
-  if (mma || promote) {
+  // One loop a role, so that no warpgroup-divergent path holds a wgmma (ptxas would serialize them).
+  const bool chain = mma && promote_here;
+  if (kPair && chain) {  // two groups in flight, the first promoted while the second runs
+#pragma unroll 1
+    for (; it < iters; ++it) {
+      const u32 at = s_b + 4 * ((it & 1) * 64);
+      issue_group(blk, da, db);
+      issue_group(reinterpret_cast<float(&)[64]>(blk2), da, db);
+      const FirstScales f = first_scales<kKind>(at, lane, reg_a0, reg_a1);
+      wgmma_wait<1>();
+      fence_accumulators(blk);
+      promote<kKind>(acc, blk, f, at, lane, reg_b);
+      const FirstScales f2 = first_scales<kKind>(at + 4 * 128, lane, reg_a0, reg_a1);
+      wgmma_wait<0>();
+      fence_accumulators(reinterpret_cast<float(&)[64]>(blk2));
+      promote<kKind>(acc, reinterpret_cast<const float(&)[64]>(blk2), f2, at + 4 * 128, lane, reg_b);
+    }
+  } else if (chain) {
+#pragma unroll 1
+    for (; it < iters; ++it) {
+#pragma unroll
+      for (int g = 0; g < kAcc / 64; ++g) {
+        const u32 at = s_b + 4 * ((it & 1) * 64);  // two stages' scales, as a ring alternates
+        issue_group(blk, da, db);
+        const FirstScales f = first_scales<kKind>(at, lane, reg_a0, reg_a1);  // under the MMAs
+        wgmma_wait<0>();
+        fence_accumulators(blk);
+        promote<kKind>(acc + 64 * g, blk, f, at, lane, reg_b);
+      }
+    }
+  } else if (mma) {
+#pragma unroll 1
+    for (; it < iters; ++it) {
+#pragma unroll
+      for (int g = 0; g < kAcc / 64; ++g) {
+        issue_group(blk, da, db);
+        wgmma_wait<0>();
+        fence_accumulators(blk);
+      }
+    }
+  } else if (promote_here) {
 #pragma unroll 1
     for (; until_done ? *done == 0 : it < iters; ++it) {
 #pragma unroll
       for (int g = 0; g < kAcc / 64; ++g) {
-        const u32 at = s_b + 4 * ((it & 1) * 64);  // two stages' scales, as a ring alternates
-        float sa0 = 0.0f, sa1 = 0.0f;
-        float4 early[2];  // kind wgrad: its first two column-scale chunks
-        if (mma) {
-          wgmma_fence();
-#pragma unroll
-          for (int ks = 0; ks < 4; ++ks) wgmma_m64n128k32_e4m3(blk, desc_add(da, 2 * ks), desc_add(db, 2 * ks), ks);
-          wgmma_commit();
-        }
-        if (promote && kKind == 0) {  // under the MMAs, where there are any
-          sa0 = ld_shared_f32(at + 4 * (lane >> 2)), sa1 = ld_shared_f32(at + 4 * (8 + (lane >> 2)));
-#pragma unroll
-          for (int m = 0; m < 2; ++m) early[m] = as_float4(ld_shared_u32x4(at + 4 * (16 * m + 4 * (lane & 3))));
-        }
-        if (mma) {
-          wgmma_wait<0>();
-          fence_accumulators(blk);
-        }
-        if (promote && kKind == 2) {
-          const float s0 = opaque(reg_a0), s1 = opaque(reg_a1);
-#pragma unroll
-          for (int e = 0; e < 64; ++e) acc[64 * g + e] = __fmaf_rn(blk[e], (e & 2) ? s1 : s0, acc[64 * g + e]);
-        } else if (promote) {
-          if (kKind == 1) sa0 = opaque(reg_a0), sa1 = opaque(reg_a1);
-#pragma unroll
-          for (int m = 0; m < 8; ++m) {
-            float4 b;
-            if (kKind == 0) b = m < 2 ? early[m] : as_float4(ld_shared_u32x4(at + 4 * (16 * m + 4 * (lane & 3))));
-            else b = make_float4(opaque(reg_b[4 * m]), opaque(reg_b[4 * m + 1]), opaque(reg_b[4 * m + 2]), opaque(reg_b[4 * m + 3]));
-            const float bs[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int c = 0; c < 8; ++c) {
-              const int e = 8 * m + c;
-              acc[64 * g + e] = __fmaf_rn(blk[e], __fmul_rn((c & 2) ? sa1 : sa0, bs[(c >> 2) * 2 + (c & 1)]), acc[64 * g + e]);
-            }
-          }
-        }
+        const u32 at = s_b + 4 * ((it & 1) * 64);
+        const FirstScales f = first_scales<kKind>(at, lane, reg_a0, reg_a1);
+        promote<kKind>(acc + 64 * g, blk, f, at, lane, reg_b);
       }
     }
   }
@@ -151,9 +216,18 @@ __device__ __forceinline__ void probe(int iters, long long* cycles, int* counts,
     probe<ACC, KIND, MODE>(iters, cycles, counts, sink);                                             \
   }
 #define MOK_PROBE_KIND(ACC, KIND) MOK_PROBE(ACC, KIND, 2) MOK_PROBE(ACC, KIND, 3) MOK_PROBE(ACC, KIND, 4) MOK_PROBE(ACC, KIND, 5)
+#define MOK_PROBE_PAIR(KIND) MOK_PROBE(64, KIND, 6) MOK_PROBE(64, KIND, 7)
 MOK_PROBE(64, 0, 0) MOK_PROBE(64, 0, 1) MOK_PROBE_KIND(64, 0) MOK_PROBE_KIND(64, 1) MOK_PROBE_KIND(64, 2)
+MOK_PROBE_PAIR(0) MOK_PROBE_PAIR(2)
 MOK_PROBE(128, 0, 0) MOK_PROBE(128, 0, 1) MOK_PROBE_KIND(128, 0) MOK_PROBE_KIND(128, 2)
 """
+
+
+def fits(n_acc: int, kind: str, mode: str) -> bool:
+    """Whether a probe's registers fit: 128 accumulators leave no room for 32 scales (wgrad-regs) or
+    a second temporary (the pair modes), nor do two temporaries for 32 scales."""
+    pair = mode.startswith("pair")
+    return not ((n_acc == 128 and (kind == "wgrad-regs" or pair)) or (kind == "wgrad-regs" and pair))
 
 
 def kernels():
@@ -161,8 +235,8 @@ def kernels():
     for n_acc in (64, 128):
         for k, kind in enumerate(KINDS):
             for m, mode in enumerate(MODES):
-                if (mode.startswith("mma") and k) or (n_acc == 128 and kind == "wgrad-regs"):
-                    continue  # no promotion: the same for every kind; 128 + 32 scales: no room
+                if (mode.startswith("mma") and k) or not fits(n_acc, kind, mode):
+                    continue  # no promotion: the same for every kind; or no room
                 yield n_acc, kind, mode, f"probe_{n_acc}_{k}_{m}"
 
 
@@ -199,7 +273,8 @@ def main(argv=None) -> int:
         for _ in range(2):  # the first launch warms up
             kernel((sms,), (256,), (cp.int32(args.iters), cycles, counts, sink), shared_mem=smem)
         cp.cuda.Device().synchronize()
-        per = cycles.get().reshape(sms, 2) / (counts.get().reshape(sms, 2).clip(min=1) * (n_acc // 64))
+        groups = 2 if mode.startswith("pair") else n_acc // 64  # a warpgroup's groups an iteration
+        per = cycles.get().reshape(sms, 2) / (counts.get().reshape(sms, 2).clip(min=1) * groups)
         wg = [statistics.median(per[:, 0]), statistics.median(per[:, 1])]
         mma_wgs = MMA_WARPGROUPS.get(mode, ())
         busy = len(mma_wgs) * flop_group / (max(wg[i] for i in mma_wgs) * 8192) if mma_wgs else 0.0
