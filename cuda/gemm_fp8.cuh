@@ -7,7 +7,7 @@
 // Layouts of codes and scales: mok_proto/fp8.py (quantize_rows, quantize_blocks).
 //
 // Legend: as gemm.cuh. Hopper's FP8 wgmma takes only K-major operands: every A is [M, K] and every B is
-// [N, K], K contiguous (the weights' codes as each problem needs, the weight gradients' quantized transposed).
+// [N, K], K contiguous (the weights' codes as each problem needs, the weight gradients' operands transposed).
 //
 //   problem       C per tile        A [M,K] (1x128 scales)   B [N,K] (scales)                     K     epilogue
 //   kGateUp       [T_e, I] g|u      xq [rows,H]              Wg^T|Wu^T [E,I,H] (128x128)          H     h, g, u bf16; hq, hs
@@ -50,8 +50,8 @@
 // run_tiles<kP, Tiles>; tile naming gemm::tile_of<kP, kKBlock>, ring gemm::Ring; SharedCountTiles, the
 // standalone kernel's scheduler. The kernel: grouped_gemm<kP>, kP a gemm::Problem (the bf16 module's).
 //
-// Per tile (BM x BN x K): 2 BM BN K FLOPs; each CTA loads (BM + BN / 2) K code bytes and (BM + BN) 4
-// (row problems: BM 4 + 8) scale bytes per 128 k, and receives BN / 2 K from its partner.
+// Per tile (BM x BN x K): 2 BM BN K FLOPs; each CTA loads (BM + BN / 2) K code bytes and 4 (BM + BN)
+// (row problems: 4 BM + 8) scale bytes per 128 k, and receives BN / 2 K from its partner.
 #pragma once
 #include "fp8.cuh"
 #include "gemm.cuh"

@@ -3,16 +3,18 @@
     python experiments/wgmma_ffma_overlap/probe.py [--iters 4096]          (on the GPU machine)
 
 One CTA an SM, two warpgroups, operands in shared memory (zeros), nothing read from global memory,
-232 registers a thread at most (an FP8 GEMM consumer's budget beside a 40-register producer). A "group" is the FP8 GEMMs' MMA
-unit, four m64n128k32 e4m3 wgmma (an n128 half of a 128-deep k-block, cuda/gemm_fp8.cuh),
-committed and waited for; a "promotion" adds such a half's 64 values a thread into fp32
-accumulators, as gemm_fp8's promote_quarter does, in one of three kinds:
+at most 232 registers a thread (what a consumer could have beside a 40-register producer; the FP8
+GEMMs' consumers have 224). A "group" is the FP8 GEMMs' MMA unit, four m64n128k32 e4m3 wgmma (an
+n128 half of a 128-deep k-block, cuda/gemm_fp8.cuh), committed and waited for; a "promotion" adds
+such a half's 64 values a thread into fp32 accumulators, as gemm_fp8's promote_quarter does, in
+one of three kinds:
   wgrad         block * (sa * sb): a FMUL and a FFMA a value, the 32 column scales read as eight
                 16-byte shared loads and the 2 row scales as two 4-byte ones (the weight
                 gradients); in a chain the row scales and two of the eight loads are issued under
-                the group's MMAs, as consume_kblocks does
+                the group's MMAs (the kernel reads its row scales before the MMAs, and two loads
+                under them)
   wgrad-regs    the same arithmetic with every scale in registers (no shared loads; with 64
-                accumulators only: the kernels' 128 leave no room for 32 scales)
+                accumulators only: 128 leave no room for 32 scales)
   row           block * s, one FFMA a value, s in registers (the row problems)
 Modes:
   mma           warpgroup 0 runs groups back to back; warpgroup 1 idles
@@ -23,14 +25,15 @@ Modes:
   chain         each warpgroup: group, wait, promotion, repeated (the FP8 GEMMs' k-loop)
   chain-one     the chain on warpgroup 0 alone
   pair          each warpgroup: two groups into two temporaries, the first promoted while the second
-                runs, then the second (64 accumulators only: a 128 x 128 tile's warpgroup, over two
-                k-blocks); what a second temporary would buy
+                runs, then the second with no MMA under it (64 accumulators only: a 128 x 128
+                tile's warpgroup over two k-blocks); what a second temporary would buy
   pair-one      the pair on warpgroup 0 alone
-Each runs with 64 accumulators a thread (one group an iteration) and with the FP8 GEMMs' 128 (two
-groups an iteration, each promoted into its half: their register pressure). Prints cycles a group
-or promotion (median over the SMs; clock64 and the iteration count of thread 0 of each warpgroup)
-and the tensor cores' share of their FP8 peak (8,192 FLOP a cycle an SM) over the warpgroups that
-run groups."""
+The modes that promote run with 64 accumulators a thread (one group an iteration) and with the FP8
+GEMMs' 128 (two groups an iteration, each promoted into its half: their register pressure); the
+promotions' temporaries and scales are run-time values (no constant folded in). Prints
+cycles a group or promotion (median over the SMs; clock64 and the iteration count of thread 0 of
+each warpgroup; "-": the warpgroup idles) and the tensor cores' share of their FP8 peak (8,192
+FLOP a cycle an SM) over the warpgroups that run groups."""
 
 from __future__ import annotations
 
@@ -116,7 +119,7 @@ __device__ __forceinline__ void promote(float* acc, const float (&t)[64], const 
 template <int kAcc, int kKind, int kMode>
 __device__ __forceinline__ void probe(int iters, long long* cycles, int* counts, float* sink) {
   constexpr bool kPair = kMode == 6 || kMode == 7;
-  static_assert(!kPair || kAcc == 64, "two temporaries and 128 accumulators do not fit 224 registers");
+  static_assert(!kPair || kAcc == 64, "two temporaries and 128 accumulators do not fit the registers");
   extern __shared__ char smem_raw[];
   char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127, lane = tid & 31;
@@ -133,7 +136,7 @@ __device__ __forceinline__ void probe(int iters, long long* cycles, int* counts,
   const u64 da = wgmma_desc(base, 16, 1024), db = wgmma_desc(base + 8192, 16, 1024);
   float blk[64], blk2[kPair ? 64 : 1], acc[kAcc], reg_b[kKind == 1 ? 32 : 1];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) blk[i] = 1e-3f * i;
+  for (int i = 0; i < 64; ++i) blk[i] = 1e-3f * (i + tid);  // run-time values: ptxas folds no constant in
 #pragma unroll
   for (int i = 0; i < (kPair ? 64 : 1); ++i) blk2[i] = 0.0f;
 #pragma unroll
@@ -160,10 +163,11 @@ __device__ __forceinline__ void probe(int iters, long long* cycles, int* counts,
       wgmma_wait<1>();
       fence_accumulators(blk);
       promote<kKind>(acc, blk, f, at, lane, reg_b);
-      const FirstScales f2 = first_scales<kKind>(at + 4 * 128, lane, reg_a0, reg_a1);
+      const u32 at2 = s_b + 4 * (((it & 1) ^ 1) * 64);  // the next k-block's scales: the other stage's
+      const FirstScales f2 = first_scales<kKind>(at2, lane, reg_a0, reg_a1);
       wgmma_wait<0>();
       fence_accumulators(reinterpret_cast<float(&)[64]>(blk2));
-      promote<kKind>(acc, reinterpret_cast<const float(&)[64]>(blk2), f2, at + 4 * 128, lane, reg_b);
+      promote<kKind>(acc, reinterpret_cast<const float(&)[64]>(blk2), f2, at2, lane, reg_b);
     }
   } else if (chain) {
 #pragma unroll 1
@@ -274,11 +278,12 @@ def main(argv=None) -> int:
             kernel((sms,), (256,), (cp.int32(args.iters), cycles, counts, sink), shared_mem=smem)
         cp.cuda.Device().synchronize()
         groups = 2 if mode.startswith("pair") else n_acc // 64  # a warpgroup's groups an iteration
-        per = cycles.get().reshape(sms, 2) / (counts.get().reshape(sms, 2).clip(min=1) * groups)
-        wg = [statistics.median(per[:, 0]), statistics.median(per[:, 1])]
+        ran = counts.get().reshape(sms, 2)
+        per = cycles.get().reshape(sms, 2) / (ran.clip(min=1) * groups)
+        wg = [statistics.median(per[:, w]) if ran[:, w].all() else None for w in (0, 1)]  # None: idle
         mma_wgs = MMA_WARPGROUPS.get(mode, ())
         busy = len(mma_wgs) * flop_group / (max(wg[i] for i in mma_wgs) * 8192) if mma_wgs else 0.0
-        shown = [f"{c:8.0f}" if c else f"{'-':>8}" for c in wg]
+        shown = [f"{c:8.0f}" if c is not None else f"{'-':>8}" for c in wg]
         print(f"{n_acc:3} {kind if not mode.startswith('mma') else '-':10} {mode:9} {shown[0]} {shown[1]} {busy:7.2f}")
     return 0
 
