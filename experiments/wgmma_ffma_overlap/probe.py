@@ -50,12 +50,9 @@ MMA_WARPGROUPS = {"mma": (0,), "mma-two": (0, 1), "both": (0,), "chain": (0, 1),
 MAX_REGISTERS = 232  # the FP8 GEMM consumers' with a 40-register producer
 
 SOURCE = r"""
-#include "hopper.cuh"
+#include "gemm_fp8.cuh"
 using namespace mok;
-
-__device__ __forceinline__ u64 desc_add(u64 d, u32 add) {
-  return (d & 0xFFFFFFFF00000000ull) | static_cast<u32>(static_cast<u32>(d) + add);
-}
+using gemm_fp8::desc_plus;
 // x as if changed: keeps a register value from being hoisted out of the loop, at no instruction.
 __device__ __forceinline__ float opaque(float x) {
   asm volatile("" : "+f"(x));
@@ -69,7 +66,7 @@ __device__ __forceinline__ float4 as_float4(uint4 w) {
 __device__ __forceinline__ void issue_group(float (&t)[64], u64 da, u64 db) {
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < 4; ++ks) wgmma_m64n128k32_e4m3(t, desc_add(da, 2 * ks), desc_add(db, 2 * ks), ks);
+  for (int ks = 0; ks < 4; ++ks) wgmma_m64n128k32_e4m3(t, desc_plus(da, 2 * ks), desc_plus(db, 2 * ks), ks);
   wgmma_commit();
 }
 
