@@ -28,6 +28,8 @@ Modes:
                 runs, then the second with no MMA under it (64 accumulators only: a 128 x 128
                 tile's warpgroup over two k-blocks); what a second temporary would buy
   pair-one      the pair on warpgroup 0 alone
+  chain-three   the chain on three warpgroups (384 threads, at most 168 registers: 64 accumulators;
+                what a kernel of three consumer warpgroups could keep the tensor cores doing)
 The modes that promote run with 64 accumulators a thread (one group an iteration) and with the FP8
 GEMMs' 128 (two groups an iteration, each promoted into its half: their register pressure); the
 promotions' temporaries and scales are run-time values (no constant folded in). Prints
@@ -43,10 +45,11 @@ import sys
 from pathlib import Path
 
 CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
-MODES = ("mma", "mma-two", "promote", "both", "chain", "chain-one", "pair", "pair-one")
+MODES = ("mma", "mma-two", "promote", "both", "chain", "chain-one", "pair", "pair-one", "chain-three")
 KINDS = ("wgrad", "wgrad-regs", "row")
 MMA_WARPGROUPS = {"mma": (0,), "mma-two": (0, 1), "both": (0,), "chain": (0, 1), "chain-one": (0,), "pair": (0, 1),
-                  "pair-one": (0,)}
+                  "pair-one": (0,), "chain-three": (0, 1, 2)}
+MAX_WARPGROUPS = 3
 MAX_REGISTERS = 232  # the FP8 GEMM consumers' with a 40-register producer
 
 SOURCE = r"""
@@ -111,7 +114,7 @@ __device__ __forceinline__ void promote(float* acc, const float (&t)[64], const 
 }
 
 // kMode: MODES' index (0 mma, 1 mma-two, 2 promote, 3 both, 4 chain, 5 chain-one, 6 pair, 7
-// pair-one); kKind: KINDS' index; kAcc / 64 groups an iteration (pair modes: 2 and kAcc 64), group
+// pair-one, 8 chain-three: 384 threads); kKind: KINDS' index; kAcc / 64 groups an iteration (pair modes: 2 and kAcc 64), group
 // g promoted into accumulators 64 g .. 64 g + 63.
 template <int kAcc, int kKind, int kMode>
 __device__ __forceinline__ void probe(int iters, long long* cycles, int* counts, float* sink) {
@@ -120,11 +123,11 @@ __device__ __forceinline__ void probe(int iters, long long* cycles, int* counts,
   extern __shared__ char smem_raw[];
   char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127, lane = tid & 31;
-  for (int i = threadIdx.x; i < (24 * 1024 + 1024) / 16; i += 256)  // A 8 KB, B 16 KB, scales 1 KB
+  for (int i = threadIdx.x; i < (24 * 1024 + 1024) / 16; i += blockDim.x)  // A 8 KB, B 16 KB, scales 1 KB
     reinterpret_cast<uint4*>(smem)[i] = make_uint4(0u, 0u, 0u, 0u);
   __syncthreads();
   float* scales = reinterpret_cast<float*>(smem + 24 * 1024);
-  scales[threadIdx.x] = 1.0f + 1e-3f * threadIdx.x;  // 256 of them
+  if (threadIdx.x < 256) scales[threadIdx.x] = 1.0f + 1e-3f * threadIdx.x;  // 256 of them
   volatile int* done = reinterpret_cast<int*>(smem + 25 * 1024);  // mode both: warpgroup 0 finished
   if (threadIdx.x == 0) *done = 0;
   fence_proxy_async();
@@ -141,8 +144,8 @@ __device__ __forceinline__ void probe(int iters, long long* cycles, int* counts,
 #pragma unroll
   for (int i = 0; i < (kKind == 1 ? 32 : 1); ++i) reg_b[i] = 1.0f + 1e-3f * (i + lane);
   const float reg_a0 = 1.0f + 1e-4f * tid, reg_a1 = 1.0f - 1e-4f * tid;
-  const bool mma = kMode == 1 || kMode == 4 || kMode == 6 || (wg == 0 && (kMode == 0 || kMode == 3 || kMode == 5 || kMode == 7));
-  const bool promote_here = kMode == 4 || kMode == 6 || (wg == 0 && (kMode == 5 || kMode == 7)) ||
+  const bool mma = kMode == 1 || kMode == 4 || kMode == 6 || kMode == 8 || (wg == 0 && (kMode == 0 || kMode == 3 || kMode == 5 || kMode == 7));
+  const bool promote_here = kMode == 4 || kMode == 6 || kMode == 8 || (wg == 0 && (kMode == 5 || kMode == 7)) ||
                             (wg == 1 && (kMode == 2 || kMode == 3));
   const bool until_done = kMode == 3 && wg == 1;  // runs until warpgroup 0 is done
   int it = 0;
@@ -202,32 +205,35 @@ __device__ __forceinline__ void probe(int iters, long long* cycles, int* counts,
   }
   const long long t1 = clock64();
   if (kMode == 3 && wg == 0 && tid == 0) *done = 1;
-  if (tid == 0) cycles[2 * blockIdx.x + wg] = t1 - t0, counts[2 * blockIdx.x + wg] = it;
+  if (tid == 0) cycles[3 * blockIdx.x + wg] = t1 - t0, counts[3 * blockIdx.x + wg] = it;
   float s = 0.0f;
 #pragma unroll
   for (int i = 0; i < 64; ++i) s += blk[i];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) s += acc[i];
-  sink[blockIdx.x * 256 + threadIdx.x] = s;
+  sink[blockIdx.x * 384 + threadIdx.x] = s;
 }
 
 #define MOK_PROBE(ACC, KIND, MODE)                                                                   \
-  extern "C" __global__ void                                                                         \
+  extern "C" __global__ void __launch_bounds__(MODE == 8 ? 384 : 256, 1)                             \
       probe_##ACC##_##KIND##_##MODE(int iters, long long* cycles, int* counts, float* sink) {        \
     probe<ACC, KIND, MODE>(iters, cycles, counts, sink);                                             \
   }
 #define MOK_PROBE_KIND(ACC, KIND) MOK_PROBE(ACC, KIND, 2) MOK_PROBE(ACC, KIND, 3) MOK_PROBE(ACC, KIND, 4) MOK_PROBE(ACC, KIND, 5)
 #define MOK_PROBE_PAIR(KIND) MOK_PROBE(64, KIND, 6) MOK_PROBE(64, KIND, 7)
 MOK_PROBE(64, 0, 0) MOK_PROBE(64, 0, 1) MOK_PROBE_KIND(64, 0) MOK_PROBE_KIND(64, 1) MOK_PROBE_KIND(64, 2)
-MOK_PROBE_PAIR(0) MOK_PROBE_PAIR(2)
+MOK_PROBE_PAIR(0) MOK_PROBE_PAIR(2) MOK_PROBE(64, 0, 8) MOK_PROBE(64, 2, 8)
 MOK_PROBE(128, 0, 0) MOK_PROBE(128, 0, 1) MOK_PROBE_KIND(128, 0) MOK_PROBE_KIND(128, 2)
 """
 
 
 def fits(n_acc: int, kind: str, mode: str) -> bool:
     """Whether a probe's registers fit: 128 accumulators leave no room for 32 scales (wgrad-regs) or
-    a second temporary (the pair modes), nor do two temporaries for 32 scales."""
+    a second temporary (the pair modes), nor do two temporaries for 32 scales; three warpgroups'
+    168 registers only 64 accumulators and the temporary beside scales read from shared memory."""
     pair = mode.startswith("pair")
+    if mode == "chain-three":
+        return n_acc == 64 and kind != "wgrad-regs"
     return not ((n_acc == 128 and (kind == "wgrad-regs" or pair)) or (kind == "wgrad-regs" and pair))
 
 
@@ -263,25 +269,27 @@ def main(argv=None) -> int:
                                                 f"--maxrregcount={MAX_REGISTERS}"))
     smem = 26 * 1024 + 1024
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    cycles = cp.zeros(2 * sms, dtype=cp.int64)
-    counts = cp.zeros(2 * sms, dtype=cp.int32)
-    sink = cp.zeros(256 * sms, dtype=cp.float32)
+    cycles = cp.zeros(MAX_WARPGROUPS * sms, dtype=cp.int64)
+    counts = cp.zeros(MAX_WARPGROUPS * sms, dtype=cp.int32)
+    sink = cp.zeros(128 * MAX_WARPGROUPS * sms, dtype=cp.float32)
     flop_group = 2 * 64 * 128 * 128
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, {sms} SMs, {args.iters} iterations")
-    print(f"{'acc':>3} {'kind':10} {'mode':9} {'wg0 cyc':>8} {'wg1 cyc':>8} {'tensor':>7}")
+    print(f"{'acc':>3} {'kind':10} {'mode':11} {'wg0 cyc':>8} {'wg1 cyc':>8} {'wg2 cyc':>8} {'tensor':>7}")
     for n_acc, kind, mode, name in kernels():
         kernel = module.get_function(name)
+        warpgroups = 3 if mode == "chain-three" else 2
+        counts.fill(0)
         for _ in range(2):  # the first launch warms up
-            kernel((sms,), (256,), (cp.int32(args.iters), cycles, counts, sink), shared_mem=smem)
+            kernel((sms,), (128 * warpgroups,), (cp.int32(args.iters), cycles, counts, sink), shared_mem=smem)
         cp.cuda.Device().synchronize()
         groups = 2 if mode.startswith("pair") else n_acc // 64  # a warpgroup's groups an iteration
-        ran = counts.get().reshape(sms, 2)
-        per = cycles.get().reshape(sms, 2) / (ran.clip(min=1) * groups)
-        wg = [statistics.median(per[:, w]) if ran[:, w].all() else None for w in (0, 1)]  # None: idle
+        ran = counts.get().reshape(sms, MAX_WARPGROUPS)
+        per = cycles.get().reshape(sms, MAX_WARPGROUPS) / (ran.clip(min=1) * groups)
+        wg = [statistics.median(per[:, w]) if ran[:, w].all() else None for w in range(MAX_WARPGROUPS)]  # None: idle
         mma_wgs = MMA_WARPGROUPS.get(mode, ())
         busy = len(mma_wgs) * flop_group / (max(wg[i] for i in mma_wgs) * 8192) if mma_wgs else 0.0
         shown = [f"{c:8.0f}" if c is not None else f"{'-':>8}" for c in wg]
-        print(f"{n_acc:3} {kind if not mode.startswith('mma') else '-':10} {mode:9} {shown[0]} {shown[1]} {busy:7.2f}")
+        print(f"{n_acc:3} {kind if not mode.startswith('mma') else '-':10} {mode:11} {' '.join(shown)} {busy:7.2f}")
     return 0
 
 
