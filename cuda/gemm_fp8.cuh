@@ -105,14 +105,14 @@ struct SharedStorage {
   char stages[kStages][kStageBytes];              // the ring: A codes, then B codes (or aux g, u)
   float staging[kConsumerWarps][kStagingFloats];  // epilogue staging, 2 KB per warp
   float scale_a[kStages][kBM];                    // each stage's A scales, one per tile row
-  float scale_b[kStages][kBN];                    // B's: [0], [1] per n128 half (row problems); per column (column_slot)
+  alignas(16) float scale_b[kStages][kBN];        // B's: [0], [1] per n128 half (row problems); per column
+                                                  // (column_slot; column_scales reads 16 bytes at a time)
   u64 full[kStages];                              // producer warps 0, 1 -> consumers: stage loaded
   u64 empty[kStages];                             // consumers (both CTAs) -> producers: stage free
   int abort;                                      // set in both CTAs by cta 0: skip every tile
   int num_tiles;                                  // the standalone kernel's pair tiles (SharedCountTiles)
   int pair_prefix[kMaxGroups + 1];                // row problems: pair rows before expert g
 };
-static_assert(__builtin_offsetof(SharedStorage, scale_b) % 16 == 0, "column_scales reads scale_b 16 bytes at a time");
 constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
 static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a block may have on sm_90");
 

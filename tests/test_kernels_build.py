@@ -294,3 +294,21 @@ def test_a_kept_compile_is_the_compilers_answer(tmp_path, monkeypatch):
     kept.write_bytes(bytes(data))
     assert compile_once("token.cuh", "compute_90a") == fresh
     assert kept.read_bytes() != bytes(data) and list(tmp_path.iterdir()) == [kept]  # replaced, no leftovers
+
+
+def test_no_offsetof_reaches_nvrtc():
+    """The GPU machine's NVRTC has no offsetof (`__builtin_offsetof` is an undefined identifier
+    there, though the CPU's NVRTC accepts it): a layout check using it compiles only outside NVRTC
+    (`#ifndef __CUDACC_RTC__`, as abi.cuh's), or every kernel of its header fails to build on the GPU."""
+    offenders = []
+    for header in sorted(build.CUDA_DIR.glob("*.cuh")):
+        stack = []  # one entry per open #if: whether it hides its lines from NVRTC
+        for number, line in enumerate(header.read_text().splitlines(), 1):
+            directive = line.strip()
+            if directive.startswith("#if"):
+                stack.append(directive.startswith("#ifndef __CUDACC_RTC__"))
+            elif directive.startswith("#endif"):
+                stack.pop()
+            elif "offsetof" in line and not line.lstrip().startswith("//") and not any(stack):
+                offenders.append(f"{header.name}:{number}")
+    assert not offenders, offenders
