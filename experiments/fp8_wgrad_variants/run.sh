@@ -11,6 +11,10 @@
 #   column-split   each consumer warpgroup takes an n128 half of the tile over all 128 rows (four
 #                  m64n64 MMA groups a k-block), its 32 column scales read once a k-block before the
 #                  MMAs (docs/design.md 5.8; ptxas spills 8 bytes outside the k-loop)
+#   tiles-128x128  a kernel of its own (cuda/gemm_fp8_wgrad.cuh): 128 x 128 tiles, 64 accumulators
+#                  and two temporaries a warpgroup, k-blocks in pairs (the second's MMAs under the
+#                  first's promotion), B shared by the cluster's CTAs in turns; tiles='128x256' the
+#                  tree's kernel (its GPU tests run both and compare their bits)
 # Rounds run the variants in turn (bench_gemm.py --precision fp8, the weight gradients of kimi-k2.7
 # and deepseek-v4-pro by default) and print each one's rows; --tests also runs
 # tests/test_gemm_fp8.py's GPU tests in every variant (4 pytest-xdist workers where xdist is
@@ -30,14 +34,15 @@ while [ $# -gt 0 ]; do
       if [ $# -lt 2 ] || [ -z "$2" ]; then echo "run.sh: --only needs a list of variants" >&2; exit 2; fi
       only=$2; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 bench=(scripts/bench_gemm.py --precision fp8 --shapes kimi-k2.7,deepseek-v4-pro --problems down_wgrad,gate_up_wgrad
        --routing uniform --iters 20 "$@")
-declare -A patches=([base]="" [strict-turns]="strict-turns" [column-split]="column-split")
-variants=(base strict-turns column-split)
+declare -A patches=([base]="" [strict-turns]="strict-turns" [column-split]="column-split"
+                   [tiles-128x128]="tiles-128x128")
+variants=(base strict-turns column-split tiles-128x128)
 if [ -n "$only" ]; then
   chosen=(base)
   for v in ${only//,/ }; do
