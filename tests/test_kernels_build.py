@@ -307,6 +307,8 @@ def test_no_offsetof_reaches_nvrtc():
             directive = line.strip()
             if directive.startswith("#if"):
                 stack.append(directive.startswith("#ifndef __CUDACC_RTC__"))
+            elif directive.startswith(("#else", "#elif")):
+                stack[-1] = False  # (what an #ifndef __CUDACC_RTC__ hid, its #else shows)
             elif directive.startswith("#endif"):
                 stack.pop()
             elif "offsetof" in line and not line.lstrip().startswith("//") and not any(stack):

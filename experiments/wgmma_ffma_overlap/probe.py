@@ -114,8 +114,8 @@ __device__ __forceinline__ void promote(float* acc, const float (&t)[64], const 
 }
 
 // kMode: MODES' index (0 mma, 1 mma-two, 2 promote, 3 both, 4 chain, 5 chain-one, 6 pair, 7
-// pair-one, 8 chain-three: 384 threads); kKind: KINDS' index; kAcc / 64 groups an iteration (pair modes: 2 and kAcc 64), group
-// g promoted into accumulators 64 g .. 64 g + 63.
+// pair-one, 8 chain-three: 384 threads); kKind: KINDS' index; kAcc / 64 groups an iteration (pair
+// modes: 2 and kAcc 64), group g promoted into accumulators 64 g .. 64 g + 63.
 template <int kAcc, int kKind, int kMode>
 __device__ __forceinline__ void probe(int iters, long long* cycles, int* counts, float* sink) {
   constexpr bool kPair = kMode == 6 || kMode == 7;
