@@ -1,6 +1,7 @@
 """CPU checks of the GPU experiments under experiments/ (that their patches apply: test_house.py):
-the probe's CUDA compiles against today's headers, with nvcc as NVRTC would on the GPU machine,
-into kernels whose timings mean what the probe says."""
+the probe's CUDA compiles against today's headers with nvcc (NVRTC on the GPU machine may refuse
+what nvcc takes: tests/test_kernels_build.py's offsetof check), into kernels whose timings mean what
+the probe says."""
 
 import importlib.util
 import re
@@ -46,3 +47,7 @@ def test_the_wgmma_ffma_probe_compiles_every_kernel_it_runs_as_it_means(tmp_path
         if not mode.startswith("mma"):  # it promotes: its temporary and accumulators live in registers
             used = int(re.search(r"Used (\d+) registers", info).group(1))
             assert used >= 64 + n_acc, f"{name} uses {used} registers: a constant was folded into its promotion?"
+        # within what a consumer could have (launch bounds would override -maxrregcount), and the SM's
+        used = int(re.search(r"Used (\d+) registers", info).group(1))
+        threads = 128 * (3 if mode == "chain-three" else 2)
+        assert used <= probe.MAX_REGISTERS and used * threads <= 65536, f"{name} uses {used} registers"
