@@ -44,10 +44,9 @@ def test_the_wgmma_ffma_probe_compiles_every_kernel_it_runs_as_it_means(tmp_path
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
         assert spills == [("0", "0")], f"{name} spills (its timings would be the spills'): {spills}"
         assert re.findall(r"(\d+) bytes stack frame", info) == ["0"], f"{name} keeps an array in local memory"
+        used = int(re.search(r"Used (\d+) registers", info).group(1))
         if not mode.startswith("mma"):  # it promotes: its temporary and accumulators live in registers
-            used = int(re.search(r"Used (\d+) registers", info).group(1))
             assert used >= 64 + n_acc, f"{name} uses {used} registers: a constant was folded into its promotion?"
         # within what a consumer could have (launch bounds would override -maxrregcount), and the SM's
-        used = int(re.search(r"Used (\d+) registers", info).group(1))
-        threads = 128 * (3 if mode == "chain-three" else 2)
+        threads = 128 * probe.warpgroups(mode)
         assert used <= probe.MAX_REGISTERS and used * threads <= 65536, f"{name} uses {used} registers"

@@ -236,6 +236,11 @@ MOK_PROBE_KIND128(0) MOK_PROBE_KIND128(2)
 """
 
 
+def warpgroups(mode: str) -> int:
+    """Warpgroups of a mode's CTA (the kernel's launch bounds say the same for chain-three)."""
+    return 3 if mode == "chain-three" else 2
+
+
 def fits(n_acc: int, kind: str, mode: str) -> bool:
     """Whether a probe's registers fit: 128 accumulators leave no room for 32 scales (wgrad-regs) or
     a second temporary (the pair modes), nor do two temporaries for 32 scales; three warpgroups'
@@ -288,10 +293,9 @@ def main(argv=None) -> int:
     print(f"{'acc':>3} {'kind':10} {'mode':11} {'wg0 cyc':>8} {'wg1 cyc':>8} {'wg2 cyc':>8} {'tensor':>7}")
     for n_acc, kind, mode, name in kernels():
         kernel = module.get_function(name)
-        warpgroups = 3 if mode == "chain-three" else 2
         counts.fill(0)
         for _ in range(2):  # the first launch warms up
-            kernel((sms,), (128 * warpgroups,), (cp.int32(args.iters), cycles, counts, sink), shared_mem=smem)
+            kernel((sms,), (128 * warpgroups(mode),), (cp.int32(args.iters), cycles, counts, sink), shared_mem=smem)
         cp.cuda.Device().synchronize()
         groups = 2 if mode.startswith("pair") else n_acc // 64  # a warpgroup's groups an iteration
         ran = counts.get().reshape(sms, MAX_WARPGROUPS)
