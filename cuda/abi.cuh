@@ -420,10 +420,11 @@ struct QuantParams {
   i64 x_map;  // the segment column quantizer: x's CUtensorMap (global memory) as [rows, cols], boxes of B rows x kQuantColumnItemBytes bytes, 128B swizzle (the other quantizers: unused)
   i64 error;  // the segment column quantizer: ErrorRecord* its bounded waits report into; a launch given a record that holds an error quantizes nothing (the other quantizers: unused)
   i64 timeout_ns;  // the segment column quantizer: the bound of each wait for a staged item
+  i64 out;  // dequantize_segment_rows: bf16 [rows, cols], the dequantized rows (the others: unused)
 };
-static_assert(sizeof(QuantParams) == 128, "QuantParams: size differs from mok_proto/abi.py");
+static_assert(sizeof(QuantParams) == 136, "QuantParams: size differs from mok_proto/abi.py");
 #ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(QuantParams, batch) == 0 && __builtin_offsetof(QuantParams, rows) == 8 && __builtin_offsetof(QuantParams, cols) == 16 && __builtin_offsetof(QuantParams, pow2) == 24 && __builtin_offsetof(QuantParams, x) == 32 && __builtin_offsetof(QuantParams, codes) == 40 && __builtin_offsetof(QuantParams, scales) == 48 && __builtin_offsetof(QuantParams, codes_t) == 56 && __builtin_offsetof(QuantParams, scales_t) == 64 && __builtin_offsetof(QuantParams, x_scales) == 72 && __builtin_offsetof(QuantParams, num_groups) == 80 && __builtin_offsetof(QuantParams, row_offsets) == 88 && __builtin_offsetof(QuantParams, row_counts) == 96 && __builtin_offsetof(QuantParams, x_map) == 104 && __builtin_offsetof(QuantParams, error) == 112 && __builtin_offsetof(QuantParams, timeout_ns) == 120, "QuantParams: field offsets differ from mok_proto/abi.py");
+static_assert(__builtin_offsetof(QuantParams, batch) == 0 && __builtin_offsetof(QuantParams, rows) == 8 && __builtin_offsetof(QuantParams, cols) == 16 && __builtin_offsetof(QuantParams, pow2) == 24 && __builtin_offsetof(QuantParams, x) == 32 && __builtin_offsetof(QuantParams, codes) == 40 && __builtin_offsetof(QuantParams, scales) == 48 && __builtin_offsetof(QuantParams, codes_t) == 56 && __builtin_offsetof(QuantParams, scales_t) == 64 && __builtin_offsetof(QuantParams, x_scales) == 72 && __builtin_offsetof(QuantParams, num_groups) == 80 && __builtin_offsetof(QuantParams, row_offsets) == 88 && __builtin_offsetof(QuantParams, row_counts) == 96 && __builtin_offsetof(QuantParams, x_map) == 104 && __builtin_offsetof(QuantParams, error) == 112 && __builtin_offsetof(QuantParams, timeout_ns) == 120 && __builtin_offsetof(QuantParams, out) == 128, "QuantParams: field offsets differ from mok_proto/abi.py");
 #endif
 
 }  // namespace mok::fp8

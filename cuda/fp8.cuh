@@ -12,6 +12,8 @@
 //                             counts on the device); the columns' last block of a segment reads
 //                             the rows past its count as zero. In may also be unsigned char for
 //                             the columns: e4m3 codes with their 1 x B scales, dequantized first.
+//   dequantize_segment_rows   codes, scales (1 x B) -> bf16(fl32(decode(code) * scale)) [rows, cols]
+//                             on the segments' rows (fp8.dequantize_rows rounded to bf16)
 // In: float (fp32) or unsigned short (bf16 bits). Each reads rows * cols * sizeof(In) bytes and
 // writes rows * cols (twice with the transposed codes) + 4 rows * cols / B; no FLOPs to speak of.
 // Shapes are the wrapper's business (mok_proto/kernels/fp8.py): rows, cols multiples of B (the
@@ -644,6 +646,43 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_blocks(const QuantPara
     for (int j = 0; j < kRowsPerWarp; ++j) {
       const int c = warp + kWarps * j;
       *reinterpret_cast<u32*>(codes_t + c * rows) = *reinterpret_cast<const u32*>(&staged[c][4 * lane]);
+    }
+  }
+}
+
+// fp8.dequantize_rows of the segments' rows rounded to bf16 into p->out (both roundings to nearest
+// even, subnormals kept; NaN codes give NaN); rows outside every segment are neither read nor
+// written. grid (any, num_groups) as quantize_segment_rows: the threads of blockIdx.y's CTAs take
+// its 16-code chunks in turn (16 divides B: one scale a chunk), kDequantChunksInFlight each in flight.
+constexpr int kDequantChunksInFlight = 4;
+__global__ void __launch_bounds__(kQuantThreads) dequantize_segment_rows(const QuantParams* p) {
+  const Segment seg = segment_of(p, blockIdx.y);
+  const i64 per_row = p->cols / 16, end = (seg.first + seg.count) * per_row;
+  const uint4* codes = reinterpret_cast<const uint4*>(p->codes);
+  const float* scales = reinterpret_cast<const float*>(p->scales);
+  uint4* out = reinterpret_cast<uint4*>(p->out);
+  const Workers threads = grid_threads();
+  for (i64 first = seg.first * per_row + threads.id; first < end; first += kDequantChunksInFlight * threads.count) {
+    uint4 c[kDequantChunksInFlight];
+    float s[kDequantChunksInFlight];
+#pragma unroll
+    for (int u = 0; u < kDequantChunksInFlight; ++u) {
+      const i64 i = first + u * threads.count;
+      if (i < end) c[u] = codes[i], s[u] = scales[i / (kQuantBlock / 16)];
+    }
+#pragma unroll
+    for (int u = 0; u < kDequantChunksInFlight; ++u) {
+      const i64 i = first + u * threads.count;
+      if (i >= end) break;
+      const u32 w[4] = {c[u].x, c[u].y, c[u].z, c[u].w};
+      float f[2][8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 d = decode_e4m3x2(w[j / 2] >> (16 * (j % 2)));
+        f[j / 4][2 * (j % 4)] = keep_mul(d.x, s[u]), f[j / 4][2 * (j % 4) + 1] = keep_mul(d.y, s[u]);
+      }
+      out[2 * i] = pack8(f[0]);
+      out[2 * i + 1] = pack8(f[1]);
     }
   }
 }

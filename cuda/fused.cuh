@@ -160,7 +160,7 @@ __device__ __forceinline__ bool produce_fp8_task(const Ctx& c, Storage& ss, Ring
 template <int kP, bool kFp8, class Storage>
 __device__ __forceinline__ bool produce_task(const Ctx& c, Storage& ss, Ring& ring, const Task& t, int index,
                                              int cta, int wg_tid, bool ok) {
-  if constexpr (kFp8 && Traits<kP>::kRowProblem) {  // (no routed weight-gradient tile in an FP8 plan)
+  if constexpr (kFp8 && Traits<kP>::kRowProblem) {  // (an FP8 plan's routed weight-gradient tiles are BF16's)
     if (routed_rows(t.kind)) return produce_fp8_task<kP>(c, ss, ring, t, index, cta, wg_tid, ok);
   }
   const GemmParams* p = c.gemm + slot_of(t.kind);
@@ -499,8 +499,8 @@ __global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::k
   run_fused<0, true>(fp);
 }
 
-// The backward's data gradients with FP8 routed experts: the plan holds no routed weight-gradient
-// tile (their operands' transposed quantizations run after the kernel, with those GEMMs).
+// The backward with FP8 routed experts: FP8 data-gradient tiles; FP8 weight gradients run after the
+// kernel (with their operands' transposed quantizations), BF16 ones (wgrad_precision bf16) may run inside.
 __global__ void __cluster_dims__(gemm::kCluster, 1, 1) __launch_bounds__(gemm::kThreads, 1)
     fused_backward_fp8(const FusedParams* fp) {
   run_fused<1, true>(fp);

@@ -527,6 +527,7 @@ QUANT_PARAMS = Struct("QuantParams", (
     ("i64", "error", "the segment column quantizer: ErrorRecord* its bounded waits report into; a launch given a "
                      "record that holds an error quantizes nothing (the other quantizers: unused)"),
     ("i64", "timeout_ns", "the segment column quantizer: the bound of each wait for a staged item"),
+    ("i64", "out", "dequantize_segment_rows: bf16 [rows, cols], the dequantized rows (the others: unused)"),
 ), namespace="mok::fp8")
 
 STRUCTS = (ERROR_RECORD, COMM_PARAMS, GEMM_PARAMS, FP8_GEMM_PARAMS, TOKEN_PARAMS, TASK, COUNTER, FUSED_PARAMS,

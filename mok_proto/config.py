@@ -140,6 +140,9 @@ class RunConfig:
     precision: str = "bf16"  # the routed experts' (PRECISIONS); bf16 on the CPU: the layer's dtype throughout
     shared_precision: str = "bf16"  # the shared expert's; fp8 only with precision fp8
     dispatch_dtype: str = "bf16"  # with precision fp8, what dispatch moves: bf16 rows or e4m3 codes + fp32 scales
+    # the routed weight gradients' (None: precision's); bf16 with precision fp8: from the bf16 rows the
+    # expert owner holds, as Megatron's --no-fp8-wgrad (docs/design.md 5.7)
+    wgrad_precision: str | None = None
 
     def __post_init__(self):
         _positive(self, "num_ranks")
@@ -164,8 +167,18 @@ class RunConfig:
                 raise ValueError(f"{name} must be one of {', '.join(PRECISIONS)}, got {getattr(self, name)!r}")
         if self.precision == "bf16" and (self.shared_precision, self.dispatch_dtype) != ("bf16", "bf16"):
             raise ValueError("shared_precision and dispatch_dtype may be fp8 only with precision fp8")
+        if self.wgrad_precision is not None and self.wgrad_precision not in PRECISIONS:
+            raise ValueError(f"wgrad_precision must be None or one of {', '.join(PRECISIONS)}, "
+                             f"got {self.wgrad_precision!r}")
+        if self.precision == "bf16" and self.wgrad_precision == "fp8":
+            raise ValueError("wgrad_precision may be fp8 only with precision fp8")
         if self.precision == "fp8" and self.dtype != "float32":
             raise ValueError(f"precision fp8 stores bf16 and accumulates in fp32: dtype must be float32, got {self.dtype}")
+
+    @property
+    def fp8_wgrad(self) -> bool:
+        """The routed weight gradients run in FP8 (transposed quantizations of their operands)."""
+        return (self.wgrad_precision or self.precision) == "fp8"
 
     @property
     def num_local_experts(self) -> int:

@@ -69,6 +69,8 @@ def parse_args(argv):
                    "(block-scaled e4m3, docs/design.md 5.6-5.7; errors as err_rel_rms; default shape tile)")
     p.add_argument("--dispatch-dtype", default="bf16", help="with --precision fp8: what the dispatch moves, bf16 "
                    "rows (quantized where they land) or fp8 (e4m3 codes + scales, quantized by the token owner)")
+    p.add_argument("--wgrad-precision", default=None, help="with --precision fp8: the routed weight gradients' "
+                   "precision, fp8 (default) or bf16 (from the bf16 rows the layer holds, docs/design.md 5.7)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds any rank waits for a peer; a stopped or "
                    f"dead peer ends the job (exit 4) about this long after it stopped (default 30, at most "
                    f"{MAX_TIMEOUT_S:g})")
@@ -328,7 +330,7 @@ def main(argv=None, on_step=None) -> int:
                                  "CPU backend's")
         run = RunConfig(shape, num_ranks=args.virtual or _launcher_size(), policy=parse_policy(args.policy),
                         seed=args.seed, dtype=args.dtype, timeout_s=args.timeout, precision=args.precision,
-                        dispatch_dtype=args.dispatch_dtype)
+                        dispatch_dtype=args.dispatch_dtype, wgrad_precision=args.wgrad_precision)
         check_fits(run, backend, _ranks_here())
     except ValueError as e:
         if _launcher_rank() == 0:  # one line per job, not one per rank
@@ -382,7 +384,8 @@ def print_rows(args, backend, dtype, run, rows, ok):
     print(f"# policy {rows[0]['policy']}")
     metric = "rel_rms_err" if dtype == "fp8" else "max_rel_err"
     if dtype == "fp8":
-        print(f"# routed experts fp8 (e4m3, 1x128 / 128x128 scales), dispatch {run.dispatch_dtype}; "
+        print(f"# routed experts fp8 (e4m3, 1x128 / 128x128 scales), dispatch {run.dispatch_dtype}, "
+              f"weight gradients {'fp8' if run.fp8_wgrad else 'bf16'}; "
               f"err_rel_rms per array against the float64 reference on the bf16 inputs")
     print(f"{'rank':>4} {'fwd_ms':>8} {'bwd_ms':>8} {metric:>11} {'(array)':>14}  "
           f"{'sha256(out)':<16}  {'sha256(grads)':<16}")

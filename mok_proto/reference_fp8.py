@@ -27,6 +27,11 @@ blocks of B rows from its first row, its last block zero-padded: which rows shar
 on that order (the data path, row by row, does not). Weights are rounded to bf16 and quantized
 once (BxB blocks, read in both orientations). The shared expert is bf16 (fp32 GEMMs of bf16
 values) unless shared_precision="fp8": then it is one more expert, over the N token rows.
+
+wgrad_precision="bf16" (Megatron's --no-fp8-wgrad): the routed weight gradients are fp32 GEMMs of
+the bf16 values h, dy, dg, du and the x rows the expert owner holds (the dispatched bf16 rows, or
+with FP8 dispatch its dequantized codes rounded to bf16), with no transposed quantization; then
+dWg and dWu depend on the dispatch dtype.
 """
 
 from __future__ import annotations
@@ -177,6 +182,32 @@ def add_weight_grads(grads: dict, xq, h, dy, dg, du):
     grads["w_up"][...] = scaled_matmul(xt, dut, acc=grads["w_up"])
 
 
+def blocked_matmul_t(a, b, acc) -> np.ndarray:
+    """acc [M,N] (float32) + a^T b for a [n,M], b [n,N] (bf16 values): a bf16 weight gradient's
+    float32 mirror, B-row blocks from the first row, each block's sum S exact in float64 (products
+    of bf16 values, unless a block spans more than 2^30 in magnitude) and added as fl32(acc + S),
+    so runs of whole blocks in order give the bits of one run."""
+    acc = np.array(acc, np.float32)
+    for lo in range(0, a.shape[0], B):
+        s = a[lo:lo + B].astype(np.float64).T @ b[lo:lo + B].astype(np.float64)
+        acc = (acc + s).astype(np.float32)
+    return acc
+
+
+def add_weight_grads_bf16(grads: dict, xw, h, dy, dg, du):
+    """add_weight_grads with wgrad_precision "bf16": the same run of rows, no quantization; xw the
+    x rows the expert owner holds in bf16 (wgrad_rows)."""
+    grads["w_down"][...] = blocked_matmul_t(h, dy, grads["w_down"])
+    grads["w_gate"][...] = blocked_matmul_t(xw, dg, grads["w_gate"])
+    grads["w_up"][...] = blocked_matmul_t(xw, du, grads["w_up"])
+
+
+def wgrad_rows(x_rows, xq, dispatch_dtype: str) -> np.ndarray:
+    """The x rows a bf16 weight gradient reads (bf16 values): the dispatched bf16 rows, or with
+    fp8 dispatch (the expert owner holds only codes) the dequantized codes rounded to bf16."""
+    return round_bf16(fp8.dequantize_rows(*xq)) if dispatch_dtype == "fp8" else x_rows
+
+
 # ---------------------------------------------------------------------------------------------
 # The shared expert: bf16 (fp32 GEMMs of bf16 values) or one more FP8 expert
 # ---------------------------------------------------------------------------------------------
@@ -224,13 +255,18 @@ def check_fp8_shape(hidden: int, ffn: int, shared_ffn: int | None) -> None:
 # ---------------------------------------------------------------------------------------------
 # The layer
 # ---------------------------------------------------------------------------------------------
-def forward(x, topk_idx, topk_weights, weights, shared_precision: str = "bf16", slot_order=None):
+def forward(x, topk_idx, topk_weights, weights, shared_precision: str = "bf16", slot_order=None,
+            wgrad_precision: str = "fp8", dispatch_dtype: str = "bf16"):
     """x [N,H], topk_idx/topk_weights [N,K], weights (reference.WEIGHT_KEYS) -> (out [N,H], cache),
     the routed experts FP8. x and the weights are rounded to bf16 first (the layer's inputs).
     slot_order: (order [N*K], offsets [E+1]), every expert's slots in the order its weight
     gradients sum them (schedule.expert_slot_order: the distributed layer's receive rows); default
-    reference.group_slots_by_expert (slots in increasing order, what one rank holds)."""
+    reference.group_slots_by_expert (slots in increasing order, what one rank holds).
+    wgrad_precision "bf16": the routed weight gradients from bf16 operands (add_weight_grads_bf16),
+    whose x rows depend on dispatch_dtype (wgrad_rows); "fp8" reads neither from dispatch_dtype."""
     check_precision(shared_precision, "shared_precision")
+    check_precision(wgrad_precision, "wgrad_precision")
+    check_precision(dispatch_dtype, "dispatch_dtype")
     x, topk_idx, topk_weights, has_shared = reference.check_inputs(x, topk_idx, topk_weights, weights)
     num_tokens, top_k = topk_idx.shape
     num_experts, hidden, ffn = np.shape(weights["w_gate"])
@@ -256,9 +292,10 @@ def forward(x, topk_idx, topk_weights, weights, shared_precision: str = "bf16", 
             continue
         xq = (xq_tokens[0][slots // top_k], xq_tokens[1][slots // top_k])
         y_slots[slots], (g, u, h) = expert_forward(xq, expert_weights(wq, e))
-        saved[e] = (xq, g, u, h)
+        saved[e] = (xq if wgrad_precision == "fp8" else wgrad_rows(x[slots // top_k], xq, dispatch_dtype), g, u, h)
     out = round_bf16(reference.weighted_sum(base, y_slots, topk_weights))
     cache = dict(topk_idx=topk_idx, topk_weights=topk_weights, weights=w, wq=wq, shared_wq=shared_wq, order=order,
+                 wgrad_precision=wgrad_precision,
                  offsets=offsets, saved=saved, shared_saved=shared_saved, y_slots=y_slots, hidden=hidden)
     return out, cache
 
@@ -274,11 +311,12 @@ def backward(dout, cache) -> dict:
     dy_slots = round_bf16(reference.scale_to_slots(dout, cache["topk_weights"]))  # [N*K, H]
     dx_slots = np.zeros_like(dy_slots)
     grads = {key: np.zeros(wq[key][0].shape, np.float32) for key in validate.WEIGHT_KEYS}
-    for e, (xq, g, u, h) in cache["saved"].items():
+    add = add_weight_grads if cache["wgrad_precision"] == "fp8" else add_weight_grads_bf16
+    for e, (xw, g, u, h) in cache["saved"].items():  # xw: xq, or the bf16 weight gradients' x rows
         slots = order[offsets[e]:offsets[e + 1]]
         dy = dy_slots[slots]
         dx_slots[slots], dg, du = expert_backward(dy, g, u, expert_weights(wq, e))
-        add_weight_grads({key: grads[key][e] for key in validate.WEIGHT_KEYS}, xq, h, dy, dg, du)
+        add({key: grads[key][e] for key in validate.WEIGHT_KEYS}, xw, h, dy, dg, du)
     if cache["shared_saved"] is not None:
         base, shared_grads = shared_backward(dout, cache["shared_saved"], cache["weights"], cache["shared_wq"])
         grads.update(shared_grads)

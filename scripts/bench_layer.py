@@ -1,4 +1,4 @@
-"""python scripts/bench_layer.py [--shapes kimi-k2.7,...] [--iters 20] [--warmup 5] [--sweep] [--link-gbps 368,900] [--routing hot:0.25] [--precision fp8 [--dispatch-dtype bf16,fp8]]
+"""python scripts/bench_layer.py [--shapes kimi-k2.7,...] [--iters 20] [--warmup 5] [--sweep] [--link-gbps 368,900] [--routing hot:0.25] [--precision fp8 [--dispatch-dtype bf16,fp8] [--wgrad-precision fp8,bf16]]
 
 One rank's share of an EP=64 MoE layer on one GPU: our layer against the unfused PyTorch pipeline,
 forward and backward, sequential and fused (the command line: mok_proto.bench.layer_cli, whose doc

@@ -580,10 +580,10 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
     calls, reports = [], []
 
     def fake_ours(shape, data, iters, warmup, settings, trace_to, index=None, link=None, macrobatch_rows=None,
-                  precision=None, dispatch_dtype=None):
+                  precision=None, dispatch_dtype=None, wgrad_precision=None):
         calls.append(dict(shape=shape.name, data=data, iters=iters, warmup=warmup, settings=settings,
                           trace_to=trace_to, index=index, link=link, ring=macrobatch_rows,
-                          run=(precision, dispatch_dtype)))
+                          run=(precision, dispatch_dtype), wgrad=wgrad_precision))
         return no_link if link is None else measured
 
     monkeypatch.setattr(layer_run, "ours", fake_ours)
@@ -645,6 +645,22 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
         reports.clear()
         layer_run.run_shape("kimi-k2.7", args, reports.append)
         assert [rep.failed for rep in reports][-1] == ["kimi-k2.7 link (bf16 dispatch)"]
+        # and both weight-gradient precisions of one dispatch dtype: each its layer, timelines and rows
+        from mok_proto.bench.layer_rows import Fp8Run
+
+        monkeypatch.setattr(layer_run, "fp8_run", lambda *a: Fp8Run("fp8", "fp8", None, "no call", {}, "reference"))
+        monkeypatch.setattr(layer_run, "shape_report", lambda name, shape, measured, base, sched, bars, fields, fp8:
+                            Report(rows=[("bench_layer", {"schedule": "sequential", "wgrad_precision": fp8.wgrad_precision})]))
+        calls.clear()
+        reports.clear()
+        args.dispatch_dtypes, args.wgrad_precisions, args.links = ["fp8"], ["fp8", "bf16"], []
+        layer_run.run_shape("kimi-k2.7", args, reports.append)
+        ours_calls = [c for c in calls if isinstance(c, dict)]
+        assert [(c["run"][1], c["wgrad"]) for c in ours_calls] == [("fp8", "fp8"), ("fp8", "bf16")]
+        assert [c["index"].get("wgrad_precision") for c in ours_calls] == ["fp8", "bf16"]
+        assert [c["trace_to"] for c in ours_calls] == [
+            f"results/timelines/timeline_fused_{{pass_}}_kimi-k2.7_abc1234_{w}-wgrad.jsonl" for w in ("fp8", "bf16")]
+        assert [r["wgrad_precision"] for rep in reports for _, r in rep.rows] == ["fp8", "bf16"]
 
 
 def test_macrobatch_rows_option_and_replay_ms():

@@ -32,6 +32,8 @@ def test_precision_options():
     assert layer_cli.parse_args(["--precision", "fp8"]).dispatch_dtypes == ["bf16"]
     both = layer_cli.parse_args(["--precision", "fp8", "--dispatch-dtype", "fp8, bf16,fp8"])
     assert both.dispatch_dtypes == ["fp8", "bf16"]  # in the order given, each once
+    assert layer_cli.parse_args(["--precision", "fp8"]).wgrad_precisions == [None]  # the layer's default
+    assert layer_cli.parse_args(["--precision", "fp8", "--wgrad-precision", "bf16,fp8"]).wgrad_precisions == ["bf16", "fp8"]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -40,6 +42,8 @@ def test_precision_options():
     (["--precision", "fp16"], "argument --precision: invalid choice: 'fp16'"),
     (["--precision", "fp8", "--dispatch-dtype", "bf16,e5m2"], "--dispatch-dtype: 'e5m2' is not one of bf16, fp8"),
     (["--dispatch-dtype", "bf16,fp8"], "--dispatch-dtype fp8 needs --precision fp8"),
+    (["--wgrad-precision", "bf16"], "--wgrad-precision needs --precision fp8"),
+    (["--precision", "fp8", "--wgrad-precision", "fp8,fp16"], "--wgrad-precision: 'fp16' is not one of bf16, fp8"),
 ])
 def test_precision_options_refused_in_one_line(args, message):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_layer.py"), *args], capture_output=True,

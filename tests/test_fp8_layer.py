@@ -40,10 +40,18 @@ def test_fp8_layer_dispatch_dtypes_bitwise_equal_and_match_reference(shape, rout
     ({"shared_precision": "fp8"}, "only with precision fp8"),
     ({"precision": "fp8", "dtype": "float64"}, "dtype must be float32"),
     ({"precision": "fp8", "dispatch_dtype": "e4m3"}, "dispatch_dtype must be one of"),
+    ({"wgrad_precision": "fp8"}, "wgrad_precision may be fp8 only with precision fp8"),
+    ({"precision": "fp8", "wgrad_precision": "fp16"}, "wgrad_precision must be None or one of bf16, fp8"),
 ])
 def test_run_config_refuses_bad_precisions(fields, message):
     with pytest.raises(ValueError, match=message):
         RunConfig(SHAPE, 1, **fields)
+
+
+def test_fp8_wgrad_follows_precision_unless_set():
+    assert not RunConfig(SHAPE, 1).fp8_wgrad and not RunConfig(SHAPE, 1, wgrad_precision="bf16").fp8_wgrad
+    assert RunConfig(SHAPE, 1, precision="fp8").fp8_wgrad
+    assert not RunConfig(SHAPE, 1, precision="fp8", wgrad_precision="bf16").fp8_wgrad
 
 
 def _fake_heap():

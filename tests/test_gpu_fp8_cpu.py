@@ -33,22 +33,28 @@ READS = {
     kg.gate_up_bwd: [("q", "dg"), ("q", "du"), "wq_gate", "wq_up"],
     kg.down_wgrad: [("qT", "h"), ("qT", "dy")],
     kg.gate_up_wgrad: [("qT", ("deq", ("q", "x"))), ("qT", "dg"), ("qT", "du")],
+    # wgrad_precision bf16: the BF16 layer's GEMMs on the bf16 rows (x: recv, or fp8 dispatch's
+    # dequantized codes rounded to bf16)
+    gemm.down_wgrad: ["h", "dy"],
+    gemm.gate_up_wgrad: ["x_bf16", "dg", "du"],
 }
 WRITES = {kg.gate_up: {5: "h", 6: ("q", "h"), "g": "g", "u": "u"}, kg.down: {4: "y"},
           kg.down_bwd: {6: "dg", 7: "du", "dgq": ("q", "dg"), "duq": ("q", "du")}, kg.gate_up_bwd: {6: "dx"},
-          kg.down_wgrad: {4: "dWd"}, kg.gate_up_wgrad: {5: "dWg", 6: "dWu"}}
+          kg.down_wgrad: {4: "dWd"}, kg.gate_up_wgrad: {5: "dWg", 6: "dWu"},
+          gemm.down_wgrad: {4: "dWd"}, gemm.gate_up_wgrad: {5: "dWg", 6: "dWu"}}
 
 
 def _address(a) -> int:
     return a.__array_interface__["data"][0]
 
 
-def _stand_in(dispatch="bf16"):
+def _stand_in(dispatch="bf16", wgrad=None):
     """What Fp8Experts reads of a layer, its buffers NumPy arrays of the layer's FP8 layout."""
     bufs = {name: np.zeros(shp, dt)
             for name, (shp, dt) in layout.layer_row_layout(SHAPE, EL, RING, "fp8", dispatch).items()}
     rows = (np.zeros(EL, np.int32), np.zeros(EL, np.int32))
-    layer = SimpleNamespace(run=RunConfig(SHAPE, R, precision="fp8", dispatch_dtype=dispatch), shape=SHAPE,
+    run = RunConfig(SHAPE, R, precision="fp8", dispatch_dtype=dispatch, wgrad_precision=wgrad)
+    layer = SimpleNamespace(run=run, shape=SHAPE,
                             ring_rows=RING, error=SiteRecord("layer"), ranks=[0], _b=lambda key, r: bufs[key],
                             _rows=lambda r, turn=0: rows)
     return layer, bufs, rows
@@ -57,7 +63,8 @@ def _stand_in(dispatch="bf16"):
 class Trace:
     """Runs a pass's steps on the stand-in and follows what each buffer holds."""
 
-    def __init__(self, bufs, rows):
+    def __init__(self, bufs, rows, x_bf16="x"):
+        self.x_bf16 = x_bf16  # what a bf16 weight gradient's x rows hold
         self.names = {_address(a): name for name, a in bufs.items()}
         self.rows = rows
         self.holds = {name: name.removesuffix("_s") for name in layout.FP8_WEIGHTS}  # a weight's codes and scales
@@ -90,24 +97,30 @@ class Trace:
                     src = ("deq", self.pair((x, kwargs["x_scales"])))
                 self.write((codes, scales), ("q" if fn is kq.quantize_segment_rows else "qT", src))
                 continue
+            if fn is kq.dequantize_segment_rows:
+                codes, scales, _, _, out = args
+                self.write(out, ("bf16", ("deq", self.pair((codes, scales)))))
+                continue
             reads = [self.read(a) for a in args[:len(READS[fn])]]
-            assert reads == READS[fn], (fn.__name__, reads)
+            assert reads == [self.x_bf16 if r == "x_bf16" else r for r in READS[fn]], (fn.__name__, reads)
             for where, what in WRITES[fn].items():
                 if isinstance(where, int) or where in kwargs:  # dgq, duq: only where down_bwd writes them
                     self.write(args[where] if isinstance(where, int) else kwargs[where], what)
             self.gemms.append((fn, kwargs.get("accumulate")))
 
 
+@pytest.mark.parametrize("wgrad", [None, "bf16"])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
-def test_every_routed_gemm_reads_the_quantization_the_design_names(dispatch, fused, no_launch):
+def test_every_routed_gemm_reads_the_quantization_the_design_names(dispatch, fused, wgrad, no_launch):
     """A forward and a backward turn, the backward's codes reusing the ring's (h^T in hq, dy^T then
     x^T in dyq, dg^T, du^T in dgq, duq): every GEMM reads design.md 5.7's operands, each written by
     an earlier launch and not yet overwritten; a later turn's weight gradients accumulate. dgq, duq
-    come from the row quantizer (sequential) or down_bwd's epilogue (fused)."""
-    layer, bufs, rows = _stand_in(dispatch)
+    come from the row quantizer (sequential) or down_bwd's epilogue (fused). wgrad_precision bf16:
+    the BF16 weight gradients read the bf16 rows (x: recv, or fp8 dispatch's deq(xq) in y)."""
+    layer, bufs, rows = _stand_in(dispatch, wgrad)
     experts = gpu_fp8.Fp8Experts(layer)
-    trace = Trace(bufs, rows)
+    trace = Trace(bufs, rows, "x" if dispatch == "bf16" else ("bf16", ("deq", ("q", "x"))))
     for turn, accumulate in ((0, False), (1, True)):  # a ring's second turn replays the forward's gate/up
         if dispatch == "bf16":
             trace.write(bufs["recv"], "x")  # the dispatch's bf16 rows
@@ -119,10 +132,11 @@ def test_every_routed_gemm_reads_the_quantization_the_design_names(dispatch, fus
         for slot in SLOTS["bwd"]:
             steps = experts.steps("bwd", slot, 0, turn, accumulate, fused=fused)
             assert fused or all("dgq" not in kwargs for _, _, kwargs in steps), "sequential: dgq by the quantizer"
-            # every launch that waits reports into the layer's record (the row quantizer has no wait)
-            assert all(kwargs.get("error") is layer.error for fn, _, kwargs in steps if fn is not kq.quantize_segment_rows)
+            # every launch that waits reports into the layer's record (the row quantizers have no wait)
+            assert all(kwargs.get("error") is layer.error for fn, _, kwargs in steps
+                       if fn not in (kq.quantize_segment_rows, kq.dequantize_segment_rows))
             trace.run(steps)
-    wgrads = (kg.down_wgrad, kg.gate_up_wgrad)
+    wgrads = (kg.down_wgrad, kg.gate_up_wgrad) if wgrad is None else (gemm.down_wgrad, gemm.gate_up_wgrad)
     want = [kg.gate_up, kg.down, kg.down_bwd, kg.gate_up_bwd, *wgrads, kg.gate_up, kg.down_bwd, kg.gate_up_bwd, *wgrads]
     assert [fn for fn, _ in trace.gemms] == want
     assert [acc for fn, acc in trace.gemms if fn in wgrads] == [False, False, True, True]
@@ -254,9 +268,11 @@ def test_the_fused_fp8_pass_holds_every_turns_words(monkeypatch):
     from mok_proto.kernels import fused
 
     tile = get_shape("tile")
-    monkeypatch.setattr(fused, "FusedPass", lambda plan, w, link=False, fp8=False: SimpleNamespace(plan=plan, fp8=fp8))
+    monkeypatch.setattr(fused, "FusedPass", lambda plan, w, link=False, fp8=False, wgrads_inside=False: SimpleNamespace(
+        plan=plan, fp8=fp8, wgrads_inside=wgrads_inside))
     blank = np.zeros(abi.FP8_GEMM_PARAMS.nbytes // 8 * len(abi.GEMM_SLOT), np.uint64)
     experts = SimpleNamespace(fused_words=lambda ranks, t, pass_: (blank.copy(), f"quants of turn {t}"))
+    experts.bf16_words = lambda *a: gpu_fp8.Fp8Experts.bf16_words(experts, *a)
     pack = (lambda *a, error=None, pack_only=False, accumulate=False: abi.GEMM_PARAMS.pack(
         {**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "num_groups": 3}), ())
 
@@ -268,6 +284,7 @@ def test_the_fused_fp8_pass_holds_every_turns_words(monkeypatch):
                             num_turns=3, ring_rows=512, ranks=[0, 1], error=SimpleNamespace(ptr=4096),
                             has_shared=True, fp8=experts, _gemm=bf16_gemm)
     layer._plan_rows = lambda: gpu.GpuMoELayer._plan_rows(layer)
+    experts.layer = layer
     plan = P.fused_forward(tile, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=512)
     made, words = gpu.GpuMoELayer._fused_pass(layer, plan, "fwd")
     assert made.fp8 and made.rest.fp8 and made.rest.fp8_words is made.fp8_words
@@ -290,6 +307,27 @@ def test_the_fused_fp8_pass_holds_every_turns_words(monkeypatch):
         routed = ~np.char.startswith([name for name, _ in abi.GEMM_SLOT.members] * 2, "kSlotShared")
         assert (got["error"][routed] == 4096).all() and (got["num_groups"][routed] == 0).all()
         assert (got["num_groups"][~routed] == 3).all()
+    # bf16 weight gradients inside the FP8 kernel: their slots hold the BF16 GEMMs of gpu_fp8's steps,
+    # accumulating after the first turn; the other routed slots stay blank
+    def wgrad_pack(slot, r, t, accumulate=False, pack_only=False):
+        assert pack_only
+        return abi.GEMM_PARAMS.pack({**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "num_groups": 7 + t,
+                                     "accumulate": int(accumulate), "error": 4096})
+
+    experts.steps = lambda pass_, slot, r, t=0, accumulate=False: [
+        ("a dequantizer", (), {}), (wgrad_pack, (slot, r, t), {"accumulate": accumulate})]
+    layer.run = RunConfig(tile, 2, precision="fp8", timeout_s=30, wgrad_precision="bf16")
+    plan = P.fused_backward(tile, 2, P.FusedKnobs(0, 256, scale=False, token_grads=False), policy=MOK_POLICY,
+                            num_sms=8, capacity_rows=512)
+    made, words = gpu.GpuMoELayer._fused_pass(layer, plan, "bwd")
+    assert plan.routed_wgrads and made.fp8 and made.wgrads_inside
+    names = [name for name, _ in abi.GEMM_SLOT.members] * 2
+    wgrad_slots = np.isin(names, gpu_ring.ROUTED_WGRAD)
+    data_slots = ~wgrad_slots & ~np.char.startswith(names, "kSlotShared")
+    for t, turn in enumerate(words):
+        got = turn.view(abi.GEMM_PARAMS.dtype)
+        assert (got["num_groups"][wgrad_slots] == 7 + t).all() and (got["accumulate"][wgrad_slots] == (t > 0)).all()
+        assert (got["num_groups"][data_slots] == 0).all() and (got["timeout_ns"] > 0).all()
 
 
 def test_the_fused_fp8_forward_runs_every_turn_of_a_ring_with_that_turns_words(monkeypatch):
@@ -427,6 +465,17 @@ def test_refusals():
 
     with pytest.raises(ValueError, match="routed_wgrads=False"):  # (before it touches the GPU)
         fused.FusedPass(inside, 1, fp8=True)
+    # bf16 weight gradients: the FP8 kernel runs them inside (BF16 tiles), so the plan's default puts them there
+    bf16_wgrads = RunConfig(get_shape("tile"), 2, precision="fp8", wgrad_precision="bf16")
+    gpu_fp8.check_fused(inside, bf16_wgrads)
+    fp8_dispatch = RunConfig(get_shape("tile"), 2, precision="fp8", wgrad_precision="bf16", dispatch_dtype="fp8")
+    with pytest.raises(ValueError, match="inside only in bf16 with bf16 dispatch"):  # (x rows in y: see wgrads_inside)
+        gpu_fp8.check_fused(inside, fp8_dispatch)
+    for run, inside_kernel in ((fp8_run, False), (bf16_wgrads, True), (fp8_dispatch, False)):
+        layer = SimpleNamespace(run=run, fp8=object(), num_turns=1, policy=MOK_POLICY, _plan_rows=lambda: 512,
+                                ranks=[0])
+        plan = gpu.GpuMoELayer.fused_backward_plan(layer, P.FusedKnobs(0, 256), num_sms=8)
+        assert plan.routed_wgrads == plan.token_grads == inside_kernel, run
 
 
 def test_poison_fills_every_row_buffer_but_the_weights_codes():
@@ -581,6 +630,42 @@ def test_the_gpu_programs_stage_checks_pass_the_mirror_and_catch_a_wrong_point(m
     b["y"][0, :] ^= 0x40  # bf16 bits: a large change of every value in one row
     with pytest.raises(AssertionError, match="expert 0 y"):
         program.check_forward_stages(layer, 0, x_bf16)
+
+
+def test_the_gpu_programs_bf16_weight_gradient_check_passes_the_mirror_and_catches_the_wrong_x(monkeypatch):
+    """check_bf16_wgrads holds for the mirror's bf16 weight gradients (x from recv, or with fp8
+    dispatch from y = bf16(deq(xq))), and fails on the other dispatch's x rows and on a y that is
+    not bf16(deq(xq))."""
+    from mok_proto import fp8, reference_fp8
+    from mok_proto.reference import from_bf16, to_bf16
+
+    program = _check_program(monkeypatch)
+    layer, _, b = _mirror_layer()
+    el, sched = layer.num_local, b["sched"]
+    offsets, counts = sched[:el], sched[el + 1:2 * el + 1]
+    recv = np.zeros((layer.capacity, 256), np.float32)
+    y = np.zeros_like(recv)
+    for l in range(el):
+        rs = slice(int(offsets[l]), int(offsets[l] + counts[l]))
+        xq = (b["xq"][rs], b["xq_s"][rs])
+        recv[rs] = reference_fp8.round_bf16(fp8.dequantize_rows(*xq) * np.float32(1.0 + 2.0 ** -6))  # other bf16 rows
+        y[rs] = reference_fp8.wgrad_rows(None, xq, "fp8")
+    for dispatch, x in (("bf16", recv), ("fp8", y)):
+        grads = {key: np.zeros_like(b["d" + key]) for key in ("w_gate", "w_up", "w_down")}
+        for l in range(el):
+            rs = slice(int(offsets[l]), int(offsets[l] + counts[l]))
+            reference_fp8.add_weight_grads_bf16({key: grads[key][l] for key in grads}, x[rs],
+                                                *(from_bf16(b[n][rs]) for n in ("h", "recv_dy", "dg", "du")))
+        b.update({"recv": to_bf16(recv), "y": to_bf16(y), **{"d" + key: v for key, v in grads.items()}})
+        layer.run = SimpleNamespace(dispatch_dtype=dispatch)
+        program.check_bf16_wgrads(layer, 0)
+        layer.run = SimpleNamespace(dispatch_dtype={"bf16": "fp8", "fp8": "bf16"}[dispatch])
+        with pytest.raises(AssertionError, match="dw_gate"):  # the other dispatch's x rows
+            program.check_bf16_wgrads(layer, 0)
+    layer.run = SimpleNamespace(dispatch_dtype="fp8")
+    b["y"] = to_bf16(recv)
+    with pytest.raises(AssertionError, match="y is not"):
+        program.check_bf16_wgrads(layer, 0)
 
 
 def test_the_gpu_programs_accuracy_check_passes_the_mirror_and_refuses_bf16(monkeypatch):

@@ -92,7 +92,7 @@ def test_fused_plans_of_a_ring_cover_one_turn():
     assert whole.routed_wgrads and bwd.routed_wgrads
     # an FP8 layer's: the routed weight gradients and the token gradients after the kernel, unless the
     # knobs say otherwise
-    fp8 = SimpleNamespace(**{**vars(one), "fp8": object()})
+    fp8 = SimpleNamespace(**{**vars(one), "fp8": object(), "run": RunConfig(get_shape("tile"), 2, precision="fp8")})
     made = GpuMoELayer.fused_backward_plan(fp8, P.FusedKnobs(0, 256), num_sms=8)
     assert (made.routed_wgrads, made.token_grads, made.scale) == (False, False, True)
     made = GpuMoELayer.fused_backward_plan(fp8, P.FusedKnobs(0, 256, routed_wgrads=True, token_grads=True), num_sms=8)

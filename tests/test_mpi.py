@@ -66,10 +66,16 @@ def test_demo_fp8_prints_err_rel_rms_and_dispatch_dtype_moves_no_bit():
     # an FP8 layer's error is that of e4m3, far above bf16's and within the recipe's bound
     from mok_proto.accuracy import ERR_REL_RMS_RECIPE
     assert all(0.01 < err <= ERR_REL_RMS_RECIPE for err, _, _ in rows["bf16"].values())
+    # bf16 weight gradients: the same output, other gradients
+    proc = run_ranks(2, "-m", "mok_proto.demo", "--precision", "fp8", "--wgrad-precision", "bf16")
+    bf16_wgrads = _demo_rows(proc.stdout)
+    assert "PASS" in proc.stdout and "weight gradients bf16" in proc.stdout
+    assert all(bf16_wgrads[r][1] == rows["bf16"][r][1] and bf16_wgrads[r][2] != rows["bf16"][r][2] for r in (0, 1))
 
 
 @pytest.mark.parametrize("args,message", [
     (["--precision", "fp16"], "--precision and --dispatch-dtype must be one of"),
+    (["--wgrad-precision", "fp8"], "wgrad_precision may be fp8 only with precision fp8"),
     (["--policy", "dispatch=sideways"], "dispatch must be push or pull"),
     (["--policy", "gather=pull"], "unknown operator 'gather'"),
     (["--shape", "huge"], "unknown preset 'huge'"),

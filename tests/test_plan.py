@@ -475,7 +475,8 @@ def test_layer_packs_the_fused_gemms_with_the_longer_timeout(monkeypatch):
     from mok_proto.kernels import fused, gemm
     from mok_proto.layer import gpu
 
-    monkeypatch.setattr(fused, "FusedPass", lambda plan, w, link=False, fp8=False: SimpleNamespace(plan=plan, w=w))
+    monkeypatch.setattr(fused, "FusedPass", lambda plan, w, link=False, fp8=False, wgrads_inside=False:
+                        SimpleNamespace(plan=plan, w=w))
     fields = {**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "n": 64, "timeout_ns": gemm.TIMEOUT_NS}
     pack = (lambda *args, error=None, pack_only=False, accumulate=False:
             abi.GEMM_PARAMS.pack({**fields, "accumulate": int(accumulate)}), ())

@@ -21,9 +21,9 @@ def shape_of(h=256, i=256, e=4, k=2, n=256, shared=1):
     return MoEShape("fp8test", hidden=h, ffn=i, num_experts=e, top_k=k, num_tokens=n, num_shared=shared)
 
 
-def run_fp8(prob, shared_precision="bf16", slot_order=None) -> dict:
+def run_fp8(prob, shared_precision="bf16", slot_order=None, **wgrad) -> dict:
     out, cache = reference_fp8.forward(prob.flat("x"), prob.flat("topk_idx"), prob.flat("topk_weights"),
-                                       prob.weights, shared_precision=shared_precision, slot_order=slot_order)
+                                       prob.weights, shared_precision=shared_precision, slot_order=slot_order, **wgrad)
     return {"out": out, **reference_fp8.backward(prob.flat("dout"), cache)}
 
 
@@ -227,6 +227,42 @@ def test_issue_bar_on_every_array():
     prob = make_problem(ACCURACY_SHAPES[0], 1, seed=0)
     table = accuracy.error_table(run_fp8(prob), prob.reference_results(bf16=True))
     assert accuracy.worst(table)[1] <= ISSUE_BAR, table
+
+
+def test_blocked_matmul_t_is_a_float64_gemm_rounded_per_block_and_split_invariant():
+    rng = np.random.default_rng(4)
+    a, b = bf16(rng.standard_normal((300, 64))), bf16(rng.standard_normal((300, 32)))
+    whole = reference_fp8.blocked_matmul_t(a, b, np.zeros((64, 32), np.float32))
+    assert whole.dtype == np.float32
+    np.testing.assert_allclose(whole, a.astype(np.float64).T @ b, rtol=0, atol=4e-6 * np.abs(whole).max())
+    runs = np.zeros((64, 32), np.float32)
+    for lo, hi in ((0, B), (B, 3 * B), (3 * B, 300)):  # runs of whole blocks, the last one short
+        runs = reference_fp8.blocked_matmul_t(a[lo:hi], b[lo:hi], runs)
+    assert np.array_equal(whole, runs), "runs of whole blocks in order must give the bits of one run"
+    one_block = (a[:B].astype(np.float64).T @ b[:B]).astype(np.float32)
+    assert np.array_equal(reference_fp8.blocked_matmul_t(a[:B], b[:B], np.zeros_like(one_block)), one_block)
+
+
+@pytest.mark.parametrize("shape", ACCURACY_SHAPES, ids=lambda s: f"H{s.hidden}-I{s.ffn}-E{s.num_experts}")
+def test_bf16_weight_gradients_meet_the_bar_and_move_only_the_weight_gradients(shape):
+    """wgrad_precision bf16: the routed weight gradients from the bf16 rows (bf16 dispatch) are
+    within the issue's 0.06 and below the fp8 ones'; from dequantized codes (fp8 dispatch) dWg,
+    dWu lie between (x's forward quantization stays in them), dWd is the bf16 dispatch's; every
+    other result is the fp8 weight gradients' bits."""
+    prob = make_problem(shape, 1, seed=0)
+    ref = prob.reference_results(bf16=True)
+    f8 = run_fp8(prob)
+    bf = run_fp8(prob, wgrad_precision="bf16", dispatch_dtype="bf16")
+    deq = run_fp8(prob, wgrad_precision="bf16", dispatch_dtype="fp8")
+    assert run_fp8(prob, wgrad_precision="fp8", dispatch_dtype="fp8")["w_gate"].tobytes() == f8["w_gate"].tobytes()
+    for key in f8:
+        if not key.startswith("w_"):
+            assert np.array_equal(bf[key], f8[key]) and np.array_equal(deq[key], f8[key]), key
+    assert np.array_equal(deq["w_down"], bf["w_down"])
+    for key in ("w_gate", "w_up", "w_down"):
+        e8, eb, ed = (accuracy.errors(r[key], ref[key])["err_rel_rms"] for r in (f8, bf, deq))
+        assert eb <= ISSUE_BAR and eb < ed <= e8 - 0.005 if key != "w_down" else eb == ed <= min(ISSUE_BAR, e8 - 0.005), \
+            (key, e8, eb, ed)
 
 
 def test_shared_fp8_is_one_more_expert_and_costs_accuracy():

@@ -189,6 +189,7 @@ def test_fp8_rows_have_their_own_tables_and_status_lines(tmp_path):
                                       err_max=0.0248, bitwise_repeat=True, fraction_of_dense=0.7),
            layer("sequential", 4.0, routing="hot:0.25"),  # skewed: its own section, not the status line
            layer("sequential", 1.875, dispatch_dtype="fp8"),  # tokens moved in FP8: a line of its own
+           layer("sequential", 1.75, wgrad_precision="bf16"),  # bf16 weight gradients: a line of its own
            layer("fused", 1.5, best_of_run=True, retimed_median_ms=1.4, speedup_vs_torch_fp8=3.0, comm_blocks=0,
                  minibatch_tokens=2048, claim_pairs=264)]  # the fused forward: judged as timed again
     _write(tmp_path, "bench_layer", bf16 + fp8)
@@ -203,13 +204,16 @@ def test_fp8_rows_have_their_own_tables_and_status_lines(tmp_path):
     assert ("| layer fwd, FP8 experts, bf16 dispatch, sequential (H200, `f8`, 2026-12-06) | 1 shape | 2.000 ms | "
             "1.50 x torch, 2.25 x torch FP8 | | 0.70 |") in table
     assert "| layer fwd, FP8 experts, fp8 dispatch, sequential (H200, `f8`, 2026-12-06) | 1 shape | 1.875 ms | 1.60 x torch |" in table
+    assert ("| layer fwd, FP8 experts, bf16 dispatch, bf16 weight gradients, sequential (H200, `f8`, 2026-12-06) | "
+            "1 shape | 1.750 ms | 1.71 x torch |") in table
     assert ("| layer fwd, FP8 experts, bf16 dispatch, fused (H200, `f8`, 2026-12-06) | 1 shape | 1.400 ms | 2.14 x torch, "
             "3.21 x torch FP8 | | - |") in table
     assert ("| FP8 GEMMs (H200, `f8`, 2026-12-06) | gate_up | 1000-1087 TFLOP/s | 1.32-1.43 x our BF16, "
             "0.91-0.99 x `torch._scaled_grouped_mm` | | 1.31-1.42 |") in table
     text = report.markdown(tmp_path)
     assert "## bench_layer, FP8 routed experts (one GPU, NVIDIA H200)" in text
-    assert "| kimi-k2.7 | fwd | sequential |  | bf16 | 2.000 | 1.50 | 2.25 | 0.0241 | 0.0248 | 0.70 | yes |" in text
-    assert "routing hot:0.25:" in text and "| kimi-k2.7 | fwd | sequential |  | bf16 | 4.000 | 0.75 |" in text
-    assert "| kimi-k2.7 | fwd | fused | comm 0, minibatch 2048, claim 264 | bf16 | 1.500 | 2.00 | 3.00 |" in text
-    assert text.count("| kimi-k2.7 | fwd |") == 8  # BF16: torch, sequential, fused; FP8: torch, sequential x 2, fused, skewed
+    assert "| kimi-k2.7 | fwd | sequential |  | bf16 | fp8 | 2.000 | 1.50 | 2.25 | 0.0241 | 0.0248 | 0.70 | yes |" in text
+    assert "routing hot:0.25:" in text and "| kimi-k2.7 | fwd | sequential |  | bf16 | fp8 | 4.000 | 0.75 |" in text
+    assert "| kimi-k2.7 | fwd | fused | comm 0, minibatch 2048, claim 264 | bf16 | fp8 | 1.500 | 2.00 | 3.00 |" in text
+    assert "| kimi-k2.7 | fwd | sequential |  | bf16 | bf16 | 1.750 |" in text
+    assert text.count("| kimi-k2.7 | fwd |") == 9  # BF16: torch, sequential, fused; FP8: torch, sequential x 3, fused, skewed

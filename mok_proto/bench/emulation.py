@@ -116,7 +116,8 @@ def row_fields(data: dict) -> dict:
     return {"emulation": label, "routing": str(data["routing"]), "received_rows": int((data["topk_idx"] < el).sum())}
 
 
-def staged_layer(shape, data, policy=None, link=None, macrobatch_rows=None, precision="bf16", dispatch_dtype="bf16"):
+def staged_layer(shape, data, policy=None, link=None, macrobatch_rows=None, precision="bf16", dispatch_dtype="bf16",
+                 wgrad_precision=None):
     """(heap, layer): our layer on the W virtual ranks of `data` (make_inputs) after one full round
     of all, then driving rank 0 only, every flag it waits for from a peer raised (see the module
     doc). Receive capacity: UNIFORM_CAPACITY x N K under uniform routing, else the routing's exact
@@ -124,7 +125,7 @@ def staged_layer(shape, data, policy=None, link=None, macrobatch_rows=None, prec
     emulated link its transfers pay (mok_proto.link.LinkModel with every_row: the peers stand for
     remote ranks; None: none); macrobatch_rows: the layer's ring (None: it holds every row; fewer:
     the sequential passes run in turns, the backward replaying, docs/design.md 3.1); precision,
-    dispatch_dtype: the layer's RunConfig fields (fp8: the routed experts in FP8, sequential passes only)."""
+    dispatch_dtype, wgrad_precision: the layer's RunConfig fields (fp8: the routed experts in FP8)."""
     from mok_proto.layer.gpu import GpuMoELayer, receive_capacity
     from mok_proto.layer.layout import whole_ring
     from mok_proto.symm.virtual import VirtualWorld
@@ -137,9 +138,9 @@ def staged_layer(shape, data, policy=None, link=None, macrobatch_rows=None, prec
     whole = whole_ring(capacity)
     macrobatch_rows = whole if macrobatch_rows is None else min(macrobatch_rows, whole)
     heap = VirtualWorld(num)
-    layer = GpuMoELayer(heap, RunConfig(shape, num, timeout_s=30, link=link, precision=precision,
-                                               dispatch_dtype=dispatch_dtype), capacity=capacity, name=shape.name,
-                        macrobatch_rows=macrobatch_rows)
+    run = RunConfig(shape, num, timeout_s=30, link=link, precision=precision, dispatch_dtype=dispatch_dtype,
+                    wgrad_precision=wgrad_precision)
+    layer = GpuMoELayer(heap, run, capacity=capacity, name=shape.name, macrobatch_rows=macrobatch_rows)
     pushed_in = [op for op in ("dispatch", "rev_combine") if (policy or layer.policy)[op] == "push"]
     if layer.num_turns > 1 and pushed_in:
         # NOTE: the frozen peers push nothing into rank 0's ring after the staging round

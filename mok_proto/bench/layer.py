@@ -30,18 +30,18 @@ class Measured(NamedTuple):
 
 
 def ours(shape, data, iters, warmup, settings=(), trace_to=None, policy=None, index=None, link=None,
-         macrobatch_rows=None, precision="bf16", dispatch_dtype="bf16") -> Measured:
+         macrobatch_rows=None, precision="bf16", dispatch_dtype="bf16", wgrad_precision=None) -> Measured:
     """Our layer, rank 0 against a staged rank 1: {pass: stats}, stage breakdown, results, fused rows.
     settings: the fused plans' knobs (FusedKnobs) to time, for both passes or as {pass: settings};
     policy: the transfers' directions (default MoK's); trace_to, index: the best settings' timelines
     (fused); link: the emulated link every transfer pays (staged_layer; None: none). The same
     passes and settings with and without a link differ only in the layer's RunConfig.
     macrobatch_rows: the layer's ring (staged_layer); with several turns the fused settings run once
-    a turn, their backward's scale and token gradients outside the kernel. precision, dispatch_dtype:
-    the layer's (staged_layer)."""
+    a turn, their backward's scale and token gradients outside the kernel. precision, dispatch_dtype,
+    wgrad_precision: the layer's (staged_layer)."""
     import cupy
 
-    heap, layer = staged_layer(shape, data, policy, link, macrobatch_rows, precision, dispatch_dtype)
+    heap, layer = staged_layer(shape, data, policy, link, macrobatch_rows, precision, dispatch_dtype, wgrad_precision)
     per_pass = settings if isinstance(settings, dict) else {"fwd": settings, "bwd": settings}
     if layer.num_turns > 1:
         print(f"#   ring of {layer.ring_rows} rows: {layer.num_turns} turns a pass", flush=True)

@@ -1,4 +1,4 @@
-"""python scripts/bench_layer.py [--shapes kimi-k2.7,...] [--iters 20] [--warmup 5] [--sweep] [--link-gbps 368,900] [--routing hot:0.25] [--precision fp8 [--dispatch-dtype bf16,fp8]]
+"""python scripts/bench_layer.py [--shapes kimi-k2.7,...] [--iters 20] [--warmup 5] [--sweep] [--link-gbps 368,900] [--routing hot:0.25] [--precision fp8 [--dispatch-dtype bf16,fp8] [--wgrad-precision fp8,bf16]]
 
 One rank's share of an EP=64 MoE layer on one GPU: our GPU layer against the unfused PyTorch
 pipeline (../shared/anchors: index_select dispatch, torch._grouped_mm experts, autograd backward),
@@ -69,6 +69,8 @@ against the BF16 layer on the same inputs (`err_reference`), and judged by err_r
 (mok_proto.accuracy.ERR_REL_RMS_RECIPE) instead of the max error against torch. Its fused passes
 are judged by layer_rows.FP8_BARS (the FP8 layer's: x the BF16 torch pipeline, the forward x the
 torch FP8 one too; x sequential printed, not judged; with --link-gbps the link's bars as in a BF16 run).
+`--wgrad-precision bf16` (or `fp8,bf16`: one layer each, after each dispatch dtype's): the routed
+weight gradients from bf16 operands (RunConfig.wgrad_precision); rows record `wgrad_precision`.
 
 Bars: --bar KEY=VALUE (--help lists them with their defaults); checks: bitwise repeat, fused equal
 to sequential, the error against torch, the schedule equal to schedule.py.
@@ -142,6 +144,8 @@ def parse_args(argv=None):
     p.add_argument("--dispatch-dtype", default="bf16", metavar="bf16|fp8[,...]",
                    help="with --precision fp8, what the dispatch moves: bf16 rows, or e4m3 codes and scales; "
                         "bf16,fp8 times both layers in one run, against the same torch pipelines")
+    p.add_argument("--wgrad-precision", default=None, metavar="fp8|bf16[,...]",
+                   help="with --precision fp8, the routed weight gradients' (default fp8); fp8,bf16 times both")
     fp8_only = {key: bar for key, bar in FP8_BARS.items() if BARS.get(key) is not bar}
     add_bar_option(p, BARS, "With --precision fp8 (the FP8 layer's bars): " + "; ".join(
         f"{key}={bar.value:g} ({bar.what})" for key, bar in fp8_only.items()) + "; " + " and ".join(
@@ -155,6 +159,14 @@ def parse_args(argv=None):
                 raise ValueError(f"--dispatch-dtype: {dtype!r} is not one of {', '.join(PRECISIONS)}")
         if args.precision == "bf16" and args.dispatch_dtypes != ["bf16"]:
             raise ValueError("--dispatch-dtype fp8 needs --precision fp8")
+        args.wgrad_precisions = [None]
+        if args.wgrad_precision is not None:
+            args.wgrad_precisions = list(dict.fromkeys(w.strip() for w in args.wgrad_precision.split(",")))
+            for wgrad in args.wgrad_precisions:
+                if wgrad not in PRECISIONS:
+                    raise ValueError(f"--wgrad-precision: {wgrad!r} is not one of {', '.join(PRECISIONS)}")
+            if args.precision != "fp8":
+                raise ValueError("--wgrad-precision needs --precision fp8")
         if args.precision == "fp8" and args.others:
             raise ValueError("--directions: with --precision fp8 only 'mok' (the other policies' rows are BF16)")
         chosen = parse_settings(args.fused) if args.fused else None

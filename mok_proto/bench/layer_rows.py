@@ -118,7 +118,8 @@ def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UN
         common = {"shape": name, "pass": pass_, "ep": EP, **fields, "flops": flops[pass_],
                   "schedule_ms": sched_ms, "schedule_exact": sched_exact, "link_gbps": None}
         if fp8 is not None:
-            common.update(precision=fp8.precision, dispatch_dtype=fp8.dispatch_dtype)
+            common.update(precision=fp8.precision, dispatch_dtype=fp8.dispatch_dtype,
+                          wgrad_precision=fp8.wgrad_precision)
             out.lines.append(fp8_line(pass_, extra, fp8))
         out.rows.append(("bench_layer", {**common, "schedule": "torch", **base[pass_],
                                          "tflops": tflops(flops[pass_], base[pass_]["median_ms"]),
@@ -141,6 +142,7 @@ def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UN
         for row in rows:
             precision = {} if fp8 is None else {  # the fused FP8 passes (fused_forward_fp8, fused_backward_fp8)
                 "precision": fp8.precision, "dispatch_dtype": fp8.dispatch_dtype,
+                "wgrad_precision": fp8.wgrad_precision,
                 "speedup_vs_torch_fp8": (fp8.torch_fp8["median_ms"] / row["median_ms"]
                                          if fp8.torch_fp8 is not None and pass_ == "fwd" else None)}
             out.rows.append(("bench_layer", {"shape": name, "pass": pass_, "ep": EP, "schedule": "fused",
@@ -175,10 +177,10 @@ def shape_report(name, shape, measured, torch, schedule, bars, fields: dict = UN
 
 @dataclass
 class Fp8Run:
-    """What an FP8 run adds to its rows: the layer's precision and dispatch dtype, the torch FP8
-    pipeline's forward stats (None: torch has none or refused it) and why its backward (or all of
-    it) is not timed (`note`), and the results the layer's are measured against (`reference`:
-    {array: NumPy}, named by `reference_name`)."""
+    """What an FP8 run adds to its rows: the layer's precision, dispatch dtype and weight-gradient
+    precision, the torch FP8 pipeline's forward stats (None: torch has none or refused it) and why
+    its backward (or all of it) is not timed (`note`), and the results the layer's are measured
+    against (`reference`: {array: NumPy}, named by `reference_name`)."""
 
     precision: str
     dispatch_dtype: str
@@ -186,6 +188,7 @@ class Fp8Run:
     note: str
     reference: dict
     reference_name: str
+    wgrad_precision: str = "fp8"  # the routed weight gradients' (RunConfig.wgrad_precision)
 
 
 def fp8_fields(fp8: Fp8Run, pass_: str, got: dict, ours_ms: float) -> dict:
@@ -206,7 +209,7 @@ def fp8_line(pass_: str, extra: dict, fp8: Fp8Run) -> str:
     """The printed line of an FP8 sequential pass: its errors and its speedup over torch's FP8 pipeline."""
     worst = max(extra["errors"], key=lambda k: extra["errors"][k]["err_rel_rms"])
     x_fp8 = extra["speedup_vs_torch_fp8"]
-    return (f"#   fp8 {pass_} (dispatch {fp8.dispatch_dtype}): err_rel_rms {extra['err_rel_rms']:.4f} ({worst}; bar "
+    return (f"#   fp8 {pass_} (dispatch {fp8.dispatch_dtype}, wgrad {fp8.wgrad_precision}): err_rel_rms {extra['err_rel_rms']:.4f} ({worst}; bar "
             f"{ERR_REL_RMS_RECIPE:g}), err_max {extra['err_max']:.4f} against the {fp8.reference_name}; x torch fp8 "
             + (f"{x_fp8:.2f} ({fp8.torch_fp8['median_ms']:.3f} ms)" if x_fp8 is not None else "n/a") + f": {fp8.note}")
 

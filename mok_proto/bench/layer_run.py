@@ -24,9 +24,9 @@ REFERENCE_NAME = "bf16 layer, same inputs and run"  # what an FP8 run's err_rel_
 def run_shape(name: str, args, emit) -> tuple:
     """One shape, as bench_layer.py's arguments say (iters, warmup, settings: {pass: FusedKnobs},
     timeline: the template, bars, links: LinkModels with every_row, routing: a RoutingSpec, precision,
-    dispatch_dtypes: the RunConfig's, each dtype's layer in turn):
-    emit(report) for the part without the link, then for each link speed, per dispatch dtype. Returns
-    (the last dtype's run without the link: layer.Measured, {link: its table rows, every dtype's})."""
+    dispatch_dtypes, wgrad_precisions: the RunConfig's, each pair's layer in turn):
+    emit(report) for the part without the link, then for each link speed, per layer. Returns
+    (the last layer's run without the link: layer.Measured, {link: its table rows, every layer's})."""
     from mok_proto.config import get_shape
     from mok_proto.memory import layer_memory
 
@@ -41,18 +41,21 @@ def run_shape(name: str, args, emit) -> tuple:
           f"{fields['received_rows']} rows ...", flush=True)
     baseline = fp8 = schedule = None
     tables = {link: [] for link in args.links}
-    # each dispatch dtype's layer in turn (an FP8 run may time both); the baselines once, after the
-    # first, and their rows recorded once
-    dtypes = args.dispatch_dtypes
+    # each (dispatch dtype, weight-gradient precision)'s layer in turn (an FP8 run may time several);
+    # the baselines once, after the first, and their rows recorded once
+    dtypes, wgrads = args.dispatch_dtypes, getattr(args, "wgrad_precisions", [None])
     stem, jsonl = (args.timeline.removesuffix(".jsonl"), ".jsonl" if args.timeline.endswith(".jsonl") else "")
-    for dtype in dtypes:
-        tag = f" ({dtype} dispatch)" if len(dtypes) > 1 else ""
+    for dtype, wgrad in ((d, w) for d in dtypes for w in wgrads):
+        parts = [f"{dtype} dispatch"] * (len(dtypes) > 1) + [f"{wgrad} wgrad"] * (len(wgrads) > 1)
+        tag = f" ({', '.join(parts)})" if parts else ""
         if tag:
-            print(f"# {name}: the layer with {dtype} dispatch ...", flush=True)
-        run = {"precision": args.precision, "dispatch_dtype": dtype}
-        fp8_index = run if args.precision == "fp8" else {}  # the rows and timelines of an FP8 layer name it
-        # with several dtypes each layer's timelines get their own names (also outside results/timelines)
-        template = f"{stem}_{dtype}-dispatch{jsonl}" if tag and args.timeline else args.timeline
+            print(f"# {name}: the layer with {', '.join(parts)} ...", flush=True)
+        run = {"precision": args.precision, "dispatch_dtype": dtype, "wgrad_precision": wgrad}
+        # the rows and timelines of an FP8 layer name it
+        fp8_index = {k: v for k, v in run.items() if v is not None} if args.precision == "fp8" else {}
+        # with several layers each one's timelines get their own names (also outside results/timelines)
+        suffix = "".join(f"_{p.replace(' ', '-')}" for p in parts)
+        template = f"{stem}{suffix}{jsonl}" if tag and args.timeline else args.timeline
         measured = ours(shape, data, args.iters, args.warmup, args.settings,
                         timeline_path(template, name, git_sha()),
                         index={"bench": "bench_layer", "shape": name, "routing": fields["routing"], **fp8_index},
@@ -62,8 +65,8 @@ def run_shape(name: str, args, emit) -> tuple:
             baseline = torch_pipeline(shape, data, args.iters, args.warmup)
             fp8 = fp8_run(shape, data, args, ring, dtype) if args.precision == "fp8" else None
             schedule = schedule_at_ep64(name, args.iters, args.warmup, args.routing)
-        elif fp8 is not None:
-            fp8 = dataclasses.replace(fp8, dispatch_dtype=dtype)
+        if fp8 is not None:
+            fp8 = dataclasses.replace(fp8, dispatch_dtype=dtype, wgrad_precision=wgrad or "fp8")
         report = shape_report(name, shape, measured, baseline, schedule, args.bars, fields, fp8)
         if not first:
             report.rows = [(f, r) for f, r in report.rows if r["schedule"] not in ("torch", "torch_fp8")]
@@ -79,7 +82,7 @@ def run_shape(name: str, args, emit) -> tuple:
             report = link_report(name, shape, link, got, measured, args.bars, {**fields, **fp8_index})
             report.failed = [f + tag for f in report.failed]
             emit(report)
-            tables[link] += [f"# {dtype} dispatch"] * bool(tag) + report.table
+            tables[link] += [f"# {', '.join(parts)}"] * bool(tag) + report.table
     return measured, tables
 
 

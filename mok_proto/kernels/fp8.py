@@ -16,6 +16,8 @@ graph after one run); nothing is read back to the host.
     quantize_segment_columns(x, offsets, counts, codes, scales[, x_scales])
                                       quantize_rows(x, transpose=True) of each segment's rows, its last
                                       block zero-padded; x may be e4m3 codes (with x_scales): dequantized first
+    dequantize_segment_rows(codes, scales, offsets, counts, out)
+                                      fp8.dequantize_rows rounded to bf16, on the rows of expert segments only
 The segment quantizers serve the GPU layer's receive rows: segment e is rows [offsets[e],
 offsets[e] + counts[e]) (int32 [El] on the device, as the schedule wrote them), starting at a
 multiple of 128 rows (the wrapper cannot check device values); the rows outside every segment are
@@ -38,7 +40,8 @@ MODULE = CudaModule("fp8.cuh", tuple(f"mok::fp8::quantize_rows<{t}, {tr}>" for t
                                      for tr in ("false", "true"))
                     + tuple(f"mok::fp8::quantize_blocks<{t}>" for t in IN_TYPES.values())
                     + tuple(f"mok::fp8::quantize_segment_rows<{t}>" for t in IN_TYPES.values())
-                    + tuple(f"mok::fp8::quantize_segment_columns<{t}>" for t in (*IN_TYPES.values(), E4M3)))
+                    + tuple(f"mok::fp8::quantize_segment_columns<{t}>" for t in (*IN_TYPES.values(), E4M3))
+                    + ("mok::fp8::dequantize_segment_rows",))
 MAX_ROW_CTAS = 65535  # grid.x cap of the row kernel (a grid-stride loop covers the rest)
 CTAS_PER_SM = abi.CONST["kQuantCtasPerSm"]  # the segment row quantizer's grid (split over the segments)
 COLUMN_CTAS_PER_SM = abi.CONST["kQuantColumnCtasPerSm"]  # the segment column quantizer's flat grid
@@ -193,6 +196,11 @@ def _launch_segments(kernel: str, grid, fields: dict):
     MODULE.function(kernel)(grid(num_sms()), (THREADS,), (_params(**fields),))
 
 
+def _row_grid(groups: int):
+    """The segment row kernels' grid(num_sms): CTAS_PER_SM CTAs an SM split over the segments (grid y)."""
+    return lambda sms: (max(1, min(MAX_ROW_CTAS, -(-CTAS_PER_SM * sms // groups))), groups)
+
+
 def quantize_segment_rows(x, row_offsets, row_counts, codes, scales, *, pow2: bool = False):
     """fp8.quantize_rows of the segments' rows of x [rows, K] (fp32 or bf16 bits) into the given
     codes [rows, K] (uint8) and scales [rows, K/128] (fp32), bitwise; the other rows untouched."""
@@ -206,11 +214,28 @@ def quantize_segment_rows(x, row_offsets, row_counts, codes, scales, *, pow2: bo
     groups = _segments(row_offsets, row_counts)
     fields = dict(batch=1, rows=rows, cols=cols, pow2=int(pow2), x=x, codes=codes, scales=scales,
                   num_groups=groups, row_offsets=row_offsets, row_counts=row_counts)
+    _launch_segments(f"mok::fp8::quantize_segment_rows<{IN_TYPES[kind]}>", _row_grid(groups), fields)
 
-    def grid(sms):
-        return max(1, min(MAX_ROW_CTAS, -(-CTAS_PER_SM * sms // groups))), groups
 
-    _launch_segments(f"mok::fp8::quantize_segment_rows<{IN_TYPES[kind]}>", grid, fields)
+def dequantize_segment_rows(codes, scales, row_offsets, row_counts, out):
+    """round_bf16(fp8.dequantize_rows(codes, scales)) of the segments' rows of codes [rows, K] (uint8)
+    and scales [rows, K/128] (fp32) into the given out [rows, K] (bf16 bits), bitwise (NaN codes give
+    NaN); the other rows untouched."""
+    if codes.dtype != np.uint8 or codes.ndim != 2:
+        raise ValueError(f"codes: expected a 2-D uint8 array [rows, K], got {codes.dtype} {tuple(codes.shape)}")
+    rows, cols = codes.shape
+    _multiple("K", cols)
+    _given(scales, (rows, cols // BLOCK), np.float32, "scales")
+    if out is None or out.dtype not in (np.uint16, np.int16) or tuple(out.shape) != (rows, cols):
+        got = "None" if out is None else f"{out.dtype} {tuple(out.shape)}"
+        raise ValueError(f"out: expected bf16 bits (uint16/int16) of shape {(rows, cols)}, got {got}")
+    for name, a in (("codes", codes), ("out", out)):  # the kernel moves 16-byte chunks of both
+        if not a.flags.c_contiguous or _address(a) % 16:
+            raise ValueError(f"{name}: must be C-contiguous and start at a 16-byte aligned address")
+    groups = _segments(row_offsets, row_counts)
+    fields = dict(batch=1, rows=rows, cols=cols, codes=codes, scales=scales, out=out, num_groups=groups,
+                  row_offsets=row_offsets, row_counts=row_counts)
+    _launch_segments("mok::fp8::dequantize_segment_rows", _row_grid(groups), fields)
 
 
 def quantize_segment_columns(x, row_offsets, row_counts, codes, scales, *, x_scales=None, pow2: bool = False,

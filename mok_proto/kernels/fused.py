@@ -97,11 +97,14 @@ def default_num_sms(num_launch_ranks: int, kernel: str = "fwd") -> int:
 class FusedPass:
     """One plan's device tables, counters and timeline for W launch ranks."""
 
-    def __init__(self, plan, num_launch_ranks: int, link: bool = False, fp8: bool = False):
+    def __init__(self, plan, num_launch_ranks: int, link: bool = False, fp8: bool = False,
+                 wgrads_inside: bool = False):
+        """fp8: the FP8 passes' kernels; wgrads_inside: fused_backward_fp8 gets BF16 routed
+        weight-gradient GEMMs (layer.gpu_fp8.wgrads_inside); it runs no FP8 ones."""
         from mok_proto.plan import FUSED_STRATEGIES, PAIR_ROWS
 
-        if fp8 and plan.pass_ == "bwd" and plan.routed_wgrads:
-            raise ValueError("fused_backward_fp8 runs no routed weight-gradient tile: build the plan with "
+        if fp8 and not wgrads_inside and plan.pass_ == "bwd" and plan.routed_wgrads:
+            raise ValueError("fused_backward_fp8 runs no FP8 routed weight-gradient tile: build the plan with "
                              "FusedKnobs(routed_wgrads=False) (they run after the kernel)")
 
         if plan.minibatch_rows % PAIR_ROWS:  # the kernel's ring shift and tile pairs assume whole pairs

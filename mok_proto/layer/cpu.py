@@ -19,6 +19,8 @@ RunConfig.precision "fp8": the experts as mok_proto/reference_fp8.py computes th
 block-scaled e4m3 GEMMs; `align` a multiple of 128). RunConfig.dispatch_dtype: what the dispatch
 moves, bf16 rows (the expert owner quantizes them where they land) or e4m3 codes + fp32 scales (the
 token owner quantizes its rows once). The same rule on the same bf16 rows: the same bits.
+RunConfig.wgrad_precision "bf16": the routed weight gradients from the bf16 rows (reference_fp8);
+then dWg, dWu depend on the dispatch dtype.
 """
 
 from __future__ import annotations
@@ -299,8 +301,15 @@ class CpuMoELayer:
         act, dy = self.activations, self.expert_dy.local[rows]
         dx, dg, du = reference_fp8.expert_backward(dy, act["g"][rows], act["u"][rows], reference_fp8.expert_weights(self.wq, local))
         self.expert_out.local[rows] = dx
-        reference_fp8.add_weight_grads({key: grads[key][local] for key in validate.WEIGHT_KEYS},
-                                       self._received_fp8(rows), act["h"][rows], dy, dg, du)
+        local_grads = {key: grads[key][local] for key in validate.WEIGHT_KEYS}
+        if self.run.fp8_wgrad:
+            reference_fp8.add_weight_grads(local_grads, self._received_fp8(rows), act["h"][rows], dy, dg, du)
+            return
+        if self.run.dispatch_dtype == "fp8":
+            xw = reference_fp8.wgrad_rows(None, self._received_fp8(rows), "fp8")
+        else:
+            xw = reference.from_bf16(self.expert_in.local[rows])
+        reference_fp8.add_weight_grads_bf16(local_grads, xw, act["h"][rows], dy, dg, du)
 
     def _check_capacity(self, topk_idx_all):
         run, align = self.run, self.align

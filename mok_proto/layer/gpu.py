@@ -273,7 +273,7 @@ class GpuMoELayer(GpuRound):
         if plan is None:
             return None, None
         if self.fp8 is not None:
-            gpu_fp8.check_fused(plan)
+            gpu_fp8.check_fused(plan, self.run)
         if self.num_turns > 1 and pass_ == "bwd" and (plan.scale or plan.token_grads):
             raise ValueError(f"this layer's ring takes {self.num_turns} turns: the fused backward runs once a turn, so "
                              "its scale and token gradients must run outside it (FusedKnobs(scale=False, "
@@ -287,14 +287,16 @@ class GpuMoELayer(GpuRound):
             raise ValueError(f"plan covers {plan.capacity_rows} receive rows, the layer's pass runs {self._plan_rows()} "
                              "at a time")
         fp8 = self.fp8 is not None
-        fused = FusedPass(plan, len(self.ranks), link=self.run.link is not None, fp8=fp8)
+        inside = fp8 and gpu_fp8.wgrads_inside(self.run)
+        fused = FusedPass(plan, len(self.ranks), link=self.run.link is not None, fp8=fp8, wgrads_inside=inside)
         timeout = gemm_timeout_ns(int(self.run.timeout_s * 1e9))
         if fp8:  # per turn; the FP8 tiles' pipeline waits as long as the BF16 tiles'
             fused.fp8_words = [(with_gemm_timeout(gemms, timeout, abi.FP8_GEMM_PARAMS), quants)
                                for gemms, quants in (self.fp8.fused_words(self.ranks, t, pass_)
                                                      for t in range(self.num_turns))]
         if self.num_turns > 1 and self.has_shared:  # turns after the first: the same plan without the shared expert
-            fused.rest = FusedPass(without_shared(plan), len(self.ranks), link=self.run.link is not None, fp8=fp8)
+            fused.rest = FusedPass(without_shared(plan), len(self.ranks), link=self.run.link is not None, fp8=fp8,
+                                   wgrads_inside=inside)
             if fp8:
                 fused.rest.fp8_words = fused.fp8_words
         slots = [name for name, _ in abi.GEMM_SLOT.members]
@@ -303,10 +305,8 @@ class GpuMoELayer(GpuRound):
             words = []
             for r in self.ranks:
                 for slot in slots:
-                    if fp8 and not slot.startswith("kSlotShared"):  # routed: FP8 tiles (fp8_words) or none; the kernel
-                        # reads only error and timeout_ns here (gemm_setup's abort check, the pool's tickets)
-                        words.append(abi.GEMM_PARAMS.pack({**dict.fromkeys(abi.GEMM_PARAMS.names, 0),
-                                                           "error": self.error.ptr}))
+                    if fp8 and not slot.startswith("kSlotShared"):  # routed: FP8 tiles (fp8_words), BF16 wgrads or none
+                        words.append(self.fp8.bf16_words(pass_, slot, r, t, inside))
                         continue
                     call = self._gemm(pass_, slot, r, t)
                     extra = {"accumulate": True} if t > 0 and slot in gpu_ring.ROUTED_WGRAD else {}
@@ -333,8 +333,8 @@ class GpuMoELayer(GpuRound):
         from mok_proto.kernels.fused import default_num_sms
 
         knobs = knobs or FusedKnobs()
-        if self.fp8 is not None:  # weight gradients after the kernel (check_fused); inside, nothing would hide the
-            # token gradients (the movers' slot sums ran alone after the last tile)
+        if self.fp8 is not None and not gpu_fp8.wgrads_inside(self.run):  # weight gradients after the kernel
+            # (check_fused); inside, nothing would hide the token gradients (the slot sums ran alone after the last tile)
             knobs = dataclasses.replace(knobs, **{name: False for name in ("routed_wgrads", "token_grads")
                                                   if getattr(knobs, name) is None})
         if self.num_turns > 1:  # once a turn: the token-side work runs outside the kernel

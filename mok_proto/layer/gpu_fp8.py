@@ -20,6 +20,9 @@ successor is written (a later launch of the same stream), so FP8 adds 2H + 3I co
 not 3H + 6I. Every quantizer reads only the rows of the turn's expert segments (the schedule's
 offsets and counts, on the device). x^T comes from the dequantized xq, never from bf16 x, so both
 dispatch dtypes give the same bits. The shared expert stays BF16 (gpu.py's GEMMs).
+RunConfig.wgrad_precision "bf16": the weight gradients are the BF16 layer's GEMMs on h, recv_dy,
+dg, du and the bf16 x rows: recv, or with fp8 dispatch deq(xq) rounded to bf16 into y (dead in
+the backward); no transposed quantization (reference_fp8).
 
 FP8 dispatch moves two rows a slot with the dispatch's own kernels: xq_tok's codes (H bytes) into
 xq, its scales (H/32 bytes) into xq_s. Pulled: two pulls. Pushed: each push raises kFlagDispatch
@@ -34,18 +37,27 @@ import numpy as np
 from mok_proto import abi
 from mok_proto.kernels import comm as kc
 from mok_proto.kernels import fp8 as kq
+from mok_proto.kernels import gemm
 from mok_proto.kernels import gemm_fp8 as kg
+from mok_proto.layer.gpu_ring import ROUTED_WGRAD
 
 B = abi.CONST["kQuantBlock"]
 
 
-def check_fused(plan) -> None:
-    """ValueError (one line) for a fused plan the FP8 layer does not run: a backward whose routed
-    weight gradients are inside the kernel (fused_backward_fp8 runs the data gradients; those
-    run after it, with their operands' transposed quantizations)."""
-    if plan.pass_ == "bwd" and plan.routed_wgrads:
-        raise ValueError("precision fp8: the fused backward runs the routed weight gradients after the kernel: build "
-                         "its plan with FusedKnobs(routed_wgrads=False) (fused_backward_plan() does so by default)")
+def wgrads_inside(run) -> bool:
+    """Whether fused_backward_fp8 may run this FP8 layer's routed weight gradients: BF16 ones (their
+    tiles are the BF16 kernel's) on bf16 dispatch's x rows. FP8 ones run after it, with their
+    operands' transposed quantizations; with fp8 dispatch their x rows are dequantized into y, which
+    a peer may read (its forward's combine pull) until the reverse-combine's waits, so after it too."""
+    return not run.fp8_wgrad and run.dispatch_dtype == "bf16"
+
+
+def check_fused(plan, run) -> None:
+    """ValueError (one line) for a fused plan the FP8 layer does not run (wgrads_inside)."""
+    if plan.pass_ == "bwd" and plan.routed_wgrads and not wgrads_inside(run):
+        raise ValueError("precision fp8: the fused backward runs these routed weight gradients after the kernel (they "
+                         "run inside only in bf16 with bf16 dispatch: RunConfig(wgrad_precision='bf16')): build its "
+                         "plan with FusedKnobs(routed_wgrads=False) (fused_backward_plan() does so by default)")
 
 
 def check_run(run) -> None:
@@ -146,6 +158,16 @@ class Fp8Experts:
                                                  "codes": b(dst, r), "scales": b(dst + "_s", r)}))
         return np.concatenate(gemms), np.concatenate(quants)
 
+    def bf16_words(self, pass_: str, slot: str, r: int, turn: int, inside: bool) -> np.ndarray:
+        """Rank r's packed GemmParams of routed GemmSlot `slot` in a fused FP8 pass: the BF16 weight
+        gradient (inside: wgrads_inside; accumulating after the first turn), else a blank record
+        whose error and timeout_ns alone the kernel reads (gemm_setup's abort check, the pool's
+        tickets): the routed tiles are FP8 (fused_words)."""
+        if inside and slot in ROUTED_WGRAD:
+            fn, args, kwargs = self.steps(pass_, slot, r, turn, accumulate=turn > 0)[-1]
+            return fn(*args, **{**kwargs, "pack_only": True})
+        return abi.GEMM_PARAMS.pack({**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "error": self.layer.error.ptr})
+
     def fused_args(self, fused, turn: int, comm_in: bool, pass_: str = "fwd") -> dict:
         """A fused FP8 pass's launch arguments for turn `turn` (fused.fp8_words). The movers quantize
         the rows they pull (forward xq = q(recv), backward dyq = q(recv_dy)); rows a transfer outside
@@ -216,6 +238,14 @@ class Fp8Experts:
             ("bwd", "kSlotGateUpWgrad"): (kg.gate_up_wgrad, (qt("dyq", h), qt("dgq", i_ffn), qt("duq", i_ffn), *rows,
                                                              b("dw_gate", r), b("dw_up", r)), wgrad),
         }
+        if not layer.run.fp8_wgrad:  # bf16 weight gradients: the BF16 layer's GEMMs, no transposed quantization
+            xw = "y" if self.dispatch_fp8 else "recv"  # (y is dead in the backward: the dequantized x rows go there)
+            table.update({("bwd", "kSlotDownWgrad"): [], ("bwd", "kSlotGateUpWgrad"): [] if xw == "recv" else [
+                (kq.dequantize_segment_rows, (*q("xq"), *rows, b(xw, r)), {})]})
+            gemms.update({
+                ("bwd", "kSlotDownWgrad"): (gemm.down_wgrad, (b("h", r), b("recv_dy", r), *rows, b("dw_down", r)), wgrad),
+                ("bwd", "kSlotGateUpWgrad"): (gemm.gate_up_wgrad, (b(xw, r), b("dg", r), b("du", r), *rows,
+                                                                   b("dw_gate", r), b("dw_up", r)), wgrad)})
         if (pass_, slot) not in gemms:
             raise ValueError(f"no routed FP8 GEMM for {pass_} {slot}")
         return table[pass_, slot] + [gemms[pass_, slot]]

@@ -105,7 +105,8 @@ LAYER = View("bench_layer", "python scripts/bench_layer.py", (
     section=lambda r: "other direction policies" if r.get("policy") else None, keep=lambda r: _uniform(r) and not _fp8(r))
 LAYER_FP8 = View("bench_layer", "python scripts/bench_layer.py --precision fp8", (
     ("shape", lambda r: r["shape"]), ("pass", lambda r: r["pass"]), ("layer", lambda r: r.get("schedule", "")),
-    ("knobs", _knobs), ("dispatch", lambda r: r.get("dispatch_dtype", "")), ("ms", lambda r: _f(r.get("median_ms"))),
+    ("knobs", _knobs), ("dispatch", lambda r: r.get("dispatch_dtype", "")),
+    ("wgrad", lambda r: r.get("wgrad_precision", "fp8")), ("ms", lambda r: _f(r.get("median_ms"))),
     ("x torch (BF16)", lambda r: _x(r.get("speedup_vs_torch"))),
     ("x torch FP8", lambda r: _x(r.get("speedup_vs_torch_fp8"))),
     ("err_rel_rms", lambda r: _f(r.get("err_rel_rms"), ".4f")), ("err_max", lambda r: _f(r.get("err_max"), ".4f")),
@@ -313,11 +314,14 @@ def _layer_fp8_lines(gpu: str, rows: list[dict]) -> list[str]:
     one where it ran (each shape's best setting, as timed again), against the BF16 torch pipeline
     (and the torch FP8 one, forward only) of the same run."""
     lines = []
-    for pass_, dispatch in itertools.product(("fwd", "bwd"), dict.fromkeys(r.get("dispatch_dtype", "bf16") for r in rows)):
+    def variant(r):  # what the FP8 layer ran: its dispatch dtype and weight-gradient precision
+        return r.get("dispatch_dtype", "bf16"), r.get("wgrad_precision", "fp8")
+
+    for pass_, (dispatch, wgrad) in itertools.product(("fwd", "bwd"), dict.fromkeys(variant(r) for r in rows)):
         for layer, keep in (("sequential", lambda r: r.get("schedule") == "sequential"),
                             ("fused", lambda r: r.get("schedule") == "fused" and r.get("best_of_run"))):
             mine = [r for r in rows if r["pass"] == pass_ and keep(r) and _uniform(r)
-                    and r.get("dispatch_dtype", "bf16") == dispatch]
+                    and variant(r) == (dispatch, wgrad)]
             if not mine:
                 continue
             ms = [_layer_ms(r) for r in mine]
@@ -326,7 +330,8 @@ def _layer_fp8_lines(gpu: str, rows: list[dict]) -> list[str]:
                      if r.get("speedup_vs_torch_fp8")]
             fractions = [r["fraction_of_dense"] for r in mine if r.get("fraction_of_dense") is not None]
             shapes = f"{len(mine)} shape" + ("s" if len(mine) > 1 else "")
-            lines.append(f"| layer {pass_}, FP8 experts, {dispatch} dispatch, {layer} ({_run_label(gpu, rows)}) | {shapes} | "
+            label = f"{dispatch} dispatch" + (", bf16 weight gradients" if wgrad == "bf16" else "")
+            lines.append(f"| layer {pass_}, FP8 experts, {label}, {layer} ({_run_label(gpu, rows)}) | {shapes} | "
                          f"{_range(ms, '.3f')} ms | {_range(x_torch, '.2f')} x torch"
                          + (f", {_range(x_fp8, '.2f')} x torch FP8" if x_fp8 else "") + " | | "
                          f"{_range(fractions, '.2f') if fractions else '-'} |{' |' * len(MEMORY_EPS)}")

@@ -8,7 +8,9 @@ results (with an fp8 or no shared expert: for out and x too), within a bf16 roun
 and x with a bf16 shared expert (fp32 GEMMs of R N rows against N), within fp32 rounding for the
 shared expert's gradient (the sum of the ranks' partial sums; with a bf16 shared expert, within a
 few bf16 steps of its dg and du, whose fp32 GEMMs round otherwise with another BLAS kernel).
-Exits non-zero on any failure.
+With bf16 weight gradients (RunConfig.wgrad_precision) each dispatch dtype's routed weight
+gradients are reference_fp8's with that dtype, bitwise, for both rings, and differ from the fp8
+ones; every other result is the fp8 runs' bits. Exits non-zero on any failure.
 """
 
 import argparse
@@ -63,10 +65,27 @@ def check_case(shape_text, routing, shared_precision):
                     verdict(comm, [f"rank {rank}: {key} differs with {dispatch} dispatch, ring {ring}, policy {policy}"
                                    for key in first if blob[key] != first[key]])
     assert turns[1] > 1, f"the ring of {ALIGN} rows must take several turns on some rank, got {turns}"
+    for dispatch in ("bf16", "fp8"):  # bf16 weight gradients: the routed ones are the reference's with this
+        # dispatch dtype (for every ring: runs of whole blocks); every other result the fp8 runs' bits
+        run = RunConfig(shape, num_ranks=num_ranks, timeout_s=60, precision="fp8", shared_precision=shared_precision,
+                        dispatch_dtype=dispatch, wgrad_precision="bf16")
+        want = reference_results(prob, shared_precision, wgrad_precision="bf16", dispatch_dtype=dispatch)
+        for ring in (None, ALIGN):
+            with MpiHeap(comm) as heap:
+                layer = CpuMoELayer(heap, run, prob.local_weights(rank), macrobatch_rows=ring, align=ALIGN)
+                got, blob = step(layer, heap, prob, rank)
+            same = {key: blob[key] == first[key] for key in first}
+            verdict(comm, [f"rank {rank}: {key} with bf16 weight gradients, {dispatch} dispatch, ring {ring}: differs"
+                           for key in first if not key.startswith("w_") and not same[key]]
+                    + [f"rank {rank}: {key}: the bf16 weight gradients' bits are the fp8 ones'" for key in first
+                       if key.startswith("w_") and same[key] and np.any(got[key] != 0)])
+            verdict(comm, [f"rank {rank}: {key} with bf16 weight gradients, {dispatch} dispatch, ring {ring}: "
+                           f"differs from reference_fp8" for key in ("w_gate", "w_up", "w_down")
+                           if not np.array_equal(got[key], want[key][experts], equal_nan=True)])
     if rank == 0:
         print(f"OK R={num_ranks} {shape_text} routing={routing} shared={shared_precision}: bf16 and fp8 "
-              f"dispatch x rings (1 turn x {len(policies)} policies, {turns[1]} turns) bitwise equal; matches reference_fp8",
-              flush=True)
+              f"dispatch x rings (1 turn x {len(policies)} policies, {turns[1]} turns) bitwise equal; matches reference_fp8; "
+              f"so do bf16 weight gradients", flush=True)
 
 
 def max_op():
@@ -75,11 +94,12 @@ def max_op():
     return MPI.MAX
 
 
-def reference_results(prob, shared_precision) -> dict:
-    """reference_fp8 over every rank's tokens, each expert's rows in its owner's receive order."""
+def reference_results(prob, shared_precision, **wgrad) -> dict:
+    """reference_fp8 over every rank's tokens, each expert's rows in its owner's receive order
+    (wgrad: its wgrad_precision, dispatch_dtype)."""
     order = expert_slot_order(prob.topk_idx, prob.weights["w_gate"].shape[0])
     out, cache = reference_fp8.forward(prob.flat("x"), prob.flat("topk_idx"), prob.flat("topk_weights"), prob.weights,
-                                       shared_precision=shared_precision, slot_order=order)
+                                       shared_precision=shared_precision, slot_order=order, **wgrad)
     return {"out": out, **reference_fp8.backward(prob.flat("dout"), cache)}
 
 

@@ -20,7 +20,10 @@ Per case (the shared expert bf16), for every rank this process drives:
   quantized by its movers, the routed weight gradients after it) under every policy (the ring of
   one segment: once a turn, three policies):
   bitwise equal; `--replays` CUDA graph replays (of the fused passes where they run) bitwise equal;
-  NaN-poisoned buffers (e4m3 NaN codes too) before every run.
+  NaN-poisoned buffers (e4m3 NaN codes too) before every run;
+- wgrad_precision bf16, both dispatch dtypes: its weight gradients against float64 products of the
+  layer's bf16 rows, its accuracy, a ring, the fused passes and replays bitwise equal to its
+  sequential passes, every other result the fp8 weight gradients' bits.
 Prints `SHA <case> <digest>` per case (rank 0), as check_gpu_layer.py.
 """
 
@@ -44,6 +47,7 @@ BF16_STEP = 2.0 ** -8
 SIGMOID_REL = 1e-5  # the epilogues' fast sigmoid, relative
 MIRROR_SLACK = 0.01  # err_rel_rms: the GPU layer at most this much above the float32 mirror's
 MIRROR_RMS = 0.01  # err_rel_rms of the GPU layer against the mirror (in-block sums, sigmoid: a few flipped codes)
+FP32_TOL = 1e-4  # of max |ref|: a bf16 weight gradient's fp32 accumulation (tests/test_gemm.py)
 MIN_FP8_ERR = 0.01  # a routed array's err_rel_rms at least this (bf16 GEMMs would give ~0.004)
 ROUTED = ("out", "w_gate", "w_up", "w_down")
 
@@ -177,11 +181,12 @@ def check_accuracy(comm, got_by_rank, ref, mirror, shape, num_ranks):
     return max(v["err_rel_rms"] for v in table.values())
 
 
-def mirror_results(prob) -> dict:
-    """reference_fp8 over every rank's tokens, each expert's rows in its owner's receive order."""
+def mirror_results(prob, **wgrad) -> dict:
+    """reference_fp8 over every rank's tokens, each expert's rows in its owner's receive order
+    (wgrad: its wgrad_precision, dispatch_dtype)."""
     order = expert_slot_order(prob.topk_idx, prob.weights["w_gate"].shape[0])
     out, cache = reference_fp8.forward(prob.flat("x"), prob.flat("topk_idx"), prob.flat("topk_weights"), prob.weights,
-                                       slot_order=order)
+                                       slot_order=order, **wgrad)
     return {"out": out, **reference_fp8.backward(prob.flat("dout"), cache)}
 
 
@@ -266,6 +271,68 @@ def check_fused_backward(layer, heap, policies, want, name):
     assert blob(run_once(layer, heap)) == want, f"{name}: fused fp8 passes, MoK's policy"
 
 
+def check_bf16_wgrads(layer, rank):
+    """wgrad_precision bf16: the weight gradients within FP32_TOL of max |ref| of float64 products of
+    the bf16 rows the layer holds (x: recv, or with fp8 dispatch y = bf16(deq(xq)), checked bitwise)."""
+    h, dy, dg, du = (host(layer, n, rank) for n in ("h", "recv_dy", "dg", "du"))
+    xq = pair(layer, "xq", rank)
+    found, _ = segments(layer, rank)
+    fp8_dispatch = layer.run.dispatch_dtype == "fp8"
+    x = host(layer, "y" if fp8_dispatch else "recv", rank)
+    for l, rows in found:
+        where = f"rank {rank} expert {l}"
+        if fp8_dispatch:
+            want = reference_fp8.round_bf16(fp8.dequantize_rows(xq[0][rows], xq[1][rows]))
+            assert np.array_equal(x[rows], want), f"{where}: y is not bf16(deq(xq))"
+        for name, a, b in (("w_down", h, dy), ("w_gate", x, dg), ("w_up", x, du)):
+            ref = a[rows].T @ b[rows]
+            within(f"{where} d{name} (bf16)", host(layer, "d" + name, rank)[l], ref, FP32_TOL * np.abs(ref).max())
+
+
+def check_wgrad_bf16(heap, comm, name, case_id, prob, fp8_bits, replays):
+    """RunConfig.wgrad_precision bf16, both dispatch dtypes: the sequential passes (their weight
+    gradients checked, accuracy against the float64 reference and the mirror), a ring of one segment,
+    the fused passes and graph replays bitwise equal to them; every result but the weight gradients
+    the fp8 weight gradients' bits. Returns the worst err_rel_rms."""
+    worst = 0.0
+    for dispatch in ("bf16", "fp8"):
+        run = RunConfig(prob.shape, heap.num_ranks, timeout_s=30, precision="fp8", dispatch_dtype=dispatch,
+                        wgrad_precision="bf16")
+        want = None
+        for ring in (None, SEGMENT_ROWS):
+            layer = GpuMoELayer(heap, run, name=f"w{case_id}{dispatch}{ring or 0}", macrobatch_rows=ring)
+            for rank in layer.ranks:
+                layer.set_weights(rank, prob.local_weights(rank))
+                layer.set_inputs(rank, prob.x[rank], prob.topk_idx[rank], prob.topk_weights[rank])
+                layer.set_dout(rank, prob.dout[rank])
+            if ring is None:
+                poisoned(layer, heap)
+                layer.enqueue_forward()
+                layer.enqueue_backward()
+                layer.check()
+                for rank in layer.ranks:
+                    check_bf16_wgrads(layer, rank)
+                got = {rank: results(layer, rank) for rank in layer.ranks}
+                worst = max(worst, check_accuracy(comm, got, prob.reference_results(bf16=True),
+                                                  mirror_results(prob, wgrad_precision="bf16", dispatch_dtype=dispatch),
+                                                  prob.shape, heap.num_ranks))
+                for rank, res in got.items():
+                    assert all(np.array_equal(res[k], v) != k.startswith("w_") or not np.any(v)
+                               for k, v in fp8_bits[rank].items()), f"{name}: bf16 weight gradients, {dispatch} dispatch"
+                want = blob(got)
+                layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
+            after = FusedKnobs(0, 256, routed_wgrads=False, token_grads=False)  # (bf16 dispatch: inside by default)
+            for knobs in [after] * (ring is None and dispatch == "bf16") + [FusedKnobs(0, 256)]:
+                layer.set_backward_plan(layer.fused_backward_plan(knobs))
+                assert layer.fused_bwd.plan.routed_wgrads == (knobs is not after and dispatch == "bf16")
+                assert blob(run_once(layer, heap)) == want, f"{name}: bf16 wgrads, {dispatch}, ring {ring}, {knobs}"
+            graph = layer.capture()
+            for replay in range(replays):
+                assert blob(run_once(layer, heap, graph)) == want, f"{name}: bf16 wgrads, graph replay {replay}"
+            layer.close()
+    return worst
+
+
 def check_case(heap, comm, name, case_id, replays, policies):
     h, i, e, k, n, shared, routing = CASES[name]
     num_ranks = heap.num_ranks
@@ -273,7 +340,7 @@ def check_case(heap, comm, name, case_id, replays, policies):
     prob = make_problem(shape, num_ranks, seed=17 + case_id, routing=routing)
     x_bf16 = from_bf16(to_bf16(prob.x.astype(np.float32)))  # the layer rounds x to bf16 on the way in
     few = [dict(MOK_POLICY), dict.fromkeys(OPERATORS, "push"), dict.fromkeys(OPERATORS, "pull")]
-    first, worst, turns = None, None, []
+    first, worst, turns, fp8_results = None, None, [], None
     for dispatch in ("bf16", "fp8"):
         for ring in (None, SEGMENT_ROWS):
             run = RunConfig(shape, num_ranks, timeout_s=30, precision="fp8", dispatch_dtype=dispatch)
@@ -286,7 +353,7 @@ def check_case(heap, comm, name, case_id, replays, policies):
             if ring is None:  # one turn: every stage checked, then every policy asked for
                 got = staged_run(layer, heap, x_bf16)
                 if first is None:
-                    first = blob(got)
+                    first, fp8_results = blob(got), got
                     worst = check_accuracy(comm, got, prob.reference_results(bf16=True), mirror_results(prob), shape,
                                            num_ranks)
                 assert blob(got) == first, f"{name}: {dispatch} dispatch differs from bf16 dispatch"
@@ -309,9 +376,11 @@ def check_case(heap, comm, name, case_id, replays, policies):
                 assert blob(run_once(layer, heap, graph)) == first, f"{name}: graph replay {replay} differs"
             layer.close()
     assert turns[0] == 1 and turns[1] > 1, turns
+    worst_bf16 = check_wgrad_bf16(heap, comm, name, case_id, prob, fp8_results, replays)
     everyone = gpu_program.all_ranks(comm, first)
     digest = hashlib.sha256(b"".join(v for _, v in sorted(everyone.items()))).hexdigest()[:16]
-    return f"SHA {name} {digest}\n# {name}: err_rel_rms at most {worst:.4f}, a ring of one segment: {turns[1]} turns"
+    return (f"SHA {name} {digest}\n# {name}: err_rel_rms at most {worst:.4f} ({worst_bf16:.4f} with bf16 weight "
+            f"gradients), a ring of one segment: {turns[1]} turns")
 
 
 def main():
@@ -326,7 +395,7 @@ def main():
     if heap.launch_ranks[0] == 0:
         print(f"OK gpu fp8 layer backend={args.backend} R={heap.num_ranks}: bf16 and fp8 dispatch x rings x "
               f"{len(policies)} policies and the fused passes bitwise equal, {args.replays} graph replays, stages "
-              "within the GEMM bound")
+              "within the GEMM bound; bf16 weight gradients")
         print("\n".join(lines))
     return 0
 
