@@ -324,7 +324,7 @@ __device__ __forceinline__ bool produce_tile_warp(const Fp8GemmParams* p, Storag
 // tickets, the movers' flag) and each stage's scales.
 struct FusedStorage : gemm::SharedStorage {
   float scale_a[kStages][kBM];
-  float scale_b[kStages][kBN];
+  alignas(16) float scale_b[kStages][kBN];
 };
 constexpr int kFusedSmemBytes = static_cast<int>(sizeof(FusedStorage)) + 1024;
 static_assert(kFusedSmemBytes <= 232448, "over the 227 KB of shared memory a block may have on sm_90");

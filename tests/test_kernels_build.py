@@ -296,21 +296,39 @@ def test_a_kept_compile_is_the_compilers_answer(tmp_path, monkeypatch):
     assert kept.read_bytes() != bytes(data) and list(tmp_path.iterdir()) == [kept]  # replaced, no leftovers
 
 
+def _offsetof_seen_by_nvrtc(text: str) -> list[int]:
+    """Line numbers of `text` (a header) with an offsetof that NVRTC compiles: outside every
+    #ifndef __CUDACC_RTC__ / #if !defined(__CUDACC_RTC__) block (an #else of one shows its lines)."""
+    hidden = re.compile(r"#\s*(ifndef\s+__CUDACC_RTC__|if\s+!\s*defined\s*\(?\s*__CUDACC_RTC__\b)")
+    stack, found = [], []  # one entry per open #if: whether it hides its lines from NVRTC
+    for number, line in enumerate(text.splitlines(), 1):
+        directive = re.sub(r"^#\s*", "#", line.strip())
+        if directive.startswith("#if"):
+            stack.append(bool(hidden.match(directive)))
+        elif directive.startswith(("#else", "#elif")):
+            stack[-1] = False
+        elif directive.startswith("#endif"):
+            stack.pop()
+        elif "offsetof" in line and not line.lstrip().startswith("//") and not any(stack):
+            found.append(number)
+    return found
+
+
 def test_no_offsetof_reaches_nvrtc():
     """The GPU machine's NVRTC has no offsetof (`__builtin_offsetof` is an undefined identifier
     there, though the CPU's NVRTC accepts it): a layout check using it compiles only outside NVRTC
     (`#ifndef __CUDACC_RTC__`, as abi.cuh's), or every kernel of its header fails to build on the GPU."""
-    offenders = []
-    for header in sorted(build.CUDA_DIR.glob("*.cuh")):
-        stack = []  # one entry per open #if: whether it hides its lines from NVRTC
-        for number, line in enumerate(header.read_text().splitlines(), 1):
-            directive = line.strip()
-            if directive.startswith("#if"):
-                stack.append(directive.startswith("#ifndef __CUDACC_RTC__"))
-            elif directive.startswith(("#else", "#elif")):
-                stack[-1] = False  # (what an #ifndef __CUDACC_RTC__ hid, its #else shows)
-            elif directive.startswith("#endif"):
-                stack.pop()
-            elif "offsetof" in line and not line.lstrip().startswith("//") and not any(stack):
-                offenders.append(f"{header.name}:{number}")
+    offenders = [f"{header.name}:{n}" for header in sorted(build.CUDA_DIR.glob("*.cuh"))
+                 for n in _offsetof_seen_by_nvrtc(header.read_text())]
     assert not offenders, offenders
+
+
+def test_the_offsetof_check_reads_the_guards_spellings():
+    check = "static_assert(offsetof(S, b) % 16 == 0);"
+    for guard in ("#ifndef __CUDACC_RTC__", "# ifndef  __CUDACC_RTC__", "#if !defined(__CUDACC_RTC__)",
+                  "#  if !defined __CUDACC_RTC__"):
+        assert _offsetof_seen_by_nvrtc(f"{guard}\n{check}\n#endif\n") == [], guard
+        assert _offsetof_seen_by_nvrtc(f"{guard}\n#else\n{check}\n#endif\n") == [3], guard
+    for guard in ("#ifdef __CUDACC_RTC__", "#if defined(__CUDACC_RTC__)", "#ifndef MOK_LINK"):
+        assert _offsetof_seen_by_nvrtc(f"{guard}\n{check}\n#endif\n") == [2], guard
+    assert _offsetof_seen_by_nvrtc(f"// {check}\n{check}\n") == [2]
