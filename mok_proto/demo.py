@@ -82,6 +82,8 @@ def parse_args(argv):
     if args.precision not in PRECISIONS or args.dispatch_dtype not in PRECISIONS:
         raise ValueError(f"--precision and --dispatch-dtype must be one of {', '.join(PRECISIONS)}, got "
                          f"{args.precision!r}, {args.dispatch_dtype!r}")
+    if args.wgrad_precision is not None and args.precision != "fp8":
+        raise ValueError("--wgrad-precision needs --precision fp8")
     if args.seed < 0:
         raise ValueError(f"--seed must be an integer >= 0, got {args.seed}")
     if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN fails too

@@ -314,9 +314,17 @@ def test_the_fused_fp8_pass_holds_every_turns_words(monkeypatch):
         return abi.GEMM_PARAMS.pack({**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "num_groups": 7 + t,
                                      "accumulate": int(accumulate), "error": 4096})
 
-    experts.steps = lambda pass_, slot, r, t=0, accumulate=False: [
-        ("a dequantizer", (), {}), (wgrad_pack, (slot, r, t), {"accumulate": accumulate})]
+    def steps(pass_, slot, r, t=0, accumulate=False):  # (as Fp8Experts.steps: the weight gradients are the backward's)
+        assert pass_ == "bwd" and slot in gpu_ring.ROUTED_WGRAD, (pass_, slot)
+        return [("a dequantizer", (), {}), (wgrad_pack, (slot, r, t), {"accumulate": accumulate})]
+
+    experts.steps = steps
     layer.run = RunConfig(tile, 2, precision="fp8", timeout_s=30, wgrad_precision="bf16")
+    fwd = P.fused_forward(tile, 2, P.FusedKnobs(0, 256), policy=MOK_POLICY, num_sms=8, capacity_rows=512)
+    for turn in gpu.GpuMoELayer._fused_pass(layer, fwd, "fwd")[1]:  # the forward: every routed slot blank
+        got = turn.view(abi.GEMM_PARAMS.dtype)
+        routed = ~np.char.startswith([name for name, _ in abi.GEMM_SLOT.members] * 2, "kSlotShared")
+        assert (got["num_groups"][routed] == 0).all() and (got["error"][routed] == 4096).all()
     plan = P.fused_backward(tile, 2, P.FusedKnobs(0, 256, scale=False, token_grads=False), policy=MOK_POLICY,
                             num_sms=8, capacity_rows=512)
     made, words = gpu.GpuMoELayer._fused_pass(layer, plan, "bwd")
@@ -465,11 +473,17 @@ def test_refusals():
 
     with pytest.raises(ValueError, match="routed_wgrads=False"):  # (before it touches the GPU)
         fused.FusedPass(inside, 1, fp8=True)
+    try:  # given BF16 weight-gradient GEMMs it takes the plan (and goes on to the GPU, absent here)
+        fused.FusedPass(inside, 1, fp8=True, wgrads_inside=True)
+    except ValueError as e:
+        pytest.fail(f"FusedPass refused BF16 weight gradients inside: {e}")
+    except Exception:  # noqa: BLE001 - no GPU: CuPy's import or its first device call
+        pass
     # bf16 weight gradients: the FP8 kernel runs them inside (BF16 tiles), so the plan's default puts them there
     bf16_wgrads = RunConfig(get_shape("tile"), 2, precision="fp8", wgrad_precision="bf16")
     gpu_fp8.check_fused(inside, bf16_wgrads)
     fp8_dispatch = RunConfig(get_shape("tile"), 2, precision="fp8", wgrad_precision="bf16", dispatch_dtype="fp8")
-    with pytest.raises(ValueError, match="inside only in bf16 with bf16 dispatch"):  # (x rows in y: see wgrads_inside)
+    with pytest.raises(ValueError, match="with fp8 dispatch bf16 ones run after it too"):  # (x rows in y: wgrads_inside)
         gpu_fp8.check_fused(inside, fp8_dispatch)
     for run, inside_kernel in ((fp8_run, False), (bf16_wgrads, True), (fp8_dispatch, False)):
         layer = SimpleNamespace(run=run, fp8=object(), num_turns=1, policy=MOK_POLICY, _plan_rows=lambda: 512,

@@ -75,7 +75,8 @@ def test_demo_fp8_prints_err_rel_rms_and_dispatch_dtype_moves_no_bit():
 
 @pytest.mark.parametrize("args,message", [
     (["--precision", "fp16"], "--precision and --dispatch-dtype must be one of"),
-    (["--wgrad-precision", "fp8"], "wgrad_precision may be fp8 only with precision fp8"),
+    (["--wgrad-precision", "bf16"], "--wgrad-precision needs --precision fp8"),
+    (["--precision", "fp8", "--wgrad-precision", "e4m3"], "wgrad_precision must be None or one of bf16, fp8"),
     (["--policy", "dispatch=sideways"], "dispatch must be push or pull"),
     (["--policy", "gather=pull"], "unknown operator 'gather'"),
     (["--shape", "huge"], "unknown preset 'huge'"),

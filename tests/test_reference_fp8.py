@@ -241,6 +241,12 @@ def test_blocked_matmul_t_is_a_float64_gemm_rounded_per_block_and_split_invarian
     assert np.array_equal(whole, runs), "runs of whole blocks in order must give the bits of one run"
     one_block = (a[:B].astype(np.float64).T @ b[:B]).astype(np.float32)
     assert np.array_equal(reference_fp8.blocked_matmul_t(a[:B], b[:B], np.zeros_like(one_block)), one_block)
+    # each block's exact sum is added to the fp32 accumulator with one rounding: 1 + (2^-24 + 2^-50) rounds up;
+    # rounding the block's sum first (2^-24) or summing row by row in fp32 would tie to even, 1
+    a, b = np.zeros((2 * B, 1), np.float32), np.zeros((2 * B, 1), np.float32)
+    a[0], b[0], a[B], b[B], a[B + 1], b[B + 1] = 1, 1, 2.0 ** -12, 2.0 ** -12, 2.0 ** -25, 2.0 ** -25
+    got = reference_fp8.blocked_matmul_t(a, b, np.zeros((1, 1), np.float32))
+    assert got[0, 0] == np.float32(1 + 2.0 ** -23), got
 
 
 @pytest.mark.parametrize("shape", ACCURACY_SHAPES, ids=lambda s: f"H{s.hidden}-I{s.ffn}-E{s.num_experts}")

@@ -305,10 +305,9 @@ class CpuMoELayer:
         if self.run.fp8_wgrad:
             reference_fp8.add_weight_grads(local_grads, self._received_fp8(rows), act["h"][rows], dy, dg, du)
             return
-        if self.run.dispatch_dtype == "fp8":
-            xw = reference_fp8.wgrad_rows(None, self._received_fp8(rows), "fp8")
-        else:
-            xw = reference.from_bf16(self.expert_in.local[rows])
+        fp8_rows = self.run.dispatch_dtype == "fp8"
+        xw = reference_fp8.wgrad_rows(None if fp8_rows else reference.from_bf16(self.expert_in.local[rows]),
+                                      self._received_fp8(rows) if fp8_rows else None, self.run.dispatch_dtype)
         reference_fp8.add_weight_grads_bf16(local_grads, xw, act["h"][rows], dy, dg, du)
 
     def _check_capacity(self, topk_idx_all):

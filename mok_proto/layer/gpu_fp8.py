@@ -48,16 +48,18 @@ def wgrads_inside(run) -> bool:
     """Whether fused_backward_fp8 may run this FP8 layer's routed weight gradients: BF16 ones (their
     tiles are the BF16 kernel's) on bf16 dispatch's x rows. FP8 ones run after it, with their
     operands' transposed quantizations; with fp8 dispatch their x rows are dequantized into y, which
-    a peer may read (its forward's combine pull) until the reverse-combine's waits, so after it too."""
+    a peer may read (its forward's combine pull) until this rank has waited for the reverse-combine
+    (inside the kernel where the kernel runs it), so after it too."""
     return not run.fp8_wgrad and run.dispatch_dtype == "bf16"
 
 
 def check_fused(plan, run) -> None:
     """ValueError (one line) for a fused plan the FP8 layer does not run (wgrads_inside)."""
     if plan.pass_ == "bwd" and plan.routed_wgrads and not wgrads_inside(run):
-        raise ValueError("precision fp8: the fused backward runs these routed weight gradients after the kernel (they "
-                         "run inside only in bf16 with bf16 dispatch: RunConfig(wgrad_precision='bf16')): build its "
-                         "plan with FusedKnobs(routed_wgrads=False) (fused_backward_plan() does so by default)")
+        why = ("with fp8 dispatch bf16 ones run after it too" if not run.fp8_wgrad else
+               "bf16 ones may run inside with bf16 dispatch: RunConfig(wgrad_precision='bf16')")
+        raise ValueError(f"precision fp8: the fused backward runs FP8 routed weight gradients after the kernel ({why}): "
+                         "build its plan with FusedKnobs(routed_wgrads=False) (fused_backward_plan() does so by default)")
 
 
 def check_run(run) -> None:
@@ -163,7 +165,7 @@ class Fp8Experts:
         gradient (inside: wgrads_inside; accumulating after the first turn), else a blank record
         whose error and timeout_ns alone the kernel reads (gemm_setup's abort check, the pool's
         tickets): the routed tiles are FP8 (fused_words)."""
-        if inside and slot in ROUTED_WGRAD:
+        if inside and pass_ == "bwd" and slot in ROUTED_WGRAD:
             fn, args, kwargs = self.steps(pass_, slot, r, turn, accumulate=turn > 0)[-1]
             return fn(*args, **{**kwargs, "pack_only": True})
         return abi.GEMM_PARAMS.pack({**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "error": self.layer.error.ptr})

@@ -321,6 +321,8 @@ def check_wgrad_bf16(heap, comm, name, case_id, prob, fp8_bits, replays):
                                for k, v in fp8_bits[rank].items()), f"{name}: bf16 weight gradients, {dispatch} dispatch"
                 want = blob(got)
                 layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
+            else:  # the sequential passes in turns (the weight gradients accumulating over them)
+                assert blob(run_once(layer, heap)) == want, f"{name}: bf16 weight gradients, {dispatch}, ring {ring}"
             after = FusedKnobs(0, 256, routed_wgrads=False, token_grads=False)  # (bf16 dispatch: inside by default)
             for knobs in [after] * (ring is None and dispatch == "bf16") + [FusedKnobs(0, 256)]:
                 layer.set_backward_plan(layer.fused_backward_plan(knobs))
