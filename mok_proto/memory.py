@@ -65,6 +65,7 @@ class LayerMemory:
     buffers: tuple
     precision: str = "bf16"  # RunConfig.precision: fp8 adds the routed experts' codes and scales
     dispatch_dtype: str = "bf16"  # RunConfig.dispatch_dtype
+    wgrad_precision: str | None = None  # RunConfig.wgrad_precision
 
     @property
     def total_bytes(self) -> int:
@@ -91,7 +92,7 @@ class LayerMemory:
 
     def terms(self) -> tuple:
         """The formula's terms for this layer's precision (formula_terms)."""
-        return formula_terms(self.precision, self.dispatch_dtype)
+        return formula_terms(self.precision, self.dispatch_dtype, self.wgrad_precision)
 
     def formula_bytes(self) -> dict:
         """{role: bytes} by the formula (formula_terms), evaluated for this layer."""
@@ -111,7 +112,8 @@ class LayerMemory:
         return "\n".join(lines)
 
     def _precision_text(self) -> str:
-        return f"precision {self.precision}, dispatch {self.dispatch_dtype}"
+        wgrad = "" if self.wgrad_precision is None else f", weight gradients {self.wgrad_precision}"
+        return f"precision {self.precision}, dispatch {self.dispatch_dtype}{wgrad}"
 
     def table(self) -> str:
         """Every buffer (name, shape, dtype, MB, symmetric or private, role), by role, then the totals."""
@@ -147,20 +149,24 @@ FORMULA = (
 
 # precision fp8 (layout.fp8_row_layout): codes and scales of x, h, dy, dg, du a ring row (33/32 bytes
 # a value: a 4-byte scale per 128), the weights' codes in both orientations (and a scale per 128 x 128),
-# with fp8 dispatch the token owner's x codes and scales, and no bf16 x rows in the ring.
+# with fp8 dispatch the token owner's x codes and scales, and no bf16 x rows in the ring (unless bf16
+# weight gradients read x from them).
 FP8_TERMS = {
     "ring": ("33 M (2H + 3I) / 32", lambda s: 33 * s["M"] * (2 * s["H"] + 3 * s["I"]) // 32),
     "weights": ("6 El H I (1 + 1/4096)", lambda s: 6 * s["El"] * s["H"] * s["I"] * 4097 // 4096),
 }
-FP8_DISPATCH_TERMS = {
-    "ring": ("- 2MH", lambda s: -2 * s["M"] * s["H"]),
-    "token": ("33 NH / 32", lambda s: 33 * s["N"] * s["H"] // 32),
-}
+FP8_DISPATCH_TERMS = {"token": ("33 NH / 32", lambda s: 33 * s["N"] * s["H"] // 32)}
+NO_RECV_TERMS = {"ring": ("- 2MH", lambda s: -2 * s["M"] * s["H"])}
 
 
-def formula_terms(precision: str = "bf16", dispatch_dtype: str = "bf16") -> tuple:
-    """FORMULA with precision fp8's terms added to their roles (and fp8 dispatch's)."""
-    extra = [FP8_TERMS] + [FP8_DISPATCH_TERMS] * (dispatch_dtype == "fp8") if precision == "fp8" else []
+def formula_terms(precision: str = "bf16", dispatch_dtype: str = "bf16", wgrad_precision: str | None = None) -> tuple:
+    """FORMULA with precision fp8's terms added to their roles (and fp8 dispatch's: without `recv`
+    where the weight gradients are fp8 too, layout.layer_row_layout)."""
+    extra = []
+    if precision == "fp8":
+        fp8_dispatch = dispatch_dtype == "fp8"
+        extra = ([FP8_TERMS] + [FP8_DISPATCH_TERMS] * fp8_dispatch
+                 + [NO_RECV_TERMS] * (fp8_dispatch and (wgrad_precision or precision) == "fp8"))
     terms = []
     for role, text, term in FORMULA:
         for more in extra:
@@ -182,8 +188,9 @@ def worst_capacity(shape: MoEShape, num_ranks: int) -> int:
 
 
 def _buffers(shape: MoEShape, num_ranks: int, capacity: int, macrobatch_rows: int, precision: str = "bf16",
-             dispatch_dtype: str = "bf16") -> tuple:
-    run = RunConfig(shape, num_ranks, precision=precision, dispatch_dtype=dispatch_dtype)
+             dispatch_dtype: str = "bf16", wgrad_precision: str | None = None) -> tuple:
+    run = RunConfig(shape, num_ranks, precision=precision, dispatch_dtype=dispatch_dtype,
+                    wgrad_precision=wgrad_precision)
     out = [Buffer(name, tuple(shp), np.dtype(dt).name, nbytes(shp, dt), True, role_of(name))
            for name, (shp, dt) in layer_layout(run, capacity, macrobatch_rows).items()]
     out += [Buffer(name, shp, np.dtype(dt).name, nbytes(shp, dt), False, "control")
@@ -195,14 +202,21 @@ def _bytes(shape: MoEShape, num_ranks: int, capacity: int, macrobatch_rows: int,
     return sum(b.bytes for b in _buffers(shape, num_ranks, capacity, macrobatch_rows, **precision))
 
 
-def _kinds(shape: MoEShape, num_ranks: int, precision: str, dispatch_dtype: str) -> dict:
-    """{precision, dispatch_dtype} checked (RunConfig's rules; fp8: H, I multiples of 128)."""
-    RunConfig(shape, num_ranks, precision=precision, dispatch_dtype=dispatch_dtype)
+def _kinds(shape: MoEShape, num_ranks: int, precision: str, dispatch_dtype: str,
+           wgrad_precision: str | None = None) -> dict:
+    """{precision, dispatch_dtype, wgrad_precision} checked (RunConfig's rules; fp8: H, I multiples of 128)."""
+    kinds = dict(precision=precision, dispatch_dtype=dispatch_dtype, wgrad_precision=wgrad_precision)
+    RunConfig(shape, num_ranks, **kinds)
     if precision == "fp8":
         from mok_proto.reference_fp8 import check_fp8_shape
 
         check_fp8_shape(shape.hidden, shape.ffn, None)
-    return dict(precision=precision, dispatch_dtype=dispatch_dtype)
+    return kinds
+
+
+def kinds_of(run: RunConfig) -> dict:
+    """A RunConfig's fields that size its buffers (the keyword arguments of layer_memory and co.)."""
+    return dict(precision=run.precision, dispatch_dtype=run.dispatch_dtype, wgrad_precision=run.wgrad_precision)
 
 
 def _capacity(shape: MoEShape, num_ranks: int, capacity) -> int:
@@ -218,13 +232,13 @@ def _capacity(shape: MoEShape, num_ranks: int, capacity) -> int:
 
 def default_macrobatch_rows(shape: MoEShape, num_ranks: int, free_bytes: int | None = None,
                             fraction: float = DEFAULT_FRACTION, capacity: int | None = None, precision: str = "bf16",
-                            dispatch_dtype: str = "bf16") -> int:
+                            dispatch_dtype: str = "bf16", wgrad_precision: str | None = None) -> int:
     """The default ring: the largest multiple of SEGMENT_ROWS, at most the capacity rounded up to
     one, for which the whole layer (weights, gradients, ring, indices, token buffers) fits in
     fraction x free_bytes (default H100_FREE_BYTES). capacity: the logical capacity (default the
-    worst case); precision, dispatch_dtype: RunConfig's (fp8 has more bytes a row). ValueError,
-    naming the shortfall, when even one segment does not fit."""
-    kinds = _kinds(shape, num_ranks, precision, dispatch_dtype)
+    worst case); precision, dispatch_dtype, wgrad_precision: RunConfig's (fp8 has more bytes a row).
+    ValueError, naming the shortfall, when even one segment does not fit."""
+    kinds = _kinds(shape, num_ranks, precision, dispatch_dtype, wgrad_precision)
     capacity = _capacity(shape, num_ranks, capacity)
     free_bytes = H100_FREE_BYTES if free_bytes is None else free_bytes
     if not 0 < fraction <= 1:
@@ -247,13 +261,13 @@ def default_macrobatch_rows(shape: MoEShape, num_ranks: int, free_bytes: int | N
 
 def layer_memory(shape: MoEShape, num_ranks: int, capacity: int | None = None,
                  macrobatch_rows: int | None = None, precision: str = "bf16",
-                 dispatch_dtype: str = "bf16") -> LayerMemory:
+                 dispatch_dtype: str = "bf16", wgrad_precision: str | None = None) -> LayerMemory:
     """One rank's memory (LayerMemory: its buffers, totals, formula()) for a layer of `shape` on
     `num_ranks` ranks. capacity: the logical capacity (default the worst case, worst_capacity);
     macrobatch_rows: the ring's rows, a multiple of SEGMENT_ROWS up to the capacity rounded up to
     one, or the capacity itself (a ring that holds exactly every row); default
-    default_macrobatch_rows on an 80 GB H100. precision, dispatch_dtype: RunConfig's."""
-    kinds = _kinds(shape, num_ranks, precision, dispatch_dtype)
+    default_macrobatch_rows on an 80 GB H100. precision, dispatch_dtype, wgrad_precision: RunConfig's."""
+    kinds = _kinds(shape, num_ranks, precision, dispatch_dtype, wgrad_precision)
     capacity = _capacity(shape, num_ranks, capacity)
     if macrobatch_rows is None:
         macrobatch_rows = default_macrobatch_rows(shape, num_ranks, capacity=capacity, **kinds)
@@ -280,6 +294,8 @@ def _parser():
                    help="free GPU memory, GB (an 80 GB H100's)")
     p.add_argument("--precision", default="bf16", help="the routed experts': bf16 or fp8")
     p.add_argument("--dispatch-dtype", default="bf16", help="with --precision fp8: what the dispatch moves, bf16 or fp8")
+    p.add_argument("--wgrad-precision", default=None, help="with --precision fp8: the routed weight gradients', "
+                   "fp8 (default) or bf16")
     return p
 
 
@@ -290,7 +306,7 @@ def main(argv=None) -> int:
         shape = get_shape(args.shape)
         if args.free_gb <= 0:
             raise ValueError(f"--free-gb must be > 0, got {args.free_gb}")
-        kinds = _kinds(shape, args.ep, args.precision, args.dispatch_dtype)
+        kinds = _kinds(shape, args.ep, args.precision, args.dispatch_dtype, args.wgrad_precision)
         capacity = _capacity(shape, args.ep, args.capacity)
         m = args.macrobatch_rows
         if m is None:

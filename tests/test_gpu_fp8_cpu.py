@@ -51,7 +51,7 @@ def _address(a) -> int:
 def _stand_in(dispatch="bf16", wgrad=None):
     """What Fp8Experts reads of a layer, its buffers NumPy arrays of the layer's FP8 layout."""
     bufs = {name: np.zeros(shp, dt)
-            for name, (shp, dt) in layout.layer_row_layout(SHAPE, EL, RING, "fp8", dispatch).items()}
+            for name, (shp, dt) in layout.layer_row_layout(SHAPE, EL, RING, "fp8", dispatch, wgrad).items()}
     rows = (np.zeros(EL, np.int32), np.zeros(EL, np.int32))
     run = RunConfig(SHAPE, R, precision="fp8", dispatch_dtype=dispatch, wgrad_precision=wgrad)
     layer = SimpleNamespace(run=run, shape=SHAPE,
@@ -117,7 +117,7 @@ def test_every_routed_gemm_reads_the_quantization_the_design_names(dispatch, fus
     x^T in dyq, dg^T, du^T in dgq, duq): every GEMM reads design.md 5.7's operands, each written by
     an earlier launch and not yet overwritten; a later turn's weight gradients accumulate. dgq, duq
     come from the row quantizer (sequential) or down_bwd's epilogue (fused). wgrad_precision bf16:
-    the BF16 weight gradients read the bf16 rows (x: recv, or fp8 dispatch's deq(xq) in y)."""
+    the BF16 weight gradients read the bf16 rows (x: recv, holding fp8 dispatch's deq(xq))."""
     layer, bufs, rows = _stand_in(dispatch, wgrad)
     experts = gpu_fp8.Fp8Experts(layer)
     trace = Trace(bufs, rows, "x" if dispatch == "bf16" else ("bf16", ("deq", ("q", "x"))))
@@ -449,6 +449,13 @@ def test_the_fused_fp8_backward_quantizes_dy_then_runs_the_routed_weight_gradien
             after = [wgrads] if token_grads else [  # as the sequential pass: the reverse-dispatch first
                 "to_tokens_after_fused", wgrads, "slot_sum", "topk_weight_grad"]
             assert calls == before + [launch] + after, (policy, token_grads)
+    # bf16 weight gradients inside the kernel: their x rows' steps (fp8 dispatch: the dequantizer) before it
+    fused.plan = SimpleNamespace(pass_="bwd", policy=dict(MOK_POLICY), scale=True, token_grads=True,
+                                 routed_wgrads=True)
+    calls.clear()
+    gpu.GpuMoELayer._enqueue_fused_backward(layer, dict(MOK_POLICY), lambda stage: None)
+    assert calls == [("quantize", "bwd", "kSlotGateUpWgrad", r, 0) for r in (0, 1)] + [
+        ("launch", {"trace": False, "token_params": "tok", "fp8_gemm_params": "g0", "quant_params": "q0"})]
 
 
 def test_refusals():
@@ -481,11 +488,10 @@ def test_refusals():
         pass
     # bf16 weight gradients: the FP8 kernel runs them inside (BF16 tiles), so the plan's default puts them there
     bf16_wgrads = RunConfig(get_shape("tile"), 2, precision="fp8", wgrad_precision="bf16")
-    gpu_fp8.check_fused(inside, bf16_wgrads)
     fp8_dispatch = RunConfig(get_shape("tile"), 2, precision="fp8", wgrad_precision="bf16", dispatch_dtype="fp8")
-    with pytest.raises(ValueError, match="with fp8 dispatch bf16 ones run after it too"):  # (x rows in y: wgrads_inside)
-        gpu_fp8.check_fused(inside, fp8_dispatch)
-    for run, inside_kernel in ((fp8_run, False), (bf16_wgrads, True), (fp8_dispatch, False)):
+    for run in (bf16_wgrads, fp8_dispatch):
+        gpu_fp8.check_fused(inside, run)
+    for run, inside_kernel in ((fp8_run, False), (bf16_wgrads, True), (fp8_dispatch, True)):
         layer = SimpleNamespace(run=run, fp8=object(), num_turns=1, policy=MOK_POLICY, _plan_rows=lambda: 512,
                                 ranks=[0])
         plan = gpu.GpuMoELayer.fused_backward_plan(layer, P.FusedKnobs(0, 256), num_sms=8)
@@ -508,32 +514,35 @@ def test_poison_fills_every_row_buffer_but_the_weights_codes():
 # ---------------------------------------------------------------------------------------------
 # Layout and memory
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("wgrad", [None, "bf16"])
 @pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
-def test_fp8_memory_is_the_layout_and_its_formula(dispatch):
+def test_fp8_memory_is_the_layout_and_its_formula(dispatch, wgrad):
+    """... and bf16 weight gradients keep recv (their x rows) with fp8 dispatch too."""
+    kinds = dict(precision="fp8", dispatch_dtype=dispatch, wgrad_precision=wgrad)
     for shape in (SHAPE, get_shape("tile"), get_shape("kimi-k2.7")):
         for ranks in (1, 2):
             worst = memory.worst_capacity(shape, ranks)
             half = worst // 2 + 1
             for capacity, ring in ((worst, 256), (half, layout.whole_ring(half)), (worst - 3, worst - 3)):
-                mem = memory.layer_memory(shape, ranks, capacity, ring, precision="fp8", dispatch_dtype=dispatch)
-                run = RunConfig(shape, ranks, precision="fp8", dispatch_dtype=dispatch)
+                mem = memory.layer_memory(shape, ranks, capacity, ring, **kinds)
+                run = RunConfig(shape, ranks, **kinds)
                 assert [b.name for b in mem.buffers if b.symmetric] == list(layout.layer_layout(run, capacity, ring))
                 assert mem.formula_bytes() == mem.by_role(), (shape.name, ranks, capacity, ring)
+                assert memory.kinds_of(run) == kinds
     cap = memory.worst_capacity(SHAPE, R)  # (a ring of 256 rows: two segments of it)
-    mem = memory.layer_memory(SHAPE, R, cap, 256, precision="fp8", dispatch_dtype=dispatch)
+    mem = memory.layer_memory(SHAPE, R, cap, 256, **kinds)
     names = {b.name for b in mem.buffers}
-    assert set(layout.FP8_BUFFER_ROLE) <= names and ("recv" in names) == (dispatch == "bf16")
+    assert set(layout.FP8_BUFFER_ROLE) <= names and ("recv" in names) == (dispatch == "bf16" or wgrad == "bf16")
     assert ("xq_tok" in names) == (dispatch == "fp8") and memory.layer_memory(SHAPE, R, cap, 256).by_role()[
         "ring"] < mem.by_role()["ring"]
     role = {b.name: b.role for b in mem.buffers}
     assert {n for n in names if role[n] == "weights"} == set(layout.WEIGHTS[:3]) | set(layout.FP8_WEIGHTS) | {
         n for n in layout.WEIGHTS[3:] if n in names}
     # a ring row: the bf16 layer's 4H + 5I bf16 values (3H + 5I with fp8 dispatch) and 2H + 3I codes, a scale per 128
-    one, two = (memory.layer_memory(SHAPE, R, cap, m, precision="fp8", dispatch_dtype=dispatch) for m in (128, 256))
-    bf16_values = 4 * H + 5 * I - (H if dispatch == "fp8" else 0)
+    one, two = (memory.layer_memory(SHAPE, R, cap, m, **kinds) for m in (128, 256))
+    bf16_values = 4 * H + 5 * I - (H if "recv" not in names else 0)
     assert two.by_role()["ring"] - one.by_role()["ring"] == 128 * (2 * bf16_values + (2 * H + 3 * I) * 33 // 32)
-    assert mem.symmetric_bytes == gpu.symmetric_bytes(RunConfig(SHAPE, R, precision="fp8", dispatch_dtype=dispatch),
-                                                      cap, 256)
+    assert mem.symmetric_bytes == gpu.symmetric_bytes(RunConfig(SHAPE, R, **kinds), cap, 256)
     assert "precision fp8" in mem.formula() and "33 M (2H + 3I) / 32" in mem.formula()
 
 
@@ -647,9 +656,9 @@ def test_the_gpu_programs_stage_checks_pass_the_mirror_and_catch_a_wrong_point(m
 
 
 def test_the_gpu_programs_bf16_weight_gradient_check_passes_the_mirror_and_catches_the_wrong_x(monkeypatch):
-    """check_bf16_wgrads holds for the mirror's bf16 weight gradients (x from recv, or with fp8
-    dispatch from y = bf16(deq(xq))), and fails on the other dispatch's x rows and on a y that is
-    not bf16(deq(xq))."""
+    """check_bf16_wgrads holds for the mirror's bf16 weight gradients (x from recv: bf16 rows, or with
+    fp8 dispatch bf16(deq(xq))), and fails on weight gradients of other x rows and, with fp8
+    dispatch, on a recv that is not bf16(deq(xq))."""
     from mok_proto import fp8, reference_fp8
     from mok_proto.reference import from_bf16, to_bf16
 
@@ -657,28 +666,31 @@ def test_the_gpu_programs_bf16_weight_gradient_check_passes_the_mirror_and_catch
     layer, _, b = _mirror_layer()
     el, sched = layer.num_local, b["sched"]
     offsets, counts = sched[:el], sched[el + 1:2 * el + 1]
-    recv = np.zeros((layer.capacity, 256), np.float32)
-    y = np.zeros_like(recv)
+    rows_bf16 = np.zeros((layer.capacity, 256), np.float32)  # x as a bf16 dispatch lands it
+    deq = np.zeros_like(rows_bf16)  # x as fp8 dispatch's dequantized codes
     for l in range(el):
         rs = slice(int(offsets[l]), int(offsets[l] + counts[l]))
         xq = (b["xq"][rs], b["xq_s"][rs])
-        recv[rs] = reference_fp8.round_bf16(fp8.dequantize_rows(*xq) * np.float32(1.0 + 2.0 ** -6))  # other bf16 rows
-        y[rs] = reference_fp8.wgrad_rows(None, xq, "fp8")
-    for dispatch, x in (("bf16", recv), ("fp8", y)):
+        rows_bf16[rs] = reference_fp8.round_bf16(fp8.dequantize_rows(*xq) * np.float32(1.0 + 2.0 ** -6))
+        deq[rs] = reference_fp8.wgrad_rows(None, xq, "fp8")
+
+    def grads_of(x):
         grads = {key: np.zeros_like(b["d" + key]) for key in ("w_gate", "w_up", "w_down")}
         for l in range(el):
             rs = slice(int(offsets[l]), int(offsets[l] + counts[l]))
             reference_fp8.add_weight_grads_bf16({key: grads[key][l] for key in grads}, x[rs],
                                                 *(from_bf16(b[n][rs]) for n in ("h", "recv_dy", "dg", "du")))
-        b.update({"recv": to_bf16(recv), "y": to_bf16(y), **{"d" + key: v for key, v in grads.items()}})
+        return {"d" + key: v for key, v in grads.items()}
+
+    for dispatch, x, other in (("bf16", rows_bf16, deq), ("fp8", deq, rows_bf16)):
         layer.run = SimpleNamespace(dispatch_dtype=dispatch)
+        b.update({"recv": to_bf16(x), **grads_of(x)})
         program.check_bf16_wgrads(layer, 0)
-        layer.run = SimpleNamespace(dispatch_dtype={"bf16": "fp8", "fp8": "bf16"}[dispatch])
-        with pytest.raises(AssertionError, match="dw_gate"):  # the other dispatch's x rows
+        b.update(grads_of(other))
+        with pytest.raises(AssertionError, match="dw_gate"):  # weight gradients of other x rows
             program.check_bf16_wgrads(layer, 0)
-    layer.run = SimpleNamespace(dispatch_dtype="fp8")
-    b["y"] = to_bf16(recv)
-    with pytest.raises(AssertionError, match="y is not"):
+    b.update({"recv": to_bf16(rows_bf16), **grads_of(rows_bf16)})  # fp8 dispatch, x not its dequantized codes
+    with pytest.raises(AssertionError, match="recv is not"):
         program.check_bf16_wgrads(layer, 0)
 
 

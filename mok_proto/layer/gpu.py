@@ -66,7 +66,7 @@ from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, to_experts, to
 # (round_layout, layer_row_layout: also imported from here, as the layer's own)
 from mok_proto.layer.layout import (BF16, F32, FP8_WEIGHTS, I32, U8, layer_layout, layer_row_layout,  # noqa: F401
                                     nbytes, round_layout, whole_ring)
-from mok_proto.memory import default_macrobatch_rows, layer_memory
+from mok_proto.memory import default_macrobatch_rows, kinds_of, layer_memory
 from mok_proto.plan import MOVER_KINDS, SEGMENT_ROWS, FusedKnobs, fused_backward, fused_forward
 
 TILE = abi.CONST["kBN"]  # H, I and Is must be multiples of it (the GEMM tiles)
@@ -130,7 +130,7 @@ def default_ring_rows(heap, run: RunConfig, capacity: int | None) -> int | None:
 
     free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
     return default_macrobatch_rows(run.shape, run.num_ranks, free_bytes=free // heap.num_ranks, capacity=capacity,
-                                   precision=run.precision, dispatch_dtype=run.dispatch_dtype)
+                                   **kinds_of(run))
 
 
 def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, knobs: FusedKnobs, num_sms: int,
@@ -214,12 +214,12 @@ class GpuMoELayer(GpuRound):
         """This layer's memory per rank (mok_proto.memory.LayerMemory: bytes by buffer, symmetric and
         private, totals, formula()): its logical capacity and its ring."""
         return layer_memory(self.shape, self.run.num_ranks, capacity=self.capacity, macrobatch_rows=self.ring_rows,
-                            precision=self.run.precision, dispatch_dtype=self.run.dispatch_dtype)
+                            **kinds_of(self.run))
 
     def row_layout(self, rows):
         """The layer's own buffers: rows, saved activations, weights and gradients (`rows` receive
         rows: its ring holds all of them)."""
-        return layer_row_layout(self.shape, self.num_local, rows, self.run.precision, self.run.dispatch_dtype)
+        return layer_row_layout(self.shape, self.num_local, rows, **kinds_of(self.run))
 
     def launch_only(self, ranks):
         """Drive only `ranks` (a contiguous subset of the heap's launch ranks) from now on: the

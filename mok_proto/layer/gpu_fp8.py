@@ -21,8 +21,8 @@ not 3H + 6I. Every quantizer reads only the rows of the turn's expert segments (
 offsets and counts, on the device). x^T comes from the dequantized xq, never from bf16 x, so both
 dispatch dtypes give the same bits. The shared expert stays BF16 (gpu.py's GEMMs).
 RunConfig.wgrad_precision "bf16": the weight gradients are the BF16 layer's GEMMs on h, recv_dy,
-dg, du and the bf16 x rows: recv, or with fp8 dispatch deq(xq) rounded to bf16 into y (dead in
-the backward); no transposed quantization (reference_fp8).
+dg, du and the bf16 x rows in recv (with fp8 dispatch deq(xq) rounded to bf16, written there);
+no transposed quantization (reference_fp8).
 
 FP8 dispatch moves two rows a slot with the dispatch's own kernels: xq_tok's codes (H bytes) into
 xq, its scales (H/32 bytes) into xq_s. Pulled: two pulls. Pushed: each push raises kFlagDispatch
@@ -46,20 +46,16 @@ B = abi.CONST["kQuantBlock"]
 
 def wgrads_inside(run) -> bool:
     """Whether fused_backward_fp8 may run this FP8 layer's routed weight gradients: BF16 ones (their
-    tiles are the BF16 kernel's) on bf16 dispatch's x rows. FP8 ones run after it, with their
-    operands' transposed quantizations; with fp8 dispatch their x rows are dequantized into y, which
-    a peer may read (its forward's combine pull) until this rank has waited for the reverse-combine
-    (inside the kernel where the kernel runs it), so after it too."""
-    return not run.fp8_wgrad and run.dispatch_dtype == "bf16"
+    tiles are the BF16 kernel's). FP8 ones run after it, with their operands' transposed quantizations."""
+    return not run.fp8_wgrad
 
 
 def check_fused(plan, run) -> None:
     """ValueError (one line) for a fused plan the FP8 layer does not run (wgrads_inside)."""
     if plan.pass_ == "bwd" and plan.routed_wgrads and not wgrads_inside(run):
-        why = ("with fp8 dispatch bf16 ones run after it too" if not run.fp8_wgrad else
-               "bf16 ones may run inside with bf16 dispatch: RunConfig(wgrad_precision='bf16')")
-        raise ValueError(f"precision fp8: the fused backward runs FP8 routed weight gradients after the kernel ({why}): "
-                         "build its plan with FusedKnobs(routed_wgrads=False) (fused_backward_plan() does so by default)")
+        raise ValueError("precision fp8: the fused backward runs FP8 routed weight gradients after the kernel (bf16 "
+                         "ones, RunConfig(wgrad_precision='bf16'), may run inside): build its plan with "
+                         "FusedKnobs(routed_wgrads=False) (fused_backward_plan() does so by default)")
 
 
 def check_run(run) -> None:
@@ -175,8 +171,13 @@ class Fp8Experts:
         the rows they pull (forward xq = q(recv), backward dyq = q(recv_dy)); rows a transfer outside
         the kernel (comm_in False) moved are quantized first, here, by the sequential quantizer
         (enqueued now). fp8 dispatch (forward): the movers pull the token owners' codes and scales
-        rows (dispatch_params); outside the kernel, the caller moved them (dispatch)."""
+        rows (dispatch_params); outside the kernel, the caller moved them (dispatch). A backward with
+        its (bf16) routed weight gradients inside: their x rows' dequantization (fp8 dispatch) first."""
         gemms, quants = fused.fp8_words[turn]
+        if pass_ == "bwd" and fused.plan.routed_wgrads:  # bf16 weight gradients inside: their x rows first
+            for r in self.layer.ranks:
+                for fn, args, kwargs in self.steps("bwd", "kSlotGateUpWgrad", r, turn)[:-1]:
+                    fn(*args, **kwargs)
         if pass_ == "fwd" and self.dispatch_fp8:
             rows = (self.turn_params[turn]["codes"], self.turn_params[turn]["scales"]) if comm_in else None
             return {"fp8_gemm_params": gemms, "quant_params": None, "dispatch_params": rows}
@@ -240,13 +241,13 @@ class Fp8Experts:
             ("bwd", "kSlotGateUpWgrad"): (kg.gate_up_wgrad, (qt("dyq", h), qt("dgq", i_ffn), qt("duq", i_ffn), *rows,
                                                              b("dw_gate", r), b("dw_up", r)), wgrad),
         }
-        if not layer.run.fp8_wgrad:  # bf16 weight gradients: the BF16 layer's GEMMs, no transposed quantization
-            xw = "y" if self.dispatch_fp8 else "recv"  # (y is dead in the backward: the dequantized x rows go there)
-            table.update({("bwd", "kSlotDownWgrad"): [], ("bwd", "kSlotGateUpWgrad"): [] if xw == "recv" else [
-                (kq.dequantize_segment_rows, (*q("xq"), *rows, b(xw, r)), {})]})
+        if not layer.run.fp8_wgrad:  # bf16 weight gradients: the BF16 layer's GEMMs, no transposed quantization;
+            # with fp8 dispatch x's bf16 rows are its codes dequantized into recv (which nothing else writes then)
+            table.update({("bwd", "kSlotDownWgrad"): [], ("bwd", "kSlotGateUpWgrad"): [
+                (kq.dequantize_segment_rows, (*q("xq"), *rows, b("recv", r)), {})] if self.dispatch_fp8 else []})
             gemms.update({
                 ("bwd", "kSlotDownWgrad"): (gemm.down_wgrad, (b("h", r), b("recv_dy", r), *rows, b("dw_down", r)), wgrad),
-                ("bwd", "kSlotGateUpWgrad"): (gemm.gate_up_wgrad, (b(xw, r), b("dg", r), b("du", r), *rows,
+                ("bwd", "kSlotGateUpWgrad"): (gemm.gate_up_wgrad, (b("recv", r), b("dg", r), b("du", r), *rows,
                                                                    b("dw_gate", r), b("dw_up", r)), wgrad)})
         if (pass_, slot) not in gemms:
             raise ValueError(f"no routed FP8 GEMM for {pass_} {slot}")

@@ -72,11 +72,12 @@ def num_turns(capacity: int, macrobatch_rows: int) -> int:
 
 
 def layer_row_layout(shape, num_local: int, macrobatch_rows: int, precision: str = "bf16",
-                     dispatch_dtype: str = "bf16") -> dict:
+                     dispatch_dtype: str = "bf16", wgrad_precision: str | None = None) -> dict:
     """{name: (shape, dtype)} of the layer's own buffers (rows, saved activations, weights and
     gradients) for `num_local` experts per rank; the receive-row buffers (RING_BUFFERS) hold
     `macrobatch_rows` rows: GpuMoELayer.row_layout, callable without a GPU. precision "fp8" adds
-    fp8_row_layout (and with dispatch_dtype "fp8" the bf16 receive rows `recv` go: x lands quantized)."""
+    fp8_row_layout; with dispatch_dtype "fp8" x lands quantized, so the bf16 receive rows `recv`
+    go, unless bf16 weight gradients (wgrad_precision) read x from them (dequantized there)."""
     n, h, k, i_ffn, i_shared = shape.num_tokens, shape.hidden, shape.top_k, shape.ffn, shape.shared_ffn_size
     el, m = num_local, macrobatch_rows
     layout = {  # name: (shape, dtype); every buffer symmetric (peers reach the row buffers)
@@ -103,7 +104,7 @@ def layer_row_layout(shape, num_local: int, macrobatch_rows: int, precision: str
             "dshared_down": ((1, i_shared, h), F32),
         })
     if precision == "fp8":
-        if dispatch_dtype == "fp8":
+        if dispatch_dtype == "fp8" and (wgrad_precision or precision) == "fp8":
             del layout["recv"]
         layout.update(fp8_row_layout(shape, num_local, macrobatch_rows, dispatch_dtype))
     return layout
@@ -137,7 +138,8 @@ def layer_layout(run: RunConfig, capacity: int, macrobatch_rows: int) -> dict:
     """Every symmetric buffer of one rank's GpuMoELayer, in allocation order: round_layout (the
     schedule sized for `capacity` rows) then layer_row_layout (a ring of `macrobatch_rows`)."""
     return {**round_layout(run, capacity, num_turns(capacity, macrobatch_rows)),
-            **layer_row_layout(run.shape, run.num_local_experts, macrobatch_rows, run.precision, run.dispatch_dtype)}
+            **layer_row_layout(run.shape, run.num_local_experts, macrobatch_rows, run.precision, run.dispatch_dtype,
+                               run.wgrad_precision)}
 
 
 def nbytes(shape, dtype) -> int:

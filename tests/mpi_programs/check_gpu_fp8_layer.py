@@ -273,17 +273,17 @@ def check_fused_backward(layer, heap, policies, want, name):
 
 def check_bf16_wgrads(layer, rank):
     """wgrad_precision bf16: the weight gradients within FP32_TOL of max |ref| of float64 products of
-    the bf16 rows the layer holds (x: recv, or with fp8 dispatch y = bf16(deq(xq)), checked bitwise)."""
+    the bf16 rows the layer holds (x: recv; with fp8 dispatch bf16(deq(xq)), checked bitwise)."""
     h, dy, dg, du = (host(layer, n, rank) for n in ("h", "recv_dy", "dg", "du"))
     xq = pair(layer, "xq", rank)
     found, _ = segments(layer, rank)
     fp8_dispatch = layer.run.dispatch_dtype == "fp8"
-    x = host(layer, "y" if fp8_dispatch else "recv", rank)
+    x = host(layer, "recv", rank)
     for l, rows in found:
         where = f"rank {rank} expert {l}"
         if fp8_dispatch:
             want = reference_fp8.round_bf16(fp8.dequantize_rows(xq[0][rows], xq[1][rows]))
-            assert np.array_equal(x[rows], want), f"{where}: y is not bf16(deq(xq))"
+            assert np.array_equal(x[rows], want), f"{where}: recv is not bf16(deq(xq))"
         for name, a, b in (("w_down", h, dy), ("w_gate", x, dg), ("w_up", x, du)):
             ref = a[rows].T @ b[rows]
             within(f"{where} d{name} (bf16)", host(layer, "d" + name, rank)[l], ref, FP32_TOL * np.abs(ref).max())
@@ -323,10 +323,10 @@ def check_wgrad_bf16(heap, comm, name, case_id, prob, fp8_bits, replays):
                 layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
             else:  # the sequential passes in turns (the weight gradients accumulating over them)
                 assert blob(run_once(layer, heap)) == want, f"{name}: bf16 weight gradients, {dispatch}, ring {ring}"
-            after = FusedKnobs(0, 256, routed_wgrads=False, token_grads=False)  # (bf16 dispatch: inside by default)
-            for knobs in [after] * (ring is None and dispatch == "bf16") + [FusedKnobs(0, 256)]:
+            after = FusedKnobs(0, 256, routed_wgrads=False, token_grads=False)  # (inside by default)
+            for knobs in [after] * (ring is None) + [FusedKnobs(0, 256)]:
                 layer.set_backward_plan(layer.fused_backward_plan(knobs))
-                assert layer.fused_bwd.plan.routed_wgrads == (knobs is not after and dispatch == "bf16")
+                assert layer.fused_bwd.plan.routed_wgrads == (knobs is not after)
                 assert blob(run_once(layer, heap)) == want, f"{name}: bf16 wgrads, {dispatch}, ring {ring}, {knobs}"
             graph = layer.capture()
             for replay in range(replays):
