@@ -2,13 +2,13 @@
 mok_proto.layer.layout), its role, the totals, and the formula. No GPU needed.
 
     python -m mok_proto.memory --shape kimi-k2.7 --ep 64 [--macrobatch-rows M] [--capacity C] [--free-gb G]
-                               [--precision fp8 [--dispatch-dtype fp8]]
+                               [--precision fp8 [--dispatch-dtype fp8] [--wgrad-precision bf16]]
 
 Legend: N tokens/rank, H hidden, I expert FFN, Is shared FFN (0 without a shared expert), K top-k,
 R ranks, El = E/R local experts, C logical receive capacity (rows of the schedule's index space:
 4-byte indices), M ring rows (macrobatch_rows: the receive-row buffers, 4H + 5I bf16 values a
 row; precision fp8 adds 2H + 3I e4m3 codes a row and their fp32 scales, one per 128, and with fp8
-dispatch drops the bf16 x rows). GB = 1e9 bytes.
+dispatch drops the bf16 x rows, unless bf16 weight gradients read them). GB = 1e9 bytes.
 
 Counted: every symmetric buffer of a rank (layout.layer_layout) and the layer's private error
 record. Left out: the CUDA context and NVSHMEM's own reserve (the free memory is what is left of

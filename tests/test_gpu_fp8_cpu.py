@@ -137,6 +137,8 @@ def test_every_routed_gemm_reads_the_quantization_the_design_names(dispatch, fus
                        if fn not in (kq.quantize_segment_rows, kq.dequantize_segment_rows))
             trace.run(steps)
     wgrads = (kg.down_wgrad, kg.gate_up_wgrad) if wgrad is None else (gemm.down_wgrad, gemm.gate_up_wgrad)
+    if wgrad == "bf16":  # x's bf16 rows live in recv (no peer reads it in the backward), whatever the dispatch
+        assert experts.steps("bwd", "kSlotGateUpWgrad", 0)[-1][1][0] is bufs["recv"]
     want = [kg.gate_up, kg.down, kg.down_bwd, kg.gate_up_bwd, *wgrads, kg.gate_up, kg.down_bwd, kg.gate_up_bwd, *wgrads]
     assert [fn for fn, _ in trace.gemms] == want
     assert [acc for fn, acc in trace.gemms if fn in wgrads] == [False, False, True, True]
@@ -276,7 +278,7 @@ def test_the_fused_fp8_pass_holds_every_turns_words(monkeypatch):
     pack = (lambda *a, error=None, pack_only=False, accumulate=False: abi.GEMM_PARAMS.pack(
         {**dict.fromkeys(abi.GEMM_PARAMS.names, 0), "num_groups": 3}), ())
 
-    def bf16_gemm(pass_, slot, r, t=0):  # an fp8-dispatch layer has no recv: no routed BF16 GEMM to pack
+    def bf16_gemm(pass_, slot, r, t=0):  # an FP8 layer's routed slots come from Fp8Experts.bf16_words
         assert slot.startswith("kSlotShared"), slot
         return pack
 
@@ -456,6 +458,42 @@ def test_the_fused_fp8_backward_quantizes_dy_then_runs_the_routed_weight_gradien
     gpu.GpuMoELayer._enqueue_fused_backward(layer, dict(MOK_POLICY), lambda stage: None)
     assert calls == [("quantize", "bwd", "kSlotGateUpWgrad", r, 0) for r in (0, 1)] + [
         ("launch", {"trace": False, "token_params": "tok", "fp8_gemm_params": "g0", "quant_params": "q0"})]
+
+
+def test_the_fused_fp8_backward_dequantizes_each_turns_x_rows_before_its_kernel(monkeypatch):
+    """fused_args of the backward with bf16 weight gradients inside: every turn's steps before its
+    GEMM (the dequantizer, with fp8 dispatch) for every launch rank, the turn's words returned."""
+    calls = []
+    experts = gpu_fp8.Fp8Experts.__new__(gpu_fp8.Fp8Experts)
+    experts.layer, experts.dispatch_fp8 = SimpleNamespace(ranks=[0, 1]), True
+    experts.steps = lambda pass_, slot, r, turn=0, accumulate=False: [
+        (lambda *a: calls.append(a), (slot, r, turn), {}), (None, (), {})]
+    fused = SimpleNamespace(fp8_words=[(f"g{t}", f"q{t}") for t in range(3)],
+                            plan=SimpleNamespace(pass_="bwd", routed_wgrads=True))
+    for turn in range(3):
+        calls.clear()
+        got = experts.fused_args(fused, turn, comm_in=True, pass_="bwd")
+        assert calls == [("kSlotGateUpWgrad", r, turn) for r in (0, 1)]
+        assert got == {"fp8_gemm_params": f"g{turn}", "quant_params": f"q{turn}"}
+    fused.plan.routed_wgrads = False  # FP8 weight gradients: after the kernel, nothing before it
+    calls.clear()
+    experts.fused_args(fused, 1, comm_in=True, pass_="bwd")
+    assert calls == []
+
+
+def test_the_row_layout_and_the_default_ring_count_the_bf16_weight_gradients_x_rows():
+    kimi = get_shape("kimi-k2.7")
+    kinds = dict(precision="fp8", dispatch_dtype="fp8")
+    for wgrad, has_recv in ((None, False), ("bf16", True)):
+        run = RunConfig(SHAPE, R, wgrad_precision=wgrad, **kinds)
+        layer = SimpleNamespace(shape=SHAPE, num_local=EL, run=run)
+        assert ("recv" in gpu.GpuMoELayer.row_layout(layer, RING)) == has_recv, wgrad
+    fp8_wgrad, bf16_wgrad = (memory.default_macrobatch_rows(kimi, 64, wgrad_precision=w, **kinds) for w in ("fp8", "bf16"))
+    assert bf16_wgrad < fp8_wgrad  # 2H more bytes a ring row
+    for ring in (bf16_wgrad, bf16_wgrad + 128):  # the default: the largest whole-segment ring that fits
+        fits = memory.layer_memory(kimi, 64, macrobatch_rows=ring, wgrad_precision="bf16", **kinds).total_bytes <= \
+            memory.DEFAULT_FRACTION * memory.H100_FREE_BYTES
+        assert fits == (ring == bf16_wgrad), ring
 
 
 def test_refusals():

@@ -22,8 +22,8 @@ persistent launch of cuda/fused.cuh runs the shared and routed GEMMs with the pu
 the push combine inside (a push dispatch / pull combine runs as above, before / after it), then
 the combine flag and the weighted sum; its output and cache are bitwise the sequential ones.
 The fused backward (`set_backward_plan(plan)`, plan.fused_backward): one launch runs the shared
-expert's gradients, per minibatch down_bwd and gate_up_bwd, the deferred weight gradients (FP8:
-after the kernel, plan.routed_wgrads), with the pull reverse-combine and the push reverse-dispatch
+expert's gradients, per minibatch down_bwd and gate_up_bwd, the deferred weight gradients (FP8
+ones after the kernel, plan.routed_wgrads), with the pull reverse-combine and the push reverse-dispatch
 inside, and (plan.token_grads, plan.scale: the defaults) the slot sum and d topk_weights once every
 peer's reverse-dispatch is in (kFlagCombine), and first dy_slots = w * dout (published: kFlagRouting).
 Every launch covers the launch ranks (all W virtual ranks, or this process's rank under
@@ -560,7 +560,7 @@ class GpuMoELayer(GpuRound):
         if not fused.plan.token_grads:
             mark("rev_dispatch")
             to_tokens_after_fused(p, launch, comm_out, "kOpRevDispatchPush", "kOpRevDispatchPull")
-        if not fused.plan.routed_wgrads:  # (FP8: with their operands' transposed quantizations)
+        if not fused.plan.routed_wgrads:  # (FP8 ones, with their operands' transposed quantizations)
             mark("wgrad")
             self._launch_gemms("bwd", gpu_ring.ROUTED_WGRAD)
         if not fused.plan.token_grads:

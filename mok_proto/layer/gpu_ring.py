@@ -14,7 +14,9 @@ gradients of turns after the first accumulate (GemmParams.accumulate): the bits 
 A fused plan runs once a turn over the turn's rows (the shared expert's tiles in turn 0 only: the
 other turns run the same plan built without them, FusedPass.rest); the backward's dy_slots and
 token gradients then run outside it, once. FP8 routed experts (layer/gpu_fp8.py) run the same
-turns: their dispatch (and its replay) moves codes and scales with dispatch_dtype fp8.
+turns: their dispatch (and its replay) moves codes and scales with dispatch_dtype fp8, and each
+turn's fused backward is preceded by its quantizers (Fp8Experts.fused_args: dy's where the
+reverse-combine ran outside, x's dequantizer for bf16 weight gradients inside with fp8 dispatch).
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def backward_turns(layer, policy: dict, mark, inside=None, replay_first: bool = 
                                                      token_params=layer.params_tok, **fp8)
         _out_of_ring(p, launch, policy["rev_dispatch"], "kOpRevDispatchPush", "kOpRevDispatchPull",
                      pushed_inside=comm_out)
-        if fused is None or not fused.plan.routed_wgrads:  # (an FP8 fused plan's run after its kernel)
+        if fused is None or not fused.plan.routed_wgrads:  # (FP8 weight gradients run after the kernel)
             layer._launch_gemms("bwd", ROUTED_WGRAD, turn=t, accumulate=t > 0)
     mark("token_grads")
     kt.slot_sum(layer.params_tok, launch)

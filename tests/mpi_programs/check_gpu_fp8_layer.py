@@ -289,11 +289,12 @@ def check_bf16_wgrads(layer, rank):
             within(f"{where} d{name} (bf16)", host(layer, "d" + name, rank)[l], ref, FP32_TOL * np.abs(ref).max())
 
 
-def check_wgrad_bf16(heap, comm, name, case_id, prob, fp8_bits, replays):
+def check_wgrad_bf16(heap, comm, name, case_id, prob, fp8_bits, replays, policies):
     """RunConfig.wgrad_precision bf16, both dispatch dtypes: the sequential passes (their weight
     gradients checked, accuracy against the float64 reference and the mirror), a ring of one segment,
-    the fused passes and graph replays bitwise equal to them; every result but the weight gradients
-    the fp8 weight gradients' bits. Returns the worst err_rel_rms."""
+    the fused passes (under `policies`: the dequantizer before a pushed reverse-combine's quantizer,
+    replayed dispatches) and graph replays bitwise equal to them; every result but the weight
+    gradients the fp8 weight gradients' bits. Returns the worst err_rel_rms."""
     worst = 0.0
     for dispatch in ("bf16", "fp8"):
         run = RunConfig(prob.shape, heap.num_ranks, timeout_s=30, precision="fp8", dispatch_dtype=dispatch,
@@ -320,14 +321,18 @@ def check_wgrad_bf16(heap, comm, name, case_id, prob, fp8_bits, replays):
                     assert all(np.array_equal(res[k], v) != k.startswith("w_") or not np.any(v)
                                for k, v in fp8_bits[rank].items()), f"{name}: bf16 weight gradients, {dispatch} dispatch"
                 want = blob(got)
-                layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
             else:  # the sequential passes in turns (the weight gradients accumulating over them)
                 assert blob(run_once(layer, heap)) == want, f"{name}: bf16 weight gradients, {dispatch}, ring {ring}"
             after = FusedKnobs(0, 256, routed_wgrads=False, token_grads=False)  # (inside by default)
-            for knobs in [after] * (ring is None) + [FusedKnobs(0, 256)]:
-                layer.set_backward_plan(layer.fused_backward_plan(knobs))
-                assert layer.fused_bwd.plan.routed_wgrads == (knobs is not after)
-                assert blob(run_once(layer, heap)) == want, f"{name}: bf16 wgrads, {dispatch}, ring {ring}, {knobs}"
+            for policy in policies[1:] + policies[:1]:  # (MoK's last: its plans are captured below)
+                layer.policy = dict(policy)
+                if ring is None:  # (the ring's forward stays sequential)
+                    layer.set_forward_plan(layer.fused_forward_plan(FusedKnobs(0, 256)))
+                for knobs in [after] * (ring is None) + [FusedKnobs(0, 256)]:
+                    layer.set_backward_plan(layer.fused_backward_plan(knobs))
+                    assert layer.fused_bwd.plan.routed_wgrads == (knobs is not after)
+                    assert blob(run_once(layer, heap)) == want, \
+                        f"{name}: bf16 wgrads, {dispatch}, ring {ring}, {policy}, {knobs}"
             graph = layer.capture()
             for replay in range(replays):
                 assert blob(run_once(layer, heap, graph)) == want, f"{name}: bf16 wgrads, graph replay {replay}"
@@ -378,7 +383,7 @@ def check_case(heap, comm, name, case_id, replays, policies):
                 assert blob(run_once(layer, heap, graph)) == first, f"{name}: graph replay {replay} differs"
             layer.close()
     assert turns[0] == 1 and turns[1] > 1, turns
-    worst_bf16 = check_wgrad_bf16(heap, comm, name, case_id, prob, fp8_results, replays)
+    worst_bf16 = check_wgrad_bf16(heap, comm, name, case_id, prob, fp8_results, replays, few)
     everyone = gpu_program.all_ranks(comm, first)
     digest = hashlib.sha256(b"".join(v for _, v in sorted(everyone.items()))).hexdigest()[:16]
     return (f"SHA {name} {digest}\n# {name}: err_rel_rms at most {worst:.4f} ({worst_bf16:.4f} with bf16 weight "
