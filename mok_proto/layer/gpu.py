@@ -67,7 +67,8 @@ from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, to_experts, to
 from mok_proto.layer.layout import (BF16, F32, FP8_WEIGHTS, I32, U8, layer_layout, layer_row_layout,  # noqa: F401
                                     nbytes, round_layout, whole_ring)
 from mok_proto.memory import default_macrobatch_rows, kinds_of, layer_memory
-from mok_proto.plan import MOVER_KINDS, SEGMENT_ROWS, FusedKnobs, fused_backward, fused_forward
+# (fused_plan, without_shared: also imported from here)
+from mok_proto.plan import MOVER_KINDS, SEGMENT_ROWS, FusedKnobs, fused_plan, without_shared  # noqa: F401
 
 TILE = abi.CONST["kBN"]  # H, I and Is must be multiples of it (the GEMM tiles)
 
@@ -131,38 +132,6 @@ def default_ring_rows(heap, run: RunConfig, capacity: int | None) -> int | None:
     free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
     return default_macrobatch_rows(run.shape, run.num_ranks, free_bytes=free // heap.num_ranks, capacity=capacity,
                                    **kinds_of(run))
-
-
-def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, knobs: FusedKnobs, num_sms: int,
-               check: bool = False):
-    """A plan.fused_forward (pass_="fwd") or plan.fused_backward plan with `knobs` (plan.FusedKnobs)
-    for a layer of `run` with `capacity` receive rows (rounded up to whole minibatches) and
-    `num_sms` CTAs per launch rank; check=True also proves it (Plan.check, kept with the plan: a
-    process can build and check plans for another, e.g. while that one runs the GPU)."""
-    builders = {"fwd": fused_forward, "bwd": fused_backward}
-    if pass_ not in builders:
-        raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")
-    if knobs.segment_rows not in (None, SEGMENT_ROWS):
-        raise ValueError(f"segment_rows {knobs.segment_rows}: the GPU layer pads expert segments to {SEGMENT_ROWS} "
-                         "(plan.SEGMENT_ROWS); another rule is the simulator's only")
-    capacity_rows = -(-capacity // knobs.minibatch_rows) * knobs.minibatch_rows
-    made = builders[pass_](run.shape, run.num_ranks, knobs, policy=policy, num_sms=num_sms, capacity_rows=capacity_rows)
-    if check:
-        made.check()
-    return made
-
-
-def without_shared(plan):
-    """The fused plan of `plan`'s knobs for its shape without the shared expert (what a ring's turns
-    after the first run). A claim of more pairs than the routed ones claims them all."""
-    builder = {"fwd": fused_forward, "bwd": fused_backward}[plan.pass_]
-    shape, knobs = dataclasses.replace(plan.shape, num_shared=0), plan.knobs
-    build = lambda k: builder(shape, plan.num_ranks, k, policy=plan.policy, num_sms=plan.num_sms,  # noqa: E731
-                              capacity_rows=plan.capacity_rows)
-    if isinstance(knobs.claim, int) and knobs.claim > 0:
-        probe = build(dataclasses.replace(knobs, claim="all"))  # every routed pair in the pool
-        knobs = dataclasses.replace(knobs, claim=min(knobs.claim, probe.claim_pairs))
-    return build(knobs)
 
 
 def _directions(plan, policy: dict) -> tuple[bool, bool]:

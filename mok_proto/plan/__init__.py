@@ -35,7 +35,7 @@ CPU that a plan is executable: see `check.prove`.
 
 Modules: `kinds` (tile sizes, task and counter kinds, table dtypes), `cost` (the tile cost
 model), `core` (`Plan`, the builder), `build` (the strategies), `check` (the CPU proof),
-`knobs` (the fused plans' knobs).
+`knobs` (the fused plans' knobs), `layer` (a GPU layer's fused plans).
 """
 
 from mok_proto.plan.build import fixed_split, fused_backward, fused_forward, sequential
@@ -47,10 +47,11 @@ from mok_proto.plan.kinds import (BK, BM, BN, COMM_KINDS, COUNTER_DTYPE, DOWN_BW
                                   PROBLEM_OF, ROUTED_KIND_OF, SEGMENT_ROWS, TASK_DTYPE, CounterKind, PassKinds,
                                   PlanError, TaskKind, inside_kernel)
 from mok_proto.plan.knobs import ASSIGNMENTS, CLAIMS, RASTERS, TAIL_PAIRS_PER_CLUSTER, FusedKnobs, parse_claim
+from mok_proto.plan.layer import fused_plan, without_shared
 
 __all__ = ["ASSIGNMENTS", "BK", "BM", "BN", "CLAIMS", "COMM_KINDS", "COUNTER_DTYPE", "DOWN_BWD_AUX_STAGES",
            "EPILOGUE_ROWS", "FUSED_STRATEGIES", "KEY_FIELDS", "MAX_SIGNALS", "MAX_WAITS", "MOVER_KINDS", "PAIR_ROWS",
            "PASSES", "PASS_KINDS", "PROBLEM_OF", "RASTERS", "ROUTED_KIND_OF", "SEGMENT_ROWS", "TAIL_PAIRS_PER_CLUSTER",
            "TASK_DTYPE", "CounterKind", "default_capacity", "expected_rows", "fixed_split", "fused_backward",
-           "fused_forward", "FusedKnobs", "inside_kernel", "num_col_tiles", "parse_claim", "PassKinds", "Plan",
-           "PlanError", "sequential", "TaskKind", "tile_cost", "tile_grid", "wgrad_grid", "with_tasks"]
+           "fused_forward", "fused_plan", "FusedKnobs", "inside_kernel", "num_col_tiles", "parse_claim", "PassKinds", "Plan",
+           "PlanError", "sequential", "TaskKind", "tile_cost", "tile_grid", "wgrad_grid", "with_tasks", "without_shared"]
