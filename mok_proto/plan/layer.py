@@ -15,8 +15,8 @@ def fused_plan(pass_: str, run, capacity: int, policy: dict, knobs: FusedKnobs, 
                check: bool = False):
     """A plan.fused_forward (pass_="fwd") or plan.fused_backward plan with `knobs` (plan.FusedKnobs)
     for a layer of `run` (a RunConfig) with `capacity` receive rows (rounded up to whole
-    minibatches) and `num_sms` CTAs per launch rank; check=True also proves it (Plan.check, kept with the plan: a
-    process can build and check plans for another, e.g. while that one runs the GPU)."""
+    minibatches) and `num_sms` CTAs per launch rank; check=True also proves it (Plan.check, kept
+    with the plan: a process can build and check plans for another, e.g. while that one runs the GPU)."""
     builders = {"fwd": fused_forward, "bwd": fused_backward}
     if pass_ not in builders:
         raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")
