@@ -611,7 +611,12 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
     for c in ours_calls:  # the same call but for the link; the ring a quarter of rank 0's 16384 rows
         assert (c["shape"], c["data"], c["iters"], c["warmup"], c["settings"], c["ring"], c["run"]) == (
             "kimi-k2.7@ep64", {"topk_idx": [0, 1], "routing": UNIFORM}, 3, 1, settings, 4096, (precision, precision))
-    assert fields["macrobatch_rows"] == 4096 and fields["memory_bytes"] > 70e9  # kimi's EP=64 rank, default ring
+    assert fields["macrobatch_rows"] == 4096  # kimi's EP=64 rank, its layer's default ring (FP8: the FP8 layout's)
+    from mok_proto.memory import layer_memory
+
+    kinds = {} if precision == "bf16" else dict(precision="fp8", dispatch_dtype="fp8")
+    assert {r["memory_bytes"] for rep in reports for _, r in rep.rows} == {
+        layer_memory(get_shape("kimi-k2.7"), 64, **kinds).total_bytes}
     assert [c["trace_to"] for c in ours_calls] == [
         "results/timelines/timeline_fused_{pass_}_kimi-k2.7_abc1234.jsonl",
         "results/timelines/timeline_fused_link368_{pass_}_kimi-k2.7_abc1234.jsonl",

@@ -33,8 +33,7 @@ def run_shape(name: str, args, emit) -> tuple:
     shape, data = emulated_inputs(name, args.routing)
     fields = row_fields(data)
     ring = ring_rows(getattr(args, "macrobatch_rows", None), fields["received_rows"])
-    # the ring the layer runs with, and what the real EP=64 layout needs per rank (its default ring)
-    fields.update(macrobatch_rows=ring, memory_bytes=layer_memory(get_shape(name), EP).total_bytes)
+    fields["macrobatch_rows"] = ring  # the ring the layer runs with
     num = len(data["topk_idx"])
     print(f"# {name}: N={shape.num_tokens} H={shape.hidden} I={shape.ffn} El={shape.num_experts // num} "
           f"K={shape.top_k}, routing {fields['routing']}: {fields['emulation']}, rank 0 receives "
@@ -51,6 +50,8 @@ def run_shape(name: str, args, emit) -> tuple:
         if tag:
             print(f"# {name}: the layer with {', '.join(parts)} ...", flush=True)
         run = {"precision": args.precision, "dispatch_dtype": dtype, "wgrad_precision": wgrad}
+        # what this layer's real EP=64 layout needs per rank (its default ring)
+        layer_fields = {**fields, "memory_bytes": layer_memory(get_shape(name), EP, **run).total_bytes}
         # the rows and timelines of an FP8 layer name it
         fp8_index = {k: v for k, v in run.items() if v is not None} if args.precision == "fp8" else {}
         # with several layers each one's timelines get their own names (also outside results/timelines)
@@ -67,7 +68,7 @@ def run_shape(name: str, args, emit) -> tuple:
             schedule = schedule_at_ep64(name, args.iters, args.warmup, args.routing)
         if fp8 is not None:
             fp8 = dataclasses.replace(fp8, dispatch_dtype=dtype, wgrad_precision=wgrad or "fp8")
-        report = shape_report(name, shape, measured, baseline, schedule, args.bars, fields, fp8)
+        report = shape_report(name, shape, measured, baseline, schedule, args.bars, layer_fields, fp8)
         if not first:
             report.rows = [(f, r) for f, r in report.rows if r["schedule"] not in ("torch", "torch_fp8")]
         report.failed = [f + tag for f in report.failed]
@@ -79,7 +80,7 @@ def run_shape(name: str, args, emit) -> tuple:
                        index={"bench": "bench_layer_link", "shape": name, "routing": fields["routing"], **fp8_index,
                               **link.describe()},
                        link=link, macrobatch_rows=ring, **run)
-            report = link_report(name, shape, link, got, measured, args.bars, {**fields, **fp8_index})
+            report = link_report(name, shape, link, got, measured, args.bars, {**layer_fields, **fp8_index})
             report.failed = [f + tag for f in report.failed]
             emit(report)
             tables[link] += [f"# {', '.join(parts)}"] * bool(tag) + report.table
