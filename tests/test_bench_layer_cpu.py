@@ -611,12 +611,14 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
     for c in ours_calls:  # the same call but for the link; the ring a quarter of rank 0's 16384 rows
         assert (c["shape"], c["data"], c["iters"], c["warmup"], c["settings"], c["ring"], c["run"]) == (
             "kimi-k2.7@ep64", {"topk_idx": [0, 1], "routing": UNIFORM}, 3, 1, settings, 4096, (precision, precision))
-    assert fields["macrobatch_rows"] == 4096  # kimi's EP=64 rank, its layer's default ring (FP8: the FP8 layout's)
+    assert fields["macrobatch_rows"] == 4096  # the ring asked for: a quarter of rank 0's rows
     from mok_proto.memory import layer_memory
 
+    def memory(**kinds):  # what the layer's real EP=64 rank needs with its default ring
+        return layer_memory(get_shape("kimi-k2.7"), 64, **kinds).total_bytes
+
     kinds = {} if precision == "bf16" else dict(precision="fp8", dispatch_dtype="fp8")
-    assert {r["memory_bytes"] for rep in reports for _, r in rep.rows} == {
-        layer_memory(get_shape("kimi-k2.7"), 64, **kinds).total_bytes}
+    assert {r["memory_bytes"] for rep in reports for _, r in rep.rows} == {memory(**kinds)}
     assert [c["trace_to"] for c in ours_calls] == [
         "results/timelines/timeline_fused_{pass_}_kimi-k2.7_abc1234.jsonl",
         "results/timelines/timeline_fused_link368_{pass_}_kimi-k2.7_abc1234.jsonl",
@@ -643,6 +645,11 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
         assert all(t[0] == "# fp8 dispatch" and t[3] == "# bf16 dispatch" and len(t) == 6 for t in tables.values())
         assert {r["dispatch_dtype"] for rep in reports[4:] for _, r in rep.rows} == {"bf16"}
         assert {r["dispatch_dtype"] for rep in reports[1:3] for _, r in rep.rows} == {"fp8"}
+        # each layer's rows its own memory (the layouts differ: fp8 dispatch drops recv, adds the token codes)
+        by_dtype = {d: memory(precision="fp8", dispatch_dtype=d) for d in ("fp8", "bf16")}
+        assert len(set(by_dtype.values())) == 2
+        assert {r["memory_bytes"] for rep in reports[3:] for _, r in rep.rows} == {by_dtype["bf16"]}
+        assert {r["memory_bytes"] for rep in reports[:3] for _, r in rep.rows} == {by_dtype["fp8"]}
         assert [c["trace_to"] for c in ours_calls][::3] == [  # each layer's timelines under their own names
             f"results/timelines/timeline_fused_{{pass_}}_kimi-k2.7_abc1234_{d}-dispatch.jsonl" for d in ("fp8", "bf16")]
         # a link run's verdicts name the dtype too
@@ -655,7 +662,8 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
 
         monkeypatch.setattr(layer_run, "fp8_run", lambda *a: Fp8Run("fp8", "fp8", None, "no call", {}, "reference"))
         monkeypatch.setattr(layer_run, "shape_report", lambda name, shape, measured, base, sched, bars, fields, fp8:
-                            Report(rows=[("bench_layer", {"schedule": "sequential", "wgrad_precision": fp8.wgrad_precision})]))
+                            Report(rows=[("bench_layer", {"schedule": "sequential", "wgrad_precision": fp8.wgrad_precision,
+                                                          "memory_bytes": fields["memory_bytes"]})]))
         calls.clear()
         reports.clear()
         args.dispatch_dtypes, args.wgrad_precisions, args.links = ["fp8"], ["fp8", "bf16"], []
@@ -666,6 +674,8 @@ def test_each_link_speed_runs_the_same_passes_with_only_the_link_added(monkeypat
         assert [c["trace_to"] for c in ours_calls] == [
             f"results/timelines/timeline_fused_{{pass_}}_kimi-k2.7_abc1234_{w}-wgrad.jsonl" for w in ("fp8", "bf16")]
         assert [r["wgrad_precision"] for rep in reports for _, r in rep.rows] == ["fp8", "bf16"]
+        assert [r["memory_bytes"] for rep in reports for _, r in rep.rows] == [  # bf16 ones keep recv
+            memory(precision="fp8", dispatch_dtype="fp8", wgrad_precision=w) for w in ("fp8", "bf16")]
 
 
 def test_macrobatch_rows_option_and_replay_ms():

@@ -8,8 +8,7 @@ import os
 
 from mok_proto.bench.device import use_all_cpus
 from mok_proto.config import MOK_POLICY
-from mok_proto.plan import fused_plan
-from mok_proto.plan import FusedKnobs
+from mok_proto.plan import FusedKnobs, fused_plan
 
 PROBE_TIMEOUT_S = 120.0  # a plan helper process must answer within this (else plans are proved inline)
 

@@ -67,8 +67,7 @@ from mok_proto.layer.gpu_base import (GpuRound, contiguous_ranks, to_experts, to
 from mok_proto.layer.layout import (BF16, F32, FP8_WEIGHTS, I32, U8, layer_layout, layer_row_layout,  # noqa: F401
                                     nbytes, round_layout, whole_ring)
 from mok_proto.memory import default_macrobatch_rows, kinds_of, layer_memory
-# (fused_plan, without_shared: also imported from here)
-from mok_proto.plan import MOVER_KINDS, SEGMENT_ROWS, FusedKnobs, fused_plan, without_shared  # noqa: F401
+from mok_proto.plan import MOVER_KINDS, SEGMENT_ROWS, FusedKnobs, fused_plan, without_shared
 
 TILE = abi.CONST["kBN"]  # H, I and Is must be multiples of it (the GEMM tiles)
 

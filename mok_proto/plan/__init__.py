@@ -53,5 +53,6 @@ __all__ = ["ASSIGNMENTS", "BK", "BM", "BN", "CLAIMS", "COMM_KINDS", "COUNTER_DTY
            "EPILOGUE_ROWS", "FUSED_STRATEGIES", "KEY_FIELDS", "MAX_SIGNALS", "MAX_WAITS", "MOVER_KINDS", "PAIR_ROWS",
            "PASSES", "PASS_KINDS", "PROBLEM_OF", "RASTERS", "ROUTED_KIND_OF", "SEGMENT_ROWS", "TAIL_PAIRS_PER_CLUSTER",
            "TASK_DTYPE", "CounterKind", "default_capacity", "expected_rows", "fixed_split", "fused_backward",
-           "fused_forward", "fused_plan", "FusedKnobs", "inside_kernel", "num_col_tiles", "parse_claim", "PassKinds", "Plan",
-           "PlanError", "sequential", "TaskKind", "tile_cost", "tile_grid", "wgrad_grid", "with_tasks", "without_shared"]
+           "fused_forward", "fused_plan", "FusedKnobs", "inside_kernel", "num_col_tiles", "parse_claim", "PassKinds",
+           "Plan", "PlanError", "sequential", "TaskKind", "tile_cost", "tile_grid", "wgrad_grid", "with_tasks",
+           "without_shared"]

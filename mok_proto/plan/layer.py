@@ -5,16 +5,20 @@ the plan of a ring's turns after the first (without the shared expert)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from mok_proto.plan.build import fused_backward, fused_forward
 from mok_proto.plan.kinds import SEGMENT_ROWS
 from mok_proto.plan.knobs import FusedKnobs
 
+if TYPE_CHECKING:
+    from mok_proto.config import RunConfig
 
-def fused_plan(pass_: str, run, capacity: int, policy: dict, knobs: FusedKnobs, num_sms: int,
+
+def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, knobs: FusedKnobs, num_sms: int,
                check: bool = False):
     """A plan.fused_forward (pass_="fwd") or plan.fused_backward plan with `knobs` (plan.FusedKnobs)
-    for a layer of `run` (a RunConfig) with `capacity` receive rows (rounded up to whole
+    for a layer of `run` with `capacity` receive rows (rounded up to whole
     minibatches) and `num_sms` CTAs per launch rank; check=True also proves it (Plan.check, kept
     with the plan: a process can build and check plans for another, e.g. while that one runs the GPU)."""
     builders = {"fwd": fused_forward, "bwd": fused_backward}
