@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 def fused_plan(pass_: str, run: RunConfig, capacity: int, policy: dict, knobs: FusedKnobs, num_sms: int,
                check: bool = False):
     """A plan.fused_forward (pass_="fwd") or plan.fused_backward plan with `knobs` (plan.FusedKnobs)
-    for a layer of `run` with `capacity` receive rows (rounded up to whole
-    minibatches) and `num_sms` CTAs per launch rank; check=True also proves it (Plan.check, kept
-    with the plan: a process can build and check plans for another, e.g. while that one runs the GPU)."""
+    for a layer of `run` with `capacity` receive rows (rounded up to whole minibatches) and `num_sms`
+    CTAs per launch rank; check=True also proves it (Plan.check, kept with the plan: a process can
+    build and check plans for another, e.g. while that one runs the GPU)."""
     builders = {"fwd": fused_forward, "bwd": fused_backward}
     if pass_ not in builders:
         raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")
