@@ -64,11 +64,16 @@ def _kind(x, name: str) -> str:
     raise ValueError(f"{name}: expected fp32 or bf16 bits (uint16/int16), got {x.dtype}")
 
 
-def _check_input(x, name: str):
+def _aligned(x, name: str):
+    """The kernels move 16-byte chunks of x: it must be C-contiguous and 16-byte aligned."""
     if not x.flags.c_contiguous:
         raise ValueError(f"{name}: must be C-contiguous")
     if _address(x) % 16:
         raise ValueError(f"{name}: must start at a 16-byte aligned address")
+
+
+def _check_input(x, name: str):
+    _aligned(x, name)
     return _kind(x, name)
 
 
@@ -229,9 +234,8 @@ def dequantize_segment_rows(codes, scales, row_offsets, row_counts, out):
     if out is None or out.dtype not in (np.uint16, np.int16) or tuple(out.shape) != (rows, cols):
         got = "None" if out is None else f"{out.dtype} {tuple(out.shape)}"
         raise ValueError(f"out: expected bf16 bits (uint16/int16) of shape {(rows, cols)}, got {got}")
-    for name, a in (("codes", codes), ("out", out)):  # the kernel moves 16-byte chunks of both
-        if not a.flags.c_contiguous or _address(a) % 16:
-            raise ValueError(f"{name}: must be C-contiguous and start at a 16-byte aligned address")
+    _aligned(codes, "codes")
+    _aligned(out, "out")
     groups = _segments(row_offsets, row_counts)
     fields = dict(batch=1, rows=rows, cols=cols, codes=codes, scales=scales, out=out, num_groups=groups,
                   row_offsets=row_offsets, row_counts=row_counts)
